@@ -1,0 +1,91 @@
+"""The `prism-megatron` command. It only parses, validates and calls; nothing imports it."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from prism_megatron.launcher.config import LaunchConfig, LaunchError, parse_devices, parse_ranks
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="prism-megatron")
+def main() -> None:
+    """Emulate a large Megatron-Core (or any torch.distributed) job's ranks on a few devices."""
+
+
+@main.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+@click.option("--world-size", "-w", type=int, required=True, help="Ranks of the target job.")
+@click.option("--devices", default="cpu", show_default=True, help="'cpu' or CUDA device indices, e.g. 0 or 0,1.")
+@click.option("--slots-per-device", type=int, default=1, show_default=True,
+              help="Ranks that compute at once on each device.")
+@click.option("--hang-timeout", type=float, default=60.0, show_default=True,
+              help="Seconds with every rank blocked before the job is declared hung.")
+@click.option("--trace-dir", type=click.Path(path_type=Path), default=Path("prism-trace"), show_default=True,
+              help="Where the PrismTrace goes (logs go to TRACE_DIR.logs).")
+@click.option("--gpus-per-node", type=int, default=8, show_default=True,
+              help="GPUs per node of the target cluster (sets LOCAL_RANK/LOCAL_WORLD_SIZE).")
+@click.option("--log-ranks", default="0", show_default=True,
+              help="Ranks whose output goes to the terminal: '0,last', '0-3', 'all' or 'none'.")
+@click.option("--threads-per-rank", type=int, default=1, show_default=True, help="torch threads per rank.")
+@click.option("--preload", multiple=True, help="Module the template imports before forking (repeatable).")
+@click.argument("script", type=click.Path(path_type=Path))
+@click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
+def launch(world_size: int, devices: str, slots_per_device: int, hang_timeout: float, trace_dir: Path,
+           gpus_per_node: int, log_ranks: str, threads_per_rank: int, preload: tuple[str, ...], script: Path,
+           script_args: tuple[str, ...]) -> None:
+    """Run SCRIPT as WORLD_SIZE logical ranks through the prism backend and write a PrismTrace.
+
+    Example: prism-megatron launch --world-size 64 --devices cpu --slots-per-device 2 -- train.py --lr 1e-3
+    """
+    from prism_megatron.launcher.launch import launch as run
+
+    try:
+        cfg = LaunchConfig(
+            script=script, script_args=list(script_args), world_size=world_size, devices=parse_devices(devices),
+            slots_per_device=slots_per_device, hang_timeout=hang_timeout, trace_dir=trace_dir,
+            gpus_per_node=gpus_per_node, log_ranks=parse_ranks(log_ranks, max(world_size, 1)),
+            threads_per_rank=threads_per_rank, preload=list(preload),
+        ).validate()
+    except LaunchError as e:
+        raise click.UsageError(str(e)) from None
+    sys.exit(run(cfg))
+
+
+@main.group()
+def trace() -> None:
+    """Inspect and export PrismTrace directories."""
+
+
+@trace.command("show")
+@click.argument("trace_dir", type=click.Path(path_type=Path))
+def trace_show(trace_dir: Path) -> None:
+    """Summarise a trace: ranks, groups, ops per kind, compute time per rank."""
+    from prism_megatron.trace import TraceFormatError
+    from prism_megatron.trace.summary import summarize
+
+    try:
+        click.echo(summarize(trace_dir))
+    except TraceFormatError as e:
+        raise click.ClickException(str(e)) from None
+
+
+@trace.command("chrome")
+@click.argument("trace_dir", type=click.Path(path_type=Path))
+@click.argument("out", type=click.Path(path_type=Path))
+def trace_chrome(trace_dir: Path, out: Path) -> None:
+    """Export a trace to Chrome trace-event JSON (open it in Perfetto)."""
+    from prism_megatron.trace import TraceFormatError, read_trace
+    from prism_megatron.trace.chrome import write_chrome
+
+    try:
+        write_chrome(read_trace(trace_dir), out)
+    except TraceFormatError as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,115 @@
+"""Launch options, validated before anything starts: each bad value is one clear error naming it."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+class LaunchError(ValueError):
+    """Bad launch input; the message names the option and the value."""
+
+
+@dataclass
+class LaunchConfig:
+    script: Path
+    script_args: list[str] = field(default_factory=list)
+    world_size: int = 1
+    devices: list[str] = field(default_factory=lambda: ["cpu"])  # "cpu" or CUDA indices as strings
+    slots_per_device: int = 1
+    hang_timeout: float = 60.0
+    trace_dir: Path = Path("prism-trace")
+    gpus_per_node: int = 8
+    log_ranks: list[int] | None = None  # ranks whose output goes to the terminal; None = rank 0
+    threads_per_rank: int = 1
+    preload: list[str] = field(default_factory=list)  # modules the template imports before forking
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.devices != ["cpu"]
+
+    @property
+    def log_dir(self) -> Path:
+        return self.trace_dir.with_name(self.trace_dir.name + ".logs")
+
+    def device_of(self, rank: int) -> int:
+        """Contiguous blocks of ranks per device, so neighbours (a TP group) share one."""
+        return rank * len(self.devices) // self.world_size
+
+    def validate(self) -> LaunchConfig:
+        if not isinstance(self.world_size, int) or self.world_size < 1:
+            raise LaunchError(f"--world-size must be a positive integer, got {self.world_size!r}")
+        if self.world_size > 65536:
+            raise LaunchError(f"--world-size {self.world_size} is above the supported 65536")
+        if not self.devices:
+            raise LaunchError("--devices is empty: give 'cpu' or CUDA device indices such as '0' or '0,1'")
+        if "cpu" in self.devices and len(self.devices) > 1:
+            raise LaunchError(f"--devices {','.join(self.devices)}: 'cpu' cannot be mixed with GPU indices")
+        for d in self.devices:
+            if d != "cpu" and not d.isdigit():
+                raise LaunchError(f"--devices: {d!r} is neither 'cpu' nor a CUDA device index")
+        if len(set(self.devices)) != len(self.devices):
+            raise LaunchError(f"--devices {','.join(self.devices)} names a device twice")
+        if not isinstance(self.slots_per_device, int) or self.slots_per_device < 1:
+            raise LaunchError(f"--slots-per-device must be a positive integer, got {self.slots_per_device!r}")
+        if not self.hang_timeout > 0:
+            raise LaunchError(f"--hang-timeout must be a positive number of seconds, got {self.hang_timeout!r}")
+        if self.gpus_per_node < 1:
+            raise LaunchError(f"--gpus-per-node must be a positive integer, got {self.gpus_per_node!r}")
+        if self.threads_per_rank < 1:
+            raise LaunchError(f"--threads-per-rank must be a positive integer, got {self.threads_per_rank!r}")
+        if not self.script.is_file():
+            raise LaunchError(f"script {str(self.script)!r} does not exist or is not a file")
+        for r in self.log_ranks or []:
+            if not 0 <= r < self.world_size:
+                raise LaunchError(f"--log-ranks: rank {r} is outside 0..{self.world_size - 1}")
+        parent = self.trace_dir.resolve().parent
+        if self.trace_dir.exists() and not self.trace_dir.is_dir():
+            raise LaunchError(f"--trace-dir {str(self.trace_dir)!r} exists and is not a directory")
+        if not parent.is_dir() or not os.access(parent, os.W_OK):
+            raise LaunchError(f"--trace-dir {str(self.trace_dir)!r}: cannot write in {str(parent)!r}")
+        if self.on_gpu:
+            _check_gpus(self.devices)
+        return self
+
+
+def _check_gpus(devices: list[str]) -> None:
+    """Ask a child process (never this one: it must fork before CUDA starts) how many GPUs exist."""
+    import subprocess
+    import sys
+
+    code = "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    count = int(out.stdout.strip() or 0)
+    bad = [d for d in devices if int(d) >= count]
+    if bad:
+        raise LaunchError(f"--devices {','.join(devices)}: this machine has {count} CUDA device(s); "
+                          f"no device {','.join(bad)}")
+
+
+def parse_devices(text: str) -> list[str]:
+    return [d.strip() for d in text.split(",") if d.strip()]
+
+
+def parse_ranks(text: str, world_size: int) -> list[int]:
+    """'0,3,last' / 'all' / 'none' -> rank list."""
+    text = text.strip()
+    if text == "all":
+        return list(range(world_size))
+    if text in ("none", ""):
+        return []
+    out = []
+    for part in text.split(","):
+        part = part.strip()
+        if part == "last":
+            out.append(world_size - 1)
+        elif "-" in part:
+            a, b = part.split("-", 1)
+            out.extend(range(int(a), int(b) + 1))
+        else:
+            try:
+                out.append(int(part))
+            except ValueError:
+                raise LaunchError(f"--log-ranks: {part!r} is not a rank, a range a-b, 'last', 'all' or 'none'") from None
+    return out

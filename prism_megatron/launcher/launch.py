@@ -1,0 +1,225 @@
+"""Run W logical ranks of an unmodified torch.distributed program through prism.
+
+Order of events: start the coordinator (a sidecar process that also hosts the TCPStore), import
+torch (and any preload modules) here once, fork every rank from this template — pages are shared,
+so a rank costs little memory and starts in milliseconds — then watch: a rank that fails, a hang
+or a mismatch ends the job with a report and no process left behind; a clean end writes the trace.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from multiprocessing.connection import Client
+from pathlib import Path
+
+from prism_megatron.launcher.config import LaunchConfig, LaunchError
+from prism_megatron.runtime import protocol as P
+from prism_megatron.runtime.shm import remove_job_segments
+
+EXIT_RANK_FAILED = 1
+EXIT_HANG = 3
+EXIT_MISMATCH = 4
+
+
+def _say(msg: str) -> None:
+    print(f"prism: {msg}", file=sys.stderr, flush=True)
+
+
+class _Job:
+    def __init__(self, cfg: LaunchConfig) -> None:
+        self.cfg = cfg
+        self.job_id = secrets.token_hex(4)
+        self.prefix = f"prism-{self.job_id}"
+        self.authkey = secrets.token_bytes(16)
+        self.pids: dict[int, int] = {}  # pid -> rank
+        self.exit_codes: dict[int, int] = {}
+        self.coord: subprocess.Popen | None = None
+        self.control = None
+        self.t0 = time.perf_counter()
+
+    # ---- start -----------------------------------------------------------------------------------
+    def start_coordinator(self) -> tuple[tuple[str, int], int]:
+        cfg = self.cfg
+        conf = {
+            "world_size": cfg.world_size,
+            "devices": [d if d == "cpu" else f"cuda:{d}" for d in cfg.devices],
+            "slots_per_device": cfg.slots_per_device,
+            "device_of": {r: cfg.device_of(r) for r in range(cfg.world_size)},
+            "hang_timeout": cfg.hang_timeout,
+            "threads": 1,
+        }
+        env = dict(os.environ, PRISM_AUTHKEY=self.authkey.hex(), CUDA_VISIBLE_DEVICES="")
+        log = open(cfg.log_dir / "coordinator.log", "ab")  # noqa: SIM115 - kept by the child
+        self.coord = subprocess.Popen(
+            [sys.executable, "-m", "prism_megatron.runtime.coordinator", json.dumps(conf)],
+            stdout=subprocess.PIPE, stderr=log, env=env, text=True,
+        )
+        log.close()
+        line = self.coord.stdout.readline()
+        if not line:
+            self.coord.wait()
+            raise RuntimeError(f"the prism coordinator failed to start (exit {self.coord.returncode}); "
+                               f"see {cfg.log_dir / 'coordinator.log'}")
+        info = json.loads(line)
+        address = (info["address"][0], int(info["address"][1]))
+        self.control = Client(address, authkey=self.authkey)
+        self.control.send({"t": P.CONTROL})
+        return address, int(info["store_port"])
+
+    def fork_ranks(self, address: tuple[str, int], store_port: int) -> None:
+        import torch  # noqa: F401 - the template: imported once, shared by every rank
+
+        for mod in self.cfg.preload:
+            importlib.import_module(mod)
+        from prism_megatron.launcher.rank import run_rank
+
+        close = [self.control.fileno(), self.coord.stdout.fileno()]
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for r in range(self.cfg.world_size):
+            pid = os.fork()
+            if pid == 0:
+                run_rank(self.cfg, r, address, self.authkey, store_port, self.prefix, close)
+            self.pids[pid] = r
+
+    # ---- watch -----------------------------------------------------------------------------------
+    def watch(self) -> int:
+        last_note = time.perf_counter()
+        connected = finished = 0
+        while len(self.exit_codes) < self.cfg.world_size:
+            while self.pids:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+                if pid == 0:
+                    break
+                rank = self.pids.pop(pid, None)
+                if rank is None:
+                    continue
+                code = os.waitstatus_to_exitcode(status)
+                self.exit_codes[rank] = code
+                if code != 0:
+                    return self._rank_failed(rank, code)
+            if self.coord.poll() is not None:
+                _say(f"the coordinator exited unexpectedly (code {self.coord.returncode}); "
+                     f"see {self.cfg.log_dir / 'coordinator.log'}")
+                return EXIT_RANK_FAILED
+            if self.control.poll(0.05):
+                msg = self.control.recv()
+                if msg["t"] == P.FATAL:
+                    return self._fatal(msg)
+                if msg["t"] == P.PROGRESS:
+                    connected, finished = msg["connected"], msg["finished"]
+            if time.perf_counter() - last_note > 10:
+                last_note = time.perf_counter()
+                _say(f"{connected}/{self.cfg.world_size} ranks connected, {finished} finished, "
+                     f"{time.perf_counter() - self.t0:.0f} s")
+        return 0
+
+    def _rank_failed(self, rank: int, code: int) -> int:
+        how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+        tb_file = self.cfg.log_dir / f"rank-{rank}.traceback"
+        log_file = self.cfg.log_dir / f"rank-{rank}.log"
+        _say(f"rank {rank} {how}; ending the job")
+        echoed = rank in (self.cfg.log_ranks if self.cfg.log_ranks is not None else [0])
+        if echoed:
+            pass  # its traceback is already on the terminal
+        elif tb_file.exists():
+            sys.stderr.write(f"---- rank {rank} traceback ----\n{tb_file.read_text()}")
+        elif log_file.exists() and log_file.stat().st_size:
+            tail = log_file.read_bytes()[-4000:].decode(errors="replace")
+            sys.stderr.write(f"---- rank {rank} output (last lines, {log_file}) ----\n{tail}\n")
+        return EXIT_RANK_FAILED
+
+    def _fatal(self, msg: dict) -> int:
+        kind = msg["kind"]
+        report_file = self.cfg.log_dir / f"{kind}-report.txt"
+        report_file.write_text(msg["report"] + "\n")
+        sys.stderr.write(msg["report"] + "\n")
+        _say(f"{kind} report written to {report_file}; ending the job")
+        return EXIT_HANG if kind == "hang" else EXIT_MISMATCH
+
+    # ---- end -------------------------------------------------------------------------------------
+    def finish(self, status: str) -> str | None:
+        """Ask the coordinator to write the trace (on success) and stop."""
+        path = None
+        if self.control is not None and self.coord is not None and self.coord.poll() is None:
+            try:
+                self.control.send({"t": P.FINISH, "status": status, "trace_dir": str(self.cfg.trace_dir.resolve()),
+                                   "job": self.job_meta(), "exit_codes": {str(k): v for k, v in self.exit_codes.items()}})
+                while self.control.poll(600):
+                    msg = self.control.recv()
+                    if msg["t"] == P.WRITTEN:
+                        path = msg["path"]
+                        break
+            except (EOFError, OSError):
+                pass
+        return path
+
+    def job_meta(self) -> dict:
+        cfg = self.cfg
+        return {"script": str(cfg.script), "args": cfg.script_args, "world_size": cfg.world_size,
+                "devices": cfg.devices, "slots_per_device": cfg.slots_per_device,
+                "gpus_per_node": cfg.gpus_per_node, "job_id": self.job_id,
+                "wall_time_s": time.perf_counter() - self.t0}
+
+    def cleanup(self) -> None:
+        """Leave nothing behind: ranks, coordinator, shared-memory segments."""
+        for pid in list(self.pids):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for pid in list(self.pids):
+            try:
+                os.waitpid(pid, 0)
+            except ChildProcessError:
+                pass
+        self.pids.clear()
+        if self.control is not None:
+            self.control.close()
+        if self.coord is not None and self.coord.poll() is None:
+            self.coord.terminate()
+            try:
+                self.coord.wait(10)
+            except subprocess.TimeoutExpired:
+                self.coord.kill()
+                self.coord.wait()
+        remove_job_segments(self.prefix)
+
+
+def launch(cfg: LaunchConfig) -> int:
+    """Run the job; returns the process exit code (0 ok, 1 a rank failed, 3 hang, 4 mismatch)."""
+    cfg.validate()
+    cfg.log_dir.mkdir(parents=True, exist_ok=True)
+    for stale in cfg.log_dir.glob("rank-*.traceback"):
+        stale.unlink()
+    job = _Job(cfg)
+    code = EXIT_RANK_FAILED
+    try:
+        address, store_port = job.start_coordinator()
+        _say(f"starting {cfg.world_size} logical ranks on {','.join(cfg.devices)} "
+             f"({cfg.slots_per_device} slot(s) per device); logs in {cfg.log_dir}")
+        job.fork_ranks(address, store_port)
+        code = job.watch()
+        path = job.finish("ok" if code == 0 else "failed")
+        if code == 0:
+            if path is None:
+                _say("the coordinator did not write the trace")
+                code = EXIT_RANK_FAILED
+            else:
+                _say(f"done in {time.perf_counter() - job.t0:.1f} s; trace written to {path}")
+    except KeyboardInterrupt:
+        _say("interrupted; ending the job")
+        code = 130
+    finally:
+        job.cleanup()
+    return code
+
+
+__all__ = ["launch", "LaunchConfig", "LaunchError", "Path"]

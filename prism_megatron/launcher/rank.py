@@ -1,0 +1,130 @@
+"""A logical rank's process: forked from the launcher, set up as the target job's rank, runs the script.
+
+The script is run unmodified with `runpy`; it sees the environment torchrun would give it on the
+target cluster (RANK, WORLD_SIZE, LOCAL_RANK, ...) and every process group it creates is a prism
+group. The process ends with `os._exit` so nothing inherited from the launcher runs twice.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import os
+import runpy
+import signal
+import sys
+import traceback
+from pathlib import Path
+
+from prism_megatron.launcher.config import LaunchConfig
+
+
+def _die_with_parent() -> None:
+    """Linux: get SIGKILL when the launcher dies, so no rank outlives its job."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def rank_env(cfg: LaunchConfig, rank: int, store_port: int) -> dict[str, str]:
+    """The environment torchrun gives a rank of the target job."""
+    local_ws = min(cfg.gpus_per_node, cfg.world_size)
+    env = {
+        "RANK": str(rank),
+        "WORLD_SIZE": str(cfg.world_size),
+        "LOCAL_RANK": str(rank % local_ws),
+        "LOCAL_WORLD_SIZE": str(local_ws),
+        "GROUP_RANK": str(rank // local_ws),
+        "NODE_RANK": str(rank // local_ws),
+        "ROLE_RANK": str(rank),
+        "ROLE_WORLD_SIZE": str(cfg.world_size),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(store_port),
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "TORCHELASTIC_RESTART_COUNT": "0",
+        "TORCH_DIST_INIT_BARRIER": "0",
+        "OMP_NUM_THREADS": str(cfg.threads_per_rank),
+        "PRISM_EMULATED": "1",
+    }
+    if cfg.on_gpu:
+        env["CUDA_VISIBLE_DEVICES"] = cfg.devices[cfg.device_of(rank)]
+    return env
+
+
+def run_rank(cfg: LaunchConfig, rank: int, address: tuple[str, int], authkey: bytes, store_port: int,
+             segment_prefix: str, close_fds: list[int]) -> None:
+    """Never returns."""
+    code = 1
+    try:
+        _die_with_parent()
+        for fd in close_fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        echo = rank in (cfg.log_ranks if cfg.log_ranks is not None else [0])
+        log = open(cfg.log_dir / f"rank-{rank}.log", "ab", buffering=0)  # noqa: SIM115 - lives until _exit
+        if not echo:
+            os.dup2(log.fileno(), 1)
+            os.dup2(log.fileno(), 2)
+        os.environ.update(rank_env(cfg, rank, store_port))
+        import torch
+
+        torch.set_num_threads(cfg.threads_per_rank)
+        from prism_megatron.runtime.backend import install
+        from prism_megatron.runtime.client import RankClient
+        from prism_megatron.trace import markers
+
+        client = RankClient(address, authkey, rank, cfg.world_size, f"{segment_prefix}-r{rank}")
+        install(client)
+        markers.set_sink(_MarkSink(client))
+        client.acquire()
+    except BaseException:
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+    code = _run_script(cfg, rank)
+    try:
+        atexit._run_exitfuncs()
+    except BaseException:
+        traceback.print_exc()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    client.close(code)
+    os._exit(code)
+
+
+def _run_script(cfg: LaunchConfig, rank: int) -> int:
+    script = str(cfg.script.resolve())
+    sys.argv = [script, *cfg.script_args]
+    sys.path.insert(0, str(Path(script).parent))
+    try:
+        runpy.run_path(script, run_name="__main__")
+        return 0
+    except SystemExit as e:
+        if e.code is None:
+            return 0
+        if isinstance(e.code, int):
+            return e.code
+        print(e.code, file=sys.stderr)
+        return 1
+    except BaseException:
+        tb = traceback.format_exc()
+        sys.stderr.write(tb)
+        (cfg.log_dir / f"rank-{rank}.traceback").write_text(tb)
+        return 1
+
+
+class _MarkSink:
+    """Routes `prism_megatron.trace.mark` calls to the coordinator, which timestamps them."""
+
+    def __init__(self, client) -> None:
+        self._client = client
+
+    def record_mark(self, name: str, phase: str, attrs: dict) -> None:
+        self._client.mark(name, phase, attrs)

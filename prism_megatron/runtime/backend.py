@@ -1,0 +1,298 @@
+"""The `prism` torch.distributed backend: a Python ProcessGroup that hands every op to the coordinator.
+
+Registered with `extended_api=True` for cpu and cuda, a `ProcessGroup` subclass becomes the whole
+group (torch returns it as the group object). Every op torch can call on a process group is
+either implemented here or fails with an error that names it — never a hang, never a wrong answer.
+Ranks in messages are group ranks; the coordinator knows each group's global ranks.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from prism_megatron.runtime.client import PrismWork, RankClient
+
+BACKEND_NAME = "prism"
+
+_REDOPS = {
+    dist.ReduceOp.RedOpType.SUM: "sum",
+    dist.ReduceOp.RedOpType.AVG: "avg",
+    dist.ReduceOp.RedOpType.MIN: "min",
+    dist.ReduceOp.RedOpType.MAX: "max",
+    dist.ReduceOp.RedOpType.PRODUCT: "product",
+    dist.ReduceOp.RedOpType.PREMUL_SUM: "premul_sum",
+    dist.ReduceOp.RedOpType.BAND: "band",
+    dist.ReduceOp.RedOpType.BOR: "bor",
+    dist.ReduceOp.RedOpType.BXOR: "bxor",
+}
+
+
+def _redop(opts: Any) -> dict:
+    op = opts.reduceOp
+    kind = op.op if isinstance(op, dist.ReduceOp) else dist.ReduceOp.RedOpType(op)
+    name = _REDOPS.get(kind)
+    if name is None:
+        raise NotImplementedError(f"prism backend: reduce op {kind} is not supported")
+    return {"redop": name, "factor": float(op.factor) if name == "premul_sum" else None}
+
+
+class PrismProcessGroup(dist.ProcessGroup):
+    """One communicator of a logical rank. `ranks` are the global ranks, in group-rank order."""
+
+    def __init__(self, client: RankClient, rank: int, size: int, ranks: list[int], name: str,
+                 requested_backend: str, timeout: timedelta | None = None) -> None:
+        super().__init__(rank, size)
+        self._client = client
+        self._ranks = ranks
+        self._name = name
+        self._desc = "undefined"
+        self._coalescing: list[PrismWork] | None = None
+        self.requested_backend = requested_backend
+        client.register_group(name, ranks, requested_backend)
+
+    # ---- identity torch queries ---------------------------------------------------------------
+    def getBackendName(self) -> str:  # noqa: N802 - torch's name
+        return BACKEND_NAME
+
+    def getGroupName(self) -> str:  # noqa: N802
+        return self._name
+
+    def setGroupName(self, name: str) -> None:  # noqa: N802
+        self._name = name
+
+    def getGroupDesc(self) -> str:  # noqa: N802
+        return self._desc
+
+    def setGroupDesc(self, desc: str) -> None:  # noqa: N802
+        self._desc = desc
+
+    @property
+    def global_ranks(self) -> list[int]:
+        return list(self._ranks)
+
+    # ---- plumbing ------------------------------------------------------------------------------
+    def _op(self, kind: str, ins: list[torch.Tensor], outs: list[torch.Tensor], opts: Any = None,
+            **params: Any) -> PrismWork:
+        async_op = bool(getattr(opts, "asyncOp", True)) if opts is not None else True
+        work = self._client.submit(self._name, kind, ins, outs, async_op=async_op, **params)
+        if self._coalescing is not None:
+            self._coalescing.append(work)
+        return work
+
+    def _start_coalescing(self, device: Any = None) -> None:
+        self._coalescing = []
+
+    def _end_coalescing(self, device: Any = None) -> PrismWork | None:
+        works, self._coalescing = self._coalescing or [], None
+        return _AllWork(self._client, works) if works else None
+
+    # ---- reductions ----------------------------------------------------------------------------
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> PrismWork:
+        if not isinstance(tensors, list):
+            tensors = [tensors]
+        opts = opts or dist.AllreduceOptions()
+        return self._op("all_reduce", tensors, tensors, opts, inplace=True, **_redop(opts))
+
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> PrismWork:
+        opts = opts or dist.AllreduceCoalescedOptions()
+        return self._op("all_reduce", tensors, tensors, opts, inplace=True, **_redop(opts))
+
+    def reduce(self, tensors: list[torch.Tensor], opts: Any) -> PrismWork:
+        outs = tensors if opts.rootRank == self.rank() else []
+        return self._op("reduce", tensors, outs, opts, inplace=True, root=opts.rootRank, **_redop(opts))
+
+    def reduce_scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],
+                       opts: Any = None) -> PrismWork:
+        opts = opts or dist.ReduceScatterOptions()
+        _single(output_tensors, "reduce_scatter")
+        return self._op("reduce_scatter_list", list(input_tensors[0]), output_tensors, opts, **_redop(opts))
+
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> PrismWork:
+        opts = opts or dist.ReduceScatterOptions()
+        return self._op("reduce_scatter", [input], [output], opts, **_redop(opts))
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def reduce_scatter_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                                        opts: Any = None) -> PrismWork:
+        opts = opts or dist.ReduceScatterOptions()
+        return self._op("reduce_scatter", list(inputs), list(outputs), opts, **_redop(opts))
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
+    # ---- gathers and scatters ------------------------------------------------------------------
+    def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
+                  opts: Any = None) -> PrismWork:
+        _single(input_tensors, "allgather")
+        outs = list(output_tensors[0])
+        return self._op("all_gather_list", input_tensors, outs, opts, result=[outs])
+
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> PrismWork:
+        return self._op("all_gather", [input], [output], opts)
+
+    _allgather_base = all_gather_single
+
+    def all_gather_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                                    opts: Any = None) -> PrismWork:
+        return self._op("all_gather", list(inputs), list(outputs), opts)
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+
+    def allgather_coalesced(self, output_lists: Any, input_list: Any, opts: Any = None) -> PrismWork:
+        raise NotImplementedError("prism backend: allgather_coalesced (deprecated by torch) is not supported")
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> PrismWork:
+        root = opts.rootRank
+        me = self.rank() == root
+        return self._op("broadcast", tensors if me else [], [] if me else tensors, opts, root=root,
+                        result=tensors)
+
+    def gather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
+               opts: Any) -> PrismWork:
+        _single(input_tensors, "gather")
+        outs = list(output_tensors[0]) if self.rank() == opts.rootRank else []
+        return self._op("gather", input_tensors, outs, opts, root=opts.rootRank, result=[outs])
+
+    def scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],
+                opts: Any) -> PrismWork:
+        _single(output_tensors, "scatter")
+        ins = list(input_tensors[0]) if self.rank() == opts.rootRank else []
+        return self._op("scatter", ins, output_tensors, opts, root=opts.rootRank)
+
+    def alltoall(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor],
+                 opts: Any = None) -> PrismWork:
+        return self._op("all_to_all_list", list(input_tensors), list(output_tensors), opts)
+
+    def alltoall_base(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],
+                      input_split_sizes: list[int], opts: Any = None) -> PrismWork:
+        n = self.size()
+        in_splits = _split_bytes(input, input_split_sizes, n, "input")
+        out_splits = _split_bytes(output, output_split_sizes, n, "output")
+        return self._op("all_to_all", [input], [output], opts, in_splits=in_splits, out_splits=out_splits)
+
+    # ---- point to point ------------------------------------------------------------------------
+    def send(self, tensors: list[torch.Tensor], dstRank: int, tag: int = 0) -> PrismWork:  # noqa: N803
+        _single(tensors, "send")
+        return self._op("send", tensors, [], peer=dstRank, tag=tag)
+
+    def recv(self, tensors: list[torch.Tensor], srcRank: int, tag: int = 0) -> PrismWork:  # noqa: N803
+        _single(tensors, "recv")
+        return self._op("recv", [], tensors, peer=srcRank, tag=tag)
+
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> PrismWork:
+        _single(tensors, "recv_anysource")
+        return self._op("recv", [], tensors, peer=None, tag=tag)
+
+    def barrier(self, opts: Any = None) -> PrismWork:
+        return self._op("barrier", [], [], opts)
+
+    def monitored_barrier(self, timeout: Any = None, wait_all_ranks: bool = False) -> None:
+        self.barrier().wait()
+
+    # ---- anything else torch may call ----------------------------------------------------------
+    def __getattr__(self, name: str) -> Any:
+        # AttributeError, so torch's hasattr() probes (e.g. for `new_group`) see "absent"
+        raise UnsupportedOp(f"prism backend: ProcessGroup.{name} is not supported")
+
+
+class UnsupportedOp(AttributeError, NotImplementedError):
+    """An op torch may call on a process group that prism does not implement."""
+
+
+class _AllWork(PrismWork):
+    """The Work of a coalesced block: complete when every op in it is."""
+
+    def __init__(self, client: RankClient, works: list[PrismWork]) -> None:
+        result = [t for w in works for t in w._result]
+        super().__init__(client, -1, result)
+        self._works = works
+        futs = torch.futures.collect_all([w.get_future() for w in works])
+        futs.then(self._on_all)
+
+    def _on_all(self, fut: Any) -> None:
+        errors = [w.exception() for w in self._works if w.exception() is not None]
+        self._finish(errors[0] if errors else None)
+
+    def wait(self, timeout: Any = None) -> bool:
+        self._client.wait(self._works)
+        for w in self._works:
+            if w.exception() is not None:
+                raise w.exception()
+        self._done.wait()
+        return True
+
+
+def _single(tensors: list[torch.Tensor], op: str) -> None:
+    if len(tensors) != 1:
+        raise ValueError(f"prism backend: {op} takes exactly one tensor per rank, got {len(tensors)}")
+
+
+def _split_bytes(t: torch.Tensor, splits: list[int], n: int, what: str) -> list[int]:
+    """Bytes per peer of an all_to_all_single buffer (splits along dim 0; empty = equal)."""
+    row = t.element_size()
+    for d in t.shape[1:]:
+        row *= d
+    if not splits:
+        if t.dim() == 0 or t.shape[0] % n:
+            raise ValueError(f"prism backend: all_to_all_single {what} of shape {list(t.shape)} "
+                             f"does not split evenly over {n} ranks")
+        return [t.shape[0] // n * row] * n
+    if len(splits) != n or sum(splits) != t.shape[0]:
+        raise ValueError(f"prism backend: all_to_all_single {what} split sizes {list(splits)} do not "
+                         f"match {n} ranks and dim 0 = {t.shape[0]}")
+    return [s * row for s in splits]
+
+
+_installed: RankClient | None = None
+
+
+def install(client: RankClient) -> None:
+    """Make every process group of this process a prism group, whatever backend the program asks for.
+
+    torch creates every group (init_process_group, new_group, new_subgroups) in
+    `_new_process_group_helper`; we route that one seam to `prism` and then record the backend
+    the program asked for, so `dist.get_backend()` answers what it would on the target job and
+    code that branches on it takes the same path.
+    """
+    global _installed
+    from torch.distributed import distributed_c10d as c10d
+
+    if _installed is not None:
+        raise RuntimeError("prism backend is already installed in this process")
+    _installed = client
+    requested: list[str] = []
+
+    def creator(opts: Any, backend_options: Any = None) -> PrismProcessGroup:
+        ranks = list(opts.global_ranks_in_group) or list(range(opts.group_size))
+        return PrismProcessGroup(client, opts.group_rank, opts.group_size, ranks, str(opts.group_id),
+                                 requested[-1] if requested else BACKEND_NAME, opts.timeout)
+
+    dist.Backend.register_backend(BACKEND_NAME, creator, extended_api=True, devices=["cpu", "cuda"])
+    original = c10d._new_process_group_helper
+
+    def helper(group_size, group_rank, global_ranks_in_group, backend, store, group_name, *args, **kwargs):
+        asked = str(backend) if backend not in (None, dist.Backend.UNDEFINED) else "undefined"
+        kwargs.pop("device_id", None)  # binding a device would ask the backend to split communicators
+        if len(args) >= 4:  # backend_options, timeout, pg_tag, device_id, ...: drop device_id positionally
+            args = args[:3] + (None,) + args[4:]
+        requested.append(asked)
+        try:
+            pg, prefix_store = original(group_size, group_rank, global_ranks_in_group, BACKEND_NAME, store,
+                                        group_name, *args, **kwargs)
+        finally:
+            requested.pop()
+        if isinstance(pg, PrismProcessGroup):
+            c10d._world.pg_map[pg] = (asked if asked != "undefined" else BACKEND_NAME, prefix_store)
+        return pg, prefix_store
+
+    helper.__wrapped__ = original  # type: ignore[attr-defined]
+    c10d._new_process_group_helper = helper
+    # The env var makes init_process_group wait on a store barrier while holding a slot: with
+    # fewer slots than ranks that never completes. Our first collective synchronises anyway.
+    import os
+
+    os.environ["TORCH_DIST_INIT_BARRIER"] = "0"

@@ -1,0 +1,273 @@
+"""The rank's end of the coordinator connection: staging, async completion, slot hand-over.
+
+One `RankClient` per logical-rank process. The main thread stages inputs and sends requests; a
+receiver thread takes replies, copies results into the caller's tensors and completes the ops'
+futures. Blocking in `wait` is where a rank gives its compute slot back: it tells the coordinator
+which ops it waits for, and resumes only when the coordinator grants a slot again.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from dataclasses import dataclass, field
+from multiprocessing.connection import Client, Connection
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.futures import Future
+
+from prism_megatron.runtime import protocol as P
+from prism_megatron.runtime.shm import Arena
+
+
+class PrismCommError(RuntimeError):
+    """An op failed in the coordinator (mismatch, abort) or the coordinator went away."""
+
+
+@dataclass
+class _Pending:
+    work: PrismWork
+    outs: list[torch.Tensor]  # tensors to fill, in request order
+    out_descs: list[tuple]
+    regions: list[str] = field(default_factory=list)  # segment names to free once done
+
+
+class PrismWork(dist.Work):
+    """A `Work` whose wait() hands the rank's slot back while it blocks (see RankClient.wait)."""
+
+    def __init__(self, client: RankClient, op_id: int, result: list[torch.Tensor]) -> None:
+        super().__init__()
+        self._client = client
+        self.op_id = op_id
+        self._result = result
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+        self._source: int = -1
+        self._future: Future = Future()
+
+    # completion, from the receiver thread (or at once for ops with nothing to wait for)
+    def _finish(self, error: BaseException | None = None, source: int = -1) -> None:
+        self._error = error
+        self._source = source
+        self._done.set()
+        if error is None:
+            self._future.set_result(self._result)
+        else:
+            self._future.set_exception(error)
+
+    def wait(self, timeout: Any = None) -> bool:  # noqa: ARG002 - torch passes a timedelta
+        self._client.wait([self])
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def synchronize(self) -> None:
+        self.wait()
+
+    def is_completed(self) -> bool:
+        return self._done.is_set()
+
+    def is_success(self) -> bool:
+        return self._done.is_set() and self._error is None
+
+    def exception(self) -> BaseException | None:
+        return self._error
+
+    def get_future(self) -> Future:
+        return self._future
+
+    def result(self) -> list[torch.Tensor]:
+        self.wait()
+        return self._result
+
+    def source_rank(self) -> int:
+        return self._source
+
+    def _source_rank(self) -> int:
+        return self._source
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _host_bytes(t: torch.Tensor) -> bytes:
+    flat = t.detach().reshape(-1)
+    if flat.device.type != "cpu":
+        flat = flat.cpu()
+    return flat.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def _typed(raw: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """View flat bytes as a tensor shaped like `like`."""
+    if like.numel() == 0:
+        return torch.empty(like.shape, dtype=like.dtype)
+    return raw.view(like.dtype).view(like.shape)
+
+
+class RankClient:
+    """Connection of one logical rank to the coordinator."""
+
+    def __init__(self, address: tuple[str, int], authkey: bytes, rank: int, world_size: int,
+                 segment_prefix: str) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self._conn: Connection = Client(address, authkey=authkey)
+        self._send_lock = threading.Lock()
+        self._ids = itertools.count()
+        self._pending: dict[int, _Pending] = {}
+        self._pending_lock = threading.Lock()
+        self._granted = threading.Event()
+        self._fatal: PrismCommError | None = None
+        self.arena = Arena(segment_prefix)
+        self._send({"t": P.HELLO, "rank": rank, "world_size": world_size})
+        self._receiver = threading.Thread(target=self._receive_loop, name="prism-receiver", daemon=True)
+        self._receiver.start()
+
+    # ---- sending -------------------------------------------------------------------------
+    def _send(self, msg: dict) -> None:
+        with self._send_lock:
+            self._conn.send(msg)
+
+    def acquire(self) -> None:
+        """Wait for a compute slot (start of the program)."""
+        self._granted.clear()
+        self._send({"t": P.ACQUIRE})
+        self._await_grant()
+
+    def register_group(self, name: str, ranks: list[int], backend: str) -> None:
+        self._send({"t": P.GROUP, "name": name, "ranks": ranks, "backend": backend})
+
+    def mark(self, name: str, phase: str, attrs: dict) -> None:
+        self._send({"t": P.MARK, "name": name, "phase": phase, "attrs": attrs})
+
+    def submit(self, group: str, kind: str, ins: list[torch.Tensor], outs: list[torch.Tensor],
+               *, inplace: bool = False, result: list[torch.Tensor] | None = None, **params: Any) -> PrismWork:
+        """Send one op; returns its Work at once (the op completes in the background).
+
+        `inplace`: outputs are the inputs (all_reduce, broadcast): results overwrite the staged input.
+        """
+        if self._fatal is not None:
+            raise self._fatal
+        op_id = next(self._ids)
+        work = PrismWork(self, op_id, outs if result is None else result)
+        regions: list[str] = []
+        in_descs = []
+        for t in ins:
+            n = _nbytes(t)
+            if n <= P.INLINE_LIMIT:
+                in_descs.append((("i", _host_bytes(t)), P.dtype_name(t.dtype), list(t.shape)))
+            else:
+                seg, off, view = self.arena.alloc(n)
+                regions.append(seg)
+                with torch.no_grad():
+                    _typed(view, t).copy_(t.detach())
+                in_descs.append((("s", seg, off, n), P.dtype_name(t.dtype), list(t.shape)))
+        out_descs = []
+        for i, t in enumerate(outs):
+            n = _nbytes(t)
+            if inplace and in_descs[i][0][0] == "s":
+                desc = in_descs[i][0]
+            elif n <= P.INLINE_LIMIT:
+                desc = ("r", n)
+            else:
+                seg, off, _ = self.arena.alloc(n)
+                regions.append(seg)
+                desc = ("s", seg, off, n)
+            out_descs.append((desc, P.dtype_name(t.dtype), list(t.shape)))
+        with self._pending_lock:
+            self._pending[op_id] = _Pending(work, outs, [d[0] for d in out_descs], regions)
+        msg = {"t": P.OP, "id": op_id, "g": group, "kind": kind, "ins": in_descs, "outs": out_descs,
+               "drops": self.arena.take_dropped(), **params}
+        self._send(msg)
+        return work
+
+    def wait(self, works: list[PrismWork]) -> None:
+        """Block until `works` complete, giving the slot back meanwhile."""
+        if all(w.is_completed() for w in works):
+            return
+        if self._fatal is not None:
+            raise self._fatal
+        self._granted.clear()
+        self._send({"t": P.BLOCK, "ids": [w.op_id for w in works]})
+        self._await_grant()
+        for w in works:
+            w._done.wait()
+
+    def _await_grant(self) -> None:
+        while not self._granted.wait(1.0):
+            pass
+        if self._fatal is not None:
+            raise self._fatal
+
+    def close(self, exit_code: int) -> None:
+        """Say goodbye (releases the slot), wait for the receiver to end, free segments."""
+        try:
+            self._send({"t": P.BYE, "exit_code": exit_code})
+        except OSError:
+            pass
+        self._receiver.join(timeout=30)
+        self._conn.close()
+        self.arena.close()
+
+    # ---- receiving ---------------------------------------------------------------------------
+    def _receive_loop(self) -> None:
+        while True:
+            try:
+                msg = self._conn.recv()
+            except (EOFError, OSError):
+                self._fail_all(PrismCommError(f"rank {self.rank}: lost the connection to the prism coordinator"))
+                return
+            t = msg["t"]
+            if t == P.DONE:
+                self._complete(msg)
+            elif t == P.GRANT:
+                self._granted.set()
+            elif t == P.ERROR:
+                p = self._pop(msg["id"])
+                if p is not None:
+                    p.work._finish(PrismCommError(msg["message"]))
+            elif t == P.ABORT:
+                self._fail_all(PrismCommError(msg["message"]))
+            elif t == P.BYE:
+                return
+
+    def _pop(self, op_id: int) -> _Pending | None:
+        with self._pending_lock:
+            return self._pending.pop(op_id, None)
+
+    def _complete(self, msg: dict) -> None:
+        p = self._pop(msg["id"])
+        if p is None:
+            return
+        try:
+            with torch.no_grad():
+                for t, desc, data in zip(p.outs, p.out_descs, msg["out"], strict=True):
+                    if desc[0] == "s":
+                        raw = self.arena_view(desc)
+                    else:
+                        raw = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else None
+                    if raw is not None and t.numel():
+                        t.copy_(_typed(raw, t))
+                if any(t.device.type == "cuda" for t in p.outs):
+                    torch.cuda.current_stream().synchronize()
+            error = None
+        except Exception as e:  # a result that cannot be written is the op's failure, not a hang
+            error = PrismCommError(f"rank {self.rank}: writing the result of op {msg['id']} failed: {e}")
+        for seg in p.regions:
+            self.arena.free(seg)
+        p.work._finish(error, msg.get("src", -1))
+
+    def arena_view(self, desc: tuple) -> torch.Tensor:
+        _, seg, off, n = desc
+        return self.arena._segments[seg].view[off : off + n]
+
+    def _fail_all(self, error: PrismCommError) -> None:
+        self._fatal = error
+        with self._pending_lock:
+            pending, self._pending = self._pending, {}
+        for p in pending.values():
+            p.work._finish(error)
+        self._granted.set()

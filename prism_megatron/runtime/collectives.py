@@ -1,0 +1,81 @@
+"""Host-memory semantics of every collective, on the members' tensors in group-rank order.
+
+Reductions run in one fixed order — member 0, then 1, 2, ... accumulated in the tensors' own dtype
+(as NCCL does) — so results are deterministic run to run, whatever order ranks arrived in.
+Each function takes the members' inputs and returns the members' outputs; no transport here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+REDUCE_OPS = ("sum", "avg", "min", "max", "product", "premul_sum", "band", "bor", "bxor")
+
+
+def reduce(tensors: Sequence[torch.Tensor], op: str, factor: float | None = None) -> torch.Tensor:
+    """Reduce equally sized tensors in member order; returns a new tensor."""
+    if op not in REDUCE_OPS:
+        raise ValueError(f"unsupported reduce op {op!r}")
+    first = tensors[0]
+    if op == "premul_sum":
+        acc = first * factor
+        for t in tensors[1:]:
+            acc.add_(t * factor)
+        return acc
+    acc = first.clone()
+    if first.dtype == torch.bool and op in ("sum", "max"):
+        op = "bor"
+    elif first.dtype == torch.bool and op in ("min", "product"):
+        op = "band"
+    for t in tensors[1:]:
+        if op in ("sum", "avg"):
+            acc.add_(t)
+        elif op == "min":
+            torch.minimum(acc, t, out=acc)
+        elif op == "max":
+            torch.maximum(acc, t, out=acc)
+        elif op == "product":
+            acc.mul_(t)
+        elif op == "band":
+            acc.bitwise_and_(t)
+        elif op == "bor":
+            acc.bitwise_or_(t)
+        elif op == "bxor":
+            acc.bitwise_xor_(t)
+    if op == "avg":
+        if acc.is_floating_point() or acc.is_complex():
+            acc.div_(len(tensors))
+        else:
+            acc = torch.div(acc, len(tensors), rounding_mode="trunc").to(first.dtype)
+    return acc
+
+
+def all_reduce(ins: Sequence[torch.Tensor], op: str, factor: float | None) -> list[torch.Tensor]:
+    r = reduce(ins, op, factor)
+    return [r] * len(ins)
+
+
+def all_gather(ins: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Every member gets the concatenation of all inputs (flat bytes, member order)."""
+    r = torch.cat([t.reshape(-1) for t in ins])
+    return [r] * len(ins)
+
+
+def reduce_scatter(ins: Sequence[torch.Tensor], op: str, factor: float | None) -> list[torch.Tensor]:
+    """Member i gets chunk i of the reduction of all (flat, equal chunks)."""
+    r = reduce([t.reshape(-1) for t in ins], op, factor)
+    return list(r.chunk(len(ins)))
+
+
+def reduce_scatter_lists(ins: Sequence[Sequence[torch.Tensor]], op: str, factor: float | None) -> list[torch.Tensor]:
+    """Member i gets the reduction over members of their i-th input (uneven sizes allowed)."""
+    n = len(ins)
+    return [reduce([ins[m][i].reshape(-1) for m in range(n)], op, factor) for i in range(n)]
+
+
+def all_to_all(ins: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor]:
+    """`ins[m][j]` is what member m sends to j; member j gets the concatenation over m."""
+    n = len(ins)
+    return [torch.cat([ins[m][j].reshape(-1) for m in range(n)]) for j in range(n)]

@@ -1,0 +1,469 @@
+"""The coordinator: one sidecar process per job that every logical rank talks to.
+
+It matches ops by (group, sequence number), checks that members agree, performs the op on host
+memory in a fixed order, and returns results; it owns the slot scheduler, notices when no rank can
+make progress (hang report), hosts the job's TCPStore (as torchrun's agent does, so ranks
+rendezvous whatever order they start in), and writes the PrismTrace when the launcher says the
+job ended. Single-threaded: every decision happens in one loop, in arrival order.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, Listener, wait
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from prism_megatron.runtime import collectives as C
+from prism_megatron.runtime import protocol as P
+from prism_megatron.runtime.hang import format_hang_report
+from prism_megatron.runtime.matching import Member, P2PQueues, check_collective, check_p2p
+from prism_megatron.runtime.shm import SegmentMap
+from prism_megatron.runtime.slots import Grant, SlotScheduler
+
+
+@dataclass
+class OpRecord:
+    """One rank's op, as it goes into the trace (ops.parquet columns)."""
+
+    rank: int
+    index: int
+    kind: str
+    group: int
+    seq: int
+    peer: int
+    root: int
+    bytes: int
+    dtype: str
+    shapes: str
+    reduce_op: str
+    async_op: bool
+    t_issue: float
+    t_complete: float
+    compute_before: float
+    label: str
+    op_id: int = -1
+
+
+@dataclass
+class Group:
+    id: int
+    name: str
+    ranks: list[int]
+    backend: str
+    next_seq: list[int] = field(default_factory=list)
+    pending: dict[int, list[Member | None]] = field(default_factory=dict)
+    p2p: P2PQueues = field(default_factory=P2PQueues)
+    p2p_seq: dict[tuple[int, int], int] = field(default_factory=dict)
+
+
+@dataclass
+class RankState:
+    rank: int
+    conn: Connection
+    state: str = "starting"  # starting | queued | running | blocked | done
+    held_since: float | None = None
+    compute_accum: float = 0.0
+    compute_total: float = 0.0
+    grant_t: float = 0.0
+    grant_slot: tuple[int, int] | None = None
+    blocked_on: set[int] = field(default_factory=set)
+    blocked_since: float = 0.0
+    done_ids: set[int] = field(default_factory=set)
+    pending: dict[int, OpRecord] = field(default_factory=dict)
+    n_ops: int = 0
+    exit_code: int | None = None
+
+
+class Coordinator:
+    def __init__(self, world_size: int, num_devices: int, slots_per_device: int, device_of: dict[int, int],
+                 device_names: list[str], hang_timeout: float, authkey: bytes, host: str = "127.0.0.1") -> None:
+        self.world_size = world_size
+        self.hang_timeout = hang_timeout
+        self.device_names = device_names
+        self.listener = Listener((host, 0), authkey=authkey, backlog=min(world_size + 8, 4096))
+        self.address = self.listener.address
+        self.slots = SlotScheduler(num_devices, slots_per_device, device_of)
+        self.t0 = time.perf_counter()
+        self.ranks: dict[int, RankState] = {}
+        self.conns: dict[Connection, RankState | None] = {}
+        self.groups: dict[str, Group] = {}
+        self.segments = SegmentMap()
+        self.ops: list[OpRecord] = []
+        self.marks: list[dict] = []
+        self.slot_log: list[dict] = []
+        self.control: Connection | None = None
+        self.last_progress = time.perf_counter()
+        self.finished = False
+
+    def now(self) -> float:
+        return time.perf_counter() - self.t0
+
+    # ---- main loop ---------------------------------------------------------------------------------
+    def serve(self) -> None:
+        accept_sock = self.listener._listener._socket  # readable when a rank connects
+        while not self.finished:
+            ready = wait([accept_sock, *self.conns], timeout=0.2)
+            for conn in ready:
+                if conn is accept_sock:
+                    self._accept()
+                    continue
+                try:
+                    msg = conn.recv()
+                except (EOFError, OSError):
+                    self._lost(conn)
+                    continue
+                self.last_progress = time.perf_counter()
+                self._dispatch(conn, msg)
+                if self.finished:
+                    break
+            self._check_hang()
+        self.segments.close()
+
+    def _accept(self) -> None:
+        try:
+            conn = self.listener.accept()
+        except Exception as e:  # a stranger failing authentication must not stop the job
+            print(f"prism coordinator: refused a connection: {e}", file=sys.stderr)
+            return
+        self.conns[conn] = None
+
+    def _lost(self, conn: Connection) -> None:
+        rs = self.conns.pop(conn, None)
+        if rs is not None and rs.state != "done":
+            # died without saying goodbye: the launcher reports the crash; stop scheduling it
+            self._finish_rank(rs, None)
+        if conn is self.control:
+            self.finished = True  # the launcher is gone: nothing left to serve
+
+    def _dispatch(self, conn: Connection, msg: dict) -> None:
+        t = msg["t"]
+        rs = self.conns.get(conn)
+        if t == P.HELLO:
+            rs = RankState(msg["rank"], conn)
+            self.ranks[rs.rank] = rs
+            self.conns[conn] = rs
+            self._progress()
+        elif t == P.CONTROL:
+            self.control = conn
+        elif t == P.OP:
+            self._on_op(rs, msg)
+        elif t == P.BLOCK:
+            self._on_block(rs, msg["ids"])
+        elif t == P.ACQUIRE:
+            rs.state = "queued"
+            self._apply(self.slots.request(rs.rank))
+        elif t == P.GROUP:
+            self._on_group(rs, msg)
+        elif t == P.MARK:
+            self.marks.append({"rank": rs.rank, "name": msg["name"], "phase": msg["phase"], "t": self.now(),
+                               "compute_clock": self._compute_clock(rs), "attrs": json.dumps(msg["attrs"])})
+        elif t == P.DROP:
+            self.segments.drop(msg["segment"])
+        elif t == P.BYE:
+            self._finish_rank(rs, msg["exit_code"])
+            try:
+                conn.send({"t": P.BYE})
+            except OSError:
+                pass
+        elif t == P.FINISH:
+            self._on_finish(msg)
+
+    # ---- slots -------------------------------------------------------------------------------------
+    def _compute_clock(self, rs: RankState) -> float:
+        extra = self.now() - rs.held_since if rs.held_since is not None else 0.0
+        return rs.compute_total + extra
+
+    def _stop_holding(self, rs: RankState) -> None:
+        if rs.held_since is not None:
+            dt = self.now() - rs.held_since
+            rs.compute_accum += dt
+            rs.compute_total += dt
+            rs.held_since = None
+            d, s = rs.grant_slot
+            self.slot_log.append({"rank": rs.rank, "device": self.device_names[d], "slot": s,
+                                  "t_grant": rs.grant_t, "t_release": self.now()})
+        for g in self.slots.release(rs.rank):
+            self._grant(g)
+
+    def _apply(self, grants: list[Grant]) -> None:
+        for g in grants:
+            self._grant(g)
+
+    def _grant(self, g: Grant) -> None:
+        rs = self.ranks[g.rank]
+        rs.state = "running"
+        rs.held_since = rs.grant_t = self.now()
+        rs.grant_slot = (g.device, g.slot)
+        self._send(rs, {"t": P.GRANT})
+
+    def _on_block(self, rs: RankState, ids: list[int]) -> None:
+        waiting = {i for i in ids if i not in rs.done_ids}
+        rs.done_ids.difference_update(ids)
+        if not waiting:
+            self._send(rs, {"t": P.GRANT})  # already complete: keep the slot
+            return
+        rs.blocked_on = waiting
+        rs.blocked_since = time.perf_counter()
+        rs.state = "blocked"
+        self._stop_holding(rs)
+
+    def _op_completed(self, rs: RankState, op_id: int) -> None:
+        rec = rs.pending.pop(op_id, None)
+        if rec is not None:
+            rec.t_complete = self.now()
+        if op_id in rs.blocked_on:
+            rs.blocked_on.discard(op_id)
+            if not rs.blocked_on and rs.state == "blocked":
+                rs.state = "queued"
+                self._apply(self.slots.request(rs.rank))
+        else:
+            rs.done_ids.add(op_id)
+
+    def _finish_rank(self, rs: RankState, exit_code: int | None) -> None:
+        self._stop_holding(rs)
+        rs.state = "done"
+        rs.exit_code = exit_code
+        self._progress()
+
+    def _progress(self) -> None:
+        if self.control is not None:
+            done = sum(1 for r in self.ranks.values() if r.state == "done")
+            self._send_control({"t": P.PROGRESS, "connected": len(self.ranks), "finished": done})
+
+    # ---- ops -------------------------------------------------------------------------------------------
+    def _on_group(self, rs: RankState, msg: dict) -> None:
+        g = self.groups.get(msg["name"])
+        if g is None:
+            g = Group(len(self.groups), msg["name"], list(msg["ranks"]), msg["backend"])
+            g.next_seq = [0] * len(g.ranks)
+            self.groups[g.name] = g
+        elif g.ranks != list(msg["ranks"]):
+            self._fatal("mismatch", f"process group {g.name!r}: rank {rs.rank} created it with ranks "
+                        f"{msg['ranks']}, another member with {g.ranks}")
+
+    def _on_op(self, rs: RankState, msg: dict) -> None:
+        for seg in msg.get("drops", ()):
+            self.segments.drop(seg)
+        g = self.groups[msg["g"]]
+        grank = g.ranks.index(rs.rank)
+        now = self.now()
+        if rs.held_since is not None:
+            rs.compute_accum += now - rs.held_since
+            rs.compute_total += now - rs.held_since
+            rs.held_since = now
+        kind = msg["kind"]
+        peer = msg.get("peer")
+        root = msg.get("root")
+        nbytes = sum(_desc_bytes(d[0]) for d in msg["ins"] + msg["outs"])
+        rec = OpRecord(
+            rank=rs.rank, index=rs.n_ops, kind=kind, group=g.id, seq=-1,
+            peer=g.ranks[peer] if peer is not None else -1, root=g.ranks[root] if root is not None else -1,
+            bytes=nbytes, dtype=(msg["ins"] or msg["outs"] or [(None, "", [])])[0][1],
+            shapes=json.dumps([d[2] for d in msg["ins"] + msg["outs"]]), reduce_op=msg.get("redop") or "",
+            async_op=bool(msg.get("async_op")), t_issue=now, t_complete=float("nan"),
+            compute_before=rs.compute_accum, label=msg.get("label") or "", op_id=msg["id"],
+        )
+        rs.compute_accum = 0.0
+        rs.n_ops += 1
+        rs.pending[msg["id"]] = rec
+        self.ops.append(rec)
+        m = Member(rs.rank, grank, msg, rec)
+        if kind == "send":
+            if peer == grank:
+                return self._fatal("mismatch", f"rank {rs.rank} sends to itself on group {g.name!r}")
+            self._p2p_seq(g, rec, grank, peer)
+            match = g.p2p.add_send(m)
+        elif kind == "recv":
+            if peer is not None:
+                self._p2p_seq(g, rec, peer, grank)
+            match = g.p2p.add_recv(m)
+        else:
+            seq = g.next_seq[grank]
+            g.next_seq[grank] += 1
+            rec.seq = seq
+            slot = g.pending.setdefault(seq, [None] * len(g.ranks))
+            slot[grank] = m
+            if all(x is not None for x in slot):
+                del g.pending[seq]
+                self._run_collective(g, seq, slot)  # type: ignore[arg-type]
+            return
+        if match is not None:
+            self._run_p2p(g, *match)
+
+    def _p2p_seq(self, g: Group, rec: OpRecord, src: int, dst: int) -> None:
+        key = (src, dst, rec.kind)
+        rec.seq = g.p2p_seq.get(key, 0)
+        g.p2p_seq[key] = rec.seq + 1
+
+    def _read(self, desc: tuple, dtype: str) -> torch.Tensor:
+        if desc[0] == "i":
+            raw = torch.frombuffer(bytearray(desc[1]), dtype=torch.uint8) if desc[1] else torch.empty(0, dtype=torch.uint8)
+        else:
+            raw = self.segments.view(desc[1], desc[2], desc[3])
+        return raw.view(P.dtype_from_name(dtype)) if raw.numel() else torch.empty(0, dtype=P.dtype_from_name(dtype))
+
+    def _deliver(self, m: Member, outs: list[torch.Tensor | None], src: int = -1) -> None:
+        """Write `outs` (flat tensors, one per output of m) and tell the rank."""
+        inline: list[bytes | None] = []
+        for (desc, _dt, _shape), t in zip(m.msg["outs"], outs, strict=True):
+            raw = t.reshape(-1).view(torch.uint8) if t is not None and t.numel() else None
+            want = _desc_bytes(desc)
+            got = 0 if raw is None else raw.numel()
+            if got != want:
+                raise RuntimeError(f"internal: rank {m.rank} {m.kind} output of {got} bytes, expected {want}")
+            if desc[0] == "s":
+                if raw is not None:
+                    self.segments.view(desc[1], desc[2], desc[3]).copy_(raw)
+                inline.append(None)
+            else:
+                inline.append(raw.numpy().tobytes() if raw is not None else b"")
+        rs = self.ranks[m.rank]
+        self._send(rs, {"t": P.DONE, "id": m.msg["id"], "out": inline, "src": src})
+        self._op_completed(rs, m.msg["id"])
+
+    def _run_collective(self, g: Group, seq: int, ms: list[Member]) -> None:
+        problem = check_collective(ms)
+        if problem is not None:
+            return self._fatal("mismatch", f"collective #{seq} on group {g.name!r} (ranks {_ranks(g.ranks)}): "
+                               f"{problem}")
+        kind = ms[0].kind
+        n = len(ms)
+        ins = [[self._read(d[0], d[1]) for d in m.msg["ins"]] for m in ms]
+        redop, factor = ms[0].msg.get("redop"), ms[0].msg.get("factor")
+        root = ms[0].msg.get("root")
+        outs: list[list[torch.Tensor | None]]
+        if kind == "all_reduce":
+            rs_ = [C.reduce([ins[i][j] for i in range(n)], redop, factor) for j in range(len(ins[0]))]
+            outs = [rs_ for _ in ms]
+        elif kind == "reduce":
+            r = [C.reduce([ins[i][j] for i in range(n)], redop, factor) for j in range(len(ins[0]))]
+            outs = [r if i == root else [] for i in range(n)]
+        elif kind == "broadcast":
+            outs = [[] if i == root else [ins[root][0]] for i in range(n)]
+        elif kind == "all_gather":
+            r = [torch.cat([ins[i][j].view(torch.uint8) for i in range(n)]) for j in range(len(ins[0]))]
+            outs = [r for _ in ms]
+        elif kind == "all_gather_list":
+            outs = [[ins[i][0] for i in range(n)] for _ in ms]
+        elif kind == "reduce_scatter":
+            chunks = [C.reduce_scatter([ins[i][j] for i in range(n)], redop, factor) for j in range(len(ins[0]))]
+            outs = [[c[i] for c in chunks] for i in range(n)]
+        elif kind == "reduce_scatter_list":
+            outs = [[r] for r in C.reduce_scatter_lists(ins, redop, factor)]
+        elif kind == "gather":
+            outs = [[ins[i][0] for i in range(n)] if j == root else [] for j in range(n)]
+        elif kind == "scatter":
+            outs = [[ins[root][j]] for j in range(n)]
+        elif kind == "all_to_all_list":
+            outs = [[ins[i][j] for i in range(n)] for j in range(n)]
+        elif kind == "all_to_all":
+            pieces = []
+            for i, m in enumerate(ms):
+                raw = ins[i][0].reshape(-1).view(torch.uint8) if ins[i][0].numel() else torch.empty(0, dtype=torch.uint8)
+                pieces.append(list(raw.split(m.msg["in_splits"])))
+            outs = [[torch.cat([pieces[i][j] for i in range(n)])] for j in range(n)]
+        elif kind == "barrier":
+            outs = [[] for _ in ms]
+        else:
+            return self._fatal("unsupported", f"rank {ms[0].rank}: op {kind!r} is not supported by prism")
+        for m, o in zip(ms, outs, strict=True):
+            self._deliver(m, [t.reshape(-1) if t is not None else None for t in o])
+
+    def _run_p2p(self, g: Group, send: Member, recv: Member) -> None:
+        problem = check_p2p(send, recv)
+        if problem is not None:
+            return self._fatal("mismatch", f"group {g.name!r} (ranks {_ranks(g.ranks)}): {problem}")
+        if recv.record.seq < 0:  # a receive from any source learns its peer now
+            recv.record.peer = send.rank
+            self._p2p_seq(g, recv.record, send.grank, recv.grank)
+        data = self._read(send.msg["ins"][0][0], send.msg["ins"][0][1])
+        self._deliver(recv, [data.reshape(-1)], src=send.grank)
+        self._deliver(send, [])
+
+    # ---- failure and hangs -------------------------------------------------------------------------
+    def _check_hang(self) -> None:
+        live = [r for r in self.ranks.values() if r.state != "done"]
+        if len(self.ranks) < self.world_size:
+            return  # ranks still starting may yet post the missing ops
+        if not live or any(r.state != "blocked" for r in live):
+            return
+        stalled = time.perf_counter() - max(self.last_progress, max(r.blocked_since for r in live))
+        if stalled < self.hang_timeout:
+            return
+        report = format_hang_report(self, stalled)
+        self._fatal("hang", report)
+
+    def _fatal(self, kind: str, report: str) -> None:
+        self._send_control({"t": P.FATAL, "kind": kind, "report": report})
+        self.finished = self.control is None
+        if self.control is None:
+            print(report, file=sys.stderr)
+
+    def _send(self, rs: RankState, msg: dict) -> None:
+        try:
+            rs.conn.send(msg)
+        except OSError:
+            pass  # the rank is gone; the launcher reports it
+
+    def _send_control(self, msg: dict) -> None:
+        if self.control is not None:
+            try:
+                self.control.send(msg)
+            except OSError:
+                self.finished = True
+
+    # ---- the end: the trace ----------------------------------------------------------------------
+    def _on_finish(self, msg: dict) -> None:
+        path = None
+        if msg.get("status") == "ok" and msg.get("trace_dir"):
+            from prism_megatron.runtime.trace_export import write_bare_trace
+
+            path = str(write_bare_trace(self, Path(msg["trace_dir"]), msg.get("job", {}), msg.get("exit_codes", {})))
+        self._send_control({"t": P.WRITTEN, "path": path})
+        self.finished = True
+
+
+def _desc_bytes(desc: tuple) -> int:
+    return len(desc[1]) if desc[0] == "i" else desc[1] if desc[0] == "r" else desc[3]
+
+
+def _ranks(ranks: list[int]) -> str:
+    if len(ranks) > 8:
+        return f"{ranks[:4]}...{ranks[-2:]} ({len(ranks)} ranks)".replace("]...[", ", ..., ")
+    return str(ranks)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry of the sidecar process: `python -m prism_megatron.runtime.coordinator CONFIG_JSON`.
+
+    Prints one JSON line {"address": [host, port], "store_port": port} once it listens.
+    """
+    ap = argparse.ArgumentParser()
+    ap.add_argument("config")
+    cfg = json.loads(ap.parse_args(argv).config)
+    authkey = bytes.fromhex(os.environ.pop("PRISM_AUTHKEY"))
+    torch.set_num_threads(max(1, int(cfg.get("threads", 1))))
+    coord = Coordinator(
+        world_size=cfg["world_size"], num_devices=len(cfg["devices"]), slots_per_device=cfg["slots_per_device"],
+        device_of={int(k): v for k, v in cfg["device_of"].items()}, device_names=cfg["devices"],
+        hang_timeout=cfg["hang_timeout"], authkey=authkey, host=cfg.get("host", "127.0.0.1"),
+    )
+    from torch.distributed import TCPStore
+
+    store = TCPStore(cfg.get("host", "127.0.0.1"), 0, cfg["world_size"], is_master=True, wait_for_workers=False,
+                     multi_tenant=False)
+    print(json.dumps({"address": list(coord.address), "store_port": store.port}), flush=True)
+    coord.serve()
+    del store
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,175 @@
+"""Checks that the members of one collective agree, and FIFO matching of point-to-point ops.
+
+NCCL semantics, not gloo's: a send and a receive match per communicator and per (src, dst) pair in
+issue order; tags are ignored. A collective is the k-th op of each member on the same group.
+Disagreement between members — the bug that silently hangs or corrupts NCCL jobs at scale — is
+reported naming the ranks, the op and the shapes.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Member:
+    """One rank's half of an op, as the coordinator sees it."""
+
+    rank: int  # global rank
+    grank: int  # rank in the group
+    msg: dict  # the request
+    record: Any = None  # the trace record
+
+    @property
+    def kind(self) -> str:
+        return self.msg["kind"]
+
+    def in_bytes(self) -> list[int]:
+        return [_desc_bytes(d[0]) for d in self.msg["ins"]]
+
+    def out_bytes(self) -> list[int]:
+        return [_desc_bytes(d[0]) for d in self.msg["outs"]]
+
+    def dtypes(self) -> list[str]:
+        return [d[1] for d in self.msg["ins"]] + [d[1] for d in self.msg["outs"]]
+
+    def describe(self) -> str:
+        ins = ", ".join(f"{d[1]}{list(d[2])}" for d in self.msg["ins"])
+        outs = ", ".join(f"{d[1]}{list(d[2])}" for d in self.msg["outs"])
+        extra = ""
+        for key in ("redop", "root", "peer"):
+            if self.msg.get(key) is not None:
+                extra += f" {key}={self.msg[key]}"
+        return f"rank {self.rank}: {self.kind}{extra} in=[{ins}] out=[{outs}]"
+
+
+def _desc_bytes(desc: tuple) -> int:
+    if desc[0] == "i":
+        return len(desc[1])
+    if desc[0] == "r":
+        return desc[1]
+    return desc[3]
+
+
+def check_collective(members: list[Member]) -> str | None:
+    """None when the members' ops fit together, else a description of the disagreement."""
+    n = len(members)
+    first = members[0]
+    problems: list[str] = []
+    kinds = {m.kind for m in members}
+    if len(kinds) > 1:
+        problems.append("different operations")
+    else:
+        kind = first.kind
+        if len({m.msg.get("redop") for m in members}) > 1:
+            problems.append("different reduce ops")
+        if len({m.msg.get("root") for m in members}) > 1:
+            problems.append("different roots")
+        dts = {dt for m in members for dt in m.dtypes()}
+        if kind in ("all_reduce", "reduce", "reduce_scatter", "reduce_scatter_list") and len(dts) > 1:
+            problems.append(f"different dtypes {sorted(dts)}")
+        problems += _size_problems(kind, members, n)
+    if not problems:
+        return None
+    lines = [f"members disagree ({'; '.join(problems)}):"] + [f"  {m.describe()}" for m in members]
+    return "\n".join(lines)
+
+
+def _size_problems(kind: str, ms: list[Member], n: int) -> list[str]:
+    ins = [m.in_bytes() for m in ms]
+    outs = [m.out_bytes() for m in ms]
+    root = ms[0].msg.get("root")
+    if kind in ("all_reduce", "all_gather", "reduce_scatter"):
+        if len({len(x) for x in ins}) > 1:
+            return ["different numbers of tensors"]
+        if len({tuple(x) for x in ins}) > 1:
+            return ["different sizes"]
+        for m in ms:
+            for i, o in zip(m.in_bytes(), m.out_bytes(), strict=False):
+                want = {"all_reduce": i, "all_gather": i * n, "reduce_scatter": i // n}[kind]
+                if o != want or (kind == "reduce_scatter" and i % n):
+                    return [f"rank {m.rank}'s output holds {o} bytes, {kind} of {i} bytes over {n} ranks needs {want}"]
+    elif kind in ("reduce", "broadcast"):
+        sizes = {b for x in ins + outs for b in x}
+        if len(sizes) > 1:
+            return ["different sizes"]
+    elif kind == "all_gather_list":
+        for m in ms:
+            if len(m.out_bytes()) != n or m.out_bytes() != [x[0] for x in ins]:
+                return [f"rank {m.rank}'s outputs do not match the inputs' sizes"]
+    elif kind == "gather":
+        r = ms[root].out_bytes()
+        if r != [x[0] for x in ins]:
+            return ["the root's outputs do not match the inputs' sizes"]
+    elif kind == "scatter":
+        r = ms[root].in_bytes()
+        if r != [x[0] for x in outs]:
+            return ["the root's inputs do not match the outputs' sizes"]
+    elif kind == "reduce_scatter_list":
+        for j, m in enumerate(ms):
+            if len(ins[j]) != n or any(ins[k][j] != m.out_bytes()[0] for k in range(n)):
+                return [f"inputs for rank {m.rank} do not match its output size"]
+    elif kind == "all_to_all_list":
+        for i in range(n):
+            for j in range(n):
+                if len(ins[i]) != n or len(outs[j]) != n or ins[i][j] != outs[j][i]:
+                    return [f"rank {ms[i].rank} sends {ins[i][j] if len(ins[i]) == n else '?'} bytes to rank "
+                            f"{ms[j].rank}, which expects {outs[j][i] if len(outs[j]) == n else '?'}"]
+    elif kind == "all_to_all":
+        for i in range(n):
+            for j in range(n):
+                s, r = ms[i].msg["in_splits"][j], ms[j].msg["out_splits"][i]
+                if s != r:
+                    return [f"rank {ms[i].rank} sends {s} bytes to rank {ms[j].rank}, which expects {r}"]
+    return []
+
+
+def check_p2p(send: Member, recv: Member) -> str | None:
+    s, r = send.in_bytes()[0], recv.out_bytes()[0]
+    sd, rd = send.dtypes()[0], recv.dtypes()[0]
+    if s != r or sd != rd:
+        return (f"send/recv mismatch: rank {send.rank} sends {sd} of {s} bytes, rank {recv.rank} receives "
+                f"{rd} of {r} bytes:\n  {send.describe()}\n  {recv.describe()}")
+    return None
+
+
+@dataclass
+class P2PQueues:
+    """Unmatched sends and receives of one group, FIFO per (src, dst) group-rank pair."""
+
+    sends: dict[tuple[int, int], deque[Member]] = field(default_factory=dict)
+    recvs: dict[tuple[int, int], deque[Member]] = field(default_factory=dict)
+    any_recvs: dict[int, deque[Member]] = field(default_factory=dict)  # dst -> recvs from any source
+    arrivals: int = 0
+
+    def add_send(self, m: Member) -> tuple[Member, Member] | None:
+        dst = m.msg["peer"]
+        key = (m.grank, dst)
+        m.msg["_order"] = self.arrivals
+        self.arrivals += 1
+        q = self.recvs.get(key)
+        if q:
+            return m, q.popleft()
+        aq = self.any_recvs.get(dst)
+        if aq:
+            return m, aq.popleft()
+        self.sends.setdefault(key, deque()).append(m)
+        return None
+
+    def add_recv(self, m: Member) -> tuple[Member, Member] | None:
+        src = m.msg["peer"]
+        if src is None:
+            waiting = [(q[0].msg["_order"], key) for key, q in self.sends.items() if key[1] == m.grank and q]
+            if waiting:
+                _, key = min(waiting)
+                return self.sends[key].popleft(), m
+            self.any_recvs.setdefault(m.grank, deque()).append(m)
+            return None
+        key = (src, m.grank)
+        q = self.sends.get(key)
+        if q:
+            return q.popleft(), m
+        self.recvs.setdefault(key, deque()).append(m)
+        return None

@@ -1,0 +1,62 @@
+"""Messages between logical ranks, the launcher and the coordinator.
+
+Control messages are plain dicts pickled over `multiprocessing.connection` (TCP, authenticated),
+so ranks may later live on other hosts. Tensor bytes travel either inline (small payloads) or
+through a shared-memory segment named in the message (the data plane, same host only).
+
+A payload descriptor is a tuple:
+- ``("i", data: bytes)``: input bytes inline.
+- ``("s", segment: str, offset: int, nbytes: int)``: bytes in a rank's shared-memory segment.
+- ``("r", nbytes: int)``: an output the coordinator returns inline in the reply.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# rank -> coordinator
+HELLO = "hello"  # {rank, pid, world_size}
+GROUP = "group"  # {name, ranks, backend}
+OP = "op"  # an operation, see runtime.client.OpRequest
+BLOCK = "block"  # {ids}: the rank waits for these ops; release its slot until they complete
+ACQUIRE = "acquire"  # the rank wants a slot (start of the program)
+MARK = "mark"  # {name, phase, attrs}: a scheduling-unit marker
+DROP = "drop"  # {segment}: the rank unlinked a shared-memory segment
+BYE = "bye"  # {exit_code}: the rank's program ended
+
+# coordinator -> rank
+DONE = "done"  # {id, out: [bytes|None], src}
+ERROR = "error"  # {id, message}
+GRANT = "grant"  # the rank holds a slot again
+ABORT = "abort"  # {message}: the job is ending; every pending op fails
+
+# launcher <-> coordinator
+CONTROL = "control"  # hello of the launcher's control connection
+FINISH = "finish"  # {status, exit_codes, ranks}: write the trace (if status == "ok") and stop
+FATAL = "fatal"  # {kind, report}: coordinator found a hang or a mismatch
+WRITTEN = "written"  # {path}: trace written (or None)
+PROGRESS = "progress"  # {connected, finished}
+
+INLINE_LIMIT = 64 * 1024  # payloads up to this size travel inside the control message
+
+_DTYPES: dict[str, torch.dtype] = {
+    str(d).removeprefix("torch."): d
+    for d in (
+        torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
+        torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.bool,
+        torch.uint16, torch.uint32, torch.uint64,
+        torch.float8_e4m3fn, torch.float8_e5m2,
+    )
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """Stable text name of a dtype, e.g. 'float32'."""
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unsupported dtype {name!r} in a prism message") from None

@@ -1,0 +1,159 @@
+"""The shared-memory data plane: growable per-rank segments, mapped by the coordinator by name.
+
+A rank stages each op's input bytes and reserves its output bytes in its own segment; the
+coordinator reads inputs and writes outputs in place, so tensor bytes cross no socket. Segments are
+files in /dev/shm (tmpfs); the launcher removes every segment of a job when it ends.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+ALIGN = 64
+
+
+def shm_dir() -> Path:
+    """Where segments live: /dev/shm when present (tmpfs), else the temp dir."""
+    d = Path("/dev/shm")
+    return d if d.is_dir() and os.access(d, os.W_OK) else Path(tempfile.gettempdir())
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+class _Segment:
+    def __init__(self, path: Path, size: int, create: bool) -> None:
+        self.path = path
+        self.name = path.name
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        fd = os.open(path, flags, 0o600)
+        try:
+            if create:
+                os.ftruncate(fd, size)
+            else:
+                size = os.fstat(fd).st_size
+            self.map = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self.size = size
+        self.view = torch.frombuffer(self.map, dtype=torch.uint8)
+        self.top = 0  # bump pointer
+        self.live = 0  # allocations not yet freed
+
+    def close(self) -> None:
+        del self.view
+        try:
+            self.map.close()
+        except BufferError:  # a tensor still views it; the mapping goes when that tensor does
+            pass
+
+
+class Arena:
+    """A rank's staging memory: bump allocation, reset when nothing is live, grown by doubling.
+
+    Async ops can be outstanding in any number, so a region lives until its op completed and the
+    rank copied the result out. Thread-safe: the rank's receiver thread frees.
+    """
+
+    def __init__(self, prefix: str, initial: int = 1 << 20) -> None:
+        self._prefix = prefix
+        self._count = 0
+        self._lock = threading.Lock()
+        self._segments: dict[str, _Segment] = {}
+        self._active = self._new_segment(initial)
+        self.dropped: list[str] = []  # names unlinked since the caller last looked
+
+    def _new_segment(self, size: int) -> _Segment:
+        path = shm_dir() / f"{self._prefix}-{self._count}"
+        self._count += 1
+        seg = _Segment(path, size, create=True)
+        self._segments[seg.name] = seg
+        return seg
+
+    def alloc(self, nbytes: int) -> tuple[str, int, torch.Tensor]:
+        """Reserve `nbytes`; returns (segment name, offset, uint8 view)."""
+        with self._lock:
+            seg = self._active
+            if seg.top + nbytes > seg.size:
+                if seg.live == 0 and nbytes <= seg.size:
+                    seg.top = 0
+                else:
+                    size = max(2 * seg.size, 1 << max(nbytes - 1, 1).bit_length())
+                    old = seg
+                    seg = self._active = self._new_segment(size)
+                    if old.live == 0:
+                        self._drop(old)
+            off = seg.top
+            seg.top = _align(off + nbytes)
+            seg.live += 1
+            return seg.name, off, seg.view[off : off + nbytes]
+
+    def free(self, name: str) -> None:
+        with self._lock:
+            seg = self._segments.get(name)
+            if seg is None:
+                return
+            seg.live -= 1
+            if seg.live == 0:
+                if seg is self._active:
+                    seg.top = 0
+                else:
+                    self._drop(seg)
+
+    def _drop(self, seg: _Segment) -> None:
+        del self._segments[seg.name]
+        seg.close()
+        seg.path.unlink(missing_ok=True)
+        self.dropped.append(seg.name)
+
+    def take_dropped(self) -> list[str]:
+        with self._lock:
+            out, self.dropped = self.dropped, []
+            return out
+
+    def close(self) -> None:
+        with self._lock:
+            for seg in list(self._segments.values()):
+                seg.close()
+                seg.path.unlink(missing_ok=True)
+            self._segments.clear()
+
+
+class SegmentMap:
+    """The coordinator's view of every rank's segments, opened lazily by name."""
+
+    def __init__(self) -> None:
+        self._segs: dict[str, _Segment] = {}
+        self._dir = shm_dir()
+
+    def view(self, name: str, offset: int, nbytes: int) -> torch.Tensor:
+        seg = self._segs.get(name)
+        if seg is None:
+            seg = self._segs[name] = _Segment(self._dir / name, 0, create=False)
+        return seg.view[offset : offset + nbytes]
+
+    def drop(self, name: str) -> None:
+        seg = self._segs.pop(name, None)
+        if seg is not None:
+            seg.close()
+
+    def close(self) -> None:
+        for seg in self._segs.values():
+            seg.close()
+        self._segs.clear()
+
+
+def remove_job_segments(prefix: str) -> int:
+    """Remove every segment whose name starts with `prefix` (end of job, any outcome)."""
+    n = 0
+    for p in shm_dir().glob(f"{prefix}*"):
+        p.unlink(missing_ok=True)
+        n += 1
+    return n

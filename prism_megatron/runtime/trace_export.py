@@ -1,0 +1,32 @@
+"""Turn the coordinator's records into a PrismTrace (the bare graph) on disk."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from prism_megatron.trace import write_trace
+
+_OP_COLUMNS = ("rank", "index", "kind", "group", "seq", "peer", "root", "bytes", "dtype", "shapes", "reduce_op",
+               "async_op", "t_issue", "t_complete", "compute_before", "label")
+
+
+def write_bare_trace(coord: Any, path: Path, job: dict, exit_codes: dict) -> Path:
+    """Write every op, marker and slot grant the coordinator saw; atomic (see trace.writer)."""
+    ops = []
+    for rec in coord.ops:
+        row = {k: v for k, v in asdict(rec).items() if k in _OP_COLUMNS}
+        if math.isnan(row["t_complete"]):
+            row["t_complete"] = row["t_issue"]  # never completed (fire-and-forget send at exit)
+        ops.append(row)
+    manifest = {
+        "world_size": coord.world_size,
+        "job": job,
+        "groups": [{"id": g.id, "name": g.name, "ranks": g.ranks, "backend": g.backend}
+                   for g in sorted(coord.groups.values(), key=lambda g: g.id)],
+        "ranks": [{"rank": r, "exit_code": exit_codes.get(str(r), exit_codes.get(r)),
+                   "device": coord.device_names[coord.slots.device_of(r)]} for r in range(coord.world_size)],
+    }
+    return write_trace(path, manifest, ops=ops, marks=coord.marks, slots=coord.slot_log)
