@@ -111,5 +111,6 @@ def parse_ranks(text: str, world_size: int) -> list[int]:
             try:
                 out.append(int(part))
             except ValueError:
-                raise LaunchError(f"--log-ranks: {part!r} is not a rank, a range a-b, 'last', 'all' or 'none'") from None
+                raise LaunchError(
+                    f"--log-ranks: {part!r} is not a rank, a range a-b, 'last', 'all' or 'none'") from None
     return out

@@ -56,7 +56,7 @@ class _Job:
             "threads": 1,
         }
         env = dict(os.environ, PRISM_AUTHKEY=self.authkey.hex(), CUDA_VISIBLE_DEVICES="")
-        log = open(cfg.log_dir / "coordinator.log", "ab")  # noqa: SIM115 - kept by the child
+        log = open(cfg.log_dir / "coordinator.log", "wb")  # noqa: SIM115 - kept by the child
         self.coord = subprocess.Popen(
             [sys.executable, "-m", "prism_megatron.runtime.coordinator", json.dumps(conf)],
             stdout=subprocess.PIPE, stderr=log, env=env, text=True,
@@ -109,8 +109,13 @@ class _Job:
                 _say(f"the coordinator exited unexpectedly (code {self.coord.returncode}); "
                      f"see {self.cfg.log_dir / 'coordinator.log'}")
                 return EXIT_RANK_FAILED
-            if self.control.poll(0.05):
-                msg = self.control.recv()
+            try:
+                msg = self.control.recv() if self.control.poll(0.05) else None
+            except (EOFError, OSError):
+                self.coord.wait()
+                _say(f"lost the coordinator (exit {self.coord.returncode}); see {self.cfg.log_dir / 'coordinator.log'}")
+                return EXIT_RANK_FAILED
+            if msg is not None:
                 if msg["t"] == P.FATAL:
                     return self._fatal(msg)
                 if msg["t"] == P.PROGRESS:
@@ -142,7 +147,7 @@ class _Job:
         report_file.write_text(msg["report"] + "\n")
         sys.stderr.write(msg["report"] + "\n")
         _say(f"{kind} report written to {report_file}; ending the job")
-        return EXIT_HANG if kind == "hang" else EXIT_MISMATCH
+        return EXIT_HANG if kind == "hang" else EXIT_MISMATCH if kind == "mismatch" else EXIT_RANK_FAILED
 
     # ---- end -------------------------------------------------------------------------------------
     def finish(self, status: str) -> str | None:
@@ -151,7 +156,8 @@ class _Job:
         if self.control is not None and self.coord is not None and self.coord.poll() is None:
             try:
                 self.control.send({"t": P.FINISH, "status": status, "trace_dir": str(self.cfg.trace_dir.resolve()),
-                                   "job": self.job_meta(), "exit_codes": {str(k): v for k, v in self.exit_codes.items()}})
+                                   "job": self.job_meta(),
+                                   "exit_codes": {str(k): v for k, v in self.exit_codes.items()}})
                 while self.control.poll(600):
                     msg = self.control.recv()
                     if msg["t"] == P.WRITTEN:

@@ -65,11 +65,14 @@ def run_rank(cfg: LaunchConfig, rank: int, address: tuple[str, int], authkey: by
             except OSError:
                 pass
         echo = rank in (cfg.log_ranks if cfg.log_ranks is not None else [0])
-        log = open(cfg.log_dir / f"rank-{rank}.log", "ab", buffering=0)  # noqa: SIM115 - lives until _exit
+        log = open(cfg.log_dir / f"rank-{rank}.log", "wb", buffering=0)  # noqa: SIM115 - lives until _exit
         if not echo:
             os.dup2(log.fileno(), 1)
             os.dup2(log.fileno(), 2)
         os.environ.update(rank_env(cfg, rank, store_port))
+        import faulthandler
+
+        faulthandler.register(signal.SIGUSR1, file=log, all_threads=True)  # stacks on demand (hang reports)
         import torch
 
         torch.set_num_threads(cfg.threads_per_rank)

@@ -34,6 +34,32 @@ class _Pending:
     regions: list[str] = field(default_factory=list)  # segment names to free once done
 
 
+class PrismFuture(Future):
+    """A future whose wait() gives the slot back like Work.wait(); so do futures chained by then()."""
+
+    def __init__(self, client: RankClient, works: list[PrismWork]) -> None:
+        super().__init__()
+        self._client = client
+        self._works = works
+
+    def wait(self) -> Any:
+        self._client.wait(self._works)
+        return super().wait()
+
+    def then(self, callback: Any) -> PrismFuture:
+        chained = super().then(callback)
+        out = PrismFuture(self._client, self._works)
+
+        def forward(f: Future) -> None:
+            try:
+                out.set_result(f.value())
+            except BaseException as e:  # the callback raised: the chained future carries it
+                out.set_exception(e)
+
+        chained.add_done_callback(forward)
+        return out
+
+
 class PrismWork(dist.Work):
     """A `Work` whose wait() hands the rank's slot back while it blocks (see RankClient.wait)."""
 
@@ -45,7 +71,7 @@ class PrismWork(dist.Work):
         self._done = threading.Event()
         self._error: BaseException | None = None
         self._source: int = -1
-        self._future: Future = Future()
+        self._future: PrismFuture = PrismFuture(client, [self])
 
     # completion, from the receiver thread (or at once for ops with nothing to wait for)
     def _finish(self, error: BaseException | None = None, source: int = -1) -> None:

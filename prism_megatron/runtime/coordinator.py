@@ -17,7 +17,6 @@ import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, Listener, wait
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -121,7 +120,14 @@ class Coordinator:
                     self._lost(conn)
                     continue
                 self.last_progress = time.perf_counter()
-                self._dispatch(conn, msg)
+                try:
+                    self._dispatch(conn, msg)
+                except Exception:  # a bug or a malformed request must end the job with a report, not silently
+                    import traceback
+
+                    rank = getattr(self.conns.get(conn), "rank", "?")
+                    self._fatal("internal", f"prism coordinator: error while handling {msg.get('t')!r} from rank "
+                                f"{rank}:\n{traceback.format_exc()}")
                 if self.finished:
                     break
             self._check_hang()
@@ -254,6 +260,11 @@ class Coordinator:
             self.segments.drop(seg)
         g = self.groups[msg["g"]]
         grank = g.ranks.index(rs.rank)
+        for key in ("peer", "root"):
+            v = msg.get(key)
+            if v is not None and not 0 <= v < len(g.ranks):
+                return self._fatal("mismatch", f"rank {rs.rank}: {msg['kind']} on group {g.name!r} (ranks "
+                                   f"{_ranks(g.ranks)}) names {key} {v}, outside the group's {len(g.ranks)} ranks")
         now = self.now()
         if rs.held_since is not None:
             rs.compute_accum += now - rs.held_since
@@ -305,7 +316,7 @@ class Coordinator:
 
     def _read(self, desc: tuple, dtype: str) -> torch.Tensor:
         if desc[0] == "i":
-            raw = torch.frombuffer(bytearray(desc[1]), dtype=torch.uint8) if desc[1] else torch.empty(0, dtype=torch.uint8)
+            raw = torch.frombuffer(bytearray(desc[1]), dtype=torch.uint8) if desc[1] else _EMPTY
         else:
             raw = self.segments.view(desc[1], desc[2], desc[3])
         return raw.view(P.dtype_from_name(dtype)) if raw.numel() else torch.empty(0, dtype=P.dtype_from_name(dtype))
@@ -367,7 +378,7 @@ class Coordinator:
         elif kind == "all_to_all":
             pieces = []
             for i, m in enumerate(ms):
-                raw = ins[i][0].reshape(-1).view(torch.uint8) if ins[i][0].numel() else torch.empty(0, dtype=torch.uint8)
+                raw = ins[i][0].reshape(-1).view(torch.uint8) if ins[i][0].numel() else _EMPTY
                 pieces.append(list(raw.split(m.msg["in_splits"])))
             outs = [[torch.cat([pieces[i][j] for i in range(n)])] for j in range(n)]
         elif kind == "barrier":
@@ -429,6 +440,9 @@ class Coordinator:
             path = str(write_bare_trace(self, Path(msg["trace_dir"]), msg.get("job", {}), msg.get("exit_codes", {})))
         self._send_control({"t": P.WRITTEN, "path": path})
         self.finished = True
+
+
+_EMPTY = torch.empty(0, dtype=torch.uint8)
 
 
 def _desc_bytes(desc: tuple) -> int:

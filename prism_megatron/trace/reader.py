@@ -1,0 +1,105 @@
+"""Read and validate a PrismTrace directory.
+
+Calibration, replay and reports work only from trace files, often written by another version of
+this code; so a reader refuses anything it does not fully understand, with an error naming the
+file and the field, instead of computing from a misread column.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from .schema import (
+    MANIFEST_FILE,
+    TABLE_NAMES,
+    TraceFormatError,
+    check_manifest,
+    check_references,
+    check_table,
+)
+
+
+@dataclass
+class PrismTrace:
+    """A validated trace: its manifest and its three tables (columns exactly as in ``schema``)."""
+
+    path: Path
+    manifest: dict[str, Any]
+    ops: pa.Table
+    marks: pa.Table
+    slots: pa.Table
+    # ops sorted by (rank, index) and each rank's [start, stop) rows in it, built on first use so
+    # that walking all ranks is O(rows) rather than O(ranks * rows).
+    _ops_by_rank: tuple[pa.Table, dict[int, tuple[int, int]]] | None = field(
+        default=None, init=False, repr=False, compare=False
+    )
+
+    @property
+    def world_size(self) -> int:
+        return int(self.manifest["world_size"])
+
+    def groups(self) -> dict[int, dict[str, Any]]:
+        """Process groups by id."""
+        return {g["id"]: g for g in self.manifest["groups"]}
+
+    def ops_for_rank(self, rank: int) -> list[dict[str, Any]]:
+        """Rank ``rank``'s ops as dicts, in order of issue (by ``index``)."""
+        if self._ops_by_rank is None:
+            ordered = self.ops.sort_by([("rank", "ascending"), ("index", "ascending")])
+            spans: dict[int, tuple[int, int]] = {}
+            start = 0
+            for item in pc.value_counts(ordered.column("rank")).to_pylist():
+                spans[item["values"]] = (start, start + item["counts"])
+                start += item["counts"]
+            self._ops_by_rank = (ordered, spans)
+        ordered, spans = self._ops_by_rank
+        start, stop = spans.get(rank, (0, 0))
+        return ordered.slice(start, stop - start).to_pylist()
+
+
+def _read_table(file: Path, name: str, manifest_path: Path) -> pa.Table:
+    if not file.is_file():
+        raise TraceFormatError(
+            file, "file", f"is missing (named by manifest field 'files.{name}' in {manifest_path})"
+        )
+    try:
+        with pq.ParquetFile(file) as pf:  # one file, no dataset discovery or partition guessing
+            table = pf.read()
+    except (pa.ArrowException, OSError) as e:
+        raise TraceFormatError(file, "file", f"is not a readable Parquet file ({name} table): {e}") from e
+    return check_table(table, name, file)
+
+
+def read_trace(path: str | Path) -> PrismTrace:
+    """Open the trace directory at ``path``; raise TraceFormatError if it is not a complete v1 trace."""
+    path = Path(path)
+    if not path.exists():
+        raise TraceFormatError(path, "directory", "does not exist")
+    if not path.is_dir():
+        raise TraceFormatError(path, "directory", "is not a directory (a PrismTrace is a directory)")
+    manifest_path = path / MANIFEST_FILE
+    try:
+        text = manifest_path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise TraceFormatError(manifest_path, "file", "is missing: not a PrismTrace directory") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise TraceFormatError(manifest_path, "file", f"cannot be read: {e}") from e
+    try:
+        manifest = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise TraceFormatError(
+            manifest_path, "JSON", f"is invalid at line {e.lineno} column {e.colno}: {e.msg}"
+        ) from None
+    check_manifest(manifest, manifest_path)
+
+    paths = {name: path / manifest["files"][name] for name in TABLE_NAMES}
+    tables = {name: _read_table(paths[name], name, manifest_path) for name in TABLE_NAMES}
+    check_references(manifest, tables, paths)
+    return PrismTrace(path=path, manifest=manifest, **tables)

@@ -1,0 +1,39 @@
+"""Shared helpers: run the prism CLI or real torchrun as subprocesses, as a user would."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PROGRAMS = Path(__file__).parent / "programs"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def prism(*args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`python -m prism_megatron ARGS` in `cwd`; returns the completed process (text output)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.run([sys.executable, "-m", "prism_megatron", *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=timeout, env=env)
+
+
+def torchrun(nproc: int, script: Path, *args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    """The same program under real gloo: `nproc` processes started by torchrun."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+                           f"--master-port={free_port()}", str(script), *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=timeout, env=env)
+
+
+@pytest.fixture
+def programs() -> Path:
+    return PROGRAMS
