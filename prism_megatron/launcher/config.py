@@ -24,6 +24,7 @@ class LaunchConfig:
     log_ranks: list[int] | None = None  # ranks whose output goes to the terminal; None = rank 0
     threads_per_rank: int = 1
     preload: list[str] = field(default_factory=list)  # modules the template imports before forking
+    rank_setup: list[str] = field(default_factory=list)  # "module:function" run in each rank before the script
 
     @property
     def on_gpu(self) -> bool:

@@ -8,6 +8,7 @@ group. The process ends with `os._exit` so nothing inherited from the launcher r
 from __future__ import annotations
 
 import atexit
+import importlib
 import ctypes
 import os
 import runpy
@@ -84,6 +85,9 @@ def run_rank(cfg: LaunchConfig, rank: int, address: tuple[str, int], authkey: by
         install(client)
         markers.set_sink(_MarkSink(client))
         client.acquire()
+        for spec in cfg.rank_setup:  # e.g. the Megatron integration's CPU mode and patches
+            module, _, func = spec.partition(":")
+            getattr(importlib.import_module(module), func)()
     except BaseException:
         traceback.print_exc()
         sys.stderr.flush()
