@@ -42,8 +42,9 @@ def format_hang_report(coord: Any, stalled: float) -> str:
             g = by_id[rec.group]
             what = f"{rec.kind} #{rec.seq}" if rec.seq >= 0 else rec.kind
             peer = f" peer {rec.peer}" if rec.peer >= 0 else ""
+            data = f"{rec.dtype} shapes {json.loads(rec.shapes)}, " if rec.dtype else ""
             lines.append(f"  rank {r}: {what}{peer} on group {g.name!r} (ranks {_fmt_ranks(g.ranks)}), "
-                         f"{rec.dtype} shapes {json.loads(rec.shapes)}, waiting {waited:.1f} s")
+                         f"{data}waiting {waited:.1f} s")
     incomplete = []
     for g in coord.groups.values():
         for seq, slot in sorted(g.pending.items()):
@@ -54,7 +55,8 @@ def format_hang_report(coord: Any, stalled: float) -> str:
         for key, q in list(g.p2p.sends.items()) + list(g.p2p.recvs.items()):
             for m in q:
                 other = g.ranks[key[1]] if m.kind == "send" else g.ranks[key[0]]
-                incomplete.append(f"  {m.kind} rank {m.rank} -> peer {other} on group {g.name!r}: no matching "
+                arrow = f"rank {m.rank} -> rank {other}" if m.kind == "send" else f"rank {m.rank} <- rank {other}"
+                incomplete.append(f"  {m.kind} {arrow} on group {g.name!r}: no matching "
                                   f"{'recv' if m.kind == 'send' else 'send'} posted" + _missing_state(coord, [other]))
         for _dst, q in g.p2p.any_recvs.items():
             for m in q:

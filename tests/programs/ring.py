@@ -1,0 +1,27 @@
+"""A small training-like loop: compute, all-reduce, p2p ring, markers. Used by several tests and benches."""
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from prism_megatron.trace import span
+
+iters = int(sys.argv[1]) if len(sys.argv) > 1 else 3
+dist.init_process_group("nccl")
+r, w = dist.get_rank(), dist.get_world_size()
+x = torch.randn(64, 64, generator=torch.Generator().manual_seed(r))
+for it in range(iters):
+    with span("iteration", iteration=it):
+        for _ in range(5):
+            x = torch.tanh(x @ x) / 8
+        dist.all_reduce(x)
+        nxt, prv = (r + 1) % w, (r - 1) % w
+        y = torch.empty_like(x)
+        reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, x, nxt), dist.P2POp(dist.irecv, y, prv)])
+        for q in reqs:
+            q.wait()
+        x = (x + y) / 2
+out = os.environ.get("RING_OUT")
+if out:
+    torch.save(x, os.path.join(out, f"rank-{r}.pt"))
