@@ -1,0 +1,115 @@
+"""Unit checks of the coordinator's pure parts: slots, matching, reductions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from prism_megatron.runtime import collectives as C
+from prism_megatron.runtime.matching import Member, P2PQueues, check_collective, check_p2p
+from prism_megatron.runtime.slots import SlotScheduler
+
+
+def test_slots_fifo_and_capacity():
+    s = SlotScheduler(1, 2)
+    assert [g.rank for g in s.request(5)] == [5]
+    assert [g.rank for g in s.request(3)] == [3]
+    assert s.request(1) == [] and s.request(7) == []  # full: queued in order
+    assert [g.rank for g in s.release(5)] == [1]
+    assert [g.rank for g in s.release(3)] == [7]
+    assert set(s.holding) == {1, 7}
+    assert {d for d, _ in s.holding.values()} == {0}
+
+
+def test_slots_no_starvation_under_churn():
+    s = SlotScheduler(1, 1)
+    s.request(0)
+    s.request(1)
+    s.request(2)
+    order = []
+    holder = 0
+    for _ in range(9):  # each holder releases and immediately asks again
+        g = s.release(holder)
+        s.request(holder)
+        holder = g[0].rank
+        order.append(holder)
+    assert order == [1, 2, 0, 1, 2, 0, 1, 2, 0]
+
+
+def test_slots_are_per_device():
+    s = SlotScheduler(2, 1, device_of={0: 0, 1: 0, 2: 1})
+    assert [g.rank for g in s.request(0)] == [0]
+    assert s.request(1) == []  # device 0 is full
+    assert [(g.rank, g.device) for g in s.request(2)] == [(2, 1)]
+    with pytest.raises(RuntimeError, match="rank 0 asked for a slot while holding one"):
+        s.request(0)
+    with pytest.raises(ValueError):
+        SlotScheduler(0, 1)
+
+
+def _m(rank, kind, ins=(), outs=(), **params):
+    msg = {"kind": kind, "ins": [(("r", n), dt, [n // 4]) for n, dt in ins],
+           "outs": [(("r", n), dt, [n // 4]) for n, dt in outs], **params}
+    return Member(rank, rank, msg)
+
+
+def test_collective_checks_name_ranks_and_shapes():
+    ok = [_m(r, "all_reduce", [(16, "float32")], [(16, "float32")], redop="sum") for r in range(3)]
+    assert check_collective(ok) is None
+    bad = ok[:2] + [_m(2, "all_reduce", [(20, "float32")], [(20, "float32")], redop="sum")]
+    msg = check_collective(bad)
+    assert "different sizes" in msg and "rank 2: all_reduce redop=sum in=[float32[5]]" in msg
+    mixed = ok[:2] + [_m(2, "broadcast", [(16, "float32")], [], root=0)]
+    assert "different operations" in check_collective(mixed)
+    op = ok[:2] + [_m(2, "all_reduce", [(16, "float32")], [(16, "float32")], redop="max")]
+    assert "different reduce ops" in check_collective(op)
+    dt = ok[:2] + [_m(2, "all_reduce", [(16, "int32")], [(16, "int32")], redop="sum")]
+    assert "different dtypes" in check_collective(dt)
+    ag = [_m(r, "all_gather", [(8, "float32")], [(24 if r else 16, "float32")]) for r in range(3)]
+    assert "rank 0's output holds 16 bytes" in check_collective(ag)
+
+
+def test_all_to_all_split_disagreement():
+    a = _m(0, "all_to_all", [(8, "float32")], [(8, "float32")], in_splits=[4, 4], out_splits=[4, 4])
+    b = _m(1, "all_to_all", [(8, "float32")], [(8, "float32")], in_splits=[0, 8], out_splits=[8, 0])
+    assert "rank 0 sends 4 bytes to rank 1, which expects 8" in check_collective([a, b])
+
+
+def test_p2p_matches_in_issue_order_ignoring_tags():
+    q = P2PQueues()
+    s1 = _m(0, "send", [(4, "float32")], peer=1, tag=7)
+    s2 = _m(0, "send", [(8, "float32")], peer=1, tag=3)
+    assert q.add_send(s1) is None and q.add_send(s2) is None
+    r1 = _m(1, "recv", [], [(4, "float32")], peer=0, tag=3)  # tag differs: NCCL ignores it
+    assert q.add_recv(r1) == (s1, r1)
+    r2 = _m(1, "recv", [], [(4, "float32")], peer=0)
+    assert q.add_recv(r2) == (s2, r2)
+    assert "rank 0 sends float32 of 8 bytes, rank 1 receives float32 of 4 bytes" in check_p2p(s2, r2)
+
+
+def test_p2p_any_source_takes_earliest_send():
+    q = P2PQueues()
+    a = _m(2, "send", [(4, "float32")], peer=0)
+    b = _m(1, "send", [(4, "float32")], peer=0)
+    q.add_send(a)
+    q.add_send(b)
+    r = _m(0, "recv", [], [(4, "float32")], peer=None)
+    assert q.add_recv(r) == (a, r)
+
+
+def test_reduction_order_is_fixed_and_dtype_kept():
+    xs = [torch.tensor([1e8, 1.0, -1e8], dtype=torch.float32) * (i + 1) for i in range(4)]
+    a = C.reduce(xs, "sum")
+    b = C.reduce(xs, "sum")
+    assert torch.equal(a, b) and a.dtype == torch.float32
+    ref = xs[0].clone()
+    for x in xs[1:]:
+        ref += x
+    assert torch.equal(a, ref)
+    ints = [torch.tensor([7, -7]), torch.tensor([2, 2])]
+    assert C.reduce(ints, "avg").tolist() == [4, -2]  # truncated like NCCL's integer average
+    assert C.reduce([torch.tensor([1.0, 2.0])] * 3, "premul_sum", 0.5).tolist() == [1.5, 3.0]
+    assert C.reduce([torch.tensor([True, False]), torch.tensor([False, False])], "sum").tolist() == [True, False]
+    assert C.reduce([torch.tensor([6]), torch.tensor([3])], "bxor").tolist() == [5]
+    with pytest.raises(ValueError, match="unsupported reduce op 'median'"):
+        C.reduce(xs, "median")
