@@ -273,7 +273,7 @@ class Coordinator:
         kind = msg["kind"]
         peer = msg.get("peer")
         root = msg.get("root")
-        nbytes = sum(_desc_bytes(d[0]) for d in msg["ins"] + msg["outs"])
+        nbytes = max(sum(_desc_bytes(d[0]) for d in msg["ins"]), sum(_desc_bytes(d[0]) for d in msg["outs"]))
         rec = OpRecord(
             rank=rs.rank, index=rs.n_ops, kind=kind, group=g.id, seq=-1,
             peer=g.ranks[peer] if peer is not None else -1, root=g.ranks[root] if root is not None else -1,

@@ -10,7 +10,8 @@ from prism_megatron.trace import span
 iters = int(sys.argv[1]) if len(sys.argv) > 1 else 3
 dist.init_process_group("nccl")
 r, w = dist.get_rank(), dist.get_world_size()
-x = torch.randn(64, 64, generator=torch.Generator().manual_seed(r))
+dev = "cuda" if torch.cuda.is_available() else "cpu"
+x = torch.randn(64, 64, generator=torch.Generator().manual_seed(r)).to(dev)
 for it in range(iters):
     with span("iteration", iteration=it):
         for _ in range(5):
@@ -24,4 +25,4 @@ for it in range(iters):
         x = (x + y) / 2
 out = os.environ.get("RING_OUT")
 if out:
-    torch.save(x, os.path.join(out, f"rank-{r}.pt"))
+    torch.save(x.cpu(), os.path.join(out, f"rank-{r}.pt"))

@@ -1,0 +1,135 @@
+"""A small GPT pretraining entry (dense and MoE) for tests and the demo.
+
+The megatron-core wheel ships no ``pretrain_gpt.py``; this is its GPT path, reduced to mock data
+and the null tokenizer: it calls ``megatron.training.pretrain`` and accepts the standard Megatron
+flags (``--num-layers``, ``--tensor-model-parallel-size``, ``--num-experts``, ...), e.g. those
+``prism-megatron recipe show NAME`` prints. Run it with ``prism-megatron run`` (emulated ranks),
+``torchrun`` (real processes) or plain ``python`` (one rank).
+
+On a machine without a GPU it enables prism's CPU execution mode itself and defaults
+``--distributed-backend`` to gloo, so ``torchrun`` gives the real-process reference that the
+numerics contract compares prism against. With ``PRISM_MEGATRON_METRICS=FILE`` each rank appends
+its per-iteration loss and grad norm (full precision, JSON lines) to ``FILE``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from functools import partial
+
+from prism_megatron.megatron import cpu_mode
+from prism_megatron.megatron.megatron_lm import ensure_megatron_training
+
+if not cpu_mode.cpu_mode_active() and not cpu_mode._gpu_present():
+    cpu_mode.enable_cpu_mode()
+if cpu_mode.cpu_mode_active() and not any(a.startswith("--distributed-backend") for a in sys.argv):
+    sys.argv += ["--distributed-backend", "gloo"]
+ensure_megatron_training()
+
+import torch  # noqa: E402
+from megatron.core import parallel_state  # noqa: E402
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder  # noqa: E402
+from megatron.core.datasets.gpt_dataset import GPTDatasetConfig, MockGPTDataset  # noqa: E402
+from megatron.core.enums import ModelType  # noqa: E402
+from megatron.core.models.gpt import GPTModel  # noqa: E402
+from megatron.core.models.gpt.gpt_layer_specs import (  # noqa: E402
+    get_gpt_decoder_block_spec,
+    get_gpt_layer_local_spec,
+    get_gpt_layer_with_transformer_engine_spec,
+)
+from megatron.core.utils import get_attr_wrapped_model  # noqa: E402
+from megatron.training import get_args, get_tokenizer, pretrain, print_rank_0  # noqa: E402
+from megatron.training.arguments import core_transformer_config_from_args  # noqa: E402
+from megatron.training.utils import (  # noqa: E402
+    get_batch_on_this_cp_rank,
+    get_batch_on_this_tp_rank,
+    is_first_or_last_pipeline_stage,
+)
+
+if cpu_mode.cpu_mode_active():
+    from prism_megatron.patches import cpu_trainer
+
+    cpu_trainer.install()
+if os.environ.get("PRISM_MEGATRON_METRICS"):
+    from prism_megatron.patches import metrics
+
+    metrics.install(os.environ["PRISM_MEGATRON_METRICS"])
+
+
+def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage: int | None = None,
+                   config=None, pg_collection=None) -> GPTModel:
+    """GPTModel with the local or TransformerEngine layer spec (a block spec for MoE)."""
+    args = get_args()
+    if config is None:
+        config = core_transformer_config_from_args(args)
+    use_te = args.transformer_impl == "transformer_engine"
+    if args.num_experts:
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization=args.normalization,
+                                          qk_l2_norm=args.qk_l2_norm, vp_stage=vp_stage)
+    elif use_te:
+        spec = get_gpt_layer_with_transformer_engine_spec(args.num_experts, args.moe_grouped_gemm, args.qk_layernorm)
+    else:
+        spec = get_gpt_layer_local_spec(args.num_experts, args.moe_grouped_gemm, args.qk_layernorm,
+                                        normalization=args.normalization)
+    return GPTModel(
+        config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings, pre_process=pre_process, post_process=post_process,
+        fp16_lm_cross_entropy=args.fp16_lm_cross_entropy, parallel_output=True,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type, rotary_percent=args.rotary_percent,
+        rotary_base=args.rotary_base, vp_stage=vp_stage, pg_collection=pg_collection,
+    )
+
+
+def get_batch(data_iterator, vp_stage: int | None = None):
+    """This TP rank's slice of the batch (stages that neither embed nor compute the loss get None)."""
+    if not is_first_or_last_pipeline_stage(vp_stage):
+        return None, None, None, None, None
+    batch = get_batch_on_this_cp_rank(get_batch_on_this_tp_rank(data_iterator))
+    return batch["tokens"], batch["labels"], batch["loss_mask"], batch["attention_mask"], batch["position_ids"]
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Token-summed loss and token count, reported as Megatron's pretrain_gpt.py does ('lm loss')."""
+    losses = output_tensor.view(-1).float()
+    loss_mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * loss_mask)
+    num_tokens = loss_mask.sum().clone().detach().to(torch.int)
+    return loss, num_tokens, {"lm loss": torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])}
+
+
+def forward_step(data_iterator, model: GPTModel):
+    vp_stage = get_attr_wrapped_model(model, "vp_stage")
+    tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator, vp_stage)
+    output = model(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask)
+    return output, partial(loss_func, loss_mask)
+
+
+def _dataset_built_on_rank(vp_stage: int | None = None) -> bool:
+    return is_first_or_last_pipeline_stage(vp_stage) and parallel_state.get_tensor_model_parallel_rank() == 0
+
+
+def train_valid_test_datasets_provider(num_samples, vp_stage: int | None = None):
+    """Mock GPT datasets (random token ids from the seed): no data files needed."""
+    args = get_args()
+    config = GPTDatasetConfig(
+        random_seed=args.seed, sequence_length=args.seq_length, blend=None, blend_per_split=None,
+        split=args.split or "969,30,1", path_to_cache=args.data_cache_path, tokenizer=get_tokenizer(),
+        reset_position_ids=args.reset_position_ids, reset_attention_mask=args.reset_attention_mask,
+        eod_mask_loss=args.eod_mask_loss, create_attention_mask=args.create_attention_mask_in_dataloader,
+        mid_level_dataset_surplus=args.mid_level_dataset_surplus,
+    )
+    print_rank_0("> building mock GPT datasets ...")
+    return BlendedMegatronDatasetBuilder(
+        MockGPTDataset, num_samples, partial(_dataset_built_on_rank, vp_stage=vp_stage), config).build()
+
+
+def main() -> None:
+    train_valid_test_datasets_provider.is_distributed = True
+    pretrain(train_valid_test_datasets_provider, model_provider, ModelType.encoder_or_decoder, forward_step,
+             args_defaults={"tokenizer_type": "NullTokenizer"})
+
+
+if __name__ == "__main__":
+    main()

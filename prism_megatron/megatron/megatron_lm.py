@@ -1,0 +1,140 @@
+"""Make Megatron-LM's ``megatron.training`` importable next to the installed megatron-core.
+
+The megatron-core wheel (0.16.x) ships ``megatron.core`` only; ``megatron.training`` (the
+trainer, argument parser, ``pretrain``) lives in an NVIDIA/Megatron-LM checkout. ``megatron`` is
+a namespace package, so appending the checkout's root to ``sys.path`` adds ``megatron.training``
+while ``megatron.core`` keeps coming from the installed wheel (with its compiled dataset
+helpers). The checkout must be the tag matching the installed core (``core_v0.16.1`` here).
+
+The trainer imports a few packages at module level that it never uses for GPT pretraining on
+mock data with the null tokenizer (``six`` and ``regex`` for the BERT/GPT2 tokenizers,
+``pydantic`` for the RL package, ``triton`` for batch-invariant kernels). When one is not
+installed, an inert stand-in module is registered so the import succeeds; using it fails or does
+nothing, which is fine for the features those packages serve.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import os
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+__all__ = ["find_megatron_lm", "ensure_megatron_training", "ENV_VAR"]
+
+ENV_VAR = "MEGATRON_LM_PATH"
+_REPO = Path(__file__).resolve().parents[2]
+# Packages the trainer imports at module level but GPT pretraining on mock data never uses.
+_OPTIONAL_IMPORTS = ("six", "regex", "pydantic")
+
+
+def _installed(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ModuleNotFoundError, ValueError):
+        return False
+
+
+def find_megatron_lm() -> Path | None:
+    """The root of a Megatron-LM checkout (holding ``megatron/training``), or None.
+
+    Looked for in ``$MEGATRON_LM_PATH``, ``third_party/Megatron-LM`` of this repository and
+    ``Megatron-LM*`` folders beside the repository (how this machine keeps one).
+    """
+    candidates: list[Path] = []
+    if os.environ.get(ENV_VAR):
+        candidates.append(Path(os.environ[ENV_VAR]))
+    candidates.append(_REPO / "third_party" / "Megatron-LM")
+    candidates.extend(sorted(_REPO.parent.glob("Megatron-LM*"), reverse=True))
+    for root in candidates:
+        if (root / "megatron" / "training" / "arguments.py").is_file():
+            return root.resolve()
+    return None
+
+
+class _Placeholder(type):
+    """Any attribute of a stand-in module: a class that accepts anything (subclassable, callable)."""
+
+    def __getattr__(cls, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _placeholder(f"{cls.__name__}.{name}")
+
+
+def _placeholder(name: str) -> type:
+    return _Placeholder(name, (), {
+        "__init__": lambda self, *a, **k: None,
+        "__call__": lambda self, *a, **k: None,
+        "__init_subclass__": classmethod(lambda cls, **k: None),
+    })
+
+
+class _StandInModule(types.ModuleType):
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        value = _placeholder(f"{self.__name__}.{name}")
+        setattr(self, name, value)
+        return value
+
+
+class _StandInFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Resolves ``names`` (and their submodules) to stand-in modules; last on ``sys.meta_path``."""
+
+    def __init__(self, names: set[str]) -> None:
+        self.names = names
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        if fullname.split(".")[0] in self.names:
+            return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
+        return None
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
+        module = _StandInModule(spec.name, "prism: stand-in for a package megatron.training imports but "
+                                           "GPT pretraining on mock data does not use")
+        module.__path__ = []
+        return module
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        return None
+
+
+_FINDER: _StandInFinder | None = None
+
+
+def _install_stand_ins() -> None:
+    global _FINDER
+    missing = {name for name in _OPTIONAL_IMPORTS if not _installed(name)}
+    if missing and _FINDER is None:
+        _FINDER = _StandInFinder(missing)
+        sys.meta_path.append(_FINDER)
+    if not _installed("triton") and "triton" not in sys.modules:
+        from prism_megatron.megatron.cpu_cuda_stubs import make_triton_stub
+
+        import torch._dynamo  # noqa: F401 - decides "no triton" before the stand-in exists
+
+        sys.modules.update(make_triton_stub())
+
+
+def ensure_megatron_training() -> Path | None:
+    """Make ``import megatron.training`` work; returns the checkout used (None if installed).
+
+    Raises ``RuntimeError`` naming ``$MEGATRON_LM_PATH`` when no Megatron-LM is found.
+    """
+    root = None
+    if not _installed("megatron.training"):
+        root = find_megatron_lm()
+        if root is None:
+            raise RuntimeError(
+                "prism: megatron.training is not installed (the megatron-core wheel does not ship it) "
+                f"and no Megatron-LM checkout was found; set {ENV_VAR} to a checkout of NVIDIA/Megatron-LM "
+                "at the tag matching megatron-core (core_v0.16.1 for 0.16.1)")
+        if str(root) not in sys.path:
+            sys.path.append(str(root))  # after site-packages: megatron.core stays the installed one
+        importlib.invalidate_caches()
+    _install_stand_ins()
+    return root

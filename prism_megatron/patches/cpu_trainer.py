@@ -1,0 +1,38 @@
+"""Seam: ``megatron.training.training.initialize_megatron`` - let Megatron-LM's trainer start on CPU.
+
+``initialize_megatron`` asserts ``torch.cuda.is_available()`` unless ``allow_no_cuda=True``; CPU
+mode keeps ``is_available()`` truthful (False), so ``pretrain`` would stop there. While CPU mode
+is active, ``pretrain``'s call gets ``allow_no_cuda=True`` (that flag only skips the assert).
+Never installed with a GPU: CPU mode refuses to engage there. Checked against 0.16.1.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from prism_megatron.patches import seam
+
+CHECKED = ("0.16.1",)
+_done = False
+
+
+def install() -> None:
+    """Patch the name ``pretrain`` calls (``megatron.training.training.initialize_megatron``)."""
+    global _done
+    if _done:
+        return
+    import megatron.training.training as training
+
+    from prism_megatron.megatron.cpu_mode import cpu_mode_active
+
+    original = seam(training, "initialize_megatron", CHECKED, ("allow_no_cuda",))
+
+    @functools.wraps(original)
+    def initialize_megatron(*args: Any, **kwargs: Any) -> Any:
+        if cpu_mode_active():
+            kwargs["allow_no_cuda"] = True
+        return original(*args, **kwargs)
+
+    training.initialize_megatron = initialize_megatron
+    _done = True
