@@ -17,7 +17,7 @@ python3 -m prism_megatron launch -w 8 --devices 0 --slots-per-device 2 --log-ran
 echo "prism cuda op matrix: exit $rc, $(python3 -c "import time;print(round(time.time()-$t0,1))") s"
 tail -n 30 "$work/trace.logs/rank-0.log" > "$out/rank0_tail.log" 2>/dev/null
 python3 -m torch.distributed.run --nproc-per-node=8 --master-port=29655 tests/programs/op_matrix.py \
-  "$work/gloo" > "$work/gloo.log" 2>&1; echo "gloo cpu op matrix: exit $?"
+  "$work/gloo" > "$work/gloo.log" 2>&1; echo "gloo cpu op matrix: exit $?"; grep -v "^\[rank" "$work/gloo.log" | tail -n 40 > "$out/gloo_tail.log"; grep -m5 -E "Error|error" "$work/gloo.log"
 python3 bench/gpu/compare_matrix.py "$work/prism" "$work/gloo" 8 | tee "$out/compare.txt"
 python3 -m prism_megatron trace show "$work/trace" > "$out/trace_summary.txt" 2>&1 || true
 t0=$(date +%s.%N)

@@ -3,6 +3,12 @@
 ``initialize_megatron`` asserts ``torch.cuda.is_available()`` unless ``allow_no_cuda=True``; CPU
 mode keeps ``is_available()`` truthful (False), so ``pretrain`` would stop there. While CPU mode
 is active, ``pretrain``'s call gets ``allow_no_cuda=True`` (that flag only skips the assert).
+Seam: ``megatron.legacy.fused_kernels.load`` - it only probes ``$CUDA_HOME/bin/nvcc`` (and fails
+without CUDA); in CPU mode it does nothing.
+Also, in CPU mode ``torch._dynamo`` is disabled: Megatron's ``jit_fuser`` is ``torch.compile``, and
+inductor would build C++ kernels in every rank (seconds each, a compiler needed) after probing
+``torch.cuda.get_device_properties`` for a real GPU; the fused functions then run eagerly, in
+prism and in the real-process reference alike.
 Never installed with a GPU: CPU mode refuses to engage there. Checked against 0.16.1.
 """
 
@@ -35,4 +41,20 @@ def install() -> None:
         return original(*args, **kwargs)
 
     training.initialize_megatron = initialize_megatron
+    if cpu_mode_active():
+        import torch._dynamo
+
+        torch._dynamo.config.disable = True
+
+    import megatron.legacy.fused_kernels as fused_kernels
+
+    original_load = seam(fused_kernels, "load", CHECKED, ("args",))
+
+    @functools.wraps(original_load)
+    def load(args: Any) -> None:
+        if not cpu_mode_active():
+            return original_load(args)
+        return None
+
+    fused_kernels.load = load
     _done = True

@@ -31,13 +31,40 @@ _REDOPS = {
 }
 
 
+# torch < 2.13 does not expose a PREMUL_SUM op's factor to Python: remember the factors of the ops
+# `_make_nccl_premul_sum` made (install() wraps it), keyed by object id, the op kept alive alongside.
+_PREMUL_FACTORS: dict[int, tuple[Any, float]] = {}
+
+
+def _premul_factor(op: Any) -> float:
+    try:
+        return float(op.factor)
+    except (AttributeError, RuntimeError):
+        known = _PREMUL_FACTORS.get(id(op))
+        if known is None or known[0] is not op:
+            raise NotImplementedError("prism backend: PREMUL_SUM op whose factor is unknown (made before prism "
+                                      "was installed?)") from None
+        return known[1]
+
+
+def _make_premul_sum(original: Any) -> Any:
+    def make(factor: Any) -> Any:
+        op = original(factor)
+        if len(_PREMUL_FACTORS) > 4096:
+            _PREMUL_FACTORS.clear()
+        _PREMUL_FACTORS[id(op)] = (op, float(factor))
+        return op
+
+    return make
+
+
 def _redop(opts: Any) -> dict:
     op = opts.reduceOp
     kind = op.op if isinstance(op, dist.ReduceOp) else dist.ReduceOp.RedOpType(op)
     name = _REDOPS.get(kind)
     if name is None:
         raise NotImplementedError(f"prism backend: reduce op {kind} is not supported")
-    return {"redop": name, "factor": float(op.factor) if name == "premul_sum" else None}
+    return {"redop": name, "factor": _premul_factor(op) if name == "premul_sum" else None}
 
 
 class PrismProcessGroup(dist.ProcessGroup):
@@ -291,6 +318,8 @@ def install(client: RankClient) -> None:
 
     helper.__wrapped__ = original  # type: ignore[attr-defined]
     c10d._new_process_group_helper = helper
+    if hasattr(dist, "_make_nccl_premul_sum"):
+        dist._make_nccl_premul_sum = _make_premul_sum(dist._make_nccl_premul_sum)
     # The env var makes init_process_group wait on a store barrier while holding a slot: with
     # fewer slots than ranks that never completes. Our first collective synchronises anyway.
     import os

@@ -8,12 +8,14 @@ flags (``--num-layers``, ``--tensor-model-parallel-size``, ``--num-experts``, ..
 
 On a machine without a GPU it enables prism's CPU execution mode itself and defaults
 ``--distributed-backend`` to gloo, so ``torchrun`` gives the real-process reference that the
-numerics contract compares prism against. With ``PRISM_MEGATRON_METRICS=FILE`` each rank appends
+numerics contract compares prism against. Without apex it adds ``--no-persist-layer-norm`` (the
+torch LayerNorm Megatron falls back to refuses the persistent kernel flag, on by default). With ``PRISM_MEGATRON_METRICS=FILE`` each rank appends
 its per-iteration loss and grad norm (full precision, JSON lines) to ``FILE``.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 from functools import partial
@@ -25,6 +27,8 @@ if not cpu_mode.cpu_mode_active() and not cpu_mode._gpu_present():
     cpu_mode.enable_cpu_mode()
 if cpu_mode.cpu_mode_active() and not any(a.startswith("--distributed-backend") for a in sys.argv):
     sys.argv += ["--distributed-backend", "gloo"]
+if importlib.util.find_spec("apex") is None and "--no-persist-layer-norm" not in sys.argv:
+    sys.argv.append("--no-persist-layer-norm")  # the torch LayerNorm fallback refuses persist
 ensure_megatron_training()
 
 import torch  # noqa: E402
@@ -47,9 +51,10 @@ from megatron.training.utils import (  # noqa: E402
     is_first_or_last_pipeline_stage,
 )
 
-if cpu_mode.cpu_mode_active():
-    from prism_megatron.patches import cpu_trainer
+from prism_megatron.patches import cpu_trainer, dataset_helpers  # noqa: E402
 
+dataset_helpers.install()
+if cpu_mode.cpu_mode_active():
     cpu_trainer.install()
 if os.environ.get("PRISM_MEGATRON_METRICS"):
     from prism_megatron.patches import metrics
@@ -128,7 +133,7 @@ def train_valid_test_datasets_provider(num_samples, vp_stage: int | None = None)
 def main() -> None:
     train_valid_test_datasets_provider.is_distributed = True
     pretrain(train_valid_test_datasets_provider, model_provider, ModelType.encoder_or_decoder, forward_step,
-             args_defaults={"tokenizer_type": "NullTokenizer"})
+             args_defaults={"tokenizer_type": "NullTokenizer", "eval_interval": 1000})
 
 
 if __name__ == "__main__":

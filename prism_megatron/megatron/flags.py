@@ -1,0 +1,49 @@
+"""The ``--prism-*`` flags: one table, used by ``prism-megatron run`` and added to Megatron's parser.
+
+Megatron parses strictly, so a flag it does not know aborts the run; ``patches.arguments`` adds
+this table to the parser Megatron builds, which makes the flags legal on the script's own command
+line and visible in ``args`` (and therefore in Megatron's W&B config). Later issues add rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+__all__ = ["PRISM_FLAGS", "add_prism_arguments", "flag_takes_value", "prism_parser"]
+
+# flag -> argparse keyword arguments (dest is derived by argparse: --prism-x-y -> prism_x_y)
+PRISM_FLAGS: dict[str, dict[str, Any]] = {
+    "--prism-emulate": dict(action="store_true",
+                            help="Emulate the target job with prism (without it nothing is patched)."),
+    "--prism-world-size": dict(type=int, default=None,
+                               help="Ranks of the target job (a recipe gives it; else required)."),
+    "--prism-devices": dict(type=str, default="cpu", help="'cpu' or CUDA device indices, e.g. 0 or 0,1."),
+    "--prism-slots-per-device": dict(type=int, default=1, help="Ranks that compute at once on each device."),
+    "--prism-trace-dir": dict(type=str, default="prism-trace", help="Where the PrismTrace goes."),
+    "--prism-hang-timeout": dict(type=float, default=120.0,
+                                 help="Seconds with every rank blocked before the job is declared hung."),
+    "--prism-log-ranks": dict(type=str, default="last",
+                              help="Ranks whose output reaches the terminal ('0,last', 'all', ...); "
+                                   "Megatron prints iteration lines on the last rank."),
+    "--prism-gpus-per-node": dict(type=int, default=8, help="GPUs per node of the target cluster."),
+    "--prism-threads-per-rank": dict(type=int, default=1, help="torch threads per emulated rank."),
+    "--prism-recipe": dict(type=str, default=None, help="Recipe name or file (also --recipe)."),
+}
+
+
+def add_prism_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the prism group to ``parser`` (Megatron's or ours); returns it, as Megatron's providers do."""
+    group = parser.add_argument_group(title="prism", description="prism-megatron emulation")
+    for flag, kwargs in PRISM_FLAGS.items():
+        group.add_argument(flag, **kwargs)
+    return parser
+
+
+def prism_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="prism-megatron run", add_help=False, allow_abbrev=False)
+    return add_prism_arguments(parser)
+
+
+def flag_takes_value(flag: str) -> bool:
+    return PRISM_FLAGS[flag].get("action") != "store_true"

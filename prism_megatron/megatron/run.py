@@ -1,0 +1,181 @@
+"""``prism-megatron run [prism options] [SCRIPT.py] [megatron args]``: a Megatron command, emulated.
+
+Prism options (``PRISM_FLAGS``) may come before the script or among the script's own flags; the
+ranks always receive them among the script's flags, where Megatron's parser accepts them
+(``patches.arguments``) and shows them in ``args``. ``--recipe NAME`` (or ``--prism-recipe``)
+supplies the script (the mini GPT driver), the flags, the environment and the world size of a
+recipe, and implies ``--prism-emulate``; flags after it are appended, so they override.
+
+Without ``--prism-emulate`` nothing is patched: the script runs in this process exactly as
+``python SCRIPT.py ARGS`` would (under ``torchrun`` too), with the ``--prism-*`` flags removed.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from prism_megatron.megatron.flags import PRISM_FLAGS, flag_takes_value, prism_parser
+
+__all__ = ["RunRequest", "RunError", "parse_run_args", "run", "RANK_SETUP", "PRELOAD", "USAGE"]
+
+RANK_SETUP = "prism_megatron.megatron.emulate:rank_setup"
+PRELOAD = "prism_megatron.megatron.preload"
+_ALIASES = {"--recipe": "--prism-recipe"}
+
+USAGE = """Usage: prism-megatron run [PRISM OPTIONS] [SCRIPT.py] [MEGATRON ARGS]...
+
+  Run a Megatron pretrain script; with --prism-emulate (or --recipe) every rank of the target job
+  runs as an emulated logical rank through prism, and a PrismTrace is written.
+
+  Examples:
+    prism-megatron run --recipe mini-dense-tp2pp2
+    prism-megatron run --prism-emulate --prism-world-size 4 pretrain_gpt.py --tensor-model-parallel-size 2 ...
+
+Prism options (also accepted among the script's flags):
+"""
+
+
+class RunError(ValueError):
+    """Bad ``run`` input; the message names the option."""
+
+
+@dataclass
+class RunRequest:
+    """A parsed ``run`` command line."""
+
+    options: dict = field(default_factory=dict)  # dest -> value, every PRISM_FLAGS entry
+    script: Path | None = None
+    script_args: list[str] = field(default_factory=list)  # without any --prism-* flag
+    env: dict[str, str] = field(default_factory=dict)  # extra environment (a recipe's)
+
+    @property
+    def emulate(self) -> bool:
+        return bool(self.options.get("prism_emulate"))
+
+    def prism_argv(self) -> list[str]:
+        """The prism options as flags (what the ranks' Megatron parser sees)."""
+        out: list[str] = []
+        for flag, kwargs in PRISM_FLAGS.items():
+            value = self.options.get(flag[2:].replace("-", "_"))
+            if kwargs.get("action") == "store_true":
+                if value:
+                    out.append(flag)
+            elif value is not None:
+                out += [flag, str(value)]
+        return out
+
+
+def _split(argv: list[str]) -> tuple[list[str], list[str]]:
+    """Pull ``--prism-*`` (and ``--recipe``) tokens, with their values, out of ``argv``."""
+    prism: list[str] = []
+    rest: list[str] = []
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        name, eq, _ = token.partition("=")
+        name = _ALIASES.get(name, name)
+        if name in PRISM_FLAGS:
+            if eq:
+                prism.append(name + token[len(token.partition("=")[0]):])
+            elif flag_takes_value(name):
+                if i + 1 >= len(argv):
+                    raise RunError(f"{token} needs a value")
+                prism += [name, argv[i + 1]]
+                i += 1
+            else:
+                prism.append(name)
+        elif token.startswith("--prism-"):
+            known = ", ".join(PRISM_FLAGS)
+            raise RunError(f"unknown prism option {name!r}; known: {known}")
+        else:
+            rest.append(token)
+        i += 1
+    return prism, rest
+
+
+def parse_run_args(argv: list[str]) -> RunRequest:
+    """Parse ``run``'s arguments (the recipe, if any, is loaded and validated here)."""
+    lead: list[str] = []
+    i = 0
+    while i < len(argv) and argv[i].startswith("--"):  # prism options before the script
+        name = _ALIASES.get(argv[i].partition("=")[0], argv[i].partition("=")[0])
+        if name not in PRISM_FLAGS:
+            break
+        take = 2 if flag_takes_value(name) and "=" not in argv[i] else 1
+        lead += argv[i:i + take]
+        i += take
+    script: Path | None = None
+    if i < len(argv) and not argv[i].startswith("-"):
+        script = Path(argv[i])
+        i += 1
+    prism_tokens, script_args = _split(lead + argv[i:])
+    parser = prism_parser()
+    try:
+        namespace = parser.parse_args(prism_tokens)
+    except SystemExit:
+        raise RunError(f"bad prism options: {' '.join(prism_tokens)}") from None
+    request = RunRequest(options=vars(namespace), script=script, script_args=script_args)
+    recipe_name = request.options.get("prism_recipe")
+    if recipe_name:
+        from prism_megatron.megatron.driver import DRIVER_SCRIPT
+        from prism_megatron.recipe import load_recipe, render_args, render_env
+
+        recipe = load_recipe(recipe_name)  # RecipeError names the file and field
+        request.options["prism_emulate"] = True
+        if request.options.get("prism_world_size") is None:
+            request.options["prism_world_size"] = recipe.world_size
+        elif request.options["prism_world_size"] != recipe.world_size:
+            raise RunError(f"--prism-world-size {request.options['prism_world_size']} differs from recipe "
+                           f"{recipe.name}'s world_size {recipe.world_size}")
+        if request.script is None:
+            request.script = DRIVER_SCRIPT
+        request.script_args = render_args(recipe) + request.script_args
+        request.env = render_env(recipe)
+    if request.script is None:
+        raise RunError("no script given: prism-megatron run [PRISM OPTIONS] SCRIPT.py [ARGS] (or --recipe NAME)")
+    if not request.script.is_file():
+        raise RunError(f"script {str(request.script)!r} does not exist or is not a file")
+    if request.emulate and request.options.get("prism_world_size") is None:
+        raise RunError("--prism-emulate needs --prism-world-size W (the target job's number of ranks) or --recipe")
+    return request
+
+
+def _run_in_process(request: RunRequest) -> int:
+    """Plain run: what ``python SCRIPT.py ARGS`` does, nothing patched."""
+    script = str(request.script.resolve())
+    sys.argv = [script, *request.script_args]
+    sys.path.insert(0, str(Path(script).parent))
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    return 0
+
+
+def launch_config(request: RunRequest):
+    """The launcher's configuration for an emulated run (validated by the caller)."""
+    from prism_megatron.launcher.config import LaunchConfig, parse_devices, parse_ranks
+
+    o = request.options
+    world = int(o["prism_world_size"])
+    return LaunchConfig(
+        script=request.script, script_args=[*request.script_args, *request.prism_argv()], world_size=world,
+        devices=parse_devices(o["prism_devices"]), slots_per_device=o["prism_slots_per_device"],
+        hang_timeout=o["prism_hang_timeout"], trace_dir=Path(o["prism_trace_dir"]),
+        gpus_per_node=o["prism_gpus_per_node"], log_ranks=parse_ranks(o["prism_log_ranks"], world),
+        threads_per_rank=o["prism_threads_per_rank"], preload=[PRELOAD], rank_setup=[RANK_SETUP],
+    )
+
+
+def run(request: RunRequest) -> int:
+    """Run the request; returns the exit code (the launcher's codes when emulating)."""
+    os.environ.update(request.env)
+    if not request.emulate:
+        return _run_in_process(request)
+    from prism_megatron.launcher.launch import launch
+
+    return launch(launch_config(request).validate())
