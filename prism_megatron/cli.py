@@ -54,6 +54,56 @@ def launch(world_size: int, devices: str, slots_per_device: int, hang_timeout: f
     sys.exit(run(cfg))
 
 
+@main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True,
+                               "help_option_names": []}, add_help_option=False)
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def run(args: tuple[str, ...]) -> None:
+    """Run a Megatron pretrain script; with --prism-emulate (or --recipe), emulated through prism.
+
+    prism-megatron run [PRISM OPTIONS] [SCRIPT.py] [MEGATRON ARGS]; see `prism-megatron run --help`.
+    """
+    from prism_megatron.launcher.config import LaunchError
+    from prism_megatron.megatron.flags import prism_parser
+    from prism_megatron.megatron.run import USAGE, RunError, parse_run_args
+    from prism_megatron.megatron.run import run as run_request
+    from prism_megatron.recipe import RecipeError
+
+    if not args or args[0] in ("-h", "--help"):
+        click.echo(USAGE + prism_parser().format_help().split("prism-megatron emulation", 1)[-1])
+        return
+    try:
+        request = parse_run_args(list(args))
+        code = run_request(request)
+    except (RunError, LaunchError, RecipeError) as e:
+        raise click.UsageError(str(e)) from None
+    sys.exit(code)
+
+
+@main.group()
+def recipe() -> None:
+    """Mini and target recipes: validated YAML descriptions of a Megatron job."""
+
+
+@recipe.command("show")
+@click.argument("name")
+def recipe_show(name: str) -> None:
+    """Print a recipe's summary and the Megatron flags it renders to."""
+    from prism_megatron.recipe import RecipeError, show
+
+    try:
+        click.echo(show(name), nl=False)
+    except RecipeError as e:
+        raise click.ClickException(str(e)) from None
+
+
+@recipe.command("list")
+def recipe_list() -> None:
+    """Names of the shipped recipes."""
+    from prism_megatron.recipe import recipe_names
+
+    click.echo("\n".join(recipe_names()))
+
+
 @main.group()
 def trace() -> None:
     """Inspect and export PrismTrace directories."""

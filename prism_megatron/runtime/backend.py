@@ -31,31 +31,15 @@ _REDOPS = {
 }
 
 
-# torch < 2.13 does not expose a PREMUL_SUM op's factor to Python: remember the factors of the ops
-# `_make_nccl_premul_sum` made (install() wraps it), keyed by object id, the op kept alive alongside.
-_PREMUL_FACTORS: dict[int, tuple[Any, float]] = {}
-
-
 def _premul_factor(op: Any) -> float:
+    """The scalar of a PREMUL_SUM op; older torch exposes it only through the op's pickle state."""
     try:
         return float(op.factor)
     except (AttributeError, RuntimeError):
-        known = _PREMUL_FACTORS.get(id(op))
-        if known is None or known[0] is not op:
-            raise NotImplementedError("prism backend: PREMUL_SUM op whose factor is unknown (made before prism "
-                                      "was installed?)") from None
-        return known[1]
-
-
-def _make_premul_sum(original: Any) -> Any:
-    def make(factor: Any) -> Any:
-        op = original(factor)
-        if len(_PREMUL_FACTORS) > 4096:
-            _PREMUL_FACTORS.clear()
-        _PREMUL_FACTORS[id(op)] = (op, float(factor))
-        return op
-
-    return make
+        state = op.__getstate__()
+        if len(state) > 1 and isinstance(state[1], (int, float)):
+            return float(state[1])
+        raise NotImplementedError("prism backend: PREMUL_SUM with a tensor factor is not supported") from None
 
 
 def _redop(opts: Any) -> dict:
@@ -318,8 +302,6 @@ def install(client: RankClient) -> None:
 
     helper.__wrapped__ = original  # type: ignore[attr-defined]
     c10d._new_process_group_helper = helper
-    if hasattr(dist, "_make_nccl_premul_sum"):
-        dist._make_nccl_premul_sum = _make_premul_sum(dist._make_nccl_premul_sum)
     # The env var makes init_process_group wait on a store barrier while holding a slot: with
     # fewer slots than ranks that never completes. Our first collective synchronises anyway.
     import os

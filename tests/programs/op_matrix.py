@@ -114,7 +114,12 @@ save("scatter", o)
 
 # all-to-all, even and uneven
 outs = [torch.empty(3, device=device) for _ in range(W)]
-dist.all_to_all(outs, [inp(3, salt=j) for j in range(W)])
+try:
+    dist.all_to_all(outs, [inp(3, salt=j) for j in range(W)])
+except RuntimeError as e:  # gloo of torch < 2.13 lacks the list form: store the exact reference
+    if prism or "does not support" not in str(e):
+        raise
+    outs = [inp(3, rank=j, salt=R) for j in range(W)]
 save("all_to_all/list", torch.stack(outs))
 o = torch.empty(2 * W, device=device)
 dist.all_to_all_single(o, inp(2 * W))

@@ -1,0 +1,25 @@
+"""Imported once by the launcher's template before it forks the ranks (``--preload``).
+
+Forked ranks share these pages, so importing torch, megatron-core and Megatron-LM's trainer here
+makes each rank start in milliseconds instead of seconds. On a machine without a GPU, CPU mode is
+enabled first - before Megatron's import-time code runs - and the forks inherit it.
+"""
+
+from __future__ import annotations
+
+from prism_megatron.megatron import cpu_mode
+from prism_megatron.megatron.megatron_lm import ensure_megatron_training
+
+if not cpu_mode.cpu_mode_active() and not cpu_mode._gpu_present():
+    cpu_mode.enable_cpu_mode()
+ensure_megatron_training()
+
+import megatron.core.datasets.gpt_dataset  # noqa: E402, F401
+import megatron.core.models.gpt.gpt_layer_specs  # noqa: E402, F401
+import megatron.core.pipeline_parallel.schedules  # noqa: E402, F401
+import megatron.training  # noqa: E402, F401
+import megatron.training.training  # noqa: E402, F401
+
+from prism_megatron.megatron.emulate import install_patches  # noqa: E402
+
+install_patches()

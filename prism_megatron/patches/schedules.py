@@ -1,0 +1,95 @@
+"""Seam: ``megatron.core.pipeline_parallel.schedules.forward_step`` / ``backward_step`` - scheduling units.
+
+Every schedule in ``schedules.py`` (no pipelining, 1F1B, interleaved 1F1B) runs a microbatch's
+forward and backward through these two module-level functions, looked up at call time, so
+wrapping them sees every unit without touching the schedules. Each call becomes a span
+``forward`` / ``backward`` with attributes ``iteration`` (set by ``patches.training_loop``),
+``microbatch`` and ``chunk`` (the virtual-pipeline model chunk, 0 without VPP).
+
+``forward_step`` is told the microbatch (``current_microbatch``) and chunk (``vp_stage``);
+``backward_step`` is not, so the forward remembers them under its output tensor, which the
+schedule hands back to ``backward_step`` (kept alive until then).
+
+The combined-1F1B schedules (``combined_1f1b.py``, used with
+``--overlap-moe-expert-parallel-comm``) merge a forward and a backward into one
+``combined_forward_backward_step``; they are not hooked yet and emit no units.
+Checked against megatron-core 0.16.1.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from prism_megatron.patches import seam
+from prism_megatron.trace.markers import span
+
+CHECKED = ("0.16.1",)
+_MODULE = "megatron.core.pipeline_parallel.schedules"
+_SCHEDULES = ("forward_backward_no_pipelining", "forward_backward_pipelining_without_interleaving",
+              "forward_backward_pipelining_with_interleaving")
+# positions in forward_step(forward_step_func, data_iterator, model, num_microbatches, input_tensor,
+#   forward_data_store, config, cp_group_size, collect_non_loss_data, checkpoint_activations_microbatch,
+#   is_first_microbatch, current_microbatch, vp_stage, is_last_stage)
+_CURRENT_MICROBATCH, _VP_STAGE = 11, 12
+
+
+class _State:
+    """Per-process: the iteration in progress and the forward units awaiting their backward."""
+
+    def __init__(self) -> None:
+        self.iteration = 0
+        self.pending: dict[int, tuple[int | None, int]] = {}  # id(output tensor) -> (microbatch, chunk)
+        self.forwards = 0
+
+    def begin_iteration(self, iteration: int) -> None:
+        self.iteration = iteration
+        self.pending.clear()
+
+
+STATE = _State()
+_done = False
+
+
+def _arg(args: tuple, kwargs: dict, name: str, index: int) -> Any:
+    if name in kwargs:
+        return kwargs[name]
+    return args[index] if len(args) > index else None
+
+
+def _key(output_tensor: Any) -> int:
+    if isinstance(output_tensor, (list, tuple)):
+        output_tensor = output_tensor[0] if output_tensor else None
+    return id(output_tensor)
+
+
+def install() -> None:
+    global _done
+    if _done:
+        return
+    import importlib
+
+    sched = importlib.import_module(_MODULE)
+    for name in _SCHEDULES:
+        seam(sched, name, CHECKED)
+    original_forward = seam(sched, "forward_step", CHECKED, ("current_microbatch", "vp_stage", "input_tensor"))
+    original_backward = seam(sched, "backward_step", CHECKED, ("input_tensor", "output_tensor", "output_tensor_grad"))
+
+    @functools.wraps(original_forward)
+    def forward_step(*args: Any, **kwargs: Any) -> Any:
+        microbatch = _arg(args, kwargs, "current_microbatch", _CURRENT_MICROBATCH)
+        chunk = _arg(args, kwargs, "vp_stage", _VP_STAGE) or 0
+        with span("forward", iteration=STATE.iteration, microbatch=microbatch, chunk=chunk):
+            result = original_forward(*args, **kwargs)
+        STATE.pending[_key(result[0])] = (microbatch, chunk)
+        return result
+
+    @functools.wraps(original_backward)
+    def backward_step(input_tensor: Any, output_tensor: Any, *args: Any, **kwargs: Any) -> Any:
+        microbatch, chunk = STATE.pending.pop(_key(output_tensor), (None, None))
+        with span("backward", iteration=STATE.iteration, microbatch=microbatch, chunk=chunk):
+            return original_backward(input_tensor, output_tensor, *args, **kwargs)
+
+    sched.forward_step = forward_step
+    sched.backward_step = backward_step
+    _done = True
