@@ -14,7 +14,6 @@ setup(
         "torch>=2.4",
         "pyyaml>=6",
         "click>=8.1",
-        "rich>=13",
         "pyarrow>=14",
     ],
     extras_require={

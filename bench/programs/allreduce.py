@@ -19,3 +19,4 @@ dt = time.perf_counter() - t0
 if dist.get_rank() == 0:
     json.dump({"seconds": dt, "iters": iters, "bytes": t.numel() * 4, "world": dist.get_world_size()},
               open(out, "w"))
+dist.destroy_process_group()

@@ -19,3 +19,5 @@ dist.all_reduce(t)
 if dist.get_rank() == 0 and len(sys.argv) > 1 and sys.argv[1] != "-":
     with open(sys.argv[1], "w") as f:
         f.write(str(t.item() / dist.get_world_size()))
+dist.barrier()
+dist.destroy_process_group()

@@ -141,11 +141,13 @@ class RankClient:
         self.rank = rank
         self.world_size = world_size
         self._conn: Connection = Client(address, authkey=authkey)
+        P.no_delay(self._conn)
         self._send_lock = threading.Lock()
         self._ids = itertools.count()
         self._pending: dict[int, _Pending] = {}
         self._pending_lock = threading.Lock()
         self._granted = threading.Event()
+        self._owed_grant = False
         self._fatal: PrismCommError | None = None
         self.arena = Arena(segment_prefix)
         self._send({"t": P.HELLO, "rank": rank, "world_size": world_size})
@@ -167,6 +169,7 @@ class RankClient:
         self._send({"t": P.GROUP, "name": name, "ranks": ranks, "backend": backend})
 
     def mark(self, name: str, phase: str, attrs: dict) -> None:
+        self._settle()
         self._send({"t": P.MARK, "name": name, "phase": phase, "attrs": attrs})
 
     def submit(self, group: str, kind: str, ins: list[torch.Tensor], outs: list[torch.Tensor],
@@ -177,6 +180,7 @@ class RankClient:
         """
         if self._fatal is not None:
             raise self._fatal
+        self._settle()
         op_id = next(self._ids)
         work = PrismWork(self, op_id, outs if result is None else result)
         regions: list[str] = []
@@ -207,11 +211,24 @@ class RankClient:
             self._pending[op_id] = _Pending(work, outs, [d[0] for d in out_descs], regions)
         msg = {"t": P.OP, "id": op_id, "g": group, "kind": kind, "ins": in_descs, "outs": out_descs,
                "drops": self.arena.take_dropped(), **params}
+        if params.get("async_op") is False:
+            # torch waits on a synchronous op right away: block in the same message (one round trip less
+            # per op); the grant is owed until someone waits for it (see _settle)
+            msg["block"] = True
+            self._granted.clear()
+            self._owed_grant = True
         self._send(msg)
         return work
 
+    def _settle(self) -> None:
+        """Wait for a grant owed by a synchronous op before doing anything else as a computing rank."""
+        if self._owed_grant:
+            self._owed_grant = False
+            self._await_grant()
+
     def wait(self, works: list[PrismWork]) -> None:
         """Block until `works` complete, giving the slot back meanwhile."""
+        self._settle()
         if all(w.is_completed() for w in works):
             return
         if self._fatal is not None:
@@ -230,6 +247,8 @@ class RankClient:
 
     def close(self, exit_code: int) -> None:
         """Say goodbye (releases the slot), wait for the receiver to end, free segments."""
+        if self._fatal is None:
+            self._settle()
         try:
             self._send({"t": P.BYE, "exit_code": exit_code})
         except OSError:

@@ -12,10 +12,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import selectors
 import sys
 import time
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection, Listener, wait
+from multiprocessing.connection import Connection, Listener
 from pathlib import Path
 
 import torch
@@ -95,6 +96,7 @@ class Coordinator:
         self.conns: dict[Connection, RankState | None] = {}
         self.groups: dict[str, Group] = {}
         self.segments = SegmentMap()
+        self.selector = selectors.DefaultSelector()
         self.ops: list[OpRecord] = []
         self.marks: list[dict] = []
         self.slot_log: list[dict] = []
@@ -107,31 +109,44 @@ class Coordinator:
 
     # ---- main loop ---------------------------------------------------------------------------------
     def serve(self) -> None:
+        # one selector for the whole run: re-registering every connection at each wait costs O(ranks)
         accept_sock = self.listener._listener._socket  # readable when a rank connects
+        self.selector.register(accept_sock, selectors.EVENT_READ, None)
         while not self.finished:
-            ready = wait([accept_sock, *self.conns], timeout=0.2)
-            for conn in ready:
-                if conn is accept_sock:
+            for key, _ in self.selector.select(timeout=0.2):
+                conn = key.data
+                if conn is None:
                     self._accept()
                     continue
-                try:
-                    msg = conn.recv()
-                except (EOFError, OSError):
-                    self._lost(conn)
-                    continue
-                self.last_progress = time.perf_counter()
-                try:
-                    self._dispatch(conn, msg)
-                except Exception:  # a bug or a malformed request must end the job with a report, not silently
-                    import traceback
-
-                    rank = getattr(self.conns.get(conn), "rank", "?")
-                    self._fatal("internal", f"prism coordinator: error while handling {msg.get('t')!r} from rank "
-                                f"{rank}:\n{traceback.format_exc()}")
+                self._drain(conn)
                 if self.finished:
                     break
             self._check_hang()
         self.segments.close()
+
+    def _drain(self, conn: Connection) -> None:
+        """Handle every message already waiting on `conn`."""
+        while conn in self.conns and not self.finished:
+            try:
+                msg = conn.recv()
+            except (EOFError, OSError):
+                self._lost(conn)
+                return
+            self.last_progress = time.perf_counter()
+            try:
+                self._dispatch(conn, msg)
+            except Exception:  # a bug or a malformed request must end the job with a report, not silently
+                import traceback
+
+                rank = getattr(self.conns.get(conn), "rank", "?")
+                self._fatal("internal", f"prism coordinator: error while handling {msg.get('t')!r} from rank "
+                            f"{rank}:\n{traceback.format_exc()}")
+            try:
+                if not conn.poll(0):
+                    return
+            except (EOFError, OSError):
+                self._lost(conn)
+                return
 
     def _accept(self) -> None:
         try:
@@ -139,10 +154,16 @@ class Coordinator:
         except Exception as e:  # a stranger failing authentication must not stop the job
             print(f"prism coordinator: refused a connection: {e}", file=sys.stderr)
             return
+        P.no_delay(conn)
         self.conns[conn] = None
+        self.selector.register(conn, selectors.EVENT_READ, conn)
 
     def _lost(self, conn: Connection) -> None:
         rs = self.conns.pop(conn, None)
+        try:
+            self.selector.unregister(conn)
+        except (KeyError, ValueError):
+            pass
         if rs is not None and rs.state != "done":
             # died without saying goodbye: the launcher reports the crash; stop scheduling it
             self._finish_rank(rs, None)
@@ -297,6 +318,7 @@ class Coordinator:
                 self._p2p_seq(g, rec, peer, grank)
             match = g.p2p.add_recv(m)
         else:
+            match = None
             seq = g.next_seq[grank]
             g.next_seq[grank] += 1
             rec.seq = seq
@@ -305,9 +327,10 @@ class Coordinator:
             if all(x is not None for x in slot):
                 del g.pending[seq]
                 self._run_collective(g, seq, slot)  # type: ignore[arg-type]
-            return
         if match is not None:
             self._run_p2p(g, *match)
+        if msg.get("block"):  # a synchronous op: the rank waits for it right away
+            self._on_block(rs, [msg["id"]])
 
     def _p2p_seq(self, g: Group, rec: OpRecord, src: int, dst: int) -> None:
         key = (src, dst, rec.kind)
