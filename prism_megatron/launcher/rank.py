@@ -8,8 +8,8 @@ group. The process ends with `os._exit` so nothing inherited from the launcher r
 from __future__ import annotations
 
 import atexit
-import importlib
 import ctypes
+import importlib
 import os
 import runpy
 import signal
@@ -77,6 +77,8 @@ def run_rank(cfg: LaunchConfig, rank: int, address: tuple[str, int], authkey: by
         import torch
 
         torch.set_num_threads(cfg.threads_per_rank)
+        if cfg.on_gpu:
+            _map_local_devices(torch)
         from prism_megatron.runtime.backend import install
         from prism_megatron.runtime.client import RankClient
         from prism_megatron.trace import markers
@@ -125,6 +127,24 @@ def _run_script(cfg: LaunchConfig, rank: int) -> int:
         sys.stderr.write(tb)
         (cfg.log_dir / f"rank-{rank}.traceback").write_text(tb)
         return 1
+
+
+def _map_local_devices(torch) -> None:
+    """The rank sees one GPU (CUDA_VISIBLE_DEVICES); the target job calls set_device(LOCAL_RANK).
+
+    Any index of the target node's devices means this rank's GPU, index 0; an index beyond the
+    target node still fails as it would there.
+    """
+    real = torch.cuda.set_device
+    local_ws = int(os.environ["LOCAL_WORLD_SIZE"])
+
+    def set_device(device) -> None:
+        index = device.index if isinstance(device, torch.device) else device
+        if isinstance(index, int) and 0 <= index < local_ws:
+            return real(0)
+        return real(device)
+
+    torch.cuda.set_device = set_device
 
 
 class _MarkSink:
