@@ -31,10 +31,14 @@ def main() -> None:
               help="Ranks whose output goes to the terminal: '0,last', '0-3', 'all' or 'none'.")
 @click.option("--threads-per-rank", type=int, default=1, show_default=True, help="torch threads per rank.")
 @click.option("--preload", multiple=True, help="Module the template imports before forking (repeatable).")
+@click.option("--swap", type=click.Choice(["auto", "none", "checkpoint", "budget"]), default="auto",
+              show_default=True, help="Move blocked ranks' GPU state to host memory when a device is full.")
+@click.option("--device-memory", type=float, default=None, help="GiB per device (default: the GPU's total).")
 @click.argument("script", type=click.Path(path_type=Path))
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
 def launch(world_size: int, devices: str, slots_per_device: int, hang_timeout: float, trace_dir: Path,
-           gpus_per_node: int, log_ranks: str, threads_per_rank: int, preload: tuple[str, ...], script: Path,
+           gpus_per_node: int, log_ranks: str, threads_per_rank: int, preload: tuple[str, ...], swap: str,
+           device_memory: float | None, script: Path,
            script_args: tuple[str, ...]) -> None:
     """Run SCRIPT as WORLD_SIZE logical ranks through the prism backend and write a PrismTrace.
 
@@ -47,7 +51,7 @@ def launch(world_size: int, devices: str, slots_per_device: int, hang_timeout: f
             script=script, script_args=list(script_args), world_size=world_size, devices=parse_devices(devices),
             slots_per_device=slots_per_device, hang_timeout=hang_timeout, trace_dir=trace_dir,
             gpus_per_node=gpus_per_node, log_ranks=parse_ranks(log_ranks, max(world_size, 1)),
-            threads_per_rank=threads_per_rank, preload=list(preload),
+            threads_per_rank=threads_per_rank, preload=list(preload), swap=swap, device_memory_gib=device_memory,
         ).validate()
     except LaunchError as e:
         raise click.UsageError(str(e)) from None

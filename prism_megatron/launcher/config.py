@@ -25,6 +25,9 @@ class LaunchConfig:
     threads_per_rank: int = 1
     preload: list[str] = field(default_factory=list)  # modules the template imports before forking
     rank_setup: list[str] = field(default_factory=list)  # "module:function" run in each rank before the script
+    swap: str = "auto"  # auto | none | checkpoint | budget (stand-in, for tests)
+    device_memory_gib: float | None = None  # capacity per device; default: the GPU's total memory
+    device_memory: list[int] = field(default_factory=list)  # resolved by validate(), bytes per device
 
     @property
     def on_gpu(self) -> bool:
@@ -70,23 +73,52 @@ class LaunchConfig:
             raise LaunchError(f"--trace-dir {str(self.trace_dir)!r} exists and is not a directory")
         if not parent.is_dir() or not os.access(parent, os.W_OK):
             raise LaunchError(f"--trace-dir {str(self.trace_dir)!r}: cannot write in {str(parent)!r}")
-        if self.on_gpu:
-            _check_gpus(self.devices)
+        if self.swap not in ("auto", "none", "checkpoint", "budget"):
+            raise LaunchError(f"--swap must be auto, none or checkpoint, got {self.swap!r}")
+        if self.device_memory_gib is not None and not self.device_memory_gib > 0:
+            raise LaunchError(f"--device-memory must be a positive number of GiB, got {self.device_memory_gib!r}")
+        if self.swap == "checkpoint" and not self.on_gpu:
+            raise LaunchError("--swap checkpoint needs GPU --devices: CPU ranks have no device state to swap")
+        if self.swap == "budget" and self.device_memory_gib is None:
+            raise LaunchError("--swap budget needs --device-memory GiB")
+        totals = _check_gpus(self.devices) if self.on_gpu else []
+        if self.device_memory_gib is not None:
+            self.device_memory = [int(self.device_memory_gib * 2**30)] * len(self.devices)
+        else:
+            self.device_memory = totals or [0] * len(self.devices)
         return self
 
+    def resolved_swap(self) -> str:
+        """auto: checkpoint on GPUs when the driver API is there (swaps happen only when measured
+        footprints exceed a device), else none."""
+        if self.swap != "auto":
+            return self.swap
+        if not self.on_gpu:
+            return "none"
+        import importlib.util
 
-def _check_gpus(devices: list[str]) -> None:
-    """Ask a child process (never this one: it must fork before CUDA starts) how many GPUs exist."""
+        has_api = importlib.util.find_spec("cuda") is not None and importlib.util.find_spec("cuda.bindings") is not None
+        return "checkpoint" if has_api else "none"
+
+
+def _check_gpus(devices: list[str]) -> list[int]:
+    """Ask a child process (never this one: it must fork before CUDA starts) which GPUs exist.
+
+    Returns each named device's total memory in bytes.
+    """
+    import json
     import subprocess
     import sys
 
-    code = "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)"
+    code = ("import json, torch; n = torch.cuda.device_count() if torch.cuda.is_available() else 0; "
+            "print(json.dumps([torch.cuda.get_device_properties(i).total_memory for i in range(n)]))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    count = int(out.stdout.strip() or 0)
-    bad = [d for d in devices if int(d) >= count]
+    totals = json.loads(out.stdout.strip() or "[]")
+    bad = [d for d in devices if int(d) >= len(totals)]
     if bad:
-        raise LaunchError(f"--devices {','.join(devices)}: this machine has {count} CUDA device(s); "
+        raise LaunchError(f"--devices {','.join(devices)}: this machine has {len(totals)} CUDA device(s); "
                           f"no device {','.join(bad)}")
+    return [totals[int(d)] for d in devices]
 
 
 def parse_devices(text: str) -> list[str]:

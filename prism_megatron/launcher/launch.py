@@ -54,8 +54,10 @@ class _Job:
             "device_of": {r: cfg.device_of(r) for r in range(cfg.world_size)},
             "hang_timeout": cfg.hang_timeout,
             "threads": 1,
+            "swap": cfg.resolved_swap(),
+            "device_memory": cfg.device_memory,
         }
-        env = dict(os.environ, PRISM_AUTHKEY=self.authkey.hex(), CUDA_VISIBLE_DEVICES="")
+        env = dict(os.environ, PRISM_AUTHKEY=self.authkey.hex())
         log = open(cfg.log_dir / "coordinator.log", "wb")  # noqa: SIM115 - kept by the child
         self.coord = subprocess.Popen(
             [sys.executable, "-m", "prism_megatron.runtime.coordinator", json.dumps(conf)],
@@ -209,7 +211,7 @@ def launch(cfg: LaunchConfig) -> int:
     code = EXIT_RANK_FAILED
     try:
         address, store_port = job.start_coordinator()
-        _say(f"starting {cfg.world_size} logical ranks on {','.join(cfg.devices)} "
+        _say(f"job {job.job_id}: starting {cfg.world_size} logical ranks on {','.join(cfg.devices)} "
              f"({cfg.slots_per_device} slot(s) per device); logs in {cfg.log_dir}")
         job.fork_ranks(address, store_port)
         code = job.watch()

@@ -78,7 +78,7 @@ def load_file(path: str | os.PathLike[str]) -> Recipe:
 def recipe_files(root: Path | None = None) -> list[Path]:
     """Every shipped recipe file, sorted."""
     root = RECIPES_DIR if root is None else Path(root)
-    return sorted(p for p in root.rglob("*.yaml") if p.is_file())
+    return sorted(p for p in root.rglob("*.yaml") if p.is_file() and p.relative_to(root).parts[0] != "clusters")
 
 
 def name_of(path: Path, root: Path | None = None) -> str:

@@ -8,6 +8,9 @@ Ranks in messages are group ranks; the coordinator knows each group's global ran
 
 from __future__ import annotations
 
+import contextlib
+import threading
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -51,6 +54,24 @@ def _redop(opts: Any) -> dict:
     return {"redop": name, "factor": _premul_factor(op) if name == "premul_sum" else None}
 
 
+_LABEL = threading.local()
+
+
+@contextlib.contextmanager
+def op_label(label: str) -> Iterator[None]:
+    """Ops this thread submits inside the block carry ``label`` in the trace (innermost label wins).
+
+    Integrations (e.g. Megatron's p2p communicator, DDP buckets) name their ops with it; the
+    runtime attaches no meaning to the text.
+    """
+    previous = getattr(_LABEL, "value", None)
+    _LABEL.value = label
+    try:
+        yield
+    finally:
+        _LABEL.value = previous
+
+
 class PrismProcessGroup(dist.ProcessGroup):
     """One communicator of a logical rank. `ranks` are the global ranks, in group-rank order."""
 
@@ -89,6 +110,9 @@ class PrismProcessGroup(dist.ProcessGroup):
     def _op(self, kind: str, ins: list[torch.Tensor], outs: list[torch.Tensor], opts: Any = None,
             **params: Any) -> PrismWork:
         async_op = bool(getattr(opts, "asyncOp", True)) if opts is not None else True
+        label = getattr(_LABEL, "value", None)
+        if label and "label" not in params:
+            params["label"] = label
         work = self._client.submit(self._name, kind, ins, outs, async_op=async_op, **params)
         if self._coalescing is not None:
             self._coalescing.append(work)

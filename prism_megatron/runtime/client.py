@@ -9,6 +9,7 @@ which ops it waits for, and resumes only when the coordinator grants a slot agai
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 from dataclasses import dataclass, field
 from multiprocessing.connection import Client, Connection
@@ -20,6 +21,21 @@ from torch.futures import Future
 
 from prism_megatron.runtime import protocol as P
 from prism_megatron.runtime.shm import Arena
+
+CONTEXT_BYTES = 600 << 20  # CUDA context + cuBLAS workspace of a process, beyond the caching allocator
+
+
+def device_footprint() -> int:
+    """GPU bytes this process holds (0 before CUDA starts): what a swap moves and a restore needs.
+
+    PRISM_FOOTPRINT_BYTES stands in for it where there is no GPU (tests of the swap scheduling).
+    """
+    fake = os.environ.get("PRISM_FOOTPRINT_BYTES")
+    if fake:
+        return int(fake)
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return 0
+    return int(torch.cuda.memory_reserved()) + CONTEXT_BYTES
 
 
 class PrismCommError(RuntimeError):
@@ -150,7 +166,7 @@ class RankClient:
         self._owed_grant = False
         self._fatal: PrismCommError | None = None
         self.arena = Arena(segment_prefix)
-        self._send({"t": P.HELLO, "rank": rank, "world_size": world_size})
+        self._send({"t": P.HELLO, "rank": rank, "world_size": world_size, "pid": os.getpid()})
         self._receiver = threading.Thread(target=self._receive_loop, name="prism-receiver", daemon=True)
         self._receiver.start()
 
@@ -215,6 +231,7 @@ class RankClient:
             # torch waits on a synchronous op right away: block in the same message (one round trip less
             # per op); the grant is owed until someone waits for it (see _settle)
             msg["block"] = True
+            msg["mem"] = device_footprint()
             self._granted.clear()
             self._owed_grant = True
         self._send(msg)
@@ -234,7 +251,7 @@ class RankClient:
         if self._fatal is not None:
             raise self._fatal
         self._granted.clear()
-        self._send({"t": P.BLOCK, "ids": [w.op_id for w in works]})
+        self._send({"t": P.BLOCK, "ids": [w.op_id for w in works], "mem": device_footprint()})
         self._await_grant()
         for w in works:
             w._done.wait()

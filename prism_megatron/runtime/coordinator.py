@@ -25,8 +25,10 @@ from prism_megatron.runtime import collectives as C
 from prism_megatron.runtime import protocol as P
 from prism_megatron.runtime.hang import format_hang_report
 from prism_megatron.runtime.matching import Member, P2PQueues, check_collective, check_p2p
+from prism_megatron.runtime.memory import DeviceMemory
 from prism_megatron.runtime.shm import SegmentMap
 from prism_megatron.runtime.slots import Grant, SlotScheduler
+from prism_megatron.runtime.swap import BudgetSwapper, CudaCheckpointSwapper, Swapper
 
 
 @dataclass
@@ -80,6 +82,7 @@ class RankState:
     pending: dict[int, OpRecord] = field(default_factory=dict)
     n_ops: int = 0
     exit_code: int | None = None
+    pid: int = 0
 
 
 class Coordinator:
@@ -97,12 +100,27 @@ class Coordinator:
         self.groups: dict[str, Group] = {}
         self.segments = SegmentMap()
         self.selector = selectors.DefaultSelector()
+        self.memory: list[DeviceMemory] | None = None  # set when swapping is on (see enable_swap)
+        self.awaiting_room: list[Grant] = []
         self.ops: list[OpRecord] = []
         self.marks: list[dict] = []
         self.slot_log: list[dict] = []
         self.control: Connection | None = None
         self.last_progress = time.perf_counter()
         self.finished = False
+
+    @property
+    def _group_by_id(self) -> dict[int, Group]:
+        return {g.id: g for g in self.groups.values()}
+
+    def enable_swap(self, swapper: Swapper, capacities: list[int]) -> None:
+        """Keep at most each device's capacity of ranks' state resident, swapping blocked ranks out."""
+        self.memory = [DeviceMemory(c, swapper) for c in capacities]
+
+    def swap_stats(self) -> dict:
+        if self.memory is None:
+            return {}
+        return {str(r): vars(s) for m in self.memory for r, s in sorted(m.stats.items()) if s.swaps_out or s.swaps_in}
 
     def now(self) -> float:
         return time.perf_counter() - self.t0
@@ -121,6 +139,8 @@ class Coordinator:
                 self._drain(conn)
                 if self.finished:
                     break
+            if self.awaiting_room:
+                self._retry_room()
             self._check_hang()
         self.segments.close()
 
@@ -174,7 +194,7 @@ class Coordinator:
         t = msg["t"]
         rs = self.conns.get(conn)
         if t == P.HELLO:
-            rs = RankState(msg["rank"], conn)
+            rs = RankState(msg["rank"], conn, pid=msg.get("pid", 0))
             self.ranks[rs.rank] = rs
             self.conns[conn] = rs
             self._progress()
@@ -183,7 +203,9 @@ class Coordinator:
         elif t == P.OP:
             self._on_op(rs, msg)
         elif t == P.BLOCK:
+            self._note_memory(rs, msg)
             self._on_block(rs, msg["ids"])
+            self._enforce_memory(rs.rank)
         elif t == P.ACQUIRE:
             rs.state = "queued"
             self._apply(self.slots.request(rs.rank))
@@ -225,11 +247,64 @@ class Coordinator:
             self._grant(g)
 
     def _grant(self, g: Grant) -> None:
+        if self.memory is not None and not self._make_resident(g):
+            self.awaiting_room.append(g)  # holds the slot; retried when memory frees up
+            return
         rs = self.ranks[g.rank]
         rs.state = "running"
         rs.held_since = rs.grant_t = self.now()
         rs.grant_slot = (g.device, g.slot)
         self._send(rs, {"t": P.GRANT})
+
+    # ---- memory (state preservation) --------------------------------------------------------------
+    def _make_resident(self, g: Grant) -> bool:
+        mem = self.memory[g.device]
+        evictable = self._evictable(g.device, exclude=g.rank)
+        pids = {r: rs.pid for r, rs in self.ranks.items()}
+        try:
+            return mem.make_resident(g.rank, evictable, pids, self._completes_last)
+        except Exception as e:  # a failing checkpoint API is the job's end, with what to do
+            self._fatal("swap", f"prism: swapping on {self.device_names[g.device]} failed: {e}")
+            return False
+
+    def _evictable(self, device: int, exclude: int = -1) -> list[int]:
+        """Ranks on `device` not computing: blocked in an op, or queued for a slot (not yet granted)."""
+        waiting_room = {g.rank for g in self.awaiting_room}
+        return [r for r, rs in self.ranks.items() if rs.state in ("blocked", "queued") and r != exclude
+                and r not in waiting_room and self.slots.device_of(r) == device]
+
+    def _completes_last(self, rank: int) -> float:
+        """Eviction preference: ranks whose pending collectives miss the most members wait longest."""
+        rs = self.ranks[rank]
+        missing = 0
+        for op_id in rs.blocked_on:
+            rec = rs.pending.get(op_id)
+            if rec is None or rec.seq < 0:
+                continue
+            g = self._group_by_id[rec.group]
+            slot = g.pending.get(rec.seq)
+            missing += sum(1 for m in slot if m is None) if slot else 0
+        return missing
+
+    def _retry_room(self) -> None:
+        waiting, self.awaiting_room = self.awaiting_room, []
+        for g in waiting:
+            self._grant(g)
+
+    def _note_memory(self, rs: RankState, msg: dict) -> None:
+        if self.memory is not None and "mem" in msg:
+            self.memory[self.slots.device_of(rs.rank)].report(rs.rank, int(msg["mem"]))
+
+    def _enforce_memory(self, rank: int) -> None:
+        """After a rank blocked: if its device's residents outgrew it, swap out the longest waiters."""
+        if self.memory is None:
+            return
+        d = self.slots.device_of(rank)
+        evictable = self._evictable(d)
+        try:
+            self.memory[d].enforce(evictable, {r: rs.pid for r, rs in self.ranks.items()}, self._completes_last)
+        except Exception as e:
+            self._fatal("swap", f"prism: swapping on {self.device_names[d]} failed: {e}")
 
     def _on_block(self, rs: RankState, ids: list[int]) -> None:
         waiting = {i for i in ids if i not in rs.done_ids}
@@ -256,6 +331,9 @@ class Coordinator:
 
     def _finish_rank(self, rs: RankState, exit_code: int | None) -> None:
         self._stop_holding(rs)
+        if self.memory is not None:  # an ended process holds no device memory
+            self.memory[self.slots.device_of(rs.rank)].forget(rs.rank)
+            self._retry_room()
         rs.state = "done"
         rs.exit_code = exit_code
         self._progress()
@@ -330,7 +408,9 @@ class Coordinator:
         if match is not None:
             self._run_p2p(g, *match)
         if msg.get("block"):  # a synchronous op: the rank waits for it right away
+            self._note_memory(rs, msg)
             self._on_block(rs, [msg["id"]])
+            self._enforce_memory(rs.rank)
 
     def _p2p_seq(self, g: Group, rec: OpRecord, src: int, dst: int) -> None:
         key = (src, dst, rec.kind)
@@ -427,7 +507,8 @@ class Coordinator:
         live = [r for r in self.ranks.values() if r.state != "done"]
         if len(self.ranks) < self.world_size:
             return  # ranks still starting may yet post the missing ops
-        if not live or any(r.state != "blocked" for r in live):
+        stuck_on_memory = bool(self.awaiting_room) and not any(r.state == "running" for r in live)
+        if not live or (any(r.state != "blocked" for r in live) and not stuck_on_memory):
             return
         stalled = time.perf_counter() - max(self.last_progress, max(r.blocked_since for r in live))
         if stalled < self.hang_timeout:
@@ -493,6 +574,11 @@ def main(argv: list[str] | None = None) -> None:
         device_of={int(k): v for k, v in cfg["device_of"].items()}, device_names=cfg["devices"],
         hang_timeout=cfg["hang_timeout"], authkey=authkey, host=cfg.get("host", "127.0.0.1"),
     )
+    swap = cfg.get("swap", "none")
+    if swap != "none":
+        caps = [int(c) for c in cfg["device_memory"]]
+        swapper = BudgetSwapper(caps[0]) if swap == "budget" else CudaCheckpointSwapper()
+        coord.enable_swap(swapper, caps)
     from torch.distributed import TCPStore
 
     store = TCPStore(cfg.get("host", "127.0.0.1"), 0, cfg["world_size"], is_master=True, wait_for_workers=False,

@@ -34,6 +34,9 @@ def format_hang_report(coord: Any, stalled: float) -> str:
         if rs.state == "done":
             lines.append(f"  rank {r}: exited (code {rs.exit_code})")
             continue
+        if rs.state in ("queued", "starting"):
+            lines.append(f"  rank {r}: waiting for a compute slot")
+            continue
         waited = now - rs.blocked_since
         for op_id in sorted(rs.blocked_on):
             rec = rs.pending.get(op_id)
@@ -63,6 +66,14 @@ def format_hang_report(coord: Any, stalled: float) -> str:
                 incomplete.append(f"  recv (any source) on rank {m.rank}, group {g.name!r}: no send posted")
     if incomplete:
         lines += ["", "Incomplete operations:", *incomplete]
+    if getattr(coord, "awaiting_room", None):
+        mem = coord.memory
+        lines += ["", "Granted a slot but waiting for device memory (no blocked rank left to swap out):"]
+        for g in coord.awaiting_room:
+            m = mem[g.device]
+            lines.append(f"  rank {g.rank}: needs {m.footprint.get(g.rank, 0) / 2**30:.1f} GiB on "
+                         f"{coord.device_names[g.device]}; {m.used() / 2**30:.1f} of {m.capacity / 2**30:.1f} GiB "
+                         f"resident ({_fmt_ranks(sorted(m.resident))})")
     return "\n".join(lines)
 
 

@@ -1,0 +1,187 @@
+"""Collective cost model: time of one NCCL op on the target cluster, from a cluster profile.
+
+Used for what the physical machine cannot exhibit (inter-node links of the target). The model is
+the alpha-beta model in nccl-tests' "bus bandwidth" convention (nccl-tests doc/PERFORMANCE.md):
+S is the buffer size nccl-tests calls ``size`` (all-reduce: the tensor; all-gather: the gathered
+output; reduce-scatter: the input; all-to-all: one rank's whole send buffer), B the bus bandwidth
+per rank, alpha the latency of one algorithm step. nccl-tests reports busbw = algbw * factor with
+
+    all_reduce 2(n-1)/n;  all_gather, reduce_scatter, all_to_all (n-1)/n;  broadcast, reduce,
+    send/recv 1
+
+so that busbw is comparable to the link bandwidth; hence time = steps * alpha + factor * S / B:
+
+- ring all-reduce       2(n-1) alpha + 2(n-1)/n * S/B    (reduce-scatter then all-gather)
+- ring all-gather / reduce-scatter   (n-1) alpha + (n-1)/n * S/B
+- broadcast / reduce (pipelined chain)  (n-1) alpha + S/B
+- all-to-all            (n-1) alpha + (n-1)/n * S/B    (n-1 concurrent exchanges)
+- send/recv             alpha + S/B
+- tree all-reduce (NCCL's double binary tree, NCCL 2.4 blog "Massively Scale Your Deep Learning
+  Training with NCCL 2.4"): 2 log2(n) alpha + 2 * S/B — reduce up, broadcast down, each rank
+  sends and receives about 2S in total over the two trees, so the bandwidth term matches the
+  ring's for large n and the latency grows logarithmically.
+
+Placement: ranks live on node ``rank // gpus_per_node``. A group inside one node uses the
+intra-node link; a group spanning nodes is bounded by its slowest link. Every GPU of a node is
+assumed to communicate off-node at the same time (all DP groups reduce together), so each GPU's
+share of the node's NICs is nics * nic_bw / gpus_per_node; a group with k members on each node
+crosses each node boundary once per ring and can use the share of its k GPUs, so its bandwidth is
+min(intra_bw, k * nics * nic_bw / gpus_per_node) (k = 1: one GPU per node, the typical DP group
+under intra-node TP; k = gpus_per_node: a whole-node group uses every NIC). Every step pays the
+inter-node latency (a ring's steps are synchronous, so the slow hop sets the pace).
+
+Protocols scale alpha and B by the profile's per-protocol factors; ``auto`` takes the
+fastest protocol (and for all-reduce the faster of ring and tree), as NCCL's tuner aims to.
+Not modelled: NVLS/SHARP, CollNet, PAT, link contention between concurrent ops, and NCCL's
+hierarchical tree across nodes (which sends about S rather than 2S per node through the NICs: the
+flat tree formula is conservative there). A profile fitted from nccl-tests output with
+``algorithm: ring`` reproduces the measured times whatever algorithm NCCL picked, because the fit
+uses the same bus-bandwidth convention.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from .profiles import PROTOCOLS, ClusterProfile
+
+#: trace op kinds -> the formula family that costs them
+KIND_FAMILY = {
+    "all_reduce": "all_reduce",
+    "barrier": "all_reduce",
+    "all_gather": "all_gather",
+    "all_gather_list": "all_gather",
+    "gather": "all_gather",
+    "reduce_scatter": "reduce_scatter",
+    "reduce_scatter_list": "reduce_scatter",
+    "scatter": "reduce_scatter",
+    "broadcast": "broadcast",
+    "reduce": "reduce",
+    "all_to_all": "all_to_all",
+    "all_to_all_list": "all_to_all",
+    "send": "p2p",
+    "recv": "p2p",
+    "send/recv": "p2p",
+}
+
+#: nccl-tests busbw / algbw for each family, as a function of n (doc/PERFORMANCE.md)
+BUS_FACTOR = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "all_to_all": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1.0,
+    "reduce": lambda n: 1.0,
+    "p2p": lambda n: 1.0,
+}
+
+
+# --- the published formulas (S bytes, n ranks, alpha seconds, B bytes/s) ----------------------------
+def ring_all_reduce(S: float, n: int, alpha: float, B: float) -> float:
+    return 0.0 if n <= 1 else 2 * (n - 1) * alpha + 2 * (n - 1) / n * S / B
+
+
+def ring_all_gather(S: float, n: int, alpha: float, B: float) -> float:
+    return 0.0 if n <= 1 else (n - 1) * alpha + (n - 1) / n * S / B
+
+
+ring_reduce_scatter = ring_all_gather
+
+
+def chain_broadcast(S: float, n: int, alpha: float, B: float) -> float:
+    return 0.0 if n <= 1 else (n - 1) * alpha + S / B
+
+
+chain_reduce = chain_broadcast
+
+
+def all_to_all(S: float, n: int, alpha: float, B: float) -> float:
+    return 0.0 if n <= 1 else (n - 1) * alpha + (n - 1) / n * S / B
+
+
+def p2p(S: float, alpha: float, B: float) -> float:
+    return alpha + S / B
+
+
+def tree_all_reduce(S: float, n: int, alpha: float, B: float) -> float:
+    return 0.0 if n <= 1 else 2 * math.ceil(math.log2(n)) * alpha + 2 * S / B
+
+
+# --- placement -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Link:
+    """The link class that bounds a group: latency per step (s) and bandwidth per rank (bytes/s)."""
+
+    name: str
+    alpha: float
+    bandwidth: float
+
+
+def members_per_node(ranks: tuple[int, ...] | list[int], gpus_per_node: int) -> dict[int, int]:
+    """How many of ``ranks`` each node holds, with global ranks packed gpus_per_node to a node."""
+    counts: dict[int, int] = {}
+    for r in set(ranks):
+        counts[r // gpus_per_node] = counts.get(r // gpus_per_node, 0) + 1
+    return counts
+
+
+def link_for(profile: ClusterProfile, ranks: tuple[int, ...] | list[int]) -> Link:
+    """Intra-node link for a group on one node; the bottleneck inter-node link for a spanning group."""
+    per_node = members_per_node(ranks, profile.node_size)
+    if len(per_node) <= 1:
+        return Link("intra", profile.intra_alpha, profile.intra_bw)
+    k = min(per_node.values())  # the node with the fewest members has the least NIC share
+    return Link("inter", profile.inter_alpha, min(profile.intra_bw, k * profile.inter_bw_per_gpu))
+
+
+# --- the model -----------------------------------------------------------------------------------
+class CollectiveCostModel:
+    """Cost of ops on a target cluster; callable on anything with ``kind``, ``nbytes``, ``ranks``.
+
+    An instance plugs straight into ``prism_megatron.replay.replay(graph, cost=model)``.
+    """
+
+    def __init__(self, profile: ClusterProfile, algorithm: str | None = None, protocol: str | None = None) -> None:
+        self.profile = profile
+        self.algorithm = algorithm or profile.algorithm
+        self.protocol = protocol or profile.protocol
+        if self.algorithm not in ("ring", "tree", "auto"):
+            raise ValueError(f"algorithm {self.algorithm!r}: expected ring, tree or auto")
+        if self.protocol not in (*PROTOCOLS, "auto"):
+            raise ValueError(f"protocol {self.protocol!r}: expected simple, ll, ll128 or auto")
+
+    def _one(self, family: str, S: float, n: int, link: Link, algorithm: str, protocol: str) -> float:
+        f = self.profile.protocols[protocol]
+        a = link.alpha * f.latency_factor.value
+        B = link.bandwidth * f.bandwidth_factor.value
+        if family == "all_reduce":
+            return tree_all_reduce(S, n, a, B) if algorithm == "tree" else ring_all_reduce(S, n, a, B)
+        if family in ("all_gather", "reduce_scatter"):
+            return ring_all_gather(S, n, a, B)
+        if family in ("broadcast", "reduce"):
+            return chain_broadcast(S, n, a, B)
+        if family == "all_to_all":
+            return all_to_all(S, n, a, B)
+        return p2p(S, a, B)
+
+    def time(self, kind: str, nbytes: int, ranks: tuple[int, ...] | list[int]) -> float:
+        """Seconds for op ``kind`` moving ``nbytes`` (trace convention) among global ``ranks``."""
+        family = KIND_FAMILY.get(kind)
+        if family is None:
+            raise ValueError(f"no cost formula for op kind {kind!r} (known: {', '.join(sorted(KIND_FAMILY))})")
+        ranks = tuple(ranks)
+        n = len(ranks)
+        if family != "p2p" and n <= 1:
+            return 0.0
+        if family == "p2p" and len(set(ranks)) <= 1:
+            return 0.0
+        link = link_for(self.profile, ranks)
+        protocols = PROTOCOLS if self.protocol == "auto" else (self.protocol,)
+        algorithms = ("ring", "tree") if family == "all_reduce" and self.algorithm == "auto" else (
+            (self.algorithm if self.algorithm != "auto" else "ring"),)
+        return min(self._one(family, float(nbytes), n, link, a, p) for a in algorithms for p in protocols)
+
+    def __call__(self, spec: Any) -> float:
+        return self.time(spec.kind, spec.nbytes, spec.ranks)

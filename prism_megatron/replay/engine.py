@@ -1,0 +1,441 @@
+"""Discrete-event replay of an execution graph: predicted timelines, breakdown, critical path.
+
+Semantics (NCCL-like, no link contention):
+
+- a rank runs its events in order; compute advances its clock by the segment's duration;
+- a collective starts when every member has issued it (and, per group, not before the group's
+  previous collective ended: one NCCL stream per communicator) and completes for all members
+  together at start + cost;
+- a send and its recv start at max(send issue, recv issue) and complete together at start + cost
+  (rendezvous);
+- a non-async op blocks its rank until it completes; an async op does not, and a :class:`Wait`
+  blocks until the ops it names complete.
+
+Since no resource is shared, every time is a max-plus function of the inputs and the order in
+which ranks are advanced does not change the result. Link contention between concurrent ops and
+compute slowdown from overlapping communication are not modelled.
+
+Blocked time is split in two: while an awaited op is in flight it is *exposed communication*;
+before it could start (a peer had not issued yet) it is *bubble*, as is a rank's idle time after
+its last event. compute + exposed_comm + bubble is the length of the window, for every rank.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .graph import Comm, Compute, Event, Graph, GraphError, Mark, Wait
+
+
+class DeadlockError(GraphError):
+    """Ranks wait on ops that can never complete; the message names each rank and op."""
+
+
+@dataclass(frozen=True)
+class CommSpec:
+    """What a cost function sees of one matched op."""
+
+    kind: str
+    nbytes: int
+    ranks: tuple[int, ...]
+    group: int
+    src: int = -1
+    dst: int = -1
+    root: int = -1
+    dtype: str = ""
+
+
+CostFn = Callable[[CommSpec], float]
+
+
+def zero_cost(spec: CommSpec) -> float:
+    """Free communication: isolates compute and dependency structure (bubbles)."""
+    return 0.0
+
+
+@dataclass
+class OpResult:
+    """One matched op: who issued it when, when it ran, and what made it start when it did."""
+
+    key: tuple
+    kind: str
+    group: int
+    ranks: tuple[int, ...]
+    nbytes: int = 0
+    label: str = ""
+    issue: dict[int, float] = field(default_factory=dict)
+    event: dict[int, int] = field(default_factory=dict)
+    start: float = math.nan
+    end: float = math.nan
+    # ("issue", rank, event index) or ("group", key of the previous collective of the group)
+    why: tuple = ()
+
+    @property
+    def done(self) -> bool:
+        return not math.isnan(self.end)
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A piece of a rank's predicted timeline. kind: compute, exposed_comm, bubble or comm."""
+
+    rank: int
+    kind: str
+    start: float
+    end: float
+    label: str = ""
+    args: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class Breakdown:
+    """Time of one rank over a window. compute + exposed_comm + bubble == window length."""
+
+    compute: float
+    exposed_comm: float
+    bubble: float
+    comm: float  # time any of the rank's ops was in flight (overlapped or not)
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.exposed_comm + self.bubble
+
+
+@dataclass(frozen=True)
+class MarkTime:
+    rank: int
+    name: str
+    phase: str
+    t: float
+    attrs: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
+
+
+@dataclass(frozen=True)
+class Iteration:
+    """One training iteration: from the first rank's begin to the last rank's end."""
+
+    number: int
+    start: float
+    end: float
+
+    @property
+    def time(self) -> float:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class PathStep:
+    """A step of the critical path: a compute segment of one rank or an op over its ranks."""
+
+    kind: str  # "compute" or the op kind
+    ranks: tuple[int, ...]
+    start: float
+    end: float
+    label: str = ""
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+
+@dataclass
+class ReplayResult:
+    """Everything a replay predicts. Times are seconds from the start of the replay."""
+
+    graph: Graph
+    makespan: float
+    rank_end: dict[int, float]
+    segments: dict[int, list[Segment]]
+    ops: dict[tuple, OpResult]
+    marks: list[MarkTime]
+    critical_path: list[PathStep]
+    #: per rank, per event: (time the rank reached it, time the rank moved past it)
+    event_times: dict[int, list[tuple[float, float]]] = field(default_factory=dict)
+
+    def breakdown(self, rank: int, t0: float = 0.0, t1: float | None = None) -> Breakdown:
+        """Per-rank compute / exposed comm / bubble / comm within [t0, t1] (default: whole run)."""
+        t1 = self.makespan if t1 is None else t1
+        sums: dict[str, float] = defaultdict(float)
+        for seg in self.segments.get(rank, ()):
+            overlap = min(seg.end, t1) - max(seg.start, t0)
+            if overlap > 0:
+                sums[seg.kind] += overlap
+        covered = sums["compute"] + sums["exposed_comm"] + sums["bubble"]
+        idle = max((t1 - t0) - covered, 0.0)  # before the rank's first event / after its last
+        comm = _union_length([(s.start, s.end) for s in self.segments.get(rank, ()) if s.kind == "comm"], t0, t1)
+        return Breakdown(sums["compute"], sums["exposed_comm"], sums["bubble"] + idle, comm)
+
+    def iterations(self, name: str = "iteration") -> list[Iteration]:
+        """Iterations from B/E markers called ``name``; [] when the graph has none."""
+        begins: dict[int, list[MarkTime]] = defaultdict(list)
+        ends: dict[int, list[MarkTime]] = defaultdict(list)
+        for m in self.marks:
+            if m.name == name and m.phase in ("B", "E"):
+                (begins if m.phase == "B" else ends)[m.rank].append(m)
+        spans: dict[int, list[tuple[float, float]]] = defaultdict(list)
+        for rank, bs in begins.items():
+            for k, (b, e) in enumerate(zip(bs, ends.get(rank, []), strict=False)):
+                number = b.attrs.get(name, b.attrs.get("number", k))
+                spans[number if isinstance(number, int) else k].append((b.t, e.t))
+        return [Iteration(n, min(s for s, _ in v), max(e for _, e in v)) for n, v in sorted(spans.items())]
+
+    def iteration_times(self) -> list[float]:
+        """Per-iteration predicted times, or [makespan] when there are no iteration markers."""
+        its = self.iterations()
+        return [it.time for it in its] if its else [self.makespan]
+
+    def summary(self) -> str:
+        """A short text report: iteration times, per-rank breakdown, critical path by kind."""
+        lines = [f"replay of {self.graph.source}: makespan {self.makespan * 1e3:.3f} ms"]
+        for it in self.iterations():
+            lines.append(f"  iteration {it.number}: {it.time * 1e3:.3f} ms")
+        lines.append(f"  {'rank':>5} {'compute':>10} {'exposed':>10} {'bubble':>10} {'comm':>10}  (ms)")
+        for r in self.graph.ranks:
+            b = self.breakdown(r)
+            lines.append(f"  {r:>5} {b.compute * 1e3:>10.3f} {b.exposed_comm * 1e3:>10.3f} "
+                         f"{b.bubble * 1e3:>10.3f} {b.comm * 1e3:>10.3f}")
+        by_kind: dict[str, float] = defaultdict(float)
+        for step in self.critical_path:
+            by_kind[step.kind] += step.duration
+        parts = ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1]))
+        lines.append(f"  critical path: {len(self.critical_path)} steps; {parts}")
+        for note in self.graph.notes[:10]:
+            lines.append(f"  note: {note}")
+        if len(self.graph.notes) > 10:
+            lines.append(f"  ... and {len(self.graph.notes) - 10} more note(s)")
+        return "\n".join(lines)
+
+
+def _union_length(intervals: list[tuple[float, float]], t0: float, t1: float) -> float:
+    total, cur_s, cur_e = 0.0, None, None
+    for s, e in sorted((max(s, t0), min(e, t1)) for s, e in intervals):
+        if e <= s:
+            continue
+        if cur_e is None or s > cur_e:
+            if cur_e is not None:
+                total += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    if cur_e is not None:
+        total += cur_e - cur_s
+    return total
+
+
+def _op_key(rank: int, ev: Comm) -> tuple:
+    if ev.is_p2p:
+        src, dst = (rank, ev.peer) if ev.kind == "send" else (ev.peer, rank)
+        return ("p2p", ev.group, src, dst, ev.seq)
+    return ("coll", ev.group, ev.seq)
+
+
+def _describe(rank: int, i: int, ev: Event) -> str:
+    if isinstance(ev, Comm):
+        where = f"peer {ev.peer}" if ev.is_p2p else f"seq {ev.seq}"
+        label = f" [{ev.label}]" if ev.label else ""
+        return f"rank {rank} event {i}: {ev.kind} on group {ev.group} ({where}){label}"
+    return f"rank {rank} event {i}: {type(ev).__name__}"
+
+
+class _Replay:
+    def __init__(self, graph: Graph, cost: CostFn, serialize_groups: bool) -> None:
+        self.g = graph
+        self.cost = cost
+        self.serialize = serialize_groups
+        self.ops: dict[tuple, OpResult] = {}
+        self.keys: dict[int, dict[int, tuple]] = defaultdict(dict)  # rank -> event index -> op key
+        self.pc = {r: 0 for r in graph.events}
+        self.clock = {r: 0.0 for r in graph.events}
+        self.ready: dict[int, list[float]] = {r: [math.nan] * len(e) for r, e in graph.events.items()}
+        self.done_t: dict[int, list[float]] = {r: [math.nan] * len(e) for r, e in graph.events.items()}
+        self.issued: dict[int, bool] = defaultdict(bool)  # current blocking Comm already issued
+        self.parked: dict[tuple, list[int]] = defaultdict(list)
+        self.segments: dict[int, list[Segment]] = defaultdict(list)
+        self.marks: list[MarkTime] = []
+        self.group_last: dict[int, tuple] = {}
+
+    # --- ops ---------------------------------------------------------------------------------------
+    def _issue(self, rank: int, i: int, ev: Comm) -> tuple:
+        key = _op_key(rank, ev)
+        op = self.ops.get(key)
+        if op is None:
+            ranks = (key[2], key[3]) if ev.is_p2p else self.g.groups[ev.group].ranks
+            op = self.ops[key] = OpResult(key, "send/recv" if ev.is_p2p else ev.kind, ev.group, tuple(ranks))
+        elif not ev.is_p2p and op.kind != ev.kind:
+            raise GraphError(f"{self.g.source}: {_describe(rank, i, ev)} matches {op.kind} of rank "
+                             f"{next(iter(op.issue))} (same group and seq, different op)")
+        if rank in op.issue:
+            raise GraphError(f"{self.g.source}: {_describe(rank, i, ev)} is issued twice (seq {ev.seq} repeats)")
+        op.issue[rank] = self.clock[rank]
+        op.event[rank] = i
+        op.nbytes = max(op.nbytes, ev.nbytes)
+        op.label = op.label or ev.label
+        self.keys[rank][i] = key
+        if len(op.issue) == len(op.ranks):
+            self._complete(op)
+        return key
+
+    def _complete(self, op: OpResult) -> None:
+        last = max(op.issue, key=lambda r: (op.issue[r], -r))
+        start, why = op.issue[last], ("issue", last, op.event[last])
+        if self.serialize and op.key[0] == "coll":
+            prev = self.group_last.get(op.group)
+            if prev is not None and self.ops[prev].end > start:
+                start, why = self.ops[prev].end, ("group", prev)
+            self.group_last[op.group] = op.key
+        ev = self.g.events[last][op.event[last]]
+        if op.key[0] == "p2p":
+            spec = CommSpec("send", op.nbytes, op.ranks, op.group, src=op.ranks[0], dst=op.ranks[1], dtype=ev.dtype)
+        else:
+            spec = CommSpec(op.kind, op.nbytes, op.ranks, op.group, root=ev.root, dtype=ev.dtype)
+        duration = float(self.cost(spec))
+        if not (math.isfinite(duration) and duration >= 0):
+            raise ValueError(f"cost function returned {duration} for {spec}")
+        op.start, op.end, op.why = start, start + duration, why
+        for r in op.ranks:
+            self.segments[r].append(Segment(r, "comm", op.start, op.end, op.label or op.kind,
+                                            {"kind": op.kind, "group": op.group, "bytes": op.nbytes,
+                                             "issue": op.issue.get(r)}))
+        for r in self.parked.pop(op.key, ()):
+            self.work.append(r)
+
+    # --- ranks -------------------------------------------------------------------------------------
+    def _block(self, rank: int, i: int, keys: tuple[tuple, ...]) -> bool:
+        """Finish a blocking event if its ops are done (True), else park the rank (False)."""
+        for k in keys:
+            if not self.ops[k].done:
+                self.parked[k].append(rank)
+                return False
+        b = self.clock[rank]
+        e = max([b] + [self.ops[k].end for k in keys])
+        flight = sorted((max(self.ops[k].start, b), min(self.ops[k].end, e)) for k in keys)
+        t = b
+        for s, f in flight:
+            if f <= t:
+                continue
+            if s > t:
+                self.segments[rank].append(Segment(rank, "bubble", t, s, "waiting for the op to start"))
+                t = s
+            self.segments[rank].append(Segment(rank, "exposed_comm", t, f, self.ops[keys[0]].label))
+            t = f
+        if e > t:
+            self.segments[rank].append(Segment(rank, "bubble", t, e))
+        self.clock[rank] = e
+        return True
+
+    def _run(self, rank: int) -> None:
+        evs = self.g.events[rank]
+        while self.pc[rank] < len(evs):
+            i = self.pc[rank]
+            ev = evs[i]
+            if math.isnan(self.ready[rank][i]):
+                self.ready[rank][i] = self.clock[rank]
+            if isinstance(ev, Compute):
+                t = self.clock[rank]
+                if ev.duration > 0:
+                    self.segments[rank].append(Segment(rank, "compute", t, t + ev.duration, ev.label))
+                self.clock[rank] = t + ev.duration
+            elif isinstance(ev, Mark):
+                self.marks.append(MarkTime(rank, ev.name, ev.phase, self.clock[rank], ev.attrs))
+            elif isinstance(ev, Comm):
+                if not self.issued[rank]:
+                    key = self._issue(rank, i, ev)
+                    self.issued[rank] = True
+                else:
+                    key = self.keys[rank][i]
+                if not ev.async_op and not self._block(rank, i, (key,)):
+                    return
+                self.issued[rank] = False
+            elif isinstance(ev, Wait):
+                if not self._block(rank, i, tuple(self.keys[rank][j] for j in ev.refs)):
+                    return
+            self.done_t[rank][i] = self.clock[rank]
+            self.pc[rank] = i + 1
+
+    def run(self) -> ReplayResult:
+        self.work = list(self.g.ranks)
+        while self.work:
+            self._run(self.work.pop())
+        stuck = [r for r in self.g.ranks if self.pc[r] < len(self.g.events[r])]
+        if stuck:
+            raise DeadlockError(self._deadlock_report(stuck))
+        undone = [op for op in self.ops.values() if not op.done]
+        if undone:
+            lines = [f"  {op.kind} on group {op.group} {op.key[2:]}: issued by {sorted(op.issue)}, missing "
+                     f"{sorted(set(op.ranks) - set(op.issue))}" for op in undone[:20]]
+            raise GraphError(f"{self.g.source}: {len(undone)} op(s) never matched:\n" + "\n".join(lines))
+        makespan = max(self.clock.values(), default=0.0)
+        for r in self.g.ranks:
+            if self.clock[r] < makespan:
+                self.segments[r].append(Segment(r, "bubble", self.clock[r], makespan, "idle"))
+            self.segments[r].sort(key=lambda s: (s.start, s.kind == "comm"))
+        times = {r: list(zip(self.ready[r], self.done_t[r], strict=True)) for r in self.g.ranks}
+        return ReplayResult(self.g, makespan, dict(self.clock), dict(self.segments), self.ops, self.marks,
+                            self._critical_path(), times)
+
+    def _deadlock_report(self, stuck: list[int]) -> str:
+        lines = []
+        for r in stuck:
+            i = self.pc[r]
+            ev = self.g.events[r][i]
+            keys = [self.keys[r][i]] if isinstance(ev, Comm) else [self.keys[r][j] for j in ev.refs]
+            waits = []
+            for k in keys:
+                op = self.ops[k]
+                if not op.done:
+                    missing = sorted(set(op.ranks) - set(op.issue))
+                    j = op.event[r] if r in op.event else i
+                    waits.append(f"{_describe(r, j, self.g.events[r][j])} waits for rank(s) {missing}")
+            lines.append("  " + ("; ".join(waits) or _describe(r, i, ev)))
+        return (f"{self.g.source}: deadlock: {len(stuck)} rank(s) can never proceed:\n" + "\n".join(lines))
+
+    def _critical_path(self) -> list[PathStep]:
+        if not self.g.events:
+            return []
+        rank = max(self.g.ranks, key=lambda r: (self.clock[r], -r))
+        node: tuple = ("ev", rank, len(self.g.events[rank]) - 1)
+        path: list[PathStep] = []
+        seen = 0
+        while True:
+            seen += 1
+            if seen > 10 * (len(self.ops) + sum(len(e) for e in self.g.events.values())) + 10:
+                raise RuntimeError("internal: critical path walk does not terminate")
+            if node[0] == "ev":
+                _, r, i = node
+                if i < 0:
+                    break
+                ev = self.g.events[r][i]
+                ready, done = self.ready[r][i], self.done_t[r][i]
+                if isinstance(ev, Compute):
+                    if ev.duration > 0:
+                        path.append(PathStep("compute", (r,), ready, done, ev.label))
+                    node = ("ev", r, i - 1)
+                elif isinstance(ev, (Comm, Wait)) and done > ready:
+                    keys = [self.keys[r][i]] if isinstance(ev, Comm) else [self.keys[r][j] for j in ev.refs]
+                    node = ("op", max(keys, key=lambda k: self.ops[k].end))
+                else:
+                    node = ("ev", r, i - 1)
+            else:
+                op = self.ops[node[1]]
+                path.append(PathStep(op.kind, op.ranks, op.start, op.end, op.label))
+                if op.why[0] == "group":
+                    node = ("op", op.why[1])
+                else:
+                    _, r, i = op.why
+                    node = ("ev", r, i - 1)
+        path.reverse()
+        return path
+
+
+def replay(graph: Graph, cost: CostFn = zero_cost, *, serialize_group_collectives: bool = True) -> ReplayResult:
+    """Replay ``graph`` with communication costed by ``cost``; raise DeadlockError on a deadlock."""
+    graph.validate()
+    return _Replay(graph, cost, serialize_group_collectives).run()

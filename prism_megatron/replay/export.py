@@ -1,0 +1,84 @@
+"""Export a predicted timeline as Chrome trace-event JSON (chrome://tracing, Perfetto).
+
+One process per rank (pid = rank): thread 0 shows what the rank does (compute, exposed_comm,
+bubble — these never overlap), thread 1 the scheduling-unit markers as nested B/E spans, and
+threads 2, 3... the communication ops in flight (several lanes because async ops overlap and
+viewers require the slices of one thread to nest). One more process shows the critical path.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from .engine import ReplayResult
+
+ACTIVITY_TID = 0
+MARKS_TID = 1
+COMM_TID = 2
+
+
+def _us(t: float) -> float:
+    return round(t * 1e6, 3)
+
+
+def _lanes(segments: list[Any]) -> list[int]:
+    """Assign each (sorted) interval the first lane whose last interval ended before it starts."""
+    ends: list[float] = []
+    out = []
+    for s in segments:
+        for lane, e in enumerate(ends):
+            if e <= s.start:
+                ends[lane] = s.end
+                out.append(lane)
+                break
+        else:
+            ends.append(s.end)
+            out.append(len(ends) - 1)
+    return out
+
+
+def to_chrome(result: ReplayResult, provenance: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The trace-event JSON object of a replay result."""
+    events: list[dict[str, Any]] = []
+    cp_pid = max(result.graph.ranks, default=-1) + 1
+    for rank in result.graph.ranks:
+        events.append({"ph": "M", "name": "process_name", "pid": rank, "args": {"name": f"rank {rank}"}})
+        events.append({"ph": "M", "name": "process_sort_index", "pid": rank, "args": {"sort_index": rank}})
+        names = {ACTIVITY_TID: "activity", MARKS_TID: "markers"}
+        segs = result.segments.get(rank, [])
+        for s in segs:
+            if s.kind != "comm" and s.duration > 0:
+                events.append({"ph": "X", "pid": rank, "tid": ACTIVITY_TID, "name": s.label or s.kind,
+                               "cat": s.kind, "ts": _us(s.start), "dur": _us(s.end) - _us(s.start)})
+        comms = sorted((s for s in segs if s.kind == "comm"), key=lambda s: (s.start, -s.end))
+        for s, lane in zip(comms, _lanes(comms), strict=True):
+            names[COMM_TID + lane] = "comm" if lane == 0 else f"comm +{lane}"
+            events.append({"ph": "X", "pid": rank, "tid": COMM_TID + lane, "name": s.label, "cat": "comm",
+                           "ts": _us(s.start), "dur": _us(s.end) - _us(s.start), "args": dict(s.args)})
+        for m in (m for m in result.marks if m.rank == rank):
+            ev = {"ph": m.phase, "pid": rank, "tid": MARKS_TID, "name": m.name, "ts": _us(m.t), "args": m.attrs}
+            if m.phase == "i":
+                ev["s"] = "t"
+            events.append(ev)
+        for tid, name in names.items():
+            events.append({"ph": "M", "name": "thread_name", "pid": rank, "tid": tid, "args": {"name": name}})
+    events.append({"ph": "M", "name": "process_name", "pid": cp_pid, "args": {"name": "critical path"}})
+    for step in result.critical_path:
+        events.append({"ph": "X", "pid": cp_pid, "tid": 0, "name": step.label or step.kind, "cat": step.kind,
+                       "ts": _us(step.start), "dur": _us(step.end) - _us(step.start),
+                       "args": {"ranks": list(step.ranks)}})
+    meta = {"producer": "prism-megatron replay", "source": result.graph.source,
+            "makespan_s": result.makespan, "iteration_times_s": result.iteration_times()}
+    if provenance:
+        meta["provenance"] = provenance
+    return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": meta}
+
+
+def write_chrome(result: ReplayResult, path: str | Path, provenance: dict[str, Any] | None = None) -> Path:
+    """Write the predicted timeline to ``path`` (JSON); return the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(to_chrome(result, provenance)) + "\n", encoding="utf-8")
+    return path

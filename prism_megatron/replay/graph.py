@@ -1,0 +1,350 @@
+"""The execution graph replay walks: per rank, an ordered list of events.
+
+A rank's program is a sequence of compute segments (a duration), communication ops (matched
+across ranks: collectives by (group, seq), point-to-point by (group, src, dst, seq)), explicit
+waits on earlier asynchronous ops, and scheduling-unit markers. That is all a bare or calibrated
+PrismTrace says about a rank, and all the engine needs.
+
+Graphs come from a PrismTrace (:func:`graph_from_trace`) or are built directly in Python
+(:class:`GraphBuilder`), which tests use for hand-made schedules.
+
+Waits, when building from a trace: the trace records when an op was issued and when it completed,
+not when the rank waited for an asynchronous op. A non-async op blocks the rank until it completes.
+For async ops we use the slot log: a rank gives its slot back exactly when it blocks on ops that are
+not yet complete, so a slot release that does not belong to a synchronous op is a wait; it becomes
+a :class:`Wait` on the async ops still incomplete at that moment, placed at the rank's compute clock
+of the release (``batch_isend_irecv`` + ``wait()`` in Megatron's p2p lands where it was). A wait
+that found its ops already complete left no trace; such ops are awaited together with the next
+blocking op of the rank (a :class:`Wait` right after it) or at the end of the rank, which may let
+compute overlap communication that the real program waited for.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+#: Op kinds that are point-to-point (matched by src/dst), everything else is a collective.
+P2P_KINDS = frozenset({"send", "recv"})
+
+
+class GraphError(ValueError):
+    """The graph is inconsistent: an op with no partner, a group without that rank, a bad wait."""
+
+
+@dataclass(frozen=True)
+class Group:
+    """A process group: its id, name and member global ranks (in group-rank order)."""
+
+    id: int
+    ranks: tuple[int, ...]
+    name: str = ""
+
+
+@dataclass(frozen=True)
+class Compute:
+    """The rank computes for ``duration`` seconds."""
+
+    duration: float
+    label: str = ""
+
+
+@dataclass(frozen=True)
+class Comm:
+    """One communication op as issued by one rank.
+
+    ``seq`` is the per-group collective sequence number, or for p2p the per (group, src, dst)
+    one; ``peer`` is the p2p partner's global rank; ``nbytes`` follows the trace ("bytes this rank
+    contributes/sends or receives, whichever is larger"), which is also nccl-tests' size convention.
+    """
+
+    kind: str
+    group: int
+    seq: int
+    peer: int = -1
+    root: int = -1
+    nbytes: int = 0
+    dtype: str = ""
+    async_op: bool = False
+    label: str = ""
+
+    @property
+    def is_p2p(self) -> bool:
+        return self.kind in P2P_KINDS
+
+
+@dataclass(frozen=True)
+class Wait:
+    """Block until the ops at these positions of the same rank's event list have completed."""
+
+    refs: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Mark:
+    """A scheduling-unit marker (phase 'B', 'E' or 'i'); takes no time."""
+
+    name: str
+    phase: str
+    attrs: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
+
+
+Event = Compute | Comm | Wait | Mark
+
+
+@dataclass
+class Graph:
+    """Per-rank event lists plus the process groups they refer to."""
+
+    groups: dict[int, Group]
+    events: dict[int, list[Event]]
+    source: str = "<python>"
+    #: what building the graph had to leave out or guess, for reports
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def ranks(self) -> list[int]:
+        return sorted(self.events)
+
+    def validate(self) -> None:
+        """Raise GraphError if an op names an unknown group or a group without its rank."""
+        members = {gid: frozenset(g.ranks) for gid, g in self.groups.items()}
+        for rank, evs in self.events.items():
+            for i, ev in enumerate(evs):
+                if isinstance(ev, Comm):
+                    g = self.groups.get(ev.group)
+                    if g is None:
+                        raise GraphError(
+                            f"{self.source}: rank {rank} event {i} ({ev.kind}) names unknown group {ev.group}"
+                        )
+                    if rank not in members[ev.group]:
+                        raise GraphError(
+                            f"{self.source}: rank {rank} event {i} ({ev.kind}) on group {ev.group} "
+                            f"whose ranks {list(g.ranks)} do not include it"
+                        )
+                    if ev.is_p2p and ev.peer not in members[ev.group]:
+                        raise GraphError(
+                            f"{self.source}: rank {rank} event {i} ({ev.kind}) peer {ev.peer} "
+                            f"is not in group {ev.group}"
+                        )
+                elif isinstance(ev, Wait):
+                    for ref in ev.refs:
+                        if not (0 <= ref < i and isinstance(evs[ref], Comm)):
+                            raise GraphError(
+                                f"{self.source}: rank {rank} event {i} waits on event {ref}, not an earlier op"
+                            )
+                elif isinstance(ev, Compute):
+                    if not (math.isfinite(ev.duration) and ev.duration >= 0):
+                        raise GraphError(f"{self.source}: rank {rank} event {i} has compute duration {ev.duration}")
+
+
+class GraphBuilder:
+    """Build a graph by hand: sequence numbers are assigned as a real backend would.
+
+    ``send``/``recv`` count per (group, src, dst); collectives count per (group, rank), so that
+    the order of calls on each rank is what matters, as with torch.distributed.
+    """
+
+    def __init__(self, groups: Iterable[Group] | None = None) -> None:
+        self.groups: dict[int, Group] = {g.id: g for g in groups or ()}
+        self.events: dict[int, list[Event]] = defaultdict(list)
+        self._coll_seq: dict[tuple[int, int], int] = defaultdict(int)
+        self._p2p_seq: dict[tuple[int, int, int, str], int] = defaultdict(int)
+
+    def group(self, gid: int, ranks: Sequence[int], name: str = "") -> int:
+        self.groups[gid] = Group(gid, tuple(ranks), name)
+        return gid
+
+    def compute(self, rank: int, duration: float, label: str = "") -> int:
+        self.events[rank].append(Compute(float(duration), label))
+        return len(self.events[rank]) - 1
+
+    def collective(self, rank: int, kind: str, group: int, nbytes: int = 0, *, async_op: bool = False,
+                   root: int = -1, label: str = "") -> int:
+        seq = self._coll_seq[(group, rank)]
+        self._coll_seq[(group, rank)] += 1
+        self.events[rank].append(Comm(kind, group, seq, -1, root, nbytes, "", async_op, label))
+        return len(self.events[rank]) - 1
+
+    def _p2p(self, rank: int, kind: str, peer: int, group: int, nbytes: int, async_op: bool, label: str) -> int:
+        src, dst = (rank, peer) if kind == "send" else (peer, rank)
+        key = (group, src, dst, kind)
+        seq = self._p2p_seq[key]
+        self._p2p_seq[key] += 1
+        self.events[rank].append(Comm(kind, group, seq, peer, -1, nbytes, "", async_op, label))
+        return len(self.events[rank]) - 1
+
+    def send(self, rank: int, peer: int, group: int, nbytes: int = 0, *, async_op: bool = False,
+             label: str = "") -> int:
+        return self._p2p(rank, "send", peer, group, nbytes, async_op, label)
+
+    def recv(self, rank: int, peer: int, group: int, nbytes: int = 0, *, async_op: bool = False,
+             label: str = "") -> int:
+        return self._p2p(rank, "recv", peer, group, nbytes, async_op, label)
+
+    def wait(self, rank: int, *refs: int) -> int:
+        self.events[rank].append(Wait(tuple(refs)))
+        return len(self.events[rank]) - 1
+
+    def mark(self, rank: int, name: str, phase: str, **attrs: Any) -> int:
+        self.events[rank].append(Mark(name, phase, attrs))
+        return len(self.events[rank]) - 1
+
+    def build(self, source: str = "<python>") -> Graph:
+        graph = Graph(dict(self.groups), {r: list(evs) for r, evs in self.events.items()}, source)
+        graph.validate()
+        return graph
+
+
+def _mark_attrs(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text) if text else {}
+    except ValueError:
+        return {"attrs": text}
+    return value if isinstance(value, dict) else {"attrs": value}
+
+
+def _rank_events(ops: list[dict[str, Any]], marks: list[dict[str, Any]],
+                 releases: list[tuple[float, float]] = ()) -> list[Event]:
+    """One rank's events: compute before each op, the op, waits for async ops, markers in place.
+
+    Markers and slot releases (``(t_release, compute clock then)``) sit between the last op
+    issued at or before their time and the next one; the compute segment they fall into is split
+    at their compute clock (cumulative slot-holding seconds), which is consistent with
+    ``compute_before`` (the per-op increments of the same clock).
+    """
+    points = sorted([(m["t"], m["compute_clock"], m) for m in marks] + [(t, c, None) for t, c in releases],
+                    key=lambda p: p[0])
+    events: list[Event] = []
+    outstanding: dict[int, float] = {}  # event index of an async op -> its t_complete in the trace
+    last: dict[str, Any] | None = None
+    clock = 0.0  # cumulative compute at the current point
+    pi = 0
+
+    def at(c: float, limit_clock: float) -> None:
+        nonlocal clock
+        c = min(max(c, clock), limit_clock)
+        if c > clock:
+            events.append(Compute(c - clock))
+            clock = c
+
+    def place(limit_t: float, limit_clock: float) -> None:
+        nonlocal pi, outstanding
+        while pi < len(points) and points[pi][0] < limit_t:
+            t, c, m = points[pi]
+            pi += 1
+            if m is not None:
+                at(c, limit_clock)
+                events.append(Mark(m["name"], m["phase"], _mark_attrs(m["attrs"])))
+                continue
+            if last is not None and not last["async_op"] and last["t_complete"] >= t:
+                continue  # the release of a synchronous op blocking at issue
+            waited = tuple(i for i, done in outstanding.items() if done >= t)
+            if waited:
+                at(c, limit_clock)
+                events.append(Wait(waited))
+                outstanding = {i: d for i, d in outstanding.items() if i not in waited}
+
+    for op in ops:
+        target = clock + max(float(op["compute_before"]), 0.0)
+        place(op["t_issue"], target)
+        at(target, target)
+        events.append(Comm(op["kind"], op["group"], op["seq"], op["peer"], op["root"], op["bytes"], op["dtype"],
+                           bool(op["async_op"]), op["label"]))
+        last = op
+        if op["async_op"]:
+            outstanding[len(events) - 1] = op["t_complete"]
+        elif outstanding:
+            events.append(Wait(tuple(outstanding)))
+            outstanding = {}
+    place(math.inf, math.inf)
+    if outstanding:
+        events.append(Wait(tuple(outstanding)))
+    return events
+
+
+def _releases(slots: list[dict[str, Any]]) -> list[tuple[float, float]]:
+    """(t_release, compute clock at the release) of one rank's slot grants."""
+    out, clock = [], 0.0
+    for s in sorted(slots, key=lambda s: s["t_grant"]):
+        clock += max(s["t_release"] - s["t_grant"], 0.0)
+        out.append((s["t_release"], clock))
+    return out
+
+
+def _resolve_any_source(per_rank: dict[int, list[dict[str, Any]]]) -> None:
+    """Give recvs posted without a source (peer -1) the sender whose send matched them.
+
+    Pairs are taken in order of issue; a recv from any source is rare in Megatron, and this keeps
+    the graph explicit for the engine.
+    """
+    pending = [(r, op) for r, ops in per_rank.items() for op in ops if op["kind"] == "recv" and op["peer"] < 0]
+    if not pending:
+        return
+    taken: set[tuple[int, int]] = set()
+    for rank, op in sorted(pending, key=lambda x: x[1]["t_issue"]):
+        sends = sorted(
+            ((s_rank, s) for s_rank, s_ops in per_rank.items() for s in s_ops
+             if s["kind"] == "send" and s["peer"] == rank and s["group"] == op["group"]
+             and (s_rank, s["index"]) not in taken),
+            key=lambda x: x[1]["t_complete"],
+        )
+        if not sends:
+            raise GraphError(f"rank {rank} op {op['index']}: recv from any source has no matching send")
+        s_rank, s = sends[0]
+        taken.add((s_rank, s["index"]))
+        op["peer"], op["seq"] = s_rank, s["seq"]
+
+
+def _drop_unmatched_p2p(per_rank: dict[int, list[dict[str, Any]]]) -> list[str]:
+    """Remove sends/recvs whose partner never posted (e.g. a fire-and-forget send at exit).
+
+    The op's compute_before moves to the rank's next op so that no compute time is lost.
+    """
+    def key(rank: int, op: dict[str, Any]) -> tuple:
+        src, dst = (rank, op["peer"]) if op["kind"] == "send" else (op["peer"], rank)
+        return (op["group"], src, dst, op["seq"])
+
+    sides: dict[tuple, set[str]] = defaultdict(set)
+    for rank, ops in per_rank.items():
+        for op in ops:
+            if op["kind"] in P2P_KINDS:
+                sides[key(rank, op)].add(op["kind"])
+    notes = []
+    for rank, ops in per_rank.items():
+        kept, carry = [], 0.0
+        for op in ops:
+            if op["kind"] in P2P_KINDS and len(sides[key(rank, op)]) < 2:
+                carry += op["compute_before"]
+                notes.append(f"rank {rank} op {op['index']}: {op['kind']} to/from rank {op['peer']} on group "
+                             f"{op['group']} has no matching {'recv' if op['kind'] == 'send' else 'send'}; left out")
+                continue
+            if carry:
+                op = dict(op, compute_before=op["compute_before"] + carry)
+                carry = 0.0
+            kept.append(op)
+        per_rank[rank] = kept
+    return notes
+
+
+def graph_from_trace(trace: Any) -> Graph:
+    """Build the graph of a PrismTrace (``prism_megatron.trace.read_trace(dir)``)."""
+    groups = {g["id"]: Group(g["id"], tuple(g["ranks"]), g.get("name", "")) for g in trace.manifest["groups"]}
+    marks_by_rank: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    for m in trace.marks.to_pylist():
+        marks_by_rank[m["rank"]].append(m)
+    slots_by_rank: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    for s in trace.slots.to_pylist():
+        slots_by_rank[s["rank"]].append(s)
+    per_rank = {r: trace.ops_for_rank(r) for r in range(trace.world_size)}
+    _resolve_any_source(per_rank)
+    notes = _drop_unmatched_p2p(per_rank)
+    events = {r: _rank_events(per_rank[r], marks_by_rank.get(r, []), _releases(slots_by_rank.get(r, [])))
+              for r in range(trace.world_size)}
+    graph = Graph(groups, events, str(getattr(trace, "path", "<trace>")), notes)
+    graph.validate()
+    return graph

@@ -1,0 +1,109 @@
+"""Memory-aware residency: which ranks' GPU state is on the device, and whom to evict for whom.
+
+Pure bookkeeping around a swapper, so the policy is testable without a GPU. A rank about to get a
+slot must be resident; if the device lacks room, blocked residents are swapped out first — those
+whose pending ops will complete last (most members still missing), since they will not need the
+GPU soon. Restores are scheduled by free memory, never by hope: a restore is only tried when the
+accounting says it fits (a failed restore costs nothing but leaves the rank out).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from prism_megatron.runtime.swap import BudgetSwapper, SwapNoRoom, Swapper, timed
+
+
+@dataclass
+class SwapStats:
+    swaps_out: int = 0
+    swaps_in: int = 0
+    bytes_out: int = 0
+    bytes_in: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
+class DeviceMemory:
+    """One device's capacity, its resident ranks and their footprints (bytes)."""
+
+    capacity: int
+    swapper: Swapper
+    footprint: dict[int, int] = field(default_factory=dict)
+    resident: set[int] = field(default_factory=set)
+    stats: dict[int, SwapStats] = field(default_factory=dict)
+
+    def used(self) -> int:
+        return sum(self.footprint.get(r, 0) for r in self.resident)
+
+    def report(self, rank: int, nbytes: int) -> None:
+        """A rank's measured footprint (allocator reserved + context), sent as it blocks: it ran, so it
+        is resident."""
+        self.footprint[rank] = nbytes
+        self.resident.add(rank)
+        self.stats.setdefault(rank, SwapStats())
+        if isinstance(self.swapper, BudgetSwapper):  # the stand-in enforces the same figures
+            self.swapper.footprint[rank] = nbytes
+            self.swapper.used[rank] = nbytes
+
+    def enforce(self, evictable: list[int], pids: dict[int, int], completes_last: Callable[[int], float]) -> None:
+        """Swap blocked residents out, longest wait first, until what is resident fits the device."""
+        order = sorted((r for r in evictable if r in self.resident), key=completes_last, reverse=True)
+        for r in order:
+            if self.used() <= self.capacity:
+                return
+            self._out(r, pids[r])
+
+    def forget(self, rank: int) -> None:
+        """The rank's process ended: its memory is free."""
+        self.resident.discard(rank)
+        self.footprint.pop(rank, None)
+        if isinstance(self.swapper, BudgetSwapper):
+            self.swapper.used.pop(rank, None)
+
+    def swap_out(self, rank: int, pid: int) -> None:
+        """Checkpoint a resident rank (the caller guarantees it is blocked)."""
+        self._out(rank, pid)
+
+    def make_resident(self, rank: int, evictable: list[int], pids: dict[int, int],
+                      completes_last: Callable[[int], float]) -> bool:
+        """Bring `rank` in, evicting from `evictable` (blocked, resident, slot-less ranks) as needed.
+
+        Returns False when even evicting every candidate leaves no room (the caller retries later).
+        """
+        if rank not in self.stats:  # a fresh process: nothing on the device yet
+            self.report(rank, self.footprint.get(rank, 0))
+        if rank in self.resident:
+            return True
+        need = self.footprint.get(rank, 0)
+        order = sorted((r for r in evictable if r in self.resident and r != rank), key=completes_last, reverse=True)
+        free = self.capacity - self.used()
+        victims = []
+        for r in order:
+            if free >= need:
+                break
+            victims.append(r)
+            free += self.footprint.get(r, 0)
+        if free < need:
+            return False
+        for r in victims:
+            self._out(r, pids[r])
+        try:
+            dt = timed(self.swapper.restore, rank, pids[rank])
+        except SwapNoRoom:
+            return False
+        s = self.stats[rank]
+        s.swaps_in += 1
+        s.bytes_in += need
+        s.seconds += dt
+        self.resident.add(rank)
+        return True
+
+    def _out(self, rank: int, pid: int) -> None:
+        dt = timed(self.swapper.checkpoint, rank, pid)
+        s = self.stats[rank]
+        s.swaps_out += 1
+        s.bytes_out += self.footprint.get(rank, 0)
+        s.seconds += dt
+        self.resident.discard(rank)

@@ -1,0 +1,132 @@
+"""Memory-aware residency with a stand-in swapper that enforces a device budget (no GPU needed)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from prism_megatron.launcher.config import LaunchConfig, LaunchError
+from prism_megatron.runtime.memory import DeviceMemory
+from prism_megatron.runtime.swap import BudgetSwapper, SwapNoRoom
+
+GIB = 2**30
+
+
+def _device(capacity_gib: int, footprints: dict[int, int]) -> tuple[DeviceMemory, BudgetSwapper]:
+    sw = BudgetSwapper(capacity_gib * GIB)
+    mem = DeviceMemory(capacity_gib * GIB, sw)
+    for r, f in footprints.items():
+        mem.report(r, f * GIB)
+    return mem, sw
+
+
+def test_evicts_the_rank_that_will_wait_longest():
+    # 4 ranks of 60 GiB; a 141 GiB device holds 2. Each ran once (reported), then was swapped out.
+    mem, sw = _device(300, {r: 60 for r in range(4)})
+    pids = {r: 1000 + r for r in range(4)}
+    for r in range(4):
+        mem.swap_out(r, pids[r])
+    mem.capacity = sw.capacity = 141 * GIB
+    waits = {0: 1.0, 1: 5.0, 2: 0.0, 3: 0.0}  # rank 1's collective misses the most members
+    assert mem.make_resident(0, [], pids, waits.get)
+    assert mem.make_resident(1, [0], pids, waits.get)
+    assert mem.resident == {0, 1}
+    assert mem.make_resident(2, [0, 1], pids, waits.get)
+    assert mem.resident == {0, 2}  # rank 1 went out, not rank 0
+    assert sw.log[-2:] == [("out", 1), ("in", 2)]
+    assert mem.used() <= mem.capacity
+    assert mem.stats[1].swaps_out == 2 and mem.stats[2].swaps_in == 1 and mem.stats[2].bytes_in == 60 * GIB
+
+
+def test_never_over_budget_under_random_schedules():
+    rng = random.Random(7)
+    for _ in range(50):
+        n = rng.randint(2, 10)
+        cap = rng.randint(100, 300)
+        sizes = {r: rng.randint(10, 100) for r in range(n)}
+        mem, sw = _device(10_000, sizes)
+        pids = dict.fromkeys(sizes, 1)
+        for r in sizes:
+            mem.swap_out(r, 1)
+        mem.capacity = sw.capacity = cap * GIB
+        running: set[int] = set()
+        for _ in range(200):
+            r = rng.randrange(n)
+            if r in running:
+                running.discard(r)  # it blocks: evictable now
+                continue
+            blocked = [x for x in sizes if x not in running]
+            if mem.make_resident(r, blocked, pids, lambda x: rng.random()):
+                running.add(r)
+                assert r in mem.resident
+            assert mem.used() <= mem.capacity
+            assert sum(sw.used.values()) <= sw.capacity
+            assert running <= mem.resident  # a computing rank is never swapped out
+
+
+def test_restore_without_room_waits_for_an_evictable_rank():
+    mem, sw = _device(200, {0: 60, 1: 60})
+    mem.swap_out(1, 2)
+    mem.capacity = sw.capacity = 100 * GIB
+    assert not mem.make_resident(1, [], {0: 1, 1: 2}, lambda r: 0)  # rank 0 computes: cannot evict it
+    assert mem.resident == {0}
+    assert mem.make_resident(1, [0], {0: 1, 1: 2}, lambda r: 0)  # rank 0 blocked now
+    assert mem.resident == {1} and mem.stats[0].swaps_out == 1 and mem.stats[1].swaps_in == 1
+
+
+def test_stand_in_refuses_restore_without_room():
+    sw = BudgetSwapper(GIB)
+    sw.footprint[5] = 2 * GIB
+    with pytest.raises(SwapNoRoom, match="rank 5: restore of 2147483648 bytes does not fit"):
+        sw.restore(5, 1)
+
+
+@pytest.mark.parametrize(("kw", "msg"), [
+    ({"swap": "sometimes"}, "--swap must be auto, none or checkpoint, got 'sometimes'"),
+    ({"swap": "checkpoint"}, "--swap checkpoint needs GPU --devices"),
+    ({"swap": "budget"}, "--swap budget needs --device-memory GiB"),
+    ({"device_memory_gib": -2.0}, "--device-memory must be a positive number of GiB, got -2.0"),
+])
+def test_swap_options_are_validated(tmp_path, kw, msg):
+    script = tmp_path / "s.py"
+    script.write_text("")
+    with pytest.raises(LaunchError, match=msg.replace("(", r"\(").replace(")", r"\)")):
+        LaunchConfig(script=script, world_size=2, trace_dir=tmp_path / "t", **kw).validate()
+
+
+def test_auto_swap_is_none_on_cpu(tmp_path):
+    script = tmp_path / "s.py"
+    script.write_text("")
+    cfg = LaunchConfig(script=script, world_size=2, trace_dir=tmp_path / "t").validate()
+    assert cfg.resolved_swap() == "none"
+
+
+def test_job_over_budget_swaps_and_keeps_results(tmp_path):
+    """8 ranks of 60 GiB (stand-in footprints) on a 141 GiB device: swaps happen, results do not change."""
+    import os
+    import subprocess
+    import sys
+
+    import torch
+
+    from conftest import PROGRAMS
+    from prism_megatron.trace import read_trace
+
+    outs = {}
+    for mode in ("none", "budget"):
+        out = tmp_path / mode
+        out.mkdir()
+        env = dict(os.environ, RING_OUT=str(out), PRISM_FOOTPRINT_BYTES=str(60 * GIB))
+        p = subprocess.run([sys.executable, "-m", "prism_megatron", "launch", "-w", "8", "--slots-per-device", "2",
+                            "--swap", mode, "--device-memory", "141", "--log-ranks", "none", "--trace-dir",
+                            str(tmp_path / f"trace-{mode}"), str(PROGRAMS / "ring.py"), "2"],
+                           capture_output=True, text=True, timeout=180, env=env)
+        assert p.returncode == 0, p.stderr
+        outs[mode] = [torch.load(out / f"rank-{r}.pt") for r in range(8)]
+    for a, b in zip(outs["none"], outs["budget"], strict=True):
+        assert torch.equal(a, b)
+    swap = read_trace(tmp_path / "trace-budget").manifest["job"]["swap"]
+    assert sum(s["swaps_out"] for s in swap.values()) > 0
+    assert sum(s["swaps_in"] for s in swap.values()) > 0
+    assert "swap" not in read_trace(tmp_path / "trace-none").manifest["job"]
