@@ -72,9 +72,13 @@ class DeviceMemory:
 
         Returns False when even evicting every candidate leaves no room (the caller retries later).
         """
-        if rank not in self.stats:  # a fresh process: nothing on the device yet
-            self.report(rank, self.footprint.get(rank, 0))
-        if rank in self.resident:
+        fresh = rank not in self.stats
+        if fresh:
+            # nothing on the device yet, but it is about to allocate: like the ranks seen so far (the
+            # ranks of one job are alike), so make that much room before it runs, not after an OOM
+            self.stats[rank] = SwapStats()
+            self.footprint[rank] = max(self.footprint.values(), default=0)
+        elif rank in self.resident:
             return True
         need = self.footprint.get(rank, 0)
         order = sorted((r for r in evictable if r in self.resident and r != rank), key=completes_last, reverse=True)
@@ -89,6 +93,9 @@ class DeviceMemory:
             return False
         for r in victims:
             self._out(r, pids[r])
+        if fresh:
+            self.report(rank, need)
+            return True
         try:
             dt = timed(self.swapper.restore, rank, pids[rank])
         except SwapNoRoom:

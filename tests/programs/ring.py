@@ -11,6 +11,8 @@ iters = int(sys.argv[1]) if len(sys.argv) > 1 else 3
 dist.init_process_group("nccl")
 r, w = dist.get_rank(), dist.get_world_size()
 dev = "cuda" if torch.cuda.is_available() else "cpu"
+ballast_gib = float(os.environ.get("RING_BALLAST_GIB", "0"))  # GPU memory each rank holds (swap tests)
+ballast = torch.ones(int(ballast_gib * 2**30), dtype=torch.uint8, device=dev) if ballast_gib else None
 x = torch.randn(64, 64, generator=torch.Generator().manual_seed(r)).to(dev)
 for it in range(iters):
     with span("iteration", iteration=it):
@@ -23,6 +25,8 @@ for it in range(iters):
         for q in reqs:
             q.wait()
         x = (x + y) / 2
+if ballast is not None:
+    assert int(ballast.sum()) == ballast.numel(), "ballast corrupted"  # survived every swap intact
 out = os.environ.get("RING_OUT")
 if out:
     torch.save(x.cpu(), os.path.join(out, f"rank-{r}.pt"))

@@ -1,0 +1,102 @@
+"""Issue 4 on the GPU: CUDA process checkpoint/restore bandwidth, and a job that only fits with swaps.
+
+  python3 bench/gpu/swap_bench.py OUT_DIR [sizes GiB, default 1 8 40]
+
+A. For each size: a child process fills N GiB on the GPU; this process (driver API only, no
+   context of its own on that memory) checkpoints it, reads the GPU's used memory, restores it, and
+   the child verifies its data. Prints GB/s each way.
+B. 8 logical ranks of tests/programs/ring.py, each holding 20 GiB of ballast (8 x ~20.6 GiB > one
+   H200), with --swap checkpoint, against the same job without ballast: results equal, swaps counted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from prism_megatron.runtime.swap import CudaCheckpointSwapper  # noqa: E402
+
+CHILD = r"""
+import sys, torch
+n = int(float(sys.argv[1]) * 2**30)
+x = torch.arange(n, dtype=torch.int64, device="cuda").remainder_(251).to(torch.uint8)
+want = int(x.sum(dtype=torch.int64)); torch.cuda.synchronize()
+print("ready", flush=True); sys.stdin.readline()
+got = int(x.sum(dtype=torch.int64))
+print("ok" if got == want else f"CORRUPT {got} != {want}", flush=True)
+"""
+
+
+def gpu_used_mib() -> int:
+    out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True).stdout
+    return int(out.split()[0])
+
+
+def bench_sizes(sizes: list[float]) -> list[dict]:
+    sw = CudaCheckpointSwapper()
+    rows = []
+    for gib in sizes:
+        child = subprocess.Popen([sys.executable, "-c", CHILD, str(gib)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                 text=True)
+        assert child.stdout.readline().strip() == "ready"
+        before = gpu_used_mib()
+        t0 = time.perf_counter()
+        sw.checkpoint(0, child.pid)
+        t_out = time.perf_counter() - t0
+        during = gpu_used_mib()
+        t0 = time.perf_counter()
+        sw.restore(0, child.pid)
+        t_in = time.perf_counter() - t0
+        child.stdin.write("\n")
+        child.stdin.flush()
+        verdict = child.stdout.readline().strip()
+        child.wait()
+        row = {"gib": gib, "checkpoint_s": round(t_out, 2), "restore_s": round(t_in, 2),
+               "checkpoint_GBps": round(gib * 2**30 / t_out / 1e9, 2), "restore_GBps": round(gib * 2**30 / t_in / 1e9, 2),
+               "gpu_used_mib_before": before, "gpu_used_mib_checkpointed": during, "data": verdict}
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
+def swap_job(out: Path) -> dict:
+    res = {}
+    for mode, ballast in (("none", "0"), ("checkpoint", "20")):
+        ring_out = out / f"ring-{mode}"
+        ring_out.mkdir(parents=True, exist_ok=True)
+        env = dict(os.environ, RING_OUT=str(ring_out), RING_BALLAST_GIB=ballast)
+        t0 = time.perf_counter()
+        p = subprocess.run([sys.executable, "-m", "prism_megatron", "launch", "-w", "8", "--devices", "0",
+                            "--slots-per-device", "2", "--swap", mode, "--log-ranks", "none", "--hang-timeout", "300",
+                            "--trace-dir", str(out / f"trace-{mode}"), "tests/programs/ring.py", "2"],
+                           capture_output=True, text=True, env=env)
+        res[mode] = {"exit": p.returncode, "wall_s": round(time.perf_counter() - t0, 1), "stderr": p.stderr[-1500:]}
+        if p.returncode == 0:
+            from prism_megatron.trace import read_trace
+
+            swap = read_trace(out / f"trace-{mode}").manifest["job"].get("swap", {})
+            res[mode]["swaps_out"] = sum(s["swaps_out"] for s in swap.values())
+            res[mode]["swaps_in"] = sum(s["swaps_in"] for s in swap.values())
+            res[mode]["swap_seconds"] = round(sum(s["seconds"] for s in swap.values()), 1)
+    if res["none"]["exit"] == 0 and res["checkpoint"]["exit"] == 0:
+        import torch
+
+        same = all(torch.equal(torch.load(out / "ring-none" / f"rank-{r}.pt"),
+                               torch.load(out / "ring-checkpoint" / f"rank-{r}.pt")) for r in range(8))
+        res["results_equal"] = same
+    print(json.dumps(res, indent=1), flush=True)
+    return res
+
+
+if __name__ == "__main__":
+    out = Path(sys.argv[1])
+    out.mkdir(parents=True, exist_ok=True)
+    sizes = [float(x) for x in sys.argv[2:]] or [1, 8, 40]
+    result = {"sizes": bench_sizes(sizes), "job": swap_job(out / "work")}
+    (out / "swap_bench.json").write_text(json.dumps(result, indent=1))
