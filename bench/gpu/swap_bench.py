@@ -58,7 +58,8 @@ def bench_sizes(sizes: list[float]) -> list[dict]:
         verdict = child.stdout.readline().strip()
         child.wait()
         row = {"gib": gib, "checkpoint_s": round(t_out, 2), "restore_s": round(t_in, 2),
-               "checkpoint_GBps": round(gib * 2**30 / t_out / 1e9, 2), "restore_GBps": round(gib * 2**30 / t_in / 1e9, 2),
+               "checkpoint_GBps": round(gib * 2**30 / t_out / 1e9, 2),
+               "restore_GBps": round(gib * 2**30 / t_in / 1e9, 2),
                "gpu_used_mib_before": before, "gpu_used_mib_checkpointed": during, "data": verdict}
         print(json.dumps(row), flush=True)
         rows.append(row)
