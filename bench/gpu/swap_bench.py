@@ -24,8 +24,8 @@ from prism_megatron.runtime.swap import CudaCheckpointSwapper  # noqa: E402
 CHILD = r"""
 import sys, torch
 n = int(float(sys.argv[1]) * 2**30)
-g = torch.Generator(device="cuda").manual_seed(0)
-x = torch.randint(0, 256, (n,), dtype=torch.uint8, device="cuda", generator=g)
+x = torch.full((n,), 7, dtype=torch.uint8, device="cuda")  # no temporaries: the process holds n bytes
+x[::4099] = 3
 want = int(x.sum(dtype=torch.int64)); torch.cuda.synchronize()
 print("ready", flush=True); sys.stdin.readline()
 got = int(x.sum(dtype=torch.int64))
