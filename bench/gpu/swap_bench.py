@@ -100,6 +100,7 @@ def swap_job(out: Path) -> dict:
 if __name__ == "__main__":
     out = Path(sys.argv[1])
     out.mkdir(parents=True, exist_ok=True)
-    sizes = [float(x) for x in sys.argv[2:]] or [1, 8, 40]
+    only_job = sys.argv[2:] == ["job"]
+    sizes = [] if only_job else [float(x) for x in sys.argv[2:]] or [1, 8, 40]
     result = {"sizes": bench_sizes(sizes), "job": swap_job(out / "work")}
     (out / "swap_bench.json").write_text(json.dumps(result, indent=1))
