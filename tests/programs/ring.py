@@ -26,7 +26,8 @@ for it in range(iters):
             q.wait()
         x = (x + y) / 2
 if ballast is not None:
-    assert int(ballast.sum()) == ballast.numel(), "ballast corrupted"  # survived every swap intact
+    # survived every swap intact (checked in chunks: a whole-tensor reduction would need 8x its size)
+    assert all(bool((c == 1).all()) for c in ballast.split(1 << 28)), "ballast corrupted"
 out = os.environ.get("RING_OUT")
 if out:
     torch.save(x.cpu(), os.path.join(out, f"rank-{r}.pt"))
