@@ -10,7 +10,7 @@ __all__ = ["install_patches", "rank_setup"]
 
 def install_patches() -> None:
     """Every seam prism hooks in an emulated run; each fails loudly if Megatron moved it."""
-    from prism_megatron.patches import arguments, cpu_trainer, dataset_helpers, schedules, training_loop
+    from prism_megatron.patches import arguments, cpu_trainer, dataset_helpers, ddp, p2p, schedules, training_loop
 
     arguments.install()
     dataset_helpers.install()
@@ -18,6 +18,8 @@ def install_patches() -> None:
         cpu_trainer.install()
     schedules.install()
     training_loop.install()
+    p2p.install()
+    ddp.install()
 
 
 def rank_setup() -> None:

@@ -10,17 +10,20 @@ The trainer imports a few packages at module level that it never uses for GPT pr
 mock data with the null tokenizer (``six`` and ``regex`` for the BERT/GPT2 tokenizers,
 ``pydantic`` for the RL package, ``triton`` for batch-invariant kernels). When one is not
 installed, an inert stand-in module is registered so the import succeeds; using it fails or does
-nothing, which is fine for the features those packages serve.
+nothing, which is fine for the features those packages serve. The stand-ins exist only while
+the trainer's modules are imported.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.abc
 import importlib.machinery
 import importlib.util
 import os
 import sys
 import types
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -103,29 +106,63 @@ class _StandInFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         return None
 
 
-_FINDER: _StandInFinder | None = None
+def _check_version(root: Path) -> None:
+    """The checkout's trainer must match the installed core (major.minor), or the seams differ."""
+    import re
+    from importlib.metadata import version
+
+    info = root / "megatron" / "core" / "package_info.py"
+    if not info.is_file():
+        return
+    text = info.read_text()
+    found = [re.search(rf"^{key} = (\d+)", text, re.M) for key in ("MAJOR", "MINOR", "PATCH")]
+    if not all(found):
+        return
+    checkout = ".".join(m.group(1) for m in found)
+    installed = version("megatron-core")
+    if checkout.split(".")[:2] != installed.split(".")[:2]:
+        raise RuntimeError(f"prism: Megatron-LM at {root} is {checkout} but megatron-core {installed} is installed; "
+                           f"point {ENV_VAR} at the matching tag (core_v{installed})")
 
 
-def _install_stand_ins() -> None:
-    global _FINDER
+@contextlib.contextmanager
+def _stand_ins() -> Iterator[None]:
+    """Stand-ins for the missing optional packages, only while the trainer is being imported.
+
+    They are removed afterwards, so nothing else (torch's own triton probes included) mistakes
+    them for installed packages. ``megatron.core`` is imported first, without them: its
+    ``torch.compile`` decorators make torch probe for triton, and torch must see none.
+    """
+    import megatron.core  # noqa: F401
+
     missing = {name for name in _OPTIONAL_IMPORTS if not _installed(name)}
-    if missing and _FINDER is None:
-        _FINDER = _StandInFinder(missing)
-        sys.meta_path.append(_FINDER)
+    finder = _StandInFinder(missing)
+    added: dict[str, types.ModuleType] = {}
+    if missing:
+        sys.meta_path.append(finder)
     if not _installed("triton") and "triton" not in sys.modules:
         from prism_megatron.megatron.cpu_cuda_stubs import make_triton_stub
 
-        import torch._dynamo  # noqa: F401 - decides "no triton" before the stand-in exists
-
-        sys.modules.update(make_triton_stub())
+        added = make_triton_stub()
+        sys.modules.update(added)
+    try:
+        yield
+    finally:
+        if finder in sys.meta_path:
+            sys.meta_path.remove(finder)
+        for name, module in added.items():
+            if sys.modules.get(name) is module:
+                del sys.modules[name]
 
 
 def ensure_megatron_training() -> Path | None:
-    """Make ``import megatron.training`` work; returns the checkout used (None if installed).
+    """Import ``megatron.training`` (and its trainer); returns the checkout used (None if installed).
 
     Raises ``RuntimeError`` naming ``$MEGATRON_LM_PATH`` when no Megatron-LM is found.
     """
     root = None
+    if "megatron.training.training" in sys.modules:
+        return None
     if not _installed("megatron.training"):
         root = find_megatron_lm()
         if root is None:
@@ -133,8 +170,11 @@ def ensure_megatron_training() -> Path | None:
                 "prism: megatron.training is not installed (the megatron-core wheel does not ship it) "
                 f"and no Megatron-LM checkout was found; set {ENV_VAR} to a checkout of NVIDIA/Megatron-LM "
                 "at the tag matching megatron-core (core_v0.16.1 for 0.16.1)")
+        _check_version(root)
         if str(root) not in sys.path:
             sys.path.append(str(root))  # after site-packages: megatron.core stays the installed one
         importlib.invalidate_caches()
-    _install_stand_ins()
+    with _stand_ins():
+        import megatron.training  # noqa: F401
+        import megatron.training.training  # noqa: F401
     return root

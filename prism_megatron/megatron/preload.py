@@ -7,19 +7,23 @@ enabled first - before Megatron's import-time code runs - and the forks inherit 
 
 from __future__ import annotations
 
+import warnings
+
 from prism_megatron.megatron import cpu_mode
 from prism_megatron.megatron.megatron_lm import ensure_megatron_training
 
-if not cpu_mode.cpu_mode_active() and not cpu_mode._gpu_present():
-    cpu_mode.enable_cpu_mode()
-ensure_megatron_training()
+with warnings.catch_warnings():  # import-time notes (no apex, no TE...) once, not on the terminal
+    warnings.simplefilter("ignore")
+    if not cpu_mode.cpu_mode_active() and not cpu_mode._gpu_present():
+        cpu_mode.enable_cpu_mode()
+    ensure_megatron_training()
 
-import megatron.core.datasets.gpt_dataset  # noqa: E402, F401
-import megatron.core.models.gpt.gpt_layer_specs  # noqa: E402, F401
-import megatron.core.pipeline_parallel.schedules  # noqa: E402, F401
-import megatron.training  # noqa: E402, F401
-import megatron.training.training  # noqa: E402, F401
+    import megatron.core.datasets.gpt_dataset  # noqa: F401
+    import megatron.core.models.gpt.gpt_layer_specs  # noqa: F401
+    import megatron.core.pipeline_parallel.schedules  # noqa: F401
+    import megatron.training  # noqa: F401
+    import megatron.training.training  # noqa: F401
 
-from prism_megatron.megatron.emulate import install_patches  # noqa: E402
+    from prism_megatron.megatron.emulate import install_patches
 
-install_patches()
+    install_patches()

@@ -12,13 +12,15 @@ Without ``--prism-emulate`` nothing is patched: the script runs in this process 
 
 from __future__ import annotations
 
+import argparse
 import os
 import runpy
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NoReturn
 
-from prism_megatron.megatron.flags import PRISM_FLAGS, flag_takes_value, prism_parser
+from prism_megatron.megatron.flags import PRISM_FLAGS, add_prism_arguments, flag_takes_value
 
 __all__ = ["RunRequest", "RunError", "parse_run_args", "run", "RANK_SETUP", "PRELOAD", "USAGE"]
 
@@ -41,6 +43,13 @@ Prism options (also accepted among the script's flags):
 
 class RunError(ValueError):
     """Bad ``run`` input; the message names the option."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises (naming the option) instead of printing and exiting."""
+
+    def error(self, message: str) -> NoReturn:
+        raise RunError(f"bad prism option: {message}")
 
 
 @dataclass
@@ -113,11 +122,8 @@ def parse_run_args(argv: list[str]) -> RunRequest:
         script = Path(argv[i])
         i += 1
     prism_tokens, script_args = _split(lead + argv[i:])
-    parser = prism_parser()
-    try:
-        namespace = parser.parse_args(prism_tokens)
-    except SystemExit:
-        raise RunError(f"bad prism options: {' '.join(prism_tokens)}") from None
+    namespace = _Parser(prog="prism-megatron run", add_help=False, allow_abbrev=False)
+    namespace = add_prism_arguments(namespace).parse_args(prism_tokens)
     request = RunRequest(options=vars(namespace), script=script, script_args=script_args)
     recipe_name = request.options.get("prism_recipe")
     if recipe_name:
@@ -156,14 +162,31 @@ def _run_in_process(request: RunRequest) -> int:
     return 0
 
 
+def cpu_defaults(script_args: list[str]) -> list[str]:
+    """Flags a CPU emulation needs that a GPU command line lacks.
+
+    Without apex, Megatron falls back to torch's LayerNorm, which refuses the persistent-kernel
+    option that Megatron turns on by default; ``--no-persist-layer-norm`` is what a GPU user without
+    apex passes too. Nothing else changes: any ``--distributed-backend`` works (prism serves all).
+    """
+    import importlib.util
+
+    if importlib.util.find_spec("apex") is None and "--no-persist-layer-norm" not in script_args:
+        return ["--no-persist-layer-norm"]
+    return []
+
+
 def launch_config(request: RunRequest):
     """The launcher's configuration for an emulated run (validated by the caller)."""
     from prism_megatron.launcher.config import LaunchConfig, parse_devices, parse_ranks
 
     o = request.options
     world = int(o["prism_world_size"])
+    script_args = [*request.script_args, *request.prism_argv()]
+    if parse_devices(o["prism_devices"]) == ["cpu"]:
+        script_args += cpu_defaults(script_args)
     return LaunchConfig(
-        script=request.script, script_args=[*request.script_args, *request.prism_argv()], world_size=world,
+        script=request.script, script_args=script_args, world_size=world,
         devices=parse_devices(o["prism_devices"]), slots_per_device=o["prism_slots_per_device"],
         hang_timeout=o["prism_hang_timeout"], trace_dir=Path(o["prism_trace_dir"]),
         gpus_per_node=o["prism_gpus_per_node"], log_ranks=parse_ranks(o["prism_log_ranks"], world),

@@ -4,7 +4,8 @@ Every schedule in ``schedules.py`` (no pipelining, 1F1B, interleaved 1F1B) runs 
 forward and backward through these two module-level functions, looked up at call time, so
 wrapping them sees every unit without touching the schedules. Each call becomes a span
 ``forward`` / ``backward`` with attributes ``iteration`` (set by ``patches.training_loop``),
-``microbatch`` and ``chunk`` (the virtual-pipeline model chunk, 0 without VPP).
+``microbatch`` and ``chunk`` (the virtual-pipeline model chunk, 0 without VPP); forward units of
+an evaluation also carry ``eval=True``.
 
 ``forward_step`` is told the microbatch (``current_microbatch``) and chunk (``vp_stage``);
 ``backward_step`` is not, so the forward remembers them under its output tensor, which the
@@ -28,10 +29,6 @@ CHECKED = ("0.16.1",)
 _MODULE = "megatron.core.pipeline_parallel.schedules"
 _SCHEDULES = ("forward_backward_no_pipelining", "forward_backward_pipelining_without_interleaving",
               "forward_backward_pipelining_with_interleaving")
-# positions in forward_step(forward_step_func, data_iterator, model, num_microbatches, input_tensor,
-#   forward_data_store, config, cp_group_size, collect_non_loss_data, checkpoint_activations_microbatch,
-#   is_first_microbatch, current_microbatch, vp_stage, is_last_stage)
-_CURRENT_MICROBATCH, _VP_STAGE = 11, 12
 
 
 class _State:
@@ -40,7 +37,7 @@ class _State:
     def __init__(self) -> None:
         self.iteration = 0
         self.pending: dict[int, tuple[int | None, int]] = {}  # id(output tensor) -> (microbatch, chunk)
-        self.forwards = 0
+        self.evaluating = False  # set by patches.training_loop around Megatron's evaluate()
 
     def begin_iteration(self, iteration: int) -> None:
         self.iteration = iteration
@@ -68,20 +65,25 @@ def install() -> None:
     if _done:
         return
     import importlib
+    import inspect
 
     sched = importlib.import_module(_MODULE)
     for name in _SCHEDULES:
         seam(sched, name, CHECKED)
     original_forward = seam(sched, "forward_step", CHECKED, ("current_microbatch", "vp_stage", "input_tensor"))
+    params = list(inspect.signature(original_forward).parameters)
+    at_microbatch, at_chunk = params.index("current_microbatch"), params.index("vp_stage")  # positional slots
     original_backward = seam(sched, "backward_step", CHECKED, ("input_tensor", "output_tensor", "output_tensor_grad"))
 
     @functools.wraps(original_forward)
     def forward_step(*args: Any, **kwargs: Any) -> Any:
-        microbatch = _arg(args, kwargs, "current_microbatch", _CURRENT_MICROBATCH)
-        chunk = _arg(args, kwargs, "vp_stage", _VP_STAGE) or 0
-        with span("forward", iteration=STATE.iteration, microbatch=microbatch, chunk=chunk):
+        microbatch = _arg(args, kwargs, "current_microbatch", at_microbatch)
+        chunk = _arg(args, kwargs, "vp_stage", at_chunk) or 0
+        attrs = {"eval": True} if STATE.evaluating else {}
+        with span("forward", iteration=STATE.iteration, microbatch=microbatch, chunk=chunk, **attrs):
             result = original_forward(*args, **kwargs)
-        STATE.pending[_key(result[0])] = (microbatch, chunk)
+        if not STATE.evaluating:  # forward-only units get no backward
+            STATE.pending[_key(result[0])] = (microbatch, chunk)
         return result
 
     @functools.wraps(original_backward)

@@ -2,7 +2,10 @@
 
 ``train`` calls ``train_step`` through its module globals once per iteration, so the wrapper
 brackets each iteration with a ``span("iteration", iteration=N)`` (N as Megatron logs it, from
-1) and tells the schedule hooks which iteration their units belong to. Checked against 0.16.1.
+1) and tells the schedule hooks which iteration their units belong to. ``evaluate`` (called by
+``evaluate_and_print_results`` through the same module) becomes a span ``evaluate`` whose forward
+units carry ``eval=True``, so they are not mistaken for the iteration's training units.
+Checked against 0.16.1.
 """
 
 from __future__ import annotations
@@ -34,5 +37,17 @@ def install() -> None:
         with span("iteration", iteration=iteration):
             return original(*args, **kwargs)
 
+    original_evaluate = seam(training, "evaluate", CHECKED, ("forward_step_func", "data_iterator", "model"))
+
+    @functools.wraps(original_evaluate)
+    def evaluate(*args: Any, **kwargs: Any) -> Any:
+        schedules.STATE.evaluating = True
+        try:
+            with span("evaluate", iteration=schedules.STATE.iteration):
+                return original_evaluate(*args, **kwargs)
+        finally:
+            schedules.STATE.evaluating = False
+
     training.train_step = train_step
+    training.evaluate = evaluate
     _done = True

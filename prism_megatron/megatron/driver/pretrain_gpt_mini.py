@@ -6,11 +6,13 @@ flags (``--num-layers``, ``--tensor-model-parallel-size``, ``--num-experts``, ..
 ``prism-megatron recipe show NAME`` prints. Run it with ``prism-megatron run`` (emulated ranks),
 ``torchrun`` (real processes) or plain ``python`` (one rank).
 
-On a machine without a GPU it enables prism's CPU execution mode itself and defaults
-``--distributed-backend`` to gloo, so ``torchrun`` gives the real-process reference that the
+On a machine without a GPU it enables prism's CPU execution mode itself and, outside prism,
+defaults ``--distributed-backend`` to gloo, so ``torchrun`` gives the real-process reference that the
 numerics contract compares prism against. Without apex it adds ``--no-persist-layer-norm`` (the
-torch LayerNorm Megatron falls back to refuses the persistent kernel flag, on by default). With ``PRISM_MEGATRON_METRICS=FILE`` each rank appends
-its per-iteration loss and grad norm (full precision, JSON lines) to ``FILE``.
+torch LayerNorm Megatron falls back to refuses the persistent kernel flag, on by default). On gloo
+(not under prism) async p2p sends get a private copy of their buffer (``patches.gloo_p2p``).
+With ``PRISM_MEGATRON_METRICS=FILE`` each rank appends its per-iteration loss and grad norm (full
+precision, JSON lines) to ``FILE``.
 """
 
 from __future__ import annotations
@@ -18,15 +20,21 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+import warnings
 from functools import partial
 
 from prism_megatron.megatron import cpu_mode
 from prism_megatron.megatron.megatron_lm import ensure_megatron_training
 
+if int(os.environ.get("RANK", "0")) != 0:  # as Megatron-LM's pretrain_gpt.py: warnings from rank 0 only
+    warnings.filterwarnings("ignore", category=UserWarning)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+
 if not cpu_mode.cpu_mode_active() and not cpu_mode._gpu_present():
     cpu_mode.enable_cpu_mode()
-if cpu_mode.cpu_mode_active() and not any(a.startswith("--distributed-backend") for a in sys.argv):
-    sys.argv += ["--distributed-backend", "gloo"]
+_EMULATED = os.environ.get("PRISM_EMULATED") == "1"  # set by prism's launcher in every logical rank
+if cpu_mode.cpu_mode_active() and not _EMULATED and not any(a.startswith("--distributed-backend") for a in sys.argv):
+    sys.argv += ["--distributed-backend", "gloo"]  # real processes on CPU; prism serves any backend
 if importlib.util.find_spec("apex") is None and "--no-persist-layer-norm" not in sys.argv:
     sys.argv.append("--no-persist-layer-norm")  # the torch LayerNorm fallback refuses persist
 ensure_megatron_training()
@@ -51,11 +59,13 @@ from megatron.training.utils import (  # noqa: E402
     is_first_or_last_pipeline_stage,
 )
 
-from prism_megatron.patches import cpu_trainer, dataset_helpers  # noqa: E402
+from prism_megatron.patches import cpu_trainer, dataset_helpers, gloo_p2p  # noqa: E402
 
 dataset_helpers.install()
 if cpu_mode.cpu_mode_active():
     cpu_trainer.install()
+    if not _EMULATED:
+        gloo_p2p.install()  # real gloo processes only: async sends must own their bytes
 if os.environ.get("PRISM_MEGATRON_METRICS"):
     from prism_megatron.patches import metrics
 

@@ -1,0 +1,162 @@
+"""The --prism-* flags: parsed by `prism-megatron run` and by Megatron's own parser; seams fail loudly."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import types
+from pathlib import Path
+
+import pytest
+
+from prism_megatron.megatron.flags import PRISM_FLAGS
+from prism_megatron.megatron.megatron_lm import find_megatron_lm
+from prism_megatron.megatron.run import RunError, parse_run_args, run
+from prism_megatron.patches import SeamMoved, seam
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# ----------------------------------------------------------------------------- run's command line
+def test_prism_options_before_and_among_script_flags(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("")
+    req = parse_run_args(["--prism-emulate", "--prism-world-size", "8", str(script), "--lr", "1e-3",
+                          "--prism-slots-per-device=2", "--num-layers", "4", "--prism-trace-dir", "t"])
+    assert req.emulate and req.script == script
+    assert req.options["prism_world_size"] == 8 and req.options["prism_slots_per_device"] == 2
+    assert req.options["prism_trace_dir"] == "t"
+    assert req.script_args == ["--lr", "1e-3", "--num-layers", "4"]
+    flags = req.prism_argv()  # what the ranks' Megatron parser receives
+    assert flags[:3] == ["--prism-emulate", "--prism-world-size", "8"] and "--prism-recipe" not in flags
+
+
+def test_recipe_supplies_script_flags_env_and_world_size():
+    from prism_megatron.megatron.driver import DRIVER_SCRIPT
+    from prism_megatron.recipe import load_recipe, render_args
+
+    req = parse_run_args(["--recipe", "mini-dense-tp2pp2", "--train-iters", "5"])
+    assert req.emulate and req.script == DRIVER_SCRIPT and req.options["prism_world_size"] == 4
+    assert req.script_args == [*render_args(load_recipe("mini-dense-tp2pp2")), "--train-iters", "5"]
+    assert req.env == {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--prism-emulate", "x.py"], "does not exist"),
+    (["--prism-bogus", "1", "x.py"], "unknown prism option"),
+    (["--recipe", "mini-dense-tp2pp2", "--prism-world-size", "8"], "differs from recipe"),
+    (["--prism-slots-per-device", "two", "--recipe", "mini-dense-tp2pp2"], "slots-per-device: invalid int"),
+    ([], "no script given"),
+])
+def test_bad_run_arguments_are_named(argv, message):
+    with pytest.raises(RunError, match=message):
+        parse_run_args(argv)
+
+
+def test_emulate_needs_a_world_size(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("")
+    with pytest.raises(RunError, match="--prism-world-size"):
+        parse_run_args(["--prism-emulate", str(script)])
+
+
+def test_without_emulate_the_script_runs_as_before(tmp_path, monkeypatch):
+    """Nothing patched, prism flags removed, the script sees its own flags only."""
+    out = tmp_path / "argv.json"
+    script = tmp_path / "train.py"
+    script.write_text(f"import json, sys\njson.dump(sys.argv[1:], open({str(out)!r}, 'w'))\n")
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    code = run(parse_run_args(["--prism-devices", "cpu", str(script), "--lr", "1", "--prism-hang-timeout", "5"]))
+    assert code == 0 and json.loads(out.read_text()) == ["--lr", "1"]
+
+
+def test_cli_help_and_recipe_show():
+    out = subprocess.run([sys.executable, "-m", "prism_megatron", "run", "--help"], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0 and all(flag in out.stdout for flag in PRISM_FLAGS)
+    out = subprocess.run([sys.executable, "-m", "prism_megatron", "recipe", "show", "mini-dense-tp2pp2"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "--tensor-model-parallel-size 2" in out.stdout
+    out = subprocess.run([sys.executable, "-m", "prism_megatron", "run", "--recipe", "no-such-recipe"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "no-such-recipe" in out.stderr
+
+
+# ----------------------------------------------------------------------------- Megatron's parser
+_PARSE = textwrap.dedent("""
+    import json, sys
+    from prism_megatron.megatron.megatron_lm import ensure_megatron_training
+    ensure_megatron_training()
+    import megatron.training.arguments as arguments
+    from prism_megatron.recipe import load_recipe, render_args
+    flags = render_args(load_recipe("mini-dense-tp2pp2")) + ["--distributed-backend", "gloo"]
+    prism = ["--prism-emulate", "--prism-world-size", "4", "--prism-slots-per-device", "2",
+             "--prism-trace-dir", "tr", "--prism-hang-timeout", "30", "--prism-devices", "0,1"]
+    sys.argv = ["pretrain_gpt.py", *flags, *prism]
+    result = {}
+    try:
+        arguments.parse_args()
+        result["unpatched"] = "accepted"
+    except SystemExit:
+        result["unpatched"] = "rejected"
+    from prism_megatron.patches import arguments as seam
+    seam.install()
+    def extra(parser):  # a script's own extra_args_provider still works next to ours
+        parser.add_argument("--my-flag", type=int, default=7)
+        return parser
+    args = arguments.parse_args(extra_args_provider=extra)
+    result["args"] = {k: v for k, v in vars(args).items() if k.startswith("prism_") or k == "my_flag"}
+    sys.argv = ["pretrain_gpt.py", *flags]
+    result["defaults"] = {k: v for k, v in vars(arguments.parse_args()).items() if k.startswith("prism_")}
+    print("RESULT" + json.dumps(result))
+""")
+
+
+@pytest.mark.skipif(find_megatron_lm() is None, reason="no Megatron-LM checkout (set MEGATRON_LM_PATH)")
+def test_flags_parse_through_megatrons_parser(tmp_path):
+    """Megatron's strict parser rejects --prism-* until the seam adds them; then they land in args."""
+    proc = subprocess.run([sys.executable, "-c", _PARSE], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300, env=dict(os.environ, WORLD_SIZE="4", RANK="0"))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout.split("RESULT", 1)[1])
+    assert result["unpatched"] == "rejected"
+    assert result["args"] == {
+        "prism_emulate": True, "prism_world_size": 4, "prism_devices": "0,1", "prism_slots_per_device": 2,
+        "prism_trace_dir": "tr", "prism_hang_timeout": 30.0, "prism_log_ranks": "last",
+        "prism_gpus_per_node": 8, "prism_threads_per_rank": 1, "prism_recipe": None, "my_flag": 7,
+    }
+    assert result["defaults"]["prism_emulate"] is False
+
+
+# ----------------------------------------------------------------------------- seams
+def test_a_moved_seam_fails_loudly():
+    module = types.ModuleType("megatron_fake")
+
+    def forward_step(forward_step_func, data_iterator, model):
+        return None
+
+    module.forward_step = forward_step
+    assert seam(module, "forward_step", ("0.16.1",), ("model",)) is forward_step
+    with pytest.raises(SeamMoved, match=r"megatron_fake\.backward_step is gone .*checked against 0\.16\.1"):
+        seam(module, "backward_step", ("0.16.1",))
+    with pytest.raises(SeamMoved, match="lost parameter.*vp_stage"):
+        seam(module, "forward_step", ("0.16.1",), ("model", "vp_stage"))
+
+
+def test_every_patch_module_states_its_versions():
+    import importlib
+    import pkgutil
+
+    import prism_megatron.patches as patches
+
+    names = [m.name for m in pkgutil.iter_modules(patches.__path__)]
+    assert {"arguments", "schedules", "training_loop"} <= set(names)
+    for name in names:
+        module = importlib.import_module(f"prism_megatron.patches.{name}")
+        assert module.CHECKED and all(v.count(".") == 2 for v in module.CHECKED), name
+        assert "checked against" in " ".join(module.__doc__.lower().split()), name
+        assert callable(module.install), name
