@@ -1,5 +1,4 @@
 """Join the job, report this rank's PSS (kB) once every rank is idle in the same place, then leave."""
-import os
 import sys
 import time
 
