@@ -141,5 +141,69 @@ def trace_chrome(trace_dir: Path, out: Path) -> None:
     click.echo(f"wrote {out}")
 
 
+@main.command("replay")
+@click.argument("trace_dir", type=click.Path(path_type=Path))
+@click.option("--cluster", default=None, help="Cluster profile (name or YAML) that costs communication; "
+              "default: communication free, compute from the trace.")
+@click.option("--chrome", "chrome_out", type=click.Path(path_type=Path), default=None,
+              help="Write the predicted timeline as Chrome trace-event JSON.")
+def replay_cmd(trace_dir: Path, cluster: str | None, chrome_out: Path | None) -> None:
+    """Replay a trace's graph: predicted iteration times, per-rank breakdown, critical path.
+
+    The bare graph's compute times are slot-holding times (uncalibrated): the prediction says so.
+    """
+    from prism_megatron.replay.engine import GraphError, replay, zero_cost
+    from prism_megatron.replay.graph import graph_from_trace
+    from prism_megatron.trace import TraceFormatError, read_trace
+
+    try:
+        graph = graph_from_trace(read_trace(trace_dir))
+        cost = zero_cost
+        if cluster is not None:
+            from prism_megatron.calibration.costmodel import CollectiveCostModel
+            from prism_megatron.calibration.profiles import load_profile
+
+            cost = CollectiveCostModel(load_profile(cluster))
+        result = replay(graph, cost)
+    except (TraceFormatError, GraphError, ValueError) as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(result.summary())
+    click.echo(f"  provenance: compute from the bare trace (uncalibrated); communication "
+               f"{'costed by cluster profile ' + cluster if cluster else 'free (no cluster profile)'}")
+    if chrome_out is not None:
+        from prism_megatron.replay.export import write_chrome
+
+        write_chrome(result, chrome_out, {"trace": str(trace_dir), "cluster": cluster})
+        click.echo(f"wrote {chrome_out}")
+
+
+@main.group()
+def cluster() -> None:
+    """Cluster profiles: the links of the target cluster that costs communication."""
+
+
+@cluster.command("fit")
+@click.argument("log", type=click.Path(path_type=Path))
+def cluster_fit(log: Path) -> None:
+    """Fit latency and bandwidth from nccl-tests output (all_reduce_perf etc.)."""
+    from prism_megatron.calibration.nccl_tests import fit_main
+
+    if not log.is_file():
+        raise click.ClickException(f"nccl-tests log {str(log)!r} does not exist")
+    try:
+        click.echo(fit_main(log))
+    except ValueError as e:
+        raise click.ClickException(str(e)) from None
+
+
+@cluster.command("list")
+def cluster_list() -> None:
+    """Shipped cluster profiles."""
+    from prism_megatron.calibration.profiles import profile_names
+
+    for name in profile_names():
+        click.echo(name)
+
+
 if __name__ == "__main__":
     main()
