@@ -113,3 +113,19 @@ def test_reduction_order_is_fixed_and_dtype_kept():
     assert C.reduce([torch.tensor([6]), torch.tensor([3])], "bxor").tolist() == [5]
     with pytest.raises(ValueError, match="unsupported reduce op 'median'"):
         C.reduce(xs, "median")
+
+
+def test_resident_first_policy_prefers_resident_and_never_starves():
+    from collections import deque
+
+    from prism_megatron.runtime.slots import ResidentFirstPolicy
+
+    resident = {2, 3}
+    pol = ResidentFirstPolicy(lambda r: r in resident, max_skips=2)
+    q = deque([1, 2, 3])
+    assert pol.pick(q) == 2  # rank 1 is swapped out: a resident rank goes first
+    q.append(2)
+    assert pol.pick(q) == 3
+    q.append(3)
+    assert pol.pick(q) == 1  # passed over twice: its turn now
+    assert list(q) == [2, 3]

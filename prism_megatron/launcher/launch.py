@@ -56,6 +56,7 @@ class _Job:
             "threads": 1,
             "swap": cfg.resolved_swap(),
             "device_memory": cfg.device_memory,
+            "swap_policy": os.environ.get("PRISM_SWAP_POLICY", "resident-first"),
         }
         env = dict(os.environ, PRISM_AUTHKEY=self.authkey.hex())
         log = open(cfg.log_dir / "coordinator.log", "wb")  # noqa: SIM115 - kept by the child

@@ -27,7 +27,7 @@ from prism_megatron.runtime.hang import format_hang_report
 from prism_megatron.runtime.matching import Member, P2PQueues, check_collective, check_p2p
 from prism_megatron.runtime.memory import DeviceMemory
 from prism_megatron.runtime.shm import SegmentMap
-from prism_megatron.runtime.slots import Grant, SlotScheduler
+from prism_megatron.runtime.slots import Grant, ResidentFirstPolicy, SlotScheduler
 from prism_megatron.runtime.swap import BudgetSwapper, CudaCheckpointSwapper, Swapper
 
 
@@ -113,9 +113,16 @@ class Coordinator:
     def _group_by_id(self) -> dict[int, Group]:
         return {g.id: g for g in self.groups.values()}
 
-    def enable_swap(self, swapper: Swapper, capacities: list[int]) -> None:
-        """Keep at most each device's capacity of ranks' state resident, swapping blocked ranks out."""
+    def enable_swap(self, swapper: Swapper, capacities: list[int], policy: str = "resident-first") -> None:
+        """Keep at most each device's capacity of ranks' state resident, swapping blocked ranks out.
+
+        With `resident-first`, the slot goes preferably to a queued rank whose state is on the device,
+        which cuts swaps (bench: `python bench/swap_policy.py`); `fifo` keeps plain arrival order.
+        """
         self.memory = [DeviceMemory(c, swapper) for c in capacities]
+        if policy == "resident-first":
+            mem = self.memory
+            self.slots.policy = ResidentFirstPolicy(lambda r: r in mem[self.slots.device_of(r)].resident)
 
     def swap_stats(self) -> dict:
         if self.memory is None:
@@ -578,7 +585,7 @@ def main(argv: list[str] | None = None) -> None:
     if swap != "none":
         caps = [int(c) for c in cfg["device_memory"]]
         swapper = BudgetSwapper(caps[0]) if swap == "budget" else CudaCheckpointSwapper()
-        coord.enable_swap(swapper, caps)
+        coord.enable_swap(swapper, caps, cfg.get("swap_policy", "resident-first"))
     from torch.distributed import TCPStore
 
     store = TCPStore(cfg.get("host", "127.0.0.1"), 0, cfg["world_size"], is_master=True, wait_for_workers=False,

@@ -20,6 +20,31 @@ class FifoPolicy:
         return queue.popleft()
 
 
+class ResidentFirstPolicy:
+    """Prefer queued ranks whose state is on the device (no restore, no eviction); FIFO among equals.
+
+    A rank passed over `max_skips` times goes next regardless, so no one starves.
+    """
+
+    name = "resident-first"
+
+    def __init__(self, is_resident, max_skips: int = 4) -> None:
+        self._resident = is_resident
+        self.max_skips = max_skips
+        self._skips: dict[int, int] = {}
+
+    def pick(self, queue: deque[int]) -> int:
+        head = queue[0]
+        if self._skips.get(head, 0) < self.max_skips and not self._resident(head):
+            for i, r in enumerate(queue):
+                if self._resident(r):
+                    self._skips[head] = self._skips.get(head, 0) + 1
+                    del queue[i]
+                    return r
+        self._skips.pop(head, None)
+        return queue.popleft()
+
+
 @dataclass(frozen=True)
 class Grant:
     rank: int
@@ -31,7 +56,7 @@ class SlotScheduler:
     """Slots of `num_devices` devices; ranks are pinned to a device by `device_of`."""
 
     def __init__(self, num_devices: int, slots_per_device: int, device_of: dict[int, int] | None = None,
-                 policy: FifoPolicy | None = None) -> None:
+                 policy: FifoPolicy | ResidentFirstPolicy | None = None) -> None:
         if num_devices < 1 or slots_per_device < 1:
             raise ValueError(f"need at least one device and one slot, got {num_devices} x {slots_per_device}")
         self.slots_per_device = slots_per_device
