@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -35,13 +36,54 @@ def test_prism_options_before_and_among_script_flags(tmp_path):
 
 
 def test_recipe_supplies_script_flags_env_and_world_size():
-    from prism_megatron.megatron.driver import DRIVER_SCRIPT
+    from prism_megatron.megatron.driver import CORE_DRIVER_SCRIPT
     from prism_megatron.recipe import load_recipe, render_args
 
-    req = parse_run_args(["--recipe", "mini-dense-tp2pp2", "--train-iters", "5"])
-    assert req.emulate and req.script == DRIVER_SCRIPT and req.options["prism_world_size"] == 4
+    req = parse_run_args(["--recipe", "mini-dense-tp2pp2", "--prism-driver", "core", "--train-iters", "5"])
+    assert req.emulate and req.script == CORE_DRIVER_SCRIPT and req.options["prism_world_size"] == 4
     assert req.script_args == [*render_args(load_recipe("mini-dense-tp2pp2")), "--train-iters", "5"]
-    assert req.env == {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    assert req.env == {"CUDA_DEVICE_MAX_CONNECTIONS": "1", "PRISM_MEGATRON_DRIVER": "core"}
+    assert req.driver_note.startswith("prism: driver core (core_gpt.py; --prism-driver core")
+
+
+def test_auto_driver_is_training_when_importable_else_core(monkeypatch):
+    """auto never falls back silently: the note names the driver and why; training fails when absent."""
+    from prism_megatron.megatron.driver import CORE_DRIVER_SCRIPT, DRIVER_SCRIPT
+    from prism_megatron.megatron.megatron_lm import training_available
+
+    expected = "training" if training_available() else "core"
+    req = parse_run_args(["--recipe", "mini-dense-tp2pp2"])
+    assert req.env["PRISM_MEGATRON_DRIVER"] == expected
+    assert req.script == {"training": DRIVER_SCRIPT, "core": CORE_DRIVER_SCRIPT}[expected]
+    monkeypatch.setenv("PRISM_MEGATRON_LM", "none")  # hides any checkout
+    req = parse_run_args(["--recipe", "mini-dense-tp2pp2"])
+    assert req.script == CORE_DRIVER_SCRIPT and req.env["PRISM_MEGATRON_DRIVER"] == "core"
+    assert "megatron.training is not importable" in req.driver_note
+    with pytest.raises(RunError, match="--prism-driver training needs megatron.training"):
+        parse_run_args(["--recipe", "mini-dense-tp2pp2", "--prism-driver", "training"])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--bogus-flag", "1"], "unknown flag.*--bogus-flag"),
+    (["--transformer-impl", "transformer_engine"], "transformer_engine is not supported"),
+    (["--context-parallel-size", "2"], "context-parallel-size"),
+])
+def test_core_driver_rejects_what_it_cannot_honour(argv, message):
+    """The core driver's parser: recipe flags parse, unknown or unsupported ones are named."""
+    from prism_megatron.megatron.driver import CORE_DRIVER_SCRIPT
+    from prism_megatron.recipe import load_recipe, render_args
+
+    code = ("import sys, runpy; sys.argv = ['core_gpt.py'] + sys.argv[1:]\n"
+            "import importlib.util as u\n"
+            f"spec = u.spec_from_file_location('core_gpt', {str(CORE_DRIVER_SCRIPT)!r})\n"
+            "m = u.module_from_spec(spec); spec.loader.exec_module(m)\n"
+            "a = m.parse_args(sys.argv[1:]); print('OK', a.tensor_model_parallel_size, a.prism_world_size)\n")
+    base = [*render_args(load_recipe("mini-dense-tp2pp2")), "--no-persist-layer-norm", "--prism-emulate",
+            "--prism-world-size", "4"]
+    proc = subprocess.run([sys.executable, "-c", code, *base], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "OK 2 4" in proc.stdout, proc.stderr[-3000:]
+    proc = subprocess.run([sys.executable, "-c", code, *base, *argv], capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and re.search(message, proc.stderr), proc.stderr[-3000:]
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -127,7 +169,8 @@ def test_flags_parse_through_megatrons_parser(tmp_path):
     assert result["args"] == {
         "prism_emulate": True, "prism_world_size": 4, "prism_devices": "0,1", "prism_slots_per_device": 2,
         "prism_trace_dir": "tr", "prism_hang_timeout": 30.0, "prism_log_ranks": "last",
-        "prism_gpus_per_node": 8, "prism_threads_per_rank": 1, "prism_recipe": None, "my_flag": 7,
+        "prism_gpus_per_node": 8, "prism_threads_per_rank": 1, "prism_recipe": None, "prism_driver": "auto",
+        "my_flag": 7,
     }
     assert result["defaults"]["prism_emulate"] is False
 

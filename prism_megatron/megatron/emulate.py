@@ -2,22 +2,43 @@
 
 from __future__ import annotations
 
+import os
+
 from prism_megatron.megatron import cpu_mode
-from prism_megatron.megatron.megatron_lm import ensure_megatron_training
+from prism_megatron.megatron.megatron_lm import ensure_megatron_training, training_available
 
-__all__ = ["install_patches", "rank_setup"]
+__all__ = ["install_patches", "rank_setup", "uses_training"]
 
 
-def install_patches() -> None:
-    """Every seam prism hooks in an emulated run; each fails loudly if Megatron moved it."""
-    from prism_megatron.patches import arguments, cpu_trainer, dataset_helpers, ddp, p2p, schedules, training_loop
+def uses_training() -> bool:
+    """Whether the ranks run Megatron-LM's trainer (``megatron.training``) or megatron.core only.
 
-    arguments.install()
+    ``PRISM_MEGATRON_DRIVER`` (set by ``prism-megatron run``) decides; without it, whether
+    ``megatron.training`` is importable. The core-only path must never import the trainer.
+    """
+    driver = os.environ.get("PRISM_MEGATRON_DRIVER", "auto")
+    if driver in ("core", "training"):
+        return driver == "training"
+    return training_available()
+
+
+def install_patches(training: bool = True) -> None:
+    """Every seam prism hooks in an emulated run; each fails loudly if Megatron moved it.
+
+    With ``training=False`` only the megatron.core seams (schedules, p2p, DDP, dataset helpers):
+    the trainer's seams (argument parser, ``initialize_megatron``, ``train_step``) do not exist.
+    """
+    from prism_megatron.patches import dataset_helpers, ddp, p2p, schedules
+
     dataset_helpers.install()
-    if cpu_mode.cpu_mode_active():
-        cpu_trainer.install()
+    if training:
+        from prism_megatron.patches import arguments, cpu_trainer, training_loop
+
+        arguments.install()
+        if cpu_mode.cpu_mode_active():
+            cpu_trainer.install()
+        training_loop.install()
     schedules.install()
-    training_loop.install()
     p2p.install()
     ddp.install()
 
@@ -26,5 +47,7 @@ def rank_setup() -> None:
     """CPU mode where there is no GPU (idempotent: usually inherited from the template), the patches."""
     if not cpu_mode.cpu_mode_active() and not cpu_mode._gpu_present():
         cpu_mode.enable_cpu_mode()
-    ensure_megatron_training()
-    install_patches()
+    training = uses_training()
+    if training:
+        ensure_megatron_training()
+    install_patches(training)

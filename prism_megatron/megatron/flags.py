@@ -29,6 +29,10 @@ PRISM_FLAGS: dict[str, dict[str, Any]] = {
     "--prism-gpus-per-node": dict(type=int, default=8, help="GPUs per node of the target cluster."),
     "--prism-threads-per-rank": dict(type=int, default=1, help="torch threads per emulated rank."),
     "--prism-recipe": dict(type=str, default=None, help="Recipe name or file (also --recipe)."),
+    "--prism-driver": dict(type=str, default="auto", choices=["auto", "core", "training"],
+                           help="GPT driver a recipe runs: 'training' (Megatron-LM's pretrain, needs "
+                                "megatron.training), 'core' (megatron.core only), 'auto' (training if "
+                                "importable, else core)."),
 }
 
 

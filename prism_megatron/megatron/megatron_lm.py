@@ -27,9 +27,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["find_megatron_lm", "ensure_megatron_training", "ENV_VAR"]
+__all__ = ["find_megatron_lm", "ensure_megatron_training", "training_available", "ENV_VAR", "DISABLE_VAR"]
 
 ENV_VAR = "MEGATRON_LM_PATH"
+# PRISM_MEGATRON_LM=none: behave as if megatron.training did not exist (no checkout search, an
+# installed one ignored), to exercise the megatron.core-only path on a machine that has one.
+DISABLE_VAR = "PRISM_MEGATRON_LM"
 _REPO = Path(__file__).resolve().parents[2]
 # Packages the trainer imports at module level but GPT pretraining on mock data never uses.
 _OPTIONAL_IMPORTS = ("six", "regex", "pydantic")
@@ -42,12 +45,19 @@ def _installed(name: str) -> bool:
         return False
 
 
+def _disabled() -> bool:
+    return os.environ.get(DISABLE_VAR, "").lower() == "none"
+
+
 def find_megatron_lm() -> Path | None:
     """The root of a Megatron-LM checkout (holding ``megatron/training``), or None.
 
     Looked for in ``$MEGATRON_LM_PATH``, ``third_party/Megatron-LM`` of this repository and
-    ``Megatron-LM*`` folders beside the repository (how this machine keeps one).
+    ``Megatron-LM*`` folders beside the repository (how this machine keeps one); never with
+    ``PRISM_MEGATRON_LM=none``.
     """
+    if _disabled():
+        return None
     candidates: list[Path] = []
     if os.environ.get(ENV_VAR):
         candidates.append(Path(os.environ[ENV_VAR]))
@@ -155,6 +165,19 @@ def _stand_ins() -> Iterator[None]:
                 del sys.modules[name]
 
 
+def training_available() -> bool:
+    """Whether ``megatron.training`` can be imported (installed, or from a checkout we would find).
+
+    False with ``PRISM_MEGATRON_LM=none``. Decides the ``auto`` driver (``pretrain_gpt_mini.py``
+    when True, the megatron.core-only ``core_gpt.py`` when False).
+    """
+    if _disabled():
+        return False
+    if "megatron.training.training" in sys.modules or _installed("megatron.training"):
+        return True
+    return find_megatron_lm() is not None
+
+
 def ensure_megatron_training() -> Path | None:
     """Import ``megatron.training`` (and its trainer); returns the checkout used (None if installed).
 
@@ -163,6 +186,9 @@ def ensure_megatron_training() -> Path | None:
     root = None
     if "megatron.training.training" in sys.modules:
         return None
+    if _disabled():
+        raise RuntimeError(f"prism: megatron.training is disabled ({DISABLE_VAR}=none); use the core driver "
+                           "(--prism-driver core)")
     if not _installed("megatron.training"):
         root = find_megatron_lm()
         if root is None:

@@ -1,7 +1,8 @@
 """Imported once by the launcher's template before it forks the ranks (``--preload``).
 
 Forked ranks share these pages, so importing torch, megatron-core and Megatron-LM's trainer here
-makes each rank start in milliseconds instead of seconds. On a machine without a GPU, CPU mode is
+makes each rank start in milliseconds instead of seconds (the trainer is skipped for the
+megatron.core-only driver: ``emulate.uses_training``). On a machine without a GPU, CPU mode is
 enabled first - before Megatron's import-time code runs - and the forks inherit it.
 """
 
@@ -16,14 +17,20 @@ with warnings.catch_warnings():  # import-time notes (no apex, no TE...) once, n
     warnings.simplefilter("ignore")
     if not cpu_mode.cpu_mode_active() and not cpu_mode._gpu_present():
         cpu_mode.enable_cpu_mode()
-    ensure_megatron_training()
+    from prism_megatron.megatron.emulate import install_patches, uses_training
+
+    _training = uses_training()  # False: the megatron.core-only driver; the trainer is never imported
+    if _training:
+        ensure_megatron_training()
 
     import megatron.core.datasets.gpt_dataset  # noqa: F401
+    import megatron.core.distributed  # noqa: F401
     import megatron.core.models.gpt.gpt_layer_specs  # noqa: F401
+    import megatron.core.optimizer  # noqa: F401
     import megatron.core.pipeline_parallel.schedules  # noqa: F401
-    import megatron.training  # noqa: F401
-    import megatron.training.training  # noqa: F401
 
-    from prism_megatron.megatron.emulate import install_patches
+    if _training:
+        import megatron.training  # noqa: F401
+        import megatron.training.training  # noqa: F401
 
-    install_patches()
+    install_patches(_training)

@@ -5,6 +5,10 @@ ranks always receive them among the script's flags, where Megatron's parser acce
 (``patches.arguments``) and shows them in ``args``. ``--recipe NAME`` (or ``--prism-recipe``)
 supplies the script (the mini GPT driver), the flags, the environment and the world size of a
 recipe, and implies ``--prism-emulate``; flags after it are appended, so they override.
+``--prism-driver`` picks that script: ``training`` (``pretrain_gpt_mini.py``, Megatron-LM's
+``pretrain``), ``core`` (``core_gpt.py``, megatron.core only: what a machine with only the
+megatron-core wheel can run) or ``auto`` (training when importable). The choice is printed and
+passed to the ranks as ``PRISM_MEGATRON_DRIVER`` (``emulate.rank_setup`` reads it).
 
 Without ``--prism-emulate`` nothing is patched: the script runs in this process exactly as
 ``python SCRIPT.py ARGS`` would (under ``torchrun`` too), with the ``--prism-*`` flags removed.
@@ -22,11 +26,13 @@ from typing import NoReturn
 
 from prism_megatron.megatron.flags import PRISM_FLAGS, add_prism_arguments, flag_takes_value
 
-__all__ = ["RunRequest", "RunError", "parse_run_args", "run", "RANK_SETUP", "PRELOAD", "USAGE"]
+__all__ = ["RunRequest", "RunError", "parse_run_args", "run", "select_driver", "RANK_SETUP", "PRELOAD", "USAGE",
+           "DRIVER_ENV"]
 
 RANK_SETUP = "prism_megatron.megatron.emulate:rank_setup"
 PRELOAD = "prism_megatron.megatron.preload"
 _ALIASES = {"--recipe": "--prism-recipe"}
+DRIVER_ENV = "PRISM_MEGATRON_DRIVER"  # 'core' or 'training': what the ranks set up for
 
 USAGE = """Usage: prism-megatron run [PRISM OPTIONS] [SCRIPT.py] [MEGATRON ARGS]...
 
@@ -60,6 +66,7 @@ class RunRequest:
     script: Path | None = None
     script_args: list[str] = field(default_factory=list)  # without any --prism-* flag
     env: dict[str, str] = field(default_factory=dict)  # extra environment (a recipe's)
+    driver_note: str | None = None  # which recipe driver runs, and why (printed by run)
 
     @property
     def emulate(self) -> bool:
@@ -106,6 +113,23 @@ def _split(argv: list[str]) -> tuple[list[str], list[str]]:
     return prism, rest
 
 
+def select_driver(choice: str) -> tuple[str, Path, str]:
+    """``(name, script, why)`` of the recipe driver for ``--prism-driver choice``; never a silent fallback."""
+    from prism_megatron.megatron.driver import CORE_DRIVER_SCRIPT, DRIVER_SCRIPT
+    from prism_megatron.megatron.megatron_lm import ENV_VAR, training_available
+
+    if choice == "core":
+        return "core", CORE_DRIVER_SCRIPT, "--prism-driver core"
+    if choice == "training":
+        if not training_available():
+            raise RunError(f"--prism-driver training needs megatron.training: set {ENV_VAR} to a Megatron-LM "
+                           "checkout at the tag matching megatron-core, or use --prism-driver core")
+        return "training", DRIVER_SCRIPT, "--prism-driver training"
+    if training_available():
+        return "training", DRIVER_SCRIPT, "auto: megatron.training is importable"
+    return "core", CORE_DRIVER_SCRIPT, "auto: megatron.training is not importable (megatron-core wheel only)"
+
+
 def parse_run_args(argv: list[str]) -> RunRequest:
     """Parse ``run``'s arguments (the recipe, if any, is loaded and validated here)."""
     lead: list[str] = []
@@ -127,7 +151,6 @@ def parse_run_args(argv: list[str]) -> RunRequest:
     request = RunRequest(options=vars(namespace), script=script, script_args=script_args)
     recipe_name = request.options.get("prism_recipe")
     if recipe_name:
-        from prism_megatron.megatron.driver import DRIVER_SCRIPT
         from prism_megatron.recipe import load_recipe, render_args, render_env
 
         recipe = load_recipe(recipe_name)  # RecipeError names the file and field
@@ -137,10 +160,14 @@ def parse_run_args(argv: list[str]) -> RunRequest:
         elif request.options["prism_world_size"] != recipe.world_size:
             raise RunError(f"--prism-world-size {request.options['prism_world_size']} differs from recipe "
                            f"{recipe.name}'s world_size {recipe.world_size}")
-        if request.script is None:
-            request.script = DRIVER_SCRIPT
-        request.script_args = render_args(recipe) + request.script_args
         request.env = render_env(recipe)
+        if request.script is None:
+            name, request.script, why = select_driver(request.options.get("prism_driver") or "auto")
+            request.env[DRIVER_ENV] = name
+            request.driver_note = f"prism: driver {name} ({request.script.name}; {why})"
+        request.script_args = render_args(recipe) + request.script_args
+    if request.driver_note is None and request.options.get("prism_driver") in ("core", "training"):
+        request.env[DRIVER_ENV] = request.options["prism_driver"]  # a script of one's own: only the rank setup
     if request.script is None:
         raise RunError("no script given: prism-megatron run [PRISM OPTIONS] SCRIPT.py [ARGS] (or --recipe NAME)")
     if not request.script.is_file():
@@ -197,6 +224,8 @@ def launch_config(request: RunRequest):
 def run(request: RunRequest) -> int:
     """Run the request; returns the exit code (the launcher's codes when emulating)."""
     os.environ.update(request.env)
+    if request.driver_note:
+        print(request.driver_note, file=sys.stderr, flush=True)
     if not request.emulate:
         return _run_in_process(request)
     from prism_megatron.launcher.launch import launch

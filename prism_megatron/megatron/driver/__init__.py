@@ -2,6 +2,7 @@
 
 from pathlib import Path
 
-DRIVER_SCRIPT: Path = Path(__file__).resolve().parent / "pretrain_gpt_mini.py"
+DRIVER_SCRIPT: Path = Path(__file__).resolve().parent / "pretrain_gpt_mini.py"  # megatron.training's pretrain
+CORE_DRIVER_SCRIPT: Path = Path(__file__).resolve().parent / "core_gpt.py"  # megatron.core only
 
-__all__ = ["DRIVER_SCRIPT"]
+__all__ = ["CORE_DRIVER_SCRIPT", "DRIVER_SCRIPT"]

@@ -1,0 +1,477 @@
+"""A small GPT pretraining driver that needs megatron.core only (no ``megatron.training``).
+
+The megatron-core 0.16.1 wheel - the only one for Python 3.11 - ships no ``megatron.training``, so
+``pretrain_gpt_mini.py`` needs a Megatron-LM checkout. This driver trains the same model from the
+same flags with the core building blocks that ``pretrain`` itself uses: ``parallel_state``, the
+local layer spec, core DDP, ``get_megatron_optimizer``, the schedules of
+``get_forward_backward_func`` with ``finalize_model_grads``, and ``MockGPTDataset``. It prints
+Megatron's iteration line on the last rank and, with ``PRISM_MEGATRON_METRICS=FILE``, appends every
+rank's per-iteration loss and grad norm as JSON lines (the format of ``patches.metrics``).
+
+Flags: those it uses (``_USED``) plus Megatron flags it knowingly ignores (``_IGNORED``); any other
+flag is an error naming it, so a typo is never silently dropped. ``--prism-*`` flags are accepted.
+Without a GPU it enables prism's CPU mode and, outside prism, uses gloo (as the Megatron-LM driver).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import random
+import sys
+import time
+import warnings
+from collections.abc import Iterator
+from functools import partial
+from typing import Any
+
+if int(os.environ.get("RANK", "0")) != 0:  # warnings from rank 0 only, as pretrain_gpt.py
+    warnings.filterwarnings("ignore", category=UserWarning)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+
+from prism_megatron.megatron import cpu_mode  # noqa: E402
+
+if not cpu_mode.cpu_mode_active() and not cpu_mode._gpu_present():
+    cpu_mode.enable_cpu_mode()
+_EMULATED = os.environ.get("PRISM_EMULATED") == "1"  # set by prism's launcher in every logical rank
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from prism_megatron.megatron.flags import add_prism_arguments  # noqa: E402
+
+NAME = "core"
+
+# ----------------------------------------------------------------------------- flags
+# flag -> argparse kwargs; the defaults are Megatron-LM's (core_v0.16.1 arguments.py)
+_USED: dict[str, dict[str, Any]] = {
+    "--num-layers": dict(type=int, required=True),
+    "--hidden-size": dict(type=int, required=True),
+    "--ffn-hidden-size": dict(type=int, default=None),
+    "--num-attention-heads": dict(type=int, required=True),
+    "--group-query-attention": dict(action="store_true"),
+    "--num-query-groups": dict(type=int, default=None),
+    "--seq-length": dict(type=int, required=True),
+    "--max-position-embeddings": dict(type=int, default=None),
+    "--vocab-size": dict(type=int, required=True),
+    "--make-vocab-size-divisible-by": dict(type=int, default=128),
+    "--tokenizer-type": dict(type=str, default="NullTokenizer"),
+    "--mock-data": dict(action="store_true"),
+    "--micro-batch-size": dict(type=int, required=True),
+    "--global-batch-size": dict(type=int, default=None),
+    "--train-iters": dict(type=int, required=True),
+    "--lr": dict(type=float, required=True),
+    "--min-lr": dict(type=float, default=0.0),
+    "--lr-decay-style": dict(type=str, default="linear", choices=["constant", "linear", "cosine"]),
+    "--lr-warmup-iters": dict(type=int, default=0),
+    "--weight-decay": dict(type=float, default=0.01),
+    "--clip-grad": dict(type=float, default=1.0),
+    "--adam-beta1": dict(type=float, default=0.9),
+    "--adam-beta2": dict(type=float, default=0.999),
+    "--adam-eps": dict(type=float, default=1e-8),
+    "--sgd-momentum": dict(type=float, default=0.9),
+    "--optimizer": dict(type=str, default="adam", choices=["adam", "sgd"]),
+    "--seed": dict(type=int, default=1234),
+    "--init-method-std": dict(type=float, default=0.02),
+    "--hidden-dropout": dict(type=float, default=0.1),
+    "--attention-dropout": dict(type=float, default=0.1),
+    "--untie-embeddings-and-output-weights": dict(action="store_true"),
+    "--bf16": dict(action="store_true"),
+    "--fp16": dict(action="store_true"),
+    "--tensor-model-parallel-size": dict(type=int, default=1),
+    "--pipeline-model-parallel-size": dict(type=int, default=1),
+    "--num-virtual-stages-per-pipeline-rank": dict(type=int, default=None),
+    "--context-parallel-size": dict(type=int, default=1),
+    "--expert-model-parallel-size": dict(type=int, default=1),
+    "--expert-tensor-parallel-size": dict(type=int, default=None),
+    "--num-experts": dict(type=int, default=None),
+    "--moe-router-topk": dict(type=int, default=2),
+    "--moe-token-dispatcher-type": dict(type=str, default="allgather", choices=["allgather", "alltoall"]),
+    "--moe-ffn-hidden-size": dict(type=int, default=None),
+    "--moe-aux-loss-coeff": dict(type=float, default=0.0),
+    "--sequence-parallel": dict(action="store_true"),
+    "--use-distributed-optimizer": dict(action="store_true"),
+    "--overlap-grad-reduce": dict(action="store_true"),
+    "--overlap-param-gather": dict(action="store_true"),
+    "--no-overlap-p2p-communication": dict(action="store_false", dest="overlap_p2p_comm"),
+    "--transformer-impl": dict(type=str, default="local", choices=["local", "transformer_engine"]),
+    "--distributed-backend": dict(type=str, default=None, choices=["nccl", "gloo"]),
+    "--log-interval": dict(type=int, default=100),
+    # Megatron-LM's fusions are on by default; without apex/TE they run as eager torch code
+    "--no-bias-gelu-fusion": dict(action="store_false", dest="bias_gelu_fusion"),
+    "--no-bias-dropout-fusion": dict(action="store_false", dest="bias_dropout_fusion"),
+    "--no-masked-softmax-fusion": dict(action="store_false", dest="masked_softmax_fusion"),
+}
+# Megatron flags that are legal here but change nothing this driver does: flag -> takes a value.
+_IGNORED: dict[str, bool] = {
+    "--no-gradient-accumulation-fusion": False,  # never fused here (needs apex)
+    "--no-persist-layer-norm": False,  # never persistent here (needs apex)
+    "--eval-iters": True,  # no evaluation
+    "--eval-interval": True,
+    "--save-interval": True,
+    "--split": True,
+    "--data-cache-path": True,
+    "--timing-log-level": True,
+    "--log-throughput": False,
+    "--use-cpu-initialization": False,
+    "--use-mcore-models": False,
+    "--position-embedding-type": True,  # only learned_absolute is built; checked below
+    "--normalization": True,  # only LayerNorm is built; checked below
+}
+
+
+class FlagError(SystemExit):
+    """A flag this driver cannot honour; the message names it."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> Any:
+        raise FlagError(f"{self.prog}: error: {message}")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """Parse Megatron-style flags: used ones, knowingly ignored ones, ``--prism-*``; anything else fails."""
+    parser = _Parser(prog="core_gpt.py (prism-megatron core driver)", allow_abbrev=False)
+    for flag, kwargs in _USED.items():
+        parser.add_argument(flag, **kwargs)
+    ignored = parser.add_argument_group("ignored Megatron flags")
+    for flag, takes_value in _IGNORED.items():
+        ignored.add_argument(flag, dest="ignored_" + flag[2:].replace("-", "_"),
+                             **({"type": str} if takes_value else {"action": "store_true"}))
+    add_prism_arguments(parser)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        raise FlagError(f"core driver: unknown flag(s) {' '.join(unknown)}; it accepts {', '.join(_USED)} "
+                        f"and ignores {', '.join(_IGNORED)}")
+    if args.transformer_impl != "local":
+        raise FlagError("core driver: --transformer-impl transformer_engine is not supported (local layer spec "
+                        "only); use --transformer-impl local or the Megatron-LM driver")
+    if args.context_parallel_size != 1:
+        raise FlagError("core driver: --context-parallel-size > 1 needs TransformerEngine attention")
+    if args.bf16 or args.fp16:
+        raise FlagError("core driver: --bf16/--fp16 are not supported (fp32 only)")
+    if not args.mock_data or args.tokenizer_type != "NullTokenizer":
+        raise FlagError("core driver: only --mock-data with --tokenizer-type NullTokenizer is supported")
+    for flag, allowed in (("--position-embedding-type", "learned_absolute"), ("--normalization", "LayerNorm")):
+        value = getattr(args, "ignored_" + flag[2:].replace("-", "_"))
+        if value not in (None, allowed):
+            raise FlagError(f"core driver: {flag} {value} is not supported (only {allowed})")
+    args.ffn_hidden_size = args.ffn_hidden_size or 4 * args.hidden_size
+    args.max_position_embeddings = args.max_position_embeddings or args.seq_length
+    if args.num_experts:
+        args.moe_ffn_hidden_size = args.moe_ffn_hidden_size or args.ffn_hidden_size
+    else:
+        args.moe_ffn_hidden_size = None
+    if args.num_virtual_stages_per_pipeline_rank is not None and args.num_virtual_stages_per_pipeline_rank <= 1:
+        args.num_virtual_stages_per_pipeline_rank = None
+    if args.num_virtual_stages_per_pipeline_rank is None:
+        args.overlap_p2p_comm = False  # as Megatron-LM's validate_args
+    if args.distributed_backend is None:
+        args.distributed_backend = "gloo" if cpu_mode.cpu_mode_active() else "nccl"
+    return args
+
+
+def _print_args(args: argparse.Namespace) -> None:
+    """Megatron's argument dump (rank 0), so logs show what ran, the --prism-* flags included."""
+    print("------------------------ arguments ------------------------", flush=True)
+    for key in sorted(vars(args)):
+        print(f"  {key} {'.' * (48 - len(key))} {getattr(args, key)}", flush=True)
+    print("-------------------- end of arguments ---------------------", flush=True)
+
+
+# ----------------------------------------------------------------------------- model, data, loss
+def _transformer_config(args: argparse.Namespace) -> Any:
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups if args.group_query_attention else None,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=args.num_virtual_stages_per_pipeline_rank,
+        context_parallel_size=args.context_parallel_size,
+        expert_model_parallel_size=args.expert_model_parallel_size,
+        expert_tensor_parallel_size=args.expert_tensor_parallel_size,
+        sequence_parallel=args.sequence_parallel,
+        num_moe_experts=args.num_experts, moe_router_topk=args.moe_router_topk,
+        moe_token_dispatcher_type=args.moe_token_dispatcher_type, moe_ffn_hidden_size=args.moe_ffn_hidden_size,
+        moe_aux_loss_coeff=args.moe_aux_loss_coeff, moe_grouped_gemm=False,
+        hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
+        init_method_std=args.init_method_std, params_dtype=torch.float32, pipeline_dtype=torch.float32,
+        # 0.16.1's fused bias-GeLU refuses MoE's per-token probabilities: MoE gets plain GeLU
+        bias_activation_fusion=args.bias_gelu_fusion and not args.num_experts,
+        masked_softmax_fusion=args.masked_softmax_fusion, bias_dropout_fusion=args.bias_dropout_fusion,
+        gradient_accumulation_fusion=False, persist_layer_norm=False,
+        # as Megatron-LM's core_transformer_config_from_args
+        deallocate_pipeline_outputs=True, batch_p2p_comm=not args.overlap_p2p_comm,
+        overlap_p2p_comm=args.overlap_p2p_comm,
+    )
+
+
+def _padded_vocab(args: argparse.Namespace) -> int:
+    """NullTokenizer's vocabulary (one EOD id added), padded as Megatron-LM pads it."""
+    multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
+    return math.ceil((args.vocab_size + 1) / multiple) * multiple
+
+
+def build_model(args: argparse.Namespace, config: Any) -> list[Any]:
+    """One GPTModel chunk per virtual stage, wrapped in core DDP (Megatron-LM's get_model)."""
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.enums import ModelType
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    spec = get_gpt_layer_local_spec(args.num_experts, moe_grouped_gemm=False)
+    vpp = args.num_virtual_stages_per_pipeline_rank
+    chunks = []
+    for stage in range(vpp or 1):
+        vp_stage = stage if vpp else None
+        model = GPTModel(
+            config=config, transformer_layer_spec=spec, vocab_size=_padded_vocab(args),
+            max_sequence_length=args.max_position_embeddings,
+            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+            parallel_output=True, share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+            position_embedding_type="learned_absolute", vp_stage=vp_stage,
+        )
+        model.model_type = ModelType.encoder_or_decoder
+        if vpp:
+            model.vp_stage = stage
+        for param in model.parameters():
+            tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(param)
+        if not cpu_mode.cpu_mode_active():
+            model.cuda(torch.cuda.current_device())
+        chunks.append(model)
+    dp = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=False, overlap_grad_reduce=args.overlap_grad_reduce,
+        overlap_param_gather=args.overlap_param_gather, use_distributed_optimizer=args.use_distributed_optimizer,
+        bucket_size=max(40_000_000, 1_000_000 * dp) if args.overlap_grad_reduce else None,
+    )
+    return [DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk, disable_bucketing=i > 0)
+            for i, chunk in enumerate(chunks)]
+
+
+def build_dataset(args: argparse.Namespace, num_samples: int) -> Any:
+    """Megatron's MockGPTDataset (deterministic token ids; uses the wheel's compiled helpers).
+
+    Split and sizes as Megatron-LM's defaults with no evaluation, so the samples are the same.
+    """
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDatasetConfig, MockGPTDataset
+    from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer
+
+    config = GPTDatasetConfig(
+        random_seed=args.seed, sequence_length=args.seq_length, blend=None, blend_per_split=None, split="969,30,1",
+        path_to_cache=None, tokenizer=NullTokenizer(args.vocab_size), reset_position_ids=False,
+        reset_attention_mask=False, eod_mask_loss=False, create_attention_mask=True,
+    )
+    train, _, _ = BlendedMegatronDatasetBuilder(MockGPTDataset, [num_samples, 0, 0], lambda: True, config).build()
+    return train
+
+
+def batches(dataset: Any, args: argparse.Namespace, dp_rank: int, dp_size: int) -> Iterator[dict]:
+    """This DP rank's microbatches in Megatron's order (MegatronPretrainingSampler: global sample
+    k*mbs*dp + dp_rank*mbs + j); every TP rank reads the same samples, which is what Megatron's
+    broadcast from TP rank 0 yields."""
+    mbs, step = args.micro_batch_size, 0
+    while True:
+        start = step * mbs * dp_size + dp_rank * mbs
+        samples = [dataset[i] for i in range(start, start + mbs)]
+        yield {key: torch.stack([s[key] for s in samples]) for key in samples[0]}
+        step += 1
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor) -> tuple:
+    """Token-summed loss and token count ('lm loss'), as Megatron-LM's pretrain_gpt.py reports it."""
+    losses = output_tensor.view(-1).float()
+    loss_mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * loss_mask)
+    num_tokens = loss_mask.sum().clone().detach().to(torch.int)
+    return loss, num_tokens, {"lm loss": torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])}
+
+
+def forward_step(data_iterator: Iterator[dict], model: Any) -> tuple:
+    """One microbatch through one model chunk; only chunks that embed or compute the loss read data."""
+    from megatron.core.utils import get_attr_wrapped_model
+
+    pre, post = get_attr_wrapped_model(model, "pre_process"), get_attr_wrapped_model(model, "post_process")
+    if pre or post:
+        batch = {k: v.cuda(non_blocking=True) for k, v in next(data_iterator).items()}
+        tokens, position_ids, labels = batch["tokens"], batch["position_ids"], batch["labels"]
+        attention_mask, loss_mask = batch["attention_mask"], batch["loss_mask"]
+    else:
+        tokens = position_ids = labels = attention_mask = loss_mask = None
+    output = model(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask)
+    return output, partial(loss_func, loss_mask)
+
+
+# ----------------------------------------------------------------------------- training
+def _init_distributed(args: argparse.Namespace) -> None:
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    if not cpu_mode.cpu_mode_active():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if world == 1 and "MASTER_ADDR" not in os.environ:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29500"))
+    dist.init_process_group(backend=args.distributed_backend, world_size=world, rank=rank,
+                            timeout=datetime.timedelta(minutes=10))
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=args.num_virtual_stages_per_pipeline_rank,
+        context_parallel_size=args.context_parallel_size,
+        expert_model_parallel_size=args.expert_model_parallel_size,
+        expert_tensor_parallel_size=args.expert_tensor_parallel_size,
+    )
+    dp = parallel_state.get_data_parallel_world_size()
+    if args.global_batch_size is None:
+        args.global_batch_size = args.micro_batch_size * dp
+    if args.global_batch_size % (args.micro_batch_size * dp):
+        raise FlagError(f"core driver: --global-batch-size {args.global_batch_size} is not a multiple of "
+                        f"--micro-batch-size {args.micro_batch_size} x data-parallel size {dp}")
+    init_num_microbatches_calculator(rank, None, args.global_batch_size, args.micro_batch_size, dp)
+    # Megatron-LM's _set_random_seed: one seed per pipeline stage
+    seed = args.seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def _metrics_writer() -> Any:
+    """The ``PRISM_MEGATRON_METRICS`` hook: every rank appends its iterations (``patches.metrics``' format)."""
+    path = os.environ.get("PRISM_MEGATRON_METRICS")
+    if not path:
+        return None
+
+    def write(iteration: int, loss: dict[str, float], grad_norm: float | None) -> None:
+        record = {"rank": dist.get_rank(), "iteration": iteration, "loss": loss, "grad_norm": grad_norm}
+        with open(path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    return write
+
+
+def train(args: argparse.Namespace) -> None:
+    """Megatron-LM's train loop for this model: zero grads, schedule, optimizer step, loss across DP."""
+    from megatron.core import parallel_state
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.num_microbatches_calculator import get_num_microbatches
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from prism_megatron.patches import schedules
+    from prism_megatron.trace.markers import span
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    config = _transformer_config(args)
+    model = build_model(args, config)
+    optimizer = get_megatron_optimizer(OptimizerConfig(
+        optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
+        adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
+        sgd_momentum=args.sgd_momentum, clip_grad=args.clip_grad, params_dtype=torch.float32,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+    ), model)
+    gbs = args.global_batch_size
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0, max_lr=args.lr, min_lr=args.min_lr, lr_warmup_steps=args.lr_warmup_iters * gbs,
+        lr_decay_steps=args.train_iters * gbs, lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay,
+        end_wd=args.weight_decay, wd_incr_steps=args.train_iters * gbs, wd_incr_style="constant")
+
+    config.grad_scale_func = optimizer.scale_loss
+    if args.overlap_grad_reduce:  # as Megatron-LM's train(): overlap within the schedule
+        config.no_sync_func = [chunk.no_sync for chunk in model]
+        config.grad_sync_func = [chunk.start_grad_sync for chunk in model]
+        if len(model) == 1:
+            config.no_sync_func, config.grad_sync_func = config.no_sync_func[0], config.grad_sync_func[0]
+    config.finalize_model_grads_func = finalize_model_grads
+
+    dp_rank = parallel_state.get_data_parallel_rank()
+    dp_size = parallel_state.get_data_parallel_world_size()
+    num_microbatches = get_num_microbatches()
+    needs_data = parallel_state.is_pipeline_first_stage(ignore_virtual=True) or \
+        parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+    dataset = build_dataset(args, args.train_iters * gbs) if needs_data else None
+
+    def iterator() -> Iterator[dict] | None:
+        return batches(dataset, args, dp_rank, dp_size) if dataset is not None else None
+
+    data = [iterator() for _ in model] if len(model) > 1 else iterator()
+    forward_backward = get_forward_backward_func()
+    record = _metrics_writer()
+    last_stage = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+    for chunk in model:
+        chunk.train()
+    for iteration in range(1, args.train_iters + 1):
+        start = time.perf_counter()
+        schedules.STATE.begin_iteration(iteration)
+        with span("iteration", iteration=iteration):
+            for chunk in model:
+                chunk.zero_grad_buffer()
+            optimizer.zero_grad()
+            losses = forward_backward(
+                forward_step_func=forward_step, data_iterator=data, model=model if len(model) > 1 else model[0],
+                num_microbatches=num_microbatches, seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
+                decoder_seq_length=None, forward_only=False)
+            update_successful, grad_norm, _ = optimizer.step()
+            if update_successful:
+                scheduler.step(increment=gbs)
+            loss: dict[str, float] = {}
+            if last_stage:
+                for key in losses[0]:
+                    total = torch.vstack([x[key].view(-1) for x in losses]).sum(dim=0)
+                    dist.all_reduce(total, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
+                    loss[key] = float(total[0] / total[1])
+        norm = None if grad_norm is None else float(grad_norm)
+        if record is not None:
+            record(iteration, loss, norm)
+        if rank == world - 1 and iteration % args.log_interval == 0:
+            elapsed = (time.perf_counter() - start) * 1000.0
+            now = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
+            shown = " ".join(f"{k}: {v:.6E} |" for k, v in loss.items())
+            print(f" [{now}] iteration {iteration:8d}/{args.train_iters:8d} | consumed samples: "
+                  f"{iteration * gbs:12d} | elapsed time per iteration (ms): {elapsed:.1f} | learning rate: "
+                  f"{optimizer.param_groups[0]['lr']:.6E} | global batch size: {gbs:5d} | {shown} loss scale: 1.0 | "
+                  f"grad norm: {norm if norm is not None else float('nan'):.3f} |", flush=True)
+    if args.overlap_param_gather:  # the last step's parameter all-gathers are still in flight
+        for chunk in model:
+            chunk.start_param_sync(force_sync=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Parse, set up the process groups, train; rank 0 says which driver runs."""
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    if cpu_mode.cpu_mode_active():
+        import torch._dynamo
+
+        torch._dynamo.config.disable = True  # Megatron's jit_fuser would build C++ kernels per rank
+        if not _EMULATED:
+            from prism_megatron.patches import gloo_p2p
+
+            gloo_p2p.install()  # real gloo processes only: async sends must own their bytes
+    from prism_megatron.patches import dataset_helpers
+
+    dataset_helpers.install()
+    _init_distributed(args)
+    if dist.get_rank() == 0:
+        print("prism: driver core (megatron.core only: parallel_state, GPTModel local spec, core DDP, "
+              "get_megatron_optimizer, get_forward_backward_func; no megatron.training)", flush=True)
+        _print_args(args)
+    train(args)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
