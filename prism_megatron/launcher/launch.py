@@ -77,10 +77,18 @@ class _Job:
         return address, int(info["store_port"])
 
     def fork_ranks(self, address: tuple[str, int], store_port: int) -> None:
-        import torch  # noqa: F401 - the template: imported once, shared by every rank
+        import torch  # the template: imported once, shared by every rank
 
-        for mod in self.cfg.preload:
+        preload = self.cfg.preload
+        if preload and self.cfg.on_gpu and _initializes_cuda(preload):
+            # CUDA cannot be used in a child forked after it started (seen with megatron-core 0.19.2
+            # on the H200): each rank imports those modules itself instead
+            _say(f"--preload {','.join(preload)} starts CUDA when imported; ranks import it after the fork")
+            preload = []
+        for mod in preload:
             importlib.import_module(mod)
+        if self.cfg.on_gpu and torch.cuda.is_initialized():
+            raise RuntimeError("CUDA was initialized in the launcher before forking ranks; ranks could not use it")
         from prism_megatron.launcher.rank import run_rank
 
         close = [self.control.fileno(), self.coord.stdout.fileno()]
@@ -200,6 +208,15 @@ class _Job:
                 self.coord.kill()
                 self.coord.wait()
         remove_job_segments(self.prefix)
+
+
+def _initializes_cuda(modules: list[str]) -> bool:
+    """Whether importing `modules` starts CUDA, asked of a throwaway interpreter (never this one)."""
+    code = ("import importlib, sys, torch\n"
+            f"for m in {modules!r}: importlib.import_module(m)\n"
+            "print(torch.cuda.is_initialized())")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    return p.returncode != 0 or p.stdout.strip().endswith("True")
 
 
 def launch(cfg: LaunchConfig) -> int:
