@@ -210,6 +210,16 @@ class _Job:
         remove_job_segments(self.prefix)
 
 
+def fork_safe_cuda_checks() -> None:
+    """Make `torch.cuda.is_available()` ask NVML instead of the CUDA runtime in this process.
+
+    The runtime query poisons fork (torch marks children "bad fork" and they cannot use CUDA), and
+    any code in the template — ours, a preload, Megatron — may ask. Seen on the H200: ranks forked
+    after such a check failed with "Cannot re-initialize CUDA in forked subprocess".
+    """
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+
+
 def _initializes_cuda(modules: list[str]) -> bool:
     """Whether importing `modules` starts CUDA, asked of a throwaway interpreter (never this one)."""
     code = ("import importlib, sys, torch\n"
@@ -221,6 +231,7 @@ def _initializes_cuda(modules: list[str]) -> bool:
 
 def launch(cfg: LaunchConfig) -> int:
     """Run the job; returns the process exit code (0 ok, 1 a rank failed, 3 hang, 4 mismatch)."""
+    fork_safe_cuda_checks()
     cfg.validate()
     cfg.log_dir.mkdir(parents=True, exist_ok=True)
     for stale in cfg.log_dir.glob("rank-*.traceback"):
