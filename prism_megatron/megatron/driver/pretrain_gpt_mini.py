@@ -53,11 +53,19 @@ from megatron.core.models.gpt.gpt_layer_specs import (  # noqa: E402
 from megatron.core.utils import get_attr_wrapped_model  # noqa: E402
 from megatron.training import get_args, get_tokenizer, pretrain, print_rank_0  # noqa: E402
 from megatron.training.arguments import core_transformer_config_from_args  # noqa: E402
-from megatron.training.utils import (  # noqa: E402
-    get_batch_on_this_cp_rank,
-    get_batch_on_this_tp_rank,
-    is_first_or_last_pipeline_stage,
-)
+
+try:
+    from megatron.training.utils import (  # noqa: E402
+        get_batch_on_this_cp_rank,
+        get_batch_on_this_tp_rank,
+        is_first_or_last_pipeline_stage,
+    )
+except ImportError as e:  # megatron-core 0.19 moved these to megatron.core.utils with new signatures
+    from megatron.core import package_info
+
+    raise ImportError(f"pretrain_gpt_mini.py is checked against megatron-core 0.16.x; megatron-core "
+                      f"{package_info.__version__} moved its batch helpers ({e}). Use --prism-driver core, "
+                      "or Megatron-LM's own pretrain_gpt.py of that version.") from e
 
 from prism_megatron.patches import cpu_trainer, dataset_helpers, gloo_p2p  # noqa: E402
 
