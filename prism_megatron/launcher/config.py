@@ -89,16 +89,9 @@ class LaunchConfig:
         return self
 
     def resolved_swap(self) -> str:
-        """auto: checkpoint on GPUs when the driver API is there (swaps happen only when measured
-        footprints exceed a device), else none."""
-        if self.swap != "auto":
-            return self.swap
-        if not self.on_gpu:
-            return "none"
-        import importlib.util
-
-        has_api = importlib.util.find_spec("cuda") is not None and importlib.util.find_spec("cuda.bindings") is not None
-        return "checkpoint" if has_api else "none"
+        """auto means none for now: the checkpoint path failed a multi-rank restore on the H200
+        (CUDA_ERROR_OPERATING_SYSTEM, see bench/gpu/swap_bench.py); `--swap checkpoint` opts in."""
+        return "none" if self.swap == "auto" else self.swap
 
 
 def _check_gpus(devices: list[str]) -> list[int]:
