@@ -8,12 +8,28 @@ returns nothing; nothing is patched unless a caller installs it (``--prism-emula
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-__all__ = ["SeamMoved", "megatron_version", "seam"]
+__all__ = ["SeamMoved", "megatron_version", "once", "seam"]
+
+
+def once(install: Callable[[], None]) -> Callable[[], None]:
+    """Make a seam's ``install`` idempotent: it runs until it first succeeds, then never again."""
+    done = False
+
+    @functools.wraps(install)
+    def wrapper() -> None:
+        nonlocal done
+        if not done:
+            install()
+            done = True
+
+    return wrapper
 
 
 class SeamMoved(RuntimeError):

@@ -12,16 +12,13 @@ from __future__ import annotations
 import argparse
 import functools
 
-from prism_megatron.patches import seam
+from prism_megatron.patches import once, seam
 
 CHECKED = ("0.16.1",)
-_done = False
 
 
+@once
 def install() -> None:
-    global _done
-    if _done:
-        return
     import megatron.training.arguments as arguments
 
     from prism_megatron.megatron.flags import PRISM_FLAGS, add_prism_arguments
@@ -38,4 +35,3 @@ def install() -> None:
         return parser
 
     arguments.add_megatron_arguments = add_megatron_arguments
-    _done = True

@@ -17,17 +17,14 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from prism_megatron.patches import seam
+from prism_megatron.patches import once, seam
 
 CHECKED = ("0.16.1",)
-_done = False
 
 
+@once
 def install() -> None:
     """Patch the name ``pretrain`` calls (``megatron.training.training.initialize_megatron``)."""
-    global _done
-    if _done:
-        return
     import megatron.training.training as training
 
     from prism_megatron.megatron.cpu_mode import cpu_mode_active
@@ -57,4 +54,3 @@ def install() -> None:
         return None
 
     fused_kernels.load = load
-    _done = True

@@ -12,16 +12,13 @@ from __future__ import annotations
 import functools
 import importlib.util
 
-from prism_megatron.patches import seam
+from prism_megatron.patches import once, seam
 
 CHECKED = ("0.16.1",)
-_done = False
 
 
+@once
 def install() -> None:
-    global _done
-    if _done:
-        return
     import megatron.core.datasets.utils as utils
 
     original = seam(utils, "compile_helpers", CHECKED)
@@ -33,4 +30,3 @@ def install() -> None:
         return original()
 
     utils.compile_helpers = compile_helpers
-    _done = True

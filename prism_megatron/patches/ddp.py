@@ -13,16 +13,13 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from prism_megatron.patches import seam
+from prism_megatron.patches import once, seam
 
 CHECKED = ("0.16.1",)
-_done = False
 
 
+@once
 def install() -> None:
-    global _done
-    if _done:
-        return
     import megatron.core.distributed.param_and_grad_buffer as buffers
     import megatron.core.optimizer.clip_grads as clip_grads
     import megatron.core.optimizer.optimizer as optimizer
@@ -57,4 +54,3 @@ def install() -> None:
     clip_grads.get_grad_norm_fp32 = get_grad_norm_fp32
     if getattr(optimizer, "get_grad_norm_fp32", None) is norm:
         optimizer.get_grad_norm_fp32 = get_grad_norm_fp32
-    _done = True

@@ -15,17 +15,14 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from prism_megatron.patches import seam
+from prism_megatron.patches import once, seam
 
 CHECKED = ("0.16.1",)
 _MODULE = "megatron.core.pipeline_parallel.p2p_communication"
-_done = False
 
 
+@once
 def install() -> None:
-    global _done
-    if _done:
-        return
     import importlib
 
     p2p = importlib.import_module(_MODULE)
@@ -39,4 +36,3 @@ def install() -> None:
         return original(**kwargs)
 
     p2p._p2p_ops = _p2p_ops
-    _done = True

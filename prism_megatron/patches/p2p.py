@@ -12,14 +12,13 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from prism_megatron.patches import seam
+from prism_megatron.patches import once, seam
 
 CHECKED = ("0.16.1",)
 _MODULE = "megatron.core.pipeline_parallel.p2p_communication"
 METHODS = ("recv_forward", "recv_backward", "send_forward", "send_backward", "send_forward_recv_backward",
            "send_backward_recv_forward", "send_forward_recv_forward", "send_backward_recv_backward",
            "send_forward_backward_recv_forward_backward")
-_done = False
 
 
 def _labelled(method: Any, label: str) -> Any:
@@ -33,13 +32,10 @@ def _labelled(method: Any, label: str) -> Any:
     return wrapper
 
 
+@once
 def install() -> None:
-    global _done
-    if _done:
-        return
     import importlib
 
     cls = seam(importlib.import_module(_MODULE), "P2PCommunicator", CHECKED)
     for name in METHODS:
         setattr(cls, name, _labelled(seam(cls, name, CHECKED), name))
-    _done = True

@@ -22,7 +22,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from prism_megatron.patches import seam
+from prism_megatron.patches import once, seam
 from prism_megatron.trace.markers import span
 
 CHECKED = ("0.16.1",)
@@ -45,7 +45,6 @@ class _State:
 
 
 STATE = _State()
-_done = False
 
 
 def _arg(args: tuple, kwargs: dict, name: str, index: int) -> Any:
@@ -60,10 +59,8 @@ def _key(output_tensor: Any) -> int:
     return id(output_tensor)
 
 
+@once
 def install() -> None:
-    global _done
-    if _done:
-        return
     import importlib
     import inspect
 
@@ -94,4 +91,3 @@ def install() -> None:
 
     sched.forward_step = forward_step
     sched.backward_step = backward_step
-    _done = True

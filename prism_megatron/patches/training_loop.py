@@ -13,17 +13,14 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from prism_megatron.patches import schedules, seam
+from prism_megatron.patches import once, schedules, seam
 from prism_megatron.trace.markers import span
 
 CHECKED = ("0.16.1",)
-_done = False
 
 
+@once
 def install() -> None:
-    global _done
-    if _done:
-        return
     import megatron.training.training as training
 
     seam(training, "train", CHECKED)
@@ -50,4 +47,3 @@ def install() -> None:
 
     training.train_step = train_step
     training.evaluate = evaluate
-    _done = True
