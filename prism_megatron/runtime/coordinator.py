@@ -24,7 +24,7 @@ import torch
 from prism_megatron.runtime import collectives as C
 from prism_megatron.runtime import protocol as P
 from prism_megatron.runtime.hang import format_hang_report
-from prism_megatron.runtime.matching import Member, P2PQueues, check_collective, check_p2p
+from prism_megatron.runtime.matching import Member, P2PQueues, check_collective, check_p2p, desc_bytes
 from prism_megatron.runtime.memory import DeviceMemory
 from prism_megatron.runtime.shm import SegmentMap
 from prism_megatron.runtime.slots import Grant, ResidentFirstPolicy, SlotScheduler
@@ -64,6 +64,7 @@ class Group:
     pending: dict[int, list[Member | None]] = field(default_factory=dict)
     p2p: P2PQueues = field(default_factory=P2PQueues)
     p2p_seq: dict[tuple[int, int], int] = field(default_factory=dict)
+    grank: dict[int, int] = field(default_factory=dict)  # global rank -> group rank (no list search per op)
 
 
 @dataclass
@@ -98,6 +99,8 @@ class Coordinator:
         self.ranks: dict[int, RankState] = {}
         self.conns: dict[Connection, RankState | None] = {}
         self.groups: dict[str, Group] = {}
+        self.groups_by_id: dict[int, Group] = {}
+        self.n_finished = 0
         self.segments = SegmentMap()
         self.selector = selectors.DefaultSelector()
         self.memory: list[DeviceMemory] | None = None  # set when swapping is on (see enable_swap)
@@ -108,10 +111,6 @@ class Coordinator:
         self.control: Connection | None = None
         self.last_progress = time.perf_counter()
         self.finished = False
-
-    @property
-    def _group_by_id(self) -> dict[int, Group]:
-        return {g.id: g for g in self.groups.values()}
 
     def enable_swap(self, swapper: Swapper, capacities: list[int], policy: str = "resident-first") -> None:
         """Keep at most each device's capacity of ranks' state resident, swapping blocked ranks out.
@@ -288,7 +287,7 @@ class Coordinator:
             rec = rs.pending.get(op_id)
             if rec is None or rec.seq < 0:
                 continue
-            g = self._group_by_id[rec.group]
+            g = self.groups_by_id[rec.group]
             slot = g.pending.get(rec.seq)
             missing += sum(1 for m in slot if m is None) if slot else 0
         return missing
@@ -343,12 +342,12 @@ class Coordinator:
             self._retry_room()
         rs.state = "done"
         rs.exit_code = exit_code
+        self.n_finished += 1
         self._progress()
 
     def _progress(self) -> None:
         if self.control is not None:
-            done = sum(1 for r in self.ranks.values() if r.state == "done")
-            self._send_control({"t": P.PROGRESS, "connected": len(self.ranks), "finished": done})
+            self._send_control({"t": P.PROGRESS, "connected": len(self.ranks), "finished": self.n_finished})
 
     # ---- ops -------------------------------------------------------------------------------------------
     def _on_group(self, rs: RankState, msg: dict) -> None:
@@ -356,7 +355,9 @@ class Coordinator:
         if g is None:
             g = Group(len(self.groups), msg["name"], list(msg["ranks"]), msg["backend"])
             g.next_seq = [0] * len(g.ranks)
+            g.grank = {r: i for i, r in enumerate(g.ranks)}
             self.groups[g.name] = g
+            self.groups_by_id[g.id] = g
         elif g.ranks != list(msg["ranks"]):
             self._fatal("mismatch", f"process group {g.name!r}: rank {rs.rank} created it with ranks "
                         f"{msg['ranks']}, another member with {g.ranks}")
@@ -365,7 +366,7 @@ class Coordinator:
         for seg in msg.get("drops", ()):
             self.segments.drop(seg)
         g = self.groups[msg["g"]]
-        grank = g.ranks.index(rs.rank)
+        grank = g.grank[rs.rank]
         for key in ("peer", "root"):
             v = msg.get(key)
             if v is not None and not 0 <= v < len(g.ranks):
@@ -379,7 +380,7 @@ class Coordinator:
         kind = msg["kind"]
         peer = msg.get("peer")
         root = msg.get("root")
-        nbytes = max(sum(_desc_bytes(d[0]) for d in msg["ins"]), sum(_desc_bytes(d[0]) for d in msg["outs"]))
+        nbytes = max(sum(desc_bytes(d[0]) for d in msg["ins"]), sum(desc_bytes(d[0]) for d in msg["outs"]))
         rec = OpRecord(
             rank=rs.rank, index=rs.n_ops, kind=kind, group=g.id, seq=-1,
             peer=g.ranks[peer] if peer is not None else -1, root=g.ranks[root] if root is not None else -1,
@@ -436,7 +437,7 @@ class Coordinator:
         inline: list[bytes | None] = []
         for (desc, _dt, _shape), t in zip(m.msg["outs"], outs, strict=True):
             raw = t.reshape(-1).view(torch.uint8) if t is not None and t.numel() else None
-            want = _desc_bytes(desc)
+            want = desc_bytes(desc)
             got = 0 if raw is None else raw.numel()
             if got != want:
                 raise RuntimeError(f"internal: rank {m.rank} {m.kind} output of {got} bytes, expected {want}")
@@ -511,6 +512,8 @@ class Coordinator:
 
     # ---- failure and hangs -------------------------------------------------------------------------
     def _check_hang(self) -> None:
+        if time.perf_counter() - self.last_progress < self.hang_timeout:
+            return  # a message came in recently: no need to look at every rank (this runs every loop turn)
         live = [r for r in self.ranks.values() if r.state != "done"]
         if len(self.ranks) < self.world_size:
             return  # ranks still starting may yet post the missing ops
@@ -554,10 +557,6 @@ class Coordinator:
 
 
 _EMPTY = torch.empty(0, dtype=torch.uint8)
-
-
-def _desc_bytes(desc: tuple) -> int:
-    return len(desc[1]) if desc[0] == "i" else desc[1] if desc[0] == "r" else desc[3]
 
 
 def _ranks(ranks: list[int]) -> str:

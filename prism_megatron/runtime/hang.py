@@ -28,7 +28,6 @@ def format_hang_report(coord: Any, stalled: float) -> str:
     lines = [f"prism: hang detected: no rank has made progress for {stalled:.1f} s "
              f"({len(coord.ranks)} ranks; every live rank is blocked in communication)", ""]
     lines.append("Pending ops per rank:")
-    by_id = {g.id: g for g in coord.groups.values()}
     for r in sorted(coord.ranks):
         rs = coord.ranks[r]
         if rs.state == "done":
@@ -42,7 +41,7 @@ def format_hang_report(coord: Any, stalled: float) -> str:
             rec = rs.pending.get(op_id)
             if rec is None:
                 continue
-            g = by_id[rec.group]
+            g = coord.groups_by_id[rec.group]
             what = f"{rec.kind} #{rec.seq}" if rec.seq >= 0 else rec.kind
             peer = f" peer {rec.peer}" if rec.peer >= 0 else ""
             data = f"{rec.dtype} shapes {json.loads(rec.shapes)}, " if rec.dtype else ""

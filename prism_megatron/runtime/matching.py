@@ -27,10 +27,10 @@ class Member:
         return self.msg["kind"]
 
     def in_bytes(self) -> list[int]:
-        return [_desc_bytes(d[0]) for d in self.msg["ins"]]
+        return [desc_bytes(d[0]) for d in self.msg["ins"]]
 
     def out_bytes(self) -> list[int]:
-        return [_desc_bytes(d[0]) for d in self.msg["outs"]]
+        return [desc_bytes(d[0]) for d in self.msg["outs"]]
 
     def dtypes(self) -> list[str]:
         return [d[1] for d in self.msg["ins"]] + [d[1] for d in self.msg["outs"]]
@@ -45,7 +45,8 @@ class Member:
         return f"rank {self.rank}: {self.kind}{extra} in=[{ins}] out=[{outs}]"
 
 
-def _desc_bytes(desc: tuple) -> int:
+def desc_bytes(desc: tuple) -> int:
+    """Bytes a payload descriptor stands for (see protocol.py)."""
     if desc[0] == "i":
         return len(desc[1])
     if desc[0] == "r":
