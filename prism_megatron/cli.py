@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from prism_megatron.launcher import fork_safe_cuda_checks
 from prism_megatron.launcher.config import LaunchConfig, LaunchError, parse_devices, parse_ranks
 
 
@@ -14,9 +15,7 @@ from prism_megatron.launcher.config import LaunchConfig, LaunchError, parse_devi
 @click.version_option(package_name="prism-megatron")
 def main() -> None:
     """Emulate a large Megatron-Core (or any torch.distributed) job's ranks on a few devices."""
-    import os
-
-    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # fork-safe CUDA checks (launcher.launch)
+    fork_safe_cuda_checks()
 
 
 @main.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})

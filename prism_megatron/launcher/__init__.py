@@ -1,1 +1,13 @@
 """The launcher: starts the coordinator and forks the logical ranks from a template with torch imported."""
+
+import os
+
+
+def fork_safe_cuda_checks() -> None:
+    """Make `torch.cuda.is_available()` ask NVML instead of the CUDA runtime in this process.
+
+    The runtime query poisons fork (torch marks children "bad fork" and they cannot use CUDA), and
+    any code in the template — ours, a preload, Megatron, the `run` front end — may ask. Seen on the
+    H200: ranks forked after such a check failed with "Cannot re-initialize CUDA in forked subprocess".
+    """
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")

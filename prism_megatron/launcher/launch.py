@@ -19,6 +19,7 @@ import time
 from multiprocessing.connection import Client
 from pathlib import Path
 
+from prism_megatron.launcher import fork_safe_cuda_checks
 from prism_megatron.launcher.config import LaunchConfig, LaunchError
 from prism_megatron.runtime import protocol as P
 from prism_megatron.runtime.shm import remove_job_segments
@@ -208,16 +209,6 @@ class _Job:
                 self.coord.kill()
                 self.coord.wait()
         remove_job_segments(self.prefix)
-
-
-def fork_safe_cuda_checks() -> None:
-    """Make `torch.cuda.is_available()` ask NVML instead of the CUDA runtime in this process.
-
-    The runtime query poisons fork (torch marks children "bad fork" and they cannot use CUDA), and
-    any code in the template — ours, a preload, Megatron — may ask. Seen on the H200: ranks forked
-    after such a check failed with "Cannot re-initialize CUDA in forked subprocess".
-    """
-    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 
 
 def _initializes_cuda(modules: list[str]) -> bool:
