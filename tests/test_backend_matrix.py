@@ -9,12 +9,9 @@ import torch
 
 from conftest import PROGRAMS, prism, torchrun
 from prism_megatron.trace import read_trace
+from programs.matrix_tolerance import ORDER_DEPENDENT, tolerance
 
 W = 8
-# reductions whose result depends on the order of accumulation: equal within float tolerance
-ORDER_DEPENDENT = ("all_reduce/SUM", "all_reduce/PRODUCT", "all_reduce/big", "all_reduce/future", "all_reduce/AVG",
-                   "all_reduce/PREMUL", "coalesced/all_reduce", "coalesced/reduce_scatter", "reduce_scatter",
-                   "group/parity_sum", "funcol/all_reduce", "reduce", "group/local_sync_pair")
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +40,7 @@ def test_same_results_as_gloo(gloo_results, tmp_path, slots):
             got = results[r][key]
             assert got.dtype == want.dtype and got.shape == want.shape, key
             if key.startswith(ORDER_DEPENDENT):
-                tol = 1e-2 if want.dtype == torch.bfloat16 else 1e-5
+                tol = tolerance(want.dtype)
                 torch.testing.assert_close(got.double(), want.double(), rtol=tol, atol=tol, msg=key)
             else:
                 assert torch.equal(got, want), f"rank {r} {key}: {got} != {want}"

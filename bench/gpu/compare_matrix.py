@@ -4,12 +4,13 @@ usage: compare_matrix.py DIR_A DIR_B WORLD
 Bitwise for ops whose result cannot depend on reduction order, float tolerance otherwise.
 """
 import sys
+from pathlib import Path
 
 import torch
 
-ORDER_DEPENDENT = ("all_reduce/SUM", "all_reduce/PRODUCT", "all_reduce/big", "all_reduce/future", "all_reduce/AVG",
-                   "all_reduce/PREMUL", "coalesced/all_reduce", "coalesced/reduce_scatter", "reduce_scatter",
-                   "group/parity_sum", "funcol/all_reduce", "reduce", "group/local_sync_pair")
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
+from programs.matrix_tolerance import ORDER_DEPENDENT, tolerance  # noqa: E402
+
 a_dir, b_dir, world = sys.argv[1], sys.argv[2], int(sys.argv[3])
 checked = bitwise = bad = 0
 for r in range(world):
@@ -25,8 +26,7 @@ for r in range(world):
             bad += 1
         elif torch.equal(x, y):
             bitwise += 1
-        elif not k.startswith(ORDER_DEPENDENT) or not torch.allclose(x.double(), y.double(), rtol=1e-2 if
-                                                                     x.dtype == torch.bfloat16 else 1e-5):
+        elif not k.startswith(ORDER_DEPENDENT) or not torch.allclose(x.double(), y.double(), rtol=tolerance(x.dtype)):
             print(f"rank {r} {k}: {x.flatten()[:4].tolist()} vs {y.flatten()[:4].tolist()}")
             bad += 1
 print(f"compared {checked} results over {world} ranks: {bitwise} bitwise equal, {bad} mismatches -> "
