@@ -15,10 +15,11 @@ setup(
         "pyyaml>=6",
         "click>=8.1",
         "pyarrow>=14",
+        "rich>=13",
+        "wandb>=0.17",
     ],
     extras_require={
         "megatron": ["megatron-core>=0.16,<0.20"],
-        "wandb": ["wandb>=0.17"],
         "te": ["transformer-engine[pytorch]"],
         "test": ["pytest>=8", "pytest-timeout>=2.3", "ruff>=0.6", "megatron-core>=0.16,<0.20"],
     },

@@ -36,26 +36,33 @@ def main() -> None:
 @click.option("--swap", type=click.Choice(["auto", "none", "checkpoint", "budget"]), default="auto",
               show_default=True, help="Move blocked ranks' GPU state to host memory when a device is full.")
 @click.option("--device-memory", type=float, default=None, help="GiB per device (default: the GPU's total).")
+@click.option("--target-gpu", default=None,
+              help="Cap each rank at this GPU's memory (h100-80gb, ... or GiB); an OOM becomes a prediction (exit 5).")
+@click.option("--target-context", type=float, default=None,
+              help="GiB a target rank holds outside PyTorch's allocator (default 1).")
 @click.argument("script", type=click.Path(path_type=Path))
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
 def launch(world_size: int, devices: str, slots_per_device: int, hang_timeout: float, trace_dir: Path,
            gpus_per_node: int, log_ranks: str, threads_per_rank: int, preload: tuple[str, ...], swap: str,
-           device_memory: float | None, script: Path,
+           device_memory: float | None, target_gpu: str | None, target_context: float | None, script: Path,
            script_args: tuple[str, ...]) -> None:
     """Run SCRIPT as WORLD_SIZE logical ranks through the prism backend and write a PrismTrace.
 
     Example: prism-megatron launch --world-size 64 --devices cpu --slots-per-device 2 -- train.py --lr 1e-3
     """
     from prism_megatron.launcher.launch import launch as run
+    from prism_megatron.memory.targets import TargetError, resolve_target
 
     try:
+        target = None if target_gpu is None else resolve_target(target_gpu, target_context).as_dict()
         cfg = LaunchConfig(
             script=script, script_args=list(script_args), world_size=world_size, devices=parse_devices(devices),
             slots_per_device=slots_per_device, hang_timeout=hang_timeout, trace_dir=trace_dir,
             gpus_per_node=gpus_per_node, log_ranks=parse_ranks(log_ranks, max(world_size, 1)),
             threads_per_rank=threads_per_rank, preload=list(preload), swap=swap, device_memory_gib=device_memory,
+            target_gpu=target,
         ).validate()
-    except LaunchError as e:
+    except (LaunchError, TargetError) as e:
         raise click.UsageError(str(e)) from None
     sys.exit(run(cfg))
 
@@ -177,6 +184,27 @@ def replay_cmd(trace_dir: Path, cluster: str | None, chrome_out: Path | None) ->
 
         write_chrome(result, chrome_out, {"trace": str(trace_dir), "cluster": cluster})
         click.echo(f"wrote {chrome_out}")
+
+
+@main.command("report")
+@click.argument("trace_dir", type=click.Path(path_type=Path))
+@click.option("--cluster", default=None, help="Cluster profile (name or YAML) that costs communication; "
+              "default: communication free, compute from the trace.")
+@click.option("--out", "out_dir", type=click.Path(path_type=Path), default=None,
+              help="Directory for report.json, report.html and timeline.json (default: TRACE_DIR).")
+def report_cmd(trace_dir: Path, cluster: str | None, out_dir: Path | None) -> None:
+    """Report on a trace: OOM or fit per rank class, predicted iteration time, timeline (HTML + JSON)."""
+    from prism_megatron.report import ReportFormatError, make_report, print_summary, read_report
+    from prism_megatron.trace import TraceFormatError
+
+    try:
+        paths = make_report(trace_dir, out_dir, cluster)
+        report = read_report(paths["report"])
+    except (TraceFormatError, ReportFormatError, ValueError, OSError) as e:
+        raise click.ClickException(str(e)) from None
+    print_summary(report)
+    for kind, path in paths.items():
+        click.echo(f"wrote {path}" + ("  (open in a browser)" if kind == "html" else ""))
 
 
 @main.group()

@@ -28,6 +28,18 @@ class LaunchConfig:
     swap: str = "auto"  # auto | none | checkpoint | budget (stand-in, for tests)
     device_memory_gib: float | None = None  # capacity per device; default: the GPU's total memory
     device_memory: list[int] = field(default_factory=list)  # resolved by validate(), bytes per device
+    target_gpu: dict | None = None  # TargetGPU.as_dict(): each rank's allocator is capped at its 'usable'
+    track_memory: bool | None = None  # per-rank memory marks; None: on GPU always, on CPU when capped
+
+    @property
+    def memory_cap(self) -> int | None:
+        return None if self.target_gpu is None else int(self.target_gpu["usable"])
+
+    @property
+    def tracks_memory(self) -> bool:
+        if self.track_memory is not None:
+            return self.track_memory
+        return self.on_gpu or self.target_gpu is not None
 
     @property
     def on_gpu(self) -> bool:

@@ -21,12 +21,12 @@ from pathlib import Path
 
 from prism_megatron.launcher import fork_safe_cuda_checks
 from prism_megatron.launcher.config import LaunchConfig, LaunchError
+from prism_megatron.launcher.exit_codes import HANG as EXIT_HANG
+from prism_megatron.launcher.exit_codes import MISMATCH as EXIT_MISMATCH
+from prism_megatron.launcher.exit_codes import OOM as EXIT_OOM
+from prism_megatron.launcher.exit_codes import RANK_FAILED as EXIT_RANK_FAILED
 from prism_megatron.runtime import protocol as P
 from prism_megatron.runtime.shm import remove_job_segments
-
-EXIT_RANK_FAILED = 1
-EXIT_HANG = 3
-EXIT_MISMATCH = 4
 
 
 def _say(msg: str) -> None:
@@ -139,6 +139,10 @@ class _Job:
         return 0
 
     def _rank_failed(self, rank: int, code: int) -> int:
+        if code == EXIT_OOM:
+            _say(f"rank {rank} ran out of memory under the target's cap: predicted OOM; ending the job "
+                 "(the trace and the report keep the verdict)")
+            return EXIT_OOM
         how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
         tb_file = self.cfg.log_dir / f"rank-{rank}.traceback"
         log_file = self.cfg.log_dir / f"rank-{rank}.log"
@@ -184,7 +188,8 @@ class _Job:
         return {"script": str(cfg.script), "args": cfg.script_args, "world_size": cfg.world_size,
                 "devices": cfg.devices, "slots_per_device": cfg.slots_per_device,
                 "gpus_per_node": cfg.gpus_per_node, "job_id": self.job_id,
-                "wall_time_s": time.perf_counter() - self.t0}
+                "wall_time_s": time.perf_counter() - self.t0,
+                **({"target_gpu": cfg.target_gpu} if cfg.target_gpu is not None else {})}
 
     def cleanup(self) -> None:
         """Leave nothing behind: ranks, coordinator, shared-memory segments."""
@@ -211,6 +216,14 @@ class _Job:
         remove_job_segments(self.prefix)
 
 
+def _keep_snapshots(log_dir: Path, trace_dir: Path) -> None:
+    """OOM memory snapshots go into the trace, whose ``oom`` marks name them."""
+    import shutil
+
+    for f in log_dir.glob("oom-rank-*.pickle"):
+        shutil.copy2(f, trace_dir / f.name)
+
+
 def _initializes_cuda(modules: list[str]) -> bool:
     """Whether importing `modules` starts CUDA, asked of a throwaway interpreter (never this one)."""
     code = ("import importlib, sys, torch\n"
@@ -221,7 +234,7 @@ def _initializes_cuda(modules: list[str]) -> bool:
 
 
 def launch(cfg: LaunchConfig) -> int:
-    """Run the job; returns the process exit code (0 ok, 1 a rank failed, 3 hang, 4 mismatch)."""
+    """Run the job; returns the process exit code (0 ok, 1 a rank failed, 3 hang, 4 mismatch, 5 predicted OOM)."""
     fork_safe_cuda_checks()
     cfg.validate()
     cfg.log_dir.mkdir(parents=True, exist_ok=True)
@@ -235,7 +248,9 @@ def launch(cfg: LaunchConfig) -> int:
              f"({cfg.slots_per_device} slot(s) per device); logs in {cfg.log_dir}")
         job.fork_ranks(address, store_port)
         code = job.watch()
-        path = job.finish("ok" if code == 0 else "failed")
+        path = job.finish("ok" if code == 0 else "oom" if code == EXIT_OOM else "failed")
+        if code == EXIT_OOM and path is not None:
+            _keep_snapshots(cfg.log_dir, Path(path))
         if code == 0:
             if path is None:
                 _say("the coordinator did not write the trace")

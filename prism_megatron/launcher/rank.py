@@ -18,6 +18,7 @@ import traceback
 from pathlib import Path
 
 from prism_megatron.launcher.config import LaunchConfig
+from prism_megatron.launcher.exit_codes import OOM as EXIT_OOM
 
 
 def _die_with_parent() -> None:
@@ -85,16 +86,25 @@ def run_rank(cfg: LaunchConfig, rank: int, address: tuple[str, int], authkey: by
 
         client = RankClient(address, authkey, rank, cfg.world_size, f"{segment_prefix}-r{rank}")
         install(client)
-        markers.set_sink(_MarkSink(client))
+        probe = None
+        if cfg.tracks_memory:
+            from prism_megatron.memory import MemoryProbe
+
+            probe = MemoryProbe(rank, cfg.on_gpu, cfg.memory_cap, cfg.log_dir)
+        markers.set_sink(_MarkSink(client, probe))
         client.acquire()
         for spec in cfg.rank_setup:  # e.g. the Megatron integration's CPU mode and patches
             module, _, func = spec.partition(":")
             getattr(importlib.import_module(module), func)()
+        if probe is not None:
+            probe.install()  # after the setup: CPU mode decides where tensors live
+            if probe.note:
+                print(f"prism: rank {rank}: {probe.note}", file=sys.stderr, flush=True)
     except BaseException:
         traceback.print_exc()
         sys.stderr.flush()
         os._exit(1)
-    code = _run_script(cfg, rank)
+    code = _run_script(cfg, rank, probe)
     try:
         atexit._run_exitfuncs()
     except BaseException:
@@ -108,25 +118,46 @@ def run_rank(cfg: LaunchConfig, rank: int, address: tuple[str, int], authkey: by
     os._exit(code)
 
 
-def _run_script(cfg: LaunchConfig, rank: int) -> int:
+def _run_script(cfg: LaunchConfig, rank: int, probe=None) -> int:
     script = str(cfg.script.resolve())
     sys.argv = [script, *cfg.script_args]
     sys.path.insert(0, str(Path(script).parent))
     try:
         runpy.run_path(script, run_name="__main__")
+        if probe is not None:
+            probe.record(None)
         return 0
     except SystemExit as e:
+        if probe is not None:
+            probe.record(None)
         if e.code is None:
             return 0
         if isinstance(e.code, int):
             return e.code
         print(e.code, file=sys.stderr)
         return 1
-    except BaseException:
+    except BaseException as e:
         tb = traceback.format_exc()
-        sys.stderr.write(tb)
         (cfg.log_dir / f"rank-{rank}.traceback").write_text(tb)
+        if probe is not None and _is_oom(e):
+            oom = probe.out_of_memory(e)
+            sys.stderr.write(f"prism: rank {rank} ran out of memory under the target's cap "
+                             f"({oom['message']}); this is a prediction, traceback in rank-{rank}.traceback\n")
+            return EXIT_OOM
+        sys.stderr.write(tb)
         return 1
+
+
+def _is_oom(error: BaseException) -> bool:
+    """torch's OOM, also when a caller wrapped it (Megatron re-raises some errors as RuntimeError)."""
+    import torch
+
+    seen = error
+    while seen is not None:
+        if isinstance(seen, torch.OutOfMemoryError):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 def _map_local_devices(torch) -> None:
@@ -150,8 +181,15 @@ def _map_local_devices(torch) -> None:
 class _MarkSink:
     """Routes `prism_megatron.trace.mark` calls to the coordinator, which timestamps them."""
 
-    def __init__(self, client) -> None:
+    def __init__(self, client, probe=None) -> None:
         self._client = client
+        self._probe = probe
+        self._iteration: int | None = None
 
     def record_mark(self, name: str, phase: str, attrs: dict) -> None:
         self._client.mark(name, phase, attrs)
+        if name == "iteration" and self._probe is not None:  # memory after every iteration
+            if phase == "B":
+                self._iteration = attrs.get("iteration")
+            elif phase == "E":
+                self._probe.record(self._iteration)

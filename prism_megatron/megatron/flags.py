@@ -33,6 +33,21 @@ PRISM_FLAGS: dict[str, dict[str, Any]] = {
                            help="GPT driver a recipe runs: 'training' (Megatron-LM's pretrain, needs "
                                 "megatron.training), 'core' (megatron.core only), 'auto' (training if "
                                 "importable, else core)."),
+    "--prism-target-gpu": dict(type=str, default=None,
+                               help="GPU of the target cluster (h100-80gb, h200-141gb, a100-80gb, ... or a capacity "
+                                    "in GiB): each rank is capped at its memory, so an OOM it would hit happens "
+                                    "here and is reported as a prediction."),
+    "--prism-target-context": dict(type=float, default=None,
+                                   help="GiB a rank of the target holds outside PyTorch's allocator (CUDA "
+                                        "context, cuBLAS, NCCL buffers); default 1."),
+    "--prism-track-memory": dict(type=str, default="auto", choices=["auto", "on", "off"],
+                                 help="Per-rank memory figures: 'auto' is on for GPUs and for a capped CPU run "
+                                      "(the CPU byte accountant costs ~12 us per op)."),
+    "--prism-report": dict(type=str, default="on", choices=["on", "off"],
+                           help="After the run: the report (terminal, report.json/html, timeline) and W&B."),
+    "--prism-cluster": dict(type=str, default=None,
+                            help="Cluster profile that costs communication in the prediction "
+                                 "(prism-megatron cluster list); default: free communication."),
 }
 
 

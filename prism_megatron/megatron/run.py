@@ -218,7 +218,23 @@ def launch_config(request: RunRequest):
         hang_timeout=o["prism_hang_timeout"], trace_dir=Path(o["prism_trace_dir"]),
         gpus_per_node=o["prism_gpus_per_node"], log_ranks=parse_ranks(o["prism_log_ranks"], world),
         threads_per_rank=o["prism_threads_per_rank"], preload=[PRELOAD], rank_setup=[RANK_SETUP],
+        target_gpu=target_gpu(o), track_memory={"auto": None, "on": True, "off": False}[o["prism_track_memory"]],
     )
+
+
+def target_gpu(options: dict) -> dict | None:
+    """``--prism-target-gpu``/``--prism-target-context`` resolved (RunError names a bad value)."""
+    from prism_megatron.memory.targets import TargetError, resolve_target
+
+    spec, context = options.get("prism_target_gpu"), options.get("prism_target_context")
+    if spec is None:
+        if context is not None:
+            raise RunError("--prism-target-context needs --prism-target-gpu")
+        return None
+    try:
+        return resolve_target(spec, context).as_dict()
+    except TargetError as e:
+        raise RunError(str(e)) from None
 
 
 def run(request: RunRequest) -> int:

@@ -26,8 +26,18 @@ def install() -> None:
     seam(training, "train", CHECKED)
     original = seam(training, "train_step", CHECKED, ("forward_step_func", "data_iterator", "model", "iteration"))
 
+    first = [True]
+
     @functools.wraps(original)
     def train_step(*args: Any, **kwargs: Any) -> Any:
+        if first[0]:  # parallel_state and args are set up by now
+            first[0] = False
+            from megatron.training import get_args
+
+            from prism_megatron.megatron.workload import mark_rank
+
+            margs = get_args()
+            mark_rank(margs, getattr(margs, "padded_vocab_size", None))
         passed = kwargs.get("iteration")
         iteration = passed + 1 if isinstance(passed, int) else schedules.STATE.iteration + 1
         schedules.STATE.begin_iteration(iteration)

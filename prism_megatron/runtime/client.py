@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.futures import Future
 
+from prism_megatron.memory.accountant import untracked
 from prism_megatron.runtime import protocol as P
 from prism_megatron.runtime.shm import Arena
 
@@ -199,6 +200,24 @@ class RankClient:
         self._settle()
         op_id = next(self._ids)
         work = PrismWork(self, op_id, outs if result is None else result)
+        with untracked():  # staging copies are the runtime's, not the program's memory
+            regions, in_descs, out_descs = self._stage(ins, outs, inplace)
+        with self._pending_lock:
+            self._pending[op_id] = _Pending(work, outs, [d[0] for d in out_descs], regions)
+        msg = {"t": P.OP, "id": op_id, "g": group, "kind": kind, "ins": in_descs, "outs": out_descs,
+               "drops": self.arena.take_dropped(), **params}
+        if params.get("async_op") is False:
+            # torch waits on a synchronous op right away: block in the same message (one round trip less
+            # per op); the grant is owed until someone waits for it (see _settle)
+            msg["block"] = True
+            msg["mem"] = device_footprint()
+            self._granted.clear()
+            self._owed_grant = True
+        self._send(msg)
+        return work
+
+    def _stage(self, ins: list[torch.Tensor], outs: list[torch.Tensor], inplace: bool) -> tuple[list, list, list]:
+        """Copy inputs into shared memory (or inline them); describe where outputs go."""
         regions: list[str] = []
         in_descs = []
         for t in ins:
@@ -223,19 +242,7 @@ class RankClient:
                 regions.append(seg)
                 desc = ("s", seg, off, n)
             out_descs.append((desc, P.dtype_name(t.dtype), list(t.shape)))
-        with self._pending_lock:
-            self._pending[op_id] = _Pending(work, outs, [d[0] for d in out_descs], regions)
-        msg = {"t": P.OP, "id": op_id, "g": group, "kind": kind, "ins": in_descs, "outs": out_descs,
-               "drops": self.arena.take_dropped(), **params}
-        if params.get("async_op") is False:
-            # torch waits on a synchronous op right away: block in the same message (one round trip less
-            # per op); the grant is owed until someone waits for it (see _settle)
-            msg["block"] = True
-            msg["mem"] = device_footprint()
-            self._granted.clear()
-            self._owed_grant = True
-        self._send(msg)
-        return work
+        return regions, in_descs, out_descs
 
     def _settle(self) -> None:
         """Wait for a grant owed by a synchronous op before doing anything else as a computing rank."""

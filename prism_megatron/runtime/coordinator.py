@@ -548,7 +548,7 @@ class Coordinator:
     # ---- the end: the trace ----------------------------------------------------------------------
     def _on_finish(self, msg: dict) -> None:
         path = None
-        if msg.get("status") == "ok" and msg.get("trace_dir"):
+        if msg.get("status") in ("ok", "oom") and msg.get("trace_dir"):  # an OOM is a prediction: keep it
             from prism_megatron.runtime.trace_export import write_bare_trace
 
             path = str(write_bare_trace(self, Path(msg["trace_dir"]), msg.get("job", {}), msg.get("exit_codes", {})))

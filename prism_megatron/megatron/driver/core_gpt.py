@@ -413,6 +413,9 @@ def train(args: argparse.Namespace) -> None:
     last_stage = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
     for chunk in model:
         chunk.train()
+    from prism_megatron.megatron.workload import mark_rank
+
+    mark_rank(args, _padded_vocab(args))
     for iteration in range(1, args.train_iters + 1):
         start = time.perf_counter()
         schedules.STATE.begin_iteration(iteration)

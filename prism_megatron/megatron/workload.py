@@ -1,0 +1,64 @@
+"""What a rank is (its place in the parallel layout) and what an iteration is worth (tokens, FLOPs).
+
+Two trace marks, once per rank, that the report needs and only Megatron knows: ``layout`` (the
+rank's TP/PP/DP/CP/EP coordinates, from ``parallel_state`` — Megatron's own rank order, never a
+re-derivation) groups ranks into classes such as "last pipeline stage"; ``workload`` turns a
+predicted iteration time into tokens/s and TFLOP/s per GPU.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prism_megatron.trace.markers import mark
+
+
+def layout_attrs() -> dict[str, Any]:
+    from megatron.core import parallel_state as ps
+
+    return {
+        "tp": ps.get_tensor_model_parallel_rank(), "tp_size": ps.get_tensor_model_parallel_world_size(),
+        "pp": ps.get_pipeline_model_parallel_rank(), "pp_size": ps.get_pipeline_model_parallel_world_size(),
+        "dp": ps.get_data_parallel_rank(), "dp_size": ps.get_data_parallel_world_size(),
+        "cp": ps.get_context_parallel_rank(), "cp_size": ps.get_context_parallel_world_size(),
+        "ep": ps.get_expert_model_parallel_rank(), "ep_size": ps.get_expert_model_parallel_world_size(),
+        "vpp_size": ps.get_virtual_pipeline_model_parallel_world_size(),
+    }
+
+
+def _get(args: Any, name: str, default: Any = None) -> Any:
+    value = getattr(args, name, default)
+    return default if value is None else value
+
+
+def flops_per_iteration(args: Any, vocab: int) -> float:
+    """Model FLOPs of one training iteration (forward + backward = 3 x forward), whole job.
+
+    Per token and layer: QKV, attention scores and values over the full sequence (Megatron's
+    convention: no causal halving), output projection, MLP (SwiGLU: 3 matrices; MoE: top-k experts
+    plus the router), then the logits. Activation recomputation is not counted (model FLOPs).
+    """
+    h, layers, s = args.hidden_size, args.num_layers, args.seq_length
+    heads = args.num_attention_heads
+    kv = _get(args, "kv_channels", h // heads)
+    groups = _get(args, "num_query_groups", heads) if _get(args, "group_query_attention", False) else heads
+    q = heads * kv
+    mats = 3 if _get(args, "swiglu", False) else 2
+    experts = _get(args, "num_experts", 0)
+    if experts:
+        ffn = _get(args, "moe_ffn_hidden_size", _get(args, "ffn_hidden_size", 4 * h))
+        mlp = 2 * mats * h * ffn * _get(args, "moe_router_topk", 2) + 2 * h * experts
+    else:
+        mlp = 2 * mats * h * _get(args, "ffn_hidden_size", 4 * h)
+    per_layer = 2 * h * (q + 2 * groups * kv) + 4 * s * q + 2 * q * h + mlp
+    forward_per_token = layers * per_layer + 2 * h * vocab
+    return 3.0 * forward_per_token * args.global_batch_size * s
+
+
+def mark_rank(args: Any, vocab: int | None) -> None:
+    """Record this rank's ``layout`` and the job's ``workload`` (call once parallel_state is set up)."""
+    mark("layout", **layout_attrs())
+    tokens = int(args.global_batch_size) * int(args.seq_length)
+    flops = flops_per_iteration(args, vocab) if vocab else None
+    mark("workload", global_batch_size=int(args.global_batch_size), seq_length=int(args.seq_length),
+         tokens_per_iteration=tokens, flops_per_iteration=flops)

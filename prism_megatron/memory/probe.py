@@ -1,0 +1,85 @@
+"""A rank's own memory: measured (and capped) where it runs, reported as trace marks.
+
+Runs inside each logical rank. On a GPU the caching allocator is the truth: its peaks are the
+figures, and ``set_per_process_memory_fraction`` caps it at the target GPU's usable bytes, so an
+allocation the target could not serve fails here too. On CPU the ``ByteAccountant`` plays the
+allocator. The marks (``memory`` after each iteration and at the end, ``oom`` once) are what the
+report reads; their attributes are documented in ``prism_megatron.report``'s contract.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from prism_megatron.memory.accountant import ByteAccountant
+from prism_megatron.trace.markers import mark
+
+_REQUESTED = re.compile(r"Tried to allocate ([0-9.]+) (bytes|KiB|MiB|GiB|TiB)")
+_UNIT = {"bytes": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
+
+
+def requested_bytes(message: str) -> int | None:
+    """The failing allocation's size from a CUDA OOM message ("Tried to allocate 20.00 MiB")."""
+    m = _REQUESTED.search(message)
+    return int(float(m.group(1)) * _UNIT[m.group(2)]) if m else None
+
+
+class MemoryProbe:
+    """Measure, cap and report one rank's device memory."""
+
+    def __init__(self, rank: int, on_gpu: bool, cap: int | None, snapshot_dir: Path | None) -> None:
+        self.rank = rank
+        self.on_gpu = on_gpu
+        self.cap = cap
+        self.snapshot_dir = snapshot_dir
+        self.accountant: ByteAccountant | None = None
+        self.note: str | None = None  # why the cap could not be applied, if so
+
+    def install(self) -> None:
+        if not self.on_gpu:
+            self.accountant = ByteAccountant(self.cap)
+            self.accountant.__enter__()  # active for the rest of the process
+            return
+        if self.cap is not None:
+            device = torch.cuda.current_device()
+            total = torch.cuda.get_device_properties(device).total_memory
+            if self.cap > total:
+                self.note = (f"the target's {self.cap / 2**30:.2f} GiB per rank exceed this GPU's "
+                             f"{total / 2**30:.2f} GiB: not capped here, verdict from the measured peak")
+            else:
+                torch.cuda.set_per_process_memory_fraction(self.cap / total, device)
+            if self.snapshot_dir is not None:
+                torch.cuda.memory._record_memory_history(max_entries=100_000)
+
+    def stats(self) -> dict[str, Any]:
+        if self.on_gpu:
+            return {"allocated": int(torch.cuda.memory_allocated()), "reserved": int(torch.cuda.memory_reserved()),
+                    "max_allocated": int(torch.cuda.max_memory_allocated()),
+                    "max_reserved": int(torch.cuda.max_memory_reserved()), "source": "cuda", "cap": self.cap}
+        acc = self.accountant
+        return {"allocated": acc.current, "reserved": acc.current, "max_allocated": acc.peak,
+                "max_reserved": acc.peak, "source": "cpu-accountant", "cap": self.cap}
+
+    def record(self, iteration: int | None) -> None:
+        """A ``memory`` mark: current and peak figures after ``iteration`` (None: the script ended)."""
+        mark("memory", iteration=iteration, **self.stats())
+
+    def out_of_memory(self, error: BaseException) -> dict[str, Any]:
+        """Record the OOM as a prediction: figures, failing size, a snapshot for PyTorch's memory viz."""
+        message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        snapshot = None
+        if self.on_gpu and self.snapshot_dir is not None:
+            path = self.snapshot_dir / f"oom-rank-{self.rank}.pickle"
+            try:
+                torch.cuda.memory._dump_snapshot(str(path))
+                snapshot = path.name
+            except Exception as e:  # a missing snapshot must not hide the verdict
+                message += f" (memory snapshot failed: {e})"
+        requested = requested_bytes(str(error)) if self.on_gpu else self.accountant.failed
+        attrs = {**self.stats(), "requested": requested, "message": message, "snapshot": snapshot}
+        mark("oom", **attrs)
+        return attrs

@@ -1,0 +1,343 @@
+"""Assemble the report of a trace: replay prediction, memory per rank and class, OOMs, verdict.
+
+Works from trace files only (no runtime, no Megatron), so a report can be made anywhere, long
+after the run. A job that died (of OOM, say) still gets a report: its replay usually cannot
+finish, and then the prediction is null with the reason, while the memory part says why it died.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections import defaultdict
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from prism_megatron.replay import GraphError, ReplayResult, graph_from_trace, replay, zero_cost
+from prism_megatron.trace import PrismTrace, TraceFormatError, read_trace
+
+from .classify import UNKNOWN, class_order, rank_class
+from .schema import FORMAT, VERSION
+from .units import fmt_bytes, rank_ranges
+
+#: Exit code of a rank that ran out of memory under its cap (contract with the runtime).
+OOM_EXIT_CODE = 5
+#: The HTML timeline shows every rank up to this many, else a sample (one row per rank is unreadable).
+MAX_TIMELINE_ROWS = 64
+MAX_PATH_STEPS = 12
+MAX_ERROR_LINES = 8
+_MARKS = ("layout", "workload", "memory", "oom")
+_MEMORY_INTS = ("allocated", "reserved", "max_allocated", "max_reserved")
+
+
+def build_report(trace_dir: str | Path, cluster: str | None = None) -> dict[str, Any]:
+    """The report dict of the trace at ``trace_dir`` (see ``schema.REPORT``).
+
+    ``cluster`` names a cluster profile that costs communication; without it communication is
+    free. Raises TraceFormatError for a bad trace (or bad marks) and ProfileError (a ValueError)
+    for a bad profile; a replay that fails gives a null prediction, not an exception.
+    """
+    return assemble(trace_dir, cluster)[0]
+
+
+def assemble(trace_dir: str | Path, cluster: str | None = None) -> tuple[dict[str, Any], ReplayResult | None]:
+    """The report and the replay it came from (None when the replay failed), for the timeline export."""
+    trace = read_trace(trace_dir)
+    marks = _read_marks(trace)
+    classes = {r: rank_class(marks["layout"].get(r)) for r in range(trace.world_size)}
+    job = trace.manifest["job"]
+    result, error = _replay(trace, cluster)
+    memory = _memory(marks, classes, trace)
+    oom = [_oom_entry(r, a, classes[r]) for r, a in sorted(marks["oom"].items())]
+    exit5 = [e["rank"] for e in trace.manifest["ranks"] if e["exit_code"] == OOM_EXIT_CODE]
+    target = _target(job.get("target_gpu"))
+    report = {
+        "format": FORMAT,
+        "version": VERSION,
+        "created": datetime.now(timezone.utc).isoformat(),
+        "trace": str(trace_dir),
+        "job": {
+            "world_size": trace.world_size,
+            "argv": job["argv"] if isinstance(job.get("argv"), list) else None,
+            "script": job["script"] if isinstance(job.get("script"), str) else None,
+            "devices": job["devices"] if isinstance(job.get("devices"), (list, str)) else None,
+            "slots_per_device": job["slots_per_device"] if type(job.get("slots_per_device")) is int else None,
+        },
+        "target": target,
+        "prediction": None if result is None else _prediction(result, cluster, classes, marks["workload"]),
+        "prediction_error": error,
+        "memory": memory,
+        "oom": oom,
+        "swap": _swap(job.get("swap")),
+        "verdict": verdict(memory, oom, exit5, classes, target["gpu"]),
+    }
+    return report, result
+
+
+def provenance(cluster: str | None) -> str:
+    """Where the predicted numbers come from, in a sentence: they are not measurements."""
+    comm = f"costed by cluster profile {cluster}" if cluster else "free (no cluster profile)"
+    return f"compute from the bare trace (uncalibrated); communication {comm}"
+
+
+# ------------------------------------------------------------------------------------------ marks
+
+
+def _read_marks(trace: PrismTrace) -> dict[str, dict[int, Any]]:
+    """The contract marks by name: layout/workload/oom -> {rank: attrs}, memory -> {rank: [attrs]}."""
+    table: pa.Table = trace.marks
+    table = table.filter(pc.is_in(table.column("name"), value_set=pa.array(_MARKS)))
+    where = trace.path / trace.manifest["files"]["marks"]
+    out: dict[str, dict[int, Any]] = {name: {} for name in _MARKS}
+    memory: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    for row in table.sort_by([("rank", "ascending"), ("t", "ascending")]).to_pylist():
+        field = f"mark '{row['name']}' of rank {row['rank']}: attrs"
+        try:
+            attrs = json.loads(row["attrs"]) if row["attrs"] else {}
+        except ValueError:
+            raise TraceFormatError(where, field, "is not JSON") from None
+        if not isinstance(attrs, dict):
+            raise TraceFormatError(where, field, "is not a JSON object")
+        if row["name"] == "memory":
+            _check_ints(attrs, _MEMORY_INTS, where, field)
+            _check_ints(attrs, ("cap",), where, field, nullable=True)
+            memory[row["rank"]].append(attrs)
+        elif row["name"] == "oom":
+            _check_ints(attrs, _MEMORY_INTS, where, field)
+            _check_ints(attrs, ("requested", "cap"), where, field, nullable=True)
+            out["oom"].setdefault(row["rank"], attrs)  # the first: a rank dies of its first OOM
+        else:
+            out[row["name"]].setdefault(row["rank"], attrs)
+    out["memory"] = dict(memory)
+    return out
+
+
+def _check_ints(attrs: dict, keys: tuple[str, ...], where: Path, field: str, nullable: bool = False) -> None:
+    for key in keys:
+        value = attrs.get(key)
+        if value is None and nullable:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            got = "is missing" if key not in attrs else f"is {value!r}"
+            raise TraceFormatError(where, f"{field} '{key}'", f"{got}, expected a byte count")
+        attrs[key] = int(value)
+
+
+# ------------------------------------------------------------------------------------- prediction
+
+
+def _replay(trace: PrismTrace, cluster: str | None) -> tuple[ReplayResult | None, str | None]:
+    cost = zero_cost
+    if cluster is not None:
+        from prism_megatron.calibration.costmodel import CollectiveCostModel
+        from prism_megatron.calibration.profiles import load_profile
+
+        cost = CollectiveCostModel(load_profile(cluster))  # a bad profile is bad input: let it raise
+    try:
+        return replay(graph_from_trace(trace), cost), None
+    except GraphError as e:  # DeadlockError included: typically a job that died mid-iteration
+        lines = str(e).splitlines()  # a deadlock names every stuck rank: thousands of lines at scale
+        more = f"\n  ... and {len(lines) - MAX_ERROR_LINES} more line(s)" if len(lines) > MAX_ERROR_LINES else ""
+        return None, "the replay failed: " + "\n".join(lines[:MAX_ERROR_LINES]) + more
+
+
+def _window(result: ReplayResult) -> tuple[int | None, float, float]:
+    """The median iteration (number, start, end); the whole run when there are no iteration marks."""
+    its = result.iterations()
+    if not its:
+        return None, 0.0, result.makespan
+    median = statistics.median_low(it.time for it in its)
+    it = next(it for it in its if it.time == median)
+    return it.number, it.start, it.end
+
+
+def _prediction(result: ReplayResult, cluster: str | None, classes: dict[int, str],
+                workload: dict[int, dict]) -> dict[str, Any]:
+    times = result.iteration_times()
+    median = statistics.median(times) if times else None
+    work = workload.get(0) or next(iter(workload.values()), {})
+    tokens, flops = work.get("tokens_per_iteration"), work.get("flops_per_iteration")
+    per_s = median if median and median > 0 else None
+    number, t0, t1 = _window(result)
+    breakdown = []
+    for r in result.graph.ranks:
+        b = result.breakdown(r, t0, t1)
+        breakdown.append({"rank": r, "class": classes.get(r, UNKNOWN), "compute_s": b.compute,
+                          "exposed_comm_s": b.exposed_comm, "bubble_s": b.bubble})
+    return {
+        "provenance": provenance(cluster),
+        "cluster": cluster,
+        "iteration_times_s": times,
+        "iteration_time_s": median,
+        "tokens_per_s": tokens / per_s if per_s and _num(tokens) else None,
+        "tflops_per_gpu": flops / per_s / len(classes) / 1e12 if per_s and _num(flops) else None,
+        "breakdown": breakdown,
+        "critical_path": _critical_path(result, t0, t1),
+        "timeline": _timeline(result, classes, number, t0, t1),
+        "notes": list(result.graph.notes),
+    }
+
+
+def _num(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0
+
+
+def _critical_path(result: ReplayResult, t0: float, t1: float) -> dict[str, Any]:
+    """The path's steps inside the window, consecutive steps of one kind on the same ranks merged."""
+    steps: list[dict[str, Any]] = []
+    for s in result.critical_path:
+        start, end = max(s.start, t0), min(s.end, t1)
+        if end <= start:
+            continue
+        ranks = rank_ranges(s.ranks)
+        if steps and steps[-1]["kind"] == s.kind and steps[-1]["ranks"] == ranks:
+            last = steps[-1]
+            last["end_s"] = end
+            if last["label"] != s.label:
+                last["label"] = ""
+            continue
+        steps.append({"kind": s.kind, "ranks": ranks, "start_s": start, "end_s": end, "label": s.label})
+    by_kind: dict[str, float] = defaultdict(float)
+    for s in steps:
+        by_kind[s["kind"]] += s["end_s"] - s["start_s"]
+    longest = sorted(sorted(steps, key=lambda s: s["start_s"] - s["end_s"])[:MAX_PATH_STEPS],
+                     key=lambda s: s["start_s"])
+    return {"steps": longest, "total_steps": len(steps),
+            "by_kind_s": dict(sorted(by_kind.items(), key=lambda kv: -kv[1]))}
+
+
+def _timeline(result: ReplayResult, classes: dict[int, str], number: int | None,
+              t0: float, t1: float) -> dict[str, Any]:
+    """What the HTML page draws: per shown rank, its activity in the window, merged runs of a kind."""
+    ranks = result.graph.ranks
+    if len(ranks) <= MAX_TIMELINE_ROWS:
+        shown, note = ranks, ""
+    else:
+        first: dict[str, int] = {}
+        for r in ranks:
+            first.setdefault(classes.get(r, UNKNOWN), r)
+        picked = set(list(first.values())[:MAX_TIMELINE_ROWS])
+        need = MAX_TIMELINE_ROWS // 2 - len(picked)
+        picked.update(ranks[round(i * (len(ranks) - 1) / max(need - 1, 1))] for i in range(max(need, 0)))
+        shown = sorted(picked, key=lambda r: (class_order(classes.get(r, UNKNOWN)), r))
+        note = f"{len(shown)} of {len(ranks)} ranks: the first of each class and evenly spaced others, by class"
+    rows = []
+    for r in shown:
+        segs: list[list[Any]] = []
+        for s in result.segments.get(r, ()):
+            start, end = max(s.start, t0) - t0, min(s.end, t1) - t0
+            if s.kind == "comm" or end <= start:
+                continue
+            if segs and segs[-1][0] == s.kind and abs(segs[-1][2] - start) < 1e-12:
+                segs[-1][2] = round(end, 9)
+            else:
+                segs.append([s.kind, round(start, 9), round(end, 9)])
+        rows.append({"rank": r, "class": classes.get(r, UNKNOWN), "segments": segs})
+    return {"iteration": number, "start_s": t0, "end_s": t1, "note": note, "rows": rows}
+
+
+# ----------------------------------------------------------------------------------------- memory
+
+
+def _memory(marks: dict[str, dict[int, Any]], classes: dict[int, str], trace: PrismTrace) -> dict[str, Any]:
+    """Per rank: the maxima over its memory marks (and its OOM mark); per class: the worst rank."""
+    exit5 = {e["rank"] for e in trace.manifest["ranks"] if e["exit_code"] == OOM_EXIT_CODE}
+    sources: set[str] = set()
+    ranks = []
+    for r in sorted(set(marks["memory"]) | set(marks["oom"])):
+        seen = marks["memory"].get(r, []) + ([marks["oom"][r]] if r in marks["oom"] else [])
+        sources.update(str(a["source"]) for a in marks["memory"].get(r, []) if a.get("source"))
+        caps = [a["cap"] for a in seen if a.get("cap") is not None]
+        cap = caps[-1] if caps else None
+        reserved = max(a["max_reserved"] for a in seen)
+        ranks.append({"rank": r, "class": classes[r], "max_allocated": max(a["max_allocated"] for a in seen),
+                      "max_reserved": reserved, "cap": cap, "headroom": None if cap is None else cap - reserved,
+                      "oom": r in marks["oom"] or r in exit5})
+    by_class: dict[str, list[dict]] = defaultdict(list)
+    for entry in ranks:
+        by_class[entry["class"]].append(entry)
+    out_classes = []
+    for name in sorted(by_class, key=class_order):
+        members = by_class[name]
+        rooms = [m["headroom"] for m in members if m["headroom"] is not None]
+        out_classes.append({"class": name, "ranks": [m["rank"] for m in members],
+                            "max_allocated": max(m["max_allocated"] for m in members),
+                            "max_reserved": max(m["max_reserved"] for m in members),
+                            "headroom": min(rooms) if rooms else None})
+    return {"source": ", ".join(sorted(sources)) or None, "ranks": ranks, "classes": out_classes}
+
+
+def _oom_entry(rank: int, attrs: dict[str, Any], cls: str) -> dict[str, Any]:
+    entry = {"rank": rank, "class": cls}
+    entry.update({k: attrs.get(k) for k in ("requested", *_MEMORY_INTS, "cap")})
+    entry["message"] = str(attrs.get("message") or "")
+    entry["snapshot"] = attrs["snapshot"] if isinstance(attrs.get("snapshot"), str) else None
+    return entry
+
+
+def _target(gpu: Any) -> dict[str, Any]:
+    gpu = gpu if isinstance(gpu, dict) else {}
+
+    def get(key: str, kind: type) -> Any:
+        value = gpu.get(key)
+        return value if isinstance(value, kind) and not isinstance(value, bool) else None
+
+    return {"gpu": get("name", str), "capacity_bytes": get("capacity", int), "usable_bytes": get("usable", int),
+            "context_bytes": get("context", int), "source": get("source", str)}
+
+
+def _swap(swap: Any) -> dict[str, Any] | None:
+    if swap is None:
+        return None
+    return swap if isinstance(swap, dict) else {"value": swap}
+
+
+# ---------------------------------------------------------------------------------------- verdict
+
+
+def verdict(memory: dict[str, Any], oom: list[dict[str, Any]], exit5: list[int], classes: dict[int, str],
+            gpu: str | None = None) -> str:
+    """One line: did it run out of memory (who, by how much), or does it fit (with what to spare)."""
+    on = f" on {gpu}" if gpu else ""  # after the cap: the prefixes (OOM:, fits:) stay fixed for programs
+    if oom:
+        def shortfall(e: dict) -> float:
+            if e["requested"] is None or e["cap"] is None:
+                return float("-inf")
+            return e["reserved"] + e["requested"] - e["cap"]
+
+        worst = max(oom, key=shortfall)
+        who = f"rank {worst['rank']} ({worst['class']})"
+        others = len({e["rank"] for e in oom} | set(exit5)) - 1
+        more = f"; {others} other rank(s) out of memory too" if others else ""
+        if worst["requested"] is not None and worst["cap"] is not None:
+            short = shortfall(worst)
+            if short > 0:
+                return (f"OOM: {who} needs {fmt_bytes(short)} more than its {fmt_bytes(worst['cap'])} cap{on} "
+                        f"(asked for {fmt_bytes(worst['requested'])} with {fmt_bytes(worst['reserved'])} "
+                        f"reserved){more}")
+            return (f"OOM: {who} could not get {fmt_bytes(worst['requested'])} with "
+                    f"{fmt_bytes(worst['reserved'])} of its {fmt_bytes(worst['cap'])} cap{on} reserved "
+                    f"(fragmentation){more}")
+        message = worst["message"].strip().splitlines()[0][:160] if worst["message"].strip() else "no message"
+        return f"OOM: {who} ran out of memory: {message}{more}"
+    if exit5:
+        r = min(exit5)
+        return (f"OOM: rank {r} ({classes.get(r, UNKNOWN)}) exited with code {OOM_EXIT_CODE} (out of memory)"
+                f"{f'; {len(exit5) - 1} other rank(s) too' if len(exit5) > 1 else ''}")
+    ranks = memory["ranks"]
+    if not ranks:
+        return "no memory figures in this trace"
+    capped = [e for e in ranks if e["headroom"] is not None]
+    if not capped:
+        peak = max(ranks, key=lambda e: e["max_reserved"])
+        return (f"no cap to compare with: peak reserved {fmt_bytes(peak['max_reserved'])} on rank {peak['rank']} "
+                f"({peak['class']})")
+    tight = min(capped, key=lambda e: (e["headroom"], e["rank"]))
+    if tight["headroom"] < 0:
+        return (f"does not fit: rank {tight['rank']} ({tight['class']}) reserves {fmt_bytes(-tight['headroom'])} "
+                f"more than its cap{on}")
+    return f"fits: smallest headroom {fmt_bytes(tight['headroom'])}{on} (rank {tight['rank']}, {tight['class']})"

@@ -1,0 +1,234 @@
+"""PrismReport version 1: the one place that says what ``report.json`` contains.
+
+A report is read later by people and programs that never saw the trace (dashboards, a comparison
+of two runs), so like PrismTrace it is versioned and a reader refuses what it does not understand,
+with an error naming the file and the field. Extra keys are allowed, so that a report may gain an
+optional field without a version bump.
+
+Sizes are bytes, times seconds. ``headroom`` is ``cap - max_reserved`` (negative: over the cap).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from prism_megatron.trace.writer import atomic_write_text
+
+FORMAT = "prismreport"
+VERSION = 1
+#: Versions this code can read; a reader rejects anything else rather than guessing.
+SUPPORTED_VERSIONS: tuple[int, ...] = (1,)
+REPORT_FILE = "report.json"
+
+
+class ReportFormatError(ValueError):
+    """A report does not match PrismReport; the message is ``report <file>: <field> <problem>``."""
+
+    def __init__(self, path: str | Path, field: str, problem: str) -> None:
+        self.path = str(path)
+        self.field = field
+        self.problem = problem
+        super().__init__(f"report {self.path}: {field} {problem}")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.path, self.field, self.problem))
+
+
+class Obj(NamedTuple):
+    """A JSON object with these fields (name -> spec), or null when ``nullable``."""
+
+    fields: dict[str, Any]
+    nullable: bool = False
+
+
+class ListOf(NamedTuple):
+    """A JSON list whose items all match ``item`` (a spec), or null when ``nullable``."""
+
+    item: Any
+    nullable: bool = False
+
+
+# A spec is a tuple of Python types (a leaf), an Obj or a ListOf.
+NULL = type(None)
+NUM = (int, float)
+OPT_NUM = (int, float, NULL)
+OPT_INT = (int, NULL)
+OPT_STR = (str, NULL)
+
+JOB = Obj({
+    "world_size": (int,),
+    "argv": ListOf((str,), nullable=True),
+    "script": OPT_STR,
+    "devices": (list, str, NULL),
+    "slots_per_device": OPT_INT,
+})
+#: The GPU the job is sized for (manifest job 'target_gpu'); every field null when unknown.
+TARGET = Obj({
+    "gpu": OPT_STR,
+    "capacity_bytes": OPT_INT,
+    "usable_bytes": OPT_INT,  # capacity - context: the per-rank cap
+    "context_bytes": OPT_INT,
+    "source": OPT_STR,
+})
+#: One rank over the median iteration's window; the three add up to the window.
+BREAKDOWN = Obj({"rank": (int,), "class": (str,), "compute_s": NUM, "exposed_comm_s": NUM, "bubble_s": NUM})
+#: A step of the critical path inside the window; ``ranks`` as ranges, e.g. '0-7'.
+PATH_STEP = Obj({"kind": (str,), "ranks": (str,), "start_s": NUM, "end_s": NUM, "label": (str,)})
+CRITICAL_PATH = Obj({
+    "steps": ListOf(PATH_STEP),  # the longest few, in time order
+    "total_steps": (int,),
+    "by_kind_s": (dict,),  # kind -> seconds on the path within the window
+})
+#: The median iteration's timeline for the HTML page: segments [kind, start, end], seconds from
+#: the window start; kind is compute, exposed_comm or bubble.
+TIMELINE_ROW = Obj({"rank": (int,), "class": (str,), "segments": ListOf((list,))})
+TIMELINE = Obj({
+    "iteration": OPT_INT,
+    "start_s": NUM,
+    "end_s": NUM,
+    "note": (str,),  # which ranks are shown when not all are
+    "rows": ListOf(TIMELINE_ROW),
+})
+PREDICTION = Obj({
+    "provenance": (str,),
+    "cluster": OPT_STR,
+    "iteration_times_s": ListOf(NUM),
+    "iteration_time_s": OPT_NUM,  # median
+    "tokens_per_s": OPT_NUM,
+    "tflops_per_gpu": OPT_NUM,  # model FLOPs
+    "breakdown": ListOf(BREAKDOWN),
+    "critical_path": CRITICAL_PATH,
+    "timeline": TIMELINE,
+    "notes": ListOf((str,)),  # what building the graph left out or guessed
+}, nullable=True)
+MEMORY_RANK = Obj({
+    "rank": (int,),
+    "class": (str,),
+    "max_allocated": (int,),
+    "max_reserved": (int,),
+    "cap": OPT_INT,
+    "headroom": OPT_INT,
+    "oom": (bool,),
+})
+MEMORY_CLASS = Obj({
+    "class": (str,),
+    "ranks": ListOf((int,)),
+    "max_allocated": (int,),
+    "max_reserved": (int,),
+    "headroom": OPT_INT,  # the smallest of its ranks
+})
+MEMORY = Obj({"source": OPT_STR, "ranks": ListOf(MEMORY_RANK), "classes": ListOf(MEMORY_CLASS)})
+OOM = Obj({
+    "rank": (int,),
+    "class": (str,),
+    "requested": OPT_INT,
+    "allocated": (int,),
+    "reserved": (int,),
+    "max_allocated": (int,),
+    "max_reserved": (int,),
+    "cap": OPT_INT,
+    "message": (str,),
+    "snapshot": OPT_STR,  # file name relative to the trace dir
+})
+REPORT = Obj({
+    "format": (str,),
+    "version": (int,),
+    "created": (str,),
+    "trace": (str,),
+    "job": JOB,
+    "target": TARGET,
+    "prediction": PREDICTION,
+    "prediction_error": OPT_STR,  # why there is no prediction (the replay failed)
+    "memory": MEMORY,
+    "oom": ListOf(OOM),
+    "swap": (dict, NULL),
+    "verdict": (str,),
+})
+
+_NAMES = {str: "string", int: "integer", float: "number", bool: "boolean", dict: "object", list: "list",
+          NULL: "null"}
+
+
+def _type_name(types: tuple[type, ...]) -> str:
+    return " or ".join(dict.fromkeys(_NAMES.get(t, t.__name__) for t in types))
+
+
+def _has_type(value: Any, types: tuple[type, ...]) -> bool:
+    if isinstance(value, bool) and bool not in types:
+        return False  # JSON true is not a byte count
+    return isinstance(value, types)
+
+
+def _check(value: Any, spec: Any, path: str | Path, field: str) -> None:
+    if isinstance(spec, (Obj, ListOf)):
+        if value is None and spec.nullable:
+            return
+        want = (dict,) if isinstance(spec, Obj) else (list,)
+        if not isinstance(value, want):
+            nul = " or null" if spec.nullable else ""
+            raise ReportFormatError(path, f"field '{field}'", f"is {_type_name((type(value),))}, "
+                                                             f"expected {_type_name(want)}{nul}")
+        if isinstance(spec, ListOf):
+            for i, item in enumerate(value):
+                _check(item, spec.item, path, f"{field}[{i}]")
+            return
+        for key, sub in spec.fields.items():
+            name = f"{field}.{key}" if field else key
+            if key not in value:
+                raise ReportFormatError(path, f"field '{name}'", "is missing")
+            _check(value[key], sub, path, name)
+    elif not _has_type(value, spec):
+        raise ReportFormatError(path, f"field '{field}'",
+                                f"is {_type_name((type(value),))}, expected {_type_name(spec)}")
+
+
+def check_report(report: Any, path: str | Path) -> None:
+    """Raise ReportFormatError unless ``report`` is a well-typed v1 report.
+
+    Format and version come first: a newer report should say so rather than complain about a
+    field it may legitimately lack.
+    """
+    if not isinstance(report, dict):
+        raise ReportFormatError(path, "top level", f"is {_type_name((type(report),))}, expected a JSON object")
+    if report.get("format") != FORMAT:
+        got = "is missing" if "format" not in report else f"is {report['format']!r}"
+        raise ReportFormatError(path, "field 'format'", f"{got}, expected '{FORMAT}'")
+    version = report.get("version")
+    if not _has_type(version, (int,)) or version not in SUPPORTED_VERSIONS:
+        got = "is missing" if "version" not in report else f"is {version!r}"
+        supported = ", ".join(str(v) for v in SUPPORTED_VERSIONS)
+        raise ReportFormatError(path, "field 'version'", f"{got}; this reader supports PrismReport version(s) "
+                                                         f"{supported}")
+    _check(report, REPORT, path, "")
+
+
+def read_report(path: str | Path) -> dict[str, Any]:
+    """Read and validate ``report.json`` (or the directory holding it)."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / REPORT_FILE
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ReportFormatError(path, "file", "is missing") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ReportFormatError(path, "file", f"cannot be read: {e}") from e
+    try:
+        report = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ReportFormatError(path, "JSON", f"is invalid at line {e.lineno} column {e.colno}: {e.msg}") from None
+    check_report(report, path)
+    return report
+
+
+def write_report(report: dict[str, Any], path: str | Path) -> Path:
+    """Validate ``report`` and write it atomically (a reader sees the old file or the new one)."""
+    path = Path(path)
+    try:
+        text = json.dumps(report, indent=1, allow_nan=False) + "\n"
+    except (TypeError, ValueError) as e:
+        raise ReportFormatError(path, "report", f"is not JSON-serialisable: {e}") from e
+    check_report(json.loads(text), path)  # what a reader will see (tuples become lists...)
+    return atomic_write_text(path, text)

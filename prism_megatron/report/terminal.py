@@ -1,0 +1,145 @@
+"""The report as a terminal summary (rich tables): verdict first, then the figures behind it.
+
+Large jobs have thousands of ranks; the tables show classes (pipeline stage, expert rank), and
+single ranks only when there are few or when one stands out, so the summary fits a screen.
+"""
+
+from __future__ import annotations
+
+import io
+from collections import defaultdict
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from .classify import class_order
+from .units import fmt_bytes, fmt_rate, fmt_seconds, rank_ranges
+
+#: Up to this many ranks the breakdown has one row per rank, beyond it one row per class.
+PER_RANK_LIMIT = 16
+
+
+def _ranks_cell(ranks: list[int]) -> str:
+    """'0-7', or for a strided set (expert ranks) '128: 0,4,8,...' rather than a screenful."""
+    text = rank_ranges(ranks)
+    return text if len(text) <= 24 else f"{len(ranks)}: {','.join(map(str, ranks[:3]))},…"
+
+
+def _verdict_style(verdict: str) -> str:
+    return "bold green" if verdict.startswith("fits") else "bold red" if verdict.startswith(
+        ("OOM", "does not fit")) else "bold yellow"
+
+
+def _prediction(report: dict[str, Any]) -> list[Any]:
+    pred = report["prediction"]
+    if pred is None:
+        lines = (report["prediction_error"] or "unknown reason").splitlines()
+        more = " (more in report.json)" if len(lines) > 1 else ""
+        return [Text(f"no prediction: {lines[0]}{more}", style="yellow")]
+    times = pred["iteration_times_s"]
+    lines = Text()
+    lines.append("predicted iteration ")
+    lines.append(fmt_seconds(pred["iteration_time_s"]), style="bold")
+    lines.append(f" (median of {len(times)}; {fmt_seconds(min(times))} - {fmt_seconds(max(times))})"
+                 if len(times) > 1 else "")
+    if pred["tokens_per_s"] is not None:
+        lines.append(f"  ·  {fmt_rate(pred['tokens_per_s'], 'tokens/s')}")
+    if pred["tflops_per_gpu"] is not None:
+        lines.append(f"  ·  {pred['tflops_per_gpu']:.1f} TFLOP/s per GPU")
+    out: list[Any] = [lines, Text(f"  provenance: {pred['provenance']}", style="dim")]
+    path = pred["critical_path"]["by_kind_s"]
+    if path:
+        parts = ", ".join(f"{k} {fmt_seconds(v)}" for k, v in list(path.items())[:5])
+        out.append(Text(f"  critical path (median iteration): {parts}", style="dim"))
+    return out
+
+
+def _memory(report: dict[str, Any]) -> Table | None:
+    mem = report["memory"]
+    if not mem["classes"]:
+        return None
+    t = Table(title=f"memory per class ({mem['source'] or 'unknown source'})", title_justify="left")
+    for col in ("class", "ranks", "max allocated", "max reserved", "headroom"):
+        t.add_column(col, justify="left" if col in ("class", "ranks") else "right")
+    oom_ranks = {e["rank"] for e in mem["ranks"] if e["oom"]}
+    for c in mem["classes"]:
+        room = c["headroom"]
+        style = "red" if (room is not None and room < 0) or oom_ranks & set(c["ranks"]) else ""
+        t.add_row(c["class"], _ranks_cell(c["ranks"]), fmt_bytes(c["max_allocated"]), fmt_bytes(c["max_reserved"]),
+                  fmt_bytes(room), style=style)
+    return t
+
+
+def _oom(report: dict[str, Any]) -> Table | None:
+    if not report["oom"]:
+        return None
+    t = Table(title="out of memory", title_justify="left", title_style="bold red")
+    for col in ("rank", "class", "requested", "reserved", "cap", "message"):
+        t.add_column(col, justify="right" if col in ("rank", "requested", "reserved", "cap") else "left",
+                     no_wrap=col != "message")
+    for e in report["oom"][:10]:
+        msg = e["message"].strip().splitlines()[0] if e["message"].strip() else ""
+        t.add_row(str(e["rank"]), e["class"], fmt_bytes(e["requested"]), fmt_bytes(e["reserved"]),
+                  fmt_bytes(e["cap"]), msg[:80])
+    if len(report["oom"]) > 10:
+        t.caption = f"... and {len(report['oom']) - 10} more"
+    return t
+
+
+def _breakdown(report: dict[str, Any]) -> Table | None:
+    pred = report["prediction"]
+    if pred is None or not pred["breakdown"]:
+        return None
+    rows = pred["breakdown"]
+    keys = ("compute_s", "exposed_comm_s", "bubble_s")
+    t = Table(title="median iteration per " + ("rank" if len(rows) <= PER_RANK_LIMIT else "class (mean)"),
+              title_justify="left")
+    t.add_column("class")
+    t.add_column("rank" if len(rows) <= PER_RANK_LIMIT else "ranks")
+    for col in ("compute", "exposed comm", "bubble"):
+        t.add_column(col, justify="right")
+    if len(rows) <= PER_RANK_LIMIT:
+        for b in rows:
+            t.add_row(b["class"], str(b["rank"]), *(fmt_seconds(b[k]) for k in keys))
+        return t
+    by_class: dict[str, list[dict]] = defaultdict(list)
+    for b in rows:
+        by_class[b["class"]].append(b)
+    for name, members in sorted(by_class.items(), key=lambda kv: class_order(kv[0])):
+        t.add_row(name, _ranks_cell([b["rank"] for b in members]),
+                  *(fmt_seconds(sum(b[k] for b in members) / len(members)) for k in keys))
+    worst = max(rows, key=lambda b: b["bubble_s"])
+    t.caption = f"most bubble: rank {worst['rank']} ({worst['class']}) {fmt_seconds(worst['bubble_s'])}"
+    return t
+
+
+def renderables(report: dict[str, Any]) -> list[Any]:
+    """The summary as rich renderables, in reading order."""
+    job = report["job"]
+    target = report["target"]
+    head = f"prism-megatron report of {report['trace']}: {job['world_size']} ranks"
+    if target["gpu"]:
+        head += f", target {target['gpu']} (cap {fmt_bytes(target['usable_bytes'])} per rank)"
+    out: list[Any] = [Text(head, style="dim"), Text(report["verdict"], style=_verdict_style(report["verdict"]))]
+    out += _prediction(report)
+    out += [t for t in (_memory(report), _oom(report), _breakdown(report)) if t is not None]
+    if report["prediction"] and report["prediction"]["notes"]:
+        out.append(Text(f"{len(report['prediction']['notes'])} note(s) from building the replay graph; "
+                        "see report.json", style="dim"))
+    return out
+
+
+def print_summary(report: dict[str, Any], console: Console | None = None) -> None:
+    """Print the summary (in colour on a terminal)."""
+    console = console or Console()
+    for item in renderables(report):
+        console.print(item, soft_wrap=isinstance(item, Text))  # long lines stay whole: paths, verdict
+
+
+def summary_text(report: dict[str, Any], width: int = 110) -> str:
+    """The summary as plain text (for tests, logs, and anything that is not a terminal)."""
+    buf = io.StringIO()
+    print_summary(report, Console(file=buf, width=width, color_system=None, force_terminal=False))
+    return buf.getvalue()

@@ -1,0 +1,329 @@
+"""`prism-megatron report`: classes, memory maxima, OOM verdicts, replay figures, file formats, CLI."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from click.testing import CliRunner
+
+from prism_megatron.cli import main
+from prism_megatron.report import (
+    ReportFormatError,
+    build_report,
+    make_report,
+    rank_class,
+    read_report,
+    render_html,
+    summary_text,
+    write_report,
+)
+from prism_megatron.trace import TraceFormatError, write_trace
+
+GIB = 1 << 30
+MIB = 1 << 20
+CAP = 4 * GIB
+# per iteration: stage 0 computes A, then sends to stage 1, which computes B[k]; an all_reduce ends it
+A = 1.0
+B = (2.0, 4.0, 3.0)  # iteration times with free communication: 3, 5, 4 -> median 4 (iteration 3)
+
+
+def _op(rank, index, kind, group, seq, t, compute_before, peer=-1):
+    return {"rank": rank, "index": index, "kind": kind, "group": group, "seq": seq, "peer": peer, "root": -1,
+            "bytes": 1 << 20, "dtype": "torch.bfloat16", "shapes": [[512, 1024]], "reduce_op": "" if peer >= 0
+            else "sum", "async_op": False, "t_issue": t, "t_complete": t + 0.01, "compute_before": compute_before,
+            "label": "pp" if peer >= 0 else "dp"}
+
+
+def _mark(rank, name, t, clock, phase="i", **attrs):
+    return {"rank": rank, "name": name, "phase": phase, "t": t, "compute_clock": clock, "attrs": attrs}
+
+
+def _memory(rank, iteration, t, clock, max_allocated, max_reserved, cap=CAP):
+    return _mark(rank, "memory", t, clock, iteration=iteration, allocated=max_allocated // 2,
+                 reserved=max_reserved // 2, max_allocated=max_allocated, max_reserved=max_reserved,
+                 source="cuda", cap=cap)
+
+
+def make_trace(path, world=4, oom_rank=None, target=True, memory=True, layout=True, ep_size=1):
+    """A pp=2 job: ranks [0, world/2) are stage 0, the rest stage 1; rank r pairs with r + world/2.
+
+    Stage-0 rank r's peak reserved memory grows to (1 + r/8) GiB, stage-1 ranks to 3.5 GiB (+ r/16);
+    with ``oom_rank`` that rank dies in iteration 2 asking for 1 GiB with 3.5 GiB reserved (cap 4 GiB).
+    """
+    half = world // 2
+    groups = [{"id": 0, "name": "world", "ranks": list(range(world)), "backend": "nccl"}]
+    groups += [{"id": 1 + r, "name": f"pp{r}", "ranks": [r, r + half], "backend": "nccl"} for r in range(half)]
+    ops, marks = [], []
+    for r in range(world):
+        stage, peer = (0, r + half) if r < half else (1, r - half)
+        if layout:
+            marks.append(_mark(r, "layout", 0.0, 0.0, tp=0, tp_size=1, pp=stage, pp_size=2, dp=r % half,
+                               dp_size=half, cp=0, cp_size=1, ep=r % ep_size, ep_size=ep_size, vpp_size=None))
+        marks.append(_mark(r, "workload", 0.0, 0.0, global_batch_size=8, seq_length=512,
+                           tokens_per_iteration=4096, flops_per_iteration=8e12 * world / 4))
+        idx, clock = 0, 0.0
+        for k, b in enumerate(B, start=1):
+            base = 10.0 * k
+            marks.append(_mark(r, "iteration", base, clock, "B", iteration=k))
+            if r == oom_rank and k == 2:
+                marks.append(_mark(r, "oom", base + 0.5, clock, requested=GIB, allocated=3 * GIB,
+                                   reserved=int(3.5 * GIB), max_allocated=3 * GIB, max_reserved=int(3.5 * GIB),
+                                   cap=CAP, message="CUDA out of memory. Tried to allocate 1.00 GiB",
+                                   snapshot="oom-rank3.pickle"))
+                break
+            if stage == 0:
+                ops.append(_op(r, idx, "send", 1 + r, k - 1, base + A, A, peer=peer))
+                ops.append(_op(r, idx + 1, "all_reduce", 0, k - 1, base + A + 0.1, 0.0))
+                clock += A
+            else:
+                ops.append(_op(r, idx, "recv", 1 + peer, k - 1, base + 0.05, 0.0, peer=peer))
+                ops.append(_op(r, idx + 1, "all_reduce", 0, k - 1, base + b + 1.0, b))
+                clock += b
+            idx += 2
+            marks.append(_mark(r, "iteration", base + 9.0, clock, "E", iteration=k))
+            if memory:
+                peak = int((1 + r / 8) * GIB) if stage == 0 else int((3.5 + r / 16) * GIB) - (3 - k) * MIB
+                marks.append(_memory(r, k, base + 9.5, clock, peak - 256 * MIB, peak))
+    job = {"argv": ["pretrain_gpt.py", "--pp", "2"], "script": "pretrain_gpt.py", "devices": ["0"],
+           "slots_per_device": 2, "swap": {"3": {"swaps_out": 2, "swaps_in": 2}}}
+    if target:
+        job["target_gpu"] = {"name": "H100 80GB", "capacity": 80 * GIB, "usable": CAP, "context": 76 * GIB,
+                             "source": "test"}
+    ranks = [{"rank": r, "exit_code": 5 if r == oom_rank else 0, "device": "cuda:0"} for r in range(world)]
+    return write_trace(path, {"world_size": world, "groups": groups, "ranks": ranks, "job": job}, ops, marks=marks)
+
+
+# ----------------------------------------------------------------------------------------- classes
+
+
+def test_rank_class():
+    def layout(**kw):
+        return {"tp": 0, "tp_size": 1, "pp": 0, "pp_size": 1, "dp": 0, "dp_size": 1, "cp": 0, "cp_size": 1,
+                "ep": 0, "ep_size": 1, "vpp_size": None, **kw}
+
+    assert rank_class(None) == "unknown"
+    assert rank_class(layout()) == "all ranks"
+    assert rank_class(layout(pp=0, pp_size=4)) == "stage 0 of 4 (first)"
+    assert rank_class(layout(pp=2, pp_size=4)) == "stage 2 of 4"
+    assert rank_class(layout(pp=3, pp_size=4)) == "stage 3 of 4 (last)"
+    assert rank_class(layout(ep=5, ep_size=8)) == "expert rank 5"
+    assert rank_class(layout(pp=1, pp_size=2, ep=1, ep_size=2)) == "stage 1 of 2 (last) · expert rank 1"
+
+
+# ------------------------------------------------------------------------------------ build_report
+
+
+def test_fitting_job_prediction_memory_and_verdict(tmp_path):
+    rep = build_report(make_trace(tmp_path / "t"))
+    pred = rep["prediction"]
+    assert rep["prediction_error"] is None
+    assert pred["iteration_times_s"] == pytest.approx([3.0, 5.0, 4.0])
+    assert pred["iteration_time_s"] == pytest.approx(4.0)
+    assert pred["tokens_per_s"] == pytest.approx(4096 / 4.0)
+    assert pred["tflops_per_gpu"] == pytest.approx(8e12 / 4.0 / 4 / 1e12)
+    assert "communication free" in pred["provenance"] and "uncalibrated" in pred["provenance"]
+    # median iteration (3): stage 0 computes 1 s then waits 3 s, stage 1 waits 1 s then computes 3 s
+    bd = {b["rank"]: b for b in pred["breakdown"]}
+    assert (bd[0]["compute_s"], bd[0]["bubble_s"]) == pytest.approx((1.0, 3.0))
+    assert (bd[3]["compute_s"], bd[3]["bubble_s"], bd[3]["exposed_comm_s"]) == pytest.approx((3.0, 1.0, 0.0))
+    assert bd[2]["class"] == "stage 1 of 2 (last)"
+    tl = pred["timeline"]
+    assert tl["iteration"] == 3 and tl["end_s"] - tl["start_s"] == pytest.approx(4.0)
+    assert [s[0] for s in tl["rows"][0]["segments"]] == ["compute", "bubble"]
+    assert pred["critical_path"]["by_kind_s"]["compute"] == pytest.approx(4.0)
+
+    mem = rep["memory"]
+    assert mem["source"] == "cuda"
+    by_rank = {e["rank"]: e for e in mem["ranks"]}
+    assert by_rank[1]["max_reserved"] == int(1.125 * GIB)  # the max over its iterations
+    assert by_rank[1]["max_allocated"] == int(1.125 * GIB) - 256 * MIB
+    assert by_rank[3]["max_reserved"] == int((3.5 + 3 / 16) * GIB)  # last iteration is the largest
+    assert by_rank[3]["headroom"] == CAP - by_rank[3]["max_reserved"]
+    assert not any(e["oom"] for e in mem["ranks"])
+    classes = {c["class"]: c for c in mem["classes"]}
+    assert list(classes) == ["stage 0 of 2 (first)", "stage 1 of 2 (last)"]
+    assert classes["stage 1 of 2 (last)"]["ranks"] == [2, 3]
+    assert classes["stage 1 of 2 (last)"]["max_reserved"] == by_rank[3]["max_reserved"]
+    assert classes["stage 1 of 2 (last)"]["headroom"] == by_rank[3]["headroom"]
+    assert classes["stage 0 of 2 (first)"]["headroom"] == CAP - by_rank[1]["max_reserved"]
+
+    assert rep["verdict"] == "fits: smallest headroom 320.0 MiB on H100 80GB (rank 3, stage 1 of 2 (last))"
+    assert rep["target"] == {"gpu": "H100 80GB", "capacity_bytes": 80 * GIB, "usable_bytes": CAP,
+                             "context_bytes": 76 * GIB, "source": "test"}
+    assert rep["job"]["argv"] == ["pretrain_gpt.py", "--pp", "2"] and rep["job"]["slots_per_device"] == 2
+    assert rep["swap"] == {"3": {"swaps_out": 2, "swaps_in": 2}}
+    assert rep["oom"] == []
+
+
+def test_cluster_profile_costs_communication(tmp_path):
+    free = build_report(make_trace(tmp_path / "t"))["prediction"]
+    costed = build_report(tmp_path / "t", cluster="h100-nvlink-ib400")["prediction"]
+    assert "cluster profile h100-nvlink-ib400" in costed["provenance"] and costed["cluster"] == "h100-nvlink-ib400"
+    assert costed["iteration_time_s"] > free["iteration_time_s"]
+    assert any(b["exposed_comm_s"] > 0 for b in costed["breakdown"])
+
+
+def test_oom_job_verdict_names_rank_and_class(tmp_path):
+    rep = build_report(make_trace(tmp_path / "t", oom_rank=3))
+    # rank 3 stopped in iteration 2, the others wait forever in its all_reduce: no prediction, no crash
+    assert rep["prediction"] is None
+    assert "deadlock" in rep["prediction_error"]
+    assert rep["verdict"].startswith("OOM: rank 3 (stage 1 of 2 (last)) needs 512.0 MiB more than its 4.0 GiB cap")
+    [oom] = rep["oom"]
+    assert oom == {"rank": 3, "class": "stage 1 of 2 (last)", "requested": GIB, "allocated": 3 * GIB,
+                   "reserved": int(3.5 * GIB), "max_allocated": 3 * GIB, "max_reserved": int(3.5 * GIB),
+                   "cap": CAP, "message": "CUDA out of memory. Tried to allocate 1.00 GiB",
+                   "snapshot": "oom-rank3.pickle"}
+    by_rank = {e["rank"]: e for e in rep["memory"]["ranks"]}
+    assert by_rank[3]["oom"] and not by_rank[2]["oom"]
+    # its iteration-1 memory mark (3.6875 GiB - 2 MiB) is larger than the OOM mark's 3.5 GiB
+    assert by_rank[3]["max_reserved"] == int((3.5 + 3 / 16) * GIB) - 2 * MIB
+
+
+def test_verdict_without_cap_or_memory_or_layout(tmp_path):
+    no_mem = build_report(make_trace(tmp_path / "a", memory=False, layout=False))
+    assert no_mem["verdict"] == "no memory figures in this trace"
+    assert no_mem["memory"] == {"source": None, "ranks": [], "classes": []}
+    assert {b["class"] for b in no_mem["prediction"]["breakdown"]} == {"unknown"}
+    moe = build_report(make_trace(tmp_path / "b", ep_size=2, target=False))
+    assert moe["target"]["gpu"] is None
+    assert [c["class"] for c in moe["memory"]["classes"]] == [
+        "stage 0 of 2 (first) · expert rank 0", "stage 0 of 2 (first) · expert rank 1",
+        "stage 1 of 2 (last) · expert rank 0", "stage 1 of 2 (last) · expert rank 1"]
+
+
+def test_bad_memory_mark_names_file_and_field(tmp_path):
+    path = make_trace(tmp_path / "t")
+    import pyarrow.parquet as pq
+
+    marks = pq.read_table(path / "marks.parquet").to_pylist()
+    for m in marks:
+        if m["name"] == "memory" and m["rank"] == 2:
+            attrs = json.loads(m["attrs"])
+            del attrs["max_reserved"]
+            m["attrs"] = json.dumps(attrs)
+    manifest = json.loads((path / "manifest.json").read_text())
+    ops = pq.read_table(path / "ops.parquet")
+    write_trace(path, manifest, ops, marks=marks)
+    with pytest.raises(TraceFormatError, match=r"marks.parquet: mark 'memory' of rank 2: attrs 'max_reserved' "
+                                               r"is missing"):
+        build_report(path)
+
+
+# ------------------------------------------------------------------------------------------ files
+
+
+def test_report_json_round_trip_and_reader_errors(tmp_path):
+    paths = make_report(make_trace(tmp_path / "t"), tmp_path / "out")
+    assert set(paths) == {"report", "html", "timeline"}
+    rep = read_report(paths["report"])
+    assert rep["format"] == "prismreport" and rep["version"] == 1
+    assert rep == json.loads(paths["report"].read_text())
+    assert read_report(tmp_path / "out") == rep  # the directory works too
+
+    bad = tmp_path / "bad.json"
+    write_report(rep, bad)
+    doc = json.loads(bad.read_text())
+    doc["version"] = 2
+    bad.write_text(json.dumps(doc))
+    with pytest.raises(ReportFormatError, match=r"report .*bad.json: field 'version' is 2; this reader supports"):
+        read_report(bad)
+    doc["version"] = 1
+    del doc["memory"]["classes"][0]["headroom"]
+    bad.write_text(json.dumps(doc))
+    with pytest.raises(ReportFormatError, match=r"bad.json: field 'memory.classes\[0\].headroom' is missing"):
+        read_report(bad)
+    doc = json.loads(paths["report"].read_text())
+    doc["prediction"]["iteration_time_s"] = "4 s"
+    bad.write_text(json.dumps(doc))
+    with pytest.raises(ReportFormatError, match=r"field 'prediction.iteration_time_s' is string, expected"):
+        read_report(bad)
+    doc["format"] = "prismtrace"
+    bad.write_text(json.dumps(doc))
+    with pytest.raises(ReportFormatError, match=r"field 'format' is 'prismtrace', expected 'prismreport'"):
+        read_report(bad)
+    with pytest.raises(ReportFormatError, match=r"nope.json: file is missing"):
+        read_report(tmp_path / "nope.json")
+    with pytest.raises(ReportFormatError, match=r"field 'verdict' is missing"):
+        write_report({k: v for k, v in rep.items() if k != "verdict"}, tmp_path / "w.json")
+    assert not (tmp_path / "w.json").exists()
+
+
+def test_html_is_self_contained_with_svg(tmp_path):
+    paths = make_report(make_trace(tmp_path / "t", oom_rank=None))
+    assert paths["html"].parent == tmp_path / "t"  # default: next to the trace
+    page = paths["html"].read_text()
+    assert page.count("<svg") >= 2  # timeline and memory chart
+    assert not re.search(r"https?://|<script|<link|@import|src=", page)
+    assert "fits: smallest headroom" in page and "iteration 3" in page
+    # one timeline row per rank, coloured by kind
+    assert all(f">rank {r}<" in page for r in range(4))
+    assert 'fill="#3b82f6"' in page and 'fill="#e5e7eb"' in page
+
+    rep = build_report(make_trace(tmp_path / "oom", oom_rank=3))
+    rep["oom"][0]["message"] = "<b>boom</b>"
+    page = render_html(rep)
+    assert "&lt;b&gt;boom&lt;/b&gt;" in page and "<b>boom" not in page
+    assert ">OOM</text>" in page and "No prediction because the job did not run to its end" in page
+    assert "the replay failed" in page and ">1 rank</b><span>out of memory" in page
+
+
+def test_timeline_json_is_trace_events(tmp_path):
+    paths = make_report(make_trace(tmp_path / "t"), tmp_path / "out", cluster="h100-nvlink-ib400")
+    doc = json.loads(paths["timeline"].read_text())
+    xs = [e for e in doc["traceEvents"] if e["ph"] == "X"]
+    assert {0, 1, 2, 3} <= {e["pid"] for e in xs}
+    assert {"compute", "bubble"} <= {e["cat"] for e in xs}
+    assert doc["otherData"]["provenance"]["cluster"] == "h100-nvlink-ib400"
+    # a failed replay leaves no (stale) timeline behind
+    make_trace(tmp_path / "t", oom_rank=3)
+    assert "timeline" not in make_report(tmp_path / "t", tmp_path / "out")
+    assert not (tmp_path / "out" / "timeline.json").exists()
+
+
+def test_terminal_summary(tmp_path):
+    text = summary_text(build_report(make_trace(tmp_path / "t", oom_rank=3)), width=140)
+    assert text.index("OOM: rank 3 (stage 1 of 2 (last))") < text.index("out of memory")
+    assert "no prediction: the replay failed" in text
+    assert "stage 0 of 2 (first)" in text and "CUDA out of memory" in text
+    big = summary_text(build_report(make_trace(tmp_path / "big", world=40)), width=140)
+    assert "median iteration per class" in big and "20-39" in big  # 40 ranks: per class, not per rank
+    assert "predicted iteration 4" in big
+
+
+# -------------------------------------------------------------------------------------------- CLI
+
+
+def test_cli_report(tmp_path):
+    trace = make_trace(tmp_path / "t", oom_rank=3)
+    res = CliRunner().invoke(main, ["report", str(trace), "--out", str(tmp_path / "out")])
+    assert res.exit_code == 0, res.output
+    assert "OOM: rank 3 (stage 1 of 2 (last))" in res.output
+    assert f"wrote {tmp_path / 'out' / 'report.html'}" in res.output
+    assert read_report(tmp_path / "out" / "report.json")["oom"][0]["rank"] == 3
+
+    ok = CliRunner().invoke(main, ["report", str(make_trace(tmp_path / "f")), "--cluster", "h100-nvlink-ib400"])
+    assert ok.exit_code == 0, ok.output
+    assert "costed by cluster profile h100-nvlink-ib400" in ok.output and (tmp_path / "f" / "timeline.json").exists()
+
+    missing = CliRunner().invoke(main, ["report", str(tmp_path / "nope")])
+    assert missing.exit_code == 1
+    assert f"trace {tmp_path / 'nope'}: directory does not exist" in missing.output
+    assert "Traceback" not in missing.output
+    bad = CliRunner().invoke(main, ["report", str(trace), "--cluster", "no-such-cluster"])
+    assert bad.exit_code == 1 and "cluster profile no-such-cluster" in bad.output
+
+
+def test_report_imports_neither_runtime_nor_megatron(tmp_path):
+    """Reports are made anywhere from trace files: no runtime, torch or Megatron needed."""
+    import subprocess
+    import sys
+
+    make_trace(tmp_path / "t")
+    code = ("import sys; from prism_megatron.report import make_report; "
+            f"make_report({str(tmp_path / 't')!r}, cluster='h100-nvlink-ib400'); "
+            "print(sorted(m for m in sys.modules if m.startswith(('prism_megatron.runtime', 'megatron', 'torch'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
