@@ -143,7 +143,7 @@ def test_budget_run_records_memory_and_an_oom_is_a_prediction(tmp_path):
     ooms = _marks(trace2, "oom")
     assert ooms, "the OOM verdict must reach the trace"
     cap2 = int(need * 0.75 / GiB * GiB)
-    for rank, a in ooms:
+    for _rank, a in ooms:
         assert a["cap"] == cap2 and a["requested"] > 0
         assert a["allocated"] <= cap2 < a["allocated"] + a["requested"] or a["max_allocated"] <= cap2
         assert "prism CPU-mode budget: tried to allocate" in a["message"]
