@@ -29,6 +29,8 @@ class LaunchConfig:
     device_memory_gib: float | None = None  # capacity per device; default: the GPU's total memory
     device_memory: list[int] = field(default_factory=list)  # resolved by validate(), bytes per device
     target_gpu: dict | None = None  # TargetGPU.as_dict(): each rank's allocator is capped at its 'usable'
+    expected_iterations: int | None = None  # per rank, for the progress estimate (Megatron's --train-iters)
+    progress_every: float = 10.0  # seconds between progress lines
     track_memory: bool | None = None  # per-rank memory marks; None: on GPU always, on CPU when capped
 
     @property

@@ -25,6 +25,7 @@ from prism_megatron.launcher.exit_codes import HANG as EXIT_HANG
 from prism_megatron.launcher.exit_codes import MISMATCH as EXIT_MISMATCH
 from prism_megatron.launcher.exit_codes import OOM as EXIT_OOM
 from prism_megatron.launcher.exit_codes import RANK_FAILED as EXIT_RANK_FAILED
+from prism_megatron.launcher.progress import Progress
 from prism_megatron.runtime import protocol as P
 from prism_megatron.runtime.shm import remove_job_segments
 
@@ -104,7 +105,7 @@ class _Job:
     # ---- watch -----------------------------------------------------------------------------------
     def watch(self) -> int:
         last_note = time.perf_counter()
-        connected = finished = 0
+        progress = Progress(self.cfg.world_size, self.cfg.expected_iterations)
         while len(self.exit_codes) < self.cfg.world_size:
             while self.pids:
                 pid, status = os.waitpid(-1, os.WNOHANG)
@@ -131,11 +132,10 @@ class _Job:
                 if msg["t"] == P.FATAL:
                     return self._fatal(msg)
                 if msg["t"] == P.PROGRESS:
-                    connected, finished = msg["connected"], msg["finished"]
-            if time.perf_counter() - last_note > 10:
+                    progress.update(msg["connected"], msg["finished"], msg.get("iterations", 0))
+            if time.perf_counter() - last_note > self.cfg.progress_every:
                 last_note = time.perf_counter()
-                _say(f"{connected}/{self.cfg.world_size} ranks connected, {finished} finished, "
-                     f"{time.perf_counter() - self.t0:.0f} s")
+                _say(progress.line())
         return 0
 
     def _rank_failed(self, rank: int, code: int) -> int:

@@ -218,8 +218,22 @@ def launch_config(request: RunRequest):
         hang_timeout=o["prism_hang_timeout"], trace_dir=Path(o["prism_trace_dir"]),
         gpus_per_node=o["prism_gpus_per_node"], log_ranks=parse_ranks(o["prism_log_ranks"], world),
         threads_per_rank=o["prism_threads_per_rank"], preload=[PRELOAD], rank_setup=[RANK_SETUP],
-        target_gpu=target_gpu(o), track_memory={"auto": None, "on": True, "off": False}[o["prism_track_memory"]],
+        target_gpu=target_gpu(o), expected_iterations=_flag_int(request.script_args, "--train-iters"), track_memory={"auto": None, "on": True, "off": False}[o["prism_track_memory"]],
     )
+
+
+def _flag_int(args: list[str], flag: str) -> int | None:
+    """The last value of ``flag`` in a Megatron command line (the parser keeps the last), if an int."""
+    value = None
+    for i, token in enumerate(args):
+        if token == flag and i + 1 < len(args):
+            value = args[i + 1]
+        elif token.startswith(flag + "="):
+            value = token.split("=", 1)[1]
+    try:
+        return int(value) if value is not None else None
+    except ValueError:
+        return None
 
 
 def target_gpu(options: dict) -> dict | None:

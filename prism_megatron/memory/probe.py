@@ -68,6 +68,24 @@ class MemoryProbe:
         """A ``memory`` mark: current and peak figures after ``iteration`` (None: the script ended)."""
         mark("memory", iteration=iteration, **self.stats())
 
+    def physical(self, error: BaseException) -> str | None:
+        """Why an OOM is the physical GPU's, not the target's (None when the target's cap was hit).
+
+        Ranks share the physical GPU: one may find it full while still under its own cap. That says
+        nothing about the target and must not become a verdict.
+        """
+        if not self.on_gpu:
+            return None
+        requested = requested_bytes(str(error)) or 0
+        reserved = int(torch.cuda.memory_reserved())
+        free, _ = torch.cuda.mem_get_info()
+        device_full = free < requested + (2 << 20)  # the allocator rounds to 2 MiB blocks at least
+        if self.cap is None or self.note or (device_full and reserved + requested <= self.cap):
+            return (f"the physical GPU ran out of memory while this rank held {reserved / 2**30:.2f} GiB"
+                    + (f" of its {self.cap / 2**30:.2f} GiB cap" if self.cap else "")
+                    + ": other ranks on it hold the rest; run fewer ranks per GPU or --prism-swap checkpoint")
+        return None
+
     def out_of_memory(self, error: BaseException) -> dict[str, Any]:
         """Record the OOM as a prediction: figures, failing size, a snapshot for PyTorch's memory viz."""
         message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__

@@ -101,6 +101,8 @@ class Coordinator:
         self.groups: dict[str, Group] = {}
         self.groups_by_id: dict[int, Group] = {}
         self.n_finished = 0
+        self.iterations_done = 0  # 'iteration' spans ended, summed over ranks (progress of a capture)
+        self._last_progress = 0.0
         self.segments = SegmentMap()
         self.selector = selectors.DefaultSelector()
         self.memory: list[DeviceMemory] | None = None  # set when swapping is on (see enable_swap)
@@ -220,6 +222,10 @@ class Coordinator:
         elif t == P.MARK:
             self.marks.append({"rank": rs.rank, "name": msg["name"], "phase": msg["phase"], "t": self.now(),
                                "compute_clock": self._compute_clock(rs), "attrs": json.dumps(msg["attrs"])})
+            if msg["name"] == "iteration" and msg["phase"] == "E":
+                self.iterations_done += 1
+                if time.monotonic() - self._last_progress > 0.5:  # a progress line, not a message per mark
+                    self._progress()
         elif t == P.DROP:
             self.segments.drop(msg["segment"])
         elif t == P.BYE:
@@ -347,7 +353,9 @@ class Coordinator:
 
     def _progress(self) -> None:
         if self.control is not None:
-            self._send_control({"t": P.PROGRESS, "connected": len(self.ranks), "finished": self.n_finished})
+            self._last_progress = time.monotonic()
+            self._send_control({"t": P.PROGRESS, "connected": len(self.ranks), "finished": self.n_finished,
+                                "iterations": self.iterations_done})
 
     # ---- ops -------------------------------------------------------------------------------------------
     def _on_group(self, rs: RankState, msg: dict) -> None:

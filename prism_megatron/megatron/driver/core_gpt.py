@@ -152,8 +152,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "only); use --transformer-impl local or the Megatron-LM driver")
     if args.context_parallel_size != 1:
         raise FlagError("core driver: --context-parallel-size > 1 needs TransformerEngine attention")
-    if args.bf16 or args.fp16:
-        raise FlagError("core driver: --bf16/--fp16 are not supported (fp32 only)")
+    if args.fp16:
+        raise FlagError("core driver: --fp16 is not supported (it needs loss scaling); use --bf16 or fp32")
     if not args.mock_data or args.tokenizer_type != "NullTokenizer":
         raise FlagError("core driver: only --mock-data with --tokenizer-type NullTokenizer is supported")
     for flag, allowed in (("--position-embedding-type", "learned_absolute"), ("--normalization", "LayerNorm")):
@@ -202,7 +202,7 @@ def _transformer_config(args: argparse.Namespace) -> Any:
         moe_token_dispatcher_type=args.moe_token_dispatcher_type, moe_ffn_hidden_size=args.moe_ffn_hidden_size,
         moe_aux_loss_coeff=args.moe_aux_loss_coeff, moe_grouped_gemm=False,
         hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
-        init_method_std=args.init_method_std, params_dtype=torch.float32, pipeline_dtype=torch.float32,
+        init_method_std=args.init_method_std, params_dtype=_dtype(args), pipeline_dtype=_dtype(args), bf16=args.bf16,
         # 0.16.1's fused bias-GeLU refuses MoE's per-token probabilities: MoE gets plain GeLU
         bias_activation_fusion=args.bias_gelu_fusion and not args.num_experts,
         masked_softmax_fusion=args.masked_softmax_fusion, bias_dropout_fusion=args.bias_dropout_fusion,
@@ -211,6 +211,10 @@ def _transformer_config(args: argparse.Namespace) -> Any:
         deallocate_pipeline_outputs=True, batch_p2p_comm=not args.overlap_p2p_comm,
         overlap_p2p_comm=args.overlap_p2p_comm,
     )
+
+
+def _dtype(args: argparse.Namespace) -> torch.dtype:
+    return torch.bfloat16 if args.bf16 else torch.float32
 
 
 def _padded_vocab(args: argparse.Namespace) -> int:
@@ -247,10 +251,14 @@ def build_model(args: argparse.Namespace, config: Any) -> list[Any]:
             tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(param)
         if not cpu_mode.cpu_mode_active():
             model.cuda(torch.cuda.current_device())
+        if args.bf16:  # as Megatron-LM's get_model: bf16 weights, fp32 in and out
+            from megatron.core.transformer.module import Float16Module
+
+            model = Float16Module(config, model)
         chunks.append(model)
     dp = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=False, overlap_grad_reduce=args.overlap_grad_reduce,
+        grad_reduce_in_fp32=args.bf16, overlap_grad_reduce=args.overlap_grad_reduce,
         overlap_param_gather=args.overlap_param_gather, use_distributed_optimizer=args.use_distributed_optimizer,
         bucket_size=max(40_000_000, 1_000_000 * dp) if args.overlap_grad_reduce else None,
     )
@@ -356,6 +364,9 @@ def _metrics_writer() -> Any:
 
     def write(iteration: int, loss: dict[str, float], grad_norm: float | None) -> None:
         record = {"rank": dist.get_rank(), "iteration": iteration, "loss": loss, "grad_norm": grad_norm}
+        if torch.cuda.is_initialized() and not cpu_mode.cpu_mode_active():  # what a real GPU run held
+            record["max_allocated"] = int(torch.cuda.max_memory_allocated())
+            record["max_reserved"] = int(torch.cuda.max_memory_reserved())
         with open(path, "a") as f:
             f.write(json.dumps(record) + "\n")
 
@@ -380,7 +391,7 @@ def train(args: argparse.Namespace) -> None:
     optimizer = get_megatron_optimizer(OptimizerConfig(
         optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
         adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
-        sgd_momentum=args.sgd_momentum, clip_grad=args.clip_grad, params_dtype=torch.float32,
+        sgd_momentum=args.sgd_momentum, clip_grad=args.clip_grad, params_dtype=_dtype(args), bf16=args.bf16,
         use_distributed_optimizer=args.use_distributed_optimizer,
     ), model)
     gbs = args.global_batch_size
