@@ -53,8 +53,8 @@ def main(out: Path) -> None:
                   f"{er / MiB:13.2f} {100 * (er - rr) / rr:+7.2f} {loss_r:10.6f} {loss_e:10.6f}")
     for f in ("0.9", "1.1"):
         ooms = [(rk, a) for rk, a in _marks(out / f"trace-pp2-cap{f}") if "message" in a]
-        print(f"pp2 capped at {f}x rank 0's real peak: "
-              + ("; ".join(f"OOM predicted on rank {rk}: {a['message'][:120]}" for rk, a in ooms) or "no OOM predicted"))
+        said = "; ".join(f"OOM predicted on rank {rk}: {a['message'][:120]}" for rk, a in ooms)
+        print(f"pp2 capped at {f}x rank 0's real peak: {said or 'no OOM predicted'}")
 
 
 if __name__ == "__main__":

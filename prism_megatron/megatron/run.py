@@ -218,7 +218,8 @@ def launch_config(request: RunRequest):
         hang_timeout=o["prism_hang_timeout"], trace_dir=Path(o["prism_trace_dir"]),
         gpus_per_node=o["prism_gpus_per_node"], log_ranks=parse_ranks(o["prism_log_ranks"], world),
         threads_per_rank=o["prism_threads_per_rank"], preload=[PRELOAD], rank_setup=[RANK_SETUP],
-        target_gpu=target_gpu(o), expected_iterations=_flag_int(request.script_args, "--train-iters"), track_memory={"auto": None, "on": True, "off": False}[o["prism_track_memory"]],
+        target_gpu=target_gpu(o), expected_iterations=_flag_int(request.script_args, "--train-iters"),
+        track_memory={"auto": None, "on": True, "off": False}[o["prism_track_memory"]],
     )
 
 
