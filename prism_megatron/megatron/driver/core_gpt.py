@@ -367,6 +367,8 @@ def _metrics_writer() -> Any:
         if torch.cuda.is_initialized() and not cpu_mode.cpu_mode_active():  # what a real GPU run held
             record["max_allocated"] = int(torch.cuda.max_memory_allocated())
             record["max_reserved"] = int(torch.cuda.max_memory_reserved())
+            free, total = torch.cuda.mem_get_info()  # device-wide: the process's context and NCCL buffers too
+            record["device_used"], record["reserved"] = int(total - free), int(torch.cuda.memory_reserved())
         with open(path, "a") as f:
             f.write(json.dumps(record) + "\n")
 
