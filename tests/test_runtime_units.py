@@ -129,3 +129,19 @@ def test_resident_first_policy_prefers_resident_and_never_starves():
     q.append(3)
     assert pol.pick(q) == 1  # passed over twice: its turn now
     assert list(q) == [2, 3]
+
+
+def test_all_to_all_split_sizes_accept_lists_tensors_and_numpy():
+    """megatron-core 0.19's MoE dispatcher passes numpy arrays (seen on the H200: 'truth value ambiguous')."""
+    import numpy as np
+    import torch
+
+    from prism_megatron.runtime.backend import _split_bytes
+
+    t = torch.zeros(6, 4)  # 16 bytes a row
+    for splits in ([1, 5], (1, 5), np.array([1, 5]), torch.tensor([1, 5])):
+        assert _split_bytes(t, splits, 2, "input") == [16, 80]
+    assert _split_bytes(t, None, 2, "input") == [48, 48]
+    assert _split_bytes(t, np.array([], dtype=np.int64), 2, "input") == [48, 48]
+    with pytest.raises(ValueError, match=r"split sizes \[2, 5\] do not match"):
+        _split_bytes(t, np.array([2, 5]), 2, "input")

@@ -32,6 +32,8 @@ DEFAULT_PROJECT = "prism-megatron"
 TIMELINE_ARTIFACT_TYPE = "prism-timeline"
 ITERATION_KEY = "prism/iteration"
 ITERATION_TIME_KEY = "prism/predicted_iteration_time_ms"
+#: wandb waits 90 s by default; we fall back to offline on failure, so a shorter wait loses nothing.
+ONLINE_INIT_TIMEOUT_S = 30.0
 _MODES = {"online": "online", "run": "online", "offline": "offline", "dryrun": "offline", "disabled": "disabled"}
 
 
@@ -221,7 +223,8 @@ def log_report(
     ``config`` is the recipe and flags; the target GPU is added. ``timeline`` (a JSON file) goes in
     as an artifact of type ``prism-timeline``. ``run_dir`` is wandb's ``dir`` (runs land in
     ``run_dir/wandb/``). An online start that fails (no network, bad key) falls back to offline
-    rather than losing the figures; the returned note says so.
+    rather than losing the figures, after at most 30 s (``WANDB_INIT_TIMEOUT`` if set); the
+    returned note says so.
 
     ``resume_id`` logs into an existing run, Megatron's own (``--wandb-project``), with
     ``resume="allow"``: pass the same ``run_dir``, ``project`` and ``entity`` Megatron used. Then
@@ -234,6 +237,9 @@ def log_report(
     into one run in order of start time. The summary, config and artifact merge into the run;
     the iteration rows' ``_step`` may then lie under Megatron's, but ``prism/iteration`` orders them.
     """
+    if resume_id is not None and not project:
+        # wandb would otherwise start a new run of that id in its default project
+        raise ValueError("resume_id needs the project the run belongs to (Megatron's --wandb-project)")
     if timeline is not None and not Path(timeline).is_file():
         raise FileNotFoundError(f"timeline {timeline} does not exist")
     chosen = choose_mode(mode)
@@ -247,16 +253,19 @@ def log_report(
     except Exception as exc:
         if chosen != "online":
             raise
-        note = f"online start failed ({type(exc).__name__}: {exc}); logged offline instead"
+        first_line = (str(exc).strip().splitlines() or [""])[0]
+        note = f"online start failed ({type(exc).__name__}: {first_line}); logged offline instead"
         chosen = "offline"
         run = _init(chosen, run_dir=run_dir, project=project, entity=entity, name=name, resume_id=resume_id)
     try:
         _log(run, report, timeline=Path(timeline) if timeline else None, config=config, resumed=resume_id is not None)
-        sync_dir, sync_file = Path(run.settings.sync_dir), Path(run.settings.sync_file)
-        url = run.url if chosen == "online" else None
-        run_id = run.id
-    finally:
-        run.finish()
+    except BaseException:
+        run.finish(exit_code=1)  # a failed run, not a silently partial one
+        raise
+    sync_dir, sync_file = Path(run.settings.sync_dir), Path(run.settings.sync_file)
+    url = run.url if chosen == "online" else None
+    run_id = run.id
+    run.finish()
     if not wait_for_transaction_log(sync_file):
         note = "; ".join(filter(None, [note, f"{sync_file.name} is still being written; it is complete "
                                              "once this process has exited"]))
@@ -269,7 +278,11 @@ def _init(mode: str, *, run_dir: Path, project: str | None, entity: str | None, 
     import wandb
 
     resumed = resume_id is not None
+    extra: dict[str, Any] = {}
+    if mode == "online":  # read here: wandb's settings hold the environment of their first use
+        extra["init_timeout"] = float(os.environ.get("WANDB_INIT_TIMEOUT") or ONLINE_INIT_TIMEOUT_S)
     settings = wandb.Settings(
+        **extra,
         console="off",  # do not capture prism's own terminal output into the run
         quiet=True,  # prism prints where the run lives itself
         x_disable_stats=True,  # this host's CPU/GPU load says nothing about the predicted job
@@ -278,7 +291,7 @@ def _init(mode: str, *, run_dir: Path, project: str | None, entity: str | None, 
         x_save_requirements=not resumed,
     )
     return wandb.init(
-        project=project or (None if resumed else DEFAULT_PROJECT),
+        project=project or DEFAULT_PROJECT,
         entity=entity,
         name=name,
         dir=str(run_dir),

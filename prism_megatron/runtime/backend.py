@@ -266,8 +266,12 @@ def _single(tensors: list[torch.Tensor], op: str) -> None:
         raise ValueError(f"prism backend: {op} takes exactly one tensor per rank, got {len(tensors)}")
 
 
-def _split_bytes(t: torch.Tensor, splits: list[int], n: int, what: str) -> list[int]:
-    """Bytes per peer of an all_to_all_single buffer (splits along dim 0; empty = equal)."""
+def _split_bytes(t: torch.Tensor, splits: Any, n: int, what: str) -> list[int]:
+    """Bytes per peer of an all_to_all_single buffer (splits along dim 0; empty = equal).
+
+    Callers pass lists, tuples, tensors or numpy arrays (megatron-core 0.19's MoE dispatcher does).
+    """
+    splits = [int(s) for s in (splits.tolist() if hasattr(splits, "tolist") else splits or [])]
     row = t.element_size()
     for d in t.shape[1:]:
         row *= d

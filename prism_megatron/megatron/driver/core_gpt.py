@@ -375,6 +375,15 @@ def _metrics_writer() -> Any:
     return write
 
 
+def _snapshot_hook() -> Any:
+    """``PRISM_MEMORY_SNAPSHOT=PREFIX`` (diagnostics on a GPU): record allocations, dump PREFIX-rankR.pickle."""
+    prefix = os.environ.get("PRISM_MEMORY_SNAPSHOT")
+    if not prefix or cpu_mode.cpu_mode_active():
+        return lambda: None
+    torch.cuda.memory._record_memory_history(max_entries=400_000)
+    return lambda: torch.cuda.memory._dump_snapshot(f"{prefix}-rank{dist.get_rank()}.pickle")
+
+
 def train(args: argparse.Namespace) -> None:
     """Megatron-LM's train loop for this model: zero grads, schedule, optimizer step, loss across DP."""
     from megatron.core import parallel_state
@@ -388,6 +397,7 @@ def train(args: argparse.Namespace) -> None:
     from prism_megatron.trace.markers import span
 
     rank, world = dist.get_rank(), dist.get_world_size()
+    dump_snapshot = _snapshot_hook()
     config = _transformer_config(args)
     model = build_model(args, config)
     optimizer = get_megatron_optimizer(OptimizerConfig(
@@ -463,6 +473,7 @@ def train(args: argparse.Namespace) -> None:
     if args.overlap_param_gather:  # the last step's parameter all-gathers are still in flight
         for chunk in model:
             chunk.start_param_sync(force_sync=True)
+    dump_snapshot()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,0 +1,486 @@
+"""Prediction accuracy: the real job's iteration time next to the time replay predicts from its emulation.
+
+  python bench/accuracy/run.py [--cpu] [--gpu] [--iters N] [--out DIR] [--work DIR]
+
+Every config runs twice in this invocation, one after the other: the real job (``torchrun`` with one
+process per rank, each on a core or GPU of its own) and the same job emulated by prism
+(``prism-megatron run --prism-emulate``), whose PrismTrace is replayed
+(``replay(graph_from_trace(read_trace(D)), cost)``). Both run the core GPT driver with the same
+flags; ``N`` iterations are measured after ``WARMUP`` warm-up iterations, and each side reports the
+median. An iteration is timed the same way on both sides: from the first rank's begin of the
+``iteration`` span to the last rank's end (``timed_driver.py`` stamps the real one, the replay's
+``ReplayResult.iterations()`` the predicted one).
+
+CPU (``--cpu``, the default; this 2-core machine). A real run is ground truth only where every rank
+has a core of its own, one torch thread each, as on the target: W = 2 (TP2, PP2, DP2, EP2), two gloo
+processes with ``OMP_NUM_THREADS=1`` against two logical ranks on one slot with
+``--prism-threads-per-rank 1``. Communication in the prediction is costed by a profile of the real
+link, gloo over loopback, fitted in the same invocation (``gloo_probe.py``; see :class:`GlooCost`):
+free communication would leave out what the real job pays for it (TP2 all-reduces ~36 activations
+per iteration, ~0.5-1 ms each here), and the replay is the place where link costs come in. The
+free-communication prediction is shown in the notes, so the share of the fit is visible. Larger W
+cannot be ground truth here (8 ranks on 2 cores share cores), so W = 8 checks consistency instead: the
+prediction from one slot and from two slots must agree (communication free on both sides: the check
+is on the measured compute and the graph, not on a link model).
+
+GPU (``--gpu``, on an ``nvidia-h200-x2``; ``bench/gpu/accuracy.sh``): real 2-GPU runs with NCCL of
+a GPT of about 1B parameters (TP2, PP2, DP2; EP2 with a MoE of about 1B), predicted from the same
+job emulated on GPU 0, communication costed by the cluster profile ``h200-nvlink-ib400``. bf16
+where the core driver accepts ``--bf16``, else fp32 (the notes say which). Target: mean absolute
+error <= 1 %.
+
+Output: a table (rich) and ``DIR/accuracy.json`` (rows, per-iteration times, the gloo fit, the
+load other processes put on the machine while each run ran); traces and logs stay under
+``--work`` (a temporary directory by default).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from prism_megatron.megatron.driver import CORE_DRIVER_SCRIPT
+
+HERE = Path(__file__).resolve().parent
+PY = sys.executable
+WARMUP = 2  # first iterations left out: allocator, autotuning and lazy initialisation
+GPU_CLUSTER = "h200-nvlink-ib400"
+GPU_TARGET_MAE = 1.0  # percent
+
+
+class RunFailed(RuntimeError):
+    """A real or emulated run exited non-zero; the message ends with the tail of its log."""
+
+
+# ----------------------------------------------------------------------------- configs
+@dataclass
+class Case:
+    """One job: its Megatron flags and its world size; ``slots`` only for consistency cases."""
+
+    name: str
+    flags: list[str]
+    world: int = 2
+    consistency: bool = False  # W > cores: compare 1-slot and 2-slot predictions instead of a real run
+    note: str = ""
+
+
+def gpt_flags(*, layers: int, hidden: int, heads: int, seq: int, vocab: int, mbs: int, gbs: int, iters: int,
+              tp: int = 1, pp: int = 1, ep: int = 1, experts: int = 0, moe_ffn: int = 0,
+              extra: tuple[str, ...] = ()) -> list[str]:
+    """Core-driver flags of a GPT job (the shape of what ``recipe show`` renders)."""
+    flags = [
+        "--num-layers", str(layers), "--hidden-size", str(hidden), "--num-attention-heads", str(heads),
+        "--seq-length", str(seq), "--max-position-embeddings", str(seq),
+        "--tokenizer-type", "NullTokenizer", "--vocab-size", str(vocab), "--mock-data",
+        "--micro-batch-size", str(mbs), "--global-batch-size", str(gbs), "--train-iters", str(iters),
+        "--lr", "0.0001", "--seed", "1234", "--optimizer", "adam",
+        "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
+        "--expert-model-parallel-size", str(ep),
+        "--transformer-impl", "local", "--no-gradient-accumulation-fusion", "--no-persist-layer-norm",
+        "--log-interval", "1", "--eval-iters", "0",
+    ]
+    if experts:
+        # 0.16.1's fused bias-GeLU refuses MoE's per-token probabilities (as the moe-ep2 recipe)
+        flags += ["--num-experts", str(experts), "--moe-router-topk", "2", "--moe-token-dispatcher-type", "alltoall",
+                  "--moe-ffn-hidden-size", str(moe_ffn), "--no-bias-gelu-fusion"]
+    return flags + list(extra)
+
+
+def cpu_cases(iters: int) -> list[Case]:
+    """W = 2 ground truth (a rank per core) and W = 8 consistency; ~100-500 ms of compute per rank."""
+    n = iters + WARMUP
+    # 4 layers, hidden 256, seq 256: forward + backward of a micro-batch of 2 is ~0.4 s for the whole
+    # model on one core, so each row below computes ~250-500 ms per rank and iteration
+    base = dict(layers=4, hidden=256, heads=8, seq=256, vocab=1024, mbs=2, iters=n)
+    from prism_megatron.recipe import load_recipe, render_args
+
+    recipe = render_args(load_recipe("mini-dense-tp2pp2dp2")) + ["--train-iters", str(n)]
+    return [
+        Case("cpu-tp2", gpt_flags(**base, gbs=2, tp=2), note="1 microbatch"),
+        Case("cpu-pp2", gpt_flags(**(base | {"mbs": 1}), gbs=4, pp=2), note="4 microbatches, 1F1B"),
+        Case("cpu-dp2", gpt_flags(**base, gbs=4), note="1 microbatch per DP rank"),
+        Case("cpu-ep2", gpt_flags(**base, gbs=4, ep=2, experts=4, moe_ffn=512), note="MoE 4 experts top-2, DP2"),
+        Case("cpu-w8-mini-dense-tp2pp2dp2", recipe, world=8, consistency=True, note="recipe as shipped"),
+        Case("cpu-w8-tp2pp2dp2", gpt_flags(**(base | {"mbs": 1}), gbs=4, tp=2, pp=2), world=8, consistency=True,
+             note="the W=2 rows' model"),
+    ]
+
+
+def gpu_cases(iters: int, precision: str) -> list[Case]:
+    """2-GPU layouts of a ~1B-parameter GPT (dense ~1.07B; MoE ~1.2B, 8 experts)."""
+    n = iters + WARMUP
+    extra = ("--bf16",) if precision == "bf16" else ()
+    dense = dict(layers=20, hidden=2048, heads=16, seq=1024, vocab=32000, mbs=1, iters=n, extra=extra)
+    moe = dict(layers=16, hidden=1024, heads=16, seq=1024, vocab=32000, mbs=1, iters=n, extra=extra)
+    return [
+        Case("gpu-tp2", gpt_flags(**dense, gbs=4, tp=2), note="dense 1.07B, 4 microbatches"),
+        Case("gpu-pp2", gpt_flags(**dense, gbs=8, pp=2), note="dense 1.07B, 8 microbatches, 1F1B"),
+        Case("gpu-dp2", gpt_flags(**dense, gbs=4), note="dense 1.07B, 2 microbatches per DP rank"),
+        Case("gpu-ep2", gpt_flags(**moe, gbs=4, ep=2, experts=8, moe_ffn=4096),
+             note="MoE 1.2B, 8 experts top-2, alltoall, DP2"),
+    ]
+
+
+def driver_precision() -> str:
+    """'bf16' if the core driver accepts ``--bf16`` (checked by parsing, in a child process), else 'fp32'."""
+    probe = (
+        "import importlib.util, sys\n"
+        f"spec = importlib.util.spec_from_file_location('core_gpt', {str(CORE_DRIVER_SCRIPT)!r})\n"
+        "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)\n"
+        "m.parse_args(['--num-layers', '1', '--hidden-size', '8', '--num-attention-heads', '1', '--seq-length', '8',"
+        " '--vocab-size', '8', '--micro-batch-size', '1', '--train-iters', '1', '--lr', '0.1', '--mock-data',"
+        " '--bf16'])\n"
+    )
+    proc = subprocess.run([PY, "-c", probe], capture_output=True, text=True, timeout=300)
+    return "bf16" if proc.returncode == 0 else "fp32"
+
+
+# ----------------------------------------------------------------------------- measurement helpers
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _median_after_warmup(times: dict[int, float]) -> float:
+    measured = [t for k, t in sorted(times.items()) if k > WARMUP]
+    if not measured:
+        raise RunFailed(f"no iteration after the {WARMUP} warm-up ones (got {sorted(times)})")
+    return statistics.median(measured)
+
+
+class ForeignLoad:
+    """CPU cores that *other* processes kept busy while a run ran (this machine is shared).
+
+    /proc/stat's busy time minus the CPU time of our own (reaped) children, over the wall time.
+    A real W = 2 run needs both cores: every core another process takes shows up in its time.
+    """
+
+    def __enter__(self) -> ForeignLoad:
+        self.t0, self.busy0, self.own0 = time.monotonic(), self._busy(), self._own()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        wall = time.monotonic() - self.t0
+        self.cores = max((self._busy() - self.busy0) - (self._own() - self.own0), 0.0) / wall if wall else 0.0
+
+    @staticmethod
+    def _busy() -> float:
+        try:
+            fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        except OSError:
+            return 0.0
+        idle = fields[3] + fields[4]  # idle + iowait
+        return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+    @staticmethod
+    def _own() -> float:
+        t = os.times()
+        return t.children_user + t.children_system + t.user + t.system
+
+
+def _run(cmd: list[str], log: Path, env: dict[str, str], timeout: float) -> float:
+    """Run ``cmd`` with output to ``log``; returns the load of other processes meanwhile (cores)."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as f, ForeignLoad() as load:
+        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=log.parent, timeout=timeout)
+    if proc.returncode:
+        tail = log.read_text(errors="replace")[-2500:]
+        raise RunFailed(f"exit {proc.returncode}: {' '.join(cmd[:6])} ... (log {log})\n{tail}")
+    return load.cores
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", CUDA_DEVICE_MAX_CONNECTIONS="1")
+    env.update(extra)
+    return env
+
+
+def real_run(case: Case, work: Path, timeout: float) -> tuple[dict[int, float], float]:
+    """The job as ``case.world`` torchrun processes; per-iteration times from the ranks' stamps."""
+    stamps = work / "real-stamps"
+    stamps.mkdir(parents=True)
+    cmd = [PY, "-m", "torch.distributed.run", f"--nproc-per-node={case.world}", f"--master-port={_port()}",
+           str(HERE / "timed_driver.py"), *case.flags]
+    load = _run(cmd, work / "real.log", _env(ACCURACY_TIMES=str(stamps)), timeout)
+    begin: dict[int, float] = {}
+    end: dict[int, float] = {}
+    for path in stamps.glob("rank-*.json"):
+        for it, phase, t in json.loads(path.read_text()):
+            if phase == "B":
+                begin[it] = min(begin.get(it, t), t)
+            else:
+                end[it] = max(end.get(it, t), t)
+    ranks = len(list(stamps.glob("rank-*.json")))
+    if ranks != case.world:
+        raise RunFailed(f"{ranks} of {case.world} ranks wrote their iteration stamps ({stamps})")
+    return {k: end[k] - begin[k] for k in begin if k in end}, load
+
+
+def emulated_run(case: Case, work: Path, devices: str, slots: int, timeout: float) -> tuple[Path, float]:
+    """The job as ``case.world`` logical ranks through prism; returns the trace directory."""
+    trace = work / f"trace-{slots}slot"
+    cmd = [PY, "-m", "prism_megatron", "run", "--prism-emulate", "--prism-world-size", str(case.world),
+           "--prism-devices", devices, "--prism-slots-per-device", str(slots), "--prism-threads-per-rank", "1",
+           "--prism-report", "off", "--prism-log-ranks", "none", "--prism-trace-dir", str(trace),
+           str(CORE_DRIVER_SCRIPT), *case.flags]
+    load = _run(cmd, work / f"emulated-{slots}slot.log", _env(), timeout)
+    return trace, load
+
+
+def predict(trace: Path, cost: Callable) -> dict[int, float]:
+    """Per-iteration predicted times of a trace's replay under ``cost``."""
+    from prism_megatron.replay import graph_from_trace, replay
+    from prism_megatron.trace import read_trace
+
+    result = replay(graph_from_trace(read_trace(trace)), cost)
+    return {it.number: it.time for it in result.iterations()}
+
+
+# ----------------------------------------------------------------------------- communication costs
+class GlooCost:
+    """The link of the CPU ground truth (gloo, 2 processes, loopback) as a replay cost function.
+
+    ``gloo_probe.py`` times all_reduce, all_gather, broadcast and send/recv at 4 B-32 MiB; each kind
+    gets its own latency + size/bandwidth line, fitted to minimise the *relative* error (small ops
+    are the many, large ones the long). Per kind rather than the NCCL ring formulas of
+    ``CollectiveCostModel``: gloo's algorithms are not NCCL's, and the ground-truth groups all have
+    two members, so no formula has to extrapolate in n. Kinds the probe does not time (reduce,
+    reduce_scatter, all_to_all) take the all_reduce line: an upper bound for a 2-member group.
+    """
+
+    def __init__(self, points: dict[str, list[tuple[int, float]]]) -> None:
+        self.points = points
+        self.fit = {family: self._fit(p) for family, p in points.items()}
+
+    @staticmethod
+    def _fit(points: list[tuple[int, float]]) -> tuple[float, float]:
+        """(alpha s, beta s/byte) minimising sum(((alpha + beta*S) / t - 1)^2), both clamped to >= 0."""
+        a11 = sum(1 / t**2 for _, t in points)
+        a12 = sum(s / t**2 for s, t in points)
+        a22 = sum(s * s / t**2 for s, t in points)
+        b1 = sum(1 / t for _, t in points)
+        b2 = sum(s / t for s, t in points)
+        det = a11 * a22 - a12 * a12
+        alpha, beta = (b1 * a22 - b2 * a12) / det, (a11 * b2 - a12 * b1) / det
+        return max(alpha, 0.0), max(beta, 0.0)
+
+    def __call__(self, spec) -> float:
+        from prism_megatron.calibration.costmodel import KIND_FAMILY
+
+        if len(set(spec.ranks)) <= 1:
+            return 0.0
+        family = KIND_FAMILY.get(spec.kind, "all_reduce")
+        alpha, beta = self.fit.get(family, self.fit["all_reduce"])
+        return alpha + beta * spec.nbytes
+
+    def describe(self) -> str:
+        return "; ".join(f"{k} {a * 1e6:.0f} us + {1e-9 / b if b else float('inf'):.2f} GB/s"
+                         for k, (a, b) in self.fit.items())
+
+
+def gloo_cost(work: Path) -> GlooCost:
+    out = work / "gloo-probe.json"
+    cmd = [PY, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={_port()}",
+           str(HERE / "gloo_probe.py"), str(out)]
+    _run(cmd, work / "gloo-probe.log", _env(), 300)
+    return GlooCost({k: [tuple(p) for p in v] for k, v in json.loads(out.read_text()).items()})
+
+
+def zero_cost(spec) -> float:
+    return 0.0
+
+
+# ----------------------------------------------------------------------------- CPU contention
+def contention(rounds: int = 3) -> tuple[float, float]:
+    """Median step (ms) of ``contention_probe.py`` alone and with a second copy computing at once."""
+    def probe(copies: int) -> list[float]:
+        start = f"{time.time() + 4:.3f}"  # after both have imported torch
+        procs = [subprocess.Popen([PY, str(HERE / "contention_probe.py"), start], stdout=subprocess.PIPE,
+                                  text=True, env=_env()) for _ in range(copies)]
+        return [float(p.communicate(timeout=120)[0]) for p in procs]
+
+    solo: list[float] = []
+    pair: list[float] = []
+    for _ in range(rounds):
+        solo += probe(1)
+        pair += probe(2)
+    return statistics.median(solo), statistics.median(pair)
+
+
+# ----------------------------------------------------------------------------- rows
+@dataclass
+class Row:
+    config: str
+    ground_truth: str  # "yes", or "consistency" (the real column is then the 1-slot prediction)
+    real_ms: float | None = None
+    predicted_ms: float | None = None
+    error_pct: float | None = None
+    notes: str = ""
+    detail: dict = field(default_factory=dict)
+
+
+def _ms(times: dict[int, float]) -> dict[int, float]:
+    return {k: round(v * 1e3, 3) for k, v in sorted(times.items())}
+
+
+def _spread(times: dict[int, float]) -> str:
+    """(max - min) / median of the measured iterations, in percent: the noise the median sits in."""
+    measured = [t for k, t in times.items() if k > WARMUP]
+    return f"{(max(measured) - min(measured)) / statistics.median(measured) * 100:.0f}%"
+
+
+def ground_truth_row(case: Case, work: Path, devices: str, cost: Callable, cost_name: str,
+                     timeout: float) -> Row:
+    """Real run, then emulated run on one slot, then the replay; error = predicted / real - 1."""
+    real, real_load = real_run(case, work / "real", timeout)
+    trace, emu_load = emulated_run(case, work, devices, 1, timeout)
+    pred, free = predict(trace, cost), predict(trace, zero_cost)
+    r, p, f = _median_after_warmup(real), _median_after_warmup(pred), _median_after_warmup(free)
+    notes = [case.note, f"free comm: {f * 1e3:.1f} ms", f"iteration spread {_spread(real)}/{_spread(pred)}"]
+    if devices == "cpu":
+        notes.append(f"other load: {real_load:.2f}/{emu_load:.2f} cores (real/emulated)")
+    return Row(case.name, "yes", r * 1e3, p * 1e3, (p / r - 1) * 100, ", ".join(n for n in notes if n),
+               {"real_ms": _ms(real), "predicted_ms": _ms(pred), "predicted_free_comm_ms": _ms(free),
+                "cost": cost_name, "other_load_cores": {"real": real_load, "emulated": emu_load},
+                "flags": case.flags, "world": case.world})
+
+
+def consistency_row(case: Case, work: Path, devices: str, timeout: float) -> Row:
+    """The same job emulated on one slot and on two; both replayed with free communication."""
+    one, load1 = emulated_run(case, work, devices, 1, timeout)
+    two, load2 = emulated_run(case, work, devices, 2, timeout)
+    p1, p2 = predict(one, zero_cost), predict(two, zero_cost)
+    m1, m2 = _median_after_warmup(p1), _median_after_warmup(p2)
+    notes = (f"W={case.world}; real column = 1-slot prediction, predicted = 2 slots; {case.note}; free comm; "
+             f"iteration spread {_spread(p1)}/{_spread(p2)}")
+    return Row(case.name, "consistency", m1 * 1e3, m2 * 1e3, (m2 / m1 - 1) * 100, notes,
+               {"predicted_1slot_ms": _ms(p1), "predicted_2slot_ms": _ms(p2), "flags": case.flags,
+                "world": case.world, "other_load_cores": {"1slot": load1, "2slot": load2}})
+
+
+def run_cases(cases: list[Case], work: Path, devices: str, cost: Callable, cost_name: str,
+              timeout: float, console: Console, only: str = "") -> list[Row]:
+    rows = []
+    for case in cases:
+        if only and case.name not in only.split(","):
+            continue
+        t0 = time.monotonic()
+        console.print(f"[bold]{case.name}[/]: W={case.world} ...", end=" ")
+        try:
+            if case.consistency:
+                row = consistency_row(case, work / case.name, devices, timeout)
+            else:
+                row = ground_truth_row(case, work / case.name, devices, cost, cost_name, timeout)
+        except (RunFailed, subprocess.TimeoutExpired, ValueError, KeyError) as e:
+            row = Row(case.name, "consistency" if case.consistency else "yes", notes=f"FAILED: {str(e)[:300]}",
+                      detail={"error": str(e)})
+            console.print(f"[red]failed[/] ({time.monotonic() - t0:.0f} s)\n{e}")
+        else:
+            console.print(f"{row.real_ms:.1f} vs {row.predicted_ms:.1f} ms ({time.monotonic() - t0:.0f} s)")
+        rows.append(row)
+    return rows
+
+
+# ----------------------------------------------------------------------------- output
+def _num(x: float | None, fmt: str) -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def table(rows: list[Row], title: str) -> Table:
+    t = Table(title=title, show_lines=False)
+    for name, justify in (("config", "left"), ("ground truth?", "left"), ("real median (ms)", "right"),
+                          ("predicted median (ms)", "right"), ("error %", "right"), ("notes", "left")):
+        t.add_column(name, justify=justify, overflow="fold")
+    for r in rows:
+        t.add_row(r.config, r.ground_truth, _num(r.real_ms, ".1f"), _num(r.predicted_ms, ".1f"),
+                  _num(r.error_pct, "+.1f"), r.notes)
+    return t
+
+
+def mean_abs_error(rows: list[Row]) -> float | None:
+    errors = [abs(r.error_pct) for r in rows if r.ground_truth == "yes" and r.error_pct is not None]
+    return sum(errors) / len(errors) if errors else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cpu", action="store_true", help="CPU configs (default when neither is given)")
+    parser.add_argument("--gpu", action="store_true", help="GPU configs (an nvidia-h200-x2 machine)")
+    parser.add_argument("--iters", type=int, default=6, help=f"measured iterations (after {WARMUP} warm-up ones)")
+    parser.add_argument("--out", type=Path, default=None, help="where accuracy.json and accuracy.txt go")
+    parser.add_argument("--only", default="", help="comma-separated config names to run (default: all)")
+    parser.add_argument("--work", type=Path, default=None, help="traces and logs (default: a temporary directory)")
+    args = parser.parse_args(argv)
+    if not (args.cpu or args.gpu):
+        args.cpu = True
+    work = args.work or Path(tempfile.mkdtemp(prefix="prism-accuracy-"))
+    work.mkdir(parents=True, exist_ok=True)
+    console = Console(record=True, width=200)
+    console.print(f"work directory (traces, logs): {work}")
+    report: dict = {"host": platform.node(), "python": platform.python_version(), "iters": args.iters,
+                    "warmup": WARMUP, "sections": {}}
+    exit_code = 0
+    if args.cpu:
+        console.print(f"[bold]CPU[/]: {os.cpu_count()} cores; contention and gloo probes ...")
+        solo, pair = contention()
+        console.print(f"compute contention: an MLP step on one thread takes {solo:.2f} ms alone, {pair:.2f} ms "
+                      f"while a second copy computes on the other core ({(pair / solo - 1) * 100:+.0f}%)")
+        with ForeignLoad() as load:
+            cost = gloo_cost(work)
+        console.print(f"gloo fit (2 processes, loopback; other load {load.cores:.2f} cores): {cost.describe()}")
+        rows = run_cases(cpu_cases(args.iters), work / "cpu", "cpu", cost, "gloo fit", 900, console, args.only)
+        mae = mean_abs_error(rows)
+        console.print(table(rows, f"CPU: predicted vs real iteration time (median of {args.iters} after "
+                                  f"{WARMUP} warm-up; comm costed by the gloo fit)"))
+        console.print(f"CPU mean absolute error over ground-truth rows: {_num(mae, '.1f')} %")
+        report["sections"]["cpu"] = {"rows": [asdict(r) for r in rows], "mean_abs_error_pct": mae,
+                                     "contention_ms": {"alone": solo, "two_at_once": pair},
+                                     "gloo_fit": {k: {"alpha_s": a, "beta_s_per_byte": b}
+                                                  for k, (a, b) in cost.fit.items()},
+                                     "gloo_points": cost.points}
+    if args.gpu:
+        from prism_megatron.calibration.costmodel import CollectiveCostModel
+        from prism_megatron.calibration.profiles import load_profile
+
+        precision = driver_precision()
+        verb = "accepts" if precision == "bf16" else "refuses"
+        console.print(f"[bold]GPU[/]: {precision} (the core driver {verb} --bf16); comm costed by {GPU_CLUSTER}")
+        cost = CollectiveCostModel(load_profile(GPU_CLUSTER))
+        rows = run_cases(gpu_cases(args.iters, precision), work / "gpu", "0", cost, GPU_CLUSTER, 400, console,
+                         args.only)
+        for r in rows:
+            r.notes = f"{precision}, {r.notes}"
+        mae = mean_abs_error(rows)
+        console.print(table(rows, f"GPU: predicted vs real iteration time (median of {args.iters} after "
+                                  f"{WARMUP} warm-up; comm costed by {GPU_CLUSTER})"))
+        ok = mae is not None and mae <= GPU_TARGET_MAE and all(r.error_pct is not None for r in rows)
+        console.print(f"GPU mean absolute error: {_num(mae, '.2f')} % (target <= {GPU_TARGET_MAE} %): "
+                      f"{'met' if ok else 'NOT met'}")
+        report["sections"]["gpu"] = {"rows": [asdict(r) for r in rows], "mean_abs_error_pct": mae,
+                                     "precision": precision, "cluster": GPU_CLUSTER, "target_met": ok}
+        exit_code = 0 if ok else 1
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "accuracy.json").write_text(json.dumps(report, indent=1))
+        (args.out / "accuracy.txt").write_text(console.export_text())
+        console.print(f"wrote {args.out / 'accuracy.json'}")
+    return exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
