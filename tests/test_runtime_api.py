@@ -44,3 +44,18 @@ def test_trace_commands_reject_bad_traces(tmp_path):
     (tmp_path / "t" / "ops.parquet").write_bytes(b"not parquet")
     bad = prism("trace", "show", str(tmp_path / "t"), cwd=tmp_path)
     assert bad.returncode == 1 and "ops.parquet" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_collective_tensors_die_with_their_last_reference(tmp_path):
+    """A Work <-> Future reference cycle kept every op's tensors alive until the cyclic GC: on the H200
+    that was +80 to +176 MiB of peak allocated memory against NCCL on a TP2 job."""
+    out = tmp_path / "out"
+    out.mkdir()
+    p = prism("launch", "-w", "2", "--trace-dir", str(tmp_path / "trace"), "--log-ranks", "none",
+              str(PROGRAMS / "lifetimes.py"), str(out), cwd=tmp_path, timeout=180)
+    assert p.returncode == 0, p.stderr
+    for r in range(2):
+        text = (out / f"rank-{r}.txt").read_text()
+        assert "async_work_freed=True" in text
+        assert "future_then_freed=True value=131072.0" in text
+        assert "coalesced_freed=True" in text

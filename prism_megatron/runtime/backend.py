@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
@@ -245,15 +246,23 @@ class _AllWork(PrismWork):
         result = [t for w in works for t in w._result]
         super().__init__(client, -1, result)
         self._works = works
-        futs = torch.futures.collect_all([w.get_future() for w in works])
-        futs.then(self._on_all)
+        me = weakref.ref(self)  # the futures' callbacks must not keep this Work (and its tensors) alive
 
-    def _on_all(self, fut: Any) -> None:
-        errors = [w.exception() for w in self._works if w.exception() is not None]
-        self._finish(errors[0] if errors else None)
+        def on_all(fut: Any) -> None:
+            error = None
+            for f in fut.value():
+                try:
+                    f.value()
+                except BaseException as e:  # an op of the block failed
+                    error = error or e
+            work = me()
+            if work is not None:
+                work._finish(error)
+
+        torch.futures.collect_all([w.get_future() for w in works]).then(on_all)
 
     def wait(self, timeout: Any = None) -> bool:
-        self._client.wait(self._works)
+        self._client.wait([w._op for w in self._works])
         for w in self._works:
             if w.exception() is not None:
                 raise w.exception()

@@ -51,21 +51,33 @@ class _Pending:
     regions: list[str] = field(default_factory=list)  # segment names to free once done
 
 
+class OpToken:
+    """What waiting on an op needs: its id and completion. Works and futures share it instead of
+    pointing at each other: a Work <-> Future cycle kept every op's tensors alive until the cyclic GC
+    ran — +80 to +176 MiB of peak allocated memory against NCCL on a TP2 job on the H200."""
+
+    __slots__ = ("op_id", "done")
+
+    def __init__(self, op_id: int) -> None:
+        self.op_id = op_id
+        self.done = threading.Event()
+
+
 class PrismFuture(Future):
     """A future whose wait() gives the slot back like Work.wait(); so do futures chained by then()."""
 
-    def __init__(self, client: RankClient, works: list[PrismWork]) -> None:
+    def __init__(self, client: RankClient, ops: list[OpToken]) -> None:
         super().__init__()
         self._client = client
-        self._works = works
+        self._ops = ops
 
     def wait(self) -> Any:
-        self._client.wait(self._works)
+        self._client.wait(self._ops)
         return super().wait()
 
     def then(self, callback: Any) -> PrismFuture:
         chained = super().then(callback)
-        out = PrismFuture(self._client, self._works)
+        out = PrismFuture(self._client, self._ops)
 
         def forward(f: Future) -> None:
             try:
@@ -83,12 +95,19 @@ class PrismWork(dist.Work):
     def __init__(self, client: RankClient, op_id: int, result: list[torch.Tensor]) -> None:
         super().__init__()
         self._client = client
-        self.op_id = op_id
+        self._op = OpToken(op_id)
         self._result = result
-        self._done = threading.Event()
         self._error: BaseException | None = None
         self._source: int = -1
-        self._future: PrismFuture = PrismFuture(client, [self])
+        self._future: PrismFuture = PrismFuture(client, [self._op])
+
+    @property
+    def op_id(self) -> int:
+        return self._op.op_id
+
+    @property
+    def _done(self) -> threading.Event:
+        return self._op.done
 
     # completion, from the receiver thread (or at once for ops with nothing to wait for)
     def _finish(self, error: BaseException | None = None, source: int = -1) -> None:
@@ -101,7 +120,7 @@ class PrismWork(dist.Work):
             self._future.set_exception(error)
 
     def wait(self, timeout: Any = None) -> bool:  # noqa: ARG002 - torch passes a timedelta
-        self._client.wait([self])
+        self._client.wait([self._op])
         if self._error is not None:
             raise self._error
         return True
@@ -250,18 +269,18 @@ class RankClient:
             self._owed_grant = False
             self._await_grant()
 
-    def wait(self, works: list[PrismWork]) -> None:
-        """Block until `works` complete, giving the slot back meanwhile."""
+    def wait(self, ops: list[OpToken]) -> None:
+        """Block until `ops` complete, giving the slot back meanwhile."""
         self._settle()
-        if all(w.is_completed() for w in works):
+        if all(o.done.is_set() for o in ops):
             return
         if self._fatal is not None:
             raise self._fatal
         self._granted.clear()
-        self._send({"t": P.BLOCK, "ids": [w.op_id for w in works], "mem": device_footprint()})
+        self._send({"t": P.BLOCK, "ids": [o.op_id for o in ops], "mem": device_footprint()})
         self._await_grant()
-        for w in works:
-            w._done.wait()
+        for o in ops:
+            o.done.wait()
 
     def _await_grant(self) -> None:
         while not self._granted.wait(1.0):
