@@ -85,6 +85,7 @@ class PrismProcessGroup(dist.ProcessGroup):
         self._desc = "undefined"
         self._coalescing: list[PrismWork] | None = None
         self.requested_backend = requested_backend
+        self._barrier_tensor: torch.Tensor | None = None
         client.register_group(name, ranks, requested_backend)
 
     # ---- identity torch queries ---------------------------------------------------------------
@@ -224,6 +225,11 @@ class PrismProcessGroup(dist.ProcessGroup):
         return self._op("recv", [], tensors, peer=None, tag=tag)
 
     def barrier(self, opts: Any = None) -> PrismWork:
+        if (self.requested_backend == "nccl" and self._barrier_tensor is None and torch.cuda.is_available()
+                and torch.cuda.is_initialized()):
+            # ProcessGroupNCCL keeps a one-float device tensor for its barriers for the group's life (one
+            # 512-byte block): the target's ranks hold it, so ours do, and peak memory matches to the byte
+            self._barrier_tensor = torch.zeros(1, device=torch.cuda.current_device())
         return self._op("barrier", [], [], opts)
 
     def monitored_barrier(self, timeout: Any = None, wait_all_ranks: bool = False) -> None:
