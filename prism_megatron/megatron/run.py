@@ -259,6 +259,17 @@ def run(request: RunRequest) -> int:
         print(request.driver_note, file=sys.stderr, flush=True)
     if not request.emulate:
         return _run_in_process(request)
+    from prism_megatron.launcher.exit_codes import OOM
     from prism_megatron.launcher.launch import launch
 
-    return launch(launch_config(request).validate())
+    cfg = launch_config(request).validate()
+    code = launch(cfg)
+    if request.options.get("prism_report") == "on" and code in (0, OOM) and (cfg.trace_dir / "manifest.json").exists():
+        from prism_megatron.report.publish import publish
+
+        config = {"recipe": request.options.get("prism_recipe"), "script": str(request.script),
+                  "flags": request.script_args,
+                  "prism": {k: v for k, v in request.options.items() if v is not None}}
+        publish(cfg.trace_dir, cluster=request.options.get("prism_cluster"), config=config,
+                wandb_project=os.environ.get("WANDB_PROJECT", "prism-megatron"))
+    return code

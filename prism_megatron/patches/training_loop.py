@@ -19,6 +19,23 @@ from prism_megatron.trace.markers import span
 CHECKED = ("0.16.1",)
 
 
+def _mark_wandb_run() -> None:
+    """Megatron's W&B writer (last rank, ``--wandb-project``): where its run is, so the report can log
+    the predicted figures into it after the capture (``report.publish``)."""
+    from pathlib import Path
+
+    from megatron.training import get_wandb_writer
+
+    from prism_megatron.trace.markers import mark
+
+    writer = get_wandb_writer()
+    run = getattr(writer, "run", None)
+    if run is None:
+        return
+    root = getattr(run.settings, "root_dir", None) or str(Path(run.dir).parents[2])
+    mark("wandb_run", id=run.id, project=run.project, entity=run.entity or None, dir=str(root))
+
+
 @once
 def install() -> None:
     import megatron.training.training as training
@@ -38,6 +55,7 @@ def install() -> None:
 
             margs = get_args()
             mark_rank(margs, getattr(margs, "padded_vocab_size", None))
+            _mark_wandb_run()
         passed = kwargs.get("iteration")
         iteration = passed + 1 if isinstance(passed, int) else schedules.STATE.iteration + 1
         schedules.STATE.begin_iteration(iteration)

@@ -200,7 +200,7 @@ def _cards(report: dict[str, Any]) -> str:
         if pred["tokens_per_s"] is not None:
             cards.append((fmt_rate(pred["tokens_per_s"], "tokens/s"), "predicted throughput"))
         if pred["tflops_per_gpu"] is not None:
-            cards.append((f"{pred['tflops_per_gpu']:.1f} TFLOP/s", "model FLOPs per GPU"))
+            cards.append((f"{pred['tflops_per_gpu']:.3g} TFLOP/s", "model FLOPs per GPU"))
     rooms = [c["headroom"] for c in mem["classes"] if c["headroom"] is not None]
     dead = {e["rank"] for e in report["oom"]} | {e["rank"] for e in mem["ranks"] if e["oom"]}
     if dead:

@@ -47,7 +47,7 @@ def _prediction(report: dict[str, Any]) -> list[Any]:
     if pred["tokens_per_s"] is not None:
         lines.append(f"  ·  {fmt_rate(pred['tokens_per_s'], 'tokens/s')}")
     if pred["tflops_per_gpu"] is not None:
-        lines.append(f"  ·  {pred['tflops_per_gpu']:.1f} TFLOP/s per GPU")
+        lines.append(f"  ·  {pred['tflops_per_gpu']:.3g} TFLOP/s per GPU")
     out: list[Any] = [lines, Text(f"  provenance: {pred['provenance']}", style="dim")]
     path = pred["critical_path"]["by_kind_s"]
     if path:

@@ -1,0 +1,69 @@
+"""What `run` does after the capture: report files, terminal summary, W&B (ours and Megatron's run)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_report import make_trace
+
+from prism_megatron.megatron import cpu_mode
+from prism_megatron.report import publish as publish_mod
+from prism_megatron.report import read_report
+from prism_megatron.trace import read_trace, write_trace
+
+
+def _wandb_env(tmp_path: Path) -> dict[str, str]:
+    return {"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path), "WANDB_CONFIG_DIR": str(tmp_path / "cfg"),
+            "WANDB_CACHE_DIR": str(tmp_path / "cache"), "WANDB_DATA_DIR": str(tmp_path / "data")}
+
+
+def test_publish_logs_ours_and_resumes_megatrons_run(tmp_path, monkeypatch):
+    """With a wandb_run mark (Megatron's writer ran), the figures go to our run and into theirs."""
+    trace = make_trace(tmp_path / "t")
+    t = read_trace(trace)
+    marks = t.marks.to_pylist()
+    marks.append({"rank": 3, "name": "wandb_run", "phase": "i", "t": 0.0, "compute_clock": 0.0,
+                  "attrs": {"id": "meg123", "project": "gpt-scale", "entity": None, "dir": str(tmp_path / "meg")}})
+    manifest = {k: t.manifest[k] for k in ("world_size", "groups", "ranks", "job")}
+    trace = write_trace(tmp_path / "t2", manifest, t.ops.to_pylist(), marks=marks)
+    calls = []
+
+    class Logged:
+        def describe(self) -> str:
+            return "W&B (test)"
+
+    def fake_log(report, **kw):
+        calls.append(kw)
+        return Logged()
+
+    import prism_megatron.report.wandb_log as wandb_log
+
+    monkeypatch.setattr(wandb_log, "log_report", fake_log)
+    out = publish_mod.publish(Path(trace), cluster=None, config={"flags": ["--x"]}, wandb_project="prism-test")
+    assert out["report"]["format"] == "prismreport" and out["paths"]["html"].exists()
+    ours, theirs = calls
+    assert ours["project"] == "prism-test" and ours.get("resume_id") is None
+    assert theirs["resume_id"] == "meg123" and theirs["project"] == "gpt-scale"
+    assert theirs["run_dir"] == tmp_path / "meg" and theirs["timeline"] == out["paths"]["timeline"]
+
+
+@pytest.mark.skipif(cpu_mode._gpu_present(), reason="CPU-mode runs refuse a GPU")
+def test_run_writes_report_and_an_offline_wandb_run(tmp_path):
+    env = {**os.environ, **_wandb_env(tmp_path)}
+    p = subprocess.run([sys.executable, "-m", "prism_megatron", "run", "--recipe", "mini-dense-tp2pp2",
+                        "--prism-driver", "core", "--prism-track-memory", "on"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    report = read_report(tmp_path / "prism-trace" / "report.json")
+    assert len(report["prediction"]["iteration_times_s"]) == 3
+    assert report["memory"]["source"] == "cpu-accountant"
+    assert {c["class"] for c in report["memory"]["classes"]} == {"stage 0 of 2 (first)", "stage 1 of 2 (last)"}
+    assert all((tmp_path / "prism-trace" / f).is_file() for f in ("report.html", "timeline.json"))
+    assert "predicted iteration" in p.stdout
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and list(runs[0].glob("*.wandb")), p.stderr[-2000:]
+    assert "upload later with: wandb sync" in p.stderr
