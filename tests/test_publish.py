@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -64,6 +65,9 @@ def test_run_writes_report_and_an_offline_wandb_run(tmp_path):
     assert {c["class"] for c in report["memory"]["classes"]} == {"stage 0 of 2 (first)", "stage 1 of 2 (last)"}
     assert all((tmp_path / "prism-trace" / f).is_file() for f in ("report.html", "timeline.json"))
     assert "predicted iteration" in p.stdout
+    # Megatron's log line carries the live prediction, and it is the report's figure for that iteration
+    live = [float(m) for m in re.findall(r"elapsed time per iteration \(ms\): ([0-9.]+) \(predicted", p.stdout)]
+    assert live == [round(t * 1000, 1) for t in report["prediction"]["iteration_times_s"]], p.stdout[-3000:]
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and list(runs[0].glob("*.wandb")), p.stderr[-2000:]
     assert "upload later with: wandb sync" in p.stderr

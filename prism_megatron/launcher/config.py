@@ -31,6 +31,8 @@ class LaunchConfig:
     target_gpu: dict | None = None  # TargetGPU.as_dict(): each rank's allocator is capped at its 'usable'
     expected_iterations: int | None = None  # per rank, for the progress estimate (Megatron's --train-iters)
     progress_every: float = 10.0  # seconds between progress lines
+    predictor: str | None = None  # "module:function" answering ranks' live predictions (see runtime.live)
+    predictor_options: dict = field(default_factory=dict)
     track_memory: bool | None = None  # per-rank memory marks; None: on GPU always, on CPU when capped
 
     @property

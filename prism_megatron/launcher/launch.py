@@ -59,6 +59,8 @@ class _Job:
             "swap": cfg.resolved_swap(),
             "device_memory": cfg.device_memory,
             "swap_policy": os.environ.get("PRISM_SWAP_POLICY", "resident-first"),
+            "predictor": cfg.predictor, "predictor_options": cfg.predictor_options,
+            "live_trace": str(cfg.log_dir / "live-trace"),
         }
         env = dict(os.environ, PRISM_AUTHKEY=self.authkey.hex())
         log = open(cfg.log_dir / "coordinator.log", "wb")  # noqa: SIM115 - kept by the child

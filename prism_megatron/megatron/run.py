@@ -31,6 +31,7 @@ __all__ = ["RunRequest", "RunError", "parse_run_args", "run", "select_driver", "
 
 RANK_SETUP = "prism_megatron.megatron.emulate:rank_setup"
 PRELOAD = "prism_megatron.megatron.preload"
+PREDICTOR = "prism_megatron.report.live:predict_iteration"  # Megatron's log line shows the predicted time
 _ALIASES = {"--recipe": "--prism-recipe"}
 DRIVER_ENV = "PRISM_MEGATRON_DRIVER"  # 'core' or 'training': what the ranks set up for
 
@@ -220,6 +221,7 @@ def launch_config(request: RunRequest):
         threads_per_rank=o["prism_threads_per_rank"], preload=[PRELOAD], rank_setup=[RANK_SETUP],
         target_gpu=target_gpu(o), expected_iterations=_flag_int(request.script_args, "--train-iters"),
         track_memory={"auto": None, "on": True, "off": False}[o["prism_track_memory"]],
+        predictor=PREDICTOR, predictor_options={"cluster": o.get("prism_cluster")},
     )
 
 

@@ -5,12 +5,17 @@ brackets each iteration with a ``span("iteration", iteration=N)`` (N as Megatron
 1) and tells the schedule hooks which iteration their units belong to. ``evaluate`` (called by
 ``evaluate_and_print_results`` through the same module) becomes a span ``evaluate`` whose forward
 units carry ``eval=True``, so they are not mistaken for the iteration's training units.
+On the last rank (Megatron's logger), each logged iteration then waits for its predicted time
+(``runtime.live``), which ``print_rank_last`` (looked up in the same module) puts into the
+``elapsed time per iteration (ms)`` field, saying it is predicted. With ``--log-interval`` above 1
+Megatron's figure is the interval's mean; the predicted one is the logged iteration's.
 Checked against 0.16.1.
 """
 
 from __future__ import annotations
 
 import functools
+import re
 from typing import Any
 
 from prism_megatron.patches import once, schedules, seam
@@ -34,6 +39,34 @@ def _mark_wandb_run() -> None:
         return
     root = getattr(run.settings, "root_dir", None) or str(Path(run.dir).parents[2])
     mark("wandb_run", id=run.id, project=run.project, entity=run.entity or None, dir=str(root))
+
+
+_PREDICTED: dict[int, tuple] = {}  # iteration -> (seconds | None, note), on the last rank
+_ELAPSED = re.compile(r"iteration\s+(\d+)/.*?elapsed time per iteration \(ms\): ([0-9.]+)")
+
+
+def _ask_prediction(iteration: int) -> None:
+    """On the rank that prints Megatron's log (the last), where it will log: the predicted time."""
+    import torch.distributed as dist
+    from megatron.training import get_args
+
+    from prism_megatron.runtime.live import predicted_iteration_time
+
+    if dist.get_rank() == dist.get_world_size() - 1 and iteration % get_args().log_interval == 0:
+        answer = predicted_iteration_time(iteration)
+        if answer is not None:
+            _PREDICTED[iteration] = answer
+
+
+def _with_prediction(message: str) -> str:
+    """Megatron's iteration line with the predicted time in its ``elapsed time per iteration`` field."""
+    from prism_megatron.runtime.live import format_predicted_ms
+
+    m = _ELAPSED.search(message)
+    if m is None or int(m.group(1)) not in _PREDICTED:
+        return message
+    shown = format_predicted_ms(_PREDICTED.pop(int(m.group(1))), float(m.group(2)))
+    return message[:m.start(2)] + shown + message[m.end(2):]
 
 
 @once
@@ -60,7 +93,9 @@ def install() -> None:
         iteration = passed + 1 if isinstance(passed, int) else schedules.STATE.iteration + 1
         schedules.STATE.begin_iteration(iteration)
         with span("iteration", iteration=iteration):
-            return original(*args, **kwargs)
+            result = original(*args, **kwargs)
+        _ask_prediction(iteration)
+        return result
 
     original_evaluate = seam(training, "evaluate", CHECKED, ("forward_step_func", "data_iterator", "model"))
 
@@ -73,5 +108,12 @@ def install() -> None:
         finally:
             schedules.STATE.evaluating = False
 
+    original_print = seam(training, "print_rank_last", CHECKED)
+
+    @functools.wraps(original_print)
+    def print_rank_last(message: Any) -> Any:
+        return original_print(_with_prediction(message) if isinstance(message, str) else message)
+
     training.train_step = train_step
     training.evaluate = evaluate
+    training.print_rank_last = print_rank_last

@@ -185,6 +185,7 @@ class RankClient:
         self._granted = threading.Event()
         self._owed_grant = False
         self._fatal: PrismCommError | None = None
+        self._prediction: dict | None = None  # the last PREDICTED answer
         self.arena = Arena(segment_prefix)
         self._send({"t": P.HELLO, "rank": rank, "world_size": world_size, "pid": os.getpid()})
         self._receiver = threading.Thread(target=self._receive_loop, name="prism-receiver", daemon=True)
@@ -282,6 +283,22 @@ class RankClient:
         for o in ops:
             o.done.wait()
 
+    def predict(self, iteration: int) -> tuple[float | None, str]:
+        """The predicted time of ``iteration`` (seconds, or None) and a note saying what it rests on.
+
+        Gives the slot back until every rank has ended the iteration and the coordinator's predictor
+        replayed the trace so far; call it after this rank ended the iteration.
+        """
+        self._settle()
+        if self._fatal is not None:
+            raise self._fatal
+        self._prediction = None
+        self._granted.clear()
+        self._send({"t": P.PREDICT, "iteration": int(iteration)})
+        self._await_grant()
+        answer = self._prediction or {"seconds": None, "note": "no answer"}
+        return answer["seconds"], answer["note"]
+
     def _await_grant(self) -> None:
         while not self._granted.wait(1.0):
             pass
@@ -313,6 +330,8 @@ class RankClient:
                 self._complete(msg)
             elif t == P.GRANT:
                 self._granted.set()
+            elif t == P.PREDICTED:
+                self._prediction = msg
             elif t == P.ERROR:
                 p = self._pop(msg["id"])
                 if p is not None:

@@ -10,6 +10,7 @@ job ended. Single-threaded: every decision happens in one loop, in arrival order
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import selectors
@@ -18,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, Listener
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -102,6 +104,11 @@ class Coordinator:
         self.groups_by_id: dict[int, Group] = {}
         self.n_finished = 0
         self.iterations_done = 0  # 'iteration' spans ended, summed over ranks (progress of a capture)
+        self.iterations_ended: dict[int, int] = {}  # rank -> 'iteration' spans it ended
+        self.predictor: Any = None  # f(trace_dir, iteration) -> (seconds | None, note); see set_predictor
+        self.live_trace: Path | None = None
+        self.predict_waiting: list[tuple[RankState, int]] = []
+        self.paused_grants: list[Grant] | None = None  # grants held back while a prediction is computed
         self._last_progress = 0.0
         self.segments = SegmentMap()
         self.selector = selectors.DefaultSelector()
@@ -224,8 +231,16 @@ class Coordinator:
                                "compute_clock": self._compute_clock(rs), "attrs": json.dumps(msg["attrs"])})
             if msg["name"] == "iteration" and msg["phase"] == "E":
                 self.iterations_done += 1
+                self.iterations_ended[rs.rank] = self.iterations_ended.get(rs.rank, 0) + 1
                 if time.monotonic() - self._last_progress > 0.5:  # a progress line, not a message per mark
                     self._progress()
+                self._answer_predictions()
+        elif t == P.PREDICT:
+            rs.state = "blocked"  # gives its slot back while every rank finishes the iteration
+            rs.blocked_since = time.perf_counter()
+            self._stop_holding(rs)
+            self.predict_waiting.append((rs, int(msg["iteration"])))
+            self._answer_predictions()
         elif t == P.DROP:
             self.segments.drop(msg["segment"])
         elif t == P.BYE:
@@ -253,12 +268,17 @@ class Coordinator:
                                   "t_grant": rs.grant_t, "t_release": self.now()})
         for g in self.slots.release(rs.rank):
             self._grant(g)
+        if self.paused_grants is not None:
+            self._answer_predictions()
 
     def _apply(self, grants: list[Grant]) -> None:
         for g in grants:
             self._grant(g)
 
     def _grant(self, g: Grant) -> None:
+        if self.paused_grants is not None:  # a prediction waits for the slots to drain
+            self.paused_grants.append(g)
+            return
         if self.memory is not None and not self._make_resident(g):
             self.awaiting_room.append(g)  # holds the slot; retried when memory frees up
             return
@@ -341,6 +361,43 @@ class Coordinator:
         else:
             rs.done_ids.add(op_id)
 
+    # ---- live prediction (Megatron's log line carries the predicted iteration time) ----------------
+    def set_predictor(self, predictor: Any, live_trace: Path, options: dict | None = None) -> None:
+        """``predictor(trace_dir, iteration, **options) -> (seconds | None, note)``, given by the launcher
+        (the runtime knows no replay): it reads a snapshot of the trace so far, written to ``live_trace``."""
+        self.predictor, self.live_trace, self.predictor_options = predictor, live_trace, options or {}
+
+    def _answer_predictions(self) -> None:
+        if not self.predict_waiting:
+            return
+        self.predict_waiting = [(rs, it) for rs, it in self.predict_waiting if rs.state != "done"]  # died waiting
+        ready = [(rs, it) for rs, it in self.predict_waiting if len(self.ranks) == self.world_size and all(
+            self.iterations_ended.get(r.rank, 0) >= it or r.state == "done" for r in self.ranks.values())]
+        if not ready:
+            return
+        if any(r.state == "running" for r in self.ranks.values()):
+            # the replay runs on this machine's cores: let the computing ranks block first and grant no
+            # slot meanwhile, so it never inflates a rank's measured compute time
+            if self.paused_grants is None:
+                self.paused_grants = []
+            return
+        for rs, it in ready:
+            seconds, note = None, "no predictor in this run"
+            if self.predictor is not None:
+                try:
+                    from prism_megatron.runtime.trace_export import write_bare_trace
+
+                    write_bare_trace(self, self.live_trace, {"live": True}, {})
+                    seconds, note = self.predictor(self.live_trace, it, **self.predictor_options)
+                except Exception as e:  # a failed prediction must not end the capture
+                    seconds, note = None, f"prediction failed: {type(e).__name__}: {e}"
+            self._send(rs, {"t": P.PREDICTED, "iteration": it, "seconds": seconds, "note": note})
+            rs.state = "queued"
+            self._apply(self.slots.request(rs.rank))
+        self.predict_waiting = [w for w in self.predict_waiting if w not in ready]
+        held, self.paused_grants = self.paused_grants or [], None
+        self._apply(held)
+
     def _finish_rank(self, rs: RankState, exit_code: int | None) -> None:
         self._stop_holding(rs)
         if self.memory is not None:  # an ended process holds no device memory
@@ -349,6 +406,7 @@ class Coordinator:
         rs.state = "done"
         rs.exit_code = exit_code
         self.n_finished += 1
+        self._answer_predictions()
         self._progress()
 
     def _progress(self) -> None:
@@ -593,6 +651,10 @@ def main(argv: list[str] | None = None) -> None:
         caps = [int(c) for c in cfg["device_memory"]]
         swapper = BudgetSwapper(caps[0]) if swap == "budget" else CudaCheckpointSwapper()
         coord.enable_swap(swapper, caps, cfg.get("swap_policy", "resident-first"))
+    if cfg.get("predictor"):
+        module, _, func = cfg["predictor"].partition(":")
+        coord.set_predictor(getattr(importlib.import_module(module), func), Path(cfg["live_trace"]),
+                            cfg.get("predictor_options"))
     from torch.distributed import TCPStore
 
     store = TCPStore(cfg.get("host", "127.0.0.1"), 0, cfg["world_size"], is_master=True, wait_for_workers=False,

@@ -25,11 +25,13 @@ ACQUIRE = "acquire"  # the rank wants a slot (start of the program)
 MARK = "mark"  # {name, phase, attrs}: a scheduling-unit marker
 DROP = "drop"  # {segment}: the rank unlinked a shared-memory segment
 BYE = "bye"  # {exit_code}: the rank's program ended
+PREDICT = "predict"  # {iteration}: the rank waits for the predicted time of an iteration (slot released)
 
 # coordinator -> rank
 DONE = "done"  # {id, out: [bytes|None], src}
 ERROR = "error"  # {id, message}
 GRANT = "grant"  # the rank holds a slot again
+PREDICTED = "predicted"  # {iteration, seconds | None, note}: answer to PREDICT (a GRANT follows)
 ABORT = "abort"  # {message}: the job is ending; every pending op fails
 
 # launcher <-> coordinator

@@ -464,10 +464,13 @@ def train(args: argparse.Namespace) -> None:
             record(iteration, loss, norm)
         if rank == world - 1 and iteration % args.log_interval == 0:
             elapsed = (time.perf_counter() - start) * 1000.0
+            from prism_megatron.runtime.live import format_predicted_ms, predicted_iteration_time
+
+            shown_ms = format_predicted_ms(predicted_iteration_time(iteration), elapsed)  # None outside prism
             now = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
             shown = " ".join(f"{k}: {v:.6E} |" for k, v in loss.items())
             print(f" [{now}] iteration {iteration:8d}/{args.train_iters:8d} | consumed samples: "
-                  f"{iteration * gbs:12d} | elapsed time per iteration (ms): {elapsed:.1f} | learning rate: "
+                  f"{iteration * gbs:12d} | elapsed time per iteration (ms): {shown_ms} | learning rate: "
                   f"{optimizer.param_groups[0]['lr']:.6E} | global batch size: {gbs:5d} | {shown} loss scale: 1.0 | "
                   f"grad norm: {norm if norm is not None else float('nan'):.3f} |", flush=True)
     if args.overlap_param_gather:  # the last step's parameter all-gathers are still in flight

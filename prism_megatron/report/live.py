@@ -1,0 +1,57 @@
+"""The predicted time of one iteration while the capture still runs (Megatron's log line shows it).
+
+The coordinator calls ``predict_iteration`` (given to it by the launcher: the runtime knows no
+replay) once every rank has ended iteration N, with a snapshot of the trace so far. Each rank's
+records are cut at its N-th ``iteration`` end, so the graph holds whole iterations only (every
+collective of them has all its members; later ops are left out), and the replay's iteration N is
+the prediction. Same provenance as the report's (the note says it briefly): bare-graph compute,
+communication free or costed by a cluster profile.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from prism_megatron.trace import read_trace
+
+
+def _cut_times(marks: pa.Table, iteration: int) -> dict[int, float]:
+    """Per rank, the time of its ``iteration``-th iteration end."""
+    ends: dict[int, list[float]] = {}
+    for m in marks.filter(pc.and_(pc.equal(marks["name"], "iteration"), pc.equal(marks["phase"], "E"))).to_pylist():
+        ends.setdefault(m["rank"], []).append(m["t"])
+    return {r: sorted(ts)[iteration - 1] for r, ts in ends.items() if len(ts) >= iteration}
+
+
+def _until(table: pa.Table, column: str, cut: dict[int, float]) -> pa.Table:
+    keep = [cut.get(r, float("inf")) >= t for r, t in zip(table["rank"].to_pylist(), table[column].to_pylist(),
+                                                          strict=True)]
+    return table.filter(pa.array(keep, pa.bool_()))
+
+
+def predict_iteration(trace_dir: str | Path, iteration: int, cluster: str | None = None) -> tuple[float | None, str]:
+    """(predicted seconds of ``iteration`` or None, a note with the provenance or why not)."""
+    from prism_megatron.replay import graph_from_trace, replay, zero_cost
+
+    trace = read_trace(trace_dir)
+    cut = _cut_times(trace.marks, iteration)
+    if not cut:
+        return None, f"no rank has ended iteration {iteration}"
+    part = replace(trace, ops=_until(trace.ops, "t_issue", cut), marks=_until(trace.marks, "t", cut),
+                   slots=_until(trace.slots, "t_grant", cut))
+    cost = zero_cost
+    if cluster is not None:
+        from prism_megatron.calibration.costmodel import CollectiveCostModel
+        from prism_megatron.calibration.profiles import load_profile
+
+        cost = CollectiveCostModel(load_profile(cluster))
+    result = replay(graph_from_trace(part), cost)
+    times = {it.number: it.time for it in result.iterations()}
+    if iteration not in times:
+        return None, f"iteration {iteration} has no markers in the replay ({json.dumps(sorted(times))})"
+    return times[iteration], "uncalibrated, communication " + (f"costed by {cluster}" if cluster else "free")
