@@ -327,3 +327,24 @@ def test_report_imports_neither_runtime_nor_megatron(tmp_path):
             "print(sorted(m for m in sys.modules if m.startswith(('prism_megatron.runtime', 'megatron', 'torch'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_megatron_formula_anchor_beside_the_measured_peak(tmp_path):
+    from prism_megatron.trace import read_trace
+
+    t = read_trace(make_trace(tmp_path / "t"))
+    marks = t.marks.to_pylist()
+    marks.append(_mark(0, "megatron_estimate", 0.0, 0.0, weight_and_optimizer=2 * GIB, activation=GIB,
+                       total=3 * GIB, source="megatron.training.theoretical_memory_usage (most loaded shard)"))
+    manifest = {k: t.manifest[k] for k in ("world_size", "groups", "ranks", "job")}
+    path = write_trace(tmp_path / "t2", manifest, t.ops.to_pylist(), marks=marks)
+    report = build_report(path)
+    anchors = report["anchors"]
+    assert anchors["megatron_formula"]["total"] == 3 * GIB
+    top = max(report["memory"]["classes"], key=lambda c: c["max_allocated"])
+    assert anchors["measured_max_allocated"] == {"class": top["class"], "bytes": top["max_allocated"]}
+    text = summary_text(report, width=300)
+    expected = 100 * (3 * GIB - top["max_allocated"]) / top["max_allocated"]
+    assert "Megatron's memory formula (most loaded shard): 3.0 GiB" in text and f"{expected:+.1f}%" in text
+    assert "memory formula" in render_html(report)
+    assert build_report(make_trace(tmp_path / "plain"))["anchors"]["megatron_formula"] is None

@@ -187,7 +187,8 @@ class _Job:
 
     def job_meta(self) -> dict:
         cfg = self.cfg
-        return {"script": str(cfg.script), "args": cfg.script_args, "world_size": cfg.world_size,
+        return {"script": str(cfg.script), "args": cfg.script_args, "argv": [str(cfg.script), *cfg.script_args],
+                "world_size": cfg.world_size,
                 "devices": cfg.devices, "slots_per_device": cfg.slots_per_device,
                 "gpus_per_node": cfg.gpus_per_node, "job_id": self.job_id,
                 "wall_time_s": time.perf_counter() - self.t0,

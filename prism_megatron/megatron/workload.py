@@ -8,6 +8,9 @@ predicted iteration time into tokens/s and TFLOP/s per GPU.
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import io
 from typing import Any
 
 from prism_megatron.trace.markers import mark
@@ -55,9 +58,49 @@ def flops_per_iteration(args: Any, vocab: int) -> float:
     return 3.0 * forward_per_token * args.global_batch_size * s
 
 
+# what megatron.training.theoretical_memory_usage reads that a core-driver namespace may lack
+_FORMULA_DEFAULTS = {"is_hybrid_model": False, "multi_latent_attention": False, "mtp_num_layers": None,
+                     "moe_layer_freq": 1, "moe_shared_expert_intermediate_size": None, "recompute_granularity": None,
+                     "normalization": "LayerNorm", "q_lora_rank": None, "kv_lora_rank": None, "swiglu": False,
+                     "group_query_attention": False, "num_query_groups": None, "sequence_parallel": False,
+                     "use_distributed_optimizer": False, "untie_embeddings_and_output_weights": False}
+
+
+def megatron_estimate(args: Any, vocab: int | None) -> dict[str, Any]:
+    """Megatron's own theoretical memory of the most loaded shard (bytes), or why there is none.
+
+    The report shows it beside the measured peaks: it is what users compare us with.
+    """
+    try:
+        from megatron.core import parallel_state as ps
+        from megatron.core.num_microbatches_calculator import get_num_microbatches
+        from megatron.training.theoretical_memory_usage import report_theoretical_memory
+    except ImportError as e:
+        return {"error": f"megatron.training is not importable ({e.name})"}
+    ns = argparse.Namespace(**{**_FORMULA_DEFAULTS, **vars(args)})
+    ns.padded_vocab_size = getattr(args, "padded_vocab_size", None) or vocab
+    ns.kv_channels = getattr(args, "kv_channels", None) or args.hidden_size // args.num_attention_heads
+    ns.data_parallel_size = getattr(args, "data_parallel_size", None) or ps.get_data_parallel_world_size()
+    ns.virtual_pipeline_model_parallel_size = getattr(args, "virtual_pipeline_model_parallel_size", None) or \
+        ps.get_virtual_pipeline_model_parallel_world_size()
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):  # it prints its figures; the report shows them
+            weights, activations, total = report_theoretical_memory(ns, num_microbatches=get_num_microbatches())
+    except Exception as e:  # a flag combination the formula does not handle
+        return {"error": f"{type(e).__name__}: {e}"}
+    mib = 1 << 20  # its "MB"
+    return {"weight_and_optimizer": int(weights * mib), "activation": int(activations * mib),
+            "total": int(total * mib), "source": "megatron.training.theoretical_memory_usage (most loaded shard)"}
+
+
 def mark_rank(args: Any, vocab: int | None) -> None:
-    """Record this rank's ``layout`` and the job's ``workload`` (call once parallel_state is set up)."""
+    """Record this rank's ``layout`` and the job's ``workload`` (call once parallel_state is set up);
+    rank 0 adds Megatron's theoretical memory estimate (``megatron_estimate``)."""
     mark("layout", **layout_attrs())
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        mark("megatron_estimate", **megatron_estimate(args, vocab))
     tokens = int(args.global_batch_size) * int(args.seq_length)
     flops = flops_per_iteration(args, vocab) if vocab else None
     mark("workload", global_batch_size=int(args.global_batch_size), seq_length=int(args.seq_length),

@@ -30,7 +30,7 @@ OOM_EXIT_CODE = 5
 MAX_TIMELINE_ROWS = 64
 MAX_PATH_STEPS = 12
 MAX_ERROR_LINES = 8
-_MARKS = ("layout", "workload", "memory", "oom")
+_MARKS = ("layout", "workload", "memory", "oom", "megatron_estimate")
 _MEMORY_INTS = ("allocated", "reserved", "max_allocated", "max_reserved")
 
 
@@ -74,6 +74,7 @@ def assemble(trace_dir: str | Path, cluster: str | None = None) -> tuple[dict[st
         "oom": oom,
         "swap": _swap(job.get("swap")),
         "verdict": verdict(memory, oom, exit5, classes, target["gpu"]),
+        "anchors": _anchors(marks, memory),
     }
     return report, result
 
@@ -85,6 +86,15 @@ def provenance(cluster: str | None) -> str:
 
 
 # ------------------------------------------------------------------------------------------ marks
+
+
+def _anchors(marks: dict[str, dict[int, Any]], memory: dict[str, Any]) -> dict[str, Any]:
+    """Estimates users already have, beside our measured figures: Megatron's theoretical memory
+    (of its most loaded shard) against the largest measured max allocated."""
+    formula = next(iter(marks["megatron_estimate"].values()), None)
+    top = max(memory["classes"], key=lambda c: c["max_allocated"], default=None)
+    return {"megatron_formula": formula,
+            "measured_max_allocated": None if top is None else {"class": top["class"], "bytes": top["max_allocated"]}}
 
 
 def _read_marks(trace: PrismTrace) -> dict[str, dict[int, Any]]:

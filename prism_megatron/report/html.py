@@ -13,6 +13,7 @@ import re
 from html import escape
 from typing import Any
 
+from .terminal import anchor_lines
 from .units import GIB, fmt_bytes, fmt_rate, fmt_seconds, rank_ranges
 
 COLOURS = {"compute": "#3b82f6", "exposed_comm": "#f59e0b", "bubble": "#e5e7eb"}
@@ -274,6 +275,7 @@ def render_html(report: dict[str, Any]) -> str:
                               fmt_bytes(c["max_reserved"]), fmt_bytes(c["headroom"])] for c in mem["classes"]],
                             {2, 3, 4},
                             ["oom" if c["headroom"] is not None and c["headroom"] < 0 else "" for c in mem["classes"]]))
+        parts += [f'<p class="prov">{_e(line.plain)}</p>' for line in anchor_lines(report)]
     if report["oom"]:
         parts += ["<h2>Out of memory</h2>",
                   _table(["rank", "class", "requested", "allocated", "reserved", "cap", "snapshot", "message"],

@@ -115,6 +115,22 @@ def _breakdown(report: dict[str, Any]) -> Table | None:
     return t
 
 
+def anchor_lines(report: dict[str, Any]) -> list[Any]:
+    anchors = report.get("anchors") or {}
+    formula, measured = anchors.get("megatron_formula"), anchors.get("measured_max_allocated")
+    if formula is None:
+        return []
+    if "error" in formula:
+        return [Text(f"Megatron's memory formula: not available ({formula['error']})", style="dim")]
+    line = (f"Megatron's memory formula (most loaded shard): {fmt_bytes(formula['total'])} "
+            f"(weights+optimizer {fmt_bytes(formula['weight_and_optimizer'])}, activations "
+            f"{fmt_bytes(formula['activation'])})")
+    if measured is not None:
+        line += (f" vs measured max allocated {fmt_bytes(measured['bytes'])} ({measured['class']}, "
+                 f"{100 * (formula['total'] - measured['bytes']) / measured['bytes']:+.1f}%)")
+    return [Text(line)]
+
+
 def renderables(report: dict[str, Any]) -> list[Any]:
     """The summary as rich renderables, in reading order."""
     job = report["job"]
@@ -125,6 +141,7 @@ def renderables(report: dict[str, Any]) -> list[Any]:
     out: list[Any] = [Text(head, style="dim"), Text(report["verdict"], style=_verdict_style(report["verdict"]))]
     out += _prediction(report)
     out += [t for t in (_memory(report), _oom(report), _breakdown(report)) if t is not None]
+    out += anchor_lines(report)
     if report["prediction"] and report["prediction"]["notes"]:
         out.append(Text(f"{len(report['prediction']['notes'])} note(s) from building the replay graph; "
                         "see report.json", style="dim"))
