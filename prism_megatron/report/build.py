@@ -340,7 +340,8 @@ def verdict(memory: dict[str, Any], oom: list[dict[str, Any]], exit5: list[int],
                 f"{f'; {len(exit5) - 1} other rank(s) too' if len(exit5) > 1 else ''}")
     ranks = memory["ranks"]
     if not ranks:
-        return "no memory figures in this trace"
+        return ("no memory figures in this trace (on CPU they need --prism-track-memory on or "
+                "--prism-target-gpu; on a GPU they are always recorded)")
     capped = [e for e in ranks if e["headroom"] is not None]
     if not capped:
         peak = max(ranks, key=lambda e: e["max_reserved"])
