@@ -186,6 +186,52 @@ def replay_cmd(trace_dir: Path, cluster: str | None, chrome_out: Path | None) ->
         click.echo(f"wrote {chrome_out}")
 
 
+@main.command("calibrate", context_settings={"ignore_unknown_options": True})
+@click.argument("bare_trace", type=click.Path(path_type=Path))
+@click.option("--out", "out_dir", type=click.Path(path_type=Path), required=True,
+              help="Directory for the slices' traces and the calibrated graph (OUT/calibrated).")
+@click.option("--devices", default="cpu", show_default=True, help="'cpu' or CUDA device indices, e.g. 0 or 0,1.")
+@click.option("--ranks-per-device", type=int, default=1, show_default=True,
+              help="Slice ranks that compute at once on each device (a slice holds devices x this).")
+@click.option("--cluster", default=None, help="Cluster profile (name or YAML) that costs the ops no slice "
+              "measured whole, and those spanning target nodes; default: those ops are free.")
+@click.argument("script", type=click.Path(path_type=Path))
+@click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
+def calibrate_cmd(bare_trace: Path, out_dir: Path, devices: str, ranks_per_device: int, cluster: str | None,
+                  script: Path, script_args: tuple[str, ...]) -> None:
+    """Calibrate BARE_TRACE: run each slice of SCRIPT for real (the other ranks replayed), align the slices.
+
+    Example: prism-megatron calibrate prism-trace --out calib --ranks-per-device 2 -- train.py --lr 1e-3
+    """
+    from prism_megatron.calibration import AlignError, SliceError
+    from prism_megatron.calibration.slice_run import SliceRunError, calibrate, predicted_iterations
+    from prism_megatron.calibration.virtual_rank import VirtualRankError
+    from prism_megatron.replay.engine import GraphError, zero_cost
+    from prism_megatron.trace import TraceFormatError, read_trace
+
+    try:
+        cost, use_model, name = zero_cost, None, "free (no cluster profile)"
+        if cluster is not None:
+            from prism_megatron.calibration import CollectiveCostModel, load_profile, spans_nodes
+
+            cost, name = CollectiveCostModel(load_profile(cluster)), f"cluster profile {cluster}"
+            use_model = spans_nodes(int(read_trace(bare_trace).manifest["job"].get("gpus_per_node", 8)))
+        path = calibrate(bare_trace, out_dir, script=script, script_args=script_args,
+                         devices=parse_devices(devices), ranks_per_device=ranks_per_device, cost=cost,
+                         cost_name=name, use_model=use_model)
+        rows = predicted_iterations(bare_trace, path, cost)
+    except LaunchError as e:
+        raise click.UsageError(str(e)) from None
+    except (TraceFormatError, GraphError, SliceError, AlignError, VirtualRankError, SliceRunError, ValueError) as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(f"calibrated graph: {path}")
+    click.echo(f"predicted iteration times (ops no slice measured whole: {name}):")
+    click.echo(f"  {'iteration':>9} {'bare graph':>12} {'calibrated':>12}")
+    for it, b, c in rows:
+        fmt = lambda s: "-" if s is None else f"{s * 1e3:.3f} ms"  # noqa: E731
+        click.echo(f"  {it:>9} {fmt(b):>12} {fmt(c):>12}")
+
+
 @main.command("report")
 @click.argument("trace_dir", type=click.Path(path_type=Path))
 @click.option("--cluster", default=None, help="Cluster profile (name or YAML) that costs communication; "

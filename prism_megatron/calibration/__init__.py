@@ -1,7 +1,9 @@
 """Calibration: slices, inter-slice alignment, the calibrated graph file, cluster profiles and the
 collective cost model (with its fit from nccl-tests output).
 
-Works from files only: imports neither the runtime nor Megatron.
+What this package exports works from files only: it imports neither the runtime nor Megatron. The
+slice run mode is imported by path: ``slice_run`` drives the launcher, and ``virtual_rank`` runs
+inside a logical rank, where it uses torch.distributed and the runtime's ``idle``.
 """
 
 from .align import AlignError, SliceRun, align_slices, slice_run_from_trace, spans_nodes

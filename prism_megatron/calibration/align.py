@@ -77,6 +77,24 @@ def _same(op: dict[str, Any], ev: Comm) -> bool:
     return op["seq"] == ev.seq and op["peer"] == ev.peer
 
 
+def comm_rows(graph: Graph, trace: Any, rank: int) -> list[dict[str, Any]]:
+    """The trace row of each of ``rank``'s Comm events of ``graph`` (``graph_from_trace(trace)``), in order.
+
+    Rows the graph left out (unmatched p2p) are skipped; raises AlignError if an event has no row.
+    """
+    ops, k, rows = trace.ops_for_rank(rank), 0, []
+    for i, ev in enumerate(graph.events[rank]):
+        if not isinstance(ev, Comm):
+            continue
+        while k < len(ops) and not _same(ops[k], ev):
+            k += 1
+        if k == len(ops):
+            raise AlignError(f"{graph.source}: rank {rank} event {i} ({ev.kind} on group {ev.group}) has no op row")
+        rows.append(ops[k])
+        k += 1
+    return rows
+
+
 def slice_run_from_trace(trace: Any, ranks: Collection[int], index: int = 0) -> SliceRun:
     """The measurement of one slice from its PrismTrace (``trace.read_trace``); ``ranks`` ran for real.
 
@@ -89,19 +107,8 @@ def slice_run_from_trace(trace: Any, ranks: Collection[int], index: int = 0) -> 
     absent = [r for r in ranks if r not in graph.events]
     if absent:
         raise AlignError(f"{graph.source}: slice {index} ranks {absent} are not in the trace")
-    op_times: dict[int, list[tuple[float, float]]] = {}
-    for r in ranks:
-        ops, k, times = trace.ops_for_rank(r), 0, []
-        for i, ev in enumerate(graph.events[r]):
-            if not isinstance(ev, Comm):
-                continue
-            while k < len(ops) and not _same(ops[k], ev):
-                k += 1
-            if k == len(ops):
-                raise AlignError(f"{graph.source}: rank {r} event {i} ({ev.kind} on group {ev.group}) has no op row")
-            times.append((float(ops[k]["t_issue"]), float(ops[k]["t_complete"])))
-            k += 1
-        op_times[r] = times
+    op_times = {r: [(float(op["t_issue"]), float(op["t_complete"])) for op in comm_rows(graph, trace, r)]
+                for r in ranks}
     devices = sorted({e["device"] for e in trace.manifest["ranks"] if e["rank"] in set(ranks)})
     return SliceRun(index, dict(graph.groups), {r: graph.events[r] for r in ranks}, op_times,
                     ", ".join(devices), graph.source, list(graph.notes))

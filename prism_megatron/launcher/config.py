@@ -34,6 +34,10 @@ class LaunchConfig:
     predictor: str | None = None  # "module:function" answering ranks' live predictions (see runtime.live)
     predictor_options: dict = field(default_factory=dict)
     track_memory: bool | None = None  # per-rank memory marks; None: on GPU always, on CPU when capped
+    # per-rank overrides (calibration's slice runs): these ranks run another program, or sit on another
+    # device (an index into `devices`), than the contiguous default
+    rank_scripts: dict[int, tuple[Path, list[str]]] = field(default_factory=dict)
+    rank_devices: dict[int, int] = field(default_factory=dict)
 
     @property
     def memory_cap(self) -> int | None:
@@ -54,8 +58,12 @@ class LaunchConfig:
         return self.trace_dir.with_name(self.trace_dir.name + ".logs")
 
     def device_of(self, rank: int) -> int:
-        """Contiguous blocks of ranks per device, so neighbours (a TP group) share one."""
-        return rank * len(self.devices) // self.world_size
+        """Contiguous blocks of ranks per device, so neighbours (a TP group) share one; or rank_devices."""
+        return self.rank_devices.get(rank, rank * len(self.devices) // self.world_size)
+
+    def script_for(self, rank: int) -> tuple[Path, list[str]]:
+        """The program `rank` runs and its arguments: `rank_scripts` or else `script`."""
+        return self.rank_scripts.get(rank, (self.script, self.script_args))
 
     def validate(self) -> LaunchConfig:
         if not isinstance(self.world_size, int) or self.world_size < 1:
@@ -81,6 +89,19 @@ class LaunchConfig:
             raise LaunchError(f"--threads-per-rank must be a positive integer, got {self.threads_per_rank!r}")
         if not self.script.is_file():
             raise LaunchError(f"script {str(self.script)!r} does not exist or is not a file")
+        for r, (script, args) in self.rank_scripts.items():
+            if not isinstance(r, int) or not 0 <= r < self.world_size:
+                raise LaunchError(f"rank_scripts: rank {r!r} is outside 0..{self.world_size - 1}")
+            if not Path(script).is_file():
+                raise LaunchError(f"rank_scripts: rank {r}'s script {str(script)!r} does not exist or is not a file")
+            if not all(isinstance(a, str) for a in args):
+                raise LaunchError(f"rank_scripts: rank {r}'s arguments {args!r} are not all strings")
+        for r, d in self.rank_devices.items():
+            if not isinstance(r, int) or not 0 <= r < self.world_size:
+                raise LaunchError(f"rank_devices: rank {r!r} is outside 0..{self.world_size - 1}")
+            if not isinstance(d, int) or not 0 <= d < len(self.devices):
+                raise LaunchError(f"rank_devices: rank {r}'s device {d!r} is not an index into --devices "
+                                  f"{','.join(self.devices)}")
         for r in self.log_ranks or []:
             if not 0 <= r < self.world_size:
                 raise LaunchError(f"--log-ranks: rank {r} is outside 0..{self.world_size - 1}")

@@ -192,6 +192,8 @@ class _Job:
                 "devices": cfg.devices, "slots_per_device": cfg.slots_per_device,
                 "gpus_per_node": cfg.gpus_per_node, "job_id": self.job_id,
                 "wall_time_s": time.perf_counter() - self.t0,
+                **({"rank_scripts": {str(r): [str(p), *a] for r, (p, a) in sorted(cfg.rank_scripts.items())}}
+                   if cfg.rank_scripts else {}),
                 **({"target_gpu": cfg.target_gpu} if cfg.target_gpu is not None else {})}
 
     def cleanup(self) -> None:

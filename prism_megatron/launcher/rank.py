@@ -119,8 +119,9 @@ def run_rank(cfg: LaunchConfig, rank: int, address: tuple[str, int], authkey: by
 
 
 def _run_script(cfg: LaunchConfig, rank: int, probe=None) -> int:
-    script = str(cfg.script.resolve())
-    sys.argv = [script, *cfg.script_args]
+    path, args = cfg.script_for(rank)
+    script = str(Path(path).resolve())
+    sys.argv = [script, *args]
     sys.path.insert(0, str(Path(script).parent))
     try:
         runpy.run_path(script, run_name="__main__")

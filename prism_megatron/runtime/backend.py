@@ -304,6 +304,19 @@ def _split_bytes(t: torch.Tensor, splits: Any, n: int, what: str) -> list[int]:
 _installed: RankClient | None = None
 
 
+def idle(seconds: float) -> None:
+    """Let ``seconds`` pass without holding a compute slot (RankClient.idle); a plain sleep outside prism.
+
+    The one runtime call a program that replays recorded compute needs (calibration's virtual ranks).
+    """
+    if _installed is None:
+        import time
+
+        time.sleep(max(seconds, 0.0))
+    else:
+        _installed.idle(seconds)
+
+
 def install(client: RankClient) -> None:
     """Make every process group of this process a prism group, whatever backend the program asks for.
 

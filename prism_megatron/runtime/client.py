@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import os
 import threading
+import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Client, Connection
 from typing import Any
@@ -282,6 +283,20 @@ class RankClient:
         self._await_grant()
         for o in ops:
             o.done.wait()
+
+    def idle(self, seconds: float) -> None:
+        """Let ``seconds`` pass without holding a compute slot: give it back, sleep, ask again.
+
+        For a rank that stands in for computation it does not perform (calibration's virtual ranks
+        wait their recorded compute durations): the time is neither this rank's compute in the trace
+        nor taken from the ranks that share its device.
+        """
+        self._settle()
+        if self._fatal is not None:
+            raise self._fatal
+        self._send({"t": P.RELEASE})
+        time.sleep(max(seconds, 0.0))
+        self.acquire()
 
     def predict(self, iteration: int) -> tuple[float | None, str]:
         """The predicted time of ``iteration`` (seconds, or None) and a note saying what it rests on.

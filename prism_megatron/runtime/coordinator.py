@@ -224,6 +224,9 @@ class Coordinator:
         elif t == P.ACQUIRE:
             rs.state = "queued"
             self._apply(self.slots.request(rs.rank))
+        elif t == P.RELEASE:  # waits a duration it does not compute (RankClient.idle); ACQUIRE follows
+            rs.state = "idle"  # not "blocked": a sleeping rank will move again, so it is no hang
+            self._stop_holding(rs)
         elif t == P.GROUP:
             self._on_group(rs, msg)
         elif t == P.MARK:

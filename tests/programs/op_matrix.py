@@ -2,7 +2,8 @@
 
 Run under real gloo (torchrun, W processes) and under prism; the tests compare the files.
 Ops gloo lacks (AVG, PREMUL_SUM) store an exact reference computed here instead, under gloo only.
-Usage: op_matrix.py OUT_DIR [cuda]
+Usage: op_matrix.py OUT_DIR [cuda]; OP_MATRIX_EVEN_ONLY=1 leaves out the uneven all_to_all_single (its split
+sizes are not in a PrismTrace, so calibration's virtual ranks cannot replay it: tests/test_slice_run.py).
 """
 
 import os
@@ -124,16 +125,17 @@ save("all_to_all/list", torch.stack(outs))
 o = torch.empty(2 * W, device=device)
 dist.all_to_all_single(o, inp(2 * W))
 save("all_to_all_single/even", o)
-in_splits = [(R + j) % 3 + 1 for j in range(W)]  # rank R sends (R+j)%3+1 rows to j
-out_splits = [(j + R) % 3 + 1 for j in range(W)]  # and receives (j+R)%3+1 rows from j
-x = inp(sum(in_splits) * 4).reshape(-1, 4)
-o = torch.empty(sum(out_splits), 4, device=device)
-dist.all_to_all_single(o, x, out_splits, in_splits)
-save("all_to_all_single/uneven", o)
-x = inp(sum(in_splits) * 4096).reshape(-1, 4096)  # big: shared memory
-o = torch.empty(sum(out_splits), 4096, device=device)
-dist.all_to_all_single(o, x, out_splits, in_splits)
-save("all_to_all_single/uneven_big", o)
+if os.environ.get("OP_MATRIX_EVEN_ONLY") != "1":
+    in_splits = [(R + j) % 3 + 1 for j in range(W)]  # rank R sends (R+j)%3+1 rows to j
+    out_splits = [(j + R) % 3 + 1 for j in range(W)]  # and receives (j+R)%3+1 rows from j
+    x = inp(sum(in_splits) * 4).reshape(-1, 4)
+    o = torch.empty(sum(out_splits), 4, device=device)
+    dist.all_to_all_single(o, x, out_splits, in_splits)
+    save("all_to_all_single/uneven", o)
+    x = inp(sum(in_splits) * 4096).reshape(-1, 4096)  # big: shared memory
+    o = torch.empty(sum(out_splits), 4096, device=device)
+    dist.all_to_all_single(o, x, out_splits, in_splits)
+    save("all_to_all_single/uneven_big", o)
 
 # point to point
 nxt, prv = (R + 1) % W, (R - 1) % W
