@@ -24,16 +24,16 @@ REPO = Path(__file__).resolve().parents[1]
 def test_target_names_aliases_and_gib():
     h100 = resolve_target("H100")
     assert h100.name == "h100-80gb" and h100.capacity == 81559 * MiB
-    assert h100.usable == h100.capacity - 1 * GiB and "nccl#1264" in h100.source
+    assert h100.usable == h100.capacity - int(3.5 * GiB) and "nccl#1264" in h100.source
     custom = resolve_target("79.5", context_gib=0.5)
     assert custom.capacity == int(79.5 * GiB) and custom.context == GiB // 2 and custom.usable == 79 * GiB
-    assert resolve_target("h200-141gb").as_dict()["usable"] == 143771 * MiB - GiB
+    assert resolve_target("h200-141gb").as_dict()["usable"] == 143771 * MiB - int(3.5 * GiB)
 
 
 @pytest.mark.parametrize("spec, context, needle", [
     ("h300-999gb", None, "'h300-999gb' is neither a known GPU"),
     ("-3", None, "'-3': the capacity must be a positive"),
-    ("0.5", None, "leaves nothing"),
+    ("3", None, "leaves nothing"),
     ("h100", -1.0, "--prism-target-context -1.0"),
 ])
 def test_target_errors_name_the_value(spec, context, needle):
