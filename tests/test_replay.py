@@ -395,8 +395,8 @@ def test_waits_on_async_ops_placed_from_slot_releases(tmp_path):
         _row(1, 1, "send", 1, 0, 2.6, 2.6, 2.0, peer=0),
         _row(1, 2, "all_reduce", 0, 0, 3.1, 5.0, 0.5),
     ]
-    slots = [{"rank": r, "device": "cpu", "slot": 0, "t_grant": g, "t_release": e}
-             for r, g, e in [(0, 0.0, 0.5), (0, 3.1, 4.1), (1, 0.5, 3.1)]]
+    slots = [{"rank": r, "device": "cpu", "slot": 0, "t_grant": g, "t_release": e, "compute_clock": c}
+             for r, g, e, c in [(0, 0.0, 0.5, 0.5), (0, 3.1, 4.1, 1.5), (1, 0.5, 3.1, 2.5)]]
     path = write_trace(tmp_path / "bare.prismtrace", manifest, ops, slots=slots)
     graph = graph_from_trace(read_trace(path))
     assert [type(e).__name__ for e in graph.events[0]] == ["Compute", "Comm", "Comm", "Wait", "Compute", "Comm"]

@@ -116,8 +116,12 @@ def _marks() -> list[dict]:
 
 
 def _slots() -> list[dict]:
+    clocks: dict[int, float] = {}
+
     def g(rank, slot, a, b):
-        return {"rank": rank, "device": "cuda:0", "slot": slot, "t_grant": a, "t_release": b}
+        clocks[rank] = clocks.get(rank, 0.0) + b - a  # the rank computed all its slot time here
+        return {"rank": rank, "device": "cuda:0", "slot": slot, "t_grant": a, "t_release": b,
+                "compute_clock": clocks[rank]}
 
     # Grants straddle span boundaries (forward begins/ends inside a grant) on purpose.
     return [
@@ -328,7 +332,7 @@ def _set(key, value):
 MANIFEST_CASES = {
     "wrong format": (_set("format", "chrome"), ["'format'", "chrome"]),
     "no format": (_drop_key("format"), ["'format'", "missing"]),
-    "future version": (_set("version", 2), ["'version'", "is 2", "supports", "1"]),
+    "future version": (_set("version", 3), ["'version'", "is 3", "supports", "1, 2"]),
     "version string": (_set("version", "1"), ["'version'", "string"]),
     "no version": (_drop_key("version"), ["'version'", "missing"]),
     "incomplete": (_set("complete", False), ["'complete'", "not finished"]),
@@ -731,3 +735,28 @@ def test_markers_do_not_load_pyarrow() -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
+
+
+def test_version_1_traces_still_read_with_slot_holding_as_the_clock(tmp_path):
+    """v1 had no slots.compute_clock: the reader fills it from slot-holding time, v1's compute clock."""
+    import json
+
+    import pyarrow.parquet as pq
+
+    path = write_trace(tmp_path / "t", _manifest(), _ops(), marks=_marks(), slots=_slots())
+    table = pq.read_table(path / "slots.parquet").drop_columns(["compute_clock"])
+    pq.write_table(table, path / "slots.parquet")
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest["version"] = 1
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    slots = read_trace(path).slots.to_pylist()
+    for rank in {s["rank"] for s in slots}:
+        mine = sorted((s for s in slots if s["rank"] == rank), key=lambda s: s["t_grant"])
+        held = 0.0
+        for s in mine:
+            held += s["t_release"] - s["t_grant"]
+            assert s["compute_clock"] == pytest.approx(held)
+    manifest["version"] = 2  # a v2 trace without the column is rejected, naming it
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(TraceFormatError, match="column 'compute_clock' is missing"):
+        read_trace(path)

@@ -268,12 +268,13 @@ def _rank_events(ops: list[dict[str, Any]], marks: list[dict[str, Any]],
 
 
 def _releases(slots: list[dict[str, Any]]) -> list[tuple[float, float]]:
-    """(t_release, compute clock at the release) of one rank's slot grants."""
-    out, clock = [], 0.0
-    for s in sorted(slots, key=lambda s: s["t_grant"]):
-        clock += max(s["t_release"] - s["t_grant"], 0.0)
-        out.append((s["t_release"], clock))
-    return out
+    """(t_release, the rank's compute clock at the release) of one rank's slot grants.
+
+    The clock must be the one ops' compute_before and marks' compute_clock use (the rank's own, v2),
+    or a wait lands inside the wrong compute segment: with slot-holding time (which includes the
+    runtime's staging) a pipeline stage's backward overlapped its wait for the gradient.
+    """
+    return [(s["t_release"], s["compute_clock"]) for s in sorted(slots, key=lambda s: s["t_grant"])]
 
 
 def _resolve_any_source(per_rank: dict[int, list[dict[str, Any]]]) -> None:

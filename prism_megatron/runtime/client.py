@@ -187,6 +187,10 @@ class RankClient:
         self._owed_grant = False
         self._fatal: PrismCommError | None = None
         self._prediction: dict | None = None  # the last PREDICTED answer
+        # the rank's own compute clock: time spent in the program while holding a slot, the runtime's
+        # own work (staging, messages, waiting for grants) excluded; sent with every op and marker
+        self._clock = 0.0
+        self._running_since: float | None = None
         self.arena = Arena(segment_prefix)
         self._send({"t": P.HELLO, "rank": rank, "world_size": world_size, "pid": os.getpid()})
         self._receiver = threading.Thread(target=self._receive_loop, name="prism-receiver", daemon=True)
@@ -196,6 +200,16 @@ class RankClient:
     def _send(self, msg: dict) -> None:
         with self._send_lock:
             self._conn.send(msg)
+
+    def _pause(self) -> float:
+        """The program calls into the runtime: stop its compute clock; returns the clock."""
+        if self._running_since is not None:
+            self._clock += time.perf_counter() - self._running_since
+            self._running_since = None
+        return self._clock
+
+    def _resume(self) -> None:
+        self._running_since = time.perf_counter()
 
     def acquire(self) -> None:
         """Wait for a compute slot (start of the program)."""
@@ -208,7 +222,9 @@ class RankClient:
 
     def mark(self, name: str, phase: str, attrs: dict) -> None:
         self._settle()
-        self._send({"t": P.MARK, "name": name, "phase": phase, "attrs": attrs})
+        clock = self._pause()
+        self._send({"t": P.MARK, "name": name, "phase": phase, "attrs": attrs, "clk": clock})
+        self._resume()
 
     def submit(self, group: str, kind: str, ins: list[torch.Tensor], outs: list[torch.Tensor],
                *, inplace: bool = False, result: list[torch.Tensor] | None = None, **params: Any) -> PrismWork:
@@ -219,6 +235,9 @@ class RankClient:
         if self._fatal is not None:
             raise self._fatal
         self._settle()
+        if any(t.is_cuda for t in (*ins, *outs)):
+            torch.cuda.synchronize()  # queued kernels are the program's compute: finish them on its clock
+        clock = self._pause()  # staging below is the runtime's time, not the program's
         op_id = next(self._ids)
         work = PrismWork(self, op_id, outs if result is None else result)
         with untracked():  # staging copies are the runtime's, not the program's memory
@@ -226,7 +245,7 @@ class RankClient:
         with self._pending_lock:
             self._pending[op_id] = _Pending(work, outs, [d[0] for d in out_descs], regions)
         msg = {"t": P.OP, "id": op_id, "g": group, "kind": kind, "ins": in_descs, "outs": out_descs,
-               "drops": self.arena.take_dropped(), **params}
+               "drops": self.arena.take_dropped(), "clk": clock, **params}
         if params.get("async_op") is False:
             # torch waits on a synchronous op right away: block in the same message (one round trip less
             # per op); the grant is owed until someone waits for it (see _settle)
@@ -235,6 +254,8 @@ class RankClient:
             self._granted.clear()
             self._owed_grant = True
         self._send(msg)
+        if not self._owed_grant:
+            self._resume()  # an async op: the program goes on computing
         return work
 
     def _stage(self, ins: list[torch.Tensor], outs: list[torch.Tensor], inplace: bool) -> tuple[list, list, list]:
@@ -276,10 +297,11 @@ class RankClient:
         self._settle()
         if all(o.done.is_set() for o in ops):
             return
+        self._pause()
         if self._fatal is not None:
             raise self._fatal
         self._granted.clear()
-        self._send({"t": P.BLOCK, "ids": [o.op_id for o in ops], "mem": device_footprint()})
+        self._send({"t": P.BLOCK, "ids": [o.op_id for o in ops], "mem": device_footprint(), "clk": self._clock})
         self._await_grant()
         for o in ops:
             o.done.wait()
@@ -294,7 +316,7 @@ class RankClient:
         self._settle()
         if self._fatal is not None:
             raise self._fatal
-        self._send({"t": P.RELEASE})
+        self._send({"t": P.RELEASE, "clk": self._pause()})
         time.sleep(max(seconds, 0.0))
         self.acquire()
 
@@ -309,23 +331,25 @@ class RankClient:
             raise self._fatal
         self._prediction = None
         self._granted.clear()
-        self._send({"t": P.PREDICT, "iteration": int(iteration)})
+        self._send({"t": P.PREDICT, "iteration": int(iteration), "clk": self._pause()})
         self._await_grant()
         answer = self._prediction or {"seconds": None, "note": "no answer"}
         return answer["seconds"], answer["note"]
 
     def _await_grant(self) -> None:
+        self._pause()
         while not self._granted.wait(1.0):
             pass
         if self._fatal is not None:
             raise self._fatal
+        self._resume()
 
     def close(self, exit_code: int) -> None:
         """Say goodbye (releases the slot), wait for the receiver to end, free segments."""
         if self._fatal is None:
             self._settle()
         try:
-            self._send({"t": P.BYE, "exit_code": exit_code})
+            self._send({"t": P.BYE, "exit_code": exit_code, "clk": self._pause()})
         except OSError:
             pass
         self._receiver.join(timeout=30)

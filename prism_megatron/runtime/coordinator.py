@@ -76,6 +76,8 @@ class RankState:
     state: str = "starting"  # starting | queued | running | blocked | done
     held_since: float | None = None
     compute_accum: float = 0.0
+    last_clock: float = 0.0  # the rank's own compute clock at its previous op
+    reported_clock: float | None = None  # the rank's compute clock in its latest message
     compute_total: float = 0.0
     grant_t: float = 0.0
     grant_slot: tuple[int, int] | None = None
@@ -208,6 +210,8 @@ class Coordinator:
     def _dispatch(self, conn: Connection, msg: dict) -> None:
         t = msg["t"]
         rs = self.conns.get(conn)
+        if rs is not None and "clk" in msg:
+            rs.reported_clock = msg["clk"]
         if t == P.HELLO:
             rs = RankState(msg["rank"], conn, pid=msg.get("pid", 0))
             self.ranks[rs.rank] = rs
@@ -230,8 +234,9 @@ class Coordinator:
         elif t == P.GROUP:
             self._on_group(rs, msg)
         elif t == P.MARK:
+            clock = msg["clk"] if "clk" in msg else self._compute_clock(rs)  # the rank's own clock when sent
             self.marks.append({"rank": rs.rank, "name": msg["name"], "phase": msg["phase"], "t": self.now(),
-                               "compute_clock": self._compute_clock(rs), "attrs": json.dumps(msg["attrs"])})
+                               "compute_clock": clock, "attrs": json.dumps(msg["attrs"])})
             if msg["name"] == "iteration" and msg["phase"] == "E":
                 self.iterations_done += 1
                 self.iterations_ended[rs.rank] = self.iterations_ended.get(rs.rank, 0) + 1
@@ -267,8 +272,9 @@ class Coordinator:
             rs.compute_total += dt
             rs.held_since = None
             d, s = rs.grant_slot
+            clock = rs.compute_total if rs.reported_clock is None else rs.reported_clock
             self.slot_log.append({"rank": rs.rank, "device": self.device_names[d], "slot": s,
-                                  "t_grant": rs.grant_t, "t_release": self.now()})
+                                  "t_grant": rs.grant_t, "t_release": self.now(), "compute_clock": clock})
         for g in self.slots.release(rs.rank):
             self._grant(g)
         if self.paused_grants is not None:
@@ -446,6 +452,8 @@ class Coordinator:
             rs.compute_accum += now - rs.held_since
             rs.compute_total += now - rs.held_since
             rs.held_since = now
+        if "clk" in msg:  # the rank's clock leaves out the runtime's staging and messaging
+            rs.compute_accum, rs.last_clock = msg["clk"] - rs.last_clock, msg["clk"]
         kind = msg["kind"]
         peer = msg.get("peer")
         root = msg.get("root")

@@ -19,6 +19,7 @@ import pyarrow.parquet as pq
 from .schema import (
     MANIFEST_FILE,
     TABLE_NAMES,
+    VERSION,
     TraceFormatError,
     check_manifest,
     check_references,
@@ -64,7 +65,21 @@ class PrismTrace:
         return ordered.slice(start, stop - start).to_pylist()
 
 
-def _read_table(file: Path, name: str, manifest_path: Path) -> pa.Table:
+def _v1_slots(table: pa.Table) -> pa.Table:
+    """A v1 slots table with v2's compute_clock: v1's clock was cumulative slot-holding time."""
+    if "compute_clock" in table.column_names or not {"rank", "t_grant", "t_release"} <= set(table.column_names):
+        return table  # check_table names what is missing
+    rows = table.to_pylist()
+    clock: dict[int, float] = {}
+    values = [0.0] * len(rows)
+    for i in sorted(range(len(rows)), key=lambda i: (rows[i]["rank"], rows[i]["t_grant"])):
+        r = rows[i]
+        clock[r["rank"]] = clock.get(r["rank"], 0.0) + max(r["t_release"] - r["t_grant"], 0.0)
+        values[i] = clock[r["rank"]]
+    return table.append_column("compute_clock", pa.array(values, pa.float64()))
+
+
+def _read_table(file: Path, name: str, manifest_path: Path, version: int = VERSION) -> pa.Table:
     if not file.is_file():
         raise TraceFormatError(
             file, "file", f"is missing (named by manifest field 'files.{name}' in {manifest_path})"
@@ -74,11 +89,13 @@ def _read_table(file: Path, name: str, manifest_path: Path) -> pa.Table:
             table = pf.read()
     except (pa.ArrowException, OSError) as e:
         raise TraceFormatError(file, "file", f"is not a readable Parquet file ({name} table): {e}") from e
+    if name == "slots" and version == 1:
+        table = _v1_slots(table)
     return check_table(table, name, file)
 
 
 def read_trace(path: str | Path) -> PrismTrace:
-    """Open the trace directory at ``path``; raise TraceFormatError if it is not a complete v1 trace."""
+    """Open the trace directory at ``path``; raise TraceFormatError if it is not a complete v1/v2 trace."""
     path = Path(path)
     if not path.exists():
         raise TraceFormatError(path, "directory", "does not exist")
@@ -100,6 +117,6 @@ def read_trace(path: str | Path) -> PrismTrace:
     check_manifest(manifest, manifest_path)
 
     paths = {name: path / manifest["files"][name] for name in TABLE_NAMES}
-    tables = {name: _read_table(paths[name], name, manifest_path) for name in TABLE_NAMES}
+    tables = {name: _read_table(paths[name], name, manifest_path, manifest["version"]) for name in TABLE_NAMES}
     check_references(manifest, tables, paths)
     return PrismTrace(path=path, manifest=manifest, **tables)

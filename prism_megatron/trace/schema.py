@@ -23,9 +23,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 FORMAT = "prismtrace"
-VERSION = 1
-#: Versions this code can read; a reader rejects anything else rather than guessing.
-SUPPORTED_VERSIONS: tuple[int, ...] = (1,)
+VERSION = 2
+#: Versions this code can read; a reader rejects anything else rather than guessing. Version 1 lacks
+#: slots.compute_clock; reading it fills the column from slot-holding time (what v1 recorded as compute).
+SUPPORTED_VERSIONS: tuple[int, ...] = (1, 2)
 
 MANIFEST_FILE = "manifest.json"
 TABLE_NAMES: tuple[str, ...] = ("ops", "marks", "slots")
@@ -77,7 +78,8 @@ OPS_COLUMNS: tuple[Column, ...] = (
         "compute_before",
         pa.float64(),
         "seconds this rank held a compute slot since its previous op was issued "
-        "(the compute segment preceding the op; excludes waiting and swapped-out time)",
+        "(the compute segment preceding the op; excludes waiting, swapped-out time and, from v2, the "
+        "runtime's own staging and messaging)",
     ),
     Column("label", pa.string(), "hook-assigned tag such as 'pp.send_forward', '' if none"),
 )
@@ -87,7 +89,12 @@ MARKS_COLUMNS: tuple[Column, ...] = (
     Column("name", pa.string(), "scheduling unit, e.g. 'iteration', 'forward'"),
     Column("phase", pa.string(), "'B' begin, 'E' end, 'i' instant"),
     Column("t", pa.float64(), "seconds since job start"),
-    Column("compute_clock", pa.float64(), "the rank's cumulative slot-holding seconds at that moment"),
+    Column(
+        "compute_clock",
+        pa.float64(),
+        "the rank's compute clock at that moment: seconds in its program while holding a slot, the "
+        "runtime's own work (staging, messages, waiting for a grant) excluded (v1: slot-holding seconds)",
+    ),
     Column("attrs", pa.string(), "JSON object of marker attributes (microbatch, chunk...)"),
 )
 
@@ -97,6 +104,12 @@ SLOTS_COLUMNS: tuple[Column, ...] = (
     Column("slot", pa.int32(), "slot number on that device"),
     Column("t_grant", pa.float64(), "seconds since job start when the slot was granted"),
     Column("t_release", pa.float64(), "seconds since job start when the rank gave the slot back"),
+    Column(
+        "compute_clock",
+        pa.float64(),
+        "the rank's compute clock when it gave the slot back (same clock as marks.compute_clock and the "
+        "sum of ops.compute_before; v2)",
+    ),
 )
 
 COLUMNS: dict[str, tuple[Column, ...]] = {"ops": OPS_COLUMNS, "marks": MARKS_COLUMNS, "slots": SLOTS_COLUMNS}
@@ -143,7 +156,7 @@ RANK_FIELDS: dict[str, tuple[type, ...]] = {"rank": (int,), "exit_code": (int, _
 
 MANIFEST_DOCS: dict[str, str] = {
     "format": f"always '{FORMAT}'",
-    "version": "format version; this code writes 1",
+    "version": "format version; this code writes 2 and reads 1 and 2",
     "complete": "true once every file was written; a reader rejects anything else",
     "created": "ISO-8601 time the trace was written",
     "world_size": "number of logical ranks of the target job",
