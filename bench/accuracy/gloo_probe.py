@@ -2,9 +2,10 @@
 
 What the CPU ground truth pays for communication, measured the way nccl-tests measures a link:
 per op kind and message size, the median time of one op (each rep starts after a barrier, so
-every member is ready, as the replay assumes at an op's start). ``run.py`` fits latency and
-bandwidth to these points. Sizes follow the trace's convention: the tensor for all_reduce and
-broadcast, the gathered output for all_gather, the message for send/recv.
+every member is ready, as the replay assumes at an op's start), the slowest member's. ``run.py``
+fits latency and bandwidth to these points. Sizes follow the trace's convention: the tensor for
+all_reduce and broadcast, the gathered output for all_gather, one rank's send buffer for
+all_to_all, the message for send/recv.
 
   OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 bench/accuracy/gloo_probe.py OUT.json
 """
@@ -41,6 +42,7 @@ def _ops(nbytes: int, rank: int) -> dict:
         "all_reduce": lambda: dist.all_reduce(x),
         "all_gather": lambda: dist.all_gather_into_tensor(gathered, half),
         "broadcast": lambda: dist.broadcast(x, 0),
+        "all_to_all": lambda: dist.all_to_all_single(out[: 2 * half.numel()], x[: 2 * half.numel()]),
         "p2p": p2p,
     }
 

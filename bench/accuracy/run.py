@@ -1,22 +1,32 @@
 """Prediction accuracy: the real job's iteration time next to the time replay predicts from its emulation.
 
-  python bench/accuracy/run.py [--cpu] [--gpu] [--iters N] [--out DIR] [--work DIR]
+  python bench/accuracy/run.py [--cpu] [--gpu] [--iters N] [--out DIR] [--work DIR] [--only A,B] [--budget S]
 
-Every config runs twice in this invocation, one after the other: the real job (``torchrun`` with one
-process per rank, each on a core or GPU of its own) and the same job emulated by prism
-(``prism-megatron run --prism-emulate``), whose PrismTrace is replayed
-(``replay(graph_from_trace(read_trace(D)), cost)``). Both run the core GPT driver with the same
-flags; ``N`` iterations are measured after ``WARMUP`` warm-up iterations, and each side reports the
-median. An iteration is timed the same way on both sides: from the first rank's begin of the
-``iteration`` span to the last rank's end (``timed_driver.py`` stamps the real one, the replay's
-``ReplayResult.iterations()`` the predicted one).
+Every config runs side by side in this invocation: the real job (``torchrun`` with one process per
+rank, each on a core or GPU of its own) and the same job emulated by prism (``prism-megatron run
+--prism-emulate``), whose PrismTrace is replayed (``replay(graph_from_trace(read_trace(D)), cost)``).
+Both run the core GPT driver with the same flags; ``N`` iterations are measured after ``WARMUP``
+warm-up iterations, and each side reports the median. An iteration is timed the same way on both
+sides: from the first rank's begin of the ``iteration`` span to the last rank's end
+(``timed_driver.py`` stamps the real one, the replay's ``ReplayResult.iterations()`` the predicted
+one). On CPU the real job runs twice, before and after the emulation: this machine is shared, and
+the two real medians show the run-to-run noise the error has to be read against. A real CPU run
+during which other processes kept more than ``QUIET_LOAD`` cores busy is left out of the real
+median (a rank then had no core of its own); a row with no such quiet run is marked as no ground
+truth and left out of the mean error.
+
+Diagnostics printed with the table, to tell what limits the accuracy: how much two single-thread
+processes slow each other down on this machine (``contention_probe.py``: the real W = 2 run computes
+on both cores at once, the 1-slot emulation on one), and the emulation's own cost per op
+(``op_overhead.py``: slot-holding time that the bare trace counts as compute), multiplied per row by
+the ops an iteration issues.
 
 CPU (``--cpu``, the default; this 2-core machine). A real run is ground truth only where every rank
 has a core of its own, one torch thread each, as on the target: W = 2 (TP2, PP2, DP2, EP2), two gloo
 processes with ``OMP_NUM_THREADS=1`` against two logical ranks on one slot with
 ``--prism-threads-per-rank 1``. Communication in the prediction is costed by a profile of the real
 link, gloo over loopback, fitted in the same invocation (``gloo_probe.py``; see :class:`GlooCost`):
-free communication would leave out what the real job pays for it (TP2 all-reduces ~36 activations
+free communication would leave out what the real job pays for it (TP2 all-reduces 18 activations
 per iteration, ~0.5-1 ms each here), and the replay is the place where link costs come in. The
 free-communication prediction is shown in the notes, so the share of the fit is visible. Larger W
 cannot be ground truth here (8 ranks on 2 cores share cores), so W = 8 checks consistency instead: the
@@ -29,17 +39,21 @@ job emulated on GPU 0, communication costed by the cluster profile ``h200-nvlink
 where the core driver accepts ``--bf16``, else fp32 (the notes say which). Target: mean absolute
 error <= 1 %.
 
-Output: a table (rich) and ``DIR/accuracy.json`` (rows, per-iteration times, the gloo fit, the
-load other processes put on the machine while each run ran); traces and logs stay under
-``--work`` (a temporary directory by default).
+Output: a table (rich), ``DIR/accuracy.txt`` (what was printed) and ``DIR/accuracy.json`` (rows,
+per-iteration times, the probes, the load other processes put on the machine during each run;
+rewritten after every row, so a run cut short keeps what it measured); traces and logs stay under
+``--work`` (a temporary directory by default). ``--budget S`` skips the configs that would start
+after S seconds (the GPU script keeps to its device time with it).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
+import shutil
 import socket
 import statistics
 import subprocess
@@ -60,6 +74,9 @@ PY = sys.executable
 WARMUP = 2  # first iterations left out: allocator, autotuning and lazy initialisation
 GPU_CLUSTER = "h200-nvlink-ib400"
 GPU_TARGET_MAE = 1.0  # percent
+QUIET_LOAD = 0.25  # cores other processes may keep busy during a real CPU run that still counts as ground truth
+CPU_OP_BYTES = 512 << 10  # the CPU TP2 row's activations (micro-batch 2 x seq 256 x hidden 256, fp32)
+GPU_OP_ELEMENTS = 1024 * 2048  # elements of the GPU TP2 row's activations (micro-batch 1 x seq 1024 x hidden 2048)
 
 
 class RunFailed(RuntimeError):
@@ -69,7 +86,7 @@ class RunFailed(RuntimeError):
 # ----------------------------------------------------------------------------- configs
 @dataclass
 class Case:
-    """One job: its Megatron flags and its world size; ``slots`` only for consistency cases."""
+    """One job: its core-driver flags and its world size."""
 
     name: str
     flags: list[str]
@@ -121,15 +138,16 @@ def cpu_cases(iters: int) -> list[Case]:
 
 
 def gpu_cases(iters: int, precision: str) -> list[Case]:
-    """2-GPU layouts of a ~1B-parameter GPT (dense ~1.07B; MoE ~1.2B, 8 experts)."""
+    """2-GPU layouts of a ~1B-parameter GPT (dense ~1.08B; MoE ~1.2B, 8 experts)."""
     n = iters + WARMUP
-    extra = ("--bf16",) if precision == "bf16" else ()
+    # without apex's fused softmax kernel, bf16 needs Megatron's unfused softmax (as on the H200 machine)
+    extra = ("--bf16", "--no-masked-softmax-fusion") if precision == "bf16" else ()
     dense = dict(layers=20, hidden=2048, heads=16, seq=1024, vocab=32000, mbs=1, iters=n, extra=extra)
     moe = dict(layers=16, hidden=1024, heads=16, seq=1024, vocab=32000, mbs=1, iters=n, extra=extra)
     return [
-        Case("gpu-tp2", gpt_flags(**dense, gbs=4, tp=2), note="dense 1.07B, 4 microbatches"),
-        Case("gpu-pp2", gpt_flags(**dense, gbs=8, pp=2), note="dense 1.07B, 8 microbatches, 1F1B"),
-        Case("gpu-dp2", gpt_flags(**dense, gbs=4), note="dense 1.07B, 2 microbatches per DP rank"),
+        Case("gpu-tp2", gpt_flags(**dense, gbs=4, tp=2), note="dense 1.08B, 4 microbatches"),
+        Case("gpu-pp2", gpt_flags(**dense, gbs=8, pp=2), note="dense 1.08B, 8 microbatches, 1F1B"),
+        Case("gpu-dp2", gpt_flags(**dense, gbs=4), note="dense 1.08B, 2 microbatches per DP rank"),
         Case("gpu-ep2", gpt_flags(**moe, gbs=4, ep=2, experts=8, moe_ffn=4096),
              note="MoE 1.2B, 8 experts top-2, alltoall, DP2"),
     ]
@@ -156,11 +174,16 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _median_after_warmup(times: dict[int, float]) -> float:
+def _measured(times: dict[int, float]) -> list[float]:
+    """The iterations after the warm-up ones."""
     measured = [t for k, t in sorted(times.items()) if k > WARMUP]
     if not measured:
         raise RunFailed(f"no iteration after the {WARMUP} warm-up ones (got {sorted(times)})")
-    return statistics.median(measured)
+    return measured
+
+
+def _median(times: dict[int, float]) -> float:
+    return statistics.median(_measured(times))
 
 
 class ForeignLoad:
@@ -204,6 +227,13 @@ def _run(cmd: list[str], log: Path, env: dict[str, str], timeout: float) -> floa
     return load.cores
 
 
+def _fresh(path: Path) -> Path:
+    """``path``, emptied: a reused --work must not mix an earlier run's stamps or trace into this one."""
+    shutil.rmtree(path, ignore_errors=True)
+    shutil.rmtree(path.with_name(path.name + ".logs"), ignore_errors=True)
+    return path
+
+
 def _env(**extra: str) -> dict[str, str]:
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", CUDA_DEVICE_MAX_CONNECTIONS="1")
     env.update(extra)
@@ -212,7 +242,7 @@ def _env(**extra: str) -> dict[str, str]:
 
 def real_run(case: Case, work: Path, timeout: float) -> tuple[dict[int, float], float]:
     """The job as ``case.world`` torchrun processes; per-iteration times from the ranks' stamps."""
-    stamps = work / "real-stamps"
+    stamps = _fresh(work / "real-stamps")
     stamps.mkdir(parents=True)
     cmd = [PY, "-m", "torch.distributed.run", f"--nproc-per-node={case.world}", f"--master-port={_port()}",
            str(HERE / "timed_driver.py"), *case.flags]
@@ -233,7 +263,7 @@ def real_run(case: Case, work: Path, timeout: float) -> tuple[dict[int, float], 
 
 def emulated_run(case: Case, work: Path, devices: str, slots: int, timeout: float) -> tuple[Path, float]:
     """The job as ``case.world`` logical ranks through prism; returns the trace directory."""
-    trace = work / f"trace-{slots}slot"
+    trace = _fresh(work / f"trace-{slots}slot")
     cmd = [PY, "-m", "prism_megatron", "run", "--prism-emulate", "--prism-world-size", str(case.world),
            "--prism-devices", devices, "--prism-slots-per-device", str(slots), "--prism-threads-per-rank", "1",
            "--prism-report", "off", "--prism-log-ranks", "none", "--prism-trace-dir", str(trace),
@@ -255,12 +285,12 @@ def predict(trace: Path, cost: Callable) -> dict[int, float]:
 class GlooCost:
     """The link of the CPU ground truth (gloo, 2 processes, loopback) as a replay cost function.
 
-    ``gloo_probe.py`` times all_reduce, all_gather, broadcast and send/recv at 4 B-32 MiB; each kind
+    ``gloo_probe.py`` times all_reduce, all_gather, broadcast, all_to_all and send/recv at 4 B-32 MiB; each kind
     gets its own latency + size/bandwidth line, fitted to minimise the *relative* error (small ops
     are the many, large ones the long). Per kind rather than the NCCL ring formulas of
     ``CollectiveCostModel``: gloo's algorithms are not NCCL's, and the ground-truth groups all have
     two members, so no formula has to extrapolate in n. Kinds the probe does not time (reduce,
-    reduce_scatter, all_to_all) take the all_reduce line: an upper bound for a 2-member group.
+    reduce_scatter) take the all_reduce line: an upper bound for a 2-member group.
     """
 
     def __init__(self, points: dict[str, list[tuple[int, float]]]) -> None:
@@ -305,6 +335,45 @@ def zero_cost(spec) -> float:
     return 0.0
 
 
+# ----------------------------------------------------------------------------- emulation's own cost per op
+def op_overhead(work: Path, devices: str, nbytes: int, dtype: str = "float32") -> float:
+    """Median seconds of slot-holding time one synchronous all_reduce adds to an emulated rank.
+
+    The bare trace counts it as compute (``op_overhead.py`` says why); with the ops per iteration of
+    a row it estimates how much of that row's prediction is the emulation's own work.
+    """
+    from prism_megatron.trace import read_trace
+
+    trace = _fresh(work / "op-overhead")
+    cmd = [PY, "-m", "prism_megatron", "launch", "-w", "2", "--devices", devices, "--slots-per-device", "1",
+           "--log-ranks", "none", "--trace-dir", str(trace), str(HERE / "op_overhead.py"),
+           "cpu" if devices == "cpu" else "cuda", str(nbytes), dtype]
+    _run(cmd, work / "op-overhead.log", _env(), 300)
+    t = read_trace(trace)
+    gaps = [op["compute_before"] for r in range(t.world_size) for op in t.ops_for_rank(r)
+            if op["kind"] == "all_reduce"][20:]  # past the start-up
+    return statistics.median(gaps)
+
+
+def ops_per_iteration(trace: Path) -> float:
+    """Ops the busiest rank issues per measured iteration (inside the iteration spans)."""
+    from prism_megatron.trace import read_trace
+
+    t = read_trace(trace)
+    spans: dict[int, list[tuple[float, float]]] = {}
+    for m in t.marks.to_pylist():
+        if m["name"] == "iteration" and m["phase"] in ("B", "E"):
+            spans.setdefault(m["rank"], []).append((m["phase"], m["t"]))
+    best = 0.0
+    for rank, seq in spans.items():
+        windows = [(b, e) for (pb, b), (pe, e) in zip(seq[::2], seq[1::2], strict=False) if pb == "B" and pe == "E"]
+        windows = windows[WARMUP:]
+        if windows:
+            n = sum(1 for op in t.ops_for_rank(rank) if any(b <= op["t_issue"] <= e for b, e in windows))
+            best = max(best, n / len(windows))
+    return best
+
+
 # ----------------------------------------------------------------------------- CPU contention
 def contention(rounds: int = 3) -> tuple[float, float]:
     """Median step (ms) of ``contention_probe.py`` alone and with a second copy computing at once."""
@@ -340,23 +409,45 @@ def _ms(times: dict[int, float]) -> dict[int, float]:
 
 def _spread(times: dict[int, float]) -> str:
     """(max - min) / median of the measured iterations, in percent: the noise the median sits in."""
-    measured = [t for k, t in times.items() if k > WARMUP]
+    measured = _measured(times)
     return f"{(max(measured) - min(measured)) / statistics.median(measured) * 100:.0f}%"
 
 
-def ground_truth_row(case: Case, work: Path, devices: str, cost: Callable, cost_name: str,
-                     timeout: float) -> Row:
-    """Real run, then emulated run on one slot, then the replay; error = predicted / real - 1."""
-    real, real_load = real_run(case, work / "real", timeout)
-    trace, emu_load = emulated_run(case, work, devices, 1, timeout)
+def ground_truth_row(case: Case, work: Path, devices: str, cost: Callable, cost_name: str, timeout: float,
+                     real_repeats: int, overhead: float) -> Row:
+    """Real run, emulated run on one slot (replayed), and on CPU a second real run; error = predicted / real - 1.
+
+    The second real run comes after the emulation, so slow drift of a shared machine falls on both
+    sides; its median next to the first one's is the run-to-run noise the error has to be read in.
+    """
+    reals, loads = [], []
+    trace = emu_load = None
+    for i in range(real_repeats):
+        times, load = real_run(case, work / f"real-{i + 1}", timeout)
+        reals.append(times)
+        loads.append(load)
+        if trace is None:
+            trace, emu_load = emulated_run(case, work, devices, 1, timeout)
     pred, free = predict(trace, cost), predict(trace, zero_cost)
-    r, p, f = _median_after_warmup(real), _median_after_warmup(pred), _median_after_warmup(free)
-    notes = [case.note, f"free comm: {f * 1e3:.1f} ms", f"iteration spread {_spread(real)}/{_spread(pred)}"]
+    # ground truth needs a core per rank: a CPU run that other processes took cores from is not one
+    quiet = [t for t, load in zip(reals, loads, strict=True) if devices != "cpu" or load <= QUIET_LOAD]
+    r = statistics.median([t for times in (quiet or reals) for t in _measured(times)])
+    p, f = _median(pred), _median(free)
+    notes = [case.note]
+    if real_repeats > 1:
+        used = "" if len(quiet) == len(reals) else \
+            f" (used: {'/'.join(f'{_median(t) * 1e3:.0f}' for t in quiet) or 'none quiet, all'})"
+        notes.append("real runs " + "/".join(f"{_median(times) * 1e3:.0f}" for times in reals) + used)
+    ops = ops_per_iteration(trace)
+    notes += [f"free comm {f * 1e3:.0f}", f"{ops:.0f} ops/iter: ~{ops * overhead * 1e3:.0f} of emulation cost",
+              f"spread {'/'.join(_spread(t) for t in [*reals, pred])}"]
     if devices == "cpu":
-        notes.append(f"other load: {real_load:.2f}/{emu_load:.2f} cores (real/emulated)")
-    return Row(case.name, "yes", r * 1e3, p * 1e3, (p / r - 1) * 100, ", ".join(n for n in notes if n),
-               {"real_ms": _ms(real), "predicted_ms": _ms(pred), "predicted_free_comm_ms": _ms(free),
-                "cost": cost_name, "other_load_cores": {"real": real_load, "emulated": emu_load},
+        notes.append(f"other load {'/'.join(f'{x:.2f}' for x in [*loads, emu_load])} cores")
+    truth = "yes" if quiet else f"no: other load > {QUIET_LOAD} cores in every real run"
+    return Row(case.name, truth, r * 1e3, p * 1e3, (p / r - 1) * 100, "; ".join(n for n in notes if n),
+               {"real_ms": [_ms(t) for t in reals], "predicted_ms": _ms(pred), "predicted_free_comm_ms": _ms(free),
+                "cost": cost_name, "other_load_cores": {"real": loads, "emulated": emu_load},
+                "ops_per_iteration": ops, "emulation_cost_ms": ops * overhead * 1e3,
                 "flags": case.flags, "world": case.world})
 
 
@@ -365,34 +456,72 @@ def consistency_row(case: Case, work: Path, devices: str, timeout: float) -> Row
     one, load1 = emulated_run(case, work, devices, 1, timeout)
     two, load2 = emulated_run(case, work, devices, 2, timeout)
     p1, p2 = predict(one, zero_cost), predict(two, zero_cost)
-    m1, m2 = _median_after_warmup(p1), _median_after_warmup(p2)
-    notes = (f"W={case.world}; real column = 1-slot prediction, predicted = 2 slots; {case.note}; free comm; "
-             f"iteration spread {_spread(p1)}/{_spread(p2)}")
+    m1, m2 = _median(p1), _median(p2)
+    notes = (f"W={case.world}: real column = 1-slot prediction, predicted = 2 slots, error = their difference; "
+             f"{case.note}; free comm; spread {_spread(p1)}/{_spread(p2)}; other load {load1:.2f}/{load2:.2f} cores")
     return Row(case.name, "consistency", m1 * 1e3, m2 * 1e3, (m2 / m1 - 1) * 100, notes,
                {"predicted_1slot_ms": _ms(p1), "predicted_2slot_ms": _ms(p2), "flags": case.flags,
                 "world": case.world, "other_load_cores": {"1slot": load1, "2slot": load2}})
 
 
-def run_cases(cases: list[Case], work: Path, devices: str, cost: Callable, cost_name: str,
-              timeout: float, console: Console, only: str = "") -> list[Row]:
-    rows = []
+@dataclass
+class Session:
+    """What every config needs besides itself, and where the report goes after each row."""
+
+    work: Path
+    console: Console
+    report: dict
+    out: Path | None
+    deadline: float  # time.monotonic() after which no config starts
+    only: list[str]
+
+    def save(self) -> None:
+        if self.out is not None:
+            self.out.mkdir(parents=True, exist_ok=True)
+            (self.out / "accuracy.json").write_text(json.dumps(_finite(self.report), indent=1))
+            (self.out / "accuracy.txt").write_text(self.console.export_text(clear=False))
+
+
+def _finite(x):
+    """The report with NaN/inf as null (strict JSON)."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_finite(v) for v in x]
+    return x
+
+
+def run_cases(session: Session, section: str, cases: list[Case], devices: str, cost: Callable, cost_name: str,
+              timeout: float, real_repeats: int, overhead: float) -> list[Row]:
+    """Each case's row, in order; a failed or skipped case gets a row that says so. Saves after each."""
+    rows: list[Row] = []
+    session.report["sections"][section]["rows"] = rows_out = []
     for case in cases:
-        if only and case.name not in only.split(","):
+        if session.only and case.name not in session.only:
             continue
+        kind = "consistency" if case.consistency else "yes"
         t0 = time.monotonic()
-        console.print(f"[bold]{case.name}[/]: W={case.world} ...", end=" ")
-        try:
-            if case.consistency:
-                row = consistency_row(case, work / case.name, devices, timeout)
-            else:
-                row = ground_truth_row(case, work / case.name, devices, cost, cost_name, timeout)
-        except (RunFailed, subprocess.TimeoutExpired, ValueError, KeyError) as e:
-            row = Row(case.name, "consistency" if case.consistency else "yes", notes=f"FAILED: {str(e)[:300]}",
-                      detail={"error": str(e)})
-            console.print(f"[red]failed[/] ({time.monotonic() - t0:.0f} s)\n{e}")
+        if t0 > session.deadline:
+            row = Row(case.name, kind, notes="skipped: --budget spent")
         else:
-            console.print(f"{row.real_ms:.1f} vs {row.predicted_ms:.1f} ms ({time.monotonic() - t0:.0f} s)")
+            session.console.print(f"[bold]{case.name}[/]: W={case.world} ...", end=" ")
+            work = session.work / section / case.name
+            try:
+                if case.consistency:
+                    row = consistency_row(case, work, devices, timeout)
+                else:
+                    row = ground_truth_row(case, work, devices, cost, cost_name, timeout, real_repeats, overhead)
+            except (RunFailed, subprocess.TimeoutExpired, ValueError, KeyError) as e:
+                row = Row(case.name, kind, notes=f"FAILED: {str(e)[:300]}", detail={"error": str(e)})
+                session.console.print(f"[red]failed[/] ({time.monotonic() - t0:.0f} s)\n{e}")
+            else:
+                session.console.print(f"{row.real_ms:.1f} vs {row.predicted_ms:.1f} ms "
+                                      f"({time.monotonic() - t0:.0f} s)")
         rows.append(row)
+        rows_out.append(asdict(row))
+        session.save()
     return rows
 
 
@@ -412,9 +541,80 @@ def table(rows: list[Row], title: str) -> Table:
     return t
 
 
+LEGEND = ("notes (ms unless said): real runs = median of each real run (on CPU one before and one after the "
+          f"emulation; the real column pools the runs that other processes left a core per rank: other load <= "
+          f"{QUIET_LOAD} cores, else the row is no ground truth); free comm = the prediction with communication free; "
+          "N ops/iter: ~X of emulation cost = ops the busiest rank issues per iteration x the emulation cost per op "
+          "above (slot time the bare trace counts as compute); spread = (max - min) / median of the measured "
+          "iterations of each real run and of the prediction; other load = cores that other processes kept busy "
+          "during each run (real runs, then the emulation)")
+
+
 def mean_abs_error(rows: list[Row]) -> float | None:
+    """Over ground-truth rows only."""
     errors = [abs(r.error_pct) for r in rows if r.ground_truth == "yes" and r.error_pct is not None]
     return sum(errors) / len(errors) if errors else None
+
+
+def cpu_section(session: Session, iters: int) -> None:
+    """Probes (contention, gloo link, emulation cost per op), then the CPU rows and their table."""
+    console, section = session.console, session.report["sections"].setdefault("cpu", {})
+    console.print(f"[bold]CPU[/]: {os.cpu_count()} cores; contention, gloo and emulation-cost probes ...")
+    solo, pair = contention()
+    console.print(f"compute contention: an MLP step on one thread takes {solo:.2f} ms alone, {pair:.2f} ms "
+                  f"while a second copy computes on the other core ({(pair / solo - 1) * 100:+.0f}%)")
+    with ForeignLoad() as load:
+        cost = gloo_cost(session.work)
+    console.print(f"gloo fit (2 processes, loopback; other load {load.cores:.2f} cores): {cost.describe()}")
+    overhead = op_overhead(session.work, "cpu", CPU_OP_BYTES)
+    console.print(f"emulation cost per op (slot-holding time of a {CPU_OP_BYTES >> 10} KiB all_reduce with no "
+                  f"compute around it, counted as compute by the bare trace): {overhead * 1e3:.2f} ms")
+    section.update({"contention_ms": {"alone": solo, "two_at_once": pair}, "emulation_cost_per_op_ms": overhead * 1e3,
+                    "gloo_fit": {k: {"alpha_s": a, "beta_s_per_byte": b} for k, (a, b) in cost.fit.items()},
+                    "gloo_points": cost.points})
+    rows = run_cases(session, "cpu", cpu_cases(iters), "cpu", cost, "gloo fit", 900, 2, overhead)
+    mae = mean_abs_error(rows)
+    section["mean_abs_error_pct"] = mae
+    console.print(table(rows, f"CPU: predicted vs real iteration time (median of {iters} after {WARMUP} warm-up; "
+                              "comm costed by the gloo fit)"))
+    console.print(LEGEND)
+    console.print(f"CPU mean absolute error over ground-truth rows: {_num(mae, '.1f')} %")
+    session.save()
+
+
+def gpu_section(session: Session, iters: int) -> bool:
+    """The GPU rows (real 2-GPU NCCL runs vs one-GPU emulation); True when the target is met."""
+    from prism_megatron.calibration.costmodel import CollectiveCostModel
+    from prism_megatron.calibration.profiles import load_profile
+
+    console, section = session.console, session.report["sections"].setdefault("gpu", {})
+    precision = driver_precision()
+    verb = "accepts" if precision == "bf16" else "refuses"
+    console.print(f"[bold]GPU[/]: {precision} (the core driver {verb} --bf16); comm costed by {GPU_CLUSTER}")
+    cost = CollectiveCostModel(load_profile(GPU_CLUSTER))
+    dtype = "bfloat16" if precision == "bf16" else "float32"
+    nbytes = GPU_OP_ELEMENTS * (2 if precision == "bf16" else 4)
+    try:
+        overhead = op_overhead(session.work, "0", nbytes, dtype)
+    except (RunFailed, subprocess.TimeoutExpired) as e:
+        console.print(f"[red]emulation-cost probe failed[/]: {e}")
+        overhead = math.nan
+    console.print(f"emulation cost per op (slot-holding time of a {nbytes >> 20} MiB {dtype} CUDA all_reduce with no "
+                  f"compute around it, counted as compute by the bare trace): {overhead * 1e3:.2f} ms")
+    section.update({"precision": precision, "cluster": GPU_CLUSTER, "emulation_cost_per_op_ms": overhead * 1e3})
+    rows = run_cases(session, "gpu", gpu_cases(iters, precision), "0", cost, GPU_CLUSTER, 300, 1, overhead)
+    for r in rows:
+        r.notes = f"{precision}; {r.notes}"
+    mae = mean_abs_error(rows)
+    ok = mae is not None and mae <= GPU_TARGET_MAE and all(r.error_pct is not None for r in rows)
+    section.update({"rows": [asdict(r) for r in rows], "mean_abs_error_pct": mae, "target_met": ok})
+    console.print(table(rows, f"GPU: predicted vs real iteration time (median of {iters} after {WARMUP} warm-up; "
+                              f"comm costed by {GPU_CLUSTER})"))
+    console.print(LEGEND)
+    console.print(f"GPU mean absolute error: {_num(mae, '.2f')} % (target <= {GPU_TARGET_MAE} %): "
+                  f"{'met' if ok else 'NOT met'}")
+    session.save()
+    return ok
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -423,63 +623,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpu", action="store_true", help="GPU configs (an nvidia-h200-x2 machine)")
     parser.add_argument("--iters", type=int, default=6, help=f"measured iterations (after {WARMUP} warm-up ones)")
     parser.add_argument("--out", type=Path, default=None, help="where accuracy.json and accuracy.txt go")
-    parser.add_argument("--only", default="", help="comma-separated config names to run (default: all)")
     parser.add_argument("--work", type=Path, default=None, help="traces and logs (default: a temporary directory)")
+    parser.add_argument("--only", default="", help="comma-separated config names to run (default: all)")
+    parser.add_argument("--budget", type=float, default=math.inf, help="seconds after which no config starts")
     args = parser.parse_args(argv)
     if not (args.cpu or args.gpu):
         args.cpu = True
     work = args.work or Path(tempfile.mkdtemp(prefix="prism-accuracy-"))
     work.mkdir(parents=True, exist_ok=True)
-    console = Console(record=True, width=200)
-    console.print(f"work directory (traces, logs): {work}")
-    report: dict = {"host": platform.node(), "python": platform.python_version(), "iters": args.iters,
-                    "warmup": WARMUP, "sections": {}}
-    exit_code = 0
+    session = Session(work, Console(record=True, width=200),
+                      {"host": platform.node(), "python": platform.python_version(), "iters": args.iters,
+                       "warmup": WARMUP, "sections": {}},
+                      args.out, time.monotonic() + args.budget, [n for n in args.only.split(",") if n])
+    session.console.print(f"work directory (traces, logs): {work}")
+    ok = True
     if args.cpu:
-        console.print(f"[bold]CPU[/]: {os.cpu_count()} cores; contention and gloo probes ...")
-        solo, pair = contention()
-        console.print(f"compute contention: an MLP step on one thread takes {solo:.2f} ms alone, {pair:.2f} ms "
-                      f"while a second copy computes on the other core ({(pair / solo - 1) * 100:+.0f}%)")
-        with ForeignLoad() as load:
-            cost = gloo_cost(work)
-        console.print(f"gloo fit (2 processes, loopback; other load {load.cores:.2f} cores): {cost.describe()}")
-        rows = run_cases(cpu_cases(args.iters), work / "cpu", "cpu", cost, "gloo fit", 900, console, args.only)
-        mae = mean_abs_error(rows)
-        console.print(table(rows, f"CPU: predicted vs real iteration time (median of {args.iters} after "
-                                  f"{WARMUP} warm-up; comm costed by the gloo fit)"))
-        console.print(f"CPU mean absolute error over ground-truth rows: {_num(mae, '.1f')} %")
-        report["sections"]["cpu"] = {"rows": [asdict(r) for r in rows], "mean_abs_error_pct": mae,
-                                     "contention_ms": {"alone": solo, "two_at_once": pair},
-                                     "gloo_fit": {k: {"alpha_s": a, "beta_s_per_byte": b}
-                                                  for k, (a, b) in cost.fit.items()},
-                                     "gloo_points": cost.points}
+        cpu_section(session, args.iters)
     if args.gpu:
-        from prism_megatron.calibration.costmodel import CollectiveCostModel
-        from prism_megatron.calibration.profiles import load_profile
-
-        precision = driver_precision()
-        verb = "accepts" if precision == "bf16" else "refuses"
-        console.print(f"[bold]GPU[/]: {precision} (the core driver {verb} --bf16); comm costed by {GPU_CLUSTER}")
-        cost = CollectiveCostModel(load_profile(GPU_CLUSTER))
-        rows = run_cases(gpu_cases(args.iters, precision), work / "gpu", "0", cost, GPU_CLUSTER, 400, console,
-                         args.only)
-        for r in rows:
-            r.notes = f"{precision}, {r.notes}"
-        mae = mean_abs_error(rows)
-        console.print(table(rows, f"GPU: predicted vs real iteration time (median of {args.iters} after "
-                                  f"{WARMUP} warm-up; comm costed by {GPU_CLUSTER})"))
-        ok = mae is not None and mae <= GPU_TARGET_MAE and all(r.error_pct is not None for r in rows)
-        console.print(f"GPU mean absolute error: {_num(mae, '.2f')} % (target <= {GPU_TARGET_MAE} %): "
-                      f"{'met' if ok else 'NOT met'}")
-        report["sections"]["gpu"] = {"rows": [asdict(r) for r in rows], "mean_abs_error_pct": mae,
-                                     "precision": precision, "cluster": GPU_CLUSTER, "target_met": ok}
-        exit_code = 0 if ok else 1
+        ok = gpu_section(session, args.iters)
     if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "accuracy.json").write_text(json.dumps(report, indent=1))
-        (args.out / "accuracy.txt").write_text(console.export_text())
-        console.print(f"wrote {args.out / 'accuracy.json'}")
-    return exit_code
+        session.console.print(f"wrote {args.out / 'accuracy.json'} and accuracy.txt")
+        session.save()
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import json
 import math
 import os
@@ -154,6 +155,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         raise FlagError("core driver: --context-parallel-size > 1 needs TransformerEngine attention")
     if args.fp16:
         raise FlagError("core driver: --fp16 is not supported (it needs loss scaling); use --bf16 or fp32")
+    if args.bf16 and args.masked_softmax_fusion and importlib.util.find_spec("scaled_masked_softmax_cuda") is None:
+        raise FlagError("core driver: --bf16 with the fused masked softmax needs apex's scaled_masked_softmax_cuda, "
+                        "which is not installed; pass --no-masked-softmax-fusion")
     if not args.mock_data or args.tokenizer_type != "NullTokenizer":
         raise FlagError("core driver: only --mock-data with --tokenizer-type NullTokenizer is supported")
     for flag, allowed in (("--position-embedding-type", "learned_absolute"), ("--normalization", "LayerNorm")):
