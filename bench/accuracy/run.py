@@ -161,7 +161,7 @@ def driver_precision() -> str:
         "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)\n"
         "m.parse_args(['--num-layers', '1', '--hidden-size', '8', '--num-attention-heads', '1', '--seq-length', '8',"
         " '--vocab-size', '8', '--micro-batch-size', '1', '--train-iters', '1', '--lr', '0.1', '--mock-data',"
-        " '--bf16'])\n"
+        " '--bf16', '--no-masked-softmax-fusion'])\n"
     )
     proc = subprocess.run([PY, "-c", probe], capture_output=True, text=True, timeout=300)
     return "bf16" if proc.returncode == 0 else "fp32"
