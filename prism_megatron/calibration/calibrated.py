@@ -33,6 +33,7 @@ import pyarrow.parquet as pq
 
 from ..replay.engine import CommSpec, CostFn, ReplayResult, replay
 from ..replay.graph import P2P_KINDS, Comm, Compute, Event, Graph, GraphError, Group, Mark, Wait
+from ..trace.writer import fsync_dir
 
 FORMAT = "prismcalibrated"
 VERSION = 1
@@ -184,19 +185,6 @@ def _rows(cg: CalibratedGraph) -> dict[str, list[Any]]:
     return cols
 
 
-def _fsync(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def write_calibrated(path: str | Path, cg: CalibratedGraph) -> Path:
     """Write ``cg`` as a calibrated-graph directory at ``path`` (replacing one there); return the path."""
     path = Path(path)
@@ -231,7 +219,7 @@ def write_calibrated(path: str | Path, cg: CalibratedGraph) -> Path:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
-        _fsync(tmp)
+        fsync_dir(tmp)
         if os.path.lexists(path):
             aside = path.parent / f".{path.name}.old-{secrets.token_hex(6)}"
             os.replace(path, aside)
@@ -243,7 +231,7 @@ def write_calibrated(path: str | Path, cg: CalibratedGraph) -> Path:
             shutil.rmtree(aside, ignore_errors=True)
         else:
             os.replace(tmp, path)
-        _fsync(path.parent)
+        fsync_dir(path.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

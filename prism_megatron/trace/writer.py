@@ -41,7 +41,7 @@ TableData = Mapping[str, Sequence[Any]] | Sequence[Mapping[str, Any]] | pa.Table
 _ARROW_ERRORS = (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, OverflowError, TypeError)
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     """Make a rename durable; not every platform/filesystem allows opening a directory."""
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -69,7 +69,7 @@ def atomic_write_text(path: str | Path, text: str, encoding: str = "utf-8") -> P
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
     return path
 
 
@@ -190,9 +190,9 @@ def _install(tmp: Path, path: Path) -> None:
         except BaseException:
             os.rename(aside, path)
             raise
-        _fsync_dir(path.parent)
+        fsync_dir(path.parent)
         shutil.rmtree(aside, ignore_errors=True)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 def write_trace(
@@ -248,7 +248,7 @@ def write_trace(
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         _install(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
