@@ -71,3 +71,26 @@ def test_run_writes_report_and_an_offline_wandb_run(tmp_path):
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and list(runs[0].glob("*.wandb")), p.stderr[-2000:]
     assert "upload later with: wandb sync" in p.stderr
+
+
+def test_publish_without_wandb_or_with_a_failing_wandb_keeps_the_report(tmp_path, monkeypatch, capsys):
+    import importlib.util
+
+    import prism_megatron.report.wandb_log as wandb_log
+
+    trace = make_trace(tmp_path / "t")
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real_find_spec(
+        name, *a))
+    out = publish_mod.publish(Path(trace), cluster=None, config={}, wandb_project="p")
+    assert out["wandb"] == [] and out["paths"]["report"].exists()
+    assert "W&B: not logged (wandb is not installed)" in capsys.readouterr().err
+    monkeypatch.setattr(importlib.util, "find_spec", real_find_spec)
+
+    def broken(report, **kw):
+        raise RuntimeError("no route to host")
+
+    monkeypatch.setattr(wandb_log, "log_report", broken)
+    out = publish_mod.publish(Path(trace), cluster=None, config={}, wandb_project="p")
+    assert out["wandb"] == [] and out["paths"]["html"].exists()
+    assert "W&B: not logged into p (RuntimeError: no route to host)" in capsys.readouterr().err

@@ -9,6 +9,7 @@ capture, so they are logged into that run by resuming it).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -35,20 +36,23 @@ def publish(trace_dir: Path, *, cluster: str | None, config: dict[str, Any], wan
     print_summary(report)
     for kind, path in paths.items():
         print(f"prism: {kind}: {path}", file=sys.stderr)
-    logged = []
-    try:
-        from prism_megatron.report.wandb_log import log_report
-    except ImportError as e:  # wandb missing on this machine: say so, the report files stand
-        print(f"prism: W&B: not logged ({e})", file=sys.stderr)
+    logged: list[Any] = []
+    if importlib.util.find_spec("wandb") is None:  # e.g. a GPU machine without it: say so, the files stand
+        print("prism: W&B: not logged (wandb is not installed)", file=sys.stderr)
         return {"paths": paths, "report": report, "wandb": logged}
+    from prism_megatron.report.wandb_log import log_report
+
     timeline = paths.get("timeline")
-    logged.append(log_report(report, timeline=timeline, config=config, run_dir=Path(trace_dir).parent,
-                             project=wandb_project, name=Path(trace_dir).name, mode=wandb_mode))
     theirs = megatron_wandb_run(trace_dir)
+    targets = [dict(run_dir=Path(trace_dir).parent, project=wandb_project, name=Path(trace_dir).name)]
     if theirs is not None:
-        logged.append(log_report(report, timeline=timeline, config=config, run_dir=Path(theirs["dir"]),
-                                 project=theirs["project"], entity=theirs.get("entity"), mode=wandb_mode,
-                                 resume_id=theirs["id"]))
+        targets.append(dict(run_dir=Path(theirs["dir"]), project=theirs["project"], entity=theirs.get("entity"),
+                            resume_id=theirs["id"]))
+    for target in targets:
+        try:
+            logged.append(log_report(report, timeline=timeline, config=config, mode=wandb_mode, **target))
+        except Exception as e:  # W&B trouble must not cost the run its result: the report files stand
+            print(f"prism: W&B: not logged into {target['project']} ({type(e).__name__}: {e})", file=sys.stderr)
     for run in logged:
         print(f"prism: {run.describe()}", file=sys.stderr)
     return {"paths": paths, "report": report, "wandb": logged}
