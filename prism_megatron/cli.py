@@ -159,7 +159,8 @@ def trace_chrome(trace_dir: Path, out: Path) -> None:
 def replay_cmd(trace_dir: Path, cluster: str | None, chrome_out: Path | None) -> None:
     """Replay a trace's graph: predicted iteration times, per-rank breakdown, critical path.
 
-    The bare graph's compute times are slot-holding times (uncalibrated): the prediction says so.
+    The bare graph's compute times are each rank's own compute as captured, with ranks multiplexed
+    (uncalibrated): the prediction says so.
     """
     from prism_megatron.replay.engine import GraphError, replay, zero_cost
     from prism_megatron.replay.graph import graph_from_trace

@@ -51,7 +51,7 @@ def test_same_results_as_gloo(gloo_results, tmp_path, slots):
     assert trace.world_size == W
     kinds = set(trace.ops.column("kind").to_pylist())
     assert {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send", "recv", "barrier"} <= kinds
-    # every rank's ops are numbered 0..n-1 and the compute time is slot-holding time (non-negative)
+    # every rank's ops are numbered 0..n-1 and the compute time (the rank's own clock) is non-negative
     for r in range(W):
         ops = trace.ops_for_rank(r)
         assert [o["index"] for o in ops] == list(range(len(ops)))

@@ -214,7 +214,7 @@ def _rank_events(ops: list[dict[str, Any]], marks: list[dict[str, Any]],
 
     Markers and slot releases (``(t_release, compute clock then)``) sit between the last op
     issued at or before their time and the next one; the compute segment they fall into is split
-    at their compute clock (cumulative slot-holding seconds), which is consistent with
+    at their compute clock (the rank's cumulative compute seconds), which is consistent with
     ``compute_before`` (the per-op increments of the same clock).
     """
     points = sorted([(m["t"], m["compute_clock"], m) for m in marks] + [(t, c, None) for t, c in releases],

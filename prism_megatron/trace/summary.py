@@ -18,7 +18,7 @@ def _fmt_bytes(n: float) -> str:
 
 
 def summarize(path: str | Path) -> str:
-    """Text summary: job, groups, ops per kind with bytes, per-rank compute (slot-holding) time."""
+    """Text summary: job, groups, ops per kind with bytes, per-rank compute time (the rank's own clock)."""
     t = read_trace(path)
     m = t.manifest
     ops = t.ops.to_pydict()
@@ -39,6 +39,6 @@ def summarize(path: str | Path) -> str:
         lines.append(f"  {k:<22}{n:>8}{_fmt_bytes(by_kind_bytes[k]):>14}")
     if compute:
         vals = [compute.get(r, 0.0) for r in range(t.world_size)]
-        lines += ["", f"  compute (slot-holding) time per rank: min {min(vals):.3f} s, median "
+        lines += ["", f"  compute time per rank: min {min(vals):.3f} s, median "
                       f"{statistics.median(vals):.3f} s, max {max(vals):.3f} s (rank {vals.index(max(vals))})"]
     return "\n".join(lines)
