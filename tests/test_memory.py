@@ -150,3 +150,41 @@ def test_budget_run_records_memory_and_an_oom_is_a_prediction(tmp_path):
     exit_codes = {e["rank"]: e["exit_code"] for e in read_trace(trace2).manifest["ranks"]}
     assert any(exit_codes[r] == 5 for r, _ in ooms)
     assert read_trace(trace2).manifest["job"]["target_gpu"]["usable"] == cap2
+
+
+# ---- Megatron's --fake-process-group anchor ---------------------------------------------------------
+def test_megatron_memory_lines_are_parsed_per_rank():
+    from prism_megatron.megatron.anchors import parse_memory_lines
+
+    text = ("[Rank 2] (after 1 iterations) memory (MB) | allocated: 1.53 | max allocated: 2.50 | reserved: 1.53 | "
+            "max reserved: 2.50\nnoise\n[Rank 0] (after 2 iterations) memory (MB) | allocated: 9.00 | max allocated: "
+            "9.50 | reserved: 10.00 | max reserved: 12.00\n[Rank 2] (after 2 iterations) memory (MB) | allocated: "
+            "1.53 | max allocated: 3.20 | reserved: 1.53 | max reserved: 3.25 | total device memory used: 99.00\n")
+    assert parse_memory_lines(text, 2) == {"iteration": 2, "max_allocated": int(3.2 * MiB),
+                                           "max_reserved": int(3.25 * MiB)}
+    assert parse_memory_lines(text, 0)["max_reserved"] == 12 * MiB
+    assert parse_memory_lines(text, 1) is None
+
+
+@_CPU_ONLY
+def test_fake_pg_anchor_beside_the_measured_peak(tmp_path):
+    """Dense job: Megatron's fake process group and our emulation agree on each class's peak (as on the
+    H200, device-notes); the report carries both; a broken anchor file is named in the error."""
+    from prism_megatron.report import build_report
+    from prism_megatron.trace import TraceFormatError
+
+    env = {**os.environ, "WANDB_MODE": "disabled"}
+    p = subprocess.run([sys.executable, "-m", "prism_megatron", "run", "--recipe", "mini-dense-tp2pp2",
+                        "--prism-driver", "core", "--prism-track-memory", "on", "--prism-anchor-fake-pg"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=900, env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    anchors = json.loads((tmp_path / "prism-trace" / "fake-pg-anchor.json").read_text())
+    assert [(a["rank"], a["class"]) for a in anchors["ranks"]] == [(0, "stage 0 of 2 (first)"),
+                                                                  (2, "stage 1 of 2 (last)")]
+    report = json.loads((tmp_path / "prism-trace" / "report.json").read_text())
+    for a in report["anchors"]["fake_pg"]:
+        assert a["max_allocated"] == pytest.approx(a["measured_max_allocated"], rel=0.01), a
+    assert "Megatron --fake-process-group, rank 2 (stage 1 of 2 (last))" in p.stdout
+    (tmp_path / "prism-trace" / "fake-pg-anchor.json").write_text('{"format": "other"}')
+    with pytest.raises(TraceFormatError, match="fake-pg-anchor.json: field 'format'/'version'"):
+        build_report(tmp_path / "prism-trace")

@@ -45,6 +45,9 @@ PRISM_FLAGS: dict[str, dict[str, Any]] = {
                                       "(the CPU byte accountant costs ~12 us per op)."),
     "--prism-report": dict(type=str, default="on", choices=["on", "off"],
                            help="After the run: the report (terminal, report.json/html, timeline) and W&B."),
+    "--prism-anchor-fake-pg": dict(action="store_true",
+                                   help="After the run, also run one rank per class alone under Megatron's "
+                                        "--fake-process-group and show its peak memory beside ours in the report."),
     "--prism-cluster": dict(type=str, default=None,
                             help="Cluster profile that costs communication in the prediction "
                                  "(prism-megatron cluster list); default: free communication."),

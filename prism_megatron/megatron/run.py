@@ -266,7 +266,13 @@ def run(request: RunRequest) -> int:
 
     cfg = launch_config(request).validate()
     code = launch(cfg)
-    if request.options.get("prism_report") == "on" and code in (0, OOM) and (cfg.trace_dir / "manifest.json").exists():
+    written = code in (0, OOM) and (cfg.trace_dir / "manifest.json").exists()
+    if written and request.options.get("prism_anchor_fake_pg"):
+        from prism_megatron.megatron.anchors import run_fake_pg_anchor
+
+        args = list(request.script_args) + (cpu_defaults(request.script_args) if not cfg.on_gpu else [])
+        run_fake_pg_anchor(cfg.trace_dir, request.script, args, on_cpu=not cfg.on_gpu)
+    if request.options.get("prism_report") == "on" and written:
         from prism_megatron.report.publish import publish
 
         config = {"recipe": request.options.get("prism_recipe"), "script": str(request.script),

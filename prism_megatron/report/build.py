@@ -74,7 +74,7 @@ def assemble(trace_dir: str | Path, cluster: str | None = None) -> tuple[dict[st
         "oom": oom,
         "swap": _swap(job.get("swap")),
         "verdict": verdict(memory, oom, exit5, classes, target["gpu"]),
-        "anchors": _anchors(marks, memory),
+        "anchors": {**_anchors(marks, memory), "fake_pg": _fake_pg(Path(trace_dir), memory)},
     }
     return report, result
 
@@ -95,6 +95,29 @@ def _anchors(marks: dict[str, dict[int, Any]], memory: dict[str, Any]) -> dict[s
     top = max(memory["classes"], key=lambda c: c["max_allocated"], default=None)
     return {"megatron_formula": formula,
             "measured_max_allocated": None if top is None else {"class": top["class"], "bytes": top["max_allocated"]}}
+
+
+def _fake_pg(trace_dir: Path, memory: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """Megatron's --fake-process-group peaks (``fake-pg-anchor.json``, written by ``run
+    --prism-anchor-fake-pg``) beside each rank's measured max allocated; None when not asked for."""
+    path = trace_dir / "fake-pg-anchor.json"
+    if not path.exists():
+        return None
+    try:
+        doc = json.loads(path.read_text())
+    except ValueError:
+        raise TraceFormatError(path, "JSON", "is invalid") from None
+    if not isinstance(doc, dict) or doc.get("format") != "prismanchor" or doc.get("version") != 1:
+        raise TraceFormatError(path, "field 'format'/'version'", "is not prismanchor version 1")
+    if not isinstance(doc.get("ranks"), list):
+        raise TraceFormatError(path, "field 'ranks'", "is missing or not a list")
+    measured = {r["rank"]: r["max_allocated"] for r in memory["ranks"]}
+    out = []
+    for entry in doc["ranks"]:
+        if not isinstance(entry, dict) or not isinstance(entry.get("rank"), int):
+            raise TraceFormatError(path, "field 'ranks[].rank'", "is missing or not an integer")
+        out.append({**entry, "measured_max_allocated": measured.get(entry["rank"])})
+    return out
 
 
 def _read_marks(trace: PrismTrace) -> dict[str, dict[int, Any]]:

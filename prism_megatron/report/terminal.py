@@ -115,20 +115,36 @@ def _breakdown(report: dict[str, Any]) -> Table | None:
     return t
 
 
+def _fake_pg_lines(anchors: dict[str, Any]) -> list[Any]:
+    out = []
+    for a in anchors.get("fake_pg") or []:
+        head = f"Megatron --fake-process-group, rank {a['rank']} ({a.get('class', '?')}): "
+        if "error" in a:
+            out.append(Text(head + f"not available ({a['error']})", style="dim"))
+            continue
+        line = head + f"max allocated {fmt_bytes(a['max_allocated'])}"
+        ours = a.get("measured_max_allocated")
+        if ours:
+            line += f" vs measured {fmt_bytes(ours)} ({100 * (a['max_allocated'] - ours) / ours:+.1f}%)"
+        out.append(Text(line))
+    return out
+
+
 def anchor_lines(report: dict[str, Any]) -> list[Any]:
     anchors = report.get("anchors") or {}
     formula, measured = anchors.get("megatron_formula"), anchors.get("measured_max_allocated")
     if formula is None:
-        return []
+        return _fake_pg_lines(anchors)
     if "error" in formula:
-        return [Text(f"Megatron's memory formula: not available ({formula['error']})", style="dim")]
+        return [Text(f"Megatron's memory formula: not available ({formula['error']})", style="dim"),
+                *_fake_pg_lines(anchors)]
     line = (f"Megatron's memory formula (most loaded shard): {fmt_bytes(formula['total'])} "
             f"(weights+optimizer {fmt_bytes(formula['weight_and_optimizer'])}, activations "
             f"{fmt_bytes(formula['activation'])})")
     if measured is not None:
         line += (f" vs measured max allocated {fmt_bytes(measured['bytes'])} ({measured['class']}, "
                  f"{100 * (formula['total'] - measured['bytes']) / measured['bytes']:+.1f}%)")
-    return [Text(line)]
+    return [Text(line), *_fake_pg_lines(anchors)]
 
 
 def renderables(report: dict[str, Any]) -> list[Any]:

@@ -101,6 +101,7 @@ _USED: dict[str, dict[str, Any]] = {
     "--no-overlap-p2p-communication": dict(action="store_false", dest="overlap_p2p_comm"),
     "--transformer-impl": dict(type=str, default="local", choices=["local", "transformer_engine"]),
     "--distributed-backend": dict(type=str, default=None, choices=["nccl", "gloo"]),
+    "--fake-process-group": dict(action="store_true"),  # Megatron-LM's: one rank, communication skipped
     "--log-interval": dict(type=int, default=100),
     # Megatron-LM's fusions are on by default; without apex/TE they run as eager torch code
     "--no-bias-gelu-fusion": dict(action="store_false", dest="bias_gelu_fusion"),
@@ -333,10 +334,15 @@ def _init_distributed(args: argparse.Namespace) -> None:
     rank = int(os.environ.get("RANK", "0"))
     if not cpu_mode.cpu_mode_active():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    if world == 1 and "MASTER_ADDR" not in os.environ:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29500"))
-    dist.init_process_group(backend=args.distributed_backend, world_size=world, rank=rank,
-                            timeout=datetime.timedelta(minutes=10))
+    if args.fake_process_group:  # as Megatron-LM's initialize: RANK/WORLD_SIZE of the target, nothing sent
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        dist.init_process_group(backend="fake", store=FakeStore(), world_size=world, rank=rank)
+    else:
+        if world == 1 and "MASTER_ADDR" not in os.environ:
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29500"))
+        dist.init_process_group(backend=args.distributed_backend, world_size=world, rank=rank,
+                                timeout=datetime.timedelta(minutes=10))
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
@@ -344,6 +350,7 @@ def _init_distributed(args: argparse.Namespace) -> None:
         context_parallel_size=args.context_parallel_size,
         expert_model_parallel_size=args.expert_model_parallel_size,
         expert_tensor_parallel_size=args.expert_tensor_parallel_size,
+        create_gloo_process_groups=not args.fake_process_group,  # gloo cannot run on a fake store (as Megatron-LM)
     )
     dp = parallel_state.get_data_parallel_world_size()
     if args.global_batch_size is None:
@@ -388,6 +395,28 @@ def _snapshot_hook() -> Any:
     return lambda: torch.cuda.memory._dump_snapshot(f"{prefix}-rank{dist.get_rank()}.pickle")
 
 
+_ACCOUNTANT: Any = None  # PRISM_CPU_BYTE_ACCOUNTANT=1 on CPU: memory figures where no allocator exists
+
+
+def _report_memory(iteration: int) -> None:
+    """Megatron-LM's memory line after iterations 1 and 2 on data-parallel rank 0 (report_memory)."""
+    from megatron.core import parallel_state
+
+    if iteration > 2 or parallel_state.get_data_parallel_rank() != 0:
+        return
+    if _ACCOUNTANT is not None:
+        figures = (_ACCOUNTANT.current, _ACCOUNTANT.peak, _ACCOUNTANT.current, _ACCOUNTANT.peak)
+    elif not cpu_mode.cpu_mode_active() and torch.cuda.is_initialized():
+        figures = (torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated(), torch.cuda.memory_reserved(),
+                   torch.cuda.max_memory_reserved())
+    else:
+        return
+    mib = 1024.0 * 1024.0
+    print(f"[Rank {dist.get_rank()}] (after {iteration} iterations) memory (MB) | allocated: {figures[0] / mib:.2f} | "
+          f"max allocated: {figures[1] / mib:.2f} | reserved: {figures[2] / mib:.2f} | max reserved: "
+          f"{figures[3] / mib:.2f}", flush=True)
+
+
 def train(args: argparse.Namespace) -> None:
     """Megatron-LM's train loop for this model: zero grads, schedule, optimizer step, loss across DP."""
     from megatron.core import parallel_state
@@ -409,7 +438,7 @@ def train(args: argparse.Namespace) -> None:
         adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
         sgd_momentum=args.sgd_momentum, clip_grad=args.clip_grad, params_dtype=_dtype(args), bf16=args.bf16,
         use_distributed_optimizer=args.use_distributed_optimizer,
-    ), model)
+    ), model, use_gloo_process_groups=not args.fake_process_group)
     gbs = args.global_batch_size
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0, max_lr=args.lr, min_lr=args.min_lr, lr_warmup_steps=args.lr_warmup_iters * gbs,
@@ -464,6 +493,7 @@ def train(args: argparse.Namespace) -> None:
                     dist.all_reduce(total, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
                     loss[key] = float(total[0] / total[1])
         norm = None if grad_norm is None else float(grad_norm)
+        _report_memory(iteration)
         if record is not None:
             record(iteration, loss, norm)
         if rank == world - 1 and iteration % args.log_interval == 0:
@@ -497,6 +527,12 @@ def main(argv: list[str] | None = None) -> None:
     from prism_megatron.patches import dataset_helpers
 
     dataset_helpers.install()
+    if cpu_mode.cpu_mode_active() and os.environ.get("PRISM_CPU_BYTE_ACCOUNTANT") == "1":
+        global _ACCOUNTANT
+        from prism_megatron.memory.accountant import ByteAccountant
+
+        _ACCOUNTANT = ByteAccountant()
+        _ACCOUNTANT.__enter__()
     _init_distributed(args)
     if dist.get_rank() == 0:
         print("prism: driver core (megatron.core only: parallel_state, GPTModel local spec, core DDP, "
