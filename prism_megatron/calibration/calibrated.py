@@ -33,7 +33,7 @@ import pyarrow.parquet as pq
 
 from ..replay.engine import CommSpec, CostFn, ReplayResult, replay
 from ..replay.graph import P2P_KINDS, Comm, Compute, Event, Graph, GraphError, Group, Mark, Wait
-from ..trace.writer import fsync_dir
+from ..trace.writer import fsync_dir, swap_in_dir
 
 FORMAT = "prismcalibrated"
 VERSION = 1
@@ -220,18 +220,7 @@ def write_calibrated(path: str | Path, cg: CalibratedGraph) -> Path:
             f.flush()
             os.fsync(f.fileno())
         fsync_dir(tmp)
-        if os.path.lexists(path):
-            aside = path.parent / f".{path.name}.old-{secrets.token_hex(6)}"
-            os.replace(path, aside)
-            try:
-                os.replace(tmp, path)
-            except BaseException:
-                os.replace(aside, path)
-                raise
-            shutil.rmtree(aside, ignore_errors=True)
-        else:
-            os.replace(tmp, path)
-        fsync_dir(path.parent)
+        swap_in_dir(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -177,9 +177,9 @@ def _write_parquet(table: pa.Table, file: Path) -> None:
         os.fsync(f.fileno())
 
 
-def _install(tmp: Path, path: Path) -> None:
-    """Rename the finished temp dir to ``path``, swapping out an existing trace if there is one."""
-    _check_destination(path)
+def swap_in_dir(tmp: Path, path: Path) -> None:
+    """Rename the finished directory ``tmp`` to ``path``; an existing ``path`` is moved aside first and
+    removed only after the rename succeeded (put back if it failed). Shared by every directory format."""
     if not os.path.lexists(path):
         os.rename(tmp, path)
     else:
@@ -193,6 +193,12 @@ def _install(tmp: Path, path: Path) -> None:
         fsync_dir(path.parent)
         shutil.rmtree(aside, ignore_errors=True)
     fsync_dir(path.parent)
+
+
+def _install(tmp: Path, path: Path) -> None:
+    """Rename the finished temp dir to ``path``, swapping out an existing trace if there is one."""
+    _check_destination(path)
+    swap_in_dir(tmp, path)
 
 
 def write_trace(
