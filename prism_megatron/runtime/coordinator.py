@@ -74,11 +74,9 @@ class RankState:
     rank: int
     conn: Connection
     state: str = "starting"  # starting | queued | running | blocked | done
-    held_since: float | None = None
-    compute_accum: float = 0.0
-    last_clock: float = 0.0  # the rank's own compute clock at its previous op
-    reported_clock: float | None = None  # the rank's compute clock in its latest message
-    compute_total: float = 0.0
+    holding: bool = False  # holds a compute slot now (granted at grant_t)
+    clock: float = 0.0  # the rank's own compute clock (runtime work excluded), from its latest message
+    last_op_clock: float = 0.0  # that clock at the rank's previous op
     grant_t: float = 0.0
     grant_slot: tuple[int, int] | None = None
     blocked_on: set[int] = field(default_factory=set)
@@ -210,8 +208,8 @@ class Coordinator:
     def _dispatch(self, conn: Connection, msg: dict) -> None:
         t = msg["t"]
         rs = self.conns.get(conn)
-        if rs is not None and "clk" in msg:
-            rs.reported_clock = msg["clk"]
+        if rs is not None and "clk" in msg:  # every message of a computing rank carries its clock
+            rs.clock = msg["clk"]
         if t == P.HELLO:
             rs = RankState(msg["rank"], conn, pid=msg.get("pid", 0))
             self.ranks[rs.rank] = rs
@@ -234,9 +232,8 @@ class Coordinator:
         elif t == P.GROUP:
             self._on_group(rs, msg)
         elif t == P.MARK:
-            clock = msg["clk"] if "clk" in msg else self._compute_clock(rs)  # the rank's own clock when sent
             self.marks.append({"rank": rs.rank, "name": msg["name"], "phase": msg["phase"], "t": self.now(),
-                               "compute_clock": clock, "attrs": json.dumps(msg["attrs"])})
+                               "compute_clock": rs.clock, "attrs": json.dumps(msg["attrs"])})
             if msg["name"] == "iteration" and msg["phase"] == "E":
                 self.iterations_done += 1
                 self.iterations_ended[rs.rank] = self.iterations_ended.get(rs.rank, 0) + 1
@@ -261,20 +258,12 @@ class Coordinator:
             self._on_finish(msg)
 
     # ---- slots -------------------------------------------------------------------------------------
-    def _compute_clock(self, rs: RankState) -> float:
-        extra = self.now() - rs.held_since if rs.held_since is not None else 0.0
-        return rs.compute_total + extra
-
     def _stop_holding(self, rs: RankState) -> None:
-        if rs.held_since is not None:
-            dt = self.now() - rs.held_since
-            rs.compute_accum += dt
-            rs.compute_total += dt
-            rs.held_since = None
+        if rs.holding:
+            rs.holding = False
             d, s = rs.grant_slot
-            clock = rs.compute_total if rs.reported_clock is None else rs.reported_clock
             self.slot_log.append({"rank": rs.rank, "device": self.device_names[d], "slot": s,
-                                  "t_grant": rs.grant_t, "t_release": self.now(), "compute_clock": clock})
+                                  "t_grant": rs.grant_t, "t_release": self.now(), "compute_clock": rs.clock})
         for g in self.slots.release(rs.rank):
             self._grant(g)
         if self.paused_grants is not None:
@@ -293,7 +282,7 @@ class Coordinator:
             return
         rs = self.ranks[g.rank]
         rs.state = "running"
-        rs.held_since = rs.grant_t = self.now()
+        rs.holding, rs.grant_t = True, self.now()
         rs.grant_slot = (g.device, g.slot)
         self._send(rs, {"t": P.GRANT})
 
@@ -448,12 +437,6 @@ class Coordinator:
                 return self._fatal("mismatch", f"rank {rs.rank}: {msg['kind']} on group {g.name!r} (ranks "
                                    f"{_ranks(g.ranks)}) names {key} {v}, outside the group's {len(g.ranks)} ranks")
         now = self.now()
-        if rs.held_since is not None:
-            rs.compute_accum += now - rs.held_since
-            rs.compute_total += now - rs.held_since
-            rs.held_since = now
-        if "clk" in msg:  # the rank's clock leaves out the runtime's staging and messaging
-            rs.compute_accum, rs.last_clock = msg["clk"] - rs.last_clock, msg["clk"]
         kind = msg["kind"]
         peer = msg.get("peer")
         root = msg.get("root")
@@ -464,9 +447,9 @@ class Coordinator:
             bytes=nbytes, dtype=(msg["ins"] or msg["outs"] or [(None, "", [])])[0][1],
             shapes=json.dumps([d[2] for d in msg["ins"] + msg["outs"]]), reduce_op=msg.get("redop") or "",
             async_op=bool(msg.get("async_op")), t_issue=now, t_complete=float("nan"),
-            compute_before=rs.compute_accum, label=msg.get("label") or "", op_id=msg["id"],
+            compute_before=rs.clock - rs.last_op_clock, label=msg.get("label") or "", op_id=msg["id"],
         )
-        rs.compute_accum = 0.0
+        rs.last_op_clock = rs.clock
         rs.n_ops += 1
         rs.pending[msg["id"]] = rec
         self.ops.append(rec)
