@@ -140,10 +140,11 @@ def _run_script(cfg: LaunchConfig, rank: int, probe=None) -> int:
     except BaseException as e:
         tb = traceback.format_exc()
         (cfg.log_dir / f"rank-{rank}.traceback").write_text(tb)
-        if probe is not None and _is_oom(e) and probe.physical(e):
-            sys.stderr.write(tb + f"prism: rank {rank}: {probe.physical(e)}\n")
-            return 1
         if probe is not None and _is_oom(e):
+            physical = probe.physical(e)
+            if physical:  # the shared physical GPU was full: an emulation failure, not a verdict
+                sys.stderr.write(tb + f"prism: rank {rank}: {physical}\n")
+                return 1
             oom = probe.out_of_memory(e)
             sys.stderr.write(f"prism: rank {rank} ran out of memory under the target's cap "
                              f"({oom['message']}); this is a prediction, traceback in rank-{rank}.traceback\n")
