@@ -19,9 +19,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import secrets
-import shutil
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -33,7 +30,7 @@ import pyarrow.parquet as pq
 
 from ..replay.engine import CommSpec, CostFn, ReplayResult, replay
 from ..replay.graph import P2P_KINDS, Comm, Compute, Event, Graph, GraphError, Group, Mark, Wait
-from ..trace.writer import fsync_dir, swap_in_dir
+from ..trace.writer import write_directory
 
 FORMAT = "prismcalibrated"
 VERSION = 1
@@ -207,24 +204,7 @@ def write_calibrated(path: str | Path, cg: CalibratedGraph) -> Path:
     }
     text = json.dumps(manifest, indent=1, allow_nan=False) + "\n"
     table = pa.table(_rows(cg), schema=EVENTS_SCHEMA)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.tmp-{secrets.token_hex(6)}"
-    tmp.mkdir()
-    try:
-        with open(tmp / EVENTS_FILE, "wb") as f:
-            pq.write_table(table, f)
-            f.flush()
-            os.fsync(f.fileno())
-        with open(tmp / MANIFEST_FILE, "w", encoding="utf-8") as f:  # last: a manifest means complete
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        fsync_dir(tmp)
-        swap_in_dir(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return path
+    return write_directory(path, {EVENTS_FILE: table}, MANIFEST_FILE, text)
 
 
 # --- reader ----------------------------------------------------------------------------------------

@@ -195,10 +195,26 @@ def swap_in_dir(tmp: Path, path: Path) -> None:
     fsync_dir(path.parent)
 
 
-def _install(tmp: Path, path: Path) -> None:
-    """Rename the finished temp dir to ``path``, swapping out an existing trace if there is one."""
-    _check_destination(path)
-    swap_in_dir(tmp, path)
+def write_directory(path: Path, tables: Mapping[str, pa.Table], manifest_name: str, manifest_text: str) -> Path:
+    """Write a table directory atomically: the tables, then the manifest (a manifest means complete),
+    in a temp directory swapped in at ``path`` (``swap_in_dir``). Shared by PrismTrace and the
+    calibrated graph; nothing is left behind on failure."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".{path.name}.tmp-{secrets.token_hex(6)}"
+    tmp.mkdir()
+    try:
+        for name, table in tables.items():
+            _write_parquet(table, tmp / name)
+        with open(tmp / manifest_name, "w", encoding="utf-8") as f:
+            f.write(manifest_text)
+            f.flush()
+            os.fsync(f.fileno())
+        fsync_dir(tmp)
+        swap_in_dir(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path
 
 
 def write_trace(
@@ -243,20 +259,4 @@ def write_trace(
     check_references(full, tables, paths)
     _check_destination(path)
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.tmp-{secrets.token_hex(6)}"
-    tmp.mkdir()
-    try:
-        for name in TABLE_NAMES:
-            _write_parquet(tables[name], tmp / DEFAULT_FILES[name])
-        # The manifest goes last: a directory with a complete manifest has all its tables.
-        with open(tmp / MANIFEST_FILE, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        fsync_dir(tmp)
-        _install(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return path
+    return write_directory(path, {DEFAULT_FILES[name]: tables[name] for name in TABLE_NAMES}, MANIFEST_FILE, text)
