@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Where emulated and real peaks differ: TP2 (2 iterations) real and emulated with allocation history
-# (PRISM_MEMORY_SNAPSHOT), then EP2 again. Analyse with: python3 bench/gpu/snapshot_diff.py OUT
+# (PRISM_MEMORY_SNAPSHOT). Analyse: python3 bench/gpu/snapshot_diff.py OUT/real-rank0.pickle OUT/emu-rank0.pickle
 set -uo pipefail
 out=${1:-/tmp/prism-mem}
 mkdir -p "$out"
