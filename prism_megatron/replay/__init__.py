@@ -17,13 +17,14 @@ from .engine import (
     zero_cost,
 )
 from .export import to_chrome, write_chrome
-from .graph import Comm, Compute, Graph, GraphBuilder, GraphError, Group, Mark, Wait, graph_from_trace
+from .graph import Comm, Compute, CpuSync, Graph, GraphBuilder, GraphError, Group, Mark, Wait, graph_from_trace
 
 __all__ = [
     "Breakdown",
     "Comm",
     "CommSpec",
     "Compute",
+    "CpuSync",
     "CostFn",
     "DeadlockError",
     "Graph",

@@ -47,10 +47,22 @@ class Group:
 
 @dataclass(frozen=True)
 class Compute:
-    """The rank computes for ``duration`` seconds."""
+    """The rank computes for ``duration`` seconds.
+
+    ``gpu``: seconds of device work the segment queued (GPU busy time), when it was measured. Then
+    ``duration`` is the host's time to issue it, and the engine runs the host and the device as two
+    clocks, as with a real GPU whose host runs ahead (see replay.engine). ``None``: one clock.
+    """
 
     duration: float
     label: str = ""
+    gpu: float | None = None
+
+
+@dataclass(frozen=True)
+class CpuSync:
+    """The host waits until the device has finished everything queued so far (``.item()``,
+    ``torch.cuda.synchronize()``, a copy to host memory). Only meaningful with two clocks."""
 
 
 @dataclass(frozen=True)
@@ -93,7 +105,7 @@ class Mark:
     attrs: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
 
 
-Event = Compute | Comm | Wait | Mark
+Event = Compute | Comm | Wait | Mark | CpuSync
 
 
 @dataclass
@@ -140,6 +152,8 @@ class Graph:
                 elif isinstance(ev, Compute):
                     if not (math.isfinite(ev.duration) and ev.duration >= 0):
                         raise GraphError(f"{self.source}: rank {rank} event {i} has compute duration {ev.duration}")
+                    if ev.gpu is not None and not (math.isfinite(ev.gpu) and ev.gpu >= 0):
+                        raise GraphError(f"{self.source}: rank {rank} event {i} has GPU busy time {ev.gpu}")
 
 
 class GraphBuilder:
