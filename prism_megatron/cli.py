@@ -40,12 +40,15 @@ def main() -> None:
               help="Cap each rank at this GPU's memory (h100-80gb, ... or GiB); an OOM becomes a prediction (exit 5).")
 @click.option("--target-context", type=float, default=None,
               help="GiB a target rank holds outside PyTorch's allocator (default 3.5, measured on H200s).")
+@click.option("--gpu-timing/--no-gpu-timing", default=True, show_default=True,
+              help="On GPUs, measure each compute segment's host time and device busy time (CUDA profiler), "
+                   "so the replay lets the host run ahead as with NCCL.")
 @click.argument("script", type=click.Path(path_type=Path))
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
 def launch(world_size: int, devices: str, slots_per_device: int, hang_timeout: float, trace_dir: Path,
            gpus_per_node: int, log_ranks: str, threads_per_rank: int, preload: tuple[str, ...], swap: str,
-           device_memory: float | None, target_gpu: str | None, target_context: float | None, script: Path,
-           script_args: tuple[str, ...]) -> None:
+           device_memory: float | None, target_gpu: str | None, target_context: float | None, gpu_timing: bool,
+           script: Path, script_args: tuple[str, ...]) -> None:
     """Run SCRIPT as WORLD_SIZE logical ranks through the prism backend and write a PrismTrace.
 
     Example: prism-megatron launch --world-size 64 --devices cpu --slots-per-device 2 -- train.py --lr 1e-3
@@ -60,7 +63,7 @@ def launch(world_size: int, devices: str, slots_per_device: int, hang_timeout: f
             slots_per_device=slots_per_device, hang_timeout=hang_timeout, trace_dir=trace_dir,
             gpus_per_node=gpus_per_node, log_ranks=parse_ranks(log_ranks, max(world_size, 1)),
             threads_per_rank=threads_per_rank, preload=list(preload), swap=swap, device_memory_gib=device_memory,
-            target_gpu=target,
+            target_gpu=target, gpu_timing=gpu_timing,
         ).validate()
     except (LaunchError, TargetError) as e:
         raise click.UsageError(str(e)) from None

@@ -1,4 +1,4 @@
-"""PrismTrace v1: round trips, Chrome export, rejection of bad traces, atomic writes, markers."""
+"""PrismTrace: round trips, Chrome export, rejection of bad traces, atomic writes, markers."""
 
 from __future__ import annotations
 
@@ -164,7 +164,7 @@ def test_round_trip_rows_preserves_every_value(trace_path: Path) -> None:
     for key, value in _manifest().items():
         assert m[key] == value
     assert (m["format"], m["version"], m["complete"]) == ("prismtrace", VERSION, True)
-    assert m["files"] == {"ops": "ops.parquet", "marks": "marks.parquet", "slots": "slots.parquet"}
+    assert m["files"] == {name: f"{name}.parquet" for name in ("ops", "marks", "slots", "gpu")}
     assert isinstance(m["created"], str) and m["created"][:2] == "20"
 
 
@@ -332,7 +332,7 @@ def _set(key, value):
 MANIFEST_CASES = {
     "wrong format": (_set("format", "chrome"), ["'format'", "chrome"]),
     "no format": (_drop_key("format"), ["'format'", "missing"]),
-    "future version": (_set("version", 3), ["'version'", "is 3", "supports", "1, 2"]),
+    "future version": (_set("version", 4), ["'version'", "is 4", "supports", "1, 2, 3"]),
     "version string": (_set("version", "1"), ["'version'", "string"]),
     "no version": (_drop_key("version"), ["'version'", "missing"]),
     "incomplete": (_set("complete", False), ["'complete'", "not finished"]),
@@ -760,3 +760,38 @@ def test_version_1_traces_still_read_with_slot_holding_as_the_clock(tmp_path):
     (path / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(TraceFormatError, match="column 'compute_clock' is missing"):
         read_trace(path)
+
+
+def _gpu_rows() -> list[dict]:
+    return [
+        {"rank": 0, "clock_start": 0.0, "clock_end": 0.5, "cpu": 0.4, "gpu": 0.9, "syncs": []},
+        {"rank": 1, "clock_start": 0.0, "clock_end": 0.25, "cpu": 0.2, "gpu": 0.1, "syncs": [[0.05, 0.02]]},
+    ]
+
+
+def test_gpu_table_round_trips_and_older_versions_read_without_it(tmp_path):
+    """v3 adds the gpu table (per-segment host/device times); a v2 trace has none and reads as empty."""
+    import json
+
+    path = write_trace(tmp_path / "t", _manifest(), _ops(), marks=_marks(), slots=_slots(), gpu=_gpu_rows())
+    rows = read_trace(path).gpu.to_pylist()
+    assert [(r["rank"], r["clock_end"], r["cpu"], r["gpu"], json.loads(r["syncs"])) for r in rows] == [
+        (0, 0.5, 0.4, 0.9, []), (1, 0.25, 0.2, 0.1, [[0.05, 0.02]])]
+    manifest = json.loads((path / "manifest.json").read_text())
+    del manifest["files"]["gpu"]
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(TraceFormatError, match="'files.gpu' is missing"):
+        read_trace(path)  # v3 must name its gpu table
+    manifest["version"] = 2
+    (path / "gpu.parquet").unlink()
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    old = read_trace(path)
+    assert old.gpu.num_rows == 0 and old.gpu.column_names == ["rank", "clock_start", "clock_end", "cpu", "gpu", "syncs"]
+
+
+def test_gpu_table_rejects_bad_values_naming_the_field(tmp_path):
+    bad = [dict(_gpu_rows()[0], rank=7)]
+    with pytest.raises(TraceFormatError, match=r"gpu.parquet: column 'rank' contains 7"):
+        write_trace(tmp_path / "t", _manifest(), _ops(), gpu=bad)
+    with pytest.raises(TraceFormatError, match=r"gpu.parquet: column 'cpu' cannot be stored"):
+        write_trace(tmp_path / "t", _manifest(), _ops(), gpu=[dict(_gpu_rows()[0], cpu="soon")])

@@ -272,13 +272,21 @@ def emulated_run(case: Case, work: Path, devices: str, slots: int, timeout: floa
     return trace, load
 
 
-def predict(trace: Path, cost: Callable) -> dict[int, float]:
-    """Per-iteration predicted times of a trace's replay under ``cost``."""
+def predict(trace: Path, cost: Callable, gpu_times: bool = True) -> dict[int, float]:
+    """Per-iteration predicted times of a trace's replay under ``cost``; ``gpu_times=False`` ignores the
+    measured host/device split (one clock per rank, as before GPU timing)."""
     from prism_megatron.replay import graph_from_trace, replay
     from prism_megatron.trace import read_trace
 
-    result = replay(graph_from_trace(read_trace(trace)), cost)
+    result = replay(graph_from_trace(read_trace(trace), gpu_times=gpu_times), cost)
     return {it.number: it.time for it in result.iterations()}
+
+
+def gpu_rows(trace: Path) -> int:
+    """Compute segments with measured host/device times in a trace (0: one clock)."""
+    from prism_megatron.trace import read_trace
+
+    return read_trace(trace).gpu.num_rows
 
 
 # ----------------------------------------------------------------------------- communication costs
@@ -439,6 +447,11 @@ def ground_truth_row(case: Case, work: Path, devices: str, cost: Callable, cost_
             f" (used: {'/'.join(f'{_median(t) * 1e3:.0f}' for t in quiet) or 'none quiet, all'})"
         notes.append("real runs " + "/".join(f"{_median(times) * 1e3:.0f}" for times in reals) + used)
     ops = ops_per_iteration(trace)
+    segments = gpu_rows(trace)
+    one_clock = _median(predict(trace, cost, gpu_times=False)) if segments else None
+    if one_clock is not None:
+        notes.append(f"{segments} GPU-timed segments; one clock would say {one_clock * 1e3:.0f} "
+                     f"({(one_clock / r - 1) * 100:+.1f}%)")
     notes += [f"free comm {f * 1e3:.0f}", f"{ops:.0f} ops/iter: ~{ops * overhead * 1e3:.0f} of emulation cost",
               f"spread {'/'.join(_spread(t) for t in [*reals, pred])}"]
     if devices == "cpu":
@@ -447,7 +460,8 @@ def ground_truth_row(case: Case, work: Path, devices: str, cost: Callable, cost_
     return Row(case.name, truth, r * 1e3, p * 1e3, (p / r - 1) * 100, "; ".join(n for n in notes if n),
                {"real_ms": [_ms(t) for t in reals], "predicted_ms": _ms(pred), "predicted_free_comm_ms": _ms(free),
                 "cost": cost_name, "other_load_cores": {"real": loads, "emulated": emu_load},
-                "ops_per_iteration": ops, "emulation_cost_ms": ops * overhead * 1e3,
+                "ops_per_iteration": ops, "emulation_cost_ms": ops * overhead * 1e3, "gpu_timed_segments": segments,
+                "predicted_one_clock_ms": None if one_clock is None else one_clock * 1e3,
                 "flags": case.flags, "world": case.world})
 
 

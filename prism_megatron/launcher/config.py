@@ -34,6 +34,7 @@ class LaunchConfig:
     predictor: str | None = None  # "module:function" answering ranks' live predictions (see runtime.live)
     predictor_options: dict = field(default_factory=dict)
     track_memory: bool | None = None  # per-rank memory marks; None: on GPU always, on CPU when capped
+    gpu_timing: bool | None = None  # host and device time per compute segment (runtime.gpu_timing); None: on GPU
     # per-rank overrides (calibration's slice runs): these ranks run another program, or sit on another
     # device (an index into `devices`), than the contiguous default
     rank_scripts: dict[int, tuple[Path, list[str]]] = field(default_factory=dict)
@@ -48,6 +49,10 @@ class LaunchConfig:
         if self.track_memory is not None:
             return self.track_memory
         return self.on_gpu or self.target_gpu is not None
+
+    @property
+    def times_gpu(self) -> bool:
+        return self.on_gpu if self.gpu_timing is None else self.gpu_timing and self.on_gpu
 
     @property
     def on_gpu(self) -> bool:

@@ -52,6 +52,8 @@ def rank_env(cfg: LaunchConfig, rank: int, store_port: int) -> dict[str, str]:
     }
     if cfg.on_gpu:
         env["CUDA_VISIBLE_DEVICES"] = cfg.devices[cfg.device_of(rank)]
+    if cfg.times_gpu:
+        env["PRISM_GPU_TIMING"] = "1"
     return env
 
 

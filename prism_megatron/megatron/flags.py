@@ -43,6 +43,10 @@ PRISM_FLAGS: dict[str, dict[str, Any]] = {
     "--prism-track-memory": dict(type=str, default="auto", choices=["auto", "on", "off"],
                                  help="Per-rank memory figures: 'auto' is on for GPUs and for a capped CPU run "
                                       "(the CPU byte accountant costs ~12 us per op)."),
+    "--prism-gpu-timing": dict(type=str, default="auto", choices=["auto", "on", "off"],
+                               help="On GPUs, each compute segment's host time and device busy time (CUDA "
+                                    "profiler), so the prediction lets the host run ahead as with NCCL; 'auto' "
+                                    "is on for GPUs."),
     "--prism-report": dict(type=str, default="on", choices=["on", "off"],
                            help="After the run: the report (terminal, report.json/html, timeline) and W&B."),
     "--prism-anchor-fake-pg": dict(action="store_true",

@@ -221,6 +221,7 @@ def launch_config(request: RunRequest):
         threads_per_rank=o["prism_threads_per_rank"], preload=[PRELOAD], rank_setup=[RANK_SETUP],
         target_gpu=target_gpu(o), expected_iterations=_flag_int(request.script_args, "--train-iters"),
         track_memory={"auto": None, "on": True, "off": False}[o["prism_track_memory"]],
+        gpu_timing={"auto": None, "on": True, "off": False}[o["prism_gpu_timing"]],
         predictor=PREDICTOR, predictor_options={"cluster": o.get("prism_cluster")},
     )
 

@@ -11,13 +11,24 @@ Semantics (NCCL-like, no link contention):
 - a non-async op blocks its rank until it completes; an async op does not, and a :class:`Wait`
   blocks until the ops it names complete.
 
+Two clocks. On a GPU the host only issues work: kernels and NCCL ops are queued on the device and
+the host runs ahead of it. A rank whose graph measured GPU time (``Compute.gpu``) or has a
+:class:`CpuSync` therefore has a host clock and a device-stream clock. A compute segment takes
+``duration`` of host time and ``gpu`` of device time, starting on the device once both the stream
+and the host got there, and ending no earlier than the host finished issuing it. An op is issued
+when its inputs are ready on the stream; blocking ops and waits hold the stream, not the host
+(NCCL returns at once), and the host waits for the device only at a CpuSync and at the rank's end.
+Marks are host times. Other ranks have one clock (stream == host): the rules above reduce to it.
+
 Since no resource is shared, every time is a max-plus function of the inputs and the order in
 which ranks are advanced does not change the result. Link contention between concurrent ops and
 compute slowdown from overlapping communication are not modelled.
 
-Blocked time is split in two: while an awaited op is in flight it is *exposed communication*;
-before it could start (a peer had not issued yet) it is *bubble*, as is a rank's idle time after
-its last event. compute + exposed_comm + bubble is the length of the window, for every rank.
+Segments describe the device stream (the one clock, for a one-clock rank). Blocked time is split
+in two: while an awaited op is in flight it is *exposed communication*; before it could start (a
+peer had not issued yet) it is *bubble*, as is a rank's idle time after its last event. Stream time
+spent waiting for the host to issue is *compute* labelled "host". compute + exposed_comm + bubble
+is the length of the window, for every rank.
 """
 
 from __future__ import annotations
@@ -28,7 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .graph import Comm, Compute, Event, Graph, GraphError, Mark, Wait
+from .graph import Comm, Compute, CpuSync, Event, Graph, GraphError, Mark, Wait
 
 
 class DeadlockError(GraphError):
@@ -157,7 +168,8 @@ class ReplayResult:
     ops: dict[tuple, OpResult]
     marks: list[MarkTime]
     critical_path: list[PathStep]
-    #: per rank, per event: (time the rank reached it, time the rank moved past it)
+    #: per rank, per event: (time the rank reached it, time the rank moved past it); host clock for
+    #: Compute, Mark and CpuSync, device stream for Comm and Wait (the same with one clock)
     event_times: dict[int, list[tuple[float, float]]] = field(default_factory=dict)
 
     def breakdown(self, rank: int, t0: float = 0.0, t1: float | None = None) -> Breakdown:
@@ -253,7 +265,13 @@ class _Replay:
         self.ops: dict[tuple, OpResult] = {}
         self.keys: dict[int, dict[int, tuple]] = defaultdict(dict)  # rank -> event index -> op key
         self.pc = {r: 0 for r in graph.events}
-        self.clock = {r: 0.0 for r in graph.events}
+        self.clock = {r: 0.0 for r in graph.events}  # host
+        self.stream = {r: 0.0 for r in graph.events}  # device; == clock on a one-clock rank
+        self.end: dict[int, float] = {}  # max(clock, stream) once the rank is done
+        self.two_clock = {r: any(isinstance(e, CpuSync) or (isinstance(e, Compute) and e.gpu is not None)
+                                 for e in evs) for r, evs in graph.events.items()}
+        # rank -> compute event index -> (stream before, device start, device busy end, stream after)
+        self.span: dict[int, dict[int, tuple[float, float, float, float]]] = defaultdict(dict)
         self.ready: dict[int, list[float]] = {r: [math.nan] * len(e) for r, e in graph.events.items()}
         self.done_t: dict[int, list[float]] = {r: [math.nan] * len(e) for r, e in graph.events.items()}
         self.issued: dict[int, bool] = defaultdict(bool)  # current blocking Comm already issued
@@ -274,7 +292,7 @@ class _Replay:
                              f"{next(iter(op.issue))} (same group and seq, different op)")
         if rank in op.issue:
             raise GraphError(f"{self.g.source}: {_describe(rank, i, ev)} is issued twice (seq {ev.seq} repeats)")
-        op.issue[rank] = self.clock[rank]
+        op.issue[rank] = self.stream[rank]  # the op's inputs are ready on the device
         op.event[rank] = i
         op.nbytes = max(op.nbytes, ev.nbytes)
         op.label = op.label or ev.label
@@ -309,12 +327,16 @@ class _Replay:
 
     # --- ranks -------------------------------------------------------------------------------------
     def _block(self, rank: int, i: int, keys: tuple[tuple, ...]) -> bool:
-        """Finish a blocking event if its ops are done (True), else park the rank (False)."""
+        """Finish a blocking event if its ops are done (True), else park the rank (False).
+
+        The device stream waits for the ops; the host goes on at once with two clocks (NCCL returns
+        immediately) and waits with them with one clock.
+        """
         for k in keys:
             if not self.ops[k].done:
                 self.parked[k].append(rank)
                 return False
-        b = self.clock[rank]
+        b = self.stream[rank]
         e = max([b] + [self.ops[k].end for k in keys])
         flight = sorted((max(self.ops[k].start, b), min(self.ops[k].end, e)) for k in keys)
         t = b
@@ -328,21 +350,37 @@ class _Replay:
             t = f
         if e > t:
             self.segments[rank].append(Segment(rank, "bubble", t, e))
-        self.clock[rank] = e
+        self.stream[rank] = e
+        if not self.two_clock[rank]:
+            self.clock[rank] = e
         return True
+
+    def _compute(self, rank: int, i: int, ev: Compute) -> None:
+        """Host issues for ``duration``; the device runs ``gpu`` once both it and the host got there."""
+        c, g = ev.duration, ev.duration if ev.gpu is None else ev.gpu
+        clock, before = self.clock[rank], self.stream[rank]
+        s0 = max(before, clock)
+        busy = s0 + g
+        after = max(busy, clock + c)  # the device cannot finish before the host has issued it all
+        for label, t0, t1 in (("host", before, s0), (ev.label, s0, busy), ("host", busy, after)):
+            if t1 > t0:  # "host": the stream idles, waiting for the host to issue work
+                self.segments[rank].append(Segment(rank, "compute", t0, t1, label))
+        self.span[rank][i] = (before, s0, busy, after)
+        self.clock[rank], self.stream[rank] = clock + c, after
 
     def _run(self, rank: int) -> None:
         evs = self.g.events[rank]
         while self.pc[rank] < len(evs):
             i = self.pc[rank]
             ev = evs[i]
+            on_stream = isinstance(ev, (Comm, Wait))  # device events; the others are timed on the host
+            now = self.stream if on_stream else self.clock
             if math.isnan(self.ready[rank][i]):
-                self.ready[rank][i] = self.clock[rank]
+                self.ready[rank][i] = now[rank]
             if isinstance(ev, Compute):
-                t = self.clock[rank]
-                if ev.duration > 0:
-                    self.segments[rank].append(Segment(rank, "compute", t, t + ev.duration, ev.label))
-                self.clock[rank] = t + ev.duration
+                self._compute(rank, i, ev)
+            elif isinstance(ev, CpuSync):
+                self.clock[rank] = max(self.clock[rank], self.stream[rank])
             elif isinstance(ev, Mark):
                 self.marks.append(MarkTime(rank, ev.name, ev.phase, self.clock[rank], ev.attrs))
             elif isinstance(ev, Comm):
@@ -357,7 +395,7 @@ class _Replay:
             elif isinstance(ev, Wait):
                 if not self._block(rank, i, tuple(self.keys[rank][j] for j in ev.refs)):
                     return
-            self.done_t[rank][i] = self.clock[rank]
+            self.done_t[rank][i] = now[rank]
             self.pc[rank] = i + 1
 
     def run(self) -> ReplayResult:
@@ -372,13 +410,14 @@ class _Replay:
             lines = [f"  {op.kind} on group {op.group} {op.key[2:]}: issued by {sorted(op.issue)}, missing "
                      f"{sorted(set(op.ranks) - set(op.issue))}" for op in undone[:20]]
             raise GraphError(f"{self.g.source}: {len(undone)} op(s) never matched:\n" + "\n".join(lines))
-        makespan = max(self.clock.values(), default=0.0)
+        self.end = {r: max(self.clock[r], self.stream[r]) for r in self.g.ranks}  # exit waits for the device
+        makespan = max(self.end.values(), default=0.0)
         for r in self.g.ranks:
-            if self.clock[r] < makespan:
-                self.segments[r].append(Segment(r, "bubble", self.clock[r], makespan, "idle"))
+            if self.end[r] < makespan:
+                self.segments[r].append(Segment(r, "bubble", self.end[r], makespan, "idle"))
             self.segments[r].sort(key=lambda s: (s.start, s.kind == "comm"))
         times = {r: list(zip(self.ready[r], self.done_t[r], strict=True)) for r in self.g.ranks}
-        return ReplayResult(self.g, makespan, dict(self.clock), dict(self.segments), self.ops, self.marks,
+        return ReplayResult(self.g, makespan, dict(self.end), dict(self.segments), self.ops, self.marks,
                             self._critical_path(), times)
 
     def _deadlock_report(self, stuck: list[int]) -> str:
@@ -398,39 +437,59 @@ class _Replay:
         return (f"{self.g.source}: deadlock: {len(stuck)} rank(s) can never proceed:\n" + "\n".join(lines))
 
     def _critical_path(self) -> list[PathStep]:
+        """Walk back from the last rank to finish, each time along what its time was the max of.
+
+        A node is an op or (clock, rank, i): the rank's "stream" or "host" clock just after event i
+        (a one-clock rank stays on "stream"). A compute ends on the stream when the device finished
+        its work (then back to the stream, or to the host if the device had waited for it) or when
+        the host finished issuing it (then back to the host); a CpuSync takes the host to the
+        stream; a blocking op or wait that held the stream goes to its latest op, and an op goes to
+        the rank that issued it last (its stream) or to the group's previous op.
+        """
         if not self.g.events:
             return []
-        rank = max(self.g.ranks, key=lambda r: (self.clock[r], -r))
-        node: tuple = ("ev", rank, len(self.g.events[rank]) - 1)
+        rank = max(self.g.ranks, key=lambda r: (self.end[r], -r))
+        chain = "stream" if self.stream[rank] >= self.clock[rank] else "host"
+        node: tuple = (chain, rank, len(self.g.events[rank]) - 1)
         path: list[PathStep] = []
         seen = 0
         while True:
             seen += 1
             if seen > 10 * (len(self.ops) + sum(len(e) for e in self.g.events.values())) + 10:
                 raise RuntimeError("internal: critical path walk does not terminate")
-            if node[0] == "ev":
-                _, r, i = node
-                if i < 0:
-                    break
-                ev = self.g.events[r][i]
-                ready, done = self.ready[r][i], self.done_t[r][i]
-                if isinstance(ev, Compute):
-                    if ev.duration > 0:
-                        path.append(PathStep("compute", (r,), ready, done, ev.label))
-                    node = ("ev", r, i - 1)
-                elif isinstance(ev, (Comm, Wait)) and done > ready:
-                    keys = [self.keys[r][i]] if isinstance(ev, Comm) else [self.keys[r][j] for j in ev.refs]
-                    node = ("op", max(keys, key=lambda k: self.ops[k].end))
-                else:
-                    node = ("ev", r, i - 1)
-            else:
+            if node[0] == "op":
                 op = self.ops[node[1]]
                 path.append(PathStep(op.kind, op.ranks, op.start, op.end, op.label))
                 if op.why[0] == "group":
                     node = ("op", op.why[1])
                 else:
                     _, r, i = op.why
-                    node = ("ev", r, i - 1)
+                    node = ("stream", r, i - 1)
+                continue
+            chain, r, i = node
+            if i < 0:
+                break
+            ev = self.g.events[r][i]
+            ready, done = self.ready[r][i], self.done_t[r][i]
+            node = (chain, r, i - 1)
+            if isinstance(ev, Compute):
+                before, s0, busy, after = self.span[r][i]
+                if chain == "host":
+                    step = (ready, done)
+                elif after > busy:  # the device waited for the host to issue the segment
+                    step, node = (ready, after), ("host", r, i - 1)
+                else:
+                    step = (s0, after)
+                    if s0 > before:
+                        node = ("host", r, i - 1)
+                if step[1] > step[0]:
+                    path.append(PathStep("compute", (r,), step[0], step[1], ev.label))
+            elif isinstance(ev, CpuSync):
+                if chain == "host" and done > ready:
+                    node = ("stream", r, i - 1)
+            elif isinstance(ev, (Comm, Wait)) and chain == "stream" and done > ready:
+                keys = [self.keys[r][i]] if isinstance(ev, Comm) else [self.keys[r][j] for j in ev.refs]
+                node = ("op", max(keys, key=lambda k: self.ops[k].end))
         path.reverse()
         return path
 

@@ -173,8 +173,14 @@ class GraphBuilder:
         self.groups[gid] = Group(gid, tuple(ranks), name)
         return gid
 
-    def compute(self, rank: int, duration: float, label: str = "") -> int:
-        self.events[rank].append(Compute(float(duration), label))
+    def compute(self, rank: int, duration: float, label: str = "", gpu: float | None = None) -> int:
+        """Host time ``duration``; ``gpu``: device busy time, which gives the rank two clocks."""
+        self.events[rank].append(Compute(float(duration), label, None if gpu is None else float(gpu)))
+        return len(self.events[rank]) - 1
+
+    def cpu_sync(self, rank: int) -> int:
+        """The host waits for the device (gives the rank two clocks)."""
+        self.events[rank].append(CpuSync())
         return len(self.events[rank]) - 1
 
     def collective(self, rank: int, kind: str, group: int, nbytes: int = 0, *, async_op: bool = False,

@@ -22,6 +22,7 @@ from torch.futures import Future
 
 from prism_megatron.memory.accountant import untracked
 from prism_megatron.runtime import protocol as P
+from prism_megatron.runtime.gpu_timing import GpuSegmentTimer
 from prism_megatron.runtime.shm import Arena
 
 CONTEXT_BYTES = 600 << 20  # CUDA context + cuBLAS workspace of a process, beyond the caching allocator
@@ -191,6 +192,8 @@ class RankClient:
         # own work (staging, messages, waiting for grants) excluded; sent with every op and marker
         self._clock = 0.0
         self._running_since: float | None = None
+        # on a GPU, each segment's host and device busy time as well (PRISM_GPU_TIMING=1, set by the launcher)
+        self._gpu = GpuSegmentTimer() if os.environ.get("PRISM_GPU_TIMING") == "1" else None
         self.arena = Arena(segment_prefix)
         self._send({"t": P.HELLO, "rank": rank, "world_size": world_size, "pid": os.getpid()})
         self._receiver = threading.Thread(target=self._receive_loop, name="prism-receiver", daemon=True)
@@ -201,15 +204,38 @@ class RankClient:
         with self._send_lock:
             self._conn.send(msg)
 
-    def _pause(self) -> float:
-        """The program calls into the runtime: stop its compute clock; returns the clock."""
-        if self._running_since is not None:
-            self._clock += time.perf_counter() - self._running_since
-            self._running_since = None
+    def _pause(self, sync: bool = False) -> float:
+        """The program calls into the runtime: stop its compute clock; returns the clock.
+
+        ``sync``: finish the GPU work the program queued first, on its clock (the op's inputs must be
+        ready before staging). The GPU timer's end marker goes before that wait: the wait is ours.
+        """
+        if self._running_since is None:
+            if sync:
+                torch.cuda.synchronize()
+            return self._clock
+        if self._gpu is not None:
+            self._gpu.end()
+        if sync:
+            torch.cuda.synchronize()
+        segment = time.perf_counter() - self._running_since
+        self._clock += segment
+        self._running_since = None
+        if self._gpu is not None:
+            self._gpu.closed(self._clock, segment)
         return self._clock
 
     def _resume(self) -> None:
+        if self._gpu is not None:
+            self._gpu.begin()
         self._running_since = time.perf_counter()
+
+    def _flush_gpu_timing(self, force: bool = False) -> None:
+        """Send the GPU timer's segments (at iteration ends, when many are due, and at exit)."""
+        if self._gpu is not None and (force or self._gpu.due):
+            rows = [t.row(self.rank) for t in self._gpu.flush()]
+            if rows:
+                self._send({"t": P.GPUTIME, "rows": rows})
 
     def acquire(self) -> None:
         """Wait for a compute slot (start of the program)."""
@@ -224,6 +250,7 @@ class RankClient:
         self._settle()
         clock = self._pause()
         self._send({"t": P.MARK, "name": name, "phase": phase, "attrs": attrs, "clk": clock})
+        self._flush_gpu_timing(force=name == "iteration" and phase == "E")
         self._resume()
 
     def submit(self, group: str, kind: str, ins: list[torch.Tensor], outs: list[torch.Tensor],
@@ -235,9 +262,8 @@ class RankClient:
         if self._fatal is not None:
             raise self._fatal
         self._settle()
-        if any(t.is_cuda for t in (*ins, *outs)):
-            torch.cuda.synchronize()  # queued kernels are the program's compute: finish them on its clock
-        clock = self._pause()  # staging below is the runtime's time, not the program's
+        # queued kernels are the program's compute: finish them on its clock; staging below is the runtime's
+        clock = self._pause(sync=any(t.is_cuda for t in (*ins, *outs)))
         op_id = next(self._ids)
         work = PrismWork(self, op_id, outs if result is None else result)
         with untracked():  # staging copies are the runtime's, not the program's memory
@@ -348,6 +374,13 @@ class RankClient:
         """Say goodbye (releases the slot), wait for the receiver to end, free segments."""
         if self._fatal is None:
             self._settle()
+            self._pause()
+            try:
+                self._flush_gpu_timing(force=True)
+            except OSError:
+                pass
+        if self._gpu is not None:
+            self._gpu.stop()
         try:
             self._send({"t": P.BYE, "exit_code": exit_code, "clk": self._pause()})
         except OSError:
@@ -358,6 +391,8 @@ class RankClient:
 
     # ---- receiving ---------------------------------------------------------------------------
     def _receive_loop(self) -> None:
+        if self._gpu is not None:
+            self._gpu.exclude_current_thread()  # its result copies are the runtime's, not the program's
         while True:
             try:
                 msg = self._conn.recv()

@@ -116,6 +116,7 @@ class Coordinator:
         self.awaiting_room: list[Grant] = []
         self.ops: list[OpRecord] = []
         self.marks: list[dict] = []
+        self.gpu_rows: list[dict] = []  # per compute segment on a GPU: host and device times (gpu table)
         self.slot_log: list[dict] = []
         self.control: Connection | None = None
         self.last_progress = time.perf_counter()
@@ -246,6 +247,8 @@ class Coordinator:
             self._stop_holding(rs)
             self.predict_waiting.append((rs, int(msg["iteration"])))
             self._answer_predictions()
+        elif t == P.GPUTIME:
+            self.gpu_rows.extend(msg["rows"])
         elif t == P.DROP:
             self.segments.drop(msg["segment"])
         elif t == P.BYE:

@@ -26,6 +26,7 @@ MARK = "mark"  # {name, phase, attrs}: a scheduling-unit marker
 DROP = "drop"  # {segment}: the rank unlinked a shared-memory segment
 BYE = "bye"  # {exit_code}: the rank's program ended
 PREDICT = "predict"  # {iteration}: the rank waits for the predicted time of an iteration (slot released)
+GPUTIME = "gputime"  # {rows}: host/device times of closed compute segments (runtime.gpu_timing)
 RELEASE = "release"  # the rank gives its slot back while it idles (RankClient.idle); ACQUIRE asks again
 
 # coordinator -> rank

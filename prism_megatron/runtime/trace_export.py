@@ -29,4 +29,4 @@ def write_bare_trace(coord: Any, path: Path, job: dict, exit_codes: dict) -> Pat
         "ranks": [{"rank": r, "exit_code": exit_codes.get(str(r), exit_codes.get(r)),
                    "device": coord.device_names[coord.slots.device_of(r)]} for r in range(coord.world_size)],
     }
-    return write_trace(path, manifest, ops=ops, marks=coord.marks, slots=coord.slot_log)
+    return write_trace(path, manifest, ops=ops, marks=coord.marks, slots=coord.slot_log, gpu=coord.gpu_rows)

@@ -18,24 +18,27 @@ import pyarrow.parquet as pq
 
 from .schema import (
     MANIFEST_FILE,
-    TABLE_NAMES,
+    SCHEMAS,
     VERSION,
     TraceFormatError,
     check_manifest,
     check_references,
     check_table,
+    tables_of,
 )
 
 
 @dataclass
 class PrismTrace:
-    """A validated trace: its manifest and its three tables (columns exactly as in ``schema``)."""
+    """A validated trace: its manifest and its tables (columns exactly as in ``schema``; the gpu
+    table of a v1/v2 trace is empty)."""
 
     path: Path
     manifest: dict[str, Any]
     ops: pa.Table
     marks: pa.Table
     slots: pa.Table
+    gpu: pa.Table = field(default_factory=SCHEMAS["gpu"].empty_table)
     # ops sorted by (rank, index) and each rank's [start, stop) rows in it, built on first use so
     # that walking all ranks is O(rows) rather than O(ranks * rows).
     _ops_by_rank: tuple[pa.Table, dict[int, tuple[int, int]]] | None = field(
@@ -95,7 +98,7 @@ def _read_table(file: Path, name: str, manifest_path: Path, version: int = VERSI
 
 
 def read_trace(path: str | Path) -> PrismTrace:
-    """Open the trace directory at ``path``; raise TraceFormatError if it is not a complete v1/v2 trace."""
+    """Open the trace directory at ``path``; raise TraceFormatError if it is not a complete v1/v2/v3 trace."""
     path = Path(path)
     if not path.exists():
         raise TraceFormatError(path, "directory", "does not exist")
@@ -116,7 +119,8 @@ def read_trace(path: str | Path) -> PrismTrace:
         ) from None
     check_manifest(manifest, manifest_path)
 
-    paths = {name: path / manifest["files"][name] for name in TABLE_NAMES}
-    tables = {name: _read_table(paths[name], name, manifest_path, manifest["version"]) for name in TABLE_NAMES}
+    names = tables_of(manifest["version"])
+    paths = {name: path / manifest["files"][name] for name in names}
+    tables = {name: _read_table(paths[name], name, manifest_path, manifest["version"]) for name in names}
     check_references(manifest, tables, paths)
     return PrismTrace(path=path, manifest=manifest, **tables)

@@ -1,4 +1,4 @@
-"""PrismTrace version 1: the one place that says what a trace directory contains.
+"""PrismTrace (version 3): the one place that says what a trace directory contains.
 
 Writer, reader and exporters all validate against the definitions here, so a file the writer
 accepts is exactly a file the reader accepts. Every error names the file and the field, because a
@@ -10,6 +10,8 @@ A trace is a directory::
     ops.parquet     one row per communication op per rank
     marks.parquet   scheduling-unit markers (iteration, microbatch, forward/backward...)
     slots.parquet   slot grants: when each rank held a compute slot on which device
+    gpu.parquet     (v3) per compute segment of a rank on a GPU: host time, device busy time, and
+                    where the program waited for the device; empty when not measured
 
 Times are float seconds since job start on the coordinator's wall clock.
 """
@@ -23,14 +25,20 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 FORMAT = "prismtrace"
-VERSION = 2
+VERSION = 3
 #: Versions this code can read; a reader rejects anything else rather than guessing. Version 1 lacks
 #: slots.compute_clock; reading it fills the column from slot-holding time (what v1 recorded as compute).
-SUPPORTED_VERSIONS: tuple[int, ...] = (1, 2)
+#: Versions 1 and 2 lack the gpu table; reading them gives an empty one.
+SUPPORTED_VERSIONS: tuple[int, ...] = (1, 2, 3)
 
 MANIFEST_FILE = "manifest.json"
-TABLE_NAMES: tuple[str, ...] = ("ops", "marks", "slots")
+TABLE_NAMES: tuple[str, ...] = ("ops", "marks", "slots", "gpu")
 DEFAULT_FILES: dict[str, str] = {name: f"{name}.parquet" for name in TABLE_NAMES}
+
+
+def tables_of(version: int) -> tuple[str, ...]:
+    """The tables a trace of ``version`` has (the gpu table came with v3)."""
+    return TABLE_NAMES if version >= 3 else TABLE_NAMES[:3]
 
 
 class TraceFormatError(ValueError):
@@ -112,10 +120,36 @@ SLOTS_COLUMNS: tuple[Column, ...] = (
     ),
 )
 
-COLUMNS: dict[str, tuple[Column, ...]] = {"ops": OPS_COLUMNS, "marks": MARKS_COLUMNS, "slots": SLOTS_COLUMNS}
+GPU_COLUMNS: tuple[Column, ...] = (
+    Column("rank", pa.int32(), "global rank whose compute segment this is"),
+    Column("clock_start", pa.float64(), "the rank's compute clock when the segment began"),
+    Column(
+        "clock_end",
+        pa.float64(),
+        "the rank's compute clock when the segment ended (the value marks.compute_clock, "
+        "slots.compute_clock or the running sum of ops.compute_before has at the same point)",
+    ),
+    Column("cpu", pa.float64(), "host seconds of the segment, waits for the device excluded"),
+    Column(
+        "gpu",
+        pa.float64(),
+        "device busy seconds of the work the segment queued (union of its kernels and copies, "
+        "measured with the queue full, as when a real host runs ahead)",
+    ),
+    Column(
+        "syncs",
+        pa.string(),
+        "JSON list of [host seconds into the segment, device busy seconds queued before]: where the "
+        "program waited for the device inside the segment (.item(), synchronize, copies to host)",
+    ),
+)
+
+COLUMNS: dict[str, tuple[Column, ...]] = {
+    "ops": OPS_COLUMNS, "marks": MARKS_COLUMNS, "slots": SLOTS_COLUMNS, "gpu": GPU_COLUMNS,
+}
 
 #: Columns the writer accepts as Python objects and stores as JSON text.
-JSON_COLUMNS: dict[str, tuple[str, ...]] = {"ops": ("shapes",), "marks": ("attrs",), "slots": ()}
+JSON_COLUMNS: dict[str, tuple[str, ...]] = {"ops": ("shapes",), "marks": ("attrs",), "slots": (), "gpu": ("syncs",)}
 
 MARK_PHASES: tuple[str, ...] = ("B", "E", "i")
 
@@ -128,7 +162,8 @@ def _schema(table: str, columns: tuple[Column, ...]) -> pa.Schema:
 OPS_SCHEMA = _schema("ops", OPS_COLUMNS)
 MARKS_SCHEMA = _schema("marks", MARKS_COLUMNS)
 SLOTS_SCHEMA = _schema("slots", SLOTS_COLUMNS)
-SCHEMAS: dict[str, pa.Schema] = {"ops": OPS_SCHEMA, "marks": MARKS_SCHEMA, "slots": SLOTS_SCHEMA}
+GPU_SCHEMA = _schema("gpu", GPU_COLUMNS)
+SCHEMAS: dict[str, pa.Schema] = {"ops": OPS_SCHEMA, "marks": MARKS_SCHEMA, "slots": SLOTS_SCHEMA, "gpu": GPU_SCHEMA}
 
 _NONE = type(None)
 
@@ -156,14 +191,14 @@ RANK_FIELDS: dict[str, tuple[type, ...]] = {"rank": (int,), "exit_code": (int, _
 
 MANIFEST_DOCS: dict[str, str] = {
     "format": f"always '{FORMAT}'",
-    "version": "format version; this code writes 2 and reads 1 and 2",
+    "version": "format version; this code writes 3 and reads 1, 2 and 3",
     "complete": "true once every file was written; a reader rejects anything else",
     "created": "ISO-8601 time the trace was written",
     "world_size": "number of logical ranks of the target job",
     "job": "free-form job description: argv, script, devices, slots_per_device...",
     "groups": "process groups: id, name, global ranks, requested backend (e.g. 'nccl')",
     "ranks": "per rank: global rank, exit code (null if unknown), device it ran on",
-    "files": "file name of each table: ops, marks, slots",
+    "files": "file name of each table: ops, marks, slots (and gpu from v3)",
 }
 
 
@@ -266,7 +301,7 @@ def check_manifest(manifest: Any, path: str | Path) -> None:
         seen_ranks.add(r)
 
     files = manifest["files"]
-    for name in TABLE_NAMES:
+    for name in tables_of(version):
         field = f"manifest field 'files.{name}'"
         if name not in files:
             raise TraceFormatError(path, field, "is missing")

@@ -223,13 +223,14 @@ def write_trace(
     ops: TableData,
     marks: TableData = None,
     slots: TableData = None,
+    gpu: TableData = None,
 ) -> Path:
-    """Validate and atomically write a PrismTrace v1 directory at ``path``; return ``path``.
+    """Validate and atomically write a PrismTrace directory at ``path``; return ``path``.
 
     ``manifest`` needs ``world_size``, ``groups``, ``ranks`` (and optionally ``job`` and
     ``created``); ``format``, ``version``, ``complete`` and ``files`` are filled in here. Tables
-    may be columns (dict of lists), rows (list of dicts) or Arrow tables; ``shapes`` and ``attrs``
-    may be Python objects, stored as JSON. Raises TraceFormatError (naming file and field) before
+    may be columns (dict of lists), rows (list of dicts) or Arrow tables; ``shapes``, ``attrs`` and
+    ``syncs`` may be Python objects, stored as JSON. Raises TraceFormatError (naming file and field) before
     touching the disk if anything does not match the schema, and FileExistsError if ``path``
     exists but is not a trace.
     """
@@ -254,7 +255,7 @@ def write_trace(
     check_manifest(full, manifest_path)
 
     paths = {name: path / DEFAULT_FILES[name] for name in TABLE_NAMES}
-    given = {"ops": ops, "marks": marks, "slots": slots}
+    given = {"ops": ops, "marks": marks, "slots": slots, "gpu": gpu}
     tables = {name: _to_table(given[name], name, paths[name]) for name in TABLE_NAMES}
     check_references(full, tables, paths)
     _check_destination(path)

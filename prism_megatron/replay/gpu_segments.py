@@ -1,0 +1,66 @@
+"""Give a rank's compute events the host and device times measured on a GPU (the trace's gpu table).
+
+The graph is built on the rank's one compute clock (where ops, markers and waits sit). A measured
+segment covers a stretch of that clock (clock_start, clock_end]; every Compute of the graph spans
+whole segments, because the graph splits compute only at points where the rank called into the
+runtime, and each such call ends a segment. So each Compute becomes the sum of its segments' host
+and device times, cut where the program waited for the device (a CpuSync there). Any stretch of
+a Compute no segment covers (timing lost) stays one-clock: host and device both take its length.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from typing import Any
+
+from .graph import Compute, CpuSync, Event
+
+_TOL = 1e-9  # seconds: the graph's clock is a running sum of per-op differences of the rank's clock
+
+
+def _pieces(row: dict[str, Any]) -> list[tuple[float, float] | None]:
+    """A segment as (host, device) pieces with None where the program waited for the device."""
+    syncs = row["syncs"]
+    if isinstance(syncs, str):
+        syncs = json.loads(syncs) if syncs else []
+    out: list[tuple[float, float] | None] = []
+    cpu_at = gpu_at = 0.0
+    for off, before in syncs:
+        out += [(max(off - cpu_at, 0.0), max(before - gpu_at, 0.0)), None]
+        cpu_at, gpu_at = max(off, cpu_at), max(before, gpu_at)
+    out.append((max(row["cpu"] - cpu_at, 0.0), max(row["gpu"] - gpu_at, 0.0)))
+    return out
+
+
+def with_gpu_times(events: list[Event], rows: Iterable[dict[str, Any]]) -> list[Event]:
+    """``events`` of one rank with measured times on its Compute events (unchanged if ``rows`` is empty)."""
+    rows = sorted(rows, key=lambda r: r["clock_end"])
+    if not rows:
+        return events
+    out: list[Event] = []
+    clock, j = 0.0, 0
+    for ev in events:
+        if not isinstance(ev, Compute):
+            out.append(ev)
+            continue
+        stop = clock + ev.duration
+        cpu = gpu = covered = 0.0
+        while j < len(rows) and rows[j]["clock_end"] <= stop + _TOL:
+            row = rows[j]
+            j += 1
+            if row["clock_end"] <= clock + _TOL and row["clock_end"] - row["clock_start"] > _TOL:
+                continue  # a segment before this Compute that no Compute covered (cannot happen; be safe)
+            covered += row["clock_end"] - row["clock_start"]
+            for piece in _pieces(row):
+                if piece is None:
+                    out.append(Compute(cpu, ev.label, gpu))
+                    out.append(CpuSync())
+                    cpu = gpu = 0.0
+                else:
+                    cpu += piece[0]
+                    gpu += piece[1]
+        lost = max(ev.duration - covered, 0.0)
+        out.append(Compute(cpu + lost, ev.label, gpu + lost))
+        clock = stop
+    return out

@@ -1,0 +1,232 @@
+"""Host time and device busy time of each compute segment of a rank on a GPU.
+
+Why: the data plane synchronises the GPU at every op (results travel through host memory), so a
+segment's wall time includes the kernel-launch gaps of an empty queue; with NCCL the host runs
+ahead and the queue stays full. A TP2 job's segments summed to +54% of the real iteration that way.
+So the segment is measured twice over: the host's time to issue it (its waits for the device
+removed) and the device's busy time for what it queued (the union of its kernels and copies, which
+is the same whether the queue was full or not). The replay runs the two as clocks (replay.engine).
+
+How: the CUDA profiler (CUPTI through kineto) records every kernel and copy with the correlation id
+of the host call that queued it. The rank launches a tiny marker kernel when a segment begins and
+one when it ends; the device work whose correlation id lies between a segment's two markers is the
+segment's. Host calls that wait for the device (synchronize, blocking copies, cudaFree) inside a
+segment are where the program waits (``.item()`` and the like); the replay makes the host wait there.
+Work queued by the runtime's receiver thread (result copies) is left out by thread id.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+#: Name fragment of the marker kernel (``torch.cuda._sleep``); programs do not launch it.
+MARKER = "spin_kernel"
+#: Host calls that block until the device has finished work.
+SYNC_CALLS = frozenset({
+    "cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize", "cudaMemcpy", "cudaFree",
+    "cuCtxSynchronize", "cuStreamSynchronize", "cuEventSynchronize", "cuMemFree_v2",
+})
+#: Flush the profiler after this many segments even without an iteration end (bounds its memory).
+FLUSH_EVERY = 5000
+
+
+@dataclass(frozen=True)
+class Activity:
+    """What attribution needs of one profiler event: a host call or device work, in nanoseconds."""
+
+    corr: int
+    device: bool  # kernel / copy / memset on the GPU; False: a host runtime or driver call
+    name: str
+    tid: int
+    start: int
+    end: int
+
+
+@dataclass
+class SegmentTiming:
+    """One closed segment: see the gpu table of PrismTrace (trace.schema.GPU_COLUMNS)."""
+
+    clock_start: float
+    clock_end: float
+    cpu: float
+    gpu: float
+    syncs: list[tuple[float, float]] = field(default_factory=list)
+
+    def row(self, rank: int) -> dict[str, Any]:
+        return {"rank": rank, "clock_start": self.clock_start, "clock_end": self.clock_end, "cpu": self.cpu,
+                "gpu": self.gpu, "syncs": [list(s) for s in self.syncs]}
+
+
+@dataclass(frozen=True)
+class Closed:
+    """A segment as the client saw it: its end on the rank's compute clock, whether markers were
+    launched around it (not before CUDA started), and its length on that clock (seconds)."""
+
+    clock_end: float
+    marked: bool
+    duration: float
+
+
+def _union(intervals: list[tuple[int, int]]) -> int:
+    total, end = 0, None
+    for s, e in sorted(intervals):
+        if end is None or s > end:
+            total += e - s
+            end = e
+        elif e > end:
+            total += e - end
+            end = e
+    return total
+
+
+class AttributionError(RuntimeError):
+    """The profiler's events do not match the segments the rank closed (markers missing)."""
+
+
+def attribute(acts: list[Activity], closed: list[Closed], exclude_tids: set[int]) -> list[SegmentTiming]:
+    """Split profiler events into the closed segments' host and device times.
+
+    Raises AttributionError when the marker kernels found are not two per marked segment.
+    """
+    host = {a.corr: a for a in acts if not a.device}
+    device = sorted((a for a in acts if a.device), key=lambda a: a.corr)
+    markers = [host[a.corr] for a in device if MARKER in a.name and a.corr in host]
+    wanted = 2 * sum(c.marked for c in closed)
+    if len(markers) != wanted:
+        raise AttributionError(f"found {len(markers)} marker kernels, expected {wanted} (two per segment)")
+    work = [a for a in device if MARKER not in a.name and host.get(a.corr, a).tid not in exclude_tids]
+    waits = sorted((a for a in host.values() if a.name in SYNC_CALLS and a.tid not in exclude_tids),
+                   key=lambda a: a.corr)
+    out, m, wi, di = [], 0, 0, 0
+    for c in closed:
+        if not c.marked:
+            out.append(SegmentTiming(c.clock_end - c.duration, c.clock_end, c.duration, 0.0))
+            continue
+        begin, end = markers[m], markers[m + 1]
+        m += 2
+        while di < len(work) and work[di].corr < begin.corr:
+            di += 1
+        mine = []
+        while di < len(work) and work[di].corr < end.corr:
+            mine.append(work[di])
+            di += 1
+        while wi < len(waits) and waits[wi].corr < begin.corr:
+            wi += 1
+        syncs, waited = [], 0
+        while wi < len(waits) and waits[wi].corr < end.corr:
+            w = waits[wi]
+            wi += 1
+            before = _union([(a.start, a.end) for a in mine if a.corr < w.corr])
+            syncs.append((max(w.start - begin.end - waited, 0) / 1e9, before / 1e9))
+            waited += w.end - w.start
+        cpu = max(end.start - begin.end - waited, 0) / 1e9
+        busy = _union([(a.start, a.end) for a in mine]) / 1e9
+        out.append(SegmentTiming(c.clock_end - c.duration, c.clock_end, cpu, busy, syncs))
+    return out
+
+
+def activities(events: Any) -> list[Activity]:
+    """Kineto events (``profile.profiler.kineto_results.events()``) as Activities."""
+    from torch.autograd import DeviceType
+
+    out = []
+    for e in events:
+        corr = e.correlation_id()
+        if not corr:
+            continue
+        is_device = e.device_type() == DeviceType.CUDA
+        name = e.name()
+        if not is_device and not name.startswith("cu"):
+            continue
+        start = e.start_ns()
+        out.append(Activity(corr, is_device, name, e.start_thread_id(), start, start + e.duration_ns()))
+    return out
+
+
+class GpuSegmentTimer:
+    """Runs the CUDA profiler in a rank and turns its events into SegmentTimings on flush()."""
+
+    def __init__(self) -> None:
+        self._closed: list[Closed] = []
+        self._open = False
+        self._exclude: set[int] = set()
+        self._profile: Any = None
+        self.failed = 0  # segments that could not be attributed (reported, left out of the trace)
+        # what the attributions saw, printed at stop(): the numbers to check when a prediction looks off
+        self.stats = {"segments": 0, "device_work": 0, "excluded_threads": 0, "syncs": 0}
+        self._start()
+
+    def exclude_current_thread(self) -> None:
+        """Leave out device work this thread queues (the runtime's receiver)."""
+        self._exclude.update({threading.get_native_id(), threading.get_ident()})
+
+    def _start(self) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        self._profile = profile(activities=[ProfilerActivity.CUDA])
+        self._profile.start()
+
+    def begin(self) -> None:
+        """A segment begins (call before the rank's clock resumes)."""
+        import torch
+
+        self._open = torch.cuda.is_initialized()
+        if self._open:
+            torch.cuda._sleep(1)
+
+    def end(self) -> None:
+        """The program's part of the segment ends (before the runtime synchronises or stages)."""
+        if self._open:
+            import torch
+
+            torch.cuda._sleep(1)
+
+    def closed(self, clock_end: float, duration: float) -> None:
+        self._closed.append(Closed(clock_end, self._open, duration))
+        self._open = False
+
+    @property
+    def due(self) -> bool:
+        return len(self._closed) >= FLUSH_EVERY
+
+    def flush(self) -> list[SegmentTiming]:
+        """Stop the profiler, attribute its events to the segments closed since the last flush,
+        start it again. Call while the rank's clock is paused (it synchronises the device)."""
+        import torch
+
+        if not self._closed:
+            return []
+        if torch.cuda.is_initialized():
+            torch.cuda.synchronize()  # a kernel still running when the profiler stops is not recorded
+        self._profile.stop()
+        events = self._profile.profiler.kineto_results.events()
+        closed, self._closed = self._closed, []
+        try:
+            acts = activities(events)
+            timings = attribute(acts, closed, self._exclude)
+            host_tid = {a.corr: a.tid for a in acts if not a.device}
+            device = [a for a in acts if a.device and MARKER not in a.name]
+            self.stats["segments"] += len(timings)
+            self.stats["device_work"] += len(device)
+            self.stats["excluded_threads"] += sum(host_tid.get(a.corr) in self._exclude for a in device)
+            self.stats["syncs"] += sum(len(t.syncs) for t in timings)
+            return timings
+        except AttributionError as e:
+            self.failed += len(closed)
+            print(f"prism: GPU timing of {len(closed)} segment(s) lost: {e}; the replay uses their "
+                  "wall time instead", file=sys.stderr, flush=True)
+            return []
+        finally:
+            self._start()
+
+    def stop(self) -> None:
+        if self._profile is not None:
+            self._profile.stop()
+            self._profile = None
+            s = self.stats
+            print(f"prism: GPU timing: {s['segments']} segments, {s['device_work']} kernels/copies "
+                  f"({s['excluded_threads']} of the runtime's receiver left out), {s['syncs']} waits for the "
+                  f"device inside segments, {self.failed} segments lost", file=sys.stderr, flush=True)

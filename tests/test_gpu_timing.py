@@ -1,0 +1,91 @@
+"""GPU segment timing: profiler events split into segments, and segments mapped onto the graph."""
+
+from __future__ import annotations
+
+import pytest
+
+from prism_megatron.replay import Comm, Compute, CpuSync, Mark
+from prism_megatron.replay.gpu_segments import with_gpu_times
+from prism_megatron.runtime.gpu_timing import Activity, AttributionError, Closed, attribute
+
+MS = 1_000_000  # ns
+
+
+class _Events:
+    """Build profiler events as kineto reports them: host calls and the device work they queued."""
+
+    def __init__(self) -> None:
+        self.acts: list[Activity] = []
+        self.corr = 100
+
+    def call(self, name: str, t0: float, t1: float, tid: int = 1,
+             device: tuple[str, float, float] | None = None) -> int:
+        self.corr += 1
+        self.acts.append(Activity(self.corr, False, name, tid, int(t0 * MS), int(t1 * MS)))
+        if device is not None:
+            kname, d0, d1 = device
+            self.acts.append(Activity(self.corr, True, kname, 0, int(d0 * MS), int(d1 * MS)))
+        return self.corr
+
+    def marker(self, t: float) -> None:
+        self.call("cudaLaunchKernel", t, t + 0.01, device=("at::cuda::spin_kernel(long)", t + 0.02, t + 0.021))
+
+
+def test_segment_gets_host_time_and_device_union_of_its_own_work():
+    ev = _Events()
+    ev.marker(0.0)  # begin: host call ends at 0.01 ms
+    ev.call("cudaLaunchKernel", 0.1, 0.11, device=("gemm", 0.2, 1.2))
+    ev.call("cudaLaunchKernel", 0.2, 0.21, device=("gelu", 1.0, 1.5))  # overlaps on another stream: union
+    ev.call("cudaMemcpyAsync", 0.3, 0.31, tid=99, device=("Memcpy HtoD", 1.5, 1.9))  # receiver thread: not ours
+    ev.marker(0.51)  # end: host call starts at 0.51 ms
+    ev.call("cudaMemcpyAsync", 0.6, 0.7, device=("Memcpy DtoH", 1.9, 2.0))  # runtime staging after the end marker
+    ev.call("cudaDeviceSynchronize", 0.7, 2.1)  # the runtime's own wait: outside the segment
+    [seg] = attribute(ev.acts, [Closed(5.0, True, 0.004)], exclude_tids={99})
+    assert seg.cpu == pytest.approx(0.5e-3)
+    assert seg.gpu == pytest.approx(1.3e-3)  # [0.2, 1.5] ms
+    assert seg.syncs == [] and (seg.clock_start, seg.clock_end) == (pytest.approx(4.996), 5.0)
+
+
+def test_a_wait_inside_the_segment_is_a_sync_and_its_time_is_not_host_time():
+    ev = _Events()
+    ev.marker(0.0)
+    ev.call("cudaLaunchKernel", 0.1, 0.11, device=("gemm", 0.2, 2.2))
+    ev.call("cudaMemcpyAsync", 0.2, 0.21, device=("Memcpy DtoH", 2.2, 2.3))  # .item()
+    ev.call("cudaStreamSynchronize", 0.21, 2.31)  # waits 2.1 ms
+    ev.call("cudaLaunchKernel", 2.4, 2.41, device=("add", 2.5, 2.6))
+    ev.marker(2.61)
+    [seg] = attribute(ev.acts, [Closed(1.0, True, 0.0026)], exclude_tids=set())
+    assert seg.cpu == pytest.approx((2.61 - 0.01 - 2.1) * 1e-3)
+    assert seg.gpu == pytest.approx(2.2e-3)
+    [(off, before)] = seg.syncs
+    assert off == pytest.approx(0.2e-3) and before == pytest.approx(2.1e-3)
+
+
+def test_segments_before_cuda_started_are_host_only_and_missing_markers_are_an_error():
+    ev = _Events()
+    ev.marker(1.0)
+    ev.call("cudaLaunchKernel", 1.1, 1.2, device=("k", 1.3, 1.4))
+    ev.marker(1.5)
+    first, second = attribute(ev.acts, [Closed(0.002, False, 0.002), Closed(0.003, True, 0.001)], set())
+    assert (first.cpu, first.gpu) == (0.002, 0.0)
+    assert second.gpu == pytest.approx(0.1e-3)
+    with pytest.raises(AttributionError, match="found 2 marker kernels, expected 4"):
+        attribute(ev.acts, [Closed(0.002, True, 0.002), Closed(0.003, True, 0.001)], set())
+
+
+def test_graph_computes_take_the_measured_times_of_the_segments_they_span():
+    events = [Compute(0.3), Comm("all_reduce", 0, 0), Compute(0.2), Mark("iteration", "E"), Compute(0.1)]
+    rows = [  # segments on the rank's clock: (0, .1], (.1, .3] | (.3, .5] | (.5, .6] lost
+        {"clock_start": 0.0, "clock_end": 0.1, "cpu": 0.05, "gpu": 0.5, "syncs": "[]"},
+        {"clock_start": 0.1, "clock_end": 0.3, "cpu": 0.1, "gpu": 0.25, "syncs": "[]"},
+        {"clock_start": 0.3, "clock_end": 0.5, "cpu": 0.15, "gpu": 0.4, "syncs": [[0.05, 0.3]]},
+    ]
+    out = with_gpu_times(events, rows)
+    assert out[0] == Compute(pytest.approx(0.15), "", pytest.approx(0.75))
+    assert out[1] == events[1]
+    assert out[2] == Compute(pytest.approx(0.05), "", pytest.approx(0.3))
+    assert isinstance(out[3], CpuSync)
+    assert out[4] == Compute(pytest.approx(0.1), "", pytest.approx(0.1))
+    assert out[5] == events[3]
+    assert out[6] == Compute(pytest.approx(0.1), "", pytest.approx(0.1))  # no segment: one clock
+    assert with_gpu_times(events, []) is events
