@@ -89,3 +89,28 @@ def test_graph_computes_take_the_measured_times_of_the_segments_they_span():
     assert out[5] == events[3]
     assert out[6] == Compute(pytest.approx(0.1), "", pytest.approx(0.1))  # no segment: one clock
     assert with_gpu_times(events, []) is events
+
+
+def test_a_trace_with_gpu_times_replays_with_the_host_running_ahead(tmp_path):
+    """Two ranks, host-bound segments around a TP all_reduce: measured device time hides the op."""
+    from prism_megatron.replay import graph_from_trace, replay
+    from prism_megatron.trace import read_trace, write_trace
+
+    manifest = {"world_size": 2, "groups": [{"id": 0, "name": "tp", "ranks": [0, 1], "backend": "nccl"}],
+                "ranks": [{"rank": r, "exit_code": 0, "device": "cuda:0"} for r in (0, 1)]}
+    ops = [{"rank": r, "index": 0, "kind": "all_reduce", "group": 0, "seq": 0, "peer": -1, "root": -1,
+            "bytes": 1 << 20, "dtype": "torch.bfloat16", "shapes": [[512, 1024]], "reduce_op": "sum",
+            "async_op": False, "t_issue": 1.0, "t_complete": 2.0, "compute_before": 1.0, "label": ""} for r in (0, 1)]
+    marks = [{"rank": r, "name": "iteration", "phase": ph, "t": t, "compute_clock": c, "attrs": {}}
+             for r in (0, 1) for ph, t, c in (("B", 0.0, 0.0), ("E", 3.0, 2.0))]
+    # host 0.8 s + wait for the device (.item()) in the second segment; the device is busy 0.3 s per segment
+    gpu = [{"rank": r, "clock_start": a, "clock_end": b, "cpu": 0.8, "gpu": 0.3, "syncs": s}
+           for r in (0, 1) for a, b, s in ((0.0, 1.0, []), (1.0, 2.0, [[0.8, 0.3]]))]
+    path = write_trace(tmp_path / "t", manifest, ops, marks=marks, gpu=gpu)
+    trace = read_trace(path)
+    cost = lambda spec: 0.5  # noqa: E731 - an all_reduce of 0.5 s
+    two = replay(graph_from_trace(trace), cost).iteration_times()
+    one = replay(graph_from_trace(trace, gpu_times=False), cost).iteration_times()
+    assert one == [pytest.approx(2.5)]  # 1 + 0.5 + 1: the op blocks the one clock
+    # host: 0.8, issue, 0.8, wait for the device (op ends 0.3 + 0.5 = 0.8 -> second segment 1.1), E at 1.6
+    assert two == [pytest.approx(1.6)]

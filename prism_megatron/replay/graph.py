@@ -352,8 +352,14 @@ def _drop_unmatched_p2p(per_rank: dict[int, list[dict[str, Any]]]) -> list[str]:
     return notes
 
 
-def graph_from_trace(trace: Any) -> Graph:
-    """Build the graph of a PrismTrace (``prism_megatron.trace.read_trace(dir)``)."""
+def graph_from_trace(trace: Any, gpu_times: bool = True) -> Graph:
+    """Build the graph of a PrismTrace (``prism_megatron.trace.read_trace(dir)``).
+
+    ``gpu_times``: give compute the host and device times the trace measured on GPUs (its gpu table;
+    the engine then runs two clocks per rank); False replays every rank on its one compute clock.
+    """
+    from .gpu_segments import with_gpu_times
+
     groups = {g["id"]: Group(g["id"], tuple(g["ranks"]), g.get("name", "")) for g in trace.manifest["groups"]}
     marks_by_rank: dict[int, list[dict[str, Any]]] = defaultdict(list)
     for m in trace.marks.to_pylist():
@@ -366,6 +372,12 @@ def graph_from_trace(trace: Any) -> Graph:
     notes = _drop_unmatched_p2p(per_rank)
     events = {r: _rank_events(per_rank[r], marks_by_rank.get(r, []), _releases(slots_by_rank.get(r, [])))
               for r in range(trace.world_size)}
+    gpu = getattr(trace, "gpu", None)
+    if gpu_times and gpu is not None and gpu.num_rows:
+        rows_by_rank: dict[int, list[dict[str, Any]]] = defaultdict(list)
+        for row in gpu.to_pylist():
+            rows_by_rank[row["rank"]].append(row)
+        events = {r: with_gpu_times(evs, rows_by_rank.get(r, [])) for r, evs in events.items()}
     graph = Graph(groups, events, str(getattr(trace, "path", "<trace>")), notes)
     graph.validate()
     return graph
