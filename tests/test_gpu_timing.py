@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from prism_megatron.replay import Comm, Compute, CpuSync, Mark
+from prism_megatron.replay import Comm, Compute, CpuSync, Mark, Wait
 from prism_megatron.replay.gpu_segments import with_gpu_times
 from prism_megatron.runtime.gpu_timing import Activity, AttributionError, Closed, attribute
 
@@ -74,7 +74,8 @@ def test_segments_before_cuda_started_are_host_only_and_missing_markers_are_an_e
 
 
 def test_graph_computes_take_the_measured_times_of_the_segments_they_span():
-    events = [Compute(0.3), Comm("all_reduce", 0, 0), Compute(0.2), Mark("iteration", "E"), Compute(0.1)]
+    events = [Compute(0.3), Comm("all_reduce", 0, 0, async_op=True), Compute(0.2), Mark("iteration", "E"),
+              Compute(0.1), Wait((1,))]
     rows = [  # segments on the rank's clock: (0, .1], (.1, .3] | (.3, .5] | (.5, .6] lost
         {"clock_start": 0.0, "clock_end": 0.1, "cpu": 0.05, "gpu": 0.5, "syncs": "[]"},
         {"clock_start": 0.1, "clock_end": 0.3, "cpu": 0.1, "gpu": 0.25, "syncs": "[]"},
@@ -88,6 +89,13 @@ def test_graph_computes_take_the_measured_times_of_the_segments_they_span():
     assert out[4] == Compute(pytest.approx(0.1), "", pytest.approx(0.1))
     assert out[5] == events[3]
     assert out[6] == Compute(pytest.approx(0.1), "", pytest.approx(0.1))  # no segment: one clock
+    assert out[7] == Wait((1,))
+    events.insert(1, Comm("barrier", 0, 0))
+    events[-1] = Wait((2,))
+    assert with_gpu_times(events, rows)[-1] == Wait((2,))
+    moved = with_gpu_times([Compute(0.5), *events[1:]], rows)  # the sync's split shifts the ops after it
+    assert [type(e).__name__ for e in moved[:5]] == ["Compute", "CpuSync", "Compute", "Comm", "Comm"]
+    assert moved[-1] == Wait((4,)) and moved[4].kind == "all_reduce"
     assert with_gpu_times(events, []) is events
 
 

@@ -21,7 +21,9 @@ python3 bench/accuracy/run.py --gpu --iters "${ITERS:-6}" --budget "${BUDGET:-33
 rc=$?
 # the emulated ranks' logs (GPU timing summary, errors) next to the table
 mkdir -p "$out/logs"
-for f in /tmp/prism-accuracy/*/emulated-*.log /tmp/prism-accuracy/*/trace-*.logs/rank-*.log; do
-  [ -f "$f" ] && cp "$f" "$out/logs/$(echo "${f#/tmp/prism-accuracy/}" | tr / _)"
-done
+find /tmp/prism-accuracy \( -name 'emulated-*.log' -o -path '*trace-*.logs/rank-*.log' \) -print |
+  while read -r f; do cp "$f" "$out/logs/$(echo "${f#/tmp/prism-accuracy/}" | tr / _)"; done
+# the emulated traces, small enough to bring back: replay them again here with other models
+find /tmp/prism-accuracy -maxdepth 3 -type d -name 'trace-1slot' -print | while read -r d; do
+  name=$(basename "$(dirname "$d")"); mkdir -p "$out/traces/$name"; cp -r "$d"/. "$out/traces/$name/"; done
 exit $rc

@@ -14,7 +14,7 @@ import json
 from collections.abc import Iterable
 from typing import Any
 
-from .graph import Compute, CpuSync, Event
+from .graph import Compute, CpuSync, Event, Wait
 
 _TOL = 1e-9  # seconds: the graph's clock is a running sum of per-op differences of the rank's clock
 
@@ -39,10 +39,12 @@ def with_gpu_times(events: list[Event], rows: Iterable[dict[str, Any]]) -> list[
     if not rows:
         return events
     out: list[Event] = []
+    moved: dict[int, int] = {}  # event index -> its index in ``out`` (waits name ops by index)
     clock, j = 0.0, 0
-    for ev in events:
+    for i, ev in enumerate(events):
         if not isinstance(ev, Compute):
-            out.append(ev)
+            moved[i] = len(out)
+            out.append(Wait(tuple(moved[r] for r in ev.refs)) if isinstance(ev, Wait) else ev)
             continue
         stop = clock + ev.duration
         cpu = gpu = covered = 0.0
