@@ -23,7 +23,7 @@ rc=$?
 mkdir -p "$out/logs"
 find /tmp/prism-accuracy \( -name 'emulated-*.log' -o -path '*trace-*.logs/rank-*.log' \) -print |
   while read -r f; do cp "$f" "$out/logs/$(echo "${f#/tmp/prism-accuracy/}" | tr / _)"; done
-# the emulated traces, small enough to bring back: replay them again here with other models
+# the emulated traces, small enough to bring back: replay them again with other models
 find /tmp/prism-accuracy -maxdepth 3 -type d -name 'trace-1slot' -print | while read -r d; do
-  name=$(basename "$(dirname "$d")"); mkdir -p "$out/traces/$name"; cp -r "$d"/. "$out/traces/$name/"; done
+  name=$(basename "$(dirname "$d")"); tar -C "$d" -czf "$out/trace-$name.tar.gz" .; done
 exit $rc

@@ -157,6 +157,7 @@ class GpuSegmentTimer:
         self.failed = 0  # segments that could not be attributed (reported, left out of the trace)
         # what the attributions saw, printed at stop(): the numbers to check when a prediction looks off
         self.stats = {"segments": 0, "device_work": 0, "excluded_threads": 0, "syncs": 0}
+        self.waits: dict[str, int] = {}
         self._start()
 
     def exclude_current_thread(self) -> None:
@@ -213,6 +214,10 @@ class GpuSegmentTimer:
             self.stats["device_work"] += len(device)
             self.stats["excluded_threads"] += sum(host_tid.get(a.corr) in self._exclude for a in device)
             self.stats["syncs"] += sum(len(t.syncs) for t in timings)
+            for a in acts:  # which host calls wait, from which threads: where a host cannot run ahead
+                if not a.device and a.name in SYNC_CALLS:
+                    key = f"{a.name}@{'receiver' if a.tid in self._exclude else a.tid}"
+                    self.waits[key] = self.waits.get(key, 0) + 1
             return timings
         except AttributionError as e:
             self.failed += len(closed)
@@ -229,4 +234,6 @@ class GpuSegmentTimer:
             s = self.stats
             print(f"prism: GPU timing: {s['segments']} segments, {s['device_work']} kernels/copies "
                   f"({s['excluded_threads']} of the runtime's receiver left out), {s['syncs']} waits for the "
-                  f"device inside segments, {self.failed} segments lost", file=sys.stderr, flush=True)
+                  f"device inside segments, {self.failed} segments lost; host waits (all, by thread): "
+                  f"{dict(sorted(self.waits.items(), key=lambda kv: -kv[1])[:8])}; receiver thread ids "
+                  f"{sorted(self._exclude)}", file=sys.stderr, flush=True)
