@@ -194,6 +194,7 @@ class RankClient:
         self._running_since: float | None = None
         # on a GPU, each segment's host and device busy time as well (PRISM_GPU_TIMING=1, set by the launcher)
         self._gpu = GpuSegmentTimer() if os.environ.get("PRISM_GPU_TIMING") == "1" else None
+        self._spin = float(os.environ.get("PRISM_SPIN_GRANT_US", "0")) * 1e-6
         self.arena = Arena(segment_prefix)
         self._send({"t": P.HELLO, "rank": rank, "world_size": world_size, "pid": os.getpid()})
         self._receiver = threading.Thread(target=self._receive_loop, name="prism-receiver", daemon=True)
@@ -364,6 +365,10 @@ class RankClient:
 
     def _await_grant(self) -> None:
         self._pause()
+        if self._spin:  # keep the core awake (and its clock up) through short waits: PRISM_SPIN_GRANT_US
+            deadline = time.perf_counter() + self._spin
+            while not self._granted.is_set() and time.perf_counter() < deadline:
+                time.sleep(0)  # gives the GIL to the receiver thread that sets the grant
         while not self._granted.wait(1.0):
             pass
         if self._fatal is not None:
