@@ -122,3 +122,43 @@ def test_a_trace_with_gpu_times_replays_with_the_host_running_ahead(tmp_path):
     assert one == [pytest.approx(2.5)]  # 1 + 0.5 + 1: the op blocks the one clock
     # host: 0.8, issue, 0.8, wait for the device (op ends 0.3 + 0.5 = 0.8 -> second segment 1.1), E at 1.6
     assert two == [pytest.approx(1.6)]
+
+
+def test_timer_takes_host_time_from_plain_iterations_and_device_time_from_profiled_ones(monkeypatch):
+    """Set-up + iteration 1 plain (no rows); 2 profiled, 3 plain -> paired; ...; a last profiled iteration
+    takes the host times of the plain one before it; the tail after the last iteration gets none."""
+    from prism_megatron.runtime import gpu_timing as gt
+
+    class Timer(gt.GpuSegmentTimer):
+        def _start(self) -> None:
+            self._profile = object()
+
+        def _attribute(self, closed):  # the profiler: host 30% slow, device 1 ms per segment, one wait in k=1
+            self._profile = None
+            return [gt.SegmentTiming(c.clock_end - c.duration, c.clock_end, c.host * 1.3, 1e-3,
+                                     [(c.host * 0.65, 5e-4)] if k == 1 else [], 2e-4 if k == 1 else 0.0)
+                    for k, c in enumerate(closed)]
+
+    timer, clock, sent = Timer(), 0.0, {}
+    for it, n in [(1, 5), (2, 3), (3, 3), (4, 3), (5, 3), (6, 3), ("tail", 1)]:
+        profiled = timer.profiling
+        for k in range(n):
+            host = (10 if it in (3, 5) else 20) * 1e-3 * (k + 1)  # profiled iterations are slower still
+            clock += host + 1e-3
+            timer.closed(clock, host + 1e-3, host)
+        rows = timer.flush(final=it == "tail")
+        sent[it] = (profiled, rows)
+    assert [sent[i][0] for i in (1, 2, 3, 4, 5, 6)] == [False, True, False, True, False, True]
+    assert sent[1][1] == [] and sent[2][1] == [] and sent[4][1] == []
+    pairs = sent[3][1]
+    assert len(pairs) == 6  # iterations 2 and 3, three segments each
+    assert all(r.gpu == 1e-3 for r in pairs)
+    assert [round(r.clock_end - r.clock_start, 6) for r in pairs] == [0.021, 0.041, 0.061, 0.011, 0.021, 0.031]
+    # host times are the plain iteration's (10, 20, 30 ms), less the profiled wait in segment 1
+    assert [round(r.cpu * 1e3, 6) for r in pairs[:3]] == [10.0, 19.8, 30.0]
+    assert [round(r.cpu * 1e3, 6) for r in pairs[3:]] == [10.0, 19.8, 30.0]
+    assert pairs[1].syncs == [(pytest.approx(19.8e-3 * 0.65 / 1.3), 5e-4)]
+    assert len(sent[5][1]) == 6
+    last = sent["tail"][1]  # iteration 6, with iteration 5's host times; the tail segment: no row
+    assert [round(r.cpu * 1e3, 6) for r in last] == [10.0, 19.8, 30.0]
+    assert timer.stats["paired"] == 15

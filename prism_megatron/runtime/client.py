@@ -217,13 +217,14 @@ class RankClient:
             return self._clock
         if self._gpu is not None:
             self._gpu.end()
+        host = time.perf_counter() - self._running_since
         if sync:
             torch.cuda.synchronize()
         segment = time.perf_counter() - self._running_since
         self._clock += segment
         self._running_since = None
         if self._gpu is not None:
-            self._gpu.closed(self._clock, segment)
+            self._gpu.closed(self._clock, segment, host)
         return self._clock
 
     def _resume(self) -> None:
@@ -231,10 +232,10 @@ class RankClient:
             self._gpu.begin()
         self._running_since = time.perf_counter()
 
-    def _flush_gpu_timing(self, force: bool = False) -> None:
-        """Send the GPU timer's segments (at iteration ends, when many are due, and at exit)."""
-        if self._gpu is not None and (force or self._gpu.due):
-            rows = [t.row(self.rank) for t in self._gpu.flush()]
+    def _flush_gpu_timing(self, final: bool = False) -> None:
+        """Send the GPU timer's segments (at iteration ends and at exit)."""
+        if self._gpu is not None:
+            rows = [t.row(self.rank) for t in self._gpu.flush(final)]
             if rows:
                 self._send({"t": P.GPUTIME, "rows": rows})
 
@@ -251,7 +252,8 @@ class RankClient:
         self._settle()
         clock = self._pause()
         self._send({"t": P.MARK, "name": name, "phase": phase, "attrs": attrs, "clk": clock})
-        self._flush_gpu_timing(force=name == "iteration" and phase == "E")
+        if name == "iteration" and phase == "E":
+            self._flush_gpu_timing()
         self._resume()
 
     def submit(self, group: str, kind: str, ins: list[torch.Tensor], outs: list[torch.Tensor],
@@ -381,7 +383,7 @@ class RankClient:
             self._settle()
             self._pause()
             try:
-                self._flush_gpu_timing(force=True)
+                self._flush_gpu_timing(final=True)
             except OSError:
                 pass
         if self._gpu is not None:
