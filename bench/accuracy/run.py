@@ -137,18 +137,24 @@ def cpu_cases(iters: int) -> list[Case]:
     ]
 
 
-def gpu_cases(iters: int, precision: str) -> list[Case]:
-    """2-GPU layouts of a ~1B-parameter GPT (dense ~1.08B; MoE ~1.2B, 8 experts)."""
+def gpu_cases(iters: int, precision: str, mbs: int = 1) -> list[Case]:
+    """2-GPU layouts of a ~1B-parameter GPT (dense ~1.08B; MoE ~1.2B, 8 experts).
+
+    With micro-batch 1 these jobs are host-bound on an H200 (device busy 72-141 ms of 175-340 ms per
+    iteration, bench/gpu/results/2026-11-30-accuracy-bf16-two-clock-h200x2.txt); ``mbs`` 8 makes the
+    device the bottleneck, as in most jobs users tune (not yet measured).
+    """
     n = iters + WARMUP
     # without apex's fused softmax kernel, bf16 needs Megatron's unfused softmax (as on the H200 machine)
     extra = ("--bf16", "--no-masked-softmax-fusion") if precision == "bf16" else ()
-    dense = dict(layers=20, hidden=2048, heads=16, seq=1024, vocab=32000, mbs=1, iters=n, extra=extra)
-    moe = dict(layers=16, hidden=1024, heads=16, seq=1024, vocab=32000, mbs=1, iters=n, extra=extra)
+    dense = dict(layers=20, hidden=2048, heads=16, seq=1024, vocab=32000, mbs=mbs, iters=n, extra=extra)
+    moe = dict(layers=16, hidden=1024, heads=16, seq=1024, vocab=32000, mbs=mbs, iters=n, extra=extra)
+    tag = "" if mbs == 1 else f"-mbs{mbs}"
     return [
-        Case("gpu-tp2", gpt_flags(**dense, gbs=4, tp=2), note="dense 1.08B, 4 microbatches"),
-        Case("gpu-pp2", gpt_flags(**dense, gbs=8, pp=2), note="dense 1.08B, 8 microbatches, 1F1B"),
-        Case("gpu-dp2", gpt_flags(**dense, gbs=4), note="dense 1.08B, 2 microbatches per DP rank"),
-        Case("gpu-ep2", gpt_flags(**moe, gbs=4, ep=2, experts=8, moe_ffn=4096),
+        Case(f"gpu-tp2{tag}", gpt_flags(**dense, gbs=4 * mbs, tp=2), note="dense 1.08B, 4 microbatches"),
+        Case(f"gpu-pp2{tag}", gpt_flags(**dense, gbs=8 * mbs, pp=2), note="dense 1.08B, 8 microbatches, 1F1B"),
+        Case(f"gpu-dp2{tag}", gpt_flags(**dense, gbs=4 * mbs), note="dense 1.08B, 2 microbatches per DP rank"),
+        Case(f"gpu-ep2{tag}", gpt_flags(**moe, gbs=4 * mbs, ep=2, experts=8, moe_ffn=4096),
              note="MoE 1.2B, 8 experts top-2, alltoall, DP2"),
     ]
 
@@ -596,7 +602,7 @@ def cpu_section(session: Session, iters: int) -> None:
     session.save()
 
 
-def gpu_section(session: Session, iters: int) -> bool:
+def gpu_section(session: Session, iters: int, mbs: int = 1) -> bool:
     """The GPU rows (real 2-GPU NCCL runs vs one-GPU emulation); True when the target is met."""
     from prism_megatron.calibration.costmodel import CollectiveCostModel
     from prism_megatron.calibration.profiles import load_profile
@@ -616,7 +622,7 @@ def gpu_section(session: Session, iters: int) -> bool:
     console.print(f"emulation cost per op (slot-holding time of a {nbytes >> 20} MiB {dtype} CUDA all_reduce with no "
                   f"compute around it, counted as compute by the bare trace): {overhead * 1e3:.2f} ms")
     section.update({"precision": precision, "cluster": GPU_CLUSTER, "emulation_cost_per_op_ms": overhead * 1e3})
-    rows = run_cases(session, "gpu", gpu_cases(iters, precision), "0", cost, GPU_CLUSTER, 300, 1, overhead)
+    rows = run_cases(session, "gpu", gpu_cases(iters, precision, mbs), "0", cost, GPU_CLUSTER, 300, 1, overhead)
     for r in rows:
         r.notes = f"{precision}; {r.notes}"
     mae = mean_abs_error(rows)
@@ -639,6 +645,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="where accuracy.json and accuracy.txt go")
     parser.add_argument("--work", type=Path, default=None, help="traces and logs (default: a temporary directory)")
     parser.add_argument("--only", default="", help="comma-separated config names to run (default: all)")
+    parser.add_argument("--gpu-mbs", type=int, default=1,
+                        help="micro-batch size of the GPU jobs (1: host-bound on an H200; 8: device-bound)")
     parser.add_argument("--budget", type=float, default=math.inf, help="seconds after which no config starts")
     args = parser.parse_args(argv)
     if not (args.cpu or args.gpu):
@@ -654,7 +662,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cpu:
         cpu_section(session, args.iters)
     if args.gpu:
-        ok = gpu_section(session, args.iters)
+        ok = gpu_section(session, args.iters, args.gpu_mbs)
     if args.out is not None:
         session.console.print(f"wrote {args.out / 'accuracy.json'} and accuracy.txt")
         session.save()
