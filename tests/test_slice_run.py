@@ -191,8 +191,45 @@ def test_split_shapes_follows_the_backends_layouts():
         split_shapes("all_to_all", [[4], [4], [4], [4]], 2, False)
     with pytest.raises(VirtualRankError, match="uneven splits"):
         split_shapes("all_to_all", [[5, 2], [5, 2]], 2, False)
+    # v3 traces record the split sizes: then uneven dispatch replays
+    assert split_shapes("all_to_all", [[5, 2], [3, 2]], 2, False, [[8, 32], [16, 8]]) == ([[5, 2]], [[3, 2]])
     with pytest.raises(VirtualRankError, match="'frobnicate'"):
         split_shapes("frobnicate", [], 2, False)
+
+
+def test_split_rows_turns_recorded_bytes_into_rows_of_dim_0():
+    import torch
+
+    from prism_megatron.calibration.virtual_rank import split_rows
+
+    inp, out = torch.zeros(5, 2, dtype=torch.bfloat16), torch.zeros(3, 2, dtype=torch.bfloat16)
+    assert split_rows([[4, 16], [8, 4]], inp, out) == ([1, 4], [2, 1])
+    assert split_rows(None, inp, out) == (None, None)
+
+
+def test_uneven_all_to_all_records_its_split_sizes(tmp_path):
+    """The backend's split sizes reach the trace (ops.splits, v3), per group rank in bytes."""
+    import json
+
+    from prism_megatron.launcher.config import LaunchConfig
+    from prism_megatron.launcher.launch import launch
+
+    prog = tmp_path / "a2a.py"
+    prog.write_text(
+        "import torch, torch.distributed as dist\n"
+        "dist.init_process_group('gloo')\n"
+        "r = dist.get_rank()\n"
+        "ins, outs = ([1, 3], [1, 2]) if r == 0 else ([2, 2], [3, 2])\n"
+        "x = torch.full((sum(ins), 2), float(r))\n"
+        "y = torch.empty(sum(outs), 2)\n"
+        "dist.all_to_all_single(y, x, output_split_sizes=outs, input_split_sizes=ins)\n"
+        "assert y[:outs[0]].eq(0).all() and y[outs[0]:].eq(1).all(), y\n"
+        "dist.destroy_process_group()\n")
+    trace = tmp_path / "trace"
+    assert launch(LaunchConfig(prog, world_size=2, trace_dir=trace, log_ranks=[]).validate()) == 0
+    ops = [o for o in read_trace(trace).ops.to_pylist() if o["kind"] == "all_to_all"]
+    got = {o["rank"]: json.loads(o["splits"]) for o in ops}
+    assert got == {0: [[8, 24], [8, 16]], 1: [[16, 16], [24, 16]]}  # float32 rows of 2: 8 bytes each
 
 
 def _trace(path: Path, groups: list[dict], op_groups: list[int]):

@@ -71,6 +71,7 @@ def _op(rank, index, kind, group, seq, t_issue, t_complete, **kw) -> dict:
         "t_complete": t_complete,
         "compute_before": 0.1234567890123,
         "label": "",
+        "splits": "",
     }
     row.update(kw)
     return row
@@ -795,3 +796,25 @@ def test_gpu_table_rejects_bad_values_naming_the_field(tmp_path):
         write_trace(tmp_path / "t", _manifest(), _ops(), gpu=bad)
     with pytest.raises(TraceFormatError, match=r"gpu.parquet: column 'cpu' cannot be stored"):
         write_trace(tmp_path / "t", _manifest(), _ops(), gpu=[dict(_gpu_rows()[0], cpu="soon")])
+
+
+def test_all_to_all_split_sizes_round_trip_and_older_traces_read_without_them(tmp_path):
+    import json
+
+    ops = _ops()
+    ops[0] = dict(ops[0], splits=[[0, 512], [256, 256]])
+    for op in ops[1:]:
+        del op["splits"]  # optional: '' when left out
+    path = write_trace(tmp_path / "t", _manifest(), ops)
+    assert {op["splits"] for op in read_trace(path).ops.to_pylist()[1:]} == {""}
+    assert json.loads(read_trace(path).ops.to_pylist()[0]["splits"]) == [[0, 512], [256, 256]]
+    import pyarrow.parquet as pq
+
+    pq.write_table(pq.read_table(path / "ops.parquet").drop_columns(["splits"]), path / "ops.parquet")
+    manifest = json.loads((path / "manifest.json").read_text())
+    with pytest.raises(TraceFormatError, match="column 'splits' is missing"):
+        read_trace(path)  # v3 must have it
+    manifest["version"] = 2
+    del manifest["files"]["gpu"]
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    assert {op["splits"] for op in read_trace(path).ops.to_pylist()} == {""}

@@ -109,7 +109,7 @@ def calibrate(bare_trace_dir: str | Path, out_dir: str | Path, *, script: str | 
 
     bare_dir, out = Path(bare_trace_dir), Path(out_dir)
     bare = read_trace(bare_dir)
-    graph = graph_from_trace(bare)
+    graph = graph_from_trace(bare, gpu_times=False)  # virtual ranks wait the one-clock compute
     devices = list(devices)
     slices = plan_slices(graph, len(devices), ranks_per_device, couple=couple)
     world = bare.world_size
@@ -150,7 +150,7 @@ def predicted_iterations(bare_trace_dir: str | Path, calibrated_dir: str | Path,
     The bare graph is replayed with ``cost`` (default: free communication), the calibrated graph
     with its own durations.
     """
-    bare = replay(graph_from_trace(read_trace(bare_trace_dir)), cost or zero_cost).iterations()
+    bare = replay(graph_from_trace(read_trace(bare_trace_dir), gpu_times=False), cost or zero_cost).iterations()
     cal = read_calibrated(calibrated_dir).replay().iterations()
     b, c = {it.number: it.time for it in bare}, {it.number: it.time for it in cal}
     return [(n, b.get(n), c.get(n)) for n in sorted(set(b) | set(c))]

@@ -35,10 +35,9 @@ The rules:
   ``trace.markers.span`` so the slice's trace has iteration boundaries for every rank; instants
   (memory, oom, layout...) describe the real rank's process and are not.
 - Contributions are zeros: the slice's real ranks get numerically different results (timing does
-  not depend on the values, control flow that branches on them might). Split sizes of an uneven
-  ``all_to_all_single`` are not in PrismTrace v1, so only even splits replay: a dim 0 that does not
-  split evenly is refused by :func:`write_programs`; uneven splits of an evenly divisible dim 0 show
-  up as a mismatch report of the coordinator naming both ranks.
+  not depend on the values, control flow that branches on them might). An ``all_to_all_single`` is
+  issued with the split sizes the trace recorded (PrismTrace v3); a trace without them (v1/v2)
+  replays only even splits: a dim 0 that does not split evenly is refused by :func:`write_programs`.
 """
 
 from __future__ import annotations
@@ -122,7 +121,8 @@ def creation_order(groups: list[dict[str, Any]], rank: int) -> list[dict[str, An
 
 
 # --- ops -------------------------------------------------------------------------------------------
-def split_shapes(kind: str, shapes: list[list[int]], size: int, is_root: bool) -> tuple[list, list]:
+def split_shapes(kind: str, shapes: list[list[int]], size: int, is_root: bool,
+                 splits: list | None = None) -> tuple[list, list]:
     """(input shapes, output shapes) of a recorded op, whose ``shapes`` lists inputs then outputs.
 
     The split follows what the prism backend sends per kind; raises VirtualRankError for a layout
@@ -132,9 +132,9 @@ def split_shapes(kind: str, shapes: list[list[int]], size: int, is_root: bool) -
     if kind in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"):
         if n % 2 or not n or (kind == "all_to_all" and n != 2):
             raise VirtualRankError(f"{kind} with {n} tensor shape(s) cannot be replayed")
-        if kind == "all_to_all" and (shapes[0][0] if shapes[0] else 1) % size:
+        if kind == "all_to_all" and not splits and (shapes[0][0] if shapes[0] else 1) % size:
             raise VirtualRankError(f"all_to_all_single of shape {shapes[0]} over {size} ranks has uneven splits, "
-                                   "whose sizes PrismTrace v1 does not record: it cannot be replayed")
+                                   "whose sizes this trace (before v3) does not record: it cannot be replayed")
         return shapes[: n // 2], shapes[n // 2:]
     layouts = {
         "all_gather_list": (1, size), "reduce_scatter_list": (size, 1), "all_to_all_list": (size, size),
@@ -148,6 +148,18 @@ def split_shapes(kind: str, shapes: list[list[int]], size: int, is_root: bool) -
     if n != n_in + n_out:
         raise VirtualRankError(f"{kind} with {n} tensor shape(s) cannot be replayed (expected {n_in + n_out})")
     return shapes[:n_in], shapes[n_in:]
+
+
+def split_rows(splits: list | None, inp: Any, out: Any) -> tuple[list[int] | None, list[int] | None]:
+    """The recorded all_to_all_single split sizes (bytes per group rank) as rows of dim 0; None: even."""
+    if not splits:
+        return None, None
+
+    def rows(nbytes: list[int], t: Any) -> list[int]:
+        row = t.element_size() * (t[0].numel() if t.dim() and t.shape[0] else 1)
+        return [b // row for b in nbytes]
+
+    return rows(splits[0], inp), rows(splits[1], out)
 
 
 # --- the program file ------------------------------------------------------------------------------
@@ -167,9 +179,11 @@ def rank_program(trace: Any, graph: Any, rank: int) -> dict[str, Any]:
             row = next(rows)
             step = {"t": "op", "kind": ev.kind, "group": by_id[ev.group]["name"], "seq": ev.seq, "peer": ev.peer,
                     "root": ev.root, "dtype": row["dtype"], "shapes": json.loads(row["shapes"]),
-                    "reduce_op": row["reduce_op"], "async_op": ev.async_op}
+                    "reduce_op": row["reduce_op"], "async_op": ev.async_op,
+                    "splits": json.loads(row["splits"]) if row.get("splits") else None}
             try:
-                split_shapes(ev.kind, step["shapes"], len(by_id[ev.group]["ranks"]), ev.root == rank)
+                size = len(by_id[ev.group]["ranks"])
+                split_shapes(ev.kind, step["shapes"], size, ev.root == rank, step["splits"])
             except VirtualRankError as e:
                 raise VirtualRankError(f"{trace.path}: rank {rank} op {row['index']}: {e}") from None
             steps.append(step)
@@ -234,7 +248,7 @@ def _issue(torch: Any, dist: Any, step: dict[str, Any], pg: Any, rank: int) -> A
     """Issue one recorded op with zeros; returns its Work (async) or None (synchronous, already done)."""
     kind, a, root, peer = step["kind"], step["async_op"], step["root"], step["peer"]
     dtype = getattr(torch, step["dtype"]) if step["dtype"] else torch.float32
-    ins_s, outs_s = split_shapes(kind, step["shapes"], pg.size(), root == rank)
+    ins_s, outs_s = split_shapes(kind, step["shapes"], pg.size(), root == rank, step.get("splits"))
     ins = [torch.zeros(s, dtype=dtype) for s in ins_s]
     outs = ins if kind == "all_reduce" else [torch.zeros(s, dtype=dtype) for s in outs_s]  # in place
     op = _redop(dist, step["reduce_op"]) if step["reduce_op"] else dist.ReduceOp.SUM
@@ -251,7 +265,9 @@ def _issue(torch: Any, dist: Any, step: dict[str, Any], pg: Any, rank: int) -> A
                 one[kind](i, o)
         return cm if a else None
     if kind == "all_to_all":
-        return dist.all_to_all_single(outs[0], ins[0], group=pg, async_op=a)
+        in_rows, out_rows = split_rows(step.get("splits"), ins[0], outs[0])
+        return dist.all_to_all_single(outs[0], ins[0], output_split_sizes=out_rows, input_split_sizes=in_rows,
+                                      group=pg, async_op=a)
     if kind == "all_gather_list":
         return dist.all_gather(outs, ins[0], group=pg, async_op=a)
     if kind == "reduce_scatter_list":

@@ -54,6 +54,7 @@ class OpRecord:
     compute_before: float
     label: str
     op_id: int = -1
+    splits: str = ""  # all_to_all_single: JSON [input bytes per group rank, output bytes per group rank]
 
 
 @dataclass
@@ -451,6 +452,7 @@ class Coordinator:
             shapes=json.dumps([d[2] for d in msg["ins"] + msg["outs"]]), reduce_op=msg.get("redop") or "",
             async_op=bool(msg.get("async_op")), t_issue=now, t_complete=float("nan"),
             compute_before=rs.clock - rs.last_op_clock, label=msg.get("label") or "", op_id=msg["id"],
+            splits=json.dumps([msg["in_splits"], msg["out_splits"]]) if "in_splits" in msg else "",
         )
         rs.last_op_clock = rs.clock
         rs.n_ops += 1

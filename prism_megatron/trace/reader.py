@@ -82,6 +82,13 @@ def _v1_slots(table: pa.Table) -> pa.Table:
     return table.append_column("compute_clock", pa.array(values, pa.float64()))
 
 
+def _v2_ops(table: pa.Table) -> pa.Table:
+    """A v1/v2 ops table with v3's splits column: those versions did not record split sizes."""
+    if "splits" in table.column_names:
+        return table
+    return table.append_column("splits", pa.array([""] * table.num_rows, pa.string()))
+
+
 def _read_table(file: Path, name: str, manifest_path: Path, version: int = VERSION) -> pa.Table:
     if not file.is_file():
         raise TraceFormatError(
@@ -94,6 +101,8 @@ def _read_table(file: Path, name: str, manifest_path: Path, version: int = VERSI
         raise TraceFormatError(file, "file", f"is not a readable Parquet file ({name} table): {e}") from e
     if name == "slots" and version == 1:
         table = _v1_slots(table)
+    if name == "ops" and version < 3:
+        table = _v2_ops(table)
     return check_table(table, name, file)
 
 

@@ -90,6 +90,12 @@ OPS_COLUMNS: tuple[Column, ...] = (
         "runtime's own staging and messaging)",
     ),
     Column("label", pa.string(), "hook-assigned tag such as 'pp.send_forward', '' if none"),
+    Column(
+        "splits",
+        pa.string(),
+        "all_to_all_single: JSON [input bytes to each group rank, output bytes from each group rank] "
+        "(uneven MoE dispatch); '' for other ops (v3; older traces read as '')",
+    ),
 )
 
 MARKS_COLUMNS: tuple[Column, ...] = (
@@ -148,8 +154,14 @@ COLUMNS: dict[str, tuple[Column, ...]] = {
     "ops": OPS_COLUMNS, "marks": MARKS_COLUMNS, "slots": SLOTS_COLUMNS, "gpu": GPU_COLUMNS,
 }
 
+#: Columns a writer may leave out (their value then is this): added by a later version, meaningful for
+#: few rows.
+DEFAULTS: dict[str, dict[str, Any]] = {"ops": {"splits": ""}}
+
 #: Columns the writer accepts as Python objects and stores as JSON text.
-JSON_COLUMNS: dict[str, tuple[str, ...]] = {"ops": ("shapes",), "marks": ("attrs",), "slots": (), "gpu": ("syncs",)}
+JSON_COLUMNS: dict[str, tuple[str, ...]] = {
+    "ops": ("shapes", "splits"), "marks": ("attrs",), "slots": (), "gpu": ("syncs",),
+}
 
 MARK_PHASES: tuple[str, ...] = ("B", "E", "i")
 

@@ -23,6 +23,7 @@ import pyarrow.parquet as pq
 from .schema import (
     COLUMNS,
     DEFAULT_FILES,
+    DEFAULTS,
     FORMAT,
     JSON_COLUMNS,
     MANIFEST_FILE,
@@ -87,10 +88,14 @@ def _columns_from_rows(rows: Sequence[Any], name: str, where: Path) -> dict[str,
             raise TraceFormatError(
                 where, f"row {i}", f"is {type(row).__name__}, expected a mapping of column values"
             )
+        defaults = DEFAULTS.get(name, {})
         for n in names:
-            if n not in row:
+            if n in row:
+                columns[n].append(row[n])
+            elif n in defaults:
+                columns[n].append(defaults[n])
+            else:
                 raise TraceFormatError(where, f"column '{n}'", f"is missing in row {i}")
-            columns[n].append(row[n])
         extra = [k for k in row if k not in known]
         if extra:
             raise TraceFormatError(
@@ -129,6 +134,9 @@ def _to_table(data: TableData, name: str, where: Path) -> pa.Table:
     length = None
     for col in COLUMNS[name]:
         field = f"column '{col.name}'"
+        if col.name not in columns and col.name in DEFAULTS.get(name, {}):
+            rows = len(next(iter(columns.values()))) if columns else 0
+            columns[col.name] = [DEFAULTS[name][col.name]] * rows
         if col.name not in columns:
             raise TraceFormatError(where, field, "is missing")
         values = columns[col.name]
