@@ -123,6 +123,13 @@ def test_a_trace_with_gpu_times_replays_with_the_host_running_ahead(tmp_path):
     # host: 0.8, issue, 0.8, wait for the device (op ends 0.3 + 0.5 = 0.8 -> second segment 1.1), E at 1.6
     assert two == [pytest.approx(1.6)]
 
+    from prism_megatron.report.build import build_report
+
+    report = build_report(path, cluster=None)  # communication free: the GPU waits 0.5 s per segment
+    rows = report["prediction"]["breakdown"]
+    assert [b["host_bound_s"] for b in rows] == [pytest.approx(1.0), pytest.approx(1.0)]
+    assert report["prediction"]["provenance"].startswith("host and GPU time per segment, measured")
+
 
 def test_timer_takes_host_time_from_plain_iterations_and_device_time_from_profiled_ones(monkeypatch):
     """Set-up + iteration 1 plain (no rows); 2 profiled, 3 plain -> paired; ...; a last profiled iteration

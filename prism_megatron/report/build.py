@@ -17,7 +17,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from prism_megatron.replay import GraphError, ReplayResult, graph_from_trace, replay, zero_cost
+from prism_megatron.replay import Compute, GraphError, ReplayResult, graph_from_trace, replay, zero_cost
 from prism_megatron.trace import PrismTrace, TraceFormatError, read_trace
 
 from .classify import UNKNOWN, class_order, rank_class
@@ -79,10 +79,11 @@ def assemble(trace_dir: str | Path, cluster: str | None = None) -> tuple[dict[st
     return report, result
 
 
-def provenance(cluster: str | None) -> str:
+def provenance(cluster: str | None, gpu_timed: bool = False) -> str:
     """Where the predicted numbers come from, in a sentence: they are not measurements."""
     comm = f"costed by cluster profile {cluster}" if cluster else "free (no cluster profile)"
-    return f"compute from the bare trace (uncalibrated); communication {comm}"
+    compute = "host and GPU time per segment, measured" if gpu_timed else "compute"
+    return f"{compute} from the bare trace (uncalibrated); communication {comm}"
 
 
 # ------------------------------------------------------------------------------------------ marks
@@ -200,9 +201,10 @@ def _prediction(result: ReplayResult, cluster: str | None, classes: dict[int, st
     for r in result.graph.ranks:
         b = result.breakdown(r, t0, t1)
         breakdown.append({"rank": r, "class": classes.get(r, UNKNOWN), "compute_s": b.compute,
-                          "exposed_comm_s": b.exposed_comm, "bubble_s": b.bubble})
+                          "exposed_comm_s": b.exposed_comm, "bubble_s": b.bubble,
+                          "host_bound_s": _host_bound(result, r, t0, t1)})
     return {
-        "provenance": provenance(cluster),
+        "provenance": provenance(cluster, any(b["host_bound_s"] is not None for b in breakdown)),
         "cluster": cluster,
         "iteration_times_s": times,
         "iteration_time_s": median,
@@ -213,6 +215,15 @@ def _prediction(result: ReplayResult, cluster: str | None, classes: dict[int, st
         "timeline": _timeline(result, classes, number, t0, t1),
         "notes": list(result.graph.notes),
     }
+
+
+def _host_bound(result: ReplayResult, rank: int, t0: float, t1: float) -> float | None:
+    """Seconds of [t0, t1] the rank's GPU waited for its host to issue work (two-clock replay), or None
+    when the rank had no measured GPU times."""
+    if not any(isinstance(ev, Compute) and ev.gpu is not None for ev in result.graph.events[rank]):
+        return None
+    return sum(max(min(s.end, t1) - max(s.start, t0), 0.0) for s in result.segments.get(rank, ())
+               if s.kind == "compute" and s.label == "host")
 
 
 def _num(x: Any) -> bool:

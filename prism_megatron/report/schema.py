@@ -1,4 +1,4 @@
-"""PrismReport version 1: the one place that says what ``report.json`` contains.
+"""PrismReport (version 2): the one place that says what ``report.json`` contains.
 
 A report is read later by people and programs that never saw the trace (dashboards, a comparison
 of two runs), so like PrismTrace it is versioned and a reader refuses what it does not understand,
@@ -17,9 +17,10 @@ from typing import Any, NamedTuple
 from prism_megatron.trace.writer import atomic_write_text
 
 FORMAT = "prismreport"
-VERSION = 1
-#: Versions this code can read; a reader rejects anything else rather than guessing.
-SUPPORTED_VERSIONS: tuple[int, ...] = (1,)
+VERSION = 2
+#: Versions this code can read; a reader rejects anything else rather than guessing. Version 1 lacks
+#: breakdown[].host_bound_s; reading it gives null there.
+SUPPORTED_VERSIONS: tuple[int, ...] = (1, 2)
 REPORT_FILE = "report.json"
 
 
@@ -72,8 +73,11 @@ TARGET = Obj({
     "context_bytes": OPT_INT,
     "source": OPT_STR,
 })
-#: One rank over the median iteration's window; the three add up to the window.
-BREAKDOWN = Obj({"rank": (int,), "class": (str,), "compute_s": NUM, "exposed_comm_s": NUM, "bubble_s": NUM})
+#: One rank over the median iteration's window; compute + exposed_comm + bubble add up to the window.
+#: host_bound_s (v2): the part of compute in which the GPU waited for the host to issue work (a trace
+#: measured on GPUs; null otherwise): launch-bound time that CUDA graphs or larger micro-batches cut.
+BREAKDOWN = Obj({"rank": (int,), "class": (str,), "compute_s": NUM, "exposed_comm_s": NUM, "bubble_s": NUM,
+                 "host_bound_s": OPT_NUM})
 #: A step of the critical path inside the window; ``ranks`` as ranges, e.g. '0-7'.
 PATH_STEP = Obj({"kind": (str,), "ranks": (str,), "start_s": NUM, "end_s": NUM, "label": (str,)})
 CRITICAL_PATH = Obj({
@@ -185,7 +189,7 @@ def _check(value: Any, spec: Any, path: str | Path, field: str) -> None:
 
 
 def check_report(report: Any, path: str | Path) -> None:
-    """Raise ReportFormatError unless ``report`` is a well-typed v1 report.
+    """Raise ReportFormatError unless ``report`` is a well-typed v1 or v2 report.
 
     Format and version come first: a newer report should say so rather than complain about a
     field it may legitimately lack.
@@ -201,6 +205,10 @@ def check_report(report: Any, path: str | Path) -> None:
         supported = ", ".join(str(v) for v in SUPPORTED_VERSIONS)
         raise ReportFormatError(path, "field 'version'", f"{got}; this reader supports PrismReport version(s) "
                                                          f"{supported}")
+    if version == 1 and isinstance(report.get("prediction"), dict):
+        for row in report["prediction"].get("breakdown") or []:
+            if isinstance(row, dict):
+                row.setdefault("host_bound_s", None)
     _check(report, REPORT, path, "")
 
 

@@ -93,12 +93,16 @@ def _breakdown(report: dict[str, Any]) -> Table | None:
     if pred is None or not pred["breakdown"]:
         return None
     rows = pred["breakdown"]
-    keys = ("compute_s", "exposed_comm_s", "bubble_s")
+    keys: tuple[str, ...] = ("compute_s", "exposed_comm_s", "bubble_s")
+    cols = ["compute", "exposed comm", "bubble"]
+    if any(b.get("host_bound_s") is not None for b in rows):  # a trace measured on GPUs
+        rows = [dict(b, host_bound_s=b["host_bound_s"] or 0.0) for b in rows]
+        keys, cols = (*keys, "host_bound_s"), [*cols, "of compute: GPU waits for host"]
     t = Table(title="median iteration per " + ("rank" if len(rows) <= PER_RANK_LIMIT else "class (mean)"),
               title_justify="left")
     t.add_column("class")
     t.add_column("rank" if len(rows) <= PER_RANK_LIMIT else "ranks")
-    for col in ("compute", "exposed comm", "bubble"):
+    for col in cols:
         t.add_column(col, justify="right")
     if len(rows) <= PER_RANK_LIMIT:
         for b in rows:
