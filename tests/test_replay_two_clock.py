@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import random
-
 import pytest
+from random_graphs import random_graph
 
 from prism_megatron.replay import GraphBuilder, replay
 
@@ -223,41 +222,8 @@ def test_pipeline_p2p_two_clocks():
 
 @pytest.mark.parametrize("seed", range(25))
 def test_breakdown_and_path_invariants_random_two_clock_graphs(seed):
-    rng = random.Random(seed)
-    n = rng.randint(2, 4)
-    gb = GraphBuilder()
-    groups = [gb.group(0, list(range(n))), gb.group(1, sorted(rng.sample(range(n), 2)))]
-    outstanding: dict[int, list[int]] = {r: [] for r in range(n)}
-    times = [0.0, 0.25, 0.5, 1.0, 2.0]
-    for _ in range(rng.randint(5, 25)):
-        roll = rng.random()
-        if roll < 0.4:
-            gb.compute(rng.randrange(n), rng.choice(times), gpu=rng.choice(times + [None]))
-        elif roll < 0.5:
-            gb.cpu_sync(rng.randrange(n))
-        elif roll < 0.7:
-            g = gb.groups[rng.choice(groups)]
-            asy = rng.random() < 0.4
-            for r in g.ranks:
-                i = gb.collective(r, "all_reduce", g.id, 8, async_op=asy)
-                if asy:
-                    outstanding[r].append(i)
-        elif roll < 0.9:
-            src, dst = rng.sample(range(n), 2)
-            asy = rng.random() < 0.5
-            i, j = gb.send(src, dst, 0, 8, async_op=asy), gb.recv(dst, src, 0, 8, async_op=asy)
-            if asy:
-                outstanding[src].append(i)
-                outstanding[dst].append(j)
-        else:
-            r = rng.randrange(n)
-            if outstanding[r]:
-                gb.wait(r, *outstanding[r])
-                outstanding[r] = []
-    for r in range(n):
-        gb.compute(r, 0.25, gpu=0.5)
-        if outstanding[r]:
-            gb.wait(r, *outstanding[r])
+    gb = random_graph(seed, two_clock=True)
+    n = len(gb.events)
     res = replay(gb.build(), lambda spec: 0.125 * len(spec.ranks))
     for r in range(n):
         b = res.breakdown(r)
