@@ -208,32 +208,22 @@ def calibrate_cmd(bare_trace: Path, out_dir: Path, devices: str, ranks_per_devic
     Example: prism-megatron calibrate prism-trace --out calib --ranks-per-device 2 -- train.py --lr 1e-3
     """
     from prism_megatron.calibration import AlignError, SliceError
-    from prism_megatron.calibration.slice_run import SliceRunError, calibrate, predicted_iterations
+    from prism_megatron.calibration.slice_run import SliceRunError, calibrate_job, format_iterations
     from prism_megatron.calibration.virtual_rank import VirtualRankError
-    from prism_megatron.replay.engine import GraphError, zero_cost
-    from prism_megatron.trace import TraceFormatError, read_trace
+    from prism_megatron.replay.engine import GraphError
+    from prism_megatron.trace import TraceFormatError
 
     try:
-        cost, use_model, name = zero_cost, None, "free (no cluster profile)"
-        if cluster is not None:
-            from prism_megatron.calibration import CollectiveCostModel, load_profile, spans_nodes
-
-            cost, name = CollectiveCostModel(load_profile(cluster)), f"cluster profile {cluster}"
-            use_model = spans_nodes(int(read_trace(bare_trace).manifest["job"].get("gpus_per_node", 8)))
-        path = calibrate(bare_trace, out_dir, script=script, script_args=script_args,
-                         devices=parse_devices(devices), ranks_per_device=ranks_per_device, cost=cost,
-                         cost_name=name, use_model=use_model)
-        rows = predicted_iterations(bare_trace, path, cost)
+        path, rows, name = calibrate_job(bare_trace, out_dir, script=script, script_args=script_args,
+                                         devices=parse_devices(devices), ranks_per_device=ranks_per_device,
+                                         cluster=cluster)
     except LaunchError as e:
         raise click.UsageError(str(e)) from None
     except (TraceFormatError, GraphError, SliceError, AlignError, VirtualRankError, SliceRunError, ValueError) as e:
         raise click.ClickException(str(e)) from None
     click.echo(f"calibrated graph: {path}")
-    click.echo(f"predicted iteration times (ops no slice measured whole: {name}):")
-    click.echo(f"  {'iteration':>9} {'bare graph':>12} {'calibrated':>12}")
-    for it, b, c in rows:
-        fmt = lambda s: "-" if s is None else f"{s * 1e3:.3f} ms"  # noqa: E731
-        click.echo(f"  {it:>9} {fmt(b):>12} {fmt(c):>12}")
+    for line in format_iterations(rows, name):
+        click.echo(line)
 
 
 @main.command("report")

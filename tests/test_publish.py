@@ -94,3 +94,22 @@ def test_publish_without_wandb_or_with_a_failing_wandb_keeps_the_report(tmp_path
     out = publish_mod.publish(Path(trace), cluster=None, config={}, wandb_project="p")
     assert out["wandb"] == [] and out["paths"]["html"].exists()
     assert "W&B: not logged into p (RuntimeError: no route to host)" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(cpu_mode._gpu_present(), reason="CPU-mode runs refuse a GPU")
+def test_run_with_calibration_predicts_from_the_calibrated_graph(tmp_path):
+    """--prism-calibrate on: each slice (a TP pair) re-runs Megatron for real beside virtual ranks (which
+    contribute the recorded pickles of Megatron's object collectives), and the report uses the result."""
+    env = {**os.environ, **_wandb_env(tmp_path)}
+    p = subprocess.run([sys.executable, "-m", "prism_megatron", "run", "--recipe", "mini-dense-tp2pp2",
+                        "--prism-driver", "core", "--prism-calibrate", "on"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert (tmp_path / "prism-trace.calibration" / "calibrated" / "manifest.json").is_file()
+    assert re.search(r"iteration +bare graph +calibrated", p.stderr), p.stderr[-3000:]
+    rows = re.findall(r"prism: +(\d) +([0-9.]+) ms +([0-9.]+) ms", p.stderr)
+    assert [r[0] for r in rows] == ["1", "2", "3"]
+    report = read_report(tmp_path / "prism-trace" / "report.json")
+    assert report["prediction"]["provenance"].startswith("calibrated graph")
+    calibrated = [float(r[2]) for r in rows]
+    assert [t * 1e3 for t in report["prediction"]["iteration_times_s"]] == pytest.approx(calibrated, abs=1e-3)

@@ -72,6 +72,7 @@ def _op(rank, index, kind, group, seq, t_issue, t_complete, **kw) -> dict:
         "compute_before": 0.1234567890123,
         "label": "",
         "splits": "",
+        "payload": "",
     }
     row.update(kw)
     return row
@@ -804,17 +805,17 @@ def test_all_to_all_split_sizes_round_trip_and_older_traces_read_without_them(tm
     ops = _ops()
     ops[0] = dict(ops[0], splits=[[0, 512], [256, 256]])
     for op in ops[1:]:
-        del op["splits"]  # optional: '' when left out
+        del op["splits"], op["payload"]  # optional: '' when left out
     path = write_trace(tmp_path / "t", _manifest(), ops)
     assert {op["splits"] for op in read_trace(path).ops.to_pylist()[1:]} == {""}
     assert json.loads(read_trace(path).ops.to_pylist()[0]["splits"]) == [[0, 512], [256, 256]]
     import pyarrow.parquet as pq
 
-    pq.write_table(pq.read_table(path / "ops.parquet").drop_columns(["splits"]), path / "ops.parquet")
+    pq.write_table(pq.read_table(path / "ops.parquet").drop_columns(["splits", "payload"]), path / "ops.parquet")
     manifest = json.loads((path / "manifest.json").read_text())
     with pytest.raises(TraceFormatError, match="column 'splits' is missing"):
         read_trace(path)  # v3 must have it
     manifest["version"] = 2
     del manifest["files"]["gpu"]
     (path / "manifest.json").write_text(json.dumps(manifest))
-    assert {op["splits"] for op in read_trace(path).ops.to_pylist()} == {""}
+    assert {(op["splits"], op["payload"]) for op in read_trace(path).ops.to_pylist()} == {("", "")}

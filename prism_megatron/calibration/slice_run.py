@@ -95,13 +95,15 @@ def calibrate(bare_trace_dir: str | Path, out_dir: str | Path, *, script: str | 
               devices: Sequence[str] = ("cpu",), ranks_per_device: int = 1, cost: CostFn | None = None,
               cost_name: str = "", use_model: Callable[[CommSpec], bool] | None = None,
               couple: float | Sequence[int] = 0.5, hang_timeout: float = 60.0, threads_per_rank: int = 1,
+              preload: Sequence[str] = (), rank_setup: Sequence[str] = (),
               say: Callable[[str], None] = _say) -> Path:
     """Run one slice run per slice of the bare trace, align them and write the calibrated graph.
 
     ``script``/``script_args`` are the program the bare trace was captured from; ``devices`` are
     'cpu' or CUDA indices, each offering ``ranks_per_device`` slots. ``cost`` prices the ops no
     slice measured whole (needed whenever such ops exist), ``use_model`` forces it for ops the
-    machine cannot exhibit (see ``align_slices``). Returns the calibrated graph's directory.
+    machine cannot exhibit (see ``align_slices``). ``preload``/``rank_setup`` as in LaunchConfig (the
+    Megatron integration's CPU mode and seams, for every rank). Returns the calibrated graph's directory.
     Raises SliceError (no slice plan), VirtualRankError (the trace cannot be replayed),
     SliceRunError (a slice's run failed) or AlignError (the measurements do not fit together).
     """
@@ -127,6 +129,7 @@ def calibrate(bare_trace_dir: str | Path, out_dir: str | Path, *, script: str | 
             script=Path(script), script_args=list(script_args), world_size=world, devices=devices,
             slots_per_device=ranks_per_device, hang_timeout=hang_timeout, trace_dir=out / f"slice-{s.index}",
             gpus_per_node=gpus_per_node, log_ranks=[], threads_per_rank=threads_per_rank, track_memory=False,
+            preload=list(preload), rank_setup=list(rank_setup), gpu_timing=False,
             rank_scripts={r: (VIRTUAL_RANK_SCRIPT, [str(programs)]) for r in range(world) if r not in s.ranks},
             rank_devices=slice_devices(s.ranks, ranks_per_device),
         )
@@ -154,3 +157,34 @@ def predicted_iterations(bare_trace_dir: str | Path, calibrated_dir: str | Path,
     cal = read_calibrated(calibrated_dir).replay().iterations()
     b, c = {it.number: it.time for it in bare}, {it.number: it.time for it in cal}
     return [(n, b.get(n), c.get(n)) for n in sorted(set(b) | set(c))]
+
+
+def calibrate_job(bare_trace_dir: str | Path, out_dir: str | Path, *, script: str | Path, script_args: Sequence[str],
+                  devices: Sequence[str], ranks_per_device: int, cluster: str | None = None,
+                  preload: Sequence[str] = (), rank_setup: Sequence[str] = ()
+                  ) -> tuple[Path, list[tuple[int, float | None, float | None]], str]:
+    """:func:`calibrate` with the ops no slice measured whole costed by ``cluster`` (free without one);
+    returns the calibrated graph's directory, the bare vs calibrated iteration times and what costed
+    those ops. Shared by ``prism-megatron calibrate`` and ``run --prism-calibrate on``."""
+    cost, use_model, name = zero_cost, None, "free (no cluster profile)"
+    if cluster is not None:
+        from .align import spans_nodes
+        from .costmodel import CollectiveCostModel
+        from .profiles import load_profile
+
+        cost, name = CollectiveCostModel(load_profile(cluster)), f"cluster profile {cluster}"
+        use_model = spans_nodes(int(read_trace(bare_trace_dir).manifest["job"].get("gpus_per_node", 8)))
+    path = calibrate(bare_trace_dir, out_dir, script=script, script_args=script_args, devices=devices,
+                     ranks_per_device=ranks_per_device, cost=cost, cost_name=name, use_model=use_model,
+                     preload=preload, rank_setup=rank_setup)
+    return path, predicted_iterations(bare_trace_dir, path, cost), name
+
+
+def format_iterations(rows: list[tuple[int, float | None, float | None]], cost_name: str) -> list[str]:
+    """The bare vs calibrated table as lines of text."""
+    def ms(s: float | None) -> str:
+        return "-" if s is None else f"{s * 1e3:.3f} ms"
+
+    lines = [f"predicted iteration times (ops no slice measured whole: {cost_name}):",
+             f"  {'iteration':>9} {'bare graph':>12} {'calibrated':>12}"]
+    return lines + [f"  {it:>9} {ms(b):>12} {ms(c):>12}" for it, b, c in rows]

@@ -34,14 +34,18 @@ The rules:
 - **Markers.** Scheduling-unit spans (B/E: iteration, microbatch...) are re-emitted with
   ``trace.markers.span`` so the slice's trace has iteration boundaries for every rank; instants
   (memory, oom, layout...) describe the real rank's process and are not.
-- Contributions are zeros: the slice's real ranks get numerically different results (timing does
-  not depend on the values, control flow that branches on them might). An ``all_to_all_single`` is
-  issued with the split sizes the trace recorded (PrismTrace v3); a trace without them (v1/v2)
-  replays only even splits: a dim 0 that does not split evenly is refused by :func:`write_programs`.
+- Contributions are zeros, except for small inputs the trace recorded (PrismTrace v3 ops.payload:
+  integer/byte tensors up to 64 KiB, floats up to 64 bytes): those are contributed as recorded, so
+  object collectives (Megatron compares gathered parameter names at set-up) and flags a program
+  branches on match the real run. Other results differ numerically (timing does not depend on them).
+  An ``all_to_all_single`` is issued with the split sizes the trace recorded (PrismTrace v3); a trace
+  without them (v1/v2) replays only even splits: a dim 0 that does not split evenly is refused by
+  :func:`write_programs`.
 """
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import os
@@ -150,6 +154,19 @@ def split_shapes(kind: str, shapes: list[list[int]], size: int, is_root: bool,
     return shapes[:n_in], shapes[n_in:]
 
 
+def inputs(torch: Any, payload: list[str] | None, shapes: list, dtype: Any) -> list:
+    """The op's inputs: the bytes the real rank contributed where the trace has them (small data a
+    program branches on, e.g. the pickles of an object collective), zeros of the shapes otherwise."""
+    if not payload or len(payload) != len(shapes):
+        return [torch.zeros(s, dtype=dtype) for s in shapes]
+    out = []
+    for data, shape in zip(payload, shapes, strict=True):
+        raw = bytearray(base64.b64decode(data))
+        t = torch.frombuffer(raw, dtype=torch.uint8).view(dtype) if raw else torch.zeros(0, dtype=dtype)
+        out.append(t.reshape(shape).clone())
+    return out
+
+
 def split_rows(splits: list | None, inp: Any, out: Any) -> tuple[list[int] | None, list[int] | None]:
     """The recorded all_to_all_single split sizes (bytes per group rank) as rows of dim 0; None: even."""
     if not splits:
@@ -180,7 +197,8 @@ def rank_program(trace: Any, graph: Any, rank: int) -> dict[str, Any]:
             step = {"t": "op", "kind": ev.kind, "group": by_id[ev.group]["name"], "seq": ev.seq, "peer": ev.peer,
                     "root": ev.root, "dtype": row["dtype"], "shapes": json.loads(row["shapes"]),
                     "reduce_op": row["reduce_op"], "async_op": ev.async_op,
-                    "splits": json.loads(row["splits"]) if row.get("splits") else None}
+                    "splits": json.loads(row["splits"]) if row.get("splits") else None,
+                    "payload": json.loads(row["payload"]) if row.get("payload") else None}
             try:
                 size = len(by_id[ev.group]["ranks"])
                 split_shapes(ev.kind, step["shapes"], size, ev.root == rank, step["splits"])
@@ -249,7 +267,7 @@ def _issue(torch: Any, dist: Any, step: dict[str, Any], pg: Any, rank: int) -> A
     kind, a, root, peer = step["kind"], step["async_op"], step["root"], step["peer"]
     dtype = getattr(torch, step["dtype"]) if step["dtype"] else torch.float32
     ins_s, outs_s = split_shapes(kind, step["shapes"], pg.size(), root == rank, step.get("splits"))
-    ins = [torch.zeros(s, dtype=dtype) for s in ins_s]
+    ins = inputs(torch, step.get("payload"), ins_s, dtype)
     outs = ins if kind == "all_reduce" else [torch.zeros(s, dtype=dtype) for s in outs_s]  # in place
     op = _redop(dist, step["reduce_op"]) if step["reduce_op"] else dist.ReduceOp.SUM
     one = {

@@ -47,6 +47,13 @@ PRISM_FLAGS: dict[str, dict[str, Any]] = {
                                help="On GPUs, each compute segment's host time and device busy time (CUDA "
                                     "profiler), so the prediction lets the host run ahead as with NCCL; 'auto' "
                                     "is on for GPUs."),
+    "--prism-calibrate": dict(type=str, default="off", choices=["off", "on"],
+                              help="After the run, calibrate: re-run the job once per slice (coupled groups such "
+                                   "as TP kept whole) with the slice's ranks computing for real and the others "
+                                   "replayed; the report then predicts from the calibrated graph."),
+    "--prism-calibrate-ranks-per-device": dict(type=int, default=2,
+                                               help="Slice ranks computing at once on each device while "
+                                                    "calibrating (a slice holds devices x this)."),
     "--prism-report": dict(type=str, default="on", choices=["on", "off"],
                            help="After the run: the report (terminal, report.json/html, timeline) and W&B."),
     "--prism-anchor-fake-pg": dict(action="store_true",

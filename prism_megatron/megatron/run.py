@@ -273,6 +273,9 @@ def run(request: RunRequest) -> int:
 
         args = list(request.script_args) + (cpu_defaults(request.script_args) if not cfg.on_gpu else [])
         run_fake_pg_anchor(cfg.trace_dir, request.script, args, on_cpu=not cfg.on_gpu)
+    calibrated = None
+    if written and code == 0 and request.options.get("prism_calibrate") == "on":
+        calibrated = _calibrate(cfg, request)
     if request.options.get("prism_report") == "on" and written:
         from prism_megatron.report.publish import publish
 
@@ -280,5 +283,26 @@ def run(request: RunRequest) -> int:
                   "flags": request.script_args,
                   "prism": {k: v for k, v in request.options.items() if v is not None}}
         publish(cfg.trace_dir, cluster=request.options.get("prism_cluster"), config=config,
-                wandb_project=os.environ.get("WANDB_PROJECT", "prism-megatron"))
+                wandb_project=os.environ.get("WANDB_PROJECT", "prism-megatron"), calibrated=calibrated)
     return code
+
+
+def _calibrate(cfg, request: RunRequest) -> Path | None:
+    """Calibrate the bare trace just written (``--prism-calibrate on``): the calibrated graph's
+    directory, or None after saying why it could not be built (the bare trace and report stand)."""
+    from prism_megatron.calibration import AlignError, SliceError
+    from prism_megatron.calibration.slice_run import SliceRunError, calibrate_job, format_iterations
+    from prism_megatron.calibration.virtual_rank import VirtualRankError
+
+    out = cfg.trace_dir.with_name(cfg.trace_dir.name + ".calibration")
+    try:
+        path, rows, name = calibrate_job(
+            cfg.trace_dir, out, script=cfg.script, script_args=cfg.script_args, devices=cfg.devices,
+            ranks_per_device=request.options["prism_calibrate_ranks_per_device"],
+            cluster=request.options.get("prism_cluster"), preload=cfg.preload, rank_setup=cfg.rank_setup)
+    except (SliceError, AlignError, VirtualRankError, SliceRunError) as e:
+        print(f"prism: calibration failed, the report predicts from the bare graph: {e}", file=sys.stderr)
+        return None
+    for line in format_iterations(rows, name):
+        print(f"prism: {line}", file=sys.stderr)
+    return path

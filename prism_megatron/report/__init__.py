@@ -12,7 +12,7 @@ from pathlib import Path
 
 from prism_megatron.trace.writer import atomic_write_text
 
-from .build import assemble, build_report, provenance, verdict
+from .build import assemble, build_report, verdict
 from .classify import rank_class
 from .html import render_html
 from .schema import FORMAT, REPORT_FILE, VERSION, ReportFormatError, read_report, write_report
@@ -38,7 +38,7 @@ __all__ = [
 
 
 def make_report(trace_dir: str | Path, out_dir: str | Path | None = None,
-                cluster: str | None = None) -> dict[str, Path]:
+                cluster: str | None = None, calibrated: str | Path | None = None) -> dict[str, Path]:
     """Write report.json, report.html and timeline.json into ``out_dir`` (default: the trace dir).
 
     Returns {"report", "html", "timeline"} -> path; "timeline" is absent when the replay failed
@@ -47,12 +47,12 @@ def make_report(trace_dir: str | Path, out_dir: str | Path | None = None,
     """
     from prism_megatron.replay.export import to_chrome
 
-    report, result = assemble(trace_dir, cluster)
+    report, result = assemble(trace_dir, cluster, calibrated)
     out = Path(trace_dir if out_dir is None else out_dir)
     paths = {"report": write_report(report, out / REPORT_FILE),
              "html": atomic_write_text(out / HTML_FILE, render_html(report))}
     if result is not None:
-        meta = {"trace": str(trace_dir), "cluster": cluster, "provenance": provenance(cluster)}
+        meta = {"trace": str(trace_dir), "cluster": cluster, "provenance": report["prediction"]["provenance"]}
         paths["timeline"] = atomic_write_text(out / TIMELINE_FILE, json.dumps(to_chrome(result, meta)) + "\n")
     else:
         (out / TIMELINE_FILE).unlink(missing_ok=True)  # an older run's timeline would contradict the report

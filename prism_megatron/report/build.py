@@ -34,23 +34,26 @@ _MARKS = ("layout", "workload", "memory", "oom", "megatron_estimate")
 _MEMORY_INTS = ("allocated", "reserved", "max_allocated", "max_reserved")
 
 
-def build_report(trace_dir: str | Path, cluster: str | None = None) -> dict[str, Any]:
+def build_report(trace_dir: str | Path, cluster: str | None = None,
+                 calibrated: str | Path | None = None) -> dict[str, Any]:
     """The report dict of the trace at ``trace_dir`` (see ``schema.REPORT``).
 
     ``cluster`` names a cluster profile that costs communication; without it communication is
-    free. Raises TraceFormatError for a bad trace (or bad marks) and ProfileError (a ValueError)
-    for a bad profile; a replay that fails gives a null prediction, not an exception.
+    free. ``calibrated``: a calibrated graph of this trace (``prism-megatron calibrate``), whose replay
+    then gives the prediction. Raises TraceFormatError for a bad trace (or bad marks) and
+    ProfileError (a ValueError) for a bad profile; a replay that fails gives a null prediction.
     """
-    return assemble(trace_dir, cluster)[0]
+    return assemble(trace_dir, cluster, calibrated)[0]
 
 
-def assemble(trace_dir: str | Path, cluster: str | None = None) -> tuple[dict[str, Any], ReplayResult | None]:
+def assemble(trace_dir: str | Path, cluster: str | None = None,
+             calibrated: str | Path | None = None) -> tuple[dict[str, Any], ReplayResult | None]:
     """The report and the replay it came from (None when the replay failed), for the timeline export."""
     trace = read_trace(trace_dir)
     marks = _read_marks(trace)
     classes = {r: rank_class(marks["layout"].get(r)) for r in range(trace.world_size)}
     job = trace.manifest["job"]
-    result, error = _replay(trace, cluster)
+    result, error = _replay(trace, cluster) if calibrated is None else _replay_calibrated(calibrated)
     memory = _memory(marks, classes, trace)
     oom = [_oom_entry(r, a, classes[r]) for r, a in sorted(marks["oom"].items())]
     exit5 = [e["rank"] for e in trace.manifest["ranks"] if e["exit_code"] == OOM_EXIT_CODE]
@@ -68,7 +71,8 @@ def assemble(trace_dir: str | Path, cluster: str | None = None) -> tuple[dict[st
             "slots_per_device": job["slots_per_device"] if type(job.get("slots_per_device")) is int else None,
         },
         "target": target,
-        "prediction": None if result is None else _prediction(result, cluster, classes, marks["workload"]),
+        "prediction": None if result is None else _prediction(result, cluster, classes, marks["workload"],
+                                                              calibrated is not None),
         "prediction_error": error,
         "memory": memory,
         "oom": oom,
@@ -79,8 +83,11 @@ def assemble(trace_dir: str | Path, cluster: str | None = None) -> tuple[dict[st
     return report, result
 
 
-def provenance(cluster: str | None, gpu_timed: bool = False) -> str:
+def provenance(cluster: str | None, gpu_timed: bool = False, calibrated: bool = False) -> str:
     """Where the predicted numbers come from, in a sentence: they are not measurements."""
+    if calibrated:
+        return ("calibrated graph: compute and the ops inside a slice measured with each slice's ranks "
+                "running for real; other ops " + (f"costed by cluster profile {cluster}" if cluster else "free"))
     comm = f"costed by cluster profile {cluster}" if cluster else "free (no cluster profile)"
     compute = "host and GPU time per segment, measured" if gpu_timed else "compute"
     return f"{compute} from the bare trace (uncalibrated); communication {comm}"
@@ -179,6 +186,15 @@ def _replay(trace: PrismTrace, cluster: str | None) -> tuple[ReplayResult | None
         return None, "the replay failed: " + "\n".join(lines[:MAX_ERROR_LINES]) + more
 
 
+def _replay_calibrated(path: str | Path) -> tuple[ReplayResult | None, str | None]:
+    from prism_megatron.calibration.calibrated import read_calibrated
+
+    try:
+        return read_calibrated(path).replay(), None
+    except GraphError as e:
+        return None, f"the replay of the calibrated graph {path} failed: {str(e).splitlines()[0]}"
+
+
 def _window(result: ReplayResult) -> tuple[int | None, float, float]:
     """The median iteration (number, start, end); the whole run when there are no iteration marks."""
     its = result.iterations()
@@ -190,7 +206,7 @@ def _window(result: ReplayResult) -> tuple[int | None, float, float]:
 
 
 def _prediction(result: ReplayResult, cluster: str | None, classes: dict[int, str],
-                workload: dict[int, dict]) -> dict[str, Any]:
+                workload: dict[int, dict], calibrated: bool = False) -> dict[str, Any]:
     times = result.iteration_times()
     median = statistics.median(times) if times else None
     work = workload.get(0) or next(iter(workload.values()), {})
@@ -204,7 +220,7 @@ def _prediction(result: ReplayResult, cluster: str | None, classes: dict[int, st
                           "exposed_comm_s": b.exposed_comm, "bubble_s": b.bubble,
                           "host_bound_s": _host_bound(result, r, t0, t1)})
     return {
-        "provenance": provenance(cluster, any(b["host_bound_s"] is not None for b in breakdown)),
+        "provenance": provenance(cluster, any(b["host_bound_s"] is not None for b in breakdown), calibrated),
         "cluster": cluster,
         "iteration_times_s": times,
         "iteration_time_s": median,

@@ -27,11 +27,13 @@ def megatron_wandb_run(trace_dir: Path) -> dict | None:
 
 
 def publish(trace_dir: Path, *, cluster: str | None, config: dict[str, Any], wandb_project: str,
-            wandb_mode: str | None = None) -> dict[str, Any]:
-    """Write and print the report, log it to W&B; returns {"paths", "report", "wandb": [LoggedRun...]}."""
+            wandb_mode: str | None = None, calibrated: Path | None = None) -> dict[str, Any]:
+    """Write and print the report, log it to W&B; returns {"paths", "report", "wandb": [LoggedRun...]}.
+
+    ``calibrated``: a calibrated graph of the trace; the prediction then comes from it."""
     from prism_megatron.report import make_report, print_summary, read_report
 
-    paths = make_report(trace_dir, cluster=cluster)
+    paths = make_report(trace_dir, cluster=cluster, calibrated=calibrated)
     report = read_report(paths["report"])
     print_summary(report)
     for kind, path in paths.items():

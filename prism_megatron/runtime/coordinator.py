@@ -10,6 +10,7 @@ job ended. Single-threaded: every decision happens in one loop, in arrival order
 from __future__ import annotations
 
 import argparse
+import base64
 import importlib
 import json
 import os
@@ -55,6 +56,27 @@ class OpRecord:
     label: str
     op_id: int = -1
     splits: str = ""  # all_to_all_single: JSON [input bytes per group rank, output bytes per group rank]
+    payload: str = ""  # the inputs, when small enough to steer control flow (recorded_payload)
+
+
+#: Inputs recorded in the trace so that a virtual rank contributes what the real one did: integer and
+#: byte tensors up to this size (object collectives: pickles and their sizes) ...
+PAYLOAD_INT_LIMIT = 64 * 1024
+#: ... and floating-point ones up to this size (flags and scalars: found_inf, a loss sum, a norm).
+PAYLOAD_FLOAT_LIMIT = 64
+_INT_DTYPES = frozenset({"uint8", "int8", "int16", "int32", "int64", "bool", "uint16", "uint32", "uint64"})
+
+
+def recorded_payload(ins: list) -> str:
+    """JSON list of the inputs' bytes (base64) when every input is inline and small enough to be data a
+    program branches on (see the limits above); '' otherwise."""
+    if not ins or any(d[0][0] != "i" for d in ins):
+        return ""
+    total = sum(len(d[0][1]) for d in ins)
+    limit = PAYLOAD_INT_LIMIT if all(d[1] in _INT_DTYPES for d in ins) else PAYLOAD_FLOAT_LIMIT
+    if total > limit:
+        return ""
+    return json.dumps([base64.b64encode(d[0][1]).decode("ascii") for d in ins])
 
 
 @dataclass
@@ -453,6 +475,7 @@ class Coordinator:
             async_op=bool(msg.get("async_op")), t_issue=now, t_complete=float("nan"),
             compute_before=rs.clock - rs.last_op_clock, label=msg.get("label") or "", op_id=msg["id"],
             splits=json.dumps([msg["in_splits"], msg["out_splits"]]) if "in_splits" in msg else "",
+            payload=recorded_payload(msg["ins"]),
         )
         rs.last_op_clock = rs.clock
         rs.n_ops += 1

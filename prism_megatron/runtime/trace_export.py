@@ -10,7 +10,7 @@ from typing import Any
 from prism_megatron.trace import write_trace
 
 _OP_COLUMNS = ("rank", "index", "kind", "group", "seq", "peer", "root", "bytes", "dtype", "shapes", "reduce_op",
-               "async_op", "t_issue", "t_complete", "compute_before", "label", "splits")
+               "async_op", "t_issue", "t_complete", "compute_before", "label", "splits", "payload")
 
 
 def write_bare_trace(coord: Any, path: Path, job: dict, exit_codes: dict) -> Path:

@@ -83,10 +83,11 @@ def _v1_slots(table: pa.Table) -> pa.Table:
 
 
 def _v2_ops(table: pa.Table) -> pa.Table:
-    """A v1/v2 ops table with v3's splits column: those versions did not record split sizes."""
-    if "splits" in table.column_names:
-        return table
-    return table.append_column("splits", pa.array([""] * table.num_rows, pa.string()))
+    """A v1/v2 ops table with v3's splits and payload columns: those versions recorded neither."""
+    for name in ("splits", "payload"):
+        if name not in table.column_names:
+            table = table.append_column(name, pa.array([""] * table.num_rows, pa.string()))
+    return table
 
 
 def _read_table(file: Path, name: str, manifest_path: Path, version: int = VERSION) -> pa.Table:

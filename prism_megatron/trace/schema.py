@@ -96,6 +96,12 @@ OPS_COLUMNS: tuple[Column, ...] = (
         "all_to_all_single: JSON [input bytes to each group rank, output bytes from each group rank] "
         "(uneven MoE dispatch); '' for other ops (v3; older traces read as '')",
     ),
+    Column(
+        "payload",
+        pa.string(),
+        "JSON list of the inputs' bytes (base64) for ops whose inputs are small enough to steer control "
+        "flow (integer/byte tensors up to 64 KiB: object collectives; floats up to 64 bytes), else '' (v3)",
+    ),
 )
 
 MARKS_COLUMNS: tuple[Column, ...] = (
@@ -156,7 +162,7 @@ COLUMNS: dict[str, tuple[Column, ...]] = {
 
 #: Columns a writer may leave out (their value then is this): added by a later version, meaningful for
 #: few rows.
-DEFAULTS: dict[str, dict[str, Any]] = {"ops": {"splits": ""}}
+DEFAULTS: dict[str, dict[str, Any]] = {"ops": {"splits": "", "payload": ""}}
 
 #: Columns the writer accepts as Python objects and stores as JSON text.
 JSON_COLUMNS: dict[str, tuple[str, ...]] = {
