@@ -11,10 +11,14 @@ an evaluation also carry ``eval=True``.
 ``backward_step`` is not, so the forward remembers them under its output tensor, which the
 schedule hands back to ``backward_step`` (kept alive until then).
 
-The combined-1F1B schedules (``combined_1f1b.py``, used with
-``--overlap-moe-expert-parallel-comm``) merge a forward and a backward into one
-``combined_forward_backward_step``; they are not hooked yet and emit no units.
-Checked against megatron-core 0.16.1.
+The combined-1F1B schedules (``combined_1f1b.py``, used with ``--overlap-moe-expert-parallel-comm``)
+run a forward and another microbatch's backward as one ``combined_forward_backward_step`` (looked up
+in that module at call time); each call becomes one unit: ``forward`` or ``backward`` when it runs
+only one of them (the first and last steps), else ``forward_backward`` with the forward's
+``microbatch``/``chunk`` and the backward's ``backward_microbatch``/``backward_chunk``. A microbatch
+thus appears in one forward unit (or forward_backward) and one backward unit (or forward_backward).
+Checked against megatron-core 0.16.1 (its signature also matches 0.19's source; not run there: the
+combined schedules need CUDA streams and MoE).
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ from prism_megatron.trace.markers import span
 
 CHECKED = ("0.16.1",)
 _MODULE = "megatron.core.pipeline_parallel.schedules"
+_COMBINED = "megatron.core.pipeline_parallel.combined_1f1b"
+_COMBINED_PARAMS = ("f_model", "b_model", "b_output_tensor", "f_model_chunk_id", "current_microbatch")
 _SCHEDULES = ("forward_backward_no_pipelining", "forward_backward_pipelining_without_interleaving",
               "forward_backward_pipelining_with_interleaving")
 
@@ -91,3 +97,42 @@ def install() -> None:
 
     sched.forward_step = forward_step
     sched.backward_step = backward_step
+    try:
+        combined = importlib.import_module(_COMBINED)
+    except ImportError:  # a version without the combined schedules: nothing to hook
+        return
+    if hasattr(combined, "combined_forward_backward_step"):
+        original = seam(combined, "combined_forward_backward_step", CHECKED, _COMBINED_PARAMS)
+        combined.combined_forward_backward_step = wrap_combined(original)
+
+
+def wrap_combined(original: Any) -> Any:
+    """``combined_forward_backward_step`` emitting one scheduling unit per call (see the module doc)."""
+    import inspect
+
+    params = list(inspect.signature(getattr(original, "__wrapped__", original)).parameters)
+    at = {name: params.index(name) for name in _COMBINED_PARAMS}
+
+    @functools.wraps(original)
+    def combined_forward_backward_step(*args: Any, **kwargs: Any) -> Any:
+        def get(name: str) -> Any:
+            return _arg(args, kwargs, name, at[name])
+
+        forward, backward = get("f_model") is not None, get("b_model") is not None
+        microbatch, chunk = get("current_microbatch"), get("f_model_chunk_id") or 0
+        b_microbatch, b_chunk = STATE.pending.pop(_key(get("b_output_tensor")), (None, None)) if backward \
+            else (None, None)
+        if forward and backward:
+            name, attrs = "forward_backward", {"microbatch": microbatch, "chunk": chunk,
+                                               "backward_microbatch": b_microbatch, "backward_chunk": b_chunk}
+        elif forward:
+            name, attrs = "forward", {"microbatch": microbatch, "chunk": chunk}
+        else:
+            name, attrs = "backward", {"microbatch": b_microbatch, "chunk": b_chunk}
+        with span(name, iteration=STATE.iteration, **attrs):
+            result = original(*args, **kwargs)
+        if forward and not STATE.evaluating:
+            STATE.pending[_key(result[0])] = (microbatch, chunk)
+        return result
+
+    return combined_forward_backward_step
