@@ -813,8 +813,7 @@ def test_all_to_all_split_sizes_round_trip_and_older_traces_read_without_them(tm
 
     pq.write_table(pq.read_table(path / "ops.parquet").drop_columns(["splits", "payload"]), path / "ops.parquet")
     manifest = json.loads((path / "manifest.json").read_text())
-    with pytest.raises(TraceFormatError, match="column 'splits' is missing"):
-        read_trace(path)  # v3 must have it
+    assert {op["splits"] for op in read_trace(path).ops.to_pylist()} == {""}  # optional: an older writer
     manifest["version"] = 2
     del manifest["files"]["gpu"]
     (path / "manifest.json").write_text(json.dumps(manifest))

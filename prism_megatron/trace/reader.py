@@ -17,6 +17,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from .schema import (
+    COLUMNS,
+    DEFAULTS,
     MANIFEST_FILE,
     SCHEMAS,
     VERSION,
@@ -82,11 +84,13 @@ def _v1_slots(table: pa.Table) -> pa.Table:
     return table.append_column("compute_clock", pa.array(values, pa.float64()))
 
 
-def _v2_ops(table: pa.Table) -> pa.Table:
-    """A v1/v2 ops table with v3's splits and payload columns: those versions recorded neither."""
-    for name in ("splits", "payload"):
-        if name not in table.column_names:
-            table = table.append_column(name, pa.array([""] * table.num_rows, pa.string()))
+def _with_defaults(table: pa.Table, name: str) -> pa.Table:
+    """Optional columns (schema.DEFAULTS) a table lacks, filled with their default: older writers
+    (and v1/v2 traces) did not record them."""
+    for column, value in DEFAULTS.get(name, {}).items():
+        if column not in table.column_names:
+            kind = next(c.type for c in COLUMNS[name] if c.name == column)
+            table = table.append_column(column, pa.array([value] * table.num_rows, kind))
     return table
 
 
@@ -102,8 +106,7 @@ def _read_table(file: Path, name: str, manifest_path: Path, version: int = VERSI
         raise TraceFormatError(file, "file", f"is not a readable Parquet file ({name} table): {e}") from e
     if name == "slots" and version == 1:
         table = _v1_slots(table)
-    if name == "ops" and version < 3:
-        table = _v2_ops(table)
+    table = _with_defaults(table, name)
     return check_table(table, name, file)
 
 
