@@ -188,3 +188,15 @@ def test_fake_pg_anchor_beside_the_measured_peak(tmp_path):
     (tmp_path / "prism-trace" / "fake-pg-anchor.json").write_text('{"format": "other"}')
     with pytest.raises(TraceFormatError, match="fake-pg-anchor.json: field 'format'/'version'"):
         build_report(tmp_path / "prism-trace")
+
+
+def test_formula_args_read_flags_the_driver_never_parsed_as_off():
+    """Megatron's memory formula reads flags each version adds (0.19: hybrid_layer_pattern); a core-driver
+    namespace lacks them: they read as their default, else None, instead of failing the estimate."""
+    from prism_megatron.megatron.workload import _FORMULA_DEFAULTS, _FormulaArgs
+
+    ns = _FormulaArgs(**{**_FORMULA_DEFAULTS, "hidden_size": 64})
+    assert ns.hidden_size == 64 and ns.swiglu is False
+    assert ns.hybrid_layer_pattern is None and getattr(ns, "some_future_flag", "x") is None
+    with pytest.raises(AttributeError):
+        ns.__missing_dunder__  # noqa: B018 - dunders stay real attribute errors (copy, pickle)

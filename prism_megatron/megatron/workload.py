@@ -66,6 +66,17 @@ _FORMULA_DEFAULTS = {"is_hybrid_model": False, "multi_latent_attention": False, 
                      "use_distributed_optimizer": False, "untie_embeddings_and_output_weights": False}
 
 
+class _FormulaArgs(argparse.Namespace):
+    """The driver's args for Megatron's formula: a flag the namespace lacks (the core driver parses only
+    the flags it uses; each Megatron version adds some, e.g. 0.19's ``hybrid_layer_pattern``) reads as
+    its entry in _FORMULA_DEFAULTS, else None (off)."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _FORMULA_DEFAULTS.get(name)
+
+
 def megatron_estimate(args: Any, vocab: int | None) -> dict[str, Any]:
     """Megatron's own theoretical memory of the most loaded shard (bytes), or why there is none.
 
@@ -77,7 +88,7 @@ def megatron_estimate(args: Any, vocab: int | None) -> dict[str, Any]:
         from megatron.training.theoretical_memory_usage import report_theoretical_memory
     except ImportError as e:
         return {"error": f"megatron.training is not importable ({e.name})"}
-    ns = argparse.Namespace(**{**_FORMULA_DEFAULTS, **vars(args)})
+    ns = _FormulaArgs(**{**_FORMULA_DEFAULTS, **vars(args)})
     ns.padded_vocab_size = getattr(args, "padded_vocab_size", None) or vocab
     ns.kv_channels = getattr(args, "kv_channels", None) or args.hidden_size // args.num_attention_heads
     ns.data_parallel_size = getattr(args, "data_parallel_size", None) or ps.get_data_parallel_world_size()
