@@ -169,3 +169,23 @@ def test_timer_takes_host_time_from_plain_iterations_and_device_time_from_profil
     last = sent["tail"][1]  # iteration 6, with iteration 5's host times; the tail segment: no row
     assert [round(r.cpu * 1e3, 6) for r in last] == [10.0, 19.8, 30.0]
     assert timer.stats["paired"] == 15
+
+
+def test_a_profiler_that_does_not_start_turns_timing_off_with_a_message(monkeypatch, capsys):
+    import torch.profiler
+
+    from prism_megatron.runtime import gpu_timing as gt
+
+    def broken(*a, **k):
+        raise RuntimeError("CUPTI_ERROR_NOT_INITIALIZED")
+
+    monkeypatch.setattr(torch.profiler, "profile", broken)
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: None, raising=False)
+    timer = gt.GpuSegmentTimer()
+    timer.closed(0.1, 0.1, 0.1)
+    assert timer.flush() == []  # the plain iteration 1; the profiler should start now, and cannot
+    assert "CUPTI_ERROR_NOT_INITIALIZED" in timer.off and not timer.profiling
+    timer.begin()
+    timer.closed(0.2, 0.1, 0.1)
+    assert timer.flush() == [] and timer.flush(final=True) == []
+    assert "GPU timing off for this rank" in capsys.readouterr().err

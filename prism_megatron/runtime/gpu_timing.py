@@ -190,6 +190,7 @@ class GpuSegmentTimer:
         # what the attributions saw, printed at stop(): the numbers to check when a prediction looks off
         self.stats = {"segments": 0, "paired": 0, "device_work": 0, "syncs": 0}
         self.waits: dict[str, int] = {}
+        self.off = ""  # why GPU timing stopped for this rank, if it did
 
     @property
     def profiling(self) -> bool:
@@ -201,10 +202,21 @@ class GpuSegmentTimer:
         self._exclude.update({threading.get_native_id(), threading.get_ident()})
 
     def _start(self) -> None:
-        from torch.profiler import ProfilerActivity, profile
+        if self.off:
+            return
+        try:
+            import torch
+            from torch.profiler import ProfilerActivity, profile
 
-        self._profile = profile(activities=[ProfilerActivity.CUDA])
-        self._profile.start()
+            if not hasattr(torch.cuda, "_sleep"):
+                raise RuntimeError("torch.cuda._sleep (the marker kernel) is missing in this PyTorch")
+            self._profile = profile(activities=[ProfilerActivity.CUDA])
+            self._profile.start()
+        except Exception as e:  # no CUPTI, a profiler already running...: say so; the trace gets no rows
+            self._profile = None
+            self.off = f"{type(e).__name__}: {e}"
+            print(f"prism: GPU timing off for this rank: the CUDA profiler did not start ({self.off}); its "
+                  "compute is replayed on one clock (host and device not separated)", file=sys.stderr, flush=True)
 
     def begin(self) -> None:
         """A segment begins (call before the rank's clock resumes)."""
@@ -229,6 +241,8 @@ class GpuSegmentTimer:
         """End an iteration: the rows ready to send. Call while the rank's clock is paused (it may
         synchronise the device)."""
         closed, self._closed = self._closed, []
+        if self.off:
+            return []
         if self.profiling:
             timings = self._attribute(closed)
             if timings is None:
