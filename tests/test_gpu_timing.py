@@ -87,9 +87,9 @@ def test_graph_computes_take_the_measured_times_of_the_segments_they_span():
     assert out[2] == Compute(pytest.approx(0.05), "", pytest.approx(0.3))
     assert isinstance(out[3], CpuSync)
     assert out[4] == Compute(pytest.approx(0.1), "", pytest.approx(0.1))
-    assert out[5] == events[3]
-    assert out[6] == Compute(pytest.approx(0.1), "", pytest.approx(0.1))  # no segment: one clock
-    assert out[7] == Wait((1,))
+    assert isinstance(out[5], CpuSync) and out[6] == events[3]  # an iteration ends when its device work has
+    assert out[7] == Compute(pytest.approx(0.1), "", pytest.approx(0.1))  # no segment: one clock
+    assert out[8] == Wait((1,))
     events.insert(1, Comm("barrier", 0, 0))
     events[-1] = Wait((2,))
     assert with_gpu_times(events, rows)[-1] == Wait((2,))
@@ -189,3 +189,25 @@ def test_a_profiler_that_does_not_start_turns_timing_off_with_a_message(monkeypa
     timer.closed(0.2, 0.1, 0.1)
     assert timer.flush() == [] and timer.flush(final=True) == []
     assert "GPU timing off for this rank" in capsys.readouterr().err
+
+
+def test_live_prediction_says_whether_the_iteration_had_measured_gpu_times(tmp_path):
+    from prism_megatron.report.live import predict_iteration
+    from prism_megatron.trace import write_trace
+
+    manifest = {"world_size": 1, "groups": [{"id": 0, "name": "w", "ranks": [0], "backend": "nccl"}],
+                "ranks": [{"rank": 0, "exit_code": 0, "device": "cuda:0"}]}
+    ops = [{"rank": 0, "index": i, "kind": "all_reduce", "group": 0, "seq": i, "peer": -1, "root": -1, "bytes": 4,
+            "dtype": "torch.float32", "shapes": [[1]], "reduce_op": "sum", "async_op": False, "t_issue": 1.0 + i,
+            "t_complete": 1.0 + i, "compute_before": 0.5, "label": ""} for i in range(2)]
+    marks = [{"rank": 0, "name": "iteration", "phase": ph, "t": t, "compute_clock": c, "attrs": a}
+             for ph, t, c, a in (("B", 0.0, 0.0, {"iteration": 1}), ("E", 1.5, 0.5, {}),
+                                 ("B", 1.6, 0.5, {"iteration": 2}), ("E", 2.5, 1.0, {}))]
+    gpu = [{"rank": 0, "clock_start": 0.0, "clock_end": 0.5, "cpu": 0.2, "gpu": 0.4, "syncs": []}]
+    path = write_trace(tmp_path / "t", manifest, ops, marks=marks, gpu=gpu)
+    first, note1 = predict_iteration(path, 1)
+    second, note2 = predict_iteration(path, 2)
+    assert "host and GPU time measured" in note1 and first == pytest.approx(0.4)  # the device's 0.4 s
+    assert "one clock" in note2 and second == pytest.approx(0.5)
+    write_trace(tmp_path / "cpu", manifest, ops, marks=marks)
+    assert predict_iteration(tmp_path / "cpu", 1)[1] == "uncalibrated, communication free"

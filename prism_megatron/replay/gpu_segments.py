@@ -6,6 +6,10 @@ whole segments, because the graph splits compute only at points where the rank c
 runtime, and each such call ends a segment. So each Compute becomes the sum of its segments' host
 and device times, cut where the program waited for the device (a CpuSync there). Any stretch of
 a Compute no segment covers (timing lost) stays one-clock: host and device both take its length.
+
+Iteration markers also get a CpuSync before them: Megatron times an iteration with its timers,
+which synchronise the device (as does ``bench/accuracy``'s real-run stamping), so an iteration ends
+when its device work has, not when the host has queued it.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import json
 from collections.abc import Iterable
 from typing import Any
 
-from .graph import Compute, CpuSync, Event, Wait
+from .graph import Compute, CpuSync, Event, Mark, Wait
 
 _TOL = 1e-9  # seconds: the graph's clock is a running sum of per-op differences of the rank's clock
 
@@ -43,6 +47,8 @@ def with_gpu_times(events: list[Event], rows: Iterable[dict[str, Any]]) -> list[
     clock, j = 0.0, 0
     for i, ev in enumerate(events):
         if not isinstance(ev, Compute):
+            if isinstance(ev, Mark) and ev.name == "iteration":
+                out.append(CpuSync())
             moved[i] = len(out)
             out.append(Wait(tuple(moved[r] for r in ev.refs)) if isinstance(ev, Wait) else ev)
             continue

@@ -34,6 +34,27 @@ def _until(table: pa.Table, column: str, cut: dict[int, float]) -> pa.Table:
     return table.filter(pa.array(keep, pa.bool_()))
 
 
+def _gpu_timed(trace, iteration: int) -> bool | None:
+    """Whether every rank's ``iteration`` has measured host/GPU times (None: a trace without any).
+
+    On a GPU the times of a profiled iteration arrive with the next one (runtime.gpu_timing), so a
+    live prediction may come before them and is then on one clock; the note says which.
+    """
+    if not trace.gpu.num_rows:
+        return None
+    marks = [m for m in trace.marks.to_pylist() if m["name"] == "iteration"]
+    rows = trace.gpu.to_pylist()
+    for rank in {m["rank"] for m in marks}:
+        clocks = [m["compute_clock"] for m in marks if m["rank"] == rank]
+        if len(clocks) < 2 * iteration:
+            return False
+        begin, end = clocks[2 * iteration - 2], clocks[2 * iteration - 1]
+        if not any(r["rank"] == rank and begin - 1e-9 <= r["clock_start"] and r["clock_end"] <= end + 1e-9
+                   for r in rows):
+            return False
+    return True
+
+
 def predict_iteration(trace_dir: str | Path, iteration: int, cluster: str | None = None) -> tuple[float | None, str]:
     """(predicted seconds of ``iteration`` or None, a note with the provenance or why not)."""
     from prism_megatron.replay import graph_from_trace, replay, zero_cost
@@ -54,4 +75,7 @@ def predict_iteration(trace_dir: str | Path, iteration: int, cluster: str | None
     times = {it.number: it.time for it in result.iterations()}
     if iteration not in times:
         return None, f"iteration {iteration} has no markers in the replay ({json.dumps(sorted(times))})"
-    return times[iteration], "uncalibrated, communication " + (f"costed by {cluster}" if cluster else "free")
+    timed = _gpu_timed(part, iteration)
+    clocks = "" if timed is None else "host and GPU time measured, " if timed else \
+        "one clock (this iteration's GPU times come with the next), "
+    return times[iteration], f"uncalibrated, {clocks}communication " + (f"costed by {cluster}" if cluster else "free")
