@@ -63,6 +63,21 @@ def test_auto_driver_is_training_when_importable_else_core(monkeypatch):
         parse_run_args(["--recipe", "mini-dense-tp2pp2", "--prism-driver", "training"])
 
 
+def test_auto_driver_is_core_on_a_megatron_core_newer_than_the_training_drivers(monkeypatch):
+    """On the GPU machine (megatron-core 0.19.2, whose wheel has megatron.training) the training driver
+    fails at import; auto must not pick it there, and must say why."""
+    from prism_megatron.megatron import run as run_mod
+    from prism_megatron.megatron.driver import CORE_DRIVER_SCRIPT
+
+    monkeypatch.setattr(run_mod, "_megatron_core_version", lambda: (0, 19, 2))
+    req = parse_run_args(["--recipe", "mini-dense-tp2pp2"])
+    assert req.script == CORE_DRIVER_SCRIPT and "megatron-core 0.19.2 is newer than" in req.driver_note
+    monkeypatch.undo()
+    from megatron.core import package_info
+
+    assert run_mod._megatron_core_version()[:2] == (package_info.MAJOR, package_info.MINOR)
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--bogus-flag", "1"], "unknown flag.*--bogus-flag"),
     (["--transformer-impl", "transformer_engine"], "transformer_engine is not supported"),

@@ -126,9 +126,36 @@ def select_driver(choice: str) -> tuple[str, Path, str]:
             raise RunError(f"--prism-driver training needs megatron.training: set {ENV_VAR} to a Megatron-LM "
                            "checkout at the tag matching megatron-core, or use --prism-driver core")
         return "training", DRIVER_SCRIPT, "--prism-driver training"
+    core_version = _megatron_core_version()
+    if core_version is not None and core_version[:2] > TRAINING_DRIVER_CHECKED:
+        checked = ".".join(map(str, TRAINING_DRIVER_CHECKED))
+        return "core", CORE_DRIVER_SCRIPT, (f"auto: megatron-core {'.'.join(map(str, core_version))} is newer than "
+                                            f"the training driver's {checked}.x (0.19 moved its batch helpers)")
     if training_available():
         return "training", DRIVER_SCRIPT, "auto: megatron.training is importable"
     return "core", CORE_DRIVER_SCRIPT, "auto: megatron.training is not importable (megatron-core wheel only)"
+
+
+#: megatron-core (major, minor) the training driver (pretrain_gpt_mini.py) is checked against; 'auto'
+#: takes the core driver on newer versions (on 0.19.2 the training driver fails at import).
+TRAINING_DRIVER_CHECKED = (0, 16)
+
+
+def _megatron_core_version() -> tuple[int, ...] | None:
+    """megatron-core's (major, minor, patch) from its package metadata, without importing it."""
+    from importlib import metadata
+
+    try:
+        text = metadata.version("megatron-core")
+    except metadata.PackageNotFoundError:
+        return None
+    parts = []
+    for piece in text.split(".")[:3]:
+        digits = "".join(ch for ch in piece if ch.isdigit()) if not piece.isdigit() else piece
+        if not digits:
+            break
+        parts.append(int(digits))
+    return tuple(parts) or None
 
 
 def parse_run_args(argv: list[str]) -> RunRequest:
