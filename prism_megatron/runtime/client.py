@@ -251,9 +251,9 @@ class RankClient:
     def mark(self, name: str, phase: str, attrs: dict) -> None:
         self._settle()
         clock = self._pause()
-        self._send({"t": P.MARK, "name": name, "phase": phase, "attrs": attrs, "clk": clock})
         if name == "iteration" and phase == "E":
-            self._flush_gpu_timing()
+            self._flush_gpu_timing()  # before the marker: an iteration's rows are in when it is predicted
+        self._send({"t": P.MARK, "name": name, "phase": phase, "attrs": attrs, "clk": clock})
         self._resume()
 
     def submit(self, group: str, kind: str, ins: list[torch.Tensor], outs: list[torch.Tensor],
