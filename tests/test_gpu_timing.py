@@ -211,3 +211,58 @@ def test_live_prediction_says_whether_the_iteration_had_measured_gpu_times(tmp_p
     assert "one clock" in note2 and second == pytest.approx(0.5)
     write_trace(tmp_path / "cpu", manifest, ops, marks=marks)
     assert predict_iteration(tmp_path / "cpu", 1)[1] == "uncalibrated, communication free"
+
+
+def test_segment_rows_travel_from_ranks_to_the_trace_and_replay(tmp_path, monkeypatch):
+    """The plumbing on CPU: ranks time segments (a stand-in profiler that sees no device work), pair
+    plain and profiled iterations, send rows; the trace's gpu table holds iterations 2-5 of every rank
+    (set-up and iteration 1 run plain and unpaired) and the replay runs on two clocks."""
+    from types import SimpleNamespace
+
+    from prism_megatron.launcher.config import LaunchConfig
+    from prism_megatron.launcher.launch import launch
+    from prism_megatron.replay import Compute, graph_from_trace, replay
+    from prism_megatron.runtime import gpu_timing as gt
+    from prism_megatron.trace import read_trace
+
+    class _Profile:  # what the timer reads of torch.profiler.profile: no events (no GPU here)
+        profiler = SimpleNamespace(kineto_results=SimpleNamespace(events=lambda: []))
+
+        def stop(self) -> None:
+            pass
+
+    monkeypatch.setattr(gt.GpuSegmentTimer, "_start", lambda self: setattr(self, "_profile", _Profile()))
+    monkeypatch.setenv("PRISM_GPU_TIMING", "1")  # the launcher sets it on GPUs only; ranks fork from here
+    prog = tmp_path / "loop.py"
+    prog.write_text(
+        "import time, torch, torch.distributed as dist\n"
+        "from prism_megatron.trace import span\n"
+        "dist.init_process_group('gloo')\n"
+        "x = torch.ones(4)\n"
+        "for it in range(1, 6):\n"
+        "    with span('iteration', iteration=it):\n"
+        "        for _ in range(3):\n"
+        "            t = time.perf_counter()\n"
+        "            while time.perf_counter() - t < 0.01:\n"
+        "                pass\n"
+        "            dist.all_reduce(x)\n"
+        "dist.destroy_process_group()\n")
+    trace = tmp_path / "trace"
+    assert launch(LaunchConfig(prog, world_size=2, trace_dir=trace, log_ranks=[]).validate()) == 0
+    tr = read_trace(trace)
+    rows = tr.gpu.to_pylist()
+    marks = [m for m in tr.marks.to_pylist() if m["name"] == "iteration"]
+    for rank in (0, 1):
+        clocks = [m["compute_clock"] for m in marks if m["rank"] == rank]
+        start, end = clocks[1], clocks[-1]  # iteration 1's end .. iteration 5's end
+        mine = [r for r in rows if r["rank"] == rank]
+        assert mine and min(r["clock_start"] for r in mine) == pytest.approx(start, abs=1e-6)
+        inside = [r for r in mine if r["clock_end"] <= end + 1e-9]  # the tail after iteration 5 has rows too
+        assert sum(r["clock_end"] - r["clock_start"] for r in inside) == pytest.approx(end - start, abs=1e-6)
+        # host times come from the plain iteration of each pair: ~10 ms of busy loop or a few us of marks
+        assert all(r["gpu"] == 0.0 and 0 <= r["cpu"] < 0.5 for r in mine)
+        assert sum(r["cpu"] >= 0.009 for r in inside) == 12  # 3 loops x iterations 2-5
+    graph = graph_from_trace(tr)
+    assert any(isinstance(e, Compute) and e.gpu == 0.0 for e in graph.events[0])
+    times = replay(graph).iteration_times()
+    assert len(times) == 5 and all(0.03 <= t < 1.0 for t in times[1:])  # three 10 ms loops of host time
