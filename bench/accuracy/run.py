@@ -295,6 +295,28 @@ def gpu_rows(trace: Path) -> int:
     return read_trace(trace).gpu.num_rows
 
 
+def host_device_per_iteration(trace: Path, skip: int = WARMUP) -> dict[int, dict[str, float]]:
+    """Per rank, the median over iterations (after ``skip``) of its compute clock, measured host time and
+    device busy time, in ms: whether the job is host- or device-bound, and what the emulation measured."""
+    from prism_megatron.trace import read_trace
+
+    tr = read_trace(trace)
+    gpu, out = tr.gpu.to_pylist(), {}
+    for rank in range(tr.world_size):
+        bounds = [m["compute_clock"] for m in tr.marks.to_pylist() if m["rank"] == rank and m["name"] == "iteration"]
+        clocks, hosts, devices = [], [], []
+        for a, b in list(zip(bounds[0::2], bounds[1::2], strict=False))[skip:]:
+            rows = [g for g in gpu if g["rank"] == rank and a - 1e-9 < g["clock_end"] <= b + 1e-9]
+            clocks.append(b - a)
+            hosts.append(sum(g["cpu"] for g in rows))
+            devices.append(sum(g["gpu"] for g in rows))
+        if clocks:
+            out[rank] = {"clock_ms": statistics.median(clocks) * 1e3,
+                         "host_ms": statistics.median(hosts) * 1e3 if gpu else math.nan,
+                         "device_ms": statistics.median(devices) * 1e3 if gpu else math.nan}
+    return out
+
+
 # ----------------------------------------------------------------------------- communication costs
 class GlooCost:
     """The link of the CPU ground truth (gloo, 2 processes, loopback) as a replay cost function.
@@ -455,9 +477,14 @@ def ground_truth_row(case: Case, work: Path, devices: str, cost: Callable, cost_
     ops = ops_per_iteration(trace)
     segments = gpu_rows(trace)
     one_clock = _median(predict(trace, cost, gpu_times=False)) if segments else None
+    per_rank = host_device_per_iteration(trace) if segments else {}
     if one_clock is not None:
         notes.append(f"{segments} GPU-timed segments; one clock would say {one_clock * 1e3:.0f} "
                      f"({(one_clock / r - 1) * 100:+.1f}%)")
+    if per_rank:
+        host = max(v["host_ms"] for v in per_rank.values())
+        device = max(v["device_ms"] for v in per_rank.values())
+        notes.append(f"per iteration, busiest rank: host {host:.0f}, device {device:.0f}")
     notes += [f"free comm {f * 1e3:.0f}", f"{ops:.0f} ops/iter: ~{ops * overhead * 1e3:.0f} of emulation cost",
               f"spread {'/'.join(_spread(t) for t in [*reals, pred])}"]
     if devices == "cpu":
@@ -468,6 +495,7 @@ def ground_truth_row(case: Case, work: Path, devices: str, cost: Callable, cost_
                 "cost": cost_name, "other_load_cores": {"real": loads, "emulated": emu_load},
                 "ops_per_iteration": ops, "emulation_cost_ms": ops * overhead * 1e3, "gpu_timed_segments": segments,
                 "predicted_one_clock_ms": None if one_clock is None else one_clock * 1e3,
+                "host_device_per_iteration": per_rank,
                 "flags": case.flags, "world": case.world})
 
 

@@ -11,14 +11,11 @@ the median over iterations of the compute clock (one clock) and of the measured 
 from __future__ import annotations
 
 import json
-import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "accuracy"))
 import run as acc  # noqa: E402 - bench/accuracy/run.py
-
-from prism_megatron.trace import read_trace  # noqa: E402
 
 VARIANTS = {
     "timing off": {"flags": ["--prism-gpu-timing", "off"], "env": {}},
@@ -26,25 +23,6 @@ VARIANTS = {
     "timing on, pinned": {"flags": [], "env": {"PRISM_PIN_CORES": "1"}},
     "timing on, pinned, spin 2 ms": {"flags": [], "env": {"PRISM_PIN_CORES": "1", "PRISM_SPIN_GRANT_US": "2000"}},
 }
-
-
-def per_iteration(trace: Path) -> dict[int, dict[str, float]]:
-    tr = read_trace(trace)
-    out: dict[int, dict[str, float]] = {}
-    gpu = tr.gpu.to_pylist()
-    for rank in range(tr.world_size):
-        marks = [m for m in tr.marks.to_pylist() if m["rank"] == rank and m["name"] == "iteration"]
-        bounds = [m["compute_clock"] for m in marks]
-        clocks, cpus, gpus = [], [], []
-        for a, b in zip(bounds[2::2], bounds[3::2], strict=False):  # skip iteration 1 (warm-up)
-            rows = [g for g in gpu if g["rank"] == rank and a - 1e-9 < g["clock_end"] <= b + 1e-9]
-            clocks.append(b - a)
-            cpus.append(sum(g["cpu"] for g in rows))
-            gpus.append(sum(g["gpu"] for g in rows))
-        out[rank] = {"clock_ms": statistics.median(clocks) * 1e3,
-                     "host_ms": statistics.median(cpus) * 1e3 if gpu else float("nan"),
-                     "device_ms": statistics.median(gpus) * 1e3 if gpu else float("nan")}
-    return out
 
 
 def main() -> None:
@@ -61,7 +39,7 @@ def main() -> None:
                str(acc.CORE_DRIVER_SCRIPT), *case.flags]
         try:
             acc._run(cmd, work / "run.log", acc._env(**v["env"]), 300)
-            results[name] = per_iteration(trace)
+            results[name] = acc.host_device_per_iteration(trace, skip=1)
         except Exception as e:  # noqa: BLE001 - one failed variant must not hide the others
             results[name] = {"error": str(e)[-400:]}
         print(name, json.dumps(results[name]), flush=True)
