@@ -382,7 +382,7 @@ def test_calibrated_file_round_trip(tmp_path):
     assert back.graph.notes == cal.graph.notes
     assert timeline(back.replay()) == timeline(cal.replay())
     manifest = json.loads((path / "manifest.json").read_text())
-    assert (manifest["format"], manifest["version"], manifest["world_size"]) == ("prismcalibrated", 1, 4)
+    assert (manifest["format"], manifest["version"], manifest["world_size"]) == ("prismcalibrated", 2, 4)
     assert manifest["slices"][0] == {"index": 0, "ranks": [0, 1], "device": "sim:0", "source": "slice0.prismtrace"}
     write_calibrated(path, cal)  # replacing an existing one is fine, and leaves no temp dirs
     assert sorted(os.listdir(tmp_path)) == ["cal"]
@@ -399,7 +399,7 @@ def _edit_manifest(path, edit):
 
 @pytest.mark.parametrize("edit,field,problem", [
     (lambda m: m.update(format="prismtrace"), "manifest field 'format'", "expected 'prismcalibrated'"),
-    (lambda m: m.update(version=2), "manifest field 'version'", "supports version(s) 1"),
+    (lambda m: m.update(version=3), "manifest field 'version'", "supports version(s) 1, 2"),
     (lambda m: m.pop("slices"), "manifest field 'slices'", "is missing"),
     (lambda m: m.update(world_size="4"), "manifest field 'world_size'", "is string, expected integer"),
     (lambda m: m.update(serialize_group_collectives=1), "manifest field 'serialize_group_collectives'",
@@ -474,3 +474,28 @@ def test_align_rejects_inconsistent_slices():
     runs[1].op_times[3] = [(1.0, 0.5)] * 6
     with pytest.raises(AlignError, match="completion >= issue"):
         align_slices(runs, true_cost)
+
+
+def test_calibrated_graph_keeps_two_clocks_and_reads_version_1(tmp_path):
+    """Slices measured on GPUs give compute with device times and host waits; the file keeps them (v2),
+    and a v1 file (no gpu column) still reads, on one clock."""
+    from prism_megatron.replay import CpuSync, Wait
+
+    cal = _calibrated()
+    rank0 = cal.graph.events[0]
+    i = next(k for k, e in enumerate(rank0) if isinstance(e, Compute))
+    rank0[i] = Compute(rank0[i].duration, rank0[i].label, rank0[i].duration * 3)
+    rank0.insert(i + 1, CpuSync())
+    for k, e in enumerate(rank0):  # waits name ops by position: shift those after the insert
+        if isinstance(e, Wait):
+            rank0[k] = Wait(tuple(r + 1 if r > i else r for r in e.refs))
+    path = write_calibrated(tmp_path / "cal", cal)
+    back = read_calibrated(path)
+    assert back.graph.events == cal.graph.events
+    assert timeline(back.replay()) == timeline(cal.replay())
+    assert back.replay().makespan > _calibrated().replay().makespan  # the device time and the wait count
+    one = write_calibrated(tmp_path / "one", _calibrated())
+    table = pq.read_table(one / "events.parquet").drop_columns(["gpu"])
+    pq.write_table(table, one / "events.parquet")
+    _edit_manifest(one, lambda m: m.update(version=1))
+    assert read_calibrated(one).graph.events == _calibrated().graph.events

@@ -102,7 +102,7 @@ def slice_run_from_trace(trace: Any, ranks: Collection[int], index: int = 0) -> 
     slice's ranks are kept. Trace ops are paired with the graph's Comm events in order, skipping
     those the graph left out (unmatched p2p).
     """
-    graph = graph_from_trace(trace, gpu_times=False)  # calibration works on the one compute clock
+    graph = graph_from_trace(trace)  # on GPUs with the slice's measured host/device times (two clocks)
     ranks = sorted(set(ranks))
     absent = [r for r in ranks if r not in graph.events]
     if absent:

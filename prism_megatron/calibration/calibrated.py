@@ -1,4 +1,4 @@
-"""The calibrated graph and its file (format ``prismcalibrated``, version 1).
+"""The calibrated graph and its file (format ``prismcalibrated``, version 2).
 
 The calibrated graph is what Phase 2's virtual ranks walk and what predictions replay: each rank's
 events with compute durations measured in its slice, and one duration per communication op with
@@ -29,12 +29,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ..replay.engine import CommSpec, CostFn, ReplayResult, replay
-from ..replay.graph import P2P_KINDS, Comm, Compute, Event, Graph, GraphError, Group, Mark, Wait
+from ..replay.graph import P2P_KINDS, Comm, Compute, CpuSync, Event, Graph, GraphError, Group, Mark, Wait
 from ..trace.writer import write_directory
 
 FORMAT = "prismcalibrated"
-VERSION = 1
-SUPPORTED_VERSIONS: tuple[int, ...] = (1,)
+VERSION = 2
+#: Version 1 lacks the gpu column and cpu_sync events (one clock per rank); it reads as such.
+SUPPORTED_VERSIONS: tuple[int, ...] = (1, 2)
 MANIFEST_FILE = "manifest.json"
 EVENTS_FILE = "events.parquet"
 COST_SOURCES = ("measured", "model")
@@ -43,8 +44,10 @@ COST_SOURCES = ("measured", "model")
 EVENT_COLUMNS: tuple[tuple[str, pa.DataType, str], ...] = (
     ("rank", pa.int32(), "global rank"),
     ("index", pa.int64(), "position in the rank's event list, 0, 1, 2..."),
-    ("type", pa.string(), "compute, comm, wait or mark"),
-    ("duration", pa.float64(), "compute: seconds; comm: the op's calibrated duration (same for every member)"),
+    ("type", pa.string(), "compute, comm, wait, mark or cpu_sync (v2: the host waits for the device)"),
+    ("duration", pa.float64(), "compute: seconds (host seconds when gpu is set); comm: the op's calibrated "
+                               "duration (same for every member)"),
+    ("gpu", pa.float64(), "compute: device busy seconds measured on a GPU, NaN for one clock (v2)"),
     ("cost_source", pa.string(), "comm: 'measured' or 'model'; '' otherwise"),
     ("cost_slice", pa.int32(), "comm: the slice whose measurement gave the duration, -1 if none"),
     ("kind", pa.string(), "comm: op kind"),
@@ -160,14 +163,17 @@ class CalibratedGraph:
 # --- writer ----------------------------------------------------------------------------------------
 def _rows(cg: CalibratedGraph) -> dict[str, list[Any]]:
     cols: dict[str, list[Any]] = {n: [] for n, _, _ in EVENT_COLUMNS}
-    blank = {"duration": 0.0, "cost_source": "", "cost_slice": -1, "kind": "", "group": -1, "seq": -1, "peer": -1,
-             "root": -1, "bytes": 0, "dtype": "", "async_op": False, "label": "", "refs": "", "phase": "",
-             "attrs": ""}
+    blank = {"duration": 0.0, "gpu": math.nan, "cost_source": "", "cost_slice": -1, "kind": "", "group": -1,
+             "seq": -1, "peer": -1, "root": -1, "bytes": 0, "dtype": "", "async_op": False, "label": "", "refs": "",
+             "phase": "", "attrs": ""}
     for rank in cg.graph.ranks:
         for i, ev in enumerate(cg.graph.events[rank]):
             row = dict(blank, rank=rank, index=i)
             if isinstance(ev, Compute):
-                row.update(type="compute", duration=ev.duration, label=ev.label)
+                row.update(type="compute", duration=ev.duration, label=ev.label,
+                           gpu=math.nan if ev.gpu is None else ev.gpu)
+            elif isinstance(ev, CpuSync):
+                row.update(type="cpu_sync")
             elif isinstance(ev, Comm):
                 c = cg.costs[op_key(rank, ev)]
                 row.update(type="comm", duration=c.duration, cost_source=c.source, cost_slice=c.slice, kind=ev.kind,
@@ -263,13 +269,15 @@ def _read_manifest(path: Path) -> dict[str, Any]:
     return manifest
 
 
-def _read_events(file: Path) -> pa.Table:
+def _read_events(file: Path, version: int = VERSION) -> pa.Table:
     try:
         table = pq.read_table(file)
     except FileNotFoundError:
         raise CalibratedFormatError(file, "file", "is missing") from None
     except (pa.ArrowException, OSError) as e:
         raise CalibratedFormatError(file, "file", f"is not a readable parquet file: {e}") from None
+    if version == 1 and "gpu" not in table.column_names:  # one clock: no device times
+        table = table.append_column("gpu", pa.array([math.nan] * table.num_rows, pa.float64()))
     for name, typ, _ in EVENT_COLUMNS:
         if name not in table.column_names:
             raise CalibratedFormatError(file, f"column '{name}'", "is missing")
@@ -293,7 +301,10 @@ def _event(row: dict[str, Any], file: Path) -> Event:
     where = f"(rank {row['rank']} event {row['index']})"
     t = row["type"]
     if t == "compute":
-        return Compute(row["duration"], row["label"])
+        gpu = row.get("gpu", math.nan)
+        return Compute(row["duration"], row["label"], None if math.isnan(gpu) else gpu)
+    if t == "cpu_sync":
+        return CpuSync()
     if t == "comm":
         return Comm(row["kind"], row["group"], row["seq"], row["peer"], row["root"], row["bytes"], row["dtype"],
                     row["async_op"], row["label"])
@@ -311,7 +322,8 @@ def _event(row: dict[str, Any], file: Path) -> Event:
             raise CalibratedFormatError(file, "column 'attrs'", f"is {row['attrs']!r} {where}, expected a JSON "
                                         "object")
         return Mark(row["label"], row["phase"], attrs)
-    raise CalibratedFormatError(file, "column 'type'", f"is {t!r} {where}, expected compute, comm, wait or mark")
+    raise CalibratedFormatError(file, "column 'type'", f"is {t!r} {where}, expected compute, comm, wait, mark or "
+                                "cpu_sync")
 
 
 def read_calibrated(path: str | Path) -> CalibratedGraph:
@@ -321,7 +333,7 @@ def read_calibrated(path: str | Path) -> CalibratedGraph:
     file = path / manifest["files"]["events"]
     events: dict[int, list[Event]] = defaultdict(list)
     costs: dict[tuple, OpCost] = {}
-    for row in _read_events(file).to_pylist():
+    for row in _read_events(file, manifest["version"]).to_pylist():
         rank, evs = row["rank"], events[row["rank"]]
         if row["index"] != len(evs):
             raise CalibratedFormatError(file, "column 'index'", f"of rank {rank} jumps to {row['index']} where "
@@ -330,6 +342,9 @@ def read_calibrated(path: str | Path) -> CalibratedGraph:
         if isinstance(ev, Compute) and not (math.isfinite(ev.duration) and ev.duration >= 0):
             raise CalibratedFormatError(file, "column 'duration'", f"is {ev.duration} (rank {rank} event "
                                         f"{row['index']}), expected a finite number >= 0")
+        if isinstance(ev, Compute) and ev.gpu is not None and not (math.isfinite(ev.gpu) and ev.gpu >= 0):
+            raise CalibratedFormatError(file, "column 'gpu'", f"is {ev.gpu} (rank {rank} event {row['index']}), "
+                                        "expected NaN or a finite number >= 0")
         if isinstance(ev, Comm):
             d, src, where = row["duration"], row["cost_source"], f"(rank {rank} event {row['index']})"
             if src not in COST_SOURCES:

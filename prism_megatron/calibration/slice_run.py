@@ -129,7 +129,7 @@ def calibrate(bare_trace_dir: str | Path, out_dir: str | Path, *, script: str | 
             script=Path(script), script_args=list(script_args), world_size=world, devices=devices,
             slots_per_device=ranks_per_device, hang_timeout=hang_timeout, trace_dir=out / f"slice-{s.index}",
             gpus_per_node=gpus_per_node, log_ranks=[], threads_per_rank=threads_per_rank, track_memory=False,
-            preload=list(preload), rank_setup=list(rank_setup), gpu_timing=False,
+            preload=list(preload), rank_setup=list(rank_setup),
             rank_scripts={r: (VIRTUAL_RANK_SCRIPT, [str(programs)]) for r in range(world) if r not in s.ranks},
             rank_devices=slice_devices(s.ranks, ranks_per_device),
         )
@@ -153,7 +153,7 @@ def predicted_iterations(bare_trace_dir: str | Path, calibrated_dir: str | Path,
     The bare graph is replayed with ``cost`` (default: free communication), the calibrated graph
     with its own durations.
     """
-    bare = replay(graph_from_trace(read_trace(bare_trace_dir), gpu_times=False), cost or zero_cost).iterations()
+    bare = replay(graph_from_trace(read_trace(bare_trace_dir)), cost or zero_cost).iterations()
     cal = read_calibrated(calibrated_dir).replay().iterations()
     b, c = {it.number: it.time for it in bare}, {it.number: it.time for it in cal}
     return [(n, b.get(n), c.get(n)) for n in sorted(set(b) | set(c))]
