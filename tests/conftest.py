@@ -37,3 +37,18 @@ def torchrun(nproc: int, script: Path, *args: str, cwd: Path, timeout: float = 3
 @pytest.fixture
 def programs() -> Path:
     return PROGRAMS
+
+
+def launch_source(tmp_path: Path, source: str, world_size: int = 2):
+    """Write ``source`` as a program and launch it in-process as ``world_size`` logical ranks on CPU (ranks
+    fork from this process, so a test's monkeypatches reach them); returns the trace it wrote."""
+    from prism_megatron.launcher.config import LaunchConfig
+    from prism_megatron.launcher.launch import launch
+    from prism_megatron.trace import read_trace
+
+    prog = tmp_path / "program.py"
+    prog.write_text(source)
+    trace = tmp_path / "trace"
+    code = launch(LaunchConfig(prog, world_size=world_size, trace_dir=trace, log_ranks=[]).validate())
+    assert code == 0, f"exit {code}; logs in {trace}.logs"
+    return read_trace(trace)

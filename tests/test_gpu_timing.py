@@ -219,11 +219,9 @@ def test_segment_rows_travel_from_ranks_to_the_trace_and_replay(tmp_path, monkey
     (set-up and iteration 1 run plain and unpaired) and the replay runs on two clocks."""
     from types import SimpleNamespace
 
-    from prism_megatron.launcher.config import LaunchConfig
-    from prism_megatron.launcher.launch import launch
+    from conftest import launch_source
     from prism_megatron.replay import Compute, graph_from_trace, replay
     from prism_megatron.runtime import gpu_timing as gt
-    from prism_megatron.trace import read_trace
 
     class _Profile:  # what the timer reads of torch.profiler.profile: no events (no GPU here)
         profiler = SimpleNamespace(kineto_results=SimpleNamespace(events=lambda: []))
@@ -233,8 +231,7 @@ def test_segment_rows_travel_from_ranks_to_the_trace_and_replay(tmp_path, monkey
 
     monkeypatch.setattr(gt.GpuSegmentTimer, "_start", lambda self: setattr(self, "_profile", _Profile()))
     monkeypatch.setenv("PRISM_GPU_TIMING", "1")  # the launcher sets it on GPUs only; ranks fork from here
-    prog = tmp_path / "loop.py"
-    prog.write_text(
+    tr = launch_source(tmp_path, (
         "import time, torch, torch.distributed as dist\n"
         "from prism_megatron.trace import span\n"
         "dist.init_process_group('gloo')\n"
@@ -246,10 +243,7 @@ def test_segment_rows_travel_from_ranks_to_the_trace_and_replay(tmp_path, monkey
         "            while time.perf_counter() - t < 0.01:\n"
         "                pass\n"
         "            dist.all_reduce(x)\n"
-        "dist.destroy_process_group()\n")
-    trace = tmp_path / "trace"
-    assert launch(LaunchConfig(prog, world_size=2, trace_dir=trace, log_ranks=[]).validate()) == 0
-    tr = read_trace(trace)
+        "dist.destroy_process_group()\n"))
     rows = tr.gpu.to_pylist()
     marks = [m for m in tr.marks.to_pylist() if m["name"] == "iteration"]
     for rank in (0, 1):

@@ -211,11 +211,9 @@ def test_uneven_all_to_all_records_its_split_sizes(tmp_path):
     """The backend's split sizes reach the trace (ops.splits, v3), per group rank in bytes."""
     import json
 
-    from prism_megatron.launcher.config import LaunchConfig
-    from prism_megatron.launcher.launch import launch
+    from conftest import launch_source
 
-    prog = tmp_path / "a2a.py"
-    prog.write_text(
+    trace = launch_source(tmp_path, (
         "import torch, torch.distributed as dist\n"
         "dist.init_process_group('gloo')\n"
         "r = dist.get_rank()\n"
@@ -224,10 +222,8 @@ def test_uneven_all_to_all_records_its_split_sizes(tmp_path):
         "y = torch.empty(sum(outs), 2)\n"
         "dist.all_to_all_single(y, x, output_split_sizes=outs, input_split_sizes=ins)\n"
         "assert y[:outs[0]].eq(0).all() and y[outs[0]:].eq(1).all(), y\n"
-        "dist.destroy_process_group()\n")
-    trace = tmp_path / "trace"
-    assert launch(LaunchConfig(prog, world_size=2, trace_dir=trace, log_ranks=[]).validate()) == 0
-    ops = [o for o in read_trace(trace).ops.to_pylist() if o["kind"] == "all_to_all"]
+        "dist.destroy_process_group()\n"))
+    ops = [o for o in trace.ops.to_pylist() if o["kind"] == "all_to_all"]
     got = {o["rank"]: json.loads(o["splits"]) for o in ops}
     assert got == {0: [[8, 24], [8, 16]], 1: [[16, 16], [24, 16]]}  # float32 rows of 2: 8 bytes each
 
