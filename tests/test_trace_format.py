@@ -818,3 +818,17 @@ def test_all_to_all_split_sizes_round_trip_and_older_traces_read_without_them(tm
     del manifest["files"]["gpu"]
     (path / "manifest.json").write_text(json.dumps(manifest))
     assert {(op["splits"], op["payload"]) for op in read_trace(path).ops.to_pylist()} == {("", "")}
+
+
+def test_summary_reports_the_ranks_compute_clock_and_gpu_times(tmp_path):
+    from prism_megatron.trace.summary import summarize
+
+    slots = [dict(s, compute_clock=s["compute_clock"] / 2) for s in _slots()]  # computed half of its slot time
+    path = write_trace(tmp_path / "t", _manifest(), _ops(), marks=_marks(), slots=slots, gpu=_gpu_rows())
+    text = summarize(path)
+    clocks = {r: max(s["compute_clock"] for s in slots if s["rank"] == r) for r in (0, 1)}
+    assert f"max {max(clocks.values()):.3f} s" in text and f"min {min(clocks.values()):.3f} s" in text
+    assert "measured on GPUs (2 segments)" in text
+    assert "host time per rank: min 0.200 s, median 0.300 s, max 0.400 s (rank 0)" in text
+    assert "device busy time per rank: min 0.100 s, median 0.500 s, max 0.900 s (rank 0)" in text
+    assert "measured on GPUs" not in summarize(write_trace(tmp_path / "u", _manifest(), _ops(), slots=slots))
