@@ -14,8 +14,8 @@ Semantics (NCCL-like, no link contention):
 Two clocks. On a GPU the host only issues work: kernels and NCCL ops are queued on the device and
 the host runs ahead of it. A rank whose graph measured GPU time (``Compute.gpu``) or has a
 :class:`CpuSync` therefore has a host clock and a device-stream clock. A compute segment takes
-``duration`` of host time and ``gpu`` of device time, starting on the device once both the stream
-and the host got there, and ending no earlier than the host finished issuing it. An op is issued
+``duration`` of host time and ``gpu`` of device time, starting where the stream is (never behind
+the host), and ending no earlier than the host finished issuing it. An op is issued
 when its inputs are ready on the stream; blocking ops and waits hold the stream, not the host
 (NCCL returns at once), and the host waits for the device only at a CpuSync and at the rank's end.
 Marks are host times. Other ranks have one clock (stream == host): the rules above reduce to it.
@@ -271,7 +271,7 @@ class _Replay:
         self.two_clock = {r: any(isinstance(e, CpuSync) or (isinstance(e, Compute) and e.gpu is not None)
                                  for e in evs) for r, evs in graph.events.items()}
         # rank -> compute event index -> (stream before, device start, device busy end, stream after)
-        self.span: dict[int, dict[int, tuple[float, float, float, float]]] = defaultdict(dict)
+        self.span: dict[int, dict[int, tuple[float, float, float]]] = defaultdict(dict)  # compute: start, busy, end
         self.ready: dict[int, list[float]] = {r: [math.nan] * len(e) for r, e in graph.events.items()}
         self.done_t: dict[int, list[float]] = {r: [math.nan] * len(e) for r, e in graph.events.items()}
         self.issued: dict[int, bool] = defaultdict(bool)  # current blocking Comm already issued
@@ -356,16 +356,19 @@ class _Replay:
         return True
 
     def _compute(self, rank: int, i: int, ev: Compute) -> None:
-        """Host issues for ``duration``; the device runs ``gpu`` once both it and the host got there."""
+        """Host issues for ``duration``; the device runs ``gpu`` from where its stream is.
+
+        The stream is never behind the host (a compute leaves it at or after the host's new time, a
+        CpuSync brings the host at most to it), so the device starts the segment's work at once.
+        """
         c, g = ev.duration, ev.duration if ev.gpu is None else ev.gpu
-        clock, before = self.clock[rank], self.stream[rank]
-        s0 = max(before, clock)
-        busy = s0 + g
+        clock, start = self.clock[rank], self.stream[rank]
+        busy = start + g
         after = max(busy, clock + c)  # the device cannot finish before the host has issued it all
-        for label, t0, t1 in (("host", before, s0), (ev.label, s0, busy), ("host", busy, after)):
+        for label, t0, t1 in ((ev.label, start, busy), ("host", busy, after)):
             if t1 > t0:  # "host": the stream idles, waiting for the host to issue work
                 self.segments[rank].append(Segment(rank, "compute", t0, t1, label))
-        self.span[rank][i] = (before, s0, busy, after)
+        self.span[rank][i] = (start, busy, after)
         self.clock[rank], self.stream[rank] = clock + c, after
 
     def _run(self, rank: int) -> None:
@@ -449,8 +452,7 @@ class _Replay:
         if not self.g.events:
             return []
         rank = max(self.g.ranks, key=lambda r: (self.end[r], -r))
-        chain = "stream" if self.stream[rank] >= self.clock[rank] else "host"
-        node: tuple = (chain, rank, len(self.g.events[rank]) - 1)
+        node: tuple = ("stream", rank, len(self.g.events[rank]) - 1)  # the stream ends last (see _compute)
         path: list[PathStep] = []
         seen = 0
         while True:
@@ -473,15 +475,13 @@ class _Replay:
             ready, done = self.ready[r][i], self.done_t[r][i]
             node = (chain, r, i - 1)
             if isinstance(ev, Compute):
-                before, s0, busy, after = self.span[r][i]
+                start, busy, after = self.span[r][i]
                 if chain == "host":
                     step = (ready, done)
                 elif after > busy:  # the device waited for the host to issue the segment
                     step, node = (ready, after), ("host", r, i - 1)
                 else:
-                    step = (s0, after)
-                    if s0 > before:
-                        node = ("host", r, i - 1)
+                    step = (start, after)
                 if step[1] > step[0]:
                     path.append(PathStep("compute", (r,), step[0], step[1], ev.label))
             elif isinstance(ev, CpuSync):
