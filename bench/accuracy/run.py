@@ -301,12 +301,17 @@ def host_device_per_iteration(trace: Path, skip: int = WARMUP) -> dict[int, dict
     from prism_megatron.trace import read_trace
 
     tr = read_trace(trace)
-    gpu, out = tr.gpu.to_pylist(), {}
+    out: dict[int, dict[str, float]] = {}
+    gpu = tr.gpu.num_rows > 0
+    rows_of: dict[int, list[dict]] = {}
+    for g in tr.gpu.to_pylist():
+        rows_of.setdefault(g["rank"], []).append(g)
+    marks = [m for m in tr.marks.to_pylist() if m["name"] == "iteration"]
     for rank in range(tr.world_size):
-        bounds = [m["compute_clock"] for m in tr.marks.to_pylist() if m["rank"] == rank and m["name"] == "iteration"]
+        bounds = [m["compute_clock"] for m in marks if m["rank"] == rank]
         clocks, hosts, devices = [], [], []
         for a, b in list(zip(bounds[0::2], bounds[1::2], strict=False))[skip:]:
-            rows = [g for g in gpu if g["rank"] == rank and a - 1e-9 < g["clock_end"] <= b + 1e-9]
+            rows = [g for g in rows_of.get(rank, []) if a - 1e-9 < g["clock_end"] <= b + 1e-9]
             clocks.append(b - a)
             hosts.append(sum(g["cpu"] for g in rows))
             devices.append(sum(g["gpu"] for g in rows))

@@ -42,17 +42,20 @@ def _gpu_timed(trace, iteration: int) -> bool | None:
     """
     if not trace.gpu.num_rows:
         return None
-    marks = [m for m in trace.marks.to_pylist() if m["name"] == "iteration"]
-    rows = trace.gpu.to_pylist()
-    for rank in {m["rank"] for m in marks}:
-        clocks = [m["compute_clock"] for m in marks if m["rank"] == rank]
-        if len(clocks) < 2 * iteration:
-            return False
-        begin, end = clocks[2 * iteration - 2], clocks[2 * iteration - 1]
-        if not any(r["rank"] == rank and begin - 1e-9 <= r["clock_start"] and r["clock_end"] <= end + 1e-9
-                   for r in rows):
-            return False
-    return True
+    clocks: dict[int, list[float]] = {}
+    for m in trace.marks.filter(pc.equal(trace.marks["name"], "iteration")).to_pylist():
+        clocks.setdefault(m["rank"], []).append(m["compute_clock"])
+    window = {r: (c[2 * iteration - 2] - 1e-9, c[2 * iteration - 1] + 1e-9) for r, c in clocks.items()
+              if len(c) >= 2 * iteration}
+    if len(window) < len(clocks):
+        return False
+    timed = set()  # one pass over the rows: this runs in the coordinator, between iterations
+    for rank, start, end in zip(trace.gpu["rank"].to_pylist(), trace.gpu["clock_start"].to_pylist(),
+                                trace.gpu["clock_end"].to_pylist(), strict=True):
+        w = window.get(rank)
+        if w is not None and w[0] <= start and end <= w[1]:
+            timed.add(rank)
+    return timed == set(window)
 
 
 def predict_iteration(trace_dir: str | Path, iteration: int, cluster: str | None = None) -> tuple[float | None, str]:
