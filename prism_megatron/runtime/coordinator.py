@@ -10,7 +10,6 @@ job ended. Single-threaded: every decision happens in one loop, in arrival order
 from __future__ import annotations
 
 import argparse
-import base64
 import importlib
 import json
 import os
@@ -55,8 +54,8 @@ class OpRecord:
     compute_before: float
     label: str
     op_id: int = -1
-    splits: str = ""  # all_to_all_single: JSON [input bytes per group rank, output bytes per group rank]
-    payload: str = ""  # the inputs, when small enough to steer control flow (recorded_payload)
+    splits: tuple = ()  # all_to_all_single: (input bytes per group rank, output bytes per group rank)
+    payload: tuple[bytes, ...] = ()  # the inputs, when small enough to steer control flow (recorded_payload)
 
 
 #: Inputs recorded in the trace so that a virtual rank contributes what the real one did: integer and
@@ -67,16 +66,15 @@ PAYLOAD_FLOAT_LIMIT = 64
 _INT_DTYPES = frozenset({"uint8", "int8", "int16", "int32", "int64", "bool", "uint16", "uint32", "uint64"})
 
 
-def recorded_payload(ins: list) -> str:
-    """JSON list of the inputs' bytes (base64) when every input is inline and small enough to be data a
-    program branches on (see the limits above); '' otherwise."""
+def recorded_payload(ins: list) -> tuple[bytes, ...]:
+    """The inputs' bytes when every input is inline and small enough to be data a program branches on
+    (see the limits above); () otherwise. Kept as they came: the trace writer encodes them."""
     if not ins or any(d[0][0] != "i" for d in ins):
-        return ""
-    total = sum(len(d[0][1]) for d in ins)
+        return ()
     limit = PAYLOAD_INT_LIMIT if all(d[1] in _INT_DTYPES for d in ins) else PAYLOAD_FLOAT_LIMIT
-    if total > limit:
-        return ""
-    return json.dumps([base64.b64encode(d[0][1]).decode("ascii") for d in ins])
+    if sum(len(d[0][1]) for d in ins) > limit:
+        return ()
+    return tuple(d[0][1] for d in ins)
 
 
 @dataclass
@@ -474,7 +472,7 @@ class Coordinator:
             shapes=json.dumps([d[2] for d in msg["ins"] + msg["outs"]]), reduce_op=msg.get("redop") or "",
             async_op=bool(msg.get("async_op")), t_issue=now, t_complete=float("nan"),
             compute_before=rs.clock - rs.last_op_clock, label=msg.get("label") or "", op_id=msg["id"],
-            splits=json.dumps([msg["in_splits"], msg["out_splits"]]) if "in_splits" in msg else "",
+            splits=(msg["in_splits"], msg["out_splits"]) if "in_splits" in msg else (),
             payload=recorded_payload(msg["ins"]),
         )
         rs.last_op_clock = rs.clock

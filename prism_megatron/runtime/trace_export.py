@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+import json
 import math
 from dataclasses import asdict
 from pathlib import Path
@@ -18,6 +20,9 @@ def write_bare_trace(coord: Any, path: Path, job: dict, exit_codes: dict) -> Pat
     ops = []
     for rec in coord.ops:
         row = {k: v for k, v in asdict(rec).items() if k in _OP_COLUMNS}
+        # encoded here, once, rather than per op in the coordinator's loop
+        row["splits"] = json.dumps(list(rec.splits)) if rec.splits else ""
+        row["payload"] = json.dumps([base64.b64encode(b).decode("ascii") for b in rec.payload]) if rec.payload else ""
         if math.isnan(row["t_complete"]):
             row["t_complete"] = row["t_issue"]  # never completed (fire-and-forget send at exit)
         ops.append(row)
