@@ -142,20 +142,15 @@ TRAINING_DRIVER_CHECKED = (0, 16)
 
 
 def _megatron_core_version() -> tuple[int, ...] | None:
-    """megatron-core's (major, minor, patch) from its package metadata, without importing it."""
+    """megatron-core's release numbers (major, minor, patch) from its package metadata, without importing it."""
     from importlib import metadata
 
+    from packaging.version import InvalidVersion, Version  # a dependency of megatron-core
+
     try:
-        text = metadata.version("megatron-core")
-    except metadata.PackageNotFoundError:
+        return Version(metadata.version("megatron-core")).release
+    except (metadata.PackageNotFoundError, InvalidVersion):
         return None
-    parts = []
-    for piece in text.split(".")[:3]:
-        digits = "".join(ch for ch in piece if ch.isdigit()) if not piece.isdigit() else piece
-        if not digits:
-            break
-        parts.append(int(digits))
-    return tuple(parts) or None
 
 
 def parse_run_args(argv: list[str]) -> RunRequest:
