@@ -5,7 +5,8 @@ The two-clock replay takes each segment's host time from the emulation; if emula
 over-predicted. This runs the TP2 case of bench/accuracy under each variant and prints, per rank,
 the median over iterations of the compute clock (one clock) and of the measured host time.
 
-  python bench/gpu/host_time.py OUT_DIR   (wheels on PYTHONPATH, from the repo root)
+  python bench/gpu/host_time.py OUT_DIR [VARIANT...]   (wheels on PYTHONPATH, from the repo root;
+  no VARIANT: all of them)
 """
 
 from __future__ import annotations
@@ -22,6 +23,10 @@ VARIANTS = {
     "timing on": {"flags": [], "env": {}},
     "timing on, pinned": {"flags": [], "env": {"PRISM_PIN_CORES": "1"}},
     "timing on, pinned, spin 2 ms": {"flags": [], "env": {"PRISM_PIN_CORES": "1", "PRISM_SPIN_GRANT_US": "2000"}},
+    # a whole hand-over is ~10-20 ms of wall on this data plane: spin through all of it (the core never idles)
+    "timing on, spin whole wait": {"flags": [], "env": {"PRISM_SPIN_GRANT_US": "10000000"}},
+    "timing on, pinned, spin whole wait": {"flags": [], "env": {"PRISM_PIN_CORES": "1",
+                                                                "PRISM_SPIN_GRANT_US": "10000000"}},
 }
 
 
@@ -30,7 +35,9 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     case = next(c for c in acc.gpu_cases(4, "bf16") if c.name == "gpu-tp2")
     results = {}
-    for name, v in VARIANTS.items():
+    chosen = sys.argv[2:] or list(VARIANTS)
+    for name in chosen:
+        v = VARIANTS[name]
         work = Path("/tmp/host-time") / name.replace(" ", "_").replace(",", "")
         trace = acc._fresh(work / "trace")
         cmd = [acc.PY, "-m", "prism_megatron", "run", "--prism-emulate", "--prism-world-size", "2",
