@@ -39,7 +39,7 @@ def programs() -> Path:
     return PROGRAMS
 
 
-def launch_source(tmp_path: Path, source: str, world_size: int = 2):
+def launch_source(tmp_path: Path, source: str, world_size: int = 2, slots_per_device: int = 1):
     """Write ``source`` as a program and launch it in-process as ``world_size`` logical ranks on CPU (ranks
     fork from this process, so a test's monkeypatches reach them); returns the trace it wrote."""
     from prism_megatron.launcher.config import LaunchConfig
@@ -49,6 +49,7 @@ def launch_source(tmp_path: Path, source: str, world_size: int = 2):
     prog = tmp_path / "program.py"
     prog.write_text(source)
     trace = tmp_path / "trace"
-    code = launch(LaunchConfig(prog, world_size=world_size, trace_dir=trace, log_ranks=[]).validate())
+    code = launch(LaunchConfig(prog, world_size=world_size, trace_dir=trace, log_ranks=[],
+                               slots_per_device=slots_per_device).validate())
     assert code == 0, f"exit {code}; logs in {trace}.logs"
     return read_trace(trace)

@@ -61,6 +61,23 @@ def test_a_wait_inside_the_segment_is_a_sync_and_its_time_is_not_host_time():
     assert off == pytest.approx(0.2e-3) and before == pytest.approx(2.1e-3)
 
 
+def test_a_copy_that_returns_after_its_device_copy_is_a_wait():
+    """.item() to pageable memory: cudaMemcpyAsync itself blocks (the stream sync after it returns at
+    once); a copy that returns before its device copy ran (pinned, async) is no wait."""
+    ev = _Events()
+    ev.marker(0.0)
+    ev.call("cudaLaunchKernel", 0.1, 0.11, device=("gemm", 0.2, 2.2))
+    ev.call("cudaMemcpyAsync", 0.2, 2.31, device=("Memcpy DtoH (Device -> Pageable)", 2.2, 2.3))
+    ev.call("cudaStreamSynchronize", 2.31, 2.32)  # nothing queued since the copy: the same wait
+    ev.call("cudaLaunchKernel", 2.4, 2.41, device=("add", 2.5, 2.6))
+    ev.call("cudaMemcpyAsync", 2.45, 2.46, device=("Memcpy DtoH (Device -> Pinned)", 2.6, 2.7))  # async
+    ev.marker(2.61)
+    [seg] = attribute(ev.acts, [Closed(1.0, True, 0.0026)], exclude_tids=set())
+    assert seg.cpu == pytest.approx((2.61 - 0.01 - 2.11 - 0.01) * 1e-3)
+    [(off, before)] = seg.syncs
+    assert off == pytest.approx(0.19e-3) and before == pytest.approx(2.0e-3)
+
+
 def test_segments_before_cuda_started_are_host_only_and_missing_markers_are_an_error():
     ev = _Events()
     ev.marker(1.0)
@@ -161,14 +178,31 @@ def test_timer_takes_host_time_from_plain_iterations_and_device_time_from_profil
     assert len(pairs) == 6  # iterations 2 and 3, three segments each
     assert all(r.gpu == 1e-3 for r in pairs)
     assert [round(r.clock_end - r.clock_start, 6) for r in pairs] == [0.021, 0.041, 0.061, 0.011, 0.021, 0.031]
-    # host times are the plain iteration's (10, 20, 30 ms), less the profiled wait in segment 1
-    assert [round(r.cpu * 1e3, 6) for r in pairs[:3]] == [10.0, 19.8, 30.0]
-    assert [round(r.cpu * 1e3, 6) for r in pairs[3:]] == [10.0, 19.8, 30.0]
-    assert pairs[1].syncs == [(pytest.approx(19.8e-3 * 0.65 / 1.3), 5e-4)]
+    # host times are the plain iteration's (10, 20, 30 ms): the device (1 ms) never holds the host up
+    assert [round(r.cpu * 1e3, 6) for r in pairs[:3]] == [10.0, 20.0, 30.0]
+    assert [round(r.cpu * 1e3, 6) for r in pairs[3:]] == [10.0, 20.0, 30.0]
+    assert pairs[1].syncs == [(pytest.approx(20e-3 * 0.65 / 1.3), 5e-4)]
     assert len(sent[5][1]) == 6
     last = sent["tail"][1]  # iteration 6, with iteration 5's host times; the tail segment: no row
-    assert [round(r.cpu * 1e3, 6) for r in last] == [10.0, 19.8, 30.0]
+    assert [round(r.cpu * 1e3, 6) for r in last] == [10.0, 20.0, 30.0]
     assert timer.stats["paired"] == 15
+
+
+def test_plain_host_time_is_solved_through_the_segment_model_not_by_subtracting_profiled_waits():
+    """A device-bound segment: the profiled run reached its sync 5 ms in and waited 35 ms for 40 ms of
+    device work; without the profiler the host issues 30% faster and waits longer. The plain segment's
+    measured 43.5 ms are 7 ms of host time (scale 0.7), not 43.5 - 35 = 8.5."""
+    from prism_megatron.runtime.gpu_timing import SegmentTiming, host_end, solve_scale
+
+    seg = SegmentTiming(0.0, 0.1, cpu=10e-3, gpu=50e-3, syncs=[(5e-3, 40e-3)], waited=35e-3)
+    assert host_end(seg, 1.0) == pytest.approx(45e-3)  # waits for the device at 40 ms, 5 ms more
+    assert solve_scale(seg, 43.5e-3) == pytest.approx(0.7)
+    # host-bound (device done before the host reaches the sync): the plain time is all host time
+    quick = SegmentTiming(0.0, 0.1, cpu=10e-3, gpu=2e-3, syncs=[(5e-3, 1e-3)], waited=1e-4)
+    assert quick.cpu * solve_scale(quick, 8e-3) == pytest.approx(8e-3)
+    # shorter than the device work before the sync allows: the plain time less the profiled waits
+    assert seg.cpu * solve_scale(seg, 39e-3) == pytest.approx(4e-3)
+    assert solve_scale(SegmentTiming(0.0, 0.1, cpu=0.0, gpu=1e-3), 1e-3) == 0.0
 
 
 def test_a_profiler_that_does_not_start_turns_timing_off_with_a_message(monkeypatch, capsys):

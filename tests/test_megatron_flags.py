@@ -186,7 +186,8 @@ def test_flags_parse_through_megatrons_parser(tmp_path):
         "prism_trace_dir": "tr", "prism_hang_timeout": 30.0, "prism_log_ranks": "last",
         "prism_gpus_per_node": 8, "prism_threads_per_rank": 1, "prism_recipe": None, "prism_driver": "auto",
         "prism_target_gpu": None, "prism_target_context": None, "prism_track_memory": "auto",
-        "prism_report": "on", "prism_cluster": None, "prism_anchor_fake_pg": False, "my_flag": 7,
+        "prism_report": "on", "prism_cluster": None, "prism_anchor_fake_pg": False, "prism_gpu_timing": "auto",
+        "prism_calibrate": "off", "prism_calibrate_ranks_per_device": 2, "my_flag": 7,
     }
     assert result["defaults"]["prism_emulate"] is False
 

@@ -59,3 +59,38 @@ def test_collective_tensors_die_with_their_last_reference(tmp_path):
         assert "async_work_freed=True" in text
         assert "future_then_freed=True value=131072.0" in text
         assert "coalesced_freed=True" in text
+
+
+def test_results_are_written_when_the_program_waits_unless_a_future_is_out(tmp_path):
+    """An async op's results land in the program's tensors when it waits (or polls is_completed), on
+    its own thread with its clock paused, not whenever they arrive: a write beside the computing
+    program inflated its measured compute on the GPU. A Work whose future was handed out is written
+    on arrival (torch may wait on that future where prism cannot deliver)."""
+    from conftest import launch_source
+
+    out = tmp_path / "out"
+    out.mkdir()
+    launch_source(tmp_path, (
+        "import sys, time, torch, torch.distributed as dist\n"
+        "dist.init_process_group('gloo')\n"
+        "r = dist.get_rank()\n"
+        "lines = []\n"
+        "for n in (4, 1 << 16):  # inline and shared-memory results\n"
+        "    x, y, z = (torch.full((n,), float(r + 1)) for _ in range(3))\n"
+        "    wx = dist.all_reduce(x, async_op=True)\n"
+        "    wy = dist.all_reduce(y, async_op=True)\n"
+        "    wz = dist.all_reduce(z, async_op=True)\n"
+        "    fz = wz.get_future()\n"
+        "    time.sleep(1.0)  # both ranks compute (2 slots): the ops complete meanwhile\n"
+        "    lines.append(f'n={n} before_wait={x[0].item()} future_written={z[0].item()}')\n"
+        "    wx.wait()\n"
+        "    lines.append(f'n={n} after_wait={x[0].item()} polled={wy.is_completed()} y={y[0].item()}')\n"
+        "    lines.append(f'n={n} collect_all={torch.futures.collect_all([fz]).wait()[0].value()[0][0].item()}')\n"
+        f"open(f'{out}/rank-{{r}}.txt', 'w').write(chr(10).join(lines))\n"
+        "dist.destroy_process_group()\n"), slots_per_device=2)
+    for r in (0, 1):
+        text = (out / f"rank-{r}.txt").read_text()
+        for n in (4, 1 << 16):
+            assert f"n={n} before_wait={float(r + 1)} future_written=3.0" in text, text
+            assert f"n={n} after_wait=3.0 polled=True y=3.0" in text, text
+            assert f"n={n} collect_all=3.0" in text, text

@@ -23,6 +23,8 @@ def main() -> None:
     total = {k: sum(v[1] for v in d["ops"].values()) / 1e3 for k, d in (("real", real), ("emu", emu))}
     print(f"rank {rank}, iteration {real['iteration']}: wall real {real['wall_s'] * 1e3:.1f} ms, emulated "
           f"{emu['wall_s'] * 1e3:.1f} ms; ops' self CPU real {total['real']:.1f} ms, emulated {total['emu']:.1f} ms")
+    for k in real.get("probe", {}):
+        print(f"probe {k}: real {real['probe'][k]:.2f}, emulated {emu['probe'].get(k, float('nan')):.2f}")
     names = set(real["ops"]) | set(emu["ops"])
     rows = []
     for n in names:

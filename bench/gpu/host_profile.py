@@ -27,6 +27,35 @@ from prism_megatron.trace.markers import get_sink, set_sink
 ITERATION = int(os.environ.get("HOST_PROFILE_ITERATION", "4"))
 
 
+def _probe() -> dict[str, float]:
+    """Fixed host work, timed before the profiled iteration: is this process slower at the same calls?
+
+    Microseconds per small-kernel launch (queue never full), per caching-allocator round trip, and
+    milliseconds of a pure-Python loop; the same figures on both sides say the process is not slower.
+    """
+    import torch
+
+    x = torch.zeros(256, device="cuda")
+    out = {}
+    for _ in range(2):  # the second round is kept: the first warms caches
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(5000):
+            x.add_(1.0)
+        out["launch_us"] = (time.perf_counter() - t) / 5000 * 1e6
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(5000):
+            torch.empty(4096, device="cuda")
+        out["alloc_us"] = (time.perf_counter() - t) / 5000 * 1e6
+        t = time.perf_counter()
+        s = 0
+        for i in range(1_000_000):
+            s += i
+        out["python_ms"] = (time.perf_counter() - t) * 1e3
+    return out
+
+
 class _Profiler:
     """Marker sink that profiles one iteration and passes every marker on (prism's sink, if any)."""
 
@@ -34,9 +63,11 @@ class _Profiler:
         self.inner = inner
         self.prof: Any = None
         self.t0 = 0.0
+        self.probe: dict[str, float] = {}
 
     def record_mark(self, name: str, phase: str, attrs: dict[str, Any]) -> None:
         if name == "iteration" and phase == "B" and int(attrs.get("iteration", 0)) == ITERATION:
+            self.probe = _probe()
             from torch.profiler import ProfilerActivity, profile
 
             self.prof = profile(activities=[ProfilerActivity.CPU])
@@ -50,7 +81,7 @@ class _Profiler:
             ops = {e.key: [e.count, e.self_cpu_time_total] for e in self.prof.key_averages()}
             out = Path(os.environ.get("HOST_PROFILE_DIR", ".")) / f"rank-{os.environ.get('RANK', '0')}.json"
             out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(json.dumps({"iteration": ITERATION, "wall_s": wall, "ops": ops}))
+            out.write_text(json.dumps({"iteration": ITERATION, "wall_s": wall, "ops": ops, "probe": self.probe}))
             self.prof = None
 
 

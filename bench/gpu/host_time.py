@@ -27,6 +27,8 @@ VARIANTS = {
     "timing on, spin whole wait": {"flags": [], "env": {"PRISM_SPIN_GRANT_US": "10000000"}},
     "timing on, pinned, spin whole wait": {"flags": [], "env": {"PRISM_PIN_CORES": "1",
                                                                 "PRISM_SPIN_GRANT_US": "10000000"}},
+    # each rank alone on its own GPU (no other CUDA context on its device): is the inflation the GPU's sharing?
+    "timing on, one GPU per rank": {"flags": ["--prism-devices", "0,1"], "env": {}},
 }
 
 
@@ -41,8 +43,9 @@ def main() -> None:
         work = Path("/tmp/host-time") / name.replace(" ", "_").replace(",", "")
         trace = acc._fresh(work / "trace")
         cmd = [acc.PY, "-m", "prism_megatron", "run", "--prism-emulate", "--prism-world-size", "2",
-               "--prism-devices", "0", "--prism-slots-per-device", "1", "--prism-threads-per-rank", "1",
-               "--prism-report", "off", "--prism-log-ranks", "none", "--prism-trace-dir", str(trace), *v["flags"],
+               "--prism-slots-per-device", "1", "--prism-threads-per-rank", "1",
+               "--prism-report", "off", "--prism-log-ranks", "none", "--prism-trace-dir", str(trace),
+               *(v["flags"] if "--prism-devices" in v["flags"] else ["--prism-devices", "0", *v["flags"]]),
                str(acc.CORE_DRIVER_SCRIPT), *case.flags]
         try:
             acc._run(cmd, work / "run.log", acc._env(**v["env"]), 300)

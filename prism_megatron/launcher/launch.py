@@ -30,6 +30,18 @@ from prism_megatron.runtime import protocol as P
 from prism_megatron.runtime.shm import remove_job_segments
 
 
+def _exec_rank(cfg: LaunchConfig, rank: int, address: tuple[str, int], authkey: bytes, store_port: int,
+               prefix: str) -> None:
+    """Replace the forked child by a fresh interpreter running the rank (PRISM_RANK_START=exec):
+    tells whether running in a fork of the template changes a rank's speed (bench/gpu/host_diff.sh)."""
+    import pickle
+
+    blob = pickle.dumps((cfg, rank, address, authkey, store_port, prefix, [])).hex()
+    code = ("import pickle, sys; from prism_megatron.launcher.rank import run_rank; "
+            "run_rank(*pickle.loads(bytes.fromhex(sys.argv[1])))")
+    os.execv(sys.executable, [sys.executable, "-c", code, blob])
+
+
 def _say(msg: str) -> None:
     print(f"prism: {msg}", file=sys.stderr, flush=True)
 
@@ -98,9 +110,12 @@ class _Job:
         close = [self.control.fileno(), self.coord.stdout.fileno()]
         sys.stdout.flush()
         sys.stderr.flush()
+        fresh = os.environ.get("PRISM_RANK_START") == "exec"  # bench knob: a fresh interpreter per rank
         for r in range(self.cfg.world_size):
             pid = os.fork()
             if pid == 0:
+                if fresh:
+                    _exec_rank(self.cfg, r, address, self.authkey, store_port, self.prefix)
                 run_rank(self.cfg, r, address, self.authkey, store_port, self.prefix, close)
             self.pids[pid] = r
 

@@ -252,28 +252,39 @@ class _AllWork(PrismWork):
         result = [t for w in works for t in w._result]
         super().__init__(client, -1, result)
         self._works = works
-        me = weakref.ref(self)  # the futures' callbacks must not keep this Work (and its tensors) alive
+        self._chained = False
+        self._future._ops = [w._op for w in works]  # waiting on the future waits for the block's ops
 
-        def on_all(fut: Any) -> None:
-            error = None
-            for f in fut.value():
-                try:
-                    f.value()
-                except BaseException as e:  # an op of the block failed
-                    error = error or e
-            work = me()
-            if work is not None:
-                work._finish(error)
-
-        torch.futures.collect_all([w.get_future() for w in works]).then(on_all)
+    def _settle_all(self) -> None:
+        error = next((w.exception() for w in self._works if w.exception() is not None), None)
+        if not self._done.is_set():
+            self._finish(error)
 
     def wait(self, timeout: Any = None) -> bool:
         self._client.wait([w._op for w in self._works])
-        for w in self._works:
-            if w.exception() is not None:
-                raise w.exception()
-        self._done.wait()
+        self._settle_all()
+        if self._error is not None:
+            raise self._error
         return True
+
+    def is_completed(self) -> bool:
+        if not self._done.is_set() and all(w.is_completed() for w in self._works):
+            self._settle_all()
+        return self._done.is_set()
+
+    def get_future(self) -> Any:
+        """Completes when the block's ops have (their futures chained; results written as they arrive)."""
+        if not self._chained:
+            self._chained = True
+            me = weakref.ref(self)  # the futures' callbacks must not keep this Work (and its tensors) alive
+
+            def on_all(fut: Any) -> None:
+                work = me()
+                if work is not None and not work._done.is_set():
+                    work._settle_all()
+
+            torch.futures.collect_all([w.get_future() for w in self._works]).then(on_all)
+        return self._future
 
 
 def _single(tensors: list[torch.Tensor], op: str) -> None:

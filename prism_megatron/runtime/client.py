@@ -51,6 +51,8 @@ class _Pending:
     outs: list[torch.Tensor]  # tensors to fill, in request order
     out_descs: list[tuple]
     regions: list[str] = field(default_factory=list)  # segment names to free once done
+    msg: dict | None = None  # the coordinator's DONE, kept until the rank's own thread delivers it
+    eager: bool = False  # a future was handed out: the receiver writes results as they arrive
 
 
 class OpToken:
@@ -58,11 +60,12 @@ class OpToken:
     pointing at each other: a Work <-> Future cycle kept every op's tensors alive until the cyclic GC
     ran — +80 to +176 MiB of peak allocated memory against NCCL on a TP2 job on the H200."""
 
-    __slots__ = ("op_id", "done")
+    __slots__ = ("op_id", "done", "arrived")
 
     def __init__(self, op_id: int) -> None:
         self.op_id = op_id
-        self.done = threading.Event()
+        self.done = threading.Event()  # results written into the program's tensors (or failed)
+        self.arrived = threading.Event()  # the coordinator completed the op; results not yet written
 
 
 class PrismFuture(Future):
@@ -115,6 +118,7 @@ class PrismWork(dist.Work):
     def _finish(self, error: BaseException | None = None, source: int = -1) -> None:
         self._error = error
         self._source = source
+        self._op.arrived.set()
         self._done.set()
         if error is None:
             self._future.set_result(self._result)
@@ -131,6 +135,8 @@ class PrismWork(dist.Work):
         self.wait()
 
     def is_completed(self) -> bool:
+        if not self._done.is_set() and self._op.arrived.is_set():
+            self._client.deliver([self._op])  # a program polling for completion gets the results now
         return self._done.is_set()
 
     def is_success(self) -> bool:
@@ -140,6 +146,8 @@ class PrismWork(dist.Work):
         return self._error
 
     def get_future(self) -> Future:
+        # whoever holds the future may wait on it where prism cannot deliver (torch's C++ waits)
+        self._client.make_eager(self._op)
         return self._future
 
     def result(self) -> list[torch.Tensor]:
@@ -186,6 +194,7 @@ class RankClient:
         self._pending_lock = threading.Lock()
         self._granted = threading.Event()
         self._owed_grant = False
+        self._owed_op: OpToken | None = None  # the synchronous op the owed grant waits for
         self._fatal: PrismCommError | None = None
         self._prediction: dict | None = None  # the last PREDICTED answer
         # the rank's own compute clock: time spent in the program while holding a slot, the runtime's
@@ -282,6 +291,7 @@ class RankClient:
             msg["mem"] = device_footprint()
             self._granted.clear()
             self._owed_grant = True
+            self._owed_op = work._op
         self._send(msg)
         if not self._owed_grant:
             self._resume()  # an async op: the program goes on computing
@@ -319,21 +329,62 @@ class RankClient:
         """Wait for a grant owed by a synchronous op before doing anything else as a computing rank."""
         if self._owed_grant:
             self._owed_grant = False
-            self._await_grant()
+            self._await_grant([self._owed_op])
 
     def wait(self, ops: list[OpToken]) -> None:
         """Block until `ops` complete, giving the slot back meanwhile."""
         self._settle()
         if all(o.done.is_set() for o in ops):
             return
+        if all(o.arrived.is_set() for o in ops):  # completed while the program computed: results only
+            self._pause()
+            self._deliver(ops)
+            self._resume()
+            return
         self._pause()
         if self._fatal is not None:
             raise self._fatal
         self._granted.clear()
         self._send({"t": P.BLOCK, "ids": [o.op_id for o in ops], "mem": device_footprint(), "clk": self._clock})
-        self._await_grant()
+        self._await_grant(ops)
         for o in ops:
             o.done.wait()
+
+    def deliver(self, ops: list[OpToken]) -> None:
+        """Write the results of ``ops`` that completed into the program's tensors, off its clock."""
+        if self._running_since is not None:
+            self._pause()
+            self._deliver(ops)
+            self._resume()
+        else:
+            self._deliver(ops)
+
+    def make_eager(self, op: OpToken) -> None:
+        """Results of ``op`` are written as soon as they arrive, by the receiver (its future is out)."""
+        with self._pending_lock:
+            p = self._pending.get(op.op_id)
+            if p is None:
+                return
+            p.eager = True
+            if p.msg is None:
+                return
+            del self._pending[op.op_id]
+        self._write(p)  # already arrived: write it now
+
+    def _deliver(self, ops: list[OpToken]) -> None:
+        """Results are written by the rank's own thread while its clock is paused, never by the
+        receiver: a copy there ran beside the program (on a GPU, a pageable host-to-device copy holds
+        up the program's launches; it also put another process's work on the device of a computing
+        rank) and the emulated segment grew by it, which the real job, whose NCCL writes results on
+        its own stream, does not pay. Only the ops waited for are written, so where a rank's compute
+        segments end does not depend on when other ops happened to arrive."""
+        for o in ops:
+            with self._pending_lock:
+                p = self._pending.get(o.op_id)
+                if p is None or p.msg is None:
+                    continue
+                del self._pending[o.op_id]
+            self._write(p)
 
     def idle(self, seconds: float) -> None:
         """Let ``seconds`` pass without holding a compute slot: give it back, sleep, ask again.
@@ -365,7 +416,9 @@ class RankClient:
         answer = self._prediction or {"seconds": None, "note": "no answer"}
         return answer["seconds"], answer["note"]
 
-    def _await_grant(self) -> None:
+    def _await_grant(self, ops: list[OpToken] = ()) -> None:
+        """Wait for the slot; then, before the clock resumes, deliver what completed (``ops`` first
+        arrive: the coordinator grants a blocked rank once they have)."""
         self._pause()
         if self._spin:  # keep the core awake (and its clock up) through short waits: PRISM_SPIN_GRANT_US
             deadline = time.perf_counter() + self._spin
@@ -375,6 +428,11 @@ class RankClient:
             pass
         if self._fatal is not None:
             raise self._fatal
+        for o in ops:
+            while not o.arrived.wait(1.0):
+                if self._fatal is not None:
+                    raise self._fatal
+        self._deliver(ops)
         self._resume()
 
     def close(self, exit_code: int) -> None:
@@ -427,11 +485,23 @@ class RankClient:
             return self._pending.pop(op_id, None)
 
     def _complete(self, msg: dict) -> None:
-        p = self._pop(msg["id"])
-        if p is None:
-            return
+        """Receiver: the op completed; its results wait for the rank's thread (see _deliver)."""
+        with self._pending_lock:
+            p = self._pending.get(msg["id"])
+            if p is None:
+                return
+            p.msg = msg
+            if p.eager:
+                del self._pending[msg["id"]]
+        if p.eager:
+            self._write(p)
+        else:
+            p.work._op.arrived.set()
+
+    def _write(self, p: _Pending) -> None:
+        msg = p.msg
         try:
-            with torch.no_grad():
+            with torch.no_grad(), untracked():  # the runtime's buffers, now on the program's thread
                 for t, desc, data in zip(p.outs, p.out_descs, msg["out"], strict=True):
                     if desc[0] == "s":
                         raw = self.arena_view(desc)
