@@ -4,12 +4,12 @@
 mode keeps ``is_available()`` truthful (False), so ``pretrain`` would stop there. While CPU mode
 is active, ``pretrain``'s call gets ``allow_no_cuda=True`` (that flag only skips the assert).
 Seam: ``megatron.legacy.fused_kernels.load`` - it only probes ``$CUDA_HOME/bin/nvcc`` (and fails
-without CUDA); in CPU mode it does nothing.
+without CUDA); in CPU mode it does nothing (0.19 has no ``megatron.legacy``, and no such load).
 Also, in CPU mode ``torch._dynamo`` is disabled: Megatron's ``jit_fuser`` is ``torch.compile``, and
 inductor would build C++ kernels in every rank (seconds each, a compiler needed) after probing
 ``torch.cuda.get_device_properties`` for a real GPU; the fused functions then run eagerly, in
 prism and in the real-process reference alike.
-Never installed with a GPU: CPU mode refuses to engage there. Checked against 0.16.1.
+Never installed with a GPU: CPU mode refuses to engage there. Checked against 0.16.1 and 0.19.2.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 
 from prism_megatron.patches import once, seam
 
-CHECKED = ("0.16.1",)
+CHECKED = ("0.16.1", "0.19.2")
 
 
 @once
@@ -43,7 +43,10 @@ def install() -> None:
 
         torch._dynamo.config.disable = True
 
-    import megatron.legacy.fused_kernels as fused_kernels
+    try:
+        import megatron.legacy.fused_kernels as fused_kernels
+    except ModuleNotFoundError:  # megatron-core 0.19 ships no megatron.legacy: nothing loads fused kernels
+        return
 
     original_load = seam(fused_kernels, "load", CHECKED, ("args",))
 

@@ -53,19 +53,16 @@ from megatron.core.models.gpt.gpt_layer_specs import (  # noqa: E402
 from megatron.core.utils import get_attr_wrapped_model  # noqa: E402
 from megatron.training import get_args, get_tokenizer, pretrain, print_rank_0  # noqa: E402
 from megatron.training.arguments import core_transformer_config_from_args  # noqa: E402
+from megatron.training.utils import is_first_or_last_pipeline_stage  # noqa: E402
 
-try:
-    from megatron.training.utils import (  # noqa: E402
-        get_batch_on_this_cp_rank,
-        get_batch_on_this_tp_rank,
-        is_first_or_last_pipeline_stage,
-    )
-except ImportError as e:  # megatron-core 0.19 moved these to megatron.core.utils with new signatures
-    from megatron.core import package_info
+try:  # megatron-core 0.16.x: batch helpers in megatron.training.utils, reading the iterator themselves
+    from megatron.training.utils import get_batch_on_this_cp_rank, get_batch_on_this_tp_rank  # noqa: E402
 
-    raise ImportError(f"pretrain_gpt_mini.py is checked against megatron-core 0.16.x; megatron-core "
-                      f"{package_info.__version__} moved its batch helpers ({e}). Use --prism-driver core, "
-                      "or Megatron-LM's own pretrain_gpt.py of that version.") from e
+    _CORE_BATCH_HELPERS = False
+except ImportError:  # 0.19.x: in megatron.core.utils, taking the batch and every setting as arguments
+    from megatron.core.utils import get_batch_on_this_cp_rank, get_batch_on_this_tp_rank  # noqa: E402
+
+    _CORE_BATCH_HELPERS = True
 
 from prism_megatron.patches import cpu_trainer, dataset_helpers, gloo_p2p  # noqa: E402
 
@@ -105,12 +102,37 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
     )
 
 
+_BATCH_KEYS = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
+
+
 def get_batch(data_iterator, vp_stage: int | None = None):
     """This TP rank's slice of the batch (stages that neither embed nor compute the loss get None)."""
     if not is_first_or_last_pipeline_stage(vp_stage):
         return None, None, None, None, None
-    batch = get_batch_on_this_cp_rank(get_batch_on_this_tp_rank(data_iterator))
-    return batch["tokens"], batch["labels"], batch["loss_mask"], batch["attention_mask"], batch["position_ids"]
+    if not _CORE_BATCH_HELPERS:
+        batch = get_batch_on_this_cp_rank(get_batch_on_this_tp_rank(data_iterator))
+    else:  # as Megatron-LM's pretrain_gpt.py of 0.19 (pretraining: no packed sequences, no MTP)
+        args = get_args()
+        tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        batch = {}
+        if tp_rank == 0:
+            batch = next(data_iterator)
+            batch = {k: (batch[k].cuda(non_blocking=True) if batch.get(k) is not None else None)
+                     for k in _BATCH_KEYS}
+            batch["cu_seqlens"] = None
+        batch = get_batch_on_this_tp_rank(
+            batch, has_cu_seqlens=False, is_hybrid_cp=False,
+            create_attention_mask_in_dataloader=args.create_attention_mask_in_dataloader,
+            broadcast_src_rank=parallel_state.get_tensor_model_parallel_src_rank(),
+            broadcast_group=parallel_state.get_tensor_model_parallel_group(),
+            cp_size=args.context_parallel_size, tp_rank=tp_rank, micro_batch_size=args.micro_batch_size,
+            seq_length=args.seq_length, mtp_on_this_rank=False,
+            pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+            is_pipeline_first_stage=parallel_state.is_pipeline_first_stage(),
+            is_pipeline_last_stage=parallel_state.is_pipeline_last_stage())
+        batch = get_batch_on_this_cp_rank(batch, is_hybrid_cp=False,
+                                          cp_group=parallel_state.get_context_parallel_group())
+    return tuple(batch.get(k) for k in _BATCH_KEYS)
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
@@ -150,8 +172,20 @@ def train_valid_test_datasets_provider(num_samples, vp_stage: int | None = None)
 
 def main() -> None:
     train_valid_test_datasets_provider.is_distributed = True
-    pretrain(train_valid_test_datasets_provider, model_provider, ModelType.encoder_or_decoder, forward_step,
-             args_defaults={"tokenizer_type": "NullTokenizer", "eval_interval": 1000})
+    defaults = {"tokenizer_type": "NullTokenizer", "eval_interval": 1000}
+    from megatron.training import arguments
+
+    if not hasattr(arguments, "parse_and_validate_args"):  # 0.16.x: pretrain parses and takes a provider
+        pretrain(train_valid_test_datasets_provider, model_provider, ModelType.encoder_or_decoder, forward_step,
+                 args_defaults=defaults)
+        return
+    # 0.19.x, as its pretrain_gpt.py: arguments become a config container; Megatron's GPT builder
+    # makes the model from it (model_provider is the 0.16 path)
+    from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args
+
+    args = arguments.parse_and_validate_args(args_defaults=defaults)
+    pretrain(pretrain_cfg_container_from_args(args, gpt_config_from_args(args)), train_valid_test_datasets_provider,
+             ModelType.encoder_or_decoder, forward_step)
 
 
 if __name__ == "__main__":
