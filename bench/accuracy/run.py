@@ -635,7 +635,7 @@ def cpu_section(session: Session, iters: int) -> None:
     session.save()
 
 
-def gpu_section(session: Session, iters: int, mbs: int = 1) -> bool:
+def gpu_section(session: Session, iters: int, mbs: int = 1, real_repeats: int = 1) -> bool:
     """The GPU rows (real 2-GPU NCCL runs vs one-GPU emulation); True when the target is met."""
     from prism_megatron.calibration.costmodel import CollectiveCostModel
     from prism_megatron.calibration.profiles import load_profile
@@ -655,7 +655,8 @@ def gpu_section(session: Session, iters: int, mbs: int = 1) -> bool:
     console.print(f"emulation cost per op (slot-holding time of a {nbytes >> 20} MiB {dtype} CUDA all_reduce with no "
                   f"compute around it, counted as compute by the bare trace): {overhead * 1e3:.2f} ms")
     section.update({"precision": precision, "cluster": GPU_CLUSTER, "emulation_cost_per_op_ms": overhead * 1e3})
-    rows = run_cases(session, "gpu", gpu_cases(iters, precision, mbs), "0", cost, GPU_CLUSTER, 300, 1, overhead)
+    rows = run_cases(session, "gpu", gpu_cases(iters, precision, mbs), "0", cost, GPU_CLUSTER, 300, real_repeats,
+                     overhead)
     for r in rows:
         r.notes = f"{precision}; {r.notes}"
     mae = mean_abs_error(rows)
@@ -681,7 +682,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpu-mbs", type=int, default=1,
                         help="micro-batch size of the GPU jobs (1: host-bound on an H200; 8: device-bound)")
     parser.add_argument("--budget", type=float, default=math.inf, help="seconds after which no config starts")
+    parser.add_argument("--gpu-real-repeats", type=int, default=1,
+                        help="real runs per GPU config: 2 runs one before and one after the emulation (the "
+                             "H200 machine's real runs moved by up to 40%% between runs)")
     args = parser.parse_args(argv)
+    names = {c.name for c in cpu_cases(args.iters)} | {c.name for c in gpu_cases(args.iters, "bf16", args.gpu_mbs)}
+    unknown = [n for n in args.only.split(",") if n and n not in names]
+    if unknown:
+        parser.error(f"--only: no config named {', '.join(map(repr, unknown))} (with --gpu-mbs {args.gpu_mbs}); "
+                     f"configs: {', '.join(sorted(names))}")
+    if args.gpu_real_repeats < 1:
+        parser.error(f"--gpu-real-repeats must be at least 1, got {args.gpu_real_repeats}")
     if not (args.cpu or args.gpu):
         args.cpu = True
     work = args.work or Path(tempfile.mkdtemp(prefix="prism-accuracy-"))
@@ -695,7 +706,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cpu:
         cpu_section(session, args.iters)
     if args.gpu:
-        ok = gpu_section(session, args.iters, args.gpu_mbs)
+        ok = gpu_section(session, args.iters, args.gpu_mbs, args.gpu_real_repeats)
     if args.out is not None:
         session.console.print(f"wrote {args.out / 'accuracy.json'} and accuracy.txt")
         session.save()

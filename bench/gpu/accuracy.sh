@@ -7,7 +7,8 @@
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
 #   bash bench/gpu/accuracy.sh
 # Keeps to ~8 minutes: no config starts after --budget seconds (one config takes ~1-2 minutes).
-# ONLY=gpu-tp2,gpu-pp2 runs a subset; ITERS (default 6) and BUDGET (default 330 s) likewise; MBS=8 makes
+# ONLY=gpu-tp2,gpu-pp2 runs a subset (names carry -mbsN when MBS is set: gpu-tp2-mbs8); ITERS (default 6),
+# BUDGET (default 330 s) and REAL_REPEATS (2: a real run before and after the emulation) likewise; MBS=8 makes
 # the jobs device-bound (micro-batch 1 is host-bound on an H200).
 set -uo pipefail
 out=${OUT:-/tmp/prism-gpu}/accuracy
@@ -18,7 +19,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 nvidia-smi topo -m > "$out/topo.txt" 2>&1 || true  # NVLink or PCIe between the two GPUs: what the profile assumes
 python3 -c "import torch, megatron.core as m; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'megatron-core', m.__version__)"
 python3 bench/accuracy/run.py --gpu --iters "${ITERS:-6}" --budget "${BUDGET:-330}" --out "$out" \
-  --work /tmp/prism-accuracy ${ONLY:+--only "$ONLY"} ${MBS:+--gpu-mbs "$MBS"}
+  --work /tmp/prism-accuracy ${ONLY:+--only "$ONLY"} ${MBS:+--gpu-mbs "$MBS"} ${REAL_REPEATS:+--gpu-real-repeats "$REAL_REPEATS"}
 rc=$?
 # the emulated ranks' logs (GPU timing summary, errors) next to the table
 mkdir -p "$out/logs"
