@@ -76,13 +76,16 @@ def test_results_are_written_when_the_program_waits_unless_a_future_is_out(tmp_p
         "r = dist.get_rank()\n"
         "lines = []\n"
         "for n in (4, 1 << 16):  # inline and shared-memory results\n"
-        "    x, y, z = (torch.full((n,), float(r + 1)) for _ in range(3))\n"
+        "    x, y, z, v = (torch.full((n,), float(r + 1)) for _ in range(4))\n"
         "    wx = dist.all_reduce(x, async_op=True)\n"
         "    wy = dist.all_reduce(y, async_op=True)\n"
         "    wz = dist.all_reduce(z, async_op=True)\n"
+        "    wv = dist.all_reduce(v, async_op=True)\n"
         "    fz = wz.get_future()\n"
         "    time.sleep(1.0)  # both ranks compute (2 slots): the ops complete meanwhile\n"
         "    lines.append(f'n={n} before_wait={x[0].item()} future_written={z[0].item()}')\n"
+        "    wv.get_future()  # taken after the op completed: written then\n"
+        "    lines.append(f'n={n} late_future={v[0].item()}')\n"
         "    wx.wait()\n"
         "    lines.append(f'n={n} after_wait={x[0].item()} polled={wy.is_completed()} y={y[0].item()}')\n"
         "    lines.append(f'n={n} collect_all={torch.futures.collect_all([fz]).wait()[0].value()[0][0].item()}')\n"
@@ -94,3 +97,4 @@ def test_results_are_written_when_the_program_waits_unless_a_future_is_out(tmp_p
             assert f"n={n} before_wait={float(r + 1)} future_written=3.0" in text, text
             assert f"n={n} after_wait=3.0 polled=True y=3.0" in text, text
             assert f"n={n} collect_all=3.0" in text, text
+            assert f"n={n} late_future=3.0" in text, text

@@ -366,10 +366,9 @@ class RankClient:
             if p is None:
                 return
             p.eager = True
-            if p.msg is None:
-                return
-            del self._pending[op.op_id]
-        self._write(p)  # already arrived: write it now
+            arrived = p.msg is not None
+        if arrived:  # the receiver has passed it by: write it now, off the program's clock
+            self.deliver([op])
 
     def _deliver(self, ops: list[OpToken]) -> None:
         """Results are written by the rank's own thread while its clock is paused, never by the
