@@ -144,9 +144,13 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     return loss, num_tokens, {"lm loss": torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])}
 
 
-def forward_step(data_iterator, model: GPTModel):
+def forward_step(data_iterator, model: GPTModel, return_schedule_plan: bool = False):
+    """The forward pass, or (combined 1F1B, ``--overlap-moe-expert-parallel-comm``) its schedule plan."""
     vp_stage = get_attr_wrapped_model(model, "vp_stage")
     tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator, vp_stage)
+    if return_schedule_plan:
+        plan = model.build_schedule_plan(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask)
+        return plan, partial(loss_func, loss_mask)
     output = model(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask)
     return output, partial(loss_func, loss_mask)
 
