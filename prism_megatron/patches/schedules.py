@@ -17,8 +17,10 @@ in that module at call time); each call becomes one unit: ``forward`` or ``backw
 only one of them (the first and last steps), else ``forward_backward`` with the forward's
 ``microbatch``/``chunk`` and the backward's ``backward_microbatch``/``backward_chunk``. A microbatch
 thus appears in one forward unit (or forward_backward) and one backward unit (or forward_backward).
-Checked against megatron-core 0.16.1 (its signature also matches 0.19's source; not run there: the
-combined schedules need CUDA streams and MoE).
+Checked against megatron-core 0.16.1 and 0.19.2: with 0.19.2 on CPU, an EP2 MoE job with
+``--overlap-moe-expert-parallel-comm`` entered Megatron's combined schedule through this hook, then
+stopped inside Megatron where it frees an input's storage (a CPU storage that cannot be resized;
+on a GPU that path is the normal one, not run there yet).
 """
 
 from __future__ import annotations
