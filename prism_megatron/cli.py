@@ -36,6 +36,8 @@ def main() -> None:
 @click.option("--swap", type=click.Choice(["auto", "none", "checkpoint", "budget"]), default="auto",
               show_default=True, help="Move blocked ranks' GPU state to host memory when a device is full.")
 @click.option("--device-memory", type=float, default=None, help="GiB per device (default: the GPU's total).")
+@click.option("--host-memory", type=float, default=None,
+              help="GiB of host RAM swapped-out GPU state may take (default with --swap checkpoint: 90% of available).")
 @click.option("--target-gpu", default=None,
               help="Cap each rank at this GPU's memory (h100-80gb, ... or GiB); an OOM becomes a prediction (exit 5).")
 @click.option("--target-context", type=float, default=None,
@@ -47,7 +49,8 @@ def main() -> None:
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
 def launch(world_size: int, devices: str, slots_per_device: int, hang_timeout: float, trace_dir: Path,
            gpus_per_node: int, log_ranks: str, threads_per_rank: int, preload: tuple[str, ...], swap: str,
-           device_memory: float | None, target_gpu: str | None, target_context: float | None, gpu_timing: bool,
+           device_memory: float | None, host_memory: float | None, target_gpu: str | None,
+           target_context: float | None, gpu_timing: bool,
            script: Path, script_args: tuple[str, ...]) -> None:
     """Run SCRIPT as WORLD_SIZE logical ranks through the prism backend and write a PrismTrace.
 
@@ -63,6 +66,7 @@ def launch(world_size: int, devices: str, slots_per_device: int, hang_timeout: f
             slots_per_device=slots_per_device, hang_timeout=hang_timeout, trace_dir=trace_dir,
             gpus_per_node=gpus_per_node, log_ranks=parse_ranks(log_ranks, max(world_size, 1)),
             threads_per_rank=threads_per_rank, preload=list(preload), swap=swap, device_memory_gib=device_memory,
+            host_memory_gib=host_memory,
             target_gpu=target, gpu_timing=gpu_timing,
         ).validate()
     except (LaunchError, TargetError) as e:

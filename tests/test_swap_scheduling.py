@@ -7,7 +7,7 @@ import random
 import pytest
 
 from prism_megatron.launcher.config import LaunchConfig, LaunchError
-from prism_megatron.runtime.memory import DeviceMemory
+from prism_megatron.runtime.memory import DeviceMemory, HostBudget
 from prism_megatron.runtime.swap import BudgetSwapper, SwapNoRoom
 
 GIB = 2**30
@@ -75,6 +75,25 @@ def test_restore_without_room_waits_for_an_evictable_rank():
     assert mem.resident == {1} and mem.stats[0].swaps_out == 1 and mem.stats[1].swaps_in == 1
 
 
+def test_swap_outs_stay_within_the_host_memory_budget():
+    """Checkpointed state lives in host RAM: a victim whose state does not fit the host budget is
+    passed over (another that fits is taken), and with none that fits the rank waits."""
+    mem, sw = _device(300, {0: 60, 1: 60, 2: 40})
+    mem.host = HostBudget(50 * GIB)
+    mem.capacity = sw.capacity = 160 * GIB
+    pids = {0: 1, 1: 2, 2: 3, 3: 4, 4: 5}
+    for r, f in ((3, 40), (4, 50)):  # ranks that ran before and are out (their state held elsewhere)
+        mem.footprint[r], mem.stats[r] = f * GIB, mem.stats[0].__class__()
+    waits = {0: 9.0, 1: 5.0, 2: 1.0, 3: 0.0}  # rank 0 would be the first choice, but 60 GiB do not fit the host
+    assert mem.make_resident(3, [0, 1, 2], pids, waits.get)
+    assert sw.log[-2:] == [("out", 2), ("in", 3)] and mem.host.held == {2: 40 * GIB}
+    assert not mem.make_resident(4, [0, 1, 3], pids, waits.get)  # 10 GiB of host left: no victim fits
+    assert mem.resident == {0, 1, 3} and mem.used() <= mem.capacity
+    mem.forget(0)  # rank 0 ended: room on the device, no swap-out needed
+    assert mem.make_resident(2, [1, 3], pids, waits.get)
+    assert mem.resident == {1, 2, 3} and mem.host.held == {}  # its host memory is free again
+
+
 def test_stand_in_refuses_restore_without_room():
     sw = BudgetSwapper(GIB)
     sw.footprint[5] = 2 * GIB
@@ -87,6 +106,7 @@ def test_stand_in_refuses_restore_without_room():
     ({"swap": "checkpoint"}, "--swap checkpoint needs GPU --devices"),
     ({"swap": "budget"}, "--swap budget needs --device-memory GiB"),
     ({"device_memory_gib": -2.0}, "--device-memory must be a positive number of GiB, got -2.0"),
+    ({"host_memory_gib": 0.0}, "--host-memory must be a positive number of GiB, got 0.0"),
 ])
 def test_swap_options_are_validated(tmp_path, kw, msg):
     script = tmp_path / "s.py"
@@ -130,3 +150,23 @@ def test_job_over_budget_swaps_and_keeps_results(tmp_path):
     assert sum(s["swaps_out"] for s in swap.values()) > 0
     assert sum(s["swaps_in"] for s in swap.values()) > 0
     assert "swap" not in read_trace(tmp_path / "trace-none").manifest["job"]
+
+
+def test_too_little_host_memory_for_swapped_state_ends_in_a_report_that_says_so(tmp_path):
+    """8 ranks of 60 GiB on a 141 GiB device need swapping, but 50 GiB of host memory hold no rank's
+    state: the job cannot go on, and the hang report names the host budget instead of hanging."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import PROGRAMS
+
+    env = dict(os.environ, RING_OUT=str(tmp_path), PRISM_FOOTPRINT_BYTES=str(60 * GIB))
+    p = subprocess.run([sys.executable, "-m", "prism_megatron", "launch", "-w", "8", "--slots-per-device", "2",
+                        "--swap", "budget", "--device-memory", "141", "--host-memory", "50", "--hang-timeout", "5",
+                        "--log-ranks", "none", "--trace-dir", str(tmp_path / "trace"), str(PROGRAMS / "ring.py"), "2"],
+                       capture_output=True, text=True, timeout=180, env=env)
+    assert p.returncode == 3, p.stderr
+    report = (tmp_path / "trace.logs" / "hang-report.txt").read_text()
+    assert "waiting for device memory" in report
+    assert "host memory for checkpointed GPU state: 0.0 of 50.0 GiB held" in report

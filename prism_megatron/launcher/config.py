@@ -28,6 +28,8 @@ class LaunchConfig:
     swap: str = "auto"  # auto | none | checkpoint | budget (stand-in, for tests)
     device_memory_gib: float | None = None  # capacity per device; default: the GPU's total memory
     device_memory: list[int] = field(default_factory=list)  # resolved by validate(), bytes per device
+    host_memory_gib: float | None = None  # host RAM checkpointed GPU state may take; default: 90% of available
+    host_memory: int | None = None  # resolved by validate(), bytes (None: not limited)
     target_gpu: dict | None = None  # TargetGPU.as_dict(): each rank's allocator is capped at its 'usable'
     expected_iterations: int | None = None  # per rank, for the progress estimate (Megatron's --train-iters)
     progress_every: float = 10.0  # seconds between progress lines
@@ -119,6 +121,8 @@ class LaunchConfig:
             raise LaunchError(f"--swap must be auto, none or checkpoint, got {self.swap!r}")
         if self.device_memory_gib is not None and not self.device_memory_gib > 0:
             raise LaunchError(f"--device-memory must be a positive number of GiB, got {self.device_memory_gib!r}")
+        if self.host_memory_gib is not None and not self.host_memory_gib > 0:
+            raise LaunchError(f"--host-memory must be a positive number of GiB, got {self.host_memory_gib!r}")
         if self.swap == "checkpoint" and not self.on_gpu:
             raise LaunchError("--swap checkpoint needs GPU --devices: CPU ranks have no device state to swap")
         if self.swap == "budget" and self.device_memory_gib is None:
@@ -128,6 +132,10 @@ class LaunchConfig:
             self.device_memory = [int(self.device_memory_gib * 2**30)] * len(self.devices)
         else:
             self.device_memory = totals or [0] * len(self.devices)
+        if self.host_memory_gib is not None:
+            self.host_memory = int(self.host_memory_gib * 2**30)
+        elif self.swap == "checkpoint":
+            self.host_memory = int(0.9 * _available_host_memory())
         return self
 
     def resolved_swap(self) -> str:
@@ -182,3 +190,15 @@ def parse_ranks(text: str, world_size: int) -> list[int]:
                 raise LaunchError(
                     f"--log-ranks: {part!r} is not a rank, a range a-b, 'last', 'all' or 'none'") from None
     return out
+
+
+def _available_host_memory() -> int:
+    """Bytes of host RAM available now (Linux ``MemAvailable``); checkpointed GPU state must fit in it."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")

@@ -70,6 +70,7 @@ class _Job:
             "threads": 1,
             "swap": cfg.resolved_swap(),
             "device_memory": cfg.device_memory,
+            "host_memory": cfg.host_memory,
             "swap_policy": os.environ.get("PRISM_SWAP_POLICY", "resident-first"),
             "predictor": cfg.predictor, "predictor_options": cfg.predictor_options,
             "live_trace": str(cfg.log_dir / "live-trace"),

@@ -27,7 +27,7 @@ from prism_megatron.runtime import collectives as C
 from prism_megatron.runtime import protocol as P
 from prism_megatron.runtime.hang import format_hang_report
 from prism_megatron.runtime.matching import Member, P2PQueues, check_collective, check_p2p, desc_bytes
-from prism_megatron.runtime.memory import DeviceMemory
+from prism_megatron.runtime.memory import DeviceMemory, HostBudget
 from prism_megatron.runtime.shm import SegmentMap
 from prism_megatron.runtime.slots import Grant, ResidentFirstPolicy, SlotScheduler
 from prism_megatron.runtime.swap import BudgetSwapper, CudaCheckpointSwapper, Swapper
@@ -143,13 +143,16 @@ class Coordinator:
         self.last_progress = time.perf_counter()
         self.finished = False
 
-    def enable_swap(self, swapper: Swapper, capacities: list[int], policy: str = "resident-first") -> None:
+    def enable_swap(self, swapper: Swapper, capacities: list[int], policy: str = "resident-first",
+                    host_capacity: int | None = None) -> None:
         """Keep at most each device's capacity of ranks' state resident, swapping blocked ranks out.
 
         With `resident-first`, the slot goes preferably to a queued rank whose state is on the device,
         which cuts swaps (bench: `python bench/swap_policy.py`); `fifo` keeps plain arrival order.
+        ``host_capacity``: bytes of host memory the checkpointed state of all devices may take.
         """
-        self.memory = [DeviceMemory(c, swapper) for c in capacities]
+        host = HostBudget(host_capacity) if host_capacity is not None else None
+        self.memory = [DeviceMemory(c, swapper, host=host) for c in capacities]
         if policy == "resident-first":
             mem = self.memory
             self.slots.policy = ResidentFirstPolicy(lambda r: r in mem[self.slots.device_of(r)].resident)
@@ -670,7 +673,7 @@ def main(argv: list[str] | None = None) -> None:
     if swap != "none":
         caps = [int(c) for c in cfg["device_memory"]]
         swapper = BudgetSwapper(caps[0]) if swap == "budget" else CudaCheckpointSwapper()
-        coord.enable_swap(swapper, caps, cfg.get("swap_policy", "resident-first"))
+        coord.enable_swap(swapper, caps, cfg.get("swap_policy", "resident-first"), cfg.get("host_memory"))
     if cfg.get("predictor"):
         module, _, func = cfg["predictor"].partition(":")
         coord.set_predictor(getattr(importlib.import_module(module), func), Path(cfg["live_trace"]),

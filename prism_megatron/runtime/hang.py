@@ -73,6 +73,11 @@ def format_hang_report(coord: Any, stalled: float) -> str:
             lines.append(f"  rank {g.rank}: needs {m.footprint.get(g.rank, 0) / 2**30:.1f} GiB on "
                          f"{coord.device_names[g.device]}; {m.used() / 2**30:.1f} of {m.capacity / 2**30:.1f} GiB "
                          f"resident ({_fmt_ranks(sorted(m.resident))})")
+        host = mem[0].host
+        if host is not None:
+            lines.append(f"  host memory for checkpointed GPU state: {(host.capacity - host.free()) / 2**30:.1f} of "
+                         f"{host.capacity / 2**30:.1f} GiB held ({_fmt_ranks(sorted(host.held))}); a rank is only "
+                         "swapped out when its state fits (--host-memory)")
     return "\n".join(lines)
 
 

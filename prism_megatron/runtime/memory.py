@@ -5,6 +5,10 @@ slot must be resident; if the device lacks room, blocked residents are swapped o
 whose pending ops will complete last (most members still missing), since they will not need the
 GPU soon. Restores are scheduled by free memory, never by hope: a restore is only tried when the
 accounting says it fits (a failed restore costs nothing but leaves the rank out).
+
+A checkpointed rank's GPU state lives in host memory, so host RAM bounds how much can be swapped
+out at once (the machine of the H200 measurements has 128 GiB for 141 GiB of GPU): a swap-out that
+would not fit the host budget is not made, and a rank that needs one waits like any other.
 """
 
 from __future__ import annotations
@@ -25,6 +29,17 @@ class SwapStats:
 
 
 @dataclass
+class HostBudget:
+    """Host memory that checkpointed GPU state may take, shared by every device of the job (bytes)."""
+
+    capacity: int
+    held: dict[int, int] = field(default_factory=dict)  # rank -> bytes of its checkpointed state
+
+    def free(self) -> int:
+        return self.capacity - sum(self.held.values())
+
+
+@dataclass
 class DeviceMemory:
     """One device's capacity, its resident ranks and their footprints (bytes)."""
 
@@ -33,6 +48,7 @@ class DeviceMemory:
     footprint: dict[int, int] = field(default_factory=dict)
     resident: set[int] = field(default_factory=set)
     stats: dict[int, SwapStats] = field(default_factory=dict)
+    host: HostBudget | None = None  # None: host memory not limited (the stand-in's tests)
 
     def used(self) -> int:
         return sum(self.footprint.get(r, 0) for r in self.resident)
@@ -53,12 +69,15 @@ class DeviceMemory:
         for r in order:
             if self.used() <= self.capacity:
                 return
-            self._out(r, pids[r])
+            if self._host_room() >= self.footprint.get(r, 0):
+                self._out(r, pids[r])
 
     def forget(self, rank: int) -> None:
         """The rank's process ended: its memory is free."""
         self.resident.discard(rank)
         self.footprint.pop(rank, None)
+        if self.host is not None:
+            self.host.held.pop(rank, None)
         if isinstance(self.swapper, BudgetSwapper):
             self.swapper.used.pop(rank, None)
 
@@ -82,13 +101,16 @@ class DeviceMemory:
             return True
         need = self.footprint.get(rank, 0)
         order = sorted((r for r in evictable if r in self.resident and r != rank), key=completes_last, reverse=True)
-        free = self.capacity - self.used()
+        free, host_free = self.capacity - self.used(), self._host_room()
         victims = []
         for r in order:
             if free >= need:
                 break
+            if self.footprint.get(r, 0) > host_free:  # its state would not fit in host memory
+                continue
             victims.append(r)
             free += self.footprint.get(r, 0)
+            host_free -= self.footprint.get(r, 0)
         if free < need:
             return False
         for r in victims:
@@ -105,7 +127,12 @@ class DeviceMemory:
         s.bytes_in += need
         s.seconds += dt
         self.resident.add(rank)
+        if self.host is not None:
+            self.host.held.pop(rank, None)
         return True
+
+    def _host_room(self) -> float:
+        return self.host.free() if self.host is not None else float("inf")
 
     def _out(self, rank: int, pid: int) -> None:
         dt = timed(self.swapper.checkpoint, rank, pid)
@@ -114,3 +141,5 @@ class DeviceMemory:
         s.bytes_out += self.footprint.get(rank, 0)
         s.seconds += dt
         self.resident.discard(rank)
+        if self.host is not None:
+            self.host.held[rank] = self.footprint.get(rank, 0)
