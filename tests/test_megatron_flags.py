@@ -35,6 +35,25 @@ def test_prism_options_before_and_among_script_flags(tmp_path):
     assert flags[:3] == ["--prism-emulate", "--prism-world-size", "8"] and "--prism-recipe" not in flags
 
 
+def test_swap_flags_reach_the_launcher_and_bad_ones_are_named(tmp_path):
+    """--prism-swap / --prism-device-memory / --prism-host-memory (issue 4's override) set the launch."""
+    from prism_megatron.launcher.config import LaunchError
+    from prism_megatron.megatron.run import launch_config
+
+    script = tmp_path / "train.py"
+    script.write_text("")
+    base = ["--prism-emulate", "--prism-world-size", "2", str(script)]
+    cfg = launch_config(parse_run_args([*base, "--prism-swap", "none", "--prism-device-memory", "40",
+                                        "--prism-host-memory", "20"])).validate()
+    assert (cfg.swap, cfg.device_memory, cfg.host_memory) == ("none", [40 * 2**30], 20 * 2**30)
+    with pytest.raises(LaunchError, match="--swap checkpoint needs GPU --devices"):
+        launch_config(parse_run_args([*base, "--prism-swap", "checkpoint"])).validate()
+    with pytest.raises(LaunchError, match="--host-memory must be a positive number of GiB, got -1.0"):
+        launch_config(parse_run_args([*base, "--prism-host-memory", "-1"])).validate()
+    with pytest.raises(RunError, match="prism-swap"):
+        parse_run_args([*base, "--prism-swap", "sometimes"])
+
+
 def test_recipe_supplies_script_flags_env_and_world_size():
     from prism_megatron.megatron.driver import CORE_DRIVER_SCRIPT
     from prism_megatron.recipe import load_recipe, render_args
@@ -187,7 +206,8 @@ def test_flags_parse_through_megatrons_parser(tmp_path):
         "prism_gpus_per_node": 8, "prism_threads_per_rank": 1, "prism_recipe": None, "prism_driver": "auto",
         "prism_target_gpu": None, "prism_target_context": None, "prism_track_memory": "auto",
         "prism_report": "on", "prism_cluster": None, "prism_anchor_fake_pg": False, "prism_gpu_timing": "auto",
-        "prism_calibrate": "off", "prism_calibrate_ranks_per_device": 2, "my_flag": 7,
+        "prism_calibrate": "off", "prism_calibrate_ranks_per_device": 2, "prism_swap": "auto",
+        "prism_device_memory": None, "prism_host_memory": None, "my_flag": 7,
     }
     assert result["defaults"]["prism_emulate"] is False
 

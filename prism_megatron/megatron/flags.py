@@ -59,6 +59,14 @@ PRISM_FLAGS: dict[str, dict[str, Any]] = {
     "--prism-anchor-fake-pg": dict(action="store_true",
                                    help="After the run, also run one rank per class alone under Megatron's "
                                         "--fake-process-group and show its peak memory beside ours in the report."),
+    "--prism-swap": dict(type=str, default="auto", choices=["auto", "none", "checkpoint"],
+                         help="Move blocked ranks' GPU state to host memory when a device is full (CUDA process "
+                              "checkpoint); 'auto' is 'none' for now."),
+    "--prism-device-memory": dict(type=float, default=None,
+                                  help="GiB per device that ranks' state may take (default: the GPU's total)."),
+    "--prism-host-memory": dict(type=float, default=None,
+                                help="GiB of host RAM swapped-out GPU state may take (default with --prism-swap "
+                                     "checkpoint: 90%% of the RAM available at start)."),
     "--prism-cluster": dict(type=str, default=None,
                             help="Cluster profile that costs communication in the prediction "
                                  "(prism-megatron cluster list); default: free communication."),
