@@ -294,3 +294,45 @@ def test_segment_rows_travel_from_ranks_to_the_trace_and_replay(tmp_path, monkey
     assert any(isinstance(e, Compute) and e.gpu == 0.0 for e in graph.events[0])
     times = replay(graph).iteration_times()
     assert len(times) == 5 and all(0.03 <= t < 1.0 for t in times[1:])  # three 10 ms loops of host time
+
+
+def test_segments_end_at_every_wait_so_iterations_pair_whatever_the_ops_timing(tmp_path, monkeypatch):
+    """Whether an async op has completed by the time the program waits for it varies run to run; the
+    rank's segments must not (the timer pairs iterations segment by segment, else their rows are lost).
+    Two slots, random compute before each wait: every iteration 2-5 has rows, the same number each."""
+    from types import SimpleNamespace
+
+    from conftest import launch_source
+    from prism_megatron.runtime import gpu_timing as gt
+
+    class _Profile:
+        profiler = SimpleNamespace(kineto_results=SimpleNamespace(events=lambda: []))
+
+        def stop(self) -> None:
+            pass
+
+    monkeypatch.setattr(gt.GpuSegmentTimer, "_start", lambda self: setattr(self, "_profile", _Profile()))
+    monkeypatch.setenv("PRISM_GPU_TIMING", "1")
+    tr = launch_source(tmp_path, (
+        "import random, time, torch, torch.distributed as dist\n"
+        "from prism_megatron.trace import span\n"
+        "dist.init_process_group('gloo')\n"
+        "rng = random.Random(dist.get_rank())\n"
+        "x = torch.ones(1 << 15)\n"
+        "for it in range(1, 6):\n"
+        "    with span('iteration', iteration=it):\n"
+        "        for _ in range(6):\n"
+        "            w = dist.all_reduce(x, async_op=True)\n"
+        "            t, busy = time.perf_counter(), rng.choice([0.0, 0.02])  # before or after it completes\n"
+        "            while time.perf_counter() - t < busy:\n"
+        "                pass\n"
+        "            w.wait()\n"
+        "dist.destroy_process_group()\n"), slots_per_device=2)
+    rows = tr.gpu.to_pylist()
+    marks = [m for m in tr.marks.to_pylist() if m["name"] == "iteration"]
+    for rank in (0, 1):
+        clocks = [m["compute_clock"] for m in marks if m["rank"] == rank]
+        mine = [r for r in rows if r["rank"] == rank]
+        counts = [sum(a - 1e-9 < r["clock_end"] <= b + 1e-9 for r in mine)
+                  for a, b in zip(clocks[0::2], clocks[1::2], strict=True)][1:]
+        assert len(set(counts)) == 1 and counts[0] > 0, counts

@@ -62,10 +62,11 @@ def test_collective_tensors_die_with_their_last_reference(tmp_path):
 
 
 def test_results_are_written_when_the_program_waits_unless_a_future_is_out(tmp_path):
-    """An async op's results land in the program's tensors when it waits (or polls is_completed), on
-    its own thread with its clock paused, not whenever they arrive: a write beside the computing
-    program inflated its measured compute on the GPU. A Work whose future was handed out is written
-    on arrival (torch may wait on that future where prism cannot deliver)."""
+    """An async op's results land in the program's tensors at the program's next call into the
+    runtime (a wait, a poll of is_completed, another op), on its own thread with its clock paused,
+    not whenever they arrive: a write beside the computing program inflated its measured compute on
+    the GPU. A Work whose future was handed out is written on arrival (torch may wait on that future
+    where prism cannot deliver)."""
     from conftest import launch_source
 
     out = tmp_path / "out"
@@ -77,11 +78,11 @@ def test_results_are_written_when_the_program_waits_unless_a_future_is_out(tmp_p
         "lines = []\n"
         "for n in (4, 1 << 16):  # inline and shared-memory results\n"
         "    x, y, z, v = (torch.full((n,), float(r + 1)) for _ in range(4))\n"
-        "    wx = dist.all_reduce(x, async_op=True)\n"
-        "    wy = dist.all_reduce(y, async_op=True)\n"
         "    wz = dist.all_reduce(z, async_op=True)\n"
-        "    wv = dist.all_reduce(v, async_op=True)\n"
         "    fz = wz.get_future()\n"
+        "    wy = dist.all_reduce(y, async_op=True)\n"
+        "    wv = dist.all_reduce(v, async_op=True)\n"
+        "    wx = dist.all_reduce(x, async_op=True)  # the last runtime call before the sleep\n"
         "    time.sleep(1.0)  # both ranks compute (2 slots): the ops complete meanwhile\n"
         "    lines.append(f'n={n} before_wait={x[0].item()} future_written={z[0].item()}')\n"
         "    wv.get_future()  # taken after the op completed: written then\n"

@@ -136,7 +136,7 @@ class PrismWork(dist.Work):
 
     def is_completed(self) -> bool:
         if not self._done.is_set() and self._op.arrived.is_set():
-            self._client.deliver([self._op])  # a program polling for completion gets the results now
+            self._client.deliver()  # a program polling for completion gets the results now
         return self._done.is_set()
 
     def is_success(self) -> bool:
@@ -260,6 +260,7 @@ class RankClient:
     def mark(self, name: str, phase: str, attrs: dict) -> None:
         self._settle()
         clock = self._pause()
+        self._deliver()
         if name == "iteration" and phase == "E":
             self._flush_gpu_timing()  # before the marker: an iteration's rows are in when it is predicted
         self._send({"t": P.MARK, "name": name, "phase": phase, "attrs": attrs, "clk": clock})
@@ -276,6 +277,7 @@ class RankClient:
         self._settle()
         # queued kernels are the program's compute: finish them on its clock; staging below is the runtime's
         clock = self._pause(sync=any(t.is_cuda for t in (*ins, *outs)))
+        self._deliver()
         op_id = next(self._ids)
         work = PrismWork(self, op_id, outs if result is None else result)
         with untracked():  # staging copies are the runtime's, not the program's memory
@@ -334,14 +336,13 @@ class RankClient:
     def wait(self, ops: list[OpToken]) -> None:
         """Block until `ops` complete, giving the slot back meanwhile."""
         self._settle()
+        # the segment ends here whether or not the ops are done: where segments end must not depend on
+        # when ops happened to complete (the GPU timer pairs iterations segment by segment)
+        self._pause()
+        self._deliver()
         if all(o.done.is_set() for o in ops):
-            return
-        if all(o.arrived.is_set() for o in ops):  # completed while the program computed: results only
-            self._pause()
-            self._deliver(ops)
             self._resume()
             return
-        self._pause()
         if self._fatal is not None:
             raise self._fatal
         self._granted.clear()
@@ -350,14 +351,14 @@ class RankClient:
         for o in ops:
             o.done.wait()
 
-    def deliver(self, ops: list[OpToken]) -> None:
-        """Write the results of ``ops`` that completed into the program's tensors, off its clock."""
+    def deliver(self) -> None:
+        """Write the results of the ops that completed into the program's tensors, off its clock."""
         if self._running_since is not None:
             self._pause()
-            self._deliver(ops)
+            self._deliver()
             self._resume()
         else:
-            self._deliver(ops)
+            self._deliver()
 
     def make_eager(self, op: OpToken) -> None:
         """Results of ``op`` are written as soon as they arrive, by the receiver (its future is out)."""
@@ -368,21 +369,19 @@ class RankClient:
             p.eager = True
             arrived = p.msg is not None
         if arrived:  # the receiver has passed it by: write it now, off the program's clock
-            self.deliver([op])
+            self.deliver()
 
-    def _deliver(self, ops: list[OpToken]) -> None:
-        """Results are written by the rank's own thread while its clock is paused, never by the
-        receiver: a copy there ran beside the program (on a GPU, a pageable host-to-device copy holds
-        up the program's launches; it also put another process's work on the device of a computing
-        rank) and the emulated segment grew by it, which the real job, whose NCCL writes results on
-        its own stream, does not pay. Only the ops waited for are written, so where a rank's compute
-        segments end does not depend on when other ops happened to arrive."""
-        for o in ops:
-            with self._pending_lock:
-                p = self._pending.get(o.op_id)
-                if p is None or p.msg is None:
-                    continue
-                del self._pending[o.op_id]
+    def _deliver(self) -> None:
+        """Write every completed op's results, on the rank's own thread at a runtime call (its clock
+        paused), never from the receiver: a copy there ran beside the program (on a GPU, a pageable
+        host-to-device copy holds up the program's launches; it also put another process's work on
+        the device of a computing rank) and the emulated segment grew by it, which the real job,
+        whose NCCL writes results on its own stream, does not pay. Writing at the next runtime call
+        rather than only at the op's wait keeps the op's tensors no longer than NCCL would."""
+        with self._pending_lock:
+            ready = [i for i, p in self._pending.items() if p.msg is not None]
+            batch = [self._pending.pop(i) for i in ready]
+        for p in batch:
             self._write(p)
 
     def idle(self, seconds: float) -> None:
@@ -431,7 +430,7 @@ class RankClient:
             while not o.arrived.wait(1.0):
                 if self._fatal is not None:
                     raise self._fatal
-        self._deliver(ops)
+        self._deliver()
         self._resume()
 
     def close(self, exit_code: int) -> None:
