@@ -99,3 +99,37 @@ def test_results_are_written_when_the_program_waits_unless_a_future_is_out(tmp_p
             assert f"n={n} after_wait=3.0 polled=True y=3.0" in text, text
             assert f"n={n} collect_all=3.0" in text, text
             assert f"n={n} late_future=3.0" in text, text
+
+
+def test_an_op_on_a_tensor_that_an_earlier_op_writes_sees_its_result(tmp_path):
+    """NCCL runs a communicator's collectives in stream order: all_reduce(x) twice without a wait
+    between reduces the first's result. prism holds the second until the first completed when (and
+    only when) their memory overlaps: disjoint views of one buffer, like Megatron's DDP buckets, go
+    out at once."""
+    from conftest import launch_source
+
+    out = tmp_path / "out"
+    out.mkdir()
+    tr = launch_source(tmp_path, (
+        "import torch, torch.distributed as dist\n"
+        "dist.init_process_group('gloo')\n"
+        "r = dist.get_rank()\n"
+        "x = torch.ones(1 << 15)\n"
+        "w1 = dist.all_reduce(x, async_op=True)\n"
+        "w2 = dist.all_reduce(x, async_op=True)\n"
+        "w2.wait(); w1.wait()\n"
+        "buf = torch.ones(8)\n"
+        "w3 = dist.all_reduce(buf[:4], async_op=True)\n"
+        "w4 = dist.all_reduce(buf[4:], async_op=True)\n"
+        "w3.wait(); w4.wait()\n"
+        f"open(f'{out}/rank-{{r}}.txt', 'w').write(f'{{x[0].item()}} {{x[-1].item()}} {{buf.tolist()}}')\n"
+        "dist.destroy_process_group()\n"))
+    for r in (0, 1):
+        assert (out / f"rank-{r}.txt").read_text() == "4.0 4.0 " + str([2.0] * 8)
+    ops = sorted((o for o in tr.ops.to_pylist() if o["rank"] == 0 and o["kind"] == "all_reduce"),
+                 key=lambda o: o["t_issue"])
+    assert len(ops) == 4
+    # one slot: rank 1 cannot issue op 1 before rank 0 gives the slot up; rank 0 held op 2 back for op 1,
+    # but issued op 4 while op 3 was still pending
+    assert ops[1]["t_issue"] >= ops[0]["t_complete"]
+    assert ops[3]["t_issue"] < ops[2]["t_complete"]

@@ -161,6 +161,19 @@ class PrismWork(dist.Work):
         return self._source
 
 
+def _span(t: torch.Tensor) -> tuple[str, int, int]:
+    """(device, first byte, end byte) of the memory ``t`` can touch (views: the extent of its strides)."""
+    start = t.data_ptr()
+    if t.numel() == 0:
+        return str(t.device), start, start
+    extent = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True) if n > 0)
+    return str(t.device), start, start + extent * t.element_size()
+
+
+def _overlaps(a: tuple[str, int, int], b: tuple[str, int, int]) -> bool:
+    return a[0] == b[0] and a[1] < b[2] and b[1] < a[2]
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -278,6 +291,10 @@ class RankClient:
         # queued kernels are the program's compute: finish them on its clock; staging below is the runtime's
         clock = self._pause(sync=any(t.is_cuda for t in (*ins, *outs)))
         self._deliver()
+        before = self._writers_of(ins)
+        if before:  # NCCL would run this op after those on its stream: its inputs are their results
+            self._block(before)
+            clock = self._clock
         op_id = next(self._ids)
         work = PrismWork(self, op_id, outs if result is None else result)
         with untracked():  # staging copies are the runtime's, not the program's memory
@@ -339,17 +356,32 @@ class RankClient:
         # the segment ends here whether or not the ops are done: where segments end must not depend on
         # when ops happened to complete (the GPU timer pairs iterations segment by segment)
         self._pause()
+        self._block(ops)
+        self._resume()
+
+    def _block(self, ops: list[OpToken]) -> None:
+        """With the clock paused: deliver what completed; if ``ops`` are not all done, give the slot
+        back until they are (their results delivered). Leaves the clock paused."""
         self._deliver()
         if all(o.done.is_set() for o in ops):
-            self._resume()
             return
         if self._fatal is not None:
             raise self._fatal
         self._granted.clear()
         self._send({"t": P.BLOCK, "ids": [o.op_id for o in ops], "mem": device_footprint(), "clk": self._clock})
-        self._await_grant(ops)
+        self._await_grant(ops, resume=False)
         for o in ops:
             o.done.wait()
+
+    def _writers_of(self, ins: list[torch.Tensor]) -> list[OpToken]:
+        """Pending ops whose outputs overlap the memory of ``ins`` (a collective issued on a tensor
+        that an earlier, not yet completed op writes: NCCL's stream order makes it see that result)."""
+        with self._pending_lock:
+            if not self._pending:
+                return []
+            spans = [_span(t) for t in ins]
+            return [p.work._op for p in self._pending.values()
+                    if any(_overlaps(_span(o), s) for o in p.outs for s in spans)]
 
     def deliver(self) -> None:
         """Write the results of the ops that completed into the program's tensors, off its clock."""
@@ -414,7 +446,7 @@ class RankClient:
         answer = self._prediction or {"seconds": None, "note": "no answer"}
         return answer["seconds"], answer["note"]
 
-    def _await_grant(self, ops: list[OpToken] = ()) -> None:
+    def _await_grant(self, ops: list[OpToken] = (), resume: bool = True) -> None:
         """Wait for the slot; then, before the clock resumes, deliver what completed (``ops`` first
         arrive: the coordinator grants a blocked rank once they have)."""
         self._pause()
@@ -431,7 +463,8 @@ class RankClient:
                 if self._fatal is not None:
                     raise self._fatal
         self._deliver()
-        self._resume()
+        if resume:
+            self._resume()
 
     def close(self, exit_code: int) -> None:
         """Say goodbye (releases the slot), wait for the receiver to end, free segments."""
