@@ -18,6 +18,7 @@ import json
 from collections.abc import Iterable
 from typing import Any
 
+from ..runtime.gpu_timing import pieces
 from .graph import Compute, CpuSync, Event, Mark, Wait
 
 _TOL = 1e-9  # seconds: the graph's clock is a running sum of per-op differences of the rank's clock
@@ -28,13 +29,8 @@ def _pieces(row: dict[str, Any]) -> list[tuple[float, float] | None]:
     syncs = row["syncs"]
     if isinstance(syncs, str):
         syncs = json.loads(syncs) if syncs else []
-    out: list[tuple[float, float] | None] = []
-    cpu_at = gpu_at = 0.0
-    for off, before in syncs:
-        out += [(max(off - cpu_at, 0.0), max(before - gpu_at, 0.0)), None]
-        cpu_at, gpu_at = max(off, cpu_at), max(before, gpu_at)
-    out.append((max(row["cpu"] - cpu_at, 0.0), max(row["gpu"] - gpu_at, 0.0)))
-    return out
+    *waited, last = pieces(row["cpu"], row["gpu"], syncs)
+    return [x for piece in waited for x in (piece, None)] + [last]
 
 
 def with_gpu_times(events: list[Event], rows: Iterable[dict[str, Any]]) -> list[Event]:
