@@ -129,15 +129,16 @@ def select_driver(choice: str) -> tuple[str, Path, str]:
     core_version = _megatron_core_version()
     if core_version is not None and core_version[:2] > TRAINING_DRIVER_CHECKED:
         checked = ".".join(map(str, TRAINING_DRIVER_CHECKED))
-        return "core", CORE_DRIVER_SCRIPT, (f"auto: megatron-core {'.'.join(map(str, core_version))} is newer than "
-                                            f"the training driver's {checked}.x (0.19 moved its batch helpers)")
+        version = ".".join(map(str, core_version))
+        return "core", CORE_DRIVER_SCRIPT, (f"auto: megatron-core {version} is newer than the training driver's "
+                                            f"{checked}.x on a GPU (--prism-driver training to opt in)")
     if training_available():
         return "training", DRIVER_SCRIPT, "auto: megatron.training is importable"
     return "core", CORE_DRIVER_SCRIPT, "auto: megatron.training is not importable (megatron-core wheel only)"
 
 
-#: megatron-core (major, minor) the training driver (pretrain_gpt_mini.py) is checked against; 'auto'
-#: takes the core driver on newer versions (on 0.19.2 the training driver fails at import).
+#: megatron-core (major, minor) the training driver (pretrain_gpt_mini.py) is checked against on a GPU;
+#: 'auto' takes the core driver on newer versions (0.19.2 ran on CPU only, bench/gpu/training_driver.sh).
 TRAINING_DRIVER_CHECKED = (0, 16)
 
 

@@ -53,6 +53,7 @@ class _Pending:
     regions: list[str] = field(default_factory=list)  # segment names to free once done
     msg: dict | None = None  # the coordinator's DONE, kept until the rank's own thread delivers it
     eager: bool = False  # a future was handed out: the receiver writes results as they arrive
+    spans: list[tuple[str, int, int]] = field(default_factory=list)  # memory the outputs cover (_span)
 
 
 class OpToken:
@@ -300,7 +301,8 @@ class RankClient:
         with untracked():  # staging copies are the runtime's, not the program's memory
             regions, in_descs, out_descs = self._stage(ins, outs, inplace)
         with self._pending_lock:
-            self._pending[op_id] = _Pending(work, outs, [d[0] for d in out_descs], regions)
+            self._pending[op_id] = _Pending(work, outs, [d[0] for d in out_descs], regions,
+                                            spans=[_span(t) for t in outs])
         msg = {"t": P.OP, "id": op_id, "g": group, "kind": kind, "ins": in_descs, "outs": out_descs,
                "drops": self.arena.take_dropped(), "clk": clock, **params}
         if params.get("async_op") is False:
@@ -381,7 +383,7 @@ class RankClient:
                 return []
             spans = [_span(t) for t in ins]
             return [p.work._op for p in self._pending.values()
-                    if any(_overlaps(_span(o), s) for o in p.outs for s in spans)]
+                    if any(_overlaps(o, s) for o in p.spans for s in spans)]
 
     def deliver(self) -> None:
         """Write the results of the ops that completed into the program's tensors, off its clock."""
