@@ -407,10 +407,11 @@ class RankClient:
 
     def _deliver(self) -> None:
         """Write every completed op's results, on the rank's own thread at a runtime call (its clock
-        paused), never from the receiver: a copy there ran beside the program (on a GPU, a pageable
-        host-to-device copy holds up the program's launches; it also put another process's work on
-        the device of a computing rank) and the emulated segment grew by it, which the real job,
-        whose NCCL writes results on its own stream, does not pay. Writing at the next runtime call
+        paused), never from the receiver: a copy there ran beside the program (on a GPU a pageable
+        host-to-device copy, and another process's work on a computing rank's device), and on the
+        H200 the emulated host time grew with the micro-batch as if segments paid for it (inferred,
+        not measured copy by copy), which the real job, whose NCCL writes results on its own stream,
+        does not pay. Writing at the next runtime call
         rather than only at the op's wait keeps the op's tensors no longer than NCCL would."""
         with self._pending_lock:
             ready = [i for i, p in self._pending.items() if p.msg is not None]
