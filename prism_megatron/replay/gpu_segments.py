@@ -18,7 +18,7 @@ import json
 from collections.abc import Iterable
 from typing import Any
 
-from ..runtime.gpu_timing import pieces
+from ..trace.schema import segment_pieces
 from .graph import Compute, CpuSync, Event, Mark, Wait
 
 _TOL = 1e-9  # seconds: the graph's clock is a running sum of per-op differences of the rank's clock
@@ -29,7 +29,7 @@ def _pieces(row: dict[str, Any]) -> list[tuple[float, float] | None]:
     syncs = row["syncs"]
     if isinstance(syncs, str):
         syncs = json.loads(syncs) if syncs else []
-    *waited, last = pieces(row["cpu"], row["gpu"], syncs)
+    *waited, last = segment_pieces(row["cpu"], row["gpu"], syncs)
     return [x for piece in waited for x in (piece, None)] + [last]
 
 

@@ -22,6 +22,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+from prism_megatron.trace.schema import segment_pieces
+
 #: Name fragment of the marker kernel (``torch.cuda._sleep``); programs do not launch it.
 MARKER = "spin_kernel"
 #: Host calls that block until the device has finished work.
@@ -183,23 +185,12 @@ def pair(profiled: list[SegmentTiming], plain: list[Closed]) -> tuple[list[Segme
     return out_p, out_u
 
 
-def pieces(cpu: float, gpu: float, syncs: list) -> list[tuple[float, float]]:
-    """A segment's (host, device) stretches between its waits for the device: one more than the
-    waits (``syncs``: host offset, device time queued before), the program waiting after each but the last."""
-    out, cpu_at, gpu_at = [], 0.0, 0.0
-    for off, before in syncs:
-        out.append((max(off - cpu_at, 0.0), max(before - gpu_at, 0.0)))
-        cpu_at, gpu_at = max(off, cpu_at), max(before, gpu_at)
-    out.append((max(cpu - cpu_at, 0.0), max(gpu - gpu_at, 0.0)))
-    return out
-
-
 def host_end(seg: SegmentTiming, scale: float) -> float:
     """When the host ends ``seg`` (its host time and wait offsets times ``scale``) in the replay's
     model: the segment starts on an empty device queue (the runtime synchronised before it), the
     device runs its work as it is issued, the host waits at each sync until the device has done the
     work queued before it (replay.engine: Compute and CpuSync)."""
-    *waited, last = pieces(seg.cpu, seg.gpu, seg.syncs)
+    *waited, last = segment_pieces(seg.cpu, seg.gpu, seg.syncs)
     clock = stream = 0.0
     for c, g in waited:
         stream = max(stream + g, clock + c * scale)

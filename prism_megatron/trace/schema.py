@@ -156,6 +156,18 @@ GPU_COLUMNS: tuple[Column, ...] = (
     ),
 )
 
+
+def segment_pieces(cpu: float, gpu: float, syncs: list) -> list[tuple[float, float]]:
+    """A gpu row's (host, device) stretches between its waits for the device: one more than the
+    waits (``syncs``: host offset, device time queued before), the program waiting after each but the last.
+    The runtime's host-time solve and the replay read rows through it."""
+    out, cpu_at, gpu_at = [], 0.0, 0.0
+    for off, before in syncs:
+        out.append((max(off - cpu_at, 0.0), max(before - gpu_at, 0.0)))
+        cpu_at, gpu_at = max(off, cpu_at), max(before, gpu_at)
+    out.append((max(cpu - cpu_at, 0.0), max(gpu - gpu_at, 0.0)))
+    return out
+
 COLUMNS: dict[str, tuple[Column, ...]] = {
     "ops": OPS_COLUMNS, "marks": MARKS_COLUMNS, "slots": SLOTS_COLUMNS, "gpu": GPU_COLUMNS,
 }
