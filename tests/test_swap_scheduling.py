@@ -94,6 +94,24 @@ def test_swap_outs_stay_within_the_host_memory_budget():
     assert mem.resident == {1, 2, 3} and mem.host.held == {}  # its host memory is free again
 
 
+def test_a_rank_without_cuda_state_is_never_evicted_and_is_admitted_with_room():
+    """A rank blocked before its first CUDA call reports 0 bytes; the driver refuses to lock such a
+    process (CUDA_ERROR_NOT_SUPPORTED, the stand-in likewise). It must not be picked as a victim, and
+    when it runs again room is made for what its peers hold, since it is about to allocate as much."""
+    mem, sw = _device(100, {0: 40, 1: 40})
+    pids = {r: 10 + r for r in range(3)}
+    mem.report(2, 0)  # rank 2 blocked in init_process_group: no CUDA context yet
+    assert 2 not in mem.resident
+    mem.capacity = sw.capacity = 90 * GIB
+    mem.enforce([0, 1, 2], pids, lambda r: {2: 9.0}.get(r, 0.0))  # rank 2 waits longest; nothing to free
+    assert sw.log == [] and mem.resident == {0, 1}
+    assert mem.make_resident(2, [0, 1, 2], pids, lambda r: {0: 1.0}.get(r, 0.0))  # runs again: 40 GiB made free
+    assert sw.log == [("out", 0)] and mem.resident == {1, 2} and mem.used() == 80 * GIB
+    mem.report(2, 40 * GIB)  # it allocated: an ordinary resident from now on
+    assert mem.make_resident(0, [1, 2], pids, lambda r: {2: 1.0}.get(r, 0.0))
+    assert sw.log[-2:] == [("out", 2), ("in", 0)]
+
+
 def test_stand_in_refuses_restore_without_room():
     sw = BudgetSwapper(GIB)
     sw.footprint[5] = 2 * GIB

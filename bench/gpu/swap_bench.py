@@ -5,6 +5,8 @@
 A. For each size: a child process fills N GiB on the GPU; this process (driver API only, no
    context of its own on that memory) checkpoints it, reads the GPU's used memory, restores it, and
    the child verifies its data. Prints GB/s each way.
+C. The driver on a process that has not started CUDA (a rank blocked before its first allocation):
+   what cuCheckpointProcessLock answers (why such a rank is never a victim: runtime/memory.py).
 B. 8 logical ranks of tests/programs/ring.py, each holding 20 GiB of ballast (8 x ~20.6 GiB > one
    H200), with --swap checkpoint, against the same job without ballast: results equal, swaps counted.
 """
@@ -68,6 +70,25 @@ def bench_sizes(sizes: list[float]) -> list[dict]:
     return rows
 
 
+def no_context_probe() -> dict:
+    """cuCheckpointProcessLock on a live process that imported torch but never touched CUDA."""
+    from cuda.bindings import driver
+
+    driver.cuInit(0)
+    code = "import sys, torch; print('ready', flush=True); sys.stdin.readline()"
+    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert child.stdout.readline().strip() == "ready"
+    err = driver.cuCheckpointProcessLock(child.pid, None)[0]
+    row = {"lock_without_cuda_context": getattr(err, "name", str(err))}
+    if int(err) == 0:
+        driver.cuCheckpointProcessUnlock(child.pid, None)
+    child.stdin.write("\n")
+    child.stdin.flush()
+    child.wait()
+    print(json.dumps(row), flush=True)
+    return row
+
+
 def swap_job(out: Path) -> dict:
     res = {}
     for mode, ballast in (("none", "0"), ("checkpoint", "20")):
@@ -80,6 +101,8 @@ def swap_job(out: Path) -> dict:
                             "--trace-dir", str(out / f"trace-{mode}"), "tests/programs/ring.py", "2"],
                            capture_output=True, text=True, env=env)
         res[mode] = {"exit": p.returncode, "wall_s": round(time.perf_counter() - t0, 1), "stderr": p.stderr[-1500:]}
+        for report in (out / f"trace-{mode}.logs").glob("*.txt"):  # swap/hang reports, one level up to come back
+            res[mode][report.name] = report.read_text()[-3000:]
         if p.returncode == 0:
             from prism_megatron.trace import read_trace
 
@@ -102,5 +125,5 @@ if __name__ == "__main__":
     out.mkdir(parents=True, exist_ok=True)
     only_job = sys.argv[2:] == ["job"]
     sizes = [] if only_job else [float(x) for x in sys.argv[2:]] or [1, 8, 40]
-    result = {"sizes": bench_sizes(sizes), "job": swap_job(out / "work")}
+    result = {"sizes": bench_sizes(sizes), "no_context": no_context_probe(), "job": swap_job(out / "work")}
     (out / "swap_bench.json").write_text(json.dumps(result, indent=1))

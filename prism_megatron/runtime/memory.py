@@ -9,6 +9,11 @@ accounting says it fits (a failed restore costs nothing but leaves the rank out)
 A checkpointed rank's GPU state lives in host memory, so host RAM bounds how much can be swapped
 out at once (the machine of the H200 measurements has 128 GiB for 141 GiB of GPU): a swap-out that
 would not fit the host budget is not made, and a rank that needs one waits like any other.
+
+A rank whose process has not started CUDA yet (it reports 0 bytes, e.g. blocked in
+`init_process_group` before its first allocation) holds nothing to move, and the driver refuses to
+lock such a process (CUDA_ERROR_NOT_SUPPORTED): it is never a victim, and each time it gets a slot it
+is admitted like a new rank, with room made for what its peers hold.
 """
 
 from __future__ import annotations
@@ -49,23 +54,29 @@ class DeviceMemory:
     resident: set[int] = field(default_factory=set)
     stats: dict[int, SwapStats] = field(default_factory=dict)
     host: HostBudget | None = None  # None: host memory not limited (the stand-in's tests)
+    no_context: set[int] = field(default_factory=set)  # ranks that reported 0 bytes: no CUDA state yet
 
     def used(self) -> int:
         return sum(self.footprint.get(r, 0) for r in self.resident)
 
     def report(self, rank: int, nbytes: int) -> None:
         """A rank's measured footprint (allocator reserved + context), sent as it blocks: it ran, so it
-        is resident."""
-        self.footprint[rank] = nbytes
-        self.resident.add(rank)
+        is resident, unless it holds nothing on the GPU yet (then its estimate stays, see the module)."""
         self.stats.setdefault(rank, SwapStats())
         if isinstance(self.swapper, BudgetSwapper):  # the stand-in enforces the same figures
             self.swapper.footprint[rank] = nbytes
             self.swapper.used[rank] = nbytes
+        if nbytes == 0:
+            self.no_context.add(rank)
+            self.resident.discard(rank)
+            return
+        self.no_context.discard(rank)
+        self.footprint[rank] = nbytes
+        self.resident.add(rank)
 
     def enforce(self, evictable: list[int], pids: dict[int, int], completes_last: Callable[[int], float]) -> None:
         """Swap blocked residents out, longest wait first, until what is resident fits the device."""
-        order = sorted((r for r in evictable if r in self.resident), key=completes_last, reverse=True)
+        order = sorted((r for r in evictable if self._victim(r)), key=completes_last, reverse=True)
         for r in order:
             if self.used() <= self.capacity:
                 return
@@ -91,16 +102,16 @@ class DeviceMemory:
 
         Returns False when even evicting every candidate leaves no room (the caller retries later).
         """
-        fresh = rank not in self.stats
+        fresh = rank not in self.stats or rank in self.no_context
         if fresh:
             # nothing on the device yet, but it is about to allocate: like the ranks seen so far (the
             # ranks of one job are alike), so make that much room before it runs, not after an OOM
-            self.stats[rank] = SwapStats()
+            self.stats.setdefault(rank, SwapStats())
             self.footprint[rank] = max(self.footprint.values(), default=0)
         elif rank in self.resident:
             return True
         need = self.footprint.get(rank, 0)
-        order = sorted((r for r in evictable if r in self.resident and r != rank), key=completes_last, reverse=True)
+        order = sorted((r for r in evictable if self._victim(r) and r != rank), key=completes_last, reverse=True)
         free, host_free = self.capacity - self.used(), self._host_room()
         victims = []
         for r in order:
@@ -115,8 +126,10 @@ class DeviceMemory:
             return False
         for r in victims:
             self._out(r, pids[r])
-        if fresh:
-            self.report(rank, need)
+        if fresh:  # room is held for its estimate; no_context stays until it reports real bytes
+            self.resident.add(rank)
+            if isinstance(self.swapper, BudgetSwapper):
+                self.swapper.used[rank] = need
             return True
         try:
             dt = timed(self.swapper.restore, rank, pids[rank])
@@ -130,6 +143,10 @@ class DeviceMemory:
         if self.host is not None:
             self.host.held.pop(rank, None)
         return True
+
+    def _victim(self, rank: int) -> bool:
+        """Resident and holding GPU state of its own: a checkpoint would free something."""
+        return rank in self.resident and rank not in self.no_context and self.footprint.get(rank, 0) > 0
 
     def _host_room(self) -> float:
         return self.host.free() if self.host is not None else float("inf")

@@ -41,6 +41,8 @@ class BudgetSwapper:
         self.log: list[tuple[str, int]] = []
 
     def checkpoint(self, rank: int, pid: int) -> None:
+        if not self.footprint.get(rank):  # the driver refuses a process without CUDA state
+            raise RuntimeError(f"rank {rank}: cuCheckpointProcessLock failed: CUDA_ERROR_NOT_SUPPORTED")
         self.used.pop(rank, None)
         self.log.append(("out", rank))
 
