@@ -5,8 +5,9 @@
 A. For each size: a child process fills N GiB on the GPU; this process (driver API only, no
    context of its own on that memory) checkpoints it, reads the GPU's used memory, restores it, and
    the child verifies its data. Prints GB/s each way.
-C. The driver on a process that has not started CUDA (a rank blocked before its first allocation):
-   what cuCheckpointProcessLock answers (why such a rank is never a victim: runtime/memory.py).
+C. The driver on processes in states a rank can be in (no CUDA yet; CUDA; CUDA after the CUDA
+   profiler ran, as GPU timing does): what lock/checkpoint/restore/unlock answer.
+   SWAP_JOB_GPU_TIMING=0 runs B with --no-gpu-timing.
 B. 8 logical ranks of tests/programs/ring.py, each holding 20 GiB of ballast (8 x ~20.6 GiB > one
    H200), with --swap checkpoint, against the same job without ballast: results equal, swaps counted.
 """
@@ -70,34 +71,53 @@ def bench_sizes(sizes: list[float]) -> list[dict]:
     return rows
 
 
-def no_context_probe() -> dict:
-    """cuCheckpointProcessLock on a live process that imported torch but never touched CUDA."""
+LOCK_PROBES = {  # what a rank process may have done before the coordinator swaps it
+    "no_cuda_context": "import torch",
+    "cuda_1gib": "import torch; x = torch.ones(2**30, dtype=torch.uint8, device='cuda'); torch.cuda.synchronize()",
+    "cuda_after_profiler": (
+        "import torch; from torch.profiler import profile, ProfilerActivity\n"
+        "x = torch.ones(2**30, dtype=torch.uint8, device='cuda')\n"
+        "p = profile(activities=[ProfilerActivity.CUDA]); p.start(); y = x + 1; torch.cuda.synchronize(); p.stop()"),
+}
+
+
+def lock_probes() -> dict:
+    """cuCheckpointProcessLock (then Checkpoint and Restore where it locks) on live processes in the
+    states of LOCK_PROBES: which of them the driver can swap."""
     from cuda.bindings import driver
 
     driver.cuInit(0)
-    code = "import sys, torch; print('ready', flush=True); sys.stdin.readline()"
-    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    assert child.stdout.readline().strip() == "ready"
-    err = driver.cuCheckpointProcessLock(child.pid, None)[0]
-    row = {"lock_without_cuda_context": getattr(err, "name", str(err))}
-    if int(err) == 0:
-        driver.cuCheckpointProcessUnlock(child.pid, None)
-    child.stdin.write("\n")
-    child.stdin.flush()
-    child.wait()
-    print(json.dumps(row), flush=True)
-    return row
+    rows = {}
+    for name, setup in LOCK_PROBES.items():
+        code = setup + "\nimport sys; print('ready', flush=True); sys.stdin.readline()"
+        child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert child.stdout.readline().strip() == "ready"
+        steps = []
+        for call in (driver.cuCheckpointProcessLock, driver.cuCheckpointProcessCheckpoint,
+                     driver.cuCheckpointProcessRestore, driver.cuCheckpointProcessUnlock):
+            err = call(child.pid, None)[0]
+            steps.append(f"{call.__name__.removeprefix('cuCheckpointProcess')}: {getattr(err, 'name', err)}")
+            if int(err) != 0:
+                break
+        child.stdin.write("\n")
+        child.stdin.flush()
+        child.wait()
+        rows[name] = steps
+        print(json.dumps({name: steps}), flush=True)
+    return rows
 
 
 def swap_job(out: Path) -> dict:
     res = {}
+    timing = [] if os.environ.get("SWAP_JOB_GPU_TIMING", "1") == "1" else ["--no-gpu-timing"]
     for mode, ballast in (("none", "0"), ("checkpoint", "20")):
         ring_out = out / f"ring-{mode}"
         ring_out.mkdir(parents=True, exist_ok=True)
         env = dict(os.environ, RING_OUT=str(ring_out), RING_BALLAST_GIB=ballast)
         t0 = time.perf_counter()
         p = subprocess.run([sys.executable, "-m", "prism_megatron", "launch", "-w", "8", "--devices", "0",
-                            "--slots-per-device", "2", "--swap", mode, "--log-ranks", "none", "--hang-timeout", "300",
+                            "--slots-per-device", "2", *timing, "--swap", mode, "--log-ranks", "none",
+                            "--hang-timeout", "300",
                             "--trace-dir", str(out / f"trace-{mode}"), "tests/programs/ring.py", "2"],
                            capture_output=True, text=True, env=env)
         res[mode] = {"exit": p.returncode, "wall_s": round(time.perf_counter() - t0, 1), "stderr": p.stderr[-1500:]}
@@ -125,5 +145,5 @@ if __name__ == "__main__":
     out.mkdir(parents=True, exist_ok=True)
     only_job = sys.argv[2:] == ["job"]
     sizes = [] if only_job else [float(x) for x in sys.argv[2:]] or [1, 8, 40]
-    result = {"sizes": bench_sizes(sizes), "no_context": no_context_probe(), "job": swap_job(out / "work")}
+    result = {"sizes": bench_sizes(sizes), "lock_probes": lock_probes(), "job": swap_job(out / "work")}
     (out / "swap_bench.json").write_text(json.dumps(result, indent=1))
