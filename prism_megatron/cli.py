@@ -42,15 +42,16 @@ def main() -> None:
               help="Cap each rank at this GPU's memory (h100-80gb, ... or GiB); an OOM becomes a prediction (exit 5).")
 @click.option("--target-context", type=float, default=None,
               help="GiB a target rank holds outside PyTorch's allocator (default 3.5, measured on H200s).")
-@click.option("--gpu-timing/--no-gpu-timing", default=True, show_default=True,
+@click.option("--gpu-timing/--no-gpu-timing", default=None,
               help="On GPUs, measure each compute segment's host time and device busy time (CUDA profiler), "
-                   "so the replay lets the host run ahead as with NCCL.")
+                   "so the replay lets the host run ahead as with NCCL. Default: on for GPUs, off with "
+                   "--swap checkpoint (they exclude each other).")
 @click.argument("script", type=click.Path(path_type=Path))
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
 def launch(world_size: int, devices: str, slots_per_device: int, hang_timeout: float, trace_dir: Path,
            gpus_per_node: int, log_ranks: str, threads_per_rank: int, preload: tuple[str, ...], swap: str,
            device_memory: float | None, host_memory: float | None, target_gpu: str | None,
-           target_context: float | None, gpu_timing: bool,
+           target_context: float | None, gpu_timing: bool | None,
            script: Path, script_args: tuple[str, ...]) -> None:
     """Run SCRIPT as WORLD_SIZE logical ranks through the prism backend and write a PrismTrace.
 

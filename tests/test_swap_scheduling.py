@@ -96,7 +96,7 @@ def test_swap_outs_stay_within_the_host_memory_budget():
 
 def test_a_rank_without_cuda_state_is_never_evicted_and_is_admitted_with_room():
     """A rank blocked before its first CUDA call reports 0 bytes; the driver refuses to lock such a
-    process (CUDA_ERROR_NOT_SUPPORTED, the stand-in likewise). It must not be picked as a victim, and
+    process (CUDA_ERROR_NOT_INITIALIZED on the H200, the stand-in likewise). It must not be picked as a victim, and
     when it runs again room is made for what its peers hold, since it is about to allocate as much."""
     mem, sw = _device(100, {0: 40, 1: 40})
     pids = {r: 10 + r for r in range(3)}
@@ -131,6 +131,18 @@ def test_swap_options_are_validated(tmp_path, kw, msg):
     script.write_text("")
     with pytest.raises(LaunchError, match=msg.replace("(", r"\(").replace(")", r"\)")):
         LaunchConfig(script=script, world_size=2, trace_dir=tmp_path / "t", **kw).validate()
+
+
+def test_checkpoint_swaps_turn_gpu_timing_off_and_refuse_it_when_asked_for(tmp_path):
+    """The driver cannot lock a process the CUDA profiler ran in (H200 lock probe: NOT_SUPPORTED), so
+    --swap checkpoint means no GPU timing; asking for both is an error that says what to do."""
+    script = tmp_path / "s.py"
+    script.write_text("")
+    gpu = dict(script=script, world_size=2, trace_dir=tmp_path / "t", devices=["0"])
+    assert LaunchConfig(**gpu).times_gpu and LaunchConfig(**gpu, swap="none").times_gpu
+    assert not LaunchConfig(**gpu, swap="checkpoint").times_gpu
+    with pytest.raises(LaunchError, match="--swap checkpoint and GPU timing exclude each other.*--swap none"):
+        LaunchConfig(**gpu, swap="checkpoint", gpu_timing=True).validate()
 
 
 def test_auto_swap_is_none_on_cpu(tmp_path):

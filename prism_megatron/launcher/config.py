@@ -54,6 +54,10 @@ class LaunchConfig:
 
     @property
     def times_gpu(self) -> bool:
+        """GPU timing is off under `--swap checkpoint`: the driver refuses to lock a process that the
+        CUDA profiler has run in (CUDA_ERROR_NOT_SUPPORTED; bench/gpu/swap_bench.py's lock probes)."""
+        if self.resolved_swap() == "checkpoint":
+            return False
         return self.on_gpu if self.gpu_timing is None else self.gpu_timing and self.on_gpu
 
     @property
@@ -125,6 +129,11 @@ class LaunchConfig:
             raise LaunchError(f"--host-memory must be a positive number of GiB, got {self.host_memory_gib!r}")
         if self.swap == "checkpoint" and not self.on_gpu:
             raise LaunchError("--swap checkpoint needs GPU --devices: CPU ranks have no device state to swap")
+        if self.swap == "checkpoint" and self.gpu_timing:
+            raise LaunchError("--swap checkpoint and GPU timing exclude each other: the CUDA driver cannot "
+                              "checkpoint a process the CUDA profiler has run in (CUDA_ERROR_NOT_SUPPORTED); "
+                              "drop the GPU timing option (it is then off, and compute is replayed on one clock) "
+                              "or use --swap none")
         if self.swap == "budget" and self.device_memory_gib is None:
             raise LaunchError("--swap budget needs --device-memory GiB")
         totals = _check_gpus(self.devices) if self.on_gpu else []
@@ -139,8 +148,8 @@ class LaunchConfig:
         return self
 
     def resolved_swap(self) -> str:
-        """auto means none for now: the checkpoint path failed a multi-rank restore on the H200
-        (CUDA_ERROR_OPERATING_SYSTEM, see bench/gpu/swap_bench.py); `--swap checkpoint` opts in."""
+        """auto means none: checkpointing needs GPU timing off (see `times_gpu`), which costs the
+        prediction its host/device split, so a job that needs swaps opts in with `--swap checkpoint`."""
         return "none" if self.swap == "auto" else self.swap
 
 

@@ -266,6 +266,9 @@ def launch(cfg: LaunchConfig) -> int:
         _say(f"{cfg.slots_per_device} slot(s) x {cfg.threads_per_rank} thread(s) use all {cores} cores: the "
              "coordinator shares them with computing ranks, which inflates measured compute "
              "(bench/accuracy: +4% to +56% with 2 slots on 2 cores); leave a core free for timing runs")
+    if cfg.on_gpu and cfg.resolved_swap() == "checkpoint":
+        _say("--swap checkpoint: GPU timing is off (the driver cannot checkpoint a process the CUDA profiler "
+             "ran in), so each compute segment is replayed on one clock, host and device not separated")
     job = _Job(cfg)
     code = EXIT_RANK_FAILED
     try:

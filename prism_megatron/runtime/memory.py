@@ -12,8 +12,8 @@ would not fit the host budget is not made, and a rank that needs one waits like 
 
 A rank whose process has not started CUDA yet (it reports 0 bytes, e.g. blocked in
 `init_process_group` before its first allocation) holds nothing to move, and the driver refuses to
-lock such a process (CUDA_ERROR_NOT_SUPPORTED): it is never a victim, and each time it gets a slot it
-is admitted like a new rank, with room made for what its peers hold.
+lock such a process (CUDA_ERROR_NOT_INITIALIZED, bench/gpu/swap_bench.py): it is never a victim,
+and each time it gets a slot it is admitted like a new rank, with room made for its peers' size.
 """
 
 from __future__ import annotations

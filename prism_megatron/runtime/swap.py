@@ -42,7 +42,7 @@ class BudgetSwapper:
 
     def checkpoint(self, rank: int, pid: int) -> None:
         if not self.footprint.get(rank):  # the driver refuses a process without CUDA state
-            raise RuntimeError(f"rank {rank}: cuCheckpointProcessLock failed: CUDA_ERROR_NOT_SUPPORTED")
+            raise RuntimeError(f"rank {rank}: cuCheckpointProcessLock failed: CUDA_ERROR_NOT_INITIALIZED")
         self.used.pop(rank, None)
         self.log.append(("out", rank))
 
@@ -78,8 +78,9 @@ class CudaCheckpointSwapper:
             name = getattr(err, "name", str(err))
             if "OUT_OF_MEMORY" in name:
                 raise SwapNoRoom(f"{who}{what} failed: {name}")
-            hint = (" (a process with a live NCCL communicator or CUDA IPC memory cannot be checkpointed: "
-                    "run with --swap none)") if what.endswith("Checkpoint") else ""
+            hint = (" (a process with a live NCCL communicator, CUDA IPC memory, or in which the CUDA profiler "
+                    "ran cannot be checkpointed: run with --swap none, or without GPU timing)"
+                    if "NOT_SUPPORTED" in name or what.endswith("Checkpoint") else "")
             raise RuntimeError(f"{who}{what} failed: {name}{hint}")
 
     def checkpoint(self, rank: int, pid: int) -> None:
