@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Issue 4's Megatron check (device `nvidia-h200`, ~4 min): a GPT job of 8 logical ranks (DP8, ~134M
+# parameters, fp32 Adam) on GPU 0, twice: with every rank resident (--prism-swap none) and with the
+# device declared smaller than the 8 ranks' footprints together (--prism-device-memory, default 20 GiB),
+# so the coordinator must checkpoint blocked ranks to host memory and restore them (--prism-swap
+# checkpoint). Prints both runs' losses and grad norms (they must be equal: swaps move state, they do not
+# change it) and the swap counts from the trace. Run from the repo root with .whl carried:
+#   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
+#   bash bench/gpu/swap_megatron.sh            # DEVICE_GIB=20 ITERS=3
+set -uo pipefail
+out=${OUT:-/tmp/prism-gpu}/swap-megatron
+mkdir -p "$out"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH} CUDA_DEVICE_MAX_CONNECTIONS=1 WANDB_MODE=disabled
+script=prism_megatron/megatron/driver/pretrain_gpt_mini.py
+flags="--num-layers 8 --hidden-size 1024 --num-attention-heads 16 --seq-length 1024 --max-position-embeddings 1024
+  --tokenizer-type NullTokenizer --vocab-size 32000 --mock-data --micro-batch-size 2 --global-batch-size 16
+  --train-iters ${ITERS:-3} --lr 0.0001 --seed 1234 --transformer-impl local --no-gradient-accumulation-fusion
+  --log-interval 1 --eval-iters 0 --eval-interval 1000"
+show() {
+  grep -E "iteration +[0-9]+/" "$1" | sed -E 's/.*(iteration +[0-9]+).*(lm loss: [^|]*).*(grad norm: [^|]*).*/\1 \2 \3/'
+  grep -m3 -E "Error|error:|prism: swap" "$1"
+}
+for mode in none checkpoint; do
+  extra=""; [ "$mode" = checkpoint ] && extra="--prism-device-memory ${DEVICE_GIB:-20}"
+  t0=$(date +%s)
+  timeout ${RUN_TIMEOUT:-300} python3 -m prism_megatron run --prism-emulate --prism-world-size 8 --prism-devices 0 \
+    --prism-slots-per-device 2 --prism-swap $mode $extra --prism-trace-dir /tmp/swap-megatron-$mode \
+    $script $flags > "$out/$mode.log" 2>&1
+  echo "--prism-swap $mode $extra: exit $? in $(( $(date +%s) - t0 )) s"; show "$out/$mode.log"
+  python3 - "$mode" <<'PY'
+import sys
+from prism_megatron.trace import read_trace
+job = read_trace(f"/tmp/swap-megatron-{sys.argv[1]}").manifest["job"]
+swap = job.get("swap", {})
+print("swaps out/in:", sum(s["swaps_out"] for s in swap.values()), "/", sum(s["swaps_in"] for s in swap.values()),
+      "GiB out:", round(sum(s["bytes_out"] for s in swap.values()) / 2**30, 1),
+      "swap s:", round(sum(s["seconds"] for s in swap.values()), 1))
+PY
+done
