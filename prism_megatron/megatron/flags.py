@@ -61,7 +61,7 @@ PRISM_FLAGS: dict[str, dict[str, Any]] = {
                                         "--fake-process-group and show its peak memory beside ours in the report."),
     "--prism-swap": dict(type=str, default="auto", choices=["auto", "none", "checkpoint"],
                          help="Move blocked ranks' GPU state to host memory when a device is full (CUDA process "
-                              "checkpoint); 'auto' is 'none' for now."),
+                              "checkpoint; turns GPU timing off, which it excludes); 'auto' is 'none'."),
     "--prism-device-memory": dict(type=float, default=None,
                                   help="GiB per device that ranks' state may take (default: the GPU's total)."),
     "--prism-host-memory": dict(type=float, default=None,
