@@ -832,3 +832,22 @@ def test_summary_reports_the_ranks_compute_clock_and_gpu_times(tmp_path):
     assert "host time per rank: min 0.200 s, median 0.300 s, max 0.400 s (rank 0)" in text
     assert "device busy time per rank: min 0.100 s, median 0.500 s, max 0.900 s (rank 0)" in text
     assert "measured on GPUs" not in summarize(write_trace(tmp_path / "u", _manifest(), _ops(), slots=slots))
+
+
+def test_capture_efficiency_is_wall_against_summed_compute_over_the_machine(tmp_path):
+    """Iteration 2 ends at 3.0 s (last rank) after iteration 1 ended at 2.1 s: 0.9 s of wall for
+    0.5 + 0.3 s of compute on one GPU; 2 CPU slots halve the limit."""
+    from prism_megatron.trace.summary import capture_efficiency, summarize
+
+    def end(rank, t, clock):
+        return {"rank": rank, "name": "iteration", "phase": "E", "t": t, "compute_clock": clock, "attrs": "{}"}
+
+    marks = [end(0, 2.1, 1.0), end(0, 2.8, 1.5), end(1, 2.0, 0.9), end(1, 3.0, 1.2), end(1, 3.5, 1.4)]
+    tr = read_trace(write_trace(tmp_path / "gpu", _manifest(), _ops(), marks=marks))
+    [(it, wall, limit)] = capture_efficiency(tr)  # rank 0 ended two iterations only
+    assert it == 2 and wall == pytest.approx(0.9) and limit == pytest.approx(0.8)
+    assert "wall 0.900 s, physical limit 0.800 s (compute of all ranks / 1), ratio 1.12" in summarize(tmp_path / "gpu")
+    cpu = _manifest()
+    cpu["job"].update(devices=["cpu"], slots_per_device=2)
+    assert capture_efficiency(read_trace(write_trace(tmp_path / "cpu", cpu, _ops(), marks=marks)))[0][2] == \
+        pytest.approx(0.4)

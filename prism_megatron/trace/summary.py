@@ -23,6 +23,35 @@ def _spread(values: list[float], what: str) -> str:
             f"(rank {top})")
 
 
+def parallel_capacity(manifest: dict) -> int:
+    """How many ranks the machine can compute at once: one per GPU (ranks sharing a GPU share its
+    time), one per slot on CPU (each slot is a core)."""
+    job = manifest.get("job", {})
+    devices = job.get("devices") or ["cpu"]
+    return int(job.get("slots_per_device", 1)) if devices == ["cpu"] else len(devices)
+
+
+def capture_efficiency(trace) -> list[tuple[int, float, float]]:
+    """Per iteration after the first that every rank ended: (iteration, capture wall seconds, physical
+    limit seconds). Wall is from the last rank's previous iteration end to the last rank's end of this
+    one; the limit is the compute all ranks did between those ends of their own, summed, over
+    `parallel_capacity`: what the machine needs at the least, with the emulation costing nothing."""
+    ends: dict[int, list[tuple[float, float]]] = defaultdict(list)
+    for m in trace.marks.to_pylist():
+        if m["name"] == "iteration" and m["phase"] == "E":
+            ends[m["rank"]].append((m["t"], m["compute_clock"]))
+    if len(ends) < trace.world_size:
+        return []
+    n = min(len(v) for v in ends.values())
+    cap = parallel_capacity(trace.manifest)
+    rows = []
+    for k in range(1, n):
+        wall = max(v[k][0] for v in ends.values()) - max(v[k - 1][0] for v in ends.values())
+        compute = sum(v[k][1] - v[k - 1][1] for v in ends.values())
+        rows.append((k + 1, wall, compute / cap))
+    return rows
+
+
 def summarize(path: str | Path) -> str:
     """Text summary: job, groups, ops per kind with bytes, per-rank compute time (the rank's own clock)
     and, for a trace captured on GPUs, the measured host and device time."""
@@ -46,6 +75,13 @@ def summarize(path: str | Path) -> str:
         lines.append(f"  {k:<22}{n:>8}{_fmt_bytes(by_kind_bytes[k]):>14}")
     if compute:
         lines += ["", _spread([compute.get(r, 0.0) for r in range(t.world_size)], "compute time per rank")]
+    eff = capture_efficiency(t)
+    if eff:
+        wall = statistics.median(w for _, w, _ in eff)
+        limit = statistics.median(lim for _, _, lim in eff)
+        lines.append(f"  capture per iteration (median of {len(eff)}): wall {wall:.3f} s, physical limit {limit:.3f} s "
+                     f"(compute of all ranks / {parallel_capacity(m)}), ratio {wall / limit:.2f}"
+                     if limit > 0 else f"  capture per iteration (median of {len(eff)}): wall {wall:.3f} s")
     if t.gpu.num_rows:
         host: dict[int, float] = defaultdict(float)
         device: dict[int, float] = defaultdict(float)
