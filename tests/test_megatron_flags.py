@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -130,6 +131,21 @@ def test_core_driver_rejects_what_it_cannot_honour(argv, message):
 def test_bad_run_arguments_are_named(argv, message):
     with pytest.raises(RunError, match=message):
         parse_run_args(argv)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformer_engine") is not None, reason="Transformer Engine installed")
+def test_transformer_engine_jobs_without_the_package_are_refused_before_any_rank_starts(tmp_path):
+    """mini-dense-cp2 needs TE attention; without the package the ranks died of a NameError deep in
+    Megatron's layer specs. Now run refuses it first, naming the recipe or the flag."""
+    with pytest.raises(RunError, match="recipe mini-dense-cp2 asks for --transformer-impl transformer_engine.*"
+                                       "not installed"):
+        parse_run_args(["--recipe", "mini-dense-cp2"])
+    script = tmp_path / "train.py"
+    script.write_text("")
+    with pytest.raises(RunError, match="the command asks for --transformer-impl transformer_engine"):
+        parse_run_args(["--prism-emulate", "--prism-world-size", "2", str(script), "--transformer-impl=local",
+                        "--transformer-impl", "transformer_engine"])
+    parse_run_args(["--prism-emulate", "--prism-world-size", "2", str(script), "--transformer-impl", "local"])
 
 
 def test_emulate_needs_a_world_size(tmp_path):

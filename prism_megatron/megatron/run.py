@@ -198,6 +198,14 @@ def parse_run_args(argv: list[str]) -> RunRequest:
         raise RunError(f"script {str(request.script)!r} does not exist or is not a file")
     if request.emulate and request.options.get("prism_world_size") is None:
         raise RunError("--prism-emulate needs --prism-world-size W (the target job's number of ranks) or --recipe")
+    if request.emulate and _flag_value(request.script_args, "--transformer-impl") == "transformer_engine":
+        import importlib.util
+
+        if importlib.util.find_spec("transformer_engine") is None:
+            where = f"recipe {recipe_name}" if recipe_name else "the command"
+            raise RunError(f"{where} asks for --transformer-impl transformer_engine, but the transformer-engine "
+                           "package is not installed (an optional extra): install it, or use --transformer-impl "
+                           "local where the job allows it")
     return request
 
 
@@ -250,14 +258,20 @@ def launch_config(request: RunRequest):
     )
 
 
+def _flag_value(args: list[str], flag: str) -> str | None:
+    """The last value given for ``flag`` (``--flag V`` or ``--flag=V``), as Megatron's parser takes it."""
+    value = None
+    for i, a in enumerate(args):
+        if a == flag and i + 1 < len(args):
+            value = args[i + 1]
+        elif a.startswith(flag + "="):
+            value = a.partition("=")[2]
+    return value
+
+
 def _flag_int(args: list[str], flag: str) -> int | None:
     """The last value of ``flag`` in a Megatron command line (the parser keeps the last), if an int."""
-    value = None
-    for i, token in enumerate(args):
-        if token == flag and i + 1 < len(args):
-            value = args[i + 1]
-        elif token.startswith(flag + "="):
-            value = token.split("=", 1)[1]
+    value = _flag_value(args, flag)
     try:
         return int(value) if value is not None else None
     except ValueError:

@@ -84,6 +84,9 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
     if config is None:
         config = core_transformer_config_from_args(args)
     use_te = args.transformer_impl == "transformer_engine"
+    if use_te and importlib.util.find_spec("transformer_engine") is None:
+        raise SystemExit("prism driver: --transformer-impl transformer_engine (Megatron's default) needs the "
+                         "transformer-engine package, which is not installed; pass --transformer-impl local")
     if args.num_experts:
         spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization=args.normalization,
                                           qk_l2_norm=args.qk_l2_norm, vp_stage=vp_stage)
