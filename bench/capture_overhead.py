@@ -5,7 +5,10 @@ machine computes at once (GPUs; on CPU, slots = cores): what an emulation that c
 take. The ratio capture wall / limit is the emulation's overhead (target <= 1.5 where no swap is
 needed). Runs the mini recipes emulated here, each with 1 and 2 slots, and prints a table.
 
-  python bench/capture_overhead.py [recipe ...] [--devices cpu|0|0,1] [--iters N]
+  python bench/capture_overhead.py [recipe ...] [--devices cpu|0|0,1] [--iters N] [--larger]
+
+--larger runs the recipes with hidden 256 and sequence 256 (the mini recipes' compute is so small
+that the runtime's per-op cost dominates; real jobs have far more compute per op).
 """
 
 from __future__ import annotations
@@ -24,11 +27,15 @@ from prism_megatron.trace.summary import capture_efficiency, parallel_capacity  
 RECIPES = ["mini-dense-tp2pp2dp2", "mini-moe-ep2"]
 
 
-def run(recipe: str, slots: int, devices: str, iters: int, work: Path) -> tuple[float, float, int]:
-    trace = work / f"{recipe}-{slots}"
+LARGER = ["--hidden-size", "256", "--ffn-hidden-size", "1024", "--num-attention-heads", "8", "--seq-length", "256",
+          "--max-position-embeddings", "256"]
+
+
+def run(recipe: str, slots: int, devices: str, iters: int, work: Path, extra: list[str]) -> tuple[float, float, int]:
+    trace = work / f"{recipe}-{slots}-{len(extra)}"
     p = subprocess.run([sys.executable, "-m", "prism_megatron", "run", "--recipe", recipe, "--prism-devices", devices,
                         "--prism-slots-per-device", str(slots), "--prism-trace-dir", str(trace),
-                        "--prism-report", "off", "--train-iters", str(iters)], capture_output=True, text=True)
+                        "--prism-report", "off", "--train-iters", str(iters), *extra], capture_output=True, text=True)
     if p.returncode:
         raise SystemExit(f"{recipe} with {slots} slot(s) failed (exit {p.returncode}):\n{p.stderr[-3000:]}")
     t = read_trace(trace)
@@ -44,13 +51,16 @@ def main() -> None:
     ap.add_argument("recipes", nargs="*", default=RECIPES)
     ap.add_argument("--devices", default="cpu")
     ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--larger", action="store_true", help="hidden 256, sequence 256")
     a = ap.parse_args()
-    print(f"capture wall vs physical limit per iteration (median of {a.iters - 1}; devices {a.devices})")
+    extra = LARGER if a.larger else []
+    print(f"capture wall vs physical limit per iteration (median of {a.iters - 1}; devices {a.devices}"
+          f"{'; hidden 256, seq 256' if a.larger else ''})")
     print(f"  {'recipe':<24}{'slots':>6}{'wall s':>10}{'limit s':>10}{'ratio':>8}")
     with tempfile.TemporaryDirectory() as d:
         for recipe in a.recipes:
             for slots in (1, 2):
-                wall, limit, cap = run(recipe, slots, a.devices, a.iters, Path(d))
+                wall, limit, cap = run(recipe, slots, a.devices, a.iters, Path(d), extra)
                 print(f"  {recipe:<24}{slots:>6}{wall:>10.3f}{limit:>10.3f}{wall / limit:>8.2f}   "
                       f"(compute / {cap})", flush=True)
 
