@@ -107,6 +107,7 @@ def test_a_rank_without_cuda_state_is_never_evicted_and_is_admitted_with_room():
     assert sw.log == [] and mem.resident == {0, 1}
     assert mem.make_resident(2, [0, 1, 2], pids, lambda r: {0: 1.0}.get(r, 0.0))  # runs again: 40 GiB made free
     assert sw.log == [("out", 0)] and mem.resident == {1, 2} and mem.used() == 80 * GIB
+    assert mem.make_resident(2, [1], pids, lambda r: 0.0) and sw.log == [("out", 0)]  # room already held
     mem.report(2, 40 * GIB)  # it allocated: an ordinary resident from now on
     assert mem.make_resident(0, [1, 2], pids, lambda r: {2: 1.0}.get(r, 0.0))
     assert sw.log[-2:] == [("out", 2), ("in", 0)]

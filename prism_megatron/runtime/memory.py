@@ -102,14 +102,14 @@ class DeviceMemory:
 
         Returns False when even evicting every candidate leaves no room (the caller retries later).
         """
+        if rank in self.resident:  # its state is here, or room is held for a rank without CUDA state
+            return True
         fresh = rank not in self.stats or rank in self.no_context
         if fresh:
             # nothing on the device yet, but it is about to allocate: like the ranks seen so far (the
             # ranks of one job are alike), so make that much room before it runs, not after an OOM
             self.stats.setdefault(rank, SwapStats())
             self.footprint[rank] = max(self.footprint.values(), default=0)
-        elif rank in self.resident:
-            return True
         need = self.footprint.get(rank, 0)
         order = sorted((r for r in evictable if self._victim(r) and r != rank), key=completes_last, reverse=True)
         free, host_free = self.capacity - self.used(), self._host_room()
