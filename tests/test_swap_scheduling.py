@@ -201,3 +201,39 @@ def test_too_little_host_memory_for_swapped_state_ends_in_a_report_that_says_so(
     report = (tmp_path / "trace.logs" / "hang-report.txt").read_text()
     assert "waiting for device memory" in report
     assert "host memory for checkpointed GPU state: 0.0 of 50.0 GiB held" in report
+
+
+DIES_SWAPPED_OUT = """
+import os, threading, time
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+r = dist.get_rank()
+x = torch.ones(4)
+dist.all_reduce(x)  # every rank has run: each reported its footprint
+if r == 7:
+    threading.Timer(3.0, lambda: os._exit(9)).start()  # dies while blocked below
+if r == 0:
+    time.sleep(6)  # the device holds one rank: rank 0, computing; so rank 7 is swapped out when it dies
+dist.all_reduce(x)
+"""
+
+
+def test_a_rank_that_dies_while_swapped_out_is_reported_like_any_crash(tmp_path):
+    import os
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "dies.py"
+    script.write_text(DIES_SWAPPED_OUT)
+    env = dict(os.environ, PRISM_FOOTPRINT_BYTES=str(60 * GIB))
+    t0 = time.perf_counter()
+    p = subprocess.run([sys.executable, "-m", "prism_megatron", "launch", "-w", "8", "--slots-per-device", "2",
+                        "--swap", "budget", "--device-memory", "61", "--hang-timeout", "60", "--log-ranks", "none",
+                        "--trace-dir", str(tmp_path / "trace"), str(script)],
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert p.returncode == 1, p.stderr
+    assert "rank 7 exited with code 9; ending the job" in p.stderr
+    assert time.perf_counter() - t0 < 45  # ended at the death, not at the 60 s hang timeout
