@@ -116,6 +116,28 @@ def test_graph_computes_take_the_measured_times_of_the_segments_they_span():
     assert with_gpu_times(events, []) is events
 
 
+def test_host_times_are_the_median_over_iterations_of_the_same_shape():
+    """Iterations 2-4 run the same two segments; iteration 3 ran slow (the VM): each segment takes its
+    median; set-up/iteration 1 and the tail keep their own; wait offsets scale with the host time."""
+    from prism_megatron.replay.gpu_segments import typical_host_times
+
+    def row(a, b, cpu, syncs=()):
+        return {"clock_start": a, "clock_end": b, "cpu": cpu, "gpu": 0.01, "syncs": list(syncs)}
+
+    rows = [row(0.0, 1.0, 0.9),  # set-up + iteration 1 (ends at clock 1)
+            row(1.0, 1.1, 0.10), row(1.1, 1.3, 0.20, [[0.1, 0.005]]),  # iteration 2 (ends at 1.3)
+            row(1.3, 1.6, 0.30), row(1.6, 1.9, 0.50, [[0.25, 0.005]]),  # iteration 3, slow
+            row(1.9, 2.0, 0.12), row(2.0, 2.2, 0.22, [[0.11, 0.005]]),  # iteration 4 (ends at 2.2)
+            row(2.2, 2.4, 0.7)]  # after the last iteration's end
+    ends = [1.0, 1.3, 1.9, 2.2]
+    out = typical_host_times(rows, ends)
+    assert [r["cpu"] for r in out] == [0.9, 0.12, 0.22, 0.12, 0.22, 0.12, 0.22, 0.7]
+    assert out[4]["syncs"] == [[pytest.approx(0.25 * 0.22 / 0.5), 0.005]]
+    assert out[2]["syncs"] == [[pytest.approx(0.1 * 0.22 / 0.2), 0.005]] and rows[2]["cpu"] == 0.20  # a copy
+    odd = [*rows[:5], row(1.9, 2.0, 0.5), row(2.0, 2.1, 0.5), row(2.1, 2.2, 0.5)]  # iteration 4: 3 segments
+    assert [r["cpu"] for r in typical_host_times(odd, ends)][1:8] == [0.2, 0.35, 0.2, 0.35, 0.5, 0.5, 0.5]
+
+
 def test_a_trace_with_gpu_times_replays_with_the_host_running_ahead(tmp_path):
     """Two ranks, host-bound segments around a TP all_reduce: measured device time hides the op."""
     from prism_megatron.replay import graph_from_trace, replay

@@ -7,6 +7,11 @@ runtime, and each such call ends a segment. So each Compute becomes the sum of i
 and device times, cut where the program waited for the device (a CpuSync there). Any stretch of
 a Compute no segment covers (timing lost) stays one-clock: host and device both take its length.
 
+Host time is the noisy figure (on the H200 machine one rank's plain iterations of the same work took
+325, 366 and 470 ms of host time): each segment's host time is the median over the iterations that
+ran the same sequence of segments (`typical_host_times`), so one slow iteration of one rank does not
+become the prediction's critical path. Device times stay as measured (the profiler's, stable).
+
 Iteration markers also get a CpuSync before them: Megatron times an iteration with its timers,
 which synchronise the device (as does ``bench/accuracy``'s real-run stamping), so an iteration ends
 when its device work has, not when the host has queued it.
@@ -15,6 +20,8 @@ when its device work has, not when the host has queued it.
 from __future__ import annotations
 
 import json
+import statistics
+from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
 
@@ -31,6 +38,42 @@ def _pieces(row: dict[str, Any]) -> list[tuple[float, float] | None]:
         syncs = json.loads(syncs) if syncs else []
     *waited, last = segment_pieces(row["cpu"], row["gpu"], syncs)
     return [x for piece in waited for x in (piece, None)] + [last]
+
+
+def typical_host_times(rows: list[dict[str, Any]], iteration_ends: list[float]) -> list[dict[str, Any]]:
+    """``rows`` of one rank with each segment's host time (``cpu``, and its waits' host offsets in
+    proportion) replaced by the median over iterations of the same shape: iterations are the stretches
+    of the rank's clock between ``iteration_ends`` (its iteration markers' compute clocks), and two have
+    the same shape when they hold the same number of segments; segment k of one is pooled with segment k
+    of the others. Rows before the first end (set-up and the first iteration) or after the last, and
+    iterations of a shape seen once, keep their own time."""
+    ends = sorted(iteration_ends)
+    windows: dict[int, list[int]] = defaultdict(list)  # iteration k (1..) -> indices into rows, clock order
+    order = sorted(range(len(rows)), key=lambda i: rows[i]["clock_start"])
+    k = 0
+    for i in order:
+        while k < len(ends) and rows[i]["clock_start"] >= ends[k] - _TOL:
+            k += 1
+        if 0 < k < len(ends):  # a whole iteration after the first
+            windows[k].append(i)
+    pools: dict[tuple[int, int], list[float]] = defaultdict(list)  # (shape, position) -> host times
+    for idx in windows.values():
+        for pos, i in enumerate(idx):
+            pools[(len(idx), pos)].append(rows[i]["cpu"])
+    out = [dict(r) for r in rows]
+    for idx in windows.values():
+        for pos, i in enumerate(idx):
+            pool = pools[(len(idx), pos)]
+            if len(pool) < 2:
+                continue
+            row, typical = out[i], statistics.median(pool)
+            syncs = row["syncs"]
+            if isinstance(syncs, str):
+                syncs = json.loads(syncs) if syncs else []
+            scale = typical / row["cpu"] if row["cpu"] > 0 else 1.0
+            row["syncs"] = [[off * scale, before] for off, before in syncs]
+            row["cpu"] = typical
+    return out
 
 
 def with_gpu_times(events: list[Event], rows: Iterable[dict[str, Any]]) -> list[Event]:

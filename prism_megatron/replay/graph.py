@@ -352,13 +352,15 @@ def _drop_unmatched_p2p(per_rank: dict[int, list[dict[str, Any]]]) -> list[str]:
     return notes
 
 
-def graph_from_trace(trace: Any, gpu_times: bool = True) -> Graph:
+def graph_from_trace(trace: Any, gpu_times: bool = True, typical_host: bool = True) -> Graph:
     """Build the graph of a PrismTrace (``prism_megatron.trace.read_trace(dir)``).
 
     ``gpu_times``: give compute the host and device times the trace measured on GPUs (its gpu table;
     the engine then runs two clocks per rank); False replays every rank on its one compute clock.
+    ``typical_host``: each segment's host time is its median over like iterations (gpu_segments);
+    False keeps every iteration's own.
     """
-    from .gpu_segments import with_gpu_times
+    from .gpu_segments import typical_host_times, with_gpu_times
 
     groups = {g["id"]: Group(g["id"], tuple(g["ranks"]), g.get("name", "")) for g in trace.manifest["groups"]}
     marks_by_rank: dict[int, list[dict[str, Any]]] = defaultdict(list)
@@ -377,6 +379,10 @@ def graph_from_trace(trace: Any, gpu_times: bool = True) -> Graph:
         rows_by_rank: dict[int, list[dict[str, Any]]] = defaultdict(list)
         for row in gpu.to_pylist():
             rows_by_rank[row["rank"]].append(row)
+        if typical_host:
+            ends = {r: [m["compute_clock"] for m in ms if m["name"] == "iteration" and m["phase"] == "E"]
+                    for r, ms in marks_by_rank.items()}
+            rows_by_rank = {r: typical_host_times(rows, ends.get(r, [])) for r, rows in rows_by_rank.items()}
         events = {r: with_gpu_times(evs, rows_by_rank.get(r, [])) for r, evs in events.items()}
     graph = Graph(groups, events, str(getattr(trace, "path", "<trace>")), notes)
     graph.validate()
