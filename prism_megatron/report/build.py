@@ -89,7 +89,8 @@ def provenance(cluster: str | None, gpu_timed: bool = False, calibrated: bool = 
         return ("calibrated graph: compute and the ops inside a slice measured with each slice's ranks "
                 "running for real; other ops " + (f"costed by cluster profile {cluster}" if cluster else "free"))
     comm = f"costed by cluster profile {cluster}" if cluster else "free (no cluster profile)"
-    compute = "host and GPU time per segment, measured" if gpu_timed else "compute"
+    compute = ("host and GPU time per segment, measured (host: median over like iterations)" if gpu_timed
+               else "compute")
     return f"{compute} from the bare trace (uncalibrated); communication {comm}"
 
 
