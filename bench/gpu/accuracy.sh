@@ -6,7 +6,8 @@
 # into /tmp/site by the caller:
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
 #   bash bench/gpu/accuracy.sh
-# Keeps to ~8 minutes: no config starts after --budget seconds (one config takes ~1-2 minutes).
+# Keeps to ~8 minutes: no config starts after --budget seconds (one config takes ~1-2 minutes; with
+# REAL_REPEATS=2 ~150-175 s, so BUDGET=420 fits three of the four: run EP2 in its own call).
 # ONLY=gpu-tp2,gpu-pp2 runs a subset (names carry -mbsN when MBS is set: gpu-tp2-mbs8); ITERS (default 6),
 # BUDGET (default 330 s) and REAL_REPEATS (2: a real run before and after the emulation) likewise; MBS=8 makes
 # the jobs device-bound (micro-batch 1 is host-bound on an H200).
