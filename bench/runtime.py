@@ -1,6 +1,6 @@
 """Phase-1 runtime benchmarks, each measured side by side in one run; prints a table of figures and ratios.
 
-  python bench/runtime.py [allreduce] [smallops] [memory] [startup]
+  python bench/runtime.py [allreduce] [smallops] [memory] [startup] [reduce]
 
 - allreduce: 64 MiB all_reduce over 8 ranks, prism (1 device, 2 slots) vs gloo with 8 real processes
   (target: prism/gloo throughput >= 1.0)
@@ -8,6 +8,7 @@
 - memory: PSS per idle logical rank, prism's fork from a torch-imported template vs gloo's plain spawn
   (target <= 150 MB)
 - startup: wall time to start 64 and 256 ranks and pass a barrier (target: 256 in < 60 s)
+- reduce: the coordinator's element-wise sum of 2 x 512 MiB with 1 thread and with every core
 """
 
 from __future__ import annotations
@@ -87,8 +88,31 @@ def bench_startup(tmp: Path) -> list[tuple[str, str]]:
     return rows
 
 
+def bench_reduce(tmp: Path) -> list[tuple[str, str]]:
+    """The coordinator's sum of two 512 MiB float32 inputs with 1 thread and with all cores (it uses
+    the cores no rank computes on: launch.coordinator_threads)."""
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from prism_megatron.runtime.collectives import reduce
+
+    a, b = torch.rand(1 << 27), torch.rand(1 << 27)
+    rows, before = [], torch.get_num_threads()
+    for n in sorted({1, os.cpu_count() or 1}):
+        torch.set_num_threads(n)
+        reduce([a, b], "sum")  # warm
+        t0 = time.perf_counter()
+        for _ in range(5):
+            reduce([a, b], "sum")
+        dt = (time.perf_counter() - t0) / 5
+        moved = 3 * a.nbytes / dt / 2**30  # two inputs read, one output written
+        rows.append((f"reduce 2 x 512 MiB float32, {n} thread(s)", f"{dt * 1e3:.0f} ms ({moved:.1f} GiB/s moved)"))
+    torch.set_num_threads(before)
+    return rows
+
+
 def main() -> None:
-    which = sys.argv[1:] or ["allreduce", "smallops", "memory", "startup"]
+    which = sys.argv[1:] or ["allreduce", "smallops", "memory", "startup", "reduce"]
     rows: list[tuple[str, str]] = []
     with tempfile.TemporaryDirectory() as d:
         for name in which:

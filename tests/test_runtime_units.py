@@ -145,3 +145,19 @@ def test_all_to_all_split_sizes_accept_lists_tensors_and_numpy():
     assert _split_bytes(t, np.array([], dtype=np.int64), 2, "input") == [48, 48]
     with pytest.raises(ValueError, match=r"split sizes \[2, 5\] do not match"):
         _split_bytes(t, np.array([2, 5]), 2, "input")
+
+
+def test_coordinator_takes_only_the_cores_no_rank_computes_on(tmp_path):
+    """Its reductions are element-wise (threads do not change results) but may run beside a computing
+    rank (async ops): only spare cores, one kept for the launcher, at most 8."""
+    from prism_megatron.launcher.config import LaunchConfig
+    from prism_megatron.launcher.launch import coordinator_threads
+
+    def cfg(devices, slots, threads=1):
+        return LaunchConfig(script=tmp_path / "s.py", world_size=8, trace_dir=tmp_path / "t", devices=devices,
+                            slots_per_device=slots, threads_per_rank=threads)
+
+    assert coordinator_threads(cfg(["cpu"], 1), cores=2) == 1  # this CI machine: nothing spare
+    assert coordinator_threads(cfg(["cpu"], 2), cores=2) == 1  # never fewer than one
+    assert coordinator_threads(cfg(["cpu"], 2, threads=2), cores=8) == 3
+    assert coordinator_threads(cfg(["0", "1"], 1), cores=32) == 8  # a GPU host: capped
