@@ -115,6 +115,24 @@ def test_reduction_order_is_fixed_and_dtype_kept():
         C.reduce(xs, "median")
 
 
+@pytest.mark.parametrize("op, dtype, factor", [("sum", torch.float32, None), ("avg", torch.int64, None),
+                                               ("avg", torch.float32, None), ("premul_sum", torch.float32, 0.25),
+                                               ("max", torch.bool, None), ("product", torch.int32, None)])
+def test_reduce_into_an_output_equals_the_new_tensor_also_over_the_first_input(op, dtype, factor):
+    """The coordinator reduces into the first member's output, which for an in-place op is that member's
+    input: bit-equal to a fresh result either way, and no other input is touched."""
+    g = torch.Generator().manual_seed(3)
+    xs = [(torch.randn(257, generator=g) * 9).to(dtype) for _ in range(3)]
+    want = C.reduce(xs, op, factor)
+    copies = [x.clone() for x in xs]
+    out = torch.empty_like(xs[0])
+    assert C.reduce(xs, op, factor, out=out) is out and torch.equal(out, want)
+    assert all(torch.equal(x, c) for x, c in zip(xs, copies, strict=True))
+    got = C.reduce(xs, op, factor, out=xs[0])  # in place over the first input
+    assert got.data_ptr() == xs[0].data_ptr() and torch.equal(xs[0], want)
+    assert all(torch.equal(x, c) for x, c in zip(xs[1:], copies[1:], strict=True))
+
+
 def test_resident_first_policy_prefers_resident_and_never_starves():
     from collections import deque
 

@@ -14,17 +14,22 @@ import torch
 REDUCE_OPS = ("sum", "avg", "min", "max", "product", "premul_sum", "band", "bor", "bxor")
 
 
-def reduce(tensors: Sequence[torch.Tensor], op: str, factor: float | None = None) -> torch.Tensor:
-    """Reduce equally sized tensors in member order; returns a new tensor."""
+def reduce(tensors: Sequence[torch.Tensor], op: str, factor: float | None = None,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """Reduce equally sized tensors in member order; returns a new tensor, or ``out`` written with the
+    result (it may be the first input's memory, never another's: saves an allocation and a copy)."""
     if op not in REDUCE_OPS:
         raise ValueError(f"unsupported reduce op {op!r}")
     first = tensors[0]
     if op == "premul_sum":
-        acc = first * factor
+        acc = first * factor if out is None else torch.mul(first, factor, out=out)
         for t in tensors[1:]:
             acc.add_(t * factor)
         return acc
-    acc = first.clone()
+    if out is None:
+        acc = first.clone()
+    else:
+        acc = out if out.data_ptr() == first.data_ptr() else out.copy_(first)
     if first.dtype == torch.bool and op in ("sum", "max"):
         op = "bor"
     elif first.dtype == torch.bool and op in ("min", "product"):
@@ -49,6 +54,8 @@ def reduce(tensors: Sequence[torch.Tensor], op: str, factor: float | None = None
             acc.div_(len(tensors))
         else:
             acc = torch.div(acc, len(tensors), rounding_mode="trunc").to(first.dtype)
+            if out is not None:
+                acc = out.copy_(acc)
     return acc
 
 

@@ -521,6 +521,14 @@ class Coordinator:
             raw = self.segments.view(desc[1], desc[2], desc[3])
         return raw.view(P.dtype_from_name(dtype)) if raw.numel() else torch.empty(0, dtype=P.dtype_from_name(dtype))
 
+    def _out_view(self, m: Member, j: int, like: torch.Tensor) -> torch.Tensor | None:
+        """Member ``m``'s output ``j`` in shared memory, typed like ``like``, or None when it is inline,
+        empty, or of another size or type."""
+        desc, dt, _ = m.msg["outs"][j]
+        if desc[0] != "s" or not like.numel() or P.dtype_from_name(dt) != like.dtype or desc[3] != _nbytes(like):
+            return None
+        return self.segments.view(desc[1], desc[2], desc[3]).view(like.dtype)
+
     def _deliver(self, m: Member, outs: list[torch.Tensor | None], src: int = -1) -> None:
         """Write `outs` (flat tensors, one per output of m) and tell the rank."""
         inline: list[bytes | None] = []
@@ -532,7 +540,9 @@ class Coordinator:
                 raise RuntimeError(f"internal: rank {m.rank} {m.kind} output of {got} bytes, expected {want}")
             if desc[0] == "s":
                 if raw is not None:
-                    self.segments.view(desc[1], desc[2], desc[3]).copy_(raw)
+                    dst = self.segments.view(desc[1], desc[2], desc[3])
+                    if dst.data_ptr() != raw.data_ptr():  # not already written there (_out_view)
+                        dst.copy_(raw)
                 inline.append(None)
             else:
                 inline.append(raw.numpy().tobytes() if raw is not None else b"")
@@ -551,8 +561,9 @@ class Coordinator:
         redop, factor = ms[0].msg.get("redop"), ms[0].msg.get("factor")
         root = ms[0].msg.get("root")
         outs: list[list[torch.Tensor | None]]
-        if kind == "all_reduce":
-            rs_ = [C.reduce([ins[i][j] for i in range(n)], redop, factor) for j in range(len(ins[0]))]
+        if kind == "all_reduce":  # into the first member's output, copied from there to the others
+            rs_ = [C.reduce([ins[i][j] for i in range(n)], redop, factor, out=self._out_view(ms[0], j, ins[0][j]))
+                   for j in range(len(ins[0]))]
             outs = [rs_ for _ in ms]
         elif kind == "reduce":
             r = [C.reduce([ins[i][j] for i in range(n)], redop, factor) for j in range(len(ins[0]))]
@@ -646,6 +657,10 @@ class Coordinator:
 
 
 _EMPTY = torch.empty(0, dtype=torch.uint8)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 def _ranks(ranks: list[int]) -> str:
