@@ -31,12 +31,17 @@ from .graph import Compute, CpuSync, Event, Mark, Wait
 _TOL = 1e-9  # seconds: the graph's clock is a running sum of per-op differences of the rank's clock
 
 
-def _pieces(row: dict[str, Any]) -> list[tuple[float, float] | None]:
-    """A segment as (host, device) pieces with None where the program waited for the device."""
+def _syncs(row: dict[str, Any]) -> list:
+    """A row's waits for the device (the writer's JSON text, or already a list)."""
     syncs = row["syncs"]
     if isinstance(syncs, str):
-        syncs = json.loads(syncs) if syncs else []
-    *waited, last = segment_pieces(row["cpu"], row["gpu"], syncs)
+        return json.loads(syncs) if syncs else []
+    return syncs
+
+
+def _pieces(row: dict[str, Any]) -> list[tuple[float, float] | None]:
+    """A segment as (host, device) pieces with None where the program waited for the device."""
+    *waited, last = segment_pieces(row["cpu"], row["gpu"], _syncs(row))
     return [x for piece in waited for x in (piece, None)] + [last]
 
 
@@ -67,11 +72,8 @@ def typical_host_times(rows: list[dict[str, Any]], iteration_ends: list[float]) 
             if len(pool) < 2:
                 continue
             row, typical = out[i], statistics.median(pool)
-            syncs = row["syncs"]
-            if isinstance(syncs, str):
-                syncs = json.loads(syncs) if syncs else []
             scale = typical / row["cpu"] if row["cpu"] > 0 else 1.0
-            row["syncs"] = [[off * scale, before] for off, before in syncs]
+            row["syncs"] = [[off * scale, before] for off, before in _syncs(row)]
             row["cpu"] = typical
     return out
 

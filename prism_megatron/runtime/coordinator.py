@@ -525,7 +525,7 @@ class Coordinator:
         """Member ``m``'s output ``j`` in shared memory, typed like ``like``, or None when it is inline,
         empty, or of another size or type."""
         desc, dt, _ = m.msg["outs"][j]
-        if desc[0] != "s" or not like.numel() or P.dtype_from_name(dt) != like.dtype or desc[3] != _nbytes(like):
+        if desc[0] != "s" or not like.numel() or P.dtype_from_name(dt) != like.dtype or desc[3] != like.nbytes:
             return None
         return self.segments.view(desc[1], desc[2], desc[3]).view(like.dtype)
 
@@ -657,10 +657,6 @@ class Coordinator:
 
 
 _EMPTY = torch.empty(0, dtype=torch.uint8)
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 def _ranks(ranks: list[int]) -> str:

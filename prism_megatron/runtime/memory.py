@@ -54,7 +54,7 @@ class DeviceMemory:
     resident: set[int] = field(default_factory=set)
     stats: dict[int, SwapStats] = field(default_factory=dict)
     host: HostBudget | None = None  # None: host memory not limited (the stand-in's tests)
-    no_context: set[int] = field(default_factory=set)  # ranks that reported 0 bytes: no CUDA state yet
+    no_context: set[int] = field(default_factory=set)  # ranks without CUDA state yet: admitted, or reported 0
 
     def used(self) -> int:
         return sum(self.footprint.get(r, 0) for r in self.resident)
@@ -126,8 +126,9 @@ class DeviceMemory:
             return False
         for r in victims:
             self._out(r, pids[r])
-        if fresh:  # room is held for its estimate; no_context stays until it reports real bytes
+        if fresh:  # room is held for its estimate; it has no CUDA state until it reports real bytes
             self.resident.add(rank)
+            self.no_context.add(rank)
             if isinstance(self.swapper, BudgetSwapper):
                 self.swapper.used[rank] = need
             return True
@@ -145,8 +146,8 @@ class DeviceMemory:
         return True
 
     def _victim(self, rank: int) -> bool:
-        """Resident and holding GPU state of its own: a checkpoint would free something."""
-        return rank in self.resident and rank not in self.no_context and self.footprint.get(rank, 0) > 0
+        """Resident and holding GPU state of its own (it reported bytes): a checkpoint would free something."""
+        return rank in self.resident and rank not in self.no_context
 
     def _host_room(self) -> float:
         return self.host.free() if self.host is not None else float("inf")

@@ -168,6 +168,7 @@ def segment_pieces(cpu: float, gpu: float, syncs: list) -> list[tuple[float, flo
     out.append((max(cpu - cpu_at, 0.0), max(gpu - gpu_at, 0.0)))
     return out
 
+
 COLUMNS: dict[str, tuple[Column, ...]] = {
     "ops": OPS_COLUMNS, "marks": MARKS_COLUMNS, "slots": SLOTS_COLUMNS, "gpu": GPU_COLUMNS,
 }
