@@ -309,8 +309,10 @@ def test_segment_rows_travel_from_ranks_to_the_trace_and_replay(tmp_path, monkey
         assert mine and min(r["clock_start"] for r in mine) == pytest.approx(start, abs=1e-6)
         inside = [r for r in mine if r["clock_end"] <= end + 1e-9]  # the tail after iteration 5 has rows too
         assert sum(r["clock_end"] - r["clock_start"] for r in inside) == pytest.approx(end - start, abs=1e-6)
-        # host times come from the plain iteration of each pair: ~10 ms of busy loop or a few us of marks
-        assert all(r["gpu"] == 0.0 and 0 <= r["cpu"] < 0.5 for r in mine)
+        # host times come from the plain iteration of each pair: ~10 ms of busy loop or a few us of marks;
+        # the tail (process-group teardown, exit) is as long as the machine makes it, so only its sign
+        assert all(r["gpu"] == 0.0 and r["cpu"] >= 0 for r in mine)
+        assert all(r["cpu"] < 0.5 for r in inside)
         assert sum(r["cpu"] >= 0.009 for r in inside) == 12  # 3 loops x iterations 2-5
     graph = graph_from_trace(tr)
     assert any(isinstance(e, Compute) and e.gpu == 0.0 for e in graph.events[0])
