@@ -33,11 +33,15 @@ def main() -> None:
               help="Ranks whose output goes to the terminal: '0,last', '0-3', 'all' or 'none'.")
 @click.option("--threads-per-rank", type=int, default=1, show_default=True, help="torch threads per rank.")
 @click.option("--preload", multiple=True, help="Module the template imports before forking (repeatable).")
-@click.option("--swap", type=click.Choice(["auto", "none", "checkpoint", "budget"]), default="auto",
-              show_default=True, help="Move blocked ranks' GPU state to host memory when a device is full.")
+@click.option("--swap", type=click.Choice(["auto", "none", "checkpoint", "budget", "budget-auto"]), default="auto",
+              show_default=True,
+              help="Move blocked ranks' GPU state to host memory when a device is full (checkpoint: GPU timing off; "
+                   "auto: swaps until every rank ended iteration 1, then a device that needed none is timed "
+                   "and pinned). budget, budget-auto: the same with a stand-in that enforces --device-memory "
+                   "without a GPU (tests).")
 @click.option("--device-memory", type=float, default=None, help="GiB per device (default: the GPU's total).")
 @click.option("--host-memory", type=float, default=None,
-              help="GiB of host RAM swapped-out GPU state may take (default with --swap checkpoint: 90% of available).")
+              help="GiB of host RAM swapped-out GPU state may take (default: 90% of available).")
 @click.option("--target-gpu", default=None,
               help="Cap each rank at this GPU's memory (h100-80gb, ... or GiB); an OOM becomes a prediction (exit 5).")
 @click.option("--target-context", type=float, default=None,

@@ -39,9 +39,10 @@ def programs() -> Path:
     return PROGRAMS
 
 
-def launch_source(tmp_path: Path, source: str, world_size: int = 2, slots_per_device: int = 1):
+def launch_source(tmp_path: Path, source: str, world_size: int = 2, slots_per_device: int = 1, **options):
     """Write ``source`` as a program and launch it in-process as ``world_size`` logical ranks on CPU (ranks
-    fork from this process, so a test's monkeypatches reach them); returns the trace it wrote."""
+    fork from this process, so a test's monkeypatches reach them); returns the trace it wrote.
+    ``options``: more LaunchConfig fields."""
     from prism_megatron.launcher.config import LaunchConfig
     from prism_megatron.launcher.launch import launch
     from prism_megatron.trace import read_trace
@@ -50,6 +51,6 @@ def launch_source(tmp_path: Path, source: str, world_size: int = 2, slots_per_de
     prog.write_text(source)
     trace = tmp_path / "trace"
     code = launch(LaunchConfig(prog, world_size=world_size, trace_dir=trace, log_ranks=[],
-                               slots_per_device=slots_per_device).validate())
+                               slots_per_device=slots_per_device, **options).validate())
     assert code == 0, f"exit {code}; logs in {trace}.logs"
     return read_trace(trace)

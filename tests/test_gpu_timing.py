@@ -238,6 +238,7 @@ def test_a_profiler_that_does_not_start_turns_timing_off_with_a_message(monkeypa
     monkeypatch.setattr(torch.profiler, "profile", broken)
     monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: None, raising=False)
     timer = gt.GpuSegmentTimer()
+    timer.permit(True, "")
     timer.closed(0.1, 0.1, 0.1)
     assert timer.flush() == []  # the plain iteration 1; the profiler should start now, and cannot
     assert "CUPTI_ERROR_NOT_INITIALIZED" in timer.off and not timer.profiling
@@ -285,7 +286,7 @@ def test_segment_rows_travel_from_ranks_to_the_trace_and_replay(tmp_path, monkey
         def stop(self) -> None:
             pass
 
-    monkeypatch.setattr(gt.GpuSegmentTimer, "_start", lambda self: setattr(self, "_profile", _Profile()))
+    monkeypatch.setattr(gt.GpuSegmentTimer, "_open_profiler", staticmethod(lambda: _Profile()))
     monkeypatch.setenv("PRISM_GPU_TIMING", "1")  # the launcher sets it on GPUs only; ranks fork from here
     tr = launch_source(tmp_path, (
         "import time, torch, torch.distributed as dist\n"
@@ -335,7 +336,7 @@ def test_segments_end_at_every_wait_so_iterations_pair_whatever_the_ops_timing(t
         def stop(self) -> None:
             pass
 
-    monkeypatch.setattr(gt.GpuSegmentTimer, "_start", lambda self: setattr(self, "_profile", _Profile()))
+    monkeypatch.setattr(gt.GpuSegmentTimer, "_open_profiler", staticmethod(lambda: _Profile()))
     monkeypatch.setenv("PRISM_GPU_TIMING", "1")
     tr = launch_source(tmp_path, (
         "import random, time, torch, torch.distributed as dist\n"
@@ -360,3 +361,56 @@ def test_segments_end_at_every_wait_so_iterations_pair_whatever_the_ops_timing(t
         counts = [sum(a - 1e-9 < r["clock_end"] <= b + 1e-9 for r in mine)
                   for a, b in zip(clocks[0::2], clocks[1::2], strict=True)][1:]
         assert len(set(counts)) == 1 and counts[0] > 0, counts
+
+
+AUTO_PROGRAM = (
+    "import torch, torch.distributed as dist\n"
+    "from prism_megatron.trace import span\n"
+    "dist.init_process_group('gloo')\n"
+    "x = torch.ones(4)\n"
+    "for it in range(1, 6):\n"
+    "    with span('iteration', iteration=it):\n"
+    "        for _ in range(3):\n"
+    "            dist.all_reduce(x)\n"
+    "dist.destroy_process_group()\n")
+
+
+@pytest.mark.parametrize(("device_gib", "timed"), [(141, True), (61, False)])
+def test_swap_auto_starts_gpu_timing_only_where_ranks_needed_no_swaps(tmp_path, monkeypatch, device_gib, timed):
+    """--swap auto (the stand-in swapper): two ranks of 60 GiB fit a 141 GiB device, so once both ended
+    iteration 1 the device is pinned and their timers start (rows from iteration 3: the verdict comes
+    after the last rank's iteration-1 flush); on 61 GiB they were swapped in iteration 1, so they keep
+    swapping and no rank is profiled (a profiled process cannot be checkpointed)."""
+    from types import SimpleNamespace
+
+    from conftest import launch_source
+    from prism_megatron.runtime import gpu_timing as gt
+
+    class _Profile:
+        profiler = SimpleNamespace(kineto_results=SimpleNamespace(events=lambda: []))
+
+        def stop(self) -> None:
+            pass
+
+    opened = []
+    monkeypatch.setattr(gt.GpuSegmentTimer, "_open_profiler", staticmethod(lambda: opened.append(1) or _Profile()))
+    monkeypatch.setenv("PRISM_GPU_TIMING", "1")
+    monkeypatch.setenv("PRISM_FOOTPRINT_BYTES", str(60 * 2**30))
+    tr = launch_source(tmp_path, AUTO_PROGRAM, swap="budget-auto", device_memory_gib=device_gib)
+    job = tr.manifest["job"]
+    verdict = job["gpu_timing_by_device"]["cpu"]
+    swaps = sum(s["swaps_out"] for s in job["swap"].values())
+    rows = tr.gpu.to_pylist()
+    assert verdict["on"] is timed
+    if timed:
+        assert swaps == 0 and "120.0 of 141.0 GiB" in verdict["why"]
+        marks = [m for m in tr.marks.to_pylist() if m["name"] == "iteration" and m["phase"] == "E"]
+        for rank in (0, 1):
+            second_end = sorted(m["compute_clock"] for m in marks if m["rank"] == rank)[1]
+            assert min(r["clock_start"] for r in rows if r["rank"] == rank) == pytest.approx(second_end, abs=1e-6)
+    else:
+        assert swaps > 0 and "swapped" in verdict["why"] and rows == []
+    from prism_megatron.replay import graph_from_trace
+
+    notes = graph_from_trace(tr).notes
+    assert any(n.startswith("cpu: GPU timing stays off") for n in notes) is not timed

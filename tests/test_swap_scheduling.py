@@ -146,11 +146,44 @@ def test_checkpoint_swaps_turn_gpu_timing_off_and_refuse_it_when_asked_for(tmp_p
         LaunchConfig(**gpu, swap="checkpoint", gpu_timing=True).validate()
 
 
-def test_auto_swap_is_none_on_cpu(tmp_path):
+def test_auto_swap_is_none_on_cpu_and_swaps_with_gpu_timing_gated_on_a_gpu(tmp_path):
     script = tmp_path / "s.py"
     script.write_text("")
-    cfg = LaunchConfig(script=script, world_size=2, trace_dir=tmp_path / "t").validate()
-    assert cfg.resolved_swap() == "none"
+    base = dict(script=script, world_size=2, trace_dir=tmp_path / "t")
+    cpu = LaunchConfig(**base).validate()
+    assert (cpu.swap_mode, cpu.host_memory) == ("none", None)
+    gpu = LaunchConfig(**base, devices=["0"])
+    assert (gpu.swap_mode, gpu.swapper, gpu.times_gpu) == ("auto", "cuda", True)
+    assert LaunchConfig(**base, devices=["0"], swap="none").swap_mode == "none"
+    stand_in = LaunchConfig(**base, swap="budget-auto", device_memory_gib=10).validate()
+    assert (stand_in.swap_mode, stand_in.swapper, stand_in.host_memory) == ("auto", "budget", None)
+    assert LaunchConfig(**base, swap="budget", device_memory_gib=10).validate().swap_mode == "checkpoint"
+
+
+def test_a_device_without_swaps_by_iteration_1_is_pinned_for_gpu_timing_and_swaps_no_more():
+    mem, sw = _device(100, {r: 30 for r in range(3)})
+    pids = {r: 1000 + r for r in range(4)}
+    on, why = mem.timing_verdict()
+    assert on and mem.pinned and "hold 90.0 of 100.0 GiB after iteration 1 without swaps" in why
+    mem.report(0, 45 * GIB)  # grew past the device: profiled processes cannot be locked, so no victim
+    mem.enforce([1, 2], pids, lambda r: r)
+    assert mem.make_resident(3, [0, 1, 2], pids, lambda r: r)
+    assert sw.log == [] and mem.resident == {0, 1, 2, 3}
+
+
+@pytest.mark.parametrize(("capacity", "footprints", "why"), [
+    (100, {0: 40, 1: 40, 2: 40}, "ranks were swapped 1 time(s) by the end of iteration 1"),
+    (100, {0: 48, 1: 48}, "hold 96.0 of 100.0 GiB after iteration 1, less than 5% left"),
+])
+def test_a_device_that_swapped_or_is_nearly_full_keeps_swapping_without_gpu_timing(capacity, footprints, why):
+    mem, sw = _device(capacity, footprints)
+    pids = {r: 1000 + r for r in footprints}
+    mem.enforce(list(footprints), pids, lambda r: r)
+    on, said = mem.timing_verdict()
+    assert not on and not mem.pinned and why in said and "GPU timing stays off" in said
+    mem.report(0, 60 * GIB)
+    mem.enforce(list(footprints), pids, lambda r: r)
+    assert mem.used() <= mem.capacity  # swapping goes on
 
 
 def test_job_over_budget_swaps_and_keeps_results(tmp_path):

@@ -7,6 +7,10 @@
 # change it) and the swap counts from the trace. Run from the repo root with .whl carried:
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
 #   bash bench/gpu/swap_megatron.sh            # DEVICE_GIB=20 ITERS=3 RUN_TIMEOUT=300 (seconds per run)
+# MODES (default "none checkpoint") may also name auto (the default policy: all resident, so the device
+# should be pinned and its ranks timed from iteration 3) and auto-small (auto with DEVICE_GIB declared:
+# swaps in iteration 1, so GPU timing must stay off); each prints the verdict and the trace's GPU rows.
+#   MODES="auto auto-small" ITERS=4 bash bench/gpu/swap_megatron.sh
 # Measured (2026-12-01, one H200): all resident 131 s for 3 iterations; with 20 GiB declared the first
 # iteration took ~2 min of swapping (loss and grad norm equal) and the run passed 270 s: give it time.
 set -uo pipefail
@@ -23,22 +27,25 @@ show() {
   grep -E "iteration +[0-9]+/" "$1" | sed -E 's/.*(iteration +[0-9]+).*(lm loss: [^|]*).*(grad norm: [^|]*).*/\1 \2 \3/'
   grep -m3 -E "Error|error:|prism: swap" "$1"
 }
-for mode in none checkpoint; do
-  extra=""; [ "$mode" = checkpoint ] && extra="--prism-device-memory ${DEVICE_GIB:-20}"
+for entry in ${MODES:-none checkpoint}; do
+  mode=${entry%-small}
+  extra=""; [ "$entry" = checkpoint ] || [ "$entry" = auto-small ] && extra="--prism-device-memory ${DEVICE_GIB:-20}"
   t0=$(date +%s)
   timeout ${RUN_TIMEOUT:-300} python3 -m prism_megatron run --prism-emulate --prism-world-size 8 --prism-devices 0 \
-    --prism-slots-per-device 2 --prism-swap $mode $extra --prism-trace-dir /tmp/swap-megatron-$mode \
-    $script $flags > "$out/$mode.log" 2>&1
-  echo "--prism-swap $mode $extra: exit $? in $(( $(date +%s) - t0 )) s"; show "$out/$mode.log"
-  python3 - "$mode" <<'PY'
+    --prism-slots-per-device 2 --prism-swap $mode $extra --prism-trace-dir /tmp/swap-megatron-$entry \
+    $script $flags > "$out/$entry.log" 2>&1
+  echo "--prism-swap $mode $extra: exit $? in $(( $(date +%s) - t0 )) s"; show "$out/$entry.log"
+  python3 - "$entry" <<'PY'
 import sys
 from pathlib import Path
 from prism_megatron.trace import read_trace
 path = Path(f"/tmp/swap-megatron-{sys.argv[1]}")
 if not (path / "manifest.json").exists():
     sys.exit("no trace: the run did not end (see the log's progress lines)")
-job = read_trace(path).manifest["job"]
+trace = read_trace(path)
+job = trace.manifest["job"]
 swap = job.get("swap", {})
+print("GPU timing verdicts:", job.get("gpu_timing_by_device"), "| gpu rows:", trace.gpu.num_rows)
 print("swaps out/in:", sum(s["swaps_out"] for s in swap.values()), "/", sum(s["swaps_in"] for s in swap.values()),
       "GiB out:", round(sum(s["bytes_out"] for s in swap.values()) / 2**30, 1),
       "swap s:", round(sum(s["seconds"] for s in swap.values()), 1))

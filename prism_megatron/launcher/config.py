@@ -25,7 +25,9 @@ class LaunchConfig:
     threads_per_rank: int = 1
     preload: list[str] = field(default_factory=list)  # modules the template imports before forking
     rank_setup: list[str] = field(default_factory=list)  # "module:function" run in each rank before the script
-    swap: str = "auto"  # auto | none | checkpoint | budget (stand-in, for tests)
+    # auto | none | checkpoint; budget and budget-auto are checkpoint and auto with a stand-in swapper that
+    # enforces --device-memory without a GPU (tests, bench/swap_policy.py)
+    swap: str = "auto"
     device_memory_gib: float | None = None  # capacity per device; default: the GPU's total memory
     device_memory: list[int] = field(default_factory=list)  # resolved by validate(), bytes per device
     host_memory_gib: float | None = None  # host RAM checkpointed GPU state may take; default: 90% of available
@@ -55,8 +57,10 @@ class LaunchConfig:
     @property
     def times_gpu(self) -> bool:
         """GPU timing is off under `--swap checkpoint`: the driver refuses to lock a process that the
-        CUDA profiler has run in (CUDA_ERROR_NOT_SUPPORTED; bench/gpu/swap_bench.py's lock probes)."""
-        if self.resolved_swap() == "checkpoint":
+        CUDA profiler has run in (CUDA_ERROR_NOT_SUPPORTED; bench/gpu/swap_bench.py's lock probes).
+        Under `auto` the coordinator lets a device's ranks start it once they are known not to need
+        swaps (runtime.memory.timing_verdict)."""
+        if self.swap_mode == "checkpoint":
             return False
         return self.on_gpu if self.gpu_timing is None else self.gpu_timing and self.on_gpu
 
@@ -121,7 +125,7 @@ class LaunchConfig:
             raise LaunchError(f"--trace-dir {str(self.trace_dir)!r} exists and is not a directory")
         if not parent.is_dir() or not os.access(parent, os.W_OK):
             raise LaunchError(f"--trace-dir {str(self.trace_dir)!r}: cannot write in {str(parent)!r}")
-        if self.swap not in ("auto", "none", "checkpoint", "budget"):
+        if self.swap not in ("auto", "none", "checkpoint", "budget", "budget-auto"):
             raise LaunchError(f"--swap must be auto, none or checkpoint, got {self.swap!r}")
         if self.device_memory_gib is not None and not self.device_memory_gib > 0:
             raise LaunchError(f"--device-memory must be a positive number of GiB, got {self.device_memory_gib!r}")
@@ -134,8 +138,8 @@ class LaunchConfig:
                               "checkpoint a process the CUDA profiler has run in (CUDA_ERROR_NOT_SUPPORTED); "
                               "drop the GPU timing option (it is then off, and compute is replayed on one clock) "
                               "or use --swap none")
-        if self.swap == "budget" and self.device_memory_gib is None:
-            raise LaunchError("--swap budget needs --device-memory GiB")
+        if self.swapper == "budget" and self.device_memory_gib is None:
+            raise LaunchError(f"--swap {self.swap} needs --device-memory GiB")
         totals = _check_gpus(self.devices) if self.on_gpu else []
         if self.device_memory_gib is not None:
             self.device_memory = [int(self.device_memory_gib * 2**30)] * len(self.devices)
@@ -143,14 +147,24 @@ class LaunchConfig:
             self.device_memory = totals or [0] * len(self.devices)
         if self.host_memory_gib is not None:
             self.host_memory = int(self.host_memory_gib * 2**30)
-        elif self.swap == "checkpoint":
+        elif self.swap_mode != "none" and self.swapper == "cuda":
             self.host_memory = int(0.9 * _available_host_memory())
         return self
 
-    def resolved_swap(self) -> str:
-        """auto means none: checkpointing needs GPU timing off (see `times_gpu`), which costs the
-        prediction its host/device split, so a job that needs swaps opts in with `--swap checkpoint`."""
+    @property
+    def swap_mode(self) -> str:
+        """none, checkpoint or auto (swap when a device's ranks outgrow it; CPU ranks have nothing to swap,
+        so auto is none there unless the stand-in swapper plays the device)."""
+        if self.swap == "budget":
+            return "checkpoint"
+        if self.swap == "budget-auto" or (self.swap == "auto" and self.on_gpu):
+            return "auto"
         return "none" if self.swap == "auto" else self.swap
+
+    @property
+    def swapper(self) -> str:
+        """cuda (the driver's process checkpoint API) or budget (the stand-in)."""
+        return "budget" if self.swap.startswith("budget") else "cuda"
 
 
 def _check_gpus(devices: list[str]) -> list[int]:

@@ -68,7 +68,9 @@ class _Job:
             "device_of": {r: cfg.device_of(r) for r in range(cfg.world_size)},
             "hang_timeout": cfg.hang_timeout,
             "threads": coordinator_threads(cfg, _cores()),
-            "swap": cfg.resolved_swap(),
+            "swap": cfg.swap_mode, "swapper": cfg.swapper,
+            # whether ranks time GPU segments: the launcher sets PRISM_GPU_TIMING for them, or it was set already
+            "gpu_timing": cfg.times_gpu or os.environ.get("PRISM_GPU_TIMING") == "1",
             "device_memory": cfg.device_memory,
             "host_memory": cfg.host_memory,
             "swap_policy": os.environ.get("PRISM_SWAP_POLICY", "resident-first"),
@@ -88,6 +90,8 @@ class _Job:
             raise RuntimeError(f"the prism coordinator failed to start (exit {self.coord.returncode}); "
                                f"see {cfg.log_dir / 'coordinator.log'}")
         info = json.loads(line)
+        for note in info.get("notes", []):
+            _say(note)
         address = (info["address"][0], int(info["address"][1]))
         self.control = Client(address, authkey=self.authkey)
         self.control.send({"t": P.CONTROL})
@@ -282,7 +286,7 @@ def launch(cfg: LaunchConfig) -> int:
         _say(f"{cfg.slots_per_device} slot(s) x {cfg.threads_per_rank} thread(s) use all {cores} cores: the "
              "coordinator shares them with computing ranks, which inflates measured compute "
              "(bench/accuracy: +4% to +56% with 2 slots on 2 cores); leave a core free for timing runs")
-    if cfg.on_gpu and cfg.resolved_swap() == "checkpoint":
+    if cfg.on_gpu and cfg.swap_mode == "checkpoint":
         _say("--swap checkpoint: GPU timing is off (the driver cannot checkpoint a process the CUDA profiler "
              "ran in), so each compute segment is replayed on one clock, host and device not separated")
     job = _Job(cfg)

@@ -61,12 +61,13 @@ PRISM_FLAGS: dict[str, dict[str, Any]] = {
                                         "--fake-process-group and show its peak memory beside ours in the report."),
     "--prism-swap": dict(type=str, default="auto", choices=["auto", "none", "checkpoint"],
                          help="Move blocked ranks' GPU state to host memory when a device is full (CUDA process "
-                              "checkpoint; turns GPU timing off, which it excludes); 'auto' is 'none'."),
+                              "checkpoint, which excludes GPU timing). 'auto': swap in set-up and iteration 1 if "
+                              "needed; a device whose ranks needed none is then timed and swaps no more."),
     "--prism-device-memory": dict(type=float, default=None,
                                   help="GiB per device that ranks' state may take (default: the GPU's total)."),
     "--prism-host-memory": dict(type=float, default=None,
-                                help="GiB of host RAM swapped-out GPU state may take (default with --prism-swap "
-                                     "checkpoint: 90%% of the RAM available at start)."),
+                                help="GiB of host RAM swapped-out GPU state may take (default: 90%% of the RAM "
+                                     "available at start)."),
     "--prism-cluster": dict(type=str, default=None,
                             help="Cluster profile that costs communication in the prediction "
                                  "(prism-megatron cluster list); default: free communication."),

@@ -372,6 +372,9 @@ def graph_from_trace(trace: Any, gpu_times: bool = True, typical_host: bool = Tr
     per_rank = {r: trace.ops_for_rank(r) for r in range(trace.world_size)}
     _resolve_any_source(per_rank)
     notes = _drop_unmatched_p2p(per_rank)
+    for device, verdict in (trace.manifest.get("job", {}).get("gpu_timing_by_device") or {}).items():
+        if not verdict.get("on"):  # --swap auto kept swapping there: its ranks' compute is on one clock
+            notes.append(f"{device}: {verdict.get('why', 'GPU timing off')}")
     events = {r: _rank_events(per_rank[r], marks_by_rank.get(r, []), _releases(slots_by_rank.get(r, [])))
               for r in range(trace.world_size)}
     gpu = getattr(trace, "gpu", None)

@@ -505,6 +505,9 @@ class RankClient:
                 self._granted.set()
             elif t == P.PREDICTED:
                 self._prediction = msg
+            elif t == P.TIMING:
+                if self._gpu is not None:
+                    self._gpu.permit(msg["on"], msg["why"])
             elif t == P.ERROR:
                 p = self._pop(msg["id"])
                 if p is not None:

@@ -30,7 +30,7 @@ from prism_megatron.runtime.matching import Member, P2PQueues, check_collective,
 from prism_megatron.runtime.memory import DeviceMemory, HostBudget
 from prism_megatron.runtime.shm import SegmentMap
 from prism_megatron.runtime.slots import Grant, ResidentFirstPolicy, SlotScheduler
-from prism_megatron.runtime.swap import BudgetSwapper, CudaCheckpointSwapper, Swapper
+from prism_megatron.runtime.swap import BudgetSwapper, CudaCheckpointSwapper, Swapper, SwapUnavailable
 
 
 @dataclass
@@ -134,6 +134,9 @@ class Coordinator:
         self.segments = SegmentMap()
         self.selector = selectors.DefaultSelector()
         self.memory: list[DeviceMemory] | None = None  # set when swapping is on (see enable_swap)
+        # --swap auto with GPU timing: a device's ranks start the profiler only once timing_verdict allows
+        self.timing_gated = False
+        self.timing: dict[int, dict] = {}  # device -> {"on", "why"}: the verdicts given
         self.awaiting_room: list[Grant] = []
         self.ops: list[OpRecord] = []
         self.marks: list[dict] = []
@@ -144,18 +147,41 @@ class Coordinator:
         self.finished = False
 
     def enable_swap(self, swapper: Swapper, capacities: list[int], policy: str = "resident-first",
-                    host_capacity: int | None = None) -> None:
+                    host_capacity: int | None = None, gate_timing: bool = False) -> None:
         """Keep at most each device's capacity of ranks' state resident, swapping blocked ranks out.
 
         With `resident-first`, the slot goes preferably to a queued rank whose state is on the device,
         which cuts swaps (bench: `python bench/swap_policy.py`); `fifo` keeps plain arrival order.
         ``host_capacity``: bytes of host memory the checkpointed state of all devices may take.
+        ``gate_timing`` (--swap auto with GPU timing): ranks time their GPU segments only once their
+        device's verdict allows it (see runtime.memory.DeviceMemory.timing_verdict).
         """
+        self.timing_gated = gate_timing
         host = HostBudget(host_capacity) if host_capacity is not None else None
         self.memory = [DeviceMemory(c, swapper, host=host) for c in capacities]
         if policy == "resident-first":
             mem = self.memory
             self.slots.policy = ResidentFirstPolicy(lambda r: r in mem[self.slots.device_of(r)].resident)
+
+    def timing_verdicts(self) -> dict:
+        """Per device name: whether GPU timing ran there under --swap auto, and why."""
+        return {self.device_names[d]: v for d, v in sorted(self.timing.items())}
+
+    def _decide_timing(self, device: int) -> None:
+        """Give the device's verdict once every rank on it ended iteration 1 (or exited)."""
+        if not self.timing_gated or device in self.timing:
+            return
+        members = [r for r in range(self.world_size) if self.slots.device_of(r) == device]
+        ended = [self.iterations_ended.get(r, 0) >= 1 for r in members]
+        if not any(ended) or not all(e or (r in self.ranks and self.ranks[r].state == "done")
+                                     for r, e in zip(members, ended, strict=True)):
+            return
+        on, why = self.memory[device].timing_verdict()
+        self.timing[device] = {"on": on, "why": why}
+        print(f"prism: {self.device_names[device]}: {why}", file=sys.stderr, flush=True)
+        for r in members:
+            if self.ranks[r].state != "done":
+                self._send(self.ranks[r], {"t": P.TIMING, "on": on, "why": why})
 
     def swap_stats(self) -> dict:
         if self.memory is None:
@@ -239,6 +265,8 @@ class Coordinator:
             rs = RankState(msg["rank"], conn, pid=msg.get("pid", 0))
             self.ranks[rs.rank] = rs
             self.conns[conn] = rs
+            if not self.timing_gated:  # nothing to wait for: a GPU timer may start at once
+                self._send(rs, {"t": P.TIMING, "on": True, "why": ""})
             self._progress()
         elif t == P.CONTROL:
             self.control = conn
@@ -262,6 +290,7 @@ class Coordinator:
             if msg["name"] == "iteration" and msg["phase"] == "E":
                 self.iterations_done += 1
                 self.iterations_ended[rs.rank] = self.iterations_ended.get(rs.rank, 0) + 1
+                self._decide_timing(self.slots.device_of(rs.rank))
                 if time.monotonic() - self._last_progress > 0.5:  # a progress line, not a message per mark
                     self._progress()
                 self._answer_predictions()
@@ -431,6 +460,7 @@ class Coordinator:
         rs.state = "done"
         rs.exit_code = exit_code
         self.n_finished += 1
+        self._decide_timing(self.slots.device_of(rs.rank))
         self._answer_predictions()
         self._progress()
 
@@ -680,11 +710,20 @@ def main(argv: list[str] | None = None) -> None:
         device_of={int(k): v for k, v in cfg["device_of"].items()}, device_names=cfg["devices"],
         hang_timeout=cfg["hang_timeout"], authkey=authkey, host=cfg.get("host", "127.0.0.1"),
     )
+    notes = []  # said by the launcher
     swap = cfg.get("swap", "none")
     if swap != "none":
         caps = [int(c) for c in cfg["device_memory"]]
-        swapper = BudgetSwapper(caps[0]) if swap == "budget" else CudaCheckpointSwapper()
-        coord.enable_swap(swapper, caps, cfg.get("swap_policy", "resident-first"), cfg.get("host_memory"))
+        try:
+            swapper = BudgetSwapper(caps[0]) if cfg.get("swapper") == "budget" else CudaCheckpointSwapper()
+        except SwapUnavailable as e:
+            if swap != "auto":
+                raise
+            swapper = None
+            notes.append(f"--swap auto: ranks share each GPU without swaps ({e})")
+        if swapper is not None:
+            coord.enable_swap(swapper, caps, cfg.get("swap_policy", "resident-first"), cfg.get("host_memory"),
+                              gate_timing=swap == "auto" and bool(cfg.get("gpu_timing")))
     if cfg.get("predictor"):
         module, _, func = cfg["predictor"].partition(":")
         coord.set_predictor(getattr(importlib.import_module(module), func), Path(cfg["live_trace"]),
@@ -693,7 +732,7 @@ def main(argv: list[str] | None = None) -> None:
 
     store = TCPStore(cfg.get("host", "127.0.0.1"), 0, cfg["world_size"], is_master=True, wait_for_workers=False,
                      multi_tenant=False)
-    print(json.dumps({"address": list(coord.address), "store_port": store.port}), flush=True)
+    print(json.dumps({"address": list(coord.address), "store_port": store.port, "notes": notes}), flush=True)
     coord.serve()
     del store
 

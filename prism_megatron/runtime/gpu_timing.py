@@ -244,6 +244,7 @@ class GpuSegmentTimer:
         self.stats = {"segments": 0, "paired": 0, "device_work": 0, "syncs": 0}
         self.waits: dict[str, int] = {}
         self.off = ""  # why GPU timing stopped for this rank, if it did
+        self.permitted = False  # the coordinator's word (at once, or under --swap auto its device's verdict)
 
     @property
     def profiling(self) -> bool:
@@ -254,22 +255,36 @@ class GpuSegmentTimer:
         thread ids this matches, in which case the receiver's result copies of async ops count)."""
         self._exclude.update({threading.get_native_id(), threading.get_ident()})
 
+    def permit(self, on: bool, why: str) -> None:
+        """The coordinator's word: the profiler may start at the next iteration's end (or never: ``why``)."""
+        if why:
+            print(f"prism: {why}", file=sys.stderr, flush=True)
+        if on:
+            self.permitted = True
+        else:
+            self.off = why
+
     def _start(self) -> None:
-        if self.off:
+        if self.off or not self.permitted:
             return
         try:
-            import torch
-            from torch.profiler import ProfilerActivity, profile
-
-            if not hasattr(torch.cuda, "_sleep"):
-                raise RuntimeError("torch.cuda._sleep (the marker kernel) is missing in this PyTorch")
-            self._profile = profile(activities=[ProfilerActivity.CUDA])
-            self._profile.start()
+            self._profile = self._open_profiler()
         except Exception as e:  # no CUPTI, a profiler already running...: say so; the trace gets no rows
             self._profile = None
             self.off = f"{type(e).__name__}: {e}"
             print(f"prism: GPU timing off for this rank: the CUDA profiler did not start ({self.off}); its "
                   "compute is replayed on one clock (host and device not separated)", file=sys.stderr, flush=True)
+
+    @staticmethod
+    def _open_profiler() -> Any:
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+
+        if not hasattr(torch.cuda, "_sleep"):
+            raise RuntimeError("torch.cuda._sleep (the marker kernel) is missing in this PyTorch")
+        p = profile(activities=[ProfilerActivity.CUDA])
+        p.start()
+        return p
 
     def begin(self) -> None:
         """A segment begins (call before the rank's clock resumes)."""

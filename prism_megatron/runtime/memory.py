@@ -10,6 +10,11 @@ A checkpointed rank's GPU state lives in host memory, so host RAM bounds how muc
 out at once (the machine of the H200 measurements has 128 GiB for 141 GiB of GPU): a swap-out that
 would not fit the host budget is not made, and a rank that needs one waits like any other.
 
+Under `--swap auto` the CUDA profiler (GPU timing) and the checkpoint API exclude each other (the
+driver refuses to lock a process the profiler ran in): a device's ranks run set-up and iteration 1
+without the profiler, swapping if they must, and then `timing_verdict` decides from what they hold
+whether the device goes on swapping (no GPU timing) or is pinned (no more swaps, GPU timing on).
+
 A rank whose process has not started CUDA yet (it reports 0 bytes, e.g. blocked in
 `init_process_group` before its first allocation) holds nothing to move, and the driver refuses to
 lock such a process (CUDA_ERROR_NOT_INITIALIZED, bench/gpu/swap_bench.py): it is never a victim,
@@ -22,6 +27,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from prism_megatron.runtime.swap import BudgetSwapper, SwapNoRoom, Swapper, timed
+
+TIMING_HEADROOM = 0.05  # of a device left free before GPU timing may pin it (a judgement, not measured)
 
 
 @dataclass
@@ -55,6 +62,7 @@ class DeviceMemory:
     stats: dict[int, SwapStats] = field(default_factory=dict)
     host: HostBudget | None = None  # None: host memory not limited (the stand-in's tests)
     no_context: set[int] = field(default_factory=set)  # ranks without CUDA state yet: admitted, or reported 0
+    pinned: bool = False  # GPU timing runs here: its ranks cannot be checkpointed, so no swaps any more
 
     def used(self) -> int:
         return sum(self.footprint.get(r, 0) for r in self.resident)
@@ -76,6 +84,8 @@ class DeviceMemory:
 
     def enforce(self, evictable: list[int], pids: dict[int, int], completes_last: Callable[[int], float]) -> None:
         """Swap blocked residents out, longest wait first, until what is resident fits the device."""
+        if self.pinned:
+            return
         order = sorted((r for r in evictable if self._victim(r)), key=completes_last, reverse=True)
         for r in order:
             if self.used() <= self.capacity:
@@ -103,6 +113,9 @@ class DeviceMemory:
         Returns False when even evicting every candidate leaves no room (the caller retries later).
         """
         if rank in self.resident:  # its state is here, or room is held for a rank without CUDA state
+            return True
+        if self.pinned:  # no swaps here: ranks share the device as under --swap none
+            self.resident.add(rank)
             return True
         fresh = rank not in self.stats or rank in self.no_context
         if fresh:
@@ -144,6 +157,23 @@ class DeviceMemory:
         if self.host is not None:
             self.host.held.pop(rank, None)
         return True
+
+    def timing_verdict(self) -> tuple[bool, str]:
+        """Once every rank of the device ended iteration 1: may GPU timing start here? Yes when no rank
+        was swapped and what they hold leaves `TIMING_HEADROOM` of the device for later growth (the
+        caching allocator reaches its peak in the first iteration, optimizer state included); the
+        device is then pinned. No keeps swapping possible and the compute on one clock."""
+        swaps = sum(s.swaps_out for s in self.stats.values())
+        held = f"{self.used() / 2**30:.1f} of {self.capacity / 2**30:.1f} GiB"
+        if swaps:
+            return False, (f"GPU timing stays off: ranks were swapped {swaps} time(s) by the end of iteration 1 "
+                           "(a profiled process cannot be checkpointed); compute is replayed on one clock")
+        if self.used() > (1 - TIMING_HEADROOM) * self.capacity:
+            return False, (f"GPU timing stays off: the ranks hold {held} after iteration 1, less than "
+                           f"{TIMING_HEADROOM:.0%} left for growth that may need swaps; compute is replayed on "
+                           "one clock")
+        self.pinned = True
+        return True, f"GPU timing on: the ranks hold {held} after iteration 1 without swaps; no swaps from here"
 
     def _victim(self, rank: int) -> bool:
         """Resident and holding GPU state of its own (it reported bytes): a checkpoint would free something."""

@@ -35,6 +35,7 @@ ERROR = "error"  # {id, message}
 GRANT = "grant"  # the rank holds a slot again
 PREDICTED = "predicted"  # {iteration, seconds | None, note}: answer to PREDICT (a GRANT follows)
 ABORT = "abort"  # {message}: the job is ending; every pending op fails
+TIMING = "timing"  # {on, why}: whether the rank's GPU timer may start (--swap auto gates it per device)
 
 # launcher <-> coordinator
 CONTROL = "control"  # hello of the launcher's control connection

@@ -28,7 +28,9 @@ def write_bare_trace(coord: Any, path: Path, job: dict, exit_codes: dict) -> Pat
         ops.append(row)
     manifest = {
         "world_size": coord.world_size,
-        "job": {**job, "swap": coord.swap_stats()} if coord.memory is not None else job,
+        "job": {**job, "swap": coord.swap_stats(), **({"gpu_timing_by_device": coord.timing_verdicts()}
+                                                      if coord.timing_gated else {})}
+        if coord.memory is not None else job,
         "groups": [{"id": g.id, "name": g.name, "ranks": g.ranks, "backend": g.backend}
                    for g in sorted(coord.groups.values(), key=lambda g: g.id)],
         "ranks": [{"rank": r, "exit_code": exit_codes.get(str(r), exit_codes.get(r)),
