@@ -1,6 +1,6 @@
 """Phase-1 runtime benchmarks, each measured side by side in one run; prints a table of figures and ratios.
 
-  python bench/runtime.py [allreduce] [smallops] [memory] [startup] [reduce]
+  python bench/runtime.py [allreduce] [smallops] [memory] [startup] [reduce] [solo]
 
 - allreduce: 64 MiB all_reduce over 8 ranks, prism (1 device, 2 slots) vs gloo with 8 real processes
   (target: prism/gloo throughput >= 1.0)
@@ -9,6 +9,8 @@
   (target <= 150 MB)
 - startup: wall time to start 64 and 256 ranks and pass a barrier (target: 256 in < 60 s)
 - reduce: the coordinator's element-wise sum of 2 x 512 MiB with 1 thread and with every core
+- solo: 256 MiB all_reduce over groups of one (2 ranks, 1 slot): computed by the rank itself vs staged
+  through the coordinator as before (PRISM_STAGE_GROUPS_OF_ONE=1)
 """
 
 from __future__ import annotations
@@ -32,11 +34,11 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def prism(world: int, script: str, *args: str, slots: int = 2, tmp: Path) -> float:
+def prism(world: int, script: str, *args: str, slots: int = 2, tmp: Path, env: dict | None = None) -> float:
     t0 = time.perf_counter()
     p = subprocess.run([PY, "-m", "prism_megatron", "launch", "-w", str(world), "--slots-per-device", str(slots),
                         "--log-ranks", "none", "--trace-dir", str(tmp / f"trace-{world}"), str(HERE / script), *args],
-                       capture_output=True, text=True)
+                       capture_output=True, text=True, env=dict(os.environ, **(env or {})))
     if p.returncode:
         raise SystemExit(f"prism run failed:\n{p.stderr[-3000:]}")
     return time.perf_counter() - t0
@@ -111,8 +113,18 @@ def bench_reduce(tmp: Path) -> list[tuple[str, str]]:
     return rows
 
 
+def bench_solo(tmp: Path) -> list[tuple[str, str]]:
+    nbytes, iters, ms = 256 << 20, 5, {}
+    for how, env in (("staged", {"PRISM_STAGE_GROUPS_OF_ONE": "1"}), ("local", {})):
+        prism(2, "allreduce.py", str(tmp / f"{how}.json"), str(nbytes), str(iters), "solo", slots=1, tmp=tmp, env=env)
+        r = json.loads((tmp / f"{how}.json").read_text())
+        ms[how] = r["seconds"] / r["iters"] * 1e3
+    return [("256 MiB all_reduce, group of one: staged vs local",
+             f"{ms['staged']:.1f} vs {ms['local']:.2f} ms per op ({ms['staged'] / ms['local']:.0f}x)")]
+
+
 def main() -> None:
-    which = sys.argv[1:] or ["allreduce", "smallops", "memory", "startup", "reduce"]
+    which = sys.argv[1:] or ["allreduce", "smallops", "memory", "startup", "reduce", "solo"]
     rows: list[tuple[str, str]] = []
     with tempfile.TemporaryDirectory() as d:
         for name in which:

@@ -126,10 +126,47 @@ def test_an_op_on_a_tensor_that_an_earlier_op_writes_sees_its_result(tmp_path):
         "dist.destroy_process_group()\n"))
     for r in (0, 1):
         assert (out / f"rank-{r}.txt").read_text() == "4.0 4.0 " + str([2.0] * 8)
-    ops = sorted((o for o in tr.ops.to_pylist() if o["rank"] == 0 and o["kind"] == "all_reduce"),
-                 key=lambda o: o["t_issue"])
-    assert len(ops) == 4
-    # one slot: rank 1 cannot issue op 1 before rank 0 gives the slot up; rank 0 held op 2 back for op 1,
-    # but issued op 4 while op 3 was still pending
-    assert ops[1]["t_issue"] >= ops[0]["t_complete"]
-    assert ops[3]["t_issue"] < ops[2]["t_complete"]
+    ops = {r: sorted((o for o in tr.ops.to_pylist() if o["rank"] == r and o["kind"] == "all_reduce"),
+                     key=lambda o: o["t_issue"]) for r in (0, 1)}
+    assert [len(v) for v in ops.values()] == [4, 4]
+    # each rank held op 2 back until op 1 completed
+    assert all(v[1]["t_issue"] >= v[0]["t_complete"] for v in ops.values())
+    # one slot: the rank that issued op 3 first (which one is up to the scheduler) issued op 4 while op 3
+    # was still pending, as the other rank could not post op 3 before it gave the slot up
+    first = min(ops.values(), key=lambda v: v[2]["t_issue"])
+    assert first[3]["t_issue"] < first[2]["t_complete"]
+
+
+def test_an_op_of_a_group_of_one_is_done_by_the_rank_and_recorded_without_staging(tmp_path, monkeypatch):
+    """Megatron all-reduces gradients over data-parallel groups of one: the rank writes the result
+    itself (nothing staged through shared memory: staging is made to fail here), the trace still has
+    the op with its bytes, and an op of the same rank on a larger group is staged as before."""
+    from conftest import launch_source
+    from prism_megatron.runtime.client import RankClient
+
+    staged = RankClient._stage
+
+    def stage(self, ins, outs, inplace):
+        if any(t.numel() == 1 << 20 for t in ins):
+            raise AssertionError("an op of a group of one was staged")
+        return staged(self, ins, outs, inplace)
+
+    monkeypatch.setattr(RankClient, "_stage", stage)
+    tr = launch_source(tmp_path, (
+        "import torch, torch.distributed as dist\n"
+        "dist.init_process_group('gloo')\n"
+        "r = dist.get_rank()\n"
+        "solo = [dist.new_group([i]) for i in range(2)][r]\n"
+        "g = torch.full((1 << 20,), 2.0 + r)\n"
+        "dist.all_reduce(g, group=solo, op=dist._make_nccl_premul_sum(0.5))\n"
+        "assert torch.equal(g, torch.full((1 << 20,), 1.0 + r / 2)), g[:4]\n"
+        "out = torch.empty(1 << 20)\n"
+        "dist.all_gather_into_tensor(out, g, group=solo, async_op=True).wait()\n"
+        "assert torch.equal(out, g)\n"
+        "x = torch.ones(1 << 18)\n"
+        "dist.all_reduce(x)\n"
+        "assert torch.equal(x, torch.full((1 << 18,), 2.0))\n"
+        "dist.destroy_process_group()\n"))
+    sizes = {g["id"]: len(g["ranks"]) for g in tr.manifest["groups"]}
+    ops = [(o["kind"], o["bytes"], sizes[o["group"]]) for o in tr.ops.to_pylist() if o["rank"] == 1]
+    assert ("all_reduce", 4 << 20, 1) in ops and ("all_gather", 4 << 20, 1) in ops and ("all_reduce", 1 << 20, 2) in ops

@@ -9,6 +9,7 @@ Ranks in messages are group ranks; the coordinator knows each group's global ran
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import weakref
 from collections.abc import Iterator
@@ -56,6 +57,8 @@ def _redop(opts: Any) -> dict:
 
 
 _LABEL = threading.local()
+# bench knob (bench/runtime.py solo): stage ops of a group of one through the coordinator, as before
+_STAGE_GROUPS_OF_ONE = os.environ.get("PRISM_STAGE_GROUPS_OF_ONE") == "1"
 
 
 @contextlib.contextmanager
@@ -115,6 +118,8 @@ class PrismProcessGroup(dist.ProcessGroup):
         label = getattr(_LABEL, "value", None)
         if label and "label" not in params:
             params["label"] = label
+        if len(self._ranks) == 1 and kind not in ("send", "recv") and not _STAGE_GROUPS_OF_ONE:
+            params["local"] = True  # a group of one: the rank computes the result itself (RankClient.submit)
         work = self._client.submit(self._name, kind, ins, outs, async_op=async_op, **params)
         if self._coalescing is not None:
             self._coalescing.append(work)

@@ -49,7 +49,7 @@ def desc_bytes(desc: tuple) -> int:
     """Bytes a payload descriptor stands for (see protocol.py)."""
     if desc[0] == "i":
         return len(desc[1])
-    if desc[0] == "r":
+    if desc[0] in ("r", "l"):
         return desc[1]
     return desc[3]
 

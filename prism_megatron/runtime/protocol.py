@@ -8,6 +8,8 @@ A payload descriptor is a tuple:
 - ``("i", data: bytes)``: input bytes inline.
 - ``("s", segment: str, offset: int, nbytes: int)``: bytes in a rank's shared-memory segment.
 - ``("r", nbytes: int)``: an output the coordinator returns inline in the reply.
+- ``("l", nbytes: int)``: data that stays with the rank: an op of a group of one, whose result the rank
+  computes itself (the message only records the op).
 """
 
 from __future__ import annotations

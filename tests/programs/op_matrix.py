@@ -190,6 +190,51 @@ t = torch.empty(3, device=device)
 dist.broadcast(t if R % 2 else inp(3), src=pair[0], group=pg)
 save("group/pair_broadcast", t if R % 2 else inp(3))
 
+# groups of one (Megatron's data-parallel group when DP = 1): under prism the rank computes the result
+# itself, nothing staged; under gloo, the same ops on one process
+solo = [dist.new_group([r]) for r in range(W)][R]
+for op in ("SUM", "MAX"):
+    t = inp(5, salt=9)
+    dist.all_reduce(t, group=solo, op=getattr(dist.ReduceOp, op))
+    save(f"solo/all_reduce/{op}", t)
+t = inp(5)
+if prism:
+    dist.all_reduce(t, group=solo, op=dist._make_nccl_premul_sum(0.25))
+    u = inp(5, dtype=torch.int64)
+    dist.all_reduce(u, group=solo, op=dist.ReduceOp.AVG)
+else:
+    t, u = t * 0.25, inp(5, dtype=torch.int64)
+save("solo/all_reduce/PREMUL_SUM", t)
+save("solo/all_reduce/AVG_int", u)
+big = inp(300_000, salt=1)
+dist.all_reduce(big, group=solo, async_op=True).wait()
+save("solo/all_reduce/big_async", big)
+flat = torch.empty(4, device=device)
+dist.all_gather_into_tensor(flat, inp(4, salt=2), group=solo)
+save("solo/all_gather/into_tensor", flat)
+lst = [torch.empty(4, device=device)]
+dist.all_gather(lst, inp(4, salt=3), group=solo)
+save("solo/all_gather/list", lst[0])
+o = torch.empty(3, device=device)
+dist.reduce_scatter_tensor(o, inp(3, salt=4), group=solo)
+save("solo/reduce_scatter/tensor", o)
+t = inp(6, salt=5)
+dist.broadcast(t, src=R, group=solo)
+save("solo/broadcast", t)
+t = inp(6, salt=6)
+dist.reduce(t, dst=R, group=solo)
+save("solo/reduce", t)
+g = [torch.empty(6, device=device)]
+dist.gather(inp(6, salt=7), g, dst=R, group=solo)
+save("solo/gather", g[0])
+o = torch.empty(6, device=device)
+dist.scatter(o, [inp(6, salt=8)], src=R, group=solo)
+save("solo/scatter", o)
+o = torch.empty(2, device=device, dtype=torch.bfloat16)
+dist.all_to_all_single(o, inp(2, dtype=torch.bfloat16, salt=9), group=solo)
+save("solo/all_to_all_single", o)
+dist.barrier(group=solo)
+
 # functional collectives
 t = funcol.all_reduce(inp(4), "sum", dist.group.WORLD)
 save("funcol/all_reduce", funcol.wait_tensor(t) if hasattr(funcol, "wait_tensor") else t)
