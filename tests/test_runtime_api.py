@@ -170,3 +170,5 @@ def test_an_op_of_a_group_of_one_is_done_by_the_rank_and_recorded_without_stagin
     sizes = {g["id"]: len(g["ranks"]) for g in tr.manifest["groups"]}
     ops = [(o["kind"], o["bytes"], sizes[o["group"]]) for o in tr.ops.to_pylist() if o["rank"] == 1]
     assert ("all_reduce", 4 << 20, 1) in ops and ("all_gather", 4 << 20, 1) in ops and ("all_reduce", 1 << 20, 2) in ops
+    # each rank's runtime work reaches the trace (the world all_reduce was staged and its result written)
+    assert all(e["runtime_s"]["stage"] > 0 and e["runtime_s"]["results"] > 0 for e in tr.manifest["ranks"])

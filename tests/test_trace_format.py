@@ -851,3 +851,28 @@ def test_capture_efficiency_is_wall_against_summed_compute_over_the_machine(tmp_
     cpu["job"].update(devices=["cpu"], slots_per_device=2)
     assert capture_efficiency(read_trace(write_trace(tmp_path / "cpu", cpu, _ops(), marks=marks)))[0][2] == \
         pytest.approx(0.4)
+
+
+def test_slot_time_splits_a_capture_into_computing_runtime_work_and_idle(tmp_path):
+    """Iteration 2's window is 2.1-3.0 s on one GPU slot: ranks held it for 0.4 + 0.45 s (a turn that
+    began before the window counts from 2.1) and computed 0.5 + 0.3 s, so 0.8 of 0.9 s computing,
+    0.05 s runtime work, 0.05 s idle; the ranks' runtime counters are printed beside."""
+    from prism_megatron.trace.summary import slot_time, summarize
+
+    def end(rank, t, clock):
+        return {"rank": rank, "name": "iteration", "phase": "E", "t": t, "compute_clock": clock, "attrs": "{}"}
+
+    def turn(rank, a, b, clock):
+        return {"rank": rank, "device": "cuda:0", "slot": 0, "t_grant": a, "t_release": b, "compute_clock": clock}
+
+    marks = [end(0, 2.1, 1.0), end(0, 2.8, 1.5), end(1, 2.0, 0.9), end(1, 3.0, 1.2)]
+    slots = [turn(0, 2.0, 2.5, 1.5), turn(1, 2.55, 3.0, 1.2)]
+    manifest = _manifest()
+    manifest["ranks"][0]["runtime_s"] = {"stage": 1.5, "results": 0.25, "gpu_timer": 0.125}
+    path = write_trace(tmp_path / "t", manifest, _ops(), marks=marks, slots=slots)
+    [(it, computing, work, idle)] = slot_time(read_trace(path))
+    assert it == 2 and (computing, work, idle) == pytest.approx((0.8 / 0.9, 0.05 / 0.9, 0.05 / 0.9))
+    text = summarize(path)
+    assert "slot time per iteration (median): 89% computing, 6% runtime work in turns, 6% idle" in text
+    assert "stage: min 0.000 s, median 0.750 s, max 1.500 s (rank 0)" in text
+    assert "runtime work per rank" not in summarize(write_trace(tmp_path / "u", _manifest(), _ops(), marks=marks))

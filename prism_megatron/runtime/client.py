@@ -241,6 +241,9 @@ class RankClient:
         # on a GPU, each segment's host and device busy time as well (PRISM_GPU_TIMING=1, set by the launcher)
         self._gpu = GpuSegmentTimer() if os.environ.get("PRISM_GPU_TIMING") == "1" else None
         self._spin = float(os.environ.get("PRISM_SPIN_GRANT_US", "0")) * 1e-6
+        # the runtime's own work while the rank holds its slot, sent at exit (the trace's ranks[].runtime_s):
+        # where a capture's wall goes beyond compute (trace.summary)
+        self.runtime_s = {"stage": 0.0, "results": 0.0, "gpu_timer": 0.0}
         self.arena = Arena(segment_prefix)
         self._send({"t": P.HELLO, "rank": rank, "world_size": world_size, "pid": os.getpid()})
         self._receiver = threading.Thread(target=self._receive_loop, name="prism-receiver", daemon=True)
@@ -281,9 +284,11 @@ class RankClient:
     def _flush_gpu_timing(self, final: bool = False) -> None:
         """Send the GPU timer's segments (at iteration ends and at exit)."""
         if self._gpu is not None:
+            t0 = time.perf_counter()
             rows = [t.row(self.rank) for t in self._gpu.flush(final)]
             if rows:
                 self._send({"t": P.GPUTIME, "rows": rows})
+            self.runtime_s["gpu_timer"] += time.perf_counter() - t0
 
     def acquire(self) -> None:
         """Wait for a compute slot (start of the program)."""
@@ -321,12 +326,14 @@ class RankClient:
             clock = self._clock
         op_id = next(self._ids)
         work = PrismWork(self, op_id, outs if result is None else result)
+        t0 = time.perf_counter()
         with untracked():  # staging copies are the runtime's, not the program's memory
             if params.get("local"):
                 regions, in_descs, out_descs = [], _local_descs(ins), _local_descs(outs)
                 _local_result(kind, ins, outs, params.get("redop"), params.get("factor"))
             else:
                 regions, in_descs, out_descs = self._stage(ins, outs, inplace)
+        self.runtime_s["stage"] += time.perf_counter() - t0
         with self._pending_lock:
             self._pending[op_id] = _Pending(work, outs, [d[0] for d in out_descs], regions,
                                             spans=[_span(t) for t in outs])
@@ -508,7 +515,7 @@ class RankClient:
         if self._gpu is not None:
             self._gpu.stop()
         try:
-            self._send({"t": P.BYE, "exit_code": exit_code, "clk": self._pause()})
+            self._send({"t": P.BYE, "exit_code": exit_code, "clk": self._pause(), "rt": self.runtime_s})
         except OSError:
             pass
         self._receiver.join(timeout=30)
@@ -563,6 +570,7 @@ class RankClient:
             p.work._op.arrived.set()
 
     def _write(self, p: _Pending) -> None:
+        t0 = time.perf_counter()
         msg = p.msg
         try:
             with torch.no_grad(), untracked():  # the runtime's buffers, now on the program's thread
@@ -580,6 +588,7 @@ class RankClient:
             error = None
         except Exception as e:  # a result that cannot be written is the op's failure, not a hang
             error = PrismCommError(f"rank {self.rank}: writing the result of op {msg['id']} failed: {e}")
+        self.runtime_s["results"] += time.perf_counter() - t0
         for seg in p.regions:
             self.arena.free(seg)
         p.work._finish(error, msg.get("src", -1))

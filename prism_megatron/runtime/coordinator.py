@@ -106,6 +106,7 @@ class RankState:
     pending: dict[int, OpRecord] = field(default_factory=dict)
     n_ops: int = 0
     exit_code: int | None = None
+    runtime_s: dict | None = None  # the rank's runtime work in its slot turns (RankClient.runtime_s), at exit
     pid: int = 0
 
 
@@ -305,6 +306,7 @@ class Coordinator:
         elif t == P.DROP:
             self.segments.drop(msg["segment"])
         elif t == P.BYE:
+            rs.runtime_s = msg.get("rt")
             self._finish_rank(rs, msg["exit_code"])
             try:
                 conn.send({"t": P.BYE})

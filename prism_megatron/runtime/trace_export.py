@@ -15,6 +15,11 @@ _OP_COLUMNS = ("rank", "index", "kind", "group", "seq", "peer", "root", "bytes",
                "async_op", "t_issue", "t_complete", "compute_before", "label", "splits", "payload")
 
 
+def _runtime(coord: Any, rank: int) -> dict:
+    rs = coord.ranks.get(rank)
+    return {"runtime_s": rs.runtime_s} if rs is not None and rs.runtime_s else {}
+
+
 def write_bare_trace(coord: Any, path: Path, job: dict, exit_codes: dict) -> Path:
     """Write every op, marker and slot grant the coordinator saw; atomic (see trace.writer)."""
     ops = []
@@ -34,6 +39,7 @@ def write_bare_trace(coord: Any, path: Path, job: dict, exit_codes: dict) -> Pat
         "groups": [{"id": g.id, "name": g.name, "ranks": g.ranks, "backend": g.backend}
                    for g in sorted(coord.groups.values(), key=lambda g: g.id)],
         "ranks": [{"rank": r, "exit_code": exit_codes.get(str(r), exit_codes.get(r)),
-                   "device": coord.device_names[coord.slots.device_of(r)]} for r in range(coord.world_size)],
+                   "device": coord.device_names[coord.slots.device_of(r)], **_runtime(coord, r)}
+                  for r in range(coord.world_size)],
     }
     return write_trace(path, manifest, ops=ops, marks=coord.marks, slots=coord.slot_log, gpu=coord.gpu_rows)

@@ -228,7 +228,9 @@ MANIFEST_DOCS: dict[str, str] = {
     "world_size": "number of logical ranks of the target job",
     "job": "free-form job description: argv, script, devices, slots_per_device...",
     "groups": "process groups: id, name, global ranks, requested backend (e.g. 'nccl')",
-    "ranks": "per rank: global rank, exit code (null if unknown), device it ran on",
+    "ranks": "per rank: global rank, exit code (null if unknown), device it ran on; optionally runtime_s, "
+             "seconds of the runtime's own work in the rank's slot turns (stage: inputs into shared memory, "
+             "results: outputs written back, gpu_timer: the GPU timer's iteration-end work)",
     "files": "file name of each table: ops, marks, slots (and gpu from v3)",
 }
 

@@ -52,6 +52,32 @@ def capture_efficiency(trace) -> list[tuple[int, float, float]]:
     return rows
 
 
+def slot_time(trace) -> list[tuple[int, float, float, float]]:
+    """Per window of :func:`capture_efficiency`: (iteration, computing, runtime work, idle) as shares
+    of the slots' time (wall x slots). Computing is the ranks' compute clocks; runtime work is the rest
+    of the time ranks held slots (staging inputs, writing results, the GPU timer, messages); idle is
+    slot time nobody held (every rank waited: on the coordinator, on each other, on swaps)."""
+    ends: dict[int, list[tuple[float, float]]] = defaultdict(list)
+    for m in trace.marks.to_pylist():
+        if m["name"] == "iteration" and m["phase"] == "E":
+            ends[m["rank"]].append((m["t"], m["compute_clock"]))
+    if len(ends) < trace.world_size:
+        return []
+    job = trace.manifest.get("job", {})
+    slots_total = int(job.get("slots_per_device", 1)) * len(job.get("devices") or ["cpu"])
+    turns = trace.slots.to_pylist()
+    rows = []
+    for k in range(1, min(len(v) for v in ends.values())):
+        t0, t1 = max(v[k - 1][0] for v in ends.values()), max(v[k][0] for v in ends.values())
+        total = (t1 - t0) * slots_total
+        if total <= 0:
+            continue
+        held = sum(max(0.0, min(s["t_release"], t1) - max(s["t_grant"], t0)) for s in turns)
+        compute = sum(v[k][1] - v[k - 1][1] for v in ends.values())
+        rows.append((k + 1, compute / total, max(held - compute, 0.0) / total, max(total - held, 0.0) / total))
+    return rows
+
+
 def summarize(path: str | Path) -> str:
     """Text summary: job, groups, ops per kind with bytes, per-rank compute time (the rank's own clock)
     and, for a trace captured on GPUs, the measured host and device time."""
@@ -82,6 +108,16 @@ def summarize(path: str | Path) -> str:
         lines.append(f"  capture per iteration (median of {len(eff)}): wall {wall:.3f} s, physical limit {limit:.3f} s "
                      f"(compute of all ranks / {parallel_capacity(m)}), ratio {wall / limit:.2f}"
                      if limit > 0 else f"  capture per iteration (median of {len(eff)}): wall {wall:.3f} s")
+    shares = slot_time(t)
+    if shares:
+        c, r, i = (statistics.median(x[j] for x in shares) for j in (1, 2, 3))
+        lines.append(f"  slot time per iteration (median): {c:.0%} computing, {r:.0%} runtime work in turns, "
+                     f"{i:.0%} idle (no rank could run)")
+    work = {e["rank"]: e["runtime_s"] for e in m["ranks"] if e.get("runtime_s")}
+    if work:
+        lines.append("  runtime work per rank over the run (staging inputs / writing results / GPU timer):")
+        for key in ("stage", "results", "gpu_timer"):
+            lines.append(_spread([work.get(r, {}).get(key, 0.0) for r in range(t.world_size)], f"    {key}"))
     if t.gpu.num_rows:
         host: dict[int, float] = defaultdict(float)
         device: dict[int, float] = defaultdict(float)
