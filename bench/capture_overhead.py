@@ -5,15 +5,18 @@ machine computes at once (GPUs; on CPU, slots = cores): what an emulation that c
 take. The ratio capture wall / limit is the emulation's overhead (target <= 1.5 where no swap is
 needed). Runs the mini recipes emulated here, each with 1 and 2 slots, and prints a table.
 
-  python bench/capture_overhead.py [recipe ...] [--devices cpu|0|0,1] [--iters N] [--larger]
+  python bench/capture_overhead.py [recipe ...] [--devices cpu|0|0,1] [--iters N] [--larger] [--groups-of-one]
 
 --larger runs the recipes with hidden 256 and sequence 256 (the mini recipes' compute is so small
 that the runtime's per-op cost dominates; real jobs have far more compute per op).
+--groups-of-one adds, for each row, the same run with ops of groups of one staged through the
+coordinator as before they were done by the rank itself (PRISM_STAGE_GROUPS_OF_ONE=1).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import subprocess
 import sys
@@ -31,11 +34,14 @@ LARGER = ["--hidden-size", "256", "--ffn-hidden-size", "1024", "--num-attention-
           "--max-position-embeddings", "256"]
 
 
-def run(recipe: str, slots: int, devices: str, iters: int, work: Path, extra: list[str]) -> tuple[float, float, int]:
-    trace = work / f"{recipe}-{slots}-{len(extra)}"
+def run(recipe: str, slots: int, devices: str, iters: int, work: Path, extra: list[str],
+        staged: bool = False) -> tuple[float, float, int]:
+    trace = work / f"{recipe}-{slots}-{len(extra)}-{int(staged)}"
+    env = dict(os.environ, PRISM_STAGE_GROUPS_OF_ONE="1") if staged else None
     p = subprocess.run([sys.executable, "-m", "prism_megatron", "run", "--recipe", recipe, "--prism-devices", devices,
                         "--prism-slots-per-device", str(slots), "--prism-trace-dir", str(trace),
-                        "--prism-report", "off", "--train-iters", str(iters), *extra], capture_output=True, text=True)
+                        "--prism-report", "off", "--train-iters", str(iters), *extra], capture_output=True, text=True,
+                       env=env)
     if p.returncode:
         raise SystemExit(f"{recipe} with {slots} slot(s) failed (exit {p.returncode}):\n{p.stderr[-3000:]}")
     t = read_trace(trace)
@@ -52,6 +58,7 @@ def main() -> None:
     ap.add_argument("--devices", default="cpu")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--larger", action="store_true", help="hidden 256, sequence 256")
+    ap.add_argument("--groups-of-one", action="store_true", help="also staged ops of groups of one (as before)")
     a = ap.parse_args()
     extra = LARGER if a.larger else []
     print(f"capture wall vs physical limit per iteration (median of {a.iters - 1}; devices {a.devices}"
@@ -61,8 +68,11 @@ def main() -> None:
         for recipe in a.recipes:
             for slots in (1, 2):
                 wall, limit, cap = run(recipe, slots, a.devices, a.iters, Path(d), extra)
-                print(f"  {recipe:<24}{slots:>6}{wall:>10.3f}{limit:>10.3f}{wall / limit:>8.2f}   "
-                      f"(compute / {cap})", flush=True)
+                line = f"  {recipe:<24}{slots:>6}{wall:>10.3f}{limit:>10.3f}{wall / limit:>8.2f}   (compute / {cap})"
+                if a.groups_of_one:
+                    w2, l2, _ = run(recipe, slots, a.devices, a.iters, Path(d), extra, staged=True)
+                    line += f"; groups of one staged: wall {w2:.3f} s, limit {l2:.3f} s, ratio {w2 / l2:.2f}"
+                print(line, flush=True)
 
 
 if __name__ == "__main__":
