@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from prism_megatron.replay import Comm, Compute, CpuSync, Mark, Wait
@@ -270,24 +272,31 @@ def test_live_prediction_says_whether_the_iteration_had_measured_gpu_times(tmp_p
     assert predict_iteration(tmp_path / "cpu", 1)[1] == "uncalibrated, communication free"
 
 
+class _StandInProfile:
+    """What the timer reads of torch.profiler.profile: no events (no GPU here)."""
+
+    profiler = SimpleNamespace(kineto_results=SimpleNamespace(events=lambda: []))
+
+    def stop(self) -> None:
+        pass
+
+
+def _stand_in_profiler(monkeypatch) -> None:
+    """Ranks (forked from this process) time GPU segments with the stand-in profiler."""
+    from prism_megatron.runtime import gpu_timing as gt
+
+    monkeypatch.setattr(gt.GpuSegmentTimer, "_open_profiler", staticmethod(_StandInProfile))
+    monkeypatch.setenv("PRISM_GPU_TIMING", "1")  # the launcher sets it on GPUs only
+
+
 def test_segment_rows_travel_from_ranks_to_the_trace_and_replay(tmp_path, monkeypatch):
     """The plumbing on CPU: ranks time segments (a stand-in profiler that sees no device work), pair
     plain and profiled iterations, send rows; the trace's gpu table holds iterations 2-5 of every rank
     (set-up and iteration 1 run plain and unpaired) and the replay runs on two clocks."""
-    from types import SimpleNamespace
-
     from conftest import launch_source
     from prism_megatron.replay import Compute, graph_from_trace, replay
-    from prism_megatron.runtime import gpu_timing as gt
 
-    class _Profile:  # what the timer reads of torch.profiler.profile: no events (no GPU here)
-        profiler = SimpleNamespace(kineto_results=SimpleNamespace(events=lambda: []))
-
-        def stop(self) -> None:
-            pass
-
-    monkeypatch.setattr(gt.GpuSegmentTimer, "_open_profiler", staticmethod(lambda: _Profile()))
-    monkeypatch.setenv("PRISM_GPU_TIMING", "1")  # the launcher sets it on GPUs only; ranks fork from here
+    _stand_in_profiler(monkeypatch)
     tr = launch_source(tmp_path, (
         "import time, torch, torch.distributed as dist\n"
         "from prism_megatron.trace import span\n"
@@ -325,19 +334,9 @@ def test_segments_end_at_every_wait_so_iterations_pair_whatever_the_ops_timing(t
     """Whether an async op has completed by the time the program waits for it varies run to run; the
     rank's segments must not (the timer pairs iterations segment by segment, else their rows are lost).
     Two slots, random compute before each wait: every iteration 2-5 has rows, the same number each."""
-    from types import SimpleNamespace
-
     from conftest import launch_source
-    from prism_megatron.runtime import gpu_timing as gt
 
-    class _Profile:
-        profiler = SimpleNamespace(kineto_results=SimpleNamespace(events=lambda: []))
-
-        def stop(self) -> None:
-            pass
-
-    monkeypatch.setattr(gt.GpuSegmentTimer, "_open_profiler", staticmethod(lambda: _Profile()))
-    monkeypatch.setenv("PRISM_GPU_TIMING", "1")
+    _stand_in_profiler(monkeypatch)
     tr = launch_source(tmp_path, (
         "import random, time, torch, torch.distributed as dist\n"
         "from prism_megatron.trace import span\n"
@@ -381,20 +380,9 @@ def test_swap_auto_starts_gpu_timing_only_where_ranks_needed_no_swaps(tmp_path, 
     iteration 1 the device is pinned and their timers start (rows from iteration 3: the verdict comes
     after the last rank's iteration-1 flush); on 61 GiB they were swapped in iteration 1, so they keep
     swapping and no rank is profiled (a profiled process cannot be checkpointed)."""
-    from types import SimpleNamespace
-
     from conftest import launch_source
-    from prism_megatron.runtime import gpu_timing as gt
 
-    class _Profile:
-        profiler = SimpleNamespace(kineto_results=SimpleNamespace(events=lambda: []))
-
-        def stop(self) -> None:
-            pass
-
-    opened = []
-    monkeypatch.setattr(gt.GpuSegmentTimer, "_open_profiler", staticmethod(lambda: opened.append(1) or _Profile()))
-    monkeypatch.setenv("PRISM_GPU_TIMING", "1")
+    _stand_in_profiler(monkeypatch)
     monkeypatch.setenv("PRISM_FOOTPRINT_BYTES", str(60 * 2**30))
     tr = launch_source(tmp_path, AUTO_PROGRAM, swap="budget-auto", device_memory_gib=device_gib)
     job = tr.manifest["job"]

@@ -36,20 +36,21 @@ def capture_efficiency(trace) -> list[tuple[int, float, float]]:
     limit seconds). Wall is from the last rank's previous iteration end to the last rank's end of this
     one; the limit is the compute all ranks did between those ends of their own, summed, over
     `parallel_capacity`: what the machine needs at the least, with the emulation costing nothing."""
+    cap = parallel_capacity(trace.manifest)
+    return [(k, t1 - t0, compute / cap) for k, t0, t1, compute in _iteration_windows(trace)]
+
+
+def _iteration_windows(trace) -> list[tuple[int, float, float, float]]:
+    """(iteration, start, end, compute of all ranks) per iteration after the first that every rank
+    ended: from the last rank's previous iteration end to the last rank's end of this one."""
     ends: dict[int, list[tuple[float, float]]] = defaultdict(list)
     for m in trace.marks.to_pylist():
         if m["name"] == "iteration" and m["phase"] == "E":
             ends[m["rank"]].append((m["t"], m["compute_clock"]))
     if len(ends) < trace.world_size:
         return []
-    n = min(len(v) for v in ends.values())
-    cap = parallel_capacity(trace.manifest)
-    rows = []
-    for k in range(1, n):
-        wall = max(v[k][0] for v in ends.values()) - max(v[k - 1][0] for v in ends.values())
-        compute = sum(v[k][1] - v[k - 1][1] for v in ends.values())
-        rows.append((k + 1, wall, compute / cap))
-    return rows
+    return [(k + 1, max(v[k - 1][0] for v in ends.values()), max(v[k][0] for v in ends.values()),
+             sum(v[k][1] - v[k - 1][1] for v in ends.values())) for k in range(1, min(len(v) for v in ends.values()))]
 
 
 def slot_time(trace) -> list[tuple[int, float, float, float]]:
@@ -57,24 +58,16 @@ def slot_time(trace) -> list[tuple[int, float, float, float]]:
     of the slots' time (wall x slots). Computing is the ranks' compute clocks; runtime work is the rest
     of the time ranks held slots (staging inputs, writing results, the GPU timer, messages); idle is
     slot time nobody held (every rank waited: on the coordinator, on each other, on swaps)."""
-    ends: dict[int, list[tuple[float, float]]] = defaultdict(list)
-    for m in trace.marks.to_pylist():
-        if m["name"] == "iteration" and m["phase"] == "E":
-            ends[m["rank"]].append((m["t"], m["compute_clock"]))
-    if len(ends) < trace.world_size:
-        return []
     job = trace.manifest.get("job", {})
     slots_total = int(job.get("slots_per_device", 1)) * len(job.get("devices") or ["cpu"])
     turns = trace.slots.to_pylist()
     rows = []
-    for k in range(1, min(len(v) for v in ends.values())):
-        t0, t1 = max(v[k - 1][0] for v in ends.values()), max(v[k][0] for v in ends.values())
+    for k, t0, t1, compute in _iteration_windows(trace):
         total = (t1 - t0) * slots_total
         if total <= 0:
             continue
         held = sum(max(0.0, min(s["t_release"], t1) - max(s["t_grant"], t0)) for s in turns)
-        compute = sum(v[k][1] - v[k - 1][1] for v in ends.values())
-        rows.append((k + 1, compute / total, max(held - compute, 0.0) / total, max(total - held, 0.0) / total))
+        rows.append((k, compute / total, max(held - compute, 0.0) / total, max(total - held, 0.0) / total))
     return rows
 
 
