@@ -272,6 +272,22 @@ def test_live_prediction_says_whether_the_iteration_had_measured_gpu_times(tmp_p
     assert predict_iteration(tmp_path / "cpu", 1)[1] == "uncalibrated, communication free"
 
 
+# five iterations of three 10 ms busy loops, each followed by an all_reduce
+FIVE_ITERATIONS = (
+    "import time, torch, torch.distributed as dist\n"
+    "from prism_megatron.trace import span\n"
+    "dist.init_process_group('gloo')\n"
+    "x = torch.ones(4)\n"
+    "for it in range(1, 6):\n"
+    "    with span('iteration', iteration=it):\n"
+    "        for _ in range(3):\n"
+    "            t = time.perf_counter()\n"
+    "            while time.perf_counter() - t < 0.01:\n"
+    "                pass\n"
+    "            dist.all_reduce(x)\n"
+    "dist.destroy_process_group()\n")
+
+
 class _StandInProfile:
     """What the timer reads of torch.profiler.profile: no events (no GPU here)."""
 
@@ -297,19 +313,7 @@ def test_segment_rows_travel_from_ranks_to_the_trace_and_replay(tmp_path, monkey
     from prism_megatron.replay import Compute, graph_from_trace, replay
 
     _stand_in_profiler(monkeypatch)
-    tr = launch_source(tmp_path, (
-        "import time, torch, torch.distributed as dist\n"
-        "from prism_megatron.trace import span\n"
-        "dist.init_process_group('gloo')\n"
-        "x = torch.ones(4)\n"
-        "for it in range(1, 6):\n"
-        "    with span('iteration', iteration=it):\n"
-        "        for _ in range(3):\n"
-        "            t = time.perf_counter()\n"
-        "            while time.perf_counter() - t < 0.01:\n"
-        "                pass\n"
-        "            dist.all_reduce(x)\n"
-        "dist.destroy_process_group()\n"))
+    tr = launch_source(tmp_path, FIVE_ITERATIONS)
     rows = tr.gpu.to_pylist()
     marks = [m for m in tr.marks.to_pylist() if m["name"] == "iteration"]
     for rank in (0, 1):
@@ -362,18 +366,6 @@ def test_segments_end_at_every_wait_so_iterations_pair_whatever_the_ops_timing(t
         assert len(set(counts)) == 1 and counts[0] > 0, counts
 
 
-AUTO_PROGRAM = (
-    "import torch, torch.distributed as dist\n"
-    "from prism_megatron.trace import span\n"
-    "dist.init_process_group('gloo')\n"
-    "x = torch.ones(4)\n"
-    "for it in range(1, 6):\n"
-    "    with span('iteration', iteration=it):\n"
-    "        for _ in range(3):\n"
-    "            dist.all_reduce(x)\n"
-    "dist.destroy_process_group()\n")
-
-
 @pytest.mark.parametrize(("device_gib", "timed"), [(141, True), (61, False)])
 def test_swap_auto_starts_gpu_timing_only_where_ranks_needed_no_swaps(tmp_path, monkeypatch, device_gib, timed):
     """--swap auto (the stand-in swapper): two ranks of 60 GiB fit a 141 GiB device, so once both ended
@@ -384,7 +376,7 @@ def test_swap_auto_starts_gpu_timing_only_where_ranks_needed_no_swaps(tmp_path, 
 
     _stand_in_profiler(monkeypatch)
     monkeypatch.setenv("PRISM_FOOTPRINT_BYTES", str(60 * 2**30))
-    tr = launch_source(tmp_path, AUTO_PROGRAM, swap="budget-auto", device_memory_gib=device_gib)
+    tr = launch_source(tmp_path, FIVE_ITERATIONS, swap="budget-auto", device_memory_gib=device_gib)
     job = tr.manifest["job"]
     verdict = job["gpu_timing_by_device"]["cpu"]
     swaps = sum(s["swaps_out"] for s in job["swap"].values())
