@@ -391,6 +391,8 @@ def test_swap_auto_starts_gpu_timing_only_where_ranks_needed_no_swaps(tmp_path, 
     else:
         assert swaps > 0 and "swapped" in verdict["why"] and rows == []
     from prism_megatron.replay import graph_from_trace
+    from prism_megatron.trace.summary import summarize
 
+    assert f"cpu: {verdict['why']}" in summarize(tr.path)
     notes = graph_from_trace(tr).notes
     assert any(n.startswith("cpu: GPU timing stays off") for n in notes) is not timed

@@ -296,6 +296,9 @@ def test_terminal_summary(tmp_path):
     big = summary_text(build_report(make_trace(tmp_path / "big", world=40)), width=140)
     assert "median iteration per class" in big and "20-39" in big  # 40 ranks: per class, not per rank
     assert "predicted iteration 4" in big
+    # the trace of make_trace had rank 3 swapped twice each way (no bytes or seconds recorded)
+    assert "state preservation during the capture: swaps: 2 out, 2 in, 0.0 GiB moved" in text
+    assert "state preservation" not in summary_text(dict(build_report(make_trace(tmp_path / "n")), swap=None))
 
 
 # -------------------------------------------------------------------------------------------- CLI

@@ -211,8 +211,12 @@ def test_job_over_budget_swaps_and_keeps_results(tmp_path):
     for a, b in zip(outs["none"], outs["budget"], strict=True):
         assert torch.equal(a, b)
     swap = read_trace(tmp_path / "trace-budget").manifest["job"]["swap"]
-    assert sum(s["swaps_out"] for s in swap.values()) > 0
-    assert sum(s["swaps_in"] for s in swap.values()) > 0
+    out, into = sum(s["swaps_out"] for s in swap.values()), sum(s["swaps_in"] for s in swap.values())
+    assert out > 0 and into > 0
+    from prism_megatron.trace.summary import summarize
+
+    gib = sum(s["bytes_out"] + s["bytes_in"] for s in swap.values()) / GIB
+    assert f"swaps: {out} out, {into} in, {gib:.1f} GiB moved" in summarize(tmp_path / "trace-budget")
     assert "swap" not in read_trace(tmp_path / "trace-none").manifest["job"]
 
 

@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from ..trace.summary import swap_summary
 from .classify import class_order
 from .units import fmt_bytes, fmt_rate, fmt_seconds, rank_ranges
 
@@ -162,6 +163,9 @@ def renderables(report: dict[str, Any]) -> list[Any]:
     out += _prediction(report)
     out += [t for t in (_memory(report), _oom(report), _breakdown(report)) if t is not None]
     out += anchor_lines(report)
+    swapped = swap_summary(report["swap"] or {})
+    if swapped:
+        out.append(Text(f"state preservation during the capture: {swapped}", style="dim"))
     if report["prediction"] and report["prediction"]["notes"]:
         out.append(Text(f"{len(report['prediction']['notes'])} note(s) from building the replay graph; "
                         "see report.json", style="dim"))

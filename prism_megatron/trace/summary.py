@@ -71,6 +71,19 @@ def slot_time(trace) -> list[tuple[int, float, float, float]]:
     return rows
 
 
+def swap_summary(swap: dict) -> str | None:
+    """One line on state preservation (the manifest's job.swap: per rank swaps, bytes, seconds)."""
+    stats = [s for s in swap.values() if isinstance(s, dict)]
+    if not stats:
+        return None
+    out, into = sum(s.get("swaps_out", 0) for s in stats), sum(s.get("swaps_in", 0) for s in stats)
+    moved = sum(s.get("bytes_out", 0) + s.get("bytes_in", 0) for s in stats)
+    busiest = max(swap, key=lambda r: swap[r].get("seconds", 0.0) if isinstance(swap[r], dict) else 0.0)
+    return (f"swaps: {out} out, {into} in, {moved / 2**30:.1f} GiB moved, "
+            f"{sum(s.get('seconds', 0.0) for s in stats):.1f} s swapping (most: rank {busiest}, "
+            f"{swap[busiest].get('seconds', 0.0):.1f} s)")
+
+
 def summarize(path: str | Path) -> str:
     """Text summary: job, groups, ops per kind with bytes, per-rank compute time (the rank's own clock)
     and, for a trace captured on GPUs, the measured host and device time."""
@@ -106,6 +119,11 @@ def summarize(path: str | Path) -> str:
         c, r, i = (statistics.median(x[j] for x in shares) for j in (1, 2, 3))
         lines.append(f"  slot time per iteration (median): {c:.0%} computing, {r:.0%} runtime work in turns, "
                      f"{i:.0%} idle (no rank could run)")
+    swapped = swap_summary(job.get("swap") or {})
+    if swapped:
+        lines.append(f"  {swapped}")
+    for device, verdict in (job.get("gpu_timing_by_device") or {}).items():
+        lines.append(f"  {device}: {verdict.get('why', '')}")
     work = {e["rank"]: e["runtime_s"] for e in m["ranks"] if e.get("runtime_s")}
     if work:
         lines.append("  runtime work per rank over the run (staging inputs / writing results / GPU timer):")
