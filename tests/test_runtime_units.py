@@ -179,3 +179,51 @@ def test_coordinator_takes_only_the_cores_no_rank_computes_on(tmp_path):
     assert coordinator_threads(cfg(["cpu"], 2), cores=2) == 1  # never fewer than one
     assert coordinator_threads(cfg(["cpu"], 2, threads=2), cores=8) == 3
     assert coordinator_threads(cfg(["0", "1"], 1), cores=32) == 8  # a GPU host: capped
+
+
+def test_pinned_staging_registers_every_segment_and_unregisters_it_before_unmapping(tmp_path, monkeypatch):
+    """Arena.pin_with (PRISM_PINNED_STAGING on a GPU) registers the segments there are and every one
+    made later, each exactly once; a dropped or closed segment is unregistered while still mapped."""
+    from prism_megatron.runtime import shm
+
+    monkeypatch.setattr(shm, "shm_dir", lambda: tmp_path)
+    pinned: dict[int, int] = {}
+    events: list[str] = []
+
+    def pin(address: int, nbytes: int):
+        assert address not in pinned
+        pinned[address] = nbytes
+        events.append(f"pin {nbytes}")
+
+        def undo() -> None:
+            events.append(f"unpin {pinned.pop(address)}")
+        return undo
+
+    close = shm._Segment.close
+
+    def closing(seg) -> None:
+        close(seg)
+        events.append("unmapped")
+
+    monkeypatch.setattr(shm._Segment, "close", closing)
+    arena = shm.Arena("t", initial=1 << 12)
+    name, _, view = arena.alloc(100)
+    arena.pin_with(pin)
+    assert sorted(pinned.values()) == [1 << 12]
+    view[:] = 7  # a live region in the first segment: the next, larger one is a new segment
+    arena.alloc(1 << 13)
+    assert sorted(pinned.values()) == [1 << 12, 1 << 13]
+    arena.free(name)  # the first segment is no longer active: dropped, so unregistered, then unmapped
+    assert events == ["pin 4096", "pin 8192", "unpin 4096", "unmapped"] and list(pinned.values()) == [1 << 13]
+    arena.close()
+    assert pinned == {} and events[-2:] == ["unpin 8192", "unmapped"]
+
+
+def test_pinned_staging_is_refused_with_swaps(tmp_path, monkeypatch):
+    from prism_megatron.launcher.config import LaunchConfig, LaunchError
+
+    script = tmp_path / "s.py"
+    script.write_text("")
+    monkeypatch.setenv("PRISM_PINNED_STAGING", "1")
+    with pytest.raises(LaunchError, match=r"PRISM_PINNED_STAGING=1 needs --swap none.*\(--swap auto\)"):
+        LaunchConfig(script=script, world_size=2, trace_dir=tmp_path / "t", devices=["0"]).validate()

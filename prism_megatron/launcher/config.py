@@ -138,6 +138,9 @@ class LaunchConfig:
                               "checkpoint a process the CUDA profiler has run in (CUDA_ERROR_NOT_SUPPORTED); "
                               "drop the GPU timing option (it is then off, and compute is replayed on one clock) "
                               "or use --swap none")
+        if os.environ.get("PRISM_PINNED_STAGING") == "1" and self.on_gpu and self.swap_mode != "none":
+            raise LaunchError("PRISM_PINNED_STAGING=1 needs --swap none: page-locked staging memory has not been "
+                              f"checked against the CUDA checkpoint API (--swap {self.swap})")
         if self.swapper == "budget" and self.device_memory_gib is None:
             raise LaunchError(f"--swap {self.swap} needs --device-memory GiB")
         totals = _check_gpus(self.devices) if self.on_gpu else []

@@ -12,6 +12,7 @@ import itertools
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Client, Connection
 from typing import Any
@@ -209,6 +210,16 @@ def _local_result(kind: str, ins: list[torch.Tensor], outs: list[torch.Tensor], 
                 o.mul_(factor)
 
 
+def _cuda_pin(address: int, nbytes: int) -> Callable[[], None]:
+    """Page-lock host memory for the copy engine (cudaHostRegister, portable); returns the undo."""
+    cudart = torch.cuda.cudart()
+    err = int(cudart.cudaHostRegister(address, nbytes, 1))
+    if err != 0:
+        raise RuntimeError(f"cudaHostRegister of {nbytes} bytes of staging memory failed (cudaError {err}); "
+                           "run without PRISM_PINNED_STAGING")
+    return lambda: cudart.cudaHostUnregister(address)
+
+
 def _typed(raw: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """View flat bytes as a tensor shaped like `like`."""
     if like.numel() == 0:
@@ -245,6 +256,8 @@ class RankClient:
         # where a capture's wall goes beyond compute (trace.summary)
         self.runtime_s = {"stage": 0.0, "results": 0.0, "gpu_timer": 0.0}
         self.arena = Arena(segment_prefix)
+        # page-locked staging, registered at the first op on CUDA tensors (runtime.shm; opt-in, unmeasured)
+        self._pin_pending = os.environ.get("PRISM_PINNED_STAGING") == "1"
         self._send({"t": P.HELLO, "rank": rank, "world_size": world_size, "pid": os.getpid()})
         self._receiver = threading.Thread(target=self._receive_loop, name="prism-receiver", daemon=True)
         self._receiver.start()
@@ -354,6 +367,9 @@ class RankClient:
 
     def _stage(self, ins: list[torch.Tensor], outs: list[torch.Tensor], inplace: bool) -> tuple[list, list, list]:
         """Copy inputs into shared memory (or inline them); describe where outputs go."""
+        if self._pin_pending and any(t.is_cuda for t in (*ins, *outs)):
+            self._pin_pending = False
+            self.arena.pin_with(_cuda_pin)
         regions: list[str] = []
         in_descs = []
         for t in ins:

@@ -3,6 +3,11 @@
 A rank stages each op's input bytes and reserves its output bytes in its own segment; the
 coordinator reads inputs and writes outputs in place, so tensor bytes cross no socket. Segments are
 files in /dev/shm (tmpfs); the launcher removes every segment of a job when it ends.
+
+On a GPU, copies between the device and these pageable pages are slow (PP2's first stage on the
+H200 staged 2.29 GB in 1.83 s, ~1.25 GB/s: bench/gpu/results/2026-12-01-capture-turns-h200x2.txt);
+`Arena.pin_with` registers every segment with the CUDA driver (page-locked: the copy engine reads
+and writes them directly). Opt-in (PRISM_PINNED_STAGING=1) until a device run has measured it.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ import mmap
 import os
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -46,8 +52,12 @@ class _Segment:
         self.view = torch.frombuffer(self.map, dtype=torch.uint8)
         self.top = 0  # bump pointer
         self.live = 0  # allocations not yet freed
+        self.unpin: Callable[[], None] | None = None  # set while registered with CUDA (Arena.pin_with)
 
     def close(self) -> None:
+        if self.unpin is not None:  # before the pages go: a registration must not outlive its mapping
+            self.unpin()
+            self.unpin = None
         del self.view
         try:
             self.map.close()
@@ -67,13 +77,24 @@ class Arena:
         self._count = 0
         self._lock = threading.Lock()
         self._segments: dict[str, _Segment] = {}
+        self._pin: Callable[[int, int], Callable[[], None]] | None = None
         self._active = self._new_segment(initial)
         self.dropped: list[str] = []  # names unlinked since the caller last looked
+
+    def pin_with(self, pin: Callable[[int, int], Callable[[], None]]) -> None:
+        """Register every segment, present and future: ``pin(address, nbytes)`` returns its undo."""
+        with self._lock:
+            self._pin = pin
+            for seg in self._segments.values():
+                if seg.unpin is None:
+                    seg.unpin = pin(seg.view.data_ptr(), seg.size)
 
     def _new_segment(self, size: int) -> _Segment:
         path = shm_dir() / f"{self._prefix}-{self._count}"
         self._count += 1
         seg = _Segment(path, size, create=True)
+        if self._pin is not None:
+            seg.unpin = self._pin(seg.view.data_ptr(), seg.size)
         self._segments[seg.name] = seg
         return seg
 
