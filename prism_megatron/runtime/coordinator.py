@@ -138,6 +138,8 @@ class Coordinator:
         # --swap auto with GPU timing: a device's ranks start the profiler only once timing_verdict allows
         self.timing_gated = False
         self.timing: dict[int, dict] = {}  # device -> {"on", "why"}: the verdicts given
+        self._timing_waits: dict[int, set[int]] = {}  # device -> ranks yet to end iteration 1 (or exit)
+        self._timing_ended: set[int] = set()  # devices where some rank ended iteration 1
         self.awaiting_room: list[Grant] = []
         self.ops: list[OpRecord] = []
         self.marks: list[dict] = []
@@ -158,6 +160,9 @@ class Coordinator:
         device's verdict allows it (see runtime.memory.DeviceMemory.timing_verdict).
         """
         self.timing_gated = gate_timing
+        if gate_timing:
+            for r in range(self.world_size):
+                self._timing_waits.setdefault(self.slots.device_of(r), set()).add(r)
         host = HostBudget(host_capacity) if host_capacity is not None else None
         self.memory = [DeviceMemory(c, swapper, host=host) for c in capacities]
         if policy == "resident-first":
@@ -168,21 +173,24 @@ class Coordinator:
         """Per device name: whether GPU timing ran there under --swap auto, and why."""
         return {self.device_names[d]: v for d, v in sorted(self.timing.items())}
 
-    def _decide_timing(self, device: int) -> None:
-        """Give the device's verdict once every rank on it ended iteration 1 (or exited)."""
-        if not self.timing_gated or device in self.timing:
+    def _decide_timing(self, rank: int, ended: bool) -> None:
+        """``rank`` ended iteration 1 (``ended``) or exited: give its device's verdict once every rank
+        on it has done one or the other, and one of them ended an iteration."""
+        device = self.slots.device_of(rank)
+        waits = self._timing_waits.get(device)
+        if not self.timing_gated or device in self.timing or waits is None:
             return
-        members = [r for r in range(self.world_size) if self.slots.device_of(r) == device]
-        ended = [self.iterations_ended.get(r, 0) >= 1 for r in members]
-        if not any(ended) or not all(e or (r in self.ranks and self.ranks[r].state == "done")
-                                     for r, e in zip(members, ended, strict=True)):
+        waits.discard(rank)
+        if ended:
+            self._timing_ended.add(device)
+        if waits or device not in self._timing_ended:
             return
         on, why = self.memory[device].timing_verdict()
         self.timing[device] = {"on": on, "why": why}
         print(f"prism: {self.device_names[device]}: {why}", file=sys.stderr, flush=True)
-        for r in members:
-            if self.ranks[r].state != "done":
-                self._send(self.ranks[r], {"t": P.TIMING, "on": on, "why": why})
+        for rs in self.ranks.values():
+            if rs.state != "done" and self.slots.device_of(rs.rank) == device:
+                self._send(rs, {"t": P.TIMING, "on": on, "why": why})
 
     def swap_stats(self) -> dict:
         if self.memory is None:
@@ -291,7 +299,8 @@ class Coordinator:
             if msg["name"] == "iteration" and msg["phase"] == "E":
                 self.iterations_done += 1
                 self.iterations_ended[rs.rank] = self.iterations_ended.get(rs.rank, 0) + 1
-                self._decide_timing(self.slots.device_of(rs.rank))
+                if self.iterations_ended[rs.rank] == 1:
+                    self._decide_timing(rs.rank, ended=True)
                 if time.monotonic() - self._last_progress > 0.5:  # a progress line, not a message per mark
                     self._progress()
                 self._answer_predictions()
@@ -462,7 +471,7 @@ class Coordinator:
         rs.state = "done"
         rs.exit_code = exit_code
         self.n_finished += 1
-        self._decide_timing(self.slots.device_of(rs.rank))
+        self._decide_timing(rs.rank, ended=False)
         self._answer_predictions()
         self._progress()
 
