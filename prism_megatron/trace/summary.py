@@ -56,8 +56,9 @@ def _iteration_windows(trace) -> list[tuple[int, float, float, float]]:
 def slot_time(trace) -> list[tuple[int, float, float, float]]:
     """Per window of :func:`capture_efficiency`: (iteration, computing, runtime work, idle) as shares
     of the slots' time (wall x slots). Computing is the ranks' compute clocks; runtime work is the rest
-    of the time ranks held slots (staging inputs, writing results, the GPU timer, messages); idle is
-    slot time nobody held (every rank waited: on the coordinator, on each other, on swaps)."""
+    of the time ranks held slots as the coordinator saw it (staging inputs, writing results, the GPU
+    timer, messages, a granted rank waking up); idle is slot time nobody held (every rank waited: on
+    the coordinator, on each other, on swaps)."""
     job = trace.manifest.get("job", {})
     slots_total = int(job.get("slots_per_device", 1)) * len(job.get("devices") or ["cpu"])
     turns = trace.slots.to_pylist()
@@ -117,8 +118,8 @@ def summarize(path: str | Path) -> str:
     shares = slot_time(t)
     if shares:
         c, r, i = (statistics.median(x[j] for x in shares) for j in (1, 2, 3))
-        lines.append(f"  slot time per iteration (median): {c:.0%} computing, {r:.0%} runtime work in turns, "
-                     f"{i:.0%} idle (no rank could run)")
+        lines.append(f"  slot time per iteration (median): {c:.0%} computing, {r:.0%} runtime in turns (staging, "
+                     f"results, messages, waking up), {i:.0%} idle (no rank could run)")
     swapped = swap_summary(job.get("swap") or {})
     if swapped:
         lines.append(f"  {swapped}")
@@ -128,7 +129,7 @@ def summarize(path: str | Path) -> str:
     if work:
         lines.append("  runtime work per rank over the run (staging inputs / writing results / GPU timer):")
         for key in ("stage", "results", "gpu_timer"):
-            lines.append(_spread([work.get(r, {}).get(key, 0.0) for r in range(t.world_size)], f"    {key}"))
+            lines.append(_spread([work.get(r, {}).get(key, 0.0) for r in range(t.world_size)], f"  {key}"))
     if t.gpu.num_rows:
         host: dict[int, float] = defaultdict(float)
         device: dict[int, float] = defaultdict(float)
