@@ -367,7 +367,8 @@ def test_segments_end_at_every_wait_so_iterations_pair_whatever_the_ops_timing(t
 
 
 @pytest.mark.parametrize(("device_gib", "timed"), [(141, True), (61, False)])
-def test_swap_auto_starts_gpu_timing_only_where_ranks_needed_no_swaps(tmp_path, monkeypatch, device_gib, timed):
+def test_swap_auto_starts_gpu_timing_only_where_ranks_needed_no_swaps(tmp_path, monkeypatch, capsys, device_gib,
+                                                                      timed):
     """--swap auto (the stand-in swapper): two ranks of 60 GiB fit a 141 GiB device, so once both ended
     iteration 1 the device is pinned and their timers start (rows from iteration 3: the verdict comes
     after the last rank's iteration-1 flush); on 61 GiB they were swapped in iteration 1, so they keep
@@ -377,6 +378,7 @@ def test_swap_auto_starts_gpu_timing_only_where_ranks_needed_no_swaps(tmp_path, 
     _stand_in_profiler(monkeypatch)
     monkeypatch.setenv("PRISM_FOOTPRINT_BYTES", str(60 * 2**30))
     tr = launch_source(tmp_path, FIVE_ITERATIONS, swap="budget-auto", device_memory_gib=device_gib)
+    assert "--swap auto: blocked ranks are swapped to host memory if a device fills up" in capsys.readouterr().err
     job = tr.manifest["job"]
     verdict = job["gpu_timing_by_device"]["cpu"]
     swaps = sum(s["swaps_out"] for s in job["swap"].values())

@@ -42,6 +42,11 @@ def _exec_rank(cfg: LaunchConfig, rank: int, address: tuple[str, int], authkey: 
     os.execv(sys.executable, [sys.executable, "-c", code, blob])
 
 
+def _ranks_time_gpu(cfg: LaunchConfig) -> bool:
+    """Whether ranks time GPU segments: the launcher sets PRISM_GPU_TIMING for them, or it was set already."""
+    return cfg.times_gpu or os.environ.get("PRISM_GPU_TIMING") == "1"
+
+
 def _say(msg: str) -> None:
     print(f"prism: {msg}", file=sys.stderr, flush=True)
 
@@ -68,9 +73,7 @@ class _Job:
             "device_of": {r: cfg.device_of(r) for r in range(cfg.world_size)},
             "hang_timeout": cfg.hang_timeout,
             "threads": coordinator_threads(cfg, _cores()),
-            "swap": cfg.swap_mode, "swapper": cfg.swapper,
-            # whether ranks time GPU segments: the launcher sets PRISM_GPU_TIMING for them, or it was set already
-            "gpu_timing": cfg.times_gpu or os.environ.get("PRISM_GPU_TIMING") == "1",
+            "swap": cfg.swap_mode, "swapper": cfg.swapper, "gpu_timing": _ranks_time_gpu(cfg),
             "device_memory": cfg.device_memory,
             "host_memory": cfg.host_memory,
             "swap_policy": os.environ.get("PRISM_SWAP_POLICY", "resident-first"),
@@ -289,6 +292,10 @@ def launch(cfg: LaunchConfig) -> int:
     if cfg.on_gpu and cfg.swap_mode == "checkpoint":
         _say("--swap checkpoint: GPU timing is off (the driver cannot checkpoint a process the CUDA profiler "
              "ran in), so each compute segment is replayed on one clock, host and device not separated")
+    elif cfg.swap_mode == "auto" and _ranks_time_gpu(cfg):
+        _say("--swap auto: blocked ranks are swapped to host memory if a device fills up before all of its "
+             "ranks ended iteration 1; a device that needed no swap is then timed (host and device time from "
+             "iteration 3) and swaps no more, any other keeps swapping on one clock (the verdict is printed)")
     job = _Job(cfg)
     code = EXIT_RANK_FAILED
     try:
