@@ -84,6 +84,8 @@ class PrismProcessGroup(dist.ProcessGroup):
         super().__init__(rank, size)
         self._client = client
         self._ranks = ranks
+        # a group of one: the rank computes each op's result itself (RankClient.submit); fixed per group
+        self._local = len(ranks) == 1 and not _STAGE_GROUPS_OF_ONE
         self._name = name
         self._desc = "undefined"
         self._coalescing: list[PrismWork] | None = None
@@ -118,8 +120,8 @@ class PrismProcessGroup(dist.ProcessGroup):
         label = getattr(_LABEL, "value", None)
         if label and "label" not in params:
             params["label"] = label
-        if len(self._ranks) == 1 and kind not in ("send", "recv") and not _STAGE_GROUPS_OF_ONE:
-            params["local"] = True  # a group of one: the rank computes the result itself (RankClient.submit)
+        if self._local and kind not in ("send", "recv"):
+            params["local"] = True
         work = self._client.submit(self._name, kind, ins, outs, async_op=async_op, **params)
         if self._coalescing is not None:
             self._coalescing.append(work)

@@ -135,6 +135,7 @@ class Coordinator:
         self.segments = SegmentMap()
         self.selector = selectors.DefaultSelector()
         self.memory: list[DeviceMemory] | None = None  # set when swapping is on (see enable_swap)
+        self.times_gpu = False  # ranks time GPU segments: each is told when its timer may start (P.TIMING)
         # --swap auto with GPU timing: a device's ranks start the profiler only once timing_verdict allows
         self.timing_gated = False
         self.timing: dict[int, dict] = {}  # device -> {"on", "why"}: the verdicts given
@@ -177,8 +178,8 @@ class Coordinator:
         """``rank`` ended iteration 1 (``ended``) or exited: give its device's verdict once every rank
         on it has done one or the other, and one of them ended an iteration."""
         device = self.slots.device_of(rank)
-        waits = self._timing_waits.get(device)
-        if not self.timing_gated or device in self.timing or waits is None:
+        waits = self._timing_waits.get(device)  # None unless timing is gated
+        if waits is None or device in self.timing:
             return
         waits.discard(rank)
         if ended:
@@ -274,7 +275,7 @@ class Coordinator:
             rs = RankState(msg["rank"], conn, pid=msg.get("pid", 0))
             self.ranks[rs.rank] = rs
             self.conns[conn] = rs
-            if not self.timing_gated:  # nothing to wait for: a GPU timer may start at once
+            if self.times_gpu and not self.timing_gated:  # nothing to wait for: its timer may start at once
                 self._send(rs, {"t": P.TIMING, "on": True, "why": ""})
             self._progress()
         elif t == P.CONTROL:
@@ -726,6 +727,7 @@ def main(argv: list[str] | None = None) -> None:
         device_of={int(k): v for k, v in cfg["device_of"].items()}, device_names=cfg["devices"],
         hang_timeout=cfg["hang_timeout"], authkey=authkey, host=cfg.get("host", "127.0.0.1"),
     )
+    coord.times_gpu = bool(cfg.get("gpu_timing"))
     notes = []  # said by the launcher
     swap = cfg.get("swap", "none")
     if swap != "none":
@@ -739,7 +741,7 @@ def main(argv: list[str] | None = None) -> None:
             notes.append(f"--swap auto: ranks share each GPU without swaps ({e})")
         if swapper is not None:
             coord.enable_swap(swapper, caps, cfg.get("swap_policy", "resident-first"), cfg.get("host_memory"),
-                              gate_timing=swap == "auto" and bool(cfg.get("gpu_timing")))
+                              gate_timing=swap == "auto" and coord.times_gpu)
     if cfg.get("predictor"):
         module, _, func = cfg["predictor"].partition(":")
         coord.set_predictor(getattr(importlib.import_module(module), func), Path(cfg["live_trace"]),

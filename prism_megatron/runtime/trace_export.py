@@ -31,11 +31,13 @@ def write_bare_trace(coord: Any, path: Path, job: dict, exit_codes: dict) -> Pat
         if math.isnan(row["t_complete"]):
             row["t_complete"] = row["t_issue"]  # never completed (fire-and-forget send at exit)
         ops.append(row)
+    if coord.memory is not None:
+        job = {**job, "swap": coord.swap_stats()}
+    if coord.timing_gated:
+        job["gpu_timing_by_device"] = coord.timing_verdicts()
     manifest = {
         "world_size": coord.world_size,
-        "job": {**job, "swap": coord.swap_stats(), **({"gpu_timing_by_device": coord.timing_verdicts()}
-                                                      if coord.timing_gated else {})}
-        if coord.memory is not None else job,
+        "job": job,
         "groups": [{"id": g.id, "name": g.name, "ranks": g.ranks, "backend": g.backend}
                    for g in sorted(coord.groups.values(), key=lambda g: g.id)],
         "ranks": [{"rank": r, "exit_code": exit_codes.get(str(r), exit_codes.get(r)),
