@@ -42,9 +42,11 @@ def analyse(path: Path) -> str:
     solo = [o for o in t.ops.to_pylist() if sizes[o["group"]] == 1 and o["bytes"] >= LARGE]
     clock: dict[int, float] = defaultdict(float)
     in_solo_turns = 0.0
+    per_turn = []
     for s in sorted(t.slots.to_pylist(), key=lambda s: s["t_grant"]):
         work = s["t_release"] - s["t_grant"] - (s["compute_clock"] - clock[s["rank"]])
         clock[s["rank"]] = s["compute_clock"]
+        per_turn.append(work)
         if any(o["rank"] == s["rank"] and s["t_grant"] <= o["t_issue"] <= s["t_release"] for o in solo):
             in_solo_turns += work
     wall = statistics.median(w for _, w, _ in eff)
@@ -53,7 +55,8 @@ def analyse(path: Path) -> str:
     iterations = max(len(eff) + 1, 1)
     sizes_gb = sorted({round(o["bytes"] / 1e9, 2) for o in solo})
     return (f"{path.name}: wall {wall:.3f} s per iteration, physical limit {limit:.3f} s, ratio {wall / limit:.2f}; "
-            f"slots {c:.0%} computing, {r:.0%} runtime work, {i:.0%} idle; {len(solo)} ops of groups of one "
+            f"slots {c:.0%} computing, {r:.0%} runtime work, {i:.0%} idle; runtime work per turn median "
+            f"{statistics.median(per_turn) * 1e3:.2f} ms over {len(per_turn)} turns; {len(solo)} ops of groups of one "
             f">= 100 MiB ({sizes_gb} GB), runtime work in their turns {in_solo_turns:.1f} s over the run "
             f"(~{in_solo_turns / iterations:.2f} s per iteration)")
 
