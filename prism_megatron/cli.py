@@ -50,12 +50,16 @@ def main() -> None:
               help="On GPUs, measure each compute segment's host time and device busy time (CUDA profiler), "
                    "so the replay lets the host run ahead as with NCCL. Default: on for GPUs, off with "
                    "--swap checkpoint (they exclude each other).")
+@click.option("--staging", type=click.Choice(["auto", "pageable"]), default="auto", show_default=True,
+              help="GPU ranks' staging memory for collectives: auto page-locks it where the device swaps no more "
+                   "(from the start under --swap none, after iteration 1 where --swap auto pinned the device); "
+                   "pageable never does (slower copies).")
 @click.argument("script", type=click.Path(path_type=Path))
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
 def launch(world_size: int, devices: str, slots_per_device: int, hang_timeout: float, trace_dir: Path,
            gpus_per_node: int, log_ranks: str, threads_per_rank: int, preload: tuple[str, ...], swap: str,
            device_memory: float | None, host_memory: float | None, target_gpu: str | None,
-           target_context: float | None, gpu_timing: bool | None,
+           target_context: float | None, gpu_timing: bool | None, staging: str,
            script: Path, script_args: tuple[str, ...]) -> None:
     """Run SCRIPT as WORLD_SIZE logical ranks through the prism backend and write a PrismTrace.
 
@@ -72,7 +76,7 @@ def launch(world_size: int, devices: str, slots_per_device: int, hang_timeout: f
             gpus_per_node=gpus_per_node, log_ranks=parse_ranks(log_ranks, max(world_size, 1)),
             threads_per_rank=threads_per_rank, preload=list(preload), swap=swap, device_memory_gib=device_memory,
             host_memory_gib=host_memory,
-            target_gpu=target, gpu_timing=gpu_timing,
+            target_gpu=target, gpu_timing=gpu_timing, staging=staging,
         ).validate()
     except (LaunchError, TargetError) as e:
         raise click.UsageError(str(e)) from None

@@ -222,7 +222,7 @@ def test_flags_parse_through_megatrons_parser(tmp_path):
         "prism_gpus_per_node": 8, "prism_threads_per_rank": 1, "prism_recipe": None, "prism_driver": "auto",
         "prism_target_gpu": None, "prism_target_context": None, "prism_track_memory": "auto",
         "prism_report": "on", "prism_cluster": None, "prism_anchor_fake_pg": False, "prism_gpu_timing": "auto",
-        "prism_calibrate": "off", "prism_calibrate_ranks_per_device": 2, "prism_swap": "auto",
+        "prism_calibrate": "off", "prism_calibrate_ranks_per_device": 2, "prism_swap": "auto", "prism_staging": "auto",
         "prism_device_memory": None, "prism_host_memory": None, "my_flag": 7,
     }
     assert result["defaults"]["prism_emulate"] is False

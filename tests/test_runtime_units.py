@@ -219,11 +219,19 @@ def test_pinned_staging_registers_every_segment_and_unregisters_it_before_unmapp
     assert pinned == {} and events[-2:] == ["unpin 8192", "unmapped"]
 
 
-def test_pinned_staging_is_refused_with_swaps(tmp_path, monkeypatch):
+def test_staging_option_is_validated_and_reaches_the_coordinator_only_for_gpus(tmp_path):
+    """--staging names its bad value; CPU ranks' tensors are host memory already, so the coordinator
+    is told to page-lock nothing there."""
     from prism_megatron.launcher.config import LaunchConfig, LaunchError
+    from prism_megatron.launcher.launch import coordinator_config
 
     script = tmp_path / "s.py"
     script.write_text("")
-    monkeypatch.setenv("PRISM_PINNED_STAGING", "1")
-    with pytest.raises(LaunchError, match=r"PRISM_PINNED_STAGING=1 needs --swap none.*\(--swap auto\)"):
-        LaunchConfig(script=script, world_size=2, trace_dir=tmp_path / "t", devices=["0"]).validate()
+    base = dict(script=script, world_size=2, trace_dir=tmp_path / "t")
+    with pytest.raises(LaunchError, match=r"--staging must be auto or pageable, got 'pinned'"):
+        LaunchConfig(**base, staging="pinned").validate()
+    assert LaunchConfig(**base).validate().staging == "auto"
+    assert coordinator_config(LaunchConfig(**base).validate())["staging"] == "pageable"
+    assert coordinator_config(LaunchConfig(**base, devices=["0"], swap="none"))["staging"] == "auto"
+    assert coordinator_config(LaunchConfig(**base, devices=["0"], staging="pageable"))["staging"] == "pageable"
+

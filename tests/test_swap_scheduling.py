@@ -186,6 +186,54 @@ def test_a_device_that_swapped_or_is_nearly_full_keeps_swapping_without_gpu_timi
     assert mem.used() <= mem.capacity  # swapping goes on
 
 
+def _coordinator(world: int, page_lock: bool):
+    """A coordinator of `world` ranks on one device whose messages to ranks are collected, not sent."""
+    from prism_megatron.runtime import protocol as P
+    from prism_megatron.runtime.coordinator import Coordinator
+
+    coord = Coordinator(world_size=world, num_devices=1, slots_per_device=1, device_of={r: 0 for r in range(world)},
+                        device_names=["cuda:0"], hang_timeout=60.0, authkey=b"k" * 16)
+    coord.page_lock = page_lock
+    sent: list[tuple[int, str]] = []
+    coord._send = lambda rs, msg: sent.append((rs.rank, msg["t"]))
+    coord._progress = lambda: None
+    hello = lambda: [coord._dispatch(object(), {"t": P.HELLO, "rank": r, "pid": 1000 + r}) for r in range(world)]
+    return coord, sent, hello
+
+
+@pytest.mark.parametrize(("device_gib", "locked"), [(141, True), (100, False)])
+def test_ranks_page_lock_staging_only_once_their_device_swaps_no_more(device_gib, locked):
+    """--staging auto under --swap auto: no page-locking while swaps may come (not checked against the
+    checkpoint API); once the verdict pins the device, each of its ranks is told, and the trace says when."""
+    from prism_megatron.runtime import protocol as P
+
+    coord, sent, hello = _coordinator(2, page_lock=True)
+    coord.enable_swap(BudgetSwapper(device_gib * GIB), [device_gib * GIB], gate_timing=True)
+    coord.times_gpu = True
+    hello()
+    for r in range(2):
+        coord.memory[0].report(r, 60 * GIB)
+    assert sent == []  # neither timing nor page-locking before iteration 1 ended
+    coord._decide_timing(0, ended=True)
+    assert sent == []
+    coord._decide_timing(1, ended=True)
+    told = {(r, P.TIMING) for r in range(2)} | ({(r, P.PAGE_LOCK) for r in range(2)} if locked else set())
+    assert sorted(sent) == sorted(told)
+    assert coord.staging_by_device() == {"cuda:0": "page-locked after iteration 1" if locked else "pageable"}
+
+
+def test_without_swaps_ranks_page_lock_from_the_start_unless_staging_is_pageable():
+    from prism_megatron.runtime import protocol as P
+
+    coord, sent, hello = _coordinator(3, page_lock=True)
+    hello()
+    assert sent == [(r, P.PAGE_LOCK) for r in range(3)]
+    assert coord.staging_by_device() == {"cuda:0": "page-locked from the start"}
+    coord, sent, hello = _coordinator(3, page_lock=False)
+    hello()
+    assert sent == [] and coord.staging_by_device() == {"cuda:0": "pageable"}
+
+
 def test_job_over_budget_swaps_and_keeps_results(tmp_path):
     """8 ranks of 60 GiB (stand-in footprints) on a 141 GiB device: swaps happen, results do not change."""
     import os

@@ -1,6 +1,6 @@
 """Capture speed of the 1.08B accuracy jobs emulated on one GPU, with the data plane's staging memory
-pageable (as shipped) and page-locked (PRISM_PINNED_STAGING=1), side by side; both with --prism-swap
-none (pinning is not checked against the checkpoint API) and GPU timing on. Prints, per config and
+pageable (--prism-staging pageable) and page-locked (the default, auto, under --prism-swap none),
+side by side; GPU timing on. Prints, per config and
 mode, bench/gpu/capture_turns.py's line (capture wall vs physical limit, the slots' time split) and
 the ranks' runtime work (staging, writing results, GPU timer); the predicted iteration times of both
 traces must agree (staging is off the ranks' clocks).
@@ -39,15 +39,16 @@ def main() -> None:
     cost = CollectiveCostModel(load_profile(GPU_CLUSTER))
     for case in cases:
         predicted = {}
-        for mode, extra in (("pageable", {}), ("pinned", {"PRISM_PINNED_STAGING": "1"})):
+        for mode in ("pageable", "pinned"):
             trace = out / f"{case.name}-{mode}"
             cmd = [sys.executable, "-m", "prism_megatron", "run", "--prism-emulate", "--prism-world-size",
                    str(case.world), "--prism-devices", "0", "--prism-slots-per-device", "1", "--prism-swap", "none",
+                   "--prism-staging", "pageable" if mode == "pageable" else "auto",
                    "--prism-report", "off", "--prism-log-ranks", "none", "--prism-trace-dir", str(trace),
                    str(CORE_DRIVER_SCRIPT), *case.flags]
             t0 = time.perf_counter()
             with open(out / f"{case.name}-{mode}.log", "w") as log:
-                rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=_env(**extra),
+                rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=_env(),
                                     timeout=480).returncode
             if rc:
                 print(f"{case.name} {mode}: exit {rc} after {time.perf_counter() - t0:.0f} s (see its log)", flush=True)

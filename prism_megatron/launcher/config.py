@@ -39,6 +39,9 @@ class LaunchConfig:
     predictor_options: dict = field(default_factory=dict)
     track_memory: bool | None = None  # per-rank memory marks; None: on GPU always, on CPU when capped
     gpu_timing: bool | None = None  # host and device time per compute segment (runtime.gpu_timing); None: on GPU
+    # auto: GPU ranks page-lock their staging memory wherever their device swaps no more (runtime.shm);
+    # pageable: never (the copies are then ~5x slower on the H200, bench/gpu/staging_bench.py)
+    staging: str = "auto"
     # per-rank overrides (calibration's slice runs): these ranks run another program, or sit on another
     # device (an index into `devices`), than the contiguous default
     rank_scripts: dict[int, tuple[Path, list[str]]] = field(default_factory=dict)
@@ -138,9 +141,8 @@ class LaunchConfig:
                               "checkpoint a process the CUDA profiler has run in (CUDA_ERROR_NOT_SUPPORTED); "
                               "drop the GPU timing option (it is then off, and compute is replayed on one clock) "
                               "or use --swap none")
-        if os.environ.get("PRISM_PINNED_STAGING") == "1" and self.on_gpu and self.swap_mode != "none":
-            raise LaunchError("PRISM_PINNED_STAGING=1 needs --swap none: page-locked staging memory has not been "
-                              f"checked against the CUDA checkpoint API (--swap {self.swap})")
+        if self.staging not in ("auto", "pageable"):
+            raise LaunchError(f"--staging must be auto or pageable, got {self.staging!r}")
         if self.swapper == "budget" and self.device_memory_gib is None:
             raise LaunchError(f"--swap {self.swap} needs --device-memory GiB")
         totals = _check_gpus(self.devices) if self.on_gpu else []

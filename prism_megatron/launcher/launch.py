@@ -51,6 +51,25 @@ def _say(msg: str) -> None:
     print(f"prism: {msg}", file=sys.stderr, flush=True)
 
 
+def coordinator_config(cfg: LaunchConfig) -> dict:
+    """What the coordinator process is started with (one JSON argument)."""
+    return {
+        "world_size": cfg.world_size,
+        "devices": [d if d == "cpu" else f"cuda:{d}" for d in cfg.devices],
+        "slots_per_device": cfg.slots_per_device,
+        "device_of": {r: cfg.device_of(r) for r in range(cfg.world_size)},
+        "hang_timeout": cfg.hang_timeout,
+        "threads": coordinator_threads(cfg, _cores()),
+        "swap": cfg.swap_mode, "swapper": cfg.swapper, "gpu_timing": _ranks_time_gpu(cfg),
+        "staging": cfg.staging if cfg.on_gpu else "pageable",  # CPU ranks' tensors are host memory already
+        "device_memory": cfg.device_memory,
+        "host_memory": cfg.host_memory,
+        "swap_policy": os.environ.get("PRISM_SWAP_POLICY", "resident-first"),
+        "predictor": cfg.predictor, "predictor_options": cfg.predictor_options,
+        "live_trace": str(cfg.log_dir / "live-trace"),
+    }
+
+
 class _Job:
     def __init__(self, cfg: LaunchConfig) -> None:
         self.cfg = cfg
@@ -66,20 +85,7 @@ class _Job:
     # ---- start -----------------------------------------------------------------------------------
     def start_coordinator(self) -> tuple[tuple[str, int], int]:
         cfg = self.cfg
-        conf = {
-            "world_size": cfg.world_size,
-            "devices": [d if d == "cpu" else f"cuda:{d}" for d in cfg.devices],
-            "slots_per_device": cfg.slots_per_device,
-            "device_of": {r: cfg.device_of(r) for r in range(cfg.world_size)},
-            "hang_timeout": cfg.hang_timeout,
-            "threads": coordinator_threads(cfg, _cores()),
-            "swap": cfg.swap_mode, "swapper": cfg.swapper, "gpu_timing": _ranks_time_gpu(cfg),
-            "device_memory": cfg.device_memory,
-            "host_memory": cfg.host_memory,
-            "swap_policy": os.environ.get("PRISM_SWAP_POLICY", "resident-first"),
-            "predictor": cfg.predictor, "predictor_options": cfg.predictor_options,
-            "live_trace": str(cfg.log_dir / "live-trace"),
-        }
+        conf = coordinator_config(cfg)
         env = dict(os.environ, PRISM_AUTHKEY=self.authkey.hex())
         log = open(cfg.log_dir / "coordinator.log", "wb")  # noqa: SIM115 - kept by the child
         self.coord = subprocess.Popen(

@@ -63,6 +63,9 @@ PRISM_FLAGS: dict[str, dict[str, Any]] = {
                          help="Move blocked ranks' GPU state to host memory when a device is full (CUDA process "
                               "checkpoint, which excludes GPU timing). 'auto': swap in set-up and iteration 1 if "
                               "needed; a device whose ranks needed none is then timed and swaps no more."),
+    "--prism-staging": dict(type=str, default="auto", choices=["auto", "pageable"],
+                            help="GPU ranks' staging memory for collectives: 'auto' page-locks it where the device "
+                                 "swaps no more (the copies are then several times faster); 'pageable' never."),
     "--prism-device-memory": dict(type=float, default=None,
                                   help="GiB per device that ranks' state may take (default: the GPU's total)."),
     "--prism-host-memory": dict(type=float, default=None,

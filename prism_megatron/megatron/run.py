@@ -255,6 +255,7 @@ def launch_config(request: RunRequest):
         gpu_timing={"auto": None, "on": True, "off": False}[o["prism_gpu_timing"]],
         predictor=PREDICTOR, predictor_options={"cluster": o.get("prism_cluster")},
         swap=o["prism_swap"], device_memory_gib=o["prism_device_memory"], host_memory_gib=o["prism_host_memory"],
+        staging=o["prism_staging"],
     )
 
 

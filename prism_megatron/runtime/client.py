@@ -216,7 +216,7 @@ def _cuda_pin(address: int, nbytes: int) -> Callable[[], None]:
     err = int(cudart.cudaHostRegister(address, nbytes, 1))
     if err != 0:
         raise RuntimeError(f"cudaHostRegister of {nbytes} bytes of staging memory failed (cudaError {err}); "
-                           "run without PRISM_PINNED_STAGING")
+                           "run with --staging pageable (--prism-staging pageable)")
     return lambda: cudart.cudaHostUnregister(address)
 
 
@@ -256,8 +256,9 @@ class RankClient:
         # where a capture's wall goes beyond compute (trace.summary)
         self.runtime_s = {"stage": 0.0, "results": 0.0, "gpu_timer": 0.0}
         self.arena = Arena(segment_prefix)
-        # page-locked staging, registered at the first op on CUDA tensors (runtime.shm; opt-in, unmeasured)
-        self._pin_pending = os.environ.get("PRISM_PINNED_STAGING") == "1"
+        # page-locked staging: the coordinator says when (P.PAGE_LOCK: the device swaps no more); the rank's own
+        # thread registers the segments at its next op on CUDA tensors (the receiver has no CUDA device set)
+        self._pin_pending = False
         self._send({"t": P.HELLO, "rank": rank, "world_size": world_size, "pid": os.getpid()})
         self._receiver = threading.Thread(target=self._receive_loop, name="prism-receiver", daemon=True)
         self._receiver.start()
@@ -558,6 +559,8 @@ class RankClient:
             elif t == P.TIMING:
                 if self._gpu is not None:
                     self._gpu.permit(msg["on"], msg["why"])
+            elif t == P.PAGE_LOCK:
+                self._pin_pending = True
             elif t == P.ERROR:
                 p = self._pop(msg["id"])
                 if p is not None:
