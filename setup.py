@@ -17,6 +17,7 @@ setup(
         "pyarrow>=14",
         "rich>=13",
         "wandb>=0.17",
+        "nvidia-ml-py>=12",
     ],
     extras_require={
         "megatron": ["megatron-core>=0.16,<0.20"],

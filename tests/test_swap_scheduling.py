@@ -322,3 +322,57 @@ def test_a_rank_that_dies_while_swapped_out_is_reported_like_any_crash(tmp_path)
     assert p.returncode == 1, p.stderr
     assert "rank 7 exited with code 9; ending the job" in p.stderr
     assert time.perf_counter() - t0 < 45  # ended at the death, not at the 60 s hang timeout
+
+
+def test_nvml_figures_replace_a_blocked_ranks_report_and_later_reports_move_them():
+    """A rank's footprint is what NVML says the driver holds for it (what a checkpoint moves) once it was
+    cross-checked; its later reports move it by what the allocator moved. Swapped-out ranks and ranks
+    without CUDA state are not compared (NVML sees a checkpointed process as nearly empty)."""
+    mem, sw = _device(100, {0: 10, 1: 10})
+    assert mem.cross_check(0, 11 * GIB) == (10 * GIB, 11 * GIB)
+    assert mem.footprint[0] == 11 * GIB and sw.footprint[0] == 11 * GIB
+    mem.report(0, 12 * GIB)
+    assert mem.footprint[0] == 13 * GIB and mem.reported[0] == 12 * GIB
+    mem.swap_out(1, 1001)
+    assert mem.cross_check(1, 4 << 20) is None and mem.footprint[1] == 10 * GIB
+    mem.report(2, 0)
+    assert mem.cross_check(2, 1 * GIB) is None
+
+
+def test_coordinator_samples_nvml_at_most_once_a_second_for_blocked_ranks_and_says_a_large_gap_once(capsys):
+    from prism_megatron.runtime.nvml import FootprintCheck
+
+    coord, _, hello = _coordinator(3, page_lock=False)
+    coord.enable_swap(BudgetSwapper(100 * GIB), [100 * GIB])
+    now = [0.0]
+    reads = []
+    held = {1000: 12 * GIB, 1001: 11 * GIB, 1002: 30 * GIB}
+    coord.footprint_check = FootprintCheck(lambda: reads.append(1) or dict(held), clock=lambda: now[0])
+    hello()
+    for r in range(3):
+        coord.memory[0].report(r, 10 * GIB)
+    coord.ranks[0].state = coord.ranks[1].state = "blocked"
+    coord.ranks[2].state = "running"  # its report is old: it has run since
+    coord._check_footprints()
+    assert len(reads) == 1 and coord.memory[0].footprint == {0: 12 * GIB, 1: 11 * GIB, 2: 10 * GIB}
+    now[0] = 0.5
+    coord.ranks[2].state = "blocked"
+    coord._check_footprints()
+    assert len(reads) == 1 and coord.memory[0].footprint[2] == 10 * GIB  # not due yet
+    now[0] = 1.0
+    coord._check_footprints()
+    assert len(reads) == 2 and coord.memory[0].footprint[2] == 30 * GIB
+    err = capsys.readouterr().err
+    assert err.count("by NVML") == 1 and "rank 0 holds 12.00 GiB on cuda:0 by NVML, +2.00 GiB off" in err
+    assert coord.footprint_check.summary() == {"source": "nvml", "samples": 2, "ranks_checked": 3,
+                                               "gap_gib_median": 2.0, "gap_gib_worst": 20.0, "rank_of_worst": 2}
+
+
+def test_nvml_that_cannot_be_read_says_why(monkeypatch):
+    import sys
+
+    from prism_megatron.runtime.nvml import NvmlUnavailable, nvml_process_memory
+
+    monkeypatch.setitem(sys.modules, "pynvml", None)
+    with pytest.raises(NvmlUnavailable, match="nvidia-ml-py is not installed"):
+        nvml_process_memory()

@@ -834,6 +834,21 @@ def test_summary_reports_the_ranks_compute_clock_and_gpu_times(tmp_path):
     assert "measured on GPUs" not in summarize(write_trace(tmp_path / "u", _manifest(), _ops(), slots=slots))
 
 
+def test_summary_says_how_staging_memory_was_held_and_how_far_nvml_was_from_the_reports(tmp_path):
+    from prism_megatron.runtime.nvml import FootprintCheck
+    from prism_megatron.trace.summary import summarize
+
+    check = FootprintCheck(lambda: {}, samples=4, pairs={0: (10 * 2**30, 11 * 2**30), 1: (10 * 2**30, 7 * 2**30)})
+    manifest = _manifest()
+    manifest["job"] |= {"staging_by_device": {"cuda:0": "page-locked after iteration 1"},
+                        "footprint_check": check.summary()}
+    text = summarize(write_trace(tmp_path / "t", manifest, _ops()))
+    assert "staging memory: cuda:0 page-locked after iteration 1" in text
+    assert ("cross-checked with NVML (4 samples, 2 ranks): NVML minus report median +1.00 GiB, "
+            "worst -3.00 GiB (rank 1)") in text
+    assert "NVML" not in summarize(write_trace(tmp_path / "u", _manifest(), _ops()))
+
+
 def test_capture_efficiency_is_wall_against_summed_compute_over_the_machine(tmp_path):
     """Iteration 2 ends at 3.0 s (last rank) after iteration 1 ended at 2.1 s: 0.9 s of wall for
     0.5 + 0.3 s of compute on one GPU; 2 CPU slots halve the limit."""

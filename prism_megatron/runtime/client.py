@@ -26,7 +26,10 @@ from prism_megatron.runtime import protocol as P
 from prism_megatron.runtime.gpu_timing import GpuSegmentTimer
 from prism_megatron.runtime.shm import Arena
 
-CONTEXT_BYTES = 600 << 20  # CUDA context + cuBLAS workspace of a process, beyond the caching allocator
+# CUDA context + cuBLAS workspace of a process, beyond the caching allocator: 676 MiB by NVML on one H200
+# for a process that ran a bf16 matmul (bench/gpu/results/2026-12-01-nvml-probe-h200.txt); where NVML
+# can be read, the coordinator replaces the estimate with what the driver holds (runtime.nvml)
+CONTEXT_BYTES = 680 << 20
 
 
 def device_footprint() -> int:

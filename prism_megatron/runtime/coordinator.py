@@ -28,6 +28,7 @@ from prism_megatron.runtime import protocol as P
 from prism_megatron.runtime.hang import format_hang_report
 from prism_megatron.runtime.matching import Member, P2PQueues, check_collective, check_p2p, desc_bytes
 from prism_megatron.runtime.memory import DeviceMemory, HostBudget
+from prism_megatron.runtime.nvml import FootprintCheck, NvmlUnavailable, nvml_process_memory
 from prism_megatron.runtime.shm import SegmentMap
 from prism_megatron.runtime.slots import Grant, ResidentFirstPolicy, SlotScheduler
 from prism_megatron.runtime.swap import BudgetSwapper, CudaCheckpointSwapper, Swapper, SwapUnavailable
@@ -61,6 +62,7 @@ class OpRecord:
 #: Inputs recorded in the trace so that a virtual rank contributes what the real one did: integer and
 #: byte tensors up to this size (object collectives: pickles and their sizes) ...
 PAYLOAD_INT_LIMIT = 64 * 1024
+FOOTPRINT_GAP_WARN = 1 << 30  # a rank NVML sees this far from its report is said (once) in the log
 #: ... and floating-point ones up to this size (flags and scalars: found_inf, a loss sum, a norm).
 PAYLOAD_FLOAT_LIMIT = 64
 _INT_DTYPES = frozenset({"uint8", "int8", "int16", "int32", "int64", "bool", "uint16", "uint32", "uint64"})
@@ -145,6 +147,8 @@ class Coordinator:
         # (from the start without swaps, under --swap auto once pinned); device -> since when (the trace's)
         self.page_lock = False
         self.page_locked: dict[int, str] = {}
+        self.footprint_check: FootprintCheck | None = None  # NVML's figures for swapping ranks (runtime.nvml)
+        self._footprint_warned = False
         self.awaiting_room: list[Grant] = []
         self.ops: list[OpRecord] = []
         self.marks: list[dict] = []
@@ -410,10 +414,35 @@ class Coordinator:
         if self.memory is not None and "mem" in msg:
             self.memory[self.slots.device_of(rs.rank)].report(rs.rank, int(msg["mem"]))
 
+    def _check_footprints(self) -> None:
+        """At most once per FootprintCheck.interval, as a rank blocks: NVML's figure for every blocked,
+        resident rank (its last report is current: it has not run since) replaces its report's."""
+        fc = self.footprint_check
+        if fc is None or not fc.due():
+            return
+        held = fc.sample()
+        for d, mem in enumerate(self.memory or []):
+            for r in list(mem.resident):
+                rs = self.ranks.get(r)
+                if rs is None or rs.state != "blocked" or rs.pid not in held:
+                    continue
+                pair = mem.cross_check(r, held[rs.pid])
+                if pair is None:
+                    continue
+                fc.pairs[r] = pair
+                gap = pair[1] - pair[0]
+                if abs(gap) > FOOTPRINT_GAP_WARN and not self._footprint_warned:
+                    self._footprint_warned = True
+                    print(f"prism: rank {r} holds {pair[1] / 2**30:.2f} GiB on {self.device_names[d]} by NVML, "
+                          f"{gap / 2**30:+.2f} GiB off its report (allocator reserved + context estimate): swaps "
+                          "plan with NVML's figures (said once; the trace's job.footprint_check sums them up)",
+                          file=sys.stderr, flush=True)
+
     def _enforce_memory(self, rank: int) -> None:
         """After a rank blocked: if its device's residents outgrew it, swap out the longest waiters."""
         if self.memory is None:
             return
+        self._check_footprints()
         d = self.slots.device_of(rank)
         evictable = self._evictable(d)
         try:
@@ -757,6 +786,12 @@ def main(argv: list[str] | None = None) -> None:
                 raise
             swapper = None
             notes.append(f"--swap auto: ranks share each GPU without swaps ({e})")
+        if swapper is not None and cfg.get("swapper") != "budget":
+            try:
+                coord.footprint_check = FootprintCheck(nvml_process_memory())
+            except NvmlUnavailable as e:
+                notes.append(f"ranks' GPU footprints are not cross-checked with NVML ({e}): swaps plan with "
+                             "allocator reserved + a context estimate")
         if swapper is not None:
             coord.enable_swap(swapper, caps, cfg.get("swap_policy", "resident-first"), cfg.get("host_memory"),
                               gate_timing=swap == "auto" and coord.times_gpu)

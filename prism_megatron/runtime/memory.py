@@ -63,6 +63,8 @@ class DeviceMemory:
     host: HostBudget | None = None  # None: host memory not limited (the stand-in's tests)
     no_context: set[int] = field(default_factory=set)  # ranks without CUDA state yet: admitted, or reported 0
     pinned: bool = False  # GPU timing runs here: its ranks cannot be checkpointed, so no swaps any more
+    reported: dict[int, int] = field(default_factory=dict)  # each rank's last report, as sent
+    offset: dict[int, int] = field(default_factory=dict)  # NVML minus that report at the last cross-check
 
     def used(self) -> int:
         return sum(self.footprint.get(r, 0) for r in self.resident)
@@ -79,8 +81,21 @@ class DeviceMemory:
             self.resident.discard(rank)
             return
         self.no_context.discard(rank)
-        self.footprint[rank] = nbytes
+        self.reported[rank] = nbytes
+        self.footprint[rank] = max(nbytes + self.offset.get(rank, 0), 0)
         self.resident.add(rank)
+
+    def cross_check(self, rank: int, nvml_bytes: int) -> tuple[int, int] | None:
+        """What the driver holds for a resident rank whose report is current (it is blocked), by NVML:
+        from now on its footprint is that, and later reports move it by what the allocator moves.
+        Returns (reported, NVML) bytes, or None for a rank with nothing to compare."""
+        if rank not in self.resident or rank in self.no_context or rank not in self.reported:
+            return None
+        self.offset[rank] = nvml_bytes - self.reported[rank]
+        self.footprint[rank] = nvml_bytes
+        if isinstance(self.swapper, BudgetSwapper):
+            self.swapper.footprint[rank] = self.swapper.used[rank] = nvml_bytes
+        return self.reported[rank], nvml_bytes
 
     def enforce(self, evictable: list[int], pids: dict[int, int], completes_last: Callable[[int], float]) -> None:
         """Swap blocked residents out, longest wait first, until what is resident fits the device."""
@@ -97,6 +112,7 @@ class DeviceMemory:
         """The rank's process ended: its memory is free."""
         self.resident.discard(rank)
         self.footprint.pop(rank, None)
+        self.reported.pop(rank, None)
         if self.host is not None:
             self.host.held.pop(rank, None)
         if isinstance(self.swapper, BudgetSwapper):

@@ -35,6 +35,8 @@ def write_bare_trace(coord: Any, path: Path, job: dict, exit_codes: dict) -> Pat
         job = {**job, "swap": coord.swap_stats()}
     if coord.timing_gated:
         job["gpu_timing_by_device"] = coord.timing_verdicts()
+    if coord.footprint_check is not None:
+        job["footprint_check"] = coord.footprint_check.summary()
     if coord.page_lock:
         job["staging_by_device"] = coord.staging_by_device()
     manifest = {

@@ -125,6 +125,14 @@ def summarize(path: str | Path) -> str:
         lines.append(f"  {swapped}")
     for device, verdict in (job.get("gpu_timing_by_device") or {}).items():
         lines.append(f"  {device}: {verdict.get('why', '')}")
+    staging = job.get("staging_by_device") or {}
+    if staging:
+        lines.append("  staging memory: " + ", ".join(f"{d} {how}" for d, how in staging.items()))
+    check = job.get("footprint_check") or {}
+    if check.get("ranks_checked"):
+        lines.append(f"  footprints cross-checked with NVML ({check['samples']} samples, {check['ranks_checked']} "
+                     f"ranks): NVML minus report median {check['gap_gib_median']:+.2f} GiB, worst "
+                     f"{check['gap_gib_worst']:+.2f} GiB (rank {check['rank_of_worst']}); swaps planned with NVML's")
     work = {e["rank"]: e["runtime_s"] for e in m["ranks"] if e.get("runtime_s")}
     if work:
         lines.append("  runtime work per rank over the run (staging inputs / writing results / GPU timer):")

@@ -1,0 +1,75 @@
+"""NVML's word on what each process holds on the GPU: the cross-check of the footprints ranks report.
+
+A rank reports its footprint as its caching allocator's reserved bytes plus an estimate of what the
+process holds beyond them (`client.CONTEXT_BYTES`: the CUDA context, cuBLAS workspaces). A checkpoint
+moves, and a restore needs, what the driver holds for the process, which is what NVML lists per process.
+On one H200 (driver 580) NVML named our processes by their own PIDs and held 518 MiB beyond
+reserved for a process that ran no matmul, 676 MiB for one that did; one query over all processes
+took 0.84 ms (bench/gpu/results/2026-12-01-nvml-probe-h200.txt). So the coordinator samples NVML
+at most once a second and plans swaps with its figure for every rank whose report is current.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+ProcessMemory = Callable[[], dict[int, int]]  # pid -> bytes the driver holds for it, over all GPUs
+
+
+class NvmlUnavailable(RuntimeError):
+    """NVML cannot be read here; the message says why."""
+
+
+def nvml_process_memory() -> ProcessMemory:
+    """A reader of every compute process's GPU memory on this host (nvidia-ml-py's pynvml)."""
+    try:
+        import pynvml
+    except ImportError as e:
+        raise NvmlUnavailable("nvidia-ml-py is not installed (pip install nvidia-ml-py)") from e
+    try:
+        pynvml.nvmlInit()
+        handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+    except pynvml.NVMLError as e:
+        raise NvmlUnavailable(f"NVML did not start: {e}") from e
+
+    def read() -> dict[int, int]:
+        out: dict[int, int] = {}
+        for h in handles:
+            for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h):
+                if isinstance(p.usedGpuMemory, int):  # None where the driver withholds it
+                    out[p.pid] = out.get(p.pid, 0) + p.usedGpuMemory
+        return out
+
+    return read
+
+
+@dataclass
+class FootprintCheck:
+    """NVML sampled at most every ``interval`` seconds; per rank, its last (reported, NVML) pair."""
+
+    read: ProcessMemory
+    interval: float = 1.0
+    clock: Callable[[], float] = time.monotonic
+    samples: int = 0
+    pairs: dict[int, tuple[int, int]] = field(default_factory=dict)
+    _last: float = float("-inf")
+
+    def due(self) -> bool:
+        return self.clock() - self._last >= self.interval
+
+    def sample(self) -> dict[int, int]:
+        self._last = self.clock()
+        self.samples += 1
+        return self.read()
+
+    def summary(self) -> dict:
+        """For the trace: how far the ranks' reports were from NVML (GiB; positive: NVML saw more)."""
+        if not self.pairs:
+            return {"source": "nvml", "samples": self.samples, "ranks_checked": 0}
+        gaps = sorted(((nv - rep) / 2**30, r) for r, (rep, nv) in self.pairs.items())
+        worst = max(gaps, key=lambda g: abs(g[0]))
+        return {"source": "nvml", "samples": self.samples, "ranks_checked": len(gaps),
+                "gap_gib_median": round(gaps[len(gaps) // 2][0], 3), "gap_gib_worst": round(worst[0], 3),
+                "rank_of_worst": worst[1]}
