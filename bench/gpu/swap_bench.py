@@ -1,6 +1,6 @@
 """Issue 4 on the GPU: CUDA process checkpoint/restore bandwidth, and a job that only fits with swaps.
 
-  python3 bench/gpu/swap_bench.py OUT_DIR [sizes GiB, default 1 8 40]
+  python3 bench/gpu/swap_bench.py OUT_DIR [sizes GiB, default 1 8 40 | job | probes]
 
 A. For each size: a child process fills N GiB on the GPU; this process (driver API only, no
    context of its own on that memory) checkpoints it, reads the GPU's used memory, restores it, and
@@ -78,6 +78,18 @@ LOCK_PROBES = {  # what a rank process may have done before the coordinator swap
         "import torch; from torch.profiler import profile, ProfilerActivity\n"
         "x = torch.ones(2**30, dtype=torch.uint8, device='cuda')\n"
         "p = profile(activities=[ProfilerActivity.CUDA]); p.start(); y = x + 1; torch.cuda.synchronize(); p.stop()"),
+    # page-locked staging (runtime.shm, --staging auto): host memory registered with cudaHostRegister
+    "cuda_host_registered": (
+        "import mmap, torch\n"
+        "x = torch.arange(2**28, dtype=torch.int32, device='cuda')\n"
+        "m = mmap.mmap(-1, 2**30); h = torch.frombuffer(m, dtype=torch.int32)\n"
+        "assert int(torch.cuda.cudart().cudaHostRegister(h.data_ptr(), 2**30, 1)) == 0 and h.is_pinned()\n"
+        "h.copy_(x); torch.cuda.synchronize()"),
+}
+AFTER = {  # run by the probe's process once the parent is done with it: does it still work?
+    "cuda_host_registered": (
+        "y = torch.empty_like(x); y.copy_(h, non_blocking=True); torch.cuda.synchronize()\n"
+        "print('after: registered copy', 'ok' if torch.equal(y, x) and h.is_pinned() else 'WRONG', flush=True)"),
 }
 
 
@@ -89,7 +101,8 @@ def lock_probes() -> dict:
     driver.cuInit(0)
     rows = {}
     for name, setup in LOCK_PROBES.items():
-        code = setup + "\nimport sys; print('ready', flush=True); sys.stdin.readline()"
+        code = (setup + "\nimport sys; print('ready', flush=True); sys.stdin.readline()\n"
+                + AFTER.get(name, ""))
         child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         assert child.stdout.readline().strip() == "ready"
         steps = []
@@ -101,7 +114,8 @@ def lock_probes() -> dict:
                 break
         child.stdin.write("\n")
         child.stdin.flush()
-        child.wait()
+        steps += [line.strip() for line in child.stdout if line.strip()]
+        steps.append(f"exit {child.wait()}")
         rows[name] = steps
         print(json.dumps({name: steps}), flush=True)
     return rows
@@ -143,7 +157,10 @@ def swap_job(out: Path) -> dict:
 if __name__ == "__main__":
     out = Path(sys.argv[1])
     out.mkdir(parents=True, exist_ok=True)
-    only_job = sys.argv[2:] == ["job"]
-    sizes = [] if only_job else [float(x) for x in sys.argv[2:]] or [1, 8, 40]
-    result = {"sizes": bench_sizes(sizes), "lock_probes": lock_probes(), "job": swap_job(out / "work")}
+    if sys.argv[2:] == ["probes"]:  # the lock probes alone
+        result = {"lock_probes": lock_probes()}
+    else:
+        only_job = sys.argv[2:] == ["job"]
+        sizes = [] if only_job else [float(x) for x in sys.argv[2:]] or [1, 8, 40]
+        result = {"sizes": bench_sizes(sizes), "lock_probes": lock_probes(), "job": swap_job(out / "work")}
     (out / "swap_bench.json").write_text(json.dumps(result, indent=1))

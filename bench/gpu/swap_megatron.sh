@@ -46,6 +46,7 @@ trace = read_trace(path)
 job = trace.manifest["job"]
 swap = job.get("swap", {})
 print("GPU timing verdicts:", job.get("gpu_timing_by_device"), "| gpu rows:", trace.gpu.num_rows)
+print("staging:", job.get("staging_by_device"), "| footprint check:", job.get("footprint_check"))
 print("swaps out/in:", sum(s["swaps_out"] for s in swap.values()), "/", sum(s["swaps_in"] for s in swap.values()),
       "GiB out:", round(sum(s["bytes_out"] for s in swap.values()) / 2**30, 1),
       "swap s:", round(sum(s["seconds"] for s in swap.values()), 1))
