@@ -51,9 +51,8 @@ def main() -> None:
                    "so the replay lets the host run ahead as with NCCL. Default: on for GPUs, off with "
                    "--swap checkpoint (they exclude each other).")
 @click.option("--staging", type=click.Choice(["auto", "pageable"]), default="auto", show_default=True,
-              help="GPU ranks' staging memory for collectives: auto page-locks it where the device swaps no more "
-                   "(from the start under --swap none, after iteration 1 where --swap auto pinned the device); "
-                   "pageable never does (slower copies).")
+              help="GPU ranks' staging memory for collectives: auto page-locks it (faster copies between the "
+                   "GPU and the coordinator); pageable does not.")
 @click.argument("script", type=click.Path(path_type=Path))
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
 def launch(world_size: int, devices: str, slots_per_device: int, hang_timeout: float, trace_dir: Path,

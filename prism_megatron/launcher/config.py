@@ -39,8 +39,8 @@ class LaunchConfig:
     predictor_options: dict = field(default_factory=dict)
     track_memory: bool | None = None  # per-rank memory marks; None: on GPU always, on CPU when capped
     gpu_timing: bool | None = None  # host and device time per compute segment (runtime.gpu_timing); None: on GPU
-    # auto: GPU ranks page-lock their staging memory wherever their device swaps no more (runtime.shm);
-    # pageable: never (the copies are then ~5x slower on the H200, bench/gpu/staging_bench.py)
+    # auto: GPU ranks page-lock their staging memory (runtime.shm); pageable: never (slower copies, for
+    # comparison: bench/gpu/staging_bench.py)
     staging: str = "auto"
     # per-rank overrides (calibration's slice runs): these ranks run another program, or sit on another
     # device (an index into `devices`), than the contiguous default

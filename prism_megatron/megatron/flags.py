@@ -64,8 +64,8 @@ PRISM_FLAGS: dict[str, dict[str, Any]] = {
                               "checkpoint, which excludes GPU timing). 'auto': swap in set-up and iteration 1 if "
                               "needed; a device whose ranks needed none is then timed and swaps no more."),
     "--prism-staging": dict(type=str, default="auto", choices=["auto", "pageable"],
-                            help="GPU ranks' staging memory for collectives: 'auto' page-locks it where the device "
-                                 "swaps no more (the copies are then several times faster); 'pageable' never."),
+                            help="GPU ranks' staging memory for collectives: 'auto' page-locks it (copies between "
+                                 "the GPU and the coordinator several times faster); 'pageable' does not."),
     "--prism-device-memory": dict(type=float, default=None,
                                   help="GiB per device that ranks' state may take (default: the GPU's total)."),
     "--prism-host-memory": dict(type=float, default=None,

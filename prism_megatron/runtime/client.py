@@ -259,7 +259,7 @@ class RankClient:
         # where a capture's wall goes beyond compute (trace.summary)
         self.runtime_s = {"stage": 0.0, "results": 0.0, "gpu_timer": 0.0}
         self.arena = Arena(segment_prefix)
-        # page-locked staging: the coordinator says when (P.PAGE_LOCK: the device swaps no more); the rank's own
+        # page-locked staging: the coordinator says so (P.PAGE_LOCK, --staging auto on GPUs); the rank's own
         # thread registers the segments at its next op on CUDA tensors (the receiver has no CUDA device set)
         self._pin_pending = False
         self._send({"t": P.HELLO, "rank": rank, "world_size": world_size, "pid": os.getpid()})

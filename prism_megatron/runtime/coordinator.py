@@ -143,10 +143,9 @@ class Coordinator:
         self.timing: dict[int, dict] = {}  # device -> {"on", "why"}: the verdicts given
         self._timing_waits: dict[int, set[int]] = {}  # device -> ranks yet to end iteration 1 (or exit)
         self._timing_ended: set[int] = set()  # devices where some rank ended iteration 1
-        # --staging auto on GPUs: ranks page-lock their staging memory where their device swaps no more
-        # (from the start without swaps, under --swap auto once pinned); device -> since when (the trace's)
+        # --staging auto on GPUs: ranks page-lock their staging memory (runtime.shm); the devices they are on
         self.page_lock = False
-        self.page_locked: dict[int, str] = {}
+        self.page_locked: set[int] = set()
         self.footprint_check: FootprintCheck | None = None  # NVML's figures for swapping ranks (runtime.nvml)
         self._footprint_warned = False
         self.awaiting_room: list[Grant] = []
@@ -197,18 +196,13 @@ class Coordinator:
         on, why = self.memory[device].timing_verdict()
         self.timing[device] = {"on": on, "why": why}
         print(f"prism: {self.device_names[device]}: {why}", file=sys.stderr, flush=True)
-        lock = on and self.page_lock
-        if lock:
-            self.page_locked[device] = "after iteration 1"
         for rs in self.ranks.values():
             if rs.state != "done" and self.slots.device_of(rs.rank) == device:
                 self._send(rs, {"t": P.TIMING, "on": on, "why": why})
-                if lock:
-                    self._send(rs, {"t": P.PAGE_LOCK})
 
     def staging_by_device(self) -> dict:
-        """Per device name: whether its ranks' staging memory was page-locked, and from when."""
-        return {name: f"page-locked {self.page_locked[d]}" if d in self.page_locked else "pageable"
+        """Per device name: whether its ranks' staging memory was page-locked."""
+        return {name: "page-locked" if d in self.page_locked else "pageable"
                 for d, name in enumerate(self.device_names)}
 
     def swap_stats(self) -> dict:
@@ -295,8 +289,8 @@ class Coordinator:
             self.conns[conn] = rs
             if self.times_gpu and not self.timing_gated:  # nothing to wait for: its timer may start at once
                 self._send(rs, {"t": P.TIMING, "on": True, "why": ""})
-            if self.page_lock and self.memory is None:  # no swaps on any device
-                self.page_locked[self.slots.device_of(rs.rank)] = "from the start"
+            if self.page_lock:
+                self.page_locked.add(self.slots.device_of(rs.rank))
                 self._send(rs, {"t": P.PAGE_LOCK})
             self._progress()
         elif t == P.CONTROL:

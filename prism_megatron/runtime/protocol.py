@@ -38,7 +38,7 @@ GRANT = "grant"  # the rank holds a slot again
 PREDICTED = "predicted"  # {iteration, seconds | None, note}: answer to PREDICT (a GRANT follows)
 ABORT = "abort"  # {message}: the job is ending; every pending op fails
 TIMING = "timing"  # {on, why}: whether the rank's GPU timer may start (--swap auto gates it per device)
-PAGE_LOCK = "page_lock"  # the rank's device swaps no more: it may page-lock its staging memory (runtime.shm)
+PAGE_LOCK = "page_lock"  # the rank page-locks its staging memory at its first op on CUDA tensors (runtime.shm)
 
 # launcher <-> coordinator
 CONTROL = "control"  # hello of the launcher's control connection
