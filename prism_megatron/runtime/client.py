@@ -26,10 +26,11 @@ from prism_megatron.runtime import protocol as P
 from prism_megatron.runtime.gpu_timing import GpuSegmentTimer
 from prism_megatron.runtime.shm import Arena
 
-# CUDA context + cuBLAS workspace of a process, beyond the caching allocator: 676 MiB by NVML on one H200
-# for a process that ran a bf16 matmul (bench/gpu/results/2026-12-01-nvml-probe-h200.txt); where NVML
-# can be read, the coordinator replaces the estimate with what the driver holds (runtime.nvml)
-CONTEXT_BYTES = 680 << 20
+# CUDA context + cuBLAS workspace of a process, beyond the caching allocator. By NVML on one H200: 676 MiB
+# for a process that ran a bf16 matmul (bench/gpu/results/2026-12-01-nvml-probe-h200.txt), ~810 MiB for
+# the ranks of a Megatron GPT (680 MiB + the check's +0.13 GiB gap, 2026-12-01-swap-checkpoint-page-
+# locked-h200.txt). Where NVML can be read, the coordinator uses what the driver holds (runtime.nvml).
+CONTEXT_BYTES = 810 << 20
 
 
 def device_footprint() -> int:
