@@ -360,3 +360,25 @@ def test_nvml_that_cannot_be_read_says_why(monkeypatch):
     monkeypatch.setitem(sys.modules, "pynvml", None)
     with pytest.raises(NvmlUnavailable, match="nvidia-ml-py is not installed"):
         nvml_process_memory()
+
+
+def test_nvml_that_fails_mid_run_is_said_once_and_the_reports_plan_from_there(capsys):
+    from prism_megatron.runtime.nvml import FootprintCheck
+
+    coord, _, hello = _coordinator(2, page_lock=False)
+    coord.enable_swap(BudgetSwapper(100 * GIB), [100 * GIB])
+    now = [0.0]
+
+    def gone() -> dict:
+        raise RuntimeError("GPU is lost")
+    coord.footprint_check = FootprintCheck(gone, clock=lambda: now[0])
+    hello()
+    coord.memory[0].report(0, 10 * GIB)
+    coord.ranks[0].state = "blocked"
+    for t in (0.0, 5.0):
+        now[0] = t
+        coord._check_footprints()
+    assert capsys.readouterr().err.count("reading NVML failed (RuntimeError: GPU is lost)") == 1
+    assert coord.memory[0].footprint[0] == 10 * GIB
+    assert coord.footprint_check.summary() == {"source": "nvml", "samples": 1, "ranks_checked": 0,
+                                               "failed": "RuntimeError: GPU is lost"}

@@ -847,6 +847,9 @@ def test_summary_says_how_staging_memory_was_held_and_how_far_nvml_was_from_the_
     assert ("cross-checked with NVML (4 samples, 2 ranks): NVML minus report median +1.00 GiB, "
             "worst -3.00 GiB (rank 1)") in text
     assert "NVML" not in summarize(write_trace(tmp_path / "u", _manifest(), _ops()))
+    manifest["job"]["footprint_check"] = FootprintCheck(lambda: {}, samples=3).summary()
+    text = summarize(write_trace(tmp_path / "v", manifest, _ops()))
+    assert "NVML listed none of the ranks' PIDs in 3 samples" in text
 
 
 def test_capture_efficiency_is_wall_against_summed_compute_over_the_machine(tmp_path):

@@ -62,9 +62,9 @@ class OpRecord:
 #: Inputs recorded in the trace so that a virtual rank contributes what the real one did: integer and
 #: byte tensors up to this size (object collectives: pickles and their sizes) ...
 PAYLOAD_INT_LIMIT = 64 * 1024
-FOOTPRINT_GAP_WARN = 1 << 30  # a rank NVML sees this far from its report is said (once) in the log
 #: ... and floating-point ones up to this size (flags and scalars: found_inf, a loss sum, a norm).
 PAYLOAD_FLOAT_LIMIT = 64
+FOOTPRINT_GAP_WARN = 1 << 30  # a rank NVML sees this far from its report is said (once) in the log
 _INT_DTYPES = frozenset({"uint8", "int8", "int16", "int32", "int64", "bool", "uint16", "uint32", "uint64"})
 
 
@@ -412,9 +412,15 @@ class Coordinator:
         """At most once per FootprintCheck.interval, as a rank blocks: NVML's figure for every blocked,
         resident rank (its last report is current: it has not run since) replaces its report's."""
         fc = self.footprint_check
-        if fc is None or not fc.due():
+        if fc is None or fc.failed or not fc.due():
             return
-        held = fc.sample()
+        try:
+            held = fc.sample()
+        except Exception as e:  # NVML went away mid-run: say so; the reports alone plan from here
+            fc.failed = f"{type(e).__name__}: {e}"
+            print(f"prism: reading NVML failed ({fc.failed}); swaps plan with the ranks' own reports from here",
+                  file=sys.stderr, flush=True)
+            return
         for d, mem in enumerate(self.memory or []):
             for r in list(mem.resident):
                 rs = self.ranks.get(r)

@@ -113,6 +113,7 @@ class DeviceMemory:
         self.resident.discard(rank)
         self.footprint.pop(rank, None)
         self.reported.pop(rank, None)
+        self.offset.pop(rank, None)
         if self.host is not None:
             self.host.held.pop(rank, None)
         if isinstance(self.swapper, BudgetSwapper):

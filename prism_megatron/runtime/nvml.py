@@ -54,6 +54,7 @@ class FootprintCheck:
     clock: Callable[[], float] = time.monotonic
     samples: int = 0
     pairs: dict[int, tuple[int, int]] = field(default_factory=dict)
+    failed: str = ""  # why NVML stopped answering mid-run, if it did (then no more samples)
     _last: float = float("-inf")
 
     def due(self) -> bool:
@@ -66,10 +67,11 @@ class FootprintCheck:
 
     def summary(self) -> dict:
         """For the trace: how far the ranks' reports were from NVML (GiB; positive: NVML saw more)."""
+        failed = {"failed": self.failed} if self.failed else {}
         if not self.pairs:
-            return {"source": "nvml", "samples": self.samples, "ranks_checked": 0}
+            return {"source": "nvml", "samples": self.samples, "ranks_checked": 0, **failed}
         gaps = sorted(((nv - rep) / 2**30, r) for r, (rep, nv) in self.pairs.items())
         worst = max(gaps, key=lambda g: abs(g[0]))
         return {"source": "nvml", "samples": self.samples, "ranks_checked": len(gaps),
                 "gap_gib_median": round(gaps[len(gaps) // 2][0], 3), "gap_gib_worst": round(worst[0], 3),
-                "rank_of_worst": worst[1]}
+                "rank_of_worst": worst[1], **failed}

@@ -133,6 +133,11 @@ def summarize(path: str | Path) -> str:
         lines.append(f"  footprints cross-checked with NVML ({check['samples']} samples, {check['ranks_checked']} "
                      f"ranks): NVML minus report median {check['gap_gib_median']:+.2f} GiB, worst "
                      f"{check['gap_gib_worst']:+.2f} GiB (rank {check['rank_of_worst']}); swaps planned with NVML's")
+    elif check.get("samples"):
+        lines.append(f"  footprints not cross-checked: NVML listed none of the ranks' PIDs in {check['samples']} "
+                     "samples (a PID namespace apart from the driver's?); swaps planned with the ranks' reports")
+    if check.get("failed"):
+        lines.append(f"  NVML stopped answering mid-run ({check['failed']}); the reports alone planned from there")
     work = {e["rank"]: e["runtime_s"] for e in m["ranks"] if e.get("runtime_s")}
     if work:
         lines.append("  runtime work per rank over the run (staging inputs / writing results / GPU timer):")
