@@ -894,3 +894,6 @@ def test_slot_time_splits_a_capture_into_computing_runtime_work_and_idle(tmp_pat
     assert "slot time per iteration (median): 89% computing, 6% runtime in turns" in text and "6% idle" in text
     assert "stage: min 0.000 s, median 0.750 s, max 1.500 s (rank 0)" in text
     assert "runtime work per rank" not in summarize(write_trace(tmp_path / "u", _manifest(), _ops(), marks=marks))
+    manifest["ranks"][0]["runtime_s"]["gpu_timer"] = 0.0  # no GPU timing: no GPU-timer line
+    text = summarize(write_trace(tmp_path / "w", manifest, _ops(), marks=marks, slots=slots))
+    assert "stage: min" in text and "gpu_timer" not in text

@@ -142,7 +142,9 @@ def summarize(path: str | Path) -> str:
     if work:
         lines.append("  runtime work per rank over the run (staging inputs / writing results / GPU timer):")
         for key in ("stage", "results", "gpu_timer"):
-            lines.append(_spread([work.get(r, {}).get(key, 0.0) for r in range(t.world_size)], f"  {key}"))
+            values = [work.get(r, {}).get(key, 0.0) for r in range(t.world_size)]
+            if any(values):  # no GPU timer without GPU timing
+                lines.append(_spread(values, f"  {key}"))
     if t.gpu.num_rows:
         host: dict[int, float] = defaultdict(float)
         device: dict[int, float] = defaultdict(float)
