@@ -1,18 +1,21 @@
 #!/usr/bin/env bash
 # Issue 4's Megatron check (device `nvidia-h200`, ~4 min): a GPT job of 8 logical ranks (DP8, ~134M
 # parameters, fp32 Adam) on GPU 0, twice: with every rank resident (--prism-swap none) and with the
-# device declared smaller than the 8 ranks' footprints together (--prism-device-memory, default 20 GiB),
+# device declared smaller than the 8 ranks' footprints together (--prism-device-memory, default 40 GiB),
 # so the coordinator must checkpoint blocked ranks to host memory and restore them (--prism-swap
 # checkpoint). Prints both runs' losses and grad norms (they must be equal: swaps move state, they do not
 # change it) and the swap counts from the trace. Run from the repo root with .whl carried:
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
-#   bash bench/gpu/swap_megatron.sh            # DEVICE_GIB=20 ITERS=3 RUN_TIMEOUT=300 (seconds per run)
+#   bash bench/gpu/swap_megatron.sh            # DEVICE_GIB=40 ITERS=1 RUN_TIMEOUT=300 (seconds per run)
 # MODES (default "none checkpoint") may also name auto (the default policy: all resident, so the device
 # should be pinned and its ranks timed from iteration 3) and auto-small (auto with DEVICE_GIB declared:
 # swaps in iteration 1, so GPU timing must stay off); each prints the verdict and the trace's GPU rows.
-#   MODES="auto auto-small" ITERS=4 bash bench/gpu/swap_megatron.sh
-# Measured (2026-12-01, one H200): all resident 131 s for 3 iterations; with 20 GiB declared the first
-# iteration took ~2 min of swapping (loss and grad norm equal) and the run passed 270 s: give it time.
+#   MODES="auto auto-small" ITERS=1 bash bench/gpu/swap_megatron.sh
+# PRISM_SWAP_POLICY=fifo runs the slots without the scheduling heuristics (default resident-first).
+# Measured (2026-12-01, one H200; bench/gpu/results/2026-12-01-swap-*): all resident 72-86 s for 3
+# iterations (~5.8 GiB per rank); 40 GiB declared, 1 iteration: 162 s, 18 swaps each way (FIFO: 19),
+# loss and grad norm equal. Each swapped iteration costs ~80 s (every all-rank collective needs the
+# rank that does not fit); 20 GiB declared did not finish 2 iterations in 270 s.
 set -uo pipefail
 out=${OUT:-/tmp/prism-gpu}/swap-megatron
 mkdir -p "$out"
@@ -21,7 +24,7 @@ export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH} CUDA_DEVICE_MAX_CONN
 script=prism_megatron/megatron/driver/pretrain_gpt_mini.py
 flags="--num-layers 8 --hidden-size 1024 --num-attention-heads 16 --seq-length 1024 --max-position-embeddings 1024
   --tokenizer-type NullTokenizer --vocab-size 32000 --mock-data --micro-batch-size 2 --global-batch-size 16
-  --train-iters ${ITERS:-3} --lr 0.0001 --seed 1234 --transformer-impl local --no-gradient-accumulation-fusion
+  --train-iters ${ITERS:-1} --lr 0.0001 --seed 1234 --transformer-impl local --no-gradient-accumulation-fusion
   --log-interval 1 --eval-iters 0 --eval-interval 1000"
 show() {
   grep -E "iteration +[0-9]+/" "$1" | sed -E 's/.*(iteration +[0-9]+).*(lm loss: [^|]*).*(grad norm: [^|]*).*/\1 \2 \3/'
@@ -29,7 +32,7 @@ show() {
 }
 for entry in ${MODES:-none checkpoint}; do
   mode=${entry%-small}
-  extra=""; [ "$entry" = checkpoint ] || [ "$entry" = auto-small ] && extra="--prism-device-memory ${DEVICE_GIB:-20}"
+  extra=""; [ "$entry" = checkpoint ] || [ "$entry" = auto-small ] && extra="--prism-device-memory ${DEVICE_GIB:-40}"
   t0=$(date +%s)
   timeout ${RUN_TIMEOUT:-300} python3 -m prism_megatron run --prism-emulate --prism-world-size 8 --prism-devices 0 \
     --prism-slots-per-device 2 --prism-swap $mode $extra --prism-trace-dir /tmp/swap-megatron-$entry \
