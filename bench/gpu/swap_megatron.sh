@@ -10,7 +10,7 @@
 # MODES (default "none checkpoint") may also name auto (the default policy: all resident, so the device
 # should be pinned and its ranks timed from iteration 3) and auto-small (auto with DEVICE_GIB declared:
 # swaps in iteration 1, so GPU timing must stay off); each prints the verdict and the trace's GPU rows.
-#   MODES="auto auto-small" ITERS=1 bash bench/gpu/swap_megatron.sh
+#   MODES=auto ITERS=3 bash bench/gpu/swap_megatron.sh; MODES=auto-small bash bench/gpu/swap_megatron.sh
 # PRISM_SWAP_POLICY=fifo runs the slots without the scheduling heuristics (default resident-first).
 # Measured (2026-12-01, one H200; bench/gpu/results/2026-12-01-swap-*): all resident 72-86 s for 3
 # iterations (~5.8 GiB per rank); 40 GiB declared, 1 iteration: 162 s, 18 swaps each way (FIFO: 19),
