@@ -219,19 +219,27 @@ def test_pinned_staging_registers_every_segment_and_unregisters_it_before_unmapp
     assert pinned == {} and events[-2:] == ["unpin 8192", "unmapped"]
 
 
-def test_staging_option_is_validated_and_reaches_the_coordinator_only_for_gpus(tmp_path):
-    """--staging names its bad value; CPU ranks' tensors are host memory already, so the coordinator
-    is told to page-lock nothing there."""
+@pytest.mark.parametrize("swap", ["none", "auto", "checkpoint"])
+def test_gpu_ranks_page_lock_staging_swaps_or_not_unless_staging_is_pageable(tmp_path, swap):
+    """--staging names its bad value. The driver checkpoints a process that registered host memory
+    (swap_bench.py's lock probes on the H200), so --staging auto page-locks on every GPU, swapping or
+    not; CPU ranks' tensors are host memory already. The trace's job says which."""
     from prism_megatron.launcher.config import LaunchConfig, LaunchError
-    from prism_megatron.launcher.launch import coordinator_config
+    from prism_megatron.launcher.launch import _Job
+    from prism_megatron.launcher.rank import rank_env
 
     script = tmp_path / "s.py"
     script.write_text("")
     base = dict(script=script, world_size=2, trace_dir=tmp_path / "t")
     with pytest.raises(LaunchError, match=r"--staging must be auto or pageable, got 'pinned'"):
         LaunchConfig(**base, staging="pinned").validate()
-    assert LaunchConfig(**base).validate().staging == "auto"
-    assert coordinator_config(LaunchConfig(**base).validate())["staging"] == "pageable"
-    assert coordinator_config(LaunchConfig(**base, devices=["0"], swap="none"))["staging"] == "auto"
-    assert coordinator_config(LaunchConfig(**base, devices=["0"], staging="pageable"))["staging"] == "pageable"
 
+    def told(cfg: LaunchConfig) -> tuple[list[bool], dict | None]:
+        return ([rank_env(cfg, r, 1).get("PRISM_PAGE_LOCK") == "1" for r in range(2)],
+                _Job(cfg).job_meta().get("staging_by_device"))
+
+    assert told(LaunchConfig(**base, devices=["0", "1"], swap=swap)) == (
+        [True, True], {"cuda:0": "page-locked", "cuda:1": "page-locked"})
+    assert told(LaunchConfig(**base, devices=["0"], swap=swap, staging="pageable")) == (
+        [False, False], {"cuda:0": "pageable"})
+    assert told(LaunchConfig(**base).validate()) == ([False, False], None)

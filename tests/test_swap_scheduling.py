@@ -186,36 +186,17 @@ def test_a_device_that_swapped_or_is_nearly_full_keeps_swapping_without_gpu_timi
     assert mem.used() <= mem.capacity  # swapping goes on
 
 
-def _coordinator(world: int, page_lock: bool):
-    """A coordinator of `world` ranks on one device whose messages to ranks are collected, not sent."""
+def _coordinator(world: int):
+    """A coordinator of `world` ranks on one device that sends nothing; `hello()` connects them all."""
     from prism_megatron.runtime import protocol as P
     from prism_megatron.runtime.coordinator import Coordinator
 
     coord = Coordinator(world_size=world, num_devices=1, slots_per_device=1, device_of={r: 0 for r in range(world)},
                         device_names=["cuda:0"], hang_timeout=60.0, authkey=b"k" * 16)
-    coord.page_lock = page_lock
-    sent: list[tuple[int, str]] = []
-    coord._send = lambda rs, msg: sent.append((rs.rank, msg["t"]))
+    coord._send = lambda rs, msg: None
     coord._progress = lambda: None
     hello = lambda: [coord._dispatch(object(), {"t": P.HELLO, "rank": r, "pid": 1000 + r}) for r in range(world)]
-    return coord, sent, hello
-
-
-@pytest.mark.parametrize("swap", ["none", "auto"])
-def test_ranks_page_lock_staging_from_the_start_swaps_or_not_unless_staging_is_pageable(swap):
-    """The driver checkpoints a process that registered host memory (swap_bench.py's lock probes on
-    the H200), so --staging auto page-locks on every GPU, swapping or not; the trace says so."""
-    from prism_megatron.runtime import protocol as P
-
-    coord, sent, hello = _coordinator(3, page_lock=True)
-    if swap == "auto":
-        coord.enable_swap(BudgetSwapper(100 * GIB), [100 * GIB], gate_timing=True)
-    hello()
-    assert sent == [(r, P.PAGE_LOCK) for r in range(3)]
-    assert coord.staging_by_device() == {"cuda:0": "page-locked"}
-    coord, sent, hello = _coordinator(3, page_lock=False)
-    hello()
-    assert sent == [] and coord.staging_by_device() == {"cuda:0": "pageable"}
+    return coord, hello
 
 
 def test_job_over_budget_swaps_and_keeps_results(tmp_path):
@@ -326,7 +307,7 @@ def test_nvml_figures_replace_a_blocked_ranks_report_and_later_reports_move_them
 def test_coordinator_samples_nvml_at_most_once_a_second_for_blocked_ranks_and_says_a_large_gap_once(capsys):
     from prism_megatron.runtime.nvml import FootprintCheck
 
-    coord, _, hello = _coordinator(3, page_lock=False)
+    coord, hello = _coordinator(3)
     coord.enable_swap(BudgetSwapper(100 * GIB), [100 * GIB])
     now = [0.0]
     reads = []
@@ -365,7 +346,7 @@ def test_nvml_that_cannot_be_read_says_why(monkeypatch):
 def test_nvml_that_fails_mid_run_is_said_once_and_the_reports_plan_from_there(capsys):
     from prism_megatron.runtime.nvml import FootprintCheck
 
-    coord, _, hello = _coordinator(2, page_lock=False)
+    coord, hello = _coordinator(2)
     coord.enable_swap(BudgetSwapper(100 * GIB), [100 * GIB])
     now = [0.0]
 

@@ -68,6 +68,11 @@ class LaunchConfig:
         return self.on_gpu if self.gpu_timing is None else self.gpu_timing and self.on_gpu
 
     @property
+    def page_locks(self) -> bool:
+        """GPU ranks page-lock their staging memory (--staging auto; CPU tensors are host memory already)."""
+        return self.on_gpu and self.staging == "auto"
+
+    @property
     def on_gpu(self) -> bool:
         return self.devices != ["cpu"]
 

@@ -61,7 +61,6 @@ def coordinator_config(cfg: LaunchConfig) -> dict:
         "hang_timeout": cfg.hang_timeout,
         "threads": coordinator_threads(cfg, _cores()),
         "swap": cfg.swap_mode, "swapper": cfg.swapper, "gpu_timing": _ranks_time_gpu(cfg),
-        "staging": cfg.staging if cfg.on_gpu else "pageable",  # CPU ranks' tensors are host memory already
         "device_memory": cfg.device_memory,
         "host_memory": cfg.host_memory,
         "swap_policy": os.environ.get("PRISM_SWAP_POLICY", "resident-first"),
@@ -223,7 +222,9 @@ class _Job:
                 "wall_time_s": time.perf_counter() - self.t0,
                 **({"rank_scripts": {str(r): [str(p), *a] for r, (p, a) in sorted(cfg.rank_scripts.items())}}
                    if cfg.rank_scripts else {}),
-                **({"target_gpu": cfg.target_gpu} if cfg.target_gpu is not None else {})}
+                **({"target_gpu": cfg.target_gpu} if cfg.target_gpu is not None else {}),
+                **({"staging_by_device": {f"cuda:{d}": "page-locked" if cfg.page_locks else "pageable"
+                                          for d in cfg.devices}} if cfg.on_gpu else {})}
 
     def cleanup(self) -> None:
         """Leave nothing behind: ranks, coordinator, shared-memory segments."""

@@ -54,6 +54,8 @@ def rank_env(cfg: LaunchConfig, rank: int, store_port: int) -> dict[str, str]:
         env["CUDA_VISIBLE_DEVICES"] = cfg.devices[cfg.device_of(rank)]
     if cfg.times_gpu:
         env["PRISM_GPU_TIMING"] = "1"
+    if cfg.page_locks:
+        env["PRISM_PAGE_LOCK"] = "1"
     return env
 
 

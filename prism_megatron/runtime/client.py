@@ -191,9 +191,6 @@ def _host_bytes(t: torch.Tensor) -> bytes:
     return flat.contiguous().view(torch.uint8).numpy().tobytes()
 
 
-_REDUCING = ("all_reduce", "reduce", "reduce_scatter", "reduce_scatter_list")
-
-
 def _local_descs(tensors: list[torch.Tensor]) -> list[tuple]:
     return [(("l", _nbytes(t)), P.dtype_name(t.dtype), list(t.shape)) for t in tensors]
 
@@ -210,7 +207,7 @@ def _local_result(kind: str, ins: list[torch.Tensor], outs: list[torch.Tensor], 
         for i, o in zip(ins, outs, strict=True):
             if o.numel() and not (o.data_ptr() == i.data_ptr() and o.dtype == i.dtype and o.shape == i.shape):
                 o.copy_(_typed(i.detach().contiguous().reshape(-1).view(torch.uint8), o))
-            if kind in _REDUCING and redop == "premul_sum":
+            if kind in P.REDUCING_KINDS and redop == "premul_sum":
                 o.mul_(factor)
 
 
@@ -260,9 +257,9 @@ class RankClient:
         # where a capture's wall goes beyond compute (trace.summary)
         self.runtime_s = {"stage": 0.0, "results": 0.0, "gpu_timer": 0.0}
         self.arena = Arena(segment_prefix)
-        # page-locked staging: the coordinator says so (P.PAGE_LOCK, --staging auto on GPUs); the rank's own
-        # thread registers the segments at its next op on CUDA tensors (the receiver has no CUDA device set)
-        self._pin_pending = False
+        # page-locked staging (--staging auto on GPUs, set by the launcher): registered at the first op on
+        # CUDA tensors, on the rank's own thread (runtime.shm)
+        self._pin_pending = os.environ.get("PRISM_PAGE_LOCK") == "1"
         self._send({"t": P.HELLO, "rank": rank, "world_size": world_size, "pid": os.getpid()})
         self._receiver = threading.Thread(target=self._receive_loop, name="prism-receiver", daemon=True)
         self._receiver.start()
@@ -563,8 +560,6 @@ class RankClient:
             elif t == P.TIMING:
                 if self._gpu is not None:
                     self._gpu.permit(msg["on"], msg["why"])
-            elif t == P.PAGE_LOCK:
-                self._pin_pending = True
             elif t == P.ERROR:
                 p = self._pop(msg["id"])
                 if p is not None:

@@ -64,7 +64,6 @@ class OpRecord:
 PAYLOAD_INT_LIMIT = 64 * 1024
 #: ... and floating-point ones up to this size (flags and scalars: found_inf, a loss sum, a norm).
 PAYLOAD_FLOAT_LIMIT = 64
-FOOTPRINT_GAP_WARN = 1 << 30  # a rank NVML sees this far from its report is said (once) in the log
 _INT_DTYPES = frozenset({"uint8", "int8", "int16", "int32", "int64", "bool", "uint16", "uint32", "uint64"})
 
 
@@ -143,11 +142,7 @@ class Coordinator:
         self.timing: dict[int, dict] = {}  # device -> {"on", "why"}: the verdicts given
         self._timing_waits: dict[int, set[int]] = {}  # device -> ranks yet to end iteration 1 (or exit)
         self._timing_ended: set[int] = set()  # devices where some rank ended iteration 1
-        # --staging auto on GPUs: ranks page-lock their staging memory (runtime.shm); the devices they are on
-        self.page_lock = False
-        self.page_locked: set[int] = set()
         self.footprint_check: FootprintCheck | None = None  # NVML's figures for swapping ranks (runtime.nvml)
-        self._footprint_warned = False
         self.awaiting_room: list[Grant] = []
         self.ops: list[OpRecord] = []
         self.marks: list[dict] = []
@@ -199,11 +194,6 @@ class Coordinator:
         for rs in self.ranks.values():
             if rs.state != "done" and self.slots.device_of(rs.rank) == device:
                 self._send(rs, {"t": P.TIMING, "on": on, "why": why})
-
-    def staging_by_device(self) -> dict:
-        """Per device name: whether its ranks' staging memory was page-locked."""
-        return {name: "page-locked" if d in self.page_locked else "pageable"
-                for d, name in enumerate(self.device_names)}
 
     def swap_stats(self) -> dict:
         if self.memory is None:
@@ -289,9 +279,6 @@ class Coordinator:
             self.conns[conn] = rs
             if self.times_gpu and not self.timing_gated:  # nothing to wait for: its timer may start at once
                 self._send(rs, {"t": P.TIMING, "on": True, "why": ""})
-            if self.page_lock:
-                self.page_locked.add(self.slots.device_of(rs.rank))
-                self._send(rs, {"t": P.PAGE_LOCK})
             self._progress()
         elif t == P.CONTROL:
             self.control = conn
@@ -409,34 +396,18 @@ class Coordinator:
             self.memory[self.slots.device_of(rs.rank)].report(rs.rank, int(msg["mem"]))
 
     def _check_footprints(self) -> None:
-        """At most once per FootprintCheck.interval, as a rank blocks: NVML's figure for every blocked,
+        """When a FootprintCheck sample is due, as a rank blocks: NVML's figure for every blocked,
         resident rank (its last report is current: it has not run since) replaces its report's."""
-        fc = self.footprint_check
-        if fc is None or fc.failed or not fc.due():
-            return
-        try:
-            held = fc.sample()
-        except Exception as e:  # NVML went away mid-run: say so; the reports alone plan from here
-            fc.failed = f"{type(e).__name__}: {e}"
-            print(f"prism: reading NVML failed ({fc.failed}); swaps plan with the ranks' own reports from here",
-                  file=sys.stderr, flush=True)
+        held = self.footprint_check.sample() if self.footprint_check is not None else None
+        if held is None:
             return
         for d, mem in enumerate(self.memory or []):
             for r in list(mem.resident):
                 rs = self.ranks.get(r)
-                if rs is None or rs.state != "blocked" or rs.pid not in held:
-                    continue
-                pair = mem.cross_check(r, held[rs.pid])
-                if pair is None:
-                    continue
-                fc.pairs[r] = pair
-                gap = pair[1] - pair[0]
-                if abs(gap) > FOOTPRINT_GAP_WARN and not self._footprint_warned:
-                    self._footprint_warned = True
-                    print(f"prism: rank {r} holds {pair[1] / 2**30:.2f} GiB on {self.device_names[d]} by NVML, "
-                          f"{gap / 2**30:+.2f} GiB off its report (allocator reserved + context estimate): swaps "
-                          "plan with NVML's figures (said once; the trace's job.footprint_check sums them up)",
-                          file=sys.stderr, flush=True)
+                if rs is not None and rs.state == "blocked" and rs.pid in held:
+                    pair = mem.cross_check(r, held[rs.pid])
+                    if pair is not None:
+                        self.footprint_check.record(r, *pair, self.device_names[d])
 
     def _enforce_memory(self, rank: int) -> None:
         """After a rank blocked: if its device's residents outgrew it, swap out the longest waiters."""
@@ -774,7 +745,6 @@ def main(argv: list[str] | None = None) -> None:
         hang_timeout=cfg["hang_timeout"], authkey=authkey, host=cfg.get("host", "127.0.0.1"),
     )
     coord.times_gpu = bool(cfg.get("gpu_timing"))
-    coord.page_lock = cfg.get("staging") == "auto"
     notes = []  # said by the launcher
     swap = cfg.get("swap", "none")
     if swap != "none":

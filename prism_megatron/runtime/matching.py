@@ -12,6 +12,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from prism_megatron.runtime import protocol as P
+
 
 @dataclass
 class Member:
@@ -69,7 +71,7 @@ def check_collective(members: list[Member]) -> str | None:
         if len({m.msg.get("root") for m in members}) > 1:
             problems.append("different roots")
         dts = {dt for m in members for dt in m.dtypes()}
-        if kind in ("all_reduce", "reduce", "reduce_scatter", "reduce_scatter_list") and len(dts) > 1:
+        if kind in P.REDUCING_KINDS and len(dts) > 1:
             problems.append(f"different dtypes {sorted(dts)}")
         problems += _size_problems(kind, members, n)
     if not problems:

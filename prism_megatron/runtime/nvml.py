@@ -11,11 +11,13 @@ at most once a second and plans swaps with its figure for every rank whose repor
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 ProcessMemory = Callable[[], dict[int, int]]  # pid -> bytes the driver holds for it, over all GPUs
+GAP_WARN = 1 << 30  # a rank NVML sees this far from its report is said (once) in the log
 
 
 class NvmlUnavailable(RuntimeError):
@@ -56,14 +58,32 @@ class FootprintCheck:
     pairs: dict[int, tuple[int, int]] = field(default_factory=dict)
     failed: str = ""  # why NVML stopped answering mid-run, if it did (then no more samples)
     _last: float = float("-inf")
+    _warned: bool = False
 
-    def due(self) -> bool:
-        return self.clock() - self._last >= self.interval
-
-    def sample(self) -> dict[int, int]:
+    def sample(self) -> dict[int, int] | None:
+        """NVML's figures if a sample is due; None if not, or once NVML failed (said once: the ranks'
+        own reports plan from there)."""
+        if self.failed or self.clock() - self._last < self.interval:
+            return None
         self._last = self.clock()
         self.samples += 1
-        return self.read()
+        try:
+            return self.read()
+        except Exception as e:  # NVML went away mid-run
+            self.failed = f"{type(e).__name__}: {e}"
+            print(f"prism: reading NVML failed ({self.failed}); swaps plan with the ranks' own reports from here",
+                  file=sys.stderr, flush=True)
+            return None
+
+    def record(self, rank: int, reported: int, nvml: int, device: str) -> None:
+        """Keep a rank's (reported, NVML) pair; the first gap over GAP_WARN is said in the log."""
+        self.pairs[rank] = (reported, nvml)
+        if abs(nvml - reported) > GAP_WARN and not self._warned:
+            self._warned = True
+            print(f"prism: rank {rank} holds {nvml / 2**30:.2f} GiB on {device} by NVML, "
+                  f"{(nvml - reported) / 2**30:+.2f} GiB off its report (allocator reserved + context estimate): "
+                  "swaps plan with NVML's figures (said once; the trace's job.footprint_check sums them up)",
+                  file=sys.stderr, flush=True)
 
     def summary(self) -> dict:
         """For the trace: how far the ranks' reports were from NVML (GiB; positive: NVML saw more)."""

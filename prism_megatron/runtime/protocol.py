@@ -38,7 +38,6 @@ GRANT = "grant"  # the rank holds a slot again
 PREDICTED = "predicted"  # {iteration, seconds | None, note}: answer to PREDICT (a GRANT follows)
 ABORT = "abort"  # {message}: the job is ending; every pending op fails
 TIMING = "timing"  # {on, why}: whether the rank's GPU timer may start (--swap auto gates it per device)
-PAGE_LOCK = "page_lock"  # the rank page-locks its staging memory at its first op on CUDA tensors (runtime.shm)
 
 # launcher <-> coordinator
 CONTROL = "control"  # hello of the launcher's control connection
@@ -46,6 +45,8 @@ FINISH = "finish"  # {status, exit_codes, ranks}: write the trace (if status == 
 FATAL = "fatal"  # {kind, report}: coordinator found a hang or a mismatch
 WRITTEN = "written"  # {path}: trace written (or None)
 PROGRESS = "progress"  # {connected, finished}
+
+REDUCING_KINDS = frozenset({"all_reduce", "reduce", "reduce_scatter", "reduce_scatter_list"})
 
 INLINE_LIMIT = 64 * 1024  # payloads up to this size travel inside the control message
 

@@ -31,14 +31,13 @@ def write_bare_trace(coord: Any, path: Path, job: dict, exit_codes: dict) -> Pat
         if math.isnan(row["t_complete"]):
             row["t_complete"] = row["t_issue"]  # never completed (fire-and-forget send at exit)
         ops.append(row)
+    job = dict(job)  # the launcher's, with what only the coordinator knows
     if coord.memory is not None:
-        job = {**job, "swap": coord.swap_stats()}
+        job["swap"] = coord.swap_stats()
     if coord.timing_gated:
         job["gpu_timing_by_device"] = coord.timing_verdicts()
     if coord.footprint_check is not None:
         job["footprint_check"] = coord.footprint_check.summary()
-    if coord.page_lock:
-        job["staging_by_device"] = coord.staging_by_device()
     manifest = {
         "world_size": coord.world_size,
         "job": job,

@@ -85,6 +85,30 @@ def swap_summary(swap: dict) -> str | None:
             f"{swap[busiest].get('seconds', 0.0):.1f} s)")
 
 
+def _device_lines(job: dict) -> list[str]:
+    """What the run did with the devices: swaps, GPU timing verdicts, staging memory, the NVML check."""
+    lines: list[str] = []
+    swapped = swap_summary(job.get("swap") or {})
+    if swapped:
+        lines.append(f"  {swapped}")
+    for device, verdict in (job.get("gpu_timing_by_device") or {}).items():
+        lines.append(f"  {device}: {verdict.get('why', '')}")
+    staging = job.get("staging_by_device") or {}
+    if staging:
+        lines.append("  staging memory: " + ", ".join(f"{d} {how}" for d, how in staging.items()))
+    check = job.get("footprint_check") or {}
+    if check.get("ranks_checked"):
+        lines.append(f"  footprints cross-checked with NVML ({check['samples']} samples, {check['ranks_checked']} "
+                     f"ranks): NVML minus report median {check['gap_gib_median']:+.2f} GiB, worst "
+                     f"{check['gap_gib_worst']:+.2f} GiB (rank {check['rank_of_worst']}); swaps planned with NVML's")
+    elif check.get("samples"):
+        lines.append(f"  footprints not cross-checked: NVML listed none of the ranks' PIDs in {check['samples']} "
+                     "samples (a PID namespace apart from the driver's?); swaps planned with the ranks' reports")
+    if check.get("failed"):
+        lines.append(f"  NVML stopped answering mid-run ({check['failed']}); the reports alone planned from there")
+    return lines
+
+
 def summarize(path: str | Path) -> str:
     """Text summary: job, groups, ops per kind with bytes, per-rank compute time (the rank's own clock)
     and, for a trace captured on GPUs, the measured host and device time."""
@@ -120,24 +144,7 @@ def summarize(path: str | Path) -> str:
         c, r, i = (statistics.median(x[j] for x in shares) for j in (1, 2, 3))
         lines.append(f"  slot time per iteration (median): {c:.0%} computing, {r:.0%} runtime in turns (staging, "
                      f"results, messages, waking up), {i:.0%} idle (no rank could run)")
-    swapped = swap_summary(job.get("swap") or {})
-    if swapped:
-        lines.append(f"  {swapped}")
-    for device, verdict in (job.get("gpu_timing_by_device") or {}).items():
-        lines.append(f"  {device}: {verdict.get('why', '')}")
-    staging = job.get("staging_by_device") or {}
-    if staging:
-        lines.append("  staging memory: " + ", ".join(f"{d} {how}" for d, how in staging.items()))
-    check = job.get("footprint_check") or {}
-    if check.get("ranks_checked"):
-        lines.append(f"  footprints cross-checked with NVML ({check['samples']} samples, {check['ranks_checked']} "
-                     f"ranks): NVML minus report median {check['gap_gib_median']:+.2f} GiB, worst "
-                     f"{check['gap_gib_worst']:+.2f} GiB (rank {check['rank_of_worst']}); swaps planned with NVML's")
-    elif check.get("samples"):
-        lines.append(f"  footprints not cross-checked: NVML listed none of the ranks' PIDs in {check['samples']} "
-                     "samples (a PID namespace apart from the driver's?); swaps planned with the ranks' reports")
-    if check.get("failed"):
-        lines.append(f"  NVML stopped answering mid-run ({check['failed']}); the reports alone planned from there")
+    lines += _device_lines(job)
     work = {e["rank"]: e["runtime_s"] for e in m["ranks"] if e.get("runtime_s")}
     if work:
         lines.append("  runtime work per rank over the run (staging inputs / writing results / GPU timer):")
