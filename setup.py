@@ -9,7 +9,7 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=find_packages(include=["prism_megatron", "prism_megatron.*"]),
+    packages=find_packages(include=["prism_megatron", "prism_megatron.*", "nccl_prune", "nccl_prune.*"]),
     install_requires=[
         "torch>=2.4",
         "pyyaml>=6",

@@ -1,0 +1,158 @@
+"""What a virtual member contributes to each op kind, defined once for both executors.
+
+Three ways a virtual member takes part:
+- *mirror*: it contributes its representative's input. A virtual rank runs its representative's
+  program on the representative's data (that is what makes it foldable), so a data-parallel gradient
+  reduction over a folded group returns what the full reduction of identical replicas returns, and
+  every value the program branches on (loss scale, inf/NaN flags, grad norm, token counts) is a real
+  value of the run, never a zero.
+- *recorded*: it contributes a value recorded elsewhere (a calibration run, a prior full capture), for
+  small inputs a program branches on where the mirror's value is not the one wanted. The caller
+  supplies them per virtual position; they take the member's place verbatim.
+- *keep*: for an in-place all_gather (the input is the member's own chunk of the output, as the
+  distributed optimizer's parameter all-gather does), a virtual member's chunk of a live member's
+  output keeps what that buffer holds. The mirror's chunk would be its own shard: other parameters,
+  of the right shape and the wrong meaning. The kept chunk is what the live member computed for that
+  shard last (its initial or previously gathered values): the shard's parameters lag by the updates
+  the virtual owner would have applied, the closest value the sandbox has.
+
+Op kinds are the runtime's (the names its messages carry); see ``KINDS``. Personalised exchanges
+(all_to_all, scatter lists) address pieces to group positions: ``A2A_RULE`` says which piece a live
+member receives from a virtual one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+
+from nccl_prune.plan import GroupPlan, PruneError
+
+MIRROR, RECORDED, KEEP = "mirror", "recorded", "keep"
+HOWS = (MIRROR, RECORDED, KEEP)
+
+A2A_RULE = """\
+A live member l receives from a virtual member v the piece that v's mirror m sends to l's counterpart:
+the member x with x + shift(v) == l (v does what m does, shifted by shift(v) = v - rep[v] into v's
+replica), when that rank is in the group. When it is not (the group spans replicas, e.g. a
+data-parallel group, and l's counterpart lies outside it), the counterpart is l itself: the piece m
+sends to l. In the v1 sandbox (one replica) every live member is in m's replica, so this is "the piece
+the mirror sent to the member of its own replica at the same relative position". MoE token counts
+follow the same rule: a virtual expert peer sends a live expert rank the tokens (and counts) its
+class's sandbox member routes to that rank's counterpart — the mirror of its class's routing, never
+zeros; expert-parallel groups that lie inside the sandbox exchange only real tokens."""
+
+
+@dataclass(frozen=True)
+class OpKind:
+    """One op kind: whose contributions reach live members (``reaches``) and the rule, said once.
+
+    reaches: "all" (every member's input reaches every live member), "to_root" (reaches the root only),
+    "from_root" (only the root sends), "none" (no data: barrier; p2p between live ranks only).
+    """
+
+    name: str
+    reaches: str
+    reducing: bool
+    rule: str
+
+
+KINDS: dict[str, OpKind] = {k.name: k for k in (
+    OpKind("all_reduce", "all", True,
+           "mirror; live result = multiplicity-weighted reduction of live inputs (coalesced: per tensor)"),
+    OpKind("reduce", "to_root", True,
+           "mirror; root's result as all_reduce; a virtual root: nothing reaches a live member"),
+    OpKind("reduce_scatter", "all", True,
+           "mirror; live member i gets chunk i of the multiplicity-weighted reduction"),
+    OpKind("reduce_scatter_list", "all", True,
+           "mirror; live member i gets the weighted reduction of the members' i-th inputs"),
+    OpKind("all_gather", "all", False,
+           "mirror (chunk of a virtual member = its mirror's input); keep when in place"),
+    OpKind("all_gather_list", "all", False, "as all_gather, one output tensor per member"),
+    OpKind("all_to_all", "all", False, "mirror, pieces addressed by A2A_RULE; uneven splits are the mirror's"),
+    OpKind("all_to_all_list", "all", False, "as all_to_all, one tensor per peer"),
+    OpKind("broadcast", "from_root", False,
+           "a virtual root sends its mirror's data: the mirror's buffer as it stands at the op"),
+    OpKind("scatter", "from_root", False,
+           "a live root as usual; a virtual root only with recorded pieces (its mirror holds no list)"),
+    OpKind("gather", "to_root", False, "mirror; a virtual root: nothing reaches a live member"),
+    OpKind("barrier", "none", False, "live members only"),
+    OpKind("send", "none", False, "between live ranks only; a virtual peer is a PruneError"),
+    OpKind("recv", "none", False, "between live ranks only; a virtual peer is a PruneError"),
+)}
+
+
+def op_kind(kind: str) -> OpKind:
+    try:
+        return KINDS[kind]
+    except KeyError:
+        raise PruneError(f"op kind {kind!r} has no pruning rule (known: {', '.join(KINDS)})") from None
+
+
+def how(plan: GroupPlan, pos: int, *, recorded: Collection[int] = (), keep: bool = False) -> str | None:
+    """How member ``pos`` contributes: None when live, else mirror / recorded / keep."""
+    if plan.mirror[pos] == pos:
+        return None
+    if pos in recorded:
+        return RECORDED
+    return KEEP if keep else MIRROR
+
+
+def virtual_contributions(kind: str, plan: GroupPlan, *, root: int | None = None, in_place: bool = False,
+                          recorded: Collection[int] = ()) -> dict[str, int]:
+    """Virtual contributions one op makes that reach a live member, by how they are made."""
+    k = op_kind(kind)
+    counts = dict.fromkeys(HOWS, 0)
+    keep = in_place and kind in ("all_gather", "all_gather_list")
+    if k.reaches == "all" or (k.reaches == "to_root" and plan.is_live(_root(plan, root, kind))):
+        for p in plan.virtual_positions:
+            counts[how(plan, p, recorded=recorded, keep=keep)] += 1  # type: ignore[index]
+    elif k.reaches == "from_root" and not plan.is_live(_root(plan, root, kind)):
+        counts[how(plan, root, recorded=recorded)] += 1  # type: ignore[index, arg-type]
+    return counts
+
+
+def check_p2p(plan: GroupPlan, src: int, dst: int) -> None:
+    """A send/recv is answerable only between live ranks (v1): a virtual peer has no process to pair with."""
+    for p in (src, dst):
+        if not plan.is_live(p):
+            raise PruneError(f"p2p between rank {plan.ranks[src]} (sender) and rank {plan.ranks[dst]} "
+                             f"(receiver): rank {plan.ranks[p]} is virtual (mirrors rank "
+                             f"{plan.ranks[plan.mirror[p]]}); p2p with a virtual peer is not folded")
+
+
+def _root(plan: GroupPlan, root: int | None, kind: str) -> int:
+    if root is None or not 0 <= root < plan.size:
+        raise PruneError(f"{kind} needs a root group position in [0, {plan.size}), got {root!r}")
+    return root
+
+
+class Contributions:
+    """Running count of virtual contributions per op kind: the trace's ``"contributions"``.
+
+    Each op adds one per virtual member whose contribution reaches a live member (one pass over the
+    group's members: O(group size) per op, never O(world size))."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, dict[str, int]] = {}
+
+    def add(self, kind: str, plan: GroupPlan, *, root: int | None = None, in_place: bool = False,
+            recorded: Collection[int] = ()) -> None:
+        c = virtual_contributions(kind, plan, root=root, in_place=in_place, recorded=recorded)
+        row = self.counts.setdefault(kind, dict.fromkeys(HOWS, 0))
+        for h, n in c.items():
+            row[h] += n
+
+    def to_json(self) -> dict[str, dict[str, int]]:
+        return {k: dict(v) for k, v in sorted(self.counts.items())}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Mapping[str, int]]) -> Contributions:
+        c = cls()
+        for k, row in data.items():
+            op_kind(k)
+            bad = set(row) - set(HOWS)
+            if bad:
+                raise ValueError(f"contributions[{k!r}]: unknown field(s) {sorted(bad)} (known: {HOWS})")
+            c.counts[k] = {h: int(row.get(h, 0)) for h in HOWS}
+        return c

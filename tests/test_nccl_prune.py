@@ -1,0 +1,231 @@
+"""nccl_prune on host tensors: a folded op equals the full op over every member, each virtual member
+holding its mirror's inputs (property tests over random groups, shapes, dtypes and reduce ops), and the
+plan's refusals."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from nccl_prune import Contributions, PruneError, check_p2p, execute, is_in_place_all_gather, plan_group
+from nccl_prune.contributions import KINDS, virtual_contributions
+from prism_megatron.runtime import collectives as C
+from tests.nccl_prune_cases import (
+    FLOATS, INTS, a2a_full_pieces, assert_reduced_close, full_inputs, ops_for, random_plan, random_tensor,
+)
+
+DTYPES = (*FLOATS, *INTS, torch.bool)
+
+
+def test_plan_fields_and_multiplicity():
+    rep = list(range(16))
+    rep[9], rep[13], rep[5] = 1, 1, 3  # group [1, 5, 9, 13, 3]: live 1 and 3
+    plan = plan_group([1, 5, 9, 13, 3], rep)
+    assert plan.ranks == (1, 5, 9, 13, 3)
+    assert plan.live_positions == (0, 4)
+    assert plan.mirror == (0, 4, 0, 0, 4)
+    assert plan.multiplicity[0] == 3 and plan.multiplicity[4] == 2
+    assert plan.shift == (0, 2, 8, 12, 0)
+    assert plan.virtual_positions == (1, 2, 3) and plan.live_index(4) == 1
+
+
+def test_plan_none_without_live_member_and_errors():
+    rep = [0, 0, 0, 0, 4, 4, 4, 4]
+    assert plan_group([5, 6, 7], rep) is None  # never materialised: no error even though reps lie outside
+    with pytest.raises(PruneError, match=r"virtual rank 2 of group \[4, 2\] mirrors rank 0, which is not a member"):
+        plan_group([4, 2], rep)
+    bad = [0, 0, 1]  # rank 2 mirrors rank 1, which is itself virtual
+    with pytest.raises(PruneError, match="rank 2 .* mirrors rank 1, which is not live"):
+        plan_group([0, 1, 2], bad)
+    with pytest.raises(PruneError, match="listed twice"):
+        plan_group([0, 0], rep)
+    with pytest.raises(PruneError, match="outside the world of 8"):
+        plan_group([0, 9], rep)
+
+
+def test_p2p_with_virtual_peer_is_refused_naming_both_ranks():
+    plan = plan_group([3, 7], [0, 1, 2, 3, 4, 5, 6, 3])
+    check_p2p(plan, 0, 0)
+    with pytest.raises(PruneError, match=r"rank 3 \(sender\) and rank 7 \(receiver\): rank 7 is virtual"):
+        check_p2p(plan, 0, 1)
+    with pytest.raises(PruneError, match="p2p op"):
+        execute("send", plan, {0: [torch.ones(1)]})
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_all_reduce_and_reduce_scatter_equal_full_execution_with_mirrored_inputs(dtype):
+    rng = random.Random(hash(str(dtype)) % 1000)
+    g = torch.Generator().manual_seed(rng.randint(0, 1 << 30))
+    for trial in range(12):
+        plan, _ = random_plan(rng)
+        n = plan.size
+        for op in ops_for(dtype):
+            factor = rng.choice([0.5, 1.75, -3.0]) if op == "premul_sum" else None
+            shapes = [(rng.randint(1, 4), n * rng.randint(1, 3)) for _ in range(rng.randint(1, 2))]  # coalesced
+            live = {p: [random_tensor(g, s, dtype, op) for s in shapes] for p in plan.live_positions}
+            full = full_inputs(plan, live)
+            what = f"trial {trial} {op} {dtype} plan {plan.ranks} mirror {plan.mirror}"
+            outs = execute("all_reduce", plan, live, op=op, factor=factor)
+            rs = execute("reduce_scatter", plan, live, op=op, factor=factor)
+            for j in range(len(shapes)):
+                terms = [f[j] for f in full]
+                want = C.reduce(terms, op, factor)
+                want_chunks = C.reduce_scatter(terms, op, factor)
+                for p in plan.live_positions:
+                    assert_reduced_close(outs[p][j], want, terms, op, factor, what)
+                    assert_reduced_close(rs[p][j], want_chunks[p], [t.reshape(-1).chunk(n)[p] for t in terms],
+                                         op, factor, what + f" reduce_scatter pos {p}")
+            sizes = [rng.randint(1, 3) for _ in range(n)]
+            lists = {p: [random_tensor(g, (sizes[i],), dtype, op) for i in range(n)] for p in plan.live_positions}
+            got = execute("reduce_scatter_list", plan, lists, op=op, factor=factor)
+            want_l = C.reduce_scatter_lists(full_inputs(plan, lists), op, factor)
+            for p in plan.live_positions:
+                assert_reduced_close(got[p][0], want_l[p], [f[p] for f in full_inputs(plan, lists)], op, factor,
+                                     what + " reduce_scatter_list")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.bool], ids=str)
+def test_no_virtual_member_gives_bitwise_the_runtime_result(dtype):
+    g = torch.Generator().manual_seed(3)
+    for n in (1, 2, 5):
+        plan = plan_group(list(range(n)), list(range(n)))
+        for op in ops_for(dtype):
+            factor = 0.3 if op == "premul_sum" else None
+            ins = {p: [random_tensor(g, (3, 2 * n), dtype, op)] for p in range(n)}
+            got = execute("all_reduce", plan, ins, op=op, factor=factor)
+            want = C.reduce([ins[p][0] for p in range(n)], op, factor)
+            assert all(torch.equal(got[p][0], want) and got[p][0].dtype == want.dtype for p in range(n)), (op, n)
+            rs = execute("reduce_scatter", plan, ins, op=op, factor=factor)
+            want_rs = C.reduce_scatter([ins[p][0] for p in range(n)], op, factor)
+            assert all(torch.equal(rs[p][0], want_rs[p]) for p in range(n)), (op, n)
+
+
+def test_reduce_gather_broadcast_scatter_roots():
+    rep = [0, 1, 0, 1, 4, 5]  # group [0, 1, 2, 3]: live 0 and 1; 2 mirrors 0, 3 mirrors 1
+    plan = plan_group([0, 1, 2, 3], rep)
+    x = {0: [torch.tensor([1.0, 2.0])], 1: [torch.tensor([10.0, 20.0])]}
+    assert torch.equal(execute("reduce", plan, x, op="sum", root=1)[1][0], torch.tensor([22.0, 44.0]))
+    assert execute("reduce", plan, x, op="sum", root=2) == {0: [], 1: []}  # a virtual root: nothing reaches
+    got = execute("gather", plan, x, root=0)
+    assert [t.tolist() for t in got[0]] == [[1, 2], [10, 20], [1, 2], [10, 20]] and got[1] == []
+    # broadcast from virtual rank 3: its mirror (position 1) passes its buffer as it stands
+    b = execute("broadcast", plan, {0: [], 1: [torch.tensor([7.0])]}, root=3)
+    assert b[0][0].tolist() == [7.0] and b[1][0].tolist() == [7.0]
+    with pytest.raises(PruneError, match="broadcast from virtual rank 3: its mirror, rank 1, passed no buffer"):
+        execute("broadcast", plan, {0: [], 1: []}, root=3)
+    pieces = [torch.tensor([float(i)]) for i in range(4)]
+    s = execute("scatter", plan, {0: pieces, 1: []}, root=0)
+    assert s[0][0].item() == 0.0 and s[1][0].item() == 1.0
+    with pytest.raises(PruneError, match="scatter from virtual rank 2: its mirror, rank 0, holds no scatter list"):
+        execute("scatter", plan, {0: [], 1: []}, root=2)
+    s = execute("scatter", plan, {0: [], 1: []}, root=2, recorded={2: pieces})
+    assert s[1][0].item() == 1.0
+    assert execute("barrier", plan, {0: [], 1: []}) == {0: [], 1: []}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8, torch.bool], ids=str)
+def test_all_gather_mirror_equals_full_and_keep_leaves_virtual_chunks(dtype):
+    rng = random.Random(5)
+    g = torch.Generator().manual_seed(5)
+    for _ in range(20):
+        plan, _ = random_plan(rng)
+        n = plan.size
+        live = {p: [random_tensor(g, (2, 3), dtype), random_tensor(g, (1,), dtype)] for p in plan.live_positions}
+        got = execute("all_gather", plan, live)
+        full = full_inputs(plan, live)
+        for j in range(2):
+            want = torch.cat([f[j].reshape(-1) for f in full])
+            assert all(torch.equal(got[p][j], want) for p in plan.live_positions)
+        got_l = execute("all_gather_list", plan, {p: [v[0]] for p, v in live.items()})
+        assert all(torch.equal(got_l[p][q], full[q][0].reshape(-1)) for p in plan.live_positions for q in range(n))
+        # in place: each live member's buffer holds stale values; its own chunk is its input
+        bufs = {p: random_tensor(g, (n * 6,), dtype) for p in plan.live_positions}
+        ins = {p: [bufs[p][p * 6:(p + 1) * 6]] for p in plan.live_positions}
+        assert all(is_in_place_all_gather(bufs[p], ins[p][0], p) for p in plan.live_positions)
+        assert not is_in_place_all_gather(bufs[plan.live_positions[0]], ins[plan.live_positions[0]][0].clone(),
+                                          plan.live_positions[0])
+        kept = execute("all_gather", plan, ins, in_place=True, current={p: [bufs[p]] for p in bufs})
+        for p in plan.live_positions:
+            for q in range(n):
+                chunk = kept[p][0][q * 6:(q + 1) * 6]
+                want = ins[q][0] if plan.is_live(q) else bufs[p][q * 6:(q + 1) * 6]
+                assert torch.equal(chunk, want), (p, q, plan.mirror)
+        counts = virtual_contributions("all_gather", plan, in_place=True)
+        assert counts == {"mirror": 0, "recorded": 0, "keep": plan.num_virtual}
+    with pytest.raises(PruneError, match="current output buffers"):
+        execute("all_gather", plan, ins, in_place=True)
+
+
+def test_all_to_all_uneven_equals_full_with_the_a2a_rule():
+    rng = random.Random(11)
+    g = torch.Generator().manual_seed(11)
+    for _ in range(40):
+        plan, _ = random_plan(rng)
+        n = plan.size
+        splits = {p: [rng.randint(0, 3) for _ in range(n)] for p in plan.live_positions}
+        live = {p: [torch.randint(0, 1000, (sum(splits[p]),), generator=g)] for p in plan.live_positions}
+        pieces = {p: list(live[p][0].split(splits[p])) for p in live}
+        full = a2a_full_pieces(plan, pieces)
+        want = C.all_to_all(full)
+        got = execute("all_to_all", plan, live, in_splits=splits)
+        got_l = execute("all_to_all_list", plan, pieces)
+        for p in plan.live_positions:
+            assert torch.equal(got[p][0], want[p])
+            assert torch.equal(torch.cat(got_l[p]), want[p])
+
+
+def test_all_to_all_counterpart_by_shift_hand_checked():
+    # group [10, 20, 30, 40, 50]: only 30 live; 10 and 50 mirror it from two replicas below and above
+    rep = list(range(60))
+    for r in (10, 20, 40, 50):
+        rep[r] = 30
+    plan = plan_group([10, 20, 30, 40, 50], rep)
+    # 50 (shift +20) sends to 30 what 30 sends to 30 - 20 = 10 (position 0); 10 (shift -20) -> 50 (pos 4)
+    assert [plan.counterpart(2, q) for q in range(5)] == [4, 3, 2, 1, 0]
+    pieces = [torch.tensor([100 + j]) for j in range(5)]
+    got = execute("all_to_all_list", plan, {2: pieces})[2]
+    assert [t.item() for t in got] == [104, 103, 102, 101, 100]
+    # a data-parallel-like group: the counterpart (rank 0 - 4 = -4) is outside the group, so it is l itself
+    rep = [0, 1, 2, 3, 0, 5, 6, 7, 0]
+    plan = plan_group([0, 4, 8], rep)
+    assert [plan.counterpart(0, q) for q in range(3)] == [0, 0, 0]
+
+
+def test_uneven_split_mismatch_is_an_error():
+    plan = plan_group([0, 1], [0, 0])
+    with pytest.raises(PruneError, match=r"splits \[1, 1\] of member 0 do not match 2 members and 3"):
+        execute("all_to_all", plan, {0: [torch.ones(3)]}, in_splits={0: [1, 1]})
+
+
+def test_recorded_inputs_replace_the_mirror():
+    rep = [0, 0, 0]
+    plan = plan_group([0, 1, 2], rep)
+    x = {0: [torch.tensor([1.0, 0.0])]}
+    got = execute("all_reduce", plan, x, op="max", recorded={2: [torch.tensor([0.0, float("inf")])]})
+    assert got[0][0].tolist() == [1.0, float("inf")]  # an inf flag a virtual rank raised is seen
+    s = execute("all_reduce", plan, x, op="sum", recorded={2: [torch.tensor([5.0, 5.0])]})
+    assert s[0][0].tolist() == [7.0, 5.0]  # 2 x mirror + recorded
+    c = Contributions()
+    c.add("all_reduce", plan, recorded={2})
+    c.add("all_reduce", plan)
+    c.add("barrier", plan)
+    c.add("broadcast", plan, root=0)
+    assert c.to_json() == {"all_reduce": {"mirror": 3, "recorded": 1, "keep": 0},
+                           "barrier": {"mirror": 0, "recorded": 0, "keep": 0},
+                           "broadcast": {"mirror": 0, "recorded": 0, "keep": 0}}
+    assert Contributions.from_json(c.to_json()).to_json() == c.to_json()
+    with pytest.raises(PruneError, match="not a virtual member"):
+        execute("all_reduce", plan, x, op="sum", recorded={0: x[0]})
+    with pytest.raises(ValueError, match="unknown field"):
+        Contributions.from_json({"all_reduce": {"mirrored": 1}})
+
+
+def test_every_kind_has_a_rule_and_bad_kinds_are_refused():
+    assert {"all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "barrier", "send"} <= set(KINDS)
+    plan = plan_group([0], [0])
+    with pytest.raises(PruneError, match="op kind 'all_gather_object' has no pruning rule"):
+        execute("all_gather_object", plan, {0: []})
+    with pytest.raises(PruneError, match=r"expected the live positions \[0\]"):
+        execute("all_reduce", plan, {1: []}, op="sum")
