@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 
 class PruneError(ValueError):
@@ -37,7 +38,7 @@ class GroupPlan:
     def size(self) -> int:
         return len(self.ranks)
 
-    @property
+    @cached_property
     def virtual_positions(self) -> tuple[int, ...]:
         return tuple(p for p, m in enumerate(self.mirror) if m != p)
 

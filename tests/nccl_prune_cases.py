@@ -89,7 +89,7 @@ def assert_reduced_close(got: torch.Tensor, want: torch.Tensor, terms: list[torc
     if op == "product":
         bound = 4 * n * u * w64.abs() + 1e-300
     else:
-        mag = torch.stack([t.double().abs() for t in terms]).sum(0) * abs(factor or 1.0)
+        mag = torch.stack([t.double().abs().reshape(want.shape) for t in terms]).sum(0) * abs(factor or 1.0)
         bound = (2 * n + 1) * u * mag + 1e-300
         if op == "avg":
             bound = bound / n + 2 * u * w64.abs()

@@ -13,7 +13,14 @@ from nccl_prune import Contributions, PruneError, check_p2p, execute, is_in_plac
 from nccl_prune.contributions import KINDS, virtual_contributions
 from prism_megatron.runtime import collectives as C
 from tests.nccl_prune_cases import (
-    FLOATS, INTS, a2a_full_pieces, assert_reduced_close, full_inputs, ops_for, random_plan, random_tensor,
+    FLOATS,
+    INTS,
+    a2a_full_pieces,
+    assert_reduced_close,
+    full_inputs,
+    ops_for,
+    random_plan,
+    random_tensor,
 )
 
 DTYPES = (*FLOATS, *INTS, torch.bool)
