@@ -236,3 +236,16 @@ def test_every_kind_has_a_rule_and_bad_kinds_are_refused():
         execute("all_gather_object", plan, {0: []})
     with pytest.raises(PruneError, match=r"expected the live positions \[0\]"):
         execute("all_reduce", plan, {1: []}, op="sum")
+
+
+def test_package_imports_neither_megatron_nor_prism_megatron():
+    import os
+    import subprocess
+    import sys
+
+    code = ("import sys, nccl_prune, nccl_prune.dist_executor; "
+            "bad = [m for m in sys.modules if m.startswith(('prism_megatron', 'megatron'))]; "
+            "print(bad); sys.exit(1 if bad else 0)")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
