@@ -211,7 +211,7 @@ class PrunedGroup:
         terms = [term(chunks[p], self.plan.multiplicity[self.me], op, factor) for p in live]
         buf = torch.cat(terms)  # a copy: the live members' chunks only
         r = self._native(buf, op, None)
-        k = live.index(self.me)
+        k = self.plan.live_index(self.me)
         c = chunks[self.me].numel()
         output.copy_(r[k * c:(k + 1) * c].view_as(output))
 
@@ -247,7 +247,7 @@ class PrunedGroup:
         n, live = plan.size, plan.live_positions
         if len(pieces) != n or len(want) != n:
             raise PruneError(f"all_to_all over {n} members with {len(pieces)} input and {len(want)} output pieces")
-        sources = {s: [q for q in range(n) if plan.mirror[q] == s] for s in live}  # members each live one sends for
+        sources = plan.members_of  # the members each live member sends for
         mine = sources[me]
         send = [[pieces[d if q == me else plan.counterpart(d, q)] for q in mine] for d in live]
         sizes = torch.tensor([p.numel() for row in send for p in row], dtype=torch.int64)

@@ -42,6 +42,15 @@ class GroupPlan:
     def virtual_positions(self) -> tuple[int, ...]:
         return tuple(p for p, m in enumerate(self.mirror) if m != p)
 
+    @cached_property
+    def members_of(self) -> dict[int, tuple[int, ...]]:
+        """For each live position, the positions that contribute its input (itself first, then the
+        virtual members mirroring it, in position order)."""
+        out: dict[int, list[int]] = {p: [p] for p in self.live_positions}
+        for q in self.virtual_positions:
+            out[self.mirror[q]].append(q)
+        return {p: tuple(v) for p, v in out.items()}
+
     @property
     def num_virtual(self) -> int:
         return len(self.ranks) - len(self.live_positions)
