@@ -21,8 +21,8 @@ Inputs = Mapping[int, Sequence[torch.Tensor]]
 
 def execute(kind: str, plan: GroupPlan, inputs: Inputs, *, op: str | None = None, factor: float | None = None,
             root: int | None = None, in_splits: Mapping[int, Sequence[int]] | None = None,
-            in_place: bool = False, current: Inputs | None = None,
-            recorded: Inputs | None = None) -> dict[int, list[torch.Tensor]]:
+            in_place: bool = False, current: Inputs | None = None, recorded: Inputs | None = None,
+            out: Sequence[torch.Tensor | None] | None = None) -> dict[int, list[torch.Tensor]]:
     """Outputs of op ``kind`` for every live position of ``plan``.
 
     inputs[p]: live member p's inputs as the runtime carries them — all_reduce/reduce/reduce_scatter/
@@ -34,6 +34,8 @@ def execute(kind: str, plan: GroupPlan, inputs: Inputs, *, op: str | None = None
     in_place (all_gather, all_gather_list): the inputs are the members' own chunks of their outputs, so
     virtual chunks are *kept*: ``current[p]`` holds live member p's output buffers as they stand.
     recorded[v]: inputs for virtual position v (laid out as a live member's), used instead of the mirror.
+    out (all_reduce): ``out[j]`` receives reduction j (saves a copy into a member's output buffer); it
+    may be the first live member's input j, never another member's.
     Outputs may share memory with inputs and with each other: do not write into them.
     """
     k = op_kind(kind)
@@ -53,7 +55,9 @@ def execute(kind: str, plan: GroupPlan, inputs: Inputs, *, op: str | None = None
     if kind in ("all_reduce", "reduce"):
         if kind == "reduce" and not plan.is_live(_root(plan, root, kind)):
             return {p: [] for p in live}
-        res = [_reduce(plan, lambda p, j=j: src(p)[j], op, factor, recorded) for j in range(len(inputs[live[0]]))]
+        outs = out if kind == "all_reduce" and out is not None else [None] * len(inputs[live[0]])
+        res = [_reduce(plan, lambda p, j=j: src(p)[j], op, factor, recorded, outs[j])
+               for j in range(len(inputs[live[0]]))]
         if kind == "reduce":
             return {p: (res if p == root else []) for p in live}
         return {p: res for p in live}
@@ -142,7 +146,8 @@ def is_in_place_all_gather(output: torch.Tensor | Sequence[torch.Tensor], input:
     return output[position].data_ptr() == input.data_ptr()
 
 
-def _reduce(plan: GroupPlan, src, op: str, factor: float | None, recorded: Inputs) -> torch.Tensor:
+def _reduce(plan: GroupPlan, src, op: str, factor: float | None, recorded: Inputs,
+            out: torch.Tensor | None = None) -> torch.Tensor:
     """The weighted reduction over the group in position order: each live input once with its
     multiplicity less the virtual members that contribute recorded inputs, each recorded input once."""
     weight = list(plan.multiplicity)
@@ -150,7 +155,7 @@ def _reduce(plan: GroupPlan, src, op: str, factor: float | None, recorded: Input
         weight[plan.mirror[v]] -= 1
         weight[v] += 1
     terms = [term(src(p), weight[p], op, factor) for p in range(plan.size) if weight[p] > 0]
-    return reduce_terms(terms, op, plan.size)
+    return reduce_terms(terms, op, plan.size, out)
 
 
 def _kept_chunk(kind: str, bufs: Sequence[torch.Tensor], j: int, q: int, n: int) -> torch.Tensor:

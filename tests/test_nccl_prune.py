@@ -109,6 +109,23 @@ def test_no_virtual_member_gives_bitwise_the_runtime_result(dtype):
             assert all(torch.equal(rs[p][0], want_rs[p]) for p in range(n)), (op, n)
 
 
+@pytest.mark.parametrize("op", ["sum", "avg", "max", "premul_sum"])
+def test_all_reduce_into_out_and_into_the_first_input(op):
+    plan = plan_group([0, 1, 2], [0, 1, 0])  # position 0 counts twice
+    factor = 0.5 if op == "premul_sum" else None
+    for dtype in (torch.float32, torch.int32):
+        if op == "premul_sum" and dtype == torch.int32:
+            continue
+        x = {0: [torch.tensor([1, 2, 3], dtype=dtype)], 1: [torch.tensor([4, 5, 7], dtype=dtype)]}
+        want = execute("all_reduce", plan, x, op=op, factor=factor)[0][0]
+        buf = torch.full_like(want, 9)
+        got = execute("all_reduce", plan, x, op=op, factor=factor, out=[buf])
+        assert got[0][0] is buf and got[1][0] is buf and torch.equal(buf, want)
+        first = x[0][0].clone()
+        got = execute("all_reduce", plan, {0: [first], 1: x[1]}, op=op, factor=factor, out=[first])
+        assert got[0][0].data_ptr() == first.data_ptr() and torch.equal(first, want), (op, dtype)
+
+
 def test_reduce_gather_broadcast_scatter_roots():
     rep = [0, 1, 0, 1, 4, 5]  # group [0, 1, 2, 3]: live 0 and 1; 2 mirrors 0, 3 mirrors 1
     plan = plan_group([0, 1, 2, 3], rep)
