@@ -83,7 +83,8 @@ def violations(graph: dict[str, set[str]]) -> list[str]:
     """Each broken rule, as 'module: rule (import chain)'."""
     rules = [  # (modules the rule covers, forbidden module prefixes, rule)
         ("prism_megatron.runtime", ("megatron",), "the runtime imports no Megatron"),
-        ("prism_megatron.trace", ("megatron", "prism_megatron.runtime"), "the trace imports neither runtime nor Megatron"),
+        ("prism_megatron.trace", ("megatron", "prism_megatron.runtime"),
+         "the trace imports neither runtime nor Megatron"),
         ("nccl_prune", ("megatron",), "nccl_prune imports no Megatron"),
     ]
     out = []

@@ -7,8 +7,8 @@ import dataclasses
 from pathlib import Path
 
 import click
-from click.testing import CliRunner
 import pytest
+from click.testing import CliRunner
 
 from prism_megatron.cli import launch as launch_cmd
 from prism_megatron.launcher.config import LaunchConfig, LaunchError
