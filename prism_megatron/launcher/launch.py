@@ -111,8 +111,8 @@ class _Job:
 
         preload = self.cfg.preload
         if preload and self.cfg.on_gpu and _initializes_cuda(preload):
-            # CUDA cannot be used in a child forked after it started (seen with megatron-core 0.19.2
-            # on the H200): each rank imports those modules itself instead
+            # CUDA cannot be used in a child forked after it started (megatron-core 0.19.2's imports
+            # start it): each rank imports those modules itself instead
             _say(f"--preload {','.join(preload)} starts CUDA when imported; ranks import it after the fork")
             preload = []
         for mod in preload:
@@ -279,8 +279,8 @@ def coordinator_threads(cfg: LaunchConfig, cores: int) -> int:
 
     Element-wise, so the result does not depend on it; and only spare cores, so a rank computing
     beside an async op's reduction is not slowed (its measured compute would grow). On a GPU host a
-    rank holding a slot keeps one core busy issuing work; a 4.3 GB gradient all-reduce of a 1.08B DP2
-    job was ~5 s of an iteration's capture on the H200 machine, one coordinator thread."""
+    rank holding a slot keeps one core busy issuing work, and a large gradient all-reduce on one
+    coordinator thread took seconds of each iteration's capture (docs/history.md)."""
     busy = len(cfg.devices) * cfg.slots_per_device * cfg.threads_per_rank
     return max(1, min(8, cores - busy - 1))
 
