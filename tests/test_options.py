@@ -60,8 +60,10 @@ def test_launch_config_defaults_are_the_options_defaults(tmp_path):
 def test_bad_choices_are_refused_naming_every_accepted_value(tmp_path):
     script = tmp_path / "s.py"
     script.write_text("")
-    swaps = ", ".join(dict((o.name, o) for o in options_of(JobOptions))["swap"].choices)
-    with pytest.raises(LaunchError, match=f"--swap must be one of {swaps}; got 'sometimes'"):
+    swaps = dict((o.name, o) for o in options_of(JobOptions))["swap"].choices
+    assert len(swaps) == 5
+    listed = ", ".join(swaps[:-1]) + f" or {swaps[-1]}"
+    with pytest.raises(LaunchError, match=f"--swap must be {listed}, got 'sometimes'"):
         LaunchConfig(script, swap="sometimes").validate()
     with pytest.raises(RunError, match="invalid choice: 'sometimes'.*'budget-auto'"):
         parse_run_args(["--prism-emulate", "--prism-world-size", "2", str(script), "--prism-swap", "sometimes"])

@@ -183,7 +183,8 @@ class LaunchConfig:
         for name in ("swap", "staging"):
             choices = option(JobOptions, name).choices or ()
             if getattr(self, name) not in choices:
-                raise LaunchError(f"--{name} must be one of {', '.join(choices)}; got {getattr(self, name)!r}")
+                listed = ", ".join(choices[:-1]) + f" or {choices[-1]}"
+                raise LaunchError(f"--{name} must be {listed}, got {getattr(self, name)!r}")
         if self.device_memory_gib is not None and not self.device_memory_gib > 0:
             raise LaunchError(f"--device-memory must be a positive number of GiB, got {self.device_memory_gib!r}")
         if self.host_memory_gib is not None and not self.host_memory_gib > 0:

@@ -25,6 +25,8 @@ def _argparse_kwargs(option: Option) -> dict[str, Any]:
     kwargs.update(type=option.type, default=option.default)
     if option.choices is not None:
         kwargs["choices"] = list(option.choices)
+    else:
+        kwargs["metavar"] = option.type.__name__.upper()
     return kwargs
 
 
@@ -47,7 +49,8 @@ def add_prism_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
 
 
 def prism_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="prism-megatron run", add_help=False, allow_abbrev=False)
+    parser = argparse.ArgumentParser(prog="prism-megatron run", add_help=False, allow_abbrev=False,
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     return add_prism_arguments(parser)
 
 
