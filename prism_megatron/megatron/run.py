@@ -195,13 +195,7 @@ def parse_run_args(argv: list[str]) -> RunRequest:
             raise RunError(f"--prism-world-size {request.options['prism_world_size']} differs from recipe "
                            f"{recipe.name}'s world_size {recipe.world_size}")
         request.env = render_env(recipe)
-        # the recipe's target hardware is the default verdict: memory against its GPU, communication
-        # costed by its cluster profile; flags override it
-        for field_name, value in (("prism_target_gpu", recipe.target.gpu), ("prism_cluster", recipe.target.cluster)):
-            if request.options.get(field_name) is None and value is not None:
-                request.options[field_name] = value
-                request.notes.append(f"prism: --{field_name.replace('_', '-')} {value} (recipe {recipe.name}'s "
-                                     f"target.{field_name.rpartition('_')[2]})")
+        _take_recipe_target(request, recipe)
         if request.script is None:
             name, request.script, why = select_driver(request.options.get("prism_driver") or "auto")
             request.env[DRIVER_ENV] = name
@@ -224,6 +218,25 @@ def parse_run_args(argv: list[str]) -> RunRequest:
                            "package is not installed (an optional extra): install it, or use --transformer-impl "
                            "local where the job allows it")
     return request
+
+
+def _take_recipe_target(request: RunRequest, recipe) -> None:
+    """The recipe's target hardware is the default verdict: memory against its GPU, communication
+    costed by its cluster profile. Flags override it; a name that does not resolve is refused here,
+    naming the recipe's file and field, before anything starts."""
+    from prism_megatron.calibration.profiles import ProfileError, load_profile
+    from prism_megatron.memory.targets import TargetError, resolve_target
+
+    for option, key, value in (("prism_target_gpu", "gpu", recipe.target.gpu),
+                               ("prism_cluster", "cluster", recipe.target.cluster)):
+        if value is None or request.options.get(option) is not None:
+            continue
+        try:
+            resolve_target(value) if key == "gpu" else load_profile(value)
+        except (TargetError, ProfileError) as e:
+            raise RunError(f"{recipe.source}: target.{key}: {e}") from None
+        request.options[option] = value
+        request.notes.append(f"prism: --{option.replace('_', '-')} {value} (recipe {recipe.name}'s target.{key})")
 
 
 def _run_in_process(request: RunRequest) -> int:
