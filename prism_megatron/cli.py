@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import click
 
 from prism_megatron.launcher import fork_safe_cuda_checks
-from prism_megatron.launcher.config import LaunchConfig, LaunchError, parse_devices, parse_ranks
+from prism_megatron.launcher.config import LaunchConfig, LaunchError, parse_devices
+from prism_megatron.options import JobOptions, LaunchOnlyOptions, Option, options_of
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -18,66 +21,45 @@ def main() -> None:
     fork_safe_cuda_checks()
 
 
+_SHORT = {"world_size": ["-w"]}  # short aliases (launch only)
+_LAUNCH_REQUIRED = ("world_size",)  # run takes it from a recipe; launch has none
+
+
+def _click_option(o: Option) -> Callable:
+    """A click option generated from one field of prism_megatron.options (run's flags come from it too)."""
+    kwargs: dict[str, Any] = {"help": o.help, "required": o.name in _LAUNCH_REQUIRED}
+    if o.is_switch:
+        kwargs.update(is_flag=True, default=o.default)
+    elif o.repeatable:
+        kwargs.update(type=o.type, multiple=True, default=o.default)
+    else:
+        kwargs.update(type=click.Choice(o.choices) if o.choices else o.type, default=o.default,
+                      show_default=o.default is not None)
+    return click.option(o.flag, *_SHORT.get(o.name, []), o.name, **kwargs)
+
+
+def _launch_options(f: Callable) -> Callable:
+    for o in reversed(options_of(JobOptions) + options_of(LaunchOnlyOptions)):
+        f = _click_option(o)(f)
+    return f
+
+
 @main.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
-@click.option("--world-size", "-w", type=int, required=True, help="Ranks of the target job.")
-@click.option("--devices", default="cpu", show_default=True, help="'cpu' or CUDA device indices, e.g. 0 or 0,1.")
-@click.option("--slots-per-device", type=int, default=1, show_default=True,
-              help="Ranks that compute at once on each device.")
-@click.option("--hang-timeout", type=float, default=60.0, show_default=True,
-              help="Seconds with every rank blocked before the job is declared hung.")
-@click.option("--trace-dir", type=click.Path(path_type=Path), default=Path("prism-trace"), show_default=True,
-              help="Where the PrismTrace goes (logs go to TRACE_DIR.logs).")
-@click.option("--gpus-per-node", type=int, default=8, show_default=True,
-              help="GPUs per node of the target cluster (sets LOCAL_RANK/LOCAL_WORLD_SIZE).")
-@click.option("--log-ranks", default="0", show_default=True,
-              help="Ranks whose output goes to the terminal: '0,last', '0-3', 'all' or 'none'.")
-@click.option("--threads-per-rank", type=int, default=1, show_default=True, help="torch threads per rank.")
-@click.option("--preload", multiple=True, help="Module the template imports before forking (repeatable).")
-@click.option("--swap", type=click.Choice(["auto", "none", "checkpoint", "budget", "budget-auto"]), default="auto",
-              show_default=True,
-              help="Move blocked ranks' GPU state to host memory when a device is full (checkpoint: GPU timing off; "
-                   "auto: swaps until every rank ended iteration 1, then a device that needed none is timed "
-                   "and pinned). budget, budget-auto: the same with a stand-in that enforces --device-memory "
-                   "without a GPU (tests).")
-@click.option("--device-memory", type=float, default=None, help="GiB per device (default: the GPU's total).")
-@click.option("--host-memory", type=float, default=None,
-              help="GiB of host RAM swapped-out GPU state may take (default: 90% of available).")
-@click.option("--target-gpu", default=None,
-              help="Cap each rank at this GPU's memory (h100-80gb, ... or GiB); an OOM becomes a prediction (exit 5).")
-@click.option("--target-context", type=float, default=None,
-              help="GiB a target rank holds outside PyTorch's allocator (default 3.5, measured on H200s).")
-@click.option("--gpu-timing/--no-gpu-timing", default=None,
-              help="On GPUs, measure each compute segment's host time and device busy time (CUDA profiler), "
-                   "so the replay lets the host run ahead as with NCCL. Default: on for GPUs, off with "
-                   "--swap checkpoint (they exclude each other).")
-@click.option("--staging", type=click.Choice(["auto", "pageable"]), default="auto", show_default=True,
-              help="GPU ranks' staging memory for collectives: auto page-locks it (faster copies between the "
-                   "GPU and the coordinator); pageable does not.")
+@_launch_options
 @click.argument("script", type=click.Path(path_type=Path))
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
-def launch(world_size: int, devices: str, slots_per_device: int, hang_timeout: float, trace_dir: Path,
-           gpus_per_node: int, log_ranks: str, threads_per_rank: int, preload: tuple[str, ...], swap: str,
-           device_memory: float | None, host_memory: float | None, target_gpu: str | None,
-           target_context: float | None, gpu_timing: bool | None, staging: str,
-           script: Path, script_args: tuple[str, ...]) -> None:
+def launch(script: Path, script_args: tuple[str, ...], **options: Any) -> None:
     """Run SCRIPT as WORLD_SIZE logical ranks through the prism backend and write a PrismTrace.
 
     Example: prism-megatron launch --world-size 64 --devices cpu --slots-per-device 2 -- train.py --lr 1e-3
     """
     from prism_megatron.launcher.launch import launch as run
-    from prism_megatron.memory.targets import TargetError, resolve_target
 
+    job = JobOptions(**{o.name: options[o.name] for o in options_of(JobOptions)})
+    only = LaunchOnlyOptions(**{o.name: options[o.name] for o in options_of(LaunchOnlyOptions)})
     try:
-        target = None if target_gpu is None else resolve_target(target_gpu, target_context).as_dict()
-        cfg = LaunchConfig(
-            script=script, script_args=list(script_args), world_size=world_size, devices=parse_devices(devices),
-            slots_per_device=slots_per_device, hang_timeout=hang_timeout, trace_dir=trace_dir,
-            gpus_per_node=gpus_per_node, log_ranks=parse_ranks(log_ranks, max(world_size, 1)),
-            threads_per_rank=threads_per_rank, preload=list(preload), swap=swap, device_memory_gib=device_memory,
-            host_memory_gib=host_memory,
-            target_gpu=target, gpu_timing=gpu_timing, staging=staging,
-        ).validate()
-    except (LaunchError, TargetError) as e:
+        cfg = LaunchConfig.from_options(job, script, list(script_args), preload=list(only.preload)).validate()
+    except LaunchError as e:
         raise click.UsageError(str(e)) from None
     sys.exit(run(cfg))
 

@@ -256,3 +256,32 @@ def test_every_patch_module_states_its_versions():
         assert module.CHECKED and all(v.count(".") == 2 for v in module.CHECKED), name
         assert "checked against" in " ".join(module.__doc__.lower().split()), name
         assert callable(module.install), name
+
+
+def test_recipe_target_sets_the_default_verdict_and_flags_override_it(tmp_path):
+    """The main recipe names a target GPU and cluster: `run --recipe` caps memory at that GPU and costs
+    communication with that profile unless a flag says otherwise; a name that does not resolve is
+    refused before anything starts, naming the recipe's file and field."""
+    from prism_megatron.megatron.run import launch_config
+    from prism_megatron.recipe import load_recipe
+
+    recipe = load_recipe("mini-dense-tp2pp2dp2")
+    assert (recipe.target.gpu, recipe.target.cluster) == ("h100-80gb", "h100-nvlink-ib400")
+    req = parse_run_args(["--recipe", "mini-dense-tp2pp2dp2", "--prism-driver", "core"])
+    assert req.job_options().target_gpu == "h100-80gb" and req.run_options().cluster == "h100-nvlink-ib400"
+    assert any("target.gpu" in n for n in req.notes) and any("target.cluster" in n for n in req.notes)
+    cfg = launch_config(req)
+    assert cfg.target_gpu["name"] == "h100-80gb" and cfg.tracks_memory
+    assert cfg.predictor_options == {"cluster": "h100-nvlink-ib400"}
+    req = parse_run_args(["--recipe", "mini-dense-tp2pp2dp2", "--prism-driver", "core",
+                          "--prism-target-gpu", "a100-80gb", "--prism-cluster", "h200-nvlink-ib400"])
+    assert (req.job_options().target_gpu, req.run_options().cluster) == ("a100-80gb", "h200-nvlink-ib400")
+    assert req.notes == []
+    text = (REPO / "recipes" / "mini" / "dense-tp2pp2dp2.yaml").read_text()
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(text.replace("gpu: h100-80gb", "gpu: h999-1gb"))
+    with pytest.raises(RunError, match=r"bad.yaml: target.gpu: .*'h999-1gb' is neither a known GPU"):
+        parse_run_args(["--recipe", str(bad), "--prism-driver", "core"])
+    bad.write_text(text.replace("cluster: h100-nvlink-ib400", "cluster: nowhere-cluster"))
+    with pytest.raises(RunError, match=r"bad.yaml: target.cluster: .*nowhere-cluster"):
+        parse_run_args(["--recipe", str(bad), "--prism-driver", "core"])

@@ -7,7 +7,7 @@ A. For each size: a child process fills N GiB on the GPU; this process (driver A
    the child verifies its data. Prints GB/s each way.
 C. The driver on processes in states a rank can be in (no CUDA yet; CUDA; CUDA after the CUDA
    profiler ran, as GPU timing does): what lock/checkpoint/restore/unlock answer.
-   SWAP_JOB_GPU_TIMING=0 runs B with --no-gpu-timing.
+   SWAP_JOB_GPU_TIMING=0 runs B with --gpu-timing off.
 B. 8 logical ranks of tests/programs/ring.py, each holding 20 GiB of ballast (8 x ~20.6 GiB > one
    H200), with --swap checkpoint, against the same job without ballast: results equal, swaps counted.
 """
@@ -123,7 +123,7 @@ def lock_probes() -> dict:
 
 def swap_job(out: Path) -> dict:
     res = {}
-    timing = [] if os.environ.get("SWAP_JOB_GPU_TIMING", "1") == "1" else ["--no-gpu-timing"]
+    timing = [] if os.environ.get("SWAP_JOB_GPU_TIMING", "1") == "1" else ["--gpu-timing", "off"]
     for mode, ballast in (("none", "0"), ("checkpoint", "20")):
         ring_out = out / f"ring-{mode}"
         ring_out.mkdir(parents=True, exist_ok=True)

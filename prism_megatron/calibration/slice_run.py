@@ -34,6 +34,7 @@ import pyarrow as pa
 
 from ..launcher.config import LaunchConfig
 from ..launcher.exit_codes import HANG, MISMATCH, OOM
+from ..options import JobOptions
 from ..replay.engine import CommSpec, CostFn, replay, zero_cost
 from ..replay.graph import graph_from_trace
 from ..trace.reader import PrismTrace, read_trace
@@ -94,8 +95,8 @@ def slice_devices(ranks: Sequence[int], ranks_per_device: int) -> dict[int, int]
 def calibrate(bare_trace_dir: str | Path, out_dir: str | Path, *, script: str | Path, script_args: Sequence[str] = (),
               devices: Sequence[str] = ("cpu",), ranks_per_device: int = 1, cost: CostFn | None = None,
               cost_name: str = "", use_model: Callable[[CommSpec], bool] | None = None,
-              couple: float | Sequence[int] = 0.5, hang_timeout: float = 60.0, threads_per_rank: int = 1,
-              preload: Sequence[str] = (), rank_setup: Sequence[str] = (),
+              couple: float | Sequence[int] = 0.5, hang_timeout: float = JobOptions.hang_timeout,
+              threads_per_rank: int = 1, preload: Sequence[str] = (), rank_setup: Sequence[str] = (),
               say: Callable[[str], None] = _say) -> Path:
     """Run one slice run per slice of the bare trace, align them and write the calibrated graph.
 

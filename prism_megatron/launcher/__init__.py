@@ -7,7 +7,7 @@ def fork_safe_cuda_checks() -> None:
     """Make `torch.cuda.is_available()` ask NVML instead of the CUDA runtime in this process.
 
     The runtime query poisons fork (torch marks children "bad fork" and they cannot use CUDA), and
-    any code in the template — ours, a preload, Megatron, the `run` front end — may ask. Seen on the
-    H200: ranks forked after such a check failed with "Cannot re-initialize CUDA in forked subprocess".
+    any code in the template — ours, a preload, Megatron, the `run` front end — may ask: ranks forked
+    after such a check fail with "Cannot re-initialize CUDA in forked subprocess".
     """
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")

@@ -5,6 +5,11 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+
+from prism_megatron.options import JobOptions, option
+
+_J = JobOptions  # the options' defaults: LaunchConfig built in code defaults as the front ends do
 
 
 class LaunchError(ValueError):
@@ -13,24 +18,30 @@ class LaunchError(ValueError):
 
 @dataclass
 class LaunchConfig:
+    """A launch, resolved and validated: what the launcher, the coordinator and the ranks are given.
+
+    The front ends build it from their options with :meth:`from_options`; code that launches
+    directly (calibration's slice runs, tests) builds it here, with the options' defaults.
+    """
+
     script: Path
     script_args: list[str] = field(default_factory=list)
     world_size: int = 1
     devices: list[str] = field(default_factory=lambda: ["cpu"])  # "cpu" or CUDA indices as strings
-    slots_per_device: int = 1
-    hang_timeout: float = 60.0
-    trace_dir: Path = Path("prism-trace")
-    gpus_per_node: int = 8
-    log_ranks: list[int] | None = None  # ranks whose output goes to the terminal; None = rank 0
-    threads_per_rank: int = 1
+    slots_per_device: int = _J.slots_per_device
+    hang_timeout: float = _J.hang_timeout
+    trace_dir: Path = Path(_J.trace_dir)
+    gpus_per_node: int = _J.gpus_per_node
+    log_ranks: list[int] | None = None  # ranks whose output goes to the terminal; None: the options' default
+    threads_per_rank: int = _J.threads_per_rank
     preload: list[str] = field(default_factory=list)  # modules the template imports before forking
     rank_setup: list[str] = field(default_factory=list)  # "module:function" run in each rank before the script
-    # auto | none | checkpoint; budget and budget-auto are checkpoint and auto with a stand-in swapper that
+    # JobOptions.swap's choices; budget and budget-auto are checkpoint and auto with a stand-in swapper that
     # enforces --device-memory without a GPU (tests, bench/swap_policy.py)
-    swap: str = "auto"
-    device_memory_gib: float | None = None  # capacity per device; default: the GPU's total memory
+    swap: str = _J.swap
+    device_memory_gib: float | None = _J.device_memory  # capacity per device; default: the GPU's total memory
     device_memory: list[int] = field(default_factory=list)  # resolved by validate(), bytes per device
-    host_memory_gib: float | None = None  # host RAM checkpointed GPU state may take; default: 90% of available
+    host_memory_gib: float | None = _J.host_memory  # host RAM checkpointed GPU state may take; default: 90%
     host_memory: int | None = None  # resolved by validate(), bytes (None: not limited)
     target_gpu: dict | None = None  # TargetGPU.as_dict(): each rank's allocator is capped at its 'usable'
     expected_iterations: int | None = None  # per rank, for the progress estimate (Megatron's --train-iters)
@@ -41,11 +52,40 @@ class LaunchConfig:
     gpu_timing: bool | None = None  # host and device time per compute segment (runtime.gpu_timing); None: on GPU
     # auto: GPU ranks page-lock their staging memory (runtime.shm); pageable: never (slower copies, for
     # comparison: bench/gpu/staging_bench.py)
-    staging: str = "auto"
+    staging: str = _J.staging
     # per-rank overrides (calibration's slice runs): these ranks run another program, or sit on another
     # device (an index into `devices`), than the contiguous default
     rank_scripts: dict[int, tuple[Path, list[str]]] = field(default_factory=dict)
     rank_devices: dict[int, int] = field(default_factory=dict)
+
+    @classmethod
+    def from_options(cls, options: JobOptions, script: Path, script_args: list[str], **fixed: Any) -> LaunchConfig:
+        """The launch that ``options`` ask for (both front ends' one mapping; validate() checks it).
+
+        ``fixed`` sets the fields no option has (preload, rank_setup, predictor, ...).
+        """
+        from prism_megatron.memory.targets import TargetError, resolve_target
+
+        o = options
+        if o.world_size is None:
+            raise LaunchError("--world-size is required: the number of ranks of the target job")
+        target = None
+        if o.target_gpu is not None:
+            try:
+                target = resolve_target(o.target_gpu, o.target_context).as_dict()
+            except TargetError as e:
+                raise LaunchError(str(e)) from None
+        elif o.target_context is not None:
+            raise LaunchError("--target-context needs --target-gpu")
+        tri = {"auto": None, "on": True, "off": False}
+        return cls(
+            script=Path(script), script_args=list(script_args), world_size=o.world_size,
+            devices=parse_devices(o.devices), slots_per_device=o.slots_per_device, hang_timeout=o.hang_timeout,
+            trace_dir=Path(o.trace_dir), gpus_per_node=o.gpus_per_node,
+            log_ranks=parse_ranks(o.log_ranks, max(o.world_size, 1)), threads_per_rank=o.threads_per_rank,
+            swap=o.swap, device_memory_gib=o.device_memory, host_memory_gib=o.host_memory, target_gpu=target,
+            track_memory=tri[o.track_memory], gpu_timing=tri[o.gpu_timing], staging=o.staging, **fixed,
+        )
 
     @property
     def memory_cap(self) -> int | None:
@@ -71,6 +111,13 @@ class LaunchConfig:
     def page_locks(self) -> bool:
         """GPU ranks page-lock their staging memory (--staging auto; CPU tensors are host memory already)."""
         return self.on_gpu and self.staging == "auto"
+
+    @property
+    def echoed_ranks(self) -> list[int]:
+        """Ranks whose output reaches the terminal: log_ranks, or the options' default."""
+        if self.log_ranks is not None:
+            return self.log_ranks
+        return parse_ranks(_J.log_ranks, max(self.world_size, 1))
 
     @property
     def on_gpu(self) -> bool:
@@ -133,8 +180,11 @@ class LaunchConfig:
             raise LaunchError(f"--trace-dir {str(self.trace_dir)!r} exists and is not a directory")
         if not parent.is_dir() or not os.access(parent, os.W_OK):
             raise LaunchError(f"--trace-dir {str(self.trace_dir)!r}: cannot write in {str(parent)!r}")
-        if self.swap not in ("auto", "none", "checkpoint", "budget", "budget-auto"):
-            raise LaunchError(f"--swap must be auto, none or checkpoint, got {self.swap!r}")
+        for name in ("swap", "staging"):
+            choices = option(JobOptions, name).choices or ()
+            if getattr(self, name) not in choices:
+                listed = ", ".join(choices[:-1]) + f" or {choices[-1]}"
+                raise LaunchError(f"--{name} must be {listed}, got {getattr(self, name)!r}")
         if self.device_memory_gib is not None and not self.device_memory_gib > 0:
             raise LaunchError(f"--device-memory must be a positive number of GiB, got {self.device_memory_gib!r}")
         if self.host_memory_gib is not None and not self.host_memory_gib > 0:
@@ -146,8 +196,6 @@ class LaunchConfig:
                               "checkpoint a process the CUDA profiler has run in (CUDA_ERROR_NOT_SUPPORTED); "
                               "drop the GPU timing option (it is then off, and compute is replayed on one clock) "
                               "or use --swap none")
-        if self.staging not in ("auto", "pageable"):
-            raise LaunchError(f"--staging must be auto or pageable, got {self.staging!r}")
         if self.swapper == "budget" and self.device_memory_gib is None:
             raise LaunchError(f"--swap {self.swap} needs --device-memory GiB")
         totals = _check_gpus(self.devices) if self.on_gpu else []

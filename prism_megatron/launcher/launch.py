@@ -27,6 +27,7 @@ from prism_megatron.launcher.exit_codes import OOM as EXIT_OOM
 from prism_megatron.launcher.exit_codes import RANK_FAILED as EXIT_RANK_FAILED
 from prism_megatron.launcher.progress import Progress
 from prism_megatron.runtime import protocol as P
+from prism_megatron.runtime.config import CoordinatorConfig
 from prism_megatron.runtime.shm import remove_job_segments
 
 
@@ -51,22 +52,22 @@ def _say(msg: str) -> None:
     print(f"prism: {msg}", file=sys.stderr, flush=True)
 
 
-def coordinator_config(cfg: LaunchConfig) -> dict:
-    """What the coordinator process is started with (one JSON argument)."""
-    return {
-        "world_size": cfg.world_size,
-        "devices": [d if d == "cpu" else f"cuda:{d}" for d in cfg.devices],
-        "slots_per_device": cfg.slots_per_device,
-        "device_of": {r: cfg.device_of(r) for r in range(cfg.world_size)},
-        "hang_timeout": cfg.hang_timeout,
-        "threads": coordinator_threads(cfg, _cores()),
-        "swap": cfg.swap_mode, "swapper": cfg.swapper, "gpu_timing": _ranks_time_gpu(cfg),
-        "device_memory": cfg.device_memory,
-        "host_memory": cfg.host_memory,
-        "swap_policy": os.environ.get("PRISM_SWAP_POLICY", "resident-first"),
-        "predictor": cfg.predictor, "predictor_options": cfg.predictor_options,
-        "live_trace": str(cfg.log_dir / "live-trace"),
-    }
+def coordinator_config(cfg: LaunchConfig) -> CoordinatorConfig:
+    """What the coordinator process is started with (its one JSON argument: ``to_json``)."""
+    return CoordinatorConfig(
+        world_size=cfg.world_size,
+        devices=[d if d == "cpu" else f"cuda:{d}" for d in cfg.devices],
+        slots_per_device=cfg.slots_per_device,
+        device_of={r: cfg.device_of(r) for r in range(cfg.world_size)},
+        hang_timeout=cfg.hang_timeout,
+        threads=coordinator_threads(cfg, _cores()),
+        swap=cfg.swap_mode, swapper=cfg.swapper, gpu_timing=_ranks_time_gpu(cfg),
+        device_memory=list(cfg.device_memory),
+        host_memory=cfg.host_memory,
+        swap_policy=os.environ.get("PRISM_SWAP_POLICY", "resident-first"),
+        predictor=cfg.predictor, predictor_options=dict(cfg.predictor_options),
+        live_trace=str(cfg.log_dir / "live-trace"),
+    )
 
 
 class _Job:
@@ -88,7 +89,7 @@ class _Job:
         env = dict(os.environ, PRISM_AUTHKEY=self.authkey.hex())
         log = open(cfg.log_dir / "coordinator.log", "wb")  # noqa: SIM115 - kept by the child
         self.coord = subprocess.Popen(
-            [sys.executable, "-m", "prism_megatron.runtime.coordinator", json.dumps(conf)],
+            [sys.executable, "-m", "prism_megatron.runtime.coordinator", conf.to_json()],
             stdout=subprocess.PIPE, stderr=log, env=env, text=True,
         )
         log.close()
@@ -110,8 +111,8 @@ class _Job:
 
         preload = self.cfg.preload
         if preload and self.cfg.on_gpu and _initializes_cuda(preload):
-            # CUDA cannot be used in a child forked after it started (seen with megatron-core 0.19.2
-            # on the H200): each rank imports those modules itself instead
+            # CUDA cannot be used in a child forked after it started (megatron-core 0.19.2's imports
+            # start it): each rank imports those modules itself instead
             _say(f"--preload {','.join(preload)} starts CUDA when imported; ranks import it after the fork")
             preload = []
         for mod in preload:
@@ -177,7 +178,7 @@ class _Job:
         tb_file = self.cfg.log_dir / f"rank-{rank}.traceback"
         log_file = self.cfg.log_dir / f"rank-{rank}.log"
         _say(f"rank {rank} {how}; ending the job")
-        echoed = rank in (self.cfg.log_ranks if self.cfg.log_ranks is not None else [0])
+        echoed = rank in self.cfg.echoed_ranks
         if echoed:
             pass  # its traceback is already on the terminal
         elif tb_file.exists():
@@ -278,8 +279,8 @@ def coordinator_threads(cfg: LaunchConfig, cores: int) -> int:
 
     Element-wise, so the result does not depend on it; and only spare cores, so a rank computing
     beside an async op's reduction is not slowed (its measured compute would grow). On a GPU host a
-    rank holding a slot keeps one core busy issuing work; a 4.3 GB gradient all-reduce of a 1.08B DP2
-    job was ~5 s of an iteration's capture on the H200 machine, one coordinator thread."""
+    rank holding a slot keeps one core busy issuing work, and a large gradient all-reduce on one
+    coordinator thread took seconds of each iteration's capture (docs/history.md)."""
     busy = len(cfg.devices) * cfg.slots_per_device * cfg.threads_per_rank
     return max(1, min(8, cores - busy - 1))
 

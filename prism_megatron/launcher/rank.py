@@ -80,7 +80,7 @@ def run_rank(cfg: LaunchConfig, rank: int, address: tuple[str, int], authkey: by
                 os.close(fd)
             except OSError:
                 pass
-        echo = rank in (cfg.log_ranks if cfg.log_ranks is not None else [0])
+        echo = rank in cfg.echoed_ranks
         log = open(cfg.log_dir / f"rank-{rank}.log", "wb", buffering=0)  # noqa: SIM115 - lives until _exit
         if not echo:
             os.dup2(log.fileno(), 1)

@@ -45,7 +45,7 @@ mode, except autograd's, see no redirection); legacy constructors such as
 Safety: :func:`enable_cpu_mode` refuses (``RuntimeError``, nothing patched) whenever the real
 ``torch.cuda`` - captured when this module is imported, before any patch - NVML, or
 ``/proc/driver/nvidia/gpus`` sees a GPU, whatever ``CUDA_VISIBLE_DEVICES`` says (a GPU hidden
-from this process still makes it a GPU machine; checked on the lent H200 with and without
+from this process still makes it a GPU machine; checked on a GPU machine with and without
 ``CUDA_VISIBLE_DEVICES=``).
 """
 

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from prism_megatron.megatron.flags import PRISM_FLAGS, add_prism_arguments, flag_takes_value
+from prism_megatron.options import JobOptions, RunOnlyOptions, options_of
 
 __all__ = ["RunRequest", "RunError", "parse_run_args", "run", "select_driver", "RANK_SETUP", "PRELOAD", "USAGE",
            "DRIVER_ENV"]
@@ -68,10 +69,19 @@ class RunRequest:
     script_args: list[str] = field(default_factory=list)  # without any --prism-* flag
     env: dict[str, str] = field(default_factory=dict)  # extra environment (a recipe's)
     driver_note: str | None = None  # which recipe driver runs, and why (printed by run)
+    notes: list[str] = field(default_factory=list)  # defaults a recipe chose (printed by run)
 
     @property
     def emulate(self) -> bool:
         return bool(self.options.get("prism_emulate"))
+
+    def job_options(self) -> JobOptions:
+        """The options ``launch`` shares, typed (``--prism-x`` is field ``x``)."""
+        return JobOptions(**{o.name: self.options["prism_" + o.name] for o in options_of(JobOptions)})
+
+    def run_options(self) -> RunOnlyOptions:
+        """``run``'s own options, typed."""
+        return RunOnlyOptions(**{o.name: self.options["prism_" + o.name] for o in options_of(RunOnlyOptions)})
 
     def prism_argv(self) -> list[str]:
         """The prism options as flags (what the ranks' Megatron parser sees)."""
@@ -185,6 +195,7 @@ def parse_run_args(argv: list[str]) -> RunRequest:
             raise RunError(f"--prism-world-size {request.options['prism_world_size']} differs from recipe "
                            f"{recipe.name}'s world_size {recipe.world_size}")
         request.env = render_env(recipe)
+        _take_recipe_target(request, recipe)
         if request.script is None:
             name, request.script, why = select_driver(request.options.get("prism_driver") or "auto")
             request.env[DRIVER_ENV] = name
@@ -207,6 +218,25 @@ def parse_run_args(argv: list[str]) -> RunRequest:
                            "package is not installed (an optional extra): install it, or use --transformer-impl "
                            "local where the job allows it")
     return request
+
+
+def _take_recipe_target(request: RunRequest, recipe) -> None:
+    """The recipe's target hardware is the default verdict: memory against its GPU, communication
+    costed by its cluster profile. Flags override it; a name that does not resolve is refused here,
+    naming the recipe's file and field, before anything starts."""
+    from prism_megatron.calibration.profiles import ProfileError, load_profile
+    from prism_megatron.memory.targets import TargetError, resolve_target
+
+    for option, key, value in (("prism_target_gpu", "gpu", recipe.target.gpu),
+                               ("prism_cluster", "cluster", recipe.target.cluster)):
+        if value is None or request.options.get(option) is not None:
+            continue
+        try:
+            resolve_target(value) if key == "gpu" else load_profile(value)
+        except (TargetError, ProfileError) as e:
+            raise RunError(f"{recipe.source}: target.{key}: {e}") from None
+        request.options[option] = value
+        request.notes.append(f"prism: --{option.replace('_', '-')} {value} (recipe {recipe.name}'s target.{key})")
 
 
 def _run_in_process(request: RunRequest) -> int:
@@ -237,25 +267,16 @@ def cpu_defaults(script_args: list[str]) -> list[str]:
 
 def launch_config(request: RunRequest):
     """The launcher's configuration for an emulated run (validated by the caller)."""
-    from prism_megatron.launcher.config import LaunchConfig, parse_devices, parse_ranks
+    from prism_megatron.launcher.config import LaunchConfig, parse_devices
 
-    o = request.options
-    world = int(o["prism_world_size"])
+    job = request.job_options()
     script_args = [*request.script_args, *request.prism_argv()]
-    if parse_devices(o["prism_devices"]) == ["cpu"]:
+    if parse_devices(job.devices) == ["cpu"]:
         script_args += cpu_defaults(script_args)
-    return LaunchConfig(
-        script=request.script, script_args=script_args, world_size=world,
-        devices=parse_devices(o["prism_devices"]), slots_per_device=o["prism_slots_per_device"],
-        hang_timeout=o["prism_hang_timeout"], trace_dir=Path(o["prism_trace_dir"]),
-        gpus_per_node=o["prism_gpus_per_node"], log_ranks=parse_ranks(o["prism_log_ranks"], world),
-        threads_per_rank=o["prism_threads_per_rank"], preload=[PRELOAD], rank_setup=[RANK_SETUP],
-        target_gpu=target_gpu(o), expected_iterations=_flag_int(request.script_args, "--train-iters"),
-        track_memory={"auto": None, "on": True, "off": False}[o["prism_track_memory"]],
-        gpu_timing={"auto": None, "on": True, "off": False}[o["prism_gpu_timing"]],
-        predictor=PREDICTOR, predictor_options={"cluster": o.get("prism_cluster")},
-        swap=o["prism_swap"], device_memory_gib=o["prism_device_memory"], host_memory_gib=o["prism_host_memory"],
-        staging=o["prism_staging"],
+    return LaunchConfig.from_options(
+        job, request.script, script_args, preload=[PRELOAD], rank_setup=[RANK_SETUP],
+        expected_iterations=_flag_int(request.script_args, "--train-iters"),
+        predictor=PREDICTOR, predictor_options={"cluster": request.run_options().cluster},
     )
 
 
@@ -279,26 +300,12 @@ def _flag_int(args: list[str], flag: str) -> int | None:
         return None
 
 
-def target_gpu(options: dict) -> dict | None:
-    """``--prism-target-gpu``/``--prism-target-context`` resolved (RunError names a bad value)."""
-    from prism_megatron.memory.targets import TargetError, resolve_target
-
-    spec, context = options.get("prism_target_gpu"), options.get("prism_target_context")
-    if spec is None:
-        if context is not None:
-            raise RunError("--prism-target-context needs --prism-target-gpu")
-        return None
-    try:
-        return resolve_target(spec, context).as_dict()
-    except TargetError as e:
-        raise RunError(str(e)) from None
-
-
 def run(request: RunRequest) -> int:
     """Run the request; returns the exit code (the launcher's codes when emulating)."""
     os.environ.update(request.env)
-    if request.driver_note:
-        print(request.driver_note, file=sys.stderr, flush=True)
+    for note in [request.driver_note, *request.notes]:
+        if note:
+            print(note, file=sys.stderr, flush=True)
     if not request.emulate:
         return _run_in_process(request)
     from prism_megatron.launcher.exit_codes import OOM
@@ -307,26 +314,27 @@ def run(request: RunRequest) -> int:
     cfg = launch_config(request).validate()
     code = launch(cfg)
     written = code in (0, OOM) and (cfg.trace_dir / "manifest.json").exists()
-    if written and request.options.get("prism_anchor_fake_pg"):
+    after = request.run_options()
+    if written and after.anchor_fake_pg:
         from prism_megatron.megatron.anchors import run_fake_pg_anchor
 
         args = list(request.script_args) + (cpu_defaults(request.script_args) if not cfg.on_gpu else [])
         run_fake_pg_anchor(cfg.trace_dir, request.script, args, on_cpu=not cfg.on_gpu)
     calibrated = None
-    if written and code == 0 and request.options.get("prism_calibrate") == "on":
-        calibrated = _calibrate(cfg, request)
-    if request.options.get("prism_report") == "on" and written:
+    if written and code == 0 and after.calibrate == "on":
+        calibrated = _calibrate(cfg, after)
+    if after.report == "on" and written:
         from prism_megatron.report.publish import publish
 
-        config = {"recipe": request.options.get("prism_recipe"), "script": str(request.script),
+        config = {"recipe": after.recipe, "script": str(request.script),
                   "flags": request.script_args,
                   "prism": {k: v for k, v in request.options.items() if v is not None}}
-        publish(cfg.trace_dir, cluster=request.options.get("prism_cluster"), config=config,
+        publish(cfg.trace_dir, cluster=after.cluster, config=config,
                 wandb_project=os.environ.get("WANDB_PROJECT", "prism-megatron"), calibrated=calibrated)
     return code
 
 
-def _calibrate(cfg, request: RunRequest) -> Path | None:
+def _calibrate(cfg, options: RunOnlyOptions) -> Path | None:
     """Calibrate the bare trace just written (``--prism-calibrate on``): the calibrated graph's
     directory, or None after saying why it could not be built (the bare trace and report stand)."""
     from prism_megatron.calibration import AlignError, SliceError
@@ -337,8 +345,8 @@ def _calibrate(cfg, request: RunRequest) -> Path | None:
     try:
         path, rows, name = calibrate_job(
             cfg.trace_dir, out, script=cfg.script, script_args=cfg.script_args, devices=cfg.devices,
-            ranks_per_device=request.options["prism_calibrate_ranks_per_device"],
-            cluster=request.options.get("prism_cluster"), preload=cfg.preload, rank_setup=cfg.rank_setup)
+            ranks_per_device=options.calibrate_ranks_per_device,
+            cluster=options.cluster, preload=cfg.preload, rank_setup=cfg.rank_setup)
     except (SliceError, AlignError, VirtualRankError, SliceRunError) as e:
         print(f"prism: calibration failed, the report predicts from the bare graph: {e}", file=sys.stderr)
         return None

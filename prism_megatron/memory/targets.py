@@ -14,9 +14,8 @@ from dataclasses import asdict, dataclass
 MiB = 1 << 20
 GiB = 1 << 30
 
-#: Non-allocator memory of a Megatron rank, used unless the user gives another figure. Measured on
-#: 2 x H200 (torch 2.11, NCCL 2.28.9, bench/gpu/memory_matrix.sh): device-wide used minus the
-#: allocator's reserved bytes was 2.9 GiB per rank for TP2 and 3.5 / 3.9 GiB for PP2 stages 0 / 1.
+#: Non-allocator memory of a Megatron rank, used unless the user gives another figure; where it
+#: comes from is DEFAULT_CONTEXT_SOURCE (shown in the report) and docs/history.md.
 DEFAULT_CONTEXT = int(3.5 * GiB)
 DEFAULT_CONTEXT_SOURCE = ("default 3.5 GiB, measured on 2 x H200 with torch 2.11 / NCCL 2.28 (CUDA context, "
                           "cuBLAS workspace, NCCL buffers: 2.9-3.9 GiB per rank; more communicators need more); "

@@ -184,7 +184,8 @@ class TrainingSpec:
 
 @dataclass(frozen=True, kw_only=True)
 class TargetSpec:
-    """Free-form names of the target hardware, read by later stages (memory limit, cluster profile)."""
+    """The target hardware: `run --recipe`'s default --prism-target-gpu (memory cap and OOM verdict)
+    and --prism-cluster (the profile that costs communication); checked when the recipe is run."""
 
     gpu: str | None = _f("str", None, nullable=True)
     cluster: str | None = _f("str", None, nullable=True)

@@ -7,8 +7,8 @@ runtime, and each such call ends a segment. So each Compute becomes the sum of i
 and device times, cut where the program waited for the device (a CpuSync there). Any stretch of
 a Compute no segment covers (timing lost) stays one-clock: host and device both take its length.
 
-Host time is the noisy figure (on the H200 machine one rank's plain iterations of the same work took
-325, 366 and 470 ms of host time): each segment's host time is the median over the iterations that
+Host time is the noisy figure (one rank's plain iterations of the same work differ widely;
+docs/history.md): each segment's host time is the median over the iterations that
 ran the same sequence of segments (`typical_host_times`), so one slow iteration of one rank does not
 become the prediction's critical path. Device times stay as measured (the profiler's, stable).
 

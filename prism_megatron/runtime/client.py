@@ -26,10 +26,9 @@ from prism_megatron.runtime import protocol as P
 from prism_megatron.runtime.gpu_timing import GpuSegmentTimer
 from prism_megatron.runtime.shm import Arena
 
-# CUDA context + cuBLAS workspace of a process, beyond the caching allocator. By NVML on one H200: 676 MiB
-# for a process that ran a bf16 matmul (bench/gpu/results/2026-12-01-nvml-probe-h200.txt), ~810 MiB for
-# the ranks of a Megatron GPT (680 MiB + the check's +0.13 GiB gap, 2026-12-01-swap-checkpoint-page-
-# locked-h200.txt). Where NVML can be read, the coordinator uses what the driver holds (runtime.nvml).
+# CUDA context + cuBLAS workspace of a process, beyond the caching allocator: what NVML showed a
+# Megatron rank hold beyond its reserved bytes (docs/history.md). Where NVML can be read, the
+# coordinator plans with what the driver holds instead (runtime.nvml).
 CONTEXT_BYTES = 810 << 20
 
 
@@ -64,7 +63,7 @@ class _Pending:
 class OpToken:
     """What waiting on an op needs: its id and completion. Works and futures share it instead of
     pointing at each other: a Work <-> Future cycle kept every op's tensors alive until the cyclic GC
-    ran — +80 to +176 MiB of peak allocated memory against NCCL on a TP2 job on the H200."""
+    ran, which raised peak allocated memory above NCCL's."""
 
     __slots__ = ("op_id", "done", "arrived")
 
@@ -199,8 +198,8 @@ def _local_result(kind: str, ins: list[torch.Tensor], outs: list[torch.Tensor], 
                   factor: float | None) -> None:
     """A collective of a group of one, done where the tensors are: each output is its input (times the
     factor of a premul_sum), as NCCL writes it on the device, with nothing staged through host memory.
-    Megatron all-reduces gradients over data-parallel groups of one (a 2.29 GB all_reduce per
-    iteration for PP2's first stage on the H200, staged in 1.8 s: bench/gpu/results, 2026-12-01)."""
+    Megatron all-reduces gradients over data-parallel groups of one (the whole gradient, every
+    iteration): staged through the coordinator, that copy alone cost seconds per iteration."""
     if kind in ("barrier", "broadcast"):  # the root of a broadcast of one receives nothing
         return
     with torch.no_grad():
@@ -460,10 +459,9 @@ class RankClient:
     def _deliver(self) -> None:
         """Write every completed op's results, on the rank's own thread at a runtime call (its clock
         paused), never from the receiver: a copy there ran beside the program (on a GPU a pageable
-        host-to-device copy, and another process's work on a computing rank's device), and on the
-        H200 the emulated host time grew with the micro-batch as if segments paid for it (inferred,
-        not measured copy by copy), which the real job, whose NCCL writes results on its own stream,
-        does not pay. Writing at the next runtime call
+        host-to-device copy, and another process's work on a computing rank's device), and the
+        emulated host time grew with the micro-batch as if segments paid for it, which the real job,
+        whose NCCL writes results on its own stream, does not pay. Writing at the next runtime call
         rather than only at the op's wait keeps the op's tensors no longer than NCCL would."""
         with self._pending_lock:
             ready = [i for i, p in self._pending.items() if p.msg is not None]

@@ -166,8 +166,7 @@ def activities(events: Any) -> list[Activity]:
 def pair(profiled: list[SegmentTiming], plain: list[Closed]) -> tuple[list[SegmentTiming], list[SegmentTiming]] | None:
     """Host times from a plain iteration, device times from a profiled one: rows for both.
 
-    The profiler slows the host by ~30% (measured on a TP2 job on the H200: 529 ms of host time per
-    iteration against 411 ms of compute clock without it), so host time is taken where it was off:
+    The profiler slows the host markedly (docs/history.md), so host time is taken where it was off:
     segment k of the plain iteration gets the device time and waits of segment k of the profiled one
     (Megatron repeats an iteration's ops). Both iterations get those figures; the plain host time is
     the profiled one scaled so that the replay's model of the segment ends when the plain segment did
@@ -203,9 +202,8 @@ def solve_scale(seg: SegmentTiming, plain_host: float) -> float:
     same segment took without the profiler, in which the host waited for the device a different while
     (it issues faster, so more work is queued at each sync; device-bound segments wait much longer).
 
-    Subtracting the profiled waits instead left the plain iteration's extra waiting in the host time:
-    a TP2 job at micro-batch 8 on the H200 measured 762 ms of host time per iteration beside 414 ms of
-    device time, and the prediction was 42% over the real 537 ms (bench/gpu/results, 2026-12-01).
+    Subtracting the profiled waits instead left the plain iteration's extra waiting in the host time,
+    and device-bound jobs were predicted far over their real time (docs/history.md).
     Where even no host time cannot end that early (the plain run's waits were shorter than the
     profiled device times allow), the plain time less the profiled waits stands.
     """

@@ -7,7 +7,7 @@ GPU soon. Restores are scheduled by free memory, never by hope: a restore is onl
 accounting says it fits (a failed restore costs nothing but leaves the rank out).
 
 A checkpointed rank's GPU state lives in host memory, so host RAM bounds how much can be swapped
-out at once (the machine of the H200 measurements has 128 GiB for 141 GiB of GPU): a swap-out that
+out at once (a host may have less RAM than its GPUs have memory): a swap-out that
 would not fit the host budget is not made, and a rank that needs one waits like any other.
 
 Under `--swap auto` the CUDA profiler (GPU timing) and the checkpoint API exclude each other (the

@@ -3,10 +3,10 @@
 A rank reports its footprint as its caching allocator's reserved bytes plus an estimate of what the
 process holds beyond them (`client.CONTEXT_BYTES`: the CUDA context, cuBLAS workspaces). A checkpoint
 moves, and a restore needs, what the driver holds for the process, which is what NVML lists per process.
-On one H200 (driver 580) NVML named our processes by their own PIDs and held 518 MiB beyond
-reserved for a process that ran no matmul, 676 MiB for one that did; one query over all processes
-took 0.84 ms (bench/gpu/results/2026-12-01-nvml-probe-h200.txt). So the coordinator samples NVML
-at most once a second and plans swaps with its figure for every rank whose report is current.
+NVML names our processes by their own PIDs, and what it lists beyond reserved differs by what the
+process ran (a matmul loads cuBLAS); one query over all processes is cheap but not free. So the
+coordinator samples NVML at most once a second and plans swaps with its figure for every rank whose
+report is current (the probe's figures: docs/history.md).
 """
 
 from __future__ import annotations

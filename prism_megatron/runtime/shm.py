@@ -4,13 +4,12 @@ A rank stages each op's input bytes and reserves its output bytes in its own seg
 coordinator reads inputs and writes outputs in place, so tensor bytes cross no socket. Segments are
 files in /dev/shm (tmpfs); the launcher removes every segment of a job when it ends.
 
-On a GPU, copies between the device and these pageable pages are slow (PP2's first stage on the
-H200 staged 2.29 GB in 1.83 s, ~1.25 GB/s: bench/gpu/results/2026-12-01-capture-turns-h200x2.txt);
-`Arena.pin_with` registers every segment with the CUDA driver (page-locked: the copy engine reads
-and writes them directly). On one H200 that cut TP2's runtime work per turn from 5.42 to 2.85 ms and
-DP2's capture from 2.79 to 1.16 s per iteration (bench/gpu/results/2026-12-01-staging-h200.txt). GPU
-ranks do it under --staging auto, the default: the driver checkpoints and restores a process that
-registered host memory, and the registration works after the restore (swap_bench.py's lock probes).
+On a GPU, copies between the device and these pageable pages are slow (the driver copies pageable
+memory through a staging buffer of its own); `Arena.pin_with` registers every segment with the CUDA
+driver (page-locked: the copy engine reads and writes them directly), which halves a turn's runtime
+work (docs/measurements.md, capture cost). GPU ranks do it under --staging auto, the default: the
+driver checkpoints and restores a process that registered host memory, and the registration works
+after the restore (swap_bench.py's lock probes).
 """
 
 from __future__ import annotations

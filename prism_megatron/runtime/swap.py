@@ -1,7 +1,7 @@
 """State preservation: move a blocked rank's GPU state to host memory and back.
 
 A swapper acts on a whole process. `CudaCheckpointSwapper` uses the CUDA driver's process
-checkpoint API (measured on the H200 machine: see shared device notes); it requires that the
+checkpoint API (its speeds on a GPU: docs/measurements.md); it requires that the
 process holds no live NCCL communicator and no CUDA IPC memory, which Phase 1 guarantees since all
 communication goes through the coordinator. `BudgetSwapper` is a stand-in that enforces a memory
 budget without a GPU, for tests of the scheduling logic.

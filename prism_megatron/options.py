@@ -1,0 +1,214 @@
+"""The user's options, defined once: typed dataclasses with a docstring per field.
+
+Both front ends are generated from these classes, so a name, default, choice list or help text
+lives in exactly one place: ``launch``'s click options (``--hang-timeout``) and ``run``'s
+``--prism-*`` flags (``--prism-hang-timeout``), which Megatron's own parser also accepts
+(``patches.arguments``). A field's type gives the parser's type, a ``Literal`` its choices, a
+``bool`` a switch; the string literal under a field is its help. :class:`JobOptions` is what both
+front ends share (how the target job's ranks are emulated); :class:`LaunchOnlyOptions` and
+:class:`RunOnlyOptions` belong to one front end each. The launcher turns a :class:`JobOptions`
+into its validated ``LaunchConfig`` (``LaunchConfig.from_options``), one mapping for both.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import textwrap
+import types
+import typing
+from dataclasses import dataclass
+from functools import cache
+from typing import Any, Literal
+
+__all__ = ["JobOptions", "LaunchOnlyOptions", "RunOnlyOptions", "Option", "options_of", "option"]
+
+
+@dataclass
+class JobOptions:
+    """How the target job's ranks are emulated; ``launch`` and ``run`` both take these."""
+
+    world_size: int | None = None
+    """Ranks of the target job (required; `run --recipe` takes it from the recipe)."""
+
+    devices: str = "cpu"
+    """'cpu' or CUDA device indices, e.g. 0 or 0,1."""
+
+    slots_per_device: int = 1
+    """Ranks that compute at once on each device."""
+
+    hang_timeout: float = 120.0
+    """Seconds with every rank blocked before the job is declared hung."""
+
+    trace_dir: str = "prism-trace"
+    """Where the PrismTrace goes (logs go to TRACE_DIR.logs)."""
+
+    gpus_per_node: int = 8
+    """GPUs per node of the target cluster (sets LOCAL_RANK/LOCAL_WORLD_SIZE)."""
+
+    log_ranks: str = "last"
+    """Ranks whose output reaches the terminal: '0,last', '0-3', 'all' or 'none' (Megatron prints its
+    iteration lines on the last rank)."""
+
+    threads_per_rank: int = 1
+    """torch threads per emulated rank."""
+
+    swap: Literal["auto", "none", "checkpoint", "budget", "budget-auto"] = "auto"
+    """Move blocked ranks' GPU state to host memory when a device is full (checkpoint: CUDA process
+    checkpoint, which excludes GPU timing; auto: swaps until every rank ended iteration 1, then a device
+    that needed none is timed and swaps no more). budget, budget-auto: the same with a stand-in that
+    enforces the device memory without a GPU (tests)."""
+
+    device_memory: float | None = None
+    """GiB per device that ranks' state may take (default: the GPU's total)."""
+
+    host_memory: float | None = None
+    """GiB of host RAM swapped-out GPU state may take (default: 90% of the RAM available at start)."""
+
+    target_gpu: str | None = None
+    """GPU of the target cluster (h100-80gb, h200-141gb, a100-80gb, ... or a capacity in GiB): each rank
+    is capped at its memory, so an OOM it would hit happens here and is reported as a prediction
+    (exit 5); `run --recipe` defaults to the recipe's target.gpu."""
+
+    target_context: float | None = None
+    """GiB a rank of the target holds outside PyTorch's allocator (CUDA context, cuBLAS, NCCL buffers);
+    default: prism's estimate, named in the report's provenance."""
+
+    track_memory: Literal["auto", "on", "off"] = "auto"
+    """Per-rank memory figures: 'auto' is on for GPUs and for a capped CPU run (the CPU byte accountant
+    costs a few microseconds per op)."""
+
+    gpu_timing: Literal["auto", "on", "off"] = "auto"
+    """On GPUs, each compute segment's host time and device busy time (CUDA profiler), so the prediction
+    lets the host run ahead as with NCCL; 'auto' is on for GPUs unless the swap mode is checkpoint (they
+    exclude each other)."""
+
+    staging: Literal["auto", "pageable"] = "auto"
+    """GPU ranks' staging memory for collectives: 'auto' page-locks it (faster copies between the GPU
+    and the coordinator); 'pageable' does not."""
+
+
+@dataclass
+class LaunchOnlyOptions:
+    """``launch`` only: it runs any torch.distributed script."""
+
+    preload: tuple[str, ...] = ()
+    """Module the template imports before forking ranks (repeatable)."""
+
+
+@dataclass
+class RunOnlyOptions:
+    """``run`` only: a Megatron job, its recipe, and what follows the run (calibration, report)."""
+
+    emulate: bool = False
+    """Emulate the target job with prism (without it nothing is patched)."""
+
+    recipe: str | None = None
+    """Recipe name or file (also --recipe); implies emulation."""
+
+    driver: Literal["auto", "core", "training"] = "auto"
+    """GPT driver a recipe runs: 'training' (Megatron-LM's pretrain, needs megatron.training), 'core'
+    (megatron.core only), 'auto' (training if importable, else core)."""
+
+    cluster: str | None = None
+    """Cluster profile that costs communication in the prediction (prism-megatron cluster list);
+    default: the recipe's target cluster, else free communication."""
+
+    calibrate: Literal["off", "on"] = "off"
+    """After the run, calibrate: re-run the job once per slice (coupled groups such as TP kept whole)
+    with the slice's ranks computing for real and the others replayed; the report then predicts from
+    the calibrated graph."""
+
+    calibrate_ranks_per_device: int = 2
+    """Slice ranks computing at once on each device while calibrating (a slice holds devices x this)."""
+
+    report: Literal["on", "off"] = "on"
+    """After the run: the report (terminal, report.json/html, timeline) and W&B."""
+
+    anchor_fake_pg: bool = False
+    """After the run, also run one rank per class alone under Megatron's --fake-process-group and show
+    its peak memory beside ours in the report."""
+
+
+@dataclass(frozen=True)
+class Option:
+    """One field of an options class, as the front ends need it."""
+
+    name: str  # the field name: --name-with-dashes on launch, --prism-name-with-dashes on run
+    type: type  # int, float, str or bool (the value type without None)
+    default: Any
+    choices: tuple[str, ...] | None
+    help: str
+    repeatable: bool = False  # a tuple field: the option may be given several times
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def prism_flag(self) -> str:
+        return "--prism-" + self.name.replace("_", "-")
+
+    @property
+    def is_switch(self) -> bool:
+        return self.type is bool
+
+
+@cache
+def options_of(cls: type) -> tuple[Option, ...]:
+    """The options of ``cls`` in declaration order; every field must have a docstring."""
+    docs = _field_docs(cls)
+    hints = typing.get_type_hints(cls)
+    out = []
+    for f in dataclasses.fields(cls):
+        if f.name not in docs:
+            raise TypeError(f"{cls.__name__}.{f.name} has no docstring: every option needs its help")
+        value_type, choices, repeatable = _describe(hints[f.name], f"{cls.__name__}.{f.name}")
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        else:
+            default = f.default_factory()  # type: ignore[misc]
+        if choices is not None and default not in choices:
+            raise TypeError(f"{cls.__name__}.{f.name}: default {default!r} is not one of {choices}")
+        out.append(Option(f.name, value_type, default, choices, docs[f.name], repeatable))
+    return tuple(out)
+
+
+def option(cls: type, name: str) -> Option:
+    """The option ``name`` of ``cls`` (its choices, default and help, for messages that name them)."""
+    for o in options_of(cls):
+        if o.name == name:
+            return o
+    raise KeyError(f"{cls.__name__} has no option {name!r}")
+
+
+def _describe(hint: Any, where: str) -> tuple[type, tuple[str, ...] | None, bool]:
+    """(value type, choices, repeatable) of a field's annotation."""
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        rest = [a for a in args if a is not type(None)]
+        if len(rest) != 1:
+            raise TypeError(f"{where}: only 'X | None' unions are options")
+        return _describe(rest[0], where)
+    if typing.get_origin(hint) is Literal:
+        if not all(isinstance(a, str) for a in args):
+            raise TypeError(f"{where}: choices must be strings")
+        return str, tuple(args), False
+    if typing.get_origin(hint) is tuple and len(args) == 2 and args[1] is Ellipsis:
+        return args[0], None, True
+    if hint in (int, float, str, bool):
+        return hint, None, False
+    raise TypeError(f"{where}: {hint!r} is not an option type (int, float, str, bool, Literal, tuple[X, ...])")
+
+
+def _field_docs(cls: type) -> dict[str, str]:
+    """The string literal under each field (attribute docstrings), one paragraph of plain text."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs = {}
+    for stmt, nxt in zip(body, body[1:], strict=False):
+        if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name) and isinstance(nxt, ast.Expr)
+                and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)):
+            docs[stmt.target.id] = " ".join(nxt.value.value.split())
+    return docs

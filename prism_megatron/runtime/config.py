@@ -1,0 +1,42 @@
+"""The coordinator's configuration: typed, and its one wire form (the JSON argument of its process)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class CoordinatorConfig:
+    """What the coordinator process is started with; the launcher builds it from its LaunchConfig."""
+
+    world_size: int
+    devices: list[str]  # "cpu" or "cuda:N"
+    slots_per_device: int
+    device_of: dict[int, int]  # rank -> index into devices
+    hang_timeout: float
+    threads: int = 1  # torch threads of the coordinator process
+    swap: str = "none"  # none, checkpoint or auto (the launcher's swap_mode)
+    swapper: str = "cuda"  # cuda (the driver's process checkpoint) or budget (the stand-in)
+    gpu_timing: bool = False
+    device_memory: list[int] = field(default_factory=list)  # bytes per device
+    host_memory: int | None = None  # bytes swapped-out state may take (None: not limited)
+    swap_policy: str = "resident-first"
+    predictor: str | None = None  # "module:function" answering live predictions
+    predictor_options: dict = field(default_factory=dict)
+    live_trace: str = ""
+    host: str = "127.0.0.1"
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> CoordinatorConfig:
+        """Parse :meth:`to_json`'s output (JSON makes the rank keys of ``device_of`` strings)."""
+        data = json.loads(text)
+        unknown = set(data) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"coordinator config: unknown field(s) {', '.join(sorted(unknown))}")
+        data["device_of"] = {int(k): int(v) for k, v in data["device_of"].items()}
+        return cls(**data)
