@@ -243,3 +243,29 @@ def test_gpu_ranks_page_lock_staging_swaps_or_not_unless_staging_is_pageable(tmp
     assert told(LaunchConfig(**base, devices=["0"], swap=swap, staging="pageable")) == (
         [False, False], {"cuda:0": "pageable"})
     assert told(LaunchConfig(**base).validate()) == ([False, False], None)
+
+
+def test_every_op_kind_is_costed_and_has_a_virtual_rule():
+    """The op registry is the one list of kinds: the cost model costs each, Phase 2 knows what a
+    virtual member of each contributes, and the backend's, matching's and virtual ranks' lists follow it."""
+    from prism_megatron.calibration.costmodel import BUS_FACTOR, KIND_FAMILY
+    from prism_megatron.runtime.ops import OPS, REDUCING_KINDS, VIRTUAL_RULES, op_kind
+
+    assert {"all_reduce", "reduce", "reduce_scatter", "reduce_scatter_list"} == REDUCING_KINDS
+    for name, op in OPS.items():
+        assert KIND_FAMILY[name] in BUS_FACTOR and op.virtual in VIRTUAL_RULES
+    with pytest.raises(ValueError, match="'median_reduce' is not supported"):
+        op_kind("median_reduce")
+
+
+def test_group_of_one_local_result_copies_and_premultiplies():
+    from prism_megatron.runtime.ops import op_kind
+
+    x, out = torch.tensor([1.0, 2.0]), torch.zeros(2)
+    op_kind("all_reduce").local([x], [out], "premul_sum", 0.5)
+    assert out.tolist() == [0.5, 1.0] and x.tolist() == [1.0, 2.0]
+    op_kind("all_gather").local([x], [out], None, None)
+    assert out.tolist() == [1.0, 2.0]
+    y = torch.zeros(2)
+    op_kind("broadcast").local([x], [y], None, None)  # the root of a broadcast of one receives nothing
+    assert y.tolist() == [0.0, 0.0]

@@ -24,6 +24,7 @@ from torch.futures import Future
 from prism_megatron.memory.accountant import untracked
 from prism_megatron.runtime import protocol as P
 from prism_megatron.runtime.gpu_timing import GpuSegmentTimer
+from prism_megatron.runtime.ops import op_kind
 from prism_megatron.runtime.shm import Arena
 
 # CUDA context + cuBLAS workspace of a process, beyond the caching allocator. By NVML on one H200: 676 MiB
@@ -195,22 +196,6 @@ def _local_descs(tensors: list[torch.Tensor]) -> list[tuple]:
     return [(("l", _nbytes(t)), P.dtype_name(t.dtype), list(t.shape)) for t in tensors]
 
 
-def _local_result(kind: str, ins: list[torch.Tensor], outs: list[torch.Tensor], redop: str | None,
-                  factor: float | None) -> None:
-    """A collective of a group of one, done where the tensors are: each output is its input (times the
-    factor of a premul_sum), as NCCL writes it on the device, with nothing staged through host memory.
-    Megatron all-reduces gradients over data-parallel groups of one (a 2.29 GB all_reduce per
-    iteration for PP2's first stage on the H200, staged in 1.8 s: bench/gpu/results, 2026-12-01)."""
-    if kind in ("barrier", "broadcast"):  # the root of a broadcast of one receives nothing
-        return
-    with torch.no_grad():
-        for i, o in zip(ins, outs, strict=True):
-            if o.numel() and not (o.data_ptr() == i.data_ptr() and o.dtype == i.dtype and o.shape == i.shape):
-                o.copy_(_typed(i.detach().contiguous().reshape(-1).view(torch.uint8), o))
-            if kind in P.REDUCING_KINDS and redop == "premul_sum":
-                o.mul_(factor)
-
-
 def _cuda_pin(address: int, nbytes: int) -> Callable[[], None]:
     """Page-lock host memory for the copy engine (cudaHostRegister, portable); returns the undo."""
     cudart = torch.cuda.cudart()
@@ -345,7 +330,9 @@ class RankClient:
         with untracked():  # staging copies are the runtime's, not the program's memory
             if params.get("local"):
                 regions, in_descs, out_descs = [], _local_descs(ins), _local_descs(outs)
-                _local_result(kind, ins, outs, params.get("redop"), params.get("factor"))
+                # a group of one: done where the tensors are, with nothing staged through host memory
+                # (Megatron all-reduces gradients over data-parallel groups of one)
+                op_kind(kind).local(ins, outs, params.get("redop"), params.get("factor"))
             else:
                 regions, in_descs, out_descs = self._stage(ins, outs, inplace)
         self.runtime_s["stage"] += time.perf_counter() - t0

@@ -23,12 +23,12 @@ from typing import Any
 
 import torch
 
-from prism_megatron.runtime import collectives as C
 from prism_megatron.runtime import protocol as P
 from prism_megatron.runtime.hang import format_hang_report
 from prism_megatron.runtime.matching import Member, P2PQueues, check_collective, check_p2p, desc_bytes
 from prism_megatron.runtime.memory import DeviceMemory, HostBudget
 from prism_megatron.runtime.nvml import FootprintCheck, NvmlUnavailable, nvml_process_memory
+from prism_megatron.runtime.ops import OPS, CollectiveCall
 from prism_megatron.runtime.shm import SegmentMap
 from prism_megatron.runtime.slots import Grant, ResidentFirstPolicy, SlotScheduler
 from prism_megatron.runtime.swap import BudgetSwapper, CudaCheckpointSwapper, Swapper, SwapUnavailable
@@ -617,49 +617,17 @@ class Coordinator:
         if problem is not None:
             return self._fatal("mismatch", f"collective #{seq} on group {g.name!r} (ranks {_ranks(g.ranks)}): "
                                f"{problem}")
-        kind = ms[0].kind
-        n = len(ms)
-        if n == 1 and ms[0].msg.get("local"):  # a group of one: the rank computed its result (_local_result)
+        op = OPS.get(ms[0].kind)
+        if op is None or op.p2p:
+            return self._fatal("unsupported", f"rank {ms[0].rank}: op {ms[0].kind!r} is not supported by prism")
+        if len(ms) == 1 and ms[0].msg.get("local"):  # a group of one: the rank computed its result (OpKind.local)
             return self._deliver(ms[0], [None] * len(ms[0].msg["outs"]))
-        ins = [[self._read(d[0], d[1]) for d in m.msg["ins"]] for m in ms]
-        redop, factor = ms[0].msg.get("redop"), ms[0].msg.get("factor")
-        root = ms[0].msg.get("root")
-        outs: list[list[torch.Tensor | None]]
-        if kind == "all_reduce":  # into the first member's output, copied from there to the others
-            rs_ = [C.reduce([ins[i][j] for i in range(n)], redop, factor, out=self._out_view(ms[0], j, ins[0][j]))
-                   for j in range(len(ins[0]))]
-            outs = [rs_ for _ in ms]
-        elif kind == "reduce":
-            r = [C.reduce([ins[i][j] for i in range(n)], redop, factor) for j in range(len(ins[0]))]
-            outs = [r if i == root else [] for i in range(n)]
-        elif kind == "broadcast":
-            outs = [[] if i == root else [ins[root][0]] for i in range(n)]
-        elif kind == "all_gather":
-            r = [torch.cat([ins[i][j].view(torch.uint8) for i in range(n)]) for j in range(len(ins[0]))]
-            outs = [r for _ in ms]
-        elif kind == "all_gather_list":
-            outs = [[ins[i][0] for i in range(n)] for _ in ms]
-        elif kind == "reduce_scatter":
-            chunks = [C.reduce_scatter([ins[i][j] for i in range(n)], redop, factor) for j in range(len(ins[0]))]
-            outs = [[c[i] for c in chunks] for i in range(n)]
-        elif kind == "reduce_scatter_list":
-            outs = [[r] for r in C.reduce_scatter_lists(ins, redop, factor)]
-        elif kind == "gather":
-            outs = [[ins[i][0] for i in range(n)] if j == root else [] for j in range(n)]
-        elif kind == "scatter":
-            outs = [[ins[root][j]] for j in range(n)]
-        elif kind == "all_to_all_list":
-            outs = [[ins[i][j] for i in range(n)] for j in range(n)]
-        elif kind == "all_to_all":
-            pieces = []
-            for i, m in enumerate(ms):
-                raw = ins[i][0].reshape(-1).view(torch.uint8) if ins[i][0].numel() else _EMPTY
-                pieces.append(list(raw.split(m.msg["in_splits"])))
-            outs = [[torch.cat([pieces[i][j] for i in range(n)])] for j in range(n)]
-        elif kind == "barrier":
-            outs = [[] for _ in ms]
-        else:
-            return self._fatal("unsupported", f"rank {ms[0].rank}: op {kind!r} is not supported by prism")
+        first = ms[0].msg
+        outs = op.work(CollectiveCall(
+            ins=[[self._read(d[0], d[1]) for d in m.msg["ins"]] for m in ms], redop=first.get("redop"),
+            factor=first.get("factor"), root=first.get("root"),
+            in_splits=[m.msg["in_splits"] for m in ms] if "in_splits" in first else None,
+            out_view=lambda i, j, like: self._out_view(ms[i], j, like)))
         for m, o in zip(ms, outs, strict=True):
             self._deliver(m, [t.reshape(-1) if t is not None else None for t in o])
 

@@ -46,8 +46,6 @@ FATAL = "fatal"  # {kind, report}: coordinator found a hang or a mismatch
 WRITTEN = "written"  # {path}: trace written (or None)
 PROGRESS = "progress"  # {connected, finished}
 
-REDUCING_KINDS = frozenset({"all_reduce", "reduce", "reduce_scatter", "reduce_scatter_list"})
-
 INLINE_LIMIT = 64 * 1024  # payloads up to this size travel inside the control message
 
 _DTYPES: dict[str, torch.dtype] = {
