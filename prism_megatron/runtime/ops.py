@@ -192,9 +192,8 @@ class _ReduceScatterList(OpKind):
 
 class _Gather(OpKind):
     def check(self, ms: list, n: int) -> list[str]:
-        if ms[ms[0].msg.get("root")].out_bytes() != [m.in_bytes()[0] for m in ms]:
-            return ["the root's outputs do not match the inputs' sizes"]
-        return []
+        root_outs, ins = ms[ms[0].msg.get("root")].out_bytes(), [m.in_bytes()[0] for m in ms]
+        return [] if root_outs == ins else ["the root's outputs do not match the inputs' sizes"]
 
     def work(self, call: CollectiveCall) -> list[list[Any]]:
         n = len(call.ins)
@@ -205,10 +204,11 @@ class _Gather(OpKind):
 
 
 class _Scatter(OpKind):
+    """gather's mirror: the root's inputs, one to each member."""
+
     def check(self, ms: list, n: int) -> list[str]:
-        if ms[ms[0].msg.get("root")].in_bytes() != [m.out_bytes()[0] for m in ms]:
-            return ["the root's inputs do not match the outputs' sizes"]
-        return []
+        root_ins, outs = ms[ms[0].msg.get("root")].in_bytes(), [m.out_bytes()[0] for m in ms]
+        return [] if root_ins == outs else ["the root's inputs do not match the outputs' sizes"]
 
     def work(self, call: CollectiveCall) -> list[list[Any]]:
         return [[call.ins[call.root][j]] for j in range(len(call.ins))]
