@@ -21,7 +21,7 @@ import torch
 # rank -> coordinator
 HELLO = "hello"  # {rank, pid, world_size}
 GROUP = "group"  # {name, ranks, backend}
-OP = "op"  # an operation, see runtime.client.OpRequest
+OP = "op"  # an operation, see RankClient.submit
 BLOCK = "block"  # {ids}: the rank waits for these ops; release its slot until they complete
 ACQUIRE = "acquire"  # the rank wants a slot (start of the program)
 MARK = "mark"  # {name, phase, attrs}: a scheduling-unit marker
