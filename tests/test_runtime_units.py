@@ -243,3 +243,66 @@ def test_gpu_ranks_page_lock_staging_swaps_or_not_unless_staging_is_pageable(tmp
     assert told(LaunchConfig(**base, devices=["0"], swap=swap, staging="pageable")) == (
         [False, False], {"cuda:0": "pageable"})
     assert told(LaunchConfig(**base).validate()) == ([False, False], None)
+
+
+def test_every_op_kind_is_costed_and_has_a_virtual_rule():
+    """The op registry is the one list of kinds: the cost model costs each, Phase 2 knows what a
+    virtual member of each contributes, and the backend's, matching's and virtual ranks' lists follow it."""
+    from prism_megatron.calibration.costmodel import BUS_FACTOR, KIND_FAMILY
+    from prism_megatron.runtime.ops import OPS, REDUCING_KINDS, VIRTUAL_RULES, op_kind
+
+    assert {"all_reduce", "reduce", "reduce_scatter", "reduce_scatter_list"} == REDUCING_KINDS
+    for name, op in OPS.items():
+        assert KIND_FAMILY[name] in BUS_FACTOR and op.virtual in VIRTUAL_RULES
+    with pytest.raises(ValueError, match="'median_reduce' is not supported"):
+        op_kind("median_reduce")
+
+
+def test_group_of_one_local_result_copies_and_premultiplies():
+    from prism_megatron.runtime.ops import op_kind
+
+    x, out = torch.tensor([1.0, 2.0]), torch.zeros(2)
+    op_kind("all_reduce").local([x], [out], "premul_sum", 0.5)
+    assert out.tolist() == [0.5, 1.0] and x.tolist() == [1.0, 2.0]
+    op_kind("all_gather").local([x], [out], None, None)
+    assert out.tolist() == [1.0, 2.0]
+    y = torch.zeros(2)
+    op_kind("broadcast").local([x], [y], None, None)  # the root of a broadcast of one receives nothing
+    assert y.tolist() == [0.0, 0.0]
+
+
+def test_group_table_sequences_collectives_and_refuses_a_group_created_with_other_ranks():
+    from prism_megatron.runtime.groups import GroupTable
+    from prism_megatron.runtime.recorder import OpRecord
+
+    t = GroupTable()
+    assert t.register(0, "tp", [0, 1], "nccl") is None and t.register(1, "tp", [0, 1], "nccl") is None
+    assert t.register(2, "dp", [2], "nccl") is None
+    problem = t.register(1, "tp", [1, 2], "nccl")
+    assert "rank 1 created it with ranks [1, 2], another member with [0, 1]" in problem
+    assert [g.name for g in t] == ["tp", "dp"] and t.by_id[1].name == "dp"
+    g = t.named("tp")
+
+    def member(rank):
+        rec = OpRecord(rank, 0, "barrier", g.id, -1, -1, -1, 0, "", "[]", "", False, 0.0, 0.0, 0.0, "")
+        return Member(rank, g.grank[rank], {"kind": "barrier", "ins": [], "outs": []}, rec)
+
+    one = member(1)
+    assert t.post_collective(g, one) is None and one.record.seq == 0 and g.missing(0) == 1
+    assert t.post_collective(g, member(1)) is None and g.missing(1) == 1  # rank 1 runs ahead
+    zero = member(0)
+    assert t.post_collective(g, zero) == [zero, one] and g.missing(0) == 0  # in group-rank order
+
+
+def test_hang_detector_counts_only_blocked_ranks_and_waits_for_every_rank_to_connect():
+    from prism_megatron.runtime.hang import HangDetector
+    from prism_megatron.runtime.ranks import RankState, RankStatus
+
+    d = HangDetector(0.0)
+    ranks = {0: RankState(0, None, state=RankStatus.BLOCKED), 1: RankState(1, None, state=RankStatus.IDLE)}
+    assert d.stalled(ranks, 2, awaiting_room=False) is None  # a sleeping rank will move again
+    ranks[1].state = RankStatus.BLOCKED
+    assert d.stalled(ranks, 3, awaiting_room=False) is None  # rank 2 may yet connect and post the ops
+    assert d.stalled(ranks, 2, awaiting_room=False) >= 0.0
+    ranks[1].state = RankStatus.QUEUED  # granted a slot, waiting for device memory no one can free
+    assert d.stalled(ranks, 2, awaiting_room=False) is None and d.stalled(ranks, 2, awaiting_room=True) >= 0.0

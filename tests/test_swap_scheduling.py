@@ -308,28 +308,28 @@ def test_coordinator_samples_nvml_at_most_once_a_second_for_blocked_ranks_and_sa
     from prism_megatron.runtime.nvml import FootprintCheck
 
     coord, hello = _coordinator(3)
-    coord.enable_swap(BudgetSwapper(100 * GIB), [100 * GIB])
+    coord.governor.enable_swap(BudgetSwapper(100 * GIB), [100 * GIB])
     now = [0.0]
     reads = []
     held = {1000: 12 * GIB, 1001: 11 * GIB, 1002: 30 * GIB}
-    coord.footprint_check = FootprintCheck(lambda: reads.append(1) or dict(held), clock=lambda: now[0])
+    coord.governor.footprint_check = FootprintCheck(lambda: reads.append(1) or dict(held), clock=lambda: now[0])
     hello()
     for r in range(3):
-        coord.memory[0].report(r, 10 * GIB)
+        coord.governor.memory[0].report(r, 10 * GIB)
     coord.ranks[0].state = coord.ranks[1].state = "blocked"
     coord.ranks[2].state = "running"  # its report is old: it has run since
-    coord._check_footprints()
-    assert len(reads) == 1 and coord.memory[0].footprint == {0: 12 * GIB, 1: 11 * GIB, 2: 10 * GIB}
+    coord.governor.check_footprints()
+    assert len(reads) == 1 and coord.governor.memory[0].footprint == {0: 12 * GIB, 1: 11 * GIB, 2: 10 * GIB}
     now[0] = 0.5
     coord.ranks[2].state = "blocked"
-    coord._check_footprints()
-    assert len(reads) == 1 and coord.memory[0].footprint[2] == 10 * GIB  # not due yet
+    coord.governor.check_footprints()
+    assert len(reads) == 1 and coord.governor.memory[0].footprint[2] == 10 * GIB  # not due yet
     now[0] = 1.0
-    coord._check_footprints()
-    assert len(reads) == 2 and coord.memory[0].footprint[2] == 30 * GIB
+    coord.governor.check_footprints()
+    assert len(reads) == 2 and coord.governor.memory[0].footprint[2] == 30 * GIB
     err = capsys.readouterr().err
     assert err.count("by NVML") == 1 and "rank 0 holds 12.00 GiB on cuda:0 by NVML, +2.00 GiB off" in err
-    assert coord.footprint_check.summary() == {"source": "nvml", "samples": 2, "ranks_checked": 3,
+    assert coord.governor.footprint_check.summary() == {"source": "nvml", "samples": 2, "ranks_checked": 3,
                                                "gap_gib_median": 2.0, "gap_gib_worst": 20.0, "rank_of_worst": 2}
 
 
@@ -347,19 +347,19 @@ def test_nvml_that_fails_mid_run_is_said_once_and_the_reports_plan_from_there(ca
     from prism_megatron.runtime.nvml import FootprintCheck
 
     coord, hello = _coordinator(2)
-    coord.enable_swap(BudgetSwapper(100 * GIB), [100 * GIB])
+    coord.governor.enable_swap(BudgetSwapper(100 * GIB), [100 * GIB])
     now = [0.0]
 
     def gone() -> dict:
         raise RuntimeError("GPU is lost")
-    coord.footprint_check = FootprintCheck(gone, clock=lambda: now[0])
+    coord.governor.footprint_check = FootprintCheck(gone, clock=lambda: now[0])
     hello()
-    coord.memory[0].report(0, 10 * GIB)
+    coord.governor.memory[0].report(0, 10 * GIB)
     coord.ranks[0].state = "blocked"
     for t in (0.0, 5.0):
         now[0] = t
-        coord._check_footprints()
+        coord.governor.check_footprints()
     assert capsys.readouterr().err.count("reading NVML failed (RuntimeError: GPU is lost)") == 1
-    assert coord.memory[0].footprint[0] == 10 * GIB
-    assert coord.footprint_check.summary() == {"source": "nvml", "samples": 1, "ranks_checked": 0,
+    assert coord.governor.memory[0].footprint[0] == 10 * GIB
+    assert coord.governor.footprint_check.summary() == {"source": "nvml", "samples": 1, "ranks_checked": 0,
                                                "failed": "RuntimeError: GPU is lost"}

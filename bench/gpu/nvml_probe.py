@@ -4,7 +4,7 @@ Issue 4 asks for each rank's footprint (allocator reserved + context) to be cros
 This answers the two facts that check rests on, on the machine at hand: whether NVML's per-process
 list names our processes by the PIDs we know (it does not inside some containers), and how much a
 process holds beyond `torch.cuda.memory_reserved()` (the CUDA context, cuBLAS workspace, ...), which
-`prism_megatron.runtime.client.CONTEXT_BYTES` estimates.
+`prism_megatron.runtime.staging.CONTEXT_BYTES` estimates.
 
   python3 bench/gpu/nvml_probe.py            # device nvidia-h200, ~30 s; needs nvidia-ml-py (pynvml)
 """

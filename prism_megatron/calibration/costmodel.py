@@ -45,26 +45,13 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from prism_megatron.runtime.ops import OPS
+
 from .profiles import PROTOCOLS, ClusterProfile
 
-#: trace op kinds -> the formula family that costs them
-KIND_FAMILY = {
-    "all_reduce": "all_reduce",
-    "barrier": "all_reduce",
-    "all_gather": "all_gather",
-    "all_gather_list": "all_gather",
-    "gather": "all_gather",
-    "reduce_scatter": "reduce_scatter",
-    "reduce_scatter_list": "reduce_scatter",
-    "scatter": "reduce_scatter",
-    "broadcast": "broadcast",
-    "reduce": "reduce",
-    "all_to_all": "all_to_all",
-    "all_to_all_list": "all_to_all",
-    "send": "p2p",
-    "recv": "p2p",
-    "send/recv": "p2p",
-}
+#: trace op kinds -> the formula family that costs them (each kind's own field, runtime.ops); the
+#: replay's matched send and receive ("send/recv") are one transfer
+KIND_FAMILY = {**{k.name: k.cost_family for k in OPS.values()}, "send/recv": "p2p"}
 
 #: nccl-tests busbw / algbw for each family, as a function of n (doc/PERFORMANCE.md)
 BUS_FACTOR = {

@@ -54,6 +54,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from prism_megatron.runtime.ops import OPS
+
 FORMAT = "prism-virtual-rank"
 VERSION = 1
 MIN_IDLE = 1e-3  # seconds; shorter compute waits keep the slot
@@ -133,22 +135,17 @@ def split_shapes(kind: str, shapes: list[list[int]], size: int, is_root: bool,
     that cannot be replayed.
     """
     n = len(shapes)
-    if kind in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"):
+    op = OPS.get(kind)
+    if op is None:
+        raise VirtualRankError(f"op kind {kind!r} cannot be replayed by a virtual rank")
+    if op.paired:
         if n % 2 or not n or (kind == "all_to_all" and n != 2):
             raise VirtualRankError(f"{kind} with {n} tensor shape(s) cannot be replayed")
         if kind == "all_to_all" and not splits and (shapes[0][0] if shapes[0] else 1) % size:
             raise VirtualRankError(f"all_to_all_single of shape {shapes[0]} over {size} ranks has uneven splits, "
                                    "whose sizes this trace (before v3) does not record: it cannot be replayed")
         return shapes[: n // 2], shapes[n // 2:]
-    layouts = {
-        "all_gather_list": (1, size), "reduce_scatter_list": (size, 1), "all_to_all_list": (size, size),
-        "broadcast": (1, 0) if is_root else (0, 1), "reduce": (1, 1) if is_root else (1, 0),
-        "gather": (1, size) if is_root else (1, 0), "scatter": (size, 1) if is_root else (0, 1),
-        "barrier": (0, 0), "send": (1, 0), "recv": (0, 1),
-    }
-    if kind not in layouts:
-        raise VirtualRankError(f"op kind {kind!r} cannot be replayed by a virtual rank")
-    n_in, n_out = layouts[kind]
+    n_in, n_out = op.layout(size, is_root)
     if n != n_in + n_out:
         raise VirtualRankError(f"{kind} with {n} tensor shape(s) cannot be replayed (expected {n_in + n_out})")
     return shapes[:n_in], shapes[n_in:]

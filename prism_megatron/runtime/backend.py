@@ -19,7 +19,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from prism_megatron.runtime.client import PrismWork, RankClient
+from prism_megatron.runtime.client import RankClient
+from prism_megatron.runtime.ops import P2P_KINDS
+from prism_megatron.runtime.work import PrismWork
 
 BACKEND_NAME = "prism"
 
@@ -120,7 +122,7 @@ class PrismProcessGroup(dist.ProcessGroup):
         label = getattr(_LABEL, "value", None)
         if label and "label" not in params:
             params["label"] = label
-        if self._local and kind not in ("send", "recv"):
+        if self._local and kind not in P2P_KINDS:
             params["local"] = True
         work = self._client.submit(self._name, kind, ins, outs, async_op=async_op, **params)
         if self._coalescing is not None:

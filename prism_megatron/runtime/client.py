@@ -1,6 +1,7 @@
-"""The rank's end of the coordinator connection: staging, async completion, slot hand-over.
+"""The rank's end of the coordinator connection: requests, async completion, slot hand-over.
 
-One `RankClient` per logical-rank process. The main thread stages inputs and sends requests; a
+One `RankClient` per logical-rank process. The main thread stages inputs (runtime.staging) and sends
+requests; a
 receiver thread takes replies, copies results into the caller's tensors and completes the ops'
 futures. Blocking in `wait` is where a rank gives its compute slot back: it tells the coordinator
 which ops it waits for, and resumes only when the coordinator grants a slot again.
@@ -12,41 +13,19 @@ import itertools
 import os
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Client, Connection
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from torch.futures import Future
 
 from prism_megatron.memory.accountant import untracked
 from prism_megatron.runtime import protocol as P
 from prism_megatron.runtime.gpu_timing import GpuSegmentTimer
+from prism_megatron.runtime.ops import op_kind
 from prism_megatron.runtime.shm import Arena
-
-# CUDA context + cuBLAS workspace of a process, beyond the caching allocator: what NVML showed a
-# Megatron rank hold beyond its reserved bytes (docs/history.md). Where NVML can be read, the
-# coordinator plans with what the driver holds instead (runtime.nvml).
-CONTEXT_BYTES = 810 << 20
-
-
-def device_footprint() -> int:
-    """GPU bytes this process holds (0 before CUDA starts): what a swap moves and a restore needs.
-
-    PRISM_FOOTPRINT_BYTES stands in for it where there is no GPU (tests of the swap scheduling).
-    """
-    fake = os.environ.get("PRISM_FOOTPRINT_BYTES")
-    if fake:
-        return int(fake)
-    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
-        return 0
-    return int(torch.cuda.memory_reserved()) + CONTEXT_BYTES
-
-
-class PrismCommError(RuntimeError):
-    """An op failed in the coordinator (mismatch, abort) or the coordinator went away."""
+from prism_megatron.runtime.staging import cuda_pin, device_footprint, local_descs, overlaps, span, stage, typed
+from prism_megatron.runtime.work import OpToken, PrismCommError, PrismWork
 
 
 @dataclass
@@ -57,174 +36,7 @@ class _Pending:
     regions: list[str] = field(default_factory=list)  # segment names to free once done
     msg: dict | None = None  # the coordinator's DONE, kept until the rank's own thread delivers it
     eager: bool = False  # a future was handed out: the receiver writes results as they arrive
-    spans: list[tuple[str, int, int]] = field(default_factory=list)  # memory the outputs cover (_span)
-
-
-class OpToken:
-    """What waiting on an op needs: its id and completion. Works and futures share it instead of
-    pointing at each other: a Work <-> Future cycle kept every op's tensors alive until the cyclic GC
-    ran, which raised peak allocated memory above NCCL's."""
-
-    __slots__ = ("op_id", "done", "arrived")
-
-    def __init__(self, op_id: int) -> None:
-        self.op_id = op_id
-        self.done = threading.Event()  # results written into the program's tensors (or failed)
-        self.arrived = threading.Event()  # the coordinator completed the op; results not yet written
-
-
-class PrismFuture(Future):
-    """A future whose wait() gives the slot back like Work.wait(); so do futures chained by then()."""
-
-    def __init__(self, client: RankClient, ops: list[OpToken]) -> None:
-        super().__init__()
-        self._client = client
-        self._ops = ops
-
-    def wait(self) -> Any:
-        self._client.wait(self._ops)
-        return super().wait()
-
-    def then(self, callback: Any) -> PrismFuture:
-        chained = super().then(callback)
-        out = PrismFuture(self._client, self._ops)
-
-        def forward(f: Future) -> None:
-            try:
-                out.set_result(f.value())
-            except BaseException as e:  # the callback raised: the chained future carries it
-                out.set_exception(e)
-
-        chained.add_done_callback(forward)
-        return out
-
-
-class PrismWork(dist.Work):
-    """A `Work` whose wait() hands the rank's slot back while it blocks (see RankClient.wait)."""
-
-    def __init__(self, client: RankClient, op_id: int, result: list[torch.Tensor]) -> None:
-        super().__init__()
-        self._client = client
-        self._op = OpToken(op_id)
-        self._result = result
-        self._error: BaseException | None = None
-        self._source: int = -1
-        self._future: PrismFuture = PrismFuture(client, [self._op])
-
-    @property
-    def op_id(self) -> int:
-        return self._op.op_id
-
-    @property
-    def _done(self) -> threading.Event:
-        return self._op.done
-
-    # completion, from the receiver thread (or at once for ops with nothing to wait for)
-    def _finish(self, error: BaseException | None = None, source: int = -1) -> None:
-        self._error = error
-        self._source = source
-        self._op.arrived.set()
-        self._done.set()
-        if error is None:
-            self._future.set_result(self._result)
-        else:
-            self._future.set_exception(error)
-
-    def wait(self, timeout: Any = None) -> bool:  # noqa: ARG002 - torch passes a timedelta
-        self._client.wait([self._op])
-        if self._error is not None:
-            raise self._error
-        return True
-
-    def synchronize(self) -> None:
-        self.wait()
-
-    def is_completed(self) -> bool:
-        if not self._done.is_set() and self._op.arrived.is_set():
-            self._client.deliver()  # a program polling for completion gets the results now
-        return self._done.is_set()
-
-    def is_success(self) -> bool:
-        return self._done.is_set() and self._error is None
-
-    def exception(self) -> BaseException | None:
-        return self._error
-
-    def get_future(self) -> Future:
-        # whoever holds the future may wait on it where prism cannot deliver (torch's C++ waits)
-        self._client.make_eager(self._op)
-        return self._future
-
-    def result(self) -> list[torch.Tensor]:
-        self.wait()
-        return self._result
-
-    def source_rank(self) -> int:
-        return self._source
-
-    def _source_rank(self) -> int:
-        return self._source
-
-
-def _span(t: torch.Tensor) -> tuple[str, int, int]:
-    """(device, first byte, end byte) of the memory ``t`` can touch (views: the extent of its strides)."""
-    start = t.data_ptr()
-    if t.numel() == 0:
-        return str(t.device), start, start
-    extent = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True) if n > 0)
-    return str(t.device), start, start + extent * t.element_size()
-
-
-def _overlaps(a: tuple[str, int, int], b: tuple[str, int, int]) -> bool:
-    return a[0] == b[0] and a[1] < b[2] and b[1] < a[2]
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-def _host_bytes(t: torch.Tensor) -> bytes:
-    flat = t.detach().reshape(-1)
-    if flat.device.type != "cpu":
-        flat = flat.cpu()
-    return flat.contiguous().view(torch.uint8).numpy().tobytes()
-
-
-def _local_descs(tensors: list[torch.Tensor]) -> list[tuple]:
-    return [(("l", _nbytes(t)), P.dtype_name(t.dtype), list(t.shape)) for t in tensors]
-
-
-def _local_result(kind: str, ins: list[torch.Tensor], outs: list[torch.Tensor], redop: str | None,
-                  factor: float | None) -> None:
-    """A collective of a group of one, done where the tensors are: each output is its input (times the
-    factor of a premul_sum), as NCCL writes it on the device, with nothing staged through host memory.
-    Megatron all-reduces gradients over data-parallel groups of one (the whole gradient, every
-    iteration): staged through the coordinator, that copy alone cost seconds per iteration."""
-    if kind in ("barrier", "broadcast"):  # the root of a broadcast of one receives nothing
-        return
-    with torch.no_grad():
-        for i, o in zip(ins, outs, strict=True):
-            if o.numel() and not (o.data_ptr() == i.data_ptr() and o.dtype == i.dtype and o.shape == i.shape):
-                o.copy_(_typed(i.detach().contiguous().reshape(-1).view(torch.uint8), o))
-            if kind in P.REDUCING_KINDS and redop == "premul_sum":
-                o.mul_(factor)
-
-
-def _cuda_pin(address: int, nbytes: int) -> Callable[[], None]:
-    """Page-lock host memory for the copy engine (cudaHostRegister, portable); returns the undo."""
-    cudart = torch.cuda.cudart()
-    err = int(cudart.cudaHostRegister(address, nbytes, 1))
-    if err != 0:
-        raise RuntimeError(f"cudaHostRegister of {nbytes} bytes of staging memory failed (cudaError {err}); "
-                           "run with --staging pageable (--prism-staging pageable)")
-    return lambda: cudart.cudaHostUnregister(address)
-
-
-def _typed(raw: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """View flat bytes as a tensor shaped like `like`."""
-    if like.numel() == 0:
-        return torch.empty(like.shape, dtype=like.dtype)
-    return raw.view(like.dtype).view(like.shape)
+    spans: list[tuple[str, int, int]] = field(default_factory=list)  # memory the outputs cover (staging.span)
 
 
 class RankClient:
@@ -343,14 +155,16 @@ class RankClient:
         t0 = time.perf_counter()
         with untracked():  # staging copies are the runtime's, not the program's memory
             if params.get("local"):
-                regions, in_descs, out_descs = [], _local_descs(ins), _local_descs(outs)
-                _local_result(kind, ins, outs, params.get("redop"), params.get("factor"))
+                regions, in_descs, out_descs = [], local_descs(ins), local_descs(outs)
+                # a group of one: done where the tensors are, with nothing staged through host memory
+                # (Megatron all-reduces gradients over data-parallel groups of one)
+                op_kind(kind).local(ins, outs, params.get("redop"), params.get("factor"))
             else:
                 regions, in_descs, out_descs = self._stage(ins, outs, inplace)
         self.runtime_s["stage"] += time.perf_counter() - t0
         with self._pending_lock:
             self._pending[op_id] = _Pending(work, outs, [d[0] for d in out_descs], regions,
-                                            spans=[_span(t) for t in outs])
+                                            spans=[span(t) for t in outs])
         msg = {"t": P.OP, "id": op_id, "g": group, "kind": kind, "ins": in_descs, "outs": out_descs,
                "drops": self.arena.take_dropped(), "clk": clock, **params}
         if params.get("async_op") is False:
@@ -367,35 +181,11 @@ class RankClient:
         return work
 
     def _stage(self, ins: list[torch.Tensor], outs: list[torch.Tensor], inplace: bool) -> tuple[list, list, list]:
-        """Copy inputs into shared memory (or inline them); describe where outputs go."""
+        """Stage an op's tensors (staging.stage), page-locking the arena at the first op on CUDA tensors."""
         if self._pin_pending and any(t.is_cuda for t in (*ins, *outs)):
             self._pin_pending = False
-            self.arena.pin_with(_cuda_pin)
-        regions: list[str] = []
-        in_descs = []
-        for t in ins:
-            n = _nbytes(t)
-            if n <= P.INLINE_LIMIT:
-                in_descs.append((("i", _host_bytes(t)), P.dtype_name(t.dtype), list(t.shape)))
-            else:
-                seg, off, view = self.arena.alloc(n)
-                regions.append(seg)
-                with torch.no_grad():
-                    _typed(view, t).copy_(t.detach())
-                in_descs.append((("s", seg, off, n), P.dtype_name(t.dtype), list(t.shape)))
-        out_descs = []
-        for i, t in enumerate(outs):
-            n = _nbytes(t)
-            if inplace and in_descs[i][0][0] == "s":
-                desc = in_descs[i][0]
-            elif n <= P.INLINE_LIMIT:
-                desc = ("r", n)
-            else:
-                seg, off, _ = self.arena.alloc(n)
-                regions.append(seg)
-                desc = ("s", seg, off, n)
-            out_descs.append((desc, P.dtype_name(t.dtype), list(t.shape)))
-        return regions, in_descs, out_descs
+            self.arena.pin_with(cuda_pin)
+        return stage(self.arena, ins, outs, inplace)
 
     def _settle(self) -> None:
         """Wait for a grant owed by a synchronous op before doing anything else as a computing rank."""
@@ -432,9 +222,9 @@ class RankClient:
         with self._pending_lock:
             if not self._pending:
                 return []
-            spans = [_span(t) for t in ins]
+            spans = [span(t) for t in ins]
             return [p.work._op for p in self._pending.values()
-                    if any(_overlaps(o, s) for o in p.spans for s in spans)]
+                    if any(overlaps(o, s) for o in p.spans for s in spans)]
 
     def deliver(self) -> None:
         """Write the results of the ops that completed into the program's tensors, off its clock."""
@@ -459,9 +249,10 @@ class RankClient:
     def _deliver(self) -> None:
         """Write every completed op's results, on the rank's own thread at a runtime call (its clock
         paused), never from the receiver: a copy there ran beside the program (on a GPU a pageable
-        host-to-device copy, and another process's work on a computing rank's device), and the
-        emulated host time grew with the micro-batch as if segments paid for it, which the real job,
-        whose NCCL writes results on its own stream, does not pay. Writing at the next runtime call
+        host-to-device copy, and another process's work on a computing rank's device), and on the
+        H200 the emulated host time grew with the micro-batch as if segments paid for it (inferred,
+        not measured copy by copy), which the real job, whose NCCL writes results on its own stream,
+        does not pay. Writing at the next runtime call
         rather than only at the op's wait keeps the op's tensors no longer than NCCL would."""
         with self._pending_lock:
             ready = [i for i, p in self._pending.items() if p.msg is not None]
@@ -598,7 +389,7 @@ class RankClient:
                     else:
                         raw = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else None
                     if raw is not None and t.numel():
-                        t.copy_(_typed(raw, t))
+                        t.copy_(typed(raw, t))
                 if any(t.device.type == "cuda" for t in p.outs):
                     torch.cuda.current_stream().synchronize()
             error = None

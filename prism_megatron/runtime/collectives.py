@@ -2,7 +2,7 @@
 
 Reductions run in one fixed order — member 0, then 1, 2, ... accumulated in the tensors' own dtype
 (as NCCL does) — so results are deterministic run to run, whatever order ranks arrived in.
-Each function takes the members' inputs and returns the members' outputs; no transport here.
+The op kinds (runtime.ops) call these on the members' tensors; no transport here.
 """
 
 from __future__ import annotations
@@ -59,17 +59,6 @@ def reduce(tensors: Sequence[torch.Tensor], op: str, factor: float | None = None
     return acc
 
 
-def all_reduce(ins: Sequence[torch.Tensor], op: str, factor: float | None) -> list[torch.Tensor]:
-    r = reduce(ins, op, factor)
-    return [r] * len(ins)
-
-
-def all_gather(ins: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Every member gets the concatenation of all inputs (flat bytes, member order)."""
-    r = torch.cat([t.reshape(-1) for t in ins])
-    return [r] * len(ins)
-
-
 def reduce_scatter(ins: Sequence[torch.Tensor], op: str, factor: float | None) -> list[torch.Tensor]:
     """Member i gets chunk i of the reduction of all (flat, equal chunks)."""
     r = reduce([t.reshape(-1) for t in ins], op, factor)
@@ -82,7 +71,23 @@ def reduce_scatter_lists(ins: Sequence[Sequence[torch.Tensor]], op: str, factor:
     return [reduce([ins[m][i].reshape(-1) for m in range(n)], op, factor) for i in range(n)]
 
 
-def all_to_all(ins: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor]:
-    """`ins[m][j]` is what member m sends to j; member j gets the concatenation over m."""
-    n = len(ins)
-    return [torch.cat([ins[m][j].reshape(-1) for m in range(n)]) for j in range(n)]
+def concat_bytes(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The members' tensors' bytes one after the other, in member order (all_gather's result)."""
+    return torch.cat([t.view(torch.uint8) for t in tensors])
+
+
+def split_bytes(t: torch.Tensor, splits: Sequence[int]) -> list[torch.Tensor]:
+    """``t``'s bytes cut into pieces of ``splits`` bytes (all_to_all_single's per-member parts)."""
+    raw = t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
+    return list(raw.split(list(splits)))
+
+
+def copy_local(src: torch.Tensor, out: torch.Tensor, factor: float | None = None) -> None:
+    """A group of one's result: ``out`` becomes ``src`` (bytes, whatever the shapes), times ``factor``
+    if given (premul_sum); nothing is copied where ``out`` is ``src``."""
+    with torch.no_grad():
+        if out.numel() and not (out.data_ptr() == src.data_ptr() and out.dtype == src.dtype
+                                and out.shape == src.shape):
+            out.copy_(src.detach().contiguous().reshape(-1).view(torch.uint8).view(out.dtype).view(out.shape))
+        if factor is not None:
+            out.mul_(factor)

@@ -4,7 +4,36 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any
+
+from prism_megatron.runtime.governor import MemoryGovernor
+from prism_megatron.runtime.groups import GroupTable
+from prism_megatron.runtime.ranks import RankState, RankStatus
+
+
+class HangDetector:
+    """No rank can make progress: every live rank is blocked in communication (or granted a slot but
+    waiting for device memory that no blocked rank can free) and no message came for ``timeout`` s."""
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self.last_progress = time.perf_counter()
+
+    def progress(self) -> None:
+        """A message came in."""
+        self.last_progress = time.perf_counter()
+
+    def stalled(self, ranks: dict[int, RankState], world_size: int, awaiting_room: bool) -> float | None:
+        """Seconds for which no rank could move, once that is a hang; None otherwise."""
+        if time.perf_counter() - self.last_progress < self.timeout:
+            return None  # a message came in recently: no need to look at every rank (this runs every loop turn)
+        live = [r for r in ranks.values() if r.state != RankStatus.DONE]
+        if len(ranks) < world_size:
+            return None  # ranks still starting may yet post the missing ops
+        stuck_on_memory = awaiting_room and not any(r.state == RankStatus.RUNNING for r in live)
+        if not live or (any(r.state != RankStatus.BLOCKED for r in live) and not stuck_on_memory):
+            return None
+        stalled = time.perf_counter() - max(self.last_progress, max(r.blocked_since for r in live))
+        return stalled if stalled >= self.timeout else None
 
 
 def _fmt_ranks(ranks: list[int]) -> str:
@@ -22,18 +51,19 @@ def _fmt_ranks(ranks: list[int]) -> str:
     return ",".join(out) or "-"
 
 
-def format_hang_report(coord: Any, stalled: float) -> str:
+def format_hang_report(ranks: dict[int, RankState], groups: GroupTable, governor: MemoryGovernor,
+                       stalled: float) -> str:
     """Text report of every rank's pending ops and of every incomplete collective's missing members."""
     now = time.perf_counter()
     lines = [f"prism: hang detected: no rank has made progress for {stalled:.1f} s "
-             f"({len(coord.ranks)} ranks; every live rank is blocked in communication)", ""]
+             f"({len(ranks)} ranks; every live rank is blocked in communication)", ""]
     lines.append("Pending ops per rank:")
-    for r in sorted(coord.ranks):
-        rs = coord.ranks[r]
-        if rs.state == "done":
+    for r in sorted(ranks):
+        rs = ranks[r]
+        if rs.state == RankStatus.DONE:
             lines.append(f"  rank {r}: exited (code {rs.exit_code})")
             continue
-        if rs.state in ("queued", "starting"):
+        if rs.state in (RankStatus.QUEUED, RankStatus.STARTING):
             lines.append(f"  rank {r}: waiting for a compute slot")
             continue
         waited = now - rs.blocked_since
@@ -41,37 +71,37 @@ def format_hang_report(coord: Any, stalled: float) -> str:
             rec = rs.pending.get(op_id)
             if rec is None:
                 continue
-            g = coord.groups_by_id[rec.group]
+            g = groups.by_id[rec.group]
             what = f"{rec.kind} #{rec.seq}" if rec.seq >= 0 else rec.kind
             peer = f" peer {rec.peer}" if rec.peer >= 0 else ""
             data = f"{rec.dtype} shapes {json.loads(rec.shapes)}, " if rec.dtype else ""
             lines.append(f"  rank {r}: {what}{peer} on group {g.name!r} (ranks {_fmt_ranks(g.ranks)}), "
                          f"{data}waiting {waited:.1f} s")
     incomplete = []
-    for g in coord.groups.values():
+    for g in groups:
         for seq, slot in sorted(g.pending.items()):
             arrived = [m.rank for m in slot if m is not None]
             missing = [g.ranks[i] for i, m in enumerate(slot) if m is None]
             incomplete.append(f"  collective #{seq} on group {g.name!r}: arrived {_fmt_ranks(arrived)}; "
-                              f"missing {_fmt_ranks(missing)}" + _missing_state(coord, missing))
+                              f"missing {_fmt_ranks(missing)}" + _missing_state(ranks, missing))
         for key, q in list(g.p2p.sends.items()) + list(g.p2p.recvs.items()):
             for m in q:
                 other = g.ranks[key[1]] if m.kind == "send" else g.ranks[key[0]]
                 arrow = f"rank {m.rank} -> rank {other}" if m.kind == "send" else f"rank {m.rank} <- rank {other}"
                 incomplete.append(f"  {m.kind} {arrow} on group {g.name!r}: no matching "
-                                  f"{'recv' if m.kind == 'send' else 'send'} posted" + _missing_state(coord, [other]))
+                                  f"{'recv' if m.kind == 'send' else 'send'} posted" + _missing_state(ranks, [other]))
         for _dst, q in g.p2p.any_recvs.items():
             for m in q:
                 incomplete.append(f"  recv (any source) on rank {m.rank}, group {g.name!r}: no send posted")
     if incomplete:
         lines += ["", "Incomplete operations:", *incomplete]
-    if getattr(coord, "awaiting_room", None):
-        mem = coord.memory
+    if governor.awaiting_room:
+        mem = governor.memory
         lines += ["", "Granted a slot but waiting for device memory (no blocked rank left to swap out):"]
-        for g in coord.awaiting_room:
+        for g in governor.awaiting_room:
             m = mem[g.device]
             lines.append(f"  rank {g.rank}: needs {m.footprint.get(g.rank, 0) / 2**30:.1f} GiB on "
-                         f"{coord.device_names[g.device]}; {m.used() / 2**30:.1f} of {m.capacity / 2**30:.1f} GiB "
+                         f"{governor.device_names[g.device]}; {m.used() / 2**30:.1f} of {m.capacity / 2**30:.1f} GiB "
                          f"resident ({_fmt_ranks(sorted(m.resident))})")
         host = mem[0].host
         if host is not None:
@@ -81,9 +111,9 @@ def format_hang_report(coord: Any, stalled: float) -> str:
     return "\n".join(lines)
 
 
-def _missing_state(coord: Any, ranks: list[int]) -> str:
-    exited = [r for r in ranks if r in coord.ranks and coord.ranks[r].state == "done"]
-    never = [r for r in ranks if r not in coord.ranks]
+def _missing_state(states: dict[int, RankState], ranks: list[int]) -> str:
+    exited = [r for r in ranks if r in states and states[r].state == RankStatus.DONE]
+    never = [r for r in ranks if r not in states]
     extra = ""
     if exited:
         extra += f" (exited: {_fmt_ranks(exited)})"

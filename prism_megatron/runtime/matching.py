@@ -12,7 +12,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from prism_megatron.runtime import protocol as P
+from prism_megatron.runtime.ops import OPS
 
 
 @dataclass
@@ -70,63 +70,16 @@ def check_collective(members: list[Member]) -> str | None:
             problems.append("different reduce ops")
         if len({m.msg.get("root") for m in members}) > 1:
             problems.append("different roots")
+        op = OPS.get(kind)  # an unknown kind is the coordinator's to refuse
         dts = {dt for m in members for dt in m.dtypes()}
-        if kind in P.REDUCING_KINDS and len(dts) > 1:
+        if op is not None and op.reducing and len(dts) > 1:
             problems.append(f"different dtypes {sorted(dts)}")
-        problems += _size_problems(kind, members, n)
+        if op is not None:
+            problems += op.check(members, n)
     if not problems:
         return None
     lines = [f"members disagree ({'; '.join(problems)}):"] + [f"  {m.describe()}" for m in members]
     return "\n".join(lines)
-
-
-def _size_problems(kind: str, ms: list[Member], n: int) -> list[str]:
-    ins = [m.in_bytes() for m in ms]
-    outs = [m.out_bytes() for m in ms]
-    root = ms[0].msg.get("root")
-    if kind in ("all_reduce", "all_gather", "reduce_scatter"):
-        if len({len(x) for x in ins}) > 1:
-            return ["different numbers of tensors"]
-        if len({tuple(x) for x in ins}) > 1:
-            return ["different sizes"]
-        for m in ms:
-            for i, o in zip(m.in_bytes(), m.out_bytes(), strict=False):
-                want = {"all_reduce": i, "all_gather": i * n, "reduce_scatter": i // n}[kind]
-                if o != want or (kind == "reduce_scatter" and i % n):
-                    return [f"rank {m.rank}'s output holds {o} bytes, {kind} of {i} bytes over {n} ranks needs {want}"]
-    elif kind in ("reduce", "broadcast"):
-        sizes = {b for x in ins + outs for b in x}
-        if len(sizes) > 1:
-            return ["different sizes"]
-    elif kind == "all_gather_list":
-        for m in ms:
-            if len(m.out_bytes()) != n or m.out_bytes() != [x[0] for x in ins]:
-                return [f"rank {m.rank}'s outputs do not match the inputs' sizes"]
-    elif kind == "gather":
-        r = ms[root].out_bytes()
-        if r != [x[0] for x in ins]:
-            return ["the root's outputs do not match the inputs' sizes"]
-    elif kind == "scatter":
-        r = ms[root].in_bytes()
-        if r != [x[0] for x in outs]:
-            return ["the root's inputs do not match the outputs' sizes"]
-    elif kind == "reduce_scatter_list":
-        for j, m in enumerate(ms):
-            if len(ins[j]) != n or any(ins[k][j] != m.out_bytes()[0] for k in range(n)):
-                return [f"inputs for rank {m.rank} do not match its output size"]
-    elif kind == "all_to_all_list":
-        for i in range(n):
-            for j in range(n):
-                if len(ins[i]) != n or len(outs[j]) != n or ins[i][j] != outs[j][i]:
-                    return [f"rank {ms[i].rank} sends {ins[i][j] if len(ins[i]) == n else '?'} bytes to rank "
-                            f"{ms[j].rank}, which expects {outs[j][i] if len(outs[j]) == n else '?'}"]
-    elif kind == "all_to_all":
-        for i in range(n):
-            for j in range(n):
-                s, r = ms[i].msg["in_splits"][j], ms[j].msg["out_splits"][i]
-                if s != r:
-                    return [f"rank {ms[i].rank} sends {s} bytes to rank {ms[j].rank}, which expects {r}"]
-    return []
 
 
 def check_p2p(send: Member, recv: Member) -> str | None:

@@ -1,7 +1,7 @@
 """NVML's word on what each process holds on the GPU: the cross-check of the footprints ranks report.
 
 A rank reports its footprint as its caching allocator's reserved bytes plus an estimate of what the
-process holds beyond them (`client.CONTEXT_BYTES`: the CUDA context, cuBLAS workspaces). A checkpoint
+process holds beyond them (`staging.CONTEXT_BYTES`: the CUDA context, cuBLAS workspaces). A checkpoint
 moves, and a restore needs, what the driver holds for the process, which is what NVML lists per process.
 NVML names our processes by their own PIDs, and what it lists beyond reserved differs by what the
 process ran (a matmul loads cuBLAS); one query over all processes is cheap but not free. So the

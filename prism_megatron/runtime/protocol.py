@@ -21,7 +21,7 @@ import torch
 # rank -> coordinator
 HELLO = "hello"  # {rank, pid, world_size}
 GROUP = "group"  # {name, ranks, backend}
-OP = "op"  # an operation, see runtime.client.OpRequest
+OP = "op"  # an operation, see RankClient.submit
 BLOCK = "block"  # {ids}: the rank waits for these ops; release its slot until they complete
 ACQUIRE = "acquire"  # the rank wants a slot (start of the program)
 MARK = "mark"  # {name, phase, attrs}: a scheduling-unit marker
@@ -45,8 +45,6 @@ FINISH = "finish"  # {status, exit_codes, ranks}: write the trace (if status == 
 FATAL = "fatal"  # {kind, report}: coordinator found a hang or a mismatch
 WRITTEN = "written"  # {path}: trace written (or None)
 PROGRESS = "progress"  # {connected, finished}
-
-REDUCING_KINDS = frozenset({"all_reduce", "reduce", "reduce_scatter", "reduce_scatter_list"})
 
 INLINE_LIMIT = 64 * 1024  # payloads up to this size travel inside the control message
 

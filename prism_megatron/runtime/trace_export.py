@@ -5,25 +5,31 @@ from __future__ import annotations
 import base64
 import json
 import math
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
 
+from prism_megatron.runtime.governor import MemoryGovernor
+from prism_megatron.runtime.groups import GroupTable
+from prism_megatron.runtime.ranks import RankState
+from prism_megatron.runtime.recorder import Recorder
 from prism_megatron.trace import write_trace
 
 _OP_COLUMNS = ("rank", "index", "kind", "group", "seq", "peer", "root", "bytes", "dtype", "shapes", "reduce_op",
                "async_op", "t_issue", "t_complete", "compute_before", "label", "splits", "payload")
 
 
-def _runtime(coord: Any, rank: int) -> dict:
-    rs = coord.ranks.get(rank)
+def _runtime(rs: RankState | None) -> dict:
     return {"runtime_s": rs.runtime_s} if rs is not None and rs.runtime_s else {}
 
 
-def write_bare_trace(coord: Any, path: Path, job: dict, exit_codes: dict) -> Path:
-    """Write every op, marker and slot grant the coordinator saw; atomic (see trace.writer)."""
+def write_bare_trace(path: Path, job: dict, exit_codes: dict, *, world_size: int, recorder: Recorder,
+                     groups: GroupTable, ranks: dict[int, RankState], governor: MemoryGovernor,
+                     device_name: Callable[[int], str]) -> Path:
+    """Write every op, marker and slot grant the coordinator saw; atomic (see trace.writer).
+    ``device_name(rank)``: the device the rank ran on."""
     ops = []
-    for rec in coord.ops:
+    for rec in recorder.ops:
         row = {k: v for k, v in asdict(rec).items() if k in _OP_COLUMNS}
         # encoded here, once, rather than per op in the coordinator's loop
         row["splits"] = json.dumps(list(rec.splits)) if rec.splits else ""
@@ -32,19 +38,18 @@ def write_bare_trace(coord: Any, path: Path, job: dict, exit_codes: dict) -> Pat
             row["t_complete"] = row["t_issue"]  # never completed (fire-and-forget send at exit)
         ops.append(row)
     job = dict(job)  # the launcher's, with what only the coordinator knows
-    if coord.memory is not None:
-        job["swap"] = coord.swap_stats()
-    if coord.timing_gated:
-        job["gpu_timing_by_device"] = coord.timing_verdicts()
-    if coord.footprint_check is not None:
-        job["footprint_check"] = coord.footprint_check.summary()
+    if governor.memory is not None:
+        job["swap"] = governor.swap_stats()
+    if governor.timing_gated:
+        job["gpu_timing_by_device"] = governor.timing_verdicts()
+    if governor.footprint_check is not None:
+        job["footprint_check"] = governor.footprint_check.summary()
     manifest = {
-        "world_size": coord.world_size,
+        "world_size": world_size,
         "job": job,
-        "groups": [{"id": g.id, "name": g.name, "ranks": g.ranks, "backend": g.backend}
-                   for g in sorted(coord.groups.values(), key=lambda g: g.id)],
+        "groups": [{"id": g.id, "name": g.name, "ranks": g.ranks, "backend": g.backend} for g in groups],
         "ranks": [{"rank": r, "exit_code": exit_codes.get(str(r), exit_codes.get(r)),
-                   "device": coord.device_names[coord.slots.device_of(r)], **_runtime(coord, r)}
-                  for r in range(coord.world_size)],
+                   "device": device_name(r), **_runtime(ranks.get(r))}
+                  for r in range(world_size)],
     }
-    return write_trace(path, manifest, ops=ops, marks=coord.marks, slots=coord.slot_log, gpu=coord.gpu_rows)
+    return write_trace(path, manifest, ops=ops, marks=recorder.marks, slots=recorder.slot_log, gpu=recorder.gpu_rows)
