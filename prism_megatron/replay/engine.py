@@ -20,6 +20,12 @@ when its inputs are ready on the stream; blocking ops and waits hold the stream,
 (NCCL returns at once), and the host waits for the device only at a CpuSync and at the rank's end.
 Marks are host times. Other ranks have one clock (stream == host): the rules above reduce to it.
 
+Symmetric replay (a folded graph, ``Graph.fold``): only the live ranks are replayed. A collective
+over a group with virtual members starts when its live members have issued it (each virtual member
+issues it when its representative does, so this is exact where the fold's symmetry is) and is
+costed for the whole group: its size and its ranks' placement on nodes. A live rank's p2p partner
+must be live (else replay the synthesised graph, replay.synthesize).
+
 Since no resource is shared, every time is a max-plus function of the inputs and the order in
 which ranks are advanced does not change the result. Link contention between concurrent ops and
 compute slowdown from overlapping communication are not modelled.
@@ -279,6 +285,9 @@ class _Replay:
         self.segments: dict[int, list[Segment]] = defaultdict(list)
         self.marks: list[MarkTime] = []
         self.group_last: dict[int, tuple] = {}
+        # symmetric replay: a collective needs its live members only (all members in a full graph)
+        self.live = frozenset(graph.events) if graph.fold is not None else None
+        self.need: dict[int, int] = {}
 
     # --- ops ---------------------------------------------------------------------------------------
     def _issue(self, rank: int, i: int, ev: Comm) -> tuple:
@@ -286,6 +295,9 @@ class _Replay:
         op = self.ops.get(key)
         if op is None:
             ranks = (key[2], key[3]) if ev.is_p2p else self.g.groups[ev.group].ranks
+            if self.live is not None and ev.is_p2p and ev.peer not in self.live:
+                raise GraphError(f"{self.g.source}: {_describe(rank, i, ev)}: the peer is a virtual rank; symmetric "
+                                 "replay needs live p2p partners (replay the synthesised full graph instead)")
             op = self.ops[key] = OpResult(key, "send/recv" if ev.is_p2p else ev.kind, ev.group, tuple(ranks))
         elif not ev.is_p2p and op.kind != ev.kind:
             raise GraphError(f"{self.g.source}: {_describe(rank, i, ev)} matches {op.kind} of rank "
@@ -297,7 +309,11 @@ class _Replay:
         op.nbytes = max(op.nbytes, ev.nbytes)
         op.label = op.label or ev.label
         self.keys[rank][i] = key
-        if len(op.issue) == len(op.ranks):
+        need = self.need.get(ev.group) if not ev.is_p2p else 2
+        if need is None:
+            need = self.need[ev.group] = len(op.ranks) if self.live is None else sum(
+                1 for r in op.ranks if r in self.live)
+        if len(op.issue) == need:
             self._complete(op)
         return key
 
@@ -318,7 +334,7 @@ class _Replay:
         if not (math.isfinite(duration) and duration >= 0):
             raise ValueError(f"cost function returned {duration} for {spec}")
         op.start, op.end, op.why = start, start + duration, why
-        for r in op.ranks:
+        for r in op.issue:  # every member, or every live member in a symmetric replay
             self.segments[r].append(Segment(r, "comm", op.start, op.end, op.label or op.kind,
                                             {"kind": op.kind, "group": op.group, "bytes": op.nbytes,
                                              "issue": op.issue.get(r)}))
@@ -411,7 +427,7 @@ class _Replay:
         undone = [op for op in self.ops.values() if not op.done]
         if undone:
             lines = [f"  {op.kind} on group {op.group} {op.key[2:]}: issued by {sorted(op.issue)}, missing "
-                     f"{sorted(set(op.ranks) - set(op.issue))}" for op in undone[:20]]
+                     f"{self._missing(op)}" for op in undone[:20]]
             raise GraphError(f"{self.g.source}: {len(undone)} op(s) never matched:\n" + "\n".join(lines))
         self.end = {r: max(self.clock[r], self.stream[r]) for r in self.g.ranks}  # exit waits for the device
         makespan = max(self.end.values(), default=0.0)
@@ -423,6 +439,9 @@ class _Replay:
         return ReplayResult(self.g, makespan, dict(self.end), dict(self.segments), self.ops, self.marks,
                             self._critical_path(), times)
 
+    def _missing(self, op: OpResult) -> list[int]:
+        return sorted(r for r in set(op.ranks) - set(op.issue) if self.live is None or r in self.live)
+
     def _deadlock_report(self, stuck: list[int]) -> str:
         lines = []
         for r in stuck:
@@ -433,7 +452,7 @@ class _Replay:
             for k in keys:
                 op = self.ops[k]
                 if not op.done:
-                    missing = sorted(set(op.ranks) - set(op.issue))
+                    missing = self._missing(op)
                     j = op.event[r] if r in op.event else i
                     waits.append(f"{_describe(r, j, self.g.events[r][j])} waits for rank(s) {missing}")
             lines.append("  " + ("; ".join(waits) or _describe(r, i, ev)))
