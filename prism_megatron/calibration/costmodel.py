@@ -158,6 +158,7 @@ class CollectiveCostModel:
         self.profile = profile
         self.gpus_per_node = gpus_per_node or profile.node_size
         self._links: dict[tuple[int, ...], Link] = {}  # a group's link, by its ranks (large groups recur)
+        self._times: dict[tuple, float] = {}  # replay costs the same op of every iteration again
         self.algorithm = algorithm or profile.algorithm
         self.protocol = protocol or profile.protocol
         if self.algorithm not in ("ring", "tree", "auto"):
@@ -199,4 +200,8 @@ class CollectiveCostModel:
         return min(self._one(family, float(nbytes), n, link, a, p) for a in algorithms for p in protocols)
 
     def __call__(self, spec: Any) -> float:
-        return self.time(spec.kind, spec.nbytes, spec.ranks)
+        key = (spec.kind, spec.nbytes, spec.ranks)
+        t = self._times.get(key)
+        if t is None:
+            t = self._times[key] = self.time(spec.kind, spec.nbytes, spec.ranks)
+        return t

@@ -45,7 +45,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .graph import Comm, Compute, CpuSync, Event, Graph, GraphError, Mark, Wait
+from .graph import P2P_KINDS, Comm, Compute, CpuSync, Event, Graph, GraphError, Mark, Wait
 
 
 class DeadlockError(GraphError):
@@ -291,25 +291,31 @@ class _Replay:
 
     # --- ops ---------------------------------------------------------------------------------------
     def _issue(self, rank: int, i: int, ev: Comm) -> tuple:
-        key = _op_key(rank, ev)
+        p2p = ev.kind in P2P_KINDS
+        if p2p:
+            key = ("p2p", ev.group, rank, ev.peer, ev.seq) if ev.kind == "send" else (
+                "p2p", ev.group, ev.peer, rank, ev.seq)
+        else:
+            key = ("coll", ev.group, ev.seq)
         op = self.ops.get(key)
         if op is None:
-            ranks = (key[2], key[3]) if ev.is_p2p else self.g.groups[ev.group].ranks
-            if self.live is not None and ev.is_p2p and ev.peer not in self.live:
+            ranks = (key[2], key[3]) if p2p else self.g.groups[ev.group].ranks
+            if self.live is not None and p2p and ev.peer not in self.live:
                 raise GraphError(f"{self.g.source}: {_describe(rank, i, ev)}: the peer is a virtual rank; symmetric "
                                  "replay needs live p2p partners (replay the synthesised full graph instead)")
-            op = self.ops[key] = OpResult(key, "send/recv" if ev.is_p2p else ev.kind, ev.group, tuple(ranks))
-        elif not ev.is_p2p and op.kind != ev.kind:
+            op = self.ops[key] = OpResult(key, "send/recv" if p2p else ev.kind, ev.group, tuple(ranks))
+        elif not p2p and op.kind != ev.kind:
             raise GraphError(f"{self.g.source}: {_describe(rank, i, ev)} matches {op.kind} of rank "
                              f"{next(iter(op.issue))} (same group and seq, different op)")
         if rank in op.issue:
             raise GraphError(f"{self.g.source}: {_describe(rank, i, ev)} is issued twice (seq {ev.seq} repeats)")
         op.issue[rank] = self.stream[rank]  # the op's inputs are ready on the device
         op.event[rank] = i
-        op.nbytes = max(op.nbytes, ev.nbytes)
+        if ev.nbytes > op.nbytes:
+            op.nbytes = ev.nbytes
         op.label = op.label or ev.label
         self.keys[rank][i] = key
-        need = self.need.get(ev.group) if not ev.is_p2p else 2
+        need = self.need.get(ev.group) if not p2p else 2
         if need is None:
             need = self.need[ev.group] = len(op.ranks) if self.live is None else sum(
                 1 for r in op.ranks if r in self.live)
@@ -348,11 +354,25 @@ class _Replay:
         The device stream waits for the ops; the host goes on at once with two clocks (NCCL returns
         immediately) and waits with them with one clock.
         """
+        ops = self.ops
         for k in keys:
-            if not self.ops[k].done:
+            if ops[k].end != ops[k].end:  # nan: not done
                 self.parked[k].append(rank)
                 return False
         b = self.stream[rank]
+        if len(keys) == 1:  # the common case, without the general merge below
+            op = ops[keys[0]]
+            e = op.end if op.end > b else b
+            if e > b:
+                seg = self.segments[rank]
+                s = op.start if op.start > b else b
+                if s > b:
+                    seg.append(Segment(rank, "bubble", b, s, "waiting for the op to start"))
+                seg.append(Segment(rank, "exposed_comm", s, e, op.label))
+            self.stream[rank] = e
+            if not self.two_clock[rank]:
+                self.clock[rank] = e
+            return True
         e = max([b] + [self.ops[k].end for k in keys])
         flight = sorted((max(self.ops[k].start, b), min(self.ops[k].end, e)) for k in keys)
         t = b
@@ -388,34 +408,44 @@ class _Replay:
         self.clock[rank], self.stream[rank] = clock + c, after
 
     def _run(self, rank: int) -> None:
+        # The hot loop of the replay: dispatch on the exact event type, per-rank lists held locally.
         evs = self.g.events[rank]
-        while self.pc[rank] < len(evs):
-            i = self.pc[rank]
+        n = len(evs)
+        ready, done_t, clock, stream = self.ready[rank], self.done_t[rank], self.clock, self.stream
+        i = self.pc[rank]
+        while i < n:
             ev = evs[i]
-            on_stream = isinstance(ev, (Comm, Wait))  # device events; the others are timed on the host
-            now = self.stream if on_stream else self.clock
-            if math.isnan(self.ready[rank][i]):
-                self.ready[rank][i] = now[rank]
-            if isinstance(ev, Compute):
+            kind = type(ev)
+            on_stream = kind is Comm or kind is Wait  # device events; the others are timed on the host
+            now = stream if on_stream else clock
+            if ready[i] != ready[i]:  # nan: first time here
+                ready[i] = now[rank]
+            if kind is Compute:
                 self._compute(rank, i, ev)
-            elif isinstance(ev, CpuSync):
-                self.clock[rank] = max(self.clock[rank], self.stream[rank])
-            elif isinstance(ev, Mark):
-                self.marks.append(MarkTime(rank, ev.name, ev.phase, self.clock[rank], ev.attrs))
-            elif isinstance(ev, Comm):
+            elif kind is Comm:
                 if not self.issued[rank]:
                     key = self._issue(rank, i, ev)
                     self.issued[rank] = True
                 else:
                     key = self.keys[rank][i]
                 if not ev.async_op and not self._block(rank, i, (key,)):
+                    self.pc[rank] = i
                     return
                 self.issued[rank] = False
-            elif isinstance(ev, Wait):
-                if not self._block(rank, i, tuple(self.keys[rank][j] for j in ev.refs)):
+            elif kind is Mark:
+                self.marks.append(MarkTime(rank, ev.name, ev.phase, clock[rank], ev.attrs))
+            elif kind is CpuSync:
+                clock[rank] = max(clock[rank], stream[rank])
+            elif kind is Wait:
+                keys = self.keys[rank]
+                if not self._block(rank, i, tuple(keys[j] for j in ev.refs)):
+                    self.pc[rank] = i
                     return
-            self.done_t[rank][i] = now[rank]
-            self.pc[rank] = i + 1
+            else:
+                raise GraphError(f"{self.g.source}: rank {rank} event {i} is a {kind.__name__}, not an event")
+            done_t[i] = now[rank]
+            i += 1
+        self.pc[rank] = i
 
     def run(self) -> ReplayResult:
         self.work = list(self.g.ranks)
