@@ -317,11 +317,21 @@ class _Replay:
         self.keys[rank][i] = key
         need = self.need.get(ev.group) if not p2p else 2
         if need is None:
-            need = self.need[ev.group] = len(op.ranks) if self.live is None else sum(
-                1 for r in op.ranks if r in self.live)
+            need = self.need[ev.group] = len(op.ranks) if self.live is None else self._live_members(ev.group)
         if len(op.issue) == need:
             self._complete(op)
         return key
+
+    def _live_members(self, gid: int) -> int:
+        """How many members of group ``gid`` are live; each virtual one must mirror a member (exactness)."""
+        group, rep = self.g.groups[gid], self.g.fold.rep
+        members = frozenset(group.ranks)
+        for r in group.ranks:
+            if rep[r] not in members:
+                raise GraphError(f"{self.g.source}: group {gid} (ranks {list(group.ranks)[:8]}) has virtual member "
+                                 f"{r} whose representative {rep[r]} is not in the group: symmetric replay "
+                                 "cannot time its part")
+        return sum(1 for r in group.ranks if r in self.live)
 
     def _complete(self, op: OpResult) -> None:
         last = max(op.issue, key=lambda r: (op.issue[r], -r))

@@ -55,7 +55,7 @@ class _Synthesis:
             m = self.members[gid] = frozenset(self.groups[gid].ranks)
         return m
 
-    def _check_virtual_members(self, gid: int) -> None:
+    def check_virtual_members(self, gid: int) -> None:
         """Every virtual member of a group the live ranks use mirrors a member of that group."""
         if gid in self.checked:
             return
@@ -76,7 +76,7 @@ class _Synthesis:
     def group_for(self, gid: int, rank: int, shift: int) -> int:
         """The group virtual rank ``rank`` joins for its representative's op on ``gid``."""
         if rank in self._members(gid):
-            self._check_virtual_members(gid)
+            self.check_virtual_members(gid)
             return gid
         key = (gid, shift)
         new = self.shifted.get(key)
@@ -143,5 +143,7 @@ def synthesize(graph: Graph) -> Graph:
     if missing:
         raise GraphError(f"{graph.source}: folded graph lacks live rank(s) {missing[:8]}")
     s = _Synthesis(graph, fold)
+    for gid in sorted({ev.group for evs in graph.events.values() for ev in evs if type(ev) is Comm}):
+        s.check_virtual_members(gid)
     events = {r: s.rank_events(r) for r in range(fold.world_size)}
     return Graph(s.groups, events, f"{graph.source} (synthesised: {fold.world_size} ranks)", list(graph.notes))
