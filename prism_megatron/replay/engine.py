@@ -210,16 +210,26 @@ class ReplayResult:
         its = self.iterations()
         return [it.time for it in its] if its else [self.makespan]
 
-    def summary(self) -> str:
-        """A short text report: iteration times, per-rank breakdown, critical path by kind."""
+    def summary(self, classes: dict[int, str] | None = None) -> str:
+        """A short text report: iteration times, per-rank breakdown, critical path by kind.
+
+        ``classes`` (rank -> class name): one breakdown row per class, the mean of its ranks, instead
+        of one per rank (a folded or synthesised job of thousands of ranks).
+        """
         lines = [f"replay of {self.graph.source}: makespan {self.makespan * 1e3:.3f} ms"]
         for it in self.iterations():
             lines.append(f"  iteration {it.number}: {it.time * 1e3:.3f} ms")
-        lines.append(f"  {'rank':>5} {'compute':>10} {'exposed':>10} {'bubble':>10} {'comm':>10}  (ms)")
+        rows: dict[Any, list[int]] = defaultdict(list)
         for r in self.graph.ranks:
-            b = self.breakdown(r)
-            lines.append(f"  {r:>5} {b.compute * 1e3:>10.3f} {b.exposed_comm * 1e3:>10.3f} "
-                         f"{b.bubble * 1e3:>10.3f} {b.comm * 1e3:>10.3f}")
+            rows[r if classes is None else classes[r]].append(r)
+        width = max([5, *(len(str(k)) for k in rows)])
+        head = "rank" if classes is None else "class (mean of its ranks)"
+        lines.append(f"  {head:>{width}} {'compute':>10} {'exposed':>10} {'bubble':>10} {'comm':>10}  (ms)")
+        for key, members in rows.items():
+            bs = [self.breakdown(r) for r in members]
+            mean = [sum(getattr(b, f) for b in bs) / len(bs) * 1e3 for f in ("compute", "exposed_comm", "bubble",
+                                                                               "comm")]
+            lines.append(f"  {key!s:>{width}} " + " ".join(f"{x:>10.3f}" for x in mean))
         by_kind: dict[str, float] = defaultdict(float)
         for step in self.critical_path:
             by_kind[step.kind] += step.duration

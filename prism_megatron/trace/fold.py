@@ -77,11 +77,11 @@ def make_fold(rep: Sequence[int], gpus_per_node: int, classes: Sequence[FoldClas
     rep = tuple(int(x) for x in rep)
     live = tuple(sorted(set(rep)))
     if not classes:
-        index = {l: i for i, l in enumerate(live)}
+        index = {x: i for i, x in enumerate(live)}
         counts = [0] * len(live)
         for x in rep:
             counts[index[x]] += 1
-        classes = tuple(FoldClass(f"like rank {l}", "", counts[i], (l,)) for i, l in enumerate(live))
+        classes = tuple(FoldClass(f"like rank {x}", "", counts[i], (x,)) for i, x in enumerate(live))
         class_of = tuple(index[x] for x in rep)
     fold = Fold(len(rep), live, rep, int(gpus_per_node), tuple(classes), tuple(class_of), dict(contributions or {}))
     return parse_fold(fold.to_json(), len(rep), "<fold>")

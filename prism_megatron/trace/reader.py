@@ -16,6 +16,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from .fold import Fold, read_fold
 from .schema import (
     COLUMNS,
     DEFAULTS,
@@ -28,7 +29,6 @@ from .schema import (
     check_table,
     tables_of,
 )
-from .fold import Fold, read_fold
 
 
 @dataclass
