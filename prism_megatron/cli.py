@@ -197,7 +197,7 @@ def replay_cmd(trace_dir: Path, cluster: str | None, chrome_out: Path | None, fu
     except (TraceFormatError, GraphError, ValueError) as e:
         raise click.ClickException(str(e)) from None
     click.echo(result.summary(None if fold is None else {r: fold.class_name(r) for r in graph.ranks}))
-    click.echo(f"  provenance: {provenance(cluster, fold=fold, full=full)}")
+    click.echo(f"  provenance: {provenance(cluster, fold=fold, full=full, gpus_per_node=gpus_per_node)}")
     if chrome_out is not None:
         from prism_megatron.replay.export import write_chrome
 

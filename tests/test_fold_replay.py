@@ -3,18 +3,22 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
 from folding import fold_trace
 
-from conftest import PROGRAMS, launch_source
+from conftest import PROGRAMS, launch_source, prism
 from prism_megatron.calibration.costmodel import CollectiveCostModel
 from prism_megatron.calibration.profiles import load_profile
 from prism_megatron.replay import Comm, GraphBuilder, GraphError, Group, graph_from_trace, replay
 from prism_megatron.replay.synthesize import SynthesisError, fold_graph, synthesize
 from prism_megatron.replay.synthetic import Shape, megatron_1f1b, replica_fold
+from prism_megatron.report import make_report, read_report, summary_text
+from prism_megatron.report.wandb_log import report_summary
 from prism_megatron.trace import TraceFormatError, read_trace
+from prism_megatron.trace.fold import FoldClass
 
 PROFILE = load_profile("h100-nvlink-ib400")
 
@@ -115,8 +119,9 @@ def launched(tmp_path_factory):
     root = tmp_path_factory.mktemp("fold")
     full = launch_source(root, (PROGRAMS / "tp_pp_dp.py").read_text(), world_size=8, slots_per_device=2)
     rep = [r - 2 * ((r // 2) % 2) for r in range(8)]  # DP index 1 -> 0
-    folded = read_trace(fold_trace(full.path, root / "folded", rep, gpus_per_node=4,
-                                   contributions={"all_reduce": {"mirror": 12}}))
+    classes = [FoldClass("stage 0 (first)", "embedding", 4, (0, 1)), FoldClass("stage 1 (last)", "loss", 4, (4, 5))]
+    folded = read_trace(fold_trace(full.path, root / "folded", rep, gpus_per_node=4, classes=classes,
+                                   class_of=[0, 0, 0, 0, 1, 1, 1, 1], contributions={"all_reduce": {"mirror": 12}}))
     return full, folded, rep
 
 
@@ -160,3 +165,42 @@ def test_reader_rejects_bad_folds(launched, tmp_path):
                                         classes=[], class_of=[]))
     with pytest.raises(TraceFormatError, match="column 'rank'.* contains 5, a virtual rank"):
         read_trace(path)
+
+
+def test_report_of_a_folded_trace_shows_classes(launched, tmp_path):
+    _, folded, _ = launched
+    rep = read_report(make_report(folded.path, tmp_path, cluster="h100-nvlink-ib400")["report"])
+    fold = rep["fold"]
+    assert fold["world_size"] == 8 and fold["live"] == [0, 1, 4, 5] and fold["gpus_per_node"] == 4
+    assert fold["contributions"] == {"mirror": 12, "recorded": 0, "keep": 0}
+    assert [(c["name"], c["count"], c["sandbox"]) for c in fold["classes"]] == [
+        ("stage 0 (first)", 4, [0, 1]), ("stage 1 (last)", 4, [4, 5])]
+    assert all(c["compute_s"] > 0 and c["bubble_s"] is not None for c in fold["classes"])
+    assert [b["rank"] for b in rep["prediction"]["breakdown"]] == [0, 1, 4, 5]
+    assert {b["class"] for b in rep["prediction"]["breakdown"]} == {"stage 0 (first)", "stage 1 (last)"}
+    prov = rep["prediction"]["provenance"]
+    assert "4 of 8 ranks ran for real (ranks 0-1,4-5), the other 4 are virtual" in prov
+    assert "mirror 12, recorded 0, keep 0" in prov and "on 4 GPUs per node; symmetric replay" in prov
+    text = summary_text(rep, width=200)
+    assert "8 ranks (4 real, the others virtual)" in text and "rank classes: 4 of 8 ranks ran, 4 virtual" in text
+    assert "median iteration per rank" not in text  # classes, not one row per rank
+    logged = report_summary(rep)
+    assert logged["prism/fold/live_ranks"] == 4 and logged["prism/classes/stage_0_first/ranks"] == 4
+    assert logged["prism/classes/stage_1_last/compute_ms"] == fold["classes"][1]["compute_s"] * 1e3
+
+
+def test_replay_cli_on_a_folded_trace(launched):
+    _, folded, _ = launched
+    root = folded.path.parent
+    sym = prism("replay", str(folded.path), "--cluster", "h100-nvlink-ib400", cwd=root)
+    full = prism("replay", str(folded.path), "--cluster", "h100-nvlink-ib400", "--full", cwd=root)
+    assert sym.returncode == 0 and full.returncode == 0, sym.stderr + full.stderr
+    assert "class (mean of its ranks)" in sym.stdout and "stage 1 (last)" in sym.stdout
+    assert "symmetric replay of the live ranks" in sym.stdout
+    assert "synthesised: 8 ranks" in full.stdout and "replay of the synthesised graph of every rank" in full.stdout
+    its = lambda out: [line for line in out.splitlines() if line.strip().startswith("iteration ")]  # noqa: E731
+    assert its(sym.stdout) and its(sym.stdout) == its(full.stdout)
+    pairs = prism("replay", str(folded.path), "--cluster", "h100-nvlink-ib400", "--gpus-per-node", "2", cwd=root)
+    assert pairs.returncode == 0 and "on 2 GPUs per node" in pairs.stdout, pairs.stderr
+    makespan = lambda out: float(re.search(r"makespan ([0-9.]+) ms", out).group(1))  # noqa: E731
+    assert makespan(pairs.stdout) > makespan(sym.stdout)  # data-parallel pairs now cross nodes

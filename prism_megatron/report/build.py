@@ -90,7 +90,7 @@ def assemble(trace_dir: str | Path, cluster: str | None = None,
 
 
 def provenance(cluster: str | None, gpu_timed: bool = False, calibrated: bool = False,
-               fold: Fold | None = None, full: bool = False) -> str:
+               fold: Fold | None = None, full: bool = False, gpus_per_node: int | None = None) -> str:
     """Where the predicted numbers come from, in a sentence: they are not measurements. A folded
     trace adds which ranks were real and how the virtual ones were made (``full``: the synthesised
     graph of every rank was replayed, else the live ranks symmetrically)."""
@@ -102,7 +102,7 @@ def provenance(cluster: str | None, gpu_timed: bool = False, calibrated: bool = 
     made = ", ".join(f"{way} {ways[way]}" for way in ways)
     return (f"{base}; {n} of {w} ranks ran for real (ranks {rank_ranges(fold.live)}), the other {w - n} are "
             f"virtual: each mirrors its class's sandbox rank (compute, and op inputs: {made}), its collectives "
-            f"costed for the full groups on {fold.gpus_per_node} GPUs per node; "
+            f"costed for the full groups on {gpus_per_node or fold.gpus_per_node} GPUs per node; "
             + ("replay of the synthesised graph of every rank" if full else
                "symmetric replay of the live ranks"))
 
