@@ -112,6 +112,17 @@ class Segment:
         return self.end - self.start
 
 
+_new = object.__new__
+
+
+def _segment(rank: int, kind: str, start: float, end: float, label: str = "", args: dict | None = None) -> Segment:
+    """Segment(...) without the frozen dataclass's per-field __setattr__: the replay makes one or two
+    per event, and the dataclass constructor was a quarter of a replay's time."""
+    seg = _new(Segment)
+    seg.__dict__.update(rank=rank, kind=kind, start=start, end=end, label=label, args={} if args is None else args)
+    return seg
+
+
 @dataclass(frozen=True)
 class Breakdown:
     """Time of one rank over a window. compute + exposed_comm + bubble == window length."""
@@ -352,18 +363,21 @@ class _Replay:
                 start, why = self.ops[prev].end, ("group", prev)
             self.group_last[op.group] = op.key
         ev = self.g.events[last][op.event[last]]
+        spec = _new(CommSpec)  # CommSpec(...) without the frozen dataclass's slow constructor (once per op)
         if op.key[0] == "p2p":
-            spec = CommSpec("send", op.nbytes, op.ranks, op.group, src=op.ranks[0], dst=op.ranks[1], dtype=ev.dtype)
+            spec.__dict__.update(kind="send", nbytes=op.nbytes, ranks=op.ranks, group=op.group, src=op.ranks[0],
+                                 dst=op.ranks[1], root=-1, dtype=ev.dtype)
         else:
-            spec = CommSpec(op.kind, op.nbytes, op.ranks, op.group, root=ev.root, dtype=ev.dtype)
+            spec.__dict__.update(kind=op.kind, nbytes=op.nbytes, ranks=op.ranks, group=op.group, src=-1, dst=-1,
+                                 root=ev.root, dtype=ev.dtype)
         duration = float(self.cost(spec))
         if not (math.isfinite(duration) and duration >= 0):
             raise ValueError(f"cost function returned {duration} for {spec}")
         op.start, op.end, op.why = start, start + duration, why
         for r in op.issue:  # every member, or every live member in a symmetric replay
-            self.segments[r].append(Segment(r, "comm", op.start, op.end, op.label or op.kind,
-                                            {"kind": op.kind, "group": op.group, "bytes": op.nbytes,
-                                             "issue": op.issue.get(r)}))
+            self.segments[r].append(_segment(r, "comm", op.start, op.end, op.label or op.kind,
+                                             {"kind": op.kind, "group": op.group, "bytes": op.nbytes,
+                                              "issue": op.issue.get(r)}))
         for r in self.parked.pop(op.key, ()):
             self.work.append(r)
 
@@ -387,8 +401,8 @@ class _Replay:
                 seg = self.segments[rank]
                 s = op.start if op.start > b else b
                 if s > b:
-                    seg.append(Segment(rank, "bubble", b, s, "waiting for the op to start"))
-                seg.append(Segment(rank, "exposed_comm", s, e, op.label))
+                    seg.append(_segment(rank, "bubble", b, s, "waiting for the op to start"))
+                seg.append(_segment(rank, "exposed_comm", s, e, op.label))
             self.stream[rank] = e
             if not self.two_clock[rank]:
                 self.clock[rank] = e
@@ -400,12 +414,12 @@ class _Replay:
             if f <= t:
                 continue
             if s > t:
-                self.segments[rank].append(Segment(rank, "bubble", t, s, "waiting for the op to start"))
+                self.segments[rank].append(_segment(rank, "bubble", t, s, "waiting for the op to start"))
                 t = s
-            self.segments[rank].append(Segment(rank, "exposed_comm", t, f, self.ops[keys[0]].label))
+            self.segments[rank].append(_segment(rank, "exposed_comm", t, f, self.ops[keys[0]].label))
             t = f
         if e > t:
-            self.segments[rank].append(Segment(rank, "bubble", t, e))
+            self.segments[rank].append(_segment(rank, "bubble", t, e))
         self.stream[rank] = e
         if not self.two_clock[rank]:
             self.clock[rank] = e
@@ -423,7 +437,7 @@ class _Replay:
         after = max(busy, clock + c)  # the device cannot finish before the host has issued it all
         for label, t0, t1 in ((ev.label, start, busy), ("host", busy, after)):
             if t1 > t0:  # "host": the stream idles, waiting for the host to issue work
-                self.segments[rank].append(Segment(rank, "compute", t0, t1, label))
+                self.segments[rank].append(_segment(rank, "compute", t0, t1, label))
         self.span[rank][i] = (start, busy, after)
         self.clock[rank], self.stream[rank] = clock + c, after
 
@@ -483,7 +497,7 @@ class _Replay:
         makespan = max(self.end.values(), default=0.0)
         for r in self.g.ranks:
             if self.end[r] < makespan:
-                self.segments[r].append(Segment(r, "bubble", self.end[r], makespan, "idle"))
+                self.segments[r].append(_segment(r, "bubble", self.end[r], makespan, "idle"))
             self.segments[r].sort(key=lambda s: (s.start, s.kind == "comm"))
         times = {r: list(zip(self.ready[r], self.done_t[r], strict=True)) for r in self.g.ranks}
         return ReplayResult(self.g, makespan, dict(self.end), dict(self.segments), self.ops, self.marks,
