@@ -503,8 +503,10 @@ class _Replay:
         return ReplayResult(self.g, makespan, dict(self.end), dict(self.segments), self.ops, self.marks,
                             self._critical_path(), times)
 
-    def _missing(self, op: OpResult) -> list[int]:
-        return sorted(r for r in set(op.ranks) - set(op.issue) if self.live is None or r in self.live)
+    def _missing(self, op: OpResult) -> str:
+        """The ranks an op still waits for, the first 16 of them (groups of thousands at scale)."""
+        missing = sorted(r for r in set(op.ranks) - set(op.issue) if self.live is None or r in self.live)
+        return str(missing) if len(missing) <= 16 else f"{missing[:16]} and {len(missing) - 16} more"
 
     def _deadlock_report(self, stuck: list[int]) -> str:
         lines = []
