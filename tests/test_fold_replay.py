@@ -189,6 +189,19 @@ def test_report_of_a_folded_trace_shows_classes(launched, tmp_path):
     assert logged["prism/classes/stage_1_last/compute_ms"] == fold["classes"][1]["compute_s"] * 1e3
 
 
+def test_trace_show_and_chrome_of_a_folded_trace(launched, tmp_path):
+    from prism_megatron.trace.chrome import to_chrome
+    from prism_megatron.trace.summary import summarize
+
+    _, folded, _ = launched
+    text = summarize(folded.path)
+    assert "folded: 4 of 8 ranks ran (ranks 0,1,4,5), 2 rank class(es), 4 GPUs per node; virtual contributions: " \
+           "mirror 12, recorded 0, keep 0" in text
+    assert "compute time per rank" in text
+    names = {e["args"]["name"] for e in to_chrome(folded)["traceEvents"] if e.get("name") == "process_name"}
+    assert names == {"rank 0", "rank 1", "rank 4", "rank 5"}
+
+
 def test_replay_cli_on_a_folded_trace(launched):
     _, folded, _ = launched
     root = folded.path.parent
