@@ -10,7 +10,7 @@ import pytest
 from folding import fold_trace
 
 from conftest import PROGRAMS, launch_source, prism
-from prism_megatron.calibration.costmodel import CollectiveCostModel
+from prism_megatron.calibration.costmodel import CollectiveCostModel, link_for
 from prism_megatron.calibration.profiles import load_profile
 from prism_megatron.replay import Comm, GraphBuilder, GraphError, Group, graph_from_trace, replay
 from prism_megatron.replay.synthesize import SynthesisError, fold_graph, synthesize
@@ -79,6 +79,8 @@ def test_placement_changes_the_cost_of_groups_that_cross_nodes():
     one_node = replay(folded, CollectiveCostModel(PROFILE, gpus_per_node=8)).makespan
     per_pair = replay(folded, CollectiveCostModel(PROFILE, gpus_per_node=2)).makespan
     assert per_pair > one_node  # DP groups {0,2,4,6} leave the node when a node holds one TP pair
+    assert link_for(PROFILE, (0, 3), 4).name == "intra" and link_for(PROFILE, (0, 4), 4).name == "inter"
+    assert link_for(PROFILE, (0, 4)).name == "intra"  # the profile's 8 GPUs per node
     with pytest.raises(ValueError, match="gpus_per_node 0"):
         CollectiveCostModel(PROFILE, gpus_per_node=0)
 
