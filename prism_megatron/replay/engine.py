@@ -116,8 +116,8 @@ _new = object.__new__
 
 
 def _segment(rank: int, kind: str, start: float, end: float, label: str = "", args: dict | None = None) -> Segment:
-    """Segment(...) without the frozen dataclass's per-field __setattr__: the replay makes one or two
-    per event, and the dataclass constructor was a quarter of a replay's time."""
+    """Segment(...) without the frozen dataclass's per-field __setattr__, which matters at millions of
+    events (the replay makes one or two per event)."""
     seg = _new(Segment)
     seg.__dict__.update(rank=rank, kind=kind, start=start, end=end, label=label, args={} if args is None else args)
     return seg
@@ -269,13 +269,6 @@ def _union_length(intervals: list[tuple[float, float]], t0: float, t1: float) ->
     return total
 
 
-def _op_key(rank: int, ev: Comm) -> tuple:
-    if ev.is_p2p:
-        src, dst = (rank, ev.peer) if ev.kind == "send" else (ev.peer, rank)
-        return ("p2p", ev.group, src, dst, ev.seq)
-    return ("coll", ev.group, ev.seq)
-
-
 def _describe(rank: int, i: int, ev: Event) -> str:
     if isinstance(ev, Comm):
         where = f"peer {ev.peer}" if ev.is_p2p else f"seq {ev.seq}"
@@ -312,6 +305,7 @@ class _Replay:
 
     # --- ops ---------------------------------------------------------------------------------------
     def _issue(self, rank: int, i: int, ev: Comm) -> tuple:
+        # the op's key: collectives match by (group, seq), p2p by (group, src, dst, seq)
         p2p = ev.kind in P2P_KINDS
         if p2p:
             key = ("p2p", ev.group, rank, ev.peer, ev.seq) if ev.kind == "send" else (
