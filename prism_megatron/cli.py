@@ -153,30 +153,33 @@ def trace_chrome(trace_dir: Path, out: Path) -> None:
               "default: communication free, compute from the trace.")
 @click.option("--chrome", "chrome_out", type=click.Path(path_type=Path), default=None,
               help="Write the predicted timeline as Chrome trace-event JSON.")
-def replay_cmd(trace_dir: Path, cluster: str | None, chrome_out: Path | None) -> None:
+@click.option("--full", is_flag=True, help="Folded trace: synthesise and replay every rank (default: replay the "
+              "live ranks symmetrically).")
+@click.option("--gpus-per-node", type=click.IntRange(min=1), default=None,
+              help="Target placement for communication costs (default: the fold's, else the cluster profile's).")
+def replay_cmd(trace_dir: Path, cluster: str | None, chrome_out: Path | None, full: bool,
+               gpus_per_node: int | None) -> None:
     """Replay a trace's graph: predicted iteration times, per-rank breakdown, critical path.
 
     The bare graph's compute times are each rank's own compute as captured, with ranks multiplexed
     (uncalibrated): the prediction says so.
     """
-    from prism_megatron.replay.engine import GraphError, replay, zero_cost
+    from prism_megatron.replay.engine import GraphError, replay
     from prism_megatron.replay.graph import graph_from_trace
+    from prism_megatron.replay.synthesize import synthesize
+    from prism_megatron.report.build import cost_model, provenance
     from prism_megatron.trace import TraceFormatError, read_trace
 
     try:
         graph = graph_from_trace(read_trace(trace_dir))
-        cost = zero_cost
-        if cluster is not None:
-            from prism_megatron.calibration.costmodel import CollectiveCostModel
-            from prism_megatron.calibration.profiles import load_profile
-
-            cost = CollectiveCostModel(load_profile(cluster))
-        result = replay(graph, cost)
+        fold = graph.fold
+        if full and fold is not None:
+            graph = synthesize(graph)
+        result = replay(graph, cost_model(cluster, fold, gpus_per_node))
     except (TraceFormatError, GraphError, ValueError) as e:
         raise click.ClickException(str(e)) from None
-    click.echo(result.summary())
-    click.echo(f"  provenance: compute from the bare trace (uncalibrated); communication "
-               f"{'costed by cluster profile ' + cluster if cluster else 'free (no cluster profile)'}")
+    click.echo(result.summary(None if fold is None else {r: fold.class_name(r) for r in graph.ranks}))
+    click.echo(f"  provenance: {provenance(cluster, fold=fold, full=full, gpus_per_node=gpus_per_node)}")
     if chrome_out is not None:
         from prism_megatron.replay.export import write_chrome
 

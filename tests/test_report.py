@@ -219,7 +219,7 @@ def test_report_json_round_trip_and_reader_errors(tmp_path):
     paths = make_report(make_trace(tmp_path / "t"), tmp_path / "out")
     assert set(paths) == {"report", "html", "timeline"}
     rep = read_report(paths["report"])
-    assert rep["format"] == "prismreport" and rep["version"] == 2
+    assert rep["format"] == "prismreport" and rep["version"] == 3
     assert rep == json.loads(paths["report"].read_text())
     assert {b["host_bound_s"] for b in rep["prediction"]["breakdown"]} == {None}  # a CPU trace: one clock
     assert read_report(tmp_path / "out") == rep  # the directory works too
@@ -227,10 +227,14 @@ def test_report_json_round_trip_and_reader_errors(tmp_path):
     bad = tmp_path / "bad.json"
     write_report(rep, bad)
     doc = json.loads(bad.read_text())
-    doc["version"] = 3
+    doc["version"] = 4
     bad.write_text(json.dumps(doc))
-    with pytest.raises(ReportFormatError, match=r"report .*bad.json: field 'version' is 3; this reader supports"):
+    with pytest.raises(ReportFormatError, match=r"report .*bad.json: field 'version' is 4; this reader supports"):
         read_report(bad)
+    doc["version"] = 2  # v2 had no fold: it reads as null
+    del doc["fold"]
+    bad.write_text(json.dumps(doc))
+    assert read_report(bad)["fold"] is None
     doc["version"] = 1  # v1 had no host_bound_s: it reads as null
     for b in doc["prediction"]["breakdown"]:
         del b["host_bound_s"]

@@ -21,7 +21,8 @@ so that busbw is comparable to the link bandwidth; hence time = steps * alpha + 
   sends and receives about 2S in total over the two trees, so the bandwidth term matches the
   ring's for large n and the latency grows logarithmically.
 
-Placement: ranks live on node ``rank // gpus_per_node``. A group inside one node uses the
+Placement: ranks live on node ``rank // gpus_per_node`` (the profile's node size, or the target's
+placement when the job is packed differently, e.g. a folded trace's ``gpus_per_node``). A group inside one node uses the
 intra-node link; a group spanning nodes is bounded by its slowest link. Every GPU of a node is
 assumed to communicate off-node at the same time (all DP groups reduce together), so each GPU's
 share of the node's NICs is nics * nic_bw / gpus_per_node; a group with k members on each node
@@ -114,9 +115,13 @@ def members_per_node(ranks: tuple[int, ...] | list[int], gpus_per_node: int) -> 
     return counts
 
 
-def link_for(profile: ClusterProfile, ranks: tuple[int, ...] | list[int]) -> Link:
-    """Intra-node link for a group on one node; the bottleneck inter-node link for a spanning group."""
-    per_node = members_per_node(ranks, profile.node_size)
+def link_for(profile: ClusterProfile, ranks: tuple[int, ...] | list[int], gpus_per_node: int | None = None) -> Link:
+    """Intra-node link for a group on one node; the bottleneck inter-node link for a spanning group.
+
+    ``gpus_per_node`` places the ranks (default: the profile's node size); each GPU's share of its
+    node's NICs stays the profile's (its NICs over its GPUs).
+    """
+    per_node = members_per_node(ranks, gpus_per_node or profile.node_size)
     if len(per_node) <= 1:
         return Link("intra", profile.intra_alpha, profile.intra_bw)
     k = min(per_node.values())  # the node with the fewest members has the least NIC share
@@ -130,8 +135,17 @@ class CollectiveCostModel:
     An instance plugs straight into ``prism_megatron.replay.replay(graph, cost=model)``.
     """
 
-    def __init__(self, profile: ClusterProfile, algorithm: str | None = None, protocol: str | None = None) -> None:
+    def __init__(self, profile: ClusterProfile, algorithm: str | None = None, protocol: str | None = None,
+                 gpus_per_node: int | None = None) -> None:
+        """``gpus_per_node``: the target's placement (rank r on node r // gpus_per_node); default the
+        profile's node size."""
+        if gpus_per_node is not None and (isinstance(gpus_per_node, bool) or not isinstance(gpus_per_node, int)
+                                          or gpus_per_node < 1):
+            raise ValueError(f"gpus_per_node {gpus_per_node!r}: expected a positive integer")
         self.profile = profile
+        self.gpus_per_node = gpus_per_node or profile.node_size
+        self._links: dict[tuple[int, ...], Link] = {}  # a group's link, by its ranks (large groups recur)
+        self._times: dict[tuple, float] = {}  # replay costs the same op of every iteration again
         self.algorithm = algorithm or profile.algorithm
         self.protocol = protocol or profile.protocol
         if self.algorithm not in ("ring", "tree", "auto"):
@@ -164,11 +178,17 @@ class CollectiveCostModel:
             return 0.0
         if family == "p2p" and len(set(ranks)) <= 1:
             return 0.0
-        link = link_for(self.profile, ranks)
+        link = self._links.get(ranks)
+        if link is None:
+            link = self._links[ranks] = link_for(self.profile, ranks, self.gpus_per_node)
         protocols = PROTOCOLS if self.protocol == "auto" else (self.protocol,)
         algorithms = ("ring", "tree") if family == "all_reduce" and self.algorithm == "auto" else (
             (self.algorithm if self.algorithm != "auto" else "ring"),)
         return min(self._one(family, float(nbytes), n, link, a, p) for a in algorithms for p in protocols)
 
     def __call__(self, spec: Any) -> float:
-        return self.time(spec.kind, spec.nbytes, spec.ranks)
+        key = (spec.kind, spec.nbytes, spec.ranks)
+        t = self._times.get(key)
+        if t is None:
+            t = self._times[key] = self.time(spec.kind, spec.nbytes, spec.ranks)
+        return t

@@ -20,6 +20,12 @@ when its inputs are ready on the stream; blocking ops and waits hold the stream,
 (NCCL returns at once), and the host waits for the device only at a CpuSync and at the rank's end.
 Marks are host times. Other ranks have one clock (stream == host): the rules above reduce to it.
 
+Symmetric replay (a folded graph, ``Graph.fold``): only the live ranks are replayed. A collective
+over a group with virtual members starts when its live members have issued it (each virtual member
+issues it when its representative does, so this is exact where the fold's symmetry is) and is
+costed for the whole group: its size and its ranks' placement on nodes. A live rank's p2p partner
+must be live (else replay the synthesised graph, replay.synthesize).
+
 Since no resource is shared, every time is a max-plus function of the inputs and the order in
 which ranks are advanced does not change the result. Link contention between concurrent ops and
 compute slowdown from overlapping communication are not modelled.
@@ -39,7 +45,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .graph import Comm, Compute, CpuSync, Event, Graph, GraphError, Mark, Wait
+from .graph import P2P_KINDS, Comm, Compute, CpuSync, Event, Graph, GraphError, Mark, Wait
 
 
 class DeadlockError(GraphError):
@@ -104,6 +110,17 @@ class Segment:
     @property
     def duration(self) -> float:
         return self.end - self.start
+
+
+_new = object.__new__
+
+
+def _segment(rank: int, kind: str, start: float, end: float, label: str = "", args: dict | None = None) -> Segment:
+    """Segment(...) without the frozen dataclass's per-field __setattr__, which matters at millions of
+    events (the replay makes one or two per event)."""
+    seg = _new(Segment)
+    seg.__dict__.update(rank=rank, kind=kind, start=start, end=end, label=label, args={} if args is None else args)
+    return seg
 
 
 @dataclass(frozen=True)
@@ -204,16 +221,26 @@ class ReplayResult:
         its = self.iterations()
         return [it.time for it in its] if its else [self.makespan]
 
-    def summary(self) -> str:
-        """A short text report: iteration times, per-rank breakdown, critical path by kind."""
+    def summary(self, classes: dict[int, str] | None = None) -> str:
+        """A short text report: iteration times, per-rank breakdown, critical path by kind.
+
+        ``classes`` (rank -> class name): one breakdown row per class, the mean of its ranks, instead
+        of one per rank (a folded or synthesised job of thousands of ranks).
+        """
         lines = [f"replay of {self.graph.source}: makespan {self.makespan * 1e3:.3f} ms"]
         for it in self.iterations():
             lines.append(f"  iteration {it.number}: {it.time * 1e3:.3f} ms")
-        lines.append(f"  {'rank':>5} {'compute':>10} {'exposed':>10} {'bubble':>10} {'comm':>10}  (ms)")
+        rows: dict[Any, list[int]] = defaultdict(list)
         for r in self.graph.ranks:
-            b = self.breakdown(r)
-            lines.append(f"  {r:>5} {b.compute * 1e3:>10.3f} {b.exposed_comm * 1e3:>10.3f} "
-                         f"{b.bubble * 1e3:>10.3f} {b.comm * 1e3:>10.3f}")
+            rows[r if classes is None else classes[r]].append(r)
+        width = max([5, *(len(str(k)) for k in rows)])
+        head = "rank" if classes is None else "class (mean of its ranks)"
+        lines.append(f"  {head:>{width}} {'compute':>10} {'exposed':>10} {'bubble':>10} {'comm':>10}  (ms)")
+        for key, members in rows.items():
+            bs = [self.breakdown(r) for r in members]
+            mean = [sum(getattr(b, f) for b in bs) / len(bs) * 1e3 for f in ("compute", "exposed_comm", "bubble",
+                                                                               "comm")]
+            lines.append(f"  {key!s:>{width}} " + " ".join(f"{x:>10.3f}" for x in mean))
         by_kind: dict[str, float] = defaultdict(float)
         for step in self.critical_path:
             by_kind[step.kind] += step.duration
@@ -240,13 +267,6 @@ def _union_length(intervals: list[tuple[float, float]], t0: float, t1: float) ->
     if cur_e is not None:
         total += cur_e - cur_s
     return total
-
-
-def _op_key(rank: int, ev: Comm) -> tuple:
-    if ev.is_p2p:
-        src, dst = (rank, ev.peer) if ev.kind == "send" else (ev.peer, rank)
-        return ("p2p", ev.group, src, dst, ev.seq)
-    return ("coll", ev.group, ev.seq)
 
 
 def _describe(rank: int, i: int, ev: Event) -> str:
@@ -279,27 +299,54 @@ class _Replay:
         self.segments: dict[int, list[Segment]] = defaultdict(list)
         self.marks: list[MarkTime] = []
         self.group_last: dict[int, tuple] = {}
+        # symmetric replay: a collective needs its live members only (all members in a full graph)
+        self.live = frozenset(graph.events) if graph.fold is not None else None
+        self.need: dict[int, int] = {}
 
     # --- ops ---------------------------------------------------------------------------------------
     def _issue(self, rank: int, i: int, ev: Comm) -> tuple:
-        key = _op_key(rank, ev)
+        # the op's key: collectives match by (group, seq), p2p by (group, src, dst, seq)
+        p2p = ev.kind in P2P_KINDS
+        if p2p:
+            key = ("p2p", ev.group, rank, ev.peer, ev.seq) if ev.kind == "send" else (
+                "p2p", ev.group, ev.peer, rank, ev.seq)
+        else:
+            key = ("coll", ev.group, ev.seq)
         op = self.ops.get(key)
         if op is None:
-            ranks = (key[2], key[3]) if ev.is_p2p else self.g.groups[ev.group].ranks
-            op = self.ops[key] = OpResult(key, "send/recv" if ev.is_p2p else ev.kind, ev.group, tuple(ranks))
-        elif not ev.is_p2p and op.kind != ev.kind:
+            ranks = (key[2], key[3]) if p2p else self.g.groups[ev.group].ranks
+            if self.live is not None and p2p and ev.peer not in self.live:
+                raise GraphError(f"{self.g.source}: {_describe(rank, i, ev)}: the peer is a virtual rank; symmetric "
+                                 "replay needs live p2p partners (replay the synthesised full graph instead)")
+            op = self.ops[key] = OpResult(key, "send/recv" if p2p else ev.kind, ev.group, tuple(ranks))
+        elif not p2p and op.kind != ev.kind:
             raise GraphError(f"{self.g.source}: {_describe(rank, i, ev)} matches {op.kind} of rank "
                              f"{next(iter(op.issue))} (same group and seq, different op)")
         if rank in op.issue:
             raise GraphError(f"{self.g.source}: {_describe(rank, i, ev)} is issued twice (seq {ev.seq} repeats)")
         op.issue[rank] = self.stream[rank]  # the op's inputs are ready on the device
         op.event[rank] = i
-        op.nbytes = max(op.nbytes, ev.nbytes)
+        if ev.nbytes > op.nbytes:
+            op.nbytes = ev.nbytes
         op.label = op.label or ev.label
         self.keys[rank][i] = key
-        if len(op.issue) == len(op.ranks):
+        need = self.need.get(ev.group) if not p2p else 2
+        if need is None:
+            need = self.need[ev.group] = len(op.ranks) if self.live is None else self._live_members(ev.group)
+        if len(op.issue) == need:
             self._complete(op)
         return key
+
+    def _live_members(self, gid: int) -> int:
+        """How many members of group ``gid`` are live; each virtual one must mirror a member (exactness)."""
+        group, rep = self.g.groups[gid], self.g.fold.rep
+        members = frozenset(group.ranks)
+        for r in group.ranks:
+            if rep[r] not in members:
+                raise GraphError(f"{self.g.source}: group {gid} (ranks {list(group.ranks)[:8]}) has virtual member "
+                                 f"{r} whose representative {rep[r]} is not in the group: symmetric replay "
+                                 "cannot time its part")
+        return sum(1 for r in group.ranks if r in self.live)
 
     def _complete(self, op: OpResult) -> None:
         last = max(op.issue, key=lambda r: (op.issue[r], -r))
@@ -310,18 +357,21 @@ class _Replay:
                 start, why = self.ops[prev].end, ("group", prev)
             self.group_last[op.group] = op.key
         ev = self.g.events[last][op.event[last]]
+        spec = _new(CommSpec)  # CommSpec(...) without the frozen dataclass's slow constructor (once per op)
         if op.key[0] == "p2p":
-            spec = CommSpec("send", op.nbytes, op.ranks, op.group, src=op.ranks[0], dst=op.ranks[1], dtype=ev.dtype)
+            spec.__dict__.update(kind="send", nbytes=op.nbytes, ranks=op.ranks, group=op.group, src=op.ranks[0],
+                                 dst=op.ranks[1], root=-1, dtype=ev.dtype)
         else:
-            spec = CommSpec(op.kind, op.nbytes, op.ranks, op.group, root=ev.root, dtype=ev.dtype)
+            spec.__dict__.update(kind=op.kind, nbytes=op.nbytes, ranks=op.ranks, group=op.group, src=-1, dst=-1,
+                                 root=ev.root, dtype=ev.dtype)
         duration = float(self.cost(spec))
         if not (math.isfinite(duration) and duration >= 0):
             raise ValueError(f"cost function returned {duration} for {spec}")
         op.start, op.end, op.why = start, start + duration, why
-        for r in op.ranks:
-            self.segments[r].append(Segment(r, "comm", op.start, op.end, op.label or op.kind,
-                                            {"kind": op.kind, "group": op.group, "bytes": op.nbytes,
-                                             "issue": op.issue.get(r)}))
+        for r in op.issue:  # every member, or every live member in a symmetric replay
+            self.segments[r].append(_segment(r, "comm", op.start, op.end, op.label or op.kind,
+                                             {"kind": op.kind, "group": op.group, "bytes": op.nbytes,
+                                              "issue": op.issue.get(r)}))
         for r in self.parked.pop(op.key, ()):
             self.work.append(r)
 
@@ -332,11 +382,25 @@ class _Replay:
         The device stream waits for the ops; the host goes on at once with two clocks (NCCL returns
         immediately) and waits with them with one clock.
         """
+        ops = self.ops
         for k in keys:
-            if not self.ops[k].done:
+            if ops[k].end != ops[k].end:  # nan: not done
                 self.parked[k].append(rank)
                 return False
         b = self.stream[rank]
+        if len(keys) == 1:  # the common case, without the general merge below
+            op = ops[keys[0]]
+            e = op.end if op.end > b else b
+            if e > b:
+                seg = self.segments[rank]
+                s = op.start if op.start > b else b
+                if s > b:
+                    seg.append(_segment(rank, "bubble", b, s, "waiting for the op to start"))
+                seg.append(_segment(rank, "exposed_comm", s, e, op.label))
+            self.stream[rank] = e
+            if not self.two_clock[rank]:
+                self.clock[rank] = e
+            return True
         e = max([b] + [self.ops[k].end for k in keys])
         flight = sorted((max(self.ops[k].start, b), min(self.ops[k].end, e)) for k in keys)
         t = b
@@ -344,12 +408,12 @@ class _Replay:
             if f <= t:
                 continue
             if s > t:
-                self.segments[rank].append(Segment(rank, "bubble", t, s, "waiting for the op to start"))
+                self.segments[rank].append(_segment(rank, "bubble", t, s, "waiting for the op to start"))
                 t = s
-            self.segments[rank].append(Segment(rank, "exposed_comm", t, f, self.ops[keys[0]].label))
+            self.segments[rank].append(_segment(rank, "exposed_comm", t, f, self.ops[keys[0]].label))
             t = f
         if e > t:
-            self.segments[rank].append(Segment(rank, "bubble", t, e))
+            self.segments[rank].append(_segment(rank, "bubble", t, e))
         self.stream[rank] = e
         if not self.two_clock[rank]:
             self.clock[rank] = e
@@ -367,39 +431,49 @@ class _Replay:
         after = max(busy, clock + c)  # the device cannot finish before the host has issued it all
         for label, t0, t1 in ((ev.label, start, busy), ("host", busy, after)):
             if t1 > t0:  # "host": the stream idles, waiting for the host to issue work
-                self.segments[rank].append(Segment(rank, "compute", t0, t1, label))
+                self.segments[rank].append(_segment(rank, "compute", t0, t1, label))
         self.span[rank][i] = (start, busy, after)
         self.clock[rank], self.stream[rank] = clock + c, after
 
     def _run(self, rank: int) -> None:
+        # The hot loop of the replay: dispatch on the exact event type, per-rank lists held locally.
         evs = self.g.events[rank]
-        while self.pc[rank] < len(evs):
-            i = self.pc[rank]
+        n = len(evs)
+        ready, done_t, clock, stream = self.ready[rank], self.done_t[rank], self.clock, self.stream
+        i = self.pc[rank]
+        while i < n:
             ev = evs[i]
-            on_stream = isinstance(ev, (Comm, Wait))  # device events; the others are timed on the host
-            now = self.stream if on_stream else self.clock
-            if math.isnan(self.ready[rank][i]):
-                self.ready[rank][i] = now[rank]
-            if isinstance(ev, Compute):
+            kind = type(ev)
+            on_stream = kind is Comm or kind is Wait  # device events; the others are timed on the host
+            now = stream if on_stream else clock
+            if ready[i] != ready[i]:  # nan: first time here
+                ready[i] = now[rank]
+            if kind is Compute:
                 self._compute(rank, i, ev)
-            elif isinstance(ev, CpuSync):
-                self.clock[rank] = max(self.clock[rank], self.stream[rank])
-            elif isinstance(ev, Mark):
-                self.marks.append(MarkTime(rank, ev.name, ev.phase, self.clock[rank], ev.attrs))
-            elif isinstance(ev, Comm):
+            elif kind is Comm:
                 if not self.issued[rank]:
                     key = self._issue(rank, i, ev)
                     self.issued[rank] = True
                 else:
                     key = self.keys[rank][i]
                 if not ev.async_op and not self._block(rank, i, (key,)):
+                    self.pc[rank] = i
                     return
                 self.issued[rank] = False
-            elif isinstance(ev, Wait):
-                if not self._block(rank, i, tuple(self.keys[rank][j] for j in ev.refs)):
+            elif kind is Mark:
+                self.marks.append(MarkTime(rank, ev.name, ev.phase, clock[rank], ev.attrs))
+            elif kind is CpuSync:
+                clock[rank] = max(clock[rank], stream[rank])
+            elif kind is Wait:
+                keys = self.keys[rank]
+                if not self._block(rank, i, tuple(keys[j] for j in ev.refs)):
+                    self.pc[rank] = i
                     return
-            self.done_t[rank][i] = now[rank]
-            self.pc[rank] = i + 1
+            else:
+                raise GraphError(f"{self.g.source}: rank {rank} event {i} is a {kind.__name__}, not an event")
+            done_t[i] = now[rank]
+            i += 1
+        self.pc[rank] = i
 
     def run(self) -> ReplayResult:
         self.work = list(self.g.ranks)
@@ -411,17 +485,22 @@ class _Replay:
         undone = [op for op in self.ops.values() if not op.done]
         if undone:
             lines = [f"  {op.kind} on group {op.group} {op.key[2:]}: issued by {sorted(op.issue)}, missing "
-                     f"{sorted(set(op.ranks) - set(op.issue))}" for op in undone[:20]]
+                     f"{self._missing(op)}" for op in undone[:20]]
             raise GraphError(f"{self.g.source}: {len(undone)} op(s) never matched:\n" + "\n".join(lines))
         self.end = {r: max(self.clock[r], self.stream[r]) for r in self.g.ranks}  # exit waits for the device
         makespan = max(self.end.values(), default=0.0)
         for r in self.g.ranks:
             if self.end[r] < makespan:
-                self.segments[r].append(Segment(r, "bubble", self.end[r], makespan, "idle"))
+                self.segments[r].append(_segment(r, "bubble", self.end[r], makespan, "idle"))
             self.segments[r].sort(key=lambda s: (s.start, s.kind == "comm"))
         times = {r: list(zip(self.ready[r], self.done_t[r], strict=True)) for r in self.g.ranks}
         return ReplayResult(self.g, makespan, dict(self.end), dict(self.segments), self.ops, self.marks,
                             self._critical_path(), times)
+
+    def _missing(self, op: OpResult) -> str:
+        """The ranks an op still waits for, the first 16 of them (groups of thousands at scale)."""
+        missing = sorted(r for r in set(op.ranks) - set(op.issue) if self.live is None or r in self.live)
+        return str(missing) if len(missing) <= 16 else f"{missing[:16]} and {len(missing) - 16} more"
 
     def _deadlock_report(self, stuck: list[int]) -> str:
         lines = []
@@ -433,7 +512,7 @@ class _Replay:
             for k in keys:
                 op = self.ops[k]
                 if not op.done:
-                    missing = sorted(set(op.ranks) - set(op.issue))
+                    missing = self._missing(op)
                     j = op.event[r] if r in op.event else i
                     waits.append(f"{_describe(r, j, self.g.events[r][j])} waits for rank(s) {missing}")
             lines.append("  " + ("; ".join(waits) or _describe(r, i, ev)))

@@ -26,7 +26,10 @@ import math
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ..trace.fold import Fold
 
 #: Op kinds that are point-to-point (matched by src/dst), everything else is a collective.
 P2P_KINDS = frozenset({"send", "recv"})
@@ -117,6 +120,9 @@ class Graph:
     source: str = "<python>"
     #: what building the graph had to leave out or guess, for reports
     notes: list[str] = field(default_factory=list)
+    #: a folded graph holds the fold's live ranks only (groups keep their full rank lists); replay
+    #: then runs symmetrically (replay.engine) and replay.synthesize builds every rank from it
+    fold: Fold | None = None
 
     @property
     def ranks(self) -> list[int]:
@@ -125,6 +131,10 @@ class Graph:
     def validate(self) -> None:
         """Raise GraphError if an op names an unknown group or a group without its rank."""
         members = {gid: frozenset(g.ranks) for gid, g in self.groups.items()}
+        if self.fold is not None:
+            virtual = sorted(set(self.events) - set(self.fold.live))
+            if virtual:
+                raise GraphError(f"{self.source}: folded graph has events for virtual rank(s) {virtual[:8]}")
         for rank, evs in self.events.items():
             for i, ev in enumerate(evs):
                 if isinstance(ev, Comm):
@@ -324,7 +334,8 @@ def _resolve_any_source(per_rank: dict[int, list[dict[str, Any]]]) -> None:
 def _drop_unmatched_p2p(per_rank: dict[int, list[dict[str, Any]]]) -> list[str]:
     """Remove sends/recvs whose partner never posted (e.g. a fire-and-forget send at exit).
 
-    The op's compute_before moves to the rank's next op so that no compute time is lost.
+    The op's compute_before moves to the rank's next op so that no compute time is lost. A partner
+    that is not in ``per_rank`` (a virtual rank of a folded trace) is not judged here.
     """
     def key(rank: int, op: dict[str, Any]) -> tuple:
         src, dst = (rank, op["peer"]) if op["kind"] == "send" else (op["peer"], rank)
@@ -339,7 +350,7 @@ def _drop_unmatched_p2p(per_rank: dict[int, list[dict[str, Any]]]) -> list[str]:
     for rank, ops in per_rank.items():
         kept, carry = [], 0.0
         for op in ops:
-            if op["kind"] in P2P_KINDS and len(sides[key(rank, op)]) < 2:
+            if op["kind"] in P2P_KINDS and op["peer"] in per_rank and len(sides[key(rank, op)]) < 2:
                 carry += op["compute_before"]
                 notes.append(f"rank {rank} op {op['index']}: {op['kind']} to/from rank {op['peer']} on group "
                              f"{op['group']} has no matching {'recv' if op['kind'] == 'send' else 'send'}; left out")
@@ -369,14 +380,16 @@ def graph_from_trace(trace: Any, gpu_times: bool = True, typical_host: bool = Tr
     slots_by_rank: dict[int, list[dict[str, Any]]] = defaultdict(list)
     for s in trace.slots.to_pylist():
         slots_by_rank[s["rank"]].append(s)
-    per_rank = {r: trace.ops_for_rank(r) for r in range(trace.world_size)}
+    fold = getattr(trace, "fold", None)
+    real = list(fold.live) if fold is not None else range(trace.world_size)
+    per_rank = {r: trace.ops_for_rank(r) for r in real}
     _resolve_any_source(per_rank)
     notes = _drop_unmatched_p2p(per_rank)
     for device, verdict in (trace.manifest.get("job", {}).get("gpu_timing_by_device") or {}).items():
         if not verdict.get("on"):  # --swap auto kept swapping there: its ranks' compute is on one clock
             notes.append(f"{device}: {verdict.get('why', 'GPU timing off')}")
     events = {r: _rank_events(per_rank[r], marks_by_rank.get(r, []), _releases(slots_by_rank.get(r, [])))
-              for r in range(trace.world_size)}
+              for r in real}
     gpu = getattr(trace, "gpu", None)
     if gpu_times and gpu is not None and gpu.num_rows:
         rows_by_rank: dict[int, list[dict[str, Any]]] = defaultdict(list)
@@ -387,6 +400,6 @@ def graph_from_trace(trace: Any, gpu_times: bool = True, typical_host: bool = Tr
                     for r, ms in marks_by_rank.items()}
             rows_by_rank = {r: typical_host_times(rows, ends.get(r, [])) for r, rows in rows_by_rank.items()}
         events = {r: with_gpu_times(evs, rows_by_rank.get(r, [])) for r, evs in events.items()}
-    graph = Graph(groups, events, str(getattr(trace, "path", "<trace>")), notes)
+    graph = Graph(groups, events, str(getattr(trace, "path", "<trace>")), notes, fold)
     graph.validate()
     return graph

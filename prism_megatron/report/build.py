@@ -19,6 +19,7 @@ import pyarrow.compute as pc
 
 from prism_megatron.replay import Compute, GraphError, ReplayResult, graph_from_trace, replay, zero_cost
 from prism_megatron.trace import PrismTrace, TraceFormatError, read_trace
+from prism_megatron.trace.fold import Fold
 
 from .classify import UNKNOWN, class_order, rank_class
 from .schema import FORMAT, VERSION
@@ -51,7 +52,11 @@ def assemble(trace_dir: str | Path, cluster: str | None = None,
     """The report and the replay it came from (None when the replay failed), for the timeline export."""
     trace = read_trace(trace_dir)
     marks = _read_marks(trace)
-    classes = {r: rank_class(marks["layout"].get(r)) for r in range(trace.world_size)}
+    fold = trace.fold
+    if fold is None:
+        classes = {r: rank_class(marks["layout"].get(r)) for r in range(trace.world_size)}
+    else:  # the fold's classes; only live ranks have rows
+        classes = {r: fold.class_name(r) for r in fold.live}
     job = trace.manifest["job"]
     result, error = _replay(trace, cluster) if calibrated is None else _replay_calibrated(calibrated)
     memory = _memory(marks, classes, trace)
@@ -72,19 +77,37 @@ def assemble(trace_dir: str | Path, cluster: str | None = None,
         },
         "target": target,
         "prediction": None if result is None else _prediction(result, cluster, classes, marks["workload"],
-                                                              calibrated is not None),
+                                                              calibrated is not None, fold, trace.world_size),
         "prediction_error": error,
         "memory": memory,
         "oom": oom,
         "swap": _swap(job.get("swap")),
         "verdict": verdict(memory, oom, exit5, classes, target["gpu"]),
+        "fold": None if fold is None else _fold(fold, memory, None if result is None else result, classes),
         "anchors": {**_anchors(marks, memory), "fake_pg": _fake_pg(Path(trace_dir), memory)},
     }
     return report, result
 
 
-def provenance(cluster: str | None, gpu_timed: bool = False, calibrated: bool = False) -> str:
-    """Where the predicted numbers come from, in a sentence: they are not measurements."""
+def provenance(cluster: str | None, gpu_timed: bool = False, calibrated: bool = False,
+               fold: Fold | None = None, full: bool = False, gpus_per_node: int | None = None) -> str:
+    """Where the predicted numbers come from, in a sentence: they are not measurements. A folded
+    trace adds which ranks were real and how the virtual ones were made (``full``: the synthesised
+    graph of every rank was replayed, else the live ranks symmetrically)."""
+    base = _provenance(cluster, gpu_timed, calibrated)
+    if fold is None:
+        return base
+    n, w = len(fold.live), fold.world_size
+    ways = fold.contribution_counts()
+    made = ", ".join(f"{way} {ways[way]}" for way in ways)
+    return (f"{base}; {n} of {w} ranks ran for real (ranks {rank_ranges(fold.live)}), the other {w - n} are "
+            f"virtual: each mirrors its class's sandbox rank (compute, and op inputs: {made}), its collectives "
+            f"costed for the full groups on {gpus_per_node or fold.gpus_per_node} GPUs per node; "
+            + ("replay of the synthesised graph of every rank" if full else
+               "symmetric replay of the live ranks"))
+
+
+def _provenance(cluster: str | None, gpu_timed: bool, calibrated: bool) -> str:
     if calibrated:
         return ("calibrated graph: compute and the ops inside a slice measured with each slice's ranks "
                 "running for real; other ops " + (f"costed by cluster profile {cluster}" if cluster else "free"))
@@ -172,13 +195,20 @@ def _check_ints(attrs: dict, keys: tuple[str, ...], where: Path, field: str, nul
 # ------------------------------------------------------------------------------------- prediction
 
 
-def _replay(trace: PrismTrace, cluster: str | None) -> tuple[ReplayResult | None, str | None]:
-    cost = zero_cost
-    if cluster is not None:
-        from prism_megatron.calibration.costmodel import CollectiveCostModel
-        from prism_megatron.calibration.profiles import load_profile
+def cost_model(cluster: str | None, fold: Fold | None = None, gpus_per_node: int | None = None) -> Any:
+    """The cost function of a replay: free without ``cluster``; else the profile's model with the
+    target's placement (``gpus_per_node``, else the fold's, else the profile's node size)."""
+    if cluster is None:
+        return zero_cost
+    from prism_megatron.calibration.costmodel import CollectiveCostModel
+    from prism_megatron.calibration.profiles import load_profile
 
-        cost = CollectiveCostModel(load_profile(cluster))  # a bad profile is bad input: let it raise
+    return CollectiveCostModel(load_profile(cluster),  # a bad profile is bad input: let it raise
+                               gpus_per_node=gpus_per_node or (fold.gpus_per_node if fold is not None else None))
+
+
+def _replay(trace: PrismTrace, cluster: str | None) -> tuple[ReplayResult | None, str | None]:
+    cost = cost_model(cluster, trace.fold)
     try:
         return replay(graph_from_trace(trace), cost), None
     except GraphError as e:  # DeadlockError included: typically a job that died mid-iteration
@@ -207,7 +237,8 @@ def _window(result: ReplayResult) -> tuple[int | None, float, float]:
 
 
 def _prediction(result: ReplayResult, cluster: str | None, classes: dict[int, str],
-                workload: dict[int, dict], calibrated: bool = False) -> dict[str, Any]:
+                workload: dict[int, dict], calibrated: bool = False, fold: Fold | None = None,
+                world_size: int | None = None) -> dict[str, Any]:
     times = result.iteration_times()
     median = statistics.median(times) if times else None
     work = workload.get(0) or next(iter(workload.values()), {})
@@ -221,12 +252,12 @@ def _prediction(result: ReplayResult, cluster: str | None, classes: dict[int, st
                           "exposed_comm_s": b.exposed_comm, "bubble_s": b.bubble,
                           "host_bound_s": _host_bound(result, r, t0, t1)})
     return {
-        "provenance": provenance(cluster, any(b["host_bound_s"] is not None for b in breakdown), calibrated),
+        "provenance": provenance(cluster, any(b["host_bound_s"] is not None for b in breakdown), calibrated, fold),
         "cluster": cluster,
         "iteration_times_s": times,
         "iteration_time_s": median,
         "tokens_per_s": tokens / per_s if per_s and _num(tokens) else None,
-        "tflops_per_gpu": flops / per_s / len(classes) / 1e12 if per_s and _num(flops) else None,
+        "tflops_per_gpu": flops / per_s / (world_size or len(classes)) / 1e12 if per_s and _num(flops) else None,
         "breakdown": breakdown,
         "critical_path": _critical_path(result, t0, t1),
         "timeline": _timeline(result, classes, number, t0, t1),
@@ -299,6 +330,32 @@ def _timeline(result: ReplayResult, classes: dict[int, str], number: int | None,
                 segs.append([s.kind, round(start, 9), round(end, 9)])
         rows.append({"rank": r, "class": classes.get(r, UNKNOWN), "segments": segs})
     return {"iteration": number, "start_s": t0, "end_s": t1, "note": note, "rows": rows}
+
+
+# ------------------------------------------------------------------------------------------- fold
+
+
+def _fold(fold: Fold, memory: dict[str, Any], result: ReplayResult | None, classes: dict[int, str]) -> dict[str, Any]:
+    """The rank classes of a folded job: what each stands for, its peak memory and its time (the mean
+    over its sandbox ranks in the median iteration; null without a prediction)."""
+    mem = {c["class"]: c for c in memory["classes"]}
+    window = _window(result) if result is not None else None
+    out = []
+    for c in fold.classes:
+        row: dict[str, Any] = {"name": c.name, "role": c.role, "count": c.count, "sandbox": list(c.sandbox),
+                               "max_allocated": mem[c.name]["max_allocated"] if c.name in mem else None,
+                               "max_reserved": mem[c.name]["max_reserved"] if c.name in mem else None,
+                               "compute_s": None, "exposed_comm_s": None, "bubble_s": None}
+        if window is not None:
+            _, t0, t1 = window
+            parts = [result.breakdown(r, t0, t1) for r in c.sandbox if r in result.graph.events]
+            if parts:
+                row.update(compute_s=sum(b.compute for b in parts) / len(parts),
+                           exposed_comm_s=sum(b.exposed_comm for b in parts) / len(parts),
+                           bubble_s=sum(b.bubble for b in parts) / len(parts))
+        out.append(row)
+    return {"world_size": fold.world_size, "live": list(fold.live), "gpus_per_node": fold.gpus_per_node,
+            "contributions": fold.contribution_counts(), "classes": out}
 
 
 # ----------------------------------------------------------------------------------------- memory

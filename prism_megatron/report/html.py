@@ -250,6 +250,15 @@ def render_html(report: dict[str, Any]) -> str:
              f'{_e(report["trace"])}</title><style>{CSS}</style></head><body>',
              f'<h1>prism-megatron report</h1><div class="sub">{_e(sub)}</div>',
              f'<div class="verdict {tone}">{_e(verdict)}</div>', _cards(report)]
+    fold = report.get("fold")
+    if fold:
+        live, w = len(fold["live"]), fold["world_size"]
+        parts += [f"<h2>Rank classes: {live} of {w} ranks ran, {w - live} virtual</h2>",
+                  _table(["class", "role", "ranks", "sandbox", "max allocated", "compute", "exposed comm", "bubble"],
+                         [[c["name"], c["role"], c["count"], rank_ranges(c["sandbox"]), fmt_bytes(c["max_allocated"]),
+                           *(fmt_seconds(c[k]) for k in ("compute_s", "exposed_comm_s", "bubble_s"))]
+                          for c in fold["classes"]], {2, 4, 5, 6, 7}),
+                  '<p class="note">Time: the median iteration, mean over the class\'s sandbox ranks.</p>']
     if pred is not None:
         tl = pred["timeline"]
         which = f"iteration {tl['iteration']}" if tl["iteration"] is not None else "the whole run"

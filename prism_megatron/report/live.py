@@ -60,7 +60,7 @@ def _gpu_timed(trace, iteration: int) -> bool | None:
 
 def predict_iteration(trace_dir: str | Path, iteration: int, cluster: str | None = None) -> tuple[float | None, str]:
     """(predicted seconds of ``iteration`` or None, a note with the provenance or why not)."""
-    from prism_megatron.replay import graph_from_trace, replay, zero_cost
+    from prism_megatron.replay import graph_from_trace, replay
 
     trace = read_trace(trace_dir)
     cut = _cut_times(trace.marks, iteration)
@@ -68,13 +68,9 @@ def predict_iteration(trace_dir: str | Path, iteration: int, cluster: str | None
         return None, f"no rank has ended iteration {iteration}"
     part = replace(trace, ops=_until(trace.ops, "t_issue", cut), marks=_until(trace.marks, "t", cut),
                    slots=_until(trace.slots, "t_grant", cut))
-    cost = zero_cost
-    if cluster is not None:
-        from prism_megatron.calibration.costmodel import CollectiveCostModel
-        from prism_megatron.calibration.profiles import load_profile
+    from .build import cost_model
 
-        cost = CollectiveCostModel(load_profile(cluster))
-    result = replay(graph_from_trace(part), cost)
+    result = replay(graph_from_trace(part), cost_model(cluster, trace.fold))
     times = {it.number: it.time for it in result.iterations()}
     if iteration not in times:
         return None, f"iteration {iteration} has no markers in the replay ({json.dumps(sorted(times))})"

@@ -1,4 +1,4 @@
-"""PrismReport (version 2): the one place that says what ``report.json`` contains.
+"""PrismReport (version 3): the one place that says what ``report.json`` contains.
 
 A report is read later by people and programs that never saw the trace (dashboards, a comparison
 of two runs), so like PrismTrace it is versioned and a reader refuses what it does not understand,
@@ -17,10 +17,10 @@ from typing import Any, NamedTuple
 from prism_megatron.trace.writer import atomic_write_text
 
 FORMAT = "prismreport"
-VERSION = 2
+VERSION = 3
 #: Versions this code can read; a reader rejects anything else rather than guessing. Version 1 lacks
-#: breakdown[].host_bound_s; reading it gives null there.
-SUPPORTED_VERSIONS: tuple[int, ...] = (1, 2)
+#: breakdown[].host_bound_s; reading it gives null there. Versions 1 and 2 lack ``fold``: null.
+SUPPORTED_VERSIONS: tuple[int, ...] = (1, 2, 3)
 REPORT_FILE = "report.json"
 
 
@@ -136,6 +136,27 @@ OOM = Obj({
     "message": (str,),
     "snapshot": OPT_STR,  # file name relative to the trace dir
 })
+#: A rank class of a folded job (v3): the ranks it stands for, its live (sandbox) ranks, its peak
+#: memory and its mean time over its sandbox ranks in the median iteration (null: no figure).
+FOLD_CLASS = Obj({
+    "name": (str,),
+    "role": (str,),
+    "count": (int,),
+    "sandbox": ListOf((int,)),
+    "max_allocated": OPT_INT,
+    "max_reserved": OPT_INT,
+    "compute_s": OPT_NUM,
+    "exposed_comm_s": OPT_NUM,
+    "bubble_s": OPT_NUM,
+})
+#: A folded job (v3; null when every rank ran): which ranks were real and how the others were made.
+FOLD = Obj({
+    "world_size": (int,),
+    "live": ListOf((int,)),
+    "gpus_per_node": (int,),
+    "contributions": (dict,),  # way (mirror, recorded, keep) -> virtual contributions made so
+    "classes": ListOf(FOLD_CLASS),
+}, nullable=True)
 REPORT = Obj({
     "format": (str,),
     "version": (int,),
@@ -149,6 +170,7 @@ REPORT = Obj({
     "oom": ListOf(OOM),
     "swap": (dict, NULL),
     "verdict": (str,),
+    "fold": FOLD,
 })
 
 _NAMES = {str: "string", int: "integer", float: "number", bool: "boolean", dict: "object", list: "list",
@@ -189,7 +211,7 @@ def _check(value: Any, spec: Any, path: str | Path, field: str) -> None:
 
 
 def check_report(report: Any, path: str | Path) -> None:
-    """Raise ReportFormatError unless ``report`` is a well-typed v1 or v2 report.
+    """Raise ReportFormatError unless ``report`` is a well-typed v1, v2 or v3 report.
 
     Format and version come first: a newer report should say so rather than complain about a
     field it may legitimately lack.
@@ -205,6 +227,8 @@ def check_report(report: Any, path: str | Path) -> None:
         supported = ", ".join(str(v) for v in SUPPORTED_VERSIONS)
         raise ReportFormatError(path, "field 'version'", f"{got}; this reader supports PrismReport version(s) "
                                                          f"{supported}")
+    if version < 3:
+        report.setdefault("fold", None)
     if version == 1 and isinstance(report.get("prediction"), dict):
         for row in report["prediction"].get("breakdown") or []:
             if isinstance(row, dict):

@@ -89,9 +89,25 @@ def _oom(report: dict[str, Any]) -> Table | None:
     return t
 
 
+def _classes(report: dict[str, Any]) -> Table | None:
+    """A folded job's rank classes: what each stands for, its sandbox ranks, peak memory and time."""
+    fold = report.get("fold")
+    if not fold:
+        return None
+    live, w = len(fold["live"]), fold["world_size"]
+    t = Table(title=f"rank classes: {live} of {w} ranks ran, {w - live} virtual (median iteration, mean over "
+                    "sandbox ranks)", title_justify="left")
+    for col in ("class", "role", "ranks", "sandbox", "max allocated", "compute", "exposed comm", "bubble"):
+        t.add_column(col, justify="left" if col in ("class", "role", "sandbox") else "right")
+    for c in fold["classes"]:
+        t.add_row(c["name"], c["role"], str(c["count"]), _ranks_cell(c["sandbox"]), fmt_bytes(c["max_allocated"]),
+                  *(fmt_seconds(c[k]) for k in ("compute_s", "exposed_comm_s", "bubble_s")))
+    return t
+
+
 def _breakdown(report: dict[str, Any]) -> Table | None:
     pred = report["prediction"]
-    if pred is None or not pred["breakdown"]:
+    if pred is None or not pred["breakdown"] or report.get("fold"):  # a folded job: the classes table
         return None
     rows = pred["breakdown"]
     keys: tuple[str, ...] = ("compute_s", "exposed_comm_s", "bubble_s")
@@ -157,11 +173,13 @@ def renderables(report: dict[str, Any]) -> list[Any]:
     job = report["job"]
     target = report["target"]
     head = f"prism-megatron report of {report['trace']}: {job['world_size']} ranks"
+    if report.get("fold"):
+        head += f" ({len(report['fold']['live'])} real, the others virtual)"
     if target["gpu"]:
         head += f", target {target['gpu']} (cap {fmt_bytes(target['usable_bytes'])} per rank)"
     out: list[Any] = [Text(head, style="dim"), Text(report["verdict"], style=_verdict_style(report["verdict"]))]
     out += _prediction(report)
-    out += [t for t in (_memory(report), _oom(report), _breakdown(report)) if t is not None]
+    out += [t for t in (_classes(report), _memory(report), _oom(report), _breakdown(report)) if t is not None]
     out += anchor_lines(report)
     swapped = swap_summary(report["swap"] or {})
     if swapped:

@@ -12,7 +12,9 @@ Keys (all under ``prism/``, so they sit in their own section next to Megatron's 
 per iteration ``predicted_iteration_time_ms`` against ``prism/iteration``; in the summary the median
 ``predicted_iteration_time_ms``, ``tokens_per_s``, ``tflops_per_gpu``,
 ``memory/<class>/{max_allocated_gib,max_reserved_gib,headroom_gib}``, ``oom``, ``verdict``,
-``provenance``. A figure the report has as null is left out, never filled in.
+``provenance``; for a folded job ``fold/{world_size,live_ranks}`` and per rank class
+``classes/<class>/{ranks,sandbox_ranks,compute_ms,exposed_comm_ms,bubble_ms}`` (not one row per rank).
+A figure the report has as null is left out, never filled in.
 """
 
 from __future__ import annotations
@@ -133,6 +135,22 @@ def report_summary(report: dict[str, Any]) -> dict[str, Any]:
                             ("headroom", "headroom_gib")):
             if cls.get(src) is not None:
                 out[f"prism/memory/{name}/{suffix}"] = _gib(cls[src])
+    fold = report.get("fold")
+    if fold:
+        out["prism/fold/world_size"] = fold["world_size"]
+        out["prism/fold/live_ranks"] = len(fold["live"])
+        seen = {}
+        for cls in fold["classes"]:
+            name = metric_key(str(cls["name"]))
+            seen[name] = seen.get(name, 0) + 1
+            if seen[name] > 1:
+                name = f"{name}_{seen[name]}"
+            out[f"prism/classes/{name}/ranks"] = cls["count"]
+            out[f"prism/classes/{name}/sandbox_ranks"] = len(cls["sandbox"])
+            for src, suffix in (("compute_s", "compute_ms"), ("exposed_comm_s", "exposed_comm_ms"),
+                                ("bubble_s", "bubble_ms")):
+                if cls.get(src) is not None:
+                    out[f"prism/classes/{name}/{suffix}"] = cls[src] * 1e3
     mem_ranks = (report.get("memory") or {}).get("ranks") or []
     out["prism/oom"] = bool(report.get("oom")) or any(r.get("oom") for r in mem_ranks)
     if report.get("verdict") is not None:

@@ -219,7 +219,7 @@ def to_chrome(trace: PrismTrace) -> dict[str, Any]:
 
     metadata: list[dict[str, Any]] = []
     events: list[dict[str, Any]] = []
-    for rank in range(trace.world_size):
+    for rank in trace.real_ranks:  # a folded trace has rows of its live ranks only
         r_marks, r_slots, r_ops = marks.get(rank, []), slots.get(rank, []), ops.get(rank, [])
         end_t = _last_time(
             (r_marks, ("t",)), (r_slots, ("t_grant", "t_release")), (r_ops, ("t_issue", "t_complete"))

@@ -16,6 +16,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from .fold import Fold, read_fold
 from .schema import (
     COLUMNS,
     DEFAULTS,
@@ -41,6 +42,8 @@ class PrismTrace:
     marks: pa.Table
     slots: pa.Table
     gpu: pa.Table = field(default_factory=SCHEMAS["gpu"].empty_table)
+    #: the fold (job key "fold"): which ranks ran for real and whom the others mirror; None: all ran
+    fold: Fold | None = None
     # ops sorted by (rank, index) and each rank's [start, stop) rows in it, built on first use so
     # that walking all ranks is O(rows) rather than O(ranks * rows).
     _ops_by_rank: tuple[pa.Table, dict[int, tuple[int, int]]] | None = field(
@@ -50,6 +53,11 @@ class PrismTrace:
     @property
     def world_size(self) -> int:
         return int(self.manifest["world_size"])
+
+    @property
+    def real_ranks(self) -> list[int]:
+        """The ranks that ran (and have rows): the fold's live ranks, or every rank."""
+        return list(self.fold.live) if self.fold is not None else list(range(self.world_size))
 
     def groups(self) -> dict[int, dict[str, Any]]:
         """Process groups by id."""
@@ -136,4 +144,17 @@ def read_trace(path: str | Path) -> PrismTrace:
     paths = {name: path / manifest["files"][name] for name in names}
     tables = {name: _read_table(paths[name], name, manifest_path, manifest["version"]) for name in names}
     check_references(manifest, tables, paths)
-    return PrismTrace(path=path, manifest=manifest, **tables)
+    fold = read_fold(manifest, path)
+    if fold is not None:
+        _check_live_rows(fold, tables, paths)
+    return PrismTrace(path=path, manifest=manifest, fold=fold, **tables)
+
+
+def _check_live_rows(fold: Fold, tables: dict[str, pa.Table], paths: dict[str, Path]) -> None:
+    """A folded trace's tables hold live ranks' rows only (a virtual rank has no process)."""
+    live = pa.array(fold.live, pa.int32())
+    for name, table in tables.items():
+        bad = pc.filter(table.column("rank"), pc.invert(pc.is_in(table.column("rank"), value_set=live)))
+        if len(bad):
+            raise TraceFormatError(paths[name], "column 'rank'",
+                                   f"contains {bad[0].as_py()}, a virtual rank of the fold (live: job.fold.live)")

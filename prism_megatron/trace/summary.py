@@ -47,10 +47,22 @@ def _iteration_windows(trace) -> list[tuple[int, float, float, float]]:
     for m in trace.marks.to_pylist():
         if m["name"] == "iteration" and m["phase"] == "E":
             ends[m["rank"]].append((m["t"], m["compute_clock"]))
-    if len(ends) < trace.world_size:
+    if len(ends) < len(trace.real_ranks):
         return []
     return [(k + 1, max(v[k - 1][0] for v in ends.values()), max(v[k][0] for v in ends.values()),
              sum(v[k][1] - v[k - 1][1] for v in ends.values())) for k in range(1, min(len(v) for v in ends.values()))]
+
+
+def _fold_lines(trace) -> list[str]:
+    """What a folded trace's fold says: which ranks ran, how the others' contributions were made."""
+    fold = trace.fold
+    if fold is None:
+        return []
+    live = list(fold.live)
+    shown = ",".join(map(str, live[:16])) + (f",... ({len(live)})" if len(live) > 16 else "")
+    ways = ", ".join(f"{way} {n}" for way, n in fold.contribution_counts().items())
+    return [f"  folded: {len(live)} of {fold.world_size} ranks ran (ranks {shown}), {len(fold.classes)} rank "
+            f"class(es), {fold.gpus_per_node} GPUs per node; virtual contributions: {ways}"]
 
 
 def slot_time(trace) -> list[tuple[int, float, float, float]]:
@@ -126,12 +138,13 @@ def summarize(path: str | Path) -> str:
     lines = [f"PrismTrace v{m['version']} at {t.path}",
              f"  world size {t.world_size}; devices {job.get('devices', '?')} x {job.get('slots_per_device', '?')} "
              f"slot(s); script {job.get('script', '?')}; wall {job.get('wall_time_s', float('nan')):.1f} s",
-             f"  {len(m['groups'])} process groups; {len(ops['kind'])} ops; {t.marks.num_rows} markers", "",
+             f"  {len(m['groups'])} process groups; {len(ops['kind'])} ops; {t.marks.num_rows} markers",
+             *_fold_lines(t), "",
              f"  {'op':<22}{'count':>8}{'bytes':>14}"]
     for k, n in kinds.most_common():
         lines.append(f"  {k:<22}{n:>8}{_fmt_bytes(by_kind_bytes[k]):>14}")
     if compute:
-        lines += ["", _spread([compute.get(r, 0.0) for r in range(t.world_size)], "compute time per rank")]
+        lines += ["", _spread([compute.get(r, 0.0) for r in t.real_ranks], "compute time per rank")]
     eff = capture_efficiency(t)
     if eff:
         wall = statistics.median(w for _, w, _ in eff)
@@ -149,7 +162,7 @@ def summarize(path: str | Path) -> str:
     if work:
         lines.append("  runtime work per rank over the run (staging inputs / writing results / GPU timer):")
         for key in ("stage", "results", "gpu_timer"):
-            values = [work.get(r, {}).get(key, 0.0) for r in range(t.world_size)]
+            values = [work.get(r, {}).get(key, 0.0) for r in t.real_ranks]
             if any(values):  # no GPU timer without GPU timing
                 lines.append(_spread(values, f"  {key}"))
     if t.gpu.num_rows:
@@ -159,6 +172,6 @@ def summarize(path: str | Path) -> str:
             host[row["rank"]] += row["cpu"]
             device[row["rank"]] += row["gpu"]
         lines += [f"  measured on GPUs ({t.gpu.num_rows} segments):",
-                  _spread([host.get(r, 0.0) for r in range(t.world_size)], "  host time per rank"),
-                  _spread([device.get(r, 0.0) for r in range(t.world_size)], "  device busy time per rank")]
+                  _spread([host.get(r, 0.0) for r in t.real_ranks], "  host time per rank"),
+                  _spread([device.get(r, 0.0) for r in t.real_ranks], "  device busy time per rank")]
     return "\n".join(lines)

@@ -1,0 +1,96 @@
+"""Replay speed at scale: symmetric replay of a folded job vs the full synthesised replay.
+
+Builds a Megatron-shaped 1F1B graph (``prism_megatron.replay.synthetic``; TP·PP·DP in Megatron's
+rank order), folds it to data-parallel replica 0 (the v1 sandbox of a dense model), and prints the
+wall time of (a) the symmetric replay of the folded graph (live ranks only) and (b) synthesising the
+full graph of every rank and replaying it, with events per second and peak memory, and checks
+that both predict the same iteration times. Issue 19's target: the 8,192-rank graph replays in
+under 60 s.
+
+    python bench/replay_scale.py                      # TP2·PP4·DP1024: 8,192 ranks
+    python bench/replay_scale.py --dp 128             # 1,024 ranks
+    python bench/replay_scale.py --no-full            # the symmetric replay only
+    python bench/replay_scale.py --dp 128 --profile   # cProfile of the full replay (top 25)
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import resource
+import time
+
+from prism_megatron.calibration.costmodel import CollectiveCostModel
+from prism_megatron.calibration.profiles import load_profile
+from prism_megatron.replay import replay
+from prism_megatron.replay.synthesize import fold_graph, synthesize
+from prism_megatron.replay.synthetic import Shape, megatron_1f1b, replica_fold
+
+
+def _peak_gib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1 << 20)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--pp", type=int, default=4)
+    ap.add_argument("--dp", type=int, default=1024)
+    ap.add_argument("--microbatches", type=int, default=8)
+    ap.add_argument("--layers-per-stage", type=int, default=4)
+    ap.add_argument("--iterations", type=int, default=3)
+    ap.add_argument("--gpus-per-node", type=int, default=8)
+    ap.add_argument("--cluster", default="h100-nvlink-ib400")
+    ap.add_argument("--no-full", action="store_true", help="skip the full synthesised replay")
+    ap.add_argument("--profile", action="store_true", help="cProfile the full replay and print the top 25")
+    args = ap.parse_args()
+
+    shape = Shape(tp=args.tp, pp=args.pp, dp=args.dp, microbatches=args.microbatches,
+                  layers_per_stage=args.layers_per_stage, iterations=args.iterations, gpu_times=True)
+    cost = CollectiveCostModel(load_profile(args.cluster), gpus_per_node=args.gpus_per_node)
+    print(f"job: TP{shape.tp}·PP{shape.pp}·DP{shape.dp} = {shape.world_size} ranks, {shape.microbatches} "
+          f"microbatches x {shape.iterations} iterations, {shape.layers_per_stage} layers per stage, "
+          f"cluster {args.cluster}, {args.gpus_per_node} GPUs per node")
+
+    t = time.perf_counter()
+    full_graph = megatron_1f1b(shape)
+    built = time.perf_counter() - t
+    folded = fold_graph(full_graph, replica_fold(shape), args.gpus_per_node)
+    n_live = sum(len(e) for e in folded.events.values())
+    n_full = sum(len(e) for e in full_graph.events.values())
+    print(f"built the full graph in {built:.1f} s: {n_full:,} events ({n_full // shape.world_size} per rank); "
+          f"folded: {len(folded.events)} live ranks, {n_live:,} events")
+    del full_graph
+
+    t, c = time.perf_counter(), time.process_time()
+    sym = replay(folded, cost)
+    t_sym, c_sym = time.perf_counter() - t, time.process_time() - c
+    print(f"(a) symmetric replay: {t_sym:.3f} s wall, {c_sym:.3f} s CPU; iteration times "
+          f"{', '.join(f'{x * 1e3:.3f}' for x in sym.iteration_times())} ms; peak RSS {_peak_gib():.2f} GiB")
+    if args.no_full:
+        return
+
+    t, c = time.perf_counter(), time.process_time()  # on a shared machine CPU time is the steadier figure
+    graph = synthesize(folded)
+    t_syn, c_syn = time.perf_counter() - t, time.process_time() - c
+    print(f"(b) synthesised the full graph: {t_syn:.1f} s wall, {c_syn:.1f} s CPU, {len(graph.events)} ranks")
+    t, c = time.perf_counter(), time.process_time()
+    if args.profile:
+        prof = cProfile.Profile()
+        full = prof.runcall(replay, graph, cost)
+    else:
+        full = replay(graph, cost)
+    t_full, c_full = time.perf_counter() - t, time.process_time() - c
+    print(f"(b) full replay: {t_full:.1f} s wall, {c_full:.1f} s CPU ({1e6 * c_full / n_full:.2f} us CPU per event); "
+          f"synthesis + replay {t_syn + t_full:.1f} s wall, {c_syn + c_full:.1f} s CPU; peak RSS {_peak_gib():.2f} GiB")
+    same = full.iteration_times() == sym.iteration_times() and all(
+        full.rank_end[r] == sym.rank_end[r] for r in folded.events)
+    print(f"symmetric == full: {same} (iteration times and live ranks' end times); "
+          f"speed-up {(t_syn + t_full) / t_sym:.0f}x")
+    if args.profile:
+        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+
+
+if __name__ == "__main__":
+    main()

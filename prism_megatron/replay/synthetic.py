@@ -1,0 +1,135 @@
+"""Megatron-shaped execution graphs made in Python: TP·PP·DP ranks running 1F1B, for replay at scale.
+
+Benchmarks and tests need the graph of a 1,024- or 8,192-rank job without running one. This builds
+what such a job's trace holds, in Megatron's rank order (tp fastest, then dp, then pp:
+``rank = tp + TP * (dp + DP * pp)``): per microbatch and stage, each layer's compute followed by
+its tensor-parallel all-reduce, pipeline sends/receives posted together and then awaited (as
+``batch_isend_irecv``), and per iteration the data-parallel gradient reduce-scatter and parameter
+all-gather, a loss all-reduce over data-parallel ranks and a grad-norm all-reduce over the
+model-parallel group. Stages differ in compute (embedding on the first, loss on the last), so a
+graph has one class of ranks per stage and tensor-parallel rank; every data-parallel replica is the
+same, which makes the graph symmetric under the fold to replica 0 (:func:`replica_fold`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .graph import Graph, GraphBuilder
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A job's parallel layout and schedule size; times in seconds, sizes in bytes."""
+
+    tp: int = 2
+    pp: int = 4
+    dp: int = 8
+    microbatches: int = 8
+    layers_per_stage: int = 4
+    iterations: int = 3
+    layer_forward: float = 1e-3
+    activation_bytes: int = 16 << 20
+    grad_bytes: int = 256 << 20
+    gpu_times: bool = False  # two clocks: host time is a third of the device's
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    def rank(self, tp: int, dp: int, pp: int) -> int:
+        return tp + self.tp * (dp + self.dp * pp)
+
+
+def replica_fold(shape: Shape) -> list[int]:
+    """rep of the fold to data-parallel replica 0 (Megatron's v1 sandbox for a dense model)."""
+    return [shape.rank(r % shape.tp, 0, r // (shape.tp * shape.dp)) for r in range(shape.world_size)]
+
+
+def megatron_1f1b(shape: Shape) -> Graph:
+    """The graph of ``shape`` (see the module docstring)."""
+    s = shape
+    b = GraphBuilder()
+    gid = iter(range(1 << 30))
+    world = b.group(next(gid), range(s.world_size), "world")
+    tp_g, dp_g, pp_g, mp_g = {}, {}, {}, {}
+    for p in range(s.pp):
+        for d in range(s.dp):
+            tp_g[(d, p)] = b.group(next(gid), [s.rank(t, d, p) for t in range(s.tp)], "tp")
+    for p in range(s.pp):
+        for t in range(s.tp):
+            dp_g[(t, p)] = b.group(next(gid), [s.rank(t, d, p) for d in range(s.dp)], "dp")
+    for d in range(s.dp):
+        for t in range(s.tp):
+            pp_g[(t, d)] = b.group(next(gid), [s.rank(t, d, p) for p in range(s.pp)], "pp")
+        mp_g[d] = b.group(next(gid), [s.rank(t, d, p) for p in range(s.pp) for t in range(s.tp)], "mp")
+    del world  # every rank is a member; no op of this schedule uses it
+
+    for p in range(s.pp):
+        first, last = p == 0, p == s.pp - 1
+        extra_f = (0.5 if first else 0.0) + (1.0 if last else 0.0)  # embedding, loss
+        for d in range(s.dp):
+            for t in range(s.tp):
+                r = s.rank(t, d, p)
+                prv = s.rank(t, d, p - 1) if not first else None
+                nxt = s.rank(t, d, p + 1) if not last else None
+                _rank_program(b, s, r, p, tp_g[(d, p)], dp_g[(t, p)], pp_g[(t, d)], mp_g[d], prv, nxt, extra_f)
+    return b.build(f"megatron_1f1b(tp={s.tp}, pp={s.pp}, dp={s.dp}, m={s.microbatches})")
+
+
+def _rank_program(b: GraphBuilder, s: Shape, r: int, p: int, tp: int, dp: int, pp: int, mp: int,
+                  prv: int | None, nxt: int | None, extra_f: float) -> None:
+    f = s.layer_forward
+
+    def compute(seconds: float, label: str) -> None:
+        b.compute(r, seconds / 3 if s.gpu_times else seconds, label, gpu=seconds if s.gpu_times else None)
+
+    def layers(direction: str) -> None:
+        scale = 1.0 if direction == "forward" else 2.0
+        if direction == "forward" and extra_f:
+            compute(extra_f * f, "embedding/loss")
+        for layer in range(s.layers_per_stage):
+            compute(scale * f, f"{direction} layer {layer}")
+            if s.tp > 1:
+                b.collective(r, "all_reduce", tp, s.activation_bytes, label=f"tp.{direction}")
+
+    def p2p(*ops: tuple[str, int | None]) -> None:
+        refs = []
+        for kind, peer in ops:
+            if peer is None:
+                continue
+            refs.append((b.send if kind == "send" else b.recv)(r, peer, pp, s.activation_bytes, async_op=True,
+                                                                 label=f"pp.{kind}"))
+        if refs:
+            b.wait(r, *refs)
+
+    m = s.microbatches
+    warmup = min(s.pp - p - 1, m)
+    for it in range(s.iterations):
+        b.mark(r, "iteration", "B", iteration=it)
+        for _ in range(warmup):
+            p2p(("recv", prv))
+            layers("forward")
+            p2p(("send", nxt))
+        if m > warmup:
+            p2p(("recv", prv))
+        for i in range(m - warmup):
+            layers("forward")
+            p2p(("send", nxt), ("recv", nxt))
+            layers("backward")
+            p2p(("send", prv), *((("recv", prv),) if i < m - warmup - 1 else ()))
+        for _ in range(warmup):
+            p2p(("recv", nxt))
+            layers("backward")
+            p2p(("send", prv))
+        if s.dp > 1:
+            for bucket in range(2):
+                b.collective(r, "reduce_scatter", dp, s.grad_bytes // 2, label=f"dp.grads {bucket}")
+            b.collective(r, "all_reduce", dp, 4, label="dp.loss")
+        b.collective(r, "all_reduce", mp, 4, label="mp.grad_norm")
+        compute(2 * f, "optimizer")
+        if s.dp > 1:
+            b.collective(r, "all_gather", dp, s.grad_bytes // 2, label="dp.params")
+        if s.gpu_times:
+            b.cpu_sync(r)  # Megatron's timers synchronise at the iteration's end
+        b.mark(r, "iteration", "E")
