@@ -265,15 +265,15 @@ def test_unknown_keys_rejected_with_suggestion():
     assert_problem(err, "parallel.tensor_parallel", "unknown key")
 
 
-@pytest.mark.parametrize("version", [2, 0, "1", None, True])
+@pytest.mark.parametrize("version", [3, 0, "1", None, True])
 def test_wrong_version_names_supported(version):
     err = problems_of(mutate(DENSE, {"version": version}))
     assert err.fields() == ["version"]
-    assert "supported versions: 1" in str(err)
+    assert "supported versions: 1, 2" in str(err)
 
 
 def test_missing_version():
-    assert_problem(problems_of(mutate(DENSE, {"version": DELETE})), "version", "supported versions: 1")
+    assert_problem(problems_of(mutate(DENSE, {"version": DELETE})), "version", "supported versions: 1, 2")
 
 
 def test_all_violations_reported_together_naming_the_file():
