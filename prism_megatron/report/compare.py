@@ -65,7 +65,8 @@ def layout_of(report: dict[str, Any], label: str, source: str) -> Layout:
         iteration_time_s=pred.get("iteration_time_s"),
         tokens_per_s_per_gpu=tokens / world if tokens is not None and world else None,
         tflops_per_gpu=pred.get("tflops_per_gpu"),
-        oom=bool(report["oom"]) or any(r["oom"] for r in ranks) or report["verdict"].startswith(("OOM", "does not fit")),
+        oom=(bool(report["oom"]) or any(r["oom"] for r in ranks)
+             or report["verdict"].startswith(("OOM", "does not fit"))),
         verdict=report["verdict"],
         headroom={c["class"]: c["headroom"] for c in report["memory"]["classes"]},
         report=report,
@@ -89,7 +90,7 @@ def compare(paths: list[str | Path], cluster: str | None = None,
     if labels is not None and len(labels) != len(ps):
         raise ValueError(f"{len(labels)} label(s) for {len(ps)} report(s)")
     names = labels or _labels(ps)
-    rows = [layout_of(load_report(p, cluster), name, str(p)) for p, name in zip(ps, names)]
+    rows = [layout_of(load_report(p, cluster), name, str(p)) for p, name in zip(ps, names, strict=True)]
     order = {id(r): i for i, r in enumerate(rows)}
     return sorted(rows, key=lambda r: (r.iteration_time_s is None, r.iteration_time_s or 0.0, order[id(r)]))
 
@@ -105,7 +106,7 @@ def comparison_text(rows: list[Layout]) -> str:
                      fmt_rate(r.tokens_per_s_per_gpu, "tok/s"),
                      "-" if r.tflops_per_gpu is None else f"{r.tflops_per_gpu:.1f}", mem))
     widths = [max(len(row[c]) for row in (head, *body)) for c in range(len(head))]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in (head, *body)]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in (head, *body)]
     for i, r in enumerate(rows, start=1):
         lines.append(f"{i}. {r.label}: {r.verdict}")
         for cls, h in r.headroom.items():
