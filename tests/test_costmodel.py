@@ -339,3 +339,26 @@ def test_cost_is_monotonic_in_bytes_and_group_size(kind):
         sizes = [n for n in (2, 16, 64, 512, 1024, 8192) if n * spread <= 8192 * 8]
         times = [model.time(kind, 2**24, range(0, n * spread, spread)) for n in sizes]
         assert times == sorted(times), (kind, spread)
+
+
+def test_async_dp_reduce_overlaps_compute_in_the_replay():
+    """--overlap-grad-reduce makes DDP issue its bucket reduces async during backward and wait at the
+    end: the replay overlaps an async op with the rank's compute by construction, so only the part
+    of the cluster-costed reduce that outlasts the remaining compute is exposed."""
+    from prism_megatron.replay import GraphBuilder, replay
+
+    model = CollectiveCostModel(load_profile("h100-nvlink-ib400"))
+    S = 2**28  # a 256 MiB bucket over DP ranks 0 and 8: two nodes, one rank each
+    cost = model.time("all_reduce", S, [0, 8])
+    for rest, async_op in ((cost / 2, True), (2 * cost, True), (cost / 2, False)):
+        gb = GraphBuilder()
+        gb.group(0, [0, 8])
+        for r in (0, 8):
+            gb.compute(r, 1.0)  # backward up to the bucket
+            op = gb.collective(r, "all_reduce", 0, S, async_op=async_op)
+            gb.compute(r, rest)  # the rest of backward
+            if async_op:
+                gb.wait(r, op)
+        res = replay(gb.build(), model)
+        overlapped = 1.0 + max(cost, rest)
+        assert res.makespan == pytest.approx(overlapped if async_op else 1.0 + cost + rest, rel=1e-9)
