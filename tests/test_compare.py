@@ -77,3 +77,46 @@ def test_cli_compare(layouts):
     (layouts / "junk.json").write_text(json.dumps({"format": "other"}))
     bad = CliRunner().invoke(main, ["compare", str(layouts / "junk.json")])
     assert bad.exit_code != 0 and "field 'format'" in bad.output
+
+
+def test_recipe_substitutions_beside_the_figures(layouts):
+    rows = compare([layouts / "pp2dp2", layouts / "pp2dp4"], cluster="h100-nvlink-ib400",
+                   recipes=["targets-qwen3-235b-a22b-h100x256-tp2pp8vpp4ep32",
+                            "targets-qwen3-235b-a22b-h100x256-tp1pp8vpp4ep8"])
+    assert [r.label for r in rows] == ["targets-qwen3-235b-a22b-h100x256-tp2pp8vpp4ep32",
+                                       "targets-qwen3-235b-a22b-h100x256-tp1pp8vpp4ep8"]
+    assert {s["setting"] for s in rows[1].substitutions} >= {"model.transformer_impl", "target.gpu"}
+    text = comparison_text(rows)
+    assert "substituted model.transformer_impl: transformer_engine -> local (affects compute time" in text
+    with pytest.raises(ValueError, match="1 recipe"):
+        compare([layouts / "pp2dp2", layouts / "pp2dp4"], recipes=["targets-llama3-8b-h100x8"])
+
+
+def test_report_carries_the_substitutions_the_run_recorded(layouts, tmp_path):
+    from prism_megatron.report import read_report
+    from prism_megatron.trace import TraceFormatError
+
+    manifest = layouts / "pp2dp2" / "manifest.json"
+    doc = json.loads(manifest.read_text())
+    sub = {"setting": "training.precision", "published": "fp8", "rendered": "bf16", "affects": "GEMM time"}
+    doc["job"]["substitutions"] = [sub]
+    manifest.write_text(json.dumps(doc))
+    paths = make_report(layouts / "pp2dp2", tmp_path / "out")
+    report = read_report(paths["report"])
+    assert report["substitutions"] == [sub]
+    assert compare([paths["report"]])[0].substitutions == (sub,)
+    doc["job"]["substitutions"] = [{"setting": "x"}]
+    manifest.write_text(json.dumps(doc))
+    with pytest.raises(TraceFormatError, match="job.substitutions"):
+        load_report(layouts / "pp2dp2")
+
+
+def test_report_reader_checks_substitutions(layouts, tmp_path):
+    from prism_megatron.report import ReportFormatError, read_report
+
+    paths = make_report(layouts / "pp2dp2", tmp_path / "out")
+    doc = json.loads(paths["report"].read_text())
+    doc["substitutions"] = [{"setting": "x", "published": "y", "rendered": 3, "affects": "z"}]
+    paths["report"].write_text(json.dumps(doc))
+    with pytest.raises(ReportFormatError, match=r"substitutions\[0\]\.rendered"):
+        read_report(paths["report"])

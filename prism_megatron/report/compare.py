@@ -30,6 +30,9 @@ class Layout:
     verdict: str
     #: class -> smallest headroom of its ranks (bytes; negative: over the cap; None: no cap known)
     headroom: dict[str, int | None] = field(default_factory=dict)
+    #: settings the emulation could not run (setting, published, rendered, affects), from the report
+    #: or the recipe named for the entry
+    substitutions: tuple[dict[str, str], ...] = ()
     report: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
 
@@ -52,8 +55,9 @@ def load_report(path: str | Path, cluster: str | None = None) -> dict[str, Any]:
     return build_report(path, cluster)
 
 
-def layout_of(report: dict[str, Any], label: str, source: str) -> Layout:
-    """The comparison row of one report."""
+def layout_of(report: dict[str, Any], label: str, source: str,
+              substitutions: list[dict[str, str]] | None = None) -> Layout:
+    """The comparison row of one report; ``substitutions`` (a recipe's) replace the report's own."""
     pred = report.get("prediction") or {}
     world = report["job"]["world_size"]
     tokens = pred.get("tokens_per_s")
@@ -69,6 +73,7 @@ def layout_of(report: dict[str, Any], label: str, source: str) -> Layout:
              or report["verdict"].startswith(("OOM", "does not fit"))),
         verdict=report["verdict"],
         headroom={c["class"]: c["headroom"] for c in report["memory"]["classes"]},
+        substitutions=tuple(substitutions if substitutions is not None else report.get("substitutions") or ()),
         report=report,
     )
 
@@ -81,16 +86,31 @@ def _labels(paths: list[Path]) -> list[str]:
     return [str(p) for p in paths]  # two runs named alike: their paths tell them apart
 
 
-def compare(paths: list[str | Path], cluster: str | None = None,
-            labels: list[str] | None = None) -> list[Layout]:
-    """Rows for ``paths``, fastest first; layouts without a prediction last, in the order given."""
+def compare(paths: list[str | Path], cluster: str | None = None, labels: list[str] | None = None,
+            recipes: list[str] | None = None) -> list[Layout]:
+    """Rows for ``paths``, fastest first; layouts without a prediction last, in the order given.
+
+    ``recipes``: the recipe each entry ran (name or file), in order: its substitutions go beside the
+    entry's figures, and its name is the default label.
+    """
     if not paths:
         raise ValueError("compare needs at least one report or trace")
     ps = [Path(p) for p in paths]
-    if labels is not None and len(labels) != len(ps):
-        raise ValueError(f"{len(labels)} label(s) for {len(ps)} report(s)")
+    for what, given in (("label", labels), ("recipe", recipes)):
+        if given is not None and len(given) != len(ps):
+            raise ValueError(f"{len(given)} {what}(s) for {len(ps)} report(s)")
+    subs: list[list[dict[str, str]] | None] = [None] * len(ps)
     names = labels or _labels(ps)
-    rows = [layout_of(load_report(p, cluster), name, str(p)) for p, name in zip(ps, names, strict=True)]
+    if recipes is not None:
+        from dataclasses import asdict
+
+        from prism_megatron.recipe import load_recipe
+
+        loaded = [load_recipe(r) for r in recipes]
+        subs = [[asdict(x) for x in r.substitutions] for r in loaded]
+        names = labels or [r.name for r in loaded]
+    rows = [layout_of(load_report(p, cluster), name, str(p), sub)
+            for p, name, sub in zip(ps, names, subs, strict=True)]
     order = {id(r): i for i, r in enumerate(rows)}
     return sorted(rows, key=lambda r: (r.iteration_time_s is None, r.iteration_time_s or 0.0, order[id(r)]))
 
@@ -111,6 +131,9 @@ def comparison_text(rows: list[Layout]) -> str:
         lines.append(f"{i}. {r.label}: {r.verdict}")
         for cls, h in r.headroom.items():
             lines.append(f"     {cls}: headroom {fmt_bytes(h)}")
+        for sub in r.substitutions:
+            lines.append(f"     substituted {sub['setting']}: {sub['published']} -> {sub['rendered']} "
+                         f"(affects {sub['affects']})")
     return "\n".join(lines)
 
 
@@ -122,7 +145,7 @@ def log_comparison(rows: list[Layout], group: str, *, run_dir: Path, project: st
     out = []
     for rank, r in enumerate(rows, start=1):
         config = {"layout": r.label, "source": r.source, "world_size": r.world_size, "comparison_rank": rank,
-                  "comparison_group": group}
+                  "comparison_group": group, "substitutions": list(r.substitutions)}
         out.append(log_report(r.report, timeline=None, config=config, run_dir=run_dir, project=project,
                               entity=entity, name=r.label, mode=mode, group=group))
     return out
