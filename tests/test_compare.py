@@ -105,6 +105,8 @@ def test_report_carries_the_substitutions_the_run_recorded(layouts, tmp_path):
     report = read_report(paths["report"])
     assert report["substitutions"] == [sub]
     assert compare([paths["report"]])[0].substitutions == (sub,)
+    from prism_megatron.report import summary_text
+    assert "substituted training.precision: fp8 -> bf16 (affects GEMM time)" in summary_text(report, width=200)
     doc["job"]["substitutions"] = [{"setting": "x"}]
     manifest.write_text(json.dumps(doc))
     with pytest.raises(TraceFormatError, match="job.substitutions"):
