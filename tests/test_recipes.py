@@ -39,6 +39,7 @@ from prism_megatron.recipe import (
     from_dict,
     load_file,
     load_recipe,
+    padded_vocab_size,
     parse_recipe,
     recipe_files,
     recipe_names,
@@ -189,6 +190,9 @@ def test_target_show_lists_sources_and_substitutions():
     assert flag_values(args, "--pipeline-model-parallel-layout") == ["Et|(tt|)*30L"]
     assert "--num-virtual-stages-per-pipeline-rank" not in args
     assert flag_values(args, "--recompute-modules") == ["mla_up_proj", "mlp"]
+    # Megatron pads the vocabulary to a multiple of divisor x TP: 151,936 = 1187 x 128 stays whole at TP2
+    assert padded_vocab_size(load_recipe("targets-qwen3-235b-a22b-h100x256-tp2pp8vpp4ep32")) == 151_936
+    assert padded_vocab_size(load_recipe("targets-llama31-405b-h100x512")) == 129_024  # 128 x TP8 = 1024
     llama = render_args(load_recipe("targets-llama31-405b-h100x512"))
     assert {"--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split"} <= set(llama)
 

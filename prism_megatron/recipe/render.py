@@ -117,8 +117,18 @@ def render_env(recipe: Recipe) -> dict[str, str]:
 
 
 def padded_vocab_size(recipe: Recipe) -> int:
-    """Vocab rows Megatron allocates: NullTokenizer adds EOD, then pads to a multiple of 128*TP."""
-    multiple = _VOCAB_DIVISOR * recipe.parallel.tp
+    """Vocab rows Megatron allocates: NullTokenizer adds EOD, then pads to a multiple of divisor*TP.
+
+    The divisor is 128 unless extra_args set ``--make-vocab-size-divisible-by``.
+    """
+    args = list(recipe.extra_args)
+    divisor = _VOCAB_DIVISOR
+    for i, tok in enumerate(args):
+        if tok == "--make-vocab-size-divisible-by" and i + 1 < len(args):
+            divisor = int(args[i + 1])
+        elif tok.startswith("--make-vocab-size-divisible-by="):
+            divisor = int(tok.split("=", 1)[1])
+    multiple = divisor * recipe.parallel.tp
     return math.ceil((recipe.model.vocab_size + 1) / multiple) * multiple
 
 
