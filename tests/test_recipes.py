@@ -636,6 +636,21 @@ def test_megatron_core_builds_the_layout(name, fake_world):
     assert microbatches(recipe) == recipe.num_microbatches
 
 
+@pytest.mark.parametrize("name", sorted(TARGETS))
+def test_megatron_core_builds_the_target_layout(name, fake_world):
+    """parallel_state at the target's full world size (8,192 ranks for the largest) agrees with the
+    recipe's derived sizes; the microbatch calculator with its microbatches per DP rank."""
+    recipe = load_recipe(name)
+    ps = fake_world(recipe, rank=recipe.world_size - 1)
+    p = recipe.parallel
+    got = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
+           ps.get_context_parallel_world_size(), ps.get_data_parallel_world_size(),
+           ps.get_expert_model_parallel_world_size(), ps.get_expert_tensor_parallel_world_size(),
+           ps.get_expert_data_parallel_world_size())
+    assert got == (p.tp, p.pp, p.cp, recipe.dp, p.ep, recipe.etp, recipe.expert_dp)
+    assert microbatches(recipe) == recipe.num_microbatches
+
+
 # Rules whose Megatron counterpart runs without Megatron-LM: (id, base, changes, our field, stage).
 CORE_AGREEMENT = [
     # id, base, changes, our field, Megatron stage, what Megatron says
