@@ -299,22 +299,29 @@ def test_algorithm_choice_hand_computed():
     # a DP group of 512 ranks, one per node: tree (2*9 steps) beats ring (2*511 steps)
     dp512 = range(0, 4096, 8)
     assert model.choose("all_reduce", S, dp512) == pytest.approx(("tree", "simple", 18 * a_out + 2 * S / b_out))
-    # all-gather over 1,024 nodes, one rank each: PAT's 10 steps against ring's 1,023
+    # all-gather over 1,024 nodes, one rank each: PAT's 10 steps (plus NCCL's 2.8 us per rank) against
+    # ring's 1,023 steps for 1 MiB; for 1 GiB ring's full bandwidth wins back (PAT runs at 0.75 of it)
     dp1024 = range(0, 8192, 8)
-    assert model.choose("all_gather", 2**20, dp1024) == pytest.approx(
-        ("pat", "simple", 10 * a_out + 1023 / 1024 * 2**20 / b_out))
+    pat = 10 * a_out / 3.5 + 1024 * 2.8e-6 + 1023 / 1024 * 2**20 / (0.75 * b_out)
+    assert model.choose("all_gather", 2**20, dp1024) == pytest.approx(("pat", "simple", pat))
+    ring = 1023 * a_out + 1023 / 1024 * S / b_out
+    assert model.choose("all_gather", S, dp1024) == pytest.approx(("ring", "simple", ring))
+    assert cm.pat_all_gather(S, 1024, a_out, b_out) > ring
     # two ranks per node: PAT is not enabled, ring runs (k=2 GPUs' NIC share)
     pairs = [r for n in range(8) for r in (8 * n, 8 * n + 1)]
     assert model.choose("reduce_scatter", S, pairs) == pytest.approx(
         ("ring", "simple", 15 * a_out + 15 / 16 * S / (2 * b_out)))
-    # NVLS when the cluster enables it: the switch reduces, 2 alpha + S/B
+    # NVLS when the cluster enables it: the switch reduces, NCCL's 25 us + S/B (large messages only)
     from dataclasses import replace
 
     from prism_megatron.calibration.profiles import Figure
     nvls = CollectiveCostModel(replace(p, nvls_enabled=Figure(1, "test", "assumed")))
     assert _profile(**{"nccl.nvls": {"value": 1, "basis": "assumed", "source": "test"}}).nvls
-    algo, _, t = nvls.choose("all_reduce", S, range(8))
-    assert algo == "nvls" and t == pytest.approx(2 * a_in + S / b_in, rel=1e-9)
+    assert nvls.choose("all_reduce", S, range(8)) == pytest.approx(("nvls", "simple", 25e-6 + S / b_in))
+    auto = CollectiveCostModel(replace(p, nvls_enabled=Figure(1, "test", "assumed")), protocol="auto")
+    assert auto.choose("all_reduce", S, range(8))[:2] == ("nvls", "simple")
+    # a small message: ring with LL (14 steps x 3.4 us x 0.14) beats NVLS's 25 us; NVLS has no LL
+    assert auto.choose("all_reduce", 1024, range(8))[:2] == ("ring", "ll")
     # a fixed algorithm the placement does not allow falls back to ring, as NCCL does
     assert CollectiveCostModel(p, algorithm="tree").choose("all_reduce", S, range(8))[0] == "ring"
 

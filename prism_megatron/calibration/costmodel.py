@@ -34,16 +34,21 @@ Algorithm choice (``auto``): NCCL's tuner predicts each enabled (algorithm, prot
 from its own alpha-beta tables and runs the fastest; we do the same over the pairs NCCL enables for
 the op and the group's placement (:func:`algorithms_for`):
 
-- all-reduce: ring; tree (double binary tree) only for a group spanning nodes, since NCCL builds
-  its trees across nodes and runs a chain inside one; NVLS (NVLink SHARP: the NVSwitch reduces) for
-  a group inside one node when the profile enables it;
+- all-reduce: ring; tree (double binary tree) for a group spanning nodes; NVLS (NVLink SHARP: the
+  NVSwitch reduces) for a group inside one node when the profile enables it;
 - all-gather / reduce-scatter: ring; PAT (NCCL >= 2.23, Bruck-like: log2(n) steps) for a group with
-  exactly one rank per node, the only placement NCCL runs PAT on; NVLS inside one node when enabled;
+  exactly one rank per node, the only placement NCCL runs PAT on; NVLS inside one node when enabled
+  (across nodes NCCL runs NVLS for these only through CollNet/SHARP, not modelled);
 - broadcast / reduce: ring (pipelined chain); all-to-all and send/recv: point-to-point.
 
-The NVLS formulas: all-reduce ``2 alpha + S/B`` (each GPU sends S to the switch and reads the
-reduced S back; ring needs 2(n-1)/n S/B), all-gather / reduce-scatter ``alpha + (n-1)/n S/B``.
-PAT: ``ceil(log2 n) alpha + (n-1)/n S/B``. Not modelled: SHARP and CollNet across nodes, NVLS-tree
+The NVLS formulas (an idealisation: the switch reduces, so each GPU sends S and reads the reduced S
+back where ring moves 2(n-1)/n S; no shipped profile enables NVLS, as no published recipe runs it):
+all-reduce ``25 us + S/B``, all-gather / reduce-scatter ``25 us + (n-1)/n S/B``, with NCCL's NVLS
+latency and the Simple protocol only.
+PAT, as NCCL's tuner models it: ``ceil(log2 n) alpha / 3.5 + n * 2.8 us + (n-1)/n S / (0.75 B)``
+(logarithmic steps but a linear term and less bandwidth: PAT wins for small and mid-size messages
+over many nodes, ring for large ones). Inside one node NCCL's tree is a chain (2(n-1) steps like
+ring, less bandwidth), so it never wins there and is left out. Not modelled: SHARP and CollNet across nodes, NVLS-tree
 (NVLS inside nodes with a tree across), link contention between concurrent ops, and NCCL's
 hierarchical tree across nodes (which sends about S rather than 2S per node through the NICs: the
 flat tree formula is conservative there). A profile fitted from nccl-tests output with
@@ -121,16 +126,31 @@ def tree_all_reduce(S: float, n: int, alpha: float, B: float) -> float:
     return 0.0 if n <= 1 else 2 * math.ceil(math.log2(n)) * alpha + 2 * S / B
 
 
+#: NCCL's NVLS latency on NVLink, Simple protocol (NVIDIA/nccl src/graph/tuning.cc hwLatencies);
+#: NVLS runs only the Simple protocol.
+NVLS_LATENCY_S = 25e-6
+
+
 def nvls_all_reduce(S: float, n: int, alpha: float, B: float) -> float:
-    return 0.0 if n <= 1 else 2 * alpha + S / B
+    return 0.0 if n <= 1 else NVLS_LATENCY_S + S / B
 
 
 def nvls_all_gather(S: float, n: int, alpha: float, B: float) -> float:
-    return 0.0 if n <= 1 else alpha + (n - 1) / n * S / B
+    return 0.0 if n <= 1 else NVLS_LATENCY_S + (n - 1) / n * S / B
+
+
+#: NCCL's own PAT model (NVIDIA/nccl src/graph/tuning.cc): latency log2(nodes) * inter-node latency / 3.5
+#: plus a linear 2.8 us per rank, bus bandwidth 0.75 of the ring's.
+PAT_LATENCY_DIVISOR = 3.5
+PAT_PER_RANK_S = 2.8e-6
+PAT_BANDWIDTH_FACTOR = 0.75
 
 
 def pat_all_gather(S: float, n: int, alpha: float, B: float) -> float:
-    return 0.0 if n <= 1 else math.ceil(math.log2(n)) * alpha + (n - 1) / n * S / B
+    if n <= 1:
+        return 0.0
+    latency = math.ceil(math.log2(n)) * alpha / PAT_LATENCY_DIVISOR + n * PAT_PER_RANK_S
+    return latency + (n - 1) / n * S / (PAT_BANDWIDTH_FACTOR * B)
 
 
 #: (family, algorithm) -> formula(S, n, alpha, B); what each algorithm costs where NCCL runs it
@@ -246,7 +266,8 @@ class CollectiveCostModel:
             algorithms = enabled if self.algorithm == "auto" else (
                 (self.algorithm,) if self.algorithm in enabled else ("ring",))
         best = min(((self._one(family, float(nbytes), len(ranks), link, a, p), a, p)
-                    for a in algorithms for p in protocols), key=lambda x: x[0])
+                    for a in algorithms for p in protocols if a != "nvls" or p == "simple"),
+                   key=lambda x: x[0])
         return best[1], best[2], best[0]
 
     def time(self, kind: str, nbytes: int, ranks: tuple[int, ...] | list[int]) -> float:
