@@ -244,6 +244,40 @@ def report_cmd(trace_dir: Path, cluster: str | None, out_dir: Path | None) -> No
         click.echo(f"wrote {path}" + ("  (open in a browser)" if kind == "html" else ""))
 
 
+@main.command("compare")
+@click.argument("reports", nargs=-1, required=True, type=click.Path(path_type=Path))
+@click.option("--cluster", default=None, help="Cluster profile for entries that are traces (reports keep "
+              "the profile they were made with).")
+@click.option("--label", "labels", multiple=True, help="Name of each entry, in order (default: its recipe's "
+              "name, else its directory name).")
+@click.option("--recipe", "recipes", multiple=True, help="The recipe each entry ran, in order: its substitutions "
+              "(what the emulation machine ran instead) are shown beside the entry's figures.")
+@click.option("--wandb-group", default=None, help="Log one W&B run per layout into this group (offline unless "
+              "W&B is configured; WANDB_MODE=online/offline/disabled decides).")
+@click.option("--wandb-dir", type=click.Path(path_type=Path), default=Path("."), show_default=True,
+              help="Where W&B writes the runs (DIR/wandb).")
+@click.option("--wandb-project", default=None, help="W&B project (default: prism-megatron).")
+def compare_cmd(reports: tuple[Path, ...], cluster: str | None, labels: tuple[str, ...], recipes: tuple[str, ...],
+                wandb_group: str | None, wandb_dir: Path, wandb_project: str | None) -> None:
+    """Layouts of one model side by side, fastest first: REPORTS are report.json files or trace directories.
+
+    Example: prism-megatron compare runs/tp2pp8 runs/tp1pp8 --cluster h100-nvlink-ib400 --wandb-group qwen3-235b
+    """
+    from prism_megatron.recipe import RecipeError
+    from prism_megatron.report import ReportFormatError
+    from prism_megatron.report.compare import compare, comparison_text, log_comparison
+    from prism_megatron.trace import TraceFormatError
+
+    try:
+        rows = compare(list(reports), cluster, list(labels) or None, list(recipes) or None)
+    except (TraceFormatError, ReportFormatError, RecipeError, ValueError, OSError) as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(comparison_text(rows))
+    if wandb_group:
+        for run in log_comparison(rows, wandb_group, run_dir=wandb_dir, project=wandb_project):
+            click.echo(run.describe())
+
+
 @main.group()
 def cluster() -> None:
     """Cluster profiles: the links of the target cluster that costs communication."""

@@ -156,7 +156,8 @@ def test_shipped_profiles_every_figure_has_a_source():
      "expected one of spec, measured, fitted, assumed"),
     ({"intra_node.latency_us": {"value": 3, "basis": "spec", "source": ""}}, "intra_node.latency_us.source",
      "non-empty string"),
-    ({"nccl.algorithm": "nvls"}, "nccl.algorithm", "expected one of ring, tree, auto"),
+    ({"nccl.algorithm": "collnet"}, "nccl.algorithm", "expected one of ring, tree, pat, nvls, auto"),
+    ({"nccl.nvls": {"value": 2, "basis": "spec", "source": "x"}}, "nccl.nvls.value", "expected 0 or 1"),
     ({"nccl.protocols.ll128": ...}, "nccl.protocols.ll128", "is missing"),
     ({"nccl.protocols.ll.bandwidth_factor": _fig(1.5)}, "nccl.protocols.ll.bandwidth_factor.value", "at most 1.0"),
     ({"version": 2}, "version", "supports cluster profile version 1"),
@@ -269,3 +270,102 @@ def test_fit_rejects_non_nccl_tests_text():
 
     with pytest.raises(NcclTestsParseError, match="fewer than two result rows"):
         fit_profile_from_nccl_tests("hello\nworld\n")
+
+
+# --- algorithm choice (what NCCL's tuner would run) ---------------------------------------------------
+
+
+def test_algorithms_enabled_by_placement():
+    one_node = {0: 8}
+    spread = {n: 1 for n in range(64)}
+    two_per_node = {n: 2 for n in range(8)}
+    assert cm.algorithms_for("all_reduce", one_node, nvls=False) == ("ring",)
+    assert cm.algorithms_for("all_reduce", one_node, nvls=True) == ("ring", "nvls")
+    assert cm.algorithms_for("all_reduce", spread, nvls=True) == ("ring", "tree")
+    assert cm.algorithms_for("all_gather", spread, nvls=False) == ("ring", "pat")
+    assert cm.algorithms_for("reduce_scatter", two_per_node, nvls=False) == ("ring",)
+    assert cm.algorithms_for("all_gather", one_node, nvls=True) == ("ring", "nvls")
+    assert cm.algorithms_for("all_to_all", spread, nvls=True) == ("ring",)
+
+
+def test_algorithm_choice_hand_computed():
+    p = load_profile("h100-nvlink-ib400")  # NVLS off, Simple protocol
+    model = CollectiveCostModel(p)
+    S = 2**30
+    a_in, b_in = 3.4e-6, 450e9
+    a_out, b_out = 9.6e-6, 50e9  # one GPU per node: 8 NICs x 50 GB/s / 8 GPUs
+    # TP group of 8 on one node: only ring is enabled (tree needs nodes, NVLS is off)
+    assert model.choose("all_reduce", S, range(8)) == pytest.approx(("ring", "simple", 14 * a_in + 14 / 8 * S / b_in))
+    # a DP group of 512 ranks, one per node: tree (2*9 steps) beats ring (2*511 steps)
+    dp512 = range(0, 4096, 8)
+    assert model.choose("all_reduce", S, dp512) == pytest.approx(("tree", "simple", 18 * a_out + 2 * S / b_out))
+    # all-gather over 1,024 nodes, one rank each: PAT's 10 steps (plus NCCL's 2.8 us per rank) against
+    # ring's 1,023 steps for 1 MiB; for 1 GiB ring's full bandwidth wins back (PAT runs at 0.75 of it)
+    dp1024 = range(0, 8192, 8)
+    pat = 10 * a_out / 3.5 + 1024 * 2.8e-6 + 1023 / 1024 * 2**20 / (0.75 * b_out)
+    assert model.choose("all_gather", 2**20, dp1024) == pytest.approx(("pat", "simple", pat))
+    ring = 1023 * a_out + 1023 / 1024 * S / b_out
+    assert model.choose("all_gather", S, dp1024) == pytest.approx(("ring", "simple", ring))
+    assert cm.pat_all_gather(S, 1024, a_out, b_out) > ring
+    # two ranks per node: PAT is not enabled, ring runs (k=2 GPUs' NIC share)
+    pairs = [r for n in range(8) for r in (8 * n, 8 * n + 1)]
+    assert model.choose("reduce_scatter", S, pairs) == pytest.approx(
+        ("ring", "simple", 15 * a_out + 15 / 16 * S / (2 * b_out)))
+    # NVLS when the cluster enables it: the switch reduces, NCCL's 25 us + S/B (large messages only)
+    from dataclasses import replace
+
+    from prism_megatron.calibration.profiles import Figure
+    nvls = CollectiveCostModel(replace(p, nvls_enabled=Figure(1, "test", "assumed")))
+    assert _profile(**{"nccl.nvls": {"value": 1, "basis": "assumed", "source": "test"}}).nvls
+    assert nvls.choose("all_reduce", S, range(8)) == pytest.approx(("nvls", "simple", 25e-6 + S / b_in))
+    auto = CollectiveCostModel(replace(p, nvls_enabled=Figure(1, "test", "assumed")), protocol="auto")
+    assert auto.choose("all_reduce", S, range(8))[:2] == ("nvls", "simple")
+    # a small message: ring with LL (14 steps x 3.4 us x 0.14) beats NVLS's 25 us; NVLS has no LL
+    assert auto.choose("all_reduce", 1024, range(8))[:2] == ("ring", "ll")
+    # a fixed algorithm the placement does not allow falls back to ring, as NCCL does
+    assert CollectiveCostModel(p, algorithm="tree").choose("all_reduce", S, range(8))[0] == "ring"
+
+
+def test_placement_argument_changes_the_link():
+    p = load_profile("h100-nvlink-ib400")
+    S = 2**26
+    packed = CollectiveCostModel(p).time("all_reduce", S, range(8))  # one node of 8
+    four_per_node = CollectiveCostModel(p, gpus_per_node=4).time("all_reduce", S, range(8))  # two nodes
+    assert four_per_node > packed
+    with pytest.raises(ValueError, match="gpus_per_node 0"):
+        CollectiveCostModel(p, gpus_per_node=0)
+
+
+@pytest.mark.parametrize("kind", ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast"])
+def test_cost_is_monotonic_in_bytes_and_group_size(kind):
+    model = CollectiveCostModel(load_profile("h100-nvlink-ib400"))
+    for ranks in (range(8), range(0, 512 * 8, 8), range(0, 8192, 8), range(8192)):
+        times = [model.time(kind, 2**e, ranks) for e in range(10, 33, 2)]
+        assert times == sorted(times), (kind, len(ranks))
+    for spread in (1, 8):  # one rank per node, and whole nodes
+        sizes = [n for n in (2, 16, 64, 512, 1024, 8192) if n * spread <= 8192 * 8]
+        times = [model.time(kind, 2**24, range(0, n * spread, spread)) for n in sizes]
+        assert times == sorted(times), (kind, spread)
+
+
+def test_async_dp_reduce_overlaps_compute_in_the_replay():
+    """--overlap-grad-reduce makes DDP issue its bucket reduces async during backward and wait at the
+    end: the replay overlaps an async op with the rank's compute by construction, so only the part
+    of the cluster-costed reduce that outlasts the remaining compute is exposed."""
+    from prism_megatron.replay import GraphBuilder, replay
+
+    model = CollectiveCostModel(load_profile("h100-nvlink-ib400"))
+    S = 2**28  # a 256 MiB bucket over DP ranks 0 and 8: two nodes, one rank each
+    cost = model.time("all_reduce", S, [0, 8])
+    for rest, async_op in ((cost / 2, True), (2 * cost, True), (cost / 2, False)):
+        gb = GraphBuilder()
+        gb.group(0, [0, 8])
+        for r in (0, 8):
+            gb.compute(r, 1.0)  # backward up to the bucket
+            op = gb.collective(r, "all_reduce", 0, S, async_op=async_op)
+            gb.compute(r, rest)  # the rest of backward
+            if async_op:
+                gb.wait(r, op)
+        res = replay(gb.build(), model)
+        overlapped = 1.0 + max(cost, rest)
+        assert res.makespan == pytest.approx(overlapped if async_op else 1.0 + cost + rest, rel=1e-9)

@@ -39,6 +39,7 @@ from prism_megatron.recipe import (
     from_dict,
     load_file,
     load_recipe,
+    padded_vocab_size,
     parse_recipe,
     recipe_files,
     recipe_names,
@@ -126,9 +127,114 @@ def assert_problem(err: RecipeError, field: str, fragment: str) -> None:
 # --- shipped recipes ---------------------------------------------------------------------------
 
 
+TARGETS = {
+    # name: (world size, TP, PP, VPP, CP, EP)
+    "targets-llama3-8b-h100x8": (8, 1, 1, None, 1, 1),
+    "targets-llama3-70b-h100x64": (64, 4, 4, 5, 1, 1),
+    "targets-llama31-405b-h100x512": (512, 8, 8, 8, 1, 1),
+    "targets-llama31-405b-h100x8192": (8192, 8, 8, 8, 1, 1),
+    "targets-qwen3-30b-a3b-h100x16": (16, 1, 1, None, 1, 16),
+    "targets-qwen3-235b-a22b-h100x256-tp2pp8vpp4ep32": (256, 2, 8, 4, 1, 32),
+    "targets-qwen3-235b-a22b-h100x256-tp1pp8vpp4ep8": (256, 1, 8, 4, 1, 8),
+    "targets-qwen3-235b-a22b-h100x256-tp1pp8ep32": (256, 1, 8, None, 1, 32),
+    "targets-deepseek-v3-h100x1024": (1024, 2, 8, 4, 1, 64),
+}
+
+
 def test_shipped_recipe_set():
-    assert sorted(recipe_names()) == sorted(SHIPPED)
+    assert sorted(recipe_names()) == sorted([*SHIPPED, *TARGETS])
     assert RECIPES_DIR == REPO / "recipes"
+
+
+def _field(recipe: Recipe, dotted: str):
+    node = recipe
+    for part in dotted.split("."):
+        node = getattr(node, part)
+    return node
+
+
+@pytest.mark.parametrize("name", sorted(TARGETS))
+def test_target_recipe_provenance_and_substitutions(name):
+    """Every target names its sources (full commits) and the GPU, cluster and node size it targets;
+    a substitution of a recipe field states the value the recipe really renders."""
+    from prism_megatron.calibration.profiles import load_profile
+    from prism_megatron.memory.targets import resolve_target
+
+    recipe = load_recipe(name)
+    p = recipe.parallel
+    assert (recipe.world_size, p.tp, p.pp, p.vpp, p.cp, p.ep) == TARGETS[name]
+    assert recipe.version == 2 and recipe.sources
+    assert all(re.fullmatch(r"[0-9a-f]{40}", s.commit) for s in recipe.sources)
+    assert recipe.target.gpus_per_node == load_profile(recipe.target.cluster).node_size == 8
+    assert resolve_target(recipe.target.gpu).capacity > 70 * 2**30
+    # Nothing the emulation machine lacks may be rendered; each such setting is a named substitution.
+    assert recipe.model.transformer_impl == "local"
+    assert "model.transformer_impl" in {s.setting for s in recipe.substitutions}
+    for sub in recipe.substitutions:
+        if sub.setting.startswith("--"):
+            assert sub.setting.split()[0] not in render_args(recipe), f"{name}: {sub.setting} is rendered"
+        elif sub.setting.split(".")[0] in ("model", "parallel", "training", "target"):
+            value = _field(recipe, sub.setting)
+            text = str(value).lower() if isinstance(value, bool) else str(value)  # as YAML writes it
+            assert text == sub.rendered, f"{name}: {sub.setting}"
+    assert validate(recipe) == recipe
+
+
+def test_target_show_lists_sources_and_substitutions():
+    text = show("targets-deepseek-v3-h100x1024")
+    assert re.search(r"sources\s+layout .*NVIDIA-NeMo/Megatron-Bridge src/megatron/bridge/perf_recipes/deepseek", text)
+    assert "parallel.pipeline_layout: published Et|(tt|)*30mL" in text
+    assert "1024 GPUs" in text and "8 GPUs per node" in text and "not estimated" in text
+    assert "recompute selective (mla_up_proj, mlp)" in text
+    args = render_args(load_recipe("targets-deepseek-v3-h100x1024"))
+    assert flag_values(args, "--pipeline-model-parallel-layout") == ["Et|(tt|)*30L"]
+    assert "--num-virtual-stages-per-pipeline-rank" not in args
+    assert flag_values(args, "--recompute-modules") == ["mla_up_proj", "mlp"]
+    # Megatron pads the vocabulary to a multiple of divisor x TP: 151,936 = 1187 x 128 stays whole at TP2
+    assert padded_vocab_size(load_recipe("targets-qwen3-235b-a22b-h100x256-tp2pp8vpp4ep32")) == 151_936
+    assert padded_vocab_size(load_recipe("targets-llama31-405b-h100x512")) == 129_024  # 128 x TP8 = 1024
+    llama = render_args(load_recipe("targets-llama31-405b-h100x512"))
+    assert {"--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split"} <= set(llama)
+
+
+V2 = mutate(DENSE, {"version": 2})
+
+
+@pytest.mark.parametrize(("changes", "field", "fragment"), [
+    ({"version": 1, "target.gpus_per_node": 8}, "target.gpus_per_node", "needs version: 2"),
+    ({"version": 1, "sources": []}, "sources", "needs version: 2"),
+    ({"version": 1, "parallel.pipeline_layout": "Et|tL"}, "parallel.pipeline_layout", "needs version: 2"),
+    ({"sources": [{"what": "x", "repository": "a/b", "path": "p", "commit": "abc"}]}, "sources[0].commit",
+     "40 lower-case hex"),
+    ({"sources": [{"what": "x", "repository": "a/b", "path": "p", "commit": "a" * 40, "sha": 1}]},
+     "sources[0].sha", "unknown key"),
+    ({"substitutions": [{"setting": "x", "published": "y"}]}, "substitutions[0].rendered", "required key"),
+    ({"substitutions": "none"}, "substitutions", "list of mappings"),
+    ({"parallel.pipeline_layout": "Et|t|t|tL"}, "parallel.vpp", "has 4 stages over parallel.pp=2: VPP must be"),
+    ({"parallel.pipeline_layout": "Et|tL", "parallel.account_for_loss_in_pipeline_split": True},
+     "parallel.pipeline_layout", "already places"),
+    ({"parallel.pipeline_layout": "((("}, "parallel.pipeline_layout", "not a layout string"),
+    ({"model.num_layers": 6, "parallel.account_for_embedding_in_pipeline_split": True}, "parallel.pp",
+     "+ 1 (embedding/loss counted as layers)"),
+    ({"training.recompute": {"granularity": "full"}}, "training.recompute", "needs method"),
+    ({"training.recompute": {"granularity": "selective", "method": "block", "num_layers": 1}},
+     "training.recompute", "takes no method"),
+])
+def test_v2_fields_rejected_with_field(changes, field, fragment):
+    assert_problem(problems_of(mutate(V2, changes)), field, fragment)
+
+
+def test_v2_fields_accepted():
+    ok = validate_dict(mutate(V2, {
+        "model.num_layers": 6, "parallel.account_for_embedding_in_pipeline_split": True,
+        "parallel.account_for_loss_in_pipeline_split": True, "parallel.vpp": 2,
+        "training.recompute": {"granularity": "full", "method": "uniform", "num_layers": 1},
+        "target.gpus_per_node": 8,
+        "sources": [{"what": "x", "repository": "a/b", "path": "p", "commit": "a" * 40}]}))
+    assert ok.sources[0].name is None and ok.training.recompute.modules == ()
+    assert validate(ok) == ok
+    layout = validate_dict(mutate(V2, {"parallel.pipeline_layout": "Et|t|t|tL", "parallel.vpp": 2}))
+    assert flag_values(render_args(layout), "--pipeline-model-parallel-layout") == ["Et|t|t|tL"]
 
 
 @pytest.mark.parametrize("name", sorted(SHIPPED))
@@ -265,15 +371,15 @@ def test_unknown_keys_rejected_with_suggestion():
     assert_problem(err, "parallel.tensor_parallel", "unknown key")
 
 
-@pytest.mark.parametrize("version", [2, 0, "1", None, True])
+@pytest.mark.parametrize("version", [3, 0, "1", None, True])
 def test_wrong_version_names_supported(version):
     err = problems_of(mutate(DENSE, {"version": version}))
     assert err.fields() == ["version"]
-    assert "supported versions: 1" in str(err)
+    assert "supported versions: 1, 2" in str(err)
 
 
 def test_missing_version():
-    assert_problem(problems_of(mutate(DENSE, {"version": DELETE})), "version", "supported versions: 1")
+    assert_problem(problems_of(mutate(DENSE, {"version": DELETE})), "version", "supported versions: 1, 2")
 
 
 def test_all_violations_reported_together_naming_the_file():
@@ -530,6 +636,21 @@ def test_megatron_core_builds_the_layout(name, fake_world):
     assert microbatches(recipe) == recipe.num_microbatches
 
 
+@pytest.mark.parametrize("name", sorted(TARGETS))
+def test_megatron_core_builds_the_target_layout(name, fake_world):
+    """parallel_state at the target's full world size (8,192 ranks for the largest) agrees with the
+    recipe's derived sizes; the microbatch calculator with its microbatches per DP rank."""
+    recipe = load_recipe(name)
+    ps = fake_world(recipe, rank=recipe.world_size - 1)
+    p = recipe.parallel
+    got = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
+           ps.get_context_parallel_world_size(), ps.get_data_parallel_world_size(),
+           ps.get_expert_model_parallel_world_size(), ps.get_expert_tensor_parallel_world_size(),
+           ps.get_expert_data_parallel_world_size())
+    assert got == (p.tp, p.pp, p.cp, recipe.dp, p.ep, recipe.etp, recipe.expert_dp)
+    assert microbatches(recipe) == recipe.num_microbatches
+
+
 # Rules whose Megatron counterpart runs without Megatron-LM: (id, base, changes, our field, stage).
 CORE_AGREEMENT = [
     # id, base, changes, our field, Megatron stage, what Megatron says
@@ -662,7 +783,7 @@ def megatron_parse(arguments, recipe: Recipe, monkeypatch):
     return args, config
 
 
-@pytest.mark.parametrize("name", sorted(SHIPPED) + ["bf16-gqa", "fp16"])
+@pytest.mark.parametrize("name", sorted(SHIPPED) + sorted(TARGETS) + ["bf16-gqa", "fp16"])
 def test_megatron_lm_parses_rendered_flags(name, megatron_lm, monkeypatch):
     if name == "bf16-gqa":
         recipe = validate_dict(mutate(DENSE, {"training.precision": "bf16", "model.num_query_groups": 2}))

@@ -354,3 +354,19 @@ def test_bad_arguments_fail_before_a_run_starts(tmp_path: Path):
         wandb_log.log_report(sample_report(), timeline=None, config=CONFIG, run_dir=tmp_path / "wb",
                              mode="offline", resume_id="abc123")
     assert not (tmp_path / "wb").exists()
+
+
+def test_compare_logs_one_run_per_layout_in_a_group(tmp_path: Path):
+    from prism_megatron.report.compare import layout_of, log_comparison
+
+    fast = layout_of(sample_report(), "tp2pp8", "a/report.json")
+    slow_report = sample_report()
+    slow_report["prediction"]["iteration_time_s"] = 0.9
+    slow = layout_of(slow_report, "tp1pp8", "b/report.json")
+    logged = log_comparison([fast, slow], "qwen3-235b", run_dir=tmp_path / "wb", mode="offline")
+    assert len({run.run_id for run in logged}) == 2
+    runs = [read_run(run.dir) for run in logged]
+    assert [r.run.run_group for r in runs] == ["qwen3-235b", "qwen3-235b"]
+    assert [r.run.display_name for r in runs] == ["tp2pp8", "tp1pp8"]
+    assert [r.config["comparison_rank"] for r in runs] == [1, 2]
+    assert runs[1].summary["prism/predicted_iteration_time_ms"] == pytest.approx(900.0)

@@ -31,9 +31,26 @@ min(intra_bw, k * nics * nic_bw / gpus_per_node) (k = 1: one GPU per node, the t
 under intra-node TP; k = gpus_per_node: a whole-node group uses every NIC). Every step pays the
 inter-node latency (a ring's steps are synchronous, so the slow hop sets the pace).
 
-Protocols scale alpha and B by the profile's per-protocol factors; ``auto`` takes the
-fastest protocol (and for all-reduce the faster of ring and tree), as NCCL's tuner aims to.
-Not modelled: NVLS/SHARP, CollNet, PAT, link contention between concurrent ops, and NCCL's
+Algorithm choice (``auto``): NCCL's tuner predicts each enabled (algorithm, protocol) pair's time
+from its own alpha-beta tables and runs the fastest; we do the same over the pairs NCCL enables for
+the op and the group's placement (:func:`algorithms_for`):
+
+- all-reduce: ring; tree (double binary tree) for a group spanning nodes; NVLS (NVLink SHARP: the
+  NVSwitch reduces) for a group inside one node when the profile enables it;
+- all-gather / reduce-scatter: ring; PAT (NCCL >= 2.23, Bruck-like: log2(n) steps) for a group with
+  exactly one rank per node, the only placement NCCL runs PAT on; NVLS inside one node when enabled
+  (across nodes NCCL runs NVLS for these only through CollNet/SHARP, not modelled);
+- broadcast / reduce: ring (pipelined chain); all-to-all and send/recv: point-to-point.
+
+The NVLS formulas (an idealisation: the switch reduces, so each GPU sends S and reads the reduced S
+back where ring moves 2(n-1)/n S; no shipped profile enables NVLS, as no published recipe runs it):
+all-reduce ``25 us + S/B``, all-gather / reduce-scatter ``25 us + (n-1)/n S/B``, with NCCL's NVLS
+latency and the Simple protocol only.
+PAT, as NCCL's tuner models it: ``ceil(log2 n) alpha / 3.5 + n * 2.8 us + (n-1)/n S / (0.75 B)``
+(logarithmic steps but a linear term and less bandwidth: PAT wins for small and mid-size messages
+over many nodes, ring for large ones). Inside one node NCCL's tree is a chain (2(n-1) steps like
+ring, less bandwidth), so it never wins there and is left out. Not modelled: SHARP and CollNet across nodes, NVLS-tree
+(NVLS inside nodes with a tree across), link contention between concurrent ops, and NCCL's
 hierarchical tree across nodes (which sends about S rather than 2S per node through the NICs: the
 flat tree formula is conservative there). A profile fitted from nccl-tests output with
 ``algorithm: ring`` reproduces the measured times whatever algorithm NCCL picked, because the fit
@@ -48,7 +65,7 @@ from typing import Any
 
 from prism_megatron.runtime.ops import OPS
 
-from .profiles import PROTOCOLS, ClusterProfile
+from .profiles import ALGORITHMS, PROTOCOLS, ClusterProfile
 
 #: trace op kinds -> the formula family that costs them (each kind's own field, runtime.ops); the
 #: replay's matched send and receive ("send/recv") are one transfer
@@ -95,6 +112,64 @@ def p2p(S: float, alpha: float, B: float) -> float:
 
 def tree_all_reduce(S: float, n: int, alpha: float, B: float) -> float:
     return 0.0 if n <= 1 else 2 * math.ceil(math.log2(n)) * alpha + 2 * S / B
+
+
+#: NCCL's NVLS latency on NVLink, Simple protocol (NVIDIA/nccl src/graph/tuning.cc hwLatencies);
+#: NVLS runs only the Simple protocol.
+NVLS_LATENCY_S = 25e-6
+
+
+def nvls_all_reduce(S: float, n: int, alpha: float, B: float) -> float:
+    return 0.0 if n <= 1 else NVLS_LATENCY_S + S / B
+
+
+def nvls_all_gather(S: float, n: int, alpha: float, B: float) -> float:
+    return 0.0 if n <= 1 else NVLS_LATENCY_S + (n - 1) / n * S / B
+
+
+#: NCCL's own PAT model (NVIDIA/nccl src/graph/tuning.cc): latency log2(nodes) * inter-node latency / 3.5
+#: plus a linear 2.8 us per rank, bus bandwidth 0.75 of the ring's.
+PAT_LATENCY_DIVISOR = 3.5
+PAT_PER_RANK_S = 2.8e-6
+PAT_BANDWIDTH_FACTOR = 0.75
+
+
+def pat_all_gather(S: float, n: int, alpha: float, B: float) -> float:
+    if n <= 1:
+        return 0.0
+    latency = math.ceil(math.log2(n)) * alpha / PAT_LATENCY_DIVISOR + n * PAT_PER_RANK_S
+    return latency + (n - 1) / n * S / (PAT_BANDWIDTH_FACTOR * B)
+
+
+#: (family, algorithm) -> formula(S, n, alpha, B); what each algorithm costs where NCCL runs it
+FORMULAS = {
+    ("all_reduce", "ring"): ring_all_reduce,
+    ("all_reduce", "tree"): tree_all_reduce,
+    ("all_reduce", "nvls"): nvls_all_reduce,
+    ("all_gather", "ring"): ring_all_gather,
+    ("all_gather", "pat"): pat_all_gather,
+    ("all_gather", "nvls"): nvls_all_gather,
+    ("reduce_scatter", "ring"): ring_reduce_scatter,
+    ("reduce_scatter", "pat"): pat_all_gather,
+    ("reduce_scatter", "nvls"): nvls_all_gather,
+    ("broadcast", "ring"): chain_broadcast,
+    ("reduce", "ring"): chain_reduce,
+    ("all_to_all", "ring"): all_to_all,
+}
+
+
+def algorithms_for(family: str, per_node: dict[int, int], nvls: bool) -> tuple[str, ...]:
+    """The algorithms NCCL enables for ``family`` on a group placed ``per_node`` (node -> members).
+
+    ``nvls``: whether the cluster runs NVLink SHARP (NCCL_NVLS_ENABLE and an NVSwitch that supports it).
+    """
+    one_node = len(per_node) <= 1
+    if family == "all_reduce":
+        return ("ring",) + (("nvls",) if one_node and nvls else ()) + (() if one_node else ("tree",))
+    if family in ("all_gather", "reduce_scatter"):
+        pat = not one_node and all(k == 1 for k in per_node.values())
+        return ("ring",) + (("nvls",) if one_node and nvls else ()) + (("pat",) if pat else ())
+    return ("ring",)
 
 
 # --- placement -----------------------------------------------------------------------------------
@@ -148,8 +223,8 @@ class CollectiveCostModel:
         self._times: dict[tuple, float] = {}  # replay costs the same op of every iteration again
         self.algorithm = algorithm or profile.algorithm
         self.protocol = protocol or profile.protocol
-        if self.algorithm not in ("ring", "tree", "auto"):
-            raise ValueError(f"algorithm {self.algorithm!r}: expected ring, tree or auto")
+        if self.algorithm not in ALGORITHMS:
+            raise ValueError(f"algorithm {self.algorithm!r}: expected {', '.join(ALGORITHMS)}")
         if self.protocol not in (*PROTOCOLS, "auto"):
             raise ValueError(f"protocol {self.protocol!r}: expected simple, ll, ll128 or auto")
 
@@ -157,34 +232,42 @@ class CollectiveCostModel:
         f = self.profile.protocols[protocol]
         a = link.alpha * f.latency_factor.value
         B = link.bandwidth * f.bandwidth_factor.value
-        if family == "all_reduce":
-            return tree_all_reduce(S, n, a, B) if algorithm == "tree" else ring_all_reduce(S, n, a, B)
-        if family in ("all_gather", "reduce_scatter"):
-            return ring_all_gather(S, n, a, B)
-        if family in ("broadcast", "reduce"):
-            return chain_broadcast(S, n, a, B)
-        if family == "all_to_all":
-            return all_to_all(S, n, a, B)
-        return p2p(S, a, B)
+        if family == "p2p":
+            return p2p(S, a, B)
+        return FORMULAS[(family, algorithm)](S, n, a, B)
 
-    def time(self, kind: str, nbytes: int, ranks: tuple[int, ...] | list[int]) -> float:
-        """Seconds for op ``kind`` moving ``nbytes`` (trace convention) among global ``ranks``."""
+    def choose(self, kind: str, nbytes: int, ranks: tuple[int, ...] | list[int]) -> tuple[str, str, float]:
+        """(algorithm, protocol, seconds) NCCL would run for op ``kind`` of ``nbytes`` among global ``ranks``.
+
+        ``auto`` picks the fastest of the pairs NCCL enables there (:func:`algorithms_for`); a fixed
+        algorithm the placement does not allow (tree inside a node, PAT with two ranks on a node)
+        falls back to ring, as NCCL does.
+        """
         family = KIND_FAMILY.get(kind)
         if family is None:
             raise ValueError(f"no cost formula for op kind {kind!r} (known: {', '.join(sorted(KIND_FAMILY))})")
         ranks = tuple(ranks)
-        n = len(ranks)
-        if family != "p2p" and n <= 1:
-            return 0.0
-        if family == "p2p" and len(set(ranks)) <= 1:
-            return 0.0
+        if (family == "p2p" and len(set(ranks)) <= 1) or (family != "p2p" and len(ranks) <= 1):
+            return ("none", "none", 0.0)
+        per_node = members_per_node(ranks, self.gpus_per_node)
         link = self._links.get(ranks)
         if link is None:
             link = self._links[ranks] = link_for(self.profile, ranks, self.gpus_per_node)
         protocols = PROTOCOLS if self.protocol == "auto" else (self.protocol,)
-        algorithms = ("ring", "tree") if family == "all_reduce" and self.algorithm == "auto" else (
-            (self.algorithm if self.algorithm != "auto" else "ring"),)
-        return min(self._one(family, float(nbytes), n, link, a, p) for a in algorithms for p in protocols)
+        if family == "p2p":
+            algorithms: tuple[str, ...] = ("p2p",)
+        else:
+            enabled = algorithms_for(family, per_node, self.profile.nvls)
+            algorithms = enabled if self.algorithm == "auto" else (
+                (self.algorithm,) if self.algorithm in enabled else ("ring",))
+        best = min(((self._one(family, float(nbytes), len(ranks), link, a, p), a, p)
+                    for a in algorithms for p in protocols if a != "nvls" or p == "simple"),
+                   key=lambda x: x[0])
+        return best[1], best[2], best[0]
+
+    def time(self, kind: str, nbytes: int, ranks: tuple[int, ...] | list[int]) -> float:
+        """Seconds for op ``kind`` moving ``nbytes`` (trace convention) among global ``ranks``."""
+        return self.choose(kind, nbytes, ranks)[2]
 
     def __call__(self, spec: Any) -> float:
         key = (spec.kind, spec.nbytes, spec.ranks)

@@ -20,7 +20,8 @@ Format (version 1)::
       nic_bandwidth_GBps: {...}                                # per NIC, per direction
       latency_us: {...}
     nccl:
-      algorithm: auto                  # ring | tree | auto (auto: the faster, all-reduce only)
+      algorithm: auto                  # ring | tree | pat | nvls | auto (auto: what NCCL would pick)
+      nvls: {value: 0, ...}            # optional: 1 when NVLink SHARP runs (NCCL_NVLS_ENABLE), default 0
       protocol: simple                 # simple | ll | ll128 | auto (auto: the fastest)
       protocols:                       # multipliers on latency and bandwidth, per protocol
         simple: {latency_factor: {...}, bandwidth_factor: {...}}
@@ -41,7 +42,7 @@ import yaml
 VERSION = 1
 PROFILES_DIR: Path = Path(__file__).resolve().parents[2] / "recipes" / "clusters"
 BASES = ("spec", "measured", "fitted", "assumed")
-ALGORITHMS = ("ring", "tree", "auto")
+ALGORITHMS = ("ring", "tree", "pat", "nvls", "auto")
 PROTOCOLS = ("simple", "ll", "ll128")
 
 
@@ -86,6 +87,12 @@ class ClusterProfile:
     protocol: str
     protocols: dict[str, ProtocolFactors]
     path: str = "<string>"
+    nvls_enabled: Figure | None = None  # optional; absent: NVLS off
+
+    @property
+    def nvls(self) -> bool:
+        """Whether NCCL may run NVLS (NVLink SHARP) inside a node on this cluster."""
+        return self.nvls_enabled is not None and self.nvls_enabled.value >= 1
 
     @property
     def node_size(self) -> int:
@@ -183,7 +190,7 @@ def parse_profile(text: str, source: str = "<string>") -> ClusterProfile:
         raise r.error("version", f"is {top['version']!r}; this reader supports cluster profile version {VERSION}")
     intra = r.mapping(top["intra_node"], "intra_node", ("bandwidth_GBps", "latency_us"))
     inter = r.mapping(top["inter_node"], "inter_node", ("nics_per_node", "nic_bandwidth_GBps", "latency_us"))
-    nccl = r.mapping(top["nccl"], "nccl", ("algorithm", "protocol", "protocols"))
+    nccl = r.mapping(top["nccl"], "nccl", ("algorithm", "protocol", "protocols"), ("nvls",))
     protos = r.mapping(nccl["protocols"], "nccl.protocols", PROTOCOLS)
     factors = {}
     for p in PROTOCOLS:
@@ -207,7 +214,18 @@ def parse_profile(text: str, source: str = "<string>") -> ClusterProfile:
         protocol=r.string(nccl, "protocol", "nccl", (*PROTOCOLS, "auto")),
         protocols=factors,
         path=source,
+        nvls_enabled=_nvls(r, nccl),
     )
+
+
+def _nvls(r: _Reader, nccl: dict) -> Figure | None:
+    """nccl.nvls: 0 or 1 with its source (a figure whose value is a switch)."""
+    if "nvls" not in nccl:
+        return None
+    fig = r.mapping(nccl["nvls"], "nccl.nvls", ("value", "source", "basis"))
+    if fig["value"] not in (0, 1) or isinstance(fig["value"], bool):
+        raise r.error("nccl.nvls.value", f"is {fig['value']!r}, expected 0 or 1")
+    return Figure(fig["value"], r.string(fig, "source", "nccl.nvls"), r.string(fig, "basis", "nccl.nvls", BASES))
 
 
 def profile_names() -> list[str]:

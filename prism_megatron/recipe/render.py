@@ -16,6 +16,12 @@ from .schema import Recipe
 
 # Megatron-LM's default --make-vocab-size-divisible-by; the padded vocab is a multiple of it * TP.
 _VOCAB_DIVISOR = 128
+#: extra_args flags that change the model's architecture away from what estimate_parameters counts.
+ARCHITECTURE_FLAGS = frozenset({
+    "--swiglu", "--normalization", "--kv-channels", "--untie-embeddings-and-output-weights",
+    "--disable-bias-linear", "--position-embedding-type", "--qk-layernorm", "--multi-latent-attention",
+    "--moe-layer-freq", "--moe-shared-expert-intermediate-size", "--make-vocab-size-divisible-by",
+})
 
 
 def render_args(recipe: Recipe) -> list[str]:
@@ -51,7 +57,10 @@ def render_args(recipe: Recipe) -> list[str]:
         "--tensor-model-parallel-size", str(p.tp),
         "--pipeline-model-parallel-size", str(p.pp),
     ]
-    if p.vpp is not None and p.vpp > 1:
+    if p.pipeline_layout is not None:
+        # Megatron derives VPP from the layout's stage count; the two VPP flags may not be added.
+        args += ["--pipeline-model-parallel-layout", p.pipeline_layout]
+    elif p.vpp is not None and p.vpp > 1:
         # 0.16.1 has no --virtual-pipeline-model-parallel-size; of its two VPP flags this one states
         # the degree itself (the other, --num-layers-per-virtual-pipeline-stage, shifts meaning with
         # --account-for-embedding/loss-in-pipeline-split).
@@ -62,6 +71,10 @@ def render_args(recipe: Recipe) -> list[str]:
     ]
     if m.moe is not None or p.etp is not None:
         args += ["--expert-tensor-parallel-size", str(recipe.etp)]
+    if p.account_for_embedding_in_pipeline_split:
+        args.append("--account-for-embedding-in-pipeline-split")
+    if p.account_for_loss_in_pipeline_split:
+        args.append("--account-for-loss-in-pipeline-split")
     if p.sequence_parallel:
         args.append("--sequence-parallel")
     if p.distributed_optimizer:
@@ -78,6 +91,13 @@ def render_args(recipe: Recipe) -> list[str]:
             "--moe-ffn-hidden-size", str(m.moe_ffn),
             "--moe-aux-loss-coeff", repr(m.moe.aux_loss_coeff),
         ]
+    rc = t.recompute
+    if rc is not None:
+        args += ["--recompute-granularity", rc.granularity]
+        if rc.method is not None:
+            args += ["--recompute-method", rc.method, "--recompute-num-layers", str(rc.num_layers)]
+        if rc.modules:
+            args += ["--recompute-modules", *rc.modules]
     args += ["--transformer-impl", m.transformer_impl]
     if m.transformer_impl == "local":
         # Megatron-LM defaults to gradient-accumulation fusion, which the local linear layers only
@@ -97,8 +117,18 @@ def render_env(recipe: Recipe) -> dict[str, str]:
 
 
 def padded_vocab_size(recipe: Recipe) -> int:
-    """Vocab rows Megatron allocates: NullTokenizer adds EOD, then pads to a multiple of 128*TP."""
-    multiple = _VOCAB_DIVISOR * recipe.parallel.tp
+    """Vocab rows Megatron allocates: NullTokenizer adds EOD, then pads to a multiple of divisor*TP.
+
+    The divisor is 128 unless extra_args set ``--make-vocab-size-divisible-by``.
+    """
+    args = list(recipe.extra_args)
+    divisor = _VOCAB_DIVISOR
+    for i, tok in enumerate(args):
+        if tok == "--make-vocab-size-divisible-by" and i + 1 < len(args):
+            divisor = int(args[i + 1])
+        elif tok.startswith("--make-vocab-size-divisible-by="):
+            divisor = int(tok.split("=", 1)[1])
+    multiple = divisor * recipe.parallel.tp
     return math.ceil((recipe.model.vocab_size + 1) / multiple) * multiple
 
 
@@ -112,6 +142,7 @@ def estimate_parameters(recipe: Recipe) -> int:
     m = recipe.model
     h = m.hidden_size
     kv = (h // m.num_attention_heads) * m.query_groups
+    # (Architecture flags in extra_args, e.g. --swiglu or --kv-channels, are not counted: see summary.)
     embed = padded_vocab_size(recipe) * h + m.max_positions * h
     attention = 2 * h + h * (h + 2 * kv) + (h + 2 * kv) + h * h + h
     if m.moe is None:
@@ -151,10 +182,23 @@ def summary(recipe: Recipe) -> str:
     else:
         experts = (f"EP{p.ep} x ETP{recipe.etp}, expert DP{recipe.expert_dp}; {m.moe.num_experts} experts, "
                    f"top-{m.moe.router_topk}, {m.moe.token_dispatcher} dispatcher, expert FFN {m.moe_ffn}")
-    if p.vpp is not None and p.vpp > 1:
-        vpp = f"{p.vpp} (interleaved; {m.num_layers // (p.pp * p.vpp)} layer(s) per virtual stage)"
+    if p.pipeline_layout is not None:
+        vpp = f"{p.vpp or 1} (from the pipeline layout {p.pipeline_layout})"
+    elif p.vpp is not None and p.vpp > 1:
+        units = m.num_layers + p.account_for_embedding_in_pipeline_split + p.account_for_loss_in_pipeline_split
+        vpp = f"{p.vpp} (interleaved; {units // (p.pp * p.vpp)} layer(s) per virtual stage)"
     else:
         vpp = "none"
+    arch = sorted({a for a in recipe.extra_args if a in ARCHITECTURE_FLAGS})
+    if arch:
+        params_text = (f"not estimated: extra_args change the architecture ({', '.join(arch)}); Megatron "
+                       "prints its own count at start-up")
+    else:
+        params_text = f"{_human(params)} ({params:,}; GPT with LayerNorm, biases, tied embeddings)"
+    rc = t.recompute
+    recompute = "none" if rc is None else (
+        f"full, {rc.method}, {rc.num_layers} layer(s)" if rc.granularity == "full"
+        else "selective" + (f" ({', '.join(rc.modules)})" if rc.modules else ""))
     groups = f", {m.query_groups} query groups" if m.num_query_groups is not None else ""
     dp_opts = [name for name, on in (("sequence parallel", p.sequence_parallel),
                                      ("distributed optimizer", p.distributed_optimizer),
@@ -172,13 +216,20 @@ def summary(recipe: Recipe) -> str:
         ("model", f"{m.kind}, {m.num_layers} layers, hidden {m.hidden_size}, ffn {m.ffn}, "
                   f"{m.num_attention_heads} heads{groups}, seq {m.seq_length}, vocab {m.vocab_size} "
                   f"(padded {padded_vocab_size(recipe)}), {m.transformer_impl} layers"),
-        ("parameters", f"{_human(params)} ({params:,}; GPT with LayerNorm, biases, tied embeddings)"),
+        ("parameters", params_text),
         ("batch", f"micro {t.micro_batch_size} x DP{recipe.dp} x {recipe.num_microbatches} microbatches "
                   f"= global {t.global_batch_size}; {t.train_iters} iterations"),
-        ("training", f"{t.precision}, {t.optimizer}, lr {t.lr!r}, seed {t.seed}"),
-        ("target", f"gpu {recipe.target.gpu or '-'}, cluster {recipe.target.cluster or '-'}"),
+        ("training", f"{t.precision}, {t.optimizer}, lr {t.lr!r}, seed {t.seed}, recompute {recompute}"),
+        ("target", f"gpu {recipe.target.gpu or '-'}, cluster {recipe.target.cluster or '-'}"
+                   + (f", {recipe.target.gpus_per_node} GPUs per node" if recipe.target.gpus_per_node else "")),
         ("environment", " ".join(f"{k}={v}" for k, v in env.items()) or "-"),
     ]
+    for i, src in enumerate(recipe.sources):
+        rows.append(("sources" if i == 0 else "", f"{src.what}: {src.repository} {src.path}"
+                     + (f" ({src.name})" if src.name else "") + f" @ {src.commit}"))
+    for i, sub in enumerate(recipe.substitutions):
+        rows.append(("substitutions" if i == 0 else "",
+                     f"{sub.setting}: published {sub.published} -> rendered {sub.rendered}; affects {sub.affects}"))
     width = max(len(label) for label, _ in rows)
     return "\n".join(f"{label:<{width}}  {value}".rstrip() for label, value in rows if value or label)
 

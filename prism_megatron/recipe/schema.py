@@ -1,4 +1,4 @@
-"""Recipe schema (version 1): dataclasses, the reader of plain data, and the validation rules.
+"""Recipe schema (versions 1 and 2): dataclasses, the reader of plain data, and the validation rules.
 
 A recipe names a *target* Megatron job (model, parallel layout, batch, world size). It is
 checked here, before any process starts, against the rules megatron-core 0.16.1 and
@@ -6,6 +6,14 @@ Megatron-LM's ``megatron/training/arguments.py`` (tag ``core_v0.16.1``) enforce,
 layout fails in milliseconds with the file and field named instead of minutes later inside
 1,000 ranks. Every violation is collected and reported together in one :class:`RecipeError`.
 Where our rule is stricter than Megatron, the comment says so.
+
+Version 2 adds what a *target* recipe (a published configuration at scale) needs, all optional:
+``sources`` (where each figure came from: repository, path, commit), ``substitutions`` (settings
+the emulation machine cannot run, with what is rendered instead and which prediction it affects),
+``target.gpus_per_node``, ``training.recompute``, and the pipeline split options
+``parallel.pipeline_layout`` / ``account_for_embedding_in_pipeline_split`` /
+``account_for_loss_in_pipeline_split``. A version-1 file using any of them is rejected, naming the
+field, so a file never means something its version did not define.
 """
 
 from __future__ import annotations
@@ -16,13 +24,16 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_VERSIONS: tuple[int, ...] = (1,)
+SUPPORTED_VERSIONS: tuple[int, ...] = (1, 2)
 MODEL_KINDS = ("gpt",)
 PRECISIONS = ("fp32", "bf16", "fp16")
 OPTIMIZERS = ("adam", "sgd")
 # Megatron also accepts "flex", which needs DeepEP/HybridEP kernels we do not emulate.
 TOKEN_DISPATCHERS = ("alltoall", "allgather")
 TRANSFORMER_IMPLS = ("local", "transformer_engine")
+RECOMPUTE_GRANULARITIES = ("full", "selective")
+RECOMPUTE_METHODS = ("uniform", "block")
+_COMMIT_RE = re.compile(r"^[0-9a-f]{40}$")
 
 # Megatron flags that a recipe field already sets; `extra_args` may not repeat them, or argparse
 # would silently keep the last one and the layout we emulate would differ from the one run.
@@ -49,7 +60,13 @@ RECIPE_FLAGS: dict[str, str] = {
     "--pipeline-model-parallel-size": "parallel.pp",
     "--num-virtual-stages-per-pipeline-rank": "parallel.vpp",
     "--num-layers-per-virtual-pipeline-stage": "parallel.vpp",
-    "--pipeline-model-parallel-layout": "parallel.vpp",
+    "--pipeline-model-parallel-layout": "parallel.pipeline_layout",
+    "--account-for-embedding-in-pipeline-split": "parallel.account_for_embedding_in_pipeline_split",
+    "--account-for-loss-in-pipeline-split": "parallel.account_for_loss_in_pipeline_split",
+    "--recompute-granularity": "training.recompute",
+    "--recompute-method": "training.recompute",
+    "--recompute-num-layers": "training.recompute",
+    "--recompute-modules": "training.recompute",
     "--context-parallel-size": "parallel.cp",
     "--expert-model-parallel-size": "parallel.ep",
     "--expert-tensor-parallel-size": "parallel.etp",
@@ -91,9 +108,13 @@ class RecipeError(ValueError):
 _REQUIRED = object()
 
 
-def _f(kind: str, default: Any = _REQUIRED, *, nullable: bool = False, choices: tuple = (), section=None):
-    """Declare a recipe key: its kind drives the type check, a missing default makes it required."""
-    md = {"kind": kind, "nullable": nullable, "choices": choices, "section": section}
+def _f(kind: str, default: Any = _REQUIRED, *, nullable: bool = False, choices: tuple = (), section=None,
+       since: int = 1):
+    """Declare a recipe key: its kind drives the type check, a missing default makes it required.
+
+    ``since``: the first recipe version that has the key (a file of an older version may not use it).
+    """
+    md = {"kind": kind, "nullable": nullable, "choices": choices, "section": section, "since": since}
     if default is _REQUIRED:
         return field(metadata=md)
     if callable(default):
@@ -167,6 +188,21 @@ class ParallelSpec:
     distributed_optimizer: bool = _f("bool", False)
     overlap_grad_reduce: bool = _f("bool", False)
     overlap_param_gather: bool = _f("bool", False)
+    # v2: uneven pipeline splits of published recipes. pipeline_layout is Megatron's
+    # --pipeline-model-parallel-layout string (Megatron parses and checks it; it fixes VPP itself).
+    pipeline_layout: str | None = _f("str", None, nullable=True, since=2)
+    account_for_embedding_in_pipeline_split: bool = _f("bool", False, since=2)
+    account_for_loss_in_pipeline_split: bool = _f("bool", False, since=2)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RecomputeSpec:
+    """Activation recomputation, as Megatron's --recompute-* flags (v2)."""
+
+    granularity: str = _f("choice", choices=RECOMPUTE_GRANULARITIES)
+    method: str | None = _f("choice", None, nullable=True, choices=RECOMPUTE_METHODS)  # full only
+    num_layers: int | None = _f("pos_int", None, nullable=True)  # full only
+    modules: tuple[str, ...] = _f("str_list", ())  # selective only; empty: Megatron's default (core_attn)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -180,6 +216,7 @@ class TrainingSpec:
     seed: int = _f("nonneg_int", 1234)
     precision: str = _f("choice", "fp32", choices=PRECISIONS)
     optimizer: str = _f("choice", "adam", choices=OPTIMIZERS)
+    recompute: RecomputeSpec | None = _f("section", None, nullable=True, section=RecomputeSpec, since=2)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -189,6 +226,29 @@ class TargetSpec:
 
     gpu: str | None = _f("str", None, nullable=True)
     cluster: str | None = _f("str", None, nullable=True)
+    # v2: ranks per node on the target (placement: rank r on node r // gpus_per_node).
+    gpus_per_node: int | None = _f("pos_int", None, nullable=True, since=2)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SourceSpec:
+    """Where a recipe's figures come from: one public file at one commit (v2)."""
+
+    what: str = _f("str")  # which figures this file gives, e.g. "layout, batch, precision"
+    repository: str = _f("str")  # owner/name on GitHub
+    path: str = _f("str")
+    commit: str = _f("str")  # 40 hex digits
+    name: str | None = _f("str", None, nullable=True)  # the function or config inside the file
+
+
+@dataclass(frozen=True, kw_only=True)
+class SubstitutionSpec:
+    """A published setting the emulation machine cannot run, and what the recipe renders instead (v2)."""
+
+    setting: str = _f("str")  # a recipe field ("training.precision") or a Megatron flag
+    published: str = _f("str")
+    rendered: str = _f("str")
+    affects: str = _f("str")  # which prediction it changes, and how
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -204,6 +264,8 @@ class Recipe:
     world_size: int = _f("pos_int")
     target: TargetSpec = _f("section", TargetSpec, section=TargetSpec)
     extra_args: tuple[str, ...] = _f("str_list", ())
+    sources: tuple[SourceSpec, ...] = _f("section_list", (), section=SourceSpec, since=2)
+    substitutions: tuple[SubstitutionSpec, ...] = _f("section_list", (), section=SubstitutionSpec, since=2)
     # Where the recipe came from, for error messages; not a YAML key.
     source: str = field(default="<memory>", compare=False, metadata={"internal": True})
 
@@ -247,6 +309,7 @@ _KIND_TEXT = {
     "str": "a string",
     "str_list": "a list of strings",
     "section": "a mapping",
+    "section_list": "a list of mappings",
 }
 
 
@@ -266,7 +329,8 @@ def _looks_like_float(text: str) -> bool:
 class _Reader:
     """Turns nested dicts into the dataclasses, noting every problem instead of stopping at one."""
 
-    def __init__(self) -> None:
+    def __init__(self, version: int = max(SUPPORTED_VERSIONS)) -> None:
+        self.version = version
         self.problems: list[tuple[str, str]] = []
         self.bad: set[str] = set()  # fields whose value is unusable; rules on them are skipped
 
@@ -289,6 +353,9 @@ class _Reader:
         values: dict[str, Any] = {}
         for f in fields:
             where = f"{prefix}.{f.name}" if prefix else f.name
+            if f.name in data and f.metadata["since"] > self.version:
+                self.problem(where, f"needs version: {f.metadata['since']} (this file is version {self.version})")
+                continue
             if f.name not in data:
                 if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
                     self.problem(where, "required key is missing")
@@ -306,6 +373,12 @@ class _Reader:
             return None
         if kind == "section":
             return self.section(md["section"], value, where)
+        if kind == "section_list":
+            if not isinstance(value, list):
+                self.problem(where, f"expected a list of mappings, got {_type_name(value)} {value!r}")
+                return None
+            items = [self.section(md["section"], item, f"{where}[{i}]") for i, item in enumerate(value)]
+            return None if any(item is None for item in items) else tuple(items)
         if kind == "choice":
             if isinstance(value, str) and value in md["choices"]:
                 return value
@@ -372,7 +445,7 @@ def from_dict(data: Any, source: str = "<memory>") -> Recipe:
     if isinstance(version, bool) or version not in SUPPORTED_VERSIONS:
         msg = f"{version!r} is not supported; supported versions: {supported}"
         raise RecipeError(source, [("version", msg)])
-    reader = _Reader()
+    reader = _Reader(version)
     recipe = reader.section(Recipe, data, "")
     if recipe is not None:
         recipe = dataclasses.replace(recipe, source=source)
@@ -392,6 +465,19 @@ def to_dict(recipe: Recipe) -> dict[str, Any]:
     data = dataclasses.asdict(recipe)
     data.pop("source", None)
     data["extra_args"] = list(recipe.extra_args)
+    if recipe.version < 2:  # keys a version-1 file may not carry (all at their defaults there)
+        for f in dataclasses.fields(Recipe):
+            if f.metadata.get("since", 1) > recipe.version:
+                data.pop(f.name, None)
+        for section, cls in (("parallel", ParallelSpec), ("training", TrainingSpec), ("target", TargetSpec)):
+            for f in dataclasses.fields(cls):
+                if f.metadata.get("since", 1) > recipe.version:
+                    data[section].pop(f.name, None)
+    else:
+        data["sources"] = [dataclasses.asdict(x) for x in recipe.sources]
+        data["substitutions"] = [dataclasses.asdict(x) for x in recipe.substitutions]
+        if recipe.training.recompute is not None:
+            data["training"]["recompute"]["modules"] = list(recipe.training.recompute.modules)
     return data
 
 
@@ -400,6 +486,24 @@ def to_dict(recipe: Recipe) -> dict[str, Any]:
 
 def _flag_name(token: str) -> str:
     return token.split("=", 1)[0]
+
+
+def pipeline_layout_stages(layout: str) -> int | None:
+    """Pipeline stages in a --pipeline-model-parallel-layout string, None when it does not parse.
+
+    The grammar Megatron reads: stages separated by '|', a stage's layers as letters (E embedding,
+    t decoder layer, m MTP, L loss), ``X*N`` repeats one letter, ``(...)*N`` repeats a group.
+    """
+    text = layout.replace(" ", "").replace(",", "")
+    group = re.compile(r"\(([^()]*)\)\*(\d+)")
+    while True:
+        text, n = group.subn(lambda mt: mt.group(1) * int(mt.group(2)), text)
+        if not n:
+            break
+    text = re.sub(r"([A-Za-z])\*(\d+)", lambda mt: mt.group(1) * int(mt.group(2)), text)
+    if not text or not re.fullmatch(r"[A-Za-z|]*", text):
+        return None
+    return text.rstrip("|").count("|") + 1
 
 
 def _check_rules(r: Recipe, reader: _Reader) -> None:
@@ -476,21 +580,41 @@ def _check_rules(r: Recipe, reader: _Reader) -> None:
                 f"divisible by parallel.tp={p.tp}, which sequence parallelism splits it over")
 
     # --- pipeline / virtual pipeline -------------------------------------------------------------
-    if ok("parallel.pp", "model.num_layers") and m.num_layers % p.pp:
-        # validate_args: "Number of layers should be divisible by the pipeline-model-parallel size".
-        err("parallel.pp", f"{p.pp} does not divide model.num_layers={m.num_layers}")
-    if ok("parallel.vpp", "parallel.pp", "model.num_layers") and p.vpp is not None:
+    layout = p.pipeline_layout if ok("parallel.pipeline_layout") else None
+    extra_units = (int(bool(p.account_for_embedding_in_pipeline_split))
+                   + int(bool(p.account_for_loss_in_pipeline_split))) if ok("parallel") else 0
+    units = m.num_layers + extra_units if ok("model.num_layers") else None
+    units_text = f"model.num_layers={m.num_layers}" + (f" + {extra_units} (embedding/loss counted as layers)"
+                                                         if extra_units else "")
+    if layout is not None:
+        # Megatron checks the layout string itself (TransformerConfig); we only check its stage count,
+        # from which validate_args derives VPP: stages / PP.
+        stages = pipeline_layout_stages(layout)
+        if stages is None:
+            err("parallel.pipeline_layout", f"{layout!r} is not a layout string (stages separated by '|', "
+                "groups as (..)*N)")
+        elif ok("parallel.pp", "parallel.vpp") and (stages % p.pp or stages // p.pp != (p.vpp or 1)):
+            err("parallel.vpp", f"{p.vpp} but parallel.pipeline_layout has {stages} stages over parallel.pp="
+                f"{p.pp}: VPP must be stages / PP" + (f" = {stages // p.pp}" if stages % p.pp == 0 else
+                                                         " (not divisible)"))
+        if extra_units:
+            err("parallel.pipeline_layout", "set with account_for_*_in_pipeline_split: the layout already "
+                "places the embedding (E) and loss (L)")
+    elif ok("parallel.pp", "model.num_layers") and units % p.pp:
+        # validate_args: "Number of layers should be divisible by the pipeline-model-parallel size"
+        # (after adding one per --account-for-embedding/loss-in-pipeline-split).
+        err("parallel.pp", f"{p.pp} does not divide {units_text}")
+    if layout is None and ok("parallel.vpp", "parallel.pp", "model.num_layers") and p.vpp is not None:
         if p.vpp == 1:
             err("parallel.vpp", "1 means no interleaving; write null")
         elif p.pp < 2:
             # parallel_state.initialize_model_parallel: "pipeline-model-parallel size should be greater
             # than 1 with interleaved schedule" (validate_args: > 2 unless p2p overlap, on by default).
             err("parallel.vpp", f"{p.vpp} needs parallel.pp >= 2, got {p.pp}")
-        elif m.num_layers % (p.pp * p.vpp):
+        elif units % (p.pp * p.vpp):
             # transformer_block.get_num_layers_to_build: "num_layers_per_pipeline_rank ... should be
             # divisible by vp_size" (validate_args checks the same for --num-layers-per-virtual-...).
-            err("parallel.vpp", f"PP*VPP = {p.pp}*{p.vpp} = {p.pp * p.vpp} does not divide "
-                f"model.num_layers={m.num_layers}")
+            err("parallel.vpp", f"PP*VPP = {p.pp}*{p.vpp} = {p.pp * p.vpp} does not divide {units_text}")
 
     # --- context parallel ------------------------------------------------------------------------
     if ok("parallel.cp", "model.seq_length") and p.cp > 1 and m.seq_length % (2 * p.cp):
@@ -570,6 +694,27 @@ def _check_rules(r: Recipe, reader: _Reader) -> None:
             err("parallel.overlap_param_gather", "true needs parallel.distributed_optimizer: true")
         if not p.overlap_grad_reduce:
             err("parallel.overlap_param_gather", "true needs parallel.overlap_grad_reduce: true")
+
+    # --- recompute (v2) ---------------------------------------------------------------------------
+    rc = t.recompute if ok("training", "training.recompute") else None
+    if rc is not None:
+        if rc.granularity == "full" and (rc.method is None or rc.num_layers is None):
+            # TransformerConfig.__post_init__: full recompute needs recompute_method and
+            # recompute_num_layers.
+            err("training.recompute", "granularity full needs method (uniform or block) and num_layers")
+        if rc.granularity == "selective" and (rc.method is not None or rc.num_layers is not None):
+            # validate_args: "recompute method is not yet supported for selective recomputing granularity".
+            err("training.recompute", "granularity selective takes no method or num_layers")
+        if rc.granularity == "full" and rc.modules:
+            err("training.recompute.modules", "apply to granularity selective only")
+
+    # --- provenance (v2) ---------------------------------------------------------------------------
+    if ok("sources"):
+        for i, src in enumerate(r.sources):
+            if not _COMMIT_RE.match(src.commit):
+                err(f"sources[{i}].commit", f"{src.commit!r} must be a full commit id (40 lower-case hex digits)")
+            if src.repository.count("/") != 1:
+                err(f"sources[{i}].repository", f"{src.repository!r} must be owner/name")
 
     # --- pass-through flags ----------------------------------------------------------------------
     if ok("extra_args"):

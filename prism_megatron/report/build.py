@@ -86,7 +86,22 @@ def assemble(trace_dir: str | Path, cluster: str | None = None,
         "fold": None if fold is None else _fold(fold, memory, None if result is None else result, classes),
         "anchors": {**_anchors(marks, memory), "fake_pg": _fake_pg(Path(trace_dir), memory)},
     }
+    subs = _substitutions(job.get("substitutions"), trace.path / "manifest.json")
+    if subs is not None:
+        report["substitutions"] = subs
     return report, result
+
+
+def _substitutions(subs: Any, where: Path) -> list[dict[str, str]] | None:
+    """The recipe's substitutions the run recorded (manifest job.substitutions); None when it recorded none."""
+    if subs is None:
+        return None
+    keys = ("setting", "published", "rendered", "affects")
+    if not isinstance(subs, list) or not all(
+            isinstance(x, dict) and set(x) == set(keys) and all(isinstance(x[k], str) for k in keys) for x in subs):
+        raise TraceFormatError(where, "field 'job.substitutions'",
+                               f"is not a list of {{{', '.join(keys)}}} strings")
+    return [dict(x) for x in subs]
 
 
 def provenance(cluster: str | None, gpu_timed: bool = False, calibrated: bool = False,

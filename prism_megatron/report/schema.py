@@ -173,6 +173,11 @@ REPORT = Obj({
     "fold": FOLD,
 })
 
+#: Optional (no version bump: readers of v2 ignore it): settings of the target the emulation machine
+#: could not run, each with what ran instead and which prediction it affects (from the recipe, through
+#: the manifest's job.substitutions).
+SUBSTITUTION = Obj({"setting": (str,), "published": (str,), "rendered": (str,), "affects": (str,)})
+
 _NAMES = {str: "string", int: "integer", float: "number", bool: "boolean", dict: "object", list: "list",
           NULL: "null"}
 
@@ -234,6 +239,8 @@ def check_report(report: Any, path: str | Path) -> None:
             if isinstance(row, dict):
                 row.setdefault("host_bound_s", None)
     _check(report, REPORT, path, "")
+    if "substitutions" in report:
+        _check(report["substitutions"], ListOf(SUBSTITUTION), path, "substitutions")
 
 
 def read_report(path: str | Path) -> dict[str, Any]:

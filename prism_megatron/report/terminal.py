@@ -50,6 +50,9 @@ def _prediction(report: dict[str, Any]) -> list[Any]:
     if pred["tflops_per_gpu"] is not None:
         lines.append(f"  ·  {pred['tflops_per_gpu']:.3g} TFLOP/s per GPU")
     out: list[Any] = [lines, Text(f"  provenance: {pred['provenance']}", style="dim")]
+    for sub in report.get("substitutions") or ():  # what ran instead of the target's setting
+        out.append(Text(f"  substituted {sub['setting']}: {sub['published']} -> {sub['rendered']} "
+                        f"(affects {sub['affects']})", style="yellow"))
     path = pred["critical_path"]["by_kind_s"]
     if path:
         parts = ", ".join(f"{k} {fmt_seconds(v)}" for k, v in list(path.items())[:5])

@@ -235,6 +235,7 @@ def log_report(
     name: str | None = None,
     mode: str | None = None,
     resume_id: str | None = None,
+    group: str | None = None,
 ) -> LoggedRun:
     """Log ``report`` to W&B and say where the run lives.
 
@@ -254,6 +255,8 @@ def log_report(
     restart at 0; ``wandb sync`` of both fragments (the returned command lists them) uploads them
     into one run in order of start time. The summary, config and artifact merge into the run;
     the iteration rows' ``_step`` may then lie under Megatron's, but ``prism/iteration`` orders them.
+
+    ``group``: W&B run group, e.g. one run per layout of ``prism-megatron compare``.
     """
     if resume_id is not None and not project:
         # wandb would otherwise start a new run of that id in its default project
@@ -267,14 +270,16 @@ def log_report(
     run_dir.mkdir(parents=True, exist_ok=True)
     note = None
     try:
-        run = _init(chosen, run_dir=run_dir, project=project, entity=entity, name=name, resume_id=resume_id)
+        run = _init(chosen, run_dir=run_dir, project=project, entity=entity, name=name, resume_id=resume_id,
+                    group=group)
     except Exception as exc:
         if chosen != "online":
             raise
         first_line = (str(exc).strip().splitlines() or [""])[0]
         note = f"online start failed ({type(exc).__name__}: {first_line}); logged offline instead"
         chosen = "offline"
-        run = _init(chosen, run_dir=run_dir, project=project, entity=entity, name=name, resume_id=resume_id)
+        run = _init(chosen, run_dir=run_dir, project=project, entity=entity, name=name, resume_id=resume_id,
+                    group=group)
     try:
         _log(run, report, timeline=Path(timeline) if timeline else None, config=config, resumed=resume_id is not None)
     except BaseException:
@@ -292,7 +297,7 @@ def log_report(
 
 
 def _init(mode: str, *, run_dir: Path, project: str | None, entity: str | None, name: str | None,
-          resume_id: str | None) -> Any:
+          resume_id: str | None, group: str | None = None) -> Any:
     import wandb
 
     resumed = resume_id is not None
@@ -312,6 +317,7 @@ def _init(mode: str, *, run_dir: Path, project: str | None, entity: str | None, 
         project=project or DEFAULT_PROJECT,
         entity=entity,
         name=name,
+        group=group,
         dir=str(run_dir),
         mode=mode,
         id=resume_id,

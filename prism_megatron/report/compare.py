@@ -1,0 +1,151 @@
+"""Layouts side by side: several reports (or traces) of one model, sorted by predicted iteration time.
+
+Each entry is a ``report.json`` (or the directory holding one) or a trace directory, reported here
+with the given cluster profile. The comparison reads only PrismReport fields, so it works long after
+the runs and never needs the traces of report files. W&B gets one run per layout in one group, so
+the group's table in W&B sorts and charts them the same way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .schema import REPORT_FILE, ReportFormatError, read_report
+from .units import fmt_bytes, fmt_rate, fmt_seconds
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One report's figures for the comparison; None where the report has none."""
+
+    label: str
+    source: str
+    world_size: int
+    iteration_time_s: float | None
+    tokens_per_s_per_gpu: float | None
+    tflops_per_gpu: float | None
+    oom: bool
+    verdict: str
+    #: class -> smallest headroom of its ranks (bytes; negative: over the cap; None: no cap known)
+    headroom: dict[str, int | None] = field(default_factory=dict)
+    #: settings the emulation could not run (setting, published, rendered, affects), from the report
+    #: or the recipe named for the entry
+    substitutions: tuple[dict[str, str], ...] = ()
+    report: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+
+def _is_report(path: Path) -> bool:
+    return path.is_file() or (path / REPORT_FILE).is_file()
+
+
+def load_report(path: str | Path, cluster: str | None = None) -> dict[str, Any]:
+    """A report from ``report.json``, a directory holding one, or a trace directory (built here).
+
+    A directory holding both a trace and a report is read as the report: it is what the user saw.
+    """
+    path = Path(path)
+    if _is_report(path):
+        return read_report(path)
+    if not path.exists():
+        raise ReportFormatError(path, "file", "is missing (expected report.json or a trace directory)")
+    from .build import build_report
+
+    return build_report(path, cluster)
+
+
+def layout_of(report: dict[str, Any], label: str, source: str,
+              substitutions: list[dict[str, str]] | None = None) -> Layout:
+    """The comparison row of one report; ``substitutions`` (a recipe's) replace the report's own."""
+    pred = report.get("prediction") or {}
+    world = report["job"]["world_size"]
+    tokens = pred.get("tokens_per_s")
+    ranks = report["memory"]["ranks"]
+    return Layout(
+        label=label,
+        source=source,
+        world_size=world,
+        iteration_time_s=pred.get("iteration_time_s"),
+        tokens_per_s_per_gpu=tokens / world if tokens is not None and world else None,
+        tflops_per_gpu=pred.get("tflops_per_gpu"),
+        oom=(bool(report["oom"]) or any(r["oom"] for r in ranks)
+             or report["verdict"].startswith(("OOM", "does not fit"))),
+        verdict=report["verdict"],
+        headroom={c["class"]: c["headroom"] for c in report["memory"]["classes"]},
+        substitutions=tuple(substitutions if substitutions is not None else report.get("substitutions") or ()),
+        report=report,
+    )
+
+
+def _labels(paths: list[Path]) -> list[str]:
+    """Short distinct names: the trace directory's name (or the report's directory's)."""
+    names = [(p.parent if p.is_file() else p).resolve().name or str(p) for p in paths]
+    if len(set(names)) == len(names):
+        return names
+    return [str(p) for p in paths]  # two runs named alike: their paths tell them apart
+
+
+def compare(paths: list[str | Path], cluster: str | None = None, labels: list[str] | None = None,
+            recipes: list[str] | None = None) -> list[Layout]:
+    """Rows for ``paths``, fastest first; layouts without a prediction last, in the order given.
+
+    ``recipes``: the recipe each entry ran (name or file), in order: its substitutions go beside the
+    entry's figures, and its name is the default label.
+    """
+    if not paths:
+        raise ValueError("compare needs at least one report or trace")
+    ps = [Path(p) for p in paths]
+    for what, given in (("label", labels), ("recipe", recipes)):
+        if given is not None and len(given) != len(ps):
+            raise ValueError(f"{len(given)} {what}(s) for {len(ps)} report(s)")
+    subs: list[list[dict[str, str]] | None] = [None] * len(ps)
+    names = labels or _labels(ps)
+    if recipes is not None:
+        from dataclasses import asdict
+
+        from prism_megatron.recipe import load_recipe
+
+        loaded = [load_recipe(r) for r in recipes]
+        subs = [[asdict(x) for x in r.substitutions] for r in loaded]
+        names = labels or [r.name for r in loaded]
+    rows = [layout_of(load_report(p, cluster), name, str(p), sub)
+            for p, name, sub in zip(ps, names, subs, strict=True)]
+    order = {id(r): i for i, r in enumerate(rows)}
+    return sorted(rows, key=lambda r: (r.iteration_time_s is None, r.iteration_time_s or 0.0, order[id(r)]))
+
+
+def comparison_text(rows: list[Layout]) -> str:
+    """The table ``prism-megatron compare`` prints, then each layout's headroom per rank class."""
+    head = ("#", "layout", "GPUs", "iteration", "tokens/s/GPU", "model TFLOP/s/GPU", "memory")
+    body = []
+    for i, r in enumerate(rows, start=1):
+        tight = [h for h in r.headroom.values() if h is not None]
+        mem = ("OOM" if r.oom else "fits") + (f", min headroom {fmt_bytes(min(tight))}" if tight else "")
+        body.append((str(i), r.label, f"{r.world_size:,}", fmt_seconds(r.iteration_time_s),
+                     fmt_rate(r.tokens_per_s_per_gpu, "tok/s"),
+                     "-" if r.tflops_per_gpu is None else f"{r.tflops_per_gpu:.1f}", mem))
+    widths = [max(len(row[c]) for row in (head, *body)) for c in range(len(head))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in (head, *body)]
+    for i, r in enumerate(rows, start=1):
+        lines.append(f"{i}. {r.label}: {r.verdict}")
+        for cls, h in r.headroom.items():
+            lines.append(f"     {cls}: headroom {fmt_bytes(h)}")
+        for sub in r.substitutions:
+            lines.append(f"     substituted {sub['setting']}: {sub['published']} -> {sub['rendered']} "
+                         f"(affects {sub['affects']})")
+    return "\n".join(lines)
+
+
+def log_comparison(rows: list[Layout], group: str, *, run_dir: Path, project: str | None = None,
+                   entity: str | None = None, mode: str | None = None) -> list[Any]:
+    """One W&B run per layout, all in ``group`` (offline unless W&B is configured); returns LoggedRuns."""
+    from .wandb_log import log_report
+
+    out = []
+    for rank, r in enumerate(rows, start=1):
+        config = {"layout": r.label, "source": r.source, "world_size": r.world_size, "comparison_rank": rank,
+                  "comparison_group": group, "substitutions": list(r.substitutions)}
+        out.append(log_report(r.report, timeline=None, config=config, run_dir=run_dir, project=project,
+                              entity=entity, name=r.label, mode=mode, group=group))
+    return out
