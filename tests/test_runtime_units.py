@@ -249,7 +249,7 @@ def test_every_op_kind_is_costed_and_has_a_virtual_rule():
     """The op registry is the one list of kinds: the cost model costs each, Phase 2 knows what a
     virtual member of each contributes, and the backend's, matching's and virtual ranks' lists follow it."""
     from prism_megatron.calibration.costmodel import BUS_FACTOR, KIND_FAMILY
-    from prism_megatron.runtime.ops import OPS, REDUCING_KINDS, VIRTUAL_RULES, op_kind
+    from prism_megatron.ops import OPS, REDUCING_KINDS, VIRTUAL_RULES, op_kind
 
     assert {"all_reduce", "reduce", "reduce_scatter", "reduce_scatter_list"} == REDUCING_KINDS
     for name, op in OPS.items():
@@ -259,7 +259,7 @@ def test_every_op_kind_is_costed_and_has_a_virtual_rule():
 
 
 def test_group_of_one_local_result_copies_and_premultiplies():
-    from prism_megatron.runtime.ops import op_kind
+    from prism_megatron.ops import op_kind
 
     x, out = torch.tensor([1.0, 2.0]), torch.zeros(2)
     op_kind("all_reduce").local([x], [out], "premul_sum", 0.5)

@@ -63,11 +63,11 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from prism_megatron.runtime.ops import OPS
+from prism_megatron.ops import OPS
 
 from .profiles import ALGORITHMS, PROTOCOLS, ClusterProfile
 
-#: trace op kinds -> the formula family that costs them (each kind's own field, runtime.ops); the
+#: trace op kinds -> the formula family that costs them (each kind's own field, prism_megatron.ops); the
 #: replay's matched send and receive ("send/recv") are one transfer
 KIND_FAMILY = {**{k.name: k.cost_family for k in OPS.values()}, "send/recv": "p2p"}
 

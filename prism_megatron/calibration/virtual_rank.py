@@ -54,7 +54,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from prism_megatron.runtime.ops import OPS
+from prism_megatron.ops import OPS
 
 FORMAT = "prism-virtual-rank"
 VERSION = 1

@@ -19,8 +19,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from prism_megatron.ops import P2P_KINDS
 from prism_megatron.runtime.client import RankClient
-from prism_megatron.runtime.ops import P2P_KINDS
 from prism_megatron.runtime.work import PrismWork
 
 BACKEND_NAME = "prism"

@@ -20,9 +20,9 @@ from typing import Any
 import torch
 
 from prism_megatron.memory.accountant import untracked
+from prism_megatron.ops import op_kind
 from prism_megatron.runtime import protocol as P
 from prism_megatron.runtime.gpu_timing import GpuSegmentTimer
-from prism_megatron.runtime.ops import op_kind
 from prism_megatron.runtime.shm import Arena
 from prism_megatron.runtime.staging import cuda_pin, device_footprint, local_descs, overlaps, span, stage, typed
 from prism_megatron.runtime.work import OpToken, PrismCommError, PrismWork

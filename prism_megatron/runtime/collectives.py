@@ -2,7 +2,7 @@
 
 Reductions run in one fixed order — member 0, then 1, 2, ... accumulated in the tensors' own dtype
 (as NCCL does) — so results are deterministic run to run, whatever order ranks arrived in.
-The op kinds (runtime.ops) call these on the members' tensors; no transport here.
+The op kinds (prism_megatron.ops) call these on the members' tensors; no transport here.
 """
 
 from __future__ import annotations

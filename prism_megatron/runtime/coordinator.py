@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from prism_megatron.ops import OPS, CollectiveCall
 from prism_megatron.runtime import protocol as P
 from prism_megatron.runtime.dataplane import DataPlane
 from prism_megatron.runtime.governor import MemoryGovernor, SwapMode, SwapPolicy
@@ -34,7 +35,6 @@ from prism_megatron.runtime.groups import Group, GroupTable
 from prism_megatron.runtime.hang import HangDetector, format_hang_report
 from prism_megatron.runtime.matching import Member, check_collective, check_p2p
 from prism_megatron.runtime.nvml import FootprintCheck, NvmlUnavailable, nvml_process_memory
-from prism_megatron.runtime.ops import OPS, CollectiveCall
 from prism_megatron.runtime.predictor import LivePredictor
 from prism_megatron.runtime.ranks import RankState, RankStatus
 from prism_megatron.runtime.recorder import Recorder

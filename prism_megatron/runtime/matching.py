@@ -12,7 +12,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from prism_megatron.runtime.ops import OPS
+from prism_megatron.ops import OPS
 
 
 @dataclass
