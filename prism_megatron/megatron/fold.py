@@ -223,8 +223,12 @@ def _transformer_config(layout: TargetLayout) -> Any:
             pipeline_dtype=torch.float32,
         )
     except (AssertionError, ValueError, TypeError) as e:
-        raise FoldError(f"Megatron refuses the pipeline split of {t.num_layers} layers over PP{t.pp}"
-                        f"{f' x VPP{t.vpp}' if t.vpp else ''}: {e or type(e).__name__}") from None
+        raise FoldError(_split_refused(t, e)) from None
+
+
+def _split_refused(t: TargetLayout, e: Exception) -> str:
+    return (f"Megatron refuses the pipeline split of {t.num_layers} layers over PP{t.pp}"
+            f"{f' x VPP{t.vpp}' if t.vpp else ''}: {e or type(e).__name__}")
 
 
 def stage_signatures(layout: TargetLayout) -> list[tuple]:
@@ -260,8 +264,11 @@ def stage_signatures(layout: TargetLayout) -> list[tuple]:
         stage = []
         for v in range(chunks):
             vp = v if t.vpp else None
-            n = get_num_layers_to_build(config, vp_stage=vp, pp_rank=p)
-            off = get_transformer_layer_offset(config, vp_stage=vp, pp_rank=p)
+            try:
+                n = get_num_layers_to_build(config, vp_stage=vp, pp_rank=p)
+                off = get_transformer_layer_offset(config, vp_stage=vp, pp_rank=p)
+            except AssertionError as e:
+                raise FoldError(_split_refused(t, e)) from None
             items: list[str] = ["embedding"] if (p == 0 and v == 0) else []
             items += ["moe" if moe[i] else "dense" for i in range(off, off + n)]
             if p == t.pp - 1 and v == chunks - 1:

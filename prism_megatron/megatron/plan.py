@@ -163,7 +163,9 @@ def _ranks(ranks: list[int], limit: int = 12) -> str:
 
 
 def _gib(n: int | None) -> str:
-    return "unknown" if n is None else f"{n / GiB:.2f} GiB"
+    from prism_megatron.report.units import fmt_bytes
+
+    return "unknown" if n is None else fmt_bytes(n)
 
 
 def render_plan(plan: Plan, console: Any) -> None:
@@ -181,7 +183,7 @@ def render_plan(plan: Plan, console: Any) -> None:
     console.print(table)
     several = [c.name for c in f.classes if len(c.sandbox) > 1]
     console.print(f"sandbox: {len(f.live)} live rank(s) run the real program: {_ranks(f.live)} "
-                  f"(one model replica: DP indices < {f.k})")
+                  f"(one model replica: DP index {'0' if f.k == 1 else f'0-{f.k - 1}'})")
     if several:
         console.print(f"  classes with more than one live rank (v1 sandbox is a whole replica): {', '.join(several)}")
     console.print(f"virtual: {f.virtual_count:,} rank(s) without a process, each mirroring the live rank of its "
