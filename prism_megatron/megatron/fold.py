@@ -110,8 +110,8 @@ def layout_from_args(args: argparse.Namespace | Any, world_size: int, gpus_per_n
     if vpp is None and layers_per_virtual:  # Megatron-LM's validate_args derives it so
         vpp = num_layers // (pp * int(layers_per_virtual))
     freq = _arg(args, "moe_layer_freq", 1)
-    if isinstance(freq, str):  # Megatron-LM parses it to an int or a list; a raw string is its list form
-        freq = eval(freq, {"__builtins__": {}}, {})  # noqa: S307 - the flag's documented Python-list syntax
+    if isinstance(freq, str) or not isinstance(freq, (int, list, tuple)):
+        raise FoldError(f"--moe-layer-freq {freq!r}: expected Megatron's parsed form (an int or a list)")
     layout = _arg(args, "pipeline_model_parallel_layout")
     return TargetLayout(
         world_size=int(world_size), tp=tp, pp=pp, cp=int(_arg(args, "context_parallel_size", 1)),
@@ -482,7 +482,7 @@ def build_fold_plan(layout: TargetLayout, progress: Callable[[str], None] | None
 def check_class_members(plan: FoldPlan, observed: Mapping[int, Sequence[Any]], what: str = "op sequence") -> None:
     """Refuse a fold whose live ranks of one class turned out to differ: FoldError naming the class,
     the two ranks and the first difference in ``what`` (``observed[rank]``: e.g. its ops' kinds and shapes)."""
-    for ci, cls in enumerate(plan.classes):
+    for cls in plan.classes:
         ranks = [r for r in cls.sandbox if r in observed]
         if len(ranks) < 2:
             continue
@@ -492,7 +492,7 @@ def check_class_members(plan: FoldPlan, observed: Mapping[int, Sequence[Any]], w
             got = list(observed[b])
             if got == ref:
                 continue
-            i = next((i for i, (x, y) in enumerate(zip(ref, got)) if x != y), min(len(ref), len(got)))
+            i = next((i for i, (x, y) in enumerate(zip(ref, got, strict=False)) if x != y), min(len(ref), len(got)))
             left = ref[i] if i < len(ref) else "<end>"
             right = got[i] if i < len(got) else "<end>"
             raise FoldError(f"class {cls.name!r} ({cls.role}): ranks {a} and {b} differ in their {what} at "
