@@ -160,6 +160,36 @@ def validate_layout(layout: TargetLayout) -> None:
 
 
 # ----------------------------------------------------------------------------- Megatron's rank order
+def _import_megatron() -> None:
+    """Import the megatron-core modules the fold reads. megatron-core 0.19 imports triton at module
+    level (MoE paged stash) though nothing here launches a kernel: where triton is not installed,
+    cpu_cuda_stubs' inert triton is present only while importing, so torch's own triton probes never
+    mistake it for an installed one afterwards."""
+    import importlib
+    import sys
+
+    names = ("megatron.core.parallel_state", "megatron.core.transformer.transformer_config",
+             "megatron.core.transformer.transformer_block", "megatron.core.transformer.transformer_layer")
+    try:
+        for name in names:
+            importlib.import_module(name)
+        return
+    except ModuleNotFoundError as e:
+        if (e.name or "").split(".")[0] != "triton" or "triton" in sys.modules:
+            raise
+    from prism_megatron.megatron.cpu_cuda_stubs import make_triton_stub
+
+    stub = make_triton_stub()
+    sys.modules.update(stub)
+    try:
+        for name in names:
+            importlib.import_module(name)
+    finally:
+        for name, module in stub.items():
+            if sys.modules.get(name) is module:
+                del sys.modules[name]
+
+
 class _Generators:
     """Megatron's dense and expert RankGenerators for a layout, with each token's groups built once."""
 
@@ -431,6 +461,7 @@ def _short(group: Sequence[int]) -> str:
 def build_fold_plan(layout: TargetLayout, progress: Callable[[str], None] | None = None) -> FoldPlan:
     """Classes, sandbox (v1: one replica), ``rep`` and ``class_of`` of every rank; O(W) per group kind."""
     validate_layout(layout)
+    _import_megatron()
     say = progress or (lambda _m: None)
     t, world = layout, layout.world_size
     say("stage signatures (Megatron's layer split)")

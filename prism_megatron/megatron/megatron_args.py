@@ -81,8 +81,8 @@ def _estimate(args: argparse.Namespace, world: int) -> dict:
     if training_available():
         try:
             ensure_megatron_training()
-        except RuntimeError as e:
-            return {"error": str(e)}
+        except Exception as e:  # the formula only: the plan goes on without it, saying why
+            return {"error": f"megatron.training does not import ({type(e).__name__}: {e})"}
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     dp = world // (tp * pp * (getattr(args, "context_parallel_size", None) or 1))
     vocab = getattr(args, "padded_vocab_size", None)
