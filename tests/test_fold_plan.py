@@ -199,3 +199,21 @@ def test_plan_cli_refuses_bad_layout():
     result = CliRunner().invoke(main, ["plan", "--prism-world-size", "12", "--", str(CORE_DRIVER_SCRIPT), *TINY_GPT])
     assert result.exit_code != 0
     assert "world size 12 is not divisible by TP·PP·CP = 2·4·1 = 8" in result.output
+
+
+def test_plan_cli_uneven_layout_through_megatron_lm_parser(monkeypatch):
+    """Megatron-LM's own parser and validate_args: its uneven-stage and layout flags reach the classes."""
+    from prism_megatron.megatron.driver import DRIVER_SCRIPT
+    from prism_megatron.megatron.megatron_lm import training_available
+
+    if not training_available():
+        pytest.skip("megatron.training is not importable (set MEGATRON_LM_PATH to a Megatron-LM checkout)")
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # validate_args asks for it with TP > 1
+    base = TINY_GPT[:1] + ["5"] + TINY_GPT[2:] + ["--no-gradient-accumulation-fusion"]
+    result = CliRunner().invoke(main, ["plan", "--json", "--prism-world-size", "64", "--", str(DRIVER_SCRIPT), *base,
+                                       "--pipeline-model-parallel-layout", "Et|tt|t|tL"])
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.output)
+    assert [(c["name"], c["count"]) for c in out["fold"]["classes"]] == [
+        ("first", 16), ("middle-1", 16), ("middle-2", 16), ("last", 16)]
+    assert out["memory"]["per_rank"] > 0 and out["memory"]["fits"] is True
