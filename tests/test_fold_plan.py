@@ -35,11 +35,11 @@ from prism_megatron.megatron.plan import GiB, _memory  # noqa: E402
 
 
 def _dense(layout: TargetLayout) -> RankGenerator:
-    return RankGenerator(tp=layout.tp, ep=1, dp=layout.dp, pp=layout.pp, cp=layout.cp, order="tp-cp-ep-dp-pp")
+    return RankGenerator(tp=layout.tp, ep=1, dp=layout.dp, pp=layout.pp, cp=layout.cp, order=layout.order)
 
 
 def _expert(layout: TargetLayout) -> RankGenerator:
-    return RankGenerator(tp=layout.etp, ep=layout.ep, dp=layout.edp, pp=layout.pp, cp=1, order="tp-cp-ep-dp-pp")
+    return RankGenerator(tp=layout.etp, ep=layout.ep, dp=layout.edp, pp=layout.pp, cp=1, order=layout.order)
 
 
 def _check_against_megatron(plan: FoldPlan, layout: TargetLayout) -> None:
@@ -107,6 +107,16 @@ def test_custom_pipeline_layout_splits_middle_stages():
     plan = build_fold_plan(layout)
     assert [(c.name, c.coords["pp"]) for c in plan.classes] == [
         ("first", [0]), ("middle-1", [1]), ("middle-2", [2]), ("last", [3])]
+    _check_against_megatron(plan, layout)
+
+
+@pytest.mark.parametrize("layout", [
+    TargetLayout(world_size=64, tp=2, cp=2, pp=2, num_layers=4),
+    TargetLayout(world_size=64, tp=2, pp=4, num_layers=8, order="tp-cp-ep-pp-dp"),  # --use-tp-pp-dp-mapping
+], ids=["cp2", "tp-pp-dp-order"])
+def test_cp_and_tp_pp_dp_order(layout):
+    plan = build_fold_plan(layout)
+    assert len(plan.live) == layout.tp * layout.cp * layout.pp
     _check_against_megatron(plan, layout)
 
 

@@ -49,7 +49,7 @@ class TargetLayout:
     tp: int = 1
     cp: int = 1
     ep: int = 1
-    etp: int = 1
+    etp: int | None = None  # expert tensor-parallel size; None: TP's, as Megatron defaults it
     pp: int = 1
     vpp: int | None = None  # virtual stages per pipeline rank (None: not interleaved)
     num_layers: int = 1
@@ -65,6 +65,10 @@ class TargetLayout:
     mtp_num_layers: int | None = None
     order: str = ORDER
     gpus_per_node: int = 8
+
+    def __post_init__(self) -> None:
+        if self.etp is None:
+            object.__setattr__(self, "etp", self.tp)
 
     @property
     def dp(self) -> int:
@@ -199,10 +203,17 @@ class _Generators:
         t = layout
         self.dense = RankGenerator(tp=t.tp, ep=1, dp=t.dp, pp=t.pp, cp=t.cp, order=t.order, rank_offset=0)
         self.expert = RankGenerator(tp=t.etp, ep=t.ep, dp=t.edp, pp=t.pp, cp=1, order=t.order, rank_offset=0)
-        self._cache: dict[tuple[str, str], list[list[int]]] = {}
+        self._cache: dict[tuple, list[list[int]]] = {}
+
+    def key(self, which: str, token: str) -> tuple:
+        """Tokens whose groups are the same: same grid sizes and the same axes of size > 1 masked
+        (with CP1, 'dp-cp' is 'dp'; with EP1 and ETP = TP the expert grid is the dense one)."""
+        gen = self.dense if which == "dense" else self.expert
+        mask = gen.get_mask(gen.order, token)
+        return tuple(gen.ordered_size), tuple(m and n > 1 for m, n in zip(mask, gen.ordered_size, strict=True))
 
     def groups(self, which: str, token: str) -> list[list[int]]:
-        key = (which, token)
+        key = self.key(which, token)
         if key not in self._cache:
             self._cache[key] = (self.dense if which == "dense" else self.expert).get_ranks(token)
         return self._cache[key]
@@ -434,8 +445,13 @@ def _sandbox_k(layout: TargetLayout, gens: _Generators, dp_index: list[int]) -> 
 def _check_fold(gens: _Generators, live: bytearray, rep: list[int]) -> None:
     """Every group Megatron builds folds: with live members, each virtual member's rep is in it
     (its input can be mirrored); without, it is a live-holding group shifted as one."""
+    checked: set[tuple] = set()
     for which, tokens in (("dense", _DENSE_TOKENS), ("expert", _EXPERT_TOKENS)):
         for token in tokens:
+            key = gens.key(which, token)
+            if key in checked or not any(key[1]):  # the same groups again, or groups of one (fold trivially)
+                continue
+            checked.add(key)
             groups = gens.groups(which, token)
             known: set[tuple[int, ...]] | None = None
             for g in groups:
