@@ -284,6 +284,7 @@ def stage_signatures(layout: TargetLayout) -> list[tuple]:
     moe = _moe_pattern(t)
     layout_obj = getattr(config, "pipeline_model_parallel_layout", None)
     if layout_obj is not None:  # a custom layout names every stage's layers, embedding and loss itself
+        chunks = len(layout_obj.layout[0])  # the layout's own virtual stages per rank
         names: dict[tuple[int, int], list[str]] = {}
         layer = 0
         for v in range(chunks):  # Megatron numbers decoder layers chunk-major (get_layer_offset)
