@@ -27,11 +27,11 @@ RANK_PROCESS_HOST_BYTES = 1 * GiB
 HOST_SHARE = 0.9
 #: The rough time model: start-up, then each iteration's model FLOPs of the sandbox at a sustained rate.
 ROUGH_TIME_MODEL = {
-    "startup_s": 20.0,  # template, Megatron import and set-up
-    "startup_per_rank_s": 2.0,  # each rank's initialisation and group creation, serialised
+    "startup_s": 5.0,  # template, Megatron import and set-up
+    "startup_per_rank_s": 0.5,  # each rank's initialisation and group creation, serialised
     "cpu_flops_per_core": 20e9,  # fp32 torch matmuls on one core, sustained
     "gpu_flops": 150e12,  # one H200-class GPU on small emulated shapes, sustained
-    "overhead_per_rank_iteration_s": 0.5,  # coordinator turns and slot switches per rank and iteration
+    "overhead_per_rank_iteration_s": 0.1,  # coordinator turns and slot switches per rank and iteration
 }
 
 
@@ -127,7 +127,7 @@ def _time(fold: FoldPlan, args: Any, vocab: int | None, iterations: int | None, 
     per_iter = compute + m["overhead_per_rank_iteration_s"] * n
     total = m["startup_s"] + m["startup_per_rank_s"] * n + iters * per_iter
     return {"seconds": total, "per_iteration_s": per_iter, "iterations": iters, "sandbox_flops_per_iteration": flops,
-            "model": (f"rough: {m['startup_s']:.0f} s + {m['startup_per_rank_s']:.0f} s per rank to start, then per "
+            "model": (f"rough: {m['startup_s']:.0f} s + {m['startup_per_rank_s']} s per rank to start, then per "
                       f"iteration the sandbox's model FLOPs at {rate / 1e12:.2f} TFLOP/s on {where} + "
                       f"{m['overhead_per_rank_iteration_s']} s per rank; easily off by 3x")}
 
@@ -193,7 +193,7 @@ def render_plan(plan: Plan, console: Any) -> None:
     mem.add_column("what")
     mem.add_column("needed", justify="right")
     mem.add_column("here", justify="right")
-    mem.add_row("per sandbox rank (Megatron's formula)", _gib(m.get("per_rank")), "")
+    mem.add_row("per sandbox rank (Megatron's formula, most loaded shard)", _gib(m.get("per_rank")), "")
     if plan.devices != ["cpu"]:
         mem.add_row("GPU, sandbox", _gib(m.get("gpu_needed")), _gib(m.get("devices_total")))
     mem.add_row("host RAM", _gib(m.get("host_needed")), _gib(m.get("host_available")))
