@@ -126,7 +126,11 @@ def test_moe_ep4_dp_spanning_expert_groups(tp, etp, want_k):
     plan = build_fold_plan(layout)
     assert plan.k == want_k
     assert len(plan.live) == tp * 2 * want_k
-    assert "2 MoE" in plan.classes[0].role
+    assert [c.name for c in plan.classes] == [f"{s}/ep{e}" for s in ("first", "last") for e in range(4)]
+    assert plan.classes[1].role == "stage 0 (first: embedding; 2 layers, 2 MoE), expert rank 1 of 4"
+    for g in _expert(layout).get_ranks("ep"):  # expert peers: one class each, the rank's position in the group
+        assert [plan.classes[plan.class_of[r]].coords["ep_rank"] for r in g] == [0, 1, 2, 3]
+    assert all(len(c.sandbox) == tp * want_k // 4 for c in plan.classes)
     _check_against_megatron(plan, layout)
 
 
@@ -227,3 +231,14 @@ def test_plan_cli_uneven_layout_through_megatron_lm_parser(monkeypatch):
     assert [(c["name"], c["count"]) for c in out["fold"]["classes"]] == [
         ("first", 16), ("middle-1", 16), ("middle-2", 16), ("last", 16)]
     assert out["memory"]["per_rank"] > 0 and out["memory"]["fits"] is True
+
+
+def test_plan_table_merges_expert_classes_beyond_the_row_limit():
+    from prism_megatron.megatron.plan import _class_rows
+
+    plan = build_fold_plan(TargetLayout(world_size=4096, pp=4, ep=16, num_experts=64, num_layers=8))
+    assert len(plan.classes) == 48
+    rows = _class_rows(plan)
+    assert [(name, count, len(sandbox)) for name, _, count, sandbox in rows] == [
+        ("first/ep*", 1024, 16), ("middle/ep*", 2048, 32), ("last/ep*", 1024, 16)]
+    assert rows[0][1] == "stage 0 (first: embedding; 2 layers, 2 MoE); 16 expert ranks, one class each"

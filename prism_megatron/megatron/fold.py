@@ -7,10 +7,11 @@ generator, order tp-cp-ep-dp-pp, and the expert one): a rank's coordinate along 
 position in the group Megatron builds for that axis, never a formula of ours.
 
 Classes group ranks that do the same work on the same shapes: data-parallel replicas (expert-DP
-too), tensor/context/expert-parallel peers, and pipeline stages whose chunks hold the same layers
+too), tensor/context-parallel peers, and pipeline stages whose chunks hold the same layers
 with the same embedding/loss role (layer counts per stage from Megatron's own
 ``get_num_layers_to_build``, so uneven first/last stages and ``--pipeline-model-parallel-layout``
-make their stages classes of their own).
+make their stages classes of their own). Expert-parallel peers are not grouped: they hold different
+experts and receive different token counts, so each expert rank of a stage is its own class.
 
 v1 sandbox rule: one model replica, i.e. every rank whose dense DP index is < k, where k is the
 smallest count of DP indices that holds whole expert tensor-and-expert-parallel groups (k = 1 for
@@ -503,22 +504,34 @@ def build_fold_plan(layout: TargetLayout, progress: Callable[[str], None] | None
     by_signature: dict[Hashable, list[int]] = {}
     for p, sig in enumerate(signatures):
         by_signature.setdefault(sig, []).append(p)
+    # Expert-parallel peers hold different experts and receive different token counts (routing):
+    # not the same shapes, so each expert rank is a class of its own within its stages.
+    experts = t.ep if t.num_experts and t.ep > 1 else 1
+    ep_index = gens.coordinate("expert", "ep", world) if experts > 1 else None
     stage_class = [0] * t.pp
     classes: list[RankClass] = []
-    per_stage = world // t.pp
+    per_class = world // t.pp // experts
     middle = sum(1 for sig in by_signature if _stage_role(sig).startswith("middle"))
-    for ci, (sig, stages) in enumerate(by_signature.items()):
+    for si, (sig, stages) in enumerate(by_signature.items()):
         for p in stages:
-            stage_class[p] = ci
+            stage_class[p] = si
         role = _stage_role(sig)
         first, last = role.startswith("first"), "last: loss" in role
         name = ("only" if first and last else "first" if first else "last" if last
                 else "middle" if middle == 1 else f"middle-{stages[0]}")
-        classes.append(RankClass(
-            name=name, role=f"{_stages_text(stages)} ({role})", count=per_stage * len(stages), sandbox=[],
-            coords={"pp": stages, "tp": t.tp, "cp": t.cp, "dp": t.dp, "ep": t.ep, "etp": t.etp, "edp": t.edp,
-                    "chunks": [list(chunk) for chunk in sig]}))
-    class_of = [stage_class[pp_index[r]] for r in range(world)]
+        for e in range(experts):
+            coords = {"pp": stages, "tp": t.tp, "cp": t.cp, "dp": t.dp, "ep": t.ep, "etp": t.etp, "edp": t.edp,
+                      "chunks": [list(chunk) for chunk in sig]}
+            where = f"{_stages_text(stages)} ({role})"
+            if experts > 1:
+                coords["ep_rank"] = e
+                where += f", expert rank {e} of {experts}"
+            classes.append(RankClass(name=f"{name}/ep{e}" if experts > 1 else name, role=where,
+                                     count=per_class * len(stages), sandbox=[], coords=coords))
+    if ep_index is None:
+        class_of = [stage_class[pp_index[r]] for r in range(world)]
+    else:
+        class_of = [stage_class[pp_index[r]] * experts + ep_index[r] for r in range(world)]
     for r in live:
         classes[class_of[r]].sandbox.append(r)
     return FoldPlan(world_size=world, live=live, rep=rep, classes=classes, class_of=class_of,

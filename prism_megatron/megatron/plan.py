@@ -168,6 +168,26 @@ def _gib(n: int | None) -> str:
     return "unknown" if n is None else fmt_bytes(n)
 
 
+#: Beyond this many classes, a stage's expert-rank classes share one row.
+CLASS_ROWS_LIMIT = 24
+
+
+def _class_rows(fold: FoldPlan) -> list[tuple[str, str, int, list[int]]]:
+    """(name, role, ranks, sandbox) per class, or per stage group when expert ranks make too many rows."""
+    rows = [(c.name, c.role, c.count, c.sandbox) for c in fold.classes]
+    if len(rows) <= CLASS_ROWS_LIMIT:
+        return rows
+    merged: dict[str, list] = {}
+    for c in fold.classes:
+        stage, _, _ = c.name.partition("/")
+        row = merged.setdefault(stage, [f"{stage}/ep*", c.role.rpartition(", expert rank")[0], 0, [], 0])
+        row[2] += c.count
+        row[3] += c.sandbox
+        row[4] += 1
+    return [(name, f"{role}; {n} expert ranks, one class each", count, sorted(sandbox))
+            for name, role, count, sandbox, n in merged.values()]
+
+
 def render_plan(plan: Plan, console: Any) -> None:
     """The plan as rich tables: classes, sandbox and virtual ranks, memory here, rough time."""
     from rich.table import Table
@@ -178,8 +198,8 @@ def render_plan(plan: Plan, console: Any) -> None:
     table = Table(title="rank classes")
     for col in ("class", "role", "ranks", "sandbox (live)"):
         table.add_column(col, justify="right" if col == "ranks" else "left")
-    for c in f.classes:
-        table.add_row(c.name, c.role, f"{c.count:,}", _ranks(c.sandbox))
+    for name, role, count, sandbox in _class_rows(f):
+        table.add_row(name, role, f"{count:,}", _ranks(sandbox))
     console.print(table)
     several = [c.name for c in f.classes if len(c.sandbox) > 1]
     console.print(f"sandbox: {len(f.live)} live rank(s) run the real program: {_ranks(f.live)} "
