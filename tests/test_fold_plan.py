@@ -242,3 +242,17 @@ def test_plan_table_merges_expert_classes_beyond_the_row_limit():
     assert [(name, count, len(sandbox)) for name, _, count, sandbox in rows] == [
         ("first/ep*", 1024, 16), ("middle/ep*", 2048, 32), ("last/ep*", 1024, 16)]
     assert rows[0][1] == "stage 0 (first: embedding; 2 layers, 2 MoE); 16 expert ranks, one class each"
+
+
+def test_args_with_an_axis_the_fold_does_not_know_are_refused():
+    import argparse
+
+    from prism_megatron.megatron.fold import layout_from_args
+
+    args = argparse.Namespace(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, num_layers=4,
+                              gtp_weight_remat_size=2)
+    with pytest.raises(FoldError, match="--gtp-weight-remat-size 2"):
+        layout_from_args(args, 16)
+    args.gtp_weight_remat_size = 1
+    layout = layout_from_args(args, 16, gpus_per_node=4)
+    assert (layout.tp, layout.pp, layout.dp, layout.etp, layout.gpus_per_node) == (2, 2, 4, 2, 4)

@@ -114,6 +114,10 @@ def layout_from_args(args: argparse.Namespace | Any, world_size: int, gpus_per_n
         raise FoldError("the command gives no --num-layers")
     if vpp is None and layers_per_virtual:  # Megatron-LM's validate_args derives it so
         vpp = num_layers // (pp * int(layers_per_virtual))
+    for flag in ("gtp_weight_remat_size", "expert_gtp_weight_remat_size"):  # megatron-core 0.19: a new rank axis
+        if int(_arg(args, flag, 1)) > 1:
+            raise FoldError(f"--{flag.replace('_', '-')} {_arg(args, flag)}: its rank axis is not folded yet "
+                            "(the fold knows the tp-cp-ep-dp-pp grid only)")
     freq = _arg(args, "moe_layer_freq", 1)
     if isinstance(freq, str) or not isinstance(freq, (int, list, tuple)):
         raise FoldError(f"--moe-layer-freq {freq!r}: expected Megatron's parsed form (an int or a list)")
