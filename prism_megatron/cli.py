@@ -89,6 +89,54 @@ def run(args: tuple[str, ...]) -> None:
     sys.exit(code)
 
 
+@main.command("plan", context_settings={"ignore_unknown_options": True, "allow_extra_args": True,
+                                        "help_option_names": []}, add_help_option=False)
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def plan_cmd(args: tuple[str, ...]) -> None:
+    """Fold a job: rank classes, sandbox, virtual ranks, memory needed here, rough time (--json for programs).
+
+    prism-megatron plan [--json] [--devices D] [PRISM OPTIONS] [SCRIPT.py] [MEGATRON ARGS], as `run` takes them.
+    """
+    import json
+
+    from rich.console import Console
+
+    from prism_megatron.megatron.fold import FoldError
+    from prism_megatron.megatron.megatron_args import ArgsError
+    from prism_megatron.megatron.plan import make_plan, plan_json, render_plan
+    from prism_megatron.megatron.run import RunError, parse_run_args
+    from prism_megatron.recipe import RecipeError
+
+    tokens, as_json = [], False
+    for token in args:  # plan's own --json; --devices as run's --prism-devices
+        if token == "--json":
+            as_json = True
+        else:
+            tokens.append("--prism-devices" if token == "--devices" else token)
+    if not tokens or tokens[0] in ("-h", "--help"):
+        click.echo(plan_cmd.__doc__)
+        return
+    try:
+        request = parse_run_args(tokens)
+        o = request.options
+        if o.get("prism_world_size") is None:
+            raise RunError("plan needs --prism-world-size W (the target job's number of ranks) or --recipe")
+        plan = make_plan(request.script, request.script_args, int(o["prism_world_size"]),
+                         parse_devices(o["prism_devices"]), o["prism_gpus_per_node"], o["prism_device_memory"],
+                         o["prism_host_memory"], o["prism_swap"], env=request.env,
+                         source=o.get("prism_recipe") or str(request.script))
+    except (RunError, RecipeError, LaunchError) as e:
+        raise click.UsageError(str(e)) from None
+    except (FoldError, ArgsError) as e:
+        raise click.ClickException(str(e)) from None
+    if as_json:
+        click.echo(json.dumps(plan_json(plan), indent=1))
+    else:
+        render_plan(plan, Console(width=120, soft_wrap=True))
+    if plan.memory.get("fits") is False:
+        raise click.ClickException(f"the sandbox does not fit here: {plan.memory['why']}")
+
+
 @main.group()
 def recipe() -> None:
     """Mini and target recipes: validated YAML descriptions of a Megatron job."""

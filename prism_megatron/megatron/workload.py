@@ -77,10 +77,13 @@ class _FormulaArgs(argparse.Namespace):
         return _FORMULA_DEFAULTS.get(name)
 
 
-def megatron_estimate(args: Any, vocab: int | None) -> dict[str, Any]:
+def megatron_estimate(args: Any, vocab: int | None, data_parallel_size: int | None = None,
+                      num_microbatches: int | None = None) -> dict[str, Any]:
     """Megatron's own theoretical memory of the most loaded shard (bytes), or why there is none.
 
-    The report shows it beside the measured peaks: it is what users compare us with.
+    The report shows it beside the measured peaks: it is what users compare us with. Sizes not
+    given are read from ``parallel_state`` and the microbatch calculator (a running rank); a plan,
+    before any rank runs, gives them.
     """
     try:
         from megatron.core import parallel_state as ps
@@ -91,12 +94,15 @@ def megatron_estimate(args: Any, vocab: int | None) -> dict[str, Any]:
     ns = _FormulaArgs(**{**_FORMULA_DEFAULTS, **vars(args)})
     ns.padded_vocab_size = getattr(args, "padded_vocab_size", None) or vocab
     ns.kv_channels = getattr(args, "kv_channels", None) or args.hidden_size // args.num_attention_heads
-    ns.data_parallel_size = getattr(args, "data_parallel_size", None) or ps.get_data_parallel_world_size()
-    ns.virtual_pipeline_model_parallel_size = getattr(args, "virtual_pipeline_model_parallel_size", None) or \
-        ps.get_virtual_pipeline_model_parallel_world_size()
+    ns.data_parallel_size = (data_parallel_size or getattr(args, "data_parallel_size", None)
+                             or ps.get_data_parallel_world_size())
+    ns.virtual_pipeline_model_parallel_size = (getattr(args, "virtual_pipeline_model_parallel_size", None)
+                                               or getattr(args, "num_virtual_stages_per_pipeline_rank", None)
+                                               or ps.get_virtual_pipeline_model_parallel_world_size())
     try:
         with contextlib.redirect_stdout(io.StringIO()):  # it prints its figures; the report shows them
-            weights, activations, total = report_theoretical_memory(ns, num_microbatches=get_num_microbatches())
+            weights, activations, total = report_theoretical_memory(
+                ns, num_microbatches=num_microbatches or get_num_microbatches())
     except Exception as e:  # a flag combination the formula does not handle
         return {"error": f"{type(e).__name__}: {e}"}
     mib = 1 << 20  # its "MB"

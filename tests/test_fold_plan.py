@@ -1,0 +1,258 @@
+"""Rank classes, the v1 sandbox and ``prism-megatron plan`` (CPU, fast).
+
+Every layout is checked against Megatron's own group construction (``RankGenerator``): each
+data-parallel group holds exactly the sandbox's DP indices as live members, every virtual member's
+representative sits in its group, and classes follow the pipeline stages Megatron builds.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from prism_megatron.megatron.fold import (
+    FoldError,
+    FoldPlan,
+    FoldPlanFormatError,
+    TargetLayout,
+    _import_megatron,
+    build_fold_plan,
+    check_class_members,
+)
+
+try:
+    _import_megatron()  # megatron-core 0.19 without triton: imported as the fold imports it
+except ImportError:
+    pytest.skip("megatron-core is not importable", allow_module_level=True)
+
+from click.testing import CliRunner  # noqa: E402
+from megatron.core.parallel_state import RankGenerator  # noqa: E402
+
+from prism_megatron.cli import main  # noqa: E402
+from prism_megatron.megatron.driver import CORE_DRIVER_SCRIPT  # noqa: E402
+from prism_megatron.megatron.plan import GiB, _memory  # noqa: E402
+
+
+def _dense(layout: TargetLayout) -> RankGenerator:
+    return RankGenerator(tp=layout.tp, ep=1, dp=layout.dp, pp=layout.pp, cp=layout.cp, order=layout.order)
+
+
+def _expert(layout: TargetLayout) -> RankGenerator:
+    return RankGenerator(tp=layout.etp, ep=layout.ep, dp=layout.edp, pp=layout.pp, cp=1, order=layout.order)
+
+
+def _check_against_megatron(plan: FoldPlan, layout: TargetLayout) -> None:
+    """rep/live/class_of as Megatron's groups say they must be."""
+    live = set(plan.live)
+    assert all(plan.rep[r] == r for r in plan.live)
+    for g in _dense(layout).get_ranks("dp"):
+        assert [r for r in g if r in live] == g[:plan.k]  # the sandbox is DP indices 0..k-1
+        assert all(plan.rep[r] == g[i % plan.k] for i, r in enumerate(g))
+    for stage_groups in _dense(layout).get_ranks("pp"):
+        for p, r in enumerate(stage_groups):
+            assert p in plan.classes[plan.class_of[r]].coords["pp"]
+    for token in ("tp", "cp", "tp-pp"):
+        for g in _dense(layout).get_ranks(token):
+            if any(r in live for r in g):
+                assert all(r in live for r in g)  # TP/CP/model groups are never split by the sandbox
+            else:
+                s = plan.shift(g[0])
+                assert all(plan.shift(r) == s for r in g)
+    for g in _expert(layout).get_ranks("tp-ep"):
+        assert len({r in live for r in g}) == 1  # expert groups are whole inside or outside the sandbox
+    assert sum(c.count for c in plan.classes) == layout.world_size
+    for ci, c in enumerate(plan.classes):
+        assert c.sandbox == [r for r in plan.live if plan.class_of[r] == ci]
+        assert c.count == sum(1 for x in plan.class_of if x == ci)
+
+
+def test_dense_tp2_pp4_dp1024():
+    layout = TargetLayout(world_size=8192, tp=2, pp=4, num_layers=8)
+    plan = build_fold_plan(layout)
+    assert plan.k == 1 and plan.live == [0, 1, 2048, 2049, 4096, 4097, 6144, 6145]
+    assert [(c.name, c.count, c.sandbox) for c in plan.classes] == [
+        ("first", 2048, [0, 1]), ("middle", 4096, [2048, 2049, 4096, 4097]), ("last", 2048, [6144, 6145])]
+    assert plan.classes[0].role == "stage 0 (first: embedding; 2 layers)"
+    assert plan.classes[1].role == "stages 1-2 (middle; 2 layers)"
+    assert plan.classes[2].role == "stage 3 (last: loss; 2 layers)"
+    assert plan.rep[8191] == 6145 and plan.shift(8191) == 8191 - 6145
+    _check_against_megatron(plan, layout)
+    again = FoldPlan.from_json(json.loads(json.dumps(plan.to_json())))
+    assert again == plan
+
+
+def test_pp_with_vpp_chunks():
+    layout = TargetLayout(world_size=32, tp=2, pp=4, vpp=2, num_layers=16)
+    plan = build_fold_plan(layout)
+    assert [c.name for c in plan.classes] == ["first", "middle", "last"]
+    assert "2+2 layers in 2 chunks" in plan.classes[1].role
+    first = plan.classes[0].coords["chunks"]
+    assert first[0][0] == "embedding" and "embedding" not in first[1]
+    assert plan.classes[2].coords["chunks"][-1][-1] == "loss"
+    _check_against_megatron(plan, layout)
+
+
+def test_uneven_first_and_last_stage():
+    layout = TargetLayout(world_size=64, tp=2, pp=4, num_layers=10, first_stage_layers=1, last_stage_layers=3)
+    plan = build_fold_plan(layout)
+    roles = [c.role for c in plan.classes]
+    assert roles == ["stage 0 (first: embedding; 1 layer)", "stages 1-2 (middle; 3 layers)",
+                     "stage 3 (last: loss; 3 layers)"]
+    _check_against_megatron(plan, layout)
+
+
+def test_custom_pipeline_layout_splits_middle_stages():
+    layout = TargetLayout(world_size=16, pp=4, num_layers=5, pipeline_layout="Et|tt|t|tL")
+    plan = build_fold_plan(layout)
+    assert [(c.name, c.coords["pp"]) for c in plan.classes] == [
+        ("first", [0]), ("middle-1", [1]), ("middle-2", [2]), ("last", [3])]
+    _check_against_megatron(plan, layout)
+
+
+@pytest.mark.parametrize("layout", [
+    TargetLayout(world_size=64, tp=2, cp=2, pp=2, num_layers=4),
+    TargetLayout(world_size=64, tp=2, pp=4, num_layers=8, order="tp-cp-ep-pp-dp"),  # --use-tp-pp-dp-mapping
+], ids=["cp2", "tp-pp-dp-order"])
+def test_cp_and_tp_pp_dp_order(layout):
+    plan = build_fold_plan(layout)
+    assert len(plan.live) == layout.tp * layout.cp * layout.pp
+    _check_against_megatron(plan, layout)
+
+
+@pytest.mark.parametrize("tp,etp,want_k", [(1, 1, 4), (2, 1, 2)])
+def test_moe_ep4_dp_spanning_expert_groups(tp, etp, want_k):
+    layout = TargetLayout(world_size=64, tp=tp, etp=etp, pp=2, ep=4, num_experts=8, num_layers=4)
+    plan = build_fold_plan(layout)
+    assert plan.k == want_k
+    assert len(plan.live) == tp * 2 * want_k
+    assert [c.name for c in plan.classes] == [f"{s}/ep{e}" for s in ("first", "last") for e in range(4)]
+    assert plan.classes[1].role == "stage 0 (first: embedding; 2 layers, 2 MoE), expert rank 1 of 4"
+    for g in _expert(layout).get_ranks("ep"):  # expert peers: one class each, the rank's position in the group
+        assert [plan.classes[plan.class_of[r]].coords["ep_rank"] for r in g] == [0, 1, 2, 3]
+    assert all(len(c.sandbox) == tp * want_k // 4 for c in plan.classes)
+    _check_against_megatron(plan, layout)
+
+
+@pytest.mark.parametrize("layout,words", [
+    (TargetLayout(world_size=10, tp=2, pp=4, num_layers=8), ["10", "TP·PP·CP", "8"]),
+    (TargetLayout(world_size=32, pp=2, ep=4, num_experts=6, num_layers=4), ["--num-experts 6", "4"]),
+    (TargetLayout(world_size=24, tp=1, pp=2, ep=16, num_experts=16, num_layers=4), ["24", "ETP·EP·PP", "32"]),
+    (TargetLayout(world_size=8, pp=1, vpp=2, num_layers=4), ["virtual pipeline size 2", "1"]),
+    (TargetLayout(world_size=8, pp=4, num_layers=10), ["10 layers", "PP4"]),
+    (TargetLayout(world_size=8, pp=4, num_layers=10, first_stage_layers=1, last_stage_layers=2), ["10 layers"]),
+])
+def test_bad_layout_refused_naming_values(layout, words):
+    with pytest.raises(FoldError) as e:
+        build_fold_plan(layout)
+    assert all(w in str(e.value) for w in words), str(e.value)
+
+
+def test_class_members_that_differ_are_refused():
+    plan = build_fold_plan(TargetLayout(world_size=64, tp=2, pp=4, num_layers=8))
+    same = [("all_reduce", (4, 8)), ("send", (2, 8))]
+    check_class_members(plan, {16: same, 17: same, 32: same})
+    with pytest.raises(FoldError, match=r"class 'middle' \(stages 1-2.*ranks 16 and 32.*entry 1"):
+        check_class_members(plan, {16: same, 32: [same[0], ("send", (2, 16))]}, "ops (kind, shape)")
+
+
+def test_plan_json_rejects_what_it_cannot_read():
+    data = build_fold_plan(TargetLayout(world_size=16, tp=2, pp=2, num_layers=4)).to_json()
+    with pytest.raises(FoldPlanFormatError, match="field version 9"):
+        FoldPlan.from_json({**data, "version": 9})
+    with pytest.raises(FoldPlanFormatError, match="field rep is missing"):
+        FoldPlan.from_json({k: v for k, v in data.items() if k != "rep"})
+    with pytest.raises(FoldPlanFormatError, match="rep names a rank that is not live"):
+        FoldPlan.from_json({**data, "rep": [3 if r == 5 else x for r, x in enumerate(data["rep"])]})
+    with pytest.raises(FoldPlanFormatError, match="rep\\[l\\] == l"):
+        FoldPlan.from_json({**data, "rep": [1] * 16})
+
+
+def test_memory_refusal_says_what_would_fit():
+    plan = build_fold_plan(TargetLayout(world_size=8192, tp=2, pp=4, num_layers=8))
+    estimate = {"total": 10 * GiB, "source": "formula"}
+    cpu = _memory(plan, estimate, ["cpu"], None, 40.0, "auto")
+    assert cpu["fits"] is False and "88.0 GiB of host RAM" in cpu["why"]
+    gpu = _memory(plan, estimate, ["0"], 40.0, 30.0, "none")
+    assert gpu["fits"] is False and "at least 2 device(s) of 40 GiB" in gpu["why"]
+    assert _memory(plan, estimate, ["0", "1"], 40.0, 30.0, "none")["fits"] is True
+    big = _memory(plan, {"total": 50 * GiB}, ["0", "1"], 40.0, 300.0, "auto")
+    assert big["fits"] is False and "one sandbox rank needs 50.0 GiB" in big["why"]
+
+
+TINY_GPT = ["--num-layers", "8", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+            "--max-position-embeddings", "64", "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000",
+            "--mock-data", "--micro-batch-size", "1", "--global-batch-size", "1024", "--train-iters", "2",
+            "--lr", "1e-4", "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "4",
+            "--transformer-impl", "local"]
+
+
+def test_plan_cli_8192_rank_command_json():
+    result = CliRunner().invoke(main, ["plan", "--json", "--prism-world-size", "8192", "--devices", "cpu", "--",
+                                       str(CORE_DRIVER_SCRIPT), *TINY_GPT])
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.output)
+    assert out["version"] == 1 and out["layout"] == "TP2·PP4·DP1024 = 8192 ranks"
+    fold = FoldPlan.from_json(out["fold"])
+    assert fold.world_size == 8192 and len(fold.live) == 8
+    assert [c.count for c in fold.classes] == [2048, 4096, 2048]
+    assert out["time"]["iterations"] == 2 and "rough" in out["time"]["model"]
+
+
+def test_plan_cli_mini_recipe_table():
+    result = CliRunner().invoke(main, ["plan", "--recipe", "mini-dense-tp2pp2dp4"])
+    assert result.exit_code == 0, result.output
+    text = result.output
+    assert "rank classes" in text and "TP2·PP2·DP4 = 16 ranks" in text
+    assert "stage 0 (first: embedding; 2 layers)" in text and "stage 1 (last: loss; 2 layers)" in text
+    assert "sandbox: 4 live rank(s)" in text and "virtual: 12 rank(s)" in text
+    assert "expected emulation time" in text
+
+
+def test_plan_cli_refuses_bad_layout():
+    result = CliRunner().invoke(main, ["plan", "--prism-world-size", "12", "--", str(CORE_DRIVER_SCRIPT), *TINY_GPT])
+    assert result.exit_code != 0
+    assert "world size 12 is not divisible by TP·PP·CP = 2·4·1 = 8" in result.output
+
+
+def test_plan_cli_uneven_layout_through_megatron_lm_parser(monkeypatch):
+    """Megatron-LM's own parser and validate_args: its uneven-stage and layout flags reach the classes."""
+    from prism_megatron.megatron.driver import DRIVER_SCRIPT
+    from prism_megatron.megatron.megatron_lm import training_available
+
+    if not training_available():
+        pytest.skip("megatron.training is not importable (set MEGATRON_LM_PATH to a Megatron-LM checkout)")
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # validate_args asks for it with TP > 1
+    base = TINY_GPT[:1] + ["5"] + TINY_GPT[2:] + ["--no-gradient-accumulation-fusion"]
+    result = CliRunner().invoke(main, ["plan", "--json", "--prism-world-size", "64", "--", str(DRIVER_SCRIPT), *base,
+                                       "--pipeline-model-parallel-layout", "Et|tt|t|tL"])
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.output)
+    assert [(c["name"], c["count"]) for c in out["fold"]["classes"]] == [
+        ("first", 16), ("middle-1", 16), ("middle-2", 16), ("last", 16)]
+    assert out["memory"]["per_rank"] > 0 and out["memory"]["fits"] is True
+
+
+def test_plan_table_merges_expert_classes_beyond_the_row_limit():
+    from prism_megatron.megatron.plan import _class_rows
+
+    plan = build_fold_plan(TargetLayout(world_size=4096, pp=4, ep=16, num_experts=64, num_layers=8))
+    assert len(plan.classes) == 48
+    rows = _class_rows(plan)
+    assert [(name, count, len(sandbox)) for name, _, count, sandbox in rows] == [
+        ("first/ep*", 1024, 16), ("middle/ep*", 2048, 32), ("last/ep*", 1024, 16)]
+    assert rows[0][1] == "stage 0 (first: embedding; 2 layers, 2 MoE); 16 expert ranks, one class each"
+
+
+def test_args_with_an_axis_the_fold_does_not_know_are_refused():
+    import argparse
+
+    from prism_megatron.megatron.fold import layout_from_args
+
+    args = argparse.Namespace(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, num_layers=4,
+                              gtp_weight_remat_size=2)
+    with pytest.raises(FoldError, match="--gtp-weight-remat-size 2"):
+        layout_from_args(args, 16)
+    args.gtp_weight_remat_size = 1
+    layout = layout_from_args(args, 16, gpus_per_node=4)
+    assert (layout.tp, layout.pp, layout.dp, layout.etp, layout.gpus_per_node) == (2, 2, 4, 2, 4)
