@@ -7,10 +7,10 @@ prism) and changes one thing per phase of iterations (Megatron's numbering, from
 
 - ``plain``: nothing (the profiler never ran yet): the reference;
 - ``synced``: ``torch.cuda.synchronize()`` before every collective, as the emulation's data plane does;
-- ``prof-keep`` / ``after-keep``: profiled and plain iterations alternating as in the emulation, with
-  kineto's default (CUPTI stays attached after the profiler stops);
+- ``prof-keep`` / ``after-keep``: a profiled iteration, then three plain ones, with kineto's default
+  (CUPTI stays attached after the profiler stops);
 - ``prof-teardown`` / ``after-teardown``: the same with ``TEARDOWN_CUPTI=1`` (kineto detaches CUPTI
-  at each stop).
+  at the stop); the two blocks alternate twice, so that a drift of the machine falls on both.
 
 Per iteration it writes the wall time of ``train_step`` (device synchronised before and after, the
 profiler started and stopped outside it) and, for profiled ones, the device busy time (union of
@@ -33,21 +33,22 @@ from typing import Any
 from prism_megatron.megatron.driver import DRIVER_SCRIPT
 
 #: (first iteration, phase) in order; a phase lasts until the next one begins
-PHASES = ((1, "warmup"), (3, "plain"), (6, "synced"), (8, "prof-keep"), (12, "prof-teardown"))
-ITERATIONS = 15
+PHASES = ((1, "warmup"), (3, "plain"), (6, "synced"), (8, "prof-keep"), (12, "prof-teardown"), (16, "prof-keep"),
+          (20, "prof-teardown"))
+ITERATIONS = 23
 _COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
                 "_reduce_scatter_base", "_all_gather_base", "broadcast", "all_to_all", "all_to_all_single",
                 "barrier", "reduce")
 
 
 def phase_of(iteration: int) -> tuple[str, bool]:
-    """(phase name, profiled?) of an iteration: in the profiler phases even offsets are profiled."""
+    """(phase name, profiled?) of an iteration: the first of each profiler phase is profiled."""
     name, first = "warmup", 1
     for start, phase in PHASES:
         if iteration >= start:
             name, first = phase, start
     if name.startswith("prof-"):
-        profiled = (iteration - first) % 2 == 0
+        profiled = iteration == first
         return (name if profiled else "after-" + name.split("-", 1)[1]), profiled
     return name, False
 
@@ -102,12 +103,11 @@ def main() -> None:
     def train_step(*args: Any, **kwargs: Any) -> Any:
         iteration = int(kwargs.get("iteration", len(rows))) + 1
         phase, profiled = phase_of(iteration)
-        if phase.endswith("teardown"):
-            os.environ["TEARDOWN_CUPTI"] = "1"  # kineto reads it when the profiler stops
         syncing.on = phase == "synced"
         before = syncing.count
         prof = None
         if profiled:
+            os.environ["TEARDOWN_CUPTI"] = "1"  # at the start: lets kineto re-initialise CUPTI after a teardown
             prof = profile(activities=[ProfilerActivity.CUDA])
             prof.start()
         torch.cuda.synchronize()
@@ -117,6 +117,7 @@ def main() -> None:
         wall = time.perf_counter() - t0
         row = {"iteration": iteration, "phase": phase, "wall_ms": wall * 1e3, "syncs_added": syncing.count - before}
         if prof is not None:
+            os.environ["TEARDOWN_CUPTI"] = "1" if phase.endswith("teardown") else "0"  # read at the stop
             prof.stop()
             busy, n = _busy(prof.profiler.kineto_results.events())
             row.update(device_busy_ms=busy * 1e3, device_activities=n)

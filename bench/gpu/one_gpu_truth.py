@@ -48,6 +48,9 @@ from typing import Any
 
 from prism_megatron.megatron.driver import DRIVER_SCRIPT
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from one_gpu_probe import ITERATIONS as PROBE_ITERATIONS  # noqa: E402 - bench/gpu/one_gpu_probe.py
+
 HERE = Path(__file__).resolve().parent
 PY = sys.executable
 WARMUP = 2
@@ -149,8 +152,9 @@ def step(kind: str, config: Config, work: Path, iters: int, index: int, timeout:
         return {"kind": kind, "iterations": parse_log(text)}
     if kind == "probe":
         probe_out = work / f"{name}.json"
-        _run([PY, str(HERE / "one_gpu_probe.py"), *[*config.flags, "--train-iters", "15"], "--global-batch-size",
-              str(config.gbs)], work / f"{name}.log", _env(**_single(_port()), PROBE_OUT=str(probe_out)), timeout)
+        _run([PY, str(HERE / "one_gpu_probe.py"), *config.flags, "--train-iters", str(PROBE_ITERATIONS),
+              "--global-batch-size", str(config.gbs)], work / f"{name}.log",
+             _env(**_single(_port()), PROBE_OUT=str(probe_out)), timeout)
         return {"kind": kind, "rows": json.loads(probe_out.read_text())}
     m = re.fullmatch(r"emu(\d+)(?:-(keep|teardown|off))?", kind)
     if not m:
@@ -170,7 +174,8 @@ def step(kind: str, config: Config, work: Path, iters: int, index: int, timeout:
 
 # ----------------------------------------------------------------------------- analysis
 def _measured(values: dict[int, float]) -> list[float]:
-    return [v for k, v in sorted(values.items()) if k > WARMUP]
+    """The values of iterations after the warm-up ones (keys are strings once read back from JSON)."""
+    return [v for k, v in sorted((int(k), v) for k, v in values.items()) if k > WARMUP]
 
 
 def replay_times(trace: Path, **graph_kw: Any) -> dict[str, dict[int, float]]:
@@ -265,7 +270,7 @@ def host_device(trace: Path) -> dict[str, float]:
 def table(report: dict[str, Any]) -> str:
     """The text table: per config the real median and spread, per emulation the prediction and error."""
     lines = [f"{'config':32} {'real ms':>8} {'spread':>7}  {'emulation':14} {'pred ms':>8} {'err %':>7} "
-             f"{'live ms':>8} {'1-clock':>8} {'host':>7} {'device':>7}"]
+             f"{'live ms':>8} {'E-to-E':>8} {'1-clock':>8} {'host':>7} {'device':>7}"]
     errors, others = [], []
     for name, row in report["rows"].items():
         real, spread = row.get("real_ms"), row.get("real_spread_pct")
@@ -273,10 +278,12 @@ def table(report: dict[str, Any]) -> str:
         for kind, em in (row.get("emulations") or {"-": {}}).items():
             hd = em.get("host_device") or {}
             one = _measured(em.get("one_clock_begin_end_ms", {}))
+            ee = _measured(em.get("end_end_ms", {}))
             lines.append(
                 f"{name if first else '':32} {_f(real if first else None, '.1f'):>8} "
                 f"{_f(spread if first else None, '.1f'):>7}  {kind:14} {_f(em.get('predicted_ms'), '.1f'):>8} "
                 f"{_f(em.get('error_pct'), '+.1f'):>7} {_f(em.get('live_median_ms'), '.1f'):>8} "
+                f"{_f(statistics.median(ee) if ee else None, '.1f'):>8} "
                 f"{_f(statistics.median(one) if one else None, '.1f'):>8} {_f(hd.get('host_ms'), '.0f'):>7} "
                 f"{_f(hd.get('device_ms'), '.0f'):>7}")
             first = False
