@@ -277,7 +277,10 @@ def test_live_prediction_says_whether_the_iteration_had_measured_gpu_times(tmp_p
     second, note2 = predict_iteration(path, 2)
     assert "host and GPU time measured" in note1 and first == pytest.approx(0.4)  # the device's 0.4 s
     assert "one clock" in note2 and second == pytest.approx(0.5)
-    write_trace(tmp_path / "cpu", manifest, ops, marks=marks)
+    write_trace(tmp_path / "untimed", manifest, ops, marks=marks)  # GPU ranks, none timed (yet): one clock
+    assert "one clock" in predict_iteration(tmp_path / "untimed", 1)[1]
+    cpu = {**manifest, "ranks": [{"rank": 0, "exit_code": 0, "device": "cpu"}]}
+    write_trace(tmp_path / "cpu", cpu, ops, marks=marks)
     assert predict_iteration(tmp_path / "cpu", 1)[1] == "uncalibrated, communication free"
 
 

@@ -98,6 +98,7 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     syncing = _Syncing()
     original = training.train_step
+    last_stop = ["1"]
 
     @functools.wraps(original)
     def train_step(*args: Any, **kwargs: Any) -> Any:
@@ -107,7 +108,9 @@ def main() -> None:
         before = syncing.count
         prof = None
         if profiled:
-            os.environ["TEARDOWN_CUPTI"] = "1"  # at the start: lets kineto re-initialise CUPTI after a teardown
+            # at the start as at the last stop: "1" after a teardown lets kineto re-initialise CUPTI; "1"
+            # while CUPTI is still attached from a kept session recorded nothing (H200, torch 2.11)
+            os.environ["TEARDOWN_CUPTI"] = last_stop[0]
             prof = profile(activities=[ProfilerActivity.CUDA])
             prof.start()
         torch.cuda.synchronize()
@@ -117,7 +120,7 @@ def main() -> None:
         wall = time.perf_counter() - t0
         row = {"iteration": iteration, "phase": phase, "wall_ms": wall * 1e3, "syncs_added": syncing.count - before}
         if prof is not None:
-            os.environ["TEARDOWN_CUPTI"] = "1" if phase.endswith("teardown") else "0"  # read at the stop
+            last_stop[0] = os.environ["TEARDOWN_CUPTI"] = "1" if phase.endswith("teardown") else "0"  # read at stop
             prof.stop()
             busy, n = _busy(prof.profiler.kineto_results.events())
             row.update(device_busy_ms=busy * 1e3, device_activities=n)

@@ -78,8 +78,10 @@ def _flags(layers: int, hidden: int, heads: int, seq: int, mbs: int, ffn: int | 
     if bf16:
         f += ["--bf16", "--no-masked-softmax-fusion"]
     if experts:
+        # no linear biases: megatron-core 0.19.2's expert MLP adds its bias in place on a view of a custom
+        # Function's output, which autograd refuses (the run dies in iteration 1 on the real side too)
         f += ["--num-experts", str(experts), "--moe-router-topk", "2", "--moe-ffn-hidden-size", str(moe_ffn),
-              "--moe-token-dispatcher-type", "alltoall", "--no-bias-gelu-fusion"]
+              "--moe-token-dispatcher-type", "alltoall", "--no-bias-gelu-fusion", "--disable-bias-linear"]
     if recompute:
         f += ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
     return tuple(f)
@@ -240,8 +242,8 @@ def summarise_probe(rows: list[dict[str, Any]]) -> dict[str, Any]:
     for r in rows:
         phases.setdefault(r["phase"], []).append(r)
     out = {p: {"wall_ms": statistics.median(r["wall_ms"] for r in rs), "n": len(rs)} for p, rs in phases.items()}
-    for p, rs in phases.items():
-        busy = [r["device_busy_ms"] for r in rs if "device_busy_ms" in r]
+    for p, rs in phases.items():  # a profile that recorded no device work is lost, not an idle device
+        busy = [r["device_busy_ms"] for r in rs if r.get("device_activities")]
         if busy:
             out[p]["device_busy_ms"] = statistics.median(busy)
     return out

@@ -36,12 +36,13 @@ def _until(table: pa.Table, column: str, cut: dict[int, float]) -> pa.Table:
 
 def timed_iterations(trace) -> dict[int, bool] | None:
     """Per iteration (1, 2, ... in order), whether every rank's has measured host/GPU times (None: a
-    trace without any). What the report's per-iteration basis and the live note both say.
+    trace of ranks on CPUs, which has none). What the report's per-iteration basis and the live note say.
 
-    On a GPU an iteration's times normally arrive at its own end (runtime.gpu_timing); the first profiled
-    one may wait for the next, and a live prediction made before they come is on one clock.
+    On a GPU an iteration's times normally arrive at its own end (runtime.gpu_timing); set-up and the
+    first iterations, and the first profiled one where it waits for the next, are on one clock.
     """
-    if not trace.gpu.num_rows:
+    if not trace.gpu.num_rows and not any(str(r.get("device", "")).startswith("cuda")
+                                          for r in trace.manifest.get("ranks", [])):
         return None
     clocks: dict[int, list[float]] = {}
     for m in trace.marks.filter(pc.equal(trace.marks["name"], "iteration")).to_pylist():
@@ -63,7 +64,7 @@ def basis(timed: bool | None) -> str:
     if timed is None:
         return "compute on one clock (no GPU timing)"
     return ("host and GPU time measured (host: median over like iterations so far)" if timed
-            else "one clock (this iteration's GPU times come with the next)")
+            else "one clock (no host and GPU time measured for this iteration, or not yet)")
 
 
 def predict_iteration(trace_dir: str | Path, iteration: int, cluster: str | None = None) -> tuple[float | None, str]:
