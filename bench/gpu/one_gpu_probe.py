@@ -13,8 +13,9 @@ prism) and changes one thing per phase of iterations (Megatron's numbering, from
   at the stop); the two blocks alternate twice, so that a drift of the machine falls on both.
 
 Per iteration it writes the wall time of ``train_step`` (device synchronised before and after, the
-profiler started and stopped outside it) and, for profiled ones, the device busy time (union of
-kernels and copies) and the number of device activities, to ``$PROBE_OUT`` (JSON).
+profiler started and stopped outside it), the mean SM clock over it (NVML) and, for profiled ones, the
+device busy time (union of kernels and copies) and the number of device activities, to ``$PROBE_OUT``
+(JSON).
 
   RANK=0 WORLD_SIZE=1 ... python bench/gpu/one_gpu_probe.py TRAINING-DRIVER-FLAGS...
 """
@@ -78,6 +79,46 @@ class _Syncing:
         return call
 
 
+class _Clocks:
+    """Mean SM clock (MHz) of GPU 0 over a stretch, sampled every 5 ms by NVML in a thread: whether two
+    iterations of the same work ran at the same clock (a device-bound job flipped between ~490 and ~550 ms
+    per iteration on the H200 machine while its profiled iterations' busy time stayed at 470 ms)."""
+
+    def __init__(self) -> None:
+        import threading
+
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self._nvml, self._handle = pynvml, pynvml.nvmlDeviceGetHandleByIndex(0)
+        except Exception:  # noqa: BLE001 - no NVML: the rows go without clocks
+            self._nvml = None
+        self._samples: list[int] = []
+        self._on = threading.Event()
+        if self._nvml is not None:
+            threading.Thread(target=self._loop, daemon=True).start()
+
+    def _loop(self) -> None:
+        import time as _time
+
+        while True:
+            self._on.wait()
+            try:
+                self._samples.append(self._nvml.nvmlDeviceGetClockInfo(self._handle, self._nvml.NVML_CLOCK_SM))
+            except Exception:  # noqa: BLE001
+                return
+            _time.sleep(0.005)
+
+    def start(self) -> None:
+        self._samples = []
+        self._on.set()
+
+    def stop(self) -> float | None:
+        self._on.clear()
+        return sum(self._samples) / len(self._samples) if self._samples else None
+
+
 def _busy(events: Any) -> tuple[float, int]:
     """(device busy seconds: the union of kernels, copies and memsets; their number)."""
     from prism_megatron.runtime.gpu_timing import _union, activities
@@ -97,6 +138,7 @@ def main() -> None:
     out = Path(os.environ["PROBE_OUT"])
     rows: list[dict[str, Any]] = []
     syncing = _Syncing()
+    clocks = _Clocks()
     original = training.train_step
     last_stop = ["1"]
 
@@ -114,11 +156,13 @@ def main() -> None:
             prof = profile(activities=[ProfilerActivity.CUDA])
             prof.start()
         torch.cuda.synchronize()
+        clocks.start()
         t0 = time.perf_counter()
         result = original(*args, **kwargs)
         torch.cuda.synchronize()
         wall = time.perf_counter() - t0
-        row = {"iteration": iteration, "phase": phase, "wall_ms": wall * 1e3, "syncs_added": syncing.count - before}
+        row = {"iteration": iteration, "phase": phase, "wall_ms": wall * 1e3, "syncs_added": syncing.count - before,
+               "sm_clock_mhz": clocks.stop()}
         if prof is not None:
             last_stop[0] = os.environ["TEARDOWN_CUPTI"] = "1" if phase.endswith("teardown") else "0"  # read at stop
             prof.stop()

@@ -246,6 +246,9 @@ def summarise_probe(rows: list[dict[str, Any]]) -> dict[str, Any]:
         busy = [r["device_busy_ms"] for r in rs if r.get("device_activities")]
         if busy:
             out[p]["device_busy_ms"] = statistics.median(busy)
+        mhz = [r["sm_clock_mhz"] for r in rs if r.get("sm_clock_mhz")]
+        if mhz:
+            out[p]["sm_clock_mhz"] = statistics.median(mhz)
     return out
 
 
@@ -294,6 +297,7 @@ def table(report: dict[str, Any]) -> str:
                     (name, kind, em["error_pct"], spread))
         if row.get("probe"):
             parts = [f"{p} {v['wall_ms']:.1f}" + (f" (busy {v['device_busy_ms']:.1f})" if "device_busy_ms" in v else "")
+                     + (f" @{v['sm_clock_mhz']:.0f} MHz" if "sm_clock_mhz" in v else "")
                      for p, v in row["probe"].items()]
             lines.append(f"{'':32} probe (train_step ms, median per phase): " + ", ".join(parts))
         if row.get("error"):
