@@ -120,7 +120,9 @@ def test_graph_computes_take_the_measured_times_of_the_segments_they_span():
 
 def test_host_times_are_the_median_over_iterations_of_the_same_shape():
     """Iterations 2-4 run the same two segments; iteration 3 ran slow (the VM): each segment takes its
-    median; set-up/iteration 1 and the tail keep their own; wait offsets scale with the host time."""
+    median over the iterations up to its own (the live prediction of an iteration cannot see later
+    ones, and the report must agree with it); set-up/iteration 1, the first iteration of a shape and the
+    tail keep their own; wait offsets scale with the host time."""
     from prism_megatron.replay.gpu_segments import typical_host_times
 
     def row(a, b, cpu, syncs=()):
@@ -133,11 +135,12 @@ def test_host_times_are_the_median_over_iterations_of_the_same_shape():
             row(2.2, 2.4, 0.7)]  # after the last iteration's end
     ends = [1.0, 1.3, 1.9, 2.2]
     out = typical_host_times(rows, ends)
-    assert [r["cpu"] for r in out] == [0.9, 0.12, 0.22, 0.12, 0.22, 0.12, 0.22, 0.7]
-    assert out[4]["syncs"] == [[pytest.approx(0.25 * 0.22 / 0.5), 0.005]]
-    assert out[2]["syncs"] == [[pytest.approx(0.1 * 0.22 / 0.2), 0.005]] and rows[2]["cpu"] == 0.20  # a copy
+    assert [r["cpu"] for r in out] == [0.9, 0.10, 0.20, pytest.approx(0.20), pytest.approx(0.35), 0.12, 0.22, 0.7]
+    assert out[4]["syncs"] == [[pytest.approx(0.25 * 0.35 / 0.5), 0.005]]
+    assert out[6]["syncs"] == [[pytest.approx(0.11), 0.005]] and rows[6]["cpu"] == 0.22  # a copy
+    assert typical_host_times(rows[:5], ends[:3])[1:5] == out[1:5]  # cut after iteration 3: the same
     odd = [*rows[:5], row(1.9, 2.0, 0.5), row(2.0, 2.1, 0.5), row(2.1, 2.2, 0.5)]  # iteration 4: 3 segments
-    assert [r["cpu"] for r in typical_host_times(odd, ends)][1:8] == [0.2, 0.35, 0.2, 0.35, 0.5, 0.5, 0.5]
+    assert [r["cpu"] for r in typical_host_times(odd, ends)][1:8] == [0.1, 0.2, 0.2, 0.35, 0.5, 0.5, 0.5]
 
 
 def test_a_trace_with_gpu_times_replays_with_the_host_running_ahead(tmp_path):
@@ -173,8 +176,11 @@ def test_a_trace_with_gpu_times_replays_with_the_host_running_ahead(tmp_path):
 
 
 def test_timer_takes_host_time_from_plain_iterations_and_device_time_from_profiled_ones(monkeypatch):
-    """Set-up + iteration 1 plain (no rows); 2 profiled, 3 plain -> paired; ...; a last profiled iteration
-    takes the host times of the plain one before it; the tail after the last iteration gets none."""
+    """Set-up + iteration 1 plain (no rows); 2 profiled, but iteration 1 ran other segments: it waits for
+    3 (plain) and both go out then; from there every iteration's rows go out at its own end: a profiled
+    one with the host times of the plain one before it, a plain one with the device times of the
+    profiled one before it (the live prediction of every iteration then has them); the tail after the
+    last iteration gets none."""
     from prism_megatron.runtime import gpu_timing as gt
 
     class Timer(gt.GpuSegmentTimer):
@@ -191,13 +197,13 @@ def test_timer_takes_host_time_from_plain_iterations_and_device_time_from_profil
     for it, n in [(1, 5), (2, 3), (3, 3), (4, 3), (5, 3), (6, 3), ("tail", 1)]:
         profiled = timer.profiling
         for k in range(n):
-            host = (10 if it in (3, 5) else 20) * 1e-3 * (k + 1)  # profiled iterations are slower still
+            host = {3: 10, 5: 12}.get(it, 20) * 1e-3 * (k + 1)  # profiled iterations are slower still
             clock += host + 1e-3
             timer.closed(clock, host + 1e-3, host)
         rows = timer.flush(final=it == "tail")
         sent[it] = (profiled, rows)
     assert [sent[i][0] for i in (1, 2, 3, 4, 5, 6)] == [False, True, False, True, False, True]
-    assert sent[1][1] == [] and sent[2][1] == [] and sent[4][1] == []
+    assert sent[1][1] == [] and sent[2][1] == [] and sent["tail"][1] == []
     pairs = sent[3][1]
     assert len(pairs) == 6  # iterations 2 and 3, three segments each
     assert all(r.gpu == 1e-3 for r in pairs)
@@ -206,9 +212,12 @@ def test_timer_takes_host_time_from_plain_iterations_and_device_time_from_profil
     assert [round(r.cpu * 1e3, 6) for r in pairs[:3]] == [10.0, 20.0, 30.0]
     assert [round(r.cpu * 1e3, 6) for r in pairs[3:]] == [10.0, 20.0, 30.0]
     assert pairs[1].syncs == [(pytest.approx(20e-3 * 0.65 / 1.3), 5e-4)]
-    assert len(sent[5][1]) == 6
-    last = sent["tail"][1]  # iteration 6, with iteration 5's host times; the tail segment: no row
-    assert [round(r.cpu * 1e3, 6) for r in last] == [10.0, 20.0, 30.0]
+    four, five, six = sent[4][1], sent[5][1], sent[6][1]  # each at its own end, on its own clock
+    assert [round(r.clock_end - r.clock_start, 6) for r in four] == [0.021, 0.041, 0.061]
+    assert [round(r.cpu * 1e3, 6) for r in four] == [10.0, 20.0, 30.0]  # iteration 3's host times
+    assert [round(r.cpu * 1e3, 6) for r in five] == [12.0, 24.0, 36.0]  # its own, with 4's device times
+    assert [round(r.clock_end - r.clock_start, 6) for r in five] == [0.013, 0.025, 0.037]
+    assert [round(r.cpu * 1e3, 6) for r in six] == [12.0, 24.0, 36.0]  # iteration 5's
     assert timer.stats["paired"] == 15
 
 
@@ -268,7 +277,10 @@ def test_live_prediction_says_whether_the_iteration_had_measured_gpu_times(tmp_p
     second, note2 = predict_iteration(path, 2)
     assert "host and GPU time measured" in note1 and first == pytest.approx(0.4)  # the device's 0.4 s
     assert "one clock" in note2 and second == pytest.approx(0.5)
-    write_trace(tmp_path / "cpu", manifest, ops, marks=marks)
+    write_trace(tmp_path / "untimed", manifest, ops, marks=marks)  # GPU ranks, none timed (yet): one clock
+    assert "one clock" in predict_iteration(tmp_path / "untimed", 1)[1]
+    cpu = {**manifest, "ranks": [{"rank": 0, "exit_code": 0, "device": "cpu"}]}
+    write_trace(tmp_path / "cpu", cpu, ops, marks=marks)
     assert predict_iteration(tmp_path / "cpu", 1)[1] == "uncalibrated, communication free"
 
 
@@ -332,6 +344,39 @@ def test_segment_rows_travel_from_ranks_to_the_trace_and_replay(tmp_path, monkey
     assert any(isinstance(e, Compute) and e.gpu == 0.0 for e in graph.events[0])
     times = replay(graph).iteration_times()
     assert len(times) == 5 and all(0.03 <= t < 1.0 for t in times[1:])  # three 10 ms loops of host time
+
+
+def test_report_headline_is_over_timed_iterations_and_says_per_iteration_what_it_rests_on(tmp_path):
+    """Iteration 1 (set-up, allocator and autotuning warm-up) has no GPU rows: it is one-clock wall time,
+    listed with its basis but left out of the headline median, which is of the iterations measured on
+    two clocks; the live note of an iteration says the same basis as the report's entry for it."""
+    from prism_megatron.report.build import build_report
+    from prism_megatron.report.live import predict_iteration
+    from prism_megatron.trace import write_trace
+
+    manifest = {"world_size": 1, "groups": [{"id": 0, "name": "w", "ranks": [0], "backend": "nccl"}],
+                "ranks": [{"rank": 0, "exit_code": 0, "device": "cuda:0"}]}
+    ops = [{"rank": 0, "index": i, "kind": "all_reduce", "group": 0, "seq": i, "peer": -1, "root": -1, "bytes": 4,
+            "dtype": "torch.float32", "shapes": [[1]], "reduce_op": "sum", "async_op": False, "t_issue": t,
+            "t_complete": t, "compute_before": c, "label": ""}
+           for i, (t, c) in enumerate(((1.0, 1.0), (2.25, 1.25), (2.75, 0.5), (3.25, 0.5)))]
+    bounds = ((0.0, 2.0), (2.0, 2.5), (2.5, 3.0), (3.0, 3.5))  # compute clock of each iteration; an op in each
+    marks = [{"rank": 0, "name": "iteration", "phase": ph, "t": c, "compute_clock": c,
+              "attrs": {"iteration": k + 1} if ph == "B" else {}}
+             for k, (b, e) in enumerate(bounds) for ph, c in (("B", b), ("E", e))]
+    gpu = [{"rank": 0, "clock_start": a, "clock_end": z, "cpu": 0.05, "gpu": g / 2, "syncs": []}
+           for (b, e), g in zip(bounds[1:], (0.3, 0.4, 0.2), strict=True) for a, z in ((b, b + 0.25), (b + 0.25, e))]
+    path = write_trace(tmp_path / "t", manifest, ops, marks=marks, gpu=gpu)
+    pred = build_report(path)["prediction"]
+    assert pred["iteration_times_s"] == [pytest.approx(2.0), pytest.approx(0.3), pytest.approx(0.4),
+                                         pytest.approx(0.2)]
+    assert pred["iteration_time_s"] == pytest.approx(0.3)  # of 0.3, 0.4, 0.2; with iteration 1 it was 0.35
+    assert pred["iteration_bases"][0].startswith("one clock")
+    assert all(b.startswith("host and GPU time measured") for b in pred["iteration_bases"][1:])
+    for n in (1, 3):
+        live, note = predict_iteration(path, n)
+        assert live == pytest.approx(pred["iteration_times_s"][n - 1])
+        assert pred["iteration_bases"][n - 1] in note
 
 
 def test_segments_end_at_every_wait_so_iterations_pair_whatever_the_ops_timing(tmp_path, monkeypatch):

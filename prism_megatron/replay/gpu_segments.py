@@ -8,9 +8,10 @@ and device times, cut where the program waited for the device (a CpuSync there).
 a Compute no segment covers (timing lost) stays one-clock: host and device both take its length.
 
 Host time is the noisy figure (one rank's plain iterations of the same work differ widely;
-docs/history.md): each segment's host time is the median over the iterations that
-ran the same sequence of segments (`typical_host_times`), so one slow iteration of one rank does not
-become the prediction's critical path. Device times stay as measured (the profiler's, stable).
+docs/history.md): each segment's host time is the median over the iterations up to its own that ran
+the same sequence of segments (`typical_host_times`), so one slow iteration of one rank does not
+become the prediction's critical path, and an iteration is predicted alike while the capture runs
+and after it. Device times stay as measured (the profiler's, stable).
 
 Iteration markers also get a CpuSync before them: Megatron times an iteration with its timers,
 which synchronise the device (as does ``bench/accuracy``'s real-run stamping), so an iteration ends
@@ -47,11 +48,13 @@ def _pieces(row: dict[str, Any]) -> list[tuple[float, float] | None]:
 
 def typical_host_times(rows: list[dict[str, Any]], iteration_ends: list[float]) -> list[dict[str, Any]]:
     """``rows`` of one rank with each segment's host time (``cpu``, and its waits' host offsets in
-    proportion) replaced by the median over iterations of the same shape: iterations are the stretches
-    of the rank's clock between ``iteration_ends`` (its iteration markers' compute clocks), and two have
-    the same shape when they hold the same number of segments; segment k of one is pooled with segment k
-    of the others. Rows before the first end (set-up and the first iteration) or after the last, and
-    iterations of a shape seen once, keep their own time."""
+    proportion) replaced by the median over the iterations of the same shape up to its own: iterations
+    are the stretches of the rank's clock between ``iteration_ends`` (its iteration markers' compute
+    clocks), and two have the same shape when they hold the same number of segments; segment k of one is
+    pooled with segment k of the earlier ones. Only earlier iterations, so that an iteration's prediction
+    is the same whether the trace ends with it (the live prediction in Megatron's log line) or goes on
+    (the report). Rows before the first end (set-up and the first iteration) or after the last, and the
+    first iteration of each shape, keep their own time."""
     ends = sorted(iteration_ends)
     windows: dict[int, list[int]] = defaultdict(list)  # iteration k (1..) -> indices into rows, clock order
     order = sorted(range(len(rows)), key=lambda i: rows[i]["clock_start"])
@@ -61,14 +64,12 @@ def typical_host_times(rows: list[dict[str, Any]], iteration_ends: list[float]) 
             k += 1
         if 0 < k < len(ends):  # a whole iteration after the first
             windows[k].append(i)
-    pools: dict[tuple[int, int], list[float]] = defaultdict(list)  # (shape, position) -> host times
-    for idx in windows.values():
-        for pos, i in enumerate(idx):
-            pools[(len(idx), pos)].append(rows[i]["cpu"])
+    pools: dict[tuple[int, int], list[float]] = defaultdict(list)  # (shape, position) -> host times so far
     out = [dict(r) for r in rows]
-    for idx in windows.values():
+    for _, idx in sorted(windows.items()):
         for pos, i in enumerate(idx):
             pool = pools[(len(idx), pos)]
+            pool.append(rows[i]["cpu"])
             if len(pool) < 2:
                 continue
             row, typical = out[i], statistics.median(pool)

@@ -22,6 +22,7 @@ from prism_megatron.trace import PrismTrace, TraceFormatError, read_trace
 from prism_megatron.trace.fold import Fold
 
 from .classify import UNKNOWN, class_order, rank_class
+from .live import basis, timed_iterations
 from .schema import FORMAT, VERSION
 from .units import fmt_bytes, rank_ranges
 
@@ -77,7 +78,8 @@ def assemble(trace_dir: str | Path, cluster: str | None = None,
         },
         "target": target,
         "prediction": None if result is None else _prediction(result, cluster, classes, marks["workload"],
-                                                              calibrated is not None, fold, trace.world_size),
+                                                              calibrated is not None, fold, trace.world_size,
+                                                              None if calibrated else timed_iterations(trace)),
         "prediction_error": error,
         "memory": memory,
         "oom": oom,
@@ -127,8 +129,8 @@ def _provenance(cluster: str | None, gpu_timed: bool, calibrated: bool) -> str:
         return ("calibrated graph: compute and the ops inside a slice measured with each slice's ranks "
                 "running for real; other ops " + (f"costed by cluster profile {cluster}" if cluster else "free"))
     comm = f"costed by cluster profile {cluster}" if cluster else "free (no cluster profile)"
-    compute = ("host and GPU time per segment, measured (host: median over like iterations)" if gpu_timed
-               else "compute")
+    compute = ("host and GPU time per segment, measured (host: median over like iterations so far; the "
+               "median iteration of those so measured)" if gpu_timed else "compute")
     return f"{compute} from the bare trace (uncalibrated); communication {comm}"
 
 
@@ -241,9 +243,18 @@ def _replay_calibrated(path: str | Path) -> tuple[ReplayResult | None, str | Non
         return None, f"the replay of the calibrated graph {path} failed: {str(e).splitlines()[0]}"
 
 
-def _window(result: ReplayResult) -> tuple[int | None, float, float]:
-    """The median iteration (number, start, end); the whole run when there are no iteration marks."""
+def _headline(result: ReplayResult, timed: dict[int, bool] | None) -> list:
+    """The iterations the headline figure is the median of: on a trace with GPU times, those whose
+    compute was measured on two clocks (set-up and the warm-up iterations before GPU timing started
+    are left out: they are one-clock wall time, not the steady iteration); else all of them."""
     its = result.iterations()
+    measured = [it for it in its if timed and timed.get(it.number)]
+    return measured or its
+
+
+def _window(result: ReplayResult, timed: dict[int, bool] | None = None) -> tuple[int | None, float, float]:
+    """The median iteration (number, start, end); the whole run when there are no iteration marks."""
+    its = _headline(result, timed)
     if not its:
         return None, 0.0, result.makespan
     median = statistics.median_low(it.time for it in its)
@@ -253,24 +264,29 @@ def _window(result: ReplayResult) -> tuple[int | None, float, float]:
 
 def _prediction(result: ReplayResult, cluster: str | None, classes: dict[int, str],
                 workload: dict[int, dict], calibrated: bool = False, fold: Fold | None = None,
-                world_size: int | None = None) -> dict[str, Any]:
+                world_size: int | None = None, timed: dict[int, bool] | None = None) -> dict[str, Any]:
     times = result.iteration_times()
-    median = statistics.median(times) if times else None
+    headline = [it.time for it in _headline(result, timed)] or times
+    median = statistics.median(headline) if headline else None
     work = workload.get(0) or next(iter(workload.values()), {})
     tokens, flops = work.get("tokens_per_iteration"), work.get("flops_per_iteration")
     per_s = median if median and median > 0 else None
-    number, t0, t1 = _window(result)
+    number, t0, t1 = _window(result, timed)
     breakdown = []
     for r in result.graph.ranks:
         b = result.breakdown(r, t0, t1)
         breakdown.append({"rank": r, "class": classes.get(r, UNKNOWN), "compute_s": b.compute,
                           "exposed_comm_s": b.exposed_comm, "bubble_s": b.bubble,
                           "host_bound_s": _host_bound(result, r, t0, t1)})
+    its = result.iterations()
     return {
         "provenance": provenance(cluster, any(b["host_bound_s"] is not None for b in breakdown), calibrated, fold),
         "cluster": cluster,
         "iteration_times_s": times,
         "iteration_time_s": median,
+        # optional (no version bump): per iteration what its prediction rests on, as Megatron's log line said
+        "iteration_bases": [] if calibrated else [basis(None if timed is None else timed.get(it.number, False))
+                                                  for it in its],
         "tokens_per_s": tokens / per_s if per_s and _num(tokens) else None,
         "tflops_per_gpu": flops / per_s / (world_size or len(classes)) / 1e12 if per_s and _num(flops) else None,
         "breakdown": breakdown,

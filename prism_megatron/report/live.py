@@ -34,28 +34,37 @@ def _until(table: pa.Table, column: str, cut: dict[int, float]) -> pa.Table:
     return table.filter(pa.array(keep, pa.bool_()))
 
 
-def _gpu_timed(trace, iteration: int) -> bool | None:
-    """Whether every rank's ``iteration`` has measured host/GPU times (None: a trace without any).
+def timed_iterations(trace) -> dict[int, bool] | None:
+    """Per iteration (1, 2, ... in order), whether every rank's has measured host/GPU times (None: a
+    trace of ranks on CPUs, which has none). What the report's per-iteration basis and the live note say.
 
-    On a GPU the times of a profiled iteration arrive with the next one (runtime.gpu_timing), so a
-    live prediction may come before them and is then on one clock; the note says which.
+    On a GPU an iteration's times normally arrive at its own end (runtime.gpu_timing); set-up and the
+    first iterations, and the first profiled one where it waits for the next, are on one clock.
     """
-    if not trace.gpu.num_rows:
+    if not trace.gpu.num_rows and not any(str(r.get("device", "")).startswith("cuda")
+                                          for r in trace.manifest.get("ranks", [])):
         return None
     clocks: dict[int, list[float]] = {}
     for m in trace.marks.filter(pc.equal(trace.marks["name"], "iteration")).to_pylist():
         clocks.setdefault(m["rank"], []).append(m["compute_clock"])
-    window = {r: (c[2 * iteration - 2] - 1e-9, c[2 * iteration - 1] + 1e-9) for r, c in clocks.items()
-              if len(c) >= 2 * iteration}
-    if len(window) < len(clocks):
-        return False
-    timed = set()  # one pass over the rows: this runs in the coordinator, between iterations
+    windows = {r: [(c[i] - 1e-9, c[i + 1] + 1e-9) for i in range(0, len(c) - 1, 2)] for r, c in clocks.items()}
+    timed: dict[int, set[int]] = {}  # one pass over the rows: this runs in the coordinator, between iterations
     for rank, start, end in zip(trace.gpu["rank"].to_pylist(), trace.gpu["clock_start"].to_pylist(),
                                 trace.gpu["clock_end"].to_pylist(), strict=True):
-        w = window.get(rank)
-        if w is not None and w[0] <= start and end <= w[1]:
-            timed.add(rank)
-    return timed == set(window)
+        for k, (a, b) in enumerate(windows.get(rank, ())):
+            if a <= start and end <= b:
+                timed.setdefault(k + 1, set()).add(rank)
+                break
+    count = min((len(w) for w in windows.values()), default=0)
+    return {k: timed.get(k, set()) == set(windows) for k in range(1, count + 1)}
+
+
+def basis(timed: bool | None) -> str:
+    """What a predicted iteration's compute rests on, as the live note and the report say it."""
+    if timed is None:
+        return "compute on one clock (no GPU timing)"
+    return ("host and GPU time measured (host: median over like iterations so far)" if timed
+            else "one clock (no host and GPU time measured for this iteration, or not yet)")
 
 
 def predict_iteration(trace_dir: str | Path, iteration: int, cluster: str | None = None) -> tuple[float | None, str]:
@@ -74,7 +83,6 @@ def predict_iteration(trace_dir: str | Path, iteration: int, cluster: str | None
     times = {it.number: it.time for it in result.iterations()}
     if iteration not in times:
         return None, f"iteration {iteration} has no markers in the replay ({json.dumps(sorted(times))})"
-    timed = _gpu_timed(part, iteration)
-    clocks = "" if timed is None else "host and GPU time measured, " if timed else \
-        "one clock (this iteration's GPU times come with the next), "
+    timed = timed_iterations(part)
+    clocks = "" if timed is None else basis(timed.get(iteration, False)) + ", "
     return times[iteration], f"uncalibrated, {clocks}communication " + (f"costed by {cluster}" if cluster else "free")

@@ -99,7 +99,8 @@ PREDICTION = Obj({
     "provenance": (str,),
     "cluster": OPT_STR,
     "iteration_times_s": ListOf(NUM),
-    "iteration_time_s": OPT_NUM,  # median
+    "iteration_time_s": OPT_NUM,  # median (on GPU-timed traces, of the iterations measured on two clocks)
+    # optional extra key "iteration_bases": per iteration, what its prediction rests on (report.live.basis)
     "tokens_per_s": OPT_NUM,
     "tflops_per_gpu": OPT_NUM,  # model FLOPs
     "breakdown": ListOf(BREAKDOWN),

@@ -226,8 +226,9 @@ class GpuSegmentTimer:
 
     Iterations end at ``flush()`` (the client calls it at each iteration's end marker and at exit).
     The set-up and iteration 1 run plain and get no rows (the replay gives them one clock); then
-    iterations 2, 4, ... are profiled and paired with 3, 5, ...; a last profiled iteration takes its
-    host times from the plain one before it. A program without iteration markers gets no rows.
+    iterations 2, 4, ... are profiled, each paired with the plain iteration before it, and 3, 5, ...
+    with the profiled one before them (see :meth:`flush`). A program without iteration markers gets
+    no rows.
     """
 
     def __init__(self) -> None:
@@ -235,7 +236,9 @@ class GpuSegmentTimer:
         self._open = False
         self._exclude: set[int] = set()
         self._profile: Any = None
-        self._held: list[SegmentTiming] | None = None  # a profiled iteration awaiting its plain twin
+        self._held: list[SegmentTiming] | None = None  # the last profiled iteration, for the plain one after it
+        self._held_sent = False  # whether its rows went out already (paired with the plain one before it)
+        self._flushed = False  # whether an iteration ended before (the first flush holds the set-up too)
         self._last_plain: list[Closed] | None = None
         self.failed = 0  # segments that could not be attributed (reported, left out of the trace)
         # what the attributions saw, printed at stop(): the numbers to check when a prediction looks off
@@ -305,7 +308,14 @@ class GpuSegmentTimer:
 
     def flush(self, final: bool = False) -> list[SegmentTiming]:
         """End an iteration: the rows ready to send. Call while the rank's clock is paused (it may
-        synchronise the device)."""
+        synchronise the device).
+
+        Every iteration's rows go out at its own end, so the live prediction of an iteration stands on
+        the same measured times as the report's: a profiled iteration takes the host times of the plain
+        iteration before it, a plain one the device times of the profiled one before it. Only where no
+        plain iteration of the same shape came before (the first profiled one, when iteration 1 differs)
+        does a profiled iteration wait for the plain one after it, as the pairing did before.
+        """
         closed, self._closed = self._closed, []
         if self.off:
             return []
@@ -313,22 +323,29 @@ class GpuSegmentTimer:
             timings = self._attribute(closed)
             if timings is None:
                 return []
+            both = pair(timings, self._last_plain) if self._last_plain else None
+            if both is not None:
+                self.stats["paired"] += len(both[0])
+                self._held, self._held_sent = timings, True  # the next plain iteration's device times
+                return both[0]
             if final:
-                return self._with_host(timings, self._last_plain)
-            self._held = timings  # the next iteration runs without the profiler
+                return timings  # profiled host times: ~30% high, said in the rank's log at stop()
+            self._held, self._held_sent = timings, False  # the next iteration runs without the profiler
             return []
         held, self._held = self._held, None
         rows: list[SegmentTiming] = []
         if held is None:
-            self._last_plain = closed
+            # the first flush holds the set-up too: no twin of an iteration even where the count matches
+            self._last_plain = closed if self._flushed else None
         else:
             both = pair(held, closed)
             if both is None:  # the tail after the last iteration: host times of the iteration before
-                rows = self._with_host(held, self._last_plain)
+                rows = [] if self._held_sent else self._with_host(held, self._last_plain)
             else:
-                rows = both[0] + both[1]
+                rows = both[1] if self._held_sent else both[0] + both[1]
                 self.stats["paired"] += len(rows)
                 self._last_plain = closed
+        self._flushed = True
         if not final:
             self._start()
         return rows

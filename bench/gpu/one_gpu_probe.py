@@ -1,0 +1,182 @@
+"""A real one-GPU run of the training driver whose iterations test, one by one, what GPU timing does to them.
+
+The emulation measures each compute segment's device time in iterations run under the CUDA profiler
+and its host time in the plain iterations between (``runtime.gpu_timing``); the prediction is only as
+good as those plain iterations are like the real job's. This runs the job for real (one process, no
+prism) and changes one thing per phase of iterations (Megatron's numbering, from 1):
+
+- ``plain``: nothing (the profiler never ran yet): the reference;
+- ``synced``: ``torch.cuda.synchronize()`` before every collective, as the emulation's data plane does;
+- ``prof-keep`` / ``after-keep``: a profiled iteration, then three plain ones, with kineto's default
+  (CUPTI stays attached after the profiler stops);
+- ``prof-teardown`` / ``after-teardown``: the same with ``TEARDOWN_CUPTI=1`` (kineto detaches CUPTI
+  at the stop); the two blocks alternate twice, so that a drift of the machine falls on both.
+
+Per iteration it writes the wall time of ``train_step`` (device synchronised before and after, the
+profiler started and stopped outside it), the mean SM clock over it (NVML) and, for profiled ones, the
+device busy time (union of kernels and copies) and the number of device activities, to ``$PROBE_OUT``
+(JSON).
+
+  RANK=0 WORLD_SIZE=1 ... python bench/gpu/one_gpu_probe.py TRAINING-DRIVER-FLAGS...
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import runpy
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from prism_megatron.megatron.driver import DRIVER_SCRIPT
+
+#: (first iteration, phase) in order; a phase lasts until the next one begins
+PHASES = ((1, "warmup"), (3, "plain"), (6, "synced"), (8, "prof-keep"), (12, "prof-teardown"), (16, "prof-keep"),
+          (20, "prof-teardown"))
+ITERATIONS = 23
+_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
+                "_reduce_scatter_base", "_all_gather_base", "broadcast", "all_to_all", "all_to_all_single",
+                "barrier", "reduce")
+
+
+def phase_of(iteration: int) -> tuple[str, bool]:
+    """(phase name, profiled?) of an iteration: the first of each profiler phase is profiled."""
+    name, first = "warmup", 1
+    for start, phase in PHASES:
+        if iteration >= start:
+            name, first = phase, start
+    if name.startswith("prof-"):
+        profiled = iteration == first
+        return (name if profiled else "after-" + name.split("-", 1)[1]), profiled
+    return name, False
+
+
+class _Syncing:
+    """Collectives that first finish the device's queued work (the emulation's data plane does)."""
+
+    def __init__(self) -> None:
+        import torch
+        import torch.distributed as dist
+
+        self.on = False
+        self.count = 0
+        for name in _COLLECTIVES:
+            original = getattr(dist, name, None)
+            if original is None:
+                continue
+            setattr(dist, name, self._wrap(original, torch))
+
+    def _wrap(self, original: Any, torch: Any) -> Any:
+        @functools.wraps(original)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if self.on:
+                torch.cuda.synchronize()
+                self.count += 1
+            return original(*args, **kwargs)
+        return call
+
+
+class _Clocks:
+    """Mean SM clock (MHz) of GPU 0 over a stretch, sampled every 5 ms by NVML in a thread: whether two
+    iterations of the same work ran at the same clock (a device-bound job flipped between ~490 and ~550 ms
+    per iteration on the H200 machine while its profiled iterations' busy time stayed at 470 ms)."""
+
+    def __init__(self) -> None:
+        import threading
+
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self._nvml, self._handle = pynvml, pynvml.nvmlDeviceGetHandleByIndex(0)
+        except Exception:  # noqa: BLE001 - no NVML: the rows go without clocks
+            self._nvml = None
+        self._samples: list[int] = []
+        self._on = threading.Event()
+        if self._nvml is not None:
+            threading.Thread(target=self._loop, daemon=True).start()
+
+    def _loop(self) -> None:
+        import time as _time
+
+        while True:
+            self._on.wait()
+            try:
+                self._samples.append(self._nvml.nvmlDeviceGetClockInfo(self._handle, self._nvml.NVML_CLOCK_SM))
+            except Exception:  # noqa: BLE001
+                return
+            _time.sleep(0.005)
+
+    def start(self) -> None:
+        self._samples = []
+        self._on.set()
+
+    def stop(self) -> float | None:
+        self._on.clear()
+        return sum(self._samples) / len(self._samples) if self._samples else None
+
+
+def _busy(events: Any) -> tuple[float, int]:
+    """(device busy seconds: the union of kernels, copies and memsets; their number)."""
+    from prism_megatron.runtime.gpu_timing import _union, activities
+
+    device = [a for a in activities(events) if a.device]
+    return _union([(a.start, a.end) for a in device]) / 1e9, len(device)
+
+
+def main() -> None:
+    from prism_megatron.megatron.megatron_lm import ensure_megatron_training
+
+    ensure_megatron_training()  # as the driver does: stand-ins for the trainer's unused imports
+    import megatron.training.training as training
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    out = Path(os.environ["PROBE_OUT"])
+    rows: list[dict[str, Any]] = []
+    syncing = _Syncing()
+    clocks = _Clocks()
+    original = training.train_step
+    last_stop = ["1"]
+
+    @functools.wraps(original)
+    def train_step(*args: Any, **kwargs: Any) -> Any:
+        iteration = int(kwargs.get("iteration", len(rows))) + 1
+        phase, profiled = phase_of(iteration)
+        syncing.on = phase == "synced"
+        before = syncing.count
+        prof = None
+        if profiled:
+            # at the start as at the last stop: "1" after a teardown lets kineto re-initialise CUPTI; "1"
+            # while CUPTI is still attached from a kept session recorded nothing (H200, torch 2.11)
+            os.environ["TEARDOWN_CUPTI"] = last_stop[0]
+            prof = profile(activities=[ProfilerActivity.CUDA])
+            prof.start()
+        torch.cuda.synchronize()
+        clocks.start()
+        t0 = time.perf_counter()
+        result = original(*args, **kwargs)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+        row = {"iteration": iteration, "phase": phase, "wall_ms": wall * 1e3, "syncs_added": syncing.count - before,
+               "sm_clock_mhz": clocks.stop()}
+        if prof is not None:
+            last_stop[0] = os.environ["TEARDOWN_CUPTI"] = "1" if phase.endswith("teardown") else "0"  # read at stop
+            prof.stop()
+            busy, n = _busy(prof.profiler.kineto_results.events())
+            row.update(device_busy_ms=busy * 1e3, device_activities=n)
+        rows.append(row)
+        out.write_text(json.dumps(rows, indent=1))
+        print(f"probe: {json.dumps(row)}", flush=True)
+        return result
+
+    training.train_step = train_step
+    sys.argv = [str(DRIVER_SCRIPT), *sys.argv[1:]]
+    runpy.run_path(str(DRIVER_SCRIPT), run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,410 @@
+"""One-GPU ground truth for per-rank compute: real single-GPU runs against prism's prediction of the same job.
+
+A job of W data-parallel ranks whose ranks do identical work, with communication costed free, must
+predict the real single-GPU run of one replica: no link model stands between the two, so this is the
+exact ground truth for what every multi-rank prediction stands on (ARCHITECTURE.md). For each
+configuration (dense and MoE with local experts, device- and host-bound, bf16 and fp32, with and
+without activation recompute, micro-batch 1 to 8) it runs, on GPU 0, in the order of the plan:
+
+- ``real``: the training driver (``pretrain_gpt_mini.py``, Megatron's ``pretrain``) as one plain
+  process, no prism; its truth is Megatron's own ``elapsed time per iteration (ms)``;
+- ``emuW`` (W = 1, 2, 4, 8): ``prism-megatron run --prism-emulate --prism-world-size W --prism-devices 0``
+  of the same job with W times the global batch (each rank the same micro-batches), replayed with
+  free communication; ``emuW-keep`` / ``emuW-teardown`` set ``TEARDOWN_CUPTI`` to 0 / 1 in the
+  ranks, ``emuW-off`` runs with ``--prism-gpu-timing off`` (one clock);
+- ``probe``: ``one_gpu_probe.py``, a real run whose iteration phases test the bias candidates (the
+  profiler left attached, extra synchronisation at collectives, the device time under the profiler).
+
+Real runs are repeated between the emulations (``real,emu1,real,emu2,real``: the drift of the machine
+falls on both sides); a real run's own spread is the spread of its repeats' medians. Iterations 1-2
+are warm-up on both sides. The predicted iteration is the replay's (first rank's ``iteration`` begin to
+last rank's end); Megatron's log line under prism shows the live prediction, also kept.
+
+Writes ``OUT/one-gpu-truth.json`` (every run's per-iteration figures, rewritten after each step), the
+table to ``OUT/one-gpu-truth.txt`` and the traces and logs to ``OUT/traces.tar.gz`` (the --work
+directory). ``--analyse DIR`` rebuilds the table from a brought-back ``DIR`` (its traces.tar.gz
+unpacked to DIR/work) on any machine.
+
+  python bench/gpu/one_gpu_truth.py --out OUT [--configs a,b] [--plan 'a:real,emu1,...;b:...']
+        [--iters N] [--budget S]                     (bench/gpu/one_gpu_truth.sh sets up a GPU machine)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tarfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from prism_megatron.megatron.driver import DRIVER_SCRIPT
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from one_gpu_probe import ITERATIONS as PROBE_ITERATIONS  # noqa: E402 - bench/gpu/one_gpu_probe.py
+
+HERE = Path(__file__).resolve().parent
+PY = sys.executable
+WARMUP = 2
+TRUTH_SPREAD = 1.0  # percent: a config whose real repeats spread less is ground truth for the mean error
+_ITER = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([0-9.]+)(?: \(([^|]*)\))? \|"
+                   r"(?:.*?lm loss: ([0-9.E+-]+))?")
+
+
+@dataclass(frozen=True)
+class Config:
+    name: str
+    flags: tuple[str, ...]
+    gbs: int
+    note: str
+
+
+def _flags(layers: int, hidden: int, heads: int, seq: int, mbs: int, ffn: int | None = None, *, bf16: bool = True,
+           experts: int = 0, moe_ffn: int = 0, recompute: bool = False) -> tuple[str, ...]:
+    f = ["--num-layers", str(layers), "--hidden-size", str(hidden), "--num-attention-heads", str(heads),
+         "--ffn-hidden-size", str(ffn or 4 * hidden), "--seq-length", str(seq), "--max-position-embeddings", str(seq),
+         "--micro-batch-size", str(mbs), "--lr", "0.0001", "--seed", "1234", "--tokenizer-type", "NullTokenizer",
+         "--vocab-size", "32000", "--mock-data", "--transformer-impl", "local", "--no-gradient-accumulation-fusion",
+         "--no-persist-layer-norm", "--no-rope-fusion", "--log-interval", "1", "--eval-iters", "0",
+         "--eval-interval", "1000", "--num-workers", "0"]
+    if bf16:
+        f += ["--bf16", "--no-masked-softmax-fusion"]
+    if experts:
+        # no linear biases: megatron-core 0.19.2's expert MLP adds its bias in place on a view of a custom
+        # Function's output, which autograd refuses (the run dies in iteration 1 on the real side too)
+        f += ["--num-experts", str(experts), "--moe-router-topk", "2", "--moe-ffn-hidden-size", str(moe_ffn),
+              "--moe-token-dispatcher-type", "alltoall", "--no-bias-gelu-fusion", "--disable-bias-linear"]
+    if recompute:
+        f += ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+    return tuple(f)
+
+
+CONFIGS = {c.name: c for c in (
+    Config("dense-bf16-mbs2", _flags(8, 2048, 16, 2048, 2, 5632), 8,
+           "issue 21's shape at half depth: GPT h2048 ffn5632 seq2048, 4 micro-batches"),
+    Config("dense-bf16-mbs8-dev", _flags(12, 1536, 16, 2048, 8), 16, "device-bound: h1536 seq2048, 2 micro-batches"),
+    Config("dense-bf16-mbs1-host", _flags(16, 1024, 16, 1024, 1), 8, "host-bound: h1024 seq1024, 8 micro-batches"),
+    Config("dense-fp32-mbs4", _flags(8, 1024, 16, 2048, 4, bf16=False), 16, "fp32: h1024 seq2048, 4 micro-batches"),
+    Config("dense-bf16-mbs2-recompute", _flags(8, 2048, 16, 2048, 2, 5632, recompute=True), 8,
+           "the first config with full activation recompute (uniform, 1 layer)"),
+    Config("moe-bf16-mbs2", _flags(8, 1024, 16, 2048, 2, experts=8, moe_ffn=2816), 8,
+           "MoE 8 local experts top-2 (EP1), h1024 seq2048, 4 micro-batches"),
+    Config("moe-bf16-mbs8-dev", _flags(6, 1024, 16, 2048, 8, experts=8, moe_ffn=2816), 16,
+           "MoE 8 local experts top-2, device-bound, 2 micro-batches"),
+    Config("dense-fp32-mbs1-host-recompute", _flags(12, 768, 12, 1024, 1, bf16=False, recompute=True), 8,
+           "fp32, host-bound, full recompute, 8 micro-batches"),
+    Config("moe-fp32-mbs1-host", _flags(8, 512, 8, 1024, 1, bf16=False, experts=8, moe_ffn=1024), 8,
+           "MoE fp32 host-bound, 8 micro-batches"),
+)}
+DEFAULT_STEPS = ("real", "emu1", "real", "emu2", "real")
+
+
+# ----------------------------------------------------------------------------- running
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", CUDA_DEVICE_MAX_CONNECTIONS="1", NCCL_NVLS_ENABLE="0",
+               TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1", WANDB_MODE="disabled")
+    env.update(extra)
+    return env
+
+
+def _single(port: int) -> dict[str, str]:
+    return {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port)}
+
+
+def parse_log(text: str) -> dict[int, dict[str, Any]]:
+    """Megatron's iteration lines: {iteration: {"ms", "note" (prism's, if any), "loss"}}."""
+    out = {}
+    for m in _ITER.finditer(text):
+        out[int(m.group(1))] = {"ms": float(m.group(2)), "note": m.group(3), "loss": m.group(4)}
+    return out
+
+
+def _run(cmd: list[str], log: Path, env: dict[str, str], timeout: float) -> str:
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as f:
+        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=timeout, cwd=log.parent)
+    text = log.read_text(errors="replace")
+    if proc.returncode:
+        raise RuntimeError(f"exit {proc.returncode}: {' '.join(cmd[:5])} ...\n{text[-2000:]}")
+    return text
+
+
+def step(kind: str, config: Config, work: Path, iters: int, index: int, timeout: float) -> dict[str, Any]:
+    """Run one step of the plan; returns what it measured."""
+    flags = [*config.flags, "--train-iters", str(iters)]
+    name = f"{index:02d}-{kind}"
+    if kind == "real":
+        text = _run([PY, str(DRIVER_SCRIPT), *flags, "--global-batch-size", str(config.gbs)], work / f"{name}.log",
+                    _env(**_single(_port())), timeout)
+        return {"kind": kind, "iterations": parse_log(text)}
+    if kind == "probe":
+        probe_out = work / f"{name}.json"
+        _run([PY, str(HERE / "one_gpu_probe.py"), *config.flags, "--train-iters", str(PROBE_ITERATIONS),
+              "--global-batch-size", str(config.gbs)], work / f"{name}.log",
+             _env(**_single(_port()), PROBE_OUT=str(probe_out)), timeout)
+        return {"kind": kind, "rows": json.loads(probe_out.read_text())}
+    m = re.fullmatch(r"emu(\d+)(?:-(keep|teardown|off))?", kind)
+    if not m:
+        raise ValueError(f"unknown step {kind!r}")
+    world, variant = int(m.group(1)), m.group(2) or ""
+    trace = work / f"trace-{name}"
+    shutil.rmtree(trace, ignore_errors=True)
+    extra = {"keep": {"TEARDOWN_CUPTI": "0"}, "teardown": {"TEARDOWN_CUPTI": "1"}}.get(variant, {})
+    cmd = [PY, "-m", "prism_megatron", "run", "--prism-emulate", "--prism-world-size", str(world), "--prism-devices",
+           "0", "--prism-trace-dir", str(trace), "--prism-report", "off",
+           *(["--prism-gpu-timing", "off"] if variant == "off" else []),
+           str(DRIVER_SCRIPT), *flags, "--global-batch-size", str(config.gbs * world)]
+    text = _run(cmd, work / f"{name}.log", _env(**extra), timeout)
+    return {"kind": kind, "world": world, "variant": variant, "iterations": parse_log(text),
+            "trace": str(trace.relative_to(work.parent))}  # relative to the --work directory
+
+
+# ----------------------------------------------------------------------------- analysis
+def _measured(values: dict[int, float]) -> list[float]:
+    """The values of iterations after the warm-up ones (keys are strings once read back from JSON)."""
+    return [v for k, v in sorted((int(k), v) for k, v in values.items()) if k > WARMUP]
+
+
+def replay_times(trace: Path, **graph_kw: Any) -> dict[str, dict[int, float]]:
+    """Per-iteration predicted seconds of a trace, communication free: ``begin_end`` (the replay's
+    iteration, first begin to last end) and ``end_end`` (last end to the next last end)."""
+    from prism_megatron.replay import graph_from_trace, replay, zero_cost
+    from prism_megatron.trace import read_trace
+
+    result = replay(graph_from_trace(read_trace(trace), **graph_kw), zero_cost)
+    be = {it.number: it.time for it in result.iterations()}
+    ends = {it.number: it.end for it in result.iterations()}
+    ee = {n: ends[n] - ends[n - 1] for n in ends if n - 1 in ends}
+    return {"begin_end": be, "end_end": ee}
+
+
+def analyse_config(steps: list[dict[str, Any]], root: Path) -> dict[str, Any]:
+    """One config's row: real repeats, each emulation's prediction and live values, the probe."""
+    reals = [{k: v["ms"] for k, v in s["iterations"].items()} for s in steps if s.get("kind") == "real"
+             and "iterations" in s]
+    medians = [statistics.median(_measured(r)) for r in reals if _measured(r)]
+    row: dict[str, Any] = {"real_medians_ms": medians}
+    if medians:
+        pooled = statistics.median([t for r in reals for t in _measured(r)])
+        row["real_ms"] = pooled
+        row["real_spread_pct"] = (max(medians) - min(medians)) / pooled * 100 if len(medians) > 1 else None
+        row["real_losses"] = {k: v["loss"] for k, v in next(s for s in steps if s.get("kind") == "real")
+                              ["iterations"].items()}
+    row["emulations"] = {}
+    for s in steps:
+        if not str(s.get("kind", "")).startswith("emu") or "iterations" not in s:
+            continue
+        em: dict[str, Any] = {"live_ms": {k: v["ms"] for k, v in s["iterations"].items()},
+                              "live_notes": {k: v["note"] for k, v in s["iterations"].items()},
+                              "losses": {k: v["loss"] for k, v in s["iterations"].items()}}
+        trace = root / s["trace"]
+        if trace.exists():
+            try:
+                variants = (("", {}), ("one_clock_", {"gpu_times": False}), ("own_host_", {"typical_host": False}))
+                for label, kw in variants:
+                    times = replay_times(trace, **kw)
+                    for key, per in times.items():
+                        em[f"{label}{key}_ms"] = {k: v * 1e3 for k, v in per.items()}
+                em["host_device"] = host_device(trace)
+            except Exception as e:  # noqa: BLE001 - one broken trace must not hide the others
+                em["error"] = f"{type(e).__name__}: {e}"
+        live = _measured(em["live_ms"])
+        em["live_median_ms"] = statistics.median(live) if live else None
+        pred = _measured(em.get("begin_end_ms", {}))
+        em["predicted_ms"] = statistics.median(pred) if pred else None
+        if em["predicted_ms"] and row.get("real_ms"):
+            em["error_pct"] = (em["predicted_ms"] / row["real_ms"] - 1) * 100
+        row["emulations"][s["kind"] + ("" if s["kind"] not in row["emulations"] else f"#{len(row['emulations'])}")] = em
+    probes = [s for s in steps if s.get("kind") == "probe" and "rows" in s]
+    if probes:
+        row["probe"] = summarise_probe(probes[0]["rows"])
+    return row
+
+
+def summarise_probe(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Median wall per phase (ms), and device busy / wall of the profiled iterations."""
+    phases: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        phases.setdefault(r["phase"], []).append(r)
+    out = {p: {"wall_ms": statistics.median(r["wall_ms"] for r in rs), "n": len(rs)} for p, rs in phases.items()}
+    for p, rs in phases.items():  # a profile that recorded no device work is lost, not an idle device
+        busy = [r["device_busy_ms"] for r in rs if r.get("device_activities")]
+        if busy:
+            out[p]["device_busy_ms"] = statistics.median(busy)
+        mhz = [r["sm_clock_mhz"] for r in rs if r.get("sm_clock_mhz")]
+        if mhz:
+            out[p]["sm_clock_mhz"] = statistics.median(mhz)
+    return out
+
+
+def host_device(trace: Path) -> dict[str, float]:
+    """Rank 0's median over measured iterations of compute clock, measured host and device time (ms)."""
+    from prism_megatron.trace import read_trace
+
+    tr = read_trace(trace)
+    marks = [m for m in tr.marks.to_pylist() if m["name"] == "iteration" and m["rank"] == 0]
+    bounds = [m["compute_clock"] for m in marks]
+    rows = [g for g in tr.gpu.to_pylist() if g["rank"] == 0]
+    clocks, hosts, devices = [], [], []
+    for a, b in list(zip(bounds[0::2], bounds[1::2], strict=False))[WARMUP:]:
+        mine = [g for g in rows if a - 1e-9 < g["clock_end"] <= b + 1e-9]
+        clocks.append(b - a)
+        hosts.append(sum(g["cpu"] for g in mine))
+        devices.append(sum(g["gpu"] for g in mine))
+    if not clocks:
+        return {}
+    return {"clock_ms": statistics.median(clocks) * 1e3, "host_ms": statistics.median(hosts) * 1e3,
+            "device_ms": statistics.median(devices) * 1e3}
+
+
+def table(report: dict[str, Any]) -> str:
+    """The text table: per config the real median and spread, per emulation the prediction and error."""
+    lines = [f"{'config':32} {'real ms':>8} {'spread':>7}  {'emulation':14} {'pred ms':>8} {'err %':>7} "
+             f"{'live ms':>8} {'E-to-E':>8} {'1-clock':>8} {'host':>7} {'device':>7}"]
+    errors, others = [], []
+    for name, row in report["rows"].items():
+        real, spread = row.get("real_ms"), row.get("real_spread_pct")
+        first = True
+        for kind, em in (row.get("emulations") or {"-": {}}).items():
+            hd = em.get("host_device") or {}
+            one = _measured(em.get("one_clock_begin_end_ms", {}))
+            ee = _measured(em.get("end_end_ms", {}))
+            lines.append(
+                f"{name if first else '':32} {_f(real if first else None, '.1f'):>8} "
+                f"{_f(spread if first else None, '.1f'):>7}  {kind:14} {_f(em.get('predicted_ms'), '.1f'):>8} "
+                f"{_f(em.get('error_pct'), '+.1f'):>7} {_f(em.get('live_median_ms'), '.1f'):>8} "
+                f"{_f(statistics.median(ee) if ee else None, '.1f'):>8} "
+                f"{_f(statistics.median(one) if one else None, '.1f'):>8} {_f(hd.get('host_ms'), '.0f'):>7} "
+                f"{_f(hd.get('device_ms'), '.0f'):>7}")
+            first = False
+            if em.get("error_pct") is not None and re.fullmatch(r"emu\d+", kind):
+                (errors if spread is not None and spread < TRUTH_SPREAD else others).append(
+                    (name, kind, em["error_pct"], spread))
+        if row.get("probe"):
+            parts = [f"{p} {v['wall_ms']:.1f}" + (f" (busy {v['device_busy_ms']:.1f})" if "device_busy_ms" in v else "")
+                     + (f" @{v['sm_clock_mhz']:.0f} MHz" if "sm_clock_mhz" in v else "")
+                     for p, v in row["probe"].items()]
+            lines.append(f"{'':32} probe (train_step ms, median per phase): " + ", ".join(parts))
+        if row.get("error"):
+            lines.append(f"{'':32} FAILED: {row['error'][:300]}")
+    mae = sum(abs(e[2]) for e in errors) / len(errors) if errors else None
+    lines.append("")
+    lines.append(f"mean absolute error over configs whose real repeats spread < {TRUTH_SPREAD} % "
+                 f"({len(errors)} emulations): {_f(mae, '.2f')} %")
+    for name, kind, err, spread in others:
+        lines.append(f"  not ground truth (spread {_f(spread, '.1f')} %): {name} {kind} error {err:+.1f} %")
+    report["mean_abs_error_pct"] = mae
+    return "\n".join(lines)
+
+
+def _f(x: float | None, fmt: str) -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def analyse(report: dict[str, Any], root: Path) -> str:
+    report["rows"] = {}
+    for name, steps in report["steps"].items():
+        try:
+            report["rows"][name] = analyse_config(steps, root)
+        except Exception as e:  # noqa: BLE001
+            report["rows"][name] = {"error": f"{type(e).__name__}: {e}"}
+    return table(report)
+
+
+# ----------------------------------------------------------------------------- main
+def parse_plan(plan: str, configs: list[str]) -> dict[str, list[str]]:
+    if not plan:
+        return {c: list(DEFAULT_STEPS) for c in configs}
+    out = {}
+    for part in plan.split(";"):
+        name, _, steps = part.partition(":")
+        name = name.strip()
+        if name not in CONFIGS:
+            raise SystemExit(f"--plan: no config {name!r}; configs: {', '.join(CONFIGS)}")
+        out[name] = [s.strip() for s in steps.split(",") if s.strip()] or list(DEFAULT_STEPS)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, default=Path("one-gpu-truth"))
+    p.add_argument("--work", type=Path, default=Path("/tmp/one-gpu-truth"),
+                   help="traces and logs (packed into OUT/traces.tar.gz at the end)")
+    p.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated config names")
+    p.add_argument("--plan", default="", help="'config:step,step,...;config:...' (steps: real, probe, emuW[-variant])")
+    p.add_argument("--iters", type=int, default=8, help=f"iterations per run ({WARMUP} of them warm-up)")
+    p.add_argument("--budget", type=float, default=480.0, help="seconds after which no step starts")
+    p.add_argument("--timeout", type=float, default=150.0, help="seconds one step may take")
+    p.add_argument("--analyse", type=Path, default=None, help="rebuild the table of a brought-back OUT")
+    args = p.parse_args(argv)
+    if args.analyse is not None:
+        path = args.analyse / "one-gpu-truth.json"
+        report = json.loads(path.read_text())
+        work = args.analyse / "work"
+        if not work.exists() and (args.analyse / "traces.tar.gz").exists():
+            with tarfile.open(args.analyse / "traces.tar.gz") as tar:
+                tar.extractall(args.analyse, filter="data")
+        text = analyse(report, work)
+        print(text)
+        (args.analyse / "one-gpu-truth-analysed.json").write_text(json.dumps(report, indent=1))
+        return 0
+    configs = [c for c in args.configs.split(",") if c]
+    unknown = [c for c in configs if c not in CONFIGS]
+    if unknown:
+        p.error(f"--configs: unknown {unknown}; configs: {', '.join(CONFIGS)}")
+    plan = parse_plan(args.plan, configs)
+    out = args.out
+    work = args.work
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    out.mkdir(parents=True, exist_ok=True)
+    deadline = time.monotonic() + args.budget
+    report: dict[str, Any] = {"iters": args.iters, "warmup": WARMUP, "plan": plan, "steps": {},
+                              "configs": {c: {"flags": list(CONFIGS[c].flags), "gbs": CONFIGS[c].gbs,
+                                              "note": CONFIGS[c].note} for c in plan}}
+    # interleave configs step by step? no: a config's steps run together, so its real runs and emulations
+    # see the same state of the machine; the configs run in the plan's order
+    for name, steps in plan.items():
+        report["steps"][name] = done = []
+        for i, kind in enumerate(steps):
+            if time.monotonic() > deadline:
+                done.append({"kind": kind, "skipped": "budget"})
+                continue
+            t0 = time.monotonic()
+            try:
+                result = step(kind, CONFIGS[name], work / name, args.iters, i, args.timeout)
+            except (RuntimeError, subprocess.TimeoutExpired, ValueError) as e:
+                result = {"kind": kind, "error": str(e)[-1500:]}
+            result["seconds"] = time.monotonic() - t0
+            done.append(result)
+            brief = result.get("error", "")[-300:] or " ".join(
+                f"{k}:{v['ms']:.0f}" for k, v in sorted(result.get("iterations", {}).items())) or \
+                " ".join(f"{r['iteration']}:{r['phase']}:{r['wall_ms']:.0f}" for r in result.get("rows", []))
+            print(f"{name} {kind} ({result['seconds']:.0f} s): {brief}", flush=True)
+            (out / "one-gpu-truth.json").write_text(json.dumps(report, indent=1))
+    text = analyse(report, work)
+    print(text, flush=True)
+    (out / "one-gpu-truth.json").write_text(json.dumps(report, indent=1))
+    (out / "one-gpu-truth.txt").write_text(text + "\n")
+    with tarfile.open(out / "traces.tar.gz", "w:gz") as tar:
+        tar.add(work, arcname="work")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

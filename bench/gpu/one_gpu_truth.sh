@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# One-GPU ground truth of per-rank compute (device `nvidia-h200`, one call): real single-GPU runs of the
+# training driver against prism's prediction of the same job as 1, 2, ... data-parallel ranks on GPU 0,
+# communication free (bench/gpu/one_gpu_truth.py says what runs). Run from the repo root with the wheels
+# (megatron-core 0.19.x, and what the image lacks) installed into /tmp/site by the caller:
+#   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
+#   bash bench/gpu/one_gpu_truth.sh [one_gpu_truth.py flags: --configs, --plan, --iters, --budget]
+# Writes $OUT/one-gpu-truth.{json,txt} and $OUT/traces.tar.gz; BUDGET (seconds, default 420) stops new steps.
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH} CUDA_DEVICE_MAX_CONNECTIONS=1 WANDB_MODE=disabled
+out=${OUT:-/tmp/prism-gpu}
+mkdir -p "$out"
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader
+python3 -c "import torch, megatron.core as m; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'megatron-core', m.__version__)"
+python3 bench/gpu/one_gpu_truth.py --out "$out" --budget "${BUDGET:-420}" "$@"
