@@ -30,6 +30,7 @@ BYE = "bye"  # {exit_code}: the rank's program ended
 PREDICT = "predict"  # {iteration}: the rank waits for the predicted time of an iteration (slot released)
 GPUTIME = "gputime"  # {rows}: host/device times of closed compute segments (runtime.gpu_timing)
 RELEASE = "release"  # the rank gives its slot back while it idles (RankClient.idle); ACQUIRE asks again
+DEVICE_OOM = "device_oom"  # {held, requested, free}: the physical device was full; answered by VERDICT
 
 # coordinator -> rank
 DONE = "done"  # {id, out: [bytes|None], src}
@@ -38,6 +39,7 @@ GRANT = "grant"  # the rank holds a slot again
 PREDICTED = "predicted"  # {iteration, seconds | None, note}: answer to PREDICT (a GRANT follows)
 ABORT = "abort"  # {message}: the job is ending; every pending op fails
 TIMING = "timing"  # {on, why}: whether the rank's GPU timer may start (--swap auto gates it per device)
+VERDICT = "verdict"  # {report}: answer to DEVICE_OOM, once the launcher has the report
 
 # launcher <-> coordinator
 CONTROL = "control"  # hello of the launcher's control connection
