@@ -168,7 +168,7 @@ class MemoryGovernor:
             self._fatal("swap", f"prism: swapping on {self.device_names[device]} failed: {e}")
             return False
         if ok:
-            self.peaks.turn_began(rank)
+            self.peaks.turn_began(rank, mem.reported.get(rank, 0) if rank not in mem.no_context else 0)
             self.admissions[source or "bound"] += 1
         return ok
 
@@ -176,7 +176,7 @@ class MemoryGovernor:
         """Device bytes to hold for ``rank``'s next turn, and where the figure comes from ('own', 'class'
         or '' for the bound: the device, or the allocator cap plus context)."""
         mem = self.memory[self.slots.device_of(rank)]
-        expected, source = self.peaks.expected(rank)
+        expected, source = self.peaks.expected(rank, mem.reported.get(rank, 0) if rank not in mem.no_context else 0)
         if expected is None:
             return self.unknown_bound(mem.capacity), ""
         return min(expected + mem.offset.get(rank, 0) + self.margin, mem.capacity), source

@@ -5,7 +5,11 @@ first step), so admitting it by what it held when it last blocked lets it outgro
 rank reports, as it blocks, the peak of the turn that just ended (``staging.footprint_and_peak``);
 turns are keyed by (iteration, position): the iteration counts the program's ``iteration`` begin
 marks (0: set-up before the first), the position counts turns begun in it. A training iteration
-repeats what the last one did, so the expected peak of a turn is, in this order:
+repeats what the last one did, but not always from the same base: state created at the end of
+iteration 1 (the optimizer's) is held through iteration 2's turns, which iteration 1's did not
+hold. So a turn is remembered by its peak and by its rise (peak less what the rank held as it
+began), and the expected peak is the larger of that peak and what the rank holds now plus that
+rise. Those figures come, in this order, from:
 
 1. the rank's own peak at the same position of its previous iteration (positions within
    ``SLACK`` of it, since a turn more or less in an iteration shifts the rest; the whole iteration's
@@ -29,6 +33,7 @@ from collections.abc import Callable, Hashable
 SLACK = 1  # positions either side of a turn's own whose peaks also bound it
 
 Key = tuple[int, int]  # (iteration, position)
+Turn = tuple[int, int]  # (peak, rise) bytes
 
 
 class PeakTracker:
@@ -36,18 +41,18 @@ class PeakTracker:
         self.class_of: Callable[[int], Hashable] = class_of or (lambda r: r)
         self._iteration: dict[int, int] = {}  # rank -> iteration marks begun (0: set-up)
         self._position: dict[int, int] = {}  # rank -> turns begun in that iteration
-        self._turn: dict[int, Key] = {}  # rank -> key of the turn it is computing
-        self._own: dict[int, dict[Key, int]] = {}  # rank -> peak per turn
-        self._class: dict[Hashable, dict[Key, int]] = {}  # class -> max over members per turn
-        self._complete: dict[Hashable, int] = {}  # class -> peak of any member's complete iteration
+        self._turn: dict[int, tuple[Key, int]] = {}  # rank -> (key, bytes held at its start) of its turn
+        self._own: dict[int, dict[Key, Turn]] = {}  # rank -> its turns
+        self._class: dict[Hashable, dict[Key, Turn]] = {}  # class -> max over members per turn
+        self._complete: dict[Hashable, Turn] = {}  # class -> max over any member's complete iterations
         self._finished: dict[int, int] = {}  # rank -> last iteration of its own counted complete
 
     def next_key(self, rank: int) -> Key:
         return self._iteration.get(rank, 0), self._position.get(rank, 0)
 
-    def turn_began(self, rank: int) -> None:
-        """``rank`` was admitted: its turn is the next key."""
-        self._turn[rank] = self.next_key(rank)
+    def turn_began(self, rank: int, held: int = 0) -> None:
+        """``rank`` was admitted holding ``held`` bytes: its turn is the next key."""
+        self._turn[rank] = (self.next_key(rank), held)
         self._position[rank] = self._position.get(rank, 0) + 1
 
     def iteration_began(self, rank: int) -> None:
@@ -56,27 +61,32 @@ class PeakTracker:
 
     def turn_ended(self, rank: int, peak: int) -> None:
         """``rank`` blocked: ``peak`` bytes was the most it held in the turn that just ended."""
-        key = self._turn.pop(rank, None)
-        if key is None:  # a report with no admitted turn (not under the governor's grants)
-            key = self.next_key(rank)
+        key, held = self._turn.pop(rank, (self.next_key(rank), peak))  # no admitted turn: nothing known of a rise
+        turn = (peak, max(peak - held, 0))
         own = self._own.setdefault(rank, {})
-        own[key] = max(own.get(key, 0), peak)
+        own[key] = _max(own.get(key), turn)
         c = self.class_of(rank)
         members = self._class.setdefault(c, {})
-        members[key] = max(members.get(key, 0), peak)
+        members[key] = _max(members.get(key), turn)
         # every turn of the iterations before this one has ended (a rank runs one turn at a time)
         done = [i for i in {k[0] for k in own} if 1 <= i < key[0] and i > self._finished.get(rank, 0)]
         for i in sorted(done):
-            self._complete[c] = max(self._complete.get(c, 0), _iteration_peak(own, i))
+            self._complete[c] = _max(self._complete.get(c), _iteration_max(own, i))
             self._finished[rank] = i
         keep = key[0] - 1
         for table in (own, members):
             for k in [k for k in table if k[0] < keep]:
                 del table[k]
 
-    def expected(self, rank: int) -> tuple[int | None, str]:
-        """Expected peak of ``rank``'s next turn and where it comes from ('own', 'class', or '' when
-        nothing is known)."""
+    def expected(self, rank: int, held: int = 0) -> tuple[int | None, str]:
+        """Expected peak of ``rank``'s next turn, which it begins holding ``held`` bytes, and where it
+        comes from ('own', 'class', or '' when nothing is known)."""
+        turn, source = self._expected_turn(rank)
+        if turn is None:
+            return None, ""
+        return max(turn[0], held + turn[1]), source
+
+    def _expected_turn(self, rank: int) -> tuple[Turn | None, str]:
         it, pos = self.next_key(rank)
         own = self._own.get(rank, {})
         if it >= 2 and _has_iteration(own, it - 1):
@@ -84,7 +94,7 @@ class PeakTracker:
         c = self.class_of(rank)
         members = self._class.get(c, {})
         if (it, pos) in members:
-            return max(members.get((it, p), 0) for p in range(pos - SLACK, pos + SLACK + 1)), "class"
+            return _window(members, it, pos), "class"
         if it >= 2 and _has_iteration(members, it - 1):
             return _around(members, it - 1, pos), "class"
         if c in self._complete:
@@ -93,22 +103,36 @@ class PeakTracker:
 
     def peak_so_far(self, rank: int) -> int:
         """The most ``rank`` reported in the turns kept (its last two iterations); 0 if none."""
-        return max(self._own.get(rank, {}).values(), default=0)
+        return max((t[0] for t in self._own.get(rank, {}).values()), default=0)
 
     def forget(self, rank: int) -> None:
         self._turn.pop(rank, None)
 
 
-def _has_iteration(table: dict[Key, int], it: int) -> bool:
+def _max(a: Turn | None, b: Turn) -> Turn:
+    return b if a is None else (max(a[0], b[0]), max(a[1], b[1]))
+
+
+def _has_iteration(table: dict[Key, Turn], it: int) -> bool:
     return any(k[0] == it for k in table)
 
 
-def _iteration_peak(table: dict[Key, int], it: int) -> int:
-    return max(v for k, v in table.items() if k[0] == it)
+def _iteration_max(table: dict[Key, Turn], it: int) -> Turn:
+    out = None
+    for k, v in table.items():
+        if k[0] == it:
+            out = _max(out, v)
+    return out
 
 
-def _around(table: dict[Key, int], it: int, pos: int) -> int:
-    """The peaks of iteration ``it`` within SLACK of ``pos``; the iteration's peak past its end."""
-    if (it, pos) not in table:
-        return _iteration_peak(table, it)
-    return max(table.get((it, p), 0) for p in range(pos - SLACK, pos + SLACK + 1))
+def _window(table: dict[Key, Turn], it: int, pos: int) -> Turn:
+    out = None
+    for p in range(pos - SLACK, pos + SLACK + 1):
+        if (it, p) in table:
+            out = _max(out, table[(it, p)])
+    return out
+
+
+def _around(table: dict[Key, Turn], it: int, pos: int) -> Turn:
+    """The turns of iteration ``it`` within SLACK of ``pos``; the whole iteration's past its end."""
+    return _window(table, it, pos) if (it, pos) in table else _iteration_max(table, it)
