@@ -317,4 +317,14 @@ def test_a_rank_that_alone_exceeds_the_device_is_a_clear_error_no_eviction_can_c
     assert p.returncode == 6, p.stderr
     report = (tmp_path / "trace.logs" / "device-oom-report.txt").read_text()
     assert "no eviction can cure this: the rank alone needs more than the device" in report
-    assert "(class rank " in report and "held 10.00 GiB and asked for 25.00 GiB more" in report
+    assert "(class rank 1 alone)" in report and "held 10.00 GiB and asked for 25.00 GiB more" in report
+
+
+def test_megatron_runs_admit_a_rank_by_its_pipeline_stages_peak():
+    from prism_megatron.megatron.run import stage_classes
+
+    assert stage_classes(["--pipeline-model-parallel-size", "2"], 8) == {
+        r: f"pipeline stage {r // 4}" for r in range(8)}
+    assert set(stage_classes([], 2).values()) == {"pipeline stage 0"}  # data-parallel replicas: one class
+    assert stage_classes(["--pipeline-model-parallel-size", "2", "--use-tp-pp-dp-mapping"], 8) == {}
+    assert stage_classes(["--num-experts", "8"], 8) == {}  # experts see unlike token counts

@@ -97,7 +97,7 @@ class MemoryGovernor:
         """``classes``: rank -> class label (ranks not named are each their own class): a rank not yet
         through an iteration is admitted by its class's peak. ``rank_cap``: each rank's allocator cap."""
         labels = {int(r): c for r, c in classes.items()}
-        self.peaks.class_of = lambda r: labels.get(r, f"rank {r}")
+        self.peaks.class_of = lambda r: labels.get(r, f"rank {r} alone")
         self.rank_cap = int(rank_cap) if rank_cap else None
 
     # ---- GPU timing ------------------------------------------------------------------------------
