@@ -176,9 +176,8 @@ def _run_schedule(seed: int, tmp_path: Path, admission: str = "peak") -> dict:
         if not running:
             coord.grants.retry_room()
             running = sorted(r for r in granted if step[r] < len(programs[r]))
-            assert running, (f"seed {seed}: no rank can run (awaiting room: {gov.awaiting_room}) "
-                             f"{[(x.rank, x.state, x.blocked_on, x.done_ids, step[x.rank], len(programs[x.rank])) for x in coord.ranks.values()]} "
-                             f"holding {coord.slots.holding} queued {coord.slots.queued()} barrier {barrier}")
+            states = [(x.rank, x.state, step[x.rank], len(programs[x.rank])) for x in coord.ranks.values()]
+            assert running, f"seed {seed}: no rank can run: {states}, awaiting room {gov.awaiting_room}"
         r = rng.choice(running)
         rs = coord.ranks[r]
         while True:  # the rank computes until it blocks or ends
