@@ -271,7 +271,8 @@ class RankClient:
         self._settle()
         if self._fatal is not None:
             raise self._fatal
-        self._send({"t": P.RELEASE, "clk": self._pause()})
+        mem, peak = footprint_and_peak()
+        self._send({"t": P.RELEASE, "clk": self._pause(), "mem": mem, "peak": peak})
         time.sleep(max(seconds, 0.0))
         self.acquire()
 
@@ -286,7 +287,8 @@ class RankClient:
             raise self._fatal
         self._prediction = None
         self._granted.clear()
-        self._send({"t": P.PREDICT, "iteration": int(iteration), "clk": self._pause()})
+        mem, peak = footprint_and_peak()
+        self._send({"t": P.PREDICT, "iteration": int(iteration), "clk": self._pause(), "mem": mem, "peak": peak})
         self._await_grant()
         answer = self._prediction or {"seconds": None, "note": "no answer"}
         return answer["seconds"], answer["note"]

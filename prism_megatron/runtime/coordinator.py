@@ -161,6 +161,7 @@ class Coordinator:
         elif t == P.ACQUIRE:
             self.grants.request(rs)
         elif t == P.RELEASE:  # waits a duration it does not compute (RankClient.idle); ACQUIRE follows
+            self.governor.note(rs, msg)
             rs.state = RankStatus.IDLE
             self._stop_holding(rs)
         elif t == P.GROUP:
@@ -177,6 +178,7 @@ class Coordinator:
                     self._progress()
                 self._answer_predictions()
         elif t == P.PREDICT:
+            self.governor.note(rs, msg)
             rs.state = RankStatus.BLOCKED  # gives its slot back while every rank finishes the iteration
             rs.blocked_since = time.perf_counter()
             self._stop_holding(rs)

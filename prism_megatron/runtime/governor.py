@@ -69,6 +69,7 @@ class MemoryGovernor:
         self.rank_cap: int | None = None  # each rank's allocator cap (the target GPU's usable bytes), if any
         self.admissions: dict[str, int] = {"own": 0, "class": 0, "bound": 0}  # how each turn's need was known
         self._host_said = False
+        self._ended_one: set[int] = set()  # ranks that ended an iteration
         self.host_need: str | None = None  # after iteration 1: whether swapped-out state fits the host budget
 
     def enable_swap(self, swapper: Swapper, capacities: list[int], policy: str = SwapPolicy.RESIDENT_FIRST,
@@ -200,9 +201,10 @@ class MemoryGovernor:
         return waiting
 
     def _evictable(self, device: int, exclude: int = -1) -> list[int]:
-        """Ranks on `device` not computing: blocked in an op, or queued for a slot (not yet granted)."""
+        """Ranks on `device` not computing: blocked in an op, idle, or queued for a slot (not yet granted)."""
         waiting_room = {g.rank for g in self.awaiting_room}
-        return [r for r, rs in self.ranks.items() if rs.state in (RankStatus.BLOCKED, RankStatus.QUEUED)
+        still = (RankStatus.BLOCKED, RankStatus.QUEUED, RankStatus.IDLE)
+        return [r for r, rs in self.ranks.items() if rs.state in still
                 and r != exclude and r not in waiting_room and self.slots.device_of(r) == device]
 
     def _completes_last(self, rank: int) -> float:
@@ -231,8 +233,10 @@ class MemoryGovernor:
         if msg["phase"] == "B":
             self.peaks.iteration_began(rank)
         elif msg["phase"] == "E" and self.memory is not None and not self._host_said:
-            self._host_said = True
-            self.say_host_need(measured=True)
+            self._ended_one.add(rank)
+            if len(self._ended_one) == self.world_size:  # every rank's peaks of iteration 1 are in
+                self._host_said = True
+                self.say_host_need(measured=True)
 
     def say_host_need(self, measured: bool = False) -> list[str]:
         """Whether the job's swapped-out state fits the host budget (lines to say): at start from
@@ -250,7 +254,7 @@ class MemoryGovernor:
             else:
                 sizes.append([self.unknown_bound(mem.capacity)] * len(ranks))
         fits, message = swap_host_need(sizes, [m.capacity for m in self.memory], budget, measured=measured)
-        lines = [message] + ([] if fits else [HOST_LIMIT_HINT])
+        lines = [message] + ([] if fits or not measured else [HOST_LIMIT_HINT])
         if measured:
             self.host_need = message
             for line in lines:

@@ -22,12 +22,12 @@ import torch
 HELLO = "hello"  # {rank, pid, world_size}
 GROUP = "group"  # {name, ranks, backend}
 OP = "op"  # an operation, see RankClient.submit
-BLOCK = "block"  # {ids}: the rank waits for these ops; release its slot until they complete
+BLOCK = "block"  # {ids, mem, peak}: the rank waits for these ops; release its slot until they complete
 ACQUIRE = "acquire"  # the rank wants a slot (start of the program)
 MARK = "mark"  # {name, phase, attrs}: a scheduling-unit marker
 DROP = "drop"  # {segment}: the rank unlinked a shared-memory segment
 BYE = "bye"  # {exit_code}: the rank's program ended
-PREDICT = "predict"  # {iteration}: the rank waits for the predicted time of an iteration (slot released)
+PREDICT = "predict"  # {iteration, mem, peak}: the rank waits for the predicted time of an iteration (slot released)
 GPUTIME = "gputime"  # {rows}: host/device times of closed compute segments (runtime.gpu_timing)
 RELEASE = "release"  # the rank gives its slot back while it idles (RankClient.idle); ACQUIRE asks again
 DEVICE_OOM = "device_oom"  # {held, requested, free}: the physical device was full; answered by VERDICT
