@@ -354,3 +354,42 @@ def test_a_rank_that_gives_its_slot_back_without_an_op_reports_what_it_holds(kin
     coord._dispatch(conns[0], {"t": kind, "iteration": 1, "clk": 0.0, "mem": 10 * GIB, "peak": 12 * GIB})
     assert mem.footprint[0] == 10 * GIB and 0 not in mem.reserve
     assert granted == [0, 1] and mem.swapped == {0}  # rank 1 computes alone; rank 0's 10 GiB fit the host
+
+
+def test_a_turns_peak_is_read_from_the_allocators_running_sums_without_resetting_its_peaks(monkeypatch):
+    """The program's own torch.cuda.max_memory_* figures must stay exact: the per-turn peak comes from
+    reserved at the last report plus the segment bytes allocated since (an upper bound once segments were
+    released in between), never from resetting the allocator's peak statistics."""
+    import torch
+
+    from prism_megatron.runtime import staging
+
+    stats = {"reserved_bytes.all.current": 0, "reserved_bytes.all.allocated": 0, "reserved_bytes.all.peak": 0}
+
+    def forbidden(*a, **k):
+        raise AssertionError("the allocator's peak statistics must not be reset")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda *a, **k: dict(stats))
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", forbidden)
+    monkeypatch.setattr(torch.cuda, "reset_max_memory_allocated", forbidden)
+    monkeypatch.setattr(staging._TurnPeak, "reserved", 0)
+    monkeypatch.setattr(staging._TurnPeak, "grown", 0)
+    monkeypatch.delenv("PRISM_FOOTPRINT_BYTES", raising=False)
+    monkeypatch.delenv("PRISM_FAKE_DEVICE", raising=False)
+    ctx = staging.CONTEXT_BYTES
+
+    def segments(alloc: int = 0, release: int = 0) -> None:
+        stats["reserved_bytes.all.allocated"] += alloc
+        stats["reserved_bytes.all.current"] += alloc - release
+        stats["reserved_bytes.all.peak"] = max(stats["reserved_bytes.all.peak"], stats["reserved_bytes.all.current"])
+
+    segments(alloc=4 * GIB)
+    assert staging.footprint_and_peak() == (4 * GIB + ctx, 4 * GIB + ctx)
+    segments(alloc=3 * GIB)  # the next turn grows by 3 GiB: exact
+    assert staging.footprint_and_peak() == (7 * GIB + ctx, 7 * GIB + ctx)
+    segments(alloc=2 * GIB)
+    segments(release=5 * GIB)  # empty_cache: it was 9 GiB at most, holds 4 now
+    assert staging.footprint_and_peak() == (4 * GIB + ctx, 9 * GIB + ctx)
+    assert staging.footprint_and_peak() == (4 * GIB + ctx, 4 * GIB + ctx)  # a turn that allocated nothing
+    assert stats["reserved_bytes.all.peak"] == 9 * GIB  # the program's own peak, untouched
