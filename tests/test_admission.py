@@ -393,3 +393,24 @@ def test_a_turns_peak_is_read_from_the_allocators_running_sums_without_resetting
     assert staging.footprint_and_peak() == (4 * GIB + ctx, 9 * GIB + ctx)
     assert staging.footprint_and_peak() == (4 * GIB + ctx, 4 * GIB + ctx)  # a turn that allocated nothing
     assert stats["reserved_bytes.all.peak"] == 9 * GIB  # the program's own peak, untouched
+
+
+@pytest.mark.parametrize(("status", "written"), [("swap", True), ("device-oom", True), ("failed", False)])
+def test_a_job_ended_by_a_memory_failure_keeps_its_trace_marked_incomplete(tmp_path, status, written):
+    """A swap failure or a physical out-of-memory ends the job with a report; the trace so far is
+    written beside it, marked incomplete (other failures are issue 17's general path)."""
+    from prism_megatron.runtime.coordinator import Coordinator
+    from prism_megatron.trace import read_trace
+
+    coord = Coordinator(world_size=1, num_devices=1, slots_per_device=1, device_of={0: 0},
+                        device_names=["cuda:0"], hang_timeout=60.0, authkey=b"k" * 16)
+    said = []
+    coord._send_control = said.append
+    coord._dispatch(object(), {"t": P.HELLO, "rank": 0, "pid": 1})
+    coord._on_finish({"status": status, "trace_dir": str(tmp_path / "trace"), "job": {"script": "x.py"},
+                      "exit_codes": {"0": 6}})
+    assert (said[-1]["path"] is not None) == written
+    if written:
+        job = read_trace(tmp_path / "trace").manifest["job"]
+        assert job["end"] == {"status": status, "complete": False, "report": f"{status}-report.txt"}
+        assert job["script"] == "x.py"

@@ -204,7 +204,8 @@ class DeviceMemory:
         device is pinned (no swaps from here; ranks swapped out are restored as they get a slot). No
         keeps swapping possible and the compute on one clock. Swaps before the verdict do not matter:
         the profiler starts only after it."""
-        total = self.used() if peaks is None else sum(max(v, self.charge(r)) for r, v in peaks.items())
+        held = {r: self.footprint.get(r, 0) for r in self.resident}  # not reserves: those are bounds
+        total = sum(held.values()) if peaks is None else sum(max(v, held.get(r, 0)) for r, v in peaks.items())
         swaps = sum(s.swaps_out for s in self.stats.values())
         held = f"{total / 2**30:.1f} of {self.capacity / 2**30:.1f} GiB"
         if total > (1 - TIMING_HEADROOM) * self.capacity:
