@@ -134,17 +134,18 @@ class _Lock:
 
 def alloc(nbytes: int) -> None:
     """For test programs: this rank (RANK) allocates ``nbytes`` on the stand-in device."""
-    _device().alloc(int(os.environ["RANK"]), nbytes)
+    shared().alloc(int(os.environ["RANK"]), nbytes)
 
 
 def free(nbytes: int) -> None:
-    _device().free(int(os.environ["RANK"]), nbytes)
+    shared().free(int(os.environ["RANK"]), nbytes)
 
 
 _DEVICE: FakeDevice | None = None
 
 
-def _device() -> FakeDevice:
+def shared() -> FakeDevice:
+    """This process's handle on the stand-in device named by PRISM_FAKE_DEVICE (opened once)."""
     global _DEVICE
     if _DEVICE is None:
         _DEVICE = FakeDevice.from_env()

@@ -43,9 +43,9 @@ def footprint_and_peak() -> tuple[int, int]:
     if fake:
         return int(fake), int(fake)
     if os.environ.get("PRISM_FAKE_DEVICE"):
-        from prism_megatron.runtime.fake_device import _device
+        from prism_megatron.runtime.fake_device import shared
 
-        dev, rank = _device(), int(os.environ["RANK"])
+        dev, rank = shared(), int(os.environ["RANK"])
         return dev.take_peak(rank)
     if not torch.cuda.is_available() or not torch.cuda.is_initialized():
         return 0, 0
