@@ -29,10 +29,12 @@ def test_evicts_the_rank_that_will_wait_longest():
         mem.swap_out(r, pids[r])
     mem.capacity = sw.capacity = 141 * GIB
     waits = {0: 1.0, 1: 5.0, 2: 0.0, 3: 0.0}  # rank 1's collective misses the most members
-    assert mem.make_resident(0, [], pids, waits.get)
-    assert mem.make_resident(1, [0], pids, waits.get)
+    assert mem.make_resident(0, 0, [], pids, waits.get)  # need 0: no growth beyond what it holds
+    mem.released(0)
+    assert mem.make_resident(1, 0, [0], pids, waits.get)
+    mem.released(1)
     assert mem.resident == {0, 1}
-    assert mem.make_resident(2, [0, 1], pids, waits.get)
+    assert mem.make_resident(2, 0, [0, 1], pids, waits.get)
     assert mem.resident == {0, 2}  # rank 1 went out, not rank 0
     assert sw.log[-2:] == [("out", 1), ("in", 2)]
     assert mem.used() <= mem.capacity
@@ -55,9 +57,10 @@ def test_never_over_budget_under_random_schedules():
             r = rng.randrange(n)
             if r in running:
                 running.discard(r)  # it blocks: evictable now
+                mem.released(r)
                 continue
             blocked = [x for x in sizes if x not in running]
-            if mem.make_resident(r, blocked, pids, lambda x: rng.random()):
+            if mem.make_resident(r, 0, blocked, pids, lambda x: rng.random()):
                 running.add(r)
                 assert r in mem.resident
             assert mem.used() <= mem.capacity
@@ -69,9 +72,9 @@ def test_restore_without_room_waits_for_an_evictable_rank():
     mem, sw = _device(200, {0: 60, 1: 60})
     mem.swap_out(1, 2)
     mem.capacity = sw.capacity = 100 * GIB
-    assert not mem.make_resident(1, [], {0: 1, 1: 2}, lambda r: 0)  # rank 0 computes: cannot evict it
+    assert not mem.make_resident(1, 0, [], {0: 1, 1: 2}, lambda r: 0)  # rank 0 computes: cannot evict it
     assert mem.resident == {0}
-    assert mem.make_resident(1, [0], {0: 1, 1: 2}, lambda r: 0)  # rank 0 blocked now
+    assert mem.make_resident(1, 0, [0], {0: 1, 1: 2}, lambda r: 0)  # rank 0 blocked now
     assert mem.resident == {1} and mem.stats[0].swaps_out == 1 and mem.stats[1].swaps_in == 1
 
 
@@ -85,19 +88,22 @@ def test_swap_outs_stay_within_the_host_memory_budget():
     for r, f in ((3, 40), (4, 50)):  # ranks that ran before and are out (their state held elsewhere)
         mem.footprint[r], mem.stats[r] = f * GIB, mem.stats[0].__class__()
     waits = {0: 9.0, 1: 5.0, 2: 1.0, 3: 0.0}  # rank 0 would be the first choice, but 60 GiB do not fit the host
-    assert mem.make_resident(3, [0, 1, 2], pids, waits.get)
+    for r in (3, 4):
+        mem.swapped.add(r)
+    assert mem.make_resident(3, 0, [0, 1, 2], pids, waits.get)
+    mem.released(3)
     assert sw.log[-2:] == [("out", 2), ("in", 3)] and mem.host.held == {2: 40 * GIB}
-    assert not mem.make_resident(4, [0, 1, 3], pids, waits.get)  # 10 GiB of host left: no victim fits
+    assert not mem.make_resident(4, 0, [0, 1, 3], pids, waits.get)  # 10 GiB of host left: no victim fits
     assert mem.resident == {0, 1, 3} and mem.used() <= mem.capacity
     mem.forget(0)  # rank 0 ended: room on the device, no swap-out needed
-    assert mem.make_resident(2, [1, 3], pids, waits.get)
+    assert mem.make_resident(2, 0, [1, 3], pids, waits.get)
     assert mem.resident == {1, 2, 3} and mem.host.held == {}  # its host memory is free again
 
 
-def test_a_rank_without_cuda_state_is_never_evicted_and_is_admitted_with_room():
+def test_a_rank_without_cuda_state_is_never_evicted_and_is_admitted_with_room_for_its_need():
     """A rank blocked before its first CUDA call reports 0 bytes; the driver refuses to lock such a
-    process (CUDA_ERROR_NOT_INITIALIZED on the H200, the stand-in likewise). It must not be picked as a victim, and
-    when it runs again room is made for what its peers hold, since it is about to allocate as much."""
+    process (CUDA_ERROR_NOT_INITIALIZED on the H200, the stand-in likewise). It must not be picked as a victim,
+    and when it runs again room is made for what it may allocate (the caller's need), before it runs."""
     mem, sw = _device(100, {0: 40, 1: 40})
     pids = {r: 10 + r for r in range(3)}
     mem.report(2, 0)  # rank 2 blocked in init_process_group: no CUDA context yet
@@ -105,12 +111,30 @@ def test_a_rank_without_cuda_state_is_never_evicted_and_is_admitted_with_room():
     mem.capacity = sw.capacity = 90 * GIB
     mem.enforce([0, 1, 2], pids, lambda r: {2: 9.0}.get(r, 0.0))  # rank 2 waits longest; nothing to free
     assert sw.log == [] and mem.resident == {0, 1}
-    assert mem.make_resident(2, [0, 1, 2], pids, lambda r: {0: 1.0}.get(r, 0.0))  # runs again: 40 GiB made free
-    assert sw.log == [("out", 0)] and mem.resident == {1, 2} and mem.used() == 80 * GIB
-    assert mem.make_resident(2, [1], pids, lambda r: 0.0) and sw.log == [("out", 0)]  # room already held
-    mem.report(2, 40 * GIB)  # it allocated: an ordinary resident from now on
-    assert mem.make_resident(0, [1, 2], pids, lambda r: {2: 1.0}.get(r, 0.0))
+    assert mem.make_resident(2, 40 * GIB, [0, 1, 2], pids, lambda r: {0: 1.0}.get(r, 0.0))  # 40 GiB made free
+    assert sw.log == [("out", 0)] and mem.resident == {1} and mem.used() == 80 * GIB  # its reserve counts
+    assert not mem.make_resident(0, 0, [], pids, lambda r: 0.0)  # rank 2 computes: its 40 GiB are held
+    mem.report(2, 30 * GIB)  # it allocated, then blocked: an ordinary resident from now on
+    mem.released(2)
+    assert mem.used() == 70 * GIB
+    assert mem.make_resident(0, 0, [1, 2], pids, lambda r: {2: 1.0}.get(r, 0.0))
     assert sw.log[-2:] == [("out", 2), ("in", 0)]
+
+
+def test_admission_reserves_the_expected_peak_and_evicts_blocked_ranks_for_it():
+    """A rank that grows in its turn: admitted with room for its peak, not for what it held."""
+    mem, sw = _device(100, {0: 30, 1: 30, 2: 30})
+    pids = {r: r for r in range(3)}
+    assert mem.make_resident(0, 70 * GIB, [1, 2], pids, lambda r: r)  # 30 held, 70 expected: one must go
+    assert sw.log == [("out", 2)] and mem.used() == 100 * GIB
+    assert mem.reserve == {0: 70 * GIB}
+    mem.report(0, 70 * GIB)  # it grew to its peak and blocked
+    mem.released(0)
+    assert mem.used() == 100 * GIB and mem.reserve == {}
+    assert not mem.make_resident(2, 30 * GIB, [], pids, lambda r: r)  # nobody evictable: it waits, nothing moved
+    assert sw.log == [("out", 2)]
+    assert mem.make_resident(2, 30 * GIB, [0, 1], pids, {0: 1.0, 1: 0.0}.get)
+    assert sw.log[-2:] == [("out", 0), ("in", 2)] and mem.used() == 60 * GIB
 
 
 def test_stand_in_refuses_restore_without_room():
@@ -164,22 +188,22 @@ def test_a_device_without_swaps_by_iteration_1_is_pinned_for_gpu_timing_and_swap
     mem, sw = _device(100, {r: 30 for r in range(3)})
     pids = {r: 1000 + r for r in range(4)}
     on, why = mem.timing_verdict()
-    assert on and mem.pinned and "hold 90.0 of 100.0 GiB after iteration 1 without swaps" in why
+    assert on and mem.pinned and "peaks by iteration 1 add up to 90.0 of 100.0 GiB" in why
     mem.report(0, 45 * GIB)  # grew past the device: profiled processes cannot be locked, so no victim
     mem.enforce([1, 2], pids, lambda r: r)
-    assert mem.make_resident(3, [0, 1, 2], pids, lambda r: r)
-    assert sw.log == [] and mem.resident == {0, 1, 2, 3}
+    assert mem.make_resident(3, 50 * GIB, [0, 1, 2], pids, lambda r: r)
+    assert sw.log == [] and mem.resident == {0, 1, 2}  # rank 3 holds nothing yet: resident once it reports
 
 
 @pytest.mark.parametrize(("capacity", "footprints", "why"), [
-    (100, {0: 40, 1: 40, 2: 40}, "ranks were swapped 1 time(s) by the end of iteration 1"),
-    (100, {0: 48, 1: 48}, "hold 96.0 of 100.0 GiB after iteration 1, less than 5% left"),
+    (100, {0: 40, 1: 40, 2: 40}, "peaks by iteration 1 add up to 120.0 of 100.0 GiB"),
+    (100, {0: 48, 1: 48}, "peaks by iteration 1 add up to 96.0 of 100.0 GiB, less than 5% left"),
 ])
-def test_a_device_that_swapped_or_is_nearly_full_keeps_swapping_without_gpu_timing(capacity, footprints, why):
+def test_a_device_whose_peaks_do_not_fit_with_headroom_keeps_swapping_without_gpu_timing(capacity, footprints, why):
     mem, sw = _device(capacity, footprints)
     pids = {r: 1000 + r for r in footprints}
     mem.enforce(list(footprints), pids, lambda r: r)
-    on, said = mem.timing_verdict()
+    on, said = mem.timing_verdict({r: f * GIB for r, f in footprints.items()})
     assert not on and not mem.pinned and why in said and "GPU timing stays off" in said
     mem.report(0, 60 * GIB)
     mem.enforce(list(footprints), pids, lambda r: r)

@@ -57,6 +57,9 @@ class LaunchConfig:
     # device (an index into `devices`), than the contiguous default
     rank_scripts: dict[int, tuple[Path, list[str]]] = field(default_factory=dict)
     rank_devices: dict[int, int] = field(default_factory=dict)
+    # rank -> class label: a rank not yet through an iteration is admitted to a shared device by its class's
+    # measured peak (runtime.peaks); ranks not named are each their own class
+    memory_classes: dict[int, str] = field(default_factory=dict)
 
     @classmethod
     def from_options(cls, options: JobOptions, script: Path, script_args: list[str], **fixed: Any) -> LaunchConfig:

@@ -7,3 +7,6 @@ HANG = 3
 MISMATCH = 4
 #: A rank ran out of memory under the target GPU's cap: a prediction, the trace and report are written.
 OOM = 5
+#: The physical device ran out of memory (ranks share it; not a prediction): the report says what each rank
+#: held and what to do, and the trace so far is written, marked incomplete.
+DEVICE_OOM = 6

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from prism_megatron.launcher import fork_safe_cuda_checks
 from prism_megatron.launcher.config import LaunchConfig, LaunchError
+from prism_megatron.launcher.exit_codes import DEVICE_OOM as EXIT_DEVICE_OOM
 from prism_megatron.launcher.exit_codes import HANG as EXIT_HANG
 from prism_megatron.launcher.exit_codes import MISMATCH as EXIT_MISMATCH
 from prism_megatron.launcher.exit_codes import OOM as EXIT_OOM
@@ -65,6 +66,7 @@ def coordinator_config(cfg: LaunchConfig) -> CoordinatorConfig:
         device_memory=list(cfg.device_memory),
         host_memory=cfg.host_memory,
         swap_policy=os.environ.get("PRISM_SWAP_POLICY", "resident-first"),
+        memory_classes=dict(cfg.memory_classes), rank_cap=cfg.memory_cap,
         predictor=cfg.predictor, predictor_options=dict(cfg.predictor_options),
         live_trace=str(cfg.log_dir / "live-trace"),
     )
@@ -80,6 +82,7 @@ class _Job:
         self.exit_codes: dict[int, int] = {}
         self.coord: subprocess.Popen | None = None
         self.control = None
+        self.ended_by: str | None = None  # the kind of the coordinator's FATAL report that ended the job
         self.t0 = time.perf_counter()
 
     # ---- start -----------------------------------------------------------------------------------
@@ -170,6 +173,10 @@ class _Job:
         return 0
 
     def _rank_failed(self, rank: int, code: int) -> int:
+        if code == EXIT_DEVICE_OOM and self.control.poll(10):  # the coordinator's report came before the exit
+            msg = self.control.recv()
+            if msg["t"] == P.FATAL:
+                return self._fatal(msg)
         if code == EXIT_OOM:
             _say(f"rank {rank} ran out of memory under the target's cap: predicted OOM; ending the job "
                  "(the trace and the report keep the verdict)")
@@ -189,12 +196,12 @@ class _Job:
         return EXIT_RANK_FAILED
 
     def _fatal(self, msg: dict) -> int:
-        kind = msg["kind"]
+        kind = self.ended_by = msg["kind"]
         report_file = self.cfg.log_dir / f"{kind}-report.txt"
         report_file.write_text(msg["report"] + "\n")
         sys.stderr.write(msg["report"] + "\n")
         _say(f"{kind} report written to {report_file}; ending the job")
-        return EXIT_HANG if kind == "hang" else EXIT_MISMATCH if kind == "mismatch" else EXIT_RANK_FAILED
+        return {"hang": EXIT_HANG, "mismatch": EXIT_MISMATCH, "device-oom": EXIT_DEVICE_OOM}.get(kind, EXIT_RANK_FAILED)
 
     # ---- end -------------------------------------------------------------------------------------
     def finish(self, status: str) -> str | None:
@@ -286,7 +293,8 @@ def coordinator_threads(cfg: LaunchConfig, cores: int) -> int:
 
 
 def launch(cfg: LaunchConfig) -> int:
-    """Run the job; returns the process exit code (0 ok, 1 a rank failed, 3 hang, 4 mismatch, 5 predicted OOM)."""
+    """Run the job; returns the process exit code (0 ok, 1 a rank failed, 3 hang, 4 mismatch, 5 predicted OOM,
+    6 the physical device ran out of memory)."""
     fork_safe_cuda_checks()
     cfg.validate()
     cfg.log_dir.mkdir(parents=True, exist_ok=True)
@@ -312,7 +320,9 @@ def launch(cfg: LaunchConfig) -> int:
              f"({cfg.slots_per_device} slot(s) per device); logs in {cfg.log_dir}")
         job.fork_ranks(address, store_port)
         code = job.watch()
-        path = job.finish("ok" if code == 0 else "oom" if code == EXIT_OOM else "failed")
+        path = job.finish("ok" if code == 0 else "oom" if code == EXIT_OOM else job.ended_by or "failed")
+        if path is not None and code not in (0, EXIT_OOM):
+            _say(f"the trace so far is written to {path} (incomplete)")
         if code == EXIT_OOM and path is not None:
             _keep_snapshots(cfg.log_dir, Path(path))
         if code == 0:

@@ -18,6 +18,7 @@ import traceback
 from pathlib import Path
 
 from prism_megatron.launcher.config import LaunchConfig
+from prism_megatron.launcher.exit_codes import DEVICE_OOM as EXIT_DEVICE_OOM
 from prism_megatron.launcher.exit_codes import OOM as EXIT_OOM
 
 
@@ -119,7 +120,7 @@ def run_rank(cfg: LaunchConfig, rank: int, address: tuple[str, int], authkey: by
         traceback.print_exc()
         sys.stderr.flush()
         os._exit(1)
-    code = _run_script(cfg, rank, probe)
+    code = _run_script(cfg, rank, probe, client)
     try:
         atexit._run_exitfuncs()
     except BaseException:
@@ -133,7 +134,7 @@ def run_rank(cfg: LaunchConfig, rank: int, address: tuple[str, int], authkey: by
     os._exit(code)
 
 
-def _run_script(cfg: LaunchConfig, rank: int, probe=None) -> int:
+def _run_script(cfg: LaunchConfig, rank: int, probe=None, client=None) -> int:
     path, args = cfg.script_for(rank)
     script = str(Path(path).resolve())
     sys.argv = [script, *args]
@@ -155,17 +156,31 @@ def _run_script(cfg: LaunchConfig, rank: int, probe=None) -> int:
     except BaseException as e:
         tb = traceback.format_exc()
         (cfg.log_dir / f"rank-{rank}.traceback").write_text(tb)
+        physical = _physical_oom(e, probe, rank) if _is_oom(e) else None
+        if physical is not None:  # the shared physical device was full: an emulation failure, not a verdict
+            report = client.device_oom(physical) if client is not None else ""
+            sys.stderr.write(tb + (report or f"prism: rank {rank}: the physical device ran out of memory while "
+                                   f"this rank held {physical['held'] / 2**30:.2f} GiB") + "\n")
+            return EXIT_DEVICE_OOM
         if probe is not None and _is_oom(e):
-            physical = probe.physical(e)
-            if physical:  # the shared physical GPU was full: an emulation failure, not a verdict
-                sys.stderr.write(tb + f"prism: rank {rank}: {physical}\n")
-                return 1
             oom = probe.out_of_memory(e)
             sys.stderr.write(f"prism: rank {rank} ran out of memory under the target's cap "
                              f"({oom['message']}); this is a prediction, traceback in rank-{rank}.traceback\n")
             return EXIT_OOM
         sys.stderr.write(tb)
         return 1
+
+
+def _physical_oom(error: BaseException, probe, rank: int) -> dict | None:
+    """Figures of an out-of-memory of the physical device (or of the CPU tests' stand-in device), not
+    of the target's cap: None for the target's."""
+    seen = error
+    while seen is not None:
+        figures = getattr(seen, "figures", None)  # runtime.fake_device.DeviceFull
+        if figures is not None:
+            return figures
+        seen = seen.__cause__ or seen.__context__
+    return probe.physical(error) if probe is not None else None
 
 
 def _is_oom(error: BaseException) -> bool:

@@ -277,7 +277,23 @@ def launch_config(request: RunRequest):
         job, request.script, script_args, preload=[PRELOAD], rank_setup=[RANK_SETUP],
         expected_iterations=_flag_int(request.script_args, "--train-iters"),
         predictor=PREDICTOR, predictor_options={"cluster": request.run_options().cluster},
+        memory_classes=stage_classes(request.script_args, job.world_size),
     )
+
+
+def stage_classes(args: list[str], world_size: int | None) -> dict[int, str]:
+    """Rank -> its pipeline stage: the class by whose measured peak a rank not yet through an
+    iteration is admitted to a shared device (runtime.peaks). The ranks of one stage (its tensor-,
+    context- and data-parallel peers) hold alike; Megatron's default rank order (tp-cp-ep-dp-pp)
+    puts the stage outermost. Where that is not so (--use-tp-pp-dp-mapping) or ranks of a stage may
+    hold unlike amounts (MoE: experts see different token counts), each rank is its own class."""
+    if not world_size or "--use-tp-pp-dp-mapping" in args or (_flag_int(args, "--num-experts") or 0) > 1:
+        return {}
+    pp = _flag_int(args, "--pipeline-model-parallel-size") or 1
+    if pp < 1 or world_size % pp:
+        return {}
+    per_stage = world_size // pp
+    return {r: f"pipeline stage {r // per_stage}" for r in range(world_size)}
 
 
 def _flag_value(args: list[str], flag: str) -> str | None:

@@ -68,22 +68,25 @@ class MemoryProbe:
         """A ``memory`` mark: current and peak figures after ``iteration`` (None: the script ended)."""
         mark("memory", iteration=iteration, **self.stats())
 
-    def physical(self, error: BaseException) -> str | None:
-        """Why an OOM is the physical GPU's, not the target's (None when the target's cap was hit).
+    def physical(self, error: BaseException) -> dict[str, Any] | None:
+        """The figures of an OOM that is the physical GPU's, not the target's (None when the target's
+        cap was hit): bytes this rank held (allocator reserved + context estimate), asked for, and the
+        driver's free and total.
 
         Ranks share the physical GPU: one may find it full while still under its own cap. That says
         nothing about the target and must not become a verdict.
         """
         if not self.on_gpu:
             return None
+        from prism_megatron.runtime.staging import CONTEXT_BYTES
+
         requested = requested_bytes(str(error)) or 0
         reserved = int(torch.cuda.memory_reserved())
-        free, _ = torch.cuda.mem_get_info()
+        free, total = torch.cuda.mem_get_info()
         device_full = free < requested + (2 << 20)  # the allocator rounds to 2 MiB blocks at least
         if self.cap is None or self.note or (device_full and reserved + requested <= self.cap):
-            return (f"the physical GPU ran out of memory while this rank held {reserved / 2**30:.2f} GiB"
-                    + (f" of its {self.cap / 2**30:.2f} GiB cap" if self.cap else "")
-                    + ": other ranks on it hold the rest; run fewer ranks per GPU or --prism-swap checkpoint")
+            return {"held": reserved + CONTEXT_BYTES, "requested": requested, "free": int(free), "total": int(total),
+                    "cap": self.cap}
         return None
 
     def out_of_memory(self, error: BaseException) -> dict[str, Any]:

@@ -24,7 +24,7 @@ from prism_megatron.ops import op_kind
 from prism_megatron.runtime import protocol as P
 from prism_megatron.runtime.gpu_timing import GpuSegmentTimer
 from prism_megatron.runtime.shm import Arena
-from prism_megatron.runtime.staging import cuda_pin, device_footprint, local_descs, overlaps, span, stage, typed
+from prism_megatron.runtime.staging import cuda_pin, footprint_and_peak, local_descs, overlaps, span, stage, typed
 from prism_megatron.runtime.work import OpToken, PrismCommError, PrismWork
 
 
@@ -171,7 +171,7 @@ class RankClient:
             # torch waits on a synchronous op right away: block in the same message (one round trip less
             # per op); the grant is owed until someone waits for it (see _settle)
             msg["block"] = True
-            msg["mem"] = device_footprint()
+            msg["mem"], msg["peak"] = footprint_and_peak()
             self._granted.clear()
             self._owed_grant = True
             self._owed_op = work._op
@@ -211,7 +211,8 @@ class RankClient:
         if self._fatal is not None:
             raise self._fatal
         self._granted.clear()
-        self._send({"t": P.BLOCK, "ids": [o.op_id for o in ops], "mem": device_footprint(), "clk": self._clock})
+        mem, peak = footprint_and_peak()
+        self._send({"t": P.BLOCK, "ids": [o.op_id for o in ops], "mem": mem, "peak": peak, "clk": self._clock})
         self._await_grant(ops, resume=False)
         for o in ops:
             o.done.wait()
@@ -270,7 +271,8 @@ class RankClient:
         self._settle()
         if self._fatal is not None:
             raise self._fatal
-        self._send({"t": P.RELEASE, "clk": self._pause()})
+        mem, peak = footprint_and_peak()
+        self._send({"t": P.RELEASE, "clk": self._pause(), "mem": mem, "peak": peak})
         time.sleep(max(seconds, 0.0))
         self.acquire()
 
@@ -285,7 +287,8 @@ class RankClient:
             raise self._fatal
         self._prediction = None
         self._granted.clear()
-        self._send({"t": P.PREDICT, "iteration": int(iteration), "clk": self._pause()})
+        mem, peak = footprint_and_peak()
+        self._send({"t": P.PREDICT, "iteration": int(iteration), "clk": self._pause(), "mem": mem, "peak": peak})
         self._await_grant()
         answer = self._prediction or {"seconds": None, "note": "no answer"}
         return answer["seconds"], answer["note"]
@@ -309,6 +312,18 @@ class RankClient:
         self._deliver()
         if resume:
             self._resume()
+
+    def device_oom(self, figures: dict) -> str:
+        """The physical device ran out of memory in this rank (``figures``: held, requested, free bytes):
+        tell the coordinator, which ends the job, and return its report of what happened."""
+        self._verdict = None
+        self._verdict_event = threading.Event()
+        try:
+            self._send({"t": P.DEVICE_OOM, **figures})
+        except OSError:
+            return ""
+        self._verdict_event.wait(30)
+        return self._verdict or ""
 
     def close(self, exit_code: int) -> None:
         """Say goodbye (releases the slot), wait for the receiver to end, free segments."""
@@ -346,6 +361,9 @@ class RankClient:
                 self._granted.set()
             elif t == P.PREDICTED:
                 self._prediction = msg
+            elif t == P.VERDICT:
+                self._verdict = msg["report"]
+                self._verdict_event.set()
             elif t == P.TIMING:
                 if self._gpu is not None:
                     self._gpu.permit(msg["on"], msg["why"])

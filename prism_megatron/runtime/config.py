@@ -23,6 +23,8 @@ class CoordinatorConfig:
     device_memory: list[int] = field(default_factory=list)  # bytes per device
     host_memory: int | None = None  # bytes swapped-out state may take (None: not limited)
     swap_policy: str = "resident-first"
+    memory_classes: dict[int, str] = field(default_factory=dict)  # rank -> class whose peaks admit it (runtime.peaks)
+    rank_cap: int | None = None  # each rank's allocator cap in bytes (the target GPU's usable), if any
     predictor: str | None = None  # "module:function" answering live predictions
     predictor_options: dict = field(default_factory=dict)
     live_trace: str = ""
@@ -39,4 +41,5 @@ class CoordinatorConfig:
         if unknown:
             raise ValueError(f"coordinator config: unknown field(s) {', '.join(sorted(unknown))}")
         data["device_of"] = {int(k): int(v) for k, v in data["device_of"].items()}
+        data["memory_classes"] = {int(k): str(v) for k, v in data.get("memory_classes", {}).items()}
         return cls(**data)

@@ -29,7 +29,8 @@ import torch
 from prism_megatron.ops import OPS, CollectiveCall
 from prism_megatron.runtime import protocol as P
 from prism_megatron.runtime.dataplane import DataPlane
-from prism_megatron.runtime.governor import MemoryGovernor, SwapMode, SwapPolicy
+from prism_megatron.runtime.fake_device import FakeDevice
+from prism_megatron.runtime.governor import ADMISSION_MARGIN, MemoryGovernor, SwapMode, SwapPolicy
 from prism_megatron.runtime.grants import SlotGrants
 from prism_megatron.runtime.groups import Group, GroupTable
 from prism_megatron.runtime.hang import HangDetector, format_hang_report
@@ -160,6 +161,7 @@ class Coordinator:
         elif t == P.ACQUIRE:
             self.grants.request(rs)
         elif t == P.RELEASE:  # waits a duration it does not compute (RankClient.idle); ACQUIRE follows
+            self.governor.note(rs, msg)
             rs.state = RankStatus.IDLE
             self._stop_holding(rs)
         elif t == P.GROUP:
@@ -168,6 +170,7 @@ class Coordinator:
                 self._fatal("mismatch", problem)
         elif t == P.MARK:
             self.recorder.mark(rs, msg)
+            self.governor.mark(rs.rank, msg)
             if msg["name"] == "iteration" and msg["phase"] == "E":
                 if self.predictor.iteration_ended(rs.rank) == 1:
                     self.governor.decide_timing(rs.rank, ended=True)
@@ -175,6 +178,7 @@ class Coordinator:
                     self._progress()
                 self._answer_predictions()
         elif t == P.PREDICT:
+            self.governor.note(rs, msg)
             rs.state = RankStatus.BLOCKED  # gives its slot back while every rank finishes the iteration
             rs.blocked_since = time.perf_counter()
             self._stop_holding(rs)
@@ -193,6 +197,10 @@ class Coordinator:
                 pass
         elif t == P.FINISH:
             self._on_finish(msg)
+        elif t == P.DEVICE_OOM:  # the rank waits for the verdict, so the launcher has the report first
+            report = self.governor.physical_oom(rs.rank, msg)
+            self._fatal("device-oom", report)
+            self._send(rs, {"t": P.VERDICT, "report": report})
 
     # ---- ranks: slots, blocking, completion, exit ---------------------------------------------------
     def _stop_holding(self, rs: RankState) -> None:
@@ -205,13 +213,15 @@ class Coordinator:
         self.governor.note(rs, msg)
         waiting = {i for i in ids if i not in rs.done_ids}
         rs.done_ids.difference_update(ids)
-        if not waiting:
+        if not waiting and self.governor.keep(rs.rank):
             self._send(rs, {"t": P.GRANT})  # already complete: keep the slot
         else:
             rs.blocked_on = waiting
             rs.blocked_since = time.perf_counter()
             rs.state = RankStatus.BLOCKED
             self._stop_holding(rs)
+            if not waiting:  # its next turn needs more room than the device has free: it queues for it
+                self.grants.request(rs)
         self.governor.enforce(rs.rank)
 
     def _op_completed(self, rs: RankState, op_id: int) -> None:
@@ -355,10 +365,17 @@ class Coordinator:
     # ---- the end: the trace ----------------------------------------------------------------------
     def _on_finish(self, msg: dict) -> None:
         path = None
-        if msg.get("status") in ("ok", "oom") and msg.get("trace_dir"):  # an OOM is a prediction: keep it
-            path = str(self.write_trace(Path(msg["trace_dir"]), msg.get("job", {}), msg.get("exit_codes", {})))
+        job, status = msg.get("job", {}), msg.get("status")
+        if status in MEMORY_FAILURES:  # the trace so far, marked incomplete, beside the report that says why
+            job = {**job, "end": {"status": status, "complete": False, "report": f"{status}-report.txt"}}
+        if (status in ("ok", "oom") or status in MEMORY_FAILURES) and msg.get("trace_dir"):  # an OOM is a prediction
+            path = str(self.write_trace(Path(msg["trace_dir"]), job, msg.get("exit_codes", {})))
         self._send_control({"t": P.WRITTEN, "path": path})
         self.finished = True
+
+
+#: Ends of a job in the memory paths that still write the trace so far (kinds of their FATAL reports).
+MEMORY_FAILURES = ("device-oom", "swap")
 
 
 def _ranks(ranks: list[int]) -> str:
@@ -391,7 +408,8 @@ def main(argv: list[str] | None = None) -> None:
     if swap != SwapMode.NONE:
         caps = [int(c) for c in cfg["device_memory"]]
         try:
-            swapper = BudgetSwapper(caps[0]) if cfg.get("swapper") == "budget" else CudaCheckpointSwapper()
+            swapper = (BudgetSwapper(caps[0], FakeDevice.from_env()) if cfg.get("swapper") == "budget"
+                       else CudaCheckpointSwapper())
         except SwapUnavailable as e:
             if swap != SwapMode.AUTO:
                 raise
@@ -405,7 +423,10 @@ def main(argv: list[str] | None = None) -> None:
                              "allocator reserved + a context estimate")
         if swapper is not None:
             governor.enable_swap(swapper, caps, SwapPolicy(cfg.get("swap_policy", SwapPolicy.RESIDENT_FIRST)),
-                                 cfg.get("host_memory"), gate_timing=swap == SwapMode.AUTO and governor.times_gpu)
+                                 cfg.get("host_memory"), gate_timing=swap == SwapMode.AUTO and governor.times_gpu,
+                                 margin=0 if cfg.get("swapper") == "budget" else ADMISSION_MARGIN)
+    governor.configure_admission(cfg.get("memory_classes") or {}, cfg.get("rank_cap"))
+    notes += governor.say_host_need()
     if cfg.get("predictor"):
         module, _, func = cfg["predictor"].partition(":")
         coord.predictor.set(getattr(importlib.import_module(module), func), Path(cfg["live_trace"]),

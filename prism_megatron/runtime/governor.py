@@ -1,6 +1,16 @@
-"""The memory governor: which ranks' GPU state is resident on each device (admission at a grant,
-swaps of blocked ranks when residents outgrow the device, NVML's view of their footprints), and
-under --swap auto with GPU timing, each device's verdict on whether its ranks may time GPU segments."""
+"""The memory governor: which ranks' GPU state is resident on each device (admission at a grant by
+the rank's expected peak, swaps of blocked ranks when residents outgrow the device, NVML's view of
+their footprints), the verdict on a physical out-of-memory, and under --swap auto with GPU timing,
+each device's verdict on whether its ranks may time GPU segments.
+
+Admission reserves a rank's expected peak for its turn (runtime.peaks). Where nothing is known of
+the rank or its class yet, the bound is the whole device (it computes alone: every blocked rank is
+evicted first), or, where the rank's allocator is capped at the target GPU's usable memory, that cap
+plus the context: the allocator cannot go beyond it. A physical out-of-memory cannot be retried in
+place (PyTorch's allocator calls its out-of-memory observers only after it has emptied the rank's
+cache, and raises after them), so admission is what prevents it; one that happens anyway ends the
+job with a report of what each rank held and what would cure it.
+"""
 
 from __future__ import annotations
 
@@ -10,11 +20,17 @@ from enum import StrEnum
 
 from prism_megatron.runtime import protocol as P
 from prism_megatron.runtime.groups import GroupTable
+from prism_megatron.runtime.hostplan import HOST_LIMIT_HINT, swap_host_need
 from prism_megatron.runtime.memory import DeviceMemory, HostBudget
 from prism_megatron.runtime.nvml import FootprintCheck
+from prism_megatron.runtime.peaks import PeakTracker
 from prism_megatron.runtime.ranks import RankState, RankStatus
 from prism_megatron.runtime.slots import Grant, ResidentFirstPolicy, SlotScheduler
 from prism_megatron.runtime.swap import Swapper
+
+# Added to a GPU rank's measured peak when admitting it: what neither its allocator report nor the last NVML
+# cross-check saw yet (kernels loaded lazily on first use grow the context). A judgement, not measured.
+ADMISSION_MARGIN = 512 << 20
 
 
 class SwapMode(StrEnum):
@@ -48,9 +64,16 @@ class MemoryGovernor:
         self.timing: dict[int, dict] = {}  # device -> {"on", "why"}: the verdicts given
         self._timing_waits: dict[int, set[int]] = {}  # device -> ranks yet to end iteration 1 (or exit)
         self._timing_ended: set[int] = set()  # devices where some rank ended iteration 1
+        self.peaks = PeakTracker()  # its class_of: set by the coordinator (default: each rank its own class)
+        self.margin = 0  # bytes added to every known expected peak (what the reports cannot see)
+        self.rank_cap: int | None = None  # each rank's allocator cap (the target GPU's usable bytes), if any
+        self.admissions: dict[str, int] = {"own": 0, "class": 0, "bound": 0}  # how each turn's need was known
+        self._host_said = False
+        self._ended_one: set[int] = set()  # ranks that ended an iteration
+        self.host_need: str | None = None  # after iteration 1: whether swapped-out state fits the host budget
 
     def enable_swap(self, swapper: Swapper, capacities: list[int], policy: str = SwapPolicy.RESIDENT_FIRST,
-                    host_capacity: int | None = None, gate_timing: bool = False) -> None:
+                    host_capacity: int | None = None, gate_timing: bool = False, margin: int = 0) -> None:
         """Keep at most each device's capacity of ranks' state resident, swapping blocked ranks out.
 
         With `resident-first`, the slot goes preferably to a queued rank whose state is on the device,
@@ -60,6 +83,7 @@ class MemoryGovernor:
         device's verdict allows it (see runtime.memory.DeviceMemory.timing_verdict).
         """
         policy = SwapPolicy(policy)
+        self.margin = margin
         self.timing_gated = gate_timing
         if gate_timing:
             for r in range(self.world_size):
@@ -69,6 +93,13 @@ class MemoryGovernor:
         if policy == SwapPolicy.RESIDENT_FIRST:
             mem = self.memory
             self.slots.policy = ResidentFirstPolicy(lambda r: r in mem[self.slots.device_of(r)].resident)
+
+    def configure_admission(self, classes: dict, rank_cap: int | None) -> None:
+        """``classes``: rank -> class label (ranks not named are each their own class): a rank not yet
+        through an iteration is admitted by its class's peak. ``rank_cap``: each rank's allocator cap."""
+        labels = {int(r): c for r, c in classes.items()}
+        self.peaks.class_of = lambda r: labels.get(r, f"rank {r} alone")
+        self.rank_cap = int(rank_cap) if rank_cap else None
 
     # ---- GPU timing ------------------------------------------------------------------------------
     def hello(self, rs: RankState) -> None:
@@ -92,7 +123,8 @@ class MemoryGovernor:
             self._timing_ended.add(device)
         if waits or device not in self._timing_ended:
             return
-        on, why = self.memory[device].timing_verdict()
+        peaks = {r: self._peak_so_far(r) for r in self.ranks if self.slots.device_of(r) == device}
+        on, why = self.memory[device].timing_verdict(peaks)
         self.timing[device] = {"on": on, "why": why}
         print(f"prism: {self.device_names[device]}: {why}", file=sys.stderr, flush=True)
         for rs in self.ranks.values():
@@ -109,17 +141,59 @@ class MemoryGovernor:
         """Make the granted rank's state resident (swapping others out); False: it waits for room."""
         if self.memory is None:
             return True
-        mem = self.memory[g.device]
-        evictable = self._evictable(g.device, exclude=g.rank)
-        pids = {r: rs.pid for r, rs in self.ranks.items()}
-        try:
-            ok = mem.make_resident(g.rank, evictable, pids, self._completes_last)
-        except Exception as e:  # a failing checkpoint API is the job's end, with what to do
-            self._fatal("swap", f"prism: swapping on {self.device_names[g.device]} failed: {e}")
-            ok = False
+        ok = self._room(g.rank, g.device)
         if not ok:
             self.awaiting_room.append(g)  # holds the slot; retried when memory frees up
         return ok
+
+    def keep(self, rank: int) -> bool:
+        """A rank whose awaited ops were complete when it blocked keeps its slot, if its next turn's
+        expected peak has room (evicting blocked ranks); False: it must wait for room like any other."""
+        if self.memory is None:
+            return True
+        return self._room(rank, self.slots.device_of(rank))
+
+    def released(self, rank: int) -> None:
+        """``rank`` gave its slot back: the room held for its turn is free."""
+        if self.memory is not None:
+            self.memory[self.slots.device_of(rank)].released(rank)
+
+    def _room(self, rank: int, device: int) -> bool:
+        mem = self.memory[device]
+        need, source = self.need(rank)
+        evictable = self._evictable(device, exclude=rank)
+        pids = {r: rs.pid for r, rs in self.ranks.items()}
+        try:
+            ok = mem.make_resident(rank, need, evictable, pids, self._completes_last)
+        except Exception as e:  # a failing checkpoint API is the job's end, with what to do
+            self._fatal("swap", f"prism: swapping on {self.device_names[device]} failed: {e}")
+            return False
+        if ok:
+            self.peaks.turn_began(rank, mem.reported.get(rank, 0) if rank not in mem.no_context else 0)
+            self.admissions[source or "bound"] += 1
+        return ok
+
+    def need(self, rank: int) -> tuple[int, str]:
+        """Device bytes to hold for ``rank``'s next turn, and where the figure comes from ('own', 'class'
+        or '' for the bound: the device, or the allocator cap plus context)."""
+        mem = self.memory[self.slots.device_of(rank)]
+        expected, source = self.peaks.expected(rank, mem.reported.get(rank, 0) if rank not in mem.no_context else 0)
+        if expected is None:
+            return self.unknown_bound(mem.capacity), ""
+        return min(expected + mem.offset.get(rank, 0) + self.margin, mem.capacity), source
+
+    def unknown_bound(self, capacity: int) -> int:
+        """Room for a rank whose peak nothing tells yet: the device; or, with the allocator capped at
+        the target's usable bytes, that cap plus the context (what the caching allocator cannot pass)."""
+        if self.rank_cap is None:
+            return capacity
+        from prism_megatron.runtime.staging import CONTEXT_BYTES
+
+        return min(capacity, self.rank_cap + CONTEXT_BYTES + self.margin)
+
+    def _peak_so_far(self, rank: int) -> int:
+        mem = self.memory[self.slots.device_of(rank)]
+        return self.peaks.peak_so_far(rank) + mem.offset.get(rank, 0)
 
     def take_awaiting(self) -> list[Grant]:
         """The grants waiting for room, to try again."""
@@ -127,9 +201,10 @@ class MemoryGovernor:
         return waiting
 
     def _evictable(self, device: int, exclude: int = -1) -> list[int]:
-        """Ranks on `device` not computing: blocked in an op, or queued for a slot (not yet granted)."""
+        """Ranks on `device` not computing: blocked in an op, idle, or queued for a slot (not yet granted)."""
         waiting_room = {g.rank for g in self.awaiting_room}
-        return [r for r, rs in self.ranks.items() if rs.state in (RankStatus.BLOCKED, RankStatus.QUEUED)
+        still = (RankStatus.BLOCKED, RankStatus.QUEUED, RankStatus.IDLE)
+        return [r for r, rs in self.ranks.items() if rs.state in still
                 and r != exclude and r not in waiting_room and self.slots.device_of(r) == device]
 
     def _completes_last(self, rank: int) -> float:
@@ -143,9 +218,87 @@ class MemoryGovernor:
         return missing
 
     def note(self, rs: RankState, msg: dict) -> None:
-        """A rank about to block reported its device footprint."""
-        if self.memory is not None and "mem" in msg:
+        """A rank about to block reported its device footprint and the peak of the turn it ends."""
+        if "mem" not in msg:
+            return
+        self.peaks.turn_ended(rs.rank, int(msg.get("peak", msg["mem"])))
+        if self.memory is not None:
             self.memory[self.slots.device_of(rs.rank)].report(rs.rank, int(msg["mem"]))
+
+    def mark(self, rank: int, msg: dict) -> None:
+        """The program's markers: an iteration's begin starts the rank's next row of turn peaks; the end
+        of iteration 1 is when the host budget is judged on measured peaks (said once)."""
+        if msg["name"] != "iteration":
+            return
+        if msg["phase"] == "B":
+            self.peaks.iteration_began(rank)
+        elif msg["phase"] == "E" and self.memory is not None and not self._host_said:
+            self._ended_one.add(rank)
+            if len(self._ended_one) == self.world_size:  # every rank's peaks of iteration 1 are in
+                self._host_said = True
+                self.say_host_need(measured=True)
+
+    def say_host_need(self, measured: bool = False) -> list[str]:
+        """Whether the job's swapped-out state fits the host budget (lines to say): at start from
+        bounds (each rank up to the bound for a rank not measured), after iteration 1 from the ranks'
+        peaks so far (then also printed, and kept for the trace)."""
+        if self.memory is None:
+            return []
+        host = self.memory[0].host
+        budget = host.capacity if host is not None else None
+        sizes = []
+        for d, mem in enumerate(self.memory):
+            ranks = [r for r in range(self.world_size) if self.slots.device_of(r) == d]
+            if measured:
+                sizes.append([self._peak_so_far(r) for r in ranks if r in self.ranks] or [0])
+            else:
+                sizes.append([self.unknown_bound(mem.capacity)] * len(ranks))
+        fits, message = swap_host_need(sizes, [m.capacity for m in self.memory], budget, measured=measured)
+        lines = [message] + ([] if fits or not measured else [HOST_LIMIT_HINT])
+        if measured:
+            self.host_need = message
+            for line in lines:
+                print(f"prism: {line}", file=sys.stderr, flush=True)
+        return lines
+
+    def physical_oom(self, rank: int, msg: dict) -> str:
+        """A rank found its device full while under its own cap: the report that ends the job, saying
+        whether evicting other ranks could have made room and what to do."""
+        d = self.slots.device_of(rank)
+        gib = lambda b: f"{b / 2**30:.2f} GiB"  # noqa: E731
+        held, requested = int(msg.get("held", 0)), int(msg.get("requested", 0) or 0)
+        capacity = self.memory[d].capacity if self.memory is not None else int(msg.get("total", 0))
+        cls = self.peaks.class_of(rank)
+        lines = [f"prism: rank {rank} (class {cls}) ran out of memory on the physical device {self.device_names[d]} "
+                 f"(not the target's: it was under its own cap): it held {gib(held)} and asked for "
+                 f"{gib(requested)} more; the device has {gib(capacity)}"
+                 + (f", of which the driver had {gib(int(msg['free']))} free" if msg.get("free") is not None else "")]
+        others = [(r, rs) for r, rs in sorted(self.ranks.items()) if r != rank and self.slots.device_of(r) == d]
+        if self.memory is not None:
+            mem = self.memory[d]
+            resident = [(r, mem.footprint.get(r, 0)) for r, _ in others if r in mem.resident]
+            lines.append("ranks resident on it then: " + (", ".join(f"{r} ({gib(b)}, {self.ranks[r].state})"
+                                                                    for r, b in resident) or "none"))
+            need, source = self.need(rank)
+            expected = {"own": "its own peak at this point of the last iteration",
+                        "class": f"its class's ({cls}) peak"}.get(source, "the bound for a rank not yet measured")
+            lines.append(f"admission had reserved {gib(mem.reserve.get(rank, need))} for this turn ({expected})")
+        else:
+            resident = [(r, 0) for r, _ in others]
+        if held + requested > capacity:
+            lines.append("no eviction can cure this: the rank alone needs more than the device. What to do: "
+                         "declare a larger device only if it has the memory (--prism-device-memory), emulate this "
+                         "rank's class on a larger GPU, or shrink what one rank holds (a smaller micro-batch, more "
+                         "model parallelism)")
+        elif self.memory is None:
+            lines.append("the other ranks on this device hold the rest (no swapping: --swap none). What to do: "
+                         "--prism-swap checkpoint (or auto), fewer slots per device, or more devices")
+        else:
+            lines.append("evicting the other ranks would have made room, but an allocation cannot be retried in "
+                         "place: the rank grew past what admission reserved for it. What to do: run again (the "
+                         "peaks are measured the same way), fewer slots per device (--prism-slots-per-device 1), "
+                         "or declare the device smaller (--prism-device-memory) to leave more headroom")
+        return "\n".join(lines)
 
     def check_footprints(self) -> None:
         """When a FootprintCheck sample is due, as a rank blocks: NVML's figure for every blocked,
@@ -178,4 +331,5 @@ class MemoryGovernor:
         if self.memory is None:
             return False
         self.memory[self.slots.device_of(rank)].forget(rank)
+        self.peaks.forget(rank)
         return True

@@ -31,6 +31,7 @@ class SlotGrants:
             rs.holding = False
             d, s = rs.grant_slot
             self.recorder.slot_turn(rs, self.device_names[d], s)
+        self.governor.released(rs.rank)
         self.apply(self.slots.release(rs.rank))
 
     def apply(self, grants: list[Grant]) -> None:

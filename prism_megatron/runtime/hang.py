@@ -100,7 +100,9 @@ def format_hang_report(ranks: dict[int, RankState], groups: GroupTable, governor
         lines += ["", "Granted a slot but waiting for device memory (no blocked rank left to swap out):"]
         for g in governor.awaiting_room:
             m = mem[g.device]
-            lines.append(f"  rank {g.rank}: needs {m.footprint.get(g.rank, 0) / 2**30:.1f} GiB on "
+            need, source = governor.need(g.rank)
+            why = {"own": "its own peak", "class": "its class's peak"}.get(source, "not measured yet: the bound")
+            lines.append(f"  rank {g.rank}: needs {need / 2**30:.1f} GiB ({why}) on "
                          f"{governor.device_names[g.device]}; {m.used() / 2**30:.1f} of {m.capacity / 2**30:.1f} GiB "
                          f"resident ({_fmt_ranks(sorted(m.resident))})")
         host = mem[0].host

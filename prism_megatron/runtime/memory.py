@@ -15,10 +15,13 @@ driver refuses to lock a process the profiler ran in): a device's ranks run set-
 without the profiler, swapping if they must, and then `timing_verdict` decides from what they hold
 whether the device goes on swapping (no GPU timing) or is pinned (no more swaps, GPU timing on).
 
-A rank whose process has not started CUDA yet (it reports 0 bytes, e.g. blocked in
-`init_process_group` before its first allocation) holds nothing to move, and the driver refuses to
-lock such a process (CUDA_ERROR_NOT_INITIALIZED, bench/gpu/swap_bench.py): it is never a victim,
-and each time it gets a slot it is admitted like a new rank, with room made for its peers' size.
+A rank is admitted for its turn with room for its *expected peak* (runtime.peaks; the caller
+says how much): while it computes, that reserve counts against the device, not what it held when it
+last blocked, so ranks that grow in their turn never overrun the device together. Its report as it
+blocks ends the reserve. A rank whose process has not started CUDA yet (it reports 0 bytes, e.g.
+blocked in `init_process_group` before its first allocation) holds nothing to move, and the driver
+refuses to lock such a process (CUDA_ERROR_NOT_INITIALIZED, bench/gpu/swap_bench.py): it is never a
+victim, and its turns are admitted with room for what it may allocate, like any other's.
 """
 
 from __future__ import annotations
@@ -65,14 +68,23 @@ class DeviceMemory:
     pinned: bool = False  # GPU timing runs here: its ranks cannot be checkpointed, so no swaps any more
     reported: dict[int, int] = field(default_factory=dict)  # each rank's last report, as sent
     offset: dict[int, int] = field(default_factory=dict)  # NVML minus that report at the last cross-check
+    reserve: dict[int, int] = field(default_factory=dict)  # computing ranks: room held for their turn's peak
+    swapped: set[int] = field(default_factory=set)  # ranks whose state is checkpointed to host memory
+    reported_turn: set[int] = field(default_factory=set)  # computing ranks that reported since admission
+
+    def charge(self, rank: int) -> int:
+        """What ``rank`` counts against the device: what it holds, or its reserve while it computes."""
+        held = self.footprint.get(rank, 0) if rank in self.resident else 0
+        return max(held, self.reserve.get(rank, 0))
 
     def used(self) -> int:
-        return sum(self.footprint.get(r, 0) for r in self.resident)
+        return sum(self.charge(r) for r in self.resident | set(self.reserve))
 
     def report(self, rank: int, nbytes: int) -> None:
         """A rank's measured footprint (allocator reserved + context), sent as it blocks: it ran, so it
         is resident, unless it holds nothing on the GPU yet (then its estimate stays, see the module)."""
         self.stats.setdefault(rank, SwapStats())
+        self.reported_turn.add(rank)
         if isinstance(self.swapper, BudgetSwapper):  # the stand-in enforces the same figures
             self.swapper.footprint[rank] = nbytes
             self.swapper.used[rank] = nbytes
@@ -81,6 +93,7 @@ class DeviceMemory:
             self.resident.discard(rank)
             return
         self.no_context.discard(rank)
+        self.swapped.discard(rank)
         self.reported[rank] = nbytes
         self.footprint[rank] = max(nbytes + self.offset.get(rank, 0), 0)
         self.resident.add(rank)
@@ -111,6 +124,9 @@ class DeviceMemory:
     def forget(self, rank: int) -> None:
         """The rank's process ended: its memory is free."""
         self.resident.discard(rank)
+        self.swapped.discard(rank)
+        self.reserve.pop(rank, None)
+        self.reported_turn.discard(rank)
         self.footprint.pop(rank, None)
         self.reported.pop(rank, None)
         self.offset.pop(rank, None)
@@ -123,26 +139,28 @@ class DeviceMemory:
         """Checkpoint a resident rank (the caller guarantees it is blocked)."""
         self._out(rank, pid)
 
-    def make_resident(self, rank: int, evictable: list[int], pids: dict[int, int],
-                      completes_last: Callable[[int], float]) -> bool:
-        """Bring `rank` in, evicting from `evictable` (blocked, resident, slot-less ranks) as needed.
+    def released(self, rank: int) -> None:
+        """``rank`` gave its slot back: its reserve ends. Without a report since its admission (it gave
+        the slot back without blocking on an op), it may hold up to the reserve: count that."""
+        room = self.reserve.pop(rank, None)
+        if room is not None and rank not in self.reported_turn and rank in self.resident:
+            self.footprint[rank] = max(self.footprint.get(rank, 0), room)
+        self.reported_turn.discard(rank)
 
-        Returns False when even evicting every candidate leaves no room (the caller retries later).
+    def make_resident(self, rank: int, need: int, evictable: list[int], pids: dict[int, int],
+                      completes_last: Callable[[int], float]) -> bool:
+        """Room for ``rank``'s turn: ``need`` bytes (its expected peak) while it computes, its state
+        restored if it was swapped out, evicting from ``evictable`` (blocked, slot-less ranks) as needed.
+
+        Returns False, changing nothing, when even evicting every candidate leaves too little room (the
+        caller retries later).
         """
-        if rank in self.resident:  # its state is here, or room is held for a rank without CUDA state
-            return True
-        if self.pinned:  # no swaps here: ranks share the device as under --swap none
-            self.resident.add(rank)
-            return True
-        fresh = rank not in self.stats or rank in self.no_context
-        if fresh:
-            # nothing on the device yet, but it is about to allocate: like the ranks seen so far (the
-            # ranks of one job are alike), so make that much room before it runs, not after an OOM
-            self.stats.setdefault(rank, SwapStats())
-            self.footprint[rank] = max(self.footprint.values(), default=0)
-        need = self.footprint.get(rank, 0)
+        if self.pinned:  # no swaps here: ranks share the device as under --swap none (their peaks fit)
+            return self._restore(rank, pids) if rank in self.swapped else True
+        need = max(need, self.footprint.get(rank, 0) if rank in self.resident or rank in self.swapped else 0)
+        others = sum(self.charge(r) for r in self.resident | set(self.reserve) if r != rank)
         order = sorted((r for r in evictable if self._victim(r) and r != rank), key=completes_last, reverse=True)
-        free, host_free = self.capacity - self.used(), self._host_room()
+        free, host_free = self.capacity - others, self._host_room()
         victims = []
         for r in order:
             if free >= need:
@@ -150,47 +168,54 @@ class DeviceMemory:
             if self.footprint.get(r, 0) > host_free:  # its state would not fit in host memory
                 continue
             victims.append(r)
-            free += self.footprint.get(r, 0)
+            free += self.charge(r)
             host_free -= self.footprint.get(r, 0)
         if free < need:
             return False
         for r in victims:
             self._out(r, pids[r])
-        if fresh:  # room is held for its estimate; it has no CUDA state until it reports real bytes
-            self.resident.add(rank)
-            self.no_context.add(rank)
-            if isinstance(self.swapper, BudgetSwapper):
-                self.swapper.used[rank] = need
-            return True
+        self.stats.setdefault(rank, SwapStats())
+        if rank in self.swapped and not self._restore(rank, pids):
+            return False
+        self.reserve[rank] = need
+        self.reported_turn.discard(rank)
+        return True
+
+    def _restore(self, rank: int, pids: dict[int, int]) -> bool:
         try:
             dt = timed(self.swapper.restore, rank, pids[rank])
         except SwapNoRoom:
             return False
         s = self.stats[rank]
         s.swaps_in += 1
-        s.bytes_in += need
+        s.bytes_in += self.footprint.get(rank, 0)
         s.seconds += dt
+        self.swapped.discard(rank)
         self.resident.add(rank)
         if self.host is not None:
             self.host.held.pop(rank, None)
         return True
 
-    def timing_verdict(self) -> tuple[bool, str]:
-        """Once every rank of the device ended iteration 1: may GPU timing start here? Yes when no rank
-        was swapped and what they hold leaves `TIMING_HEADROOM` of the device for later growth (the
-        caching allocator reaches its peak in the first iteration, optimizer state included); the
-        device is then pinned. No keeps swapping possible and the compute on one clock."""
+    def timing_verdict(self, peaks: dict[int, int] | None = None) -> tuple[bool, str]:
+        """Once every rank of the device ended iteration 1: may GPU timing start here? Yes when the
+        ranks' peaks (``peaks``: rank -> the most it held so far, device bytes; default what they hold)
+        together leave `TIMING_HEADROOM` of the device for later growth (the caching allocator reaches
+        its peak in the first iteration, optimizer state included): they can all stay resident, so the
+        device is pinned (no swaps from here; ranks swapped out are restored as they get a slot). No
+        keeps swapping possible and the compute on one clock. Swaps before the verdict do not matter:
+        the profiler starts only after it."""
+        held = {r: self.footprint.get(r, 0) for r in self.resident}  # not reserves: those are bounds
+        total = sum(held.values()) if peaks is None else sum(max(v, held.get(r, 0)) for r, v in peaks.items())
         swaps = sum(s.swaps_out for s in self.stats.values())
-        held = f"{self.used() / 2**30:.1f} of {self.capacity / 2**30:.1f} GiB"
-        if swaps:
-            return False, (f"GPU timing stays off: ranks were swapped {swaps} time(s) by the end of iteration 1 "
-                           "(a profiled process cannot be checkpointed); compute is replayed on one clock")
-        if self.used() > (1 - TIMING_HEADROOM) * self.capacity:
-            return False, (f"GPU timing stays off: the ranks hold {held} after iteration 1, less than "
-                           f"{TIMING_HEADROOM:.0%} left for growth that may need swaps; compute is replayed on "
-                           "one clock")
+        held = f"{total / 2**30:.1f} of {self.capacity / 2**30:.1f} GiB"
+        if total > (1 - TIMING_HEADROOM) * self.capacity:
+            return False, (f"GPU timing stays off: the ranks' peaks by iteration 1 add up to {held}, less than "
+                           f"{TIMING_HEADROOM:.0%} left for growth, so swaps may be needed; compute is replayed "
+                           "on one clock")
         self.pinned = True
-        return True, f"GPU timing on: the ranks hold {held} after iteration 1 without swaps; no swaps from here"
+        before = f" ({swaps} swap(s) before)" if swaps else ""
+        return True, (f"GPU timing on: the ranks' peaks by iteration 1 add up to {held}; all stay resident, no "
+                      f"swaps from here{before}")
 
     def _victim(self, rank: int) -> bool:
         """Resident and holding GPU state of its own (it reported bytes): a checkpoint would free something."""
@@ -206,5 +231,7 @@ class DeviceMemory:
         s.bytes_out += self.footprint.get(rank, 0)
         s.seconds += dt
         self.resident.discard(rank)
+        self.reserve.pop(rank, None)
+        self.swapped.add(rank)
         if self.host is not None:
             self.host.held[rank] = self.footprint.get(rank, 0)

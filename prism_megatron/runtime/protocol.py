@@ -22,14 +22,15 @@ import torch
 HELLO = "hello"  # {rank, pid, world_size}
 GROUP = "group"  # {name, ranks, backend}
 OP = "op"  # an operation, see RankClient.submit
-BLOCK = "block"  # {ids}: the rank waits for these ops; release its slot until they complete
+BLOCK = "block"  # {ids, mem, peak}: the rank waits for these ops; release its slot until they complete
 ACQUIRE = "acquire"  # the rank wants a slot (start of the program)
 MARK = "mark"  # {name, phase, attrs}: a scheduling-unit marker
 DROP = "drop"  # {segment}: the rank unlinked a shared-memory segment
 BYE = "bye"  # {exit_code}: the rank's program ended
-PREDICT = "predict"  # {iteration}: the rank waits for the predicted time of an iteration (slot released)
+PREDICT = "predict"  # {iteration, mem, peak}: the rank waits for the predicted time of an iteration (slot released)
 GPUTIME = "gputime"  # {rows}: host/device times of closed compute segments (runtime.gpu_timing)
 RELEASE = "release"  # the rank gives its slot back while it idles (RankClient.idle); ACQUIRE asks again
+DEVICE_OOM = "device_oom"  # {held, requested, free}: the physical device was full; answered by VERDICT
 
 # coordinator -> rank
 DONE = "done"  # {id, out: [bytes|None], src}
@@ -38,6 +39,7 @@ GRANT = "grant"  # the rank holds a slot again
 PREDICTED = "predicted"  # {iteration, seconds | None, note}: answer to PREDICT (a GRANT follows)
 ABORT = "abort"  # {message}: the job is ending; every pending op fails
 TIMING = "timing"  # {on, why}: whether the rank's GPU timer may start (--swap auto gates it per device)
+VERDICT = "verdict"  # {report}: answer to DEVICE_OOM, once the launcher has the report
 
 # launcher <-> coordinator
 CONTROL = "control"  # hello of the launcher's control connection

@@ -17,17 +17,46 @@ from prism_megatron.runtime.shm import Arena
 CONTEXT_BYTES = 810 << 20
 
 
-def device_footprint() -> int:
-    """GPU bytes this process holds (0 before CUDA starts): what a swap moves and a restore needs.
+class _TurnPeak:
+    """The caching allocator's reserved bytes at the last report, and how many it had allocated as
+    segments in all by then (``reserved_bytes.all.allocated``, a running sum)."""
 
-    PRISM_FOOTPRINT_BYTES stands in for it where there is no GPU (tests of the swap scheduling).
+    reserved = 0
+    grown = 0
+
+
+def footprint_and_peak() -> tuple[int, int]:
+    """(GPU bytes this process holds now, the most it held since the last report): the report of a
+    rank about to block, whose peak is the turn's that ends (runtime.peaks).
+
+    The allocator's own peak (``max_memory_reserved``) is the program's figure and is never reset:
+    the turn's peak is read from running sums instead. Reserved memory only grows by new segments,
+    so the peak since the last report is at most reserved then plus the segment bytes allocated
+    since, and exactly that unless the allocator released segments meanwhile (``empty_cache``, or its
+    retry after a failed cudaMalloc): then it is an upper bound. Each call starts the next turn.
+    0 before CUDA starts.
+
+    PRISM_FOOTPRINT_BYTES (a constant) and PRISM_FAKE_DEVICE (runtime.fake_device, a counter test
+    programs allocate through) stand in for the GPU in tests of the swap scheduling.
     """
     fake = os.environ.get("PRISM_FOOTPRINT_BYTES")
     if fake:
-        return int(fake)
+        return int(fake), int(fake)
+    if os.environ.get("PRISM_FAKE_DEVICE"):
+        from prism_megatron.runtime.fake_device import shared
+
+        dev, rank = shared(), int(os.environ["RANK"])
+        return dev.take_peak(rank)
     if not torch.cuda.is_available() or not torch.cuda.is_initialized():
-        return 0
-    return int(torch.cuda.memory_reserved()) + CONTEXT_BYTES
+        return 0, 0
+    stats = torch.cuda.memory_stats()
+    reserved = int(stats.get("reserved_bytes.all.current", 0))
+    grown = int(stats.get("reserved_bytes.all.allocated", 0))
+    since = grown - _TurnPeak.grown
+    # a program that resets the accumulated stats restarts the running sum: then its peak since is the bound
+    peak = _TurnPeak.reserved + since if since >= 0 else int(stats.get("reserved_bytes.all.peak", reserved))
+    _TurnPeak.reserved, _TurnPeak.grown = reserved, grown
+    return reserved + CONTEXT_BYTES, max(peak, reserved) + CONTEXT_BYTES
 
 
 def span(t: torch.Tensor) -> tuple[str, int, int]:

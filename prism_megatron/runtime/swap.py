@@ -10,7 +10,10 @@ budget without a GPU, for tests of the scheduling logic.
 from __future__ import annotations
 
 import time
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from prism_megatron.runtime.fake_device import FakeDevice
 
 
 class SwapNoRoom(RuntimeError):
@@ -30,12 +33,17 @@ class Swapper(Protocol):
 
 
 class BudgetSwapper:
-    """Stand-in: a device of `capacity` bytes; ranks' footprints as the memory manager reports them."""
+    """Stand-in: a device of `capacity` bytes; ranks' footprints as the memory manager reports them.
+
+    With a ``device`` (runtime.fake_device, shared with the ranks), what the ranks really hold there
+    moves out and in too, and a restore that does not fit beside the residents fails as on a GPU.
+    """
 
     name = "budget"
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, device: FakeDevice | None = None) -> None:
         self.capacity = capacity
+        self.device = device
         self.used: dict[int, int] = {}
         self.footprint: dict[int, int] = {}
         self.log: list[tuple[str, int]] = []
@@ -44,12 +52,17 @@ class BudgetSwapper:
         if not self.footprint.get(rank):  # the driver refuses a process without CUDA state
             raise RuntimeError(f"rank {rank}: cuCheckpointProcessLock failed: CUDA_ERROR_NOT_INITIALIZED")
         self.used.pop(rank, None)
+        if self.device is not None:
+            self.device.swap_out(rank)
         self.log.append(("out", rank))
 
     def restore(self, rank: int, pid: int) -> None:
         need = self.footprint.get(rank, 0)
         if sum(self.used.values()) + need > self.capacity:
             raise SwapNoRoom(f"rank {rank}: restore of {need} bytes does not fit")
+        if self.device is not None and not self.device.swap_in(rank):
+            raise SwapNoRoom(f"rank {rank}: restore of {self.device.held(rank)} bytes does not fit the stand-in "
+                             f"device beside its residents ({self.device.used()} of {self.device.capacity} bytes)")
         self.used[rank] = need
         self.log.append(("in", rank))
 

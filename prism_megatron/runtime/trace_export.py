@@ -40,6 +40,9 @@ def write_bare_trace(path: Path, job: dict, exit_codes: dict, *, world_size: int
     job = dict(job)  # the launcher's, with what only the coordinator knows
     if governor.memory is not None:
         job["swap"] = governor.swap_stats()
+        job["admission"] = dict(governor.admissions)  # turns admitted by own peak, class peak, or the bound
+        if governor.host_need is not None:
+            job["host_memory_need"] = governor.host_need
     if governor.timing_gated:
         job["gpu_timing_by_device"] = governor.timing_verdicts()
     if governor.footprint_check is not None:

@@ -1,0 +1,154 @@
+"""A stand-in for one GPU's memory, for CPU tests of admission and swapping.
+
+A table in a file, shared by the ranks of a job and the coordinator: each rank's bytes on the
+"device", whether its state is resident, and its peak since its last report. A test program
+allocates and frees through it (``alloc``/``free``: the counter a rank's footprint is read from,
+``staging.footprint_and_peak``); the stand-in swapper (``swap.BudgetSwapper``) marks ranks out and
+in. An allocation that would take the resident ranks past the capacity raises ``DeviceFull``, a
+``torch.OutOfMemoryError`` as the CUDA allocator raises when the physical GPU is full: so a test
+sees an overrun of the device as the GPU would, not as a bookkeeping assertion.
+
+``PRISM_FAKE_DEVICE`` names the file (made by ``FakeDevice.create``); ranks know themselves by RANK.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+import struct
+from pathlib import Path
+
+import torch
+
+ENV = "PRISM_FAKE_DEVICE"
+_HEAD = struct.Struct("<qq")  # capacity, ranks
+_ROW = struct.Struct("<qqq")  # bytes held, peak since the last report, resident (1) or swapped out (0)
+
+
+class DeviceFull(torch.OutOfMemoryError):
+    """The stand-in device is full: what a physical GPU's out-of-memory is in CPU tests. ``figures``:
+    what a GPU rank reports of one (memory.probe.MemoryProbe.physical)."""
+
+    def __init__(self, message: str, figures: dict) -> None:
+        super().__init__(message)
+        self.figures = figures
+
+
+class FakeDevice:
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self._f = open(self.path, "r+b")  # noqa: SIM115 - lives as long as the device
+        self._m = mmap.mmap(self._f.fileno(), 0)
+        self.capacity, self.ranks = _HEAD.unpack_from(self._m, 0)
+
+    @classmethod
+    def create(cls, path: Path, capacity: int, ranks: int) -> FakeDevice:
+        data = bytearray(_HEAD.size + _ROW.size * ranks)
+        _HEAD.pack_into(data, 0, capacity, ranks)
+        for r in range(ranks):
+            _ROW.pack_into(data, _HEAD.size + _ROW.size * r, 0, 0, 1)
+        Path(path).write_bytes(bytes(data))
+        return cls(path)
+
+    @classmethod
+    def from_env(cls) -> FakeDevice | None:
+        path = os.environ.get(ENV)
+        return cls(Path(path)) if path else None
+
+    def _row(self, rank: int) -> tuple[int, int, int]:
+        if not 0 <= rank < self.ranks:
+            raise ValueError(f"fake device {self.path}: rank {rank} is outside 0..{self.ranks - 1}")
+        return _ROW.unpack_from(self._m, _HEAD.size + _ROW.size * rank)
+
+    def _set(self, rank: int, held: int, peak: int, resident: int) -> None:
+        _ROW.pack_into(self._m, _HEAD.size + _ROW.size * rank, held, peak, resident)
+
+    def _locked(self):
+        return _Lock(self._f)
+
+    def used(self) -> int:
+        """Bytes the resident ranks hold."""
+        with self._locked():
+            return self._used()
+
+    def _used(self) -> int:
+        rows = (self._row(r) for r in range(self.ranks))
+        return sum(held for held, _, resident in rows if resident)
+
+    def alloc(self, rank: int, nbytes: int) -> None:
+        with self._locked():
+            held, peak, resident = self._row(rank)
+            if not resident:
+                raise RuntimeError(f"fake device: rank {rank} allocates while swapped out (it computes without "
+                                   "its state: a scheduling bug)")
+            used = self._used()
+            if used + nbytes > self.capacity:
+                raise DeviceFull(f"CUDA out of memory (prism stand-in device). Tried to allocate {nbytes} bytes; "
+                                 f"rank {rank} holds {held} bytes; the device's resident ranks hold {used} of "
+                                 f"{self.capacity} bytes",
+                                 {"held": held, "requested": nbytes, "free": self.capacity - used,
+                                  "total": self.capacity})
+            self._set(rank, held + nbytes, max(peak, held + nbytes), resident)
+
+    def free(self, rank: int, nbytes: int) -> None:
+        with self._locked():
+            held, peak, resident = self._row(rank)
+            self._set(rank, max(held - nbytes, 0), peak, resident)
+
+    def take_peak(self, rank: int) -> tuple[int, int]:
+        """(bytes held now, peak since the last call): the rank's report as it blocks."""
+        with self._locked():
+            held, peak, resident = self._row(rank)
+            self._set(rank, held, held, resident)
+            return held, max(peak, held)
+
+    def held(self, rank: int) -> int:
+        return self._row(rank)[0]
+
+    def swap_out(self, rank: int) -> None:
+        with self._locked():
+            held, peak, _ = self._row(rank)
+            self._set(rank, held, peak, 0)
+
+    def swap_in(self, rank: int) -> bool:
+        """Make the rank's state resident again; False when it does not fit beside the residents."""
+        with self._locked():
+            held, peak, resident = self._row(rank)
+            if not resident and self._used() + held > self.capacity:
+                return False
+            self._set(rank, held, peak, 1)
+            return True
+
+
+class _Lock:
+    def __init__(self, f) -> None:
+        self._f = f
+
+    def __enter__(self) -> None:
+        fcntl.flock(self._f.fileno(), fcntl.LOCK_EX)
+
+    def __exit__(self, *exc) -> None:
+        fcntl.flock(self._f.fileno(), fcntl.LOCK_UN)
+
+
+def alloc(nbytes: int) -> None:
+    """For test programs: this rank (RANK) allocates ``nbytes`` on the stand-in device."""
+    shared().alloc(int(os.environ["RANK"]), nbytes)
+
+
+def free(nbytes: int) -> None:
+    shared().free(int(os.environ["RANK"]), nbytes)
+
+
+_DEVICE: FakeDevice | None = None
+
+
+def shared() -> FakeDevice:
+    """This process's handle on the stand-in device named by PRISM_FAKE_DEVICE (opened once)."""
+    global _DEVICE
+    if _DEVICE is None:
+        _DEVICE = FakeDevice.from_env()
+        if _DEVICE is None:
+            raise RuntimeError(f"{ENV} is not set: no stand-in device to allocate from")
+    return _DEVICE
