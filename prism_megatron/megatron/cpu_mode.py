@@ -19,9 +19,11 @@ What it does while active:
 * The mode stays active inside autograd's backward: torch pops a mode while it handles
   ``Tensor.backward``/``torch.autograd.backward``/``grad``, so the engine entry point
   (``torch.autograd._engine_run_backward``) is wrapped to push it back.
-* ``torch.cuda`` calls get the stand-ins of :mod:`.cpu_cuda_stubs` (one virtual device 0;
-  the "CUDA" RNG is ``torch.default_generator``). ``torch.cuda.is_available()`` keeps
-  answering False (see ``cpu_cuda_stubs.cuda_stand_ins``).
+* ``torch.cuda`` and ``torch.accelerator`` calls get the stand-ins of :mod:`.cpu_cuda_stubs`
+  (one virtual device 0; the "CUDA" RNG is ``torch.default_generator``). Both say no
+  accelerator is available, on a CPU and on a CUDA build of torch alike, so torch's optimizers
+  and DataLoader take their host paths; a rank never initialises CUDA (in a forked rank that is
+  "Cannot re-initialize CUDA in forked subprocess").
 * Megatron seams (patched only with ``patch_megatron=True``; checked against
   megatron-core 0.16.1, failing loudly when one moved):
   - ``tensor_parallel.random``: its module-level ``_lazy_call`` (bound at import) queues
@@ -337,8 +339,8 @@ def enable_cpu_mode(patch_megatron: bool = True) -> None:
         mode = _CudaToCpuMode()
         try:
             for module_name, stand_ins in stubs.cuda_stand_ins().items():
-                module = sys.modules[module_name]
-                for name, value in stand_ins.items():
+                module = sys.modules.get(module_name)  # torch.accelerator: torch >= 2.6
+                for name, value in stand_ins.items() if module is not None else ():
                     if hasattr(module, name):
                         patches.setattr(module, name, value)
             for module in (torch.autograd, torch.autograd.graph):
