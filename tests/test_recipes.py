@@ -128,7 +128,7 @@ def assert_problem(err: RecipeError, field: str, fragment: str) -> None:
 
 def test_shipped_recipe_set():
     assert sorted(recipe_names()) == sorted(SHIPPED)
-    assert RECIPES_DIR == REPO / "recipes"
+    assert RECIPES_DIR == REPO / "prism_megatron" / "recipes"
 
 
 @pytest.mark.parametrize("name", sorted(SHIPPED))

@@ -24,8 +24,8 @@ What it does while active:
   accelerator is available, on a CPU and on a CUDA build of torch alike, so torch's optimizers
   and DataLoader take their host paths; a rank never initialises CUDA (in a forked rank that is
   "Cannot re-initialize CUDA in forked subprocess").
-* Megatron seams (patched only with ``patch_megatron=True``; checked against
-  megatron-core 0.16.1, failing loudly when one moved):
+* Megatron seams (patched only with ``patch_megatron=True``; checked against the supported
+  releases of :mod:`.versions`, failing loudly when one moved):
   - ``tensor_parallel.random``: its module-level ``_lazy_call`` (bound at import) queues
     callbacks forever on a CPU build, so ``_set_cuda_rng_state`` and thus the RNG tracker's
     ``add``/``fork`` silently did nothing; it now runs callbacks at once. Its "CPU RNG
@@ -68,10 +68,10 @@ import torch
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
 from prism_megatron.megatron import cpu_cuda_stubs as stubs
+from prism_megatron.megatron.versions import checked_versions
 
 __all__ = ["cpu_mode", "cpu_mode_active", "disable_cpu_mode", "enable_cpu_mode"]
 
-CHECKED_MEGATRON_VERSIONS = ("0.16.1",)
 
 # The real torch.cuda, captured before anything here can patch it.
 _REAL_IS_AVAILABLE = torch.cuda.is_available
@@ -253,7 +253,7 @@ def _seam(module: ModuleType, name: str) -> Any:
 
         raise RuntimeError(
             f"prism cpu mode: megatron seam {module.__name__}.{name} is gone in megatron-core "
-            f"{__version__} (checked against {', '.join(CHECKED_MEGATRON_VERSIONS)}); update cpu_mode"
+            f"{__version__} (checked against {', '.join(checked_versions())}); update cpu_mode"
         )
     return getattr(module, name)
 
