@@ -25,6 +25,8 @@ from prism_megatron.megatron.cpu_mode import (
     enable_cpu_mode,
 )
 
+pytestmark = pytest.mark.megatron  # runs megatron-core: CI also runs it on the second stack (.ci/run)
+
 REPO = Path(__file__).resolve().parents[1]
 GPU = cpu_mode._gpu_present()
 cpu_only = pytest.mark.skipif(GPU, reason="CPU mode refuses to run where a GPU is present")

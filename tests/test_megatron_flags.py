@@ -19,6 +19,8 @@ from prism_megatron.megatron.megatron_lm import find_megatron_lm
 from prism_megatron.megatron.run import RunError, parse_run_args, run
 from prism_megatron.patches import SeamMoved, seam
 
+pytestmark = pytest.mark.megatron  # runs megatron-core: CI also runs it on the second stack (.ci/run)
+
 REPO = Path(__file__).resolve().parents[1]
 
 

@@ -66,3 +66,17 @@ def test_auto_driver_and_requirement_from_the_table():
     driver, why = versions.auto_driver("0.18.0")
     assert driver == "core" and "0.18.0 is not a supported release" in why
     assert versions.auto_driver(None)[0] == "core"
+
+
+def test_every_test_that_runs_megatron_carries_the_marker():
+    """.ci/run's Python 3.12 leg selects the Megatron tests by the `megatron` marker: a file that imports
+    Megatron or runs a recipe without it would silently stay untested on the second stack."""
+    import re
+
+    unmarked = []
+    for path in sorted((REPO / "tests").glob("test_*.py")):
+        text = path.read_text(encoding="utf-8")
+        runs_megatron = re.search(r"^\s*(import|from) megatron\b", text, re.M) or '"run", "--recipe"' in text
+        if runs_megatron and "pytest.mark.megatron" not in text:
+            unmarked.append(path.name)
+    assert not unmarked

@@ -53,6 +53,7 @@ def test_publish_logs_ours_and_resumes_megatrons_run(tmp_path, monkeypatch):
 
 
 @pytest.mark.skipif(cpu_mode._gpu_present(), reason="CPU-mode runs refuse a GPU")
+@pytest.mark.megatron
 def test_run_writes_report_and_an_offline_wandb_run(tmp_path):
     env = {**os.environ, **_wandb_env(tmp_path)}
     p = subprocess.run([sys.executable, "-m", "prism_megatron", "run", "--recipe", "mini-dense-tp2pp2",
@@ -97,6 +98,7 @@ def test_publish_without_wandb_or_with_a_failing_wandb_keeps_the_report(tmp_path
 
 
 @pytest.mark.skipif(cpu_mode._gpu_present(), reason="CPU-mode runs refuse a GPU")
+@pytest.mark.megatron
 def test_run_with_calibration_predicts_from_the_calibrated_graph(tmp_path):
     """--prism-calibrate on: each slice (a TP pair) re-runs Megatron for real beside virtual ranks (which
     contribute the recorded pickles of Megatron's object collectives), and the report uses the result."""

@@ -51,6 +51,8 @@ from prism_megatron.recipe import (
 from prism_megatron.recipe.load import name_of
 from prism_megatron.recipe.schema import RECIPE_FLAGS
 
+pytestmark = pytest.mark.megatron  # runs megatron-core: CI also runs it on the second stack (.ci/run)
+
 REPO = Path(__file__).resolve().parents[1]
 
 SHIPPED = {
