@@ -80,3 +80,15 @@ def test_every_test_that_runs_megatron_carries_the_marker():
         if runs_megatron and "pytest.mark.megatron" not in text:
             unmarked.append(path.name)
     assert not unmarked
+
+
+def test_ci_runs_the_readme_test_command_verbatim():
+    """CI's first leg is exactly what the README tells a user to run; its second reads the table's pins."""
+    import re
+
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    blocks = re.findall(r"```bash\n(.*?)\n```", readme, re.S)
+    command = next(b for b in blocks if b.startswith("python3 -m venv") and b.endswith("pytest -q"))
+    ci = (REPO / ".ci" / "run").read_text(encoding="utf-8")
+    assert command in ci.splitlines()
+    assert "prism_megatron/megatron/versions.py" in ci and "-m megatron" in ci
