@@ -168,7 +168,6 @@ def test_megatron_memory_lines_are_parsed_per_rank():
 
 
 @_CPU_ONLY
-@pytest.mark.megatron
 def test_fake_pg_anchor_beside_the_measured_peak(tmp_path):
     """Dense job: Megatron's fake process group and our emulation agree on each class's peak (as on the
     H200, device-notes); the report carries both; a broken anchor file is named in the error."""

@@ -98,7 +98,6 @@ def test_publish_without_wandb_or_with_a_failing_wandb_keeps_the_report(tmp_path
 
 
 @pytest.mark.skipif(cpu_mode._gpu_present(), reason="CPU-mode runs refuse a GPU")
-@pytest.mark.megatron
 def test_run_with_calibration_predicts_from_the_calibrated_graph(tmp_path):
     """--prism-calibrate on: each slice (a TP pair) re-runs Megatron for real beside virtual ranks (which
     contribute the recorded pickles of Megatron's object collectives), and the report uses the result."""
