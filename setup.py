@@ -1,6 +1,13 @@
 """Install prism-megatron: `pip install -e .[test]` (see README for the two commands)."""
 
+import runpy
+from pathlib import Path
+
 from setuptools import find_packages, setup
+
+# The supported megatron-core releases are stated once, in the package (loaded by path: nothing is installed yet).
+_versions = runpy.run_path(str(Path(__file__).parent / "prism_megatron" / "megatron" / "versions.py"))
+MEGATRON_CORE = _versions["requirement"]()
 
 setup(
     name="prism-megatron",
@@ -10,6 +17,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["prism_megatron", "prism_megatron.*", "nccl_prune", "nccl_prune.*"]),
+    package_data={"prism_megatron.recipes": ["**/*.yaml"]},  # the shipped recipes and cluster profiles
     install_requires=[
         "torch>=2.4",
         "pyyaml>=6",
@@ -20,9 +28,10 @@ setup(
         "nvidia-ml-py>=12",
     ],
     extras_require={
-        "megatron": ["megatron-core>=0.16,<0.20"],
+        "megatron": [MEGATRON_CORE],
         "te": ["transformer-engine[pytorch]"],
-        "test": ["pytest>=8", "pytest-timeout>=2.3", "ruff>=0.6", "megatron-core>=0.16,<0.20"],
+        # setuptools >= 70.1 builds wheels itself (no `wheel` package): the packaging test builds one
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "ruff>=0.6", "setuptools>=70.1", MEGATRON_CORE],
     },
     entry_points={"console_scripts": ["prism-megatron=prism_megatron.cli:main"]},
 )

@@ -12,6 +12,8 @@ import pytest
 from prism_megatron.patches import schedules
 from prism_megatron.trace import markers
 
+pytestmark = pytest.mark.megatron  # runs megatron-core: CI also runs it on the second stack (.ci/run)
+
 
 class _Sink:
     def __init__(self) -> None:

@@ -25,6 +25,8 @@ from prism_megatron.megatron.cpu_mode import (
     enable_cpu_mode,
 )
 
+pytestmark = pytest.mark.megatron  # runs megatron-core: CI also runs it on the second stack (.ci/run)
+
 REPO = Path(__file__).resolve().parents[1]
 GPU = cpu_mode._gpu_present()
 cpu_only = pytest.mark.skipif(GPU, reason="CPU mode refuses to run where a GPU is present")
@@ -154,6 +156,11 @@ def test_mode_stays_active_in_backward():
 def test_cuda_stand_ins():
     enable_cpu_mode(patch_megatron=False)
     assert torch.cuda.is_available() is False  # deliberately the truth (cpu_cuda_stubs docstring)
+    assert torch.accelerator.is_available() is False and torch.accelerator.current_accelerator() is None
+    assert torch.accelerator.current_device_index() == 0
+    assert torch.accelerator.current_stream() is torch.cuda.current_stream()
+    assert not torch.accelerator.current_stream().is_capturing() and not torch.cuda.is_current_stream_capturing()
+    torch.accelerator.synchronize()
     assert torch.cuda.device_count() == 1 and torch.cuda.current_device() == 0
     torch.cuda.set_device(0)
     torch.cuda.synchronize()
@@ -217,7 +224,7 @@ def test_enable_disable_restores_everything():
     enable_cpu_mode()  # idempotent
     changed = {k for k, v in _cuda_attributes().items() if v is not before[k]}
     assert ("torch.cuda", "current_device") in changed and ("torch.cuda.random", "get_rng_state") in changed
-    assert ("torch.cuda", "is_available") not in before
+    assert ("torch.cuda", "is_available") in changed and ("torch.accelerator", "current_stream") in changed
     assert megatron_seams() != seams_before
     assert len(_get_current_function_mode_stack()) == 1
     disable_cpu_mode()
@@ -232,6 +239,52 @@ def test_enable_disable_restores_everything():
     with cpu_mode.cpu_mode(patch_megatron=False):
         assert torch.empty(1, device="cuda").device.type == "cpu"
     assert not cpu_mode_active()
+
+
+class _TouchedCuda(AssertionError):
+    pass
+
+
+def _as_a_cuda_build_without_a_gpu(monkeypatch) -> None:
+    """Make this CPU build answer as PyPI's CUDA build does on a machine without a GPU, in a rank the
+    launcher started (NVML-based availability check), with every way into the CUDA runtime failing."""
+    def touched(*args, **kwargs):
+        raise _TouchedCuda("a CUDA runtime call was made")
+
+    import torch._dynamo  # noqa: F401  (the optimizers import it lazily; on a CUDA build it binds CUDA internals)
+
+    monkeypatch.setenv("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+    monkeypatch.setattr(torch.cuda, "_is_compiled", lambda: True)
+    monkeypatch.setattr(torch.cuda, "_lazy_init", touched)
+    monkeypatch.setattr(torch._C, "_accelerator_getAccelerator", lambda: torch.device("cuda"))
+    monkeypatch.setattr(torch._C, "_cuda_getDeviceCount", lambda: 0, raising=False)  # no GPU (absent on CPU)
+    for name in ("_accelerator_getDeviceIndex", "_accelerator_getStream", "_accelerator_synchronizeDevice",
+                 "_accelerator_setDeviceIndex"):
+        monkeypatch.setattr(torch._C, name, touched)
+
+
+@cpu_only
+def test_torch_accelerator_paths_never_touch_cuda_on_a_cuda_build(monkeypatch):
+    """torch 2.13's device-generic code under CPU mode on a CUDA build: Adam's graph-capture health check
+    (torch.accelerator.current_stream) and a DataLoader with Megatron's defaults (2 workers, pin_memory)
+    take their host paths; without the accelerator stand-ins both reached the CUDA runtime."""
+    _as_a_cuda_build_without_a_gpu(monkeypatch)
+    assert torch.accelerator.current_accelerator() == torch.device("cuda")  # the fake holds
+    enable_cpu_mode(patch_megatron=False)
+    assert not torch.cuda.is_available() and torch.accelerator.current_accelerator(check_available=True) is None
+    weight = torch.nn.Parameter(torch.ones(4, device="cuda"))
+    optimizer = torch.optim.Adam([weight], lr=0.1)
+    weight.sum().backward()
+    optimizer.step()
+    assert torch.all(weight < 1)
+    data = torch.utils.data.TensorDataset(torch.arange(8.0))
+    loader = torch.utils.data.DataLoader(data, batch_size=2, num_workers=2, pin_memory=True,
+                                         persistent_workers=True)
+    with pytest.warns(UserWarning, match="no accelerator"):
+        batches = iter(loader)
+    assert sorted(float(x) for (batch,) in batches for x in batch) == [float(i) for i in range(8)]
+    assert getattr(batches, "_pin_memory_thread", None) is None
+    batches._shutdown_workers()
 
 
 # ----------------------------------------------------------------------------- safety

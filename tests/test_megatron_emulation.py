@@ -39,6 +39,7 @@ _NO_TRAINING = pytest.mark.skipif(not training_available(), reason="Megatron-LM'
 DRIVERS = [pytest.param("core", id="core"), pytest.param("training", id="training", marks=_NO_TRAINING)]
 
 pytestmark = [
+    pytest.mark.megatron,  # runs megatron-core: CI also runs it on the second stack (.ci/run)
     pytest.mark.skipif(cpu_mode._gpu_present(), reason="these CPU runs need CPU mode, which refuses a GPU"),
 ]
 
@@ -243,6 +244,26 @@ def test_megatron_ops_are_labelled(driver, runs):
     assert all(label for kind, label in pipeline if kind in ("send", "recv"))
     distopt = labels("tp2dp2-distopt")
     assert {("reduce_scatter", "grad-reduce-scatter"), ("all_gather", "param-all-gather")} <= distopt
+
+
+@pytest.mark.skipif(not training_available(), reason="megatron.training is not importable: the megatron-core "
+                    "0.16 wheel lacks it (0.19's wheel ships it; or set MEGATRON_LM_PATH to a checkout)")
+def test_pretrain_with_default_data_loader_workers(runs):
+    """Megatron's training loop (``megatron.training.pretrain``, called by pretrain_gpt_mini.py as
+    Megatron-LM's pretrain_gpt.py calls it) with Megatron's default ``--num-workers 2``: the data-loading
+    ranks fork DataLoader workers and ask torch for pinned memory, and no rank may touch CUDA (on PyPI's
+    CUDA build of torch, torch.accelerator's device queries would fail in a forked rank)."""
+    from prism_megatron.recipe import load_recipe, render_args
+
+    assert not any(a.startswith("--num-workers") for a in render_args(load_recipe(CASES["tp2pp2"][0])))
+    result = runs.prism("tp2pp2", "training")
+    logs = result["trace"].parent / "trace.logs"
+    assert re.search(r"num_workers \.+ 2\n", (logs / "rank-0.log").read_text()), "Megatron's default was used"
+    assert "train/valid/test-data-iterators-setup" in result["output"]
+    got = result["metrics"]
+    assert sorted({it for _, it in got}) == [1, 2, 3] and all(math.isfinite(loss["lm loss"])
+                                                              for loss, _ in got.values() if loss)
+    assert "re-initialize CUDA" not in result["output"]
 
 
 @_NO_TRAINING

@@ -19,6 +19,8 @@ from prism_megatron.megatron.megatron_lm import find_megatron_lm
 from prism_megatron.megatron.run import RunError, parse_run_args, run
 from prism_megatron.patches import SeamMoved, seam
 
+pytestmark = pytest.mark.megatron  # runs megatron-core: CI also runs it on the second stack (.ci/run)
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -66,36 +68,37 @@ def test_recipe_supplies_script_flags_env_and_world_size():
     assert req.driver_note.startswith("prism: driver core (core_gpt.py; --prism-driver core")
 
 
-def test_auto_driver_is_training_when_importable_else_core(monkeypatch):
-    """auto never falls back silently: the note names the driver and why; training fails when absent."""
+def test_auto_driver_follows_the_supported_table(monkeypatch):
+    """auto never falls back silently: the note names the driver and why (the table's reason for the
+    installed release); training fails when absent; a release outside the table gets the core driver."""
+    from megatron.core import package_info
+
+    from prism_megatron.megatron import run as run_mod
     from prism_megatron.megatron.driver import CORE_DRIVER_SCRIPT, DRIVER_SCRIPT
     from prism_megatron.megatron.megatron_lm import training_available
+    from prism_megatron.megatron.versions import support_for
 
-    expected = "training" if training_available() else "core"
+    installed = run_mod._megatron_core_version()
+    assert installed is not None and installed.split(".")[:2] == [str(package_info.MAJOR), str(package_info.MINOR)]
+    row = support_for(installed)
+    assert row is not None, f"megatron-core {installed} is installed but not in the supported table"
+    expected = "training" if row.auto_driver == "training" and training_available() else "core"
     req = parse_run_args(["--recipe", "mini-dense-tp2pp2"])
     assert req.env["PRISM_MEGATRON_DRIVER"] == expected
     assert req.script == {"training": DRIVER_SCRIPT, "core": CORE_DRIVER_SCRIPT}[expected]
-    monkeypatch.setenv("PRISM_MEGATRON_LM", "none")  # hides any checkout
+    if expected == "training":
+        assert row.why in req.driver_note and installed in req.driver_note
+    monkeypatch.setenv("PRISM_MEGATRON_LM", "none")  # hides megatron.training, installed or a checkout
     req = parse_run_args(["--recipe", "mini-dense-tp2pp2"])
     assert req.script == CORE_DRIVER_SCRIPT and req.env["PRISM_MEGATRON_DRIVER"] == "core"
     assert "megatron.training is not importable" in req.driver_note
     with pytest.raises(RunError, match="--prism-driver training needs megatron.training"):
         parse_run_args(["--recipe", "mini-dense-tp2pp2", "--prism-driver", "training"])
-
-
-def test_auto_driver_is_core_on_a_megatron_core_newer_than_the_training_drivers(monkeypatch):
-    """On the GPU machine (megatron-core 0.19.2, whose wheel has megatron.training) the training driver
-    fails at import; auto must not pick it there, and must say why."""
-    from prism_megatron.megatron import run as run_mod
-    from prism_megatron.megatron.driver import CORE_DRIVER_SCRIPT
-
-    monkeypatch.setattr(run_mod, "_megatron_core_version", lambda: (0, 19, 2))
+    monkeypatch.delenv("PRISM_MEGATRON_LM")
+    monkeypatch.setattr(run_mod, "_megatron_core_version", lambda: "0.21.0")
     req = parse_run_args(["--recipe", "mini-dense-tp2pp2"])
-    assert req.script == CORE_DRIVER_SCRIPT and "megatron-core 0.19.2 is newer than" in req.driver_note
-    monkeypatch.undo()
-    from megatron.core import package_info
+    assert req.script == CORE_DRIVER_SCRIPT and "megatron-core 0.21.0 is not a supported release" in req.driver_note
 
-    assert run_mod._megatron_core_version()[:2] == (package_info.MAJOR, package_info.MINOR)
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -277,7 +280,7 @@ def test_recipe_target_sets_the_default_verdict_and_flags_override_it(tmp_path):
                           "--prism-target-gpu", "a100-80gb", "--prism-cluster", "h200-nvlink-ib400"])
     assert (req.job_options().target_gpu, req.run_options().cluster) == ("a100-80gb", "h200-nvlink-ib400")
     assert req.notes == []
-    text = (REPO / "recipes" / "mini" / "dense-tp2pp2dp2.yaml").read_text()
+    text = (REPO / "prism_megatron" / "recipes" / "mini" / "dense-tp2pp2dp2.yaml").read_text()
     bad = tmp_path / "bad.yaml"
     bad.write_text(text.replace("gpu: h100-80gb", "gpu: h999-1gb"))
     with pytest.raises(RunError, match=r"bad.yaml: target.gpu: .*'h999-1gb' is neither a known GPU"):

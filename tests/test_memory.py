@@ -122,6 +122,7 @@ def _marks(trace: Path, name: str) -> list[tuple[int, dict]]:
 
 
 @_CPU_ONLY
+@pytest.mark.megatron
 def test_budget_run_records_memory_and_an_oom_is_a_prediction(tmp_path):
     ok, trace = _run(tmp_path, "fits", "0.05")  # 50 MiB: the mini model needs ~5 MiB per rank
     assert ok.returncode == 0, ok.stderr[-3000:]

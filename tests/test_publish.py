@@ -53,6 +53,7 @@ def test_publish_logs_ours_and_resumes_megatrons_run(tmp_path, monkeypatch):
 
 
 @pytest.mark.skipif(cpu_mode._gpu_present(), reason="CPU-mode runs refuse a GPU")
+@pytest.mark.megatron
 def test_run_writes_report_and_an_offline_wandb_run(tmp_path):
     env = {**os.environ, **_wandb_env(tmp_path)}
     p = subprocess.run([sys.executable, "-m", "prism_megatron", "run", "--recipe", "mini-dense-tp2pp2",

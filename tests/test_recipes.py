@@ -52,6 +52,8 @@ from prism_megatron.recipe import (
 from prism_megatron.recipe.load import name_of
 from prism_megatron.recipe.schema import RECIPE_FLAGS
 
+pytestmark = pytest.mark.megatron  # runs megatron-core: CI also runs it on the second stack (.ci/run)
+
 REPO = Path(__file__).resolve().parents[1]
 
 SHIPPED = {
@@ -143,7 +145,7 @@ TARGETS = {
 
 def test_shipped_recipe_set():
     assert sorted(recipe_names()) == sorted([*SHIPPED, *TARGETS])
-    assert RECIPES_DIR == REPO / "recipes"
+    assert RECIPES_DIR == REPO / "prism_megatron" / "recipes"
 
 
 def _field(recipe: Recipe, dotted: str):
@@ -664,7 +666,7 @@ CORE_AGREEMENT = [
     ("sp-tp1", DENSE, {"parallel.tp": 1, "parallel.sequence_parallel": True}, "parallel.sequence_parallel",
      "config", "sequence parallelism without tensor parallelism"),
     ("layers-pp", DENSE, {"model.num_layers": 3}, "parallel.pp", "layers",
-     "divisible by pipeline_model_parallel_size"),
+     r"divisible by (config\.)?pipeline_model_parallel_size"),  # 0.19 names it config.pipeline_...
     ("vpp-layers", DENSE, {"parallel.vpp": 4}, "parallel.vpp", "layers", "divisible by vp_size"),
     ("expert-dp", MOE, {"parallel.ep": 4, "parallel.pp": 2, "model.moe.num_experts": 8}, "parallel.ep", "pg",
      "expert_tensor_model_pipeline_parallel size"),
@@ -850,8 +852,8 @@ ARGS_AGREEMENT = [
     ("cp-seq", DENSE, {"parallel.cp": 2, "parallel.pp": 1, "model.seq_length": 62,
                        "model.transformer_impl": "transformer_engine"}, "parallel.cp",
      "multiple of 2 \\* context-parallel-size"),
-    ("experts-ep", MOE, {"parallel.ep": 3, "world_size": 3}, "parallel.ep",
-     "Number of experts should be a multiple"),
+    ("experts-ep", MOE, {"parallel.ep": 3, "world_size": 3, "training.global_batch_size": 12}, "parallel.ep",
+     "Number of experts should be a multiple"),  # batch divisible by DP 3: 0.19 checks the eval batch first
     ("ep-no-moe", DENSE, {"parallel.ep": 2, "parallel.pp": 1}, "parallel.ep", "num_experts must be non None"),
     ("opg-distopt", DENSE, {"parallel.overlap_param_gather": True, "parallel.overlap_grad_reduce": True},
      "parallel.overlap_param_gather", "only supported with distributed optimizer"),

@@ -39,8 +39,10 @@ from typing import Any
 
 import yaml
 
+from prism_megatron.recipes import ROOT as RECIPES_ROOT
+
 VERSION = 1
-PROFILES_DIR: Path = Path(__file__).resolve().parents[2] / "recipes" / "clusters"
+PROFILES_DIR: Path = RECIPES_ROOT / "clusters"  # package data
 BASES = ("spec", "measured", "fitted", "assumed")
 ALGORITHMS = ("ring", "tree", "pat", "nvls", "auto")
 PROTOCOLS = ("simple", "ll", "ll128")

@@ -13,6 +13,13 @@ virtual device, index 0, backed by the host:
 * Memory queries report no device memory (zeros); ``mem_get_info`` and the device's
   ``total_memory`` report host memory. Capability is (0, 0): no GPU-architecture feature
   (Hopper kernels, FP8) is claimed.
+* Availability is the truth, the same on a CPU and a CUDA build of torch: there is no
+  accelerator (``torch.cuda.is_available()`` and ``torch.accelerator.is_available()`` are
+  False, ``torch.accelerator.current_accelerator()`` is None), so torch's own device-generic
+  code (the optimizers' graph-capture check, the DataLoader's pin-memory thread, checkpointing)
+  takes its host path. ``torch.accelerator``'s device-scoped calls (device index, current
+  stream, synchronize) still answer the one virtual device: on a CUDA build they would
+  otherwise initialise CUDA, which in a rank forked from a template is a fatal error.
 """
 
 from __future__ import annotations
@@ -57,6 +64,9 @@ class CpuStream:
 
     def query(self) -> bool:
         return True
+
+    def is_capturing(self) -> bool:
+        return False  # no CUDA graph is ever captured on the host
 
     def __repr__(self) -> str:
         return f"<CpuStream {self.stream_id:#x} (prism cpu mode)>"
@@ -141,6 +151,18 @@ def current_device() -> int:
     return 0
 
 
+def is_available() -> bool:
+    return False
+
+
+def current_accelerator(check_available: bool = False) -> None:
+    return None
+
+
+def accelerator_device_count() -> int:
+    return 0
+
+
 def device_count() -> int:
     return 1
 
@@ -151,6 +173,10 @@ def set_device(device: Any) -> None:
 
 def synchronize(device: Any = None) -> None:
     pass
+
+
+def is_current_stream_capturing() -> bool:
+    return False
 
 
 def get_device_name(device: Any = None) -> str:
@@ -239,9 +265,11 @@ def range_start(msg: str) -> int:
 def cuda_stand_ins() -> dict[str, dict[str, Any]]:
     """Module name -> {attribute: stand-in}. Each name is patched where it exists in that module.
 
-    ``torch.cuda.is_available`` is deliberately absent: it keeps answering the truth
-    (False). Megatron only uses it to enable GPU-only extras (straggler detector, TE,
-    cache cleanup), and torch's own code branches on it into CUDA internals no stand-in covers.
+    ``torch.cuda.is_available`` answers the truth, False, pinned rather than left to torch: with
+    ``PYTORCH_NVML_BASED_CUDA_CHECK=1`` (the launcher sets it) a CUDA build answers
+    ``device_count() > 0``, and the ``device_count`` stand-in says 1. Megatron only uses it to
+    enable GPU-only extras (straggler detector, TE, cache cleanup), and torch's own code branches
+    on it into CUDA internals no stand-in covers.
     """
     rng = {
         "get_rng_state": get_rng_state,
@@ -270,6 +298,7 @@ def cuda_stand_ins() -> dict[str, dict[str, Any]]:
         "empty_cache": _noop,
     }
     cuda = {
+        "is_available": is_available,
         "current_device": current_device,
         "device_count": device_count,
         "set_device": set_device,
@@ -283,6 +312,7 @@ def cuda_stand_ins() -> dict[str, dict[str, Any]]:
         "default_stream": default_stream,
         "set_stream": set_stream,
         "stream": stream,
+        "is_current_stream_capturing": is_current_stream_capturing,
         "device": CpuDeviceContext,
         "device_of": CpuDeviceContext,
         "default_generators": (torch.default_generator,),
@@ -296,11 +326,29 @@ def cuda_stand_ins() -> dict[str, dict[str, Any]]:
         "range_end": _noop,
         "mark": _noop,
     }
+    accelerator = {
+        "is_available": is_available,
+        "current_accelerator": current_accelerator,
+        "device_count": accelerator_device_count,
+        "current_device_index": current_device,
+        "current_device_idx": current_device,
+        "set_device_index": set_device,
+        "set_device_idx": set_device,
+        "device_index": CpuDeviceContext,
+        "current_stream": current_stream,
+        "set_stream": set_stream,
+        "synchronize": synchronize,
+        **{name: memory[name] for name in ("memory_allocated", "max_memory_allocated", "memory_reserved",
+                                           "max_memory_reserved", "reset_peak_memory_stats",
+                                           "reset_accumulated_memory_stats", "memory_stats", "empty_cache")},
+    }
     return {
         "torch.cuda": cuda,
         "torch.cuda.random": rng,
         "torch.cuda.memory": memory,
         "torch.cuda.nvtx": nvtx,
+        "torch.cuda.graphs": {"is_current_stream_capturing": is_current_stream_capturing},
+        "torch.accelerator": accelerator,
     }
 
 

@@ -19,11 +19,13 @@ What it does while active:
 * The mode stays active inside autograd's backward: torch pops a mode while it handles
   ``Tensor.backward``/``torch.autograd.backward``/``grad``, so the engine entry point
   (``torch.autograd._engine_run_backward``) is wrapped to push it back.
-* ``torch.cuda`` calls get the stand-ins of :mod:`.cpu_cuda_stubs` (one virtual device 0;
-  the "CUDA" RNG is ``torch.default_generator``). ``torch.cuda.is_available()`` keeps
-  answering False (see ``cpu_cuda_stubs.cuda_stand_ins``).
-* Megatron seams (patched only with ``patch_megatron=True``; checked against
-  megatron-core 0.16.1, failing loudly when one moved):
+* ``torch.cuda`` and ``torch.accelerator`` calls get the stand-ins of :mod:`.cpu_cuda_stubs`
+  (one virtual device 0; the "CUDA" RNG is ``torch.default_generator``). Both say no
+  accelerator is available, on a CPU and on a CUDA build of torch alike, so torch's optimizers
+  and DataLoader take their host paths; a rank never initialises CUDA (in a forked rank that is
+  "Cannot re-initialize CUDA in forked subprocess").
+* Megatron seams (patched only with ``patch_megatron=True``; checked against the supported
+  releases of :mod:`.versions`, failing loudly when one moved):
   - ``tensor_parallel.random``: its module-level ``_lazy_call`` (bound at import) queues
     callbacks forever on a CPU build, so ``_set_cuda_rng_state`` and thus the RNG tracker's
     ``add``/``fork`` silently did nothing; it now runs callbacks at once. Its "CPU RNG
@@ -66,10 +68,10 @@ import torch
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
 from prism_megatron.megatron import cpu_cuda_stubs as stubs
+from prism_megatron.megatron.versions import checked_versions
 
 __all__ = ["cpu_mode", "cpu_mode_active", "disable_cpu_mode", "enable_cpu_mode"]
 
-CHECKED_MEGATRON_VERSIONS = ("0.16.1",)
 
 # The real torch.cuda, captured before anything here can patch it.
 _REAL_IS_AVAILABLE = torch.cuda.is_available
@@ -251,7 +253,7 @@ def _seam(module: ModuleType, name: str) -> Any:
 
         raise RuntimeError(
             f"prism cpu mode: megatron seam {module.__name__}.{name} is gone in megatron-core "
-            f"{__version__} (checked against {', '.join(CHECKED_MEGATRON_VERSIONS)}); update cpu_mode"
+            f"{__version__} (checked against {', '.join(checked_versions())}); update cpu_mode"
         )
     return getattr(module, name)
 
@@ -337,8 +339,8 @@ def enable_cpu_mode(patch_megatron: bool = True) -> None:
         mode = _CudaToCpuMode()
         try:
             for module_name, stand_ins in stubs.cuda_stand_ins().items():
-                module = sys.modules[module_name]
-                for name, value in stand_ins.items():
+                module = sys.modules.get(module_name)  # torch.accelerator: torch >= 2.6
+                for name, value in stand_ins.items() if module is not None else ():
                     if hasattr(module, name):
                         patches.setattr(module, name, value)
             for module in (torch.autograd, torch.autograd.graph):

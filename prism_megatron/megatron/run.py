@@ -136,31 +136,24 @@ def select_driver(choice: str) -> tuple[str, Path, str]:
             raise RunError(f"--prism-driver training needs megatron.training: set {ENV_VAR} to a Megatron-LM "
                            "checkout at the tag matching megatron-core, or use --prism-driver core")
         return "training", DRIVER_SCRIPT, "--prism-driver training"
-    core_version = _megatron_core_version()
-    if core_version is not None and core_version[:2] > TRAINING_DRIVER_CHECKED:
-        checked = ".".join(map(str, TRAINING_DRIVER_CHECKED))
-        version = ".".join(map(str, core_version))
-        return "core", CORE_DRIVER_SCRIPT, (f"auto: megatron-core {version} is newer than the training driver's "
-                                            f"{checked}.x on a GPU (--prism-driver training to opt in)")
-    if training_available():
-        return "training", DRIVER_SCRIPT, "auto: megatron.training is importable"
-    return "core", CORE_DRIVER_SCRIPT, "auto: megatron.training is not importable (megatron-core wheel only)"
+    from prism_megatron.megatron.versions import auto_driver
+
+    version = _megatron_core_version()
+    driver, why = auto_driver(version)
+    if driver == "training" and training_available():
+        return "training", DRIVER_SCRIPT, f"auto: megatron-core {version}: {why}"
+    if driver == "training":
+        return "core", CORE_DRIVER_SCRIPT, "auto: megatron.training is not importable (megatron-core wheel only)"
+    return "core", CORE_DRIVER_SCRIPT, f"auto: megatron-core {version}: {why} (--prism-driver training to opt in)"
 
 
-#: megatron-core (major, minor) the training driver (pretrain_gpt_mini.py) is checked against on a GPU;
-#: 'auto' takes the core driver on newer versions (0.19.2 ran on CPU only, bench/gpu/training_driver.sh).
-TRAINING_DRIVER_CHECKED = (0, 16)
-
-
-def _megatron_core_version() -> tuple[int, ...] | None:
-    """megatron-core's release numbers (major, minor, patch) from its package metadata, without importing it."""
+def _megatron_core_version() -> str | None:
+    """The installed megatron-core's version, from its package metadata (without importing it)."""
     from importlib import metadata
 
-    from packaging.version import InvalidVersion, Version  # a dependency of megatron-core
-
     try:
-        return Version(metadata.version("megatron-core")).release
-    except (metadata.PackageNotFoundError, InvalidVersion):
+        return metadata.version("megatron-core")
+    except metadata.PackageNotFoundError:
         return None
 
 

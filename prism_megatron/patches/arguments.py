@@ -4,7 +4,7 @@ Megatron builds its parser in ``parse_args`` by calling ``add_megatron_arguments
 global, looked up at call time) and parses strictly, so an unknown ``--prism-*`` flag would abort
 the run. The wrapper adds the ``prism`` group (``prism_megatron.megatron.flags``) to every parser
 Megatron builds, so the flags parse and land in ``args`` (and Megatron's W&B config) whatever
-``extra_args_provider`` the script passes. Checked against Megatron-LM core_v0.16.1.
+``extra_args_provider`` the script passes. Checked against the supported releases (``megatron.versions``).
 """
 
 from __future__ import annotations
@@ -12,9 +12,10 @@ from __future__ import annotations
 import argparse
 import functools
 
+from prism_megatron.megatron.versions import checked_versions
 from prism_megatron.patches import once, seam
 
-CHECKED = ("0.16.1",)
+CHECKED = checked_versions()  # prism_megatron.megatron.versions: the supported table
 
 
 @once

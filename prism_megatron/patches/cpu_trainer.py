@@ -9,7 +9,8 @@ Also, in CPU mode ``torch._dynamo`` is disabled: Megatron's ``jit_fuser`` is ``t
 inductor would build C++ kernels in every rank (seconds each, a compiler needed) after probing
 ``torch.cuda.get_device_properties`` for a real GPU; the fused functions then run eagerly, in
 prism and in the real-process reference alike.
-Never installed with a GPU: CPU mode refuses to engage there. Checked against 0.16.1 and 0.19.2.
+Never installed with a GPU: CPU mode refuses to engage there.
+Checked against the supported releases (``megatron.versions``).
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+from prism_megatron.megatron.versions import checked_versions
 from prism_megatron.patches import once, seam
 
-CHECKED = ("0.16.1", "0.19.2")
+CHECKED = checked_versions()  # prism_megatron.megatron.versions: the supported table
 
 
 @once

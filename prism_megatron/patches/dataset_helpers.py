@@ -4,7 +4,8 @@ Megatron-LM's ``initialize_megatron`` runs ``make`` in ``megatron/core/datasets`
 exits when that fails; the megatron-core wheel ships ``helpers_cpp`` already compiled and no
 Makefile, so with a wheel install every run would stop there. When ``helpers_cpp`` imports, the
 compile step is skipped (the original runs otherwise). ``_compile_dependencies`` imports the name
-at call time, so replacing the module attribute hooks it. Checked against 0.16.1.
+at call time, so replacing the module attribute hooks it.
+Checked against the supported releases (``megatron.versions``).
 """
 
 from __future__ import annotations
@@ -12,9 +13,10 @@ from __future__ import annotations
 import functools
 import importlib.util
 
+from prism_megatron.megatron.versions import checked_versions
 from prism_megatron.patches import once, seam
 
-CHECKED = ("0.16.1",)
+CHECKED = checked_versions()  # prism_megatron.megatron.versions: the supported table
 
 
 @once

@@ -5,7 +5,7 @@ DDP and the distributed optimizer communicate gradients and parameters per bucke
 ``start_param_sync`` (all-gather of updated parameters); their ops get the labels
 ``grad-reduce-scatter`` / ``grad-all-reduce`` and ``param-all-gather``. The gradient norm
 (``clip_grads.get_grad_norm_fp32``, bound into the optimizer module) is labelled ``grad-norm``.
-Checked against megatron-core 0.16.1.
+Checked against the supported releases (``megatron.versions``).
 """
 
 from __future__ import annotations
@@ -13,9 +13,10 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+from prism_megatron.megatron.versions import checked_versions
 from prism_megatron.patches import once, seam
 
-CHECKED = ("0.16.1",)
+CHECKED = checked_versions()  # prism_megatron.megatron.versions: the supported table
 
 
 @once

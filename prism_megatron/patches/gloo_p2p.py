@@ -7,7 +7,7 @@ With overlapped p2p (the interleaved schedule's default) Megatron issues ``isend
 the bytes valid; gloo sends from host memory in a background thread, so it may ship freed or
 reused memory: PP2·VPP2 runs gave different losses run to run, once NaN. Sending private copies
 restores GPU semantics. Prism needs none of this (it stages the bytes when the op is submitted).
-``_communicate`` looks ``_p2p_ops`` up at call time. Checked against megatron-core 0.16.1.
+``_communicate`` looks ``_p2p_ops`` up at call time. Checked against the supported releases (``megatron.versions``).
 """
 
 from __future__ import annotations
@@ -15,9 +15,10 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+from prism_megatron.megatron.versions import checked_versions
 from prism_megatron.patches import once, seam
 
-CHECKED = ("0.16.1",)
+CHECKED = checked_versions()  # prism_megatron.megatron.versions: the supported table
 _MODULE = "megatron.core.pipeline_parallel.p2p_communication"
 
 

@@ -4,7 +4,7 @@ Megatron prints the loss with 6 decimals on the last rank only; the numerics con
 runs exactly, so this wrapper appends every rank's ``train_step`` result to a JSON-lines file:
 ``{"rank", "iteration", "loss": {name: float}, "grad_norm": float | null}``. ``train`` looks
 ``train_step`` up in its module at each call, so replacing the module attribute hooks it.
-Checked against megatron-core / Megatron-LM 0.16.1.
+Checked against the supported releases (``megatron.versions``).
 """
 
 from __future__ import annotations
@@ -14,9 +14,10 @@ import json
 import os
 from typing import Any
 
+from prism_megatron.megatron.versions import checked_versions
 from prism_megatron.patches import seam
 
-CHECKED = ("0.16.1",)
+CHECKED = checked_versions()  # prism_megatron.megatron.versions: the supported table
 _MODULE = "megatron.training.training"
 _installed_path: str | None = None
 

@@ -4,7 +4,7 @@ The schedules move activations and gradients between stages only through these m
 wrapping them names every send/recv in the trace (``label`` column) after the method that issued
 it: ``send_forward``, ``recv_forward``, ``send_backward_recv_forward``, ... (with overlapped p2p the
 ops are issued inside the call and complete later; the label is attached at issue). Checked
-against megatron-core 0.16.1.
+against the supported releases (``megatron.versions``).
 """
 
 from __future__ import annotations
@@ -12,9 +12,10 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+from prism_megatron.megatron.versions import checked_versions
 from prism_megatron.patches import once, seam
 
-CHECKED = ("0.16.1",)
+CHECKED = checked_versions()  # prism_megatron.megatron.versions: the supported table
 _MODULE = "megatron.core.pipeline_parallel.p2p_communication"
 METHODS = ("recv_forward", "recv_backward", "send_forward", "send_backward", "send_forward_recv_backward",
            "send_backward_recv_forward", "send_forward_recv_forward", "send_backward_recv_backward",

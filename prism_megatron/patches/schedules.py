@@ -28,10 +28,11 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+from prism_megatron.megatron.versions import checked_versions
 from prism_megatron.patches import once, seam
 from prism_megatron.trace.markers import span
 
-CHECKED = ("0.16.1",)
+CHECKED = checked_versions()  # prism_megatron.megatron.versions: the supported table
 _MODULE = "megatron.core.pipeline_parallel.schedules"
 _COMBINED = "megatron.core.pipeline_parallel.combined_1f1b"
 _COMBINED_PARAMS = ("f_model", "b_model", "b_output_tensor", "f_model_chunk_id", "current_microbatch")

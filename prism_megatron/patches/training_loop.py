@@ -9,7 +9,7 @@ On the last rank (Megatron's logger), each logged iteration then waits for its p
 (``runtime.live``), which ``print_rank_last`` (looked up in the same module) puts into the
 ``elapsed time per iteration (ms)`` field, saying it is predicted. With ``--log-interval`` above 1
 Megatron's figure is the interval's mean; the predicted one is the logged iteration's.
-Checked against 0.16.1.
+Checked against the supported releases (``megatron.versions``).
 """
 
 from __future__ import annotations
@@ -18,10 +18,11 @@ import functools
 import re
 from typing import Any
 
+from prism_megatron.megatron.versions import checked_versions
 from prism_megatron.patches import once, schedules, seam
 from prism_megatron.trace.markers import span
 
-CHECKED = ("0.16.1",)
+CHECKED = checked_versions()  # prism_megatron.megatron.versions: the supported table
 
 
 def _mark_wandb_run() -> None:

@@ -1,6 +1,6 @@
 """Find recipes by name and read recipe files, turning every YAML slip into a named error.
 
-Shipped recipes live in the repository's top-level ``recipes/`` folder (installs are editable),
+Shipped recipes are package data (``prism_megatron/recipes``, :data:`prism_megatron.recipes.ROOT`),
 named ``<folder>-<file stem>``: ``recipes/mini/dense-tp2pp2.yaml`` is ``mini-dense-tp2pp2``.
 """
 
@@ -12,9 +12,9 @@ from typing import Any
 
 import yaml
 
-from .schema import Recipe, RecipeError, from_dict
+from prism_megatron.recipes import ROOT as RECIPES_DIR
 
-RECIPES_DIR: Path = Path(__file__).resolve().parents[2] / "recipes"
+from .schema import Recipe, RecipeError, from_dict
 
 
 class _StrictLoader(yaml.SafeLoader):
@@ -37,7 +37,7 @@ _StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _m
 
 
 def display_path(path: Path) -> str:
-    """A path as users should see it in messages: relative to the working directory or the repo."""
+    """A path as users should see it in messages: relative to the working directory or the package."""
     path = Path(path)
     resolved = path.resolve()
     for base in (Path.cwd(), RECIPES_DIR.parent):
