@@ -21,6 +21,8 @@ from prism_megatron.megatron.fold import (
     check_class_members,
 )
 
+pytestmark = pytest.mark.megatron  # runs megatron-core: CI also runs it on the second stack (.ci/run)
+
 try:
     _import_megatron()  # megatron-core 0.19 without triton: imported as the fold imports it
 except ImportError:
