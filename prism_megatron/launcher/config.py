@@ -61,6 +61,7 @@ class LaunchConfig:
     # gpus_per_node, classes, class_of). Only its live ranks are forked; every other rank is virtual and
     # the coordinator answers for it (nccl_prune). None: every rank runs.
     fold: dict | None = None
+    job_extra: dict = field(default_factory=dict)  # keys added to the trace's job (a recipe's substitutions)
 
     @classmethod
     def from_options(cls, options: JobOptions, script: Path, script_args: list[str], **fixed: Any) -> LaunchConfig:

@@ -234,6 +234,7 @@ class _Job:
                 **({"rank_scripts": {str(r): [str(p), *a] for r, (p, a) in sorted(cfg.rank_scripts.items())}}
                    if cfg.rank_scripts else {}),
                 **({"target_gpu": cfg.target_gpu} if cfg.target_gpu is not None else {}),
+                **cfg.job_extra,
                 **({"staging_by_device": {f"cuda:{d}": "page-locked" if cfg.page_locks else "pageable"
                                           for d in cfg.devices}} if cfg.on_gpu else {})}
 
