@@ -82,6 +82,11 @@ def choose_fold(mode: str, cfg: Any, env: dict[str, str] | None = None,
         return None
     if plan.memory.get("fits") is False:
         raise FoldModeError(f"--prism-fold {mode}: the sandbox does not fit here: {plan.memory['why']}")
+    if plan.memory.get("fits") is None:  # no formula: the sandbox's processes alone must fit (same rule)
+        fits, why = full_job_fits(plan, len(fold.live))
+        if not fits:
+            raise FoldModeError(f"--prism-fold {mode}: the sandbox does not fit here: {why}; give more host "
+                                "memory (--prism-host-memory) or run on GPUs (--prism-devices)")
     say(f"fold: {plan.layout.describe()} -> {len(fold.live)} live rank(s), {fold.virtual_count:,} virtual "
         f"(each mirrors the live rank of its replica position); classes:")
     for line in class_lines(fold):
