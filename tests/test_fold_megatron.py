@@ -105,8 +105,8 @@ def test_moe_ep4_pp2_folds_to_the_whole_job(tmp_path):
 @pytest.mark.parametrize("recipe, world, live", [("fold-scale-tp2pp4dp128", 1024, 8),
                                                  ("fold-scale-tp2pp4dp1024", 8192, 8)])
 def test_a_tiny_gpt_at_scale_runs_folded_end_to_end(recipe, world, live, tmp_path):
-    """Plan, capture, replay (symmetric and the synthesised full graph) and report of a job of
-    ``world`` ranks with ``live`` processes."""
+    """Plan, capture, replay and report of a job of ``world`` ranks with ``live`` processes (the
+    synthesised full graph replayed at 1,024; at 8,192 that replay is bench/fold_scale.py's)."""
     from prism_megatron.report.build import build_report
     from prism_megatron.trace import read_trace
 
@@ -122,6 +122,8 @@ def test_a_tiny_gpt_at_scale_runs_folded_end_to_end(recipe, world, live, tmp_pat
     t = report["prediction"]["iteration_time_s"]
     assert t is not None and t > 0
     assert "virtual" in report["prediction"]["provenance"]
+    if world > 1024:
+        return
     full = subprocess.run([sys.executable, "-m", "prism_megatron", "replay", "--full", str(run["trace"])],
                           capture_output=True, text=True, timeout=300)
     assert full.returncode == 0, full.stderr[-3000:]

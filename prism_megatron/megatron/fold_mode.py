@@ -26,7 +26,7 @@ class FoldModeError(ValueError):
 
 def full_job_fits(plan: Any, world_size: int) -> tuple[bool, str]:
     """Whether every rank of the job fits here as a process, and the figures that say so."""
-    from prism_megatron.megatron.plan import GiB, RANK_PROCESS_HOST_BYTES
+    from prism_megatron.megatron.plan import RANK_PROCESS_HOST_BYTES, GiB
 
     m = plan.memory
     per_rank = m.get("per_rank")

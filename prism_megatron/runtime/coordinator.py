@@ -26,9 +26,9 @@ from pathlib import Path
 
 import torch
 
+from nccl_prune import PruneError
 from prism_megatron.ops import OPS, CollectiveCall
 from prism_megatron.runtime import protocol as P
-from nccl_prune import PruneError
 from prism_megatron.runtime.dataplane import DataPlane
 from prism_megatron.runtime.folding import Folding
 from prism_megatron.runtime.governor import MemoryGovernor, SwapMode, SwapPolicy
