@@ -28,7 +28,7 @@ LOSS_RTOL = 0.02
 def _run(out: Path, recipe: str, fold: str, *extra: str, timeout: int = 300, check: bool = True) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "prism_megatron", "run", "--recipe", recipe, "--prism-driver", "core",
-           "--prism-fold", fold, "--prism-report", "off", "--prism-trace-dir", str(out / "trace"), *extra]
+           "--prism-fold", fold, "--prism-report", "off", "--prism-track-memory", "on", "--prism-trace-dir", str(out / "trace"), *extra]
     env = dict(os.environ, PRISM_MEGATRON_METRICS=str(out / "metrics.jsonl"), OMP_NUM_THREADS="1")
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=out, capture_output=True, text=True, timeout=timeout, env=env)
@@ -78,6 +78,7 @@ def test_a_folded_mini_recipe_matches_its_full_capture(case, tmp_path):
     assert "prism: fold: " in folded["output"] and "classes:" in folded["output"]
     assert read_trace(full["trace"]).fold is None
     got, want = _class_peaks(folded["trace"], fold), _class_peaks(full["trace"], fold)
+    assert set(want) == {c.name for c in fold.classes} and all(want.values()), want
     assert got == want, f"per-class max allocated differs (dense: 0 B expected): fold {got}, full {want}"
     a, b = _losses(folded["metrics"]), _losses(full["metrics"])
     assert a.keys() == b.keys() and a
