@@ -1,6 +1,6 @@
 """Folded Megatron runs: scale (1,024 and 8,192 target ranks) and consistency with full capture.
 
-  python bench/fold_scale.py [--out FILE] [--skip-scale] [--skip-consistency]
+  python bench/fold_scale.py [--out FILE] [--skip-scale] [--skip-consistency] [--minis R,R] [--keep DIR]
 
 Scale: the tiny-shaped GPT recipes of ``tests/recipes/`` (TP2·PP4·DP128 = 1,024 and TP2·PP4·DP1024
 = 8,192 ranks, 2 microbatches per rank, 2 iterations) run as ``prism-megatron run --prism-fold auto``
@@ -124,12 +124,12 @@ def _last_loss(metrics: Path) -> float | None:
     return max(rows, key=lambda r: r["iteration"])["loss"]["lm loss"] if rows else None
 
 
-def consistency(work: Path, say) -> None:
+def consistency(work: Path, say, minis: list[str] = MINIS) -> None:
     from prism_megatron.trace import read_trace
 
     say(f"{'recipe':<28} {'class':<8} {'fold max alloc':>14} {'full max alloc':>14} {'diff B':>7} "
         f"{'fold iter ms':>12} {'full iter ms':>12} {'ratio':>6} {'fold loss':>9} {'full loss':>9}")
-    for recipe in MINIS:
+    for recipe in minis:
         runs = {}
         for fold in ("on", "off"):
             out = work / f"{recipe}-{fold}"
@@ -161,6 +161,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     ap.add_argument("--skip-scale", action="store_true")
     ap.add_argument("--skip-consistency", action="store_true")
+    ap.add_argument("--minis", default=",".join(MINIS), help="recipes of the consistency table, comma-separated")
+    ap.add_argument("--keep", type=Path, help="run in this directory and keep the traces")
     args = ap.parse_args()
     lines: list[str] = []
 
@@ -170,11 +172,13 @@ def main() -> None:
 
     say(f"prism-megatron bench/fold_scale.py on {os.cpu_count()} CPU core(s)")
     with tempfile.TemporaryDirectory(prefix="fold-scale-") as tmp:
+        work = args.keep or Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
         if not args.skip_scale:
-            scale(Path(tmp), say)
+            scale(work, say)
         if not args.skip_consistency:
             say("")
-            consistency(Path(tmp), say)
+            consistency(work, say, args.minis.split(","))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text("\n".join(lines) + "\n")

@@ -68,7 +68,7 @@ def test_a_folded_run_gives_the_live_ranks_the_full_runs_results(tmp_path):
     assert "send" not in c  # p2p between live ranks only
 
 
-def test_a_p2p_with_a_virtual_peer_is_refused_naming_both_ranks(tmp_path, capfd):
+def test_a_p2p_with_a_virtual_peer_is_refused_naming_both_ranks(tmp_path):
     fold = make_fold([0, 1, 0, 1], 8).to_json()
     assert _run(tmp_path, "p2p", "fold_bad.py", ["p2p"], 4, fold) == BAD_INPUT
     report = (tmp_path / "p2p.logs" / "fold-report.txt").read_text()
