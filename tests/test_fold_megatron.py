@@ -155,3 +155,15 @@ def test_fold_auto_captures_fully_what_fits(tmp_path):
     assert isinstance(cfg, LaunchConfig)
     assert choose_fold("auto", cfg, request.env, say=said.append) is None
     assert any("fold auto: full capture" in s for s in said), said
+
+
+def test_a_recipes_substitutions_go_into_the_trace_job():
+    import dataclasses
+
+    from prism_megatron.launcher.launch import _Job
+    from prism_megatron.megatron.run import launch_config, parse_run_args
+    from prism_megatron.recipe import load_recipe
+
+    request = parse_run_args(["--recipe", "targets-llama3-8b-h100x8", "--prism-driver", "core"])
+    want = [dataclasses.asdict(x) for x in load_recipe("targets-llama3-8b-h100x8").substitutions]
+    assert want and _Job(launch_config(request)).job_meta()["substitutions"] == want
