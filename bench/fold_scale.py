@@ -78,7 +78,8 @@ def _run(cmd: list[str], cwd: Path, env: dict[str, str]) -> tuple[int, float, in
 
 def _prism(recipe: str, fold: str, out: Path, report: bool = False) -> list[str]:
     return [sys.executable, "-m", "prism_megatron", "run", "--recipe", recipe, "--prism-driver", "core",
-            "--prism-fold", fold, "--prism-report", "on" if report else "off", "--prism-track-memory", "on", "--prism-trace-dir", str(out / "trace")]
+            "--prism-fold", fold, "--prism-report", "on" if report else "off", "--prism-track-memory", "on",
+            "--prism-trace-dir", str(out / "trace")]
 
 
 def _env(metrics: Path) -> dict[str, str]:

@@ -28,7 +28,8 @@ LOSS_RTOL = 0.02
 def _run(out: Path, recipe: str, fold: str, *extra: str, timeout: int = 300, check: bool = True) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "prism_megatron", "run", "--recipe", recipe, "--prism-driver", "core",
-           "--prism-fold", fold, "--prism-report", "off", "--prism-track-memory", "on", "--prism-trace-dir", str(out / "trace"), *extra]
+           "--prism-fold", fold, "--prism-report", "off", "--prism-track-memory", "on",
+           "--prism-trace-dir", str(out / "trace"), *extra]
     env = dict(os.environ, PRISM_MEGATRON_METRICS=str(out / "metrics.jsonl"), OMP_NUM_THREADS="1")
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=out, capture_output=True, text=True, timeout=timeout, env=env)
