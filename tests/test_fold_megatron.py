@@ -168,3 +168,16 @@ def test_a_recipes_substitutions_go_into_the_trace_job():
     request = parse_run_args(["--recipe", "targets-llama3-8b-h100x8", "--prism-driver", "core"])
     want = [dataclasses.asdict(x) for x in load_recipe("targets-llama3-8b-h100x8").substitutions]
     assert want and _Job(launch_config(request)).job_meta()["substitutions"] == want
+
+
+def test_fold_auto_runs_a_program_the_plan_cannot_read_in_full_and_on_refuses_it(tmp_path):
+    from prism_megatron.launcher.config import LaunchConfig
+    from prism_megatron.megatron.fold_mode import FoldModeError, choose_fold
+
+    cfg = LaunchConfig(script=Path(__file__).parent / "programs" / "fold_bad.py", script_args=["none"],
+                       world_size=4, trace_dir=tmp_path / "t")
+    said: list[str] = []
+    assert choose_fold("auto", cfg, say=said.append) is None
+    assert any("fold auto: full capture" in s and "no fold plan" in s for s in said), said
+    with pytest.raises(FoldModeError, match="--prism-fold on"):
+        choose_fold("on", cfg, say=said.append)

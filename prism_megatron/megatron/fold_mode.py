@@ -5,7 +5,8 @@
 when W x (Megatron's memory per rank + ``RANK_PROCESS_HOST_BYTES``) fits in the devices' memory plus
 ``HOST_SHARE`` of the available host RAM (on CPU: the host RAM alone; a rank's state is host memory
 there). Without Megatron's formula (no megatron.training) the per-rank state counts as 0, and that is
-said. After a folded capture, the live ranks of each class must have issued the same ops (kinds,
+said; a command the plan cannot read (not a Megatron command, a layout that does not fold) is run in
+full under 'auto', saying why, and refused under 'on'. After a folded capture, the live ranks of each class must have issued the same ops (kinds,
 sizes, group sizes); a class whose members differ is refused (``fold.check_class_members``).
 """
 
@@ -69,6 +70,9 @@ def choose_fold(mode: str, cfg: Any, env: dict[str, str] | None = None,
                          gpus_per_node=cfg.gpus_per_node, device_gib=cfg.device_memory_gib,
                          host_gib=cfg.host_memory_gib, swap=cfg.swap, env=env, source=str(cfg.script))
     except (FoldError, ArgsError) as e:
+        if mode == "auto":  # no plan, no fold: the full capture is what a run without folding gives
+            say(f"fold auto: full capture, every rank runs (no fold plan: {e})")
+            return None
         raise FoldModeError(f"--prism-fold {mode}: {e}") from None
     fold = plan.fold
     if mode == "auto":
