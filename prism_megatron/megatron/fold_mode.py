@@ -6,8 +6,9 @@ when W x (Megatron's memory per rank + ``RANK_PROCESS_HOST_BYTES``) fits in the 
 ``HOST_SHARE`` of the available host RAM (on CPU: the host RAM alone; a rank's state is host memory
 there). Without Megatron's formula (no megatron.training) the per-rank state counts as 0, and that is
 said; a command the plan cannot read (not a Megatron command, a layout that does not fold) is run in
-full under 'auto', saying why, and refused under 'on'. After a folded capture, the live ranks of each class must have issued the same ops (kinds,
-sizes, group sizes); a class whose members differ is refused (``fold.check_class_members``).
+full under 'auto', saying why, and refused under 'on'. After a folded capture, the live ranks of
+each class must have issued the same ops (kinds, sizes, group sizes); a class whose members differ is
+refused (``fold.check_class_members``).
 """
 
 from __future__ import annotations
