@@ -75,6 +75,17 @@ def test_a_p2p_with_a_virtual_peer_is_refused_naming_both_ranks(tmp_path):
     assert "rank 0 (sender) and rank 2 (receiver)" in report and "rank 2 is virtual" in report
 
 
+def test_a_hang_in_a_folded_group_names_the_missing_live_rank(tmp_path):
+    from prism_megatron.launcher.exit_codes import HANG
+
+    fold = make_fold([0, 1, 0, 1], 8).to_json()
+    cfg = LaunchConfig(script=PROGRAMS / "fold_bad.py", script_args=["hang"], world_size=4,
+                       trace_dir=tmp_path / "hang", hang_timeout=2, fold=fold)
+    assert launch(cfg) == HANG
+    report = (tmp_path / "hang.logs" / "hang-report.txt").read_text()
+    assert "collective #1 on group" in report and "arrived 0; missing 1 (exited: 1)" in report, report
+
+
 def test_members_of_one_class_that_issue_different_ops_are_refused(tmp_path):
     from prism_megatron.megatron.fold_mode import FoldModeError, check_trace_classes
 

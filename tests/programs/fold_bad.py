@@ -3,6 +3,7 @@
 p2p: rank 0 sends to rank 2, which is virtual (its representative is rank 0 itself).
 uneven: ranks 0 and 1 (one class in the test's fold) issue different ops: rank 1 reduces once more
 on the group [1, 3] (complete with its live member alone).
+hang: rank 0 all-reduces once more on the world group, which rank 1 never joins.
 """
 import sys
 
@@ -21,4 +22,6 @@ if sys.argv[1] == "p2p":
         dist.recv(x, src=0)
 elif sys.argv[1] == "uneven" and r % 2 == 1:
     dist.all_reduce(x[:2], group=odds)
+elif sys.argv[1] == "hang" and r == 0:
+    dist.all_reduce(x)
 dist.destroy_process_group()
