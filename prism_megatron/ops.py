@@ -41,6 +41,13 @@ class CollectiveCall:
     #: (member, output index, like) -> the tensor that member's output lives in, or None: lets a
     #: reduction write its result straight into shared memory
     out_view: Callable[[int, int, Any], Any] | None = None
+    #: a folded group (Phase 2): its ``nccl_prune.GroupPlan``; ``ins`` then hold the live members' inputs,
+    #: in live-position order, and the result is theirs
+    fold: Any = None
+    #: outputs as they stand, per live member (empty where not sent): an in-place all_gather's (its virtual
+    #: chunks are kept), a broadcast's at the mirror of a virtual root (the data that root sends)
+    current: list[list[Any]] | None = None
+    in_place: bool = False  # an all_gather whose input is the member's own chunk of its output
 
 
 @dataclass(frozen=True)
@@ -66,6 +73,39 @@ class OpKind:
     def work(self, call: CollectiveCall) -> list[list[Any]]:
         """Every member's outputs, in member order, from every member's inputs."""
         raise NotImplementedError(f"op {self.name!r} is not a collective")
+
+    def run(self, call: CollectiveCall) -> list[list[Any]]:
+        """The one entry point: ``work`` for a full group, the pruned execution for a folded one."""
+        return self.work(call) if call.fold is None else self.folded(call)
+
+    def folded(self, call: CollectiveCall) -> list[list[Any]]:
+        """The live members' outputs (live-position order) of an op on a folded group, answered by
+        ``nccl_prune.host`` from the live members' inputs: each virtual member mirrors its
+        representative (its contribution weighted, never materialised) or, in an in-place all_gather,
+        keeps what the live member's output holds. Values this kind marks ``recorded`` have no
+        recording during a capture, so the mirror answers for them (counted as mirrored)."""
+        import torch
+
+        from nccl_prune.host import execute
+
+        plan = call.fold
+        live = plan.live_positions
+        ins = call.ins
+        splits = None
+        if call.in_splits is not None:  # the runtime's splits are bytes: exchange bytes
+            ins = [[t.reshape(-1).view(torch.uint8) for t in x] for x in ins]
+            splits = dict(zip(live, call.in_splits, strict=True))
+        inputs = dict(zip(live, ins, strict=True))
+        out = None
+        if self.name == "all_reduce" and call.out_view is not None:
+            out = [call.out_view(0, j, t) for j, t in enumerate(ins[0])]
+        current = dict(zip(live, call.current, strict=True)) if call.current is not None else None
+        if self.name == "broadcast" and current is not None:  # a virtual root: its mirror's buffer
+            inputs = {p: x or current[p] for p, x in inputs.items()}
+        res = execute(self.name, plan, inputs, op=call.redop, factor=call.factor, root=call.root,
+                      in_splits=splits, in_place=call.in_place, current=current if call.in_place else None,
+                      out=out)
+        return [res[p] for p in live]
 
     def local(self, ins: list[Any], outs: list[Any], redop: str | None, factor: float | None) -> None:
         """The result of a group of one, written where the tensors are (as NCCL does on the device):

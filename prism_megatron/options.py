@@ -115,6 +115,13 @@ class RunOnlyOptions:
     """Cluster profile that costs communication in the prediction (prism-megatron cluster list);
     default: the recipe's target cluster, else free communication."""
 
+    fold: Literal["auto", "on", "off"] = "auto"
+    """Rank folding: 'on' runs only the sandbox (one model replica: every rank class's live ranks) and
+    answers for every other rank without a process (its ops mirror its class's live rank); 'off' runs
+    every rank (full capture); 'auto' folds when the full job does not fit this machine: W ranks x
+    (Megatron's memory formula per rank + 1 GiB of process) against the devices plus 90% of the
+    available host RAM (on CPU: host RAM alone). The fold's classes are printed before the run."""
+
     calibrate: Literal["off", "on"] = "off"
     """After the run, calibrate: re-run the job once per slice (coupled groups such as TP kept whole)
     with the slice's ranks computing for real and the others replayed; the report then predicts from

@@ -60,6 +60,11 @@ class LaunchConfig:
     # rank -> class label: a rank not yet through an iteration is admitted to a shared device by its class's
     # measured peak (runtime.peaks); ranks not named are each their own class
     memory_classes: dict[int, str] = field(default_factory=dict)
+    # a folded run (Phase 2): the fold plan's JSON (``trace.fold`` reads it: world_size, live, rep,
+    # gpus_per_node, classes, class_of). Only its live ranks are forked; every other rank is virtual and
+    # the coordinator answers for it (nccl_prune). None: every rank runs.
+    fold: dict | None = None
+    job_extra: dict = field(default_factory=dict)  # keys added to the trace's job (a recipe's substitutions)
 
     @classmethod
     def from_options(cls, options: JobOptions, script: Path, script_args: list[str], **fixed: Any) -> LaunchConfig:
@@ -119,8 +124,13 @@ class LaunchConfig:
     def echoed_ranks(self) -> list[int]:
         """Ranks whose output reaches the terminal: log_ranks, or the options' default."""
         if self.log_ranks is not None:
-            return self.log_ranks
-        return parse_ranks(_J.log_ranks, max(self.world_size, 1))
+            ranks = self.log_ranks
+        else:
+            ranks = parse_ranks(_J.log_ranks, max(self.world_size, 1))
+        if self.fold is None:
+            return ranks
+        live = set(self.fold["live"])  # a virtual rank has no output: its echo goes to the last live rank
+        return sorted({r if r in live else self.fold["live"][-1] for r in ranks})
 
     @property
     def on_gpu(self) -> bool:
@@ -130,9 +140,21 @@ class LaunchConfig:
     def log_dir(self) -> Path:
         return self.trace_dir.with_name(self.trace_dir.name + ".logs")
 
+    @property
+    def live_ranks(self) -> list[int]:
+        """The ranks that run as processes: the fold's live ranks, or every rank."""
+        return list(self.fold["live"]) if self.fold is not None else list(range(self.world_size))
+
     def device_of(self, rank: int) -> int:
-        """Contiguous blocks of ranks per device, so neighbours (a TP group) share one; or rank_devices."""
-        return self.rank_devices.get(rank, rank * len(self.devices) // self.world_size)
+        """Contiguous blocks of (live) ranks per device, so neighbours (a TP group) share one; or rank_devices."""
+        if rank in self.rank_devices:
+            return self.rank_devices[rank]
+        if self.fold is None:
+            return rank * len(self.devices) // self.world_size
+        import bisect
+
+        live = self.fold["live"]
+        return bisect.bisect_left(live, rank) * len(self.devices) // len(live)
 
     def script_for(self, rank: int) -> tuple[Path, list[str]]:
         """The program `rank` runs and its arguments: `rank_scripts` or else `script`."""
@@ -178,6 +200,18 @@ class LaunchConfig:
         for r in self.log_ranks or []:
             if not 0 <= r < self.world_size:
                 raise LaunchError(f"--log-ranks: rank {r} is outside 0..{self.world_size - 1}")
+        if self.fold is not None:
+            from prism_megatron.trace.fold import parse_fold
+            from prism_megatron.trace.schema import TraceFormatError
+
+            try:
+                parse_fold(self.fold, self.world_size, "fold plan")
+            except TraceFormatError as e:
+                raise LaunchError(f"the fold plan does not fit this launch: {e}") from None
+            if self.rank_scripts or self.rank_devices:
+                raise LaunchError("a folded launch takes no per-rank scripts or devices (calibration's slice runs "
+                                  "are not folded)")
+            self.gpus_per_node = int(self.fold["gpus_per_node"])
         parent = self.trace_dir.resolve().parent
         if self.trace_dir.exists() and not self.trace_dir.is_dir():
             raise LaunchError(f"--trace-dir {str(self.trace_dir)!r} exists and is not a directory")

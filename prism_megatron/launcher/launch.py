@@ -21,6 +21,7 @@ from pathlib import Path
 
 from prism_megatron.launcher import fork_safe_cuda_checks
 from prism_megatron.launcher.config import LaunchConfig, LaunchError
+from prism_megatron.launcher.exit_codes import BAD_INPUT
 from prism_megatron.launcher.exit_codes import DEVICE_OOM as EXIT_DEVICE_OOM
 from prism_megatron.launcher.exit_codes import HANG as EXIT_HANG
 from prism_megatron.launcher.exit_codes import MISMATCH as EXIT_MISMATCH
@@ -59,7 +60,7 @@ def coordinator_config(cfg: LaunchConfig) -> CoordinatorConfig:
         world_size=cfg.world_size,
         devices=[d if d == "cpu" else f"cuda:{d}" for d in cfg.devices],
         slots_per_device=cfg.slots_per_device,
-        device_of={r: cfg.device_of(r) for r in range(cfg.world_size)},
+        device_of={r: cfg.device_of(r) for r in cfg.live_ranks},
         hang_timeout=cfg.hang_timeout,
         threads=coordinator_threads(cfg, _cores()),
         swap=cfg.swap_mode, swapper=cfg.swapper, gpu_timing=_ranks_time_gpu(cfg),
@@ -69,6 +70,7 @@ def coordinator_config(cfg: LaunchConfig) -> CoordinatorConfig:
         memory_classes=dict(cfg.memory_classes), rank_cap=cfg.memory_cap,
         predictor=cfg.predictor, predictor_options=dict(cfg.predictor_options),
         live_trace=str(cfg.log_dir / "live-trace"),
+        fold=cfg.fold,
     )
 
 
@@ -91,8 +93,13 @@ class _Job:
         conf = coordinator_config(cfg)
         env = dict(os.environ, PRISM_AUTHKEY=self.authkey.hex())
         log = open(cfg.log_dir / "coordinator.log", "wb")  # noqa: SIM115 - kept by the child
+        text = conf.to_json()
+        if len(text) > 64 * 1024:  # a folded job's rep list: beyond what one argument may hold
+            path = cfg.log_dir / "coordinator-config.json"
+            path.write_text(text)
+            text = "@" + str(path)
         self.coord = subprocess.Popen(
-            [sys.executable, "-m", "prism_megatron.runtime.coordinator", conf.to_json()],
+            [sys.executable, "-m", "prism_megatron.runtime.coordinator", text],
             stdout=subprocess.PIPE, stderr=log, env=env, text=True,
         )
         log.close()
@@ -128,7 +135,7 @@ class _Job:
         sys.stdout.flush()
         sys.stderr.flush()
         fresh = os.environ.get("PRISM_RANK_START") == "exec"  # bench knob: a fresh interpreter per rank
-        for r in range(self.cfg.world_size):
+        for r in self.cfg.live_ranks:  # a folded job: virtual ranks have no process
             pid = os.fork()
             if pid == 0:
                 if fresh:
@@ -139,8 +146,9 @@ class _Job:
     # ---- watch -----------------------------------------------------------------------------------
     def watch(self) -> int:
         last_note = time.perf_counter()
-        progress = Progress(self.cfg.world_size, self.cfg.expected_iterations)
-        while len(self.exit_codes) < self.cfg.world_size:
+        n = len(self.cfg.live_ranks)
+        progress = Progress(n, self.cfg.expected_iterations)
+        while len(self.exit_codes) < n:
             while self.pids:
                 pid, status = os.waitpid(-1, os.WNOHANG)
                 if pid == 0:
@@ -201,6 +209,8 @@ class _Job:
         report_file.write_text(msg["report"] + "\n")
         sys.stderr.write(msg["report"] + "\n")
         _say(f"{kind} report written to {report_file}; ending the job")
+        if kind == "fold":  # the program does something the fold cannot answer for: a wrong fold, bad input
+            return BAD_INPUT
         return {"hang": EXIT_HANG, "mismatch": EXIT_MISMATCH, "device-oom": EXIT_DEVICE_OOM}.get(kind, EXIT_RANK_FAILED)
 
     # ---- end -------------------------------------------------------------------------------------
@@ -231,6 +241,7 @@ class _Job:
                 **({"rank_scripts": {str(r): [str(p), *a] for r, (p, a) in sorted(cfg.rank_scripts.items())}}
                    if cfg.rank_scripts else {}),
                 **({"target_gpu": cfg.target_gpu} if cfg.target_gpu is not None else {}),
+                **cfg.job_extra,
                 **({"staging_by_device": {f"cuda:{d}": "page-locked" if cfg.page_locks else "pageable"
                                           for d in cfg.devices}} if cfg.on_gpu else {})}
 
@@ -316,7 +327,8 @@ def launch(cfg: LaunchConfig) -> int:
     code = EXIT_RANK_FAILED
     try:
         address, store_port = job.start_coordinator()
-        _say(f"job {job.job_id}: starting {cfg.world_size} logical ranks on {','.join(cfg.devices)} "
+        folded = f" ({len(cfg.live_ranks)} live, {cfg.world_size - len(cfg.live_ranks)} virtual)" if cfg.fold else ""
+        _say(f"job {job.job_id}: starting {cfg.world_size} logical ranks{folded} on {','.join(cfg.devices)} "
              f"({cfg.slots_per_device} slot(s) per device); logs in {cfg.log_dir}")
         job.fork_ranks(address, store_port)
         code = job.watch()

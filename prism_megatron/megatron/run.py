@@ -70,6 +70,7 @@ class RunRequest:
     env: dict[str, str] = field(default_factory=dict)  # extra environment (a recipe's)
     driver_note: str | None = None  # which recipe driver runs, and why (printed by run)
     notes: list[str] = field(default_factory=list)  # defaults a recipe chose (printed by run)
+    substitutions: list[dict] = field(default_factory=list)  # the recipe's (recorded in the trace's job)
 
     @property
     def emulate(self) -> bool:
@@ -188,6 +189,7 @@ def parse_run_args(argv: list[str]) -> RunRequest:
             raise RunError(f"--prism-world-size {request.options['prism_world_size']} differs from recipe "
                            f"{recipe.name}'s world_size {recipe.world_size}")
         request.env = render_env(recipe)
+        request.substitutions = [dict(vars(x)) for x in recipe.substitutions]
         _take_recipe_target(request, recipe)
         if request.script is None:
             name, request.script, why = select_driver(request.options.get("prism_driver") or "auto")
@@ -271,6 +273,7 @@ def launch_config(request: RunRequest):
         expected_iterations=_flag_int(request.script_args, "--train-iters"),
         predictor=PREDICTOR, predictor_options={"cluster": request.run_options().cluster},
         memory_classes=stage_classes(request.script_args, job.world_size),
+        job_extra={"substitutions": request.substitutions} if request.substitutions else {},
     )
 
 
@@ -320,10 +323,32 @@ def run(request: RunRequest) -> int:
     from prism_megatron.launcher.exit_codes import OOM
     from prism_megatron.launcher.launch import launch
 
-    cfg = launch_config(request).validate()
-    code = launch(cfg)
-    written = code in (0, OOM) and (cfg.trace_dir / "manifest.json").exists()
+    cfg = launch_config(request)
     after = request.run_options()
+    if after.fold != "off":
+        from prism_megatron.megatron.fold_mode import FoldModeError, choose_fold
+
+        try:
+            cfg.fold = choose_fold(after.fold, cfg, request.env, say=lambda m: print(f"prism: {m}", file=sys.stderr,
+                                                                                  flush=True))
+        except FoldModeError as e:
+            print(f"prism: {e}", file=sys.stderr, flush=True)
+            from prism_megatron.launcher.exit_codes import BAD_INPUT
+
+            return BAD_INPUT
+    cfg.validate()
+    code = launch(cfg)
+    if cfg.fold is not None and code == 0 and (cfg.trace_dir / "manifest.json").exists():
+        from prism_megatron.megatron.fold_mode import FoldModeError, check_trace_classes
+
+        try:
+            check_trace_classes(cfg.trace_dir)
+        except FoldModeError as e:
+            print(f"prism: {e}", file=sys.stderr, flush=True)
+            from prism_megatron.launcher.exit_codes import BAD_INPUT
+
+            return BAD_INPUT
+    written = code in (0, OOM) and (cfg.trace_dir / "manifest.json").exists()
     if written and after.anchor_fake_pg:
         from prism_megatron.megatron.anchors import run_fake_pg_anchor
 

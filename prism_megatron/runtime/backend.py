@@ -82,10 +82,13 @@ class PrismProcessGroup(dist.ProcessGroup):
     """One communicator of a logical rank. `ranks` are the global ranks, in group-rank order."""
 
     def __init__(self, client: RankClient, rank: int, size: int, ranks: list[int], name: str,
-                 requested_backend: str, timeout: timedelta | None = None) -> None:
+                 requested_backend: str, timeout: timedelta | None = None, rep: list[int] | None = None) -> None:
         super().__init__(rank, size)
         self._client = client
         self._ranks = ranks
+        # a folded job's group with virtual members (rep[r] != r): the coordinator answers for them and
+        # needs what a virtual member cannot send (kept all_gather chunks, a virtual root's data)
+        self._rep = rep if rep is not None and any(rep[r] != r for r in ranks) else None
         # a group of one: the rank computes each op's result itself (RankClient.submit); fixed per group
         self._local = len(ranks) == 1 and not _STAGE_GROUPS_OF_ONE
         self._name = name
@@ -175,16 +178,31 @@ class PrismProcessGroup(dist.ProcessGroup):
                   opts: Any = None) -> PrismWork:
         _single(input_tensors, "allgather")
         outs = list(output_tensors[0])
-        return self._op("all_gather_list", input_tensors, outs, opts, result=[outs])
+        return self._op("all_gather_list", input_tensors, outs, opts, result=[outs],
+                        **self._keep([outs], input_tensors))
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> PrismWork:
-        return self._op("all_gather", [input], [output], opts)
+        return self._op("all_gather", [input], [output], opts, **self._keep([output], [input]))
 
     _allgather_base = all_gather_single
 
     def all_gather_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                     opts: Any = None) -> PrismWork:
-        return self._op("all_gather", list(inputs), list(outputs), opts)
+        return self._op("all_gather", list(inputs), list(outputs), opts, **self._keep(list(outputs), list(inputs)))
+
+    def _keep(self, outputs: list, inputs: list[torch.Tensor]) -> dict:
+        """On a folded group, an in-place all_gather (the input is this member's own chunk of the output,
+        as the distributed optimizer's parameter gather does) sends its output as it stands: virtual
+        members' chunks keep it (nccl_prune's *keep*)."""
+        if self._rep is None or not inputs:
+            return {}
+        from nccl_prune import is_in_place_all_gather
+
+        me = self.rank()
+        if not all(is_in_place_all_gather(o, i, me) for o, i in zip(outputs, inputs, strict=True)):
+            return {}
+        current = [t for o in outputs for t in (o if isinstance(o, list) else [o])]
+        return {"in_place": True, "current": current}
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
@@ -194,8 +212,11 @@ class PrismProcessGroup(dist.ProcessGroup):
     def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> PrismWork:
         root = opts.rootRank
         me = self.rank() == root
+        extra = {}
+        if self._rep is not None and self._rep[self._ranks[root]] == self._ranks[self.rank()] and not me:
+            extra["current"] = list(tensors)  # the root is virtual and mirrors this rank: its data is ours
         return self._op("broadcast", tensors if me else [], [] if me else tensors, opts, root=root,
-                        result=tensors)
+                        result=tensors, **extra)
 
     def gather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
                opts: Any) -> PrismWork:
@@ -337,13 +358,13 @@ def idle(seconds: float) -> None:
         _installed.idle(seconds)
 
 
-def install(client: RankClient) -> None:
+def install(client: RankClient, rep: list[int] | None = None) -> None:
     """Make every process group of this process a prism group, whatever backend the program asks for.
 
     torch creates every group (init_process_group, new_group, new_subgroups) in
     `_new_process_group_helper`; we route that one seam to `prism` and then record the backend
     the program asked for, so `dist.get_backend()` answers what it would on the target job and
-    code that branches on it takes the same path.
+    code that branches on it takes the same path. ``rep``: a folded job's representative of every rank.
     """
     global _installed
     from torch.distributed import distributed_c10d as c10d
@@ -356,7 +377,7 @@ def install(client: RankClient) -> None:
     def creator(opts: Any, backend_options: Any = None) -> PrismProcessGroup:
         ranks = list(opts.global_ranks_in_group) or list(range(opts.group_size))
         return PrismProcessGroup(client, opts.group_rank, opts.group_size, ranks, str(opts.group_id),
-                                 requested[-1] if requested else BACKEND_NAME, opts.timeout)
+                                 requested[-1] if requested else BACKEND_NAME, opts.timeout, rep=rep)
 
     dist.Backend.register_backend(BACKEND_NAME, creator, extended_api=True, devices=["cpu", "cuda"])
     original = c10d._new_process_group_helper

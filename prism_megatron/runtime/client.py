@@ -135,10 +135,13 @@ class RankClient:
         self._resume()
 
     def submit(self, group: str, kind: str, ins: list[torch.Tensor], outs: list[torch.Tensor],
-               *, inplace: bool = False, result: list[torch.Tensor] | None = None, **params: Any) -> PrismWork:
+               *, inplace: bool = False, result: list[torch.Tensor] | None = None,
+               current: list[torch.Tensor] | None = None, **params: Any) -> PrismWork:
         """Send one op; returns its Work at once (the op completes in the background).
 
         `inplace`: outputs are the inputs (all_reduce, broadcast): results overwrite the staged input.
+        `current`: tensors whose content goes along (a folded group: an in-place all_gather's output,
+        whose virtual chunks the coordinator keeps; a virtual root's data, held by its mirror).
         """
         if self._fatal is not None:
             raise self._fatal
@@ -161,6 +164,10 @@ class RankClient:
                 op_kind(kind).local(ins, outs, params.get("redop"), params.get("factor"))
             else:
                 regions, in_descs, out_descs = self._stage(ins, outs, inplace)
+            if current is not None:
+                more, cur_descs, _ = self._stage(current, [], False)
+                regions += more
+                params["cur"] = cur_descs
         self.runtime_s["stage"] += time.perf_counter() - t0
         with self._pending_lock:
             self._pending[op_id] = _Pending(work, outs, [d[0] for d in out_descs], regions,

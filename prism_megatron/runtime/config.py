@@ -29,6 +29,7 @@ class CoordinatorConfig:
     predictor_options: dict = field(default_factory=dict)
     live_trace: str = ""
     host: str = "127.0.0.1"
+    fold: dict | None = None  # a folded job's plan (trace.fold's JSON): live ranks, rep of every rank
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -36,6 +37,9 @@ class CoordinatorConfig:
     @classmethod
     def from_json(cls, text: str) -> CoordinatorConfig:
         """Parse :meth:`to_json`'s output (JSON makes the rank keys of ``device_of`` strings)."""
+        if text.startswith("@"):  # too long for one argument: in a file (launcher.launch)
+            with open(text[1:]) as f:
+                text = f.read()
         data = json.loads(text)
         unknown = set(data) - {f.name for f in dataclasses.fields(cls)}
         if unknown:

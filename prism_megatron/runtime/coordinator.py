@@ -26,10 +26,12 @@ from pathlib import Path
 
 import torch
 
+from nccl_prune import PruneError
 from prism_megatron.ops import OPS, CollectiveCall
 from prism_megatron.runtime import protocol as P
 from prism_megatron.runtime.dataplane import DataPlane
 from prism_megatron.runtime.fake_device import FakeDevice
+from prism_megatron.runtime.folding import Folding
 from prism_megatron.runtime.governor import ADMISSION_MARGIN, MemoryGovernor, SwapMode, SwapPolicy
 from prism_megatron.runtime.grants import SlotGrants
 from prism_megatron.runtime.groups import Group, GroupTable
@@ -45,8 +47,12 @@ from prism_megatron.runtime.swap import BudgetSwapper, CudaCheckpointSwapper, Sw
 
 class Coordinator:
     def __init__(self, world_size: int, num_devices: int, slots_per_device: int, device_of: dict[int, int],
-                 device_names: list[str], hang_timeout: float, authkey: bytes, host: str = "127.0.0.1") -> None:
+                 device_names: list[str], hang_timeout: float, authkey: bytes, host: str = "127.0.0.1",
+                 fold: dict | None = None) -> None:
         self.world_size = world_size
+        # a folded job (runtime.folding): only live ranks connect; everything that counts ranks counts them
+        self.fold = Folding(fold) if fold is not None else None
+        self.n_live = len(self.fold.live) if self.fold is not None else world_size
         self.device_names = device_names
         self.listener = Listener((host, 0), authkey=authkey, backlog=min(world_size + 8, 4096))
         self.address = self.listener.address
@@ -56,7 +62,7 @@ class Coordinator:
         self.groups = GroupTable()
         self.data = DataPlane()
         self.recorder = Recorder()
-        self.governor = MemoryGovernor(world_size, self.ranks, self.slots, self.groups, device_names,
+        self.governor = MemoryGovernor(self.n_live, self.ranks, self.slots, self.groups, device_names,
                                        fatal=lambda kind, report: self._fatal(kind, report),
                                        send=lambda rs, msg: self._send(rs, msg))
         self.grants = SlotGrants(self.slots, self.ranks, self.governor, self.recorder, device_names,
@@ -72,9 +78,12 @@ class Coordinator:
     def write_trace(self, path: Path, job: dict, exit_codes: dict) -> Path:
         from prism_megatron.runtime.trace_export import write_bare_trace
 
+        if self.fold is not None:
+            job = {**job, "fold": self.fold.to_json()}
         return write_bare_trace(path, job, exit_codes, world_size=self.world_size, recorder=self.recorder,
                                 groups=self.groups, ranks=self.ranks, governor=self.governor,
-                                device_name=lambda r: self.device_names[self.slots.device_of(r)])
+                                device_name=lambda r: self.device_names[self.slots.device_of(r)],
+                                live=self.fold.live if self.fold is not None else None)
 
     # ---- main loop ---------------------------------------------------------------------------------
     def serve(self) -> None:
@@ -168,6 +177,10 @@ class Coordinator:
             problem = self.groups.register(rs.rank, msg["name"], msg["ranks"], msg["backend"])
             if problem is not None:
                 self._fatal("mismatch", problem)
+            elif self.fold is not None:
+                problem = self.fold.fold_group(self.groups.named(msg["name"]))
+                if problem is not None:
+                    self._fatal("fold", problem)
         elif t == P.MARK:
             self.recorder.mark(rs, msg)
             self.governor.mark(rs.rank, msg)
@@ -236,7 +249,7 @@ class Coordinator:
     def _answer_predictions(self) -> None:
         if not self.predictor.waiting:
             return
-        ready = self.predictor.ready(self.ranks, self.world_size)
+        ready = self.predictor.ready(self.ranks, self.n_live)
         if not ready:
             return
         if any(r.state == RankStatus.RUNNING for r in self.ranks.values()):
@@ -282,6 +295,10 @@ class Coordinator:
         kind, peer = msg["kind"], msg.get("peer")
         rec = self.recorder.op(rs, g, msg)
         m = Member(rs.rank, grank, msg, rec)
+        if kind in ("send", "recv") and g.fold is not None and peer is not None:
+            problem = self.fold.check_p2p(g, grank if kind == "send" else peer, peer if kind == "send" else grank)
+            if problem is not None:
+                return self._fatal("fold", f"rank {rs.rank}: {kind} on group {g.name!r}: {problem}")
         if kind == "send":
             if peer == grank:
                 return self._fatal("mismatch", f"rank {rs.rank} sends to itself on group {g.name!r}")
@@ -309,7 +326,7 @@ class Coordinator:
         self._op_completed(rs, m.msg["id"])
 
     def _run_collective(self, g: Group, seq: int, ms: list[Member]) -> None:
-        problem = check_collective(ms)
+        problem = check_collective(ms, None if g.fold is None else len(g.ranks))
         if problem is not None:
             return self._fatal("mismatch", f"collective #{seq} on group {g.name!r} (ranks {_ranks(g.ranks)}): "
                                f"{problem}")
@@ -319,10 +336,21 @@ class Coordinator:
         if len(ms) == 1 and ms[0].msg.get("local"):  # a group of one: the rank computed its result (OpKind.local)
             return self._deliver(ms[0], [None] * len(ms[0].msg["outs"]))
         first = ms[0].msg
-        outs = op.work(CollectiveCall(
+        call = CollectiveCall(
             ins=[self.data.inputs(m) for m in ms], redop=first.get("redop"), factor=first.get("factor"),
             root=first.get("root"), in_splits=[m.msg["in_splits"] for m in ms] if "in_splits" in first else None,
-            out_view=lambda i, j, like: self.data.out_view(ms[i], j, like)))
+            out_view=lambda i, j, like: self.data.out_view(ms[i], j, like))
+        if g.fold is not None:  # virtual members: answered by nccl_prune from the live members (ms)
+            call.fold = g.fold
+            call.in_place = bool(first.get("in_place"))
+            if any("cur" in m.msg for m in ms):
+                call.current = [[self.data.read(d[0], d[1]) for d in m.msg.get("cur", ())] for m in ms]
+            self.fold.count(g, ms[0].kind, call.root, bool(first.get("in_place")))
+        try:
+            outs = op.run(call)
+        except PruneError as e:
+            return self._fatal("fold", f"collective #{seq} {ms[0].kind} on group {g.name!r} "
+                               f"(ranks {_ranks(g.ranks)}): {e}")
         for m, o in zip(ms, outs, strict=True):
             self._deliver(m, [t.reshape(-1) if t is not None else None for t in o])
 
@@ -339,7 +367,7 @@ class Coordinator:
 
     # ---- failure and hangs -------------------------------------------------------------------------
     def _check_hang(self) -> None:
-        stalled = self.hang.stalled(self.ranks, self.world_size, bool(self.governor.awaiting_room))
+        stalled = self.hang.stalled(self.ranks, self.n_live, bool(self.governor.awaiting_room))
         if stalled is not None:
             self._fatal("hang", format_hang_report(self.ranks, self.groups, self.governor, stalled))
 
@@ -393,13 +421,17 @@ def main(argv: list[str] | None = None) -> None:
     """
     ap = argparse.ArgumentParser()
     ap.add_argument("config")
-    cfg = json.loads(ap.parse_args(argv).config)
+    text = ap.parse_args(argv).config
+    if text.startswith("@"):  # too long for one argument: in a file (launcher.launch)
+        text = Path(text[1:]).read_text()
+    cfg = json.loads(text)
     authkey = bytes.fromhex(os.environ.pop("PRISM_AUTHKEY"))
     torch.set_num_threads(max(1, int(cfg.get("threads", 1))))
     coord = Coordinator(
         world_size=cfg["world_size"], num_devices=len(cfg["devices"]), slots_per_device=cfg["slots_per_device"],
         device_of={int(k): v for k, v in cfg["device_of"].items()}, device_names=cfg["devices"],
         hang_timeout=cfg["hang_timeout"], authkey=authkey, host=cfg.get("host", "127.0.0.1"),
+        fold=cfg.get("fold"),
     )
     governor = coord.governor
     governor.times_gpu = bool(cfg.get("gpu_timing"))

@@ -86,7 +86,7 @@ class MemoryGovernor:
         self.margin = margin
         self.timing_gated = gate_timing
         if gate_timing:
-            for r in range(self.world_size):
+            for r in self.slots._device_of or range(self.world_size):  # the ranks that run (live, when folded)
                 self._timing_waits.setdefault(self.slots.device_of(r), set()).add(r)
         host = HostBudget(host_capacity) if host_capacity is not None else None
         self.memory = [DeviceMemory(c, swapper, host=host) for c in capacities]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from prism_megatron.runtime.matching import Member, P2PQueues
 from prism_megatron.runtime.recorder import OpRecord
@@ -21,6 +22,7 @@ class Group:
     p2p: P2PQueues = field(default_factory=P2PQueues)
     p2p_seq: dict[tuple[int, int, str], int] = field(default_factory=dict)
     grank: dict[int, int] = field(default_factory=dict)  # global rank -> group rank (no list search per op)
+    fold: Any = None  # nccl_prune.GroupPlan when some members are virtual: collectives wait for live members only
 
     def missing(self, seq: int) -> int:
         """Members that have not posted collective ``seq`` (0 once it ran)."""
@@ -63,8 +65,12 @@ class GroupTable:
         seq = g.next_seq[m.grank]
         g.next_seq[m.grank] += 1
         m.record.seq = seq
-        slot = g.pending.setdefault(seq, [None] * len(g.ranks))
-        slot[m.grank] = m
+        if g.fold is None:
+            slot = g.pending.setdefault(seq, [None] * len(g.ranks))
+            slot[m.grank] = m
+        else:  # in live-position order
+            slot = g.pending.setdefault(seq, [None] * len(g.fold.live_positions))
+            slot[g.fold.live_index(m.grank)] = m
         if any(x is None for x in slot):
             return None
         del g.pending[seq]

@@ -81,7 +81,8 @@ def format_hang_report(ranks: dict[int, RankState], groups: GroupTable, governor
     for g in groups:
         for seq, slot in sorted(g.pending.items()):
             arrived = [m.rank for m in slot if m is not None]
-            missing = [g.ranks[i] for i, m in enumerate(slot) if m is None]
+            pos = g.fold.live_positions if g.fold is not None else range(len(g.ranks))  # slots: live members
+            missing = [g.ranks[pos[i]] for i, m in enumerate(slot) if m is None]
             incomplete.append(f"  collective #{seq} on group {g.name!r}: arrived {_fmt_ranks(arrived)}; "
                               f"missing {_fmt_ranks(missing)}" + _missing_state(ranks, missing))
         for key, q in list(g.p2p.sends.items()) + list(g.p2p.recvs.items()):

@@ -56,9 +56,13 @@ def desc_bytes(desc: tuple) -> int:
     return desc[3]
 
 
-def check_collective(members: list[Member]) -> str | None:
-    """None when the members' ops fit together, else a description of the disagreement."""
-    n = len(members)
+def check_collective(members: list[Member], size: int | None = None) -> str | None:
+    """None when the members' ops fit together, else a description of the disagreement.
+
+    ``size``: a folded group's member count when ``members`` are its live members only; the size
+    checks that index members by group position are then left to the pruned execution (nccl_prune
+    checks the sizes it reads)."""
+    n = len(members) if size is None else size
     first = members[0]
     problems: list[str] = []
     kinds = {m.kind for m in members}
@@ -74,12 +78,16 @@ def check_collective(members: list[Member]) -> str | None:
         dts = {dt for m in members for dt in m.dtypes()}
         if op is not None and op.reducing and len(dts) > 1:
             problems.append(f"different dtypes {sorted(dts)}")
-        if op is not None:
+        if op is not None and (size is None or kind in _UNINDEXED_CHECKS):
             problems += op.check(members, n)
     if not problems:
         return None
     lines = [f"members disagree ({'; '.join(problems)}):"] + [f"  {m.describe()}" for m in members]
     return "\n".join(lines)
+
+
+#: kinds whose size check reads no member by its group position (valid on a folded group's live members)
+_UNINDEXED_CHECKS = frozenset({"all_reduce", "all_gather", "reduce_scatter", "reduce", "broadcast"})
 
 
 def check_p2p(send: Member, recv: Member) -> str | None:

@@ -17,10 +17,10 @@ def _fmt_bytes(n: float) -> str:
     return f"{n:.1f} GiB"
 
 
-def _spread(values: list[float], what: str) -> str:
+def _spread(values: list[float], what: str, ranks: list[int] | None = None) -> str:
     top = max(range(len(values)), key=values.__getitem__)
     return (f"  {what}: min {min(values):.3f} s, median {statistics.median(values):.3f} s, max {values[top]:.3f} s "
-            f"(rank {top})")
+            f"(rank {top if ranks is None else ranks[top]})")
 
 
 def parallel_capacity(manifest: dict) -> int:
@@ -144,7 +144,8 @@ def summarize(path: str | Path) -> str:
     for k, n in kinds.most_common():
         lines.append(f"  {k:<22}{n:>8}{_fmt_bytes(by_kind_bytes[k]):>14}")
     if compute:
-        lines += ["", _spread([compute.get(r, 0.0) for r in t.real_ranks], "compute time per rank")]
+        lines += ["", _spread([compute.get(r, 0.0) for r in t.real_ranks], "compute time per rank",
+                                 list(t.real_ranks))]
     eff = capture_efficiency(t)
     if eff:
         wall = statistics.median(w for _, w, _ in eff)

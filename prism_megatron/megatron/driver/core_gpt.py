@@ -271,10 +271,13 @@ def build_model(args: argparse.Namespace, config: Any) -> list[Any]:
             for i, chunk in enumerate(chunks)]
 
 
-def build_dataset(args: argparse.Namespace, num_samples: int) -> Any:
+def build_dataset(args: argparse.Namespace, num_samples: int, built: bool = True) -> Any:
     """Megatron's MockGPTDataset (deterministic token ids; uses the wheel's compiled helpers).
 
     Split and sizes as Megatron-LM's defaults with no evaluation, so the samples are the same.
+    Every rank calls the builder, as Megatron-LM's ``pretrain`` does: it synchronises all ranks
+    (a world barrier), and ranks that read no data (``built`` False: middle pipeline stages) take
+    part and get None.
     """
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDatasetConfig, MockGPTDataset
@@ -285,8 +288,8 @@ def build_dataset(args: argparse.Namespace, num_samples: int) -> Any:
         path_to_cache=None, tokenizer=NullTokenizer(args.vocab_size), reset_position_ids=False,
         reset_attention_mask=False, eod_mask_loss=False, create_attention_mask=True,
     )
-    train, _, _ = BlendedMegatronDatasetBuilder(MockGPTDataset, [num_samples, 0, 0], lambda: True, config).build()
-    return train
+    train, _, _ = BlendedMegatronDatasetBuilder(MockGPTDataset, [num_samples, 0, 0], lambda: built, config).build()
+    return train if built else None
 
 
 def batches(dataset: Any, args: argparse.Namespace, dp_rank: int, dp_size: int) -> Iterator[dict]:
@@ -458,7 +461,7 @@ def train(args: argparse.Namespace) -> None:
     num_microbatches = get_num_microbatches()
     needs_data = parallel_state.is_pipeline_first_stage(ignore_virtual=True) or \
         parallel_state.is_pipeline_last_stage(ignore_virtual=True)
-    dataset = build_dataset(args, args.train_iters * gbs) if needs_data else None
+    dataset = build_dataset(args, args.train_iters * gbs, built=needs_data)
 
     def iterator() -> Iterator[dict] | None:
         return batches(dataset, args, dp_rank, dp_size) if dataset is not None else None

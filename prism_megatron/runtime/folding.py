@@ -1,0 +1,67 @@
+"""The coordinator's side of a folded job: which ranks are live, each group's fold, and the count of
+virtual contributions the trace records.
+
+Only live ranks are processes. When a live rank registers a group, the group is folded once
+(``nccl_prune.plan_group``: O(group size)); a group without virtual members keeps the runtime's own
+path and numerics, a folded one completes when its live members have posted an op and is answered by
+``nccl_prune.host`` (``ops.OpKind.run``). Knows ranks, not Megatron: the fold arrives as the plan's
+JSON (``trace.fold`` reads the same).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from nccl_prune import Contributions, PruneError, check_p2p, plan_group
+from nccl_prune.contributions import HOWS, virtual_contributions
+from prism_megatron.runtime.groups import Group
+
+
+class Folding:
+    """A folded job's live ranks and representatives, with the groups' folds and contribution counts."""
+
+    def __init__(self, plan: dict[str, Any]) -> None:
+        self.plan_json = plan
+        self.rep: list[int] = [int(x) for x in plan["rep"]]
+        self.live: list[int] = [int(x) for x in plan["live"]]
+        self.contributions = Contributions()
+        self._planned: set[int] = set()  # group ids folded already
+        # per (group, kind, root, in place): the counts one op adds (an op's count is O(group), once)
+        self._per_op: dict[tuple, dict[str, int]] = {}
+
+    def fold_group(self, g: Group) -> str | None:
+        """Fold ``g`` at its first registration: None, or why it cannot be folded (a live rank made it,
+        so it has live members; a virtual member whose representative is outside it cannot be mirrored)."""
+        if g.id in self._planned:
+            return None
+        self._planned.add(g.id)
+        try:
+            p = plan_group(g.ranks, self.rep)
+        except PruneError as e:
+            return f"process group {g.name!r}: {e}"
+        if p is None:  # cannot happen for a group a live rank registered: the rank is a member
+            return f"process group {g.name!r} (ranks {g.ranks[:8]}) has no live member but was registered"
+        g.fold = p if p.num_virtual else None  # no virtual member: exactly the unfolded path
+        return None
+
+    def check_p2p(self, g: Group, src: int, dst: int) -> str | None:
+        """None when both group ranks are live; else the error naming both ranks."""
+        try:
+            check_p2p(g.fold, src, dst)
+        except PruneError as e:
+            return str(e)
+        return None
+
+    def count(self, g: Group, kind: str, root: int | None, in_place: bool) -> None:
+        """Add one op's virtual contributions (cached per group and op shape: O(1) per op after the first)."""
+        key = (g.id, kind, root, in_place)
+        c = self._per_op.get(key)
+        if c is None:
+            c = self._per_op[key] = virtual_contributions(kind, g.fold, root=root, in_place=in_place)
+        row = self.contributions.counts.setdefault(kind, dict.fromkeys(HOWS, 0))
+        for how, n in c.items():
+            row[how] += n
+
+    def to_json(self) -> dict[str, Any]:
+        """The manifest's ``job.fold``: the plan plus the contributions counted so far."""
+        return {**self.plan_json, "contributions": self.contributions.to_json()}

@@ -1,0 +1,183 @@
+"""Megatron jobs folded by ``run --prism-fold``: the mini recipes folded vs fully captured (per-class
+peak memory, losses), tiny GPTs at 1,024 and 8,192 target ranks end to end (plan, capture, replay,
+report), and the run mode's refusals. The core driver (megatron.core only) runs them on CPU.
+
+Losses: a folded run computes one replica; its data-parallel reductions mirror that replica, so its
+loss is replica 0's loss where the full run averages replicas that read different samples. They agree
+within the spread of per-sample losses of a freshly initialised model (log(vocab) ~ 6.9): 2% here.
+"""
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from prism_megatron.megatron import cpu_mode
+
+pytestmark = [pytest.mark.skipif(cpu_mode._gpu_present(), reason="CPU runs of Megatron need CPU mode")]
+
+RECIPES = Path(__file__).parent / "recipes"
+LOSS_RTOL = 0.02
+
+
+def _run(out: Path, recipe: str, fold: str, *extra: str, timeout: int = 300, check: bool = True) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "prism_megatron", "run", "--recipe", recipe, "--prism-driver", "core",
+           "--prism-fold", fold, "--prism-report", "off", "--prism-track-memory", "on",
+           "--prism-trace-dir", str(out / "trace"), *extra]
+    env = dict(os.environ, PRISM_MEGATRON_METRICS=str(out / "metrics.jsonl"), OMP_NUM_THREADS="1")
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=out, capture_output=True, text=True, timeout=timeout, env=env)
+    wall = time.perf_counter() - t0
+    if check:
+        assert proc.returncode == 0, f"{' '.join(cmd)}:\n{proc.stdout[-2000:]}\n{proc.stderr[-5000:]}"
+    metrics = {}
+    if (out / "metrics.jsonl").exists():
+        for line in (out / "metrics.jsonl").read_text().splitlines():
+            r = json.loads(line)
+            metrics[(r["rank"], r["iteration"])] = r["loss"].get("lm loss")
+    return {"code": proc.returncode, "output": proc.stdout + proc.stderr, "trace": out / "trace", "wall": wall,
+            "metrics": metrics}
+
+
+def _class_peaks(trace_dir: Path, fold) -> dict[str, int]:
+    """Per class of ``fold``: the largest max-allocated of the trace's ranks in it."""
+    from prism_megatron.report.build import build_report
+
+    out: dict[str, int] = {}
+    for entry in build_report(trace_dir)["memory"]["ranks"]:
+        name = fold.class_name(entry["rank"])
+        out[name] = max(out.get(name, 0), entry["max_allocated"])
+    return out
+
+
+def _losses(metrics: dict) -> dict[int, float]:
+    return {it: loss for (_, it), loss in metrics.items() if loss is not None}
+
+
+CASES = {
+    "tp2pp2dp2": "mini-dense-tp2pp2dp2",
+    "tp2pp2dp4": "mini-dense-tp2pp2dp4",
+    "pp2vpp2": "mini-dense-pp2vpp2",
+    "tp2dp2-distopt": "mini-dense-tp2dp2-distopt",
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_folded_mini_recipe_matches_its_full_capture(case, tmp_path):
+    from prism_megatron.trace import read_trace
+
+    folded = _run(tmp_path / "fold", CASES[case], "on")
+    full = _run(tmp_path / "full", CASES[case], "off")
+    fold = read_trace(folded["trace"]).fold
+    assert fold is not None and len(fold.live) < fold.world_size, folded["output"][-2000:]
+    assert "prism: fold: " in folded["output"] and "classes:" in folded["output"]
+    assert read_trace(full["trace"]).fold is None
+    got, want = _class_peaks(folded["trace"], fold), _class_peaks(full["trace"], fold)
+    assert set(want) == {c.name for c in fold.classes} and all(want.values()), want
+    if case == "tp2dp2-distopt":
+        # the distributed optimizer's DP ranks are not identical to the byte (DP rank 1 peaked 452 B above
+        # DP rank 0, whose figure the fold reports): within 1 KiB, the fold never above the full run
+        assert got.keys() == want.keys() and all(0 <= want[k] - got[k] <= 1024 for k in want), (got, want)
+    else:
+        assert got == want, f"per-class max allocated differs (dense: 0 B expected): fold {got}, full {want}"
+    a, b = _losses(folded["metrics"]), _losses(full["metrics"])
+    assert a.keys() == b.keys() and a
+    for it in b:
+        assert math.isfinite(a[it]) and math.isclose(a[it], b[it], rel_tol=LOSS_RTOL), (case, it, a[it], b[it])
+    if case == "tp2dp2-distopt":  # the parameter all-gather is in place: its virtual chunks are kept
+        assert fold.contributions.get("all_gather", {}).get("keep", 0) > 0, fold.contributions
+
+
+def test_moe_ep4_pp2_folds_to_the_whole_job(tmp_path):
+    """EP4 spans all four DP indices, so the v1 sandbox (whole expert groups) is the whole job: the
+    run says so and captures every rank."""
+    from prism_megatron.launcher.config import LaunchConfig
+    from prism_megatron.megatron.fold_mode import choose_fold
+    from prism_megatron.megatron.run import launch_config, parse_run_args
+
+    request = parse_run_args(["--recipe", "mini-moe-ep4-tp1pp2", "--prism-driver", "core"])
+    said: list[str] = []
+    cfg = launch_config(request)
+    assert isinstance(cfg, LaunchConfig)
+    assert choose_fold("on", cfg, request.env, say=said.append) is None
+    assert any("the sandbox is the whole job (8 ranks)" in s for s in said), said
+
+
+@pytest.mark.parametrize("recipe, world, live", [("fold-scale-tp2pp4dp128", 1024, 8),
+                                                 ("fold-scale-tp2pp4dp1024", 8192, 8)])
+def test_a_tiny_gpt_at_scale_runs_folded_end_to_end(recipe, world, live, tmp_path):
+    """Plan, capture, replay and report of a job of ``world`` ranks with ``live`` processes (the
+    synthesised full graph replayed at 1,024; at 8,192 that replay is bench/fold_scale.py's)."""
+    from prism_megatron.report.build import build_report
+    from prism_megatron.trace import read_trace
+
+    run = _run(tmp_path, str(RECIPES / f"{recipe}.yaml"), "auto", timeout=600)
+    assert "the full job does not fit here" in run["output"] and f"{world - live:,} virtual" in run["output"]
+    trace = read_trace(run["trace"])
+    assert trace.world_size == world and len(trace.fold.live) == live
+    assert len(trace.manifest["ranks"]) == live
+    assert trace.fold.contribution_counts()["mirror"] > 0
+    losses = _losses(run["metrics"])
+    assert set(losses) == {1, 2} and all(math.isfinite(x) for x in losses.values())
+    report = build_report(run["trace"], cluster="h100-nvlink-ib400")
+    t = report["prediction"]["iteration_time_s"]
+    assert t is not None and t > 0
+    assert "virtual" in report["prediction"]["provenance"]
+    if world > 1024:
+        return
+    full = subprocess.run([sys.executable, "-m", "prism_megatron", "replay", "--full", str(run["trace"])],
+                          capture_output=True, text=True, timeout=300)
+    assert full.returncode == 0, full.stderr[-3000:]
+    assert "synthesised graph of every rank" in full.stdout + full.stderr
+
+
+def test_a_sandbox_that_cannot_fit_is_refused_saying_what_would(tmp_path):
+    run = _run(tmp_path, "mini-dense-tp2pp2dp2", "on", "--prism-host-memory", "2", check=False)
+    assert run["code"] == 2, run["output"][-3000:]
+    assert "the sandbox does not fit here" in run["output"] and "4 ranks" in run["output"]
+    assert not (tmp_path / "trace" / "manifest.json").exists()
+
+
+def test_fold_auto_captures_fully_what_fits(tmp_path):
+    from prism_megatron.launcher.config import LaunchConfig
+    from prism_megatron.megatron.fold_mode import choose_fold
+    from prism_megatron.megatron.run import launch_config, parse_run_args
+
+    request = parse_run_args(["--recipe", "mini-dense-tp2pp2", "--prism-driver", "core",
+                              "--prism-host-memory", "64"])
+    said: list[str] = []
+    cfg = launch_config(request)
+    assert isinstance(cfg, LaunchConfig)
+    assert choose_fold("auto", cfg, request.env, say=said.append) is None
+    assert any("fold auto: full capture" in s for s in said), said
+
+
+def test_a_recipes_substitutions_go_into_the_trace_job():
+    import dataclasses
+
+    from prism_megatron.launcher.launch import _Job
+    from prism_megatron.megatron.run import launch_config, parse_run_args
+    from prism_megatron.recipe import load_recipe
+
+    request = parse_run_args(["--recipe", "targets-llama3-8b-h100x8", "--prism-driver", "core"])
+    want = [dataclasses.asdict(x) for x in load_recipe("targets-llama3-8b-h100x8").substitutions]
+    assert want and _Job(launch_config(request)).job_meta()["substitutions"] == want
+
+
+def test_fold_auto_runs_a_program_the_plan_cannot_read_in_full_and_on_refuses_it(tmp_path):
+    from prism_megatron.launcher.config import LaunchConfig
+    from prism_megatron.megatron.fold_mode import FoldModeError, choose_fold
+
+    cfg = LaunchConfig(script=Path(__file__).parent / "programs" / "fold_bad.py", script_args=["none"],
+                       world_size=4, trace_dir=tmp_path / "t")
+    said: list[str] = []
+    assert choose_fold("auto", cfg, say=said.append) is None
+    assert any("fold auto: full capture" in s and "no fold plan" in s for s in said), said
+    with pytest.raises(FoldModeError, match="--prism-fold on"):
+        choose_fold("on", cfg, say=said.append)

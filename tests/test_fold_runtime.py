@@ -1,0 +1,109 @@
+"""A folded launch of a generic torch.distributed program (no Megatron): only live ranks run, the
+coordinator answers for the virtual ones (nccl_prune), and the results equal a full run's where every
+data-parallel replica computes the same; the trace records the fold; what a fold cannot answer is a
+clear error."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from prism_megatron.launcher.exit_codes import BAD_INPUT
+from prism_megatron.launcher.launch import LaunchConfig, launch
+from prism_megatron.trace import read_trace
+from prism_megatron.trace.fold import make_fold, read_fold
+
+PROGRAMS = Path(__file__).parent / "programs"
+W, DP = 64, 8
+
+
+def _grid_rep() -> list[int]:
+    """rank = tp + 2 * (dp + DP * pp): every rank mirrors the rank of DP index 0 with its tp and pp."""
+    return [(r % 2) + 2 * DP * (r // (2 * DP)) for r in range(W)]
+
+
+def _run(tmp_path: Path, name: str, script: str, args: list[str], world: int, fold: dict | None) -> int:
+    cfg = LaunchConfig(script=PROGRAMS / script, script_args=args, world_size=world, trace_dir=tmp_path / name,
+                       hang_timeout=60, fold=fold)
+    return launch(cfg)
+
+
+def test_a_folded_run_gives_the_live_ranks_the_full_runs_results(tmp_path):
+    rep = _grid_rep()
+    live = sorted(set(rep))
+    assert len(live) == 8
+    fold = make_fold(rep, 8).to_json()
+    assert _run(tmp_path, "fold", "fold_grid.py", [str(tmp_path / "fold-res")], W, fold) == 0
+    assert _run(tmp_path, "full", "fold_grid.py", [str(tmp_path / "full-res")], W, None) == 0
+    assert sorted(p.name for p in (tmp_path / "fold-res").iterdir()) == sorted(f"rank-{r}.pt" for r in live)
+    for r in live:
+        got = torch.load(tmp_path / "fold-res" / f"rank-{r}.pt")
+        want = torch.load(tmp_path / "full-res" / f"rank-{r}.pt")
+        assert got.keys() == want.keys()
+        for key in want:
+            if key == "inplace_gather":
+                continue
+            assert torch.equal(got[key], want[key]), (r, key, got[key], want[key])
+        # in place: the full run gathers every replica's chunk; a fold keeps what the virtual chunks held
+        chunk = want["inplace_gather"][:3]
+        assert torch.equal(want["inplace_gather"], chunk.repeat(DP))
+        initial = torch.arange(DP * 3, dtype=torch.float32) - 100.0
+        assert torch.equal(got["inplace_gather"][:3], chunk)
+        assert torch.equal(got["inplace_gather"][3:], initial[3:])
+    assert want["world_sum_int"].item() == DP * sum(1 + r % 2 + 10 * (r // (2 * DP)) for r in live)
+
+    trace = read_trace(tmp_path / "fold")
+    f = read_fold(trace.manifest, tmp_path / "fold")
+    assert f.live == tuple(live) and f.rep == tuple(rep)
+    assert sorted(set(trace.ops.column("rank").to_pylist())) == live
+    assert [e["rank"] for e in trace.manifest["ranks"]] == live
+    groups = {tuple(g["ranks"]) for g in trace.manifest["groups"]}
+    assert tuple(range(W)) in groups  # the world group keeps its full rank list
+    assert tuple(2 * d for d in range(DP)) in groups  # a data-parallel group with 7 virtual members
+    c = f.contributions
+    # one op per DP group of 8 (7 virtual members each), 8 live ranks in 8 DP groups
+    assert c["all_gather"] == {"mirror": 8 * 7, "recorded": 0, "keep": 8 * 7}
+    assert c["all_to_all"]["mirror"] == 8 * 7 and c["reduce_scatter"]["mirror"] == 8 * 7
+    assert c["barrier"] == {"mirror": 0, "recorded": 0, "keep": 0}
+    assert "send" not in c  # p2p between live ranks only
+
+
+def test_a_p2p_with_a_virtual_peer_is_refused_naming_both_ranks(tmp_path):
+    fold = make_fold([0, 1, 0, 1], 8).to_json()
+    assert _run(tmp_path, "p2p", "fold_bad.py", ["p2p"], 4, fold) == BAD_INPUT
+    report = (tmp_path / "p2p.logs" / "fold-report.txt").read_text()
+    assert "rank 0 (sender) and rank 2 (receiver)" in report and "rank 2 is virtual" in report
+
+
+def test_a_hang_in_a_folded_group_names_the_missing_live_rank(tmp_path):
+    from prism_megatron.launcher.exit_codes import HANG
+
+    fold = make_fold([0, 1, 0, 1], 8).to_json()
+    cfg = LaunchConfig(script=PROGRAMS / "fold_bad.py", script_args=["hang"], world_size=4,
+                       trace_dir=tmp_path / "hang", hang_timeout=2, fold=fold)
+    assert launch(cfg) == HANG
+    report = (tmp_path / "hang.logs" / "hang-report.txt").read_text()
+    assert "collective #1 on group" in report and "arrived 0; missing 1 (exited: 1)" in report, report
+
+
+def test_members_of_one_class_that_issue_different_ops_are_refused(tmp_path):
+    from prism_megatron.megatron.fold_mode import FoldModeError, check_trace_classes
+
+    fold = make_fold([0, 1, 0, 1], 8).to_json()
+    fold["classes"] = [{"name": "stage", "role": "every rank", "count": 4, "sandbox": [0, 1], "coords": {}}]
+    fold["class_of"] = [0, 0, 0, 0]
+    assert _run(tmp_path, "uneven", "fold_bad.py", ["uneven"], 4, fold) == 0
+    with pytest.raises(FoldModeError, match=r"class 'stage'.*ranks 0 and 1 differ.*entry 1"):
+        check_trace_classes(tmp_path / "uneven")
+    assert _run(tmp_path, "even", "fold_bad.py", ["none"], 4, fold) == 0
+    check_trace_classes(tmp_path / "even")  # the same ops: accepted
+
+
+def test_a_fold_that_does_not_fit_the_launch_is_a_launch_error(tmp_path):
+    from prism_megatron.launcher.config import LaunchError
+
+    fold = make_fold([0, 1, 0, 1], 8).to_json()
+    cfg = LaunchConfig(script=PROGRAMS / "fold_bad.py", script_args=["none"], world_size=8,
+                       trace_dir=tmp_path / "t", fold=fold)
+    with pytest.raises(LaunchError, match="world_size"):
+        cfg.validate()
