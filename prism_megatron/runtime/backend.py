@@ -80,7 +80,7 @@ class PrismProcessGroup(dist.ProcessGroup):
     """One communicator of a logical rank. `ranks` are the global ranks, in group-rank order."""
 
     def __init__(self, client: RankClient, rank: int, size: int, ranks: list[int], name: str,
-                 requested_backend: str, timeout: timedelta | None = None) -> None:
+                 requested_backend: str, timeout: timedelta | None = None, world: bool = False) -> None:
         super().__init__(rank, size)
         self._client = client
         self._ranks = ranks
@@ -91,7 +91,7 @@ class PrismProcessGroup(dist.ProcessGroup):
         self._coalescing: list[PrismWork] | None = None
         self.requested_backend = requested_backend
         self._barrier_tensor: torch.Tensor | None = None
-        client.register_group(name, ranks, requested_backend)
+        self._handle = client.register_group(name, ranks, requested_backend, world)
 
     # ---- identity torch queries ---------------------------------------------------------------
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
@@ -122,7 +122,7 @@ class PrismProcessGroup(dist.ProcessGroup):
             params["label"] = label
         if self._local and kind not in ("send", "recv"):
             params["local"] = True
-        work = self._client.submit(self._name, kind, ins, outs, async_op=async_op, **params)
+        work = self._client.submit(self._handle, kind, ins, outs, async_op=async_op, **params)
         if self._coalescing is not None:
             self._coalescing.append(work)
         return work
@@ -352,9 +352,10 @@ def install(client: RankClient) -> None:
     requested: list[str] = []
 
     def creator(opts: Any, backend_options: Any = None) -> PrismProcessGroup:
-        ranks = list(opts.global_ranks_in_group) or list(range(opts.group_size))
-        return PrismProcessGroup(client, opts.group_rank, opts.group_size, ranks, str(opts.group_id),
-                                 requested[-1] if requested else BACKEND_NAME, opts.timeout)
+        ranks = list(opts.global_ranks_in_group)
+        world = not ranks  # torch passes no ranks for the default group only (init_process_group)
+        return PrismProcessGroup(client, opts.group_rank, opts.group_size, ranks or list(range(opts.group_size)),
+                                 str(opts.group_id), requested[-1] if requested else BACKEND_NAME, opts.timeout, world)
 
     dist.Backend.register_backend(BACKEND_NAME, creator, extended_api=True, devices=["cpu", "cuda"])
     original = c10d._new_process_group_helper

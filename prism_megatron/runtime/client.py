@@ -239,6 +239,7 @@ class RankClient:
         P.no_delay(self._conn)
         self._send_lock = threading.Lock()
         self._ids = itertools.count()
+        self._group_handles = itertools.count()
         self._pending: dict[int, _Pending] = {}
         self._pending_lock = threading.Lock()
         self._granted = threading.Event()
@@ -311,8 +312,12 @@ class RankClient:
         self._send({"t": P.ACQUIRE})
         self._await_grant()
 
-    def register_group(self, name: str, ranks: list[int], backend: str) -> None:
-        self._send({"t": P.GROUP, "name": name, "ranks": ranks, "backend": backend})
+    def register_group(self, name: str, ranks: list[int], backend: str, world: bool) -> int:
+        """Tell the coordinator this rank made a group (``world``: the default group); returns the handle
+        its ops name the group by (torch may give different groups one name: runtime.groups)."""
+        handle = next(self._group_handles)
+        self._send({"t": P.GROUP, "h": handle, "name": name, "ranks": ranks, "backend": backend, "world": world})
+        return handle
 
     def mark(self, name: str, phase: str, attrs: dict) -> None:
         self._settle()
@@ -323,7 +328,7 @@ class RankClient:
         self._send({"t": P.MARK, "name": name, "phase": phase, "attrs": attrs, "clk": clock})
         self._resume()
 
-    def submit(self, group: str, kind: str, ins: list[torch.Tensor], outs: list[torch.Tensor],
+    def submit(self, group: int, kind: str, ins: list[torch.Tensor], outs: list[torch.Tensor],
                *, inplace: bool = False, result: list[torch.Tensor] | None = None, **params: Any) -> PrismWork:
         """Send one op; returns its Work at once (the op completes in the background).
 

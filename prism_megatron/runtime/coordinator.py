@@ -25,6 +25,7 @@ import torch
 
 from prism_megatron.runtime import collectives as C
 from prism_megatron.runtime import protocol as P
+from prism_megatron.runtime.groups import GroupMismatch, GroupTable
 from prism_megatron.runtime.hang import format_hang_report
 from prism_megatron.runtime.matching import Member, P2PQueues, check_collective, check_p2p, desc_bytes
 from prism_megatron.runtime.memory import DeviceMemory, HostBudget
@@ -123,7 +124,7 @@ class Coordinator:
         self.t0 = time.perf_counter()
         self.ranks: dict[int, RankState] = {}
         self.conns: dict[Connection, RankState | None] = {}
-        self.groups: dict[str, Group] = {}
+        self.group_table = GroupTable()  # which group each rank's handle names (torch reuses names)
         self.groups_by_id: dict[int, Group] = {}
         self.n_finished = 0
         self.iterations_done = 0  # 'iteration' spans ended, summed over ranks (progress of a capture)
@@ -501,21 +502,20 @@ class Coordinator:
 
     # ---- ops -------------------------------------------------------------------------------------------
     def _on_group(self, rs: RankState, msg: dict) -> None:
-        g = self.groups.get(msg["name"])
-        if g is None:
-            g = Group(len(self.groups), msg["name"], list(msg["ranks"]), msg["backend"])
+        try:
+            gid, new = self.group_table.declare(rs.rank, msg["h"], msg["name"], msg["ranks"], msg["world"])
+        except GroupMismatch as e:
+            return self._fatal("mismatch", str(e))
+        if new:
+            g = Group(gid, msg["name"], list(msg["ranks"]), msg["backend"])
             g.next_seq = [0] * len(g.ranks)
             g.grank = {r: i for i, r in enumerate(g.ranks)}
-            self.groups[g.name] = g
             self.groups_by_id[g.id] = g
-        elif g.ranks != list(msg["ranks"]):
-            self._fatal("mismatch", f"process group {g.name!r}: rank {rs.rank} created it with ranks "
-                        f"{msg['ranks']}, another member with {g.ranks}")
 
     def _on_op(self, rs: RankState, msg: dict) -> None:
         for seg in msg.get("drops", ()):
             self.segments.drop(seg)
-        g = self.groups[msg["g"]]
+        g = self.groups_by_id[self.group_table.group_of(rs.rank, msg["g"])]
         grank = g.grank[rs.rank]
         for key in ("peer", "root"):
             v = msg.get(key)

@@ -48,7 +48,7 @@ def format_hang_report(coord: Any, stalled: float) -> str:
             lines.append(f"  rank {r}: {what}{peer} on group {g.name!r} (ranks {_fmt_ranks(g.ranks)}), "
                          f"{data}waiting {waited:.1f} s")
     incomplete = []
-    for g in coord.groups.values():
+    for g in coord.groups_by_id.values():
         for seq, slot in sorted(g.pending.items()):
             arrived = [m.rank for m in slot if m is not None]
             missing = [g.ranks[i] for i, m in enumerate(slot) if m is None]

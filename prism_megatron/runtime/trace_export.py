@@ -42,7 +42,7 @@ def write_bare_trace(coord: Any, path: Path, job: dict, exit_codes: dict) -> Pat
         "world_size": coord.world_size,
         "job": job,
         "groups": [{"id": g.id, "name": g.name, "ranks": g.ranks, "backend": g.backend}
-                   for g in sorted(coord.groups.values(), key=lambda g: g.id)],
+                   for g in sorted(coord.groups_by_id.values(), key=lambda g: g.id)],
         "ranks": [{"rank": r, "exit_code": exit_codes.get(str(r), exit_codes.get(r)),
                    "device": coord.device_names[coord.slots.device_of(r)], **_runtime(coord, r)}
                   for r in range(coord.world_size)],
