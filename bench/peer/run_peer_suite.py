@@ -112,8 +112,15 @@ def summarize(res: dict, world: int) -> list[str]:
         for t in d["tests"]:
             if t["outcome"] in ("failed", "error"):
                 cause = attribute(t["text"])
+                if cause != "prism" and t.get("upstream_marks"):
+                    cause = f"upstream: marked {'/'.join(t['upstream_marks'])}, deselected by Megatron's CI"
                 entry = failing.setdefault(t["id"], {"ranks": [], "cause": cause, "line": _last_error(t["text"])})
                 entry["ranks"].append(r)
+    skips = Counter(_first_line(t["text"]) for d in res["ranks"].values() for t in d["tests"]
+                    if t["outcome"] == "skipped")
+    if skips:
+        shown = "; ".join(f"{n}x {why}" for why, n in skips.most_common(4))
+        lines.append(f"    skipped because (tests x ranks): {shown}" + ("; ..." if len(skips) > 4 else ""))
     for tid, e in failing.items():
         causes[e["cause"]] += 1
         lines.append(f"    FAIL {tid} ranks {_ranks(e['ranks'])}: {e['cause']} -- {e['line']}")
@@ -122,6 +129,10 @@ def summarize(res: dict, world: int) -> list[str]:
         cause = "prism" if "prism" in why and "hang" not in why else "see report"
         lines.append(f"    JOB ENDED (exit {res['exit']}): {why} [{cause}]")
     return lines
+
+
+def _first_line(text: str) -> str:
+    return (text.strip().splitlines() or [""])[0].replace("Skipped: ", "")[:100]
 
 
 def _last_error(text: str) -> str:

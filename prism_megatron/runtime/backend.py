@@ -56,6 +56,13 @@ def _redop(opts: Any) -> dict:
     return {"redop": name, "factor": _premul_factor(op) if name == "premul_sum" else None}
 
 
+#: torch's profiler titles of the ops (``<backend>:<title>``, as ProcessGroupGloo/NCCL record them)
+_TITLES = {"all_reduce": "all_reduce", "reduce": "reduce", "broadcast": "broadcast", "all_gather_list": "all_gather",
+           "all_gather": "all_gather_into_tensor", "reduce_scatter_list": "reduce_scatter",
+           "reduce_scatter": "reduce_scatter_tensor", "gather": "gather", "scatter": "scatter",
+           "all_to_all": "all_to_all", "all_to_all_list": "all_to_all", "barrier": "barrier", "send": "send",
+           "recv": "recv"}
+
 _LABEL = threading.local()
 # bench knob (bench/runtime.py solo): stage ops of a group of one through the coordinator, as before
 _STAGE_GROUPS_OF_ONE = os.environ.get("PRISM_STAGE_GROUPS_OF_ONE") == "1"
@@ -122,7 +129,17 @@ class PrismProcessGroup(dist.ProcessGroup):
             params["label"] = label
         if self._local and kind not in ("send", "recv"):
             params["local"] = True
-        work = self._client.submit(self._handle, kind, ins, outs, async_op=async_op, **params)
+        if torch._C._autograd._profiler_enabled():  # the event a real backend records, ended on completion
+            backend = BACKEND_NAME if self.requested_backend == "undefined" else self.requested_backend
+            handle = torch._C._autograd._record_function_with_args_enter(f"{backend}:{_TITLES[kind]}", *ins)
+            try:
+                work = self._client.submit(self._handle, kind, ins, outs, async_op=async_op, **params)
+            except BaseException:
+                torch._C._autograd._record_function_with_args_exit(handle)
+                raise
+            torch.ops.profiler._call_end_callbacks_on_jit_fut(handle, work.get_future())
+        else:
+            work = self._client.submit(self._handle, kind, ins, outs, async_op=async_op, **params)
         if self._coalescing is not None:
             self._coalescing.append(work)
         return work
