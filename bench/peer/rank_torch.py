@@ -3,9 +3,9 @@
 named by BACKEND (default gloo), as prism's logical rank: torch's harness spawns its own processes, so
 here each rank makes the test case itself, with its RANK, in one process group for the whole run.
 
-Usage: rank_torch.py OUT PATTERN... ; writes OUT/rank-R.json as rank_pytest.py does. A test runs when
-its name contains one of the PATTERNs. torch's file-based barrier (processes polling files) becomes
-``dist.barrier()``: polling ranks would hold every compute slot.
+Usage: rank_torch.py OUT PATTERN[,PATTERN...] ; writes OUT/rank-R.json as rank_pytest.py does. A test
+runs when its name contains one of the PATTERNs and none of the ``!PATTERN``s. torch's file-based
+barrier (processes polling files) becomes ``dist.barrier()``: polling ranks would hold every compute slot.
 """
 
 from __future__ import annotations
@@ -22,7 +22,9 @@ from pathlib import Path
 
 
 def main() -> int:
-    out, patterns = Path(sys.argv[1]), sys.argv[2:]
+    out = Path(sys.argv[1])
+    patterns = [p for arg in sys.argv[2:] for p in arg.split(",") if p]
+    keep, drop = [p for p in patterns if not p.startswith("!")], [p[1:] for p in patterns if p.startswith("!")]
     os.environ.setdefault("BACKEND", "gloo")
     os.environ.setdefault("TEMP_DIR", tempfile.mkdtemp(prefix="prism-torch-peer-"))
     for d in ("barrier", "test_dir", "init_dir"):
@@ -44,7 +46,8 @@ def main() -> int:
             return str(world)
 
     dist.init_process_group(os.environ["BACKEND"])
-    names = sorted(n for n in dir(Suite) if n.startswith("test_") and any(p in n for p in patterns))
+    names = sorted(n for n in dir(Suite) if n.startswith("test_") and any(p in n for p in keep)
+                   and not any(p in n for p in drop))
     tests = []
     t0 = time.perf_counter()
     for name in names:

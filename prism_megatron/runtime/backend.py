@@ -131,7 +131,8 @@ class PrismProcessGroup(dist.ProcessGroup):
             params["local"] = True
         if torch._C._autograd._profiler_enabled():  # the event a real backend records, ended on completion
             backend = BACKEND_NAME if self.requested_backend == "undefined" else self.requested_backend
-            handle = torch._C._autograd._record_function_with_args_enter(f"{backend}:{_TITLES[kind]}", *ins)
+            # (a recv's event carries the receiving tensor, as gloo's does)
+            handle = torch._C._autograd._record_function_with_args_enter(f"{backend}:{_TITLES[kind]}", *(ins or outs))
             try:
                 work = self._client.submit(self._handle, kind, ins, outs, async_op=async_op, **params)
             except BaseException:
