@@ -129,16 +129,16 @@ class PrismProcessGroup(dist.ProcessGroup):
             params["label"] = label
         if self._local and kind not in ("send", "recv"):
             params["local"] = True
-        if torch._C._autograd._profiler_enabled():  # the event a real backend records, ended on completion
+        if torch._C._autograd._profiler_enabled():  # the event a real backend records, ended at completion
             backend = BACKEND_NAME if self.requested_backend == "undefined" else self.requested_backend
             # (a recv's event carries the receiving tensor, as gloo's does)
             handle = torch._C._autograd._record_function_with_args_enter(f"{backend}:{_TITLES[kind]}", *(ins or outs))
             try:
-                work = self._client.submit(self._handle, kind, ins, outs, async_op=async_op, **params)
+                work = self._client.submit(self._handle, kind, ins, outs, async_op=async_op, profiled=handle,
+                                           **params)
             except BaseException:
                 torch._C._autograd._record_function_with_args_exit(handle)
                 raise
-            torch.ops.profiler._call_end_callbacks_on_jit_fut(handle, work.get_future())
         else:
             work = self._client.submit(self._handle, kind, ins, outs, async_op=async_op, **params)
         if self._coalescing is not None:

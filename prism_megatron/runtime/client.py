@@ -59,6 +59,7 @@ class _Pending:
     msg: dict | None = None  # the coordinator's DONE, kept until the rank's own thread delivers it
     eager: bool = False  # a future was handed out: the receiver writes results as they arrive
     spans: list[tuple[str, int, int]] = field(default_factory=list)  # memory the outputs cover (_span)
+    profiled: Any = None  # the op's profiler event, ended when the coordinator completes it (see submit)
 
 
 class OpToken:
@@ -329,10 +330,12 @@ class RankClient:
         self._resume()
 
     def submit(self, group: int, kind: str, ins: list[torch.Tensor], outs: list[torch.Tensor],
-               *, inplace: bool = False, result: list[torch.Tensor] | None = None, **params: Any) -> PrismWork:
+               *, inplace: bool = False, result: list[torch.Tensor] | None = None, profiled: Any = None,
+               **params: Any) -> PrismWork:
         """Send one op; returns its Work at once (the op completes in the background).
 
         `inplace`: outputs are the inputs (all_reduce, broadcast): results overwrite the staged input.
+        `profiled`: the op's profiler event (a torch record function), ended when the coordinator completes it.
         """
         if self._fatal is not None:
             raise self._fatal
@@ -356,7 +359,7 @@ class RankClient:
         self.runtime_s["stage"] += time.perf_counter() - t0
         with self._pending_lock:
             self._pending[op_id] = _Pending(work, outs, [d[0] for d in out_descs], regions,
-                                            spans=[_span(t) for t in outs])
+                                            spans=[_span(t) for t in outs], profiled=profiled)
         msg = {"t": P.OP, "id": op_id, "g": group, "kind": kind, "ins": in_descs, "outs": out_descs,
                "drops": self.arena.take_dropped(), "clk": clock, **params}
         if params.get("async_op") is False:
@@ -587,6 +590,8 @@ class RankClient:
             p.msg = msg
             if p.eager:
                 del self._pending[msg["id"]]
+        if p.profiled is not None:  # on this thread, as a backend's worker ends its event (is_async)
+            torch._C._autograd._record_function_with_args_exit(p.profiled)
         if p.eager:
             self._write(p)
         else:
