@@ -132,7 +132,8 @@ class PrismProcessGroup(dist.ProcessGroup):
         if torch._C._autograd._profiler_enabled():  # the event a real backend records, ended at completion
             backend = BACKEND_NAME if self.requested_backend == "undefined" else self.requested_backend
             # (a recv's event carries the receiving tensor, as gloo's does)
-            handle = torch._C._autograd._record_function_with_args_enter(f"{backend}:{_TITLES[kind]}", *(ins or outs))
+            title = "recvAnySource" if kind == "recv" and params.get("peer") is None else _TITLES[kind]
+            handle = torch._C._autograd._record_function_with_args_enter(f"{backend}:{title}", *(ins or outs))
             try:
                 work = self._client.submit(self._handle, kind, ins, outs, async_op=async_op, profiled=handle,
                                            **params)
