@@ -39,11 +39,17 @@ CAUSES: list[tuple[str, re.Pattern]] = [
 ]
 
 
+TE_FRAMES = re.compile(r"TESpecProvider|megatron/core/extensions/transformer_engine|"
+                       r"get_gpt_layer_with_transformer_engine")
+
+
 def attribute(text: str) -> str:
     """The cause of one failure: prism when its traceback passes through prism or prism says so; else the
     environment by the error's own lines (CAUSES); 'unattributed' (read it) when nothing matches."""
     if CAUSES[0][1].search(text):
         return CAUSES[0][0]
+    if TE_FRAMES.search(text):  # Megatron builds TE layers where TE is missing: the error itself says little
+        return "env: no Transformer Engine"
     errors = "\n".join(ln for ln in text.splitlines() if ln.startswith("E ") or "Error" in ln[:80])
     for cause, pattern in CAUSES[1:]:
         if pattern.search(errors):
