@@ -170,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hang-timeout", type=float, default=120)
     ap.add_argument("--path", action="append", default=[], help="more PYTHONPATH entries (test-only packages)")
     ap.add_argument("--out", help="also write the table here")
+    ap.add_argument("--raw", help="also write each file's per-rank results (JSON) into this directory")
     ap.add_argument("--pytest-arg", action="append", default=[], help="passed to pytest (repeatable)")
     a = ap.parse_args(argv)
     if a.suite == "megatron":
@@ -187,6 +188,9 @@ def main(argv: list[str] | None = None) -> int:
     for f in a.files:
         print(f"running {f} ...", file=sys.stderr, flush=True)
         res = run_file(checkout, f, a.world_size, a.timeout, a.hang_timeout, a.path, a.pytest_arg, a.suite)
+        if a.raw:
+            Path(a.raw).mkdir(parents=True, exist_ok=True)
+            (Path(a.raw) / (re.sub(r"[^\w.-]+", "_", f) + ".json")).write_text(json.dumps(res))
         block = [f"{f}  ({res['wall_s']:.0f} s wall, exit {res['exit']})", *summarize(res, a.world_size), ""]
         print("\n".join(block), flush=True)
         body.extend(block)
