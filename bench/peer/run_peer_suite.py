@@ -39,8 +39,8 @@ CAUSES: list[tuple[str, re.Pattern]] = [
 ]
 
 
-TE_FRAMES = re.compile(r"TESpecProvider|megatron/core/extensions/transformer_engine|"
-                       r"get_gpt_layer_with_transformer_engine")
+TE_FRAMES = re.compile(r"TESpecProvider|FP8GlobalStateManager|\[transformer_engine|"
+                       r"megatron/core/extensions/transformer_engine|get_gpt_layer_with_transformer_engine")
 
 
 def attribute(text: str) -> str:
