@@ -588,11 +588,14 @@ class RankClient:
             if p is None:
                 return
             p.msg = msg
-            if p.eager:
+            # read once, under the lock: a future handed out after this point finds the op arrived and
+            # delivers it itself (make_eager); reading p.eager again below wrote (and freed) it twice
+            eager = p.eager
+            if eager:
                 del self._pending[msg["id"]]
         if p.profiled is not None:  # on this thread, as a backend's worker ends its event (is_async)
             torch._C._autograd._record_function_with_args_exit(p.profiled)
-        if p.eager:
+        if eager:
             self._write(p)
         else:
             p.work._op.arrived.set()
