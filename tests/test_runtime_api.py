@@ -172,3 +172,23 @@ def test_an_op_of_a_group_of_one_is_done_by_the_rank_and_recorded_without_stagin
     assert ("all_reduce", 4 << 20, 1) in ops and ("all_gather", 4 << 20, 1) in ops and ("all_reduce", 1 << 20, 2) in ops
     # each rank's runtime work reaches the trace (the world all_reduce was staged and its result written)
     assert all(e["runtime_s"]["stage"] > 0 and e["runtime_s"]["results"] > 0 for e in tr.manifest["ranks"])
+
+
+def test_collectives_show_in_the_profiler_as_the_backend_records_them(tmp_path):
+    """ProcessGroupGloo/NCCL record '<backend>:<op>' with input shapes; torch's own suite checks for them."""
+    from conftest import launch_source
+
+    launch_source(tmp_path, f"""
+import torch, torch.distributed as dist
+from torch.autograd.profiler import profile
+dist.init_process_group("gloo")
+x = torch.ones(3, 4)
+with profile(record_shapes=True) as p:
+    dist.all_reduce(x, async_op=True).wait()
+    dist.all_gather_into_tensor(torch.empty(6, 4), x)
+events = sorted((e.name, e.input_shapes) for e in p.function_events if e.name.startswith("gloo:"))
+open(r"{tmp_path}/rank-%d.txt" % dist.get_rank(), "w").write(repr(events))
+""")
+    for r in range(2):
+        assert (tmp_path / f"rank-{r}.txt").read_text() == repr(
+            [("gloo:all_gather_into_tensor", [[3, 4]]), ("gloo:all_reduce", [[3, 4]])])

@@ -272,16 +272,20 @@ def test_group_of_one_local_result_copies_and_premultiplies():
 
 
 def test_group_table_sequences_collectives_and_refuses_a_group_created_with_other_ranks():
-    from prism_megatron.runtime.groups import GroupTable
+    import pytest
+
+    from prism_megatron.runtime.groups import GroupMismatch, GroupTable
     from prism_megatron.runtime.recorder import OpRecord
 
     t = GroupTable()
-    assert t.register(0, "tp", [0, 1], "nccl") is None and t.register(1, "tp", [0, 1], "nccl") is None
-    assert t.register(2, "dp", [2], "nccl") is None
-    problem = t.register(1, "tp", [1, 2], "nccl")
-    assert "rank 1 created it with ranks [1, 2], another member with [0, 1]" in problem
+    g0, new0 = t.declare(0, 0, "tp", [0, 1], False, "nccl")
+    g1, new1 = t.declare(1, 0, "tp", [0, 1], False, "nccl")
+    assert new0 and not new1 and g0 == g1
+    assert t.declare(2, 0, "dp", [2], False, "nccl")[1]
+    with pytest.raises(GroupMismatch, match=r"rank 1 created it with ranks \[1, 2\], rank 0 with ranks \[0, 1\]"):
+        t.declare(1, 1, "tp", [1, 2], False, "nccl")
     assert [g.name for g in t] == ["tp", "dp"] and t.by_id[1].name == "dp"
-    g = t.named("tp")
+    g = t.of(1, 0)
 
     def member(rank):
         rec = OpRecord(rank, 0, "barrier", g.id, -1, -1, -1, 0, "", "[]", "", False, 0.0, 0.0, 0.0, "")

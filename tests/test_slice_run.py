@@ -179,6 +179,11 @@ def test_creation_order_reproduces_torch_group_names():
         creation_order([*groups, _group(6, "tp-custom", [0, 1])], 0)
     with pytest.raises(VirtualRankError, match="belonged to 5 group"):
         creation_order([*groups, _group(6, _hashed([0, 3], 5), [0, 3])], 0)
+    # every rank made a group of itself under one name (legal in torch): each re-creates its own
+    selves = [_group(0, "0", [0, 1]), _group(1, "1", [0]), _group(2, "1", [1])]
+    assert [g["ranks"] for g in creation_order(selves, 1)] == [[0, 1], [1]]
+    with pytest.raises(VirtualRankError, match="default group more than once"):
+        creation_order([*selves, _group(3, "0", [0, 1])], 0)
 
 
 def test_split_shapes_follows_the_backends_layouts():

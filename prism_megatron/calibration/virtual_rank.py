@@ -86,7 +86,15 @@ def creation_order(groups: list[dict[str, Any]], rank: int) -> list[dict[str, An
     'world' (init_process_group), 'counter' (new_group, also by non-members) or 'local'
     (new_group with use_local_synchronization, members only), in call order.
     """
-    counter = sorted((int(g["name"]), g) for g in groups if g["name"].isdigit())
+    by_number: dict[int, list[dict[str, Any]]] = {}
+    for g in groups:
+        if g["name"].isdigit():
+            by_number.setdefault(int(g["name"]), []).append(g)
+    if len(by_number.get(0, ())) > 1:
+        raise VirtualRankError("the program made its default group more than once (init_process_group after "
+                               "destroy_process_group): torch's group numbering restarts, which cannot be reproduced")
+    # one name may stand for different groups on different ranks (runtime.groups): this rank made its own
+    counter = sorted((n, next((g for g in gs if rank in g["ranks"]), gs[0])) for n, gs in by_number.items())
     numbers = [n for n, _ in counter]
     if numbers != list(range(len(numbers))):
         missing = sorted(set(range(max(numbers, default=-1) + 1)) - set(numbers))

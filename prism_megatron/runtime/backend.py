@@ -58,6 +58,13 @@ def _redop(opts: Any) -> dict:
     return {"redop": name, "factor": _premul_factor(op) if name == "premul_sum" else None}
 
 
+#: torch's profiler titles of the ops (``<backend>:<title>``, as ProcessGroupGloo/NCCL record them)
+_TITLES = {"all_reduce": "all_reduce", "reduce": "reduce", "broadcast": "broadcast", "all_gather_list": "all_gather",
+           "all_gather": "all_gather_into_tensor", "reduce_scatter_list": "reduce_scatter",
+           "reduce_scatter": "reduce_scatter_tensor", "gather": "gather", "scatter": "scatter",
+           "all_to_all": "all_to_all", "all_to_all_list": "all_to_all", "barrier": "barrier", "send": "send",
+           "recv": "recv"}
+
 _LABEL = threading.local()
 # bench knob (bench/runtime.py solo): stage ops of a group of one through the coordinator, as before
 _STAGE_GROUPS_OF_ONE = os.environ.get("PRISM_STAGE_GROUPS_OF_ONE") == "1"
@@ -82,7 +89,8 @@ class PrismProcessGroup(dist.ProcessGroup):
     """One communicator of a logical rank. `ranks` are the global ranks, in group-rank order."""
 
     def __init__(self, client: RankClient, rank: int, size: int, ranks: list[int], name: str,
-                 requested_backend: str, timeout: timedelta | None = None, rep: list[int] | None = None) -> None:
+                 requested_backend: str, timeout: timedelta | None = None, world: bool = False,
+                 rep: list[int] | None = None) -> None:
         super().__init__(rank, size)
         self._client = client
         self._ranks = ranks
@@ -96,7 +104,7 @@ class PrismProcessGroup(dist.ProcessGroup):
         self._coalescing: list[PrismWork] | None = None
         self.requested_backend = requested_backend
         self._barrier_tensor: torch.Tensor | None = None
-        client.register_group(name, ranks, requested_backend)
+        self._handle = client.register_group(name, ranks, requested_backend, world)
 
     # ---- identity torch queries ---------------------------------------------------------------
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
@@ -127,7 +135,19 @@ class PrismProcessGroup(dist.ProcessGroup):
             params["label"] = label
         if self._local and kind not in P2P_KINDS:
             params["local"] = True
-        work = self._client.submit(self._name, kind, ins, outs, async_op=async_op, **params)
+        if torch._C._autograd._profiler_enabled():  # the event a real backend records, ended at completion
+            backend = BACKEND_NAME if self.requested_backend == "undefined" else self.requested_backend
+            # (a recv's event carries the receiving tensor, as gloo's does)
+            title = "recvAnySource" if kind == "recv" and params.get("peer") is None else _TITLES[kind]
+            handle = torch._C._autograd._record_function_with_args_enter(f"{backend}:{title}", *(ins or outs))
+            try:
+                work = self._client.submit(self._handle, kind, ins, outs, async_op=async_op, profiled=handle,
+                                           **params)
+            except BaseException:
+                torch._C._autograd._record_function_with_args_exit(handle)
+                raise
+        else:
+            work = self._client.submit(self._handle, kind, ins, outs, async_op=async_op, **params)
         if self._coalescing is not None:
             self._coalescing.append(work)
         return work
@@ -375,9 +395,11 @@ def install(client: RankClient, rep: list[int] | None = None) -> None:
     requested: list[str] = []
 
     def creator(opts: Any, backend_options: Any = None) -> PrismProcessGroup:
-        ranks = list(opts.global_ranks_in_group) or list(range(opts.group_size))
-        return PrismProcessGroup(client, opts.group_rank, opts.group_size, ranks, str(opts.group_id),
-                                 requested[-1] if requested else BACKEND_NAME, opts.timeout, rep=rep)
+        ranks = list(opts.global_ranks_in_group)
+        world = not ranks  # torch passes no ranks for the default group only (init_process_group)
+        return PrismProcessGroup(client, opts.group_rank, opts.group_size, ranks or list(range(opts.group_size)),
+                                 str(opts.group_id), requested[-1] if requested else BACKEND_NAME, opts.timeout, world,
+                                 rep=rep)
 
     dist.Backend.register_backend(BACKEND_NAME, creator, extended_api=True, devices=["cpu", "cuda"])
     original = c10d._new_process_group_helper

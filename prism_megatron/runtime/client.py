@@ -37,6 +37,7 @@ class _Pending:
     msg: dict | None = None  # the coordinator's DONE, kept until the rank's own thread delivers it
     eager: bool = False  # a future was handed out: the receiver writes results as they arrive
     spans: list[tuple[str, int, int]] = field(default_factory=list)  # memory the outputs cover (staging.span)
+    profiled: Any = None  # the op's profiler event, ended when the coordinator completes it (see submit)
 
 
 class RankClient:
@@ -50,6 +51,7 @@ class RankClient:
         P.no_delay(self._conn)
         self._send_lock = threading.Lock()
         self._ids = itertools.count()
+        self._group_handles = itertools.count()
         self._pending: dict[int, _Pending] = {}
         self._pending_lock = threading.Lock()
         self._granted = threading.Event()
@@ -122,8 +124,12 @@ class RankClient:
         self._send({"t": P.ACQUIRE})
         self._await_grant()
 
-    def register_group(self, name: str, ranks: list[int], backend: str) -> None:
-        self._send({"t": P.GROUP, "name": name, "ranks": ranks, "backend": backend})
+    def register_group(self, name: str, ranks: list[int], backend: str, world: bool) -> int:
+        """Tell the coordinator this rank made a group (``world``: the default group); returns the handle
+        its ops name the group by (torch may give different groups one name: runtime.groups)."""
+        handle = next(self._group_handles)
+        self._send({"t": P.GROUP, "h": handle, "name": name, "ranks": ranks, "backend": backend, "world": world})
+        return handle
 
     def mark(self, name: str, phase: str, attrs: dict) -> None:
         self._settle()
@@ -134,14 +140,15 @@ class RankClient:
         self._send({"t": P.MARK, "name": name, "phase": phase, "attrs": attrs, "clk": clock})
         self._resume()
 
-    def submit(self, group: str, kind: str, ins: list[torch.Tensor], outs: list[torch.Tensor],
+    def submit(self, group: int, kind: str, ins: list[torch.Tensor], outs: list[torch.Tensor],
                *, inplace: bool = False, result: list[torch.Tensor] | None = None,
-               current: list[torch.Tensor] | None = None, **params: Any) -> PrismWork:
+               current: list[torch.Tensor] | None = None, profiled: Any = None, **params: Any) -> PrismWork:
         """Send one op; returns its Work at once (the op completes in the background).
 
         `inplace`: outputs are the inputs (all_reduce, broadcast): results overwrite the staged input.
         `current`: tensors whose content goes along (a folded group: an in-place all_gather's output,
         whose virtual chunks the coordinator keeps; a virtual root's data, held by its mirror).
+        `profiled`: the op's profiler event (a torch record function), ended when the coordinator completes it.
         """
         if self._fatal is not None:
             raise self._fatal
@@ -171,7 +178,7 @@ class RankClient:
         self.runtime_s["stage"] += time.perf_counter() - t0
         with self._pending_lock:
             self._pending[op_id] = _Pending(work, outs, [d[0] for d in out_descs], regions,
-                                            spans=[span(t) for t in outs])
+                                            spans=[span(t) for t in outs], profiled=profiled)
         msg = {"t": P.OP, "id": op_id, "g": group, "kind": kind, "ins": in_descs, "outs": out_descs,
                "drops": self.arena.take_dropped(), "clk": clock, **params}
         if params.get("async_op") is False:
@@ -394,9 +401,14 @@ class RankClient:
             if p is None:
                 return
             p.msg = msg
-            if p.eager:
+            # read once, under the lock: a future handed out after this point finds the op arrived and
+            # delivers it itself (make_eager); reading p.eager again below wrote (and freed) it twice
+            eager = p.eager
+            if eager:
                 del self._pending[msg["id"]]
-        if p.eager:
+        if p.profiled is not None:  # on this thread, as a backend's worker ends its event (is_async)
+            torch._C._autograd._record_function_with_args_exit(p.profiled)
+        if eager:
             self._write(p)
         else:
             p.work._op.arrived.set()

@@ -34,7 +34,7 @@ from prism_megatron.runtime.fake_device import FakeDevice
 from prism_megatron.runtime.folding import Folding
 from prism_megatron.runtime.governor import ADMISSION_MARGIN, MemoryGovernor, SwapMode, SwapPolicy
 from prism_megatron.runtime.grants import SlotGrants
-from prism_megatron.runtime.groups import Group, GroupTable
+from prism_megatron.runtime.groups import Group, GroupMismatch, GroupTable
 from prism_megatron.runtime.hang import HangDetector, format_hang_report
 from prism_megatron.runtime.matching import Member, check_collective, check_p2p
 from prism_megatron.runtime.nvml import FootprintCheck, NvmlUnavailable, nvml_process_memory
@@ -174,13 +174,16 @@ class Coordinator:
             rs.state = RankStatus.IDLE
             self._stop_holding(rs)
         elif t == P.GROUP:
-            problem = self.groups.register(rs.rank, msg["name"], msg["ranks"], msg["backend"])
-            if problem is not None:
-                self._fatal("mismatch", problem)
-            elif self.fold is not None:
-                problem = self.fold.fold_group(self.groups.named(msg["name"]))
-                if problem is not None:
-                    self._fatal("fold", problem)
+            try:
+                gid, new = self.groups.declare(rs.rank, msg["h"], msg["name"], msg["ranks"], msg["world"],
+                                               msg["backend"])
+            except GroupMismatch as e:
+                self._fatal("mismatch", str(e))
+            else:
+                if new and self.fold is not None:
+                    problem = self.fold.fold_group(self.groups.by_id[gid])
+                    if problem is not None:
+                        self._fatal("fold", problem)
         elif t == P.MARK:
             self.recorder.mark(rs, msg)
             self.governor.mark(rs.rank, msg)
@@ -285,7 +288,7 @@ class Coordinator:
     def _on_op(self, rs: RankState, msg: dict) -> None:
         for seg in msg.get("drops", ()):
             self.data.drop(seg)
-        g = self.groups.named(msg["g"])
+        g = self.groups.of(rs.rank, msg["g"])
         grank = g.grank[rs.rank]
         for key in ("peer", "root"):
             v = msg.get(key)

@@ -20,7 +20,7 @@ import torch
 
 # rank -> coordinator
 HELLO = "hello"  # {rank, pid, world_size}
-GROUP = "group"  # {name, ranks, backend}
+GROUP = "group"  # {h, name, ranks, backend, world}: the rank made a group it calls h (runtime.groups)
 OP = "op"  # an operation, see RankClient.submit
 BLOCK = "block"  # {ids, mem, peak}: the rank waits for these ops; release its slot until they complete
 ACQUIRE = "acquire"  # the rank wants a slot (start of the program)
