@@ -1,6 +1,6 @@
 """Phase 2 against full capture on one device: the same Megatron job captured whole and folded.
 
-For each job (a dense GPT at TP2·PP2·DP4 and a MoE GPT at PP2·EP4·DP8, 16 ranks each, run by the
+For each job (a dense GPT at TP2·PP2·DP(W/4) and a MoE GPT at PP2·EP4·DP(W/2), W = 16 ranks by default, run by the
 core driver), one run with every rank (``--prism-fold off``) and one with only the sandbox
 (``--prism-fold on``). Prints, side by side: per rank class the max allocated and max reserved bytes
 (equal on dense: a folded rank runs exactly the program a full-capture rank runs), the predicted
@@ -48,7 +48,7 @@ def _run(a: argparse.Namespace, name: str, fold: str, flags: list[str]) -> dict:
     metrics.unlink(missing_ok=True)
     env = dict(os.environ, PRISM_MEGATRON_METRICS=str(metrics), CUDA_DEVICE_MAX_CONNECTIONS="1",
                WANDB_MODE="disabled")
-    cmd = [sys.executable, "-m", "prism_megatron", "run", "--prism-emulate", "--prism-world-size", "16",
+    cmd = [sys.executable, "-m", "prism_megatron", "run", "--prism-emulate", "--prism-world-size", str(a.world),
            "--prism-devices", a.devices, "--prism-driver", "core", "--prism-fold", fold, "--prism-swap", "none",
            "--prism-report", "off", "--prism-track-memory", "on", "--prism-log-ranks", "none",
            "--prism-trace-dir", str(trace), CORE, *flags]
@@ -93,12 +93,14 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--jobs", default="dense,moe")
+    ap.add_argument("--world", type=int, default=16,
+                    help="ranks of each job (dense DP = world / 4, MoE DP = world / 2)")
     ap.add_argument("--timeout", type=int, default=240)
     a = ap.parse_args()
     Path(a.out).mkdir(parents=True, exist_ok=True)
     rows = []
     for name in a.jobs.split(","):
-        flags = _flags(a, name == "moe", 8 if name == "moe" else 4)
+        flags = _flags(a, name == "moe", a.world // 2 if name == "moe" else a.world // 4)
         for fold in ("off", "on"):
             r = _run(a, name, fold, flags)
             rows.append(r)
