@@ -59,9 +59,10 @@ def launch(script: Path, script_args: tuple[str, ...], **options: Any) -> None:
     only = LaunchOnlyOptions(**{o.name: options[o.name] for o in options_of(LaunchOnlyOptions)})
     try:
         cfg = LaunchConfig.from_options(job, script, list(script_args), preload=list(only.preload)).validate()
+        code = run(cfg)  # checks the destination and the host before anything starts (LaunchError)
     except LaunchError as e:
         raise click.UsageError(str(e)) from None
-    sys.exit(run(cfg))
+    sys.exit(code)
 
 
 @main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True,

@@ -93,7 +93,7 @@ class PrismProcessGroup(dist.ProcessGroup):
         self._coalescing: list[PrismWork] | None = None
         self.requested_backend = requested_backend
         self._barrier_tensor: torch.Tensor | None = None
-        client.register_group(name, ranks, requested_backend)
+        client.register_group(name, ranks, requested_backend, timeout.total_seconds() if timeout else None)
 
     # ---- identity torch queries ---------------------------------------------------------------
     def getBackendName(self) -> str:  # noqa: N802 - torch's name

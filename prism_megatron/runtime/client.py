@@ -122,8 +122,9 @@ class RankClient:
         self._send({"t": P.ACQUIRE})
         self._await_grant()
 
-    def register_group(self, name: str, ranks: list[int], backend: str) -> None:
-        self._send({"t": P.GROUP, "name": name, "ranks": ranks, "backend": backend})
+    def register_group(self, name: str, ranks: list[int], backend: str, timeout: float | None = None) -> None:
+        """``timeout``: the group's own (init_process_group/new_group), which the coordinator applies to waits."""
+        self._send({"t": P.GROUP, "name": name, "ranks": ranks, "backend": backend, "timeout": timeout})
 
     def mark(self, name: str, phase: str, attrs: dict) -> None:
         self._settle()

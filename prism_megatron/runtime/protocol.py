@@ -20,7 +20,7 @@ import torch
 
 # rank -> coordinator
 HELLO = "hello"  # {rank, pid, world_size}
-GROUP = "group"  # {name, ranks, backend}
+GROUP = "group"  # {name, ranks, backend, timeout}: timeout in seconds (the group's own), or None
 OP = "op"  # an operation, see RankClient.submit
 BLOCK = "block"  # {ids}: the rank waits for these ops; release its slot until they complete
 ACQUIRE = "acquire"  # the rank wants a slot (start of the program)
@@ -40,10 +40,11 @@ ABORT = "abort"  # {message}: the job is ending; every pending op fails
 TIMING = "timing"  # {on, why}: whether the rank's GPU timer may start (--swap auto gates it per device)
 
 # launcher <-> coordinator
-CONTROL = "control"  # hello of the launcher's control connection
-FINISH = "finish"  # {status, exit_codes, ranks}: write the trace (if status == "ok") and stop
-FATAL = "fatal"  # {kind, report}: coordinator found a hang or a mismatch
-WRITTEN = "written"  # {path}: trace written (or None)
+CONTROL = "control"  # {trace_dir, job}: hello of the launcher's control connection
+EXITED = "exited"  # {rank, code}: the launcher saw a rank's process end
+FINISH = "finish"  # {status, exit_codes, job, trace_dir, incomplete}: write the trace (incomplete: why) and stop
+FATAL = "fatal"  # {kind, report}: coordinator found a hang, a stall or a mismatch
+WRITTEN = "written"  # {path, error}: trace written (path), or why not (error)
 PROGRESS = "progress"  # {connected, finished}
 
 INLINE_LIMIT = 64 * 1024  # payloads up to this size travel inside the control message
