@@ -337,9 +337,9 @@ def launch(cfg: LaunchConfig) -> int:
 
     fork_safe_cuda_checks()
     cfg.validate()
-    preflight.check_trace_destination(cfg)
     if not cfg.on_gpu:
         preflight.check_host_memory(cfg)
+    preflight.check_trace_destination(cfg)
     job = _Job(cfg)
     job.lock_fd = preflight.lock_trace_dir(cfg.trace_dir)
     try:

@@ -21,8 +21,9 @@ from prism_megatron.launcher.config import LaunchConfig, LaunchError, _available
 RANK_FOOTPRINT = 55 * 2**20
 #: The coordinator and the launcher: torch imported, the job's records.
 SIDECAR_FOOTPRINT = 400 * 2**20
-#: Disk a trace and its logs take per rank (ops, markers, slot turns and the rank's log), and at least.
-TRACE_BYTES_PER_RANK = 2 * 2**20
+#: Disk a trace and its logs take per rank (ops, markers, slot turns and the rank's log), and at least:
+#: a floor that a short run stays under, not a bound (a long run's trace grows with its iterations).
+TRACE_BYTES_PER_RANK = 256 * 2**10
 TRACE_BYTES_MIN = 32 * 2**20
 
 

@@ -352,8 +352,9 @@ class RankClient:
                     self._gpu.permit(msg["on"], msg["why"])
             elif t == P.ERROR:
                 p = self._pop(msg["id"])
-                if p is not None:
-                    p.work._finish(PrismCommError(msg["message"]))
+                if p is not None:  # a process group's timeout raises what gloo raises: a RuntimeError
+                    error = RuntimeError if msg.get("timed_out") else PrismCommError
+                    p.work._finish(error(msg["message"]))
             elif t == P.ABORT:
                 self._fail_all(PrismCommError(msg["message"]))
             elif t == P.BYE:

@@ -291,7 +291,7 @@ class Coordinator:
             g = self.groups.by_id[rec.group]
             ms = int(rs.timeouts[g.name] * 1000)
             what = f"{rec.kind} #{rec.seq}" if rec.seq >= 0 else rec.kind
-            self._send(rs, {"t": P.ERROR, "id": op_id, "message": (
+            self._send(rs, {"t": P.ERROR, "id": op_id, "timed_out": True, "message": (
                 f"[prism: gloo transport] Timed out waiting {ms}ms for {rec.kind} operation to complete (rank "
                 f"{rank}: {what} on group {g.name!r}, ranks {_ranks(g.ranks)}{_missing(g, rec)})")})
             rs.blocked_on.discard(op_id)

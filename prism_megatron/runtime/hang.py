@@ -92,11 +92,13 @@ def _doing(rs: RankState | None, now: float) -> str:
         return f"stopped (process {rs.pid} is in state T: SIGSTOP, or a debugger); SIGCONT resumes it"
     if state in ("Z", "X", None) and rs.pid:
         return f"gone (process {rs.pid} ended without telling the runtime)"
+    if rs.state == RankStatus.RUNNING and state in ("S", "D", "I"):
+        return (f"outside the runtime: it has held a compute slot for {now - rs.grant_t:.1f} s but waits on "
+                f"something else (process {rs.pid} in state {state}: a sleep, I/O, a lock, another process)")
     if rs.state == RankStatus.RUNNING:
         return (f"computing: it has held a compute slot for {now - rs.grant_t:.1f} s without calling into the "
                 f"runtime (process {rs.pid}, state {state})")
-    return (f"outside the runtime: connected but has not asked for a compute slot (process {rs.pid}, state {state}) "
-            "— e.g. in code that runs before its first collective")
+    return (f"outside the runtime: connected but has not asked for a compute slot (process {rs.pid}, state {state})")
 
 
 def format_stall_report(ranks: dict[int, RankState], groups: GroupTable, governor: MemoryGovernor,

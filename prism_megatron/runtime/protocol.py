@@ -33,7 +33,7 @@ RELEASE = "release"  # the rank gives its slot back while it idles (RankClient.i
 
 # coordinator -> rank
 DONE = "done"  # {id, out: [bytes|None], src}
-ERROR = "error"  # {id, message}
+ERROR = "error"  # {id, message, timed_out}: the op failed (timed_out: its process group's timeout)
 GRANT = "grant"  # the rank holds a slot again
 PREDICTED = "predicted"  # {iteration, seconds | None, note}: answer to PREDICT (a GRANT follows)
 ABORT = "abort"  # {message}: the job is ending; every pending op fails
