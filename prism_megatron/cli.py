@@ -145,7 +145,13 @@ def trace_chrome(trace_dir: Path, out: Path) -> None:
         write_chrome(read_trace(trace_dir), out)
     except TraceFormatError as e:
         raise click.ClickException(str(e)) from None
+    except OSError as e:
+        raise click.ClickException(_cannot_write(out, e)) from None
     click.echo(f"wrote {out}")
+
+
+def _cannot_write(path: Path, e: OSError) -> str:
+    return f"cannot write {str(path)!r}: {e.strerror or e}" + (f" ({e.filename})" if e.filename else "")
 
 
 @main.command("replay")
@@ -184,7 +190,10 @@ def replay_cmd(trace_dir: Path, cluster: str | None, chrome_out: Path | None, fu
     if chrome_out is not None:
         from prism_megatron.replay.export import write_chrome
 
-        write_chrome(result, chrome_out, {"trace": str(trace_dir), "cluster": cluster})
+        try:
+            write_chrome(result, chrome_out, {"trace": str(trace_dir), "cluster": cluster})
+        except OSError as e:
+            raise click.ClickException(_cannot_write(chrome_out, e)) from None
         click.echo(f"wrote {chrome_out}")
 
 
@@ -219,6 +228,8 @@ def calibrate_cmd(bare_trace: Path, out_dir: Path, devices: str, ranks_per_devic
         raise click.UsageError(str(e)) from None
     except (TraceFormatError, GraphError, SliceError, AlignError, VirtualRankError, SliceRunError, ValueError) as e:
         raise click.ClickException(str(e)) from None
+    except OSError as e:
+        raise click.ClickException(_cannot_write(out_dir, e)) from None
     click.echo(f"calibrated graph: {path}")
     for line in format_iterations(rows, name):
         click.echo(line)

@@ -118,6 +118,10 @@ class PrismProcessGroup(dist.ProcessGroup):
     # ---- plumbing ------------------------------------------------------------------------------
     def _op(self, kind: str, ins: list[torch.Tensor], outs: list[torch.Tensor], opts: Any = None,
             **params: Any) -> PrismWork:
+        sparse = next((t for t in (*ins, *outs) if t.layout != torch.strided), None)
+        if sparse is not None:  # gloo sums sparse COO tensors, NCCL (the target's backend) refuses them
+            raise ValueError(f"prism: {kind} of a {sparse.layout} tensor is not supported (gloo sums sparse "
+                             "tensors, NCCL and prism do not): call .to_dense() before the collective")
         async_op = bool(getattr(opts, "asyncOp", True)) if opts is not None else True
         label = getattr(_LABEL, "value", None)
         if label and "label" not in params:

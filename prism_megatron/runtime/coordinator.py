@@ -48,6 +48,8 @@ from prism_megatron.runtime.swap import BudgetSwapper, CudaCheckpointSwapper, Sw
 #: Seconds the coordinator waits for its launcher's control connection before it gives up and exits
 #: (a launcher that died during start-up must not leave it running).
 CONNECT_TIMEOUT = 60.0
+#: Seconds a signalled coordinator leaves a live launcher to end the job (a job stop signals every process).
+ENDING_GRACE = 30.0
 
 
 class Coordinator:
@@ -82,6 +84,7 @@ class Coordinator:
         self.segment_prefix = ""  # the job's shared-memory segments, removed if the launcher dies
         self.launcher_pid = 0
         self.ending: str | None = None  # set by a signal: why the job must end (handled in the loop)
+        self.ending_since = 0.0
         self._finish_received = False
         self._t_start = time.monotonic()
         self._deadlines: list[tuple[float, int, int]] = []  # (time, rank, op id): process-group timeouts
@@ -119,8 +122,9 @@ class Coordinator:
         """The launcher died (parent-death signal, or a new parent) or never connected: end the job here."""
         if self.finished:
             return
-        if self.ending is not None:
-            self._abandon(self.ending)
+        if self.ending is not None and (self.control is None or os.getppid() != self.launcher_pid
+                                        or time.monotonic() - self.ending_since > ENDING_GRACE):
+            self._abandon(self.ending)  # else the launcher, signalled too, ends the job itself first
         elif self.launcher_pid and os.getppid() != self.launcher_pid:
             self._abandon(f"the launcher (pid {self.launcher_pid}) died")
         elif self.control is None and time.monotonic() - self._t_start > CONNECT_TIMEOUT:
@@ -524,9 +528,11 @@ def main(argv: list[str] | None = None) -> None:
     def on_signal(signum: int, _frame) -> None:
         coord.ending = f"ended by {signal.Signals(signum).name}" + (
             " (the launcher died)" if launcher_pid and os.getppid() != launcher_pid else "")
+        coord.ending_since = time.monotonic()
 
-    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
-        signal.signal(sig, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)  # the parent-death signal, or a stop of every process of the job
+    for sig in (signal.SIGINT, signal.SIGHUP):  # a terminal's Ctrl-C or hangup: the launcher ends the job
+        signal.signal(sig, signal.SIG_IGN)
     governor = coord.governor
     governor.times_gpu = bool(cfg.get("gpu_timing"))
     notes = []  # said by the launcher
