@@ -203,3 +203,24 @@ def test_listens_on_loopback_unless_asked(tmp_path):
     assert p.returncode == 0 and "listen on 127.0.0.1 (loopback only" in p.stderr, p.stderr
     p = prism("launch", "-w", "2", "--listen", "everywhere", str(PROGRAMS / "ring.py"), cwd=tmp_path, timeout=60)
     assert p.returncode == 2 and "--listen 'everywhere' is not an IP address" in p.stderr
+
+
+def test_sparse_all_reduce_is_refused_clearly(tmp_path):
+    prog = tmp_path / "sparse.py"
+    prog.write_text("import torch, torch.distributed as dist\ndist.init_process_group('gloo')\n"
+                    "t = torch.sparse_coo_tensor(torch.tensor([[0, 3]]), torch.tensor([1.0, 2.0]), (4,))\n"
+                    "dist.all_reduce(t)\n")
+    p = prism("launch", "-w", "2", "--trace-dir", str(tmp_path / "trace"), "--log-ranks", "none", str(prog),
+              cwd=tmp_path, timeout=120)
+    assert p.returncode == 1
+    assert "all_reduce of a torch.sparse_coo tensor is not supported" in p.stderr and ".to_dense()" in p.stderr
+
+
+def test_export_to_an_unwritable_place_is_one_line(tmp_path):
+    from prism_megatron.trace import write_trace
+
+    write_trace(tmp_path / "t", {"world_size": 1, "groups": [], "ranks": [{"rank": 0, "exit_code": 0,
+                                                                            "device": "cpu"}]}, ops=[])
+    (tmp_path / "afile").write_text("")
+    p = prism("trace", "chrome", str(tmp_path / "t"), str(tmp_path / "afile" / "x.json"), cwd=tmp_path)
+    assert p.returncode == 1 and "cannot write" in p.stderr and "Traceback" not in p.stderr, p.stderr
