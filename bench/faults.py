@@ -125,6 +125,7 @@ class Result:
     shm_bytes: int = 0
     shm_files: int = 0
     trace: str = "none"
+    job: str = ""  # the job's id as the launcher printed it: its segments are prism-<id>*
     notes: list[str] = field(default_factory=list)
 
 
@@ -167,6 +168,8 @@ class Run:
             _, err = p.communicate()
             r.rc = "(cap)"
         r.seconds = time.monotonic() - t0
+        found = re.search(r"prism: job ([\w-]+):", err or "")
+        r.job = found.group(1) if found else ""
         lines = [line for line in (err or "").strip().splitlines() if line.strip()]
         r.message = lines[-1].strip() if lines else ""
         if r.rc == "(cap)":
@@ -177,9 +180,12 @@ class Run:
     def left(self, r: Result, trace: str = "trace") -> None:
         time.sleep(1.5)  # what exits on its own has time to
         r.procs = len(self.procs())
-        new = [p for p in _shm() - self.shm_before if p.exists()]
-        time.sleep(0.5)
-        new = [p for p in new if p.exists() and p.name.startswith("prism-")]  # others' jobs come and go
+        if r.job:  # the job's own segments
+            new = list(SHM.glob(f"prism-{r.job}*"))
+        else:  # new segments that stay (other jobs on this machine come and go)
+            new = [p for p in _shm() - self.shm_before if p.exists()]
+            time.sleep(0.5)
+            new = [p for p in new if p.exists()]
         r.shm_files, r.shm_bytes = len(new), sum(_size(p) for p in new)
         r.trace = trace_state(self.tmp / trace)
 
@@ -246,7 +252,7 @@ def case_rank_fails(run: Run) -> Result:
 
 def _signal_case(sig: int) -> Callable[[Run], Result]:
     def case(run: Run) -> Result:
-        p = run.launch("blocks.py")
+        p = run.launch("blocks.py", "--slots-per-device", "4")
         if not run.wait_up(4):
             return run.finish(p, time.monotonic(), Result(notes=["never started"]))
         t0 = time.monotonic()
@@ -257,7 +263,7 @@ def _signal_case(sig: int) -> Callable[[Run], Result]:
 
 def case_launcher_killed(run: Run) -> Result:
     """SIGKILL, as the kernel's OOM killer ends the launcher."""
-    p = run.launch("blocks.py")
+    p = run.launch("blocks.py", "--slots-per-device", "4")
     if not run.wait_up(4):
         return run.finish(p, time.monotonic(), Result(notes=["never started"]))
     t0 = time.monotonic()
@@ -272,7 +278,7 @@ def case_launcher_killed(run: Run) -> Result:
 
 
 def case_launcher_dies_starting(run: Run) -> Result:
-    p = run.launch("blocks.py")
+    p = run.launch("blocks.py", "--slots-per-device", "4")
     time.sleep(0.8)  # the coordinator is starting (importing torch)
     t0 = time.monotonic()
     p.kill()
@@ -284,7 +290,7 @@ def case_launcher_dies_starting(run: Run) -> Result:
 
 
 def case_coordinator_killed(run: Run) -> Result:
-    p = run.launch("blocks.py")
+    p = run.launch("blocks.py", "--slots-per-device", "4")
     if not run.wait_up(4):
         return run.finish(p, time.monotonic(), Result(notes=["never started"]))
     coord = [pid for pid in run.procs() if b"runtime.coordinator" in Path(f"/proc/{pid}/cmdline").read_bytes()]
@@ -362,7 +368,7 @@ def case_sparse(run: Run) -> Result:
 
 
 def case_listen(run: Run) -> Result:
-    p = run.launch("blocks.py")
+    p = run.launch("blocks.py", "--slots-per-device", "4")
     if run.wait_up(4):
         port = (run.tmp / "up-0").read_text().strip()
         ss = subprocess.run(["ss", "-ltn"], capture_output=True, text=True).stdout

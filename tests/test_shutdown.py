@@ -125,14 +125,15 @@ def test_trace_dir_with_other_data_is_refused_before_the_start(tmp_path):
 
 
 def test_second_job_on_a_trace_dir_is_refused(tmp_path):
-    fd = lock_trace_dir(tmp_path / "trace")  # as a running job holds it
+    (tmp_path / "trace.logs").mkdir()
+    fd = lock_trace_dir(tmp_path / "trace.logs")  # as a running job holds it
     try:
         p = prism("launch", "-w", "2", "--trace-dir", str(tmp_path / "trace"), str(PROGRAMS / "ring.py"),
                   cwd=tmp_path, timeout=60)
     finally:
         os.close(fd)
     assert p.returncode == 2
-    assert f"in use by another prism job (launcher pid {os.getpid()})" in p.stderr
+    assert f"'{tmp_path / 'trace'}' is in use by another prism job (launcher pid {os.getpid()})" in p.stderr
 
 
 @pytest.mark.parametrize(("setup", "message"), [

@@ -21,6 +21,7 @@ import secrets
 import signal
 import subprocess
 import sys
+import threading
 import time
 from multiprocessing.connection import Client
 from pathlib import Path
@@ -214,6 +215,7 @@ class _Job:
     def _rank_failed(self, rank: int, code: int) -> int:
         self.why = f"rank {rank} {_how(code)}"
         if code == EXIT_OOM:
+            self.why = f"rank {rank} ran out of memory under the target's cap (predicted OOM)"
             _say(f"rank {rank} ran out of memory under the target's cap: predicted OOM; ending the job "
                  "(the trace and the report keep the verdict)")
             return EXIT_OOM
@@ -341,9 +343,9 @@ def launch(cfg: LaunchConfig) -> int:
         preflight.check_host_memory(cfg)
     preflight.check_trace_destination(cfg)
     job = _Job(cfg)
-    job.lock_fd = preflight.lock_trace_dir(cfg.trace_dir)
     try:
         cfg.log_dir.mkdir(parents=True, exist_ok=True)
+        job.lock_fd = preflight.lock_trace_dir(cfg.log_dir)
         for stale in cfg.log_dir.glob("rank-*.traceback"):
             stale.unlink()
     except OSError as e:
@@ -353,7 +355,10 @@ def launch(cfg: LaunchConfig) -> int:
         _say(f"removed {swept} shared-memory segment(s) ({swept_bytes / 2**20:.0f} MiB) that killed jobs left")
     _notes(cfg)
     code = EXIT_RANK_FAILED
-    old = {sig: signal.signal(sig, _raise_signalled) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    ours = threading.current_thread() is threading.main_thread()  # only there can signals be caught
+    old = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)} if ours else {}
+    for sig in (signal.SIGTERM, signal.SIGHUP) if ours else ():
+        signal.signal(sig, _raise_signalled)
     try:
         address, store_port = job.start_coordinator()
         where = "loopback only" if ipaddress.ip_address(cfg.listen).is_loopback else "reachable from the network"
@@ -372,7 +377,7 @@ def launch(cfg: LaunchConfig) -> int:
         code, job.why = EXIT_RANK_FAILED, str(e)
         _say(f"{job.why}; ending the job")
     finally:
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # nothing interrupts the ending
+        for sig in old:  # nothing interrupts the ending
             signal.signal(sig, signal.SIG_IGN)
         try:
             code = _end(job, code)
@@ -381,7 +386,6 @@ def launch(cfg: LaunchConfig) -> int:
             os.close(job.lock_fd)
             for sig, handler in old.items():
                 signal.signal(sig, handler)
-            signal.signal(signal.SIGINT, signal.default_int_handler)
     return code
 
 

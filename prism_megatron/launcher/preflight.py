@@ -59,18 +59,18 @@ def _is_trace_or_empty(path: Path) -> bool:
     return isinstance(manifest, dict) and manifest.get("format") == "prismtrace"
 
 
-def lock_trace_dir(trace_dir: Path) -> int:
-    """Hold the trace directory for this job (released when every holder exited): returns the lock's fd.
-    A second job on the same directory is refused, naming the first one's launcher."""
-    trace_dir = trace_dir.resolve()
-    lock = trace_dir.parent / f".{trace_dir.name}.lock"
-    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+def lock_trace_dir(log_dir: Path) -> int:
+    """Hold the trace directory for this job: a lock in its log directory (TRACE_DIR.logs), kept by the
+    launcher and its coordinator and released when both exited. Returns the lock's fd. A second job on the
+    same directory is refused, naming the first one's launcher."""
+    fd = os.open(log_dir / "job.lock", os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
         os.close(fd)
-        raise LaunchError(f"--trace-dir {str(trace_dir)!r} is in use by another prism job (launcher pid "
+        trace = log_dir.with_name(log_dir.name.removesuffix(".logs"))
+        raise LaunchError(f"--trace-dir {str(trace)!r} is in use by another prism job (launcher pid "
                           f"{holder}): two jobs would overwrite each other's trace and logs; wait for it to "
                           "end or give another --trace-dir") from None
     os.ftruncate(fd, 0)
