@@ -138,6 +138,7 @@ class Run:
         for name, text in PROGRAMS.items():
             (self.tmp / name).write_text(textwrap.dedent(text))
         self.shm_before = _shm()
+        self.launched: list[subprocess.Popen] = []
 
     def env(self, **extra: str) -> dict:
         return dict(os.environ, PYTHONPATH=str(self.checkout), PYTHONUNBUFFERED="1", OUT=str(self.tmp), **extra)
@@ -146,8 +147,9 @@ class Run:
                args: tuple[str, ...] = ()) -> subprocess.Popen:
         cmd = [PY, "-m", "prism_megatron", "launch", "-w", str(world), "--trace-dir", str(self.tmp / trace),
                "--log-ranks", "none", *opts, str(self.tmp / program), *args]
-        return subprocess.Popen(cmd, cwd=self.tmp, env=env or self.env(), stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)
+        self.launched.append(subprocess.Popen(cmd, cwd=self.tmp, env=env or self.env(), stdout=subprocess.PIPE,
+                                              stderr=subprocess.PIPE, text=True, preexec_fn=_as_in_a_terminal))
+        return self.launched[-1]
 
     def wait_up(self, world: int, timeout: float = 60) -> bool:
         t = time.monotonic()
@@ -182,8 +184,10 @@ class Run:
         r.procs = len(self.procs())
         if r.job:  # the job's own segments
             new = list(SHM.glob(f"prism-{r.job}*"))
-        else:  # new segments that stay (other jobs on this machine come and go)
-            new = [p for p in _shm() - self.shm_before if p.exists()]
+        else:  # named by the launcher's pid; or, without it (older names), new ones that stay
+            pids = "|".join(str(p.pid) for p in self.launched) or "-"
+            mine = re.compile(rf"prism-({pids})-|prism-[0-9a-f]{{8}}-r")
+            new = [p for p in _shm() - self.shm_before if mine.match(p.name)]
             time.sleep(0.5)
             new = [p for p in new if p.exists()]
         r.shm_files, r.shm_bytes = len(new), sum(_size(p) for p in new)
@@ -214,6 +218,13 @@ class Run:
             if p.name.startswith("prism-"):
                 p.unlink(missing_ok=True)
         shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def _as_in_a_terminal() -> None:
+    """A job started from a terminal: Ctrl-C and hangups act (this script may run under nohup or in the
+    background, which ignore them, and children inherit that)."""
+    for sig in (signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)
 
 
 def _shm() -> set[Path]:
@@ -314,9 +325,10 @@ def case_shared_trace_dir(run: Run) -> Result:
     time.sleep(3)
     t0 = time.monotonic()
     r = run.finish(run.launch("ok.py", world=2), t0)
-    a.communicate(timeout=120)
-    logs = sorted(p.name for p in (run.tmp / "trace.logs").glob("rank-*.log"))
-    r.notes.append(f"first job rc {a.returncode}; rank logs left: {len(logs)} of 2+2 ranks")
+    _, err = a.communicate(timeout=120)
+    run.left(r)  # once both ended; the trace is the one that is left
+    last = [line for line in err.strip().splitlines() if line.strip()][-1:]
+    r.notes.append(f"first job: rc {a.returncode}, {' '.join(last)[:160]}")
     return r
 
 

@@ -225,3 +225,18 @@ def test_export_to_an_unwritable_place_is_one_line(tmp_path):
     (tmp_path / "afile").write_text("")
     p = prism("trace", "chrome", str(tmp_path / "t"), str(tmp_path / "afile" / "x.json"), cwd=tmp_path)
     assert p.returncode == 1 and "cannot write" in p.stderr and "Traceback" not in p.stderr, p.stderr
+
+
+def test_coordinator_of_a_large_job_starts(tmp_path):
+    """The coordinator's config (a rank map) of 20,000 ranks is more than one argument may hold."""
+    from prism_megatron.launcher.launch import _Job
+
+    cfg = LaunchConfig(script=PROGRAMS / "ring.py", world_size=20000, trace_dir=tmp_path / "trace").validate()
+    cfg.log_dir.mkdir()
+    job = _Job(cfg)
+    try:
+        address, store_port = job.start_coordinator()
+        assert address[0] == "127.0.0.1" and store_port > 0
+    finally:
+        job.cleanup()
+    assert job.coord.returncode is not None

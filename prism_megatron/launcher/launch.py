@@ -112,16 +112,22 @@ class _Job:
         conf = coordinator_config(cfg, self.prefix)
         env = dict(os.environ, PRISM_AUTHKEY=self.authkey.hex())
         log = open(cfg.log_dir / "coordinator.log", "wb")  # noqa: SIM115 - kept by the child
-        self.coord = subprocess.Popen(
-            [sys.executable, "-m", "prism_megatron.runtime.coordinator", conf.to_json()],
-            stdout=subprocess.PIPE, stderr=log, env=env, text=True,
-            pass_fds=() if self.lock_fd is None else (self.lock_fd,),  # it may write the trace after us
-        )
-        log.close()
+        try:  # the config on stdin: a large job's (a rank map) exceeds what one argument may hold
+            self.coord = subprocess.Popen(
+                [sys.executable, "-m", "prism_megatron.runtime.coordinator", "-"],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env, text=True,
+                pass_fds=() if self.lock_fd is None else (self.lock_fd,),  # it may write the trace after us
+            )
+            self.coord.stdin.write(conf.to_json())
+            self.coord.stdin.close()
+        except OSError as e:
+            raise _StartFailed(f"could not start the prism coordinator: {e.strerror or e}") from None
+        finally:
+            log.close()
         line = self.coord.stdout.readline()
         if not line:
             self.coord.wait()
-            raise RuntimeError(f"the prism coordinator failed to start (exit {self.coord.returncode}); "
+            raise _StartFailed(f"the prism coordinator failed to start ({_how(self.coord.returncode)}); "
                                f"see {cfg.log_dir / 'coordinator.log'}")
         info = json.loads(line)
         for note in info.get("notes", []):
@@ -358,7 +364,8 @@ def launch(cfg: LaunchConfig) -> int:
     ours = threading.current_thread() is threading.main_thread()  # only there can signals be caught
     old = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)} if ours else {}
     for sig in (signal.SIGTERM, signal.SIGHUP) if ours else ():
-        signal.signal(sig, _raise_signalled)
+        if old[sig] != signal.SIG_IGN:  # nohup's ignored hangup stays ignored
+            signal.signal(sig, _raise_signalled)
     try:
         address, store_port = job.start_coordinator()
         where = "loopback only" if ipaddress.ip_address(cfg.listen).is_loopback else "reachable from the network"

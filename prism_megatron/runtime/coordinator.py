@@ -130,6 +130,15 @@ class Coordinator:
         elif self.control is None and time.monotonic() - self._t_start > CONNECT_TIMEOUT:
             self._abandon(f"no launcher connected within {CONNECT_TIMEOUT:.0f} s")
 
+    def _launcher_gone(self) -> str:
+        """Why the launcher's connection closed: it died (it is reparented away soon after its sockets
+        close), or it closed it."""
+        for _ in range(20):
+            if self.launcher_pid and os.getppid() != self.launcher_pid:
+                return f"the launcher (pid {self.launcher_pid}) died"
+            time.sleep(0.05)
+        return "lost the launcher's connection"
+
     def _abandon(self, reason: str) -> None:
         """End the job without its launcher: its ranks and their children (process groups), its shared
         memory; the trace so far, marked incomplete. Nothing of the job may outlive both."""
@@ -195,8 +204,8 @@ class Coordinator:
         if rs is not None and rs.state != RankStatus.DONE:
             # died without saying goodbye: the launcher reports the crash; stop scheduling it
             self._finish_rank(rs, None)
-        if conn is self.control:
-            self._abandon("lost the launcher's connection")  # nothing if it ended the job first
+        if conn is self.control and not self._finish_received:
+            self._abandon(self._launcher_gone())
 
     def _dispatch(self, conn: Connection, msg: dict) -> None:
         t = msg["t"]
@@ -503,13 +512,15 @@ def _die_with_launcher(launcher_pid: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Entry of the sidecar process: `python -m prism_megatron.runtime.coordinator CONFIG_JSON`.
+    """Entry of the sidecar process: `python -m prism_megatron.runtime.coordinator CONFIG_JSON` (``-``: read
+    it from stdin).
 
     Prints one JSON line {"address": [host, port], "store_port": port} once it listens.
     """
     ap = argparse.ArgumentParser()
     ap.add_argument("config")
-    cfg = json.loads(ap.parse_args(argv).config)
+    text = ap.parse_args(argv).config
+    cfg = json.loads(sys.stdin.read() if text == "-" else text)
     launcher_pid = int(cfg.get("launcher_pid") or 0)
     if launcher_pid:
         _die_with_launcher(launcher_pid)
