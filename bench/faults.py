@@ -6,6 +6,8 @@ checkout: exit code, time to end, the last message, processes and /dev/shm left,
 Each --checkout is a prism-megatron source tree run as ``PYTHONPATH=DIR python -m prism_megatron``
 (default: this one), so an older commit checked out elsewhere gives the "before" column. A case
 that runs past --cap seconds (default 40) is killed and reported as "(cap)": the job was still waiting.
+"shm left" counts the job's own segments where their names carry the launcher's pid; with older names
+it counts new segments that stayed, which may include another job's running on the machine meanwhile.
 Also prints the measured host memory (PSS) of a running CPU rank, the figure the launcher's memory
 check assumes (launcher.preflight.RANK_FOOTPRINT).
 """
@@ -138,6 +140,8 @@ class Run:
         for name, text in PROGRAMS.items():
             (self.tmp / name).write_text(textwrap.dedent(text))
         self.shm_before = _shm()
+        # segment names carry the launcher's pid from the version that sweeps them: count exactly those
+        self.pid_names = "def job_prefix" in (checkout / "prism_megatron/runtime/shm.py").read_text()
         self.launched: list[subprocess.Popen] = []
 
     def env(self, **extra: str) -> dict:
@@ -184,10 +188,10 @@ class Run:
         r.procs = len(self.procs())
         if r.job:  # the job's own segments
             new = list(SHM.glob(f"prism-{r.job}*"))
-        else:  # named by the launcher's pid; or, without it (older names), new ones that stay
-            pids = "|".join(str(p.pid) for p in self.launched) or "-"
-            mine = re.compile(rf"prism-({pids})-|prism-[0-9a-f]{{8}}-r")
-            new = [p for p in _shm() - self.shm_before if mine.match(p.name)]
+        elif self.pid_names:  # named by the launcher's pid
+            new = [p for p in _shm() for job in self.launched if p.name.startswith(f"prism-{job.pid}-")]
+        else:  # older names: new ones that stay (other jobs' segments come and go; some may be counted)
+            new = [p for p in _shm() - self.shm_before if re.match(r"prism-[0-9a-f]{8}-r", p.name)]
             time.sleep(0.5)
             new = [p for p in new if p.exists()]
         r.shm_files, r.shm_bytes = len(new), sum(_size(p) for p in new)
@@ -290,7 +294,10 @@ def case_launcher_killed(run: Run) -> Result:
 
 def case_launcher_dies_starting(run: Run) -> Result:
     p = run.launch("blocks.py", "--slots-per-device", "4")
-    time.sleep(0.8)  # the coordinator is starting (importing torch)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not any(  # the coordinator is starting: kill the launcher then
+            b"runtime.coordinator" in Path(f"/proc/{pid}/cmdline").read_bytes() for pid in run.procs()):
+        time.sleep(0.02)
     t0 = time.monotonic()
     p.kill()
     r = run.finish(p, t0)
