@@ -59,9 +59,10 @@ def launch(script: Path, script_args: tuple[str, ...], **options: Any) -> None:
     only = LaunchOnlyOptions(**{o.name: options[o.name] for o in options_of(LaunchOnlyOptions)})
     try:
         cfg = LaunchConfig.from_options(job, script, list(script_args), preload=list(only.preload)).validate()
+        code = run(cfg)  # checks the destination and the host before anything starts (LaunchError)
     except LaunchError as e:
         raise click.UsageError(str(e)) from None
-    sys.exit(run(cfg))
+    sys.exit(code)
 
 
 @main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True,
@@ -192,7 +193,13 @@ def trace_chrome(trace_dir: Path, out: Path) -> None:
         write_chrome(read_trace(trace_dir), out)
     except TraceFormatError as e:
         raise click.ClickException(str(e)) from None
+    except OSError as e:
+        raise click.ClickException(_cannot_write(out, e)) from None
     click.echo(f"wrote {out}")
+
+
+def _cannot_write(path: Path, e: OSError) -> str:
+    return f"cannot write {str(path)!r}: {e.strerror or e}" + (f" ({e.filename})" if e.filename else "")
 
 
 @main.command("replay")
@@ -231,7 +238,10 @@ def replay_cmd(trace_dir: Path, cluster: str | None, chrome_out: Path | None, fu
     if chrome_out is not None:
         from prism_megatron.replay.export import write_chrome
 
-        write_chrome(result, chrome_out, {"trace": str(trace_dir), "cluster": cluster})
+        try:
+            write_chrome(result, chrome_out, {"trace": str(trace_dir), "cluster": cluster})
+        except OSError as e:
+            raise click.ClickException(_cannot_write(chrome_out, e)) from None
         click.echo(f"wrote {chrome_out}")
 
 
@@ -266,6 +276,8 @@ def calibrate_cmd(bare_trace: Path, out_dir: Path, devices: str, ranks_per_devic
         raise click.UsageError(str(e)) from None
     except (TraceFormatError, GraphError, SliceError, AlignError, VirtualRankError, SliceRunError, ValueError) as e:
         raise click.ClickException(str(e)) from None
+    except OSError as e:
+        raise click.ClickException(_cannot_write(out_dir, e)) from None
     click.echo(f"calibrated graph: {path}")
     for line in format_iterations(rows, name):
         click.echo(line)

@@ -84,6 +84,10 @@ class JobOptions:
     lets the host run ahead as with NCCL; 'auto' is on for GPUs unless the swap mode is checkpoint (they
     exclude each other)."""
 
+    listen: str = "127.0.0.1"
+    """Address the job's coordinator and TCPStore listen on: loopback keeps them off the network (every rank
+    runs on this host); 0.0.0.0 (every interface) or a host address only for ranks on other hosts."""
+
     staging: Literal["auto", "pageable"] = "auto"
     """GPU ranks' staging memory for collectives: 'auto' page-locks it (faster copies between the GPU
     and the coordinator); 'pageable' does not."""

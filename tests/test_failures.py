@@ -12,6 +12,7 @@ import pytest
 
 from conftest import PROGRAMS, prism
 from prism_megatron.runtime.shm import shm_dir
+from prism_megatron.trace import read_trace
 
 
 def _launch(tmp: Path, program: str, world: int = 4, *extra: str, timeout_s: str = "3"):
@@ -21,16 +22,19 @@ def _launch(tmp: Path, program: str, world: int = 4, *extra: str, timeout_s: str
     return p, time.perf_counter() - t0
 
 
-def _nothing_left(tmp: Path, program: str) -> None:
+def _nothing_left(tmp: Path, program: str, why: str | None = None) -> None:
+    """No process of the job, and its trace (if any) is marked partial with why (``why`` in it)."""
     time.sleep(0.3)
     ps = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
     assert str(PROGRAMS / program) not in ps, ps
     assert "prism_megatron.runtime.coordinator" not in ps or str(tmp) not in ps
-    assert not (tmp / "trace" / "manifest.json").exists()  # no trace that looks complete
+    if (tmp / "trace" / "manifest.json").exists():  # never a trace that looks complete
+        trace = read_trace(tmp / "trace")
+        assert trace.incomplete and (why is None or why in trace.incomplete), trace.incomplete
 
 
 def _segments_of(stderr: str) -> list[str]:
-    job = re.search(r"prism: job (\w+):", stderr).group(1)
+    job = re.search(r"prism: job ([\w-]+):", stderr).group(1)
     return [p.name for p in shm_dir().glob(f"prism-{job}*")]
 
 

@@ -52,7 +52,7 @@ def test_launch_config_defaults_are_the_options_defaults(tmp_path):
     direct = LaunchConfig(script, world_size=4).validate()
     via = launch_config(parse_run_args(["--prism-emulate", "--prism-world-size", "4", str(script)])).validate()
     for name in ("slots_per_device", "hang_timeout", "trace_dir", "gpus_per_node", "threads_per_rank", "swap",
-                 "staging", "device_memory", "host_memory", "track_memory", "gpu_timing", "target_gpu"):
+                 "staging", "device_memory", "host_memory", "track_memory", "gpu_timing", "target_gpu", "listen"):
         assert getattr(direct, name) == getattr(via, name), name
     assert direct.echoed_ranks == via.log_ranks == [3]  # 'last'
 

@@ -334,10 +334,13 @@ def _set(key, value):
 MANIFEST_CASES = {
     "wrong format": (_set("format", "chrome"), ["'format'", "chrome"]),
     "no format": (_drop_key("format"), ["'format'", "missing"]),
-    "future version": (_set("version", 4), ["'version'", "is 4", "supports", "1, 2, 3"]),
+    "future version": (_set("version", 5), ["'version'", "is 5", "supports", "1, 2, 3, 4"]),
     "version string": (_set("version", "1"), ["'version'", "string"]),
     "no version": (_drop_key("version"), ["'version'", "missing"]),
-    "incomplete": (_set("complete", False), ["'complete'", "not finished"]),
+    "incomplete without why": (_set("complete", False), ["'incomplete'", "must say why"]),
+    "complete with a why": (_set("incomplete", "interrupted"), ["'incomplete'", "'complete' is true"]),
+    "no incomplete": (_drop_key("incomplete"), ["'incomplete'", "missing"]),
+    "v3 incomplete": (lambda m: m.update(version=3, complete=False), ["'complete'", "not finished"]),
     "no complete": (_drop_key("complete"), ["'complete'", "missing"]),
     "world_size string": (_set("world_size", "2"), ["'world_size'", "string", "integer"]),
     "world_size bool": (_set("world_size", True), ["'world_size'", "boolean"]),
@@ -897,3 +900,16 @@ def test_slot_time_splits_a_capture_into_computing_runtime_work_and_idle(tmp_pat
     manifest["ranks"][0]["runtime_s"]["gpu_timer"] = 0.0  # no GPU timing: no GPU-timer line
     text = summarize(write_trace(tmp_path / "w", manifest, _ops(), marks=marks, slots=slots))
     assert "stage: min" in text and "gpu_timer" not in text
+
+
+def test_partial_trace_says_why_and_reads(tmp_path: Path) -> None:
+    """A job that did not end normally keeps its trace so far, marked partial (v4), and says why."""
+    from prism_megatron.trace.summary import summarize
+
+    path = write_trace(tmp_path / "t", _manifest(), _ops(), marks=_marks(), slots=_slots(),
+                       incomplete="interrupted by SIGTERM")
+    m = json.loads((path / "manifest.json").read_text())
+    assert (m["complete"], m["incomplete"]) == (False, "interrupted by SIGTERM")
+    assert read_trace(path).incomplete == "interrupted by SIGTERM"
+    assert "incomplete: interrupted by SIGTERM" in summarize(path)
+    assert read_trace(write_trace(tmp_path / "ok", _manifest(), _ops())).incomplete is None

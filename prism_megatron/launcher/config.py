@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,6 +54,7 @@ class LaunchConfig:
     # auto: GPU ranks page-lock their staging memory (runtime.shm); pageable: never (slower copies, for
     # comparison: bench/gpu/staging_bench.py)
     staging: str = _J.staging
+    listen: str = _J.listen  # the coordinator's and TCPStore's address (loopback unless asked)
     # per-rank overrides (calibration's slice runs): these ranks run another program, or sit on another
     # device (an index into `devices`), than the contiguous default
     rank_scripts: dict[int, tuple[Path, list[str]]] = field(default_factory=dict)
@@ -92,7 +94,8 @@ class LaunchConfig:
             trace_dir=Path(o.trace_dir), gpus_per_node=o.gpus_per_node,
             log_ranks=parse_ranks(o.log_ranks, max(o.world_size, 1)), threads_per_rank=o.threads_per_rank,
             swap=o.swap, device_memory_gib=o.device_memory, host_memory_gib=o.host_memory, target_gpu=target,
-            track_memory=tri[o.track_memory], gpu_timing=tri[o.gpu_timing], staging=o.staging, **fixed,
+            track_memory=tri[o.track_memory], gpu_timing=tri[o.gpu_timing], staging=o.staging, listen=o.listen,
+            **fixed,
         )
 
     @property
@@ -131,6 +134,11 @@ class LaunchConfig:
             return ranks
         live = set(self.fold["live"])  # a virtual rank has no output: its echo goes to the last live rank
         return sorted({r if r in live else self.fold["live"][-1] for r in ranks})
+
+    @property
+    def connect_address(self) -> str:
+        """Where ranks reach the coordinator and the TCPStore (MASTER_ADDR)."""
+        return "127.0.0.1" if ipaddress.ip_address(self.listen).is_unspecified else self.listen
 
     @property
     def on_gpu(self) -> bool:
@@ -217,6 +225,11 @@ class LaunchConfig:
             raise LaunchError(f"--trace-dir {str(self.trace_dir)!r} exists and is not a directory")
         if not parent.is_dir() or not os.access(parent, os.W_OK):
             raise LaunchError(f"--trace-dir {str(self.trace_dir)!r}: cannot write in {str(parent)!r}")
+        try:
+            ipaddress.ip_address(self.listen)
+        except ValueError:
+            raise LaunchError(f"--listen {self.listen!r} is not an IP address (127.0.0.1 loopback, 0.0.0.0 every "
+                              "interface, or one of this host's addresses)") from None
         for name in ("swap", "staging"):
             choices = option(JobOptions, name).choices or ()
             if getattr(self, name) not in choices:

@@ -1,20 +1,27 @@
 """Run W logical ranks of an unmodified torch.distributed program through prism.
 
-Order of events: start the coordinator (a sidecar process that also hosts the TCPStore), import
-torch (and any preload modules) here once, fork every rank from this template — pages are shared,
-so a rank costs little memory and starts in milliseconds — then watch: a rank that fails, a hang
-or a mismatch ends the job with a report and no process left behind; a clean end writes the trace.
+Order of events: check the destination and the host (launcher.preflight), start the coordinator (a
+sidecar process that also hosts the TCPStore), import torch (and any preload modules) here once, fork
+every rank from this template — pages are shared, so a rank costs little memory and starts in
+milliseconds — then watch. Every way a job ends takes one path (``launch``'s ``finally``): a clean end,
+a failed rank, a hang, stall or mismatch, Ctrl-C, SIGTERM or SIGHUP. It writes the trace (partial ones
+marked incomplete, with why), ends every rank with its children (each leads its own process group), the
+coordinator and the shared memory, and its last line says what happened and where the logs are. If the
+launcher itself is killed (SIGKILL, the OOM killer), ranks die with it (parent-death signal) and the
+coordinator does the rest; a later job sweeps any shared memory left.
 """
 
 from __future__ import annotations
 
 import importlib
+import ipaddress
 import json
 import os
 import secrets
 import signal
 import subprocess
 import sys
+import threading
 import time
 from multiprocessing.connection import Client
 from pathlib import Path
@@ -30,7 +37,8 @@ from prism_megatron.launcher.exit_codes import RANK_FAILED as EXIT_RANK_FAILED
 from prism_megatron.launcher.progress import Progress
 from prism_megatron.runtime import protocol as P
 from prism_megatron.runtime.config import CoordinatorConfig
-from prism_megatron.runtime.shm import remove_job_segments
+from prism_megatron.runtime.reaper import kill_rank
+from prism_megatron.runtime.shm import job_prefix, remove_job_segments, sweep_stale_segments
 
 
 def _exec_rank(cfg: LaunchConfig, rank: int, address: tuple[str, int], authkey: bytes, store_port: int,
@@ -54,7 +62,19 @@ def _say(msg: str) -> None:
     print(f"prism: {msg}", file=sys.stderr, flush=True)
 
 
-def coordinator_config(cfg: LaunchConfig) -> CoordinatorConfig:
+class _Signalled(Exception):
+    """SIGTERM or SIGHUP reached the launcher: the job ends on the one shutdown path."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _raise_signalled(signum: int, _frame) -> None:
+    raise _Signalled(signum)
+
+
+def coordinator_config(cfg: LaunchConfig, prefix: str = "") -> CoordinatorConfig:
     """What the coordinator process is started with (its one JSON argument: ``to_json``)."""
     return CoordinatorConfig(
         world_size=cfg.world_size,
@@ -70,7 +90,7 @@ def coordinator_config(cfg: LaunchConfig) -> CoordinatorConfig:
         memory_classes=dict(cfg.memory_classes), rank_cap=cfg.memory_cap,
         predictor=cfg.predictor, predictor_options=dict(cfg.predictor_options),
         live_trace=str(cfg.log_dir / "live-trace"),
-        fold=cfg.fold,
+        host=cfg.listen, launcher_pid=os.getpid(), segment_prefix=prefix, fold=cfg.fold,
     )
 
 
@@ -78,42 +98,47 @@ class _Job:
     def __init__(self, cfg: LaunchConfig) -> None:
         self.cfg = cfg
         self.job_id = secrets.token_hex(4)
-        self.prefix = f"prism-{self.job_id}"
+        self.prefix = job_prefix(os.getpid(), self.job_id)
         self.authkey = secrets.token_bytes(16)
-        self.pids: dict[int, int] = {}  # pid -> rank
+        self.pids: dict[int, int] = {}  # pid -> rank, while it runs
+        self.started: dict[int, int] = {}  # pid -> rank, every rank forked (their process groups)
         self.exit_codes: dict[int, int] = {}
         self.coord: subprocess.Popen | None = None
         self.control = None
-        self.ended_by: str | None = None  # the kind of the coordinator's FATAL report that ended the job
         self.t0 = time.perf_counter()
+        self.ended_by: str | None = None  # the kind of the coordinator's FATAL report that ended the job
+        self.why: str | None = None  # what ended the job early (the trace's 'incomplete'); None: it ran to its end
+        self.lock_fd: int | None = None  # the trace directory's lock, shared with the coordinator
 
     # ---- start -----------------------------------------------------------------------------------
     def start_coordinator(self) -> tuple[tuple[str, int], int]:
         cfg = self.cfg
-        conf = coordinator_config(cfg)
+        conf = coordinator_config(cfg, self.prefix)
         env = dict(os.environ, PRISM_AUTHKEY=self.authkey.hex())
         log = open(cfg.log_dir / "coordinator.log", "wb")  # noqa: SIM115 - kept by the child
-        text = conf.to_json()
-        if len(text) > 64 * 1024:  # a folded job's rep list: beyond what one argument may hold
-            path = cfg.log_dir / "coordinator-config.json"
-            path.write_text(text)
-            text = "@" + str(path)
-        self.coord = subprocess.Popen(
-            [sys.executable, "-m", "prism_megatron.runtime.coordinator", text],
-            stdout=subprocess.PIPE, stderr=log, env=env, text=True,
-        )
-        log.close()
+        try:  # the config on stdin: a large job's (a rank map) exceeds what one argument may hold
+            self.coord = subprocess.Popen(
+                [sys.executable, "-m", "prism_megatron.runtime.coordinator", "-"],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env, text=True,
+                pass_fds=() if self.lock_fd is None else (self.lock_fd,),  # it may write the trace after us
+            )
+            self.coord.stdin.write(conf.to_json())
+            self.coord.stdin.close()
+        except OSError as e:
+            raise _StartFailed(f"could not start the prism coordinator: {e.strerror or e}") from None
+        finally:
+            log.close()
         line = self.coord.stdout.readline()
         if not line:
             self.coord.wait()
-            raise RuntimeError(f"the prism coordinator failed to start (exit {self.coord.returncode}); "
+            raise _StartFailed(f"the prism coordinator failed to start ({_how(self.coord.returncode)}); "
                                f"see {cfg.log_dir / 'coordinator.log'}")
         info = json.loads(line)
         for note in info.get("notes", []):
             _say(note)
         address = (info["address"][0], int(info["address"][1]))
         self.control = Client(address, authkey=self.authkey)
-        self.control.send({"t": P.CONTROL})
+        self.control.send({"t": P.CONTROL, "trace_dir": str(cfg.trace_dir.resolve()), "job": self.job_meta()})
         return address, int(info["store_port"])
 
     def fork_ranks(self, address: tuple[str, int], store_port: int) -> None:
@@ -131,17 +156,27 @@ class _Job:
             raise RuntimeError("CUDA was initialized in the launcher before forking ranks; ranks could not use it")
         from prism_megatron.launcher.rank import run_rank
 
-        close = [self.control.fileno(), self.coord.stdout.fileno()]
+        close = [self.control.fileno(), self.coord.stdout.fileno(),
+                 *([self.lock_fd] if self.lock_fd is not None else [])]
         sys.stdout.flush()
         sys.stderr.flush()
         fresh = os.environ.get("PRISM_RANK_START") == "exec"  # bench knob: a fresh interpreter per rank
         for r in self.cfg.live_ranks:  # a folded job: virtual ranks have no process
-            pid = os.fork()
+            try:
+                pid = os.fork()
+            except OSError as e:
+                raise _StartFailed(f"could not start rank {r} of {self.cfg.world_size} (fork: {e.strerror}); "
+                                   f"{r} rank(s) were started — the host's process or memory limits are "
+                                   "reached: run fewer ranks") from None
             if pid == 0:
                 if fresh:
                     _exec_rank(self.cfg, r, address, self.authkey, store_port, self.prefix)
                 run_rank(self.cfg, r, address, self.authkey, store_port, self.prefix, close)
-            self.pids[pid] = r
+            try:
+                os.setpgid(pid, pid)  # the rank leads its own group (it does so too: whoever runs first)
+            except OSError:
+                pass  # it already exec'd or exited: its own setpgid applies
+            self.pids[pid] = self.started[pid] = r
 
     # ---- watch -----------------------------------------------------------------------------------
     def watch(self) -> int:
@@ -158,17 +193,19 @@ class _Job:
                     continue
                 code = os.waitstatus_to_exitcode(status)
                 self.exit_codes[rank] = code
+                self._tell({"t": P.EXITED, "rank": rank, "code": code})
                 if code != 0:
                     return self._rank_failed(rank, code)
             if self.coord.poll() is not None:
-                _say(f"the coordinator exited unexpectedly (code {self.coord.returncode}); "
-                     f"see {self.cfg.log_dir / 'coordinator.log'}")
+                self.why = f"the coordinator exited unexpectedly ({_how(self.coord.returncode)})"
+                _say(f"{self.why}; see {self.cfg.log_dir / 'coordinator.log'}")
                 return EXIT_RANK_FAILED
             try:
                 msg = self.control.recv() if self.control.poll(0.05) else None
             except (EOFError, OSError):
                 self.coord.wait()
-                _say(f"lost the coordinator (exit {self.coord.returncode}); see {self.cfg.log_dir / 'coordinator.log'}")
+                self.why = f"lost the coordinator ({_how(self.coord.returncode)})"
+                _say(f"{self.why}; see {self.cfg.log_dir / 'coordinator.log'}")
                 return EXIT_RANK_FAILED
             if msg is not None:
                 if msg["t"] == P.FATAL:
@@ -180,16 +217,24 @@ class _Job:
                 _say(progress.line())
         return 0
 
+    def _tell(self, msg: dict) -> None:
+        try:
+            self.control.send(msg)
+        except (OSError, AttributeError):
+            pass  # the coordinator is gone: the loop says so
+
     def _rank_failed(self, rank: int, code: int) -> int:
         if code == EXIT_DEVICE_OOM and self.control.poll(10):  # the coordinator's report came before the exit
             msg = self.control.recv()
             if msg["t"] == P.FATAL:
                 return self._fatal(msg)
+        self.why = f"rank {rank} {_how(code)}"
         if code == EXIT_OOM:
+            self.why = f"rank {rank} ran out of memory under the target's cap (predicted OOM)"
             _say(f"rank {rank} ran out of memory under the target's cap: predicted OOM; ending the job "
                  "(the trace and the report keep the verdict)")
             return EXIT_OOM
-        how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+        how = _how(code)
         tb_file = self.cfg.log_dir / f"rank-{rank}.traceback"
         log_file = self.cfg.log_dir / f"rank-{rank}.log"
         _say(f"rank {rank} {how}; ending the job")
@@ -209,27 +254,32 @@ class _Job:
         report_file.write_text(msg["report"] + "\n")
         sys.stderr.write(msg["report"] + "\n")
         _say(f"{kind} report written to {report_file}; ending the job")
+        self.why = f"{kind} (report in {report_file.name})"
         if kind == "fold":  # the program does something the fold cannot answer for: a wrong fold, bad input
             return BAD_INPUT
-        return {"hang": EXIT_HANG, "mismatch": EXIT_MISMATCH, "device-oom": EXIT_DEVICE_OOM}.get(kind, EXIT_RANK_FAILED)
+        return {"hang": EXIT_HANG, "stall": EXIT_HANG, "mismatch": EXIT_MISMATCH,
+                "device-oom": EXIT_DEVICE_OOM}.get(kind, EXIT_RANK_FAILED)
 
     # ---- end -------------------------------------------------------------------------------------
-    def finish(self, status: str) -> str | None:
-        """Ask the coordinator to write the trace (on success) and stop."""
-        path = None
-        if self.control is not None and self.coord is not None and self.coord.poll() is None:
-            try:
-                self.control.send({"t": P.FINISH, "status": status, "trace_dir": str(self.cfg.trace_dir.resolve()),
-                                   "job": self.job_meta(),
-                                   "exit_codes": {str(k): v for k, v in self.exit_codes.items()}})
-                while self.control.poll(600):
-                    msg = self.control.recv()
-                    if msg["t"] == P.WRITTEN:
-                        path = msg["path"]
-                        break
-            except (EOFError, OSError):
-                pass
-        return path
+    def finish(self, status: str) -> tuple[str | None, str | None]:
+        """Ask the coordinator to write the trace — complete, or (``self.why``) the trace so far marked
+        incomplete — and stop. Returns (path, None) or (None, why not): a failed write is said at once."""
+        if self.control is None or self.coord is None or self.coord.poll() is not None:
+            return None, "the coordinator, which holds the job's records, is gone"
+        try:
+            self.control.send({"t": P.FINISH, "status": status, "trace_dir": str(self.cfg.trace_dir.resolve()),
+                               "job": self.job_meta(), "incomplete": self.why,
+                               "exit_codes": {str(k): v for k, v in self.exit_codes.items()}})
+            while self.control.poll(600):
+                msg = self.control.recv()
+                if msg["t"] == P.WRITTEN:
+                    return msg["path"], msg.get("error")
+                if msg["t"] == P.FATAL and msg["kind"] == "internal":  # the write itself failed in the coordinator
+                    return None, msg["report"].strip().splitlines()[-1]
+            return None, "the coordinator did not answer in 600 s"
+        except (EOFError, OSError):
+            self.coord.wait()
+            return None, f"the coordinator ended while writing it ({_how(self.coord.returncode)})"
 
     def job_meta(self) -> dict:
         cfg = self.cfg
@@ -246,12 +296,9 @@ class _Job:
                                           for d in cfg.devices}} if cfg.on_gpu else {})}
 
     def cleanup(self) -> None:
-        """Leave nothing behind: ranks, coordinator, shared-memory segments."""
-        for pid in list(self.pids):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        """Leave nothing behind: ranks and the processes they started, coordinator, shared-memory segments."""
+        for pid in list(self.pids) + [p for p, r in self.started.items() if r in self.exit_codes]:
+            kill_rank(pid)  # its process group: children of exited ranks too
         for pid in list(self.pids):
             try:
                 os.waitpid(pid, 0)
@@ -304,13 +351,88 @@ def coordinator_threads(cfg: LaunchConfig, cores: int) -> int:
 
 
 def launch(cfg: LaunchConfig) -> int:
-    """Run the job; returns the process exit code (0 ok, 1 a rank failed, 3 hang, 4 mismatch, 5 predicted OOM,
-    6 the physical device ran out of memory)."""
+    """Run the job; returns the process exit code (0 ok, 1 a rank failed, 2 a fold that cannot answer the
+    program, 3 hang or stall, 4 mismatch, 5 predicted OOM, 6 the physical device ran out of memory, 128+N
+    ended by signal N). Bad input found before the start raises LaunchError."""
+    from prism_megatron.launcher import preflight
+
     fork_safe_cuda_checks()
     cfg.validate()
-    cfg.log_dir.mkdir(parents=True, exist_ok=True)
-    for stale in cfg.log_dir.glob("rank-*.traceback"):
-        stale.unlink()
+    if not cfg.on_gpu:
+        preflight.check_host_memory(cfg)
+    preflight.check_trace_destination(cfg)
+    job = _Job(cfg)
+    try:
+        cfg.log_dir.mkdir(parents=True, exist_ok=True)
+        job.lock_fd = preflight.lock_trace_dir(cfg.log_dir)
+        for stale in cfg.log_dir.glob("rank-*.traceback"):
+            stale.unlink()
+    except OSError as e:
+        raise LaunchError(f"the log directory {str(cfg.log_dir)!r}: {e.strerror}") from None
+    swept, swept_bytes = sweep_stale_segments()
+    if swept:
+        _say(f"removed {swept} shared-memory segment(s) ({swept_bytes / 2**20:.0f} MiB) that killed jobs left")
+    _notes(cfg)
+    code = EXIT_RANK_FAILED
+    ours = threading.current_thread() is threading.main_thread()  # only there can signals be caught
+    old = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)} if ours else {}
+    for sig in (signal.SIGTERM, signal.SIGHUP) if ours else ():
+        if old[sig] != signal.SIG_IGN:  # nohup's ignored hangup stays ignored
+            signal.signal(sig, _raise_signalled)
+    try:
+        address, store_port = job.start_coordinator()
+        where = "loopback only" if ipaddress.ip_address(cfg.listen).is_loopback else "reachable from the network"
+        folded = f" ({len(cfg.live_ranks)} live, {cfg.world_size - len(cfg.live_ranks)} virtual)" if cfg.fold else ""
+        _say(f"job {job.prefix.removeprefix('prism-')}: starting {cfg.world_size} logical ranks{folded} on "
+             f"{','.join(cfg.devices)} ({cfg.slots_per_device} slot(s) per device); coordinator and TCPStore "
+             f"listen on {cfg.listen} ({where}; --listen); logs in {cfg.log_dir}")
+        job.fork_ranks(address, store_port)
+        code = job.watch()
+    except KeyboardInterrupt:
+        code, job.why = 128 + signal.SIGINT, "interrupted (SIGINT)"
+        _say(f"{job.why}; ending the job")
+    except _Signalled as e:
+        code, job.why = 128 + e.signum, f"ended by {e}"
+        _say(f"{job.why}; ending the job")
+    except _StartFailed as e:
+        code, job.why = EXIT_RANK_FAILED, str(e)
+        _say(f"{job.why}; ending the job")
+    finally:
+        for sig in old:  # nothing interrupts the ending
+            signal.signal(sig, signal.SIG_IGN)
+        try:
+            code = _end(job, code)
+        finally:
+            job.cleanup()
+            os.close(job.lock_fd)
+            for sig, handler in old.items():
+                signal.signal(sig, handler)
+    return code
+
+
+def _end(job: _Job, code: int) -> int:
+    """Write the trace (partial ones say why) and say, last, what happened and where everything is."""
+    cfg = job.cfg
+    path, error = job.finish("ok" if code == 0 else "oom" if code == EXIT_OOM else job.ended_by or "failed")
+    if code == EXIT_OOM and path is not None:
+        _keep_snapshots(cfg.log_dir, Path(path))
+    took = f"{time.perf_counter() - job.t0:.1f} s"
+    if path is None:
+        _say(f"the trace could not be written to {cfg.trace_dir}: {error}")
+        if code == 0:
+            code = EXIT_RANK_FAILED
+    if code == 0:
+        _say(f"done in {took}; trace written to {path}; logs in {cfg.log_dir}")
+    else:
+        what = job.why or ("a rank ran out of memory under the target's cap (predicted OOM)" if code == EXIT_OOM
+                           else "the trace could not be written")
+        kept = (f"trace so far written to {path} (marked incomplete)" if path is not None and job.why
+                else f"trace written to {path}" if path is not None else "no trace")
+        _say(f"job ended after {took} (exit {code}): {what}; {kept}; logs in {cfg.log_dir}")
+    return code
+
+
+def _notes(cfg: LaunchConfig) -> None:
     cores = _cores()
     if not cfg.on_gpu and cfg.slots_per_device * cfg.threads_per_rank >= cores:
         _say(f"{cfg.slots_per_device} slot(s) x {cfg.threads_per_rank} thread(s) use all {cores} cores: the "
@@ -323,32 +445,19 @@ def launch(cfg: LaunchConfig) -> int:
         _say("--swap auto: blocked ranks are swapped to host memory if a device fills up before all of its "
              "ranks ended iteration 1; a device that needed no swap is then timed (host and device time from "
              "iteration 3) and swaps no more, any other keeps swapping on one clock (the verdict is printed)")
-    job = _Job(cfg)
-    code = EXIT_RANK_FAILED
-    try:
-        address, store_port = job.start_coordinator()
-        folded = f" ({len(cfg.live_ranks)} live, {cfg.world_size - len(cfg.live_ranks)} virtual)" if cfg.fold else ""
-        _say(f"job {job.job_id}: starting {cfg.world_size} logical ranks{folded} on {','.join(cfg.devices)} "
-             f"({cfg.slots_per_device} slot(s) per device); logs in {cfg.log_dir}")
-        job.fork_ranks(address, store_port)
-        code = job.watch()
-        path = job.finish("ok" if code == 0 else "oom" if code == EXIT_OOM else job.ended_by or "failed")
-        if path is not None and code not in (0, EXIT_OOM):
-            _say(f"the trace so far is written to {path} (incomplete)")
-        if code == EXIT_OOM and path is not None:
-            _keep_snapshots(cfg.log_dir, Path(path))
-        if code == 0:
-            if path is None:
-                _say("the coordinator did not write the trace")
-                code = EXIT_RANK_FAILED
-            else:
-                _say(f"done in {time.perf_counter() - job.t0:.1f} s; trace written to {path}")
-    except KeyboardInterrupt:
-        _say("interrupted; ending the job")
-        code = 130
-    finally:
-        job.cleanup()
-    return code
+
+
+def _how(code: int | None) -> str:
+    """How a process ended, from its exit code (negative: the signal that killed it)."""
+    if code is None:
+        return "still running"
+    if code < 0:
+        return f"was killed by {signal.Signals(-code).name}"
+    return f"exited with code {code}"
+
+
+class _StartFailed(RuntimeError):
+    """The job could not start all of its ranks."""
 
 
 __all__ = ["launch", "LaunchConfig", "LaunchError", "Path"]

@@ -43,7 +43,7 @@ def rank_env(cfg: LaunchConfig, rank: int, store_port: int) -> dict[str, str]:
         "NODE_RANK": str(rank // local_ws),
         "ROLE_RANK": str(rank),
         "ROLE_WORLD_SIZE": str(cfg.world_size),
-        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_ADDR": cfg.connect_address,
         "MASTER_PORT": str(store_port),
         "TORCHELASTIC_USE_AGENT_STORE": "True",
         "TORCHELASTIC_RESTART_COUNT": "0",
@@ -75,6 +75,10 @@ def run_rank(cfg: LaunchConfig, rank: int, address: tuple[str, int], authkey: by
     """Never returns."""
     code = 1
     try:
+        try:
+            os.setpgid(0, 0)  # its own process group: ending the rank ends what it started (reaper.kill_rank)
+        except OSError:
+            pass
         _die_with_parent()
         for fd in close_fds:
             try:

@@ -104,7 +104,8 @@ class PrismProcessGroup(dist.ProcessGroup):
         self._coalescing: list[PrismWork] | None = None
         self.requested_backend = requested_backend
         self._barrier_tensor: torch.Tensor | None = None
-        self._handle = client.register_group(name, ranks, requested_backend, world)
+        self._handle = client.register_group(name, ranks, requested_backend, world,
+                                             timeout.total_seconds() if timeout else None)
 
     # ---- identity torch queries ---------------------------------------------------------------
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
@@ -129,6 +130,10 @@ class PrismProcessGroup(dist.ProcessGroup):
     # ---- plumbing ------------------------------------------------------------------------------
     def _op(self, kind: str, ins: list[torch.Tensor], outs: list[torch.Tensor], opts: Any = None,
             **params: Any) -> PrismWork:
+        sparse = next((t for t in (*ins, *outs) if t.layout != torch.strided), None)
+        if sparse is not None:  # gloo sums sparse COO tensors, NCCL (the target's backend) refuses them
+            raise ValueError(f"prism: {kind} of a {sparse.layout} tensor is not supported (gloo sums sparse "
+                             "tensors, NCCL and prism do not): call .to_dense() before the collective")
         async_op = bool(getattr(opts, "asyncOp", True)) if opts is not None else True
         label = getattr(_LABEL, "value", None)
         if label and "label" not in params:

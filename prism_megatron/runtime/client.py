@@ -124,11 +124,14 @@ class RankClient:
         self._send({"t": P.ACQUIRE})
         self._await_grant()
 
-    def register_group(self, name: str, ranks: list[int], backend: str, world: bool) -> int:
+    def register_group(self, name: str, ranks: list[int], backend: str, world: bool,
+                       timeout: float | None = None) -> int:
         """Tell the coordinator this rank made a group (``world``: the default group); returns the handle
-        its ops name the group by (torch may give different groups one name: runtime.groups)."""
+        its ops name the group by (torch may give different groups one name: runtime.groups).
+        ``timeout``: the group's own (init_process_group/new_group), which the coordinator applies to waits."""
         handle = next(self._group_handles)
-        self._send({"t": P.GROUP, "h": handle, "name": name, "ranks": ranks, "backend": backend, "world": world})
+        self._send({"t": P.GROUP, "h": handle, "name": name, "ranks": ranks, "backend": backend, "world": world,
+                    "timeout": timeout})
         return handle
 
     def mark(self, name: str, phase: str, attrs: dict) -> None:
@@ -383,8 +386,9 @@ class RankClient:
                     self._gpu.permit(msg["on"], msg["why"])
             elif t == P.ERROR:
                 p = self._pop(msg["id"])
-                if p is not None:
-                    p.work._finish(PrismCommError(msg["message"]))
+                if p is not None:  # a process group's timeout raises what gloo raises: a RuntimeError
+                    error = RuntimeError if msg.get("timed_out") else PrismCommError
+                    p.work._finish(error(msg["message"]))
             elif t == P.ABORT:
                 self._fail_all(PrismCommError(msg["message"]))
             elif t == P.BYE:

@@ -28,7 +28,9 @@ class CoordinatorConfig:
     predictor: str | None = None  # "module:function" answering live predictions
     predictor_options: dict = field(default_factory=dict)
     live_trace: str = ""
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # the address it and the TCPStore listen on
+    launcher_pid: int = 0  # it ends the job itself if this process dies (0: no launcher to watch)
+    segment_prefix: str = ""  # the job's shared-memory segments (runtime.shm.job_prefix), removed then
     fold: dict | None = None  # a folded job's plan (trace.fold's JSON): live ranks, rep of every rank
 
     def to_json(self) -> str:

@@ -15,10 +15,12 @@ governor (runtime.governor), the recorder (runtime.recorder), the live predictor
 from __future__ import annotations
 
 import argparse
+import heapq
 import importlib
 import json
 import os
 import selectors
+import signal
 import sys
 import time
 from multiprocessing.connection import Connection, Listener
@@ -35,14 +37,22 @@ from prism_megatron.runtime.folding import Folding
 from prism_megatron.runtime.governor import ADMISSION_MARGIN, MemoryGovernor, SwapMode, SwapPolicy
 from prism_megatron.runtime.grants import SlotGrants
 from prism_megatron.runtime.groups import Group, GroupMismatch, GroupTable
-from prism_megatron.runtime.hang import HangDetector, format_hang_report
+from prism_megatron.runtime.hang import HangDetector, format_hang_report, format_stall_report, waits_on_exited
 from prism_megatron.runtime.matching import Member, check_collective, check_p2p
 from prism_megatron.runtime.nvml import FootprintCheck, NvmlUnavailable, nvml_process_memory
 from prism_megatron.runtime.predictor import LivePredictor
 from prism_megatron.runtime.ranks import RankState, RankStatus
+from prism_megatron.runtime.reaper import kill_rank
 from prism_megatron.runtime.recorder import Recorder
+from prism_megatron.runtime.shm import remove_job_segments
 from prism_megatron.runtime.slots import SlotScheduler
 from prism_megatron.runtime.swap import BudgetSwapper, CudaCheckpointSwapper, SwapUnavailable
+
+#: Seconds the coordinator waits for its launcher's control connection before it gives up and exits
+#: (a launcher that died during start-up must not leave it running).
+CONNECT_TIMEOUT = 60.0
+#: Seconds a signalled coordinator leaves a live launcher to end the job (a job stop signals every process).
+ENDING_GRACE = 30.0
 
 
 class Coordinator:
@@ -74,8 +84,19 @@ class Coordinator:
         self.selector = selectors.DefaultSelector()
         self.control: Connection | None = None
         self.finished = False
+        # what the launcher said when it connected (trace directory, job description): enough to keep the
+        # trace so far and clean up if the launcher dies without ending the job
+        self.job: dict = {}
+        self.trace_dir: str | None = None
+        self.segment_prefix = ""  # the job's shared-memory segments, removed if the launcher dies
+        self.launcher_pid = 0
+        self.ending: str | None = None  # set by a signal: why the job must end (handled in the loop)
+        self.ending_since = 0.0
+        self._finish_received = False
+        self._t_start = time.monotonic()
+        self._deadlines: list[tuple[float, int, int]] = []  # (time, rank, op id): process-group timeouts
 
-    def write_trace(self, path: Path, job: dict, exit_codes: dict) -> Path:
+    def write_trace(self, path: Path, job: dict, exit_codes: dict, incomplete: str | None = None) -> Path:
         from prism_megatron.runtime.trace_export import write_bare_trace
 
         if self.fold is not None:
@@ -83,7 +104,7 @@ class Coordinator:
         return write_bare_trace(path, job, exit_codes, world_size=self.world_size, recorder=self.recorder,
                                 groups=self.groups, ranks=self.ranks, governor=self.governor,
                                 device_name=lambda r: self.device_names[self.slots.device_of(r)],
-                                live=self.fold.live if self.fold is not None else None)
+                                live=self.fold.live if self.fold is not None else None, incomplete=incomplete)
 
     # ---- main loop ---------------------------------------------------------------------------------
     def serve(self) -> None:
@@ -101,8 +122,53 @@ class Coordinator:
                     break
             if self.governor.awaiting_room:
                 self.grants.retry_room()
+            self._check_timeouts()
             self._check_hang()
+            self._check_launcher()
         self.data.close()
+
+    def _check_launcher(self) -> None:
+        """The launcher died (parent-death signal, or a new parent) or never connected: end the job here."""
+        if self.finished:
+            return
+        if self.ending is not None and (self.control is None or os.getppid() != self.launcher_pid
+                                        or time.monotonic() - self.ending_since > ENDING_GRACE):
+            self._abandon(self.ending)  # else the launcher, signalled too, ends the job itself first
+        elif self.launcher_pid and os.getppid() != self.launcher_pid:
+            self._abandon(f"the launcher (pid {self.launcher_pid}) died")
+        elif self.control is None and time.monotonic() - self._t_start > CONNECT_TIMEOUT:
+            self._abandon(f"no launcher connected within {CONNECT_TIMEOUT:.0f} s")
+
+    def _launcher_gone(self) -> str:
+        """Why the launcher's connection closed: it died (it is reparented away soon after its sockets
+        close), or it closed it."""
+        for _ in range(20):
+            if self.launcher_pid and os.getppid() != self.launcher_pid:
+                return f"the launcher (pid {self.launcher_pid}) died"
+            time.sleep(0.05)
+        return "lost the launcher's connection"
+
+    def _abandon(self, reason: str) -> None:
+        """End the job without its launcher: its ranks and their children (process groups), its shared
+        memory; the trace so far, marked incomplete. Nothing of the job may outlive both."""
+        self.finished = True
+        if self._finish_received:
+            return  # the launcher ended the job itself
+        print(f"prism coordinator: {reason}; ending the job's ranks and removing its shared memory",
+              file=sys.stderr, flush=True)
+        for rs in self.ranks.values():
+            kill_rank(rs.pid)
+        if self.segment_prefix:
+            remove_job_segments(self.segment_prefix)
+        if self.trace_dir:
+            try:
+                path = self.write_trace(Path(self.trace_dir), {**self.job, "wall_time_s": self.recorder.now()},
+                                        {str(rs.rank): rs.exit_code for rs in self.ranks.values()},
+                                        incomplete=reason)
+                print(f"prism coordinator: partial trace written to {path}", file=sys.stderr, flush=True)
+            except Exception as e:  # noqa: BLE001 - said, and the job ends anyway
+                print(f"prism coordinator: could not write the partial trace to {self.trace_dir}: {e}",
+                      file=sys.stderr, flush=True)
 
     def _drain(self, conn: Connection) -> None:
         """Handle every message already waiting on `conn`."""
@@ -147,8 +213,8 @@ class Coordinator:
         if rs is not None and rs.state != RankStatus.DONE:
             # died without saying goodbye: the launcher reports the crash; stop scheduling it
             self._finish_rank(rs, None)
-        if conn is self.control:
-            self.finished = True  # the launcher is gone: nothing left to serve
+        if conn is self.control and not self._finish_received:
+            self._abandon(self._launcher_gone())
 
     def _dispatch(self, conn: Connection, msg: dict) -> None:
         t = msg["t"]
@@ -163,6 +229,9 @@ class Coordinator:
             self._progress()
         elif t == P.CONTROL:
             self.control = conn
+            self.job, self.trace_dir = msg.get("job", {}), msg.get("trace_dir")
+        elif t == P.EXITED:
+            self._exited(int(msg["rank"]), msg["code"])
         elif t == P.OP:
             self._on_op(rs, msg)
         elif t == P.BLOCK:
@@ -180,6 +249,8 @@ class Coordinator:
             except GroupMismatch as e:
                 self._fatal("mismatch", str(e))
             else:
+                if msg.get("timeout"):
+                    rs.timeouts[gid] = float(msg["timeout"])
                 if new and self.fold is not None:
                     problem = self.fold.fold_group(self.groups.by_id[gid])
                     if problem is not None:
@@ -238,7 +309,43 @@ class Coordinator:
             self._stop_holding(rs)
             if not waiting:  # its next turn needs more room than the device has free: it queues for it
                 self.grants.request(rs)
+            for i in waiting:  # the group's own timeout (init_process_group / new_group), as gloo applies it
+                rec = rs.pending.get(i)
+                timeout = rec is not None and rs.timeouts.get(rec.group)
+                if timeout:
+                    heapq.heappush(self._deadlines, (rec.t_issue + timeout, rs.rank, i))
         self.governor.enforce(rs.rank)
+
+    def _check_timeouts(self) -> None:
+        """Fail the waits that outlived their process group's timeout, in every waiting rank, as gloo does:
+        the rank's wait raises (RuntimeError, gloo's message) and the rank runs again."""
+        now = self.recorder.now()
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, rank, op_id = heapq.heappop(self._deadlines)
+            rs = self.ranks.get(rank)
+            if rs is None or rs.state != RankStatus.BLOCKED or op_id not in rs.blocked_on:
+                continue
+            rec = rs.pending[op_id]
+            g = self.groups.by_id[rec.group]
+            ms = int(rs.timeouts[g.id] * 1000)
+            what = f"{rec.kind} #{rec.seq}" if rec.seq >= 0 else rec.kind
+            self._send(rs, {"t": P.ERROR, "id": op_id, "timed_out": True, "message": (
+                f"[prism: gloo transport] Timed out waiting {ms}ms for {rec.kind} operation to complete (rank "
+                f"{rank}: {what} on group {g.name!r}, ranks {_ranks(g.ranks)}{_missing(g, rec)})")})
+            rs.blocked_on.discard(op_id)
+            if not rs.blocked_on:
+                self.grants.request(rs)
+
+    def _exited(self, rank: int, code: int) -> None:
+        """The launcher saw ``rank``'s process end with ``code`` (the coordinator may not have: no goodbye)."""
+        rs = self.ranks.get(rank)
+        if rs is None:  # ended before it connected
+            rs = self.ranks[rank] = RankState(rank, None)  # type: ignore[arg-type]
+            self._finish_rank(rs, code)
+        elif rs.state != RankStatus.DONE:
+            self._finish_rank(rs, code)
+        else:
+            rs.exit_code = code
 
     def _op_completed(self, rs: RankState, op_id: int) -> None:
         self.recorder.completed(rs, op_id)
@@ -261,7 +368,8 @@ class Coordinator:
             self.grants.pause()
             return
         for rs, it in ready:
-            seconds, note = self.predictor.answer(it, lambda path: self.write_trace(path, {"live": True}, {}))
+            seconds, note = self.predictor.answer(it, lambda path: self.write_trace(
+                path, {"live": True}, {}, incomplete="live snapshot of a running job"))
             self._send(rs, {"t": P.PREDICTED, "iteration": it, "seconds": seconds, "note": note})
             self.grants.request(rs)
         self.predictor.waiting = [w for w in self.predictor.waiting if w not in ready]
@@ -370,15 +478,24 @@ class Coordinator:
 
     # ---- failure and hangs -------------------------------------------------------------------------
     def _check_hang(self) -> None:
-        stalled = self.hang.stalled(self.ranks, self.n_live, bool(self.governor.awaiting_room))
+        if self.finished:
+            return
+        stalled = self.hang.stalled(self.ranks, self.n_live, bool(self.governor.awaiting_room),
+                                    lambda: waits_on_exited(self.ranks, self.groups))
         if stalled is not None:
             self._fatal("hang", format_hang_report(self.ranks, self.groups, self.governor, stalled))
+            return
+        holdouts = self.hang.holdouts(self.ranks, self.world_size)
+        if holdouts:
+            self._fatal("stall", format_stall_report(self.ranks, self.groups, self.governor, holdouts,
+                                                     self.hang.timeout, self.recorder.now()))
 
     def _fatal(self, kind: str, report: str) -> None:
         self._send_control({"t": P.FATAL, "kind": kind, "report": report})
-        self.finished = self.control is None
         if self.control is None:
             print(report, file=sys.stderr)
+            self._abandon(f"{kind} with no launcher to report to")
+        self.hang.reported()  # the launcher ends the job; do not repeat the report meanwhile
 
     def _send(self, rs: RankState, msg: dict) -> None:
         try:
@@ -395,13 +512,22 @@ class Coordinator:
 
     # ---- the end: the trace ----------------------------------------------------------------------
     def _on_finish(self, msg: dict) -> None:
-        path = None
+        """Write the trace: complete for a job that ended normally (an OOM is a prediction: complete too),
+        else the trace so far marked incomplete; a write that fails is said at once, with why."""
+        self._finish_received = True
+        path, error = None, None
         job, status = msg.get("job", {}), msg.get("status")
-        if status in MEMORY_FAILURES:  # the trace so far, marked incomplete, beside the report that says why
+        incomplete = msg.get("incomplete")
+        if status in MEMORY_FAILURES:  # the trace so far, beside the report that says why
             job = {**job, "end": {"status": status, "complete": False, "report": f"{status}-report.txt"}}
-        if (status in ("ok", "oom") or status in MEMORY_FAILURES) and msg.get("trace_dir"):  # an OOM is a prediction
-            path = str(self.write_trace(Path(msg["trace_dir"]), job, msg.get("exit_codes", {})))
-        self._send_control({"t": P.WRITTEN, "path": path})
+            incomplete = incomplete or f"{status}: see {status}-report.txt"
+        if msg.get("trace_dir"):
+            try:
+                path = str(self.write_trace(Path(msg["trace_dir"]), job, msg.get("exit_codes", {}),
+                                            incomplete=incomplete))
+            except Exception as e:  # noqa: BLE001 - a full disk, a directory that is not a trace: said
+                error = f"{type(e).__name__}: {e}"
+        self._send_control({"t": P.WRITTEN, "path": path, "error": error})
         self.finished = True
 
 
@@ -417,17 +543,39 @@ def _ranks(ranks: list[int]) -> str:
 
 
 
+def _missing(g: Group, rec) -> str:
+    slot = g.pending.get(rec.seq) if rec.seq >= 0 and rec.peer < 0 else None
+    if not slot:
+        return f"; peer {rec.peer} did not post its part" if rec.peer >= 0 else ""
+    return f"; missing ranks {_ranks([g.ranks[i] for i, m in enumerate(slot) if m is None])}"
+
+
+def _die_with_launcher(launcher_pid: int) -> None:
+    """Get SIGTERM when the launcher dies (Linux parent-death signal); the loop then ends the job."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass  # not Linux: the loop notices a new parent instead
+
+
 def main(argv: list[str] | None = None) -> None:
-    """Entry of the sidecar process: `python -m prism_megatron.runtime.coordinator CONFIG_JSON`.
+    """Entry of the sidecar process: `python -m prism_megatron.runtime.coordinator CONFIG_JSON` (``-``: read
+    it from stdin).
 
     Prints one JSON line {"address": [host, port], "store_port": port} once it listens.
     """
     ap = argparse.ArgumentParser()
     ap.add_argument("config")
     text = ap.parse_args(argv).config
-    if text.startswith("@"):  # too long for one argument: in a file (launcher.launch)
-        text = Path(text[1:]).read_text()
-    cfg = json.loads(text)
+    cfg = json.loads(sys.stdin.read() if text == "-" else text)
+    launcher_pid = int(cfg.get("launcher_pid") or 0)
+    if launcher_pid:
+        _die_with_launcher(launcher_pid)
+        if os.getppid() != launcher_pid:
+            print("prism coordinator: the launcher died before the coordinator started", file=sys.stderr)
+            return
     authkey = bytes.fromhex(os.environ.pop("PRISM_AUTHKEY"))
     torch.set_num_threads(max(1, int(cfg.get("threads", 1))))
     coord = Coordinator(
@@ -436,6 +584,16 @@ def main(argv: list[str] | None = None) -> None:
         hang_timeout=cfg["hang_timeout"], authkey=authkey, host=cfg.get("host", "127.0.0.1"),
         fold=cfg.get("fold"),
     )
+    coord.launcher_pid, coord.segment_prefix = launcher_pid, cfg.get("segment_prefix", "")
+
+    def on_signal(signum: int, _frame) -> None:
+        coord.ending = f"ended by {signal.Signals(signum).name}" + (
+            " (the launcher died)" if launcher_pid and os.getppid() != launcher_pid else "")
+        coord.ending_since = time.monotonic()
+
+    signal.signal(signal.SIGTERM, on_signal)  # the parent-death signal, or a stop of every process of the job
+    for sig in (signal.SIGINT, signal.SIGHUP):  # a terminal's Ctrl-C or hangup: the launcher ends the job
+        signal.signal(sig, signal.SIG_IGN)
     governor = coord.governor
     governor.times_gpu = bool(cfg.get("gpu_timing"))
     notes = []  # said by the launcher
@@ -468,11 +626,24 @@ def main(argv: list[str] | None = None) -> None:
                             cfg.get("predictor_options"))
     from torch.distributed import TCPStore
 
-    store = TCPStore(cfg.get("host", "127.0.0.1"), 0, cfg["world_size"], is_master=True, wait_for_workers=False,
-                     multi_tenant=False)
+    listen = _listening_socket(cfg.get("host", "127.0.0.1"))  # torch's own binds every interface
+    store = TCPStore(cfg.get("host", "127.0.0.1"), listen.getsockname()[1], cfg["world_size"], is_master=True,
+                     wait_for_workers=False, multi_tenant=False, master_listen_fd=listen.fileno())
     print(json.dumps({"address": list(coord.address), "store_port": store.port, "notes": notes}), flush=True)
     coord.serve()
     del store
+
+
+def _listening_socket(host: str):
+    """A TCP socket listening on ``host`` only, for the TCPStore."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, 0))
+    sock.listen(4096)
+    return sock
 
 
 if __name__ == "__main__":

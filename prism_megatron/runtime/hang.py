@@ -1,30 +1,46 @@
-"""The hang report: who waits on what, and who never came — printed and written when no rank can move."""
+"""The hang and stall reports: who waits on what, who keeps them waiting and what it is doing, and who never
+came — printed and written when no rank can move, or when the others have waited on one for the hang timeout."""
 
 from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 
 from prism_megatron.runtime.governor import MemoryGovernor
 from prism_megatron.runtime.groups import GroupTable
 from prism_megatron.runtime.ranks import RankState, RankStatus
+from prism_megatron.runtime.reaper import process_state
+
+#: Seconds to wait before reporting a hang whose ops wait on a rank that has exited: it cannot come back,
+#: so the job need not wait the whole hang timeout (the grace lets messages already sent arrive).
+EXITED_GRACE = 1.0
 
 
 class HangDetector:
     """No rank can make progress: every live rank is blocked in communication (or granted a slot but
-    waiting for device memory that no blocked rank can free) and no message came for ``timeout`` s."""
+    waiting for device memory that no blocked rank can free) and no message came for ``timeout`` s
+    (``EXITED_GRACE`` when they wait on a rank that exited). Or a stall: some ranks wait on others that
+    hold them up — computing in a slot, stopped, or outside the runtime — with no message for ``timeout`` s."""
 
     def __init__(self, timeout: float) -> None:
         self.timeout = timeout
         self.last_progress = time.perf_counter()
+        self._reported = False
 
     def progress(self) -> None:
         """A message came in."""
         self.last_progress = time.perf_counter()
 
-    def stalled(self, ranks: dict[int, RankState], world_size: int, awaiting_room: bool) -> float | None:
+    def reported(self) -> None:
+        """The job is ending with a report: look no further."""
+        self._reported = True
+
+    def stalled(self, ranks: dict[int, RankState], world_size: int, awaiting_room: bool,
+                waits_on_exited: Callable[[], bool] = lambda: False) -> float | None:
         """Seconds for which no rank could move, once that is a hang; None otherwise."""
-        if time.perf_counter() - self.last_progress < self.timeout:
+        quiet = time.perf_counter() - self.last_progress
+        if self._reported or quiet < min(self.timeout, EXITED_GRACE):
             return None  # a message came in recently: no need to look at every rank (this runs every loop turn)
         live = [r for r in ranks.values() if r.state != RankStatus.DONE]
         if len(ranks) < world_size:
@@ -33,7 +49,71 @@ class HangDetector:
         if not live or (any(r.state != RankStatus.BLOCKED for r in live) and not stuck_on_memory):
             return None
         stalled = time.perf_counter() - max(self.last_progress, max(r.blocked_since for r in live))
-        return stalled if stalled >= self.timeout else None
+        if stalled >= self.timeout:
+            return stalled
+        return stalled if stalled >= EXITED_GRACE and waits_on_exited() else None
+
+    def holdouts(self, ranks: dict[int, RankState], world_size: int) -> list[int] | None:
+        """The ranks that have kept every other live rank waiting for ``timeout`` s without a message: they
+        compute in a slot, are stopped, run outside the runtime or never connected. None when there is no
+        such stall (a sleeping rank, RankClient.idle, will move again)."""
+        if self._reported or time.perf_counter() - self.last_progress < self.timeout:
+            return None
+        live = [r for r in ranks.values() if r.state != RankStatus.DONE]
+        if not any(r.state == RankStatus.BLOCKED for r in live) or any(r.state == RankStatus.IDLE for r in live):
+            return None
+        held = [r.rank for r in live if r.state in (RankStatus.RUNNING, RankStatus.STARTING)]
+        never = [r for r in range(world_size) if r not in ranks] if len(ranks) < world_size else []
+        return sorted(held + never) or None
+
+
+def waits_on_exited(ranks: dict[int, RankState], groups: GroupTable) -> bool:
+    """Whether an incomplete op waits on a rank that has exited (it can never complete)."""
+    def exited(r: int) -> bool:
+        return r in ranks and ranks[r].state == RankStatus.DONE
+
+    for g in groups:
+        for slot in g.pending.values():
+            if any(m is None and exited(g.ranks[i]) for i, m in enumerate(slot)):
+                return True
+        for key, q in list(g.p2p.sends.items()) + list(g.p2p.recvs.items()):
+            for m in q:
+                if exited(g.ranks[key[1]] if m.kind == "send" else g.ranks[key[0]]):
+                    return True
+    return False
+
+
+def _doing(rs: RankState | None, now: float) -> str:
+    """What a rank that keeps the others waiting is doing."""
+    if rs is None:
+        return "never connected to the runtime (its program has not called init_process_group)"
+    state = process_state(rs.pid) if rs.pid else None
+    if state in ("T", "t"):
+        return f"stopped (process {rs.pid} is in state T: SIGSTOP, or a debugger); SIGCONT resumes it"
+    if state in ("Z", "X", None) and rs.pid:
+        return f"gone (process {rs.pid} ended without telling the runtime)"
+    if rs.state == RankStatus.RUNNING and state in ("S", "D", "I"):
+        return (f"outside the runtime: it has held a compute slot for {now - rs.grant_t:.1f} s but waits on "
+                f"something else (process {rs.pid} in state {state}: a sleep, I/O, a lock, another process)")
+    if rs.state == RankStatus.RUNNING:
+        return (f"computing: it has held a compute slot for {now - rs.grant_t:.1f} s without calling into the "
+                f"runtime (process {rs.pid}, state {state})")
+    return (f"outside the runtime: connected but has not asked for a compute slot (process {rs.pid}, state {state})")
+
+
+def format_stall_report(ranks: dict[int, RankState], groups: GroupTable, governor: MemoryGovernor,
+                        holdouts: list[int], timeout: float, now: float) -> str:
+    """Text report of a stall: the ranks that keep the others waiting, what each is doing, what the others
+    wait on. ``now``: the recorder's clock (that of ``RankState.grant_t``)."""
+    lines = [f"prism: stall: rank(s) {_fmt_ranks(holdouts)} kept the other ranks waiting for over {timeout:g} s "
+             "(--hang-timeout) without a message to the runtime", ""]
+    for r in holdouts:
+        lines.append(f"  rank {r}: {_doing(ranks.get(r), now)}")
+    own = tuple(f"  rank {r}:" for r in holdouts)
+    rest = format_hang_report(ranks, groups, governor, timeout).split("\n")[2:]
+    lines += ["", *(line for line in rest if not line.startswith(own))]
+    lines.append("If a rank is busy on purpose (a long checkpoint save, a slow first step), raise --hang-timeout.")
+    return "\n".join(lines)
 
 
 def _fmt_ranks(ranks: list[int]) -> str:

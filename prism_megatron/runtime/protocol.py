@@ -20,7 +20,8 @@ import torch
 
 # rank -> coordinator
 HELLO = "hello"  # {rank, pid, world_size}
-GROUP = "group"  # {h, name, ranks, backend, world}: the rank made a group it calls h (runtime.groups)
+GROUP = "group"  # {h, name, ranks, backend, world, timeout}: the rank made a group it calls h (runtime.groups);
+#   timeout in seconds (the group's own), or None
 OP = "op"  # an operation, see RankClient.submit
 BLOCK = "block"  # {ids, mem, peak}: the rank waits for these ops; release its slot until they complete
 ACQUIRE = "acquire"  # the rank wants a slot (start of the program)
@@ -34,7 +35,7 @@ DEVICE_OOM = "device_oom"  # {held, requested, free}: the physical device was fu
 
 # coordinator -> rank
 DONE = "done"  # {id, out: [bytes|None], src}
-ERROR = "error"  # {id, message}
+ERROR = "error"  # {id, message, timed_out}: the op failed (timed_out: its process group's timeout)
 GRANT = "grant"  # the rank holds a slot again
 PREDICTED = "predicted"  # {iteration, seconds | None, note}: answer to PREDICT (a GRANT follows)
 ABORT = "abort"  # {message}: the job is ending; every pending op fails
@@ -42,10 +43,11 @@ TIMING = "timing"  # {on, why}: whether the rank's GPU timer may start (--swap a
 VERDICT = "verdict"  # {report}: answer to DEVICE_OOM, once the launcher has the report
 
 # launcher <-> coordinator
-CONTROL = "control"  # hello of the launcher's control connection
-FINISH = "finish"  # {status, exit_codes, ranks}: write the trace (if status == "ok") and stop
-FATAL = "fatal"  # {kind, report}: coordinator found a hang or a mismatch
-WRITTEN = "written"  # {path}: trace written (or None)
+CONTROL = "control"  # {trace_dir, job}: hello of the launcher's control connection
+EXITED = "exited"  # {rank, code}: the launcher saw a rank's process end
+FINISH = "finish"  # {status, exit_codes, job, trace_dir, incomplete}: write the trace (incomplete: why) and stop
+FATAL = "fatal"  # {kind, report}: coordinator found a hang, a stall or a mismatch
+WRITTEN = "written"  # {path, error}: trace written (path), or why not (error)
 PROGRESS = "progress"  # {connected, finished}
 
 INLINE_LIMIT = 64 * 1024  # payloads up to this size travel inside the control message

@@ -38,3 +38,4 @@ class RankState:
     exit_code: int | None = None
     runtime_s: dict | None = None  # the rank's runtime work in its slot turns (RankClient.runtime_s), at exit
     pid: int = 0
+    timeouts: dict[int, float] = field(default_factory=dict)  # group id -> the group's own timeout (s)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import re
 import tempfile
 import threading
 from collections.abc import Callable
@@ -171,6 +172,42 @@ class SegmentMap:
         for seg in self._segs.values():
             seg.close()
         self._segs.clear()
+
+
+def job_prefix(launcher_pid: int, job_id: str) -> str:
+    """Segment names of a job start with this: the launcher's pid lets a later job tell a dead job's
+    segments (swept) from a live one's (``sweep_stale_segments``)."""
+    return f"prism-{launcher_pid}-{job_id}"
+
+
+_JOB_SEGMENT = re.compile(r"prism-(\d+)-[0-9a-f]+-")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's live process
+    return True
+
+
+def sweep_stale_segments() -> tuple[int, int]:
+    """Remove the segments of jobs whose launcher is gone (killed before it could clean up, e.g. by the
+    kernel's OOM killer); returns (segments, bytes) removed. Segments of live jobs are kept."""
+    n = size = 0
+    for p in shm_dir().glob("prism-*"):
+        m = _JOB_SEGMENT.match(p.name)
+        if m is None or _alive(int(m.group(1))):
+            continue
+        try:
+            nbytes = p.stat().st_size
+            p.unlink()
+        except OSError:  # another user's, or gone meanwhile
+            continue
+        n, size = n + 1, size + nbytes
+    return n, size
 
 
 def remove_job_segments(prefix: str) -> int:

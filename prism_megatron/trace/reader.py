@@ -27,6 +27,7 @@ from .schema import (
     check_manifest,
     check_references,
     check_table,
+    incomplete_reason,
     tables_of,
 )
 
@@ -53,6 +54,11 @@ class PrismTrace:
     @property
     def world_size(self) -> int:
         return int(self.manifest["world_size"])
+
+    @property
+    def incomplete(self) -> str | None:
+        """Why the run this trace records did not end normally (a partial record), or None."""
+        return incomplete_reason(self.manifest)
 
     @property
     def real_ranks(self) -> list[int]:

@@ -1,4 +1,4 @@
-"""PrismTrace (version 3): the one place that says what a trace directory contains.
+"""PrismTrace (version 4): the one place that says what a trace directory contains.
 
 Writer, reader and exporters all validate against the definitions here, so a file the writer
 accepts is exactly a file the reader accepts. Every error names the file and the field, because a
@@ -25,11 +25,12 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 FORMAT = "prismtrace"
-VERSION = 3
+VERSION = 4
 #: Versions this code can read; a reader rejects anything else rather than guessing. Version 1 lacks
 #: slots.compute_clock; reading it fills the column from slot-holding time (what v1 recorded as compute).
-#: Versions 1 and 2 lack the gpu table; reading them gives an empty one.
-SUPPORTED_VERSIONS: tuple[int, ...] = (1, 2, 3)
+#: Versions 1 and 2 lack the gpu table; reading them gives an empty one. Versions 1 to 3 have no
+#: 'incomplete' field: every trace they could write recorded a run that ended normally.
+SUPPORTED_VERSIONS: tuple[int, ...] = (1, 2, 3, 4)
 
 MANIFEST_FILE = "manifest.json"
 TABLE_NAMES: tuple[str, ...] = ("ops", "marks", "slots", "gpu")
@@ -222,8 +223,11 @@ RANK_FIELDS: dict[str, tuple[type, ...]] = {"rank": (int,), "exit_code": (int, _
 
 MANIFEST_DOCS: dict[str, str] = {
     "format": f"always '{FORMAT}'",
-    "version": "format version; this code writes 3 and reads 1, 2 and 3",
-    "complete": "true once every file was written; a reader rejects anything else",
+    "version": "format version; this code writes 4 and reads 1 to 4",
+    "complete": "true when the trace records a run that ended normally; from v4 false for a partial record "
+                "(a failed, interrupted or still running job; 'incomplete' says why); up to v3 always true",
+    "incomplete": "(v4) null, or why the record is partial: 'rank 2 exited with code 1', 'interrupted by "
+                  "SIGTERM', 'live snapshot of a running job'...; its files are whole either way",
     "created": "ISO-8601 time the trace was written",
     "world_size": "number of logical ranks of the target job",
     "job": "free-form job description: argv, script, devices, slots_per_device...",
@@ -286,13 +290,7 @@ def check_manifest(manifest: Any, path: str | Path) -> None:
             "manifest field 'version'",
             f"is {version}; this reader supports PrismTrace version(s) {supported}",
         )
-    if manifest.get("complete") is not True:
-        state = "is missing" if "complete" not in manifest else f"is {manifest['complete']!r}"
-        raise TraceFormatError(
-            path,
-            "manifest field 'complete'",
-            f"{state}: the trace was not finished (its writer failed or is still running)",
-        )
+    _check_completeness(manifest, version, path)
     _check_fields(manifest, MANIFEST_FIELDS, path, "")
 
     world_size = manifest["world_size"]
@@ -344,6 +342,34 @@ def check_manifest(manifest: Any, path: str | Path) -> None:
         # Tables live inside the trace directory; refuse names that would escape it.
         if not fname or fname != Path(fname).name or fname in (".", ".."):
             raise TraceFormatError(path, field, f"is {fname!r}, expected a plain file name inside the trace")
+
+
+def incomplete_reason(manifest: dict) -> str | None:
+    """Why the trace's record of its run is partial (v4 'incomplete'), or None for a run that ended normally."""
+    return manifest.get("incomplete") if manifest.get("complete") is False else None
+
+
+def _check_completeness(manifest: dict, version: int, path: str | Path) -> None:
+    """Up to v3 a trace is always complete; from v4 a partial record says why ('incomplete')."""
+    complete = manifest.get("complete")
+    if version >= 4 and "incomplete" not in manifest:
+        raise TraceFormatError(path, "manifest field 'incomplete'", "is missing (a v4 trace has it: null or why)")
+    reason = manifest.get("incomplete")
+    if version >= 4 and complete is False:
+        if not isinstance(reason, str) or not reason:
+            raise TraceFormatError(path, "manifest field 'incomplete'",
+                                   f"is {reason!r}: a partial trace (complete false) must say why")
+        return
+    if complete is not True:
+        state = "is missing" if "complete" not in manifest else f"is {complete!r}"
+        raise TraceFormatError(
+            path,
+            "manifest field 'complete'",
+            f"{state}: the trace was not finished (its writer failed or is still running)",
+        )
+    if version >= 4 and reason is not None:
+        raise TraceFormatError(path, "manifest field 'incomplete'",
+                               f"is {reason!r} but 'complete' is true: a complete trace has null here")
 
 
 def check_table(table: pa.Table, name: str, path: str | Path) -> pa.Table:

@@ -139,7 +139,7 @@ def summarize(path: str | Path) -> str:
              f"  world size {t.world_size}; devices {job.get('devices', '?')} x {job.get('slots_per_device', '?')} "
              f"slot(s); script {job.get('script', '?')}; wall {job.get('wall_time_s', float('nan')):.1f} s",
              f"  {len(m['groups'])} process groups; {len(ops['kind'])} ops; {t.marks.num_rows} markers",
-             *_fold_lines(t), "",
+             *_fold_lines(t), *([f"  incomplete: {t.incomplete}"] if t.incomplete else []), "",
              f"  {'op':<22}{'count':>8}{'bytes':>14}"]
     for k, n in kinds.most_common():
         lines.append(f"  {k:<22}{n:>8}{_fmt_bytes(by_kind_bytes[k]):>14}")

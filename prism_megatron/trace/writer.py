@@ -232,6 +232,7 @@ def write_trace(
     marks: TableData = None,
     slots: TableData = None,
     gpu: TableData = None,
+    incomplete: str | None = None,
 ) -> Path:
     """Validate and atomically write a PrismTrace directory at ``path``; return ``path``.
 
@@ -240,7 +241,8 @@ def write_trace(
     may be columns (dict of lists), rows (list of dicts) or Arrow tables; ``shapes``, ``attrs`` and
     ``syncs`` may be Python objects, stored as JSON. Raises TraceFormatError (naming file and field) before
     touching the disk if anything does not match the schema, and FileExistsError if ``path``
-    exists but is not a trace.
+    exists but is not a trace. ``incomplete``: why the run this trace records did not end normally
+    (the trace is then marked partial: ``complete`` false); None for a run that ended normally.
     """
     path = Path(path)
     if not path.name:
@@ -251,7 +253,10 @@ def write_trace(
             manifest_path, "top level", f"is {type(manifest).__name__}, expected a mapping"
         )
     full = dict(manifest)
-    full.update(format=FORMAT, version=VERSION, complete=True, files=dict(DEFAULT_FILES))
+    if incomplete is not None and not (isinstance(incomplete, str) and incomplete):
+        raise TraceFormatError(manifest_path, "manifest field 'incomplete'", f"is {incomplete!r}, expected a reason")
+    full.update(format=FORMAT, version=VERSION, complete=incomplete is None, incomplete=incomplete,
+                files=dict(DEFAULT_FILES))
     full.setdefault("created", datetime.now(timezone.utc).isoformat())
     full.setdefault("job", {})
     try:
