@@ -11,52 +11,20 @@ from collections.abc import Sequence
 
 import torch
 
-REDUCE_OPS = ("sum", "avg", "min", "max", "product", "premul_sum", "band", "bor", "bxor")
+from nccl_prune.reduction import REDUCE_OPS, reduce_terms, term
+
+__all__ = ["REDUCE_OPS", "reduce", "reduce_scatter", "reduce_scatter_lists"]
 
 
 def reduce(tensors: Sequence[torch.Tensor], op: str, factor: float | None = None,
            out: torch.Tensor | None = None) -> torch.Tensor:
     """Reduce equally sized tensors in member order; returns a new tensor, or ``out`` written with the
-    result (it may be the first input's memory, never another's: saves an allocation and a copy)."""
+    result (it may be the first input's memory, never another's: saves an allocation and a copy).
+
+    One definition with a folded group's reduction (``nccl_prune.reduction``): every member counts once."""
     if op not in REDUCE_OPS:
         raise ValueError(f"unsupported reduce op {op!r}")
-    first = tensors[0]
-    if op == "premul_sum":
-        acc = first * factor if out is None else torch.mul(first, factor, out=out)
-        for t in tensors[1:]:
-            acc.add_(t * factor)
-        return acc
-    if out is None:
-        acc = first.clone()
-    else:
-        acc = out if out.data_ptr() == first.data_ptr() else out.copy_(first)
-    if first.dtype == torch.bool and op in ("sum", "max"):
-        op = "bor"
-    elif first.dtype == torch.bool and op in ("min", "product"):
-        op = "band"
-    for t in tensors[1:]:
-        if op in ("sum", "avg"):
-            acc.add_(t)
-        elif op == "min":
-            torch.minimum(acc, t, out=acc)
-        elif op == "max":
-            torch.maximum(acc, t, out=acc)
-        elif op == "product":
-            acc.mul_(t)
-        elif op == "band":
-            acc.bitwise_and_(t)
-        elif op == "bor":
-            acc.bitwise_or_(t)
-        elif op == "bxor":
-            acc.bitwise_xor_(t)
-    if op == "avg":
-        if acc.is_floating_point() or acc.is_complex():
-            acc.div_(len(tensors))
-        else:
-            acc = torch.div(acc, len(tensors), rounding_mode="trunc").to(first.dtype)
-            if out is not None:
-                acc = out.copy_(acc)
-    return acc
+    return reduce_terms([term(t, 1, op, factor) for t in tensors], op, len(tensors), out)
 
 
 def reduce_scatter(ins: Sequence[torch.Tensor], op: str, factor: float | None) -> list[torch.Tensor]:
