@@ -296,7 +296,7 @@ def case_launcher_dies_starting(run: Run) -> Result:
     p = run.launch("blocks.py", "--slots-per-device", "4")
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and not any(  # the coordinator is starting: kill the launcher then
-            b"runtime.coordinator" in Path(f"/proc/{pid}/cmdline").read_bytes() for pid in run.procs()):
+            b"runtime.sidecar" in Path(f"/proc/{pid}/cmdline").read_bytes() for pid in run.procs()):
         time.sleep(0.02)
     t0 = time.monotonic()
     p.kill()
@@ -311,7 +311,7 @@ def case_coordinator_killed(run: Run) -> Result:
     p = run.launch("blocks.py", "--slots-per-device", "4")
     if not run.wait_up(4):
         return run.finish(p, time.monotonic(), Result(notes=["never started"]))
-    coord = [pid for pid in run.procs() if b"runtime.coordinator" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    coord = [pid for pid in run.procs() if b"runtime.sidecar" in Path(f"/proc/{pid}/cmdline").read_bytes()]
     t0 = time.monotonic()
     for pid in coord:
         os.kill(pid, signal.SIGKILL)

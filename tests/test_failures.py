@@ -27,7 +27,7 @@ def _nothing_left(tmp: Path, program: str, why: str | None = None) -> None:
     time.sleep(0.3)
     ps = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
     assert str(PROGRAMS / program) not in ps, ps
-    assert "prism_megatron.runtime.coordinator" not in ps or str(tmp) not in ps
+    assert "prism_megatron.runtime.sidecar" not in ps or str(tmp) not in ps
     if (tmp / "trace" / "manifest.json").exists():  # never a trace that looks complete
         trace = read_trace(tmp / "trace")
         assert trace.incomplete and (why is None or why in trace.incomplete), trace.incomplete

@@ -118,7 +118,7 @@ class _Job:
         log = open(cfg.log_dir / "coordinator.log", "wb")  # noqa: SIM115 - kept by the child
         try:  # the config on stdin: a large job's (a rank map) exceeds what one argument may hold
             self.coord = subprocess.Popen(
-                [sys.executable, "-m", "prism_megatron.runtime.coordinator", "-"],
+                [sys.executable, "-m", "prism_megatron.runtime.sidecar", "-"],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env, text=True,
                 pass_fds=() if self.lock_fd is None else (self.lock_fd,),  # it may write the trace after us
             )
@@ -224,10 +224,15 @@ class _Job:
             pass  # the coordinator is gone: the loop says so
 
     def _rank_failed(self, rank: int, code: int) -> int:
-        if code == EXIT_DEVICE_OOM and self.control.poll(10):  # the coordinator's report came before the exit
-            msg = self.control.recv()
-            if msg["t"] == P.FATAL:
-                return self._fatal(msg)
+        # a rank the coordinator failed (a mismatch, a fold that cannot answer, a device OOM) exits after
+        # the coordinator sent its report: that report, not the exit, says what ended the job
+        try:
+            while self.control.poll(10 if code == EXIT_DEVICE_OOM else 1):
+                msg = self.control.recv()
+                if msg["t"] == P.FATAL:
+                    return self._fatal(msg)
+        except (EOFError, OSError):
+            pass
         self.why = f"rank {rank} {_how(code)}"
         if code == EXIT_OOM:
             self.why = f"rank {rank} ran out of memory under the target's cap (predicted OOM)"

@@ -1,26 +1,17 @@
-"""The coordinator: one sidecar process per job that every logical rank talks to.
-
-It matches ops by (group, sequence number), checks that members agree, performs the op on host
-memory in a fixed order, and returns results; it owns the slot scheduler, notices when no rank can
-make progress (hang report), hosts the job's TCPStore (as torchrun's agent does, so ranks
-rendezvous whatever order they start in), and writes the PrismTrace when the launcher says the
-job ended. Single-threaded: every decision happens in one loop, in arrival order.
-
-This class routes events between its parts, each with one job: the group table and sequencing
-(runtime.groups), the data plane (runtime.dataplane), slot grants (runtime.grants), the memory
-governor (runtime.governor), the recorder (runtime.recorder), the live predictor
-(runtime.predictor) and the hang detector (runtime.hang).
+"""The coordinator: one sidecar process per job (started by runtime.sidecar) that every logical rank
+talks to. It matches ops by (group, sequence number), checks that members agree, performs the op on
+host memory in a fixed order and returns results, and writes the PrismTrace when the job ends.
+Single-threaded: every decision happens in one loop, in arrival order. This class routes events
+between its parts, each with one job: groups and sequencing (runtime.groups), a folded job's virtual
+members (runtime.folding), the data plane (runtime.dataplane), slot grants (runtime.grants), the
+memory governor (runtime.governor), the recorder (runtime.recorder), the live predictor
+(runtime.predictor), the hang detector (runtime.hang) and the launcher watch (runtime.watch).
 """
 
 from __future__ import annotations
 
-import argparse
 import heapq
-import importlib
-import json
-import os
 import selectors
-import signal
 import sys
 import time
 from multiprocessing.connection import Connection, Listener
@@ -32,27 +23,19 @@ from nccl_prune import PruneError
 from prism_megatron.ops import OPS, CollectiveCall
 from prism_megatron.runtime import protocol as P
 from prism_megatron.runtime.dataplane import DataPlane
-from prism_megatron.runtime.fake_device import FakeDevice
 from prism_megatron.runtime.folding import Folding
-from prism_megatron.runtime.governor import ADMISSION_MARGIN, MemoryGovernor, SwapMode, SwapPolicy
+from prism_megatron.runtime.governor import MemoryGovernor
 from prism_megatron.runtime.grants import SlotGrants
-from prism_megatron.runtime.groups import Group, GroupMismatch, GroupTable
+from prism_megatron.runtime.groups import Group, GroupMismatch, GroupTable, fmt_ranks
 from prism_megatron.runtime.hang import HangDetector, format_hang_report, format_stall_report, waits_on_exited
 from prism_megatron.runtime.matching import Member, check_collective, check_p2p
-from prism_megatron.runtime.nvml import FootprintCheck, NvmlUnavailable, nvml_process_memory
 from prism_megatron.runtime.predictor import LivePredictor
 from prism_megatron.runtime.ranks import RankState, RankStatus
 from prism_megatron.runtime.reaper import kill_rank
 from prism_megatron.runtime.recorder import Recorder
 from prism_megatron.runtime.shm import remove_job_segments
 from prism_megatron.runtime.slots import SlotScheduler
-from prism_megatron.runtime.swap import BudgetSwapper, CudaCheckpointSwapper, SwapUnavailable
-
-#: Seconds the coordinator waits for its launcher's control connection before it gives up and exits
-#: (a launcher that died during start-up must not leave it running).
-CONNECT_TIMEOUT = 60.0
-#: Seconds a signalled coordinator leaves a live launcher to end the job (a job stop signals every process).
-ENDING_GRACE = 30.0
+from prism_megatron.runtime.watch import LauncherWatch
 
 
 class Coordinator:
@@ -89,11 +72,8 @@ class Coordinator:
         self.job: dict = {}
         self.trace_dir: str | None = None
         self.segment_prefix = ""  # the job's shared-memory segments, removed if the launcher dies
-        self.launcher_pid = 0
-        self.ending: str | None = None  # set by a signal: why the job must end (handled in the loop)
-        self.ending_since = 0.0
+        self.watch = LauncherWatch()
         self._finish_received = False
-        self._t_start = time.monotonic()
         self._deadlines: list[tuple[float, int, int]] = []  # (time, rank, op id): process-group timeouts
 
     def write_trace(self, path: Path, job: dict, exit_codes: dict, incomplete: str | None = None) -> Path:
@@ -129,24 +109,9 @@ class Coordinator:
 
     def _check_launcher(self) -> None:
         """The launcher died (parent-death signal, or a new parent) or never connected: end the job here."""
-        if self.finished:
-            return
-        if self.ending is not None and (self.control is None or os.getppid() != self.launcher_pid
-                                        or time.monotonic() - self.ending_since > ENDING_GRACE):
-            self._abandon(self.ending)  # else the launcher, signalled too, ends the job itself first
-        elif self.launcher_pid and os.getppid() != self.launcher_pid:
-            self._abandon(f"the launcher (pid {self.launcher_pid}) died")
-        elif self.control is None and time.monotonic() - self._t_start > CONNECT_TIMEOUT:
-            self._abandon(f"no launcher connected within {CONNECT_TIMEOUT:.0f} s")
-
-    def _launcher_gone(self) -> str:
-        """Why the launcher's connection closed: it died (it is reparented away soon after its sockets
-        close), or it closed it."""
-        for _ in range(20):
-            if self.launcher_pid and os.getppid() != self.launcher_pid:
-                return f"the launcher (pid {self.launcher_pid}) died"
-            time.sleep(0.05)
-        return "lost the launcher's connection"
+        why = None if self.finished else self.watch.reason_to_end(self.control is not None)
+        if why is not None:
+            self._abandon(why)
 
     def _abandon(self, reason: str) -> None:
         """End the job without its launcher: its ranks and their children (process groups), its shared
@@ -214,7 +179,7 @@ class Coordinator:
             # died without saying goodbye: the launcher reports the crash; stop scheduling it
             self._finish_rank(rs, None)
         if conn is self.control and not self._finish_received:
-            self._abandon(self._launcher_gone())
+            self._abandon(self.watch.why_gone())
 
     def _dispatch(self, conn: Connection, msg: dict) -> None:
         t = msg["t"]
@@ -331,7 +296,7 @@ class Coordinator:
             what = f"{rec.kind} #{rec.seq}" if rec.seq >= 0 else rec.kind
             self._send(rs, {"t": P.ERROR, "id": op_id, "timed_out": True, "message": (
                 f"[prism: gloo transport] Timed out waiting {ms}ms for {rec.kind} operation to complete (rank "
-                f"{rank}: {what} on group {g.name!r}, ranks {_ranks(g.ranks)}{_missing(g, rec)})")})
+                f"{rank}: {what} on group {g.name!r}, ranks {fmt_ranks(g.ranks)}{g.missing_note(rec)})")})
             rs.blocked_on.discard(op_id)
             if not rs.blocked_on:
                 self.grants.request(rs)
@@ -402,7 +367,7 @@ class Coordinator:
             v = msg.get(key)
             if v is not None and not 0 <= v < len(g.ranks):
                 return self._fatal("mismatch", f"rank {rs.rank}: {msg['kind']} on group {g.name!r} (ranks "
-                                   f"{_ranks(g.ranks)}) names {key} {v}, outside the group's {len(g.ranks)} ranks")
+                                   f"{fmt_ranks(g.ranks)}) names {key} {v}, outside the group's {len(g.ranks)} ranks")
         kind, peer = msg["kind"], msg.get("peer")
         rec = self.recorder.op(rs, g, msg)
         m = Member(rs.rank, grank, msg, rec)
@@ -439,7 +404,7 @@ class Coordinator:
     def _run_collective(self, g: Group, seq: int, ms: list[Member]) -> None:
         problem = check_collective(ms, None if g.fold is None else len(g.ranks))
         if problem is not None:
-            return self._fatal("mismatch", f"collective #{seq} on group {g.name!r} (ranks {_ranks(g.ranks)}): "
+            return self._fatal("mismatch", f"collective #{seq} on group {g.name!r} (ranks {fmt_ranks(g.ranks)}): "
                                f"{problem}")
         op = OPS.get(ms[0].kind)
         if op is None or op.p2p:
@@ -461,14 +426,14 @@ class Coordinator:
             outs = op.run(call)
         except PruneError as e:
             return self._fatal("fold", f"collective #{seq} {ms[0].kind} on group {g.name!r} "
-                               f"(ranks {_ranks(g.ranks)}): {e}")
+                               f"(ranks {fmt_ranks(g.ranks)}): {e}")
         for m, o in zip(ms, outs, strict=True):
             self._deliver(m, [t.reshape(-1) if t is not None else None for t in o])
 
     def _run_p2p(self, g: Group, send: Member, recv: Member) -> None:
         problem = check_p2p(send, recv)
         if problem is not None:
-            return self._fatal("mismatch", f"group {g.name!r} (ranks {_ranks(g.ranks)}): {problem}")
+            return self._fatal("mismatch", f"group {g.name!r} (ranks {fmt_ranks(g.ranks)}): {problem}")
         if recv.record.seq < 0:  # a receive from any source learns its peer now
             recv.record.peer = send.rank
             self.groups.p2p_seq(g, recv.record, send.grank, recv.grank)
@@ -533,118 +498,3 @@ class Coordinator:
 
 #: Ends of a job in the memory paths that still write the trace so far (kinds of their FATAL reports).
 MEMORY_FAILURES = ("device-oom", "swap")
-
-
-def _ranks(ranks: list[int]) -> str:
-    if len(ranks) > 8:
-        return f"{ranks[:4]}...{ranks[-2:]} ({len(ranks)} ranks)".replace("]...[", ", ..., ")
-    return str(ranks)
-
-
-
-
-def _missing(g: Group, rec) -> str:
-    slot = g.pending.get(rec.seq) if rec.seq >= 0 and rec.peer < 0 else None
-    if not slot:
-        return f"; peer {rec.peer} did not post its part" if rec.peer >= 0 else ""
-    return f"; missing ranks {_ranks([g.ranks[i] for i, m in enumerate(slot) if m is None])}"
-
-
-def _die_with_launcher(launcher_pid: int) -> None:
-    """Get SIGTERM when the launcher dies (Linux parent-death signal); the loop then ends the job."""
-    import ctypes
-
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass  # not Linux: the loop notices a new parent instead
-
-
-def main(argv: list[str] | None = None) -> None:
-    """Entry of the sidecar process: `python -m prism_megatron.runtime.coordinator CONFIG_JSON` (``-``: read
-    it from stdin).
-
-    Prints one JSON line {"address": [host, port], "store_port": port} once it listens.
-    """
-    ap = argparse.ArgumentParser()
-    ap.add_argument("config")
-    text = ap.parse_args(argv).config
-    cfg = json.loads(sys.stdin.read() if text == "-" else text)
-    launcher_pid = int(cfg.get("launcher_pid") or 0)
-    if launcher_pid:
-        _die_with_launcher(launcher_pid)
-        if os.getppid() != launcher_pid:
-            print("prism coordinator: the launcher died before the coordinator started", file=sys.stderr)
-            return
-    authkey = bytes.fromhex(os.environ.pop("PRISM_AUTHKEY"))
-    torch.set_num_threads(max(1, int(cfg.get("threads", 1))))
-    coord = Coordinator(
-        world_size=cfg["world_size"], num_devices=len(cfg["devices"]), slots_per_device=cfg["slots_per_device"],
-        device_of={int(k): v for k, v in cfg["device_of"].items()}, device_names=cfg["devices"],
-        hang_timeout=cfg["hang_timeout"], authkey=authkey, host=cfg.get("host", "127.0.0.1"),
-        fold=cfg.get("fold"),
-    )
-    coord.launcher_pid, coord.segment_prefix = launcher_pid, cfg.get("segment_prefix", "")
-
-    def on_signal(signum: int, _frame) -> None:
-        coord.ending = f"ended by {signal.Signals(signum).name}" + (
-            " (the launcher died)" if launcher_pid and os.getppid() != launcher_pid else "")
-        coord.ending_since = time.monotonic()
-
-    signal.signal(signal.SIGTERM, on_signal)  # the parent-death signal, or a stop of every process of the job
-    for sig in (signal.SIGINT, signal.SIGHUP):  # a terminal's Ctrl-C or hangup: the launcher ends the job
-        signal.signal(sig, signal.SIG_IGN)
-    governor = coord.governor
-    governor.times_gpu = bool(cfg.get("gpu_timing"))
-    notes = []  # said by the launcher
-    swap = SwapMode(cfg.get("swap", SwapMode.NONE))
-    if swap != SwapMode.NONE:
-        caps = [int(c) for c in cfg["device_memory"]]
-        try:
-            swapper = (BudgetSwapper(caps[0], FakeDevice.from_env()) if cfg.get("swapper") == "budget"
-                       else CudaCheckpointSwapper())
-        except SwapUnavailable as e:
-            if swap != SwapMode.AUTO:
-                raise
-            swapper = None
-            notes.append(f"--swap auto: ranks share each GPU without swaps ({e})")
-        if swapper is not None and cfg.get("swapper") != "budget":
-            try:
-                governor.footprint_check = FootprintCheck(nvml_process_memory())
-            except NvmlUnavailable as e:
-                notes.append(f"ranks' GPU footprints are not cross-checked with NVML ({e}): swaps plan with "
-                             "allocator reserved + a context estimate")
-        if swapper is not None:
-            governor.enable_swap(swapper, caps, SwapPolicy(cfg.get("swap_policy", SwapPolicy.RESIDENT_FIRST)),
-                                 cfg.get("host_memory"), gate_timing=swap == SwapMode.AUTO and governor.times_gpu,
-                                 margin=0 if cfg.get("swapper") == "budget" else ADMISSION_MARGIN)
-    governor.configure_admission(cfg.get("memory_classes") or {}, cfg.get("rank_cap"))
-    notes += governor.say_host_need()
-    if cfg.get("predictor"):
-        module, _, func = cfg["predictor"].partition(":")
-        coord.predictor.set(getattr(importlib.import_module(module), func), Path(cfg["live_trace"]),
-                            cfg.get("predictor_options"))
-    from torch.distributed import TCPStore
-
-    listen = _listening_socket(cfg.get("host", "127.0.0.1"))  # torch's own binds every interface
-    store = TCPStore(cfg.get("host", "127.0.0.1"), listen.getsockname()[1], cfg["world_size"], is_master=True,
-                     wait_for_workers=False, multi_tenant=False, master_listen_fd=listen.fileno())
-    print(json.dumps({"address": list(coord.address), "store_port": store.port, "notes": notes}), flush=True)
-    coord.serve()
-    del store
-
-
-def _listening_socket(host: str):
-    """A TCP socket listening on ``host`` only, for the TCPStore."""
-    import socket
-
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, 0))
-    sock.listen(4096)
-    return sock
-
-
-if __name__ == "__main__":
-    main()

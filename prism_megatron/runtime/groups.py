@@ -43,6 +43,14 @@ class Group:
     grank: dict[int, int] = field(default_factory=dict)  # global rank -> group rank (no list search per op)
     fold: Any = None  # nccl_prune.GroupPlan when some members are virtual: collectives wait for live members only
 
+    def missing_note(self, rec: OpRecord) -> str:
+        """What op ``rec`` still waits for, for a message: the members that did not post it, or the peer."""
+        slot = self.pending.get(rec.seq) if rec.seq >= 0 and rec.peer < 0 else None
+        if not slot:
+            return f"; peer {rec.peer} did not post its part" if rec.peer >= 0 else ""
+        members = self.ranks if self.fold is None else [self.ranks[p] for p in self.fold.live_positions]
+        return f"; missing ranks {fmt_ranks([members[i] for i, m in enumerate(slot) if m is None])}"
+
     def missing(self, seq: int) -> int:
         """Members that have not posted collective ``seq`` (0 once it ran)."""
         slot = self.pending.get(seq)
@@ -151,3 +159,10 @@ class GroupTable:
         key = (src, dst, rec.kind)
         rec.seq = g.p2p_seq.get(key, 0)
         g.p2p_seq[key] = rec.seq + 1
+
+
+def fmt_ranks(ranks: list[int]) -> str:
+    """A group's ranks for a message: all of a small group, the ends of a large one."""
+    if len(ranks) > 8:
+        return f"{ranks[:4]}...{ranks[-2:]} ({len(ranks)} ranks)".replace("]...[", ", ..., ")
+    return str(ranks)
