@@ -1,4 +1,4 @@
-"""The coordinator's configuration: typed, and its one wire form (the JSON argument of its process)."""
+"""The coordinator's configuration: typed, and its one wire form (JSON on its process's stdin)."""
 
 from __future__ import annotations
 
@@ -39,9 +39,6 @@ class CoordinatorConfig:
     @classmethod
     def from_json(cls, text: str) -> CoordinatorConfig:
         """Parse :meth:`to_json`'s output (JSON makes the rank keys of ``device_of`` strings)."""
-        if text.startswith("@"):  # too long for one argument: in a file (launcher.launch)
-            with open(text[1:]) as f:
-                text = f.read()
         data = json.loads(text)
         unknown = set(data) - {f.name for f in dataclasses.fields(cls)}
         if unknown:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from prism_megatron.runtime.config import CoordinatorConfig
 from prism_megatron.runtime.coordinator import Coordinator
 from prism_megatron.runtime.fake_device import FakeDevice
 from prism_megatron.runtime.governor import ADMISSION_MARGIN, SwapMode, SwapPolicy
@@ -43,22 +44,22 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("config")
     text = ap.parse_args(argv).config
-    cfg = json.loads(sys.stdin.read() if text == "-" else text)
-    launcher_pid = int(cfg.get("launcher_pid") or 0)
+    cfg = CoordinatorConfig.from_json(sys.stdin.read() if text == "-" else text)
+    launcher_pid = cfg.launcher_pid
     if launcher_pid:
         _die_with_launcher(launcher_pid)
         if os.getppid() != launcher_pid:
             print("prism coordinator: the launcher died before the coordinator started", file=sys.stderr)
             return
     authkey = bytes.fromhex(os.environ.pop("PRISM_AUTHKEY"))
-    torch.set_num_threads(max(1, int(cfg.get("threads", 1))))
+    torch.set_num_threads(max(1, cfg.threads))
     coord = Coordinator(
-        world_size=cfg["world_size"], num_devices=len(cfg["devices"]), slots_per_device=cfg["slots_per_device"],
-        device_of={int(k): v for k, v in cfg["device_of"].items()}, device_names=cfg["devices"],
-        hang_timeout=cfg["hang_timeout"], authkey=authkey, host=cfg.get("host", "127.0.0.1"),
-        fold=cfg.get("fold"),
+        world_size=cfg.world_size, num_devices=len(cfg.devices), slots_per_device=cfg.slots_per_device,
+        device_of=cfg.device_of, device_names=cfg.devices,
+        hang_timeout=cfg.hang_timeout, authkey=authkey, host=cfg.host,
+        fold=cfg.fold,
     )
-    coord.watch.launcher_pid, coord.segment_prefix = launcher_pid, cfg.get("segment_prefix", "")
+    coord.watch.launcher_pid, coord.segment_prefix = launcher_pid, cfg.segment_prefix
 
     def on_signal(signum: int, _frame) -> None:
         coord.watch.signalled(f"ended by {signal.Signals(signum).name}" + (
@@ -68,39 +69,39 @@ def main(argv: list[str] | None = None) -> None:
     for sig in (signal.SIGINT, signal.SIGHUP):  # a terminal's Ctrl-C or hangup: the launcher ends the job
         signal.signal(sig, signal.SIG_IGN)
     governor = coord.governor
-    governor.times_gpu = bool(cfg.get("gpu_timing"))
+    governor.times_gpu = cfg.gpu_timing
     notes = []  # said by the launcher
-    swap = SwapMode(cfg.get("swap", SwapMode.NONE))
+    swap = SwapMode(cfg.swap)
     if swap != SwapMode.NONE:
-        caps = [int(c) for c in cfg["device_memory"]]
+        caps = list(cfg.device_memory)
         try:
-            swapper = (BudgetSwapper(caps[0], FakeDevice.from_env()) if cfg.get("swapper") == "budget"
+            swapper = (BudgetSwapper(caps[0], FakeDevice.from_env()) if cfg.swapper == "budget"
                        else CudaCheckpointSwapper())
         except SwapUnavailable as e:
             if swap != SwapMode.AUTO:
                 raise
             swapper = None
             notes.append(f"--swap auto: ranks share each GPU without swaps ({e})")
-        if swapper is not None and cfg.get("swapper") != "budget":
+        if swapper is not None and cfg.swapper != "budget":
             try:
                 governor.footprint_check = FootprintCheck(nvml_process_memory())
             except NvmlUnavailable as e:
                 notes.append(f"ranks' GPU footprints are not cross-checked with NVML ({e}): swaps plan with "
                              "allocator reserved + a context estimate")
         if swapper is not None:
-            governor.enable_swap(swapper, caps, SwapPolicy(cfg.get("swap_policy", SwapPolicy.RESIDENT_FIRST)),
-                                 cfg.get("host_memory"), gate_timing=swap == SwapMode.AUTO and governor.times_gpu,
-                                 margin=0 if cfg.get("swapper") == "budget" else ADMISSION_MARGIN)
-    governor.configure_admission(cfg.get("memory_classes") or {}, cfg.get("rank_cap"))
+            governor.enable_swap(swapper, caps, SwapPolicy(cfg.swap_policy),
+                                 cfg.host_memory, gate_timing=swap == SwapMode.AUTO and governor.times_gpu,
+                                 margin=0 if cfg.swapper == "budget" else ADMISSION_MARGIN)
+    governor.configure_admission(cfg.memory_classes, cfg.rank_cap)
     notes += governor.say_host_need()
-    if cfg.get("predictor"):
-        module, _, func = cfg["predictor"].partition(":")
-        coord.predictor.set(getattr(importlib.import_module(module), func), Path(cfg["live_trace"]),
-                            cfg.get("predictor_options"))
+    if cfg.predictor:
+        module, _, func = cfg.predictor.partition(":")
+        coord.predictor.set(getattr(importlib.import_module(module), func), Path(cfg.live_trace),
+                            cfg.predictor_options)
     from torch.distributed import TCPStore
 
-    listen = _listening_socket(cfg.get("host", "127.0.0.1"))  # torch's own binds every interface
-    store = TCPStore(cfg.get("host", "127.0.0.1"), listen.getsockname()[1], cfg["world_size"], is_master=True,
+    listen = _listening_socket(cfg.host)  # torch's own binds every interface
+    store = TCPStore(cfg.host, listen.getsockname()[1], cfg.world_size, is_master=True,
                      wait_for_workers=False, multi_tenant=False, master_listen_fd=listen.fileno())
     print(json.dumps({"address": list(coord.address), "store_port": store.port, "notes": notes}), flush=True)
     coord.serve()
