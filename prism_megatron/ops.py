@@ -1,5 +1,5 @@
 """Every op kind, defined once: what its members must agree on, its result, the result of a group of
-one, how the cost model costs it, and what a virtual member contributes.
+one, how the cost model costs it (what a virtual member contributes is nccl_prune.contributions's).
 
 In the spirit of PyTorch's multi-threaded process group: one object per kind, whose ``work`` takes
 the members' inputs in group-rank order and returns their outputs in that order. The tensor math is
@@ -15,12 +15,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
-
-#: What a virtual member (a rank with no process, Phase 2) contributes to an op of this kind:
-#: ``mirror``: the inputs of its class's sandbox member; ``recorded``: the values the trace recorded
-#: (small inputs a program branches on: object collectives' sizes and pickles); ``keep``: nothing
-#: (an op that moves no data). Executed by ``nccl_prune``.
-VIRTUAL_RULES = ("mirror", "recorded", "keep")
 
 
 def _math() -> Any:
@@ -57,14 +51,9 @@ class OpKind:
 
     name: str
     cost_family: str
-    virtual: str = "mirror"
     reducing: bool = False
     p2p: bool = False
     paired: bool = False
-
-    def __post_init__(self) -> None:
-        if self.virtual not in VIRTUAL_RULES:
-            raise ValueError(f"op kind {self.name}: virtual rule {self.virtual!r} is not one of {VIRTUAL_RULES}")
 
     def check(self, ms: list, n: int) -> list[str]:
         """Disagreements between the members' sizes (after kind, reduce op, root and dtypes agreed)."""
@@ -321,13 +310,13 @@ OPS: dict[str, OpKind] = {k.name: k for k in (
     _ReduceScatterList("reduce_scatter_list", "reduce_scatter", reducing=True),
     _AllGather("all_gather", "all_gather", paired=True),
     # object collectives gather pickles and their sizes: data a program branches on
-    _AllGatherList("all_gather_list", "all_gather", virtual="recorded"),
+    _AllGatherList("all_gather_list", "all_gather"),
     _Gather("gather", "all_gather"),
     _Scatter("scatter", "reduce_scatter"),
     _Broadcast("broadcast", "broadcast"),
     _AllToAll("all_to_all", "all_to_all", paired=True),
     _AllToAllList("all_to_all_list", "all_to_all"),
-    _Barrier("barrier", "all_reduce", virtual="keep"),
+    _Barrier("barrier", "all_reduce"),
     _Send("send", "p2p", p2p=True),
     _Recv("recv", "p2p", p2p=True),
 )}

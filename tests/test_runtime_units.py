@@ -247,13 +247,16 @@ def test_gpu_ranks_page_lock_staging_swaps_or_not_unless_staging_is_pageable(tmp
 
 def test_every_op_kind_is_costed_and_has_a_virtual_rule():
     """The op registry is the one list of kinds: the cost model costs each, Phase 2 knows what a
-    virtual member of each contributes, and the backend's, matching's and virtual ranks' lists follow it."""
+    virtual member of each contributes (nccl_prune's rules, for exactly these kinds), and the backend's,
+    matching's and virtual ranks' lists follow it."""
+    from nccl_prune import KINDS
     from prism_megatron.calibration.costmodel import BUS_FACTOR, KIND_FAMILY
-    from prism_megatron.ops import OPS, REDUCING_KINDS, VIRTUAL_RULES, op_kind
+    from prism_megatron.ops import OPS, REDUCING_KINDS, op_kind
 
     assert {"all_reduce", "reduce", "reduce_scatter", "reduce_scatter_list"} == REDUCING_KINDS
+    assert set(KINDS) == set(OPS)
     for name, op in OPS.items():
-        assert KIND_FAMILY[name] in BUS_FACTOR and op.virtual in VIRTUAL_RULES
+        assert KIND_FAMILY[name] in BUS_FACTOR and KINDS[name].reducing == op.reducing
     with pytest.raises(ValueError, match="'median_reduce' is not supported"):
         op_kind("median_reduce")
 
