@@ -10,6 +10,7 @@ within the spread of per-sample losses of a freshly initialised model (log(vocab
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -125,6 +126,8 @@ def test_a_tiny_gpt_at_scale_runs_folded_end_to_end(recipe, world, live, tmp_pat
     assert trace.fold.contribution_counts()["mirror"] > 0
     losses = _losses(run["metrics"])
     assert set(losses) == {1, 2} and all(math.isfinite(x) for x in losses.values())
+    # rank world-1 is virtual: the live rank that mirrors it prints Megatron's iteration line, predicted
+    assert re.search(r"iteration +2/ +2 \|.*elapsed time per iteration \(ms\): [0-9.]+ \(predicted", run["output"])
     report = build_report(run["trace"], cluster="h100-nvlink-ib400")
     t = report["prediction"]["iteration_time_s"]
     assert t is not None and t > 0

@@ -132,8 +132,8 @@ class LaunchConfig:
             ranks = parse_ranks(_J.log_ranks, max(self.world_size, 1))
         if self.fold is None:
             return ranks
-        live = set(self.fold["live"])  # a virtual rank has no output: its echo goes to the last live rank
-        return sorted({r if r in live else self.fold["live"][-1] for r in ranks})
+        rep = self.fold["rep"]  # a virtual rank has no output: the live rank it mirrors echoes for it
+        return sorted({rep[r] for r in ranks})
 
     @property
     def connect_address(self) -> str:

@@ -42,11 +42,11 @@ def check_trace_destination(cfg: LaunchConfig) -> None:
     for d in (trace.resolve().parent, logs if logs.is_dir() else None):
         if d is not None and not os.access(d, os.W_OK | os.X_OK):
             raise LaunchError(f"--trace-dir {str(trace)!r}: cannot write in {str(d)!r} (read-only)")
-    need = max(TRACE_BYTES_MIN, cfg.world_size * TRACE_BYTES_PER_RANK)
+    need = max(TRACE_BYTES_MIN, len(cfg.live_ranks) * TRACE_BYTES_PER_RANK)
     free = shutil.disk_usage(trace.resolve().parent).free
     if free < need:
         raise LaunchError(f"--trace-dir {str(trace)!r}: {free / 2**20:.0f} MiB free on its filesystem, a "
-                          f"{cfg.world_size}-rank trace and its logs need about {need / 2**20:.0f} MiB")
+                          f"{len(cfg.live_ranks)}-rank trace and its logs need about {need / 2**20:.0f} MiB")
 
 
 def _is_trace_or_empty(path: Path) -> bool:
@@ -79,15 +79,17 @@ def lock_trace_dir(log_dir: Path) -> int:
 
 
 def check_host_memory(cfg: LaunchConfig, available: int | None = None) -> None:
-    """Refuse a world size whose running ranks cannot fit in the host's available memory (a host that
-    runs out kills the job without a word), saying what would fit."""
+    """Refuse a job whose running ranks (a folded job's live ones) cannot fit in the host's available
+    memory (a host that runs out kills the job without a word), saying what would fit."""
     available = _available_host_memory() if available is None else available
-    need = cfg.world_size * RANK_FOOTPRINT + SIDECAR_FOOTPRINT
+    running = len(cfg.live_ranks)
+    need = running * RANK_FOOTPRINT + SIDECAR_FOOTPRINT
     if need <= available:
         return
     fit = max(0, (available - SIDECAR_FOOTPRINT) // RANK_FOOTPRINT)
+    what = f"--world-size {cfg.world_size}" if running == cfg.world_size else f"a fold's {running} live ranks"
     raise LaunchError(
-        f"--world-size {cfg.world_size} needs about {need / 2**30:.1f} GiB of host memory ({cfg.world_size} running "
+        f"{what} needs about {need / 2**30:.1f} GiB of host memory ({running} running "
         f"ranks x {RANK_FOOTPRINT / 2**20:.0f} MiB + {SIDECAR_FOOTPRINT / 2**20:.0f} MiB for the coordinator and "
         f"launcher), this host has {available / 2**30:.1f} GiB available: at most {fit} ranks fit. Run fewer "
         "ranks, or fold the job so that only one rank per class runs (Phase 2: `prism-megatron plan`, "

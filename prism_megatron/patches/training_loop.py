@@ -20,6 +20,7 @@ from typing import Any
 
 from prism_megatron.megatron.versions import checked_versions
 from prism_megatron.patches import once, schedules, seam
+from prism_megatron.runtime.backend import stands_for_last_rank
 from prism_megatron.trace.markers import span
 
 CHECKED = checked_versions()  # prism_megatron.megatron.versions: the supported table
@@ -113,7 +114,11 @@ def install() -> None:
 
     @functools.wraps(original_print)
     def print_rank_last(message: Any) -> Any:
-        return original_print(_with_prediction(message) if isinstance(message, str) else message)
+        text = _with_prediction(message) if isinstance(message, str) else message
+        if stands_for_last_rank():  # a folded job's last rank is virtual: its representative prints for it
+            print(text, flush=True)
+            return None
+        return original_print(text)
 
     training.train_step = train_step
     training.evaluate = evaluate

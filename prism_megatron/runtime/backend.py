@@ -368,6 +368,13 @@ def _split_bytes(t: torch.Tensor, splits: Any, n: int, what: str) -> list[int]:
 
 
 _installed: RankClient | None = None
+_stands_for_last = False  # a folded job whose last rank is virtual: this rank is its representative
+
+
+def stands_for_last_rank() -> bool:
+    """Whether this process prints what the job's last rank prints (Megatron's iteration lines): in a
+    folded job whose last rank is virtual, the live rank that mirrors it does."""
+    return _stands_for_last
 
 
 def idle(seconds: float) -> None:
@@ -391,8 +398,10 @@ def install(client: RankClient, rep: list[int] | None = None) -> None:
     the program asked for, so `dist.get_backend()` answers what it would on the target job and
     code that branches on it takes the same path. ``rep``: a folded job's representative of every rank.
     """
-    global _installed
+    global _installed, _stands_for_last
     from torch.distributed import distributed_c10d as c10d
+
+    _stands_for_last = rep is not None and rep[-1] != len(rep) - 1 and rep[-1] == client.rank
 
     if _installed is not None:
         raise RuntimeError("prism backend is already installed in this process")

@@ -499,7 +499,9 @@ def train(args: argparse.Namespace) -> None:
         _report_memory(iteration)
         if record is not None:
             record(iteration, loss, norm)
-        if rank == world - 1 and iteration % args.log_interval == 0:
+        from prism_megatron.runtime.backend import stands_for_last_rank
+
+        if (rank == world - 1 or stands_for_last_rank()) and iteration % args.log_interval == 0:
             elapsed = (time.perf_counter() - start) * 1000.0
             from prism_megatron.runtime.live import format_predicted_ms, predicted_iteration_time
 
