@@ -20,7 +20,8 @@ import pytest
 
 from prism_megatron.megatron import cpu_mode
 
-pytestmark = [pytest.mark.skipif(cpu_mode._gpu_present(), reason="CPU runs of Megatron need CPU mode")]
+pytestmark = [pytest.mark.megatron,  # runs megatron-core: CI also runs it on the second stack (.ci/run)
+              pytest.mark.skipif(cpu_mode._gpu_present(), reason="CPU runs of Megatron need CPU mode")]
 
 RECIPES = Path(__file__).parent / "recipes"
 LOSS_RTOL = 0.02
