@@ -116,12 +116,12 @@ def test_streams_keep_a_copy_until_received_and_answer_waiting_receives():
     assert pt.held() == (0, 0)  # freed once received
     # a receive first: it waits, and the send answers it straight from its buffer (nothing kept)
     assert pt.handle(g, _member("recv", 1, 2), plane, deliver) is None
-    assert done[-1][0] == 3 and pt.leftovers(lambda i: g) == [
+    assert done[-1][0] == 3 and pt.leftovers() == [
         "recv rank 1 <- virtual rank 2 on group 'pp': waits for rank 3's next send to virtual rank 2 (pass-through)"]
     plane.buffers["b"] = torch.full((6,), 5.0).view(torch.uint8)
     assert pt.handle(g, _member("send", 3, 2, buf="b"), plane, deliver) is None
     assert [d[:2] for d in done[-2:]] == [(1, "recv"), (3, "send")] and done[-2][2][0].tolist() == [5.0] * 6
-    assert pt.held() == (0, 0) and pt.leftovers(lambda i: g) == []
+    assert pt.held() == (0, 0) and pt.leftovers() == []
     assert c.to_json()["recv"]["passthrough"] == 2
     # in order: the n-th receive gets the n-th send
     for k in range(3):
@@ -152,3 +152,22 @@ def test_a_stand_in_of_another_shape_or_dtype_is_fatal_naming_both():
     assert problem is not None and "int32[2, 3]" in problem and "float32[2, 3]" in problem
     assert pt.handle(g, _member("send", 0, 2, buf="a"), plane, lambda *a, **k: None).startswith(
         "rank 0 sends to virtual rank 2")
+
+
+def test_a_hang_report_names_the_receive_waiting_for_its_stand_in():
+    from prism_megatron.runtime.groups import GroupTable
+    from prism_megatron.runtime.hang import format_hang_report, waits_on_exited
+    from prism_megatron.runtime.ranks import RankState, RankStatus
+
+    table = GroupTable()
+    gid, _ = table.declare(3, 0, "pp", [0, 1, 2, 3], world=False)
+    g = table.by_id[gid]
+    g.fold = plan_group(g.ranks, [0, 1, 1, 3])
+    PassThrough(Contributions()).handle(g, _member("recv", 3, 2), _Plane(), lambda *a, **k: None)
+    report = format_hang_report({3: RankState(3, None, state=RankStatus.BLOCKED)}, table,
+                                SimpleNamespace(awaiting_room=[]), 5.0)
+    assert "recv rank 3 <- virtual rank 2 on group 'pp': waits for rank 1's next send to virtual rank 2" in report
+    ranks = {1: RankState(1, None, state=RankStatus.BLOCKED), 3: RankState(3, None, state=RankStatus.BLOCKED)}
+    assert not waits_on_exited(ranks, table)
+    ranks[1].state = RankStatus.DONE  # the rank whose send would answer it exited
+    assert waits_on_exited(ranks, table)

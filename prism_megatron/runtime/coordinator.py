@@ -480,7 +480,7 @@ class Coordinator:
         else the trace so far marked incomplete; a write that fails is said at once, with why."""
         self._finish_received, path, error = True, None, None
         if self.fold is not None:
-            self.fold.finish(self.groups.by_id.__getitem__)
+            self.fold.finish()
         job, status = msg.get("job", {}), msg.get("status")
         incomplete = msg.get("incomplete")
         if status in MEMORY_FAILURES:  # the trace so far, beside the report that says why

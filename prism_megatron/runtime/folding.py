@@ -60,10 +60,10 @@ class Folding:
         """Answer live ``m``'s send to / receive from a virtual neighbour: None, or the fatal problem."""
         return self.passthrough.handle(g, m, data, deliver)
 
-    def finish(self, g_of: Callable[[int], Group]) -> None:
+    def finish(self) -> None:
         """At the end of the job: say what pass-through streams still hold (a live receiver never took
         what its virtual neighbour would have sent on: in the full job that send stays unmatched)."""
-        for line in self.passthrough.leftovers(g_of):
+        for line in self.passthrough.leftovers():
             print(f"prism coordinator: pass-through: {line}", file=sys.stderr, flush=True)
 
     def count(self, g: Group, kind: str, root: int | None, in_place: bool) -> None:

@@ -49,7 +49,7 @@ class PassThrough:
 
     def __init__(self, contributions: Contributions) -> None:
         self.contributions = contributions
-        self.streams: dict[tuple[int, int, int], _Stream] = {}  # (group id, U, w)
+        self.groups: dict[int, Group] = {}  # groups with streams (each in Group.passthrough, keyed (U, w))
         self._routes: dict[tuple[int, str, int, int], Route] = {}  # (group id, kind, me, peer): O(1) per op
 
     def handle(self, g: Group, m: Member, data: DataPlane, deliver: Deliver) -> str | None:
@@ -64,7 +64,10 @@ class PassThrough:
             except PruneError as e:
                 return str(e)
             self._routes[key] = route
-        s = self.streams.setdefault((g.id, *route.stream), _Stream())
+        s = g.passthrough.get(route.stream)
+        if s is None:
+            s = g.passthrough[route.stream] = _Stream()
+            self.groups[g.id] = g
         if m.kind == "send":
             GroupTable.p2p_seq(g, m.record, m.grank, peer)
             n, s.sent = s.sent, s.sent + 1
@@ -97,24 +100,22 @@ class PassThrough:
 
     def held(self) -> tuple[int, int]:
         """(messages, bytes) kept and not yet received."""
-        kept = [k for s in self.streams.values() for k in s.kept]
+        kept = [k for g in self.groups.values() for s in g.passthrough.values() for k in s.kept]
         return len(kept), sum(k.data.nbytes for k in kept)
 
-    def leftovers(self, g_of: Callable[[int], Group]) -> list[str]:
-        """One line per stream that still holds messages or receives (for the end of the job and hangs)."""
+    def leftovers(self) -> list[str]:
+        """What the streams still hold: messages never received, then receives still waiting."""
         out = []
-        for (gid, u, w), s in sorted(self.streams.items()):
-            g = g_of(gid)
-            if s.kept:
-                out.append(f"{len(s.kept)} message(s) rank {g.ranks[u]} sent to virtual rank {g.ranks[w]} on group "
-                           f"{g.name!r} were never received by a live rank")
-            for m in s.waiting:
-                out.append(f"recv rank {m.rank} <- virtual rank {g.ranks[m.msg['peer']]} on group {g.name!r}: "
-                           f"waits for rank {g.ranks[u]}'s next send to virtual rank {g.ranks[w]} (pass-through)")
+        for g in self.groups.values():
+            for (u, w), s in sorted(g.passthrough.items()):
+                if s.kept:
+                    out.append(f"{len(s.kept)} message(s) rank {g.ranks[u]} sent to virtual rank {g.ranks[w]} on "
+                               f"group {g.name!r} were never received by a live rank")
+            out += waiting_receives(g)
         return out
 
     def _check(self, g: Group, send: Member, recv: Member, route: Route, n: int) -> str | None:
-        desc, dt, shape = send.msg["ins"][0]
+        _, dt, shape = send.msg["ins"][0]
         return self._check_kept(g, _Kept(torch.empty(0), dt, list(shape), send.rank), recv, route, n)
 
     def _check_kept(self, g: Group, k: _Kept, recv: Member, route: Route, n: int) -> str | None:
@@ -127,3 +128,10 @@ class PassThrough:
                 f"#{n}); its stand-in is message #{n} that rank {g.ranks[u]} sent to virtual rank {g.ranks[w]}: "
                 f"{k.dtype}{k.shape}. Rule: {RULE_IN_SHORT}, so the stand-in must have the dtype and "
                 f"shape the receiver posted")
+
+
+def waiting_receives(g: Group) -> list[str]:
+    """One line per receive from a virtual neighbour of ``g`` that waits for its stand-in (hang reports)."""
+    return [f"recv rank {m.rank} <- virtual rank {g.ranks[m.msg['peer']]} on group {g.name!r}: waits for rank "
+            f"{g.ranks[u]}'s next send to virtual rank {g.ranks[w]} (pass-through)"
+            for (u, w), s in sorted(g.passthrough.items()) for m in s.waiting]
