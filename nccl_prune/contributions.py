@@ -81,10 +81,10 @@ KINDS: dict[str, OpKind] = {k.name: k for k in (
            "a live root as usual; a virtual root only with recorded pieces (its mirror holds no list)"),
     OpKind("gather", "to_root", False, "mirror; a virtual root: nothing reaches a live member"),
     OpKind("barrier", "none", False, "live members only"),
-    OpKind("send", "none", False,
-           "to a virtual neighbour: completes at once, data kept for the live rank that consumes it (passthrough)"),
-    OpKind("recv", "none", False,
-           "from a virtual neighbour: passthrough of the nearest live upstream rank's send (PASSTHROUGH_RULE)"),
+    OpKind("send", "none", False, "to a live peer as usual; to a virtual neighbour: completes at once, its data "
+           "kept until the live rank downstream receives them (PASSTHROUGH_RULE)"),
+    OpKind("recv", "none", False, "from a live peer as usual; from a virtual neighbour: passthrough, the "
+           "matching send of the nearest live rank upstream (PASSTHROUGH_RULE)"),
 )}
 
 
