@@ -2,13 +2,15 @@
 
 ``plan_group`` folds a group (who is live, whom each virtual member mirrors); ``contributions`` says
 once per op kind what a virtual member contributes; ``host.execute`` runs a folded op on host tensors
-(the coordinator's executor) and ``dist_executor.PrunedGroup`` runs the same plan over a
-torch.distributed process group of the live members. Knows collectives and ranks, not Megatron.
+(the coordinator's executor), ``passthrough`` routes p2p with a virtual pipeline neighbour, and
+``dist_executor.PrunedGroup`` runs the same plan over a torch.distributed process group of the live
+members. Knows collectives and ranks, not Megatron.
 """
 
 from nccl_prune.contributions import KINDS, Contributions, check_p2p, virtual_contributions
 from nccl_prune.host import execute, is_in_place_all_gather
+from nccl_prune.passthrough import PASSTHROUGH_RULE, Route, route_recv, route_send
 from nccl_prune.plan import GroupPlan, PruneError, plan_group
 
-__all__ = ["KINDS", "Contributions", "GroupPlan", "PruneError", "check_p2p", "execute",
-           "is_in_place_all_gather", "plan_group", "virtual_contributions"]
+__all__ = ["KINDS", "PASSTHROUGH_RULE", "Contributions", "GroupPlan", "PruneError", "Route", "check_p2p", "execute",
+           "is_in_place_all_gather", "plan_group", "route_recv", "route_send", "virtual_contributions"]

@@ -1,6 +1,6 @@
 """What a virtual member contributes to each op kind, defined once for both executors.
 
-Three ways a virtual member takes part:
+Four ways a virtual member takes part:
 - *mirror*: it contributes its representative's input. A virtual rank runs its representative's
   program on the representative's data (that is what makes it foldable), so a data-parallel gradient
   reduction over a folded group returns what the full reduction of identical replicas returns, and
@@ -15,6 +15,9 @@ Three ways a virtual member takes part:
   of the right shape and the wrong meaning. The kept chunk is what the live member computed for that
   shard last (its initial or previously gathered values): the shard's parameters lag by the updates
   the virtual owner would have applied, the closest value the sandbox has.
+- *passthrough*: a live rank's receive from a virtual pipeline neighbour gets what the nearest live
+  rank upstream sent into the virtual stages (``passthrough.PASSTHROUGH_RULE``): virtual stages stand
+  in as the identity. Counted once per answered receive.
 
 Op kinds are the runtime's (the names its messages carry); see ``KINDS``. Personalised exchanges
 (all_to_all, scatter lists) address pieces to group positions: ``A2A_RULE`` says which piece a live
@@ -28,8 +31,9 @@ from dataclasses import dataclass
 
 from nccl_prune.plan import GroupPlan, PruneError
 
-MIRROR, RECORDED, KEEP = "mirror", "recorded", "keep"
-HOWS = (MIRROR, RECORDED, KEEP)
+MIRROR, RECORDED, KEEP, PASSTHROUGH = "mirror", "recorded", "keep", "passthrough"
+#: every way a virtual member's contribution is made: the one list (the trace reader keeps an equal one)
+HOWS = (MIRROR, RECORDED, KEEP, PASSTHROUGH)
 
 A2A_RULE = """\
 A live member l receives from a virtual member v the piece that v's mirror m sends to l's counterpart:
@@ -77,8 +81,10 @@ KINDS: dict[str, OpKind] = {k.name: k for k in (
            "a live root as usual; a virtual root only with recorded pieces (its mirror holds no list)"),
     OpKind("gather", "to_root", False, "mirror; a virtual root: nothing reaches a live member"),
     OpKind("barrier", "none", False, "live members only"),
-    OpKind("send", "none", False, "between live ranks only; a virtual peer is a PruneError"),
-    OpKind("recv", "none", False, "between live ranks only; a virtual peer is a PruneError"),
+    OpKind("send", "none", False, "to a live peer as usual; to a virtual neighbour: completes at once, its data "
+           "kept until the live rank downstream receives them (PASSTHROUGH_RULE)"),
+    OpKind("recv", "none", False, "from a live peer as usual; from a virtual neighbour: passthrough, the "
+           "matching send of the nearest live rank upstream (PASSTHROUGH_RULE)"),
 )}
 
 
@@ -113,7 +119,8 @@ def virtual_contributions(kind: str, plan: GroupPlan, *, root: int | None = None
 
 
 def check_p2p(plan: GroupPlan, src: int, dst: int) -> None:
-    """A send/recv is answerable only between live ranks (v1): a virtual peer has no process to pair with."""
+    """A send/recv between live ranks only (the executor over live members' communicators, which has no
+    pass-through): a virtual peer has no process to pair with."""
     for p in (src, dst):
         if not plan.is_live(p):
             raise PruneError(f"p2p between rank {plan.ranks[src]} (sender) and rank {plan.ranks[dst]} "
@@ -142,6 +149,11 @@ class Contributions:
         row = self.counts.setdefault(kind, dict.fromkeys(HOWS, 0))
         for h, n in c.items():
             row[h] += n
+
+    def add_passthrough(self, kind: str = "recv", n: int = 1) -> None:
+        """Count ``n`` receives answered by the pass-through rule."""
+        op_kind(kind)
+        self.counts.setdefault(kind, dict.fromkeys(HOWS, 0))[PASSTHROUGH] += n
 
     def to_json(self) -> dict[str, dict[str, int]]:
         return {k: dict(v) for k, v in sorted(self.counts.items())}

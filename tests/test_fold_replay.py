@@ -130,7 +130,7 @@ def launched(tmp_path_factory):
 def test_folded_trace_synthesises_the_full_trace_graph(launched):
     full, folded, rep = launched
     assert folded.fold.live == (0, 1, 4, 5) and folded.fold.rep == tuple(rep)
-    assert folded.fold.contribution_counts() == {"mirror": 12, "recorded": 0, "keep": 0}
+    assert folded.fold.contribution_counts() == {"mirror": 12, "recorded": 0, "keep": 0, "passthrough": 0}
     g_full, g_fold = graph_from_trace(full), graph_from_trace(folded)
     assert sorted(g_fold.events) == [0, 1, 4, 5] and g_fold.fold == folded.fold
     synth = synthesize(g_fold)
@@ -174,7 +174,7 @@ def test_report_of_a_folded_trace_shows_classes(launched, tmp_path):
     rep = read_report(make_report(folded.path, tmp_path, cluster="h100-nvlink-ib400")["report"])
     fold = rep["fold"]
     assert fold["world_size"] == 8 and fold["live"] == [0, 1, 4, 5] and fold["gpus_per_node"] == 4
-    assert fold["contributions"] == {"mirror": 12, "recorded": 0, "keep": 0}
+    assert fold["contributions"] == {"mirror": 12, "recorded": 0, "keep": 0, "passthrough": 0}
     assert [(c["name"], c["count"], c["sandbox"]) for c in fold["classes"]] == [
         ("stage 0 (first)", 4, [0, 1]), ("stage 1 (last)", 4, [4, 5])]
     assert all(c["compute_s"] > 0 and c["bubble_s"] is not None for c in fold["classes"])
@@ -198,7 +198,7 @@ def test_trace_show_and_chrome_of_a_folded_trace(launched, tmp_path):
     _, folded, _ = launched
     text = summarize(folded.path)
     assert "folded: 4 of 8 ranks ran (ranks 0,1,4,5), 2 rank class(es), 4 GPUs per node; virtual contributions: " \
-           "mirror 12, recorded 0, keep 0" in text
+           "mirror 12, recorded 0, keep 0, passthrough 0" in text
     assert "compute time per rank" in text
     names = {e["args"]["name"] for e in to_chrome(folded)["traceEvents"] if e.get("name") == "process_name"}
     assert names == {"rank 0", "rank 1", "rank 4", "rank 5"}

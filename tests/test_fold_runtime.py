@@ -62,17 +62,59 @@ def test_a_folded_run_gives_the_live_ranks_the_full_runs_results(tmp_path):
     assert tuple(2 * d for d in range(DP)) in groups  # a data-parallel group with 7 virtual members
     c = f.contributions
     # one op per DP group of 8 (7 virtual members each), 8 live ranks in 8 DP groups
-    assert c["all_gather"] == {"mirror": 8 * 7, "recorded": 0, "keep": 8 * 7}
+    assert c["all_gather"] == {"mirror": 8 * 7, "recorded": 0, "keep": 8 * 7, "passthrough": 0}
     assert c["all_to_all"]["mirror"] == 8 * 7 and c["reduce_scatter"]["mirror"] == 8 * 7
-    assert c["barrier"] == {"mirror": 0, "recorded": 0, "keep": 0}
+    assert c["barrier"] == {"mirror": 0, "recorded": 0, "keep": 0, "passthrough": 0}
     assert "send" not in c  # p2p between live ranks only
 
 
-def test_a_p2p_with_a_virtual_peer_is_refused_naming_both_ranks(tmp_path):
+def test_a_p2p_with_a_virtual_peer_that_is_no_neighbour_is_refused_naming_both_ranks(tmp_path):
     fold = make_fold([0, 1, 0, 1], 8).to_json()
     assert _run(tmp_path, "p2p", "fold_bad.py", ["p2p"], 4, fold) == BAD_INPUT
     report = (tmp_path / "p2p.logs" / "fold-report.txt").read_text()
-    assert "rank 0 (sender) and rank 2 (receiver)" in report and "rank 2 is virtual" in report
+    assert "rank 0 sends to virtual rank 2 on group [0, 1, 2, 3], which is not its neighbour" in report, report
+
+
+def _received(res: Path, rank: int) -> dict[str, torch.Tensor]:
+    return torch.load(res / f"rank-{rank}.pt")
+
+
+def test_virtual_pipeline_stages_pass_messages_through(tmp_path):
+    """4 stages in 1F1B with batched p2p, stage 2 folded onto stage 1: stage 3 receives what stage 1
+    sent forward, stage 1 what stage 3 sent backward (fold_pipeline.py's arithmetic), in order."""
+    M = 4
+    fold = make_fold([0, 1, 1, 3], 8).to_json()
+    assert _run(tmp_path, "pipe", "fold_pipeline.py", [str(tmp_path / "res"), str(M)], 4, fold) == 0
+    res = tmp_path / "res"
+    assert sorted(p.name for p in res.iterdir()) == ["rank-0.pt", "rank-1.pt", "rank-3.pt"]
+    x0 = torch.stack([(torch.arange(128 * 160, dtype=torch.float32) % 7).reshape(128, 160) + 100.0 * mb
+                      for mb in range(M)])
+    stage1, stage3, stage0 = _received(res, 1), _received(res, 3), _received(res, 0)
+    assert torch.equal(stage1["fwd"], x0 + 1000)  # live to live
+    assert torch.equal(stage3["fwd"], x0 + 1000 + 2000)  # stage 1's sends, stage 2's layers as the identity
+    assert torch.equal(stage1["bwd"], (x0 + 3000) * 2 + 40000)  # stage 3's gradients, passed through stage 2
+    assert torch.equal(stage0["bwd"], stage1["bwd"] + 20000)
+    f = read_fold(read_trace(tmp_path / "pipe").manifest, tmp_path / "pipe")
+    assert f.contributions == {"recv": {"mirror": 0, "recorded": 0, "keep": 0, "passthrough": 2 * M}}
+    log = (tmp_path / "pipe.logs" / "coordinator.log").read_text()
+    assert "pass-through" not in log, log  # every kept message was received (freed)
+
+
+def test_a_pass_through_of_another_shape_is_refused_naming_ranks_and_shapes(tmp_path):
+    fold = make_fold([0, 1, 1, 3], 8).to_json()
+    assert _run(tmp_path, "bad", "fold_pipeline.py", [str(tmp_path / "res"), "2", "mismatch"], 4, fold) == BAD_INPUT
+    report = (tmp_path / "bad.logs" / "fold-report.txt").read_text()
+    assert "rank 3 receives float32[160, 128] from virtual rank 2 (forward, receive #0)" in report, report
+    assert "rank 1 sent to virtual rank 2: float32[128, 160]" in report and "pass messages through" in report
+
+
+def test_one_live_rank_on_a_ring_is_refused_and_unreceived_messages_are_said(tmp_path):
+    fold = make_fold([0, 1, 0, 1], 8).to_json()
+    assert _run(tmp_path, "ring", "fold_bad.py", ["ring"], 4, fold) == BAD_INPUT
+    report = (tmp_path / "ring.logs" / "fold-report.txt").read_text()
+    assert "rank 0 receives from virtual rank 2 on group [0, 2]" in report and "its own later send" in report, report
+    log = (tmp_path / "ring.logs" / "coordinator.log").read_text()
+    assert "1 message(s) rank 1 sent to virtual rank 2 on group" in log and "never received" in log, log
 
 
 def test_a_hang_in_a_folded_group_names_the_missing_live_rank(tmp_path):

@@ -177,7 +177,7 @@ def test_all_gather_mirror_equals_full_and_keep_leaves_virtual_chunks(dtype):
                 want = ins[q][0] if plan.is_live(q) else bufs[p][q * 6:(q + 1) * 6]
                 assert torch.equal(chunk, want), (p, q, plan.mirror)
         counts = virtual_contributions("all_gather", plan, in_place=True)
-        assert counts == {"mirror": 0, "recorded": 0, "keep": plan.num_virtual}
+        assert counts == {"mirror": 0, "recorded": 0, "keep": plan.num_virtual, "passthrough": 0}
     with pytest.raises(PruneError, match="current output buffers"):
         execute("all_gather", plan, ins, in_place=True)
 
@@ -236,9 +236,8 @@ def test_recorded_inputs_replace_the_mirror():
     c.add("all_reduce", plan)
     c.add("barrier", plan)
     c.add("broadcast", plan, root=0)
-    assert c.to_json() == {"all_reduce": {"mirror": 3, "recorded": 1, "keep": 0},
-                           "barrier": {"mirror": 0, "recorded": 0, "keep": 0},
-                           "broadcast": {"mirror": 0, "recorded": 0, "keep": 0}}
+    none = {"mirror": 0, "recorded": 0, "keep": 0, "passthrough": 0}
+    assert c.to_json() == {"all_reduce": {**none, "mirror": 3, "recorded": 1}, "barrier": none, "broadcast": none}
     assert Contributions.from_json(c.to_json()).to_json() == c.to_json()
     with pytest.raises(PruneError, match="not a virtual member"):
         execute("all_reduce", plan, x, op="sum", recorded={0: x[0]})

@@ -155,7 +155,7 @@ FOLD = Obj({
     "world_size": (int,),
     "live": ListOf((int,)),
     "gpus_per_node": (int,),
-    "contributions": (dict,),  # way (mirror, recorded, keep) -> virtual contributions made so
+    "contributions": (dict,),  # way (trace.fold.CONTRIBUTION_WAYS) -> virtual contributions made so
     "classes": ListOf(FOLD_CLASS),
 }, nullable=True)
 REPORT = Obj({

@@ -368,14 +368,14 @@ class Coordinator:
             if v is not None and not 0 <= v < len(g.ranks):
                 return self._fatal("mismatch", f"rank {rs.rank}: {msg['kind']} on group {g.name!r} (ranks "
                                    f"{fmt_ranks(g.ranks)}) names {key} {v}, outside the group's {len(g.ranks)} ranks")
-        kind, peer = msg["kind"], msg.get("peer")
+        kind, peer, match = msg["kind"], msg.get("peer"), None
         rec = self.recorder.op(rs, g, msg)
         m = Member(rs.rank, grank, msg, rec)
-        if kind in ("send", "recv") and g.fold is not None and peer is not None:
-            problem = self.fold.check_p2p(g, grank if kind == "send" else peer, peer if kind == "send" else grank)
+        if self.fold is not None and self.fold.virtual_peer(g, msg):  # passed through (runtime.passthrough)
+            problem = self.fold.pass_through(g, m, self.data, self._deliver)
             if problem is not None:
                 return self._fatal("fold", f"rank {rs.rank}: {kind} on group {g.name!r}: {problem}")
-        if kind == "send":
+        elif kind == "send":
             if peer == grank:
                 return self._fatal("mismatch", f"rank {rs.rank} sends to itself on group {g.name!r}")
             self.groups.p2p_seq(g, rec, grank, peer)
@@ -385,7 +385,6 @@ class Coordinator:
                 self.groups.p2p_seq(g, rec, peer, grank)
             match = g.p2p.add_recv(m)
         else:
-            match = None
             members = self.groups.post_collective(g, m)
             if members is not None:
                 self._run_collective(g, rec.seq, members)
@@ -479,8 +478,9 @@ class Coordinator:
     def _on_finish(self, msg: dict) -> None:
         """Write the trace: complete for a job that ended normally (an OOM is a prediction: complete too),
         else the trace so far marked incomplete; a write that fails is said at once, with why."""
-        self._finish_received = True
-        path, error = None, None
+        self._finish_received, path, error = True, None, None
+        if self.fold is not None:
+            self.fold.finish()
         job, status = msg.get("job", {}), msg.get("status")
         incomplete = msg.get("incomplete")
         if status in MEMORY_FAILURES:  # the trace so far, beside the report that says why

@@ -4,17 +4,23 @@ virtual contributions the trace records.
 Only live ranks are processes. When a live rank registers a group, the group is folded once
 (``nccl_prune.plan_group``: O(group size)); a group without virtual members keeps the runtime's own
 path and numerics, a folded one completes when its live members have posted an op and is answered by
-``nccl_prune.host`` (``ops.OpKind.run``). Knows ranks, not Megatron: the fold arrives as the plan's
-JSON (``trace.fold`` reads the same).
+``nccl_prune.host`` (``ops.OpKind.run``); a p2p with a virtual neighbour is passed through
+(runtime.passthrough). Knows ranks, not Megatron: the fold arrives as the plan's JSON (``trace.fold``
+reads the same).
 """
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable
 from typing import Any
 
-from nccl_prune import Contributions, PruneError, check_p2p, plan_group
+from nccl_prune import Contributions, PruneError, plan_group
 from nccl_prune.contributions import HOWS, virtual_contributions
+from prism_megatron.runtime.dataplane import DataPlane
 from prism_megatron.runtime.groups import Group
+from prism_megatron.runtime.matching import Member
+from prism_megatron.runtime.passthrough import PassThrough
 
 
 class Folding:
@@ -25,6 +31,7 @@ class Folding:
         self.rep: list[int] = [int(x) for x in plan["rep"]]
         self.live: list[int] = [int(x) for x in plan["live"]]
         self.contributions = Contributions()
+        self.passthrough = PassThrough(self.contributions)
         self._planned: set[int] = set()  # group ids folded already
         # per (group, kind, root, in place): the counts one op adds (an op's count is O(group), once)
         self._per_op: dict[tuple, dict[str, int]] = {}
@@ -44,13 +51,20 @@ class Folding:
         g.fold = p if p.num_virtual else None  # no virtual member: exactly the unfolded path
         return None
 
-    def check_p2p(self, g: Group, src: int, dst: int) -> str | None:
-        """None when both group ranks are live; else the error naming both ranks."""
-        try:
-            check_p2p(g.fold, src, dst)
-        except PruneError as e:
-            return str(e)
-        return None
+    def virtual_peer(self, g: Group, msg: dict) -> bool:
+        """Whether a send or receive names a virtual group rank (answered by ``pass_through``)."""
+        peer = msg.get("peer")
+        return g.fold is not None and peer is not None and msg["kind"] in ("send", "recv") and not g.fold.is_live(peer)
+
+    def pass_through(self, g: Group, m: Member, data: DataPlane, deliver: Callable[..., None]) -> str | None:
+        """Answer live ``m``'s send to / receive from a virtual neighbour: None, or the fatal problem."""
+        return self.passthrough.handle(g, m, data, deliver)
+
+    def finish(self) -> None:
+        """At the end of the job: say what pass-through streams still hold (a live receiver never took
+        what its virtual neighbour would have sent on: in the full job that send stays unmatched)."""
+        for line in self.passthrough.leftovers():
+            print(f"prism coordinator: pass-through: {line}", file=sys.stderr, flush=True)
 
     def count(self, g: Group, kind: str, root: int | None, in_place: bool) -> None:
         """Add one op's virtual contributions (cached per group and op shape: O(1) per op after the first)."""

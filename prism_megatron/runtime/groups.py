@@ -42,6 +42,7 @@ class Group:
     p2p_seq: dict[tuple[int, int, str], int] = field(default_factory=dict)
     grank: dict[int, int] = field(default_factory=dict)  # global rank -> group rank (no list search per op)
     fold: Any = None  # nccl_prune.GroupPlan when some members are virtual: collectives wait for live members only
+    passthrough: dict = field(default_factory=dict)  # (U, w) -> runtime.passthrough stream (virtual neighbours)
 
     def missing_note(self, rec: OpRecord) -> str:
         """What op ``rec`` still waits for, for a message: the members that did not post it, or the peer."""

@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 from prism_megatron.runtime.governor import MemoryGovernor
 from prism_megatron.runtime.groups import GroupTable
+from prism_megatron.runtime.passthrough import waiting_receives
 from prism_megatron.runtime.ranks import RankState, RankStatus
 from prism_megatron.runtime.reaper import process_state
 
@@ -80,6 +81,8 @@ def waits_on_exited(ranks: dict[int, RankState], groups: GroupTable) -> bool:
             for m in q:
                 if exited(g.ranks[key[1]] if m.kind == "send" else g.ranks[key[0]]):
                     return True
+        if any(s.waiting and exited(g.ranks[u]) for (u, _), s in g.passthrough.items()):
+            return True  # a receive from a virtual neighbour whose stand-in's sender has exited
     return False
 
 
@@ -174,6 +177,7 @@ def format_hang_report(ranks: dict[int, RankState], groups: GroupTable, governor
         for _dst, q in g.p2p.any_recvs.items():
             for m in q:
                 incomplete.append(f"  recv (any source) on rank {m.rank}, group {g.name!r}: no send posted")
+        incomplete += [f"  {line}" for line in waiting_receives(g)]
     if incomplete:
         lines += ["", "Incomplete operations:", *incomplete]
     if governor.awaiting_room:

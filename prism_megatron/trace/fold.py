@@ -3,7 +3,8 @@
 A folded job runs only its *live* ranks; every virtual rank r mirrors its representative
 ``rep[r]`` (a live rank of the same class), shifted into r's own replica by ``r - rep[r]``. The
 runtime records the fold plan in the manifest's job key ``"fold"`` (the plan's JSON plus
-``"contributions"``: per op kind, how many virtual contributions were mirrored, recorded or kept);
+``"contributions"``: per op kind, how many virtual contributions were mirrored, recorded, kept or
+passed through);
 the ops/marks/slots/gpu tables then hold live ranks' rows only, while the manifest's groups keep
 their full rank lists. Replay and reports read the fold through :func:`read_fold`, which checks it
 as strictly as the rest of the trace (errors name the file and the field).
@@ -20,8 +21,9 @@ from .schema import MANIFEST_FILE, TraceFormatError
 
 #: Fold plan versions this reader understands.
 FOLD_VERSIONS: tuple[int, ...] = (1,)
-#: How a virtual member's input to an op was made (the contract's three ways).
-CONTRIBUTION_WAYS: tuple[str, ...] = ("mirror", "recorded", "keep")
+#: How a virtual member's input to an op was made: nccl_prune.contributions.HOWS (a test keeps them
+#: equal; the trace format imports no executor).
+CONTRIBUTION_WAYS: tuple[str, ...] = ("mirror", "recorded", "keep", "passthrough")
 
 
 @dataclass(frozen=True)
@@ -55,7 +57,7 @@ class Fold:
         return self.classes[self.class_of[rank]].name if self.classes else f"like rank {self.rep[rank]}"
 
     def contribution_counts(self) -> dict[str, int]:
-        """Virtual contributions by way (mirror, recorded, keep), summed over op kinds."""
+        """Virtual contributions by way (CONTRIBUTION_WAYS), summed over op kinds."""
         out = dict.fromkeys(CONTRIBUTION_WAYS, 0)
         for ways in self.contributions.values():
             for way, n in ways.items():
@@ -158,7 +160,7 @@ def parse_fold(doc: Any, world_size: int, path: str | Path) -> Fold:
     if not isinstance(contributions, dict) or any(
             not isinstance(v, dict) or any(not isinstance(n, int) or isinstance(n, bool) or n < 0 for n in v.values())
             for v in contributions.values()):
-        raise _error(path, "contributions", "is not an object of {op kind: {mirror|recorded|keep: count}}")
+        raise _error(path, "contributions", "is not an object of {op kind: {mirror|recorded|keep|passthrough: count}}")
     return Fold(w, tuple(live), tuple(rep), gpus, tuple(classes), tuple(class_of), contributions)
 
 

@@ -1,0 +1,137 @@
+"""The coordinator's side of p2p with a virtual pipeline neighbour: pass-through streams.
+
+The rule (which live send answers which live receive) is ``nccl_prune.passthrough``'s; this module
+keeps the messages in flight. A live rank's send to a virtual neighbour completes at once: the
+sender may reuse its buffer then, so its data are copied — into the coordinator's host memory, where
+the data plane (runtime.dataplane: the ranks' shared-memory segments, on a GPU too) holds every
+payload — but only when a live rank downstream will receive them, and dropped when it has. A receive
+posted first waits in its stream and takes the data straight from the send's segment.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from nccl_prune import Contributions, PruneError
+from nccl_prune.passthrough import RULE_IN_SHORT, Route, route_recv, route_send
+from prism_megatron.runtime.dataplane import DataPlane
+from prism_megatron.runtime.groups import Group, GroupTable
+from prism_megatron.runtime.matching import Member
+
+#: deliver(member, outputs, src group rank): write a member's outputs and complete its op
+Deliver = Callable[..., None]
+
+
+@dataclass
+class _Kept:
+    data: torch.Tensor  # the coordinator's copy (flat, host)
+    dtype: str
+    shape: list[int]
+    rank: int  # the sender
+
+
+@dataclass
+class _Stream:
+    """Live U's sends to its virtual neighbour w, and the receives of the live rank that consumes them."""
+
+    kept: deque[_Kept] = field(default_factory=deque)
+    waiting: deque[Member] = field(default_factory=deque)
+    sent: int = 0
+    received: int = 0
+
+
+class PassThrough:
+    """Every pass-through stream of a folded job, and the count of receives it answered."""
+
+    def __init__(self, contributions: Contributions) -> None:
+        self.contributions = contributions
+        self.groups: dict[int, Group] = {}  # groups with streams (each in Group.passthrough, keyed (U, w))
+        self._routes: dict[tuple[int, str, int, int], Route] = {}  # (group id, kind, me, peer): O(1) per op
+
+    def handle(self, g: Group, m: Member, data: DataPlane, deliver: Deliver) -> str | None:
+        """Answer live member ``m``'s send to / receive from a virtual group rank (``m.msg["peer"]``);
+        None, or the fatal problem (naming ranks, shapes and the rule)."""
+        peer = m.msg["peer"]
+        key = (g.id, m.kind, m.grank, peer)
+        route = self._routes.get(key)
+        if route is None:
+            try:
+                route = (route_send if m.kind == "send" else route_recv)(g.fold, m.grank, peer)
+            except PruneError as e:
+                return str(e)
+            self._routes[key] = route
+        s = g.passthrough.get(route.stream)
+        if s is None:
+            s = g.passthrough[route.stream] = _Stream()
+            self.groups[g.id] = g
+        if m.kind == "send":
+            GroupTable.p2p_seq(g, m.record, m.grank, peer)
+            n, s.sent = s.sent, s.sent + 1
+            if s.waiting:
+                recv = s.waiting.popleft()
+                problem = self._check(g, m, recv, route, n)
+                if problem is not None:
+                    return problem
+                self._answer(recv, data.read(m.msg["ins"][0][0], m.msg["ins"][0][1]).reshape(-1), deliver)
+            elif route.consumer is not None:  # the sender may reuse its buffer once this send completes
+                desc, dt, shape = m.msg["ins"][0]
+                s.kept.append(_Kept(data.read(desc, dt).reshape(-1).clone(), dt, list(shape), m.rank))
+            deliver(m, [])
+            return None
+        GroupTable.p2p_seq(g, m.record, peer, m.grank)
+        n, s.received = s.received, s.received + 1
+        if not s.kept:
+            s.waiting.append(m)
+            return None
+        k = s.kept.popleft()
+        problem = self._check_kept(g, k, m, route, n)
+        if problem is not None:
+            return problem
+        self._answer(m, k.data, deliver)
+        return None
+
+    def _answer(self, recv: Member, data: torch.Tensor, deliver: Deliver) -> None:
+        deliver(recv, [data], src=recv.msg["peer"])
+        self.contributions.add_passthrough("recv")
+
+    def held(self) -> tuple[int, int]:
+        """(messages, bytes) kept and not yet received."""
+        kept = [k for g in self.groups.values() for s in g.passthrough.values() for k in s.kept]
+        return len(kept), sum(k.data.nbytes for k in kept)
+
+    def leftovers(self) -> list[str]:
+        """What the streams still hold: messages never received, then receives still waiting."""
+        out = []
+        for g in self.groups.values():
+            for (u, w), s in sorted(g.passthrough.items()):
+                if s.kept:
+                    out.append(f"{len(s.kept)} message(s) rank {g.ranks[u]} sent to virtual rank {g.ranks[w]} on "
+                               f"group {g.name!r} were never received by a live rank")
+            out += waiting_receives(g)
+        return out
+
+    def _check(self, g: Group, send: Member, recv: Member, route: Route, n: int) -> str | None:
+        _, dt, shape = send.msg["ins"][0]
+        return self._check_kept(g, _Kept(torch.empty(0), dt, list(shape), send.rank), recv, route, n)
+
+    def _check_kept(self, g: Group, k: _Kept, recv: Member, route: Route, n: int) -> str | None:
+        _, rdt, rshape = recv.msg["outs"][0]
+        if k.dtype == rdt and list(rshape) == k.shape:
+            return None
+        u, w = route.stream
+        return (f"pass-through mismatch on group {g.name!r} (ranks {list(g.ranks)[:8]}): rank {recv.rank} receives "
+                f"{rdt}{list(rshape)} from virtual rank {g.ranks[recv.msg['peer']]} ({route.direction}, receive "
+                f"#{n}); its stand-in is message #{n} that rank {g.ranks[u]} sent to virtual rank {g.ranks[w]}: "
+                f"{k.dtype}{k.shape}. Rule: {RULE_IN_SHORT}, so the stand-in must have the dtype and "
+                f"shape the receiver posted")
+
+
+def waiting_receives(g: Group) -> list[str]:
+    """One line per receive from a virtual neighbour of ``g`` that waits for its stand-in (hang reports)."""
+    return [f"recv rank {m.rank} <- virtual rank {g.ranks[m.msg['peer']]} on group {g.name!r}: waits for rank "
+            f"{g.ranks[u]}'s next send to virtual rank {g.ranks[w]} (pass-through)"
+            for (u, w), s in sorted(g.passthrough.items()) for m in s.waiting]
