@@ -33,6 +33,12 @@ from typing import TYPE_CHECKING
 
 from .graph import Comm, Graph, GraphError
 
+#: Added to a deadlock of a fold with folded pipeline stages: the likeliest cause.
+STAGE_SCHEDULES = ("a virtual rank that is not a lockstep peer of a live rank (a folded pipeline stage) runs its "
+                   "representative's program, translated; where a pipeline schedule's order depends on the stage "
+                   "(1F1B runs pp - stage - 1 warm-up forwards) that is not the stage's own program and the "
+                   "synthesised job can deadlock: fold only stages whose programs are the same")
+
 if TYPE_CHECKING:
     from ..trace.fold import Fold
     from .engine import CommSpec, CostFn, ReplayResult
@@ -48,7 +54,7 @@ class _NotExact(Exception):
 def describe(method: str, replayed: int, world: int) -> str:
     """The sentence reports and the CLI print for the method used."""
     if method == "symmetric":
-        return f"symmetric replay of the {replayed} live ranks (the others are their lockstep peers)"
+        return f"symmetric replay of the live ranks ({replayed}; the others are their lockstep peers)"
     if method == "pipeline":
         return (f"replay of {replayed} synthesised ranks (one pipeline: the folded stages included), symmetric "
                 "over their TP/CP/DP peers")
@@ -77,6 +83,18 @@ def lockstep(fold: Fold) -> tuple[tuple[int, ...], list[int], list[int]]:
 def replay_folded(graph: Graph, cost: CostFn, method: str = "auto", serialize: bool = True) -> ReplayResult:
     """Replay the folded ``graph`` by ``method`` (see the module docstring); the result's ``method``
     says which was used."""
+    from .engine import DeadlockError
+
+    try:
+        return _replay_folded(graph, cost, method, serialize)
+    except DeadlockError as e:
+        fold = graph.fold
+        if fold is not None and fold.coords and len(lockstep(fold)[1]) > len(fold.live):
+            raise DeadlockError(f"{e}\n  (folded pipeline stages: {STAGE_SCHEDULES})") from None
+        raise
+
+
+def _replay_folded(graph: Graph, cost: CostFn, method: str, serialize: bool) -> ReplayResult:
     from .engine import _Replay
 
     fold = graph.fold
