@@ -82,7 +82,9 @@ def lockstep(fold: Fold) -> tuple[tuple[int, ...], list[int], list[int]]:
 
 def replay_folded(graph: Graph, cost: CostFn, method: str = "auto", serialize: bool = True) -> ReplayResult:
     """Replay the folded ``graph`` by ``method`` (see the module docstring); the result's ``method``
-    says which was used."""
+    says which was used. The result's graph is the one replayed: the live ranks, one synthesised
+    pipeline (its fold then names the replayed ranks live and each rank's lockstep partner as its
+    rep), or every rank (not folded)."""
     from .engine import DeadlockError
 
     try:
