@@ -331,3 +331,23 @@ def test_inconsistent_v2_plans_are_errors_naming_rank_and_group():
                r"ranks \[1, 3\], but member 3 mirrors rank 0 \(offset dp\+1\): the translated group does not exist")
     with pytest.raises(SynthesisError, match=message):
         synthesize(fold_graph(megatron_1f1b(shape), gpus_per_node=8, **{**kw, "coords": coords}))
+
+
+def test_v2_folded_trace_reads_and_replays(launched, tmp_path):
+    """The real TP2·PP2·DP2 trace folded to one rank per stage (TP peers and DP folded): rank r has
+    coordinates tp = r % 2, dp = (r // 2) % 2, pp = r // 4 (the program's order, tp-cp-dp-pp)."""
+    full, _, _ = launched
+    coords = [(r % 2, 0, (r // 2) % 2, r // 4) for r in range(8)]
+    path = fold_trace(full.path, tmp_path / "v2", [0, 0, 0, 0, 4, 4, 4, 4], gpus_per_node=4, depth="class",
+                      axes=("tp", "cp", "dp", "pp"), sizes=(2, 1, 2, 2), coords=coords)
+    trace = read_trace(path)
+    assert trace.fold.version == 2 and trace.fold.live == (0, 4) and trace.fold.coords == tuple(coords)
+    graph = graph_from_trace(trace)
+    cost = CollectiveCostModel(PROFILE, gpus_per_node=4)
+    sym = replay(graph, cost)
+    assert sym.method.startswith("symmetric replay of the live ranks (2;") and sorted(sym.graph.events) == [0, 4]
+    every = replay(synthesize(graph), cost)
+    _same_times(sym, every, [0, 4])
+    for r in range(8):  # rank 3 (tp 1, dp 1) does rank 0's ops on its own TP, DP and pipeline groups
+        assert [e for e in _canonical(synthesize(graph), r) if isinstance(e, tuple)] == [
+            e for e in _canonical(graph_from_trace(full), r) if isinstance(e, tuple)], r
