@@ -248,7 +248,7 @@ def test_v2_fold_translates_by_coordinates():
     assert fold.rep[r] == shape.rank(0, 0, 1)
     assert fold.translate(r, shape.rank(0, 0, 2)) == shape.rank(1, 2, 3)  # its downstream neighbour
     assert fold.translate(r, shape.rank(1, 1, 0)) == shape.rank(0, 0, 1)  # wraps around the torus
-    assert fold.lockstep_axes() == (0, 2)  # tp, dp; not pp (stages 0 and 1 mirror different ranks)
+    assert fold.lockstep_steps() == (1, 1, 1, 4)  # tp, dp; not pp (stages 0 and 1 mirror different ranks)
     v1 = make_fold(replica_fold(shape), 8)
     assert v1.version == 1 and "coords" not in v1.to_json()
     assert v1.translate(shape.rank(1, 2, 3), shape.rank(0, 0, 2)) == shape.rank(0, 2, 2)  # x + r - rep[r]
@@ -272,6 +272,21 @@ def test_bad_v2_plans_are_refused_naming_the_field():
     for change, message in cases:
         with pytest.raises(TraceFormatError, match=r"plan.json.*" + message):
             parse_fold({**good, **change}, 12, "plan.json")
+
+
+def test_replica_fold_keeping_two_dp_indices_replays_symmetrically():
+    """A version-2 replica fold that keeps k = 2 DP indices (as a MoE layout's expert groups may need):
+    DP peers two apart are lockstep peers, so the live ranks replay symmetrically and exactly."""
+    shape = Shape(tp=2, pp=2, dp=4, microbatches=2, iterations=1)
+    kw = class_fold(shape)
+    rep = [shape.rank(t, d % 2, p) for t, _, d, p in kw["coords"]]
+    full = megatron_1f1b(shape)
+    folded = fold_graph(full, rep, 4, depth="replica", axes=kw["axes"], sizes=kw["sizes"], coords=kw["coords"])
+    assert folded.fold.lockstep_steps() == (2, 1, 2, 2) and len(folded.fold.live) == 8
+    cost = CollectiveCostModel(PROFILE, gpus_per_node=4)
+    sym = replay(folded, cost)
+    assert sym.method.startswith("symmetric replay of the live ranks (8;")
+    _same_times(sym, replay(full, cost), folded.fold.live)
 
 
 @pytest.mark.parametrize("shape", [Shape(tp=2, pp=4, dp=3, microbatches=4, iterations=2, gpu_times=True,

@@ -5,8 +5,8 @@ representative does, translated (replay.synthesize). Three ways to replay it:
 
 - ``symmetric``: replay the live ranks only (engine, ``Graph.fold``); a collective over a group with
   virtual members starts when its live members issue it and is costed for the whole group. Exact
-  when every virtual rank runs in lockstep with a live rank: ranks that differ only along the fold's
-  *lockstep axes* (``Fold.lockstep_axes``: TP/CP/DP peers) run the same program translated, so each
+  when every virtual rank runs in lockstep with a live rank: ranks that differ by the fold's
+  *lockstep steps* (``Fold.lockstep_steps``: TP/CP/DP peers) run the same program translated, so each
   issues every op when its live peer does.
 - ``pipeline``: folded middle pipeline stages are not in lockstep with their representative (a
   stage's timeline is offset from its neighbours', and a live stage receives from a virtual one).
@@ -57,27 +57,26 @@ def describe(method: str, replayed: int, world: int) -> str:
         return f"symmetric replay of the live ranks ({replayed}; the others are their lockstep peers)"
     if method == "pipeline":
         return (f"replay of {replayed} synthesised ranks (one pipeline: the folded stages included), symmetric "
-                "over their TP/CP/DP peers")
+                "over their lockstep (TP/CP/DP) peers")
     return f"replay of the synthesised graph of every rank ({world})"
 
 
 def lockstep(fold: Fold) -> tuple[tuple[int, ...], list[int], list[int]]:
-    """(the lockstep axes, the ranks to replay, for every rank the replayed rank it runs in lockstep with).
+    """(the lockstep steps, the ranks to replay, for every rank the replayed rank it runs in lockstep with).
 
-    A rank's lockstep partner has its coordinates except on the lockstep axes, where it takes its
-    representative's; the replayed ranks are those partners (the live ranks among them). Version 1:
-    ((), live, rep).
+    A rank's lockstep partner is the rank translated from it by the multiples of the lockstep steps
+    in its offset from its representative (so it has the same representative); the replayed ranks
+    are those partners (the live ranks among them). Version 1: ((), live, rep).
     """
     if not fold.coords:
         return (), list(fold.live), list(fold.rep)
-    axes = fold.lockstep_axes()
-    n = len(fold.sizes)
+    steps = fold.lockstep_steps()
     partner = []
     for y in range(fold.world_size):
         off = fold.offset(y)
-        back = tuple((-off[a]) % fold.sizes[a] if a in axes else 0 for a in range(n))
+        back = tuple((-(d - d % k)) % n for d, k, n in zip(off, steps, fold.sizes, strict=True))
         partner.append(fold.translate_by(back, y))
-    return axes, sorted(set(partner)), partner
+    return steps, sorted(set(partner)), partner
 
 
 def replay_folded(graph: Graph, cost: CostFn, method: str = "auto", serialize: bool = True) -> ReplayResult:
@@ -106,7 +105,7 @@ def _replay_folded(graph: Graph, cost: CostFn, method: str, serialize: bool) -> 
         raise ValueError(f"fold replay method {method!r}: expected one of {', '.join(FOLD_METHODS)}")
     why = ""
     if method != "full":
-        axes, ranks, partner = lockstep(fold)
+        steps, ranks, partner = lockstep(fold)
         fast = "symmetric" if ranks == list(fold.live) else "pipeline"
         if method not in ("auto", fast):
             raise GraphError(f"{graph.source}: the {method} replay does not apply to this fold; "
@@ -118,7 +117,7 @@ def _replay_folded(graph: Graph, cost: CostFn, method: str, serialize: bool) -> 
             _check_partners(sub)
             recorded = _Recording(cost)
             result = _Replay(sub, recorded, serialize).run()
-            _check_costs(sub.fold, axes, recorded)
+            _check_costs(sub.fold, steps, recorded)
             result.method = describe(fast, len(ranks), fold.world_size)
             return result
         except _NotExact as e:
@@ -184,22 +183,22 @@ class _Recording:
         return hit[1]
 
 
-def _check_costs(fold: Fold, axes: tuple[int, ...], recorded: _Recording) -> None:
-    """Every costed op costs the same on each translate of its group along the lockstep axes (where its
+def _check_costs(fold: Fold, steps: tuple[int, ...], recorded: _Recording) -> None:
+    """Every costed op costs the same on each translate of its group by lockstep steps (where its
     lockstep peers run it): the symmetric replay charged them all the cost of the replayed one."""
     from .engine import CommSpec
 
-    if not fold.coords or not axes:
+    if not fold.coords:
         return
     new = object.__new__
     for spec, c in recorded.seen.values():
         free = fold.invariant_axes(spec.ranks)
-        moving = [a for a in axes if not free[a]]
-        for steps in itertools.product(*(range(fold.sizes[a]) for a in moving)):
-            if not any(steps):
+        moving = [a for a, (k, n) in enumerate(zip(steps, fold.sizes, strict=True)) if k < n and not free[a]]
+        for moves in itertools.product(*(range(0, fold.sizes[a], steps[a]) for a in moving)):
+            if not any(moves):
                 continue
             off = [0] * len(fold.sizes)
-            for a, k in zip(moving, steps, strict=True):
+            for a, k in zip(moving, moves, strict=True):
                 off[a] = k
 
             def move(x: int, off: list[int] = off) -> int:

@@ -130,16 +130,22 @@ class Fold:
         return tuple(n == 1 or all(self.translate_by(self.unit(a), x) in members for x in members)
                      for a, n in enumerate(self.sizes))
 
-    def lockstep_axes(self) -> tuple[int, ...]:
-        """Axes (by number, size > 1) along which every rank's representative stays the same: ranks that
-        differ only on these axes run the same program translated, in lockstep (TP/CP/DP peers under a
-        class fold, DP under a replica fold); folded pipeline stages are not. () for version 1."""
+    def lockstep_steps(self) -> tuple[int, ...]:
+        """Per axis, the smallest step along it that keeps every rank's representative (a divisor of the
+        axis size; the size itself when no smaller one does): ranks that differ by multiples of these
+        steps run the same program translated, in lockstep (TP/CP/DP peers under a class fold: step 1;
+        DP under a replica fold that keeps k DP indices: step k). Folded pipeline stages are not
+        lockstep peers (along pp the step is the size). () for version 1."""
         out = []
         for a, n in enumerate(self.sizes):
-            if n > 1:
-                step = self.unit(a)
-                if all(self.rep[self.translate_by(step, x)] == self.rep[x] for x in range(self.world_size)):
-                    out.append(a)
+            step = n
+            for s in range(1, n):
+                if n % s == 0:
+                    move = self.unit(a, s)
+                    if all(self.rep[self.translate_by(move, x)] == self.rep[x] for x in range(self.world_size)):
+                        step = s
+                        break
+            out.append(step)
         return tuple(out)
 
     # --- reports ------------------------------------------------------------------------------
