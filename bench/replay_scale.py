@@ -1,15 +1,20 @@
-"""Replay speed at scale: symmetric replay of a folded job vs the full synthesised replay.
+"""Replay speed at scale: replay of a folded job (the method replay picks) vs the full synthesised replay.
 
 Builds a Megatron-shaped 1F1B graph (``prism_megatron.replay.synthetic``; TP·PP·DP in Megatron's
-rank order), folds it to data-parallel replica 0 (the v1 sandbox of a dense model), and prints the
-wall time of (a) the symmetric replay of the folded graph (live ranks only) and (b) synthesising the
-full graph of every rank and replaying it, with events per second and peak memory, and checks
-that both predict the same iteration times. Issue 19's target: the 8,192-rank graph replays in
-under 60 s.
+rank order) and folds it: ``--depth replica`` to data-parallel replica 0 (the v1 sandbox of a dense
+model), ``--depth class`` to one live rank per class (a version-2 fold: TP peers and the middle
+pipeline stages folded too; the graph's middle stages then all run the lowest middle stage's 1F1B
+schedule, ``Shape.uniform_middle``, which is the job such a fold describes). Prints the wall time of
+(a) the replay of the folded graph (``replay`` picks an exact method: the live ranks symmetrically,
+or one synthesised pipeline when stages are folded; it prints which) and (b) synthesising the full
+graph of every rank and replaying it, with events per second and peak memory, and checks that both
+predict the same iteration times. Issue 19's target: the 8,192-rank graph replays in under 60 s.
 
-    python bench/replay_scale.py                      # TP2·PP4·DP1024: 8,192 ranks
+    python bench/replay_scale.py                      # TP2·PP4·DP1024: 8,192 ranks, replica fold
+    python bench/replay_scale.py --depth class        # the same job, middle stages and TP peers folded
+    python bench/replay_scale.py --depth class --pp 8 --dp 512
     python bench/replay_scale.py --dp 128             # 1,024 ranks
-    python bench/replay_scale.py --no-full            # the symmetric replay only
+    python bench/replay_scale.py --no-full            # the folded replay only
     python bench/replay_scale.py --dp 128 --profile   # cProfile of the full replay (top 25)
 """
 
@@ -20,12 +25,13 @@ import cProfile
 import pstats
 import resource
 import time
+from dataclasses import replace
 
 from prism_megatron.calibration.costmodel import CollectiveCostModel
 from prism_megatron.calibration.profiles import load_profile
 from prism_megatron.replay import replay
 from prism_megatron.replay.synthesize import fold_graph, synthesize
-from prism_megatron.replay.synthetic import Shape, megatron_1f1b, replica_fold
+from prism_megatron.replay.synthetic import Shape, class_fold, megatron_1f1b, replica_fold
 
 
 def _peak_gib() -> float:
@@ -42,21 +48,28 @@ def main() -> None:
     ap.add_argument("--iterations", type=int, default=3)
     ap.add_argument("--gpus-per-node", type=int, default=8)
     ap.add_argument("--cluster", default="h100-nvlink-ib400")
+    ap.add_argument("--depth", choices=("replica", "class"), default="replica",
+                    help="fold to DP replica 0 (v1) or to one live rank per class (v2: TP peers, middle stages)")
     ap.add_argument("--no-full", action="store_true", help="skip the full synthesised replay")
     ap.add_argument("--profile", action="store_true", help="cProfile the full replay and print the top 25")
     args = ap.parse_args()
 
     shape = Shape(tp=args.tp, pp=args.pp, dp=args.dp, microbatches=args.microbatches,
-                  layers_per_stage=args.layers_per_stage, iterations=args.iterations, gpu_times=True)
+                  layers_per_stage=args.layers_per_stage, iterations=args.iterations, gpu_times=True,
+                  uniform_middle=args.depth == "class")
     cost = CollectiveCostModel(load_profile(args.cluster), gpus_per_node=args.gpus_per_node)
     print(f"job: TP{shape.tp}·PP{shape.pp}·DP{shape.dp} = {shape.world_size} ranks, {shape.microbatches} "
           f"microbatches x {shape.iterations} iterations, {shape.layers_per_stage} layers per stage, "
-          f"cluster {args.cluster}, {args.gpus_per_node} GPUs per node")
+          f"cluster {args.cluster}, {args.gpus_per_node} GPUs per node; {args.depth} fold"
+          + (" (middle stages run stage 1's schedule)" if shape.uniform_middle else ""))
 
     t = time.perf_counter()
     full_graph = megatron_1f1b(shape)
     built = time.perf_counter() - t
-    folded = fold_graph(full_graph, replica_fold(shape), args.gpus_per_node)
+    if args.depth == "class":
+        folded = fold_graph(full_graph, gpus_per_node=args.gpus_per_node, **class_fold(shape))
+    else:
+        folded = fold_graph(full_graph, replica_fold(shape), args.gpus_per_node)
     n_live = sum(len(e) for e in folded.events.values())
     n_full = sum(len(e) for e in full_graph.events.values())
     print(f"built the full graph in {built:.1f} s: {n_full:,} events ({n_full // shape.world_size} per rank); "
@@ -66,8 +79,14 @@ def main() -> None:
     t, c = time.perf_counter(), time.process_time()
     sym = replay(folded, cost)
     t_sym, c_sym = time.perf_counter() - t, time.process_time() - c
-    print(f"(a) symmetric replay: {t_sym:.3f} s wall, {c_sym:.3f} s CPU; iteration times "
+    print(f"(a) folded replay ({sym.method}): {t_sym:.3f} s wall, {c_sym:.3f} s CPU; iteration times "
           f"{', '.join(f'{x * 1e3:.3f}' for x in sym.iteration_times())} ms; peak RSS {_peak_gib():.2f} GiB")
+    if shape.uniform_middle:  # what the job predicts with every stage on its own 1F1B schedule (exact, v1 fold)
+        own = replace(shape, uniform_middle=False)
+        exact = replay(fold_graph(megatron_1f1b(own), replica_fold(own), args.gpus_per_node), cost)
+        print(f"    the same job with each stage on its own 1F1B schedule (replica fold, exact): iteration times "
+              f"{', '.join(f'{x * 1e3:.3f}' for x in exact.iteration_times())} ms: a class fold of a 1F1B trace "
+              "gives its middle stages stage 1's schedule instead")
     if args.no_full:
         return
 
@@ -85,8 +104,8 @@ def main() -> None:
     print(f"(b) full replay: {t_full:.1f} s wall, {c_full:.1f} s CPU ({1e6 * c_full / n_full:.2f} us CPU per event); "
           f"synthesis + replay {t_syn + t_full:.1f} s wall, {c_syn + c_full:.1f} s CPU; peak RSS {_peak_gib():.2f} GiB")
     same = full.iteration_times() == sym.iteration_times() and all(
-        full.rank_end[r] == sym.rank_end[r] for r in folded.events)
-    print(f"symmetric == full: {same} (iteration times and live ranks' end times); "
+        full.rank_end[r] == sym.rank_end[r] and full.event_times[r] == sym.event_times[r] for r in sym.graph.events)
+    print(f"folded replay == full: {same} (iteration times; replayed ranks' end and event times); "
           f"speed-up {(t_syn + t_full) / t_sym:.0f}x")
     if args.profile:
         pstats.Stats(prof).sort_stats("tottime").print_stats(25)

@@ -208,8 +208,8 @@ def _cannot_write(path: Path, e: OSError) -> str:
               "default: communication free, compute from the trace.")
 @click.option("--chrome", "chrome_out", type=click.Path(path_type=Path), default=None,
               help="Write the predicted timeline as Chrome trace-event JSON.")
-@click.option("--full", is_flag=True, help="Folded trace: synthesise and replay every rank (default: replay the "
-              "live ranks symmetrically).")
+@click.option("--full", is_flag=True, help="Folded trace: synthesise and replay every rank (default: the fastest "
+              "exact way: the live ranks symmetrically, or one synthesised pipeline when stages are folded).")
 @click.option("--gpus-per-node", type=click.IntRange(min=1), default=None,
               help="Target placement for communication costs (default: the fold's, else the cluster profile's).")
 def replay_cmd(trace_dir: Path, cluster: str | None, chrome_out: Path | None, full: bool,
@@ -221,20 +221,17 @@ def replay_cmd(trace_dir: Path, cluster: str | None, chrome_out: Path | None, fu
     """
     from prism_megatron.replay.engine import GraphError, replay
     from prism_megatron.replay.graph import graph_from_trace
-    from prism_megatron.replay.synthesize import synthesize
     from prism_megatron.report.build import cost_model, provenance
     from prism_megatron.trace import TraceFormatError, read_trace
 
     try:
         graph = graph_from_trace(read_trace(trace_dir))
         fold = graph.fold
-        if full and fold is not None:
-            graph = synthesize(graph)
-        result = replay(graph, cost_model(cluster, fold, gpus_per_node))
+        result = replay(graph, cost_model(cluster, fold, gpus_per_node), fold_method="full" if full else "auto")
     except (TraceFormatError, GraphError, ValueError) as e:
         raise click.ClickException(str(e)) from None
-    click.echo(result.summary(None if fold is None else {r: fold.class_name(r) for r in graph.ranks}))
-    click.echo(f"  provenance: {provenance(cluster, fold=fold, full=full, gpus_per_node=gpus_per_node)}")
+    click.echo(result.summary(None if fold is None else {r: fold.class_name(r) for r in result.graph.ranks}))
+    click.echo(f"  provenance: {provenance(cluster, fold=fold, gpus_per_node=gpus_per_node, method=result.method)}")
     if chrome_out is not None:
         from prism_megatron.replay.export import write_chrome
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -19,10 +20,11 @@ from prism_megatron.trace.fold import FoldClass, make_fold
 
 def fold_trace(src: str | Path, dst: str | Path, rep: Sequence[int], gpus_per_node: int = 8,
                classes: Sequence[FoldClass] = (), class_of: Sequence[int] = (),
-               contributions: dict[str, dict[str, int]] | None = None) -> Path:
-    """Write at ``dst`` the trace ``src`` folded to the ranks of ``rep`` (rep[r]: whom rank r mirrors)."""
+               contributions: dict[str, dict[str, int]] | None = None, **v2: Any) -> Path:
+    """Write at ``dst`` the trace ``src`` folded to the ranks of ``rep`` (rep[r]: whom rank r mirrors);
+    ``v2``: depth, axes, sizes, coords of a version-2 plan."""
     trace = read_trace(src)
-    fold = make_fold(rep, gpus_per_node, classes, class_of, contributions)
+    fold = make_fold(rep, gpus_per_node, classes, class_of, contributions, **v2)
     live = pa.array(fold.live, pa.int32())
 
     def keep(table: pa.Table) -> pa.Table:

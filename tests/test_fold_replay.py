@@ -12,13 +12,13 @@ from folding import fold_trace
 from conftest import PROGRAMS, launch_source, prism
 from prism_megatron.calibration.costmodel import CollectiveCostModel, link_for
 from prism_megatron.calibration.profiles import load_profile
-from prism_megatron.replay import Comm, GraphBuilder, GraphError, Group, graph_from_trace, replay
+from prism_megatron.replay import Comm, DeadlockError, GraphBuilder, GraphError, Group, graph_from_trace, replay
 from prism_megatron.replay.synthesize import SynthesisError, fold_graph, synthesize
-from prism_megatron.replay.synthetic import Shape, megatron_1f1b, replica_fold
+from prism_megatron.replay.synthetic import Shape, class_fold, megatron_1f1b, replica_fold
 from prism_megatron.report import make_report, read_report, summary_text
 from prism_megatron.report.wandb_log import report_summary
 from prism_megatron.trace import TraceFormatError, read_trace
-from prism_megatron.trace.fold import FoldClass
+from prism_megatron.trace.fold import FoldClass, make_fold, parse_fold
 
 PROFILE = load_profile("h100-nvlink-ib400")
 
@@ -109,10 +109,16 @@ def test_inconsistent_folds_are_errors_naming_rank_and_group():
         synthesize(fold_graph(_tiny(), [0, 1, 2, 0], 8))
     with pytest.raises(GraphError, match=r"group [13] .*virtual member 3 whose representative 0 is not in"):
         replay(fold_graph(_tiny(), [0, 1, 2, 0], 8))
-    # a live rank whose pipeline partner is virtual cannot be replayed symmetrically
+    # a live rank whose pipeline partner is virtual cannot be replayed symmetrically; here (stage 1
+    # "mirroring" stage 0) the synthesised job is no job either
     shape = Shape(tp=1, pp=2, dp=2, microbatches=1, iterations=1)
-    with pytest.raises(GraphError, match=r"rank [01] event \d+: send on group \d+ \(peer [23]\).*peer is a virtual"):
-        replay(fold_graph(megatron_1f1b(shape), [0, 1, 0, 1], 8))
+    bad = fold_graph(megatron_1f1b(shape), [0, 1, 0, 1], 8)
+    with pytest.raises(GraphError, match=r"symmetric replay would not be exact: rank [01] event \d+ \(send\) has p2p "
+                                         r"partner [23], which is not replayed"):
+        replay(bad, fold_method="symmetric")
+    with pytest.raises(SynthesisError, match=r"rank 2 event \d+ \(send with peer 2 of rank 0\) has translated peer 4, "
+                                             r"outside \[0, 4\)"):
+        replay(bad)  # auto: every rank, which cannot be synthesised
 
 
 @pytest.fixture(scope="module")
@@ -219,3 +225,144 @@ def test_replay_cli_on_a_folded_trace(launched):
     assert pairs.returncode == 0 and "on 2 GPUs per node" in pairs.stdout, pairs.stderr
     makespan = lambda out: float(re.search(r"makespan ([0-9.]+) ms", out).group(1))  # noqa: E731
     assert makespan(pairs.stdout) > makespan(sym.stdout)  # data-parallel pairs now cross nodes
+
+
+# --- version-2 folds (class depth): TP peers and middle pipeline stages folded too -------------------
+# The plans below take their coordinates from replay.synthetic's rank order, tp fastest, then (cp = 1)
+# dp, then pp: the mixed radix that Megatron's RankGenerator gives a dense layout in order tp-cp-dp-pp.
+
+
+def test_v2_fold_translates_by_coordinates():
+    shape = Shape(tp=2, pp=4, dp=3)
+    fold = make_fold(**class_fold(shape), gpus_per_node=8)
+    assert fold.version == 2 and fold.live == (0, 6, 18) and fold.depth == "class"
+    doc = fold.to_json()
+    assert doc["version"] == 2 and doc["sizes"] == [2, 1, 3, 4] and doc["coords"][7] == [1, 0, 0, 1]
+    assert parse_fold(doc, 24, "m.json") == fold
+    for r in range(24):
+        for x in (0, 6, 18, 5, 23):
+            c = [(a + b - d) % n for a, b, d, n in zip(fold.coords[x], fold.coords[r], fold.coords[fold.rep[r]],
+                                                         fold.sizes, strict=True)]
+            assert fold.coords[fold.translate(r, x)] == tuple(c)
+    r = shape.rank(1, 2, 2)  # a TP peer of a middle stage mirrors stage 1's tp = dp = 0 rank
+    assert fold.rep[r] == shape.rank(0, 0, 1)
+    assert fold.translate(r, shape.rank(0, 0, 2)) == shape.rank(1, 2, 3)  # its downstream neighbour
+    assert fold.translate(r, shape.rank(1, 1, 0)) == shape.rank(0, 0, 1)  # wraps around the torus
+    assert fold.lockstep_steps() == (1, 1, 1, 4)  # tp, dp; not pp (stages 0 and 1 mirror different ranks)
+    v1 = make_fold(replica_fold(shape), 8)
+    assert v1.version == 1 and "coords" not in v1.to_json()
+    assert v1.translate(shape.rank(1, 2, 3), shape.rank(0, 0, 2)) == shape.rank(0, 2, 2)  # x + r - rep[r]
+
+
+def test_bad_v2_plans_are_refused_naming_the_field():
+    good = make_fold(**class_fold(Shape(tp=2, pp=3, dp=2)), gpus_per_node=8).to_json()
+    cases = [
+        (dict(depth="deep"), r"'job.fold.depth' is 'deep', expected one of replica, class"),
+        (dict(axes=["tp", "tp", "dp", "pp"]), r"'job.fold.axes' is \['tp', 'tp', 'dp', 'pp'\], expected a list of "
+                                              "distinct axis names"),
+        (dict(sizes=[2, 1, 2]), r"'job.fold.sizes' is \[2, 1, 2\], expected one size >= 1 per axis \(4 axes\)"),
+        (dict(sizes=[2, 1, 3, 3]), r"'job.fold.sizes' is \[2, 1, 3, 3\], whose product 18 is not the world size 12"),
+        (dict(coords=None), r"'job.fold.coords' is missing, expected one list of 4 coordinates per rank \(12\)"),
+        (dict(coords=good["coords"][:5]), r"'job.fold.coords' has 5 entries"),
+        (dict(coords=[*good["coords"][:3], [0, 0, 2, 0], *good["coords"][4:]]),
+         r"'job.fold.coords\[3\]' is \[0, 0, 2, 0\], expected 4 integers within sizes \[2, 1, 2, 3\]"),
+        (dict(coords=[*good["coords"][:3], good["coords"][0], *good["coords"][4:]]),
+         r"'job.fold.coords\[3\]' is \[0, 0, 0, 0\], the same as rank 0's: coordinates must be distinct"),
+    ]
+    for change, message in cases:
+        with pytest.raises(TraceFormatError, match=r"plan.json.*" + message):
+            parse_fold({**good, **change}, 12, "plan.json")
+
+
+def test_replica_fold_keeping_two_dp_indices_replays_symmetrically():
+    """A version-2 replica fold that keeps k = 2 DP indices (as a MoE layout's expert groups may need):
+    DP peers two apart are lockstep peers, so the live ranks replay symmetrically and exactly."""
+    shape = Shape(tp=2, pp=2, dp=4, microbatches=2, iterations=1)
+    kw = class_fold(shape)
+    rep = [shape.rank(t, d % 2, p) for t, _, d, p in kw["coords"]]
+    full = megatron_1f1b(shape)
+    folded = fold_graph(full, rep, 4, depth="replica", axes=kw["axes"], sizes=kw["sizes"], coords=kw["coords"])
+    assert folded.fold.lockstep_steps() == (2, 1, 2, 2) and len(folded.fold.live) == 8
+    cost = CollectiveCostModel(PROFILE, gpus_per_node=4)
+    sym = replay(folded, cost)
+    assert sym.method.startswith("symmetric replay of the live ranks (8;")
+    _same_times(sym, replay(full, cost), folded.fold.live)
+
+
+@pytest.mark.parametrize("shape", [Shape(tp=2, pp=4, dp=3, microbatches=4, iterations=2, gpu_times=True,
+                                         uniform_middle=True),
+                                   Shape(tp=2, pp=5, dp=2, microbatches=2, iterations=1, uniform_middle=True)],
+                         ids=["tp2-pp4-dp3", "tp2-pp5-dp2"])
+def test_class_fold_synthesises_the_job_and_replays_one_pipeline_exactly(shape):
+    full = megatron_1f1b(shape)  # middle stages run stage 1's schedule: the job a class fold describes
+    folded = fold_graph(full, gpus_per_node=4, **class_fold(shape))
+    assert folded.fold.live == (0, shape.rank(0, 0, 1), shape.rank(0, 0, shape.pp - 1))
+    synth = synthesize(folded)
+    for r in range(shape.world_size):
+        assert _canonical(synth, r) == _canonical(full, r), r
+    cost = CollectiveCostModel(PROFILE, gpus_per_node=4)
+    ref = replay(full, cost)
+    _same_times(replay(synth, cost), ref, range(shape.world_size))
+    fast = replay(folded, cost)  # one pipeline synthesised (its folded middle stages), symmetric over TP/DP peers
+    pipeline = [shape.rank(0, 0, p) for p in range(shape.pp)]
+    assert fast.graph.ranks == pipeline and "one pipeline" in fast.method
+    _same_times(fast, ref, pipeline)
+    everyone = replay(folded, cost, fold_method="full")
+    assert sorted(everyone.graph.events) == list(range(shape.world_size)) and "every rank" in everyone.method
+    _same_times(everyone, ref, range(shape.world_size))
+    with pytest.raises(GraphError, match="the symmetric replay does not apply to this fold; replay of 4 synthesised"
+                       if shape.pp == 4 else "the symmetric replay does not apply"):
+        replay(folded, cost, fold_method="symmetric")
+
+
+def test_asymmetric_placement_falls_back_to_every_rank():
+    shape = Shape(tp=2, pp=4, dp=3, microbatches=2, iterations=1, uniform_middle=True)
+    full = megatron_1f1b(shape)
+    folded = fold_graph(full, gpus_per_node=3, **class_fold(shape))
+    cost = CollectiveCostModel(PROFILE, gpus_per_node=3)  # TP pair {0, 1} on one node, {2, 3} across two
+    result = replay(folded, cost)
+    assert "every rank (24)" in result.method
+    assert any("the pipeline replay would not be exact (all_reduce of 16777216 B on ranks [0, 1] costs" in n and
+               "on its translate [2, 3] (the placement on nodes is not symmetric" in n for n in result.graph.notes)
+    _same_times(result, replay(full, cost), range(shape.world_size))
+    with pytest.raises(GraphError, match="the pipeline replay would not be exact: all_reduce"):
+        replay(folded, cost, fold_method="pipeline")
+
+
+def test_folded_stages_with_their_own_1f1b_schedules_are_not_a_silent_wrong_replay():
+    shape = Shape(tp=1, pp=6, dp=2, microbatches=4, iterations=1)  # stage p warms up pp - p - 1 forwards
+    folded = fold_graph(megatron_1f1b(shape), gpus_per_node=8, **class_fold(shape))
+    with pytest.raises(DeadlockError, match=r"(?s)deadlock.*folded pipeline stages: a virtual rank that is not a "
+                                            r"lockstep peer.*1F1B runs pp - stage - 1 warm-up forwards"):
+        replay(folded)
+
+
+def test_inconsistent_v2_plans_are_errors_naming_rank_and_group():
+    shape = Shape(tp=2, pp=3, dp=2, microbatches=1, iterations=1)
+    kw = class_fold(shape)
+    coords = list(kw["coords"])
+    coords[2], coords[3] = coords[3], coords[2]  # ranks 2 and 3 (dp 1) swap their tp coordinates
+    message = (r"rank 1 \(mirroring rank 0, offset tp\+1\) would join group \d+ \(dp, ranks \[0, 2\]\) translated to "
+               r"ranks \[1, 3\], but member 3 mirrors rank 0 \(offset dp\+1\): the translated group does not exist")
+    with pytest.raises(SynthesisError, match=message):
+        synthesize(fold_graph(megatron_1f1b(shape), gpus_per_node=8, **{**kw, "coords": coords}))
+
+
+def test_v2_folded_trace_reads_and_replays(launched, tmp_path):
+    """The real TP2·PP2·DP2 trace folded to one rank per stage (TP peers and DP folded): rank r has
+    coordinates tp = r % 2, dp = (r // 2) % 2, pp = r // 4 (the program's order, tp-cp-dp-pp)."""
+    full, _, _ = launched
+    coords = [(r % 2, 0, (r // 2) % 2, r // 4) for r in range(8)]
+    path = fold_trace(full.path, tmp_path / "v2", [0, 0, 0, 0, 4, 4, 4, 4], gpus_per_node=4, depth="class",
+                      axes=("tp", "cp", "dp", "pp"), sizes=(2, 1, 2, 2), coords=coords)
+    trace = read_trace(path)
+    assert trace.fold.version == 2 and trace.fold.live == (0, 4) and trace.fold.coords == tuple(coords)
+    graph = graph_from_trace(trace)
+    cost = CollectiveCostModel(PROFILE, gpus_per_node=4)
+    sym = replay(graph, cost)
+    assert sym.method.startswith("symmetric replay of the live ranks (2;") and sorted(sym.graph.events) == [0, 4]
+    every = replay(synthesize(graph), cost)
+    _same_times(sym, every, [0, 4])
+    for r in range(8):  # rank 3 (tp 1, dp 1) does rank 0's ops on its own TP, DP and pipeline groups
+        assert [e for e in _canonical(synthesize(graph), r) if isinstance(e, tuple)] == [
+            e for e in _canonical(graph_from_trace(full), r) if isinstance(e, tuple)], r

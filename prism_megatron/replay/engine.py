@@ -24,7 +24,8 @@ Symmetric replay (a folded graph, ``Graph.fold``): only the live ranks are repla
 over a group with virtual members starts when its live members have issued it (each virtual member
 issues it when its representative does, so this is exact where the fold's symmetry is) and is
 costed for the whole group: its size and its ranks' placement on nodes. A live rank's p2p partner
-must be live (else replay the synthesised graph, replay.synthesize).
+must be live. :func:`replay` of a folded graph goes through replay.folded, which picks a method
+that is exact for the fold (symmetric, one synthesised pipeline, or every rank) and checks it.
 
 Since no resource is shared, every time is a max-plus function of the inputs and the order in
 which ranks are advanced does not change the result. Link contention between concurrent ops and
@@ -188,6 +189,9 @@ class ReplayResult:
     #: per rank, per event: (time the rank reached it, time the rank moved past it); host clock for
     #: Compute, Mark and CpuSync, device stream for Comm and Wait (the same with one clock)
     event_times: dict[int, list[tuple[float, float]]] = field(default_factory=dict)
+    #: how the job was replayed (a folded graph: which method, replay.folded); "" for every rank of a
+    #: graph that is not folded
+    method: str = ""
 
     def breakdown(self, rank: int, t0: float = 0.0, t1: float | None = None) -> Breakdown:
         """Per-rank compute / exposed comm / bubble / comm within [t0, t1] (default: whole run)."""
@@ -573,7 +577,16 @@ class _Replay:
         return path
 
 
-def replay(graph: Graph, cost: CostFn = zero_cost, *, serialize_group_collectives: bool = True) -> ReplayResult:
-    """Replay ``graph`` with communication costed by ``cost``; raise DeadlockError on a deadlock."""
+def replay(graph: Graph, cost: CostFn = zero_cost, *, serialize_group_collectives: bool = True,
+           fold_method: str = "auto") -> ReplayResult:
+    """Replay ``graph`` with communication costed by ``cost``; raise DeadlockError on a deadlock.
+
+    A folded graph is replayed by ``fold_method`` (replay.folded.FOLD_METHODS; ``auto``: the fastest
+    that is exact for it); the result's ``method`` says which.
+    """
     graph.validate()
+    if graph.fold is not None:
+        from .folded import replay_folded
+
+        return replay_folded(graph, cost, fold_method, serialize_group_collectives)
     return _Replay(graph, cost, serialize_group_collectives).run()

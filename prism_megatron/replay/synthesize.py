@@ -1,17 +1,20 @@
 """The full-scale graph of a folded job: every rank of the target, from its live ranks' events.
 
-A virtual rank r does what its representative ``rep[r]`` did, in its own replica (``shift(r) =
-r - rep[r]``): it takes rep[r]'s events (compute with host and device times, marks, waits); a
-point-to-point peer x becomes x + shift(r); a collective on group R stays on R when r is a member
-of R (a group across replicas, e.g. data-parallel), else moves to R + shift(r), a group of r's
-replica that the folded run never created (it gets a new id here, one per original group and
-shift, so each keeps its own sequence numbers as a communicator would).
+A virtual rank r does what its representative ``rep[r]`` did, translated to r (``Fold.translate``:
+by coordinates on the job's parallel axes for a version-2 plan, by ``r - rep[r]`` for a version-1
+one): it takes rep[r]'s events (compute with host and device times, marks, waits); a point-to-point
+peer x becomes translate(r, x); a collective on group R stays on R when the translation maps R onto
+itself (r's own TP, DP or pipeline group when rep[r] is in it too; for a version-1 plan, any group
+r is a member of), else moves to the translated group {translate(r, x) for x in R}, a group that the
+folded run never created (it gets a new id here, one per original group and translation, so each
+keeps its own sequence numbers as a communicator would).
 
-Synthesis is only sound when the shifted groups are consistent: every member of R + s must be a
-virtual rank that mirrors its own rank - s and is not itself in R (so it, too, moves its R events
-to R + s), and every virtual member of a group R the live ranks use must have its representative
-in R. Anything else is an error naming the rank and the group: a fold plan that does not describe
-the job's symmetry must not give a silently wrong graph.
+Synthesis is only sound when the translated groups are consistent: every member y of a translated
+group must be a virtual rank that mirrors a member of R and translates R to the same group (so it,
+too, moves its R events there), and is not itself in R; a rank in R whose translation moves R would
+have to play two parts. Every virtual member of a group R the live ranks use must have its
+representative in R. Anything else is an error naming the rank and the group: a fold plan that does
+not describe the job's symmetry must not give a silently wrong graph.
 
 :func:`fold_graph` goes the other way (keep the live ranks of a full graph): it is how tests and
 benchmarks make folded graphs, and with it synthesis can be checked against the original.
@@ -19,20 +22,22 @@ benchmarks make folded graphs, and with it synthesis can be checked against the 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from ..trace.fold import Fold, FoldClass, make_fold
 from .graph import Comm, Event, Graph, GraphError, Group
 
 
 class SynthesisError(GraphError):
-    """The fold cannot be unfolded: a shifted peer or group falls outside the job or is inconsistent."""
+    """The fold cannot be unfolded: a translated peer or group falls outside the job or is inconsistent."""
 
 
 def fold_graph(graph: Graph, rep: Sequence[int], gpus_per_node: int, classes: Sequence[FoldClass] = (),
-               class_of: Sequence[int] = ()) -> Graph:
-    """``graph`` (every rank of the job) folded to the ranks ``rep`` names: their events, all groups."""
-    fold = make_fold(rep, gpus_per_node, classes, class_of)
+               class_of: Sequence[int] = (), *, depth: str = "replica", axes: Sequence[str] = (),
+               sizes: Sequence[int] = (), coords: Sequence[Sequence[int]] = ()) -> Graph:
+    """``graph`` (every rank of the job) folded to the ranks ``rep`` names: their events, all groups.
+    ``coords`` (with ``axes``, ``sizes``, ``depth``): a version-2 fold (see trace.fold)."""
+    fold = make_fold(rep, gpus_per_node, classes, class_of, depth=depth, axes=axes, sizes=sizes, coords=coords)
     if sorted(graph.events) != list(range(fold.world_size)):
         raise GraphError(f"{graph.source}: fold_graph needs every rank 0..{fold.world_size - 1}; "
                          f"the graph has {len(graph.events)}")
@@ -45,7 +50,8 @@ class _Synthesis:
         self.g, self.fold = graph, fold
         self.groups: dict[int, Group] = dict(graph.groups)
         self.members: dict[int, frozenset[int]] = {}
-        self.shifted: dict[tuple[int, int], int] = {}
+        self.moved: dict[tuple[int, tuple[int, ...]], int] = {}  # (group, its translation) -> group it lands on
+        self.free: dict[int, tuple[bool, ...]] = {}
         self.next_id = max(self.groups, default=-1) + 1
         self.checked: set[int] = set()
 
@@ -73,41 +79,74 @@ class _Synthesis:
         shown = ranks if len(ranks) <= 8 else [*ranks[:4], "...", *ranks[-2:]]
         return f"({g.name + ', ' if g.name else ''}ranks {shown}) "
 
-    def group_for(self, gid: int, rank: int, shift: int) -> int:
+    def _key(self, gid: int, offset: tuple[int, ...]) -> tuple[int, ...]:
+        """The part of ``offset`` that moves group ``gid``: version 2 drops the axes along which the group
+        is invariant (a DP group moved along dp is itself), so that a translated group is made once."""
+        fold = self.fold
+        if not fold.coords:
+            return offset
+        free = self.free.get(gid)
+        if free is None:
+            free = self.free[gid] = fold.invariant_axes(self.groups[gid].ranks)
+        return tuple(0 if f else d for f, d in zip(free, offset, strict=True))
+
+    def _how(self, offset: tuple[int, ...]) -> str:
+        if not self.fold.coords:
+            return f"shift {offset[0]}"
+        return "offset " + (", ".join(f"{a}+{d}" for a, d in zip(self.fold.axes, offset, strict=True) if d) or "0")
+
+    def _where(self, rank: int, offset: tuple[int, ...]) -> str:
+        return f"rank {rank} (mirroring rank {self.fold.rep[rank]}, {self._how(offset)})"
+
+    def group_for(self, gid: int, rank: int, offset: tuple[int, ...]) -> int:
         """The group virtual rank ``rank`` joins for its representative's op on ``gid``."""
-        if rank in self._members(gid):
+        members = self._members(gid)
+        v2 = bool(self.fold.coords)
+        key = self._key(gid, offset)
+        if rank in members and (not v2 or not any(key)):
             self.check_virtual_members(gid)
             return gid
-        key = (gid, shift)
-        new = self.shifted.get(key)
-        if new is not None:
-            return new
-        w, rep = self.fold.world_size, self.fold.rep
+        found = self.moved.get((gid, key))
+        if found is not None:
+            return found
+        w, rep, fold = self.fold.world_size, self.fold.rep, self.fold
         source = self.groups[gid]
-        ranks = tuple(x + shift for x in source.ranks)
+        ranks = tuple(fold.translate_by(key, x) for x in source.ranks)
+        if v2 and frozenset(ranks) == members:  # a group the translation maps onto itself
+            self.check_virtual_members(gid)
+            self.moved[(gid, key)] = gid
+            return gid
+        if rank in members:
+            raise SynthesisError(
+                f"{self.g.source}: {self._where(rank, offset)} is a member of group {gid} {self._name(gid)}but "
+                f"its representative's group translates to other ranks {_short(ranks)}: rank {rank} would have "
+                "to play a part in both")
         for y in ranks:
             if not 0 <= y < w:
                 raise SynthesisError(
-                    f"{self.g.source}: rank {rank} (mirroring rank {rep[rank]}, shift {shift}) would join group "
-                    f"{gid} {self._name(gid)}shifted to ranks {list(ranks)}, and rank {y} is outside [0, {w})")
-            if rep[y] != y - shift or y in self._members(gid):
+                    f"{self.g.source}: {self._where(rank, offset)} would join group {gid} {self._name(gid)}"
+                    f"translated to ranks {_short(ranks)}, and rank {y} is outside [0, {w})")
+            if y in members or rep[y] not in members or self._key(gid, fold.offset(y)) != key:
                 raise SynthesisError(
-                    f"{self.g.source}: rank {rank} (mirroring rank {rep[rank]}, shift {shift}) would join group "
-                    f"{gid} {self._name(gid)}shifted to ranks {list(ranks)}, but member {y} mirrors rank {rep[y]} "
-                    f"(shift {y - rep[y]}){' and is in the original group' if y in self._members(gid) else ''}: "
-                    "the shifted group does not exist consistently")
-        new = self.shifted[key] = self.next_id
+                    f"{self.g.source}: {self._where(rank, offset)} would join group {gid} {self._name(gid)}"
+                    f"translated to ranks {_short(ranks)}, but member {y} mirrors rank {rep[y]} "
+                    f"({self._how(fold.offset(y))})"
+                    f"{' and is in the original group' if y in members else ''}: "
+                    "the translated group does not exist consistently")
+        new = self.moved[(gid, key)] = self.next_id
         self.next_id += 1
-        name = f"{source.name}+{shift}" if source.name else f"group {gid}+{shift}"
+        tag = ",".join(str(d) for d in key)
+        name = f"{source.name}+({tag})" if source.name else f"group {gid}+({tag})"
         self.groups[new] = Group(new, ranks, name)
         return new
 
     def rank_events(self, rank: int) -> list[Event]:
         rep = self.fold.rep[rank]
-        shift = rank - rep
         src = self.g.events[rep]
-        if shift == 0:
+        if rank == rep:
             return src
+        offset = self.fold.offset(rank)
+        translate = self.fold.translate_by
         w = self.fold.world_size
         out: list[Event] = []
         cache: dict[int, int] = {}
@@ -117,24 +156,29 @@ class _Synthesis:
                 continue
             gid = cache.get(ev.group)
             if gid is None:
-                gid = cache[ev.group] = self.group_for(ev.group, rank, shift)
+                gid = cache[ev.group] = self.group_for(ev.group, rank, offset)
             moved = gid != ev.group
             peer, root = ev.peer, ev.root
             if ev.is_p2p:
-                peer = ev.peer + shift
+                peer = translate(offset, ev.peer)
                 if not 0 <= peer < w or peer not in self._members(gid):
                     raise SynthesisError(
                         f"{self.g.source}: rank {rank} event {i} ({ev.kind} with peer {ev.peer} of rank {rep}) "
-                        f"has shifted peer {peer}, " + (f"outside [0, {w})" if not 0 <= peer < w else
-                                                         f"not in group {gid} {self._name(gid)}"))
+                        f"has translated peer {peer}, " + (f"outside [0, {w})" if not 0 <= peer < w else
+                                                            f"not in group {gid} {self._name(gid)}"))
             elif moved and root >= 0:
-                root += shift
+                root = translate(offset, root)
             out.append(Comm(ev.kind, gid, ev.seq, peer, root, ev.nbytes, ev.dtype, ev.async_op, ev.label))
         return out
 
 
-def synthesize(graph: Graph) -> Graph:
-    """The graph of every rank of ``graph``'s fold (see the module docstring); not validated here
+def _short(ranks: Sequence[int]) -> str:
+    return str(list(ranks)) if len(ranks) <= 8 else f"[{', '.join(map(str, ranks[:4]))}, ..., {ranks[-1]}]"
+
+
+def synthesize(graph: Graph, ranks: Iterable[int] | None = None) -> Graph:
+    """The graph of every rank of ``graph``'s fold (see the module docstring), or of ``ranks`` only
+    (with every group: the pipeline replay of replay.folded); unfolded and not validated here
     (``replay`` validates its input)."""
     fold = graph.fold
     if fold is None:
@@ -145,5 +189,7 @@ def synthesize(graph: Graph) -> Graph:
     s = _Synthesis(graph, fold)
     for gid in sorted({ev.group for evs in graph.events.values() for ev in evs if type(ev) is Comm}):
         s.check_virtual_members(gid)
-    events = {r: s.rank_events(r) for r in range(fold.world_size)}
-    return Graph(s.groups, events, f"{graph.source} (synthesised: {fold.world_size} ranks)", list(graph.notes))
+    which = range(fold.world_size) if ranks is None else sorted(ranks)
+    events = {r: s.rank_events(r) for r in which}
+    what = f"{fold.world_size} ranks" if ranks is None else f"{len(events)} of {fold.world_size} ranks"
+    return Graph(s.groups, events, f"{graph.source} (synthesised: {what})", list(graph.notes))

@@ -9,11 +9,17 @@ all-gather, a loss all-reduce over data-parallel ranks and a grad-norm all-reduc
 model-parallel group. Stages differ in compute (embedding on the first, loss on the last), so a
 graph has one class of ranks per stage and tensor-parallel rank; every data-parallel replica is the
 same, which makes the graph symmetric under the fold to replica 0 (:func:`replica_fold`).
+
+Under 1F1B a stage's schedule depends on its position (stage p runs ``pp - p - 1`` warm-up
+forwards), so middle stages are not translates of each other. ``Shape.uniform_middle`` gives every
+middle stage the lowest middle stage's schedule: the job that a class-depth fold (:func:`class_fold`,
+middle stages mirroring the lowest one) describes, which synthesis must then rebuild exactly.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from .graph import Graph, GraphBuilder
 
@@ -32,6 +38,7 @@ class Shape:
     activation_bytes: int = 16 << 20
     grad_bytes: int = 256 << 20
     gpu_times: bool = False  # two clocks: host time is a third of the device's
+    uniform_middle: bool = False  # every middle stage runs stage 1's 1F1B schedule (see the module docstring)
 
     @property
     def world_size(self) -> int:
@@ -44,6 +51,20 @@ class Shape:
 def replica_fold(shape: Shape) -> list[int]:
     """rep of the fold to data-parallel replica 0 (Megatron's v1 sandbox for a dense model)."""
     return [shape.rank(r % shape.tp, 0, r // (shape.tp * shape.dp)) for r in range(shape.world_size)]
+
+
+def class_fold(shape: Shape) -> dict[str, Any]:
+    """``fold_graph`` keywords of the class-depth fold of ``shape``: one live rank per class (tp = dp =
+    0; stage 0, the lowest middle stage 1 for every middle stage, the last stage), with the version-2
+    coordinates (tp, cp, dp, pp) of this module's rank order (tp fastest, then dp, then pp)."""
+    s = shape
+
+    def stage_class(p: int) -> int:
+        return 1 if 0 < p < s.pp - 1 else p
+
+    coords = [(r % s.tp, 0, (r // s.tp) % s.dp, r // (s.tp * s.dp)) for r in range(s.world_size)]
+    return {"rep": [s.rank(0, 0, stage_class(c[3])) for c in coords], "depth": "class",
+            "axes": ("tp", "cp", "dp", "pp"), "sizes": (s.tp, 1, s.dp, s.pp), "coords": coords}
 
 
 def megatron_1f1b(shape: Shape) -> Graph:
@@ -104,7 +125,7 @@ def _rank_program(b: GraphBuilder, s: Shape, r: int, p: int, tp: int, dp: int, p
             b.wait(r, *refs)
 
     m = s.microbatches
-    warmup = min(s.pp - p - 1, m)
+    warmup = min(s.pp - (1 if s.uniform_middle and 0 < p < s.pp - 1 else p) - 1, m)
     for it in range(s.iterations):
         b.mark(r, "iteration", "B", iteration=it)
         for _ in range(warmup):

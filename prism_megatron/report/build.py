@@ -107,10 +107,12 @@ def _substitutions(subs: Any, where: Path) -> list[dict[str, str]] | None:
 
 
 def provenance(cluster: str | None, gpu_timed: bool = False, calibrated: bool = False,
-               fold: Fold | None = None, full: bool = False, gpus_per_node: int | None = None) -> str:
+               fold: Fold | None = None, full: bool = False, gpus_per_node: int | None = None,
+               method: str = "") -> str:
     """Where the predicted numbers come from, in a sentence: they are not measurements. A folded
-    trace adds which ranks were real and how the virtual ones were made (``full``: the synthesised
-    graph of every rank was replayed, else the live ranks symmetrically)."""
+    trace adds which ranks were real and how the virtual ones were made, and how the job was replayed
+    (``method``: the replay's own sentence, ReplayResult.method; else ``full``: the synthesised graph
+    of every rank, or the live ranks symmetrically)."""
     base = _provenance(cluster, gpu_timed, calibrated)
     if fold is None:
         return base
@@ -120,8 +122,8 @@ def provenance(cluster: str | None, gpu_timed: bool = False, calibrated: bool = 
     return (f"{base}; {n} of {w} ranks ran for real (ranks {rank_ranges(fold.live)}), the other {w - n} are "
             f"virtual: each mirrors its class's sandbox rank (compute, and op inputs: {made}), its collectives "
             f"costed for the full groups on {gpus_per_node or fold.gpus_per_node} GPUs per node; "
-            + ("replay of the synthesised graph of every rank" if full else
-               "symmetric replay of the live ranks"))
+            + (method or ("replay of the synthesised graph of every rank" if full else
+                          "symmetric replay of the live ranks")))
 
 
 def _provenance(cluster: str | None, gpu_timed: bool, calibrated: bool) -> str:
@@ -273,6 +275,8 @@ def _prediction(result: ReplayResult, cluster: str | None, classes: dict[int, st
     per_s = median if median and median > 0 else None
     number, t0, t1 = _window(result, timed)
     breakdown = []
+    if fold is not None:  # a folded job's replay may hold synthesised ranks besides the live ones
+        classes = {**classes, **{r: fold.class_name(r) for r in result.graph.ranks}}
     for r in result.graph.ranks:
         b = result.breakdown(r, t0, t1)
         breakdown.append({"rank": r, "class": classes.get(r, UNKNOWN), "compute_s": b.compute,
@@ -280,7 +284,8 @@ def _prediction(result: ReplayResult, cluster: str | None, classes: dict[int, st
                           "host_bound_s": _host_bound(result, r, t0, t1)})
     its = result.iterations()
     return {
-        "provenance": provenance(cluster, any(b["host_bound_s"] is not None for b in breakdown), calibrated, fold),
+        "provenance": provenance(cluster, any(b["host_bound_s"] is not None for b in breakdown), calibrated, fold,
+                                 method=result.method),
         "cluster": cluster,
         "iteration_times_s": times,
         "iteration_time_s": median,

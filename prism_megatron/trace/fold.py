@@ -1,7 +1,13 @@
 """The fold of a trace: which ranks ran for real and whom every other rank mirrors.
 
 A folded job runs only its *live* ranks; every virtual rank r mirrors its representative
-``rep[r]`` (a live rank of the same class), shifted into r's own replica by ``r - rep[r]``. The
+``rep[r]`` (a live rank of the same class), *translated* to r: a rank x that rep[r] deals with (a
+p2p peer, a group member) is, for r, :meth:`Fold.translate` ``(r, x)``. A version-2 plan gives
+every rank's coordinates on the job's parallel axes (``axes``, ``sizes``, ``coords``: Megatron's
+rank order, e.g. tp-cp-dp-pp) and the translation is by coordinates on the torus, so that TP/CP
+peers and middle pipeline stages can be folded too (``depth`` "class"); a version-1 plan (data
+parallelism folded only) has no coordinates and the translation is the shift ``x + r - rep[r]``
+into r's replica. The
 runtime records the fold plan in the manifest's job key ``"fold"`` (the plan's JSON plus
 ``"contributions"``: per op kind, how many virtual contributions were mirrored, recorded, kept or
 passed through);
@@ -12,18 +18,25 @@ as strictly as the rest of the trace (errors name the file and the field).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 from .schema import MANIFEST_FILE, TraceFormatError
 
 #: Fold plan versions this reader understands.
-FOLD_VERSIONS: tuple[int, ...] = (1,)
+FOLD_VERSIONS: tuple[int, ...] = (1, 2)
+#: How deep a version-2 plan folds: "replica" (data parallelism only), "class" (TP/CP peers and
+#: middle pipeline stages too: one live rank per class).
+FOLD_DEPTHS: tuple[str, ...] = ("replica", "class")
 #: How a virtual member's input to an op was made: nccl_prune.contributions.HOWS (a test keeps them
 #: equal; the trace format imports no executor).
 CONTRIBUTION_WAYS: tuple[str, ...] = ("mirror", "recorded", "keep", "passthrough")
+
+Coord = tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -39,7 +52,11 @@ class FoldClass:
 
 @dataclass(frozen=True)
 class Fold:
-    """A fold plan as replay and reports need it (see the module docstring)."""
+    """A fold plan as replay and reports need it (see the module docstring).
+
+    ``axes``/``sizes``/``coords`` (version 2): the parallel axes in rank order, their sizes and every
+    rank's coordinates on them; empty for a version-1 plan.
+    """
 
     world_size: int
     live: tuple[int, ...]
@@ -48,11 +65,92 @@ class Fold:
     classes: tuple[FoldClass, ...] = ()
     class_of: tuple[int, ...] = ()
     contributions: dict[str, dict[str, int]] = field(default_factory=dict, hash=False, compare=False)
+    depth: str = "replica"
+    axes: tuple[str, ...] = ()
+    sizes: tuple[int, ...] = ()
+    coords: tuple[tuple[int, ...], ...] = field(default=(), repr=False)
+
+    @property
+    def version(self) -> int:
+        return 2 if self.coords else 1
 
     def shift(self, rank: int) -> int:
-        """How far rank ``rank``'s replica is from its representative's: ``rank - rep[rank]``."""
+        """How far rank ``rank``'s replica is from its representative's: ``rank - rep[rank]`` (version 1)."""
         return rank - self.rep[rank]
 
+    # --- translation --------------------------------------------------------------------------
+    @cached_property
+    def _rank_at(self) -> list[int]:
+        """The O(W) index: rank by mixed-radix code of its coordinates (first axis fastest)."""
+        at = [-1] * self.world_size
+        for r, c in enumerate(self.coords):
+            at[self._code(c)] = r
+        return at
+
+    @cached_property
+    def _strides(self) -> tuple[int, ...]:
+        out, k = [], 1
+        for n in self.sizes:
+            out.append(k)
+            k *= n
+        return tuple(out)
+
+    def _code(self, c: Sequence[int]) -> int:
+        return sum(x * k for x, k in zip(c, self._strides, strict=True))
+
+    def offset(self, rank: int) -> tuple[int, ...]:
+        """The translation from ``rep[rank]`` to ``rank``: per axis, coordinate difference mod size
+        (version 2), or ``(rank - rep[rank],)`` (version 1)."""
+        if not self.coords:
+            return (rank - self.rep[rank],)
+        a, b = self.coords[rank], self.coords[self.rep[rank]]
+        return tuple((x - y) % n for x, y, n in zip(a, b, self.sizes, strict=True))
+
+    def translate_by(self, offset: Sequence[int], x: int) -> int:
+        """Rank ``x`` translated by ``offset`` (from :meth:`offset`). Version 1: ``x + offset[0]``,
+        which may fall outside [0, W) (the caller says why that is an error)."""
+        if not self.coords:
+            return x + offset[0]
+        c = self.coords[x]
+        return self._rank_at[sum(((a + d) % n) * k for a, d, n, k in zip(c, offset, self.sizes, self._strides,
+                                                                          strict=True))]
+
+    def translate(self, rank: int, x: int) -> int:
+        """The rank that is, for virtual rank ``rank``, what ``x`` is for ``rep[rank]``: the rank whose
+        coordinates are ``coords[x] + coords[rank] - coords[rep[rank]]`` (mod sizes, axis by axis);
+        ``x + rank - rep[rank]`` for a version-1 plan. O(1) after an O(W) index built once."""
+        return self.translate_by(self.offset(rank), x)
+
+    def unit(self, axis: int, step: int = 1) -> tuple[int, ...]:
+        """The offset of ``step`` along axis number ``axis`` (version 2)."""
+        return tuple(step if a == axis else 0 for a in range(len(self.axes)))
+
+    def invariant_axes(self, ranks: Sequence[int]) -> tuple[bool, ...]:
+        """Per axis: whether the set ``ranks`` maps onto itself when moved one step along it (a DP group
+        along dp, a TP group along tp; an axis of size 1 always). O(len(ranks) * axes); version 2."""
+        members = frozenset(ranks)
+        return tuple(n == 1 or all(self.translate_by(self.unit(a), x) in members for x in members)
+                     for a, n in enumerate(self.sizes))
+
+    def lockstep_steps(self) -> tuple[int, ...]:
+        """Per axis, the smallest step along it that keeps every rank's representative (a divisor of the
+        axis size; the size itself when no smaller one does): ranks that differ by multiples of these
+        steps run the same program translated, in lockstep (TP/CP/DP peers under a class fold: step 1;
+        DP under a replica fold that keeps k DP indices: step k). Folded pipeline stages are not
+        lockstep peers (along pp the step is the size). () for version 1."""
+        out = []
+        for a, n in enumerate(self.sizes):
+            step = n
+            for s in range(1, n):
+                if n % s == 0:
+                    move = self.unit(a, s)
+                    if all(self.rep[self.translate_by(move, x)] == self.rep[x] for x in range(self.world_size)):
+                        step = s
+                        break
+            out.append(step)
+        return tuple(out)
+
+    # --- reports ------------------------------------------------------------------------------
     def class_name(self, rank: int) -> str:
         return self.classes[self.class_of[rank]].name if self.classes else f"like rank {self.rep[rank]}"
 
@@ -66,16 +164,23 @@ class Fold:
 
     def to_json(self) -> dict[str, Any]:
         """The manifest's ``job.fold`` value for this fold (what the runtime writes)."""
-        return {"version": FOLD_VERSIONS[-1], "world_size": self.world_size, "live": list(self.live),
-                "rep": list(self.rep), "gpus_per_node": self.gpus_per_node,
-                "classes": [{"name": c.name, "role": c.role, "count": c.count, "sandbox": list(c.sandbox),
-                             "coords": c.coords} for c in self.classes],
-                "class_of": list(self.class_of), "contributions": self.contributions}
+        doc = {"version": self.version, "world_size": self.world_size, "live": list(self.live),
+               "rep": list(self.rep), "gpus_per_node": self.gpus_per_node,
+               "classes": [{"name": c.name, "role": c.role, "count": c.count, "sandbox": list(c.sandbox),
+                            "coords": c.coords} for c in self.classes],
+               "class_of": list(self.class_of), "contributions": self.contributions}
+        if self.coords:
+            doc.update(depth=self.depth, axes=list(self.axes), sizes=list(self.sizes),
+                       coords=[list(c) for c in self.coords])
+        return doc
 
 
 def make_fold(rep: Sequence[int], gpus_per_node: int, classes: Sequence[FoldClass] = (),
-              class_of: Sequence[int] = (), contributions: dict[str, dict[str, int]] | None = None) -> Fold:
-    """A checked Fold from a rep list; without ``classes``, one class per live rank (the ranks it stands for)."""
+              class_of: Sequence[int] = (), contributions: dict[str, dict[str, int]] | None = None, *,
+              depth: str = "replica", axes: Sequence[str] = (), sizes: Sequence[int] = (),
+              coords: Sequence[Sequence[int]] = ()) -> Fold:
+    """A checked Fold from a rep list; without ``classes``, one class per live rank (the ranks it stands
+    for); with ``coords`` (and ``axes``, ``sizes``) a version-2 fold."""
     rep = tuple(int(x) for x in rep)
     live = tuple(sorted(set(rep)))
     if not classes:
@@ -85,7 +190,8 @@ def make_fold(rep: Sequence[int], gpus_per_node: int, classes: Sequence[FoldClas
             counts[index[x]] += 1
         classes = tuple(FoldClass(f"like rank {x}", "", counts[i], (x,)) for i, x in enumerate(live))
         class_of = tuple(index[x] for x in rep)
-    fold = Fold(len(rep), live, rep, int(gpus_per_node), tuple(classes), tuple(class_of), dict(contributions or {}))
+    fold = Fold(len(rep), live, rep, int(gpus_per_node), tuple(classes), tuple(class_of), dict(contributions or {}),
+                depth, tuple(axes), tuple(int(n) for n in sizes), tuple(tuple(int(x) for x in c) for c in coords))
     return parse_fold(fold.to_json(), len(rep), "<fold>")
 
 
@@ -161,7 +267,41 @@ def parse_fold(doc: Any, world_size: int, path: str | Path) -> Fold:
             not isinstance(v, dict) or any(not isinstance(n, int) or isinstance(n, bool) or n < 0 for n in v.values())
             for v in contributions.values()):
         raise _error(path, "contributions", "is not an object of {op kind: {mirror|recorded|keep|passthrough: count}}")
-    return Fold(w, tuple(live), tuple(rep), gpus, tuple(classes), tuple(class_of), contributions)
+    depth, axes, sizes, coords = ("replica", (), (), ()) if version == 1 else _axes(doc, w, path)
+    return Fold(w, tuple(live), tuple(rep), gpus, tuple(classes), tuple(class_of), contributions, depth, axes,
+                sizes, coords)
+
+
+def _axes(doc: dict, w: int, path: str | Path) -> tuple[str, tuple[str, ...], tuple[int, ...], tuple[Coord, ...]]:
+    """A version-2 plan's depth, axes, sizes and coords, checked: every rank has one distinct point of
+    the grid (the translation needs a bijection between ranks and coordinates)."""
+    depth = doc.get("depth")
+    if depth not in FOLD_DEPTHS:
+        raise _error(path, "depth", f"is {depth!r}, expected one of {', '.join(FOLD_DEPTHS)}")
+    axes = doc.get("axes")
+    if not isinstance(axes, list) or not axes or any(not isinstance(a, str) or not a for a in axes) \
+            or len(set(axes)) != len(axes):
+        raise _error(path, "axes", f"is {axes!r}, expected a list of distinct axis names (e.g. tp, cp, dp, pp)")
+    sizes = _int_list(doc, "sizes", path)
+    if len(sizes) != len(axes) or any(n < 1 for n in sizes):
+        raise _error(path, "sizes", f"is {sizes}, expected one size >= 1 per axis ({len(axes)} axes)")
+    if math.prod(sizes) != w:
+        raise _error(path, "sizes", f"is {sizes}, whose product {math.prod(sizes)} is not the world size {w}")
+    raw = doc.get("coords")
+    if not isinstance(raw, list) or len(raw) != w:
+        raise _error(path, "coords", f"{'has ' + str(len(raw)) + ' entries' if isinstance(raw, list) else 'is missing'}"
+                                     f", expected one list of {len(axes)} coordinates per rank ({w})")
+    coords, seen = [], {}
+    for r, c in enumerate(raw):
+        if not isinstance(c, list) or len(c) != len(axes) or any(
+                isinstance(x, bool) or not isinstance(x, int) or not 0 <= x < n for x, n in zip(c, sizes, strict=True)):
+            raise _error(path, f"coords[{r}]", f"is {c!r}, expected {len(axes)} integers within sizes {sizes}")
+        t = tuple(c)
+        if t in seen:
+            raise _error(path, f"coords[{r}]", f"is {c}, the same as rank {seen[t]}'s: coordinates must be distinct")
+        seen[t] = r
+        coords.append(t)
+    return depth, tuple(axes), tuple(sizes), tuple(coords)
 
 
 def read_fold(manifest: dict[str, Any], trace_dir: str | Path = "<trace>") -> Fold | None:
