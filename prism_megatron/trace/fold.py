@@ -18,8 +18,8 @@ from typing import Any
 
 from .schema import MANIFEST_FILE, TraceFormatError
 
-#: Fold plan versions this reader understands.
-FOLD_VERSIONS: tuple[int, ...] = (1,)
+#: Fold plan versions this reader understands (2 adds ``depth``, ``axes``, ``sizes``, ``coords``).
+FOLD_VERSIONS: tuple[int, ...] = (1, 2)
 #: How a virtual member's input to an op was made (the contract's three ways).
 CONTRIBUTION_WAYS: tuple[str, ...] = ("mirror", "recorded", "keep")
 
@@ -64,7 +64,7 @@ class Fold:
 
     def to_json(self) -> dict[str, Any]:
         """The manifest's ``job.fold`` value for this fold (what the runtime writes)."""
-        return {"version": FOLD_VERSIONS[-1], "world_size": self.world_size, "live": list(self.live),
+        return {"version": 1, "world_size": self.world_size, "live": list(self.live),  # no coords: version 1
                 "rep": list(self.rep), "gpus_per_node": self.gpus_per_node,
                 "classes": [{"name": c.name, "role": c.role, "count": c.count, "sandbox": list(c.sandbox),
                              "coords": c.coords} for c in self.classes],
