@@ -490,7 +490,8 @@ def _check_coords(coords: list, sizes: list[int], world: int, source: str) -> No
     seen = bytearray(world)
     for r, c in enumerate(coords):
         if (not isinstance(c, list) or len(c) != len(sizes)
-                or any(isinstance(x, bool) or not isinstance(x, int) or not 0 <= x < n for x, n in zip(c, sizes))):
+                or any(isinstance(x, bool) or not isinstance(x, int) or not 0 <= x < n
+                       for x, n in zip(c, sizes, strict=True))):
             raise FoldPlanFormatError(f"{source}: field coords[{r}] is {c!r}: expected {len(sizes)} integers "
                                       f"within sizes {sizes}")
         flat = 0
@@ -507,9 +508,9 @@ def resolve_depth(layout: TargetLayout, requested: str = "auto") -> tuple[str, s
         raise FoldDepthError(f"fold depth {requested!r} is not one of auto, {', '.join(FOLD_DEPTHS)}")
     moe = f"a MoE layout ({layout.num_experts} experts, EP{layout.ep})"
     if requested == "class" and layout.num_experts:
-        raise FoldDepthError(f"fold depth class folds TP/CP peers and pipeline stages of dense layouts only; this is {moe}: "
-                        "its expert ranks receive different token counts, so one live rank cannot stand for its "
-                        "TP peers and replicas in this version; use --prism-fold-depth replica (or auto)")
+        raise FoldDepthError(f"fold depth class folds TP/CP peers and pipeline stages of dense layouts only; this is "
+                             f"{moe}: its expert ranks receive different token counts, so one live rank cannot stand "
+                             "for its peers and replicas in this version; use --prism-fold-depth replica (or auto)")
     if requested == "auto":
         if layout.num_experts:
             return "replica", f"auto: replica for {moe}, whose expert ranks receive different token counts"
