@@ -245,3 +245,22 @@ def test_plan_cli_shows_three_live_ranks_for_an_8b_shaped_tp2_pp4_job():
     for row in ("stage 0 (first: embedding; 8 layers)", "stages 1-2 (middle; 8 layers)",
                 "stage 3 (last: loss; 8 layers)"):
         assert row in text
+
+
+def test_run_passes_the_depth_to_the_fold_and_refuses_class_depth_for_moe():
+    from prism_megatron.megatron.fold_mode import FoldModeError, choose_fold
+    from prism_megatron.megatron.run import launch_config, parse_run_args
+
+    request = parse_run_args(["--recipe", "mini-dense-tp2pp2dp4", "--prism-driver", "core"])
+    said: list[str] = []
+    fold = choose_fold("on", launch_config(request), request.env, say=said.append,
+                       depth=request.run_options().fold_depth)
+    assert fold["depth"] == "class" and fold["live"] == [0, 8] and fold["version"] == 2
+    assert any("2 live rank(s), 14 virtual" in s and "depth class (auto: class for a dense layout)" in s
+               for s in said), said
+    request = parse_run_args(["--recipe", "mini-moe-ep4-tp1pp2", "--prism-driver", "core",
+                              "--prism-fold-depth", "class"])
+    assert request.run_options().fold_depth == "class"
+    for mode in ("on", "auto"):  # a depth the layout cannot take is refused whatever the fold mode
+        with pytest.raises(FoldModeError, match="--prism-fold-depth class: fold depth class folds .* MoE layout"):
+            choose_fold(mode, launch_config(request), request.env, say=said.append, depth="class")

@@ -38,12 +38,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = ["FOLD_PLAN_VERSION", "FOLD_PLAN_VERSIONS", "FOLD_DEPTHS", "AXES", "FoldError", "FoldDepthError",
-           "FoldPlanFormatError",
-           "TargetLayout", "RankClass", "FoldPlan", "layout_from_args", "resolve_depth", "build_fold_plan",
-           "check_class_members", "stage_signatures"]
+           "FoldPlanFormatError", "TargetLayout", "RankClass", "FoldPlan", "layout_from_args", "resolve_depth",
+           "build_fold_plan", "check_class_members", "stage_signatures"]
 
 FOLD_PLAN_VERSION = 2  # what build_fold_plan writes
-FOLD_PLAN_VERSIONS = (1, 2)  # what FoldPlan.from_json reads (1: no depth, coords: replica depth, shift = r - rep[r])
+# what FoldPlan.from_json reads; a version-1 plan has no depth or coords: replica depth, shift = r - rep[r]
+FOLD_PLAN_VERSIONS = (1, 2)
 FOLD_DEPTHS = ("replica", "class")
 AXES = ("tp", "cp", "dp", "pp")  # the dense generator's axes, in the plan's coords
 ORDER = "tp-cp-ep-dp-pp"  # Megatron's default rank order (initialize_model_parallel)
@@ -405,7 +405,7 @@ class FoldPlan:
         return i < len(self.live) and self.live[i] == rank
 
     def shift(self, rank: int) -> int:
-        """A version-1 plan's translation (``rank - rep[rank]``); a class-depth plan translates by coords."""
+        """A version-1 plan's translation (``rank - rep[rank]``); a version-2 plan translates by coords."""
         return rank - self.rep[rank]
 
     @property
