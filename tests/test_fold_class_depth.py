@@ -264,3 +264,23 @@ def test_run_passes_the_depth_to_the_fold_and_refuses_class_depth_for_moe():
     for mode in ("on", "auto"):  # a depth the layout cannot take is refused whatever the fold mode
         with pytest.raises(FoldModeError, match="--prism-fold-depth class: fold depth class folds .* MoE layout"):
             choose_fold(mode, launch_config(request), request.env, say=said.append, depth="class")
+
+
+def test_plan_table_gives_each_class_its_live_memory_by_megatrons_formula():
+    from rich.console import Console
+
+    from prism_megatron.megatron.plan import GiB, Plan, _memory, render_plan
+
+    t = TargetLayout(world_size=8192, tp=2, pp=4, num_layers=8)
+    for depth, live_memory in (("class", ["10.0 GiB"] * 3), ("replica", ["20.0 GiB", "40.0 GiB", "20.0 GiB"])):
+        fold = build_fold_plan(t, depth)
+        plan = Plan(layout=t, fold=fold, iterations=1, devices=["cpu"], depth_note=f"{depth} (asked)",
+                    memory=_memory(fold, {"total": 10 * GiB}, ["cpu"], None, 1000.0, "auto"),
+                    time={"seconds": 60.0, "iterations": 1, "model": "rough"})
+        console = Console(width=200, record=True)
+        render_plan(plan, console)
+        text = console.export_text()
+        rows = [line for line in text.splitlines() if line.startswith("│ ") and "stage" in line]
+        assert [row.split("│")[-2].strip() for row in rows] == live_memory, text
+        host = next(line for line in text.splitlines() if "host RAM" in line)
+        assert host.split("│")[2].strip() == f"{len(fold.live) * 11:.1f} GiB"  # per live rank: 10 + 1 of process
