@@ -2,8 +2,9 @@
 
   python bench/fold_plan.py [W ...]     (default: 1024 8192 65536, dense TP2·PP4 and MoE TP2·PP4·EP8·ETP1)
 
-Prints, per layout: seconds to build the plan (after megatron-core is imported), live ranks,
-classes, and the size of its JSON (what the trace's manifest carries).
+Prints, per layout and fold depth (class: dense only; replica): seconds to build the plan (after
+megatron-core is imported), live ranks, classes, and the size of its JSON (what the trace's manifest
+carries).
 """
 
 from __future__ import annotations
@@ -19,15 +20,17 @@ def main(worlds: list[int]) -> None:
     t0 = time.perf_counter()
     _import_megatron()
     print(f"megatron-core import: {time.perf_counter() - t0:.2f} s")
-    print(f"{'layout':<44} {'build s':>8} {'live':>6} {'classes':>8} {'JSON MiB':>9}")
+    print(f"{'layout':<44} {'depth':<8} {'build s':>8} {'live':>6} {'classes':>8} {'JSON MiB':>9}")
     for world in worlds:
         for layout in (TargetLayout(world_size=world, tp=2, pp=4, num_layers=8),
                        TargetLayout(world_size=world, tp=2, pp=4, ep=8, etp=1, num_experts=16, num_layers=8)):
-            t = time.perf_counter()
-            plan = build_fold_plan(layout)
-            took = time.perf_counter() - t
-            size = len(json.dumps(plan.to_json())) / (1 << 20)
-            print(f"{layout.describe():<44} {took:>8.2f} {len(plan.live):>6} {len(plan.classes):>8} {size:>9.2f}")
+            for depth in ("replica",) if layout.num_experts else ("class", "replica"):
+                t = time.perf_counter()
+                plan = build_fold_plan(layout, depth)
+                took = time.perf_counter() - t
+                size = len(json.dumps(plan.to_json())) / (1 << 20)
+                print(f"{layout.describe():<44} {depth:<8} {took:>8.2f} {len(plan.live):>6} {len(plan.classes):>8} "
+                      f"{size:>9.2f}")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Folded Megatron runs: scale (1,024 and 8,192 target ranks) and consistency with full capture.
 
   python bench/fold_scale.py [--out FILE] [--skip-scale] [--skip-consistency] [--minis R,R] [--keep DIR]
+                             [--depth replica|class|auto]   (--prism-fold-depth of every folded run; replica)
 
 Scale: the tiny-shaped GPT recipes of ``tests/recipes/`` (TP2·PP4·DP128 = 1,024 and TP2·PP4·DP1024
 = 8,192 ranks, 2 microbatches per rank, 2 iterations) run as ``prism-megatron run --prism-fold auto``
@@ -76,9 +77,10 @@ def _run(cmd: list[str], cwd: Path, env: dict[str, str]) -> tuple[int, float, in
     return proc.returncode, time.perf_counter() - t0, peak[0], out[-3000:]
 
 
-def _prism(recipe: str, fold: str, out: Path, report: bool = False) -> list[str]:
+def _prism(recipe: str, fold: str, out: Path, depth: str, report: bool = False) -> list[str]:
     return [sys.executable, "-m", "prism_megatron", "run", "--recipe", recipe, "--prism-driver", "core",
-            "--prism-fold", fold, "--prism-report", "on" if report else "off", "--prism-track-memory", "on",
+            "--prism-fold", fold, "--prism-fold-depth", depth,
+            "--prism-report", "on" if report else "off", "--prism-track-memory", "on",
             "--prism-trace-dir", str(out / "trace")]
 
 
@@ -86,14 +88,14 @@ def _env(metrics: Path) -> dict[str, str]:
     return dict(os.environ, PRISM_MEGATRON_METRICS=str(metrics), OMP_NUM_THREADS="1", WANDB_MODE="offline")
 
 
-def scale(work: Path, say) -> None:
+def scale(work: Path, say, depth: str = "replica") -> None:
     say(f"{'target':<28} {'ranks':>6} {'live':>5} {'run wall s':>10} {'peak host GB':>12} {'replay --full s':>15} "
         f"{'predicted iter ms':>17}")
     for name, world in SCALE:
         out = work / name
         out.mkdir()
         recipe = str(ROOT / "tests" / "recipes" / f"{name}.yaml")
-        code, wall, peak, tail = _run(_prism(recipe, "auto", out, report=True), out, _env(out / "metrics.jsonl"))
+        code, wall, peak, tail = _run(_prism(recipe, "auto", out, depth, report=True), out, _env(out / "metrics.jsonl"))
         if code != 0:
             say(f"{name}: run failed (exit {code}):\n{tail}")
             continue
@@ -125,7 +127,7 @@ def _last_loss(metrics: Path) -> float | None:
     return max(rows, key=lambda r: r["iteration"])["loss"]["lm loss"] if rows else None
 
 
-def consistency(work: Path, say, minis: list[str] = MINIS) -> None:
+def consistency(work: Path, say, minis: list[str] = MINIS, depth: str = "replica") -> None:
     from prism_megatron.trace import read_trace
 
     say(f"{'recipe':<28} {'class':<8} {'fold max alloc':>14} {'full max alloc':>14} {'diff B':>7} "
@@ -135,7 +137,7 @@ def consistency(work: Path, say, minis: list[str] = MINIS) -> None:
         for fold in ("on", "off"):
             out = work / f"{recipe}-{fold}"
             out.mkdir()
-            code, wall, _, tail = _run(_prism(recipe, fold, out), out, _env(out / "metrics.jsonl"))
+            code, wall, _, tail = _run(_prism(recipe, fold, out, depth), out, _env(out / "metrics.jsonl"))
             if code != 0:
                 say(f"{recipe} --prism-fold {fold}: failed (exit {code}):\n{tail}")
                 break
@@ -164,6 +166,8 @@ def main() -> None:
     ap.add_argument("--skip-consistency", action="store_true")
     ap.add_argument("--minis", default=",".join(MINIS), help="recipes of the consistency table, comma-separated")
     ap.add_argument("--keep", type=Path, help="run in this directory and keep the traces")
+    ap.add_argument("--depth", default="replica", choices=("auto", "replica", "class"),
+                    help="--prism-fold-depth of the folded runs (class depth needs the p2p rule for PP > 2)")
     args = ap.parse_args()
     lines: list[str] = []
 
@@ -176,10 +180,10 @@ def main() -> None:
         work = args.keep or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
         if not args.skip_scale:
-            scale(work, say)
+            scale(work, say, args.depth)
         if not args.skip_consistency:
             say("")
-            consistency(work, say, args.minis.split(","))
+            consistency(work, say, args.minis.split(","), args.depth)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text("\n".join(lines) + "\n")

@@ -125,7 +125,7 @@ def plan_cmd(args: tuple[str, ...]) -> None:
         plan = make_plan(request.script, request.script_args, int(o["prism_world_size"]),
                          parse_devices(o["prism_devices"]), o["prism_gpus_per_node"], o["prism_device_memory"],
                          o["prism_host_memory"], o["prism_swap"], env=request.env,
-                         source=o.get("prism_recipe") or str(request.script))
+                         source=o.get("prism_recipe") or str(request.script), fold_depth=o["prism_fold_depth"])
     except (RunError, RecipeError, LaunchError) as e:
         raise click.UsageError(str(e)) from None
     except (FoldError, ArgsError) as e:

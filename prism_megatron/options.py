@@ -126,6 +126,12 @@ class RunOnlyOptions:
     (Megatron's memory formula per rank + 1 GiB of process) against the devices plus 90% of the
     available host RAM (on CPU: host RAM alone). The fold's classes are printed before the run."""
 
+    fold_depth: Literal["auto", "replica", "class"] = "auto"
+    """How far a fold goes: 'replica' keeps one model replica live (DP replicas folded; every TP/CP peer
+    and pipeline stage runs); 'class' keeps one live rank per rank class (dense layouts only: TP/CP peers
+    folded onto tp = cp = 0, middle pipeline stages of one kind onto the lowest of them, DP replicas too;
+    first and last stages stay live); 'auto' is class for dense layouts and replica for MoE."""
+
     calibrate: Literal["off", "on"] = "off"
     """After the run, calibrate: re-run the job once per slice (coupled groups such as TP kept whole)
     with the slice's ranks computing for real and the others replayed; the report then predicts from

@@ -27,10 +27,13 @@ RECIPES = Path(__file__).parent / "recipes"
 LOSS_RTOL = 0.02
 
 
-def _run(out: Path, recipe: str, fold: str, *extra: str, timeout: int = 300, check: bool = True) -> dict:
+def _run(out: Path, recipe: str, fold: str, *extra: str, timeout: int = 300, check: bool = True,
+         depth: str = "replica") -> dict:
+    """Run ``recipe`` folded (``fold``) at ``depth``: replica here, the sandbox these comparisons were made
+    for (class depth folds middle pipeline stages, whose p2p with a live neighbour is another rule's)."""
     out.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "prism_megatron", "run", "--recipe", recipe, "--prism-driver", "core",
-           "--prism-fold", fold, "--prism-report", "off", "--prism-track-memory", "on",
+           "--prism-fold", fold, "--prism-fold-depth", depth, "--prism-report", "off", "--prism-track-memory", "on",
            "--prism-trace-dir", str(out / "trace"), *extra]
     env = dict(os.environ, PRISM_MEGATRON_METRICS=str(out / "metrics.jsonl"), OMP_NUM_THREADS="1")
     t0 = time.perf_counter()

@@ -1,4 +1,4 @@
-"""Rank classes, the v1 sandbox and ``prism-megatron plan`` (CPU, fast).
+"""Rank classes, the replica-depth sandbox and ``prism-megatron plan`` (CPU, fast).
 
 Every layout is checked against Megatron's own group construction (``RankGenerator``): each
 data-parallel group holds exactly the sandbox's DP indices as live members, every virtual member's
@@ -71,7 +71,7 @@ def _check_against_megatron(plan: FoldPlan, layout: TargetLayout) -> None:
 
 def test_dense_tp2_pp4_dp1024():
     layout = TargetLayout(world_size=8192, tp=2, pp=4, num_layers=8)
-    plan = build_fold_plan(layout)
+    plan = build_fold_plan(layout, "replica")
     assert plan.k == 1 and plan.live == [0, 1, 2048, 2049, 4096, 4097, 6144, 6145]
     assert [(c.name, c.count, c.sandbox) for c in plan.classes] == [
         ("first", 2048, [0, 1]), ("middle", 4096, [2048, 2049, 4096, 4097]), ("last", 2048, [6144, 6145])]
@@ -86,7 +86,7 @@ def test_dense_tp2_pp4_dp1024():
 
 def test_pp_with_vpp_chunks():
     layout = TargetLayout(world_size=32, tp=2, pp=4, vpp=2, num_layers=16)
-    plan = build_fold_plan(layout)
+    plan = build_fold_plan(layout, "replica")
     assert [c.name for c in plan.classes] == ["first", "middle", "last"]
     assert "2+2 layers in 2 chunks" in plan.classes[1].role
     first = plan.classes[0].coords["chunks"]
@@ -97,7 +97,7 @@ def test_pp_with_vpp_chunks():
 
 def test_uneven_first_and_last_stage():
     layout = TargetLayout(world_size=64, tp=2, pp=4, num_layers=10, first_stage_layers=1, last_stage_layers=3)
-    plan = build_fold_plan(layout)
+    plan = build_fold_plan(layout, "replica")
     roles = [c.role for c in plan.classes]
     assert roles == ["stage 0 (first: embedding; 1 layer)", "stages 1-2 (middle; 3 layers)",
                      "stage 3 (last: loss; 3 layers)"]
@@ -106,7 +106,7 @@ def test_uneven_first_and_last_stage():
 
 def test_custom_pipeline_layout_splits_middle_stages():
     layout = TargetLayout(world_size=16, pp=4, num_layers=5, pipeline_layout="Et|tt|t|tL")
-    plan = build_fold_plan(layout)
+    plan = build_fold_plan(layout, "replica")
     assert [(c.name, c.coords["pp"]) for c in plan.classes] == [
         ("first", [0]), ("middle-1", [1]), ("middle-2", [2]), ("last", [3])]
     _check_against_megatron(plan, layout)
@@ -117,7 +117,7 @@ def test_custom_pipeline_layout_splits_middle_stages():
     TargetLayout(world_size=64, tp=2, pp=4, num_layers=8, order="tp-cp-ep-pp-dp"),  # --use-tp-pp-dp-mapping
 ], ids=["cp2", "tp-pp-dp-order"])
 def test_cp_and_tp_pp_dp_order(layout):
-    plan = build_fold_plan(layout)
+    plan = build_fold_plan(layout, "replica")
     assert len(plan.live) == layout.tp * layout.cp * layout.pp
     _check_against_megatron(plan, layout)
 
@@ -125,7 +125,7 @@ def test_cp_and_tp_pp_dp_order(layout):
 @pytest.mark.parametrize("tp,etp,want_k", [(1, 1, 4), (2, 1, 2)])
 def test_moe_ep4_dp_spanning_expert_groups(tp, etp, want_k):
     layout = TargetLayout(world_size=64, tp=tp, etp=etp, pp=2, ep=4, num_experts=8, num_layers=4)
-    plan = build_fold_plan(layout)
+    plan = build_fold_plan(layout, "replica")
     assert plan.k == want_k
     assert len(plan.live) == tp * 2 * want_k
     assert [c.name for c in plan.classes] == [f"{s}/ep{e}" for s in ("first", "last") for e in range(4)]
@@ -151,7 +151,7 @@ def test_bad_layout_refused_naming_values(layout, words):
 
 
 def test_class_members_that_differ_are_refused():
-    plan = build_fold_plan(TargetLayout(world_size=64, tp=2, pp=4, num_layers=8))
+    plan = build_fold_plan(TargetLayout(world_size=64, tp=2, pp=4, num_layers=8), "replica")
     same = [("all_reduce", (4, 8)), ("send", (2, 8))]
     check_class_members(plan, {16: same, 17: same, 32: same})
     with pytest.raises(FoldError, match=r"class 'middle' \(stages 1-2.*ranks 16 and 32.*entry 1"):
@@ -159,7 +159,7 @@ def test_class_members_that_differ_are_refused():
 
 
 def test_plan_json_rejects_what_it_cannot_read():
-    data = build_fold_plan(TargetLayout(world_size=16, tp=2, pp=2, num_layers=4)).to_json()
+    data = build_fold_plan(TargetLayout(world_size=16, tp=2, pp=2, num_layers=4), "replica").to_json()
     with pytest.raises(FoldPlanFormatError, match="field version 9"):
         FoldPlan.from_json({**data, "version": 9})
     with pytest.raises(FoldPlanFormatError, match="field rep is missing"):
@@ -171,7 +171,7 @@ def test_plan_json_rejects_what_it_cannot_read():
 
 
 def test_memory_refusal_says_what_would_fit():
-    plan = build_fold_plan(TargetLayout(world_size=8192, tp=2, pp=4, num_layers=8))
+    plan = build_fold_plan(TargetLayout(world_size=8192, tp=2, pp=4, num_layers=8), "replica")
     estimate = {"total": 10 * GiB, "source": "formula"}
     cpu = _memory(plan, estimate, ["cpu"], None, 40.0, "auto")
     assert cpu["fits"] is False and "88.0 GiB of host RAM" in cpu["why"]
@@ -190,13 +190,14 @@ TINY_GPT = ["--num-layers", "8", "--hidden-size", "64", "--num-attention-heads",
 
 
 def test_plan_cli_8192_rank_command_json():
-    result = CliRunner().invoke(main, ["plan", "--json", "--prism-world-size", "8192", "--devices", "cpu", "--",
-                                       str(CORE_DRIVER_SCRIPT), *TINY_GPT])
+    result = CliRunner().invoke(main, ["plan", "--json", "--prism-world-size", "8192", "--devices", "cpu",
+                                       "--prism-fold-depth", "replica", "--", str(CORE_DRIVER_SCRIPT), *TINY_GPT])
     assert result.exit_code == 0, result.output
-    out = json.loads(result.output)
+    out = json.loads(result.stdout)  # stdout only: warnings go to stderr
     assert out["version"] == 1 and out["layout"] == "TP2·PP4·DP1024 = 8192 ranks"
+    assert out["fold_depth"] == "replica (asked)"
     fold = FoldPlan.from_json(out["fold"])
-    assert fold.world_size == 8192 and len(fold.live) == 8
+    assert fold.world_size == 8192 and len(fold.live) == 8 and fold.depth == "replica"
     assert [c.count for c in fold.classes] == [2048, 4096, 2048]
     assert out["time"]["iterations"] == 2 and "rough" in out["time"]["model"]
 
@@ -207,7 +208,8 @@ def test_plan_cli_mini_recipe_table():
     text = result.output
     assert "rank classes" in text and "TP2·PP2·DP4 = 16 ranks" in text
     assert "stage 0 (first: embedding; 2 layers)" in text and "stage 1 (last: loss; 2 layers)" in text
-    assert "sandbox: 4 live rank(s)" in text and "virtual: 12 rank(s)" in text
+    assert "fold depth: class (auto: class for a dense layout)" in text
+    assert "sandbox: 2 live rank(s)" in text and "one per class" in text and "virtual: 14 rank(s)" in text
     assert "expected emulation time" in text
 
 
@@ -229,7 +231,7 @@ def test_plan_cli_uneven_layout_through_megatron_lm_parser(monkeypatch):
     result = CliRunner().invoke(main, ["plan", "--json", "--prism-world-size", "64", "--", str(DRIVER_SCRIPT), *base,
                                        "--pipeline-model-parallel-layout", "Et|tt|t|tL"])
     assert result.exit_code == 0, result.output
-    out = json.loads(result.output)
+    out = json.loads(result.stdout)  # stdout only: warnings go to stderr
     assert [(c["name"], c["count"]) for c in out["fold"]["classes"]] == [
         ("first", 16), ("middle-1", 16), ("middle-2", 16), ("last", 16)]
     assert out["memory"]["per_rank"] > 0 and out["memory"]["fits"] is True

@@ -49,7 +49,8 @@ def _run(a: argparse.Namespace, name: str, fold: str, flags: list[str]) -> dict:
     env = dict(os.environ, PRISM_MEGATRON_METRICS=str(metrics), CUDA_DEVICE_MAX_CONNECTIONS="1",
                WANDB_MODE="disabled")
     cmd = [sys.executable, "-m", "prism_megatron", "run", "--prism-emulate", "--prism-world-size", str(a.world),
-           "--prism-devices", a.devices, "--prism-driver", "core", "--prism-fold", fold, "--prism-swap", "none",
+           "--prism-devices", a.devices, "--prism-driver", "core", "--prism-fold", fold, "--prism-fold-depth", a.depth,
+           "--prism-swap", "none",
            "--prism-report", "off", "--prism-track-memory", "on", "--prism-log-ranks", "none",
            "--prism-trace-dir", str(trace), CORE, *flags]
     t0 = time.perf_counter()
@@ -96,6 +97,8 @@ def main() -> None:
     ap.add_argument("--world", type=int, default=16,
                     help="ranks of each job (dense DP = world / 4, MoE DP = world / 2)")
     ap.add_argument("--timeout", type=int, default=240)
+    ap.add_argument("--depth", default="replica", choices=("auto", "replica", "class"),
+                    help="--prism-fold-depth of the folded run")
     a = ap.parse_args()
     Path(a.out).mkdir(parents=True, exist_ok=True)
     rows = []

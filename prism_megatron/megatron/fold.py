@@ -1,10 +1,12 @@
 """Rank classes and the sandbox of a folded run: which ranks run the real program, which are virtual.
 
 A target job of W ranks is folded onto a *sandbox* of live ranks; every other rank is virtual and
-mirrors its representative ``rep[r]`` shifted into its own replica (``shift(r) = r - rep[r]``).
-Rank coordinates come only from Megatron's ``RankGenerator`` (``parallel_state``: the dense
-generator, order tp-cp-ep-dp-pp, and the expert one): a rank's coordinate along an axis is its
-position in the group Megatron builds for that axis, never a formula of ours.
+does what its representative ``rep[r]`` does, translated to its own position: a rank x that
+``rep[r]`` sees (a peer, a group member) is, for r, the rank whose coordinates are
+``coords[x] + coords[r] - coords[rep[r]]`` (mod the grid's sizes, axis by axis). Rank coordinates
+come only from Megatron's ``RankGenerator`` (``parallel_state``: the dense generator, order
+tp-cp-ep-dp-pp, and the expert one): a rank's coordinate along an axis is its position in the group
+Megatron builds for that axis, never a formula of ours.
 
 Classes group ranks that do the same work on the same shapes: data-parallel replicas (expert-DP
 too), tensor/context-parallel peers, and pipeline stages whose chunks hold the same layers
@@ -13,29 +15,47 @@ with the same embedding/loss role (layer counts per stage from Megatron's own
 make their stages classes of their own). Expert-parallel peers are not grouped: they hold different
 experts and receive different token counts, so each expert rank of a stage is its own class.
 
-v1 sandbox rule: one model replica, i.e. every rank whose dense DP index is < k, where k is the
-smallest count of DP indices that holds whole expert tensor-and-expert-parallel groups (k = 1 for
-dense models); ``rep[r]`` is the rank with r's other coordinates and DP index ``d mod k``.
+Two sandbox depths (``--prism-fold-depth``):
+
+- *replica*: one model replica, i.e. every rank whose dense DP index is < k, where k is the smallest
+  count of DP indices that holds whole expert tensor-and-expert-parallel groups (k = 1 for dense
+  models); ``rep[r]`` is the rank with r's other coordinates and DP index ``d mod k``. A class may
+  have several live ranks (its TP/CP peers, its pipeline stages).
+- *class* (dense layouts): one live rank per class. ``rep[r]`` is the rank at tp = cp = 0, DP index
+  0 and the lowest pipeline stage of r's class (under 1F1B it holds the most in-flight
+  micro-batches, so its peak is the class's); first and last stages keep their own live rank. MoE
+  layouts keep replica depth: expert peers receive different token counts, so folding them onto
+  one rank would change what a live expert rank computes.
 """
 
 from __future__ import annotations
 
 import argparse
 import bisect
+import math
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["FOLD_PLAN_VERSION", "FoldError", "FoldPlanFormatError", "TargetLayout", "RankClass", "FoldPlan",
-           "layout_from_args", "build_fold_plan", "check_class_members", "stage_signatures"]
+__all__ = ["FOLD_PLAN_VERSION", "FOLD_PLAN_VERSIONS", "FOLD_DEPTHS", "AXES", "FoldError", "FoldDepthError",
+           "FoldPlanFormatError", "TargetLayout", "RankClass", "FoldPlan", "layout_from_args", "resolve_depth",
+           "build_fold_plan", "check_class_members", "stage_signatures"]
 
-FOLD_PLAN_VERSION = 1
+FOLD_PLAN_VERSION = 2  # what build_fold_plan writes
+# what FoldPlan.from_json reads; a version-1 plan has no depth or coords: replica depth, shift = r - rep[r]
+FOLD_PLAN_VERSIONS = (1, 2)
+FOLD_DEPTHS = ("replica", "class")
+AXES = ("tp", "cp", "dp", "pp")  # the dense generator's axes, in the plan's coords
 ORDER = "tp-cp-ep-dp-pp"  # Megatron's default rank order (initialize_model_parallel)
 ORDER_TP_PP_DP = "tp-cp-ep-pp-dp"  # Megatron-LM's --use-tp-pp-dp-mapping
 
 
 class FoldError(ValueError):
     """A layout Megatron would reject, or a fold that would be wrong; the message names the values."""
+
+
+class FoldDepthError(FoldError):
+    """A fold depth this layout cannot take (class depth for MoE): an error whatever the fold mode."""
 
 
 class FoldPlanFormatError(ValueError):
@@ -376,22 +396,35 @@ class FoldPlan:
     gpus_per_node: int
     k: int = 1  # DP indices in the sandbox
     layout: dict[str, Any] = field(default_factory=dict)
+    depth: str = "replica"  # one of FOLD_DEPTHS (module docstring)
+    sizes: list[int] = field(default_factory=list)  # the dense grid's size per axis (AXES); empty in a v1 plan
+    coords: list[list[int]] = field(default_factory=list)  # per rank, its position per axis (Megatron's groups)
 
     def is_live(self, rank: int) -> bool:
         i = bisect.bisect_left(self.live, rank)
         return i < len(self.live) and self.live[i] == rank
 
     def shift(self, rank: int) -> int:
+        """A version-1 plan's translation (``rank - rep[rank]``); a version-2 plan translates by coords."""
         return rank - self.rep[rank]
 
     @property
     def virtual_count(self) -> int:
         return self.world_size - len(self.live)
 
+    @property
+    def version(self) -> int:
+        """2 with coordinates, 1 for a plan read from a version-1 JSON (no coordinates)."""
+        return FOLD_PLAN_VERSION if self.coords else 1
+
     def to_json(self) -> dict[str, Any]:
-        return {"version": FOLD_PLAN_VERSION, "world_size": self.world_size, "gpus_per_node": self.gpus_per_node,
-                "k": self.k, "layout": dict(self.layout), "live": list(self.live), "rep": list(self.rep),
-                "class_of": list(self.class_of), "classes": [c.to_json() for c in self.classes]}
+        out = {"version": self.version, "world_size": self.world_size, "gpus_per_node": self.gpus_per_node,
+               "k": self.k, "layout": dict(self.layout), "live": list(self.live), "rep": list(self.rep),
+               "class_of": list(self.class_of), "classes": [c.to_json() for c in self.classes]}
+        if self.coords:
+            out.update(depth=self.depth, axes=list(AXES), sizes=list(self.sizes),
+                       coords=[list(c) for c in self.coords])
+        return out
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any], source: str = "fold plan") -> FoldPlan:
@@ -406,9 +439,9 @@ class FoldPlan:
         if not isinstance(data, Mapping):
             raise FoldPlanFormatError(f"{source}: not a JSON object")
         version = need(data, "version", int, "")
-        if version != FOLD_PLAN_VERSION:
+        if version not in FOLD_PLAN_VERSIONS:
             raise FoldPlanFormatError(f"{source}: field version {version} is not supported "
-                                      f"(this prism reads version {FOLD_PLAN_VERSION})")
+                                      f"(this prism reads versions {', '.join(map(str, FOLD_PLAN_VERSIONS))})")
         world = need(data, "world_size", int, "")
         live, rep, class_of = (need(data, k, list, "") for k in ("live", "rep", "class_of"))
         classes = []
@@ -429,9 +462,90 @@ class FoldPlan:
             raise FoldPlanFormatError(f"{source}: field rep names a rank that is not live")
         if any(not (0 <= c < len(classes)) for c in class_of):
             raise FoldPlanFormatError(f"{source}: field class_of names a class out of range")
+        grid: dict[str, Any] = {}
+        if version >= 2:
+            depth = need(data, "depth", str, "")
+            if depth not in FOLD_DEPTHS:
+                raise FoldPlanFormatError(f"{source}: field depth {depth!r} is not one of {', '.join(FOLD_DEPTHS)}")
+            axes = need(data, "axes", list, "")
+            if axes != list(AXES):
+                raise FoldPlanFormatError(f"{source}: field axes is {axes}; this prism reads {list(AXES)}")
+            sizes = need(data, "sizes", list, "")
+            if (len(sizes) != len(AXES) or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in sizes)
+                    or math.prod(sizes) != world):
+                raise FoldPlanFormatError(f"{source}: field sizes is {sizes}: expected {len(AXES)} positive sizes "
+                                          f"whose product is world_size {world}")
+            coords = need(data, "coords", list, "")
+            _check_coords(coords, sizes, world, source)
+            grid = {"depth": depth, "sizes": list(sizes), "coords": [list(c) for c in coords]}
         return cls(world_size=world, live=live, rep=rep, classes=classes, class_of=class_of,
                    gpus_per_node=need(data, "gpus_per_node", int, ""), k=int(data.get("k", 1)),
-                   layout=dict(data.get("layout") or {}))
+                   layout=dict(data.get("layout") or {}), **grid)
+
+
+def _check_coords(coords: list, sizes: list[int], world: int, source: str) -> None:
+    """A plan's coords: one entry per rank, in range, no two ranks at one position (FoldPlanFormatError)."""
+    if len(coords) != world:
+        raise FoldPlanFormatError(f"{source}: field coords has {len(coords)} entries, world_size is {world}")
+    seen = bytearray(world)
+    for r, c in enumerate(coords):
+        if (not isinstance(c, list) or len(c) != len(sizes)
+                or any(isinstance(x, bool) or not isinstance(x, int) or not 0 <= x < n
+                       for x, n in zip(c, sizes, strict=True))):
+            raise FoldPlanFormatError(f"{source}: field coords[{r}] is {c!r}: expected {len(sizes)} integers "
+                                      f"within sizes {sizes}")
+        flat = 0
+        for x, n in zip(c, sizes, strict=True):
+            flat = flat * n + x
+        if seen[flat]:
+            raise FoldPlanFormatError(f"{source}: field coords[{r}] is {c}, the position of another rank too")
+        seen[flat] = 1
+
+
+def resolve_depth(layout: TargetLayout, requested: str = "auto") -> tuple[str, str]:
+    """The sandbox depth for ``--prism-fold-depth requested``, and why (FoldError for class depth on MoE)."""
+    if requested not in ("auto", *FOLD_DEPTHS):
+        raise FoldDepthError(f"fold depth {requested!r} is not one of auto, {', '.join(FOLD_DEPTHS)}")
+    moe = f"a MoE layout ({layout.num_experts} experts, EP{layout.ep})"
+    if requested == "class" and layout.num_experts:
+        raise FoldDepthError(f"fold depth class folds TP/CP peers and pipeline stages of dense layouts only; this is "
+                             f"{moe}: its expert ranks receive different token counts, so one live rank cannot stand "
+                             "for its peers and replicas in this version; use --prism-fold-depth replica (or auto)")
+    if requested == "auto":
+        if layout.num_experts:
+            return "replica", f"auto: replica for {moe}, whose expert ranks receive different token counts"
+        return "class", "auto: class for a dense layout"
+    return requested, f"{requested} (asked)"
+
+
+class _Grid:
+    """Megatron's dense grid: each rank's coordinates (its position in Megatron's group of each axis)
+    and the rank at a position, both as arrays (O(W) once)."""
+
+    def __init__(self, gens: _Generators, layout: TargetLayout) -> None:
+        import numpy as np
+
+        world = layout.world_size
+        self.sizes = np.array([layout.tp, layout.cp, layout.dp, layout.pp], dtype=np.int64)
+        self.coords = np.array([gens.coordinate("dense", axis, world) for axis in AXES], dtype=np.int64).T.copy()
+        if (self.coords < 0).any():
+            r = int(np.flatnonzero((self.coords < 0).any(axis=1))[0])
+            raise FoldError(f"rank {r} is in no group of Megatron's rank generator along some axis: not a grid")
+        keys = self._flat(self.coords)
+        self.index = np.full(world, -1, dtype=np.int64)
+        self.index[keys] = np.arange(world, dtype=np.int64)
+        if (self.index < 0).any():
+            raise FoldError("Megatron's groups give two ranks the same coordinates: this layout is not a grid")
+
+    def _flat(self, coords: Any) -> Any:
+        flat = coords[:, 0].copy()
+        for a in range(1, len(AXES)):
+            flat = flat * self.sizes[a] + coords[:, a]
+        return flat
+
+    def at(self, coords: Any) -> Any:
+        """The rank at each row of ``coords`` (taken mod the sizes: the grid is a torus)."""
+        return self.index[self._flat(coords % self.sizes)]
 
 
 def _sandbox_k(layout: TargetLayout, gens: _Generators, dp_index: list[int]) -> int:
@@ -448,41 +562,86 @@ def _sandbox_k(layout: TargetLayout, gens: _Generators, dp_index: list[int]) -> 
     raise FoldError(f"no block of data-parallel indices holds whole expert groups (EP{layout.ep}, ETP{layout.etp})")
 
 
-def _check_fold(gens: _Generators, live: bytearray, rep: list[int]) -> None:
-    """Every group Megatron builds folds: with live members, each virtual member's rep is in it
-    (its input can be mirrored); without, it is a live-holding group shifted as one."""
-    checked: set[tuple] = set()
+def _group_kinds(gens: _Generators, layout: TargetLayout) -> list[tuple[str, list[list[int]]]]:
+    """(name, groups) of every kind of group ``initialize_model_parallel`` builds, each set of groups
+    once, without kinds of single-rank groups (they fold trivially)."""
+    from megatron.core.parallel_state import default_embedding_ranks
+
+    out, seen = [], set()
     for which, tokens in (("dense", _DENSE_TOKENS), ("expert", _EXPERT_TOKENS)):
         for token in tokens:
             key = gens.key(which, token)
-            if key in checked or not any(key[1]):  # the same groups again, or groups of one (fold trivially)
+            if key in seen or not any(key[1]):
                 continue
-            checked.add(key)
-            groups = gens.groups(which, token)
-            known: set[tuple[int, ...]] | None = None
-            for g in groups:
-                if any(live[r] for r in g):
-                    members = set(g)
-                    bad = next((r for r in g if rep[r] not in members), None)
-                    if bad is not None:
-                        raise FoldError(f"{which} {token} group {_short(g)} has live members but rank {bad}'s "
-                                        f"representative {rep[bad]} is outside it: this layout does not fold")
-                    continue
-                s = g[0] - rep[g[0]]
-                if known is None:
-                    known = {tuple(x) for x in groups}
-                if any(r - rep[r] != s for r in g) or tuple(r - s for r in g) not in known:
-                    raise FoldError(f"{which} {token} group {_short(g)} is not a sandbox group shifted by {s}: "
-                                    "this layout does not fold")
+            seen.add(key)
+            out.append((f"{which} {token}", gens.groups(which, token)))
+    if layout.pp > 1:  # the word-embedding groups: first and last stage of each pipeline (Megatron's default)
+        out.append(("embedding", [default_embedding_ranks(g) for g in gens.groups("dense", "pp")]))
+    return out
+
+
+def _check_fold(kinds: list[tuple[str, list[list[int]]]], grid: _Grid, rep: Any) -> None:
+    """Every group Megatron builds folds, or FoldError naming the group:
+
+    1. a group with live members holds each virtual member's rep (nccl_prune mirrors its input);
+    2. for every rank r, rep[r]'s group translated by ``coords[r] - coords[rep[r]]`` is r's group of the
+       same kind (so every group without live members is the translation of one with live members).
+       Checked at O(W) per kind: translations compose, so it holds for every r when each generator of
+       the kind's translations (per axis, the gcd of their steps) carries every group onto one group.
+    """
+    import numpy as np
+
+    world = len(rep)
+    live = rep == np.arange(world)
+    steps = (grid.coords - grid.coords[rep]) % grid.sizes
+    for name, groups in kinds:
+        lengths = np.fromiter((len(g) for g in groups), dtype=np.int64, count=len(groups))
+        members = np.fromiter((r for g in groups for r in g), dtype=np.int64, count=int(lengths.sum()))
+        gid = np.full(world, -1, dtype=np.int64)
+        gid[members] = np.repeat(np.arange(len(groups)), lengths)
+        covered = gid >= 0
+        rep_gid = gid[rep]
+        bad = np.flatnonzero(covered & (rep_gid < 0))
+        if bad.size:
+            r = int(bad[0])
+            raise FoldError(f"{name} group {_short(groups[gid[r]])} holds rank {r}, whose representative {rep[r]} "
+                            "is in no group of that kind: this layout does not fold")
+        has_live = np.zeros(len(groups), dtype=bool)
+        has_live[gid[covered & live]] = True
+        bad = np.flatnonzero(covered & has_live[np.maximum(gid, 0)] & (rep_gid != gid))
+        if bad.size:
+            r = int(bad[0])
+            raise FoldError(f"{name} group {_short(groups[gid[r]])} has live members but rank {r}'s "
+                            f"representative {rep[r]} is outside it: this layout does not fold")
+        firsts = np.cumsum(lengths) - lengths
+        for a, axis in enumerate(AXES):
+            step = int(np.gcd.reduce(np.append(steps[covered, a], grid.sizes[a])))
+            if step == grid.sizes[a]:
+                continue  # no translation moves along this axis
+            moved = grid.coords.copy()
+            moved[:, a] += step
+            target = gid[grid.at(moved)]
+            want = target[members[firsts]]  # where each group's first member lands
+            bad = np.flatnonzero(covered & ((target < 0) | (target != want[np.maximum(gid, 0)])))
+            if bad.size:
+                g = groups[gid[int(bad[0])]]
+                raise FoldError(f"{name} group {_short(g)} moved by {axis}+{step} is not one group of that kind "
+                                f"(its virtual members could not do their representatives' work translated): "
+                                "this layout does not fold")
 
 
 def _short(group: Sequence[int]) -> str:
     return str(list(group)) if len(group) <= 8 else f"[{group[0]}, {group[1]}, ..., {group[-1]}] ({len(group)} ranks)"
 
 
-def build_fold_plan(layout: TargetLayout, progress: Callable[[str], None] | None = None) -> FoldPlan:
-    """Classes, sandbox (v1: one replica), ``rep`` and ``class_of`` of every rank; O(W) per group kind."""
+def build_fold_plan(layout: TargetLayout, depth: str = "auto",
+                    progress: Callable[[str], None] | None = None) -> FoldPlan:
+    """Classes, sandbox (``depth``: replica, class, or auto: ``resolve_depth``), ``rep``, ``class_of``
+    and coordinates of every rank; O(W) per group kind."""
+    import numpy as np
+
     validate_layout(layout)
+    depth, _why = resolve_depth(layout, depth)
     _import_megatron()
     say = progress or (lambda _m: None)
     t, world = layout, layout.world_size
@@ -490,35 +649,40 @@ def build_fold_plan(layout: TargetLayout, progress: Callable[[str], None] | None
     signatures = stage_signatures(t)
     say(f"Megatron's rank order for {world} ranks")
     gens = _Generators(t)
-    dp_index = gens.coordinate("dense", "dp", world)
-    pp_index = gens.coordinate("dense", "pp", world)
+    grid = _Grid(gens, t)
+    dp_index = grid.coords[:, 2].tolist()
     k = _sandbox_k(t, gens, dp_index)
-    rep = [0] * world
-    for g in gens.groups("dense", "dp"):  # position in Megatron's DP group = DP index
-        for d, r in enumerate(g):
-            rep[r] = g[d % k]
-    live_mask = bytearray(world)
-    for r in range(world):
-        if rep[r] == r:
-            live_mask[r] = 1
-    live = [r for r in range(world) if live_mask[r]]
-    say(f"checking the fold of every group kind ({world - len(live)} virtual ranks)")
-    _check_fold(gens, live_mask, rep)
 
     by_signature: dict[Hashable, list[int]] = {}
     for p, sig in enumerate(signatures):
         by_signature.setdefault(sig, []).append(p)
+    stage_class = [0] * t.pp
+    lowest = [0] * t.pp  # the lowest stage of each stage's class: where class depth keeps it live
+    for si, stages in enumerate(by_signature.values()):
+        for p in stages:
+            stage_class[p], lowest[p] = si, stages[0]
+
+    if depth == "class":
+        to = grid.coords.copy()
+        to[:, 0] = to[:, 1] = to[:, 2] = 0  # TP/CP peers and DP replicas onto tp = cp = 0, DP index 0 (k = 1)
+        to[:, 3] = np.array(lowest, dtype=np.int64)[grid.coords[:, 3]]
+        rep = grid.at(to)
+    else:
+        rep = np.empty(world, dtype=np.int64)
+        for g in gens.groups("dense", "dp"):  # position in Megatron's DP group = DP index
+            for d, r in enumerate(g):
+                rep[r] = g[d % k]
+    live = np.flatnonzero(rep == np.arange(world)).tolist()
+    say(f"checking the fold of every group kind ({world - len(live)} virtual ranks)")
+    _check_fold(_group_kinds(gens, t), grid, rep)
+
     # Expert-parallel peers hold different experts and receive different token counts (routing):
     # not the same shapes, so each expert rank is a class of its own within its stages.
     experts = t.ep if t.num_experts and t.ep > 1 else 1
-    ep_index = gens.coordinate("expert", "ep", world) if experts > 1 else None
-    stage_class = [0] * t.pp
     classes: list[RankClass] = []
     per_class = world // t.pp // experts
     middle = sum(1 for sig in by_signature if _stage_role(sig).startswith("middle"))
-    for si, (sig, stages) in enumerate(by_signature.items()):
-        for p in stages:
-            stage_class[p] = si
+    for sig, stages in by_signature.items():
         role = _stage_role(sig)
         first, last = role.startswith("first"), "last: loss" in role
         name = ("only" if first and last else "first" if first else "last" if last
@@ -532,16 +696,17 @@ def build_fold_plan(layout: TargetLayout, progress: Callable[[str], None] | None
                 where += f", expert rank {e} of {experts}"
             classes.append(RankClass(name=f"{name}/ep{e}" if experts > 1 else name, role=where,
                                      count=per_class * len(stages), sandbox=[], coords=coords))
-    if ep_index is None:
-        class_of = [stage_class[pp_index[r]] for r in range(world)]
-    else:
-        class_of = [stage_class[pp_index[r]] * experts + ep_index[r] for r in range(world)]
+    class_of_arr = np.array(stage_class, dtype=np.int64)[grid.coords[:, 3]]
+    if experts > 1:
+        class_of_arr = class_of_arr * experts + np.array(gens.coordinate("expert", "ep", world), dtype=np.int64)
+    class_of = class_of_arr.tolist()
     for r in live:
         classes[class_of[r]].sandbox.append(r)
-    return FoldPlan(world_size=world, live=live, rep=rep, classes=classes, class_of=class_of,
+    return FoldPlan(world_size=world, live=live, rep=rep.tolist(), classes=classes, class_of=class_of,
                     gpus_per_node=t.gpus_per_node, k=k,
                     layout={key: getattr(t, key) for key in ("tp", "cp", "ep", "etp", "pp", "vpp", "num_layers",
-                                                             "order")} | {"dp": t.dp, "edp": t.edp})
+                                                             "order")} | {"dp": t.dp, "edp": t.edp},
+                    depth=depth, sizes=grid.sizes.tolist(), coords=grid.coords.tolist())
 
 
 def check_class_members(plan: FoldPlan, observed: Mapping[int, Sequence[Any]], what: str = "op sequence") -> None:

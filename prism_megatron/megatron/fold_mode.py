@@ -1,12 +1,14 @@
 """``--prism-fold``: whether ``run`` folds a Megatron job, with which plan, and the check of its classes.
 
-'off' runs every rank; 'on' folds (the v1 sandbox: one model replica, ``fold.build_fold_plan``);
-'auto' folds when the full job does not fit this machine. The rule, stated once: the full job fits
+'off' runs every rank; 'on' folds (``fold.build_fold_plan`` at ``--prism-fold-depth``: one live rank
+per class for dense layouts, one model replica for MoE, by default); 'auto' folds when the full job
+does not fit this machine. The rule, stated once: the full job fits
 when W x (Megatron's memory per rank + ``RANK_PROCESS_HOST_BYTES``) fits in the devices' memory plus
 ``HOST_SHARE`` of the available host RAM (on CPU: the host RAM alone; a rank's state is host memory
 there). Without Megatron's formula (no megatron.training) the per-rank state counts as 0, and that is
 said; a command the plan cannot read (not a Megatron command, a layout that does not fold) is run in
-full under 'auto', saying why, and refused under 'on'. After a folded capture, the live ranks of
+full under 'auto', saying why, and refused under 'on'; a depth the layout cannot take (class depth
+for MoE) is refused under both. After a folded capture, the live ranks of
 each class must have issued the same ops (kinds, sizes, group sizes); a class whose members differ is
 refused (``fold.check_class_members``).
 """
@@ -17,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from prism_megatron.megatron.fold import FoldError
+from prism_megatron.megatron.fold import FoldDepthError, FoldError
 
 __all__ = ["FoldModeError", "choose_fold", "full_job_fits", "check_trace_classes", "class_lines"]
 
@@ -59,8 +61,9 @@ def class_lines(fold: Any, limit: int = 12) -> list[str]:
 
 
 def choose_fold(mode: str, cfg: Any, env: dict[str, str] | None = None,
-                say: Callable[[str], None] = print) -> dict | None:
-    """The fold plan's JSON for the launch ``cfg`` under ``--prism-fold mode``, or None (every rank runs).
+                say: Callable[[str], None] = print, depth: str = "auto") -> dict | None:
+    """The fold plan's JSON for the launch ``cfg`` under ``--prism-fold mode`` and ``--prism-fold-depth
+    depth``, or None (every rank runs).
 
     The Megatron args are the ranks' own command line (``cfg.script_args``) parsed by Megatron's parser."""
     from prism_megatron.megatron.megatron_args import ArgsError
@@ -69,7 +72,10 @@ def choose_fold(mode: str, cfg: Any, env: dict[str, str] | None = None,
     try:
         plan = make_plan(cfg.script, list(cfg.script_args), cfg.world_size, list(cfg.devices),
                          gpus_per_node=cfg.gpus_per_node, device_gib=cfg.device_memory_gib,
-                         host_gib=cfg.host_memory_gib, swap=cfg.swap, env=env, source=str(cfg.script))
+                         host_gib=cfg.host_memory_gib, swap=cfg.swap, env=env, source=str(cfg.script),
+                         fold_depth=depth)
+    except FoldDepthError as e:
+        raise FoldModeError(f"--prism-fold-depth {depth}: {e}") from None
     except (FoldError, ArgsError) as e:
         if mode == "auto":  # no plan, no fold: the full capture is what a run without folding gives
             say(f"fold auto: full capture, every rank runs (no fold plan: {e})")
@@ -92,8 +98,10 @@ def choose_fold(mode: str, cfg: Any, env: dict[str, str] | None = None,
         if not fits:
             raise FoldModeError(f"--prism-fold {mode}: the sandbox does not fit here: {why}; give more host "
                                 "memory (--prism-host-memory) or run on GPUs (--prism-devices)")
+    how = ("each does its class's live rank's work, translated to its own position" if fold.depth == "class"
+           else "each mirrors the live rank of its replica position")
     say(f"fold: {plan.layout.describe()} -> {len(fold.live)} live rank(s), {fold.virtual_count:,} virtual "
-        f"(each mirrors the live rank of its replica position); classes:")
+        f"({how}); depth {fold.depth} ({plan.depth_note}); classes:")
     for line in class_lines(fold):
         say(line)
     return fold.to_json()

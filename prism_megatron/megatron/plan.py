@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from prism_megatron.megatron.fold import FoldPlan, TargetLayout, build_fold_plan, layout_from_args
+from prism_megatron.megatron.fold import FoldPlan, TargetLayout, build_fold_plan, layout_from_args, resolve_depth
 from prism_megatron.megatron.megatron_args import ESTIMATE_KEY, parse_megatron_args
 
 __all__ = ["PLAN_JSON_VERSION", "PlanError", "Plan", "make_plan", "plan_json", "render_plan", "ROUGH_TIME_MODEL"]
@@ -48,6 +48,7 @@ class Plan:
     memory: dict[str, Any] = field(default_factory=dict)
     time: dict[str, Any] = field(default_factory=dict)
     source: str = ""
+    depth_note: str = ""  # why the fold has its depth (fold.resolve_depth)
 
 
 def _host_available() -> int:
@@ -134,15 +135,17 @@ def _time(fold: FoldPlan, args: Any, vocab: int | None, iterations: int | None, 
 
 def make_plan(script: Any, script_args: list[str], world_size: int, devices: list[str], gpus_per_node: int = 8,
               device_gib: float | None = None, host_gib: float | None = None, swap: str = "auto",
-              env: dict[str, str] | None = None, source: str = "") -> Plan:
-    """Parse the command with Megatron's parser, fold it, and cost the sandbox here (PlanError if it
-    cannot fit)."""
+              env: dict[str, str] | None = None, source: str = "", fold_depth: str = "auto") -> Plan:
+    """Parse the command with Megatron's parser, fold it (``fold_depth``: auto, replica or class), and
+    cost the sandbox here."""
     args = parse_megatron_args(script, script_args, world_size, env)
     layout = layout_from_args(args, world_size, gpus_per_node)
-    fold = build_fold_plan(layout)
+    _, depth_note = resolve_depth(layout, fold_depth)
+    fold = build_fold_plan(layout, fold_depth)
     estimate = getattr(args, ESTIMATE_KEY, None) or {"error": "not computed"}
     iterations = getattr(args, "train_iters", None)
-    plan = Plan(layout=layout, fold=fold, iterations=iterations, devices=list(devices), source=source)
+    plan = Plan(layout=layout, fold=fold, iterations=iterations, devices=list(devices), source=source,
+                depth_note=depth_note)
     plan.memory = _memory(fold, estimate, plan.devices, device_gib, host_gib, swap)
     plan.time = _time(fold, args, estimate.get("vocab"), iterations, plan.devices)
     return plan
@@ -152,7 +155,7 @@ def plan_json(plan: Plan) -> dict[str, Any]:
     """The plan for programs (``plan --json``); ``fold`` is ``FoldPlan.to_json()``."""
     return {"version": PLAN_JSON_VERSION, "source": plan.source, "layout": plan.layout.describe(),
             "devices": plan.devices, "iterations": plan.iterations, "memory": plan.memory, "time": plan.time,
-            "fold": plan.fold.to_json()}
+            "fold_depth": plan.depth_note, "fold": plan.fold.to_json()}
 
 
 def _ranks(ranks: list[int], limit: int = 12) -> str:
@@ -195,25 +198,35 @@ def render_plan(plan: Plan, console: Any) -> None:
     f, m, t = plan.fold, plan.memory, plan.time
     console.print(f"[bold]plan[/bold] {plan.source}: {plan.layout.describe()} "
                   f"({plan.layout.gpus_per_node} GPUs per node)")
+    console.print(f"fold depth: {f.depth} ({plan.depth_note})" if plan.depth_note else f"fold depth: {f.depth}")
+    per_rank = m.get("per_rank")
     table = Table(title="rank classes")
-    for col in ("class", "role", "ranks", "sandbox (live)"):
-        table.add_column(col, justify="right" if col == "ranks" else "left")
+    for col in ("class", "role", "ranks", "sandbox (live)", "live memory"):
+        table.add_column(col, justify="right" if col in ("ranks", "live memory") else "left")
     for name, role, count, sandbox in _class_rows(f):
-        table.add_row(name, role, f"{count:,}", _ranks(sandbox))
+        table.add_row(name, role, f"{count:,}", _ranks(sandbox),
+                      _gib(None if per_rank is None else per_rank * len(sandbox)))
     console.print(table)
-    several = [c.name for c in f.classes if len(c.sandbox) > 1]
-    console.print(f"sandbox: {len(f.live)} live rank(s) run the real program: {_ranks(f.live)} "
-                  f"(one model replica: DP index {'0' if f.k == 1 else f'0-{f.k - 1}'})")
-    if several:
-        console.print(f"  classes with more than one live rank (v1 sandbox is a whole replica): {', '.join(several)}")
-    console.print(f"virtual: {f.virtual_count:,} rank(s) without a process, each mirroring the live rank of its "
-                  "replica position (same TP/CP/PP coordinates, DP index mod "
-                  f"{f.k})")
+    if f.depth == "class":
+        console.print(f"sandbox: {len(f.live)} live rank(s) run the real program: {_ranks(f.live)} (one per class: "
+                      "tp = cp = 0, DP index 0, the lowest pipeline stage of its class)")
+        console.print(f"virtual: {f.virtual_count:,} rank(s) without a process, each doing its class's live rank's "
+                      "work translated to its own position (its TP/CP/DP coordinates and pipeline stage)")
+    else:
+        several = [c.name for c in f.classes if len(c.sandbox) > 1]
+        console.print(f"sandbox: {len(f.live)} live rank(s) run the real program: {_ranks(f.live)} "
+                      f"(one model replica: DP index {'0' if f.k == 1 else f'0-{f.k - 1}'})")
+        if several:
+            console.print(f"  classes with more than one live rank (replica depth keeps a whole replica): "
+                          f"{', '.join(several)}")
+        console.print(f"virtual: {f.virtual_count:,} rank(s) without a process, each mirroring the live rank of its "
+                      f"replica position (same TP/CP/PP coordinates, DP index mod {f.k})")
     mem = Table(title=f"memory here (devices: {','.join(plan.devices)})")
     mem.add_column("what")
     mem.add_column("needed", justify="right")
     mem.add_column("here", justify="right")
-    mem.add_row("per sandbox rank (Megatron's formula, most loaded shard)", _gib(m.get("per_rank")), "")
+    mem.add_row("per sandbox rank (Megatron's formula, most loaded shard: a bound for every class)",
+                _gib(m.get("per_rank")), "")
     if plan.devices != ["cpu"]:
         mem.add_row("GPU, sandbox", _gib(m.get("gpu_needed")), _gib(m.get("devices_total")))
     mem.add_row("host RAM", _gib(m.get("host_needed")), _gib(m.get("host_available")))

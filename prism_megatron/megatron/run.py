@@ -330,7 +330,7 @@ def run(request: RunRequest) -> int:
 
         try:
             cfg.fold = choose_fold(after.fold, cfg, request.env, say=lambda m: print(f"prism: {m}", file=sys.stderr,
-                                                                                  flush=True))
+                                                                                  flush=True), depth=after.fold_depth)
         except FoldModeError as e:
             print(f"prism: {e}", file=sys.stderr, flush=True)
             from prism_megatron.launcher.exit_codes import BAD_INPUT

@@ -1,0 +1,286 @@
+"""Class depth (one live rank per rank class), the plan's coordinates and version-2 JSON (CPU, fast).
+
+Every plan is checked against Megatron's own group construction (``RankGenerator`` and its default
+embedding groups), with a translation written here from the plan's coords: a group with live members
+holds each member's representative, and for every rank r (sampled on the largest layouts) the group
+of ``rep[r]`` translated by ``coords[r] - coords[rep[r]]`` is r's group of the same kind.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from prism_megatron.megatron.fold import (
+    FoldDepthError,
+    FoldError,
+    FoldPlan,
+    FoldPlanFormatError,
+    TargetLayout,
+    _import_megatron,
+    build_fold_plan,
+)
+
+pytestmark = pytest.mark.megatron  # runs megatron-core: CI also runs it on the second stack (.ci/run)
+
+try:
+    _import_megatron()
+except ImportError:
+    pytest.skip("megatron-core is not importable", allow_module_level=True)
+
+from megatron.core.parallel_state import RankGenerator, default_embedding_ranks  # noqa: E402
+
+DENSE_TOKENS = ("tp", "cp", "dp", "pp", "dp-cp", "tp-cp", "tp-pp", "tp-dp", "tp-dp-cp")
+EXPERT_TOKENS = ("tp", "ep", "tp-ep", "tp-ep-pp", "dp")
+
+
+def _kinds(t: TargetLayout) -> dict[str, list[list[int]]]:
+    dense = RankGenerator(tp=t.tp, ep=1, dp=t.dp, pp=t.pp, cp=t.cp, order=t.order)
+    expert = RankGenerator(tp=t.etp, ep=t.ep, dp=t.edp, pp=t.pp, cp=1, order=t.order)
+    out = {f"dense {k}": dense.get_ranks(k) for k in DENSE_TOKENS}
+    out |= {f"expert {k}": expert.get_ranks(k) for k in EXPERT_TOKENS}
+    out["embedding"] = [default_embedding_ranks(g) for g in dense.get_ranks("pp")]
+    return out
+
+
+def _translate(plan: FoldPlan, index: dict[tuple, int], r: int, x: int) -> int:
+    """The rank that is, for r, what x is for rep[r] (the contract's torus translation)."""
+    c, cr, cq = plan.coords[x], plan.coords[r], plan.coords[plan.rep[r]]
+    return index[tuple((a + b - q) % n for a, b, q, n in zip(c, cr, cq, plan.sizes, strict=True))]
+
+
+def _check_against_megatron(plan: FoldPlan, t: TargetLayout, sample: int | None = None) -> None:
+    world = t.world_size
+    kinds = _kinds(t)
+    # coords: each rank's position in Megatron's group of each axis
+    for a, axis in enumerate(("tp", "cp", "dp", "pp")):
+        for g in kinds[f"dense {axis}"]:
+            assert [plan.coords[r][a] for r in g] == list(range(len(g)))
+    assert plan.sizes == [t.tp, t.cp, t.dp, t.pp]
+    index = {tuple(c): r for r, c in enumerate(plan.coords)}
+    assert len(index) == world
+    live = set(plan.live)
+    ranks = list(range(world))
+    if sample is not None and world > sample:
+        ranks = sorted(set(random.Random(world).sample(ranks, sample)) | live | {world - 1})
+    for name, groups in kinds.items():
+        of = {r: i for i, g in enumerate(groups) for r in g}
+        for g in groups:
+            if any(r in live for r in g):  # mirrored in place: each member's rep is a member
+                assert all(plan.rep[r] in g for r in g), (name, g)
+        for r in ranks:
+            if r not in of:
+                continue
+            assert plan.rep[r] in of, (name, r)
+            moved = {_translate(plan, index, r, x) for x in groups[of[plan.rep[r]]]}
+            assert moved == set(groups[of[r]]), (name, r, plan.rep[r])
+
+
+def _stage_of(plan: FoldPlan, r: int) -> int:
+    return plan.coords[r][3]
+
+
+LAYOUTS = {
+    "tp1-pp1-dp8": TargetLayout(world_size=8, num_layers=2),
+    "tp2-pp1-dp4": TargetLayout(world_size=8, tp=2, num_layers=2),
+    "tp4-pp2-dp2": TargetLayout(world_size=16, tp=4, pp=2, num_layers=4),
+    "tp1-pp3-dp2": TargetLayout(world_size=6, pp=3, num_layers=6),
+    "tp2-pp4-8b": TargetLayout(world_size=8, tp=2, pp=4, num_layers=32, hidden_size=4096, num_attention_heads=32),
+    "tp2-pp5-dp2": TargetLayout(world_size=20, tp=2, pp=5, num_layers=10),
+    "tp1-pp8-dp2": TargetLayout(world_size=16, pp=8, num_layers=16),
+    "tp2-pp4-vpp2": TargetLayout(world_size=32, tp=2, pp=4, vpp=2, num_layers=16),
+    "tp2-cp2-pp2": TargetLayout(world_size=32, tp=2, cp=2, pp=2, num_layers=4),
+    "tp2-cp2-pp4-dp2": TargetLayout(world_size=32, tp=2, cp=2, pp=4, num_layers=8),
+    "uneven-first1-last3": TargetLayout(world_size=64, tp=2, pp=4, num_layers=10, first_stage_layers=1,
+                                        last_stage_layers=3),
+    "uneven-pp8": TargetLayout(world_size=64, tp=4, pp=8, num_layers=22, first_stage_layers=2, last_stage_layers=2),
+    "account-embedding-loss": TargetLayout(world_size=16, pp=4, num_layers=14, account_for_embedding=True,
+                                           account_for_loss=True),
+    "tp-pp-dp-order": TargetLayout(world_size=64, tp=2, pp=4, num_layers=8, order="tp-cp-ep-pp-dp"),
+    "custom-layout": TargetLayout(world_size=16, pp=4, num_layers=5, pipeline_layout="Et|tt|t|tL"),
+}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_class_depth_keeps_one_live_rank_per_class(name):
+    t = LAYOUTS[name]
+    plan = build_fold_plan(t)  # auto: class depth for a dense layout
+    assert plan.depth == "class" and plan.version == 2
+    assert len(plan.live) == len(plan.classes)
+    for ci, c in enumerate(plan.classes):
+        (r,) = c.sandbox
+        assert plan.class_of[r] == ci
+        assert plan.coords[r][:3] == [0, 0, 0] and _stage_of(plan, r) == c.coords["pp"][0]  # lowest stage
+        assert c.count == plan.class_of.count(ci)
+    for r in range(t.world_size):  # rep: tp = cp = 0, DP index 0, the live stage of r's class
+        q = plan.rep[r]
+        assert plan.class_of[q] == plan.class_of[r] and plan.coords[q][:3] == [0, 0, 0]
+    first, last = plan.classes[plan.class_of[0]], plan.classes[plan.class_of[t.world_size - 1]]
+    assert first.coords["pp"] == [0] and last.coords["pp"] == [t.pp - 1]  # first and last stay live
+    _check_against_megatron(plan, t)
+    assert FoldPlan.from_json(json.loads(json.dumps(plan.to_json()))) == plan
+
+
+def test_the_issues_8b_layout_folds_to_first_middle_last():
+    plan = build_fold_plan(LAYOUTS["tp2-pp4-8b"])
+    assert [(c.name, c.count, c.sandbox) for c in plan.classes] == [
+        ("first", 2, [0]), ("middle", 4, [2]), ("last", 2, [6])]
+    assert plan.rep == [0, 0, 2, 2, 2, 2, 6, 6]
+
+
+def test_uneven_and_custom_layouts_split_their_classes():
+    uneven = build_fold_plan(LAYOUTS["uneven-pp8"])
+    assert [(c.name, c.coords["pp"]) for c in uneven.classes] == [("first", [0]), ("middle", [1, 2, 3, 4, 5, 6]),
+                                                                  ("last", [7])]
+    custom = build_fold_plan(LAYOUTS["custom-layout"])
+    assert [(c.name, c.sandbox) for c in custom.classes] == [("first", [0]), ("middle-1", [4]), ("middle-2", [8]),
+                                                             ("last", [12])]  # DP4: stages 4 ranks apart
+
+
+@pytest.mark.parametrize("t", [
+    TargetLayout(world_size=8192, tp=2, pp=4, num_layers=8),
+    TargetLayout(world_size=8192, tp=4, pp=8, vpp=2, num_layers=32),
+    TargetLayout(world_size=1024, num_layers=2),
+], ids=["tp2-pp4-dp1024", "tp4-pp8-vpp2-dp256", "pp1-dp1024"])
+def test_class_depth_at_scale(t):
+    plan = build_fold_plan(t)
+    assert len(plan.live) == len(plan.classes) == (1 if t.pp == 1 else 3)
+    assert sum(c.count for c in plan.classes) == t.world_size
+    _check_against_megatron(plan, t, sample=300)
+
+
+def test_class_depth_for_moe_is_refused_and_auto_keeps_a_replica():
+    t = TargetLayout(world_size=64, tp=2, etp=1, pp=2, ep=4, num_experts=8, num_layers=4)
+    with pytest.raises(FoldDepthError, match=r"class folds .* dense layouts only; this is a MoE layout \(8 experts, "
+                                             r"EP4\).*--prism-fold-depth replica"):
+        build_fold_plan(t, "class")
+    plan = build_fold_plan(t)
+    assert plan.depth == "replica" and plan.k == 2 and len(plan.live) == 8
+    _check_against_megatron(plan, t)
+    with pytest.raises(FoldError, match="fold depth 'deep' is not one of auto, replica, class"):
+        build_fold_plan(t, "deep")
+
+
+def test_replica_depth_of_a_dense_layout_is_the_v1_sandbox():
+    t = TargetLayout(world_size=64, tp=2, pp=4, num_layers=8)
+    plan = build_fold_plan(t, "replica")
+    assert plan.depth == "replica" and len(plan.live) == 8
+    assert all(plan.rep[r] == r - plan.coords[r][2] * 2 for r in range(64))  # rank = tp + 2 * dp + 16 * pp
+    _check_against_megatron(plan, t)
+
+
+def test_a_rep_that_does_not_translate_is_refused_naming_the_group():
+    from prism_megatron.megatron.fold import _check_fold, _Generators, _Grid, _group_kinds
+
+    t = TargetLayout(world_size=16, tp=2, pp=4, num_layers=8)
+    plan = build_fold_plan(t)
+    gens = _Generators(t)
+    grid, kinds = _Grid(gens, t), _group_kinds(gens, t)
+    import numpy as np
+
+    rep = np.array(plan.rep)
+    _check_fold(kinds, grid, rep)  # the plan's own rep folds
+    bad = rep.copy()
+    peer = plan.coords.index([1, 0, 0, 3])  # the last stage's TP peer mirrors the first stage's rank
+    bad[peer] = 0
+    with pytest.raises(FoldError, match=rf"dense tp group \[{peer - 1}, {peer}\] has live members but rank {peer}'s "
+                                        "representative 0 is outside it"):
+        _check_fold(kinds, grid, bad)
+    # expert TP groups of two DP indices (ETP2 over TP1): rank 3 doing rank 0's work translated by dp+3
+    # would see {3, 4} as its expert TP group, but Megatron's is {2, 3}
+    with pytest.raises(FoldError, match=r"expert tp group \[0, 1\] moved by dp\+1 is not one group of that kind"):
+        build_fold_plan(TargetLayout(world_size=16, etp=2, num_layers=2))
+
+
+def test_plan_json_versions_1_and_2():
+    plan = build_fold_plan(TargetLayout(world_size=16, tp=2, pp=4, num_layers=8))
+    data = plan.to_json()
+    assert data["version"] == 2 and data["depth"] == "class" and data["axes"] == ["tp", "cp", "dp", "pp"]
+    assert data["sizes"] == [2, 1, 2, 4] and len(data["coords"]) == 16
+    v1 = build_fold_plan(TargetLayout(world_size=16, tp=2, pp=4, num_layers=8), "replica").to_json()
+    v1 = {k: v for k, v in v1.items() if k not in ("depth", "axes", "sizes", "coords")} | {"version": 1}
+    old = FoldPlan.from_json(v1)
+    assert old.version == 1 and old.depth == "replica" and old.coords == [] and old.to_json() == v1
+    for broken, field in [({**data, "coords": data["coords"][:-1]}, "coords has 15 entries"),
+                          ({**data, "coords": [[0, 0, 0, 0]] * 16}, r"coords\[1\] is \[0, 0, 0, 0\], the position"),
+                          ({**data, "coords": [[0, 0, 0, 9]] + data["coords"][1:]}, r"coords\[0\] is \[0, 0, 0, 9\]"),
+                          ({**data, "depth": "deep"}, "field depth 'deep'"),
+                          ({**data, "axes": ["pp", "dp", "cp", "tp"]}, "field axes"),
+                          ({**data, "sizes": [2, 1, 2, 2]}, "field sizes"),
+                          ({k: v for k, v in data.items() if k != "coords"}, "field coords is missing"),
+                          ({**data, "version": 3}, "field version 3 is not supported")]:
+        with pytest.raises(FoldPlanFormatError, match=field):
+            FoldPlan.from_json(broken)
+
+
+def test_the_trace_reader_accepts_a_version_2_plan():
+    from prism_megatron.trace.fold import read_fold
+
+    plan = build_fold_plan(TargetLayout(world_size=16, tp=2, pp=4, num_layers=8))
+    manifest = {"world_size": 16, "job": {"fold": {**plan.to_json(), "contributions": {}}}}
+    fold = read_fold(manifest)
+    assert fold.live == (0, 4, 12) and fold.rep == tuple(plan.rep)
+
+
+def test_plan_cli_shows_three_live_ranks_for_an_8b_shaped_tp2_pp4_job():
+    from click.testing import CliRunner
+
+    from prism_megatron.cli import main
+    from prism_megatron.megatron.driver import CORE_DRIVER_SCRIPT
+
+    llama = ["--num-layers", "32", "--hidden-size", "4096", "--ffn-hidden-size", "14336", "--num-attention-heads",
+             "32", "--group-query-attention", "--num-query-groups", "8", "--seq-length", "4096",
+             "--max-position-embeddings", "4096", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128255",
+             "--mock-data", "--micro-batch-size", "1", "--global-batch-size", "32", "--train-iters", "3", "--lr",
+             "1e-4", "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "4",
+             "--transformer-impl", "local"]
+    result = CliRunner().invoke(main, ["plan", "--prism-world-size", "8", "--devices", "cpu", "--",
+                                       str(CORE_DRIVER_SCRIPT), *llama])
+    assert result.exit_code == 0, result.output
+    text = result.stdout
+    assert "TP2·PP4·DP1 = 8 ranks" in text and "fold depth: class (auto: class for a dense layout)" in text
+    assert "sandbox: 3 live rank(s) run the real program: 0,2,6" in text and "virtual: 5 rank(s)" in text
+    for row in ("stage 0 (first: embedding; 8 layers)", "stages 1-2 (middle; 8 layers)",
+                "stage 3 (last: loss; 8 layers)"):
+        assert row in text
+
+
+def test_run_passes_the_depth_to_the_fold_and_refuses_class_depth_for_moe():
+    from prism_megatron.megatron.fold_mode import FoldModeError, choose_fold
+    from prism_megatron.megatron.run import launch_config, parse_run_args
+
+    request = parse_run_args(["--recipe", "mini-dense-tp2pp2dp4", "--prism-driver", "core"])
+    said: list[str] = []
+    fold = choose_fold("on", launch_config(request), request.env, say=said.append,
+                       depth=request.run_options().fold_depth)
+    assert fold["depth"] == "class" and fold["live"] == [0, 8] and fold["version"] == 2
+    assert any("2 live rank(s), 14 virtual" in s and "depth class (auto: class for a dense layout)" in s
+               for s in said), said
+    request = parse_run_args(["--recipe", "mini-moe-ep4-tp1pp2", "--prism-driver", "core",
+                              "--prism-fold-depth", "class"])
+    assert request.run_options().fold_depth == "class"
+    for mode in ("on", "auto"):  # a depth the layout cannot take is refused whatever the fold mode
+        with pytest.raises(FoldModeError, match="--prism-fold-depth class: fold depth class folds .* MoE layout"):
+            choose_fold(mode, launch_config(request), request.env, say=said.append, depth="class")
+
+
+def test_plan_table_gives_each_class_its_live_memory_by_megatrons_formula():
+    from rich.console import Console
+
+    from prism_megatron.megatron.plan import GiB, Plan, _memory, render_plan
+
+    t = TargetLayout(world_size=8192, tp=2, pp=4, num_layers=8)
+    for depth, live_memory in (("class", ["10.0 GiB"] * 3), ("replica", ["20.0 GiB", "40.0 GiB", "20.0 GiB"])):
+        fold = build_fold_plan(t, depth)
+        plan = Plan(layout=t, fold=fold, iterations=1, devices=["cpu"], depth_note=f"{depth} (asked)",
+                    memory=_memory(fold, {"total": 10 * GiB}, ["cpu"], None, 1000.0, "auto"),
+                    time={"seconds": 60.0, "iterations": 1, "model": "rough"})
+        console = Console(width=200, record=True)
+        render_plan(plan, console)
+        text = console.export_text()
+        rows = [line for line in text.splitlines() if line.startswith("│ ") and "stage" in line]
+        assert [row.split("│")[-2].strip() for row in rows] == live_memory, text
+        host = next(line for line in text.splitlines() if "host RAM" in line)
+        assert host.split("│")[2].strip() == f"{len(fold.live) * 11:.1f} GiB"  # per live rank: 10 + 1 of process
