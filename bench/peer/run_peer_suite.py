@@ -200,7 +200,8 @@ def summarize(res: dict, world: int, on_gpu: bool = False) -> list[str]:
             lines.append(f"    rank {r}: no result (job ended before the rank finished)")
             continue
         n = Counter(t["outcome"] for t in d["tests"])
-        lines.append(f"    rank {r}: {n['passed']} passed, {n['failed'] + n['error']} failed, {n['skipped']} skipped")
+        lines.append(f"    rank {r}: {n['passed']} passed, {n['failed'] + n['error']} failed, {n['skipped']} skipped"
+                     + ("  (so far: the file did not end)" if d.get("exit", 0) is None else ""))
         for t in d["tests"]:
             if t["outcome"] in ("failed", "error"):
                 cause = attribute(t["text"], on_gpu)
@@ -216,7 +217,8 @@ def summarize(res: dict, world: int, on_gpu: bool = False) -> list[str]:
     for tid, e in failing.items():
         causes[e["cause"]] += 1
         lines.append(f"    FAIL {tid} ranks {_ranks(e['ranks'])}: {e['cause']} -- {e['line']}")
-    if res["exit"] != 0 and len(res["ranks"]) < world:
+    unfinished = len(res["ranks"]) < world or any(d.get("exit", 0) is None for d in res["ranks"].values())
+    if res["exit"] != 0 and unfinished:
         why = _job_end(res["stderr_tail"])
         cause = "prism" if "prism" in why and "hang" not in why else "see report"
         lines.append(f"    JOB ENDED (exit {res['exit']}): {why} [{cause}]")
@@ -294,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def one(f: str) -> list[str]:
         left = None if a.deadline is None else a.deadline - (time.monotonic() - t_start)
-        if left is not None and left < 10:
+        if left is not None and left < 30:  # too little time to start 8 ranks and collect
             return [f"{f}  (not run: the run's deadline of {a.deadline:.0f} s had passed)", ""]
         print(f"running {f} ...", file=sys.stderr, flush=True)
         res = run_file(checkout, f, a.world_size, a.timeout if left is None else min(a.timeout, left), a.hang_timeout,
