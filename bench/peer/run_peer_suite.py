@@ -23,6 +23,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -294,30 +295,41 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("no test files given")
     print("\n".join(head), flush=True)
 
-    def one(f: str) -> list[str]:
-        left = None if a.deadline is None else a.deadline - (time.monotonic() - t_start)
-        if left is not None and left < 30:  # too little time to start 8 ranks and collect
-            return [f"{f}  (not run: the run's deadline of {a.deadline:.0f} s had passed)", ""]
-        print(f"running {f} ...", file=sys.stderr, flush=True)
-        res = run_file(checkout, f, a.world_size, a.timeout if left is None else min(a.timeout, left), a.hang_timeout,
-                       a.path, a.pytest_arg, a.suite, a.devices, a.slots_per_device,
-                       Path(a.logs) if a.logs else None)
-        if a.raw:
-            Path(a.raw).mkdir(parents=True, exist_ok=True)
-            (Path(a.raw) / (safe_name(f) + ".json")).write_text(json.dumps(res))
-        block = [f"{f}  ({res['wall_s']:.0f} s wall, exit {res['exit']})", *summarize(res, a.world_size, on_gpu), ""]
-        print("\n".join(block), flush=True)
-        return block
+    done: dict[str, list[str]] = {}
+    lock = threading.Lock()
 
-    with ThreadPoolExecutor(max_workers=max(1, a.jobs)) as pool:  # each file is its own launch (a subprocess)
-        blocks = list(pool.map(one, files))
-    body = [line for block in blocks for line in block]
-    body.append(f"total wall: {time.monotonic() - t_start:.0f} s ({len(files)} files, {max(1, a.jobs)} at once)")
-    if a.out:
+    def table(footer: str) -> None:
+        """The table so far, in the files' order (rewritten as files end: a run cut short keeps what it had)."""
+        if not a.out:
+            return
+        body = [line for f in files for line in done.get(f, [])]
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(a.out).with_suffix(".tmp")
-        tmp.write_text("\n".join(head + body) + "\n")
+        tmp.write_text("\n".join([*head, *body, footer]) + "\n")
         tmp.replace(a.out)
+
+    def one(f: str) -> None:
+        left = None if a.deadline is None else a.deadline - (time.monotonic() - t_start)
+        if left is not None and left < 30:  # too little time to start 8 ranks and collect
+            block = [f"{f}  (not run: the run's deadline of {a.deadline:.0f} s had passed)", ""]
+        else:
+            print(f"running {f} ...", file=sys.stderr, flush=True)
+            res = run_file(checkout, f, a.world_size, a.timeout if left is None else min(a.timeout, left),
+                           a.hang_timeout, a.path, a.pytest_arg, a.suite, a.devices, a.slots_per_device,
+                           Path(a.logs) if a.logs else None)
+            if a.raw:
+                Path(a.raw).mkdir(parents=True, exist_ok=True)
+                (Path(a.raw) / (safe_name(f) + ".json")).write_text(json.dumps(res))
+            block = [f"{f}  ({res['wall_s']:.0f} s wall, exit {res['exit']})", *summarize(res, a.world_size, on_gpu),
+                     ""]
+        print("\n".join(block), flush=True)
+        with lock:
+            done[f] = block
+            table(f"(so far: {len(done)} of {len(files)} files, {time.monotonic() - t_start:.0f} s)")
+
+    with ThreadPoolExecutor(max_workers=max(1, a.jobs)) as pool:  # each file is its own launch (a subprocess)
+        list(pool.map(one, files))
+    table(f"total wall: {time.monotonic() - t_start:.0f} s ({len(files)} files, {max(1, a.jobs)} at once)")
     return 0
 
 
