@@ -143,6 +143,7 @@ class Run:
         # segment names carry the launcher's pid from the version that sweeps them: count exactly those
         self.pid_names = "def job_prefix" in (checkout / "prism_megatron/runtime/shm.py").read_text()
         self.launched: list[subprocess.Popen] = []
+        self.jobs: list[str] = []  # job ids the launchers printed
 
     def env(self, **extra: str) -> dict:
         return dict(os.environ, PYTHONPATH=str(self.checkout), PYTHONUNBUFFERED="1", OUT=str(self.tmp), **extra)
@@ -176,6 +177,8 @@ class Run:
         r.seconds = time.monotonic() - t0
         found = re.search(r"prism: job ([\w-]+):", err or "")
         r.job = found.group(1) if found else ""
+        if r.job:
+            self.jobs.append(r.job)
         lines = [line for line in (err or "").strip().splitlines() if line.strip()]
         r.message = lines[-1].strip() if lines else ""
         if r.rc == "(cap)":
@@ -189,13 +192,19 @@ class Run:
         if r.job:  # the job's own segments
             new = list(SHM.glob(f"prism-{r.job}*"))
         elif self.pid_names:  # named by the launcher's pid
-            new = [p for p in _shm() for job in self.launched if p.name.startswith(f"prism-{job.pid}-")]
+            new = self.own_segments()
         else:  # older names: new ones that stay (other jobs' segments come and go; some may be counted)
             new = [p for p in _shm() - self.shm_before if re.match(r"prism-[0-9a-f]{8}-r", p.name)]
             time.sleep(0.5)
             new = [p for p in new if p.exists()]
         r.shm_files, r.shm_bytes = len(new), sum(_size(p) for p in new)
         r.trace = trace_state(self.tmp / trace)
+
+    def own_segments(self) -> list[Path]:
+        """This case's segments: named by its launchers' pids, or (older names) by the job ids they printed.
+        An older job that printed no id before it was killed leaves its segments (its id is unknown)."""
+        prefixes = tuple(f"prism-{p.pid}-" for p in self.launched) + tuple(f"prism-{j}" for j in self.jobs)
+        return [p for p in _shm() if prefixes and p.name.startswith(prefixes)]
 
     def procs(self) -> list[int]:
         """Processes of this case: their command line or environment names its scratch directory."""
@@ -218,9 +227,10 @@ class Run:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        for p in _shm() - self.shm_before:
-            if p.name.startswith("prism-"):
-                p.unlink(missing_ok=True)
+        # only this case's segments: other prism jobs on the machine (a test suite, another bench) keep
+        # theirs; removing every new prism-* file ended them with a vanished staging segment
+        for p in self.own_segments():
+            p.unlink(missing_ok=True)
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 

@@ -198,6 +198,30 @@ def test_cuda_stand_ins():
 
 
 @cpu_only
+def test_stream_context_is_reusable_like_torchs():
+    """Megatron's DDP keeps one ``torch.cuda.stream(s)`` and enters it twice (grad reduce, then the
+    all-reduce across distributed-optimizer instances); torch's StreamContext allows it."""
+    enable_cpu_mode(patch_megatron=False)
+    side, other = torch.cuda.Stream(), torch.cuda.Stream()
+    ctx = torch.cuda.stream(side)
+    assert isinstance(ctx, torch.cuda.StreamContext)
+    for _ in range(2):
+        with ctx:
+            assert torch.cuda.current_stream() is side
+        assert torch.cuda.current_stream() is torch.cuda.default_stream()
+    with ctx:  # entered inside itself and inside another stream's context: each exit restores its own
+        with torch.cuda.StreamContext(other), ctx:
+            assert torch.cuda.current_stream() is side
+        assert torch.cuda.current_stream() is side
+    assert torch.cuda.current_stream() is torch.cuda.default_stream()
+    with torch.cuda.stream(None):  # None selects nothing, as in torch
+        assert torch.cuda.current_stream() is torch.cuda.default_stream()
+    with pytest.raises(KeyError), ctx:  # an error inside still restores the stream
+        raise KeyError
+    assert torch.cuda.current_stream() is torch.cuda.default_stream()
+
+
+@cpu_only
 @needs_megatron
 def test_enable_disable_restores_everything():
     import megatron.core.tensor_parallel.random as mrandom

@@ -140,3 +140,23 @@ def test_results_survive_many_ranks_few_slots(tmp_path):
         xs = [(s + s) / 2 for _ in range(w)]
     for r in range(w):
         torch.testing.assert_close(torch.load(out / f"rank-{r}.pt"), xs[r])
+
+
+def test_staging_segments_removed_from_outside_after_the_op_arrived(tmp_path):
+    """Something outside the job unlinks a rank's /dev/shm segments while its op waits in the coordinator
+    for the other member (a cleanup of shared memory by another program): the op still completes. The
+    coordinator used to open a member's segment only when the last member arrived: FileNotFoundError."""
+    p = prism("launch", "-w", "2", "--hang-timeout", "60", "--trace-dir", str(tmp_path / "trace"), "--log-ranks",
+              "none", str(PROGRAMS / "segment_removed.py"), "after", cwd=tmp_path, timeout=180)
+    assert p.returncode == 0, p.stderr
+
+
+def test_staging_segment_removed_before_the_coordinator_saw_it_is_a_clear_error(tmp_path):
+    p = prism("launch", "-w", "2", "--hang-timeout", "60", "--trace-dir", str(tmp_path / "trace"), "--log-ranks",
+              "none", str(PROGRAMS / "segment_removed.py"), "before", cwd=tmp_path, timeout=180)
+    assert p.returncode == 1, p.stderr
+    report = (tmp_path / "trace.logs" / "staging-report.txt").read_text()
+    assert re.search(r"rank 0: all_reduce \(op \d+\): staging segment \S+/prism-\S+-r0-0 is gone: something "
+                     r"outside this job removed it", report), report
+    assert "Traceback" not in p.stderr and "internal" not in p.stderr
+    _nothing_left(tmp_path, "segment_removed.py")

@@ -16,10 +16,19 @@ from pathlib import Path
 
 
 class Collector:
-    """pytest plugin: the outcome of each test (setup, call and teardown folded; the worst wins)."""
+    """pytest plugin: the outcome of each test (setup, call and teardown folded; the worst wins), written
+    after every test (``"exit": null`` until the file ends), so a job ended early still says how far it got."""
 
-    def __init__(self) -> None:
+    def __init__(self, out: Path, rank: int) -> None:
         self.tests: dict[str, dict] = {}
+        self.out, self.rank, self.t0 = out, rank, time.perf_counter()
+
+    def write(self, code: int | None) -> None:
+        result = {"rank": self.rank, "exit": code, "wall_s": time.perf_counter() - self.t0,
+                  "tests": list(self.tests.values())}
+        tmp = self.out / f".rank-{self.rank}.json.tmp"
+        tmp.write_text(json.dumps(result))
+        tmp.replace(self.out / f"rank-{self.rank}.json")
 
     def pytest_runtest_logreport(self, report) -> None:  # noqa: ANN001 - pytest's hook signature
         t = self.tests.setdefault(report.nodeid, {"id": report.nodeid, "outcome": "passed", "text": "", "s": 0.0})
@@ -33,6 +42,8 @@ class Collector:
         elif report.skipped and t["outcome"] == "passed":
             t["outcome"] = "skipped"
             t["text"] = str(report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr)[-500:]
+        if report.when == "teardown":
+            self.write(None)
 
     def pytest_collectreport(self, report) -> None:  # noqa: ANN001
         if report.failed:
@@ -57,15 +68,9 @@ def main() -> int:
         enable_cpu_mode()
     import pytest
 
-    collector = Collector()
-    t0 = time.perf_counter()
+    collector = Collector(out, int(os.environ.get("RANK", "0")))
     code = pytest.main(["-p", "no:cacheprovider", "-q", "-rN", *args], plugins=[collector])
-    rank = int(os.environ.get("RANK", "0"))
-    result = {"rank": rank, "exit": int(code), "wall_s": time.perf_counter() - t0,
-              "tests": list(collector.tests.values())}
-    tmp = out / f".rank-{rank}.json.tmp"
-    tmp.write_text(json.dumps(result))
-    tmp.replace(out / f"rank-{rank}.json")
+    collector.write(int(code))
     # a failed test leaves the job's other ranks as they are: the file's result is in, so end cleanly
     return 0
 

@@ -24,13 +24,12 @@ virtual device, index 0, backed by the host:
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 import threading
 import time
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -113,18 +112,30 @@ def set_stream(stream: CpuStream) -> None:
     _current.stream = stream
 
 
-@contextlib.contextmanager
-def stream(stream: CpuStream | None) -> Iterator[None]:
-    """``torch.cuda.stream(s)``: makes ``s`` the current stream, so Megatron's comparisons hold."""
-    if stream is None:
-        yield
-        return
-    previous = current_stream()
-    set_stream(stream)
-    try:
-        yield
-    finally:
-        set_stream(previous)
+class CpuStreamContext:
+    """``torch.cuda.stream(s)`` / ``torch.cuda.StreamContext``: makes ``s`` the current stream while
+    entered, so Megatron's stream comparisons hold. An object, like torch's: code that keeps one
+    (``ctx = torch.cuda.stream(s)``) and enters it again and again gets the same effect each time;
+    ``None`` selects nothing."""
+
+    def __init__(self, stream: CpuStream | None) -> None:
+        self.stream = stream
+        self._previous: list[CpuStream] = []  # a stack: entering it again inside itself also restores
+
+    def __enter__(self) -> None:
+        if self.stream is not None:
+            self._previous.append(current_stream())
+            set_stream(self.stream)
+
+    def __exit__(self, *exc: Any) -> bool:
+        if self.stream is not None:
+            set_stream(self._previous.pop())
+        return False
+
+
+def stream(stream: CpuStream | None) -> CpuStreamContext:
+    """``torch.cuda.stream(s)``: a :class:`CpuStreamContext`, as torch returns a ``StreamContext``."""
+    return CpuStreamContext(stream)
 
 
 class CpuDeviceContext:
@@ -312,6 +323,7 @@ def cuda_stand_ins() -> dict[str, dict[str, Any]]:
         "default_stream": default_stream,
         "set_stream": set_stream,
         "stream": stream,
+        "StreamContext": CpuStreamContext,
         "is_current_stream_capturing": is_current_stream_capturing,
         "device": CpuDeviceContext,
         "device_of": CpuDeviceContext,

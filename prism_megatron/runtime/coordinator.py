@@ -359,8 +359,8 @@ class Coordinator:
 
     # ---- ops -------------------------------------------------------------------------------------------
     def _on_op(self, rs: RankState, msg: dict) -> None:
-        for seg in msg.get("drops", ()):
-            self.data.drop(seg)
+        if (gone := self.data.arrived(rs.rank, msg)) is not None:  # a segment it names was removed meanwhile
+            return self._fatal("staging", gone)
         g = self.groups.of(rs.rank, msg["g"])
         grank = g.grank[rs.rank]
         for key in ("peer", "root"):

@@ -7,7 +7,7 @@ import torch
 
 from prism_megatron.runtime import protocol as P
 from prism_megatron.runtime.matching import Member, desc_bytes
-from prism_megatron.runtime.shm import SegmentMap
+from prism_megatron.runtime.shm import SegmentGone, SegmentMap
 
 _EMPTY = torch.empty(0, dtype=torch.uint8)
 
@@ -15,6 +15,21 @@ _EMPTY = torch.empty(0, dtype=torch.uint8)
 class DataPlane:
     def __init__(self) -> None:
         self.segments = SegmentMap()
+
+    def arrived(self, rank: int, msg: dict) -> str | None:
+        """An op's message: forget the segments the rank unlinked since its last op, and map every segment
+        this one names now (a member's input is read only when the last member arrives, maybe long after).
+        Returns why the op cannot be served: a segment it names is gone (shm.SegmentGone)."""
+        for seg in msg.get("drops", ()):
+            self.segments.drop(seg)
+        try:
+            for key in ("ins", "outs", "cur"):
+                for d in msg.get(key, ()):
+                    if d[0][0] == "s":
+                        self.segments.attach(d[0][1])
+        except SegmentGone as e:
+            return f"rank {rank}: {msg['kind']} (op {msg['id']}): {e}"
+        return None
 
     def read(self, desc: tuple, dtype: str) -> torch.Tensor:
         """An input as a flat tensor of ``dtype`` (a view of shared memory where it lies there)."""

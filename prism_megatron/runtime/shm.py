@@ -150,18 +150,34 @@ class Arena:
             self._segments.clear()
 
 
+class SegmentGone(RuntimeError):
+    """A rank's segment file is not there: removed by something outside the job (its rank unlinks a
+    segment only after the coordinator is done with it)."""
+
+
 class SegmentMap:
-    """The coordinator's view of every rank's segments, opened lazily by name."""
+    """The coordinator's view of every rank's segments, mapped by name when an op first names them.
+
+    A mapping outlives the file: once mapped, a segment that something outside the job unlinks (a
+    cleanup of /dev/shm) still serves every op that named it before.
+    """
 
     def __init__(self) -> None:
         self._segs: dict[str, _Segment] = {}
         self._dir = shm_dir()
 
-    def view(self, name: str, offset: int, nbytes: int) -> torch.Tensor:
+    def attach(self, name: str) -> _Segment:
         seg = self._segs.get(name)
         if seg is None:
-            seg = self._segs[name] = _Segment(self._dir / name, 0, create=False)
-        return seg.view[offset : offset + nbytes]
+            try:
+                seg = self._segs[name] = _Segment(self._dir / name, 0, create=False)
+            except FileNotFoundError:
+                raise SegmentGone(f"staging segment {self._dir / name} is gone: something outside this job "
+                                  "removed it (a cleanup of shared memory while the job ran?)") from None
+        return seg
+
+    def view(self, name: str, offset: int, nbytes: int) -> torch.Tensor:
+        return self.attach(name).view[offset : offset + nbytes]
 
     def drop(self, name: str) -> None:
         seg = self._segs.pop(name, None)
