@@ -130,7 +130,8 @@ class RunOnlyOptions:
     """How far a fold goes: 'replica' keeps one model replica live (DP replicas folded; every TP/CP peer
     and pipeline stage runs); 'class' keeps one live rank per rank class (dense layouts only: TP/CP peers
     folded onto tp = cp = 0, middle pipeline stages of one kind onto the lowest of them, DP replicas too;
-    first and last stages stay live); 'auto' is class for dense layouts and replica for MoE."""
+    first and last stages stay live); 'auto' is replica when one model replica fits this machine (or
+    Megatron's memory formula is unavailable) and for MoE, else class."""
 
     calibrate: Literal["off", "on"] = "off"
     """After the run, calibrate: re-run the job once per slice (coupled groups such as TP kept whole)

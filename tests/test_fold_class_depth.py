@@ -236,11 +236,11 @@ def test_plan_cli_shows_three_live_ranks_for_an_8b_shaped_tp2_pp4_job():
              "--mock-data", "--micro-batch-size", "1", "--global-batch-size", "32", "--train-iters", "3", "--lr",
              "1e-4", "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "4",
              "--transformer-impl", "local"]
-    result = CliRunner().invoke(main, ["plan", "--prism-world-size", "8", "--devices", "cpu", "--",
-                                       str(CORE_DRIVER_SCRIPT), *llama])
+    result = CliRunner().invoke(main, ["plan", "--prism-world-size", "8", "--devices", "cpu",
+                                       "--prism-fold-depth", "class", "--", str(CORE_DRIVER_SCRIPT), *llama])
     assert result.exit_code == 0, result.output
     text = result.stdout
-    assert "TP2·PP4·DP1 = 8 ranks" in text and "fold depth: class (auto: class for a dense layout)" in text
+    assert "TP2·PP4·DP1 = 8 ranks" in text and "fold depth: class (class (asked))" in text
     assert "sandbox: 3 live rank(s) run the real program: 0,2,6" in text and "virtual: 5 rank(s)" in text
     for row in ("stage 0 (first: embedding; 8 layers)", "stages 1-2 (middle; 8 layers)",
                 "stage 3 (last: loss; 8 layers)"):
@@ -251,13 +251,20 @@ def test_run_passes_the_depth_to_the_fold_and_refuses_class_depth_for_moe():
     from prism_megatron.megatron.fold_mode import FoldModeError, choose_fold
     from prism_megatron.megatron.run import launch_config, parse_run_args
 
-    request = parse_run_args(["--recipe", "mini-dense-tp2pp2dp4", "--prism-driver", "core"])
+    request = parse_run_args(["--recipe", "mini-dense-tp2pp2dp4", "--prism-driver", "core",
+                              "--prism-fold-depth", "class"])
     said: list[str] = []
     fold = choose_fold("on", launch_config(request), request.env, say=said.append,
                        depth=request.run_options().fold_depth)
     assert fold["depth"] == "class" and fold["live"] == [0, 8] and fold["version"] == 2
-    assert any("2 live rank(s), 14 virtual" in s and "depth class (auto: class for a dense layout)" in s
-               for s in said), said
+    assert any("2 live rank(s), 14 virtual" in s and "depth class (class (asked))" in s for s in said), said
+    # auto folds no deeper than needed: this replica fits (or cannot be costed), so replica depth
+    request = parse_run_args(["--recipe", "mini-dense-tp2pp2dp4", "--prism-driver", "core"])
+    said = []
+    fold = choose_fold("on", launch_config(request), request.env, say=said.append,
+                       depth=request.run_options().fold_depth)
+    assert fold["depth"] == "replica" and fold["live"] == [0, 1, 8, 9], fold["live"]
+    assert any("depth replica (auto: replica" in s for s in said), said
     request = parse_run_args(["--recipe", "mini-moe-ep4-tp1pp2", "--prism-driver", "core",
                               "--prism-fold-depth", "class"])
     assert request.run_options().fold_depth == "class"

@@ -208,7 +208,12 @@ def test_plan_cli_mini_recipe_table():
     text = result.output
     assert "rank classes" in text and "TP2·PP2·DP4 = 16 ranks" in text
     assert "stage 0 (first: embedding; 2 layers)" in text and "stage 1 (last: loss; 2 layers)" in text
-    assert "fold depth: class (auto: class for a dense layout)" in text
+    assert "fold depth: replica (auto: replica" in text  # auto folds no deeper than needed
+    assert "sandbox: 4 live rank(s)" in text and "one model replica" in text and "virtual: 12 rank(s)" in text
+    result = CliRunner().invoke(main, ["plan", "--recipe", "mini-dense-tp2pp2dp4", "--prism-fold-depth", "class"])
+    assert result.exit_code == 0, result.output
+    text = result.output
+    assert "fold depth: class (class (asked))" in text
     assert "sandbox: 2 live rank(s)" in text and "one per class" in text and "virtual: 14 rank(s)" in text
     assert "expected emulation time" in text
 

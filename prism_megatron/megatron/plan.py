@@ -140,13 +140,28 @@ def make_plan(script: Any, script_args: list[str], world_size: int, devices: lis
     cost the sandbox here."""
     args = parse_megatron_args(script, script_args, world_size, env)
     layout = layout_from_args(args, world_size, gpus_per_node)
-    _, depth_note = resolve_depth(layout, fold_depth)
-    fold = build_fold_plan(layout, fold_depth)
+    depth, depth_note = resolve_depth(layout, fold_depth)
     estimate = getattr(args, ESTIMATE_KEY, None) or {"error": "not computed"}
+    fold = build_fold_plan(layout, depth)
+    memory = _memory(fold, estimate, list(devices), device_gib, host_gib, swap)
+    if fold_depth == "auto" and depth == "class":
+        # Fold no deeper than needed: a replica keeps every TP/CP partial and every stage real (values
+        # and schedules exact), while class depth stands in for them; take class only when a replica
+        # does not fit here.
+        replica = build_fold_plan(layout, "replica")
+        replica_memory = _memory(replica, estimate, list(devices), device_gib, host_gib, swap)
+        if replica_memory.get("fits") is not False:
+            fold, memory = replica, replica_memory
+            depth_note = ("auto: replica (one model replica fits here; class depth, which stands in for TP/CP "
+                          "peers' partial sums and middle stages, is taken only when it does not)"
+                          if replica_memory.get("fits") else
+                          "auto: replica (Megatron's memory formula is unavailable to say that class depth is needed)")
+        else:
+            depth_note = f"auto: class (one model replica does not fit here: {replica_memory.get('why')})"
     iterations = getattr(args, "train_iters", None)
     plan = Plan(layout=layout, fold=fold, iterations=iterations, devices=list(devices), source=source,
                 depth_note=depth_note)
-    plan.memory = _memory(fold, estimate, plan.devices, device_gib, host_gib, swap)
+    plan.memory = memory
     plan.time = _time(fold, args, estimate.get("vocab"), iterations, plan.devices)
     return plan
 
