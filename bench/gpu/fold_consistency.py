@@ -221,8 +221,8 @@ def summarize(rows: list[dict], jobs: list[str], diags: dict[str, dict], say) ->
             say(f"{job}: a run failed or did not fold (see its log)")
             continue
         say(f"\n== {job}: memory per class (bytes; full: the largest of the class's members, and their spread)")
-        say(f"{'live rank (class; ranks)':34} {'full max alloc':>15} {'fold max alloc':>15} {'diff B':>10} {'diff %':>8} "
-            f"{'full members spread B':>21} {'full max resv':>15} {'fold max resv':>15}")
+        say(f"{'live rank (class; ranks)':34} {'full max alloc':>15} {'fold max alloc':>15} {'diff B':>10} "
+            f"{'diff %':>8} {'full members spread B':>21} {'full max resv':>15} {'fold max resv':>15}")
         for live, m in sorted(fold["ranks"].items()):
             members = [r for r, rep in enumerate(fold["rep"]) if rep == live and r in full["ranks"]]
             alloc = [full["ranks"][r]["max_allocated"] for r in members]
@@ -249,11 +249,10 @@ def summarize(rows: list[dict], jobs: list[str], diags: dict[str, dict], say) ->
         if not d:
             continue
         say(f"-- {job}: why (over iterations {d['timed_iterations']}):")
-        for shift, v in sorted(d["views"].items()):
-            r = f"{v['iteration_s'] / fi:.4f}" if v["iteration_s"] and fi else "n/a"
-            say(f"   full capture replayed as if folded, live {v['live']}: {_ms(v['iteration_s'])} ms "
-                f"(/ full {r}; fold / this {fo / v['iteration_s']:.4f})" if v["iteration_s"] and fo else
-                f"   full capture as folded, live {v['live']}: {_ms(v['iteration_s'])} ms")
+        for _, v in sorted(d["views"].items()):
+            t = v["iteration_s"]
+            vs = f"this / full {t / fi:.4f}, fold / this {fo / t:.4f}" if t and fi and fo else "n/a"
+            say(f"   full capture replayed as if folded, live {v['live']}: {_ms(t)} ms ({vs})")
         say(f"   {'class (live rank)':26} {'what, ms/iteration':18} {'fold':>9}   full, per member")
         timed = any(e["host"]["fold"] for e in d["classes"].values())  # GPU rows (none on CPU)
         for live, entry in sorted(d["classes"].items()):
