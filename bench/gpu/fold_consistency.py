@@ -14,11 +14,11 @@ clocks) and the ratio; the losses; each run's wall time.
 
 Where the two predictions differ, the decomposition says why (``diagnose``): per class and run,
 the measured host, device and one-clock compute time per iteration (medians over the two-clock
-iterations) of every member; and the full capture replayed *as if folded* — only one replica's ranks,
+iterations) of every member; both predictions with each rank's own host times (no pooling over like
+ranks, replay.gpu_segments); and the full capture replayed *as if folded* — only one replica's ranks,
 symmetrically, as the fold's trace is replayed — once per replica. full vs its folded views: what
-replaying every replica adds (the slowest replica's measurement noise at every collective); a folded
-view vs the fold: what the capture itself measured differently (more ranks sharing the device, or
-the machine's drift between runs).
+replaying every replica adds; a folded view vs the fold: what the capture itself measured
+differently (more ranks sharing the device, or the machine's drift between runs).
 
     python bench/gpu/fold_consistency.py --devices 0 --out DIR              # on the GPU machine
     python bench/gpu/fold_consistency.py --devices cpu --tiny --out DIR     # end to end on CPU, tiny shapes
@@ -192,6 +192,10 @@ def diagnose(full: dict, fold: dict, cluster: str) -> dict:
         head, used = _headline(view, result)
         views[shift] = {"live": list(view.fold.live), "iteration_s": head, "iterations": used,
                         "iteration_times_s": result.iteration_times()}
+    own = {}  # each rank's own host times (no pooling over like ranks): the replay before that pooling
+    for name, t in (("full", t_full), ("fold", t_fold)):
+        result = replay(graph_from_trace(t, like_ranks=False), cost_model(cluster, t.fold))
+        own[name] = _headline(t, result)[0]
     timed = sorted(set(views[min(views)]["iterations"])) if views else []
     measured = {"full": _per_iteration(t_full), "fold": _per_iteration(t_fold)}
     classes = {}
@@ -205,7 +209,7 @@ def diagnose(full: dict, fold: dict, cluster: str) -> dict:
                 return statistics.median(vals) if vals else None
             entry[key] = {"full": {r: med("full", r) for r in members}, "fold": med("fold", live)}
         classes[live] = entry
-    return {"views": views, "timed_iterations": timed, "classes": classes, "measured": measured}
+    return {"views": views, "own_host": own, "timed_iterations": timed, "classes": classes, "measured": measured}
 
 
 # ----------------------------------------------------------------------------- the tables
@@ -249,6 +253,9 @@ def summarize(rows: list[dict], jobs: list[str], diags: dict[str, dict], say) ->
         if not d:
             continue
         say(f"-- {job}: why (over iterations {d['timed_iterations']}):")
+        a, b = d["own_host"]["full"], d["own_host"]["fold"]
+        say(f"   each rank's own host times (no pooling over like ranks): full {_ms(a)} ms, fold {_ms(b)} ms, "
+            f"fold/full {b / a:.4f}" if a and b else "   each rank's own host times: n/a")
         for _, v in sorted(d["views"].items()):
             t = v["iteration_s"]
             vs = f"this / full {t / fi:.4f}, fold / this {fo / t:.4f}" if t and fi and fo else "n/a"
