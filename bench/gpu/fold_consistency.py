@@ -51,7 +51,7 @@ def _flags(a: argparse.Namespace, job: str) -> list[str]:
     moe = job == "moe"
     dp = a.world // 2 if moe else a.world // 4
     hidden = a.moe_hidden if moe else a.hidden
-    gbs = dp * a.mbs * a.micro
+    gbs = dp * a.mbs * a.micro  # a.micro micro-batches per model replica
     flags = (f"--num-layers {a.layers} --hidden-size {hidden} --num-attention-heads {a.heads} "
              f"--seq-length {a.seq} --max-position-embeddings {a.seq} --tokenizer-type NullTokenizer "
              f"--vocab-size 32000 --mock-data --micro-batch-size {a.mbs} --global-batch-size {gbs} "
@@ -61,8 +61,9 @@ def _flags(a: argparse.Namespace, job: str) -> list[str]:
     if a.bf16:
         flags += ["--bf16", "--no-masked-softmax-fusion"]
     if moe:
-        flags += ["--num-experts", str(a.experts), "--moe-router-topk", "2",
-                  "--expert-model-parallel-size", str(a.moe_ep), "--moe-token-dispatcher-type", "alltoall"]
+        flags += ["--num-experts", str(a.experts), "--moe-router-topk", "2", "--moe-ffn-hidden-size", str(a.moe_ffn),
+                  "--expert-model-parallel-size", str(a.moe_ep), "--moe-token-dispatcher-type", "alltoall",
+                  "--disable-bias-linear"]  # megatron-core 0.19.2's expert bias fails on the GPU (core_gpt.py)
     else:
         flags += ["--tensor-model-parallel-size", "2"]
     return flags
@@ -108,12 +109,15 @@ def _run(a: argparse.Namespace, job: str, fold: str, flags: list[str], timeout: 
     out["breakdown"] = pred.get("breakdown")
     out["prediction_error"] = report.get("prediction_error")
     losses: dict[int, list[float]] = {}
+    used = 0
     if metrics.exists():
         for line in metrics.read_text().splitlines():
             row = json.loads(line)
+            used = max(used, row.get("device_used") or 0)
             if "lm loss" in row.get("loss", {}):
                 losses.setdefault(row["iteration"], []).append(row["loss"]["lm loss"])
     out["losses"] = {k: statistics.mean(v) for k, v in sorted(losses.items()) if v}
+    out["device_used_max"] = used  # the device's memory in use at iteration ends, all ranks together
     return out
 
 
@@ -248,7 +252,9 @@ def summarize(rows: list[dict], jobs: list[str], diags: dict[str, dict], say) ->
         say(f"== {job}: losses full {({k: round(v, 4) for k, v in fl.items()})} fold "
             f"{({k: round(v, 4) for k, v in ol.items()})}; all finite: {finite}; largest |fold - full| "
             f"{max(gaps, default=float('nan')):.4f} (full run's spread over iterations {spread:.4f})")
-        say(f"== {job}: wall full {full['wall_s']:.1f} s, fold {fold['wall_s']:.1f} s")
+        say(f"== {job}: wall full {full['wall_s']:.1f} s, fold {fold['wall_s']:.1f} s; device memory in use at "
+            f"iteration ends, at most: full {full['device_used_max'] / 2**30:.1f} GiB, "
+            f"fold {fold['device_used_max'] / 2**30:.1f} GiB")
         d = diags.get(job)
         if not d:
             continue
@@ -269,12 +275,17 @@ def summarize(rows: list[dict], jobs: list[str], diags: dict[str, dict], say) ->
                 say(f"   {('rank ' + str(live)):26} {key:18} {_ms(e['fold']):>9}   {members}")
 
 
-def _bundle(a: argparse.Namespace) -> None:
-    """Traces, logs and metrics of every run into one archive under --out (what comes back)."""
+def _bundle(a: argparse.Namespace, limit: int = 15 << 20) -> None:
+    """Traces, logs and metrics of every run into one archive under --out (what comes back); without the
+    rank logs where that is over ``limit`` bytes."""
     target = Path(a.out) / "traces.tar.gz"
-    with tarfile.open(target, "w:gz") as tar:
-        for p in sorted(Path(a.work).iterdir()):
-            tar.add(p, arcname=p.name)
+    for logs in (True, False):
+        with tarfile.open(target, "w:gz") as tar:
+            for p in sorted(Path(a.work).iterdir()):
+                if logs or not p.name.endswith(".logs"):
+                    tar.add(p, arcname=p.name)
+        if target.stat().st_size <= limit:
+            return
 
 
 def main() -> None:
@@ -286,23 +297,24 @@ def main() -> None:
     ap.add_argument("--jobs", default="dense,moe")
     ap.add_argument("--world", type=int, default=8, help="ranks of each job (dense DP = W/4, MoE DP = W/2)")
     ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--hidden", type=int, default=3072, help="dense job's hidden size")
+    ap.add_argument("--hidden", type=int, default=4096, help="dense job's hidden size")
     ap.add_argument("--moe-hidden", type=int, default=2048)
+    ap.add_argument("--moe-ffn", type=int, default=4096, help="each expert's FFN size")
     ap.add_argument("--experts", type=int, default=8)
     ap.add_argument("--moe-ep", type=int, default=2)
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--seq", type=int, default=2048)
-    ap.add_argument("--mbs", type=int, default=2)
+    ap.add_argument("--mbs", type=int, default=4)
     ap.add_argument("--micro", type=int, default=4, help="micro-batches per model replica")
     ap.add_argument("--iters", type=int, default=6)
     ap.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--tiny", action="store_true", help="CPU check: hidden 64, 2 layers, seq 64, mbs 1, 3 iterations")
     ap.add_argument("--timeout", type=float, default=200, help="seconds per run at most")
-    ap.add_argument("--budget", type=float, default=470,
+    ap.add_argument("--budget", type=float, default=440,
                     help="seconds for the whole script: a run that could not end inside it is not started")
     a = ap.parse_args()
     if a.tiny:
-        a.hidden = a.moe_hidden = 64
+        a.hidden = a.moe_hidden = a.moe_ffn = 64
         a.layers, a.heads, a.seq, a.mbs, a.micro, a.iters, a.bf16 = 2, 4, 64, 1, 2, 3, False
     jobs = a.jobs.split(",")
     for job in jobs:
