@@ -403,8 +403,6 @@ def graph_from_trace(trace: Any, gpu_times: bool = True, typical_host: bool = Tr
     fold = getattr(trace, "fold", None)
     real = list(fold.live) if fold is not None else range(trace.world_size)
     per_rank = {r: trace.ops_for_rank(r) for r in real}
-    sizes = {gid: len(g.ranks) for gid, g in groups.items()}
-    iteration_ops = {r: _iteration_ops(ops, marks_by_rank.get(r, []), sizes) for r, ops in per_rank.items()}
     _resolve_any_source(per_rank)
     notes = _drop_unmatched_p2p(per_rank)
     for device, verdict in (trace.manifest.get("job", {}).get("gpu_timing_by_device") or {}).items():
@@ -422,6 +420,8 @@ def graph_from_trace(trace: Any, gpu_times: bool = True, typical_host: bool = Tr
                     for r, ms in marks_by_rank.items()}
             rows_by_rank = {r: typical_host_times(rows, ends.get(r, [])) for r, rows in rows_by_rank.items()}
             if like_ranks:
+                sizes = {gid: len(g.ranks) for gid, g in groups.items()}
+                iteration_ops = {r: _iteration_ops(per_rank[r], marks_by_rank.get(r, []), sizes) for r in real}
                 rows_by_rank = gpu_segments.like_rank_host_times(rows_by_rank, ends, iteration_ops)
         events = {r: with_gpu_times(evs, rows_by_rank.get(r, [])) for r, evs in events.items()}
     graph = Graph(groups, events, str(getattr(trace, "path", "<trace>")), notes, fold)
