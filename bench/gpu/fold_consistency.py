@@ -306,7 +306,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--mbs", type=int, default=4)
     ap.add_argument("--micro", type=int, default=4, help="micro-batches per model replica")
-    ap.add_argument("--iters", type=int, default=6)
+    ap.add_argument("--iters", type=int, default=5, help="iterations 2.. are measured on two clocks")
     ap.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--tiny", action="store_true", help="CPU check: hidden 64, 2 layers, seq 64, mbs 1, 3 iterations")
     ap.add_argument("--timeout", type=float, default=200, help="seconds per run at most")
@@ -346,6 +346,7 @@ def main() -> None:
                 continue
             r = _run(a, job, fold, flags, min(a.timeout, left))
             rows.append(r)
+            (out / "fold_consistency.json").write_text(json.dumps({"rows": rows}, indent=1, default=str))  # so far
             say(json.dumps({k: v for k, v in r.items() if k not in ("error", "breakdown")}))
             if "error" in r:
                 say(r["error"])
