@@ -76,6 +76,8 @@ def _run(a: argparse.Namespace, job: str, fold: str, flags: list[str], timeout: 
     metrics.unlink(missing_ok=True)
     env = dict(os.environ, PRISM_MEGATRON_METRICS=str(metrics), CUDA_DEVICE_MAX_CONNECTIONS="1",
                WANDB_MODE="disabled", PYTHONUNBUFFERED="1")
+    if a.pin_cores:
+        env["PRISM_PIN_CORES"] = "1"
     cmd = [sys.executable, "-m", "prism_megatron", "run", "--prism-emulate", "--prism-world-size", str(a.world),
            "--prism-devices", a.devices, "--prism-driver", "core", "--prism-fold", fold, "--prism-swap", "none",
            "--prism-report", "off", "--prism-track-memory", "on", "--prism-log-ranks", "none",
@@ -308,6 +310,10 @@ def main() -> None:
     ap.add_argument("--micro", type=int, default=4, help="micro-batches per model replica")
     ap.add_argument("--iters", type=int, default=5, help="iterations 2.. are measured on two clocks")
     ap.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--order", default="off,on", choices=["off,on", "on,off"],
+                    help="which capture of each job runs first (--prism-fold off: full)")
+    ap.add_argument("--pin-cores", action="store_true",
+                    help="each rank on a core of its own (PRISM_PIN_CORES=1; needs more cores than ranks)")
     ap.add_argument("--tiny", action="store_true", help="CPU check: hidden 64, 2 layers, seq 64, mbs 1, 3 iterations")
     ap.add_argument("--timeout", type=float, default=200, help="seconds per run at most")
     ap.add_argument("--budget", type=float, default=440,
@@ -339,7 +345,7 @@ def main() -> None:
     reserve = 25.0  # seconds kept for the reports, the tables and the archive
     for job in jobs:
         flags = _flags(a, job)
-        for fold in ("off", "on"):
+        for fold in a.order.split(","):
             left = a.budget - (time.perf_counter() - start) - reserve
             if left < 30:
                 say(f"{job} --prism-fold {fold}: not run ({left:.0f} s of --budget left)")
