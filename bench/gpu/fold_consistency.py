@@ -308,20 +308,22 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--mbs", type=int, default=4)
     ap.add_argument("--micro", type=int, default=4, help="micro-batches per model replica")
-    ap.add_argument("--iters", type=int, default=5, help="iterations 2.. are measured on two clocks")
+    ap.add_argument("--iters", type=int, default=None,
+                    help="iterations (default 5, 3 with --tiny); iterations 2.. are measured on two clocks")
     ap.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--order", default="off,on", choices=["off,on", "on,off"],
                     help="which capture of each job runs first (--prism-fold off: full)")
     ap.add_argument("--pin-cores", action="store_true",
                     help="each rank on a core of its own (PRISM_PIN_CORES=1; needs more cores than ranks)")
-    ap.add_argument("--tiny", action="store_true", help="CPU check: hidden 64, 2 layers, seq 64, mbs 1, 3 iterations")
+    ap.add_argument("--tiny", action="store_true", help="CPU check: hidden 64, 2 layers, seq 64, mbs 1")
     ap.add_argument("--timeout", type=float, default=200, help="seconds per run at most")
     ap.add_argument("--budget", type=float, default=440,
                     help="seconds for the whole script: a run that could not end inside it is not started")
     a = ap.parse_args()
     if a.tiny:
         a.hidden = a.moe_hidden = a.moe_ffn = 64
-        a.layers, a.heads, a.seq, a.mbs, a.micro, a.iters, a.bf16 = 2, 4, 64, 1, 2, 3, False
+        a.layers, a.heads, a.seq, a.mbs, a.micro, a.bf16 = 2, 4, 64, 1, 2, False
+    a.iters = a.iters or (3 if a.tiny else 5)
     jobs = a.jobs.split(",")
     for job in jobs:
         if job not in ("dense", "moe"):
