@@ -200,7 +200,8 @@ def test_like_ranks_share_host_time_in_the_replay(tmp_path):
                             "reduce_op": "sum", "async_op": False, "t_issue": 10.0 * it + 1,
                             "t_complete": 10.0 * it + 2, "compute_before": 1.0 if it == 0 else 2.0, "label": ""})
                 marks += [{"rank": r, "name": "iteration", "phase": ph, "t": 10.0 * it + dt, "compute_clock": c,
-                           "attrs": {}} for ph, dt, c in (("B", 0.0, 2.0 * it), ("E", 5.0, 2.0 * it + 2))]
+                           "attrs": {"iteration": it + 1} if ph == "B" else {}}
+                          for ph, dt, c in (("B", 0.0, 2.0 * it), ("E", 5.0, 2.0 * it + 2))]
                 gpu += [{"rank": r, "clock_start": 2.0 * it + a, "clock_end": 2.0 * it + a + 1,
                          "cpu": host if it else 0.25, "gpu": 0.1, "syncs": []} for a in (0, 1)]
         return read_trace(write_trace(tmp_path / name, manifest, ops, marks=marks, gpu=gpu))
@@ -213,6 +214,12 @@ def test_like_ranks_share_host_time_in_the_replay(tmp_path):
     own = times(slow, like_ranks=False)
     assert own[0] == times(slow)[0] and all(t > 0.5 + 0.05 for t in own[1:])  # the slower rank's host time
     assert times(even) == times(even, like_ranks=False)
+
+    from prism_megatron.report.build import build_report
+    from prism_megatron.report.live import predict_iteration
+
+    report = build_report(slow.path)["prediction"]["iteration_times_s"]  # communication free, as the cost above
+    assert [predict_iteration(slow.path, n)[0] for n in (1, 2, 3)] == [pytest.approx(t) for t in report]
 
 
 def test_a_trace_with_gpu_times_replays_with_the_host_running_ahead(tmp_path):
