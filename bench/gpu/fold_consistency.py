@@ -78,6 +78,8 @@ def _run(a: argparse.Namespace, job: str, fold: str, flags: list[str], timeout: 
                WANDB_MODE="disabled", PYTHONUNBUFFERED="1")
     if a.pin_cores:
         env["PRISM_PIN_CORES"] = "1"
+    if a.spin_us:
+        env["PRISM_SPIN_GRANT_US"] = str(a.spin_us)
     cmd = [sys.executable, "-m", "prism_megatron", "run", "--prism-emulate", "--prism-world-size", str(a.world),
            "--prism-devices", a.devices, "--prism-driver", "core", "--prism-fold", fold, "--prism-swap", "none",
            "--prism-report", "off", "--prism-track-memory", "on", "--prism-log-ranks", "none",
@@ -315,6 +317,9 @@ def main() -> None:
                     help="which capture of each job runs first (--prism-fold off: full)")
     ap.add_argument("--pin-cores", action="store_true",
                     help="each rank on a core of its own (PRISM_PIN_CORES=1; needs more cores than ranks)")
+    ap.add_argument("--spin-us", type=int, default=0,
+                    help="a blocked rank spins this long for its grant before it sleeps (PRISM_SPIN_GRANT_US): "
+                         "its core stays awake however many ranks take turns before it")
     ap.add_argument("--tiny", action="store_true", help="CPU check: hidden 64, 2 layers, seq 64, mbs 1")
     ap.add_argument("--timeout", type=float, default=200, help="seconds per run at most")
     ap.add_argument("--budget", type=float, default=440,
