@@ -182,6 +182,24 @@ def test_host_times_are_pooled_over_ranks_that_issued_the_same_ops():
     assert all(cut[r] == upto(out[r]) for r in given)
 
 
+def test_like_ranks_are_told_apart_by_their_ops_but_not_by_routed_token_counts():
+    """Per whole iteration after the first, a rank's ops with their compute clocks; two MoE expert ranks
+    that routed different token counts (all_to_all bytes) are alike, a different all_reduce size is not."""
+    from prism_megatron.replay.graph import _iteration_ops
+
+    def ops(a2a_bytes, ar_bytes):
+        return [{"kind": kind, "bytes": b, "dtype": "torch.bfloat16", "group": g, "t_issue": t, "compute_before": c}
+                for kind, b, g, t, c in (("all_reduce", 64, 0, 0.5, 0.5), ("all_to_all", a2a_bytes, 1, 1.5, 1.0),
+                                         ("all_reduce", ar_bytes, 0, 1.7, 0.1), ("all_to_all", 8, 1, 2.5, 1.0))]
+
+    marks = [{"name": "iteration", "phase": ph, "t": t} for ph, t in (("B", 0.0), ("E", 1.0), ("B", 1.0),
+                                                                       ("E", 2.0), ("B", 2.0), ("E", 3.0))]
+    sizes = {0: 2, 1: 4}
+    a, b, c = (_iteration_ops(ops(x, y), marks, sizes) for x, y in ((100, 64), (300, 64), (100, 32)))
+    assert list(a) == [1, 2] and [clock for clock, _ in a[1]] == [pytest.approx(1.5), pytest.approx(1.6)]
+    assert a == b and a[1] != c[1] and a[2] == c[2]
+
+
 def test_like_ranks_share_host_time_in_the_replay(tmp_path):
     """Two data-parallel replicas, the same work, but from iteration 2 the emulating machine ran rank 1's
     host code 50% slower than rank 0's: with like ranks pooled (the default) the prediction is what two

@@ -12,8 +12,8 @@ docs/history.md): each segment's host time is the median over the iterations up 
 the same sequence of segments (`typical_host_times`), so one slow iteration of one rank does not
 become the prediction's critical path, and an iteration is predicted alike while the capture runs
 and after it. Then over *like ranks* (`like_rank_host_times`): ranks that issued the same ops (kinds,
-bytes, dtypes, group sizes: data-parallel replicas and tensor-parallel peers of one stage) run the
-same host code, and the emulating machine's processes differ in host speed by tens of percent for it
+bytes, dtypes, group sizes; not the bytes of MoE's token all_to_all: data-parallel replicas,
+tensor-parallel peers and expert ranks of one stage) run the same host code, and the emulating machine's processes differ in host speed by tens of percent for it
 (docs/measurements.md); left per rank, the replay's collectives would wait for whichever process ran
 slowest, so a capture of every replica predicted more than a folded one, which measures one. Device
 times stay as measured (the profiler's, stable).

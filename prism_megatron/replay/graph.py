@@ -367,7 +367,11 @@ def _iteration_ops(ops: list[dict[str, Any]], marks: list[dict[str, Any]],
                    sizes: dict[int, int]) -> dict[int, list[tuple[float, tuple]]]:
     """A rank's ops in each whole iteration after the first (k = 1, 2, ...: those issued between its k-th
     and (k+1)-th iteration ends), each as (its compute clock at issue, (kind, bytes, dtype, group size)):
-    what tells like ranks apart (gpu_segments.like_rank_host_times)."""
+    what tells like ranks apart (gpu_segments.like_rank_host_times). The bytes of a kind whose sizes follow
+    the data (ops.DATA_SIZED_KINDS: MoE's token all_to_all) are left out: expert ranks of one class that
+    routed different token counts still ran the same host code."""
+    from ..ops import DATA_SIZED_KINDS
+
     ends = sorted(m["t"] for m in marks if m["name"] == "iteration" and m["phase"] == "E")
     out: dict[int, list[tuple[float, tuple]]] = defaultdict(list)
     clock, k = 0.0, 0
@@ -376,7 +380,8 @@ def _iteration_ops(ops: list[dict[str, Any]], marks: list[dict[str, Any]],
         while k < len(ends) and op["t_issue"] >= ends[k]:
             k += 1
         if 0 < k < len(ends):
-            out[k].append((clock, (op["kind"], op["bytes"], op["dtype"], sizes.get(op["group"]))))
+            size = None if op["kind"] in DATA_SIZED_KINDS else op["bytes"]
+            out[k].append((clock, (op["kind"], size, op["dtype"], sizes.get(op["group"]))))
     return {k: out.get(k, []) for k in range(1, len(ends))}
 
 
