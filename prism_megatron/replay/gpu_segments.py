@@ -13,10 +13,11 @@ the same sequence of segments (`typical_host_times`), so one slow iteration of o
 become the prediction's critical path, and an iteration is predicted alike while the capture runs
 and after it. Then over *like ranks* (`like_rank_host_times`): ranks that issued the same ops (kinds,
 bytes, dtypes, group sizes; not the bytes of MoE's token all_to_all: data-parallel replicas,
-tensor-parallel peers and expert ranks of one stage) run the same host code, and the emulating machine's processes differ in host speed by tens of percent for it
-(docs/measurements.md); left per rank, the replay's collectives would wait for whichever process ran
-slowest, so a capture of every replica predicted more than a folded one, which measures one. Device
-times stay as measured (the profiler's, stable).
+tensor-parallel peers and expert ranks of one stage) run the same host code, and the emulating
+machine's processes differ in host speed by tens of percent for it (docs/measurements.md); left per
+rank, the replay's collectives would wait for whichever process ran slowest, so a capture of every
+replica predicted more than a folded one, which measures one. Device times stay as measured (the
+profiler's, stable).
 
 Iteration markers also get a CpuSync before them: Megatron times an iteration with its timers,
 which synchronise the device (as does ``bench/accuracy``'s real-run stamping), so an iteration ends
@@ -112,7 +113,7 @@ def like_rank_host_times(rows_by_rank: dict[int, list[dict[str, Any]]], ends_by_
     for r, rows in out.items():
         for k, idx in _windows(rows, ends_by_rank.get(r, [])).items():
             ops = ops_by_rank.get(r, {}).get(k)
-            if ops is None:
+            if not ops:  # no op to tell what the rank ran: alike with no one
                 continue
             stretches: list[list[int]] = [[] for _ in range(len(ops) + 1)]
             j = 0
