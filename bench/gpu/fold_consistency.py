@@ -360,7 +360,8 @@ def main() -> None:
             r = _run(a, job, fold, flags, min(a.timeout, left))
             rows.append(r)
             (out / "fold_consistency.json").write_text(json.dumps({"rows": rows}, indent=1, default=str))  # so far
-            say(json.dumps({k: v for k, v in r.items() if k not in ("error", "breakdown")}))
+            say(json.dumps({k: v for k, v in r.items() if k in ("job", "fold", "rc", "wall_s", "iteration_s",
+                                                                 "iteration_times_s", "device_used_max", "rep")}))
             if "error" in r:
                 say(r["error"])
         full = next((r for r in rows if r["job"] == job and r["fold"] == "off" and "ranks" in r), None)
