@@ -47,13 +47,16 @@ class CollectiveCall:
 @dataclass(frozen=True)
 class OpKind:
     """One op kind. ``cost_family``: the formula family of ``calibration.costmodel`` that costs it.
-    ``paired``: its recorded shapes are inputs then as many outputs (else ``layout`` gives the counts)."""
+    ``paired``: its recorded shapes are inputs then as many outputs (else ``layout`` gives the counts).
+    ``data_sized``: its sizes follow the data (uneven all_to_all splits, object collectives' pickles), so
+    ranks that run the same program on the same shapes may issue it with different byte counts."""
 
     name: str
     cost_family: str
     reducing: bool = False
     p2p: bool = False
     paired: bool = False
+    data_sized: bool = False
 
     def check(self, ms: list, n: int) -> list[str]:
         """Disagreements between the members' sizes (after kind, reduce op, root and dtypes agreed)."""
@@ -310,12 +313,12 @@ OPS: dict[str, OpKind] = {k.name: k for k in (
     _ReduceScatterList("reduce_scatter_list", "reduce_scatter", reducing=True),
     _AllGather("all_gather", "all_gather", paired=True),
     # object collectives gather pickles and their sizes: data a program branches on
-    _AllGatherList("all_gather_list", "all_gather"),
+    _AllGatherList("all_gather_list", "all_gather", data_sized=True),
     _Gather("gather", "all_gather"),
     _Scatter("scatter", "reduce_scatter"),
     _Broadcast("broadcast", "broadcast"),
-    _AllToAll("all_to_all", "all_to_all", paired=True),
-    _AllToAllList("all_to_all_list", "all_to_all"),
+    _AllToAll("all_to_all", "all_to_all", paired=True, data_sized=True),
+    _AllToAllList("all_to_all_list", "all_to_all", data_sized=True),
     _Barrier("barrier", "all_reduce"),
     _Send("send", "p2p", p2p=True),
     _Recv("recv", "p2p", p2p=True),
@@ -324,6 +327,7 @@ OPS: dict[str, OpKind] = {k.name: k for k in (
 #: kinds whose members' dtypes must agree and whose reduce op applies
 REDUCING_KINDS = frozenset(k.name for k in OPS.values() if k.reducing)
 P2P_KINDS = frozenset(k.name for k in OPS.values() if k.p2p)
+DATA_SIZED_KINDS = frozenset(k.name for k in OPS.values() if k.data_sized)
 
 
 def op_kind(name: str) -> OpKind:

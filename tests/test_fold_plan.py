@@ -242,6 +242,20 @@ def test_plan_cli_uneven_layout_through_megatron_lm_parser(monkeypatch):
     assert out["memory"]["per_rank"] > 0 and out["memory"]["fits"] is True
 
 
+def test_plan_cli_core_driver_gets_megatron_formula():
+    """The core driver's parser leaves what Megatron-LM's validate_args fills in (world size, expert TP size)
+    unset; Megatron's formula reads them (0.19), so the plan must give them or show no memory at all."""
+    from prism_megatron.megatron.megatron_lm import training_available
+
+    if not training_available():
+        pytest.skip("megatron.training is not importable (set MEGATRON_LM_PATH to a Megatron-LM checkout)")
+    result = CliRunner().invoke(main, ["plan", "--json", "--prism-world-size", "16", "--devices", "cpu", "--",
+                                       str(CORE_DRIVER_SCRIPT), *TINY_GPT])
+    assert result.exit_code == 0, result.output
+    memory = json.loads(result.output)["memory"]
+    assert memory["per_rank"] > 0 and memory["fits"] is True, memory
+
+
 def test_plan_table_merges_expert_classes_beyond_the_row_limit():
     from prism_megatron.megatron.plan import _class_rows
 

@@ -143,6 +143,103 @@ def test_host_times_are_the_median_over_iterations_of_the_same_shape():
     assert [r["cpu"] for r in typical_host_times(odd, ends)][1:8] == [0.1, 0.2, 0.2, 0.35, 0.5, 0.5, 0.5]
 
 
+def test_host_times_are_pooled_over_ranks_that_issued_the_same_ops():
+    """Three ranks end iterations 1-3 at clocks 1, 2, 3; in iteration 2 and 3 (windows 1 and 2) each issues
+    one op between two stretches. Ranks 0 and 1 issue the same op (DP replicas) and rank 1 splits its first
+    stretch in two (its iteration line): each stretch's host time becomes the median over 0, 1 and the
+    other like rank 2, spread over its segments in proportion; rank 3 issued another op and keeps its own;
+    set-up/iteration 1 are never pooled."""
+    from prism_megatron.replay.gpu_segments import like_rank_host_times
+
+    def row(a, b, cpu, syncs=()):
+        return {"clock_start": a, "clock_end": b, "cpu": cpu, "gpu": 0.01, "syncs": list(syncs)}
+
+    def rows(scale, split=False):
+        out = [row(0.0, 1.0, 0.9 * scale)]
+        for k in (1, 2):
+            first = ([row(k, k + 0.25, 0.1 * scale), row(k + 0.25, k + 0.5, 0.3 * scale, [[0.2 * scale, 0.01]])]
+                     if split else [row(k, k + 0.5, 0.4 * scale)])
+            out += [*first, row(k + 0.5, k + 1.0, 0.5 * scale)]
+        return out
+
+    ends = [1.0, 2.0, 3.0]
+    op = ("all_reduce", 1024, "torch.bfloat16", 2)
+    ops = {r: {1: [(1.5, op)], 2: [(2.5, op)]} for r in (0, 1, 2)}
+    ops[3] = {1: [(1.5, (*op[:3], 4))], 2: [(2.5, (*op[:3], 4))]}
+    given = {0: rows(1.0), 1: rows(2.0, split=True), 2: rows(1.2), 3: rows(3.0)}
+    out = like_rank_host_times(given, {r: ends for r in given}, ops)
+    # medians of 0.4/0.8/0.48 and of 0.5/1.0/0.6, in both iterations
+    assert [r["cpu"] for r in out[0]] == [0.9, *[pytest.approx(0.48), pytest.approx(0.6)] * 2]
+    assert [r["cpu"] for r in out[1]][:4] == [1.8, pytest.approx(0.12), pytest.approx(0.36), pytest.approx(0.6)]
+    assert out[1][2]["syncs"] == [[pytest.approx(0.24), 0.01]]  # the wait's offset scales with its segment
+    assert [r["cpu"] for r in out[3]] == [r["cpu"] for r in given[3]]  # another op: not like the others
+    assert given[1][2]["cpu"] == 0.6  # the input is left alone
+    def upto(rows):
+        return [x for x in rows if x["clock_end"] <= 2.0]
+
+    cut = like_rank_host_times({r: upto(x) for r, x in given.items()}, {r: ends[:2] for r in given},
+                               {r: {1: o[1]} for r, o in ops.items()})  # the live prediction of iteration 2
+    assert all(cut[r] == upto(out[r]) for r in given)
+
+
+def test_like_ranks_are_told_apart_by_their_ops_but_not_by_routed_token_counts():
+    """Per whole iteration after the first, a rank's ops with their compute clocks; two MoE expert ranks
+    that routed different token counts (all_to_all bytes) are alike, a different all_reduce size is not."""
+    from prism_megatron.replay.graph import _iteration_ops
+
+    def ops(a2a_bytes, ar_bytes):
+        return [{"kind": kind, "bytes": b, "dtype": "torch.bfloat16", "group": g, "t_issue": t, "compute_before": c}
+                for kind, b, g, t, c in (("all_reduce", 64, 0, 0.5, 0.5), ("all_to_all", a2a_bytes, 1, 1.5, 1.0),
+                                         ("all_reduce", ar_bytes, 0, 1.7, 0.1), ("all_to_all", 8, 1, 2.5, 1.0))]
+
+    marks = [{"name": "iteration", "phase": ph, "t": t} for ph, t in (("B", 0.0), ("E", 1.0), ("B", 1.0),
+                                                                       ("E", 2.0), ("B", 2.0), ("E", 3.0))]
+    sizes = {0: 2, 1: 4}
+    a, b, c = (_iteration_ops(ops(x, y), marks, sizes) for x, y in ((100, 64), (300, 64), (100, 32)))
+    assert list(a) == [1, 2] and [clock for clock, _ in a[1]] == [pytest.approx(1.5), pytest.approx(1.6)]
+    assert a == b and a[1] != c[1] and a[2] == c[2]
+
+
+def test_like_ranks_share_host_time_in_the_replay(tmp_path):
+    """Two data-parallel replicas, the same work, but from iteration 2 the emulating machine ran rank 1's
+    host code 50% slower than rank 0's: with like ranks pooled (the default) the prediction is what two
+    replicas at the median speed give; each rank's own makes the slower one the critical path."""
+    from prism_megatron.replay import graph_from_trace, replay
+    from prism_megatron.trace import read_trace, write_trace
+
+    def trace(hosts, name):
+        manifest = {"world_size": 2, "groups": [{"id": 0, "name": "dp", "ranks": [0, 1], "backend": "nccl"}],
+                    "ranks": [{"rank": r, "exit_code": 0, "device": "cuda:0"} for r in (0, 1)]}
+        ops, marks, gpu = [], [], []
+        for r, host in enumerate(hosts):
+            for it in range(3):  # iterations 1-3 at t = 10 it .. 10 it + 5; compute clock 2 per iteration
+                ops.append({"rank": r, "index": it, "kind": "all_reduce", "group": 0, "seq": it, "peer": -1,
+                            "root": -1, "bytes": 1 << 20, "dtype": "torch.float32", "shapes": [[1 << 18]],
+                            "reduce_op": "sum", "async_op": False, "t_issue": 10.0 * it + 1,
+                            "t_complete": 10.0 * it + 2, "compute_before": 1.0 if it == 0 else 2.0, "label": ""})
+                marks += [{"rank": r, "name": "iteration", "phase": ph, "t": 10.0 * it + dt, "compute_clock": c,
+                           "attrs": {"iteration": it + 1} if ph == "B" else {}}
+                          for ph, dt, c in (("B", 0.0, 2.0 * it), ("E", 5.0, 2.0 * it + 2))]
+                gpu += [{"rank": r, "clock_start": 2.0 * it + a, "clock_end": 2.0 * it + a + 1,
+                         "cpu": host if it else 0.25, "gpu": 0.1, "syncs": []} for a in (0, 1)]
+        return read_trace(write_trace(tmp_path / name, manifest, ops, marks=marks, gpu=gpu))
+
+    def times(t, **kw):
+        return replay(graph_from_trace(t, **kw), lambda spec: 0.0).iteration_times()
+
+    slow, even = trace([0.2, 0.3], "slow"), trace([0.25, 0.25], "even")  # iteration 1: 0.25 in both
+    assert times(slow) == [pytest.approx(t) for t in times(even)]  # both at the median, 0.25
+    own = times(slow, like_ranks=False)
+    assert own[0] == times(slow)[0] and all(t > 0.5 + 0.05 for t in own[1:])  # the slower rank's host time
+    assert times(even) == times(even, like_ranks=False)
+
+    from prism_megatron.report.build import build_report
+    from prism_megatron.report.live import predict_iteration
+
+    report = build_report(slow.path)["prediction"]["iteration_times_s"]  # communication free, as the cost above
+    assert [predict_iteration(slow.path, n)[0] for n in (1, 2, 3)] == [pytest.approx(t) for t in report]
+
+
 def test_a_trace_with_gpu_times_replays_with_the_host_running_ahead(tmp_path):
     """Two ranks, host-bound segments around a TP all_reduce: measured device time hides the op."""
     from prism_megatron.replay import graph_from_trace, replay

@@ -1,32 +1,58 @@
 """Phase 2 against full capture on one device: the same Megatron job captured whole and folded.
 
-For each job (a dense GPT at TP2·PP2·DP(W/4) and a MoE GPT at PP2·EP4·DP(W/2), W = 16 ranks by default, run by the
-core driver), one run with every rank (``--prism-fold off``) and one with only the sandbox
-(``--prism-fold on``). Prints, side by side: per rank class the max allocated and max reserved bytes
-(equal on dense: a folded rank runs exactly the program a full-capture rank runs), the predicted
-iteration time of each (replayed with the cluster profile), the losses, and each run's wall time.
+For each job, one run with every rank (``--prism-fold off``) and one with only the sandbox
+(``--prism-fold on``), by the core driver on the same device(s):
 
-    python bench/gpu/fold_consistency.py --devices 0 --out DIR            # on the GPU machine
-    python bench/gpu/fold_consistency.py --devices cpu --hidden 64 --out DIR   # a quick check on CPU
+- dense: GPT at TP2·PP2·DP(W/4) (W = ``--world``, 8 by default: 4 of 8 ranks live when folded);
+- moe:   GPT with ``--experts`` experts, top-2, alltoall dispatch, at PP2·EP(``--moe-ep``)·DP(W/2); the v1
+         sandbox holds whole expert groups, so it folds only when DP > EP (PP2·EP2·DP4: 4 of 8 live).
+
+Printed side by side, per rank class of the fold: max allocated / reserved bytes of the full run
+(the class's members: the largest, and their spread) and of the fold's live rank, and the difference;
+the predicted iteration time of each run (report headline: median of the iterations measured on two
+clocks) and the ratio; the losses; each run's wall time.
+
+Where the two predictions differ, the decomposition says why (``diagnose``): per class and run,
+the measured host, device and one-clock compute time per iteration (medians over the two-clock
+iterations) of every member; both predictions with each rank's own host times (no pooling over like
+ranks, replay.gpu_segments); and the full capture replayed *as if folded* — only one replica's ranks,
+symmetrically, as the fold's trace is replayed — once per replica. full vs its folded views: what
+replaying every replica adds; a folded view vs the fold: what the capture itself measured
+differently (more ranks sharing the device, or the machine's drift between runs).
+
+    python bench/gpu/fold_consistency.py --devices 0 --out DIR              # on the GPU machine
+    python bench/gpu/fold_consistency.py --devices cpu --tiny --out DIR     # end to end on CPU, tiny shapes
+
+``--out`` gets fold_consistency.json, fold_consistency.txt and traces.tar.gz (traces, rank logs,
+metrics); the runs work in ``--work`` (default: a temporary directory).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import math
 import os
+import shutil
 import statistics
 import subprocess
 import sys
+import tarfile
+import tempfile
 import time
 from pathlib import Path
 
 CORE = "prism_megatron/megatron/driver/core_gpt.py"
 
 
-def _flags(a: argparse.Namespace, moe: bool, dp: int) -> list[str]:
-    gbs = dp * a.mbs * 2  # two micro-batches per rank
-    flags = (f"--num-layers {a.layers} --hidden-size {a.hidden} --num-attention-heads {a.heads} "
+# ----------------------------------------------------------------------------- the runs
+def _flags(a: argparse.Namespace, job: str) -> list[str]:
+    moe = job == "moe"
+    dp = a.world // 2 if moe else a.world // 4
+    hidden = a.moe_hidden if moe else a.hidden
+    gbs = dp * a.mbs * a.micro  # a.micro micro-batches per model replica
+    flags = (f"--num-layers {a.layers} --hidden-size {hidden} --num-attention-heads {a.heads} "
              f"--seq-length {a.seq} --max-position-embeddings {a.seq} --tokenizer-type NullTokenizer "
              f"--vocab-size 32000 --mock-data --micro-batch-size {a.mbs} --global-batch-size {gbs} "
              f"--train-iters {a.iters} --lr 0.0001 --seed 1234 --transformer-impl local "
@@ -35,102 +61,326 @@ def _flags(a: argparse.Namespace, moe: bool, dp: int) -> list[str]:
     if a.bf16:
         flags += ["--bf16", "--no-masked-softmax-fusion"]
     if moe:
-        flags += ["--num-experts", "8", "--moe-router-topk", "2", "--expert-model-parallel-size", "4",
-                  "--moe-token-dispatcher-type", "alltoall"]
+        flags += ["--num-experts", str(a.experts), "--moe-router-topk", "2", "--moe-ffn-hidden-size", str(a.moe_ffn),
+                  "--expert-model-parallel-size", str(a.moe_ep), "--moe-token-dispatcher-type", "alltoall",
+                  "--disable-bias-linear"]  # megatron-core 0.19.2's expert bias fails on the GPU (core_gpt.py)
     else:
         flags += ["--tensor-model-parallel-size", "2"]
     return flags
 
 
-def _run(a: argparse.Namespace, name: str, fold: str, flags: list[str]) -> dict:
-    trace = Path(a.out) / f"trace-{name}-fold-{fold}"
-    metrics = Path(a.out) / f"{name}-fold-{fold}.metrics.jsonl"
+def _run(a: argparse.Namespace, job: str, fold: str, flags: list[str], timeout: float) -> dict:
+    work = Path(a.work)
+    trace = work / f"trace-{job}-fold-{fold}"
+    metrics = work / f"{job}-fold-{fold}.metrics.jsonl"
     metrics.unlink(missing_ok=True)
     env = dict(os.environ, PRISM_MEGATRON_METRICS=str(metrics), CUDA_DEVICE_MAX_CONNECTIONS="1",
-               WANDB_MODE="disabled")
+               WANDB_MODE="disabled", PYTHONUNBUFFERED="1")
+    if a.pin_cores:
+        env["PRISM_PIN_CORES"] = "1"
+    if a.spin_us:
+        env["PRISM_SPIN_GRANT_US"] = str(a.spin_us)
     cmd = [sys.executable, "-m", "prism_megatron", "run", "--prism-emulate", "--prism-world-size", str(a.world),
            "--prism-devices", a.devices, "--prism-driver", "core", "--prism-fold", fold, "--prism-fold-depth", a.depth,
            "--prism-swap", "none",
            "--prism-report", "off", "--prism-track-memory", "on", "--prism-log-ranks", "none",
            "--prism-trace-dir", str(trace), CORE, *flags]
     t0 = time.perf_counter()
-    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=a.timeout)
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+        rc, text = p.returncode, p.stdout + p.stderr
+    except subprocess.TimeoutExpired as e:
+        rc = 124
+        text = "".join(x.decode(errors="replace") if isinstance(x, bytes) else (x or "")
+                       for x in (e.stdout, e.stderr)) + f"\n(timed out after {timeout:.0f} s)"
     wall = time.perf_counter() - t0
-    (Path(a.out) / f"{name}-fold-{fold}.log").write_text(p.stdout + p.stderr)
-    out = {"name": name, "fold": fold, "rc": p.returncode, "wall_s": wall}
-    if p.returncode != 0:
-        out["error"] = (p.stdout + p.stderr)[-1500:]
+    (work / f"{job}-fold-{fold}.log").write_text(text)
+    out = {"job": job, "fold": fold, "rc": rc, "wall_s": wall, "trace": str(trace)}
+    if rc != 0:
+        out["error"] = text[-2500:]
         return out
     from prism_megatron.report.build import build_report
 
     report = build_report(trace, cluster=a.cluster)
     out["ranks"] = {r["rank"]: {"max_allocated": r["max_allocated"], "max_reserved": r["max_reserved"],
                                 "class": r["class"]} for r in report["memory"]["ranks"]}
-    fold_plan = json.loads((trace / "manifest.json").read_text())["job"].get("fold")
-    out["rep"] = fold_plan["rep"] if fold_plan else None
+    plan = json.loads((trace / "manifest.json").read_text())["job"].get("fold")
+    out["rep"] = plan["rep"] if plan else None
+    out["gpus_per_node"] = plan["gpus_per_node"] if plan else None
     pred = report["prediction"] or {}
     out["iteration_s"] = pred.get("iteration_time_s")
     out["iteration_times_s"] = pred.get("iteration_times_s")
-    losses = {}
+    out["iteration_bases"] = pred.get("iteration_bases")
+    out["breakdown"] = pred.get("breakdown")
+    out["prediction_error"] = report.get("prediction_error")
+    losses: dict[int, list[float]] = {}
+    used = 0
     if metrics.exists():
         for line in metrics.read_text().splitlines():
             row = json.loads(line)
+            used = max(used, row.get("device_used") or 0)
             if "lm loss" in row.get("loss", {}):
                 losses.setdefault(row["iteration"], []).append(row["loss"]["lm loss"])
     out["losses"] = {k: statistics.mean(v) for k, v in sorted(losses.items()) if v}
+    out["device_used_max"] = used  # the device's memory in use at iteration ends, all ranks together
     return out
+
+
+# ----------------------------------------------------------------------------- why predictions differ
+def _headline(trace, result) -> tuple[float | None, list[int]]:
+    """The report's headline of a replay (median over the iterations measured on two clocks) and
+    the iteration numbers it is taken over."""
+    from prism_megatron.report.live import timed_iterations
+
+    timed = timed_iterations(trace)
+    its = result.iterations()
+    used = [it for it in its if timed and timed.get(it.number)] or its
+    return (statistics.median(it.time for it in used) if used else None), [it.number for it in used]
+
+
+def _replica_shifts(rep: list[int]) -> list[int]:
+    """Offsets s such that every live rank l has l + s in its own class (one whole other replica)."""
+    live = sorted(set(rep))
+    members = {x: {r for r, y in enumerate(rep) if y == x} for x in live}
+    shifts = sorted({r - x for x in live for r in members[x]})
+    return [s for s in shifts if all(x + s in members[x] for x in live)]
+
+
+def _as_folded(trace, rep: list[int], gpus_per_node: int, shift: int):
+    """The full capture ``trace`` as a folded trace whose live ranks are replica ``shift`` of the fold
+    ``rep`` (each live rank l becomes l + shift; every other rank mirrors the one of its class there)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    from prism_megatron.trace.fold import make_fold
+
+    moved = {x: x + shift for x in set(rep)}
+    fold = make_fold([moved[x] for x in rep], gpus_per_node)
+    live = pa.array(fold.live, pa.int32())
+
+    def only(table):
+        return table.filter(pc.is_in(table.column("rank"), value_set=live))
+
+    return dataclasses.replace(trace, fold=fold, ops=only(trace.ops), marks=only(trace.marks),
+                               slots=only(trace.slots), gpu=only(trace.gpu))
+
+
+def _per_iteration(trace) -> dict[int, dict[int, dict[str, float]]]:
+    """rank -> iteration -> measured seconds: one-clock compute (the rank's compute clock across the
+    iteration), host and device time (sums over its GPU-timed segments; 0 where none)."""
+    clocks: dict[int, list[tuple[str, float]]] = {}
+    for m in trace.marks.to_pylist():
+        if m["name"] == "iteration" and m["phase"] in ("B", "E"):
+            clocks.setdefault(m["rank"], []).append((m["phase"], m["compute_clock"]))
+    rows: dict[int, list[dict]] = {}
+    for row in trace.gpu.to_pylist():
+        rows.setdefault(row["rank"], []).append(row)
+    out: dict[int, dict[int, dict[str, float]]] = {}
+    for rank, marks in clocks.items():
+        begins = [c for p, c in marks if p == "B"]
+        ends = [c for p, c in marks if p == "E"]
+        for k, (b, e) in enumerate(zip(begins, ends, strict=False), start=1):
+            inside = [r for r in rows.get(rank, []) if b - 1e-9 <= r["clock_start"] and r["clock_end"] <= e + 1e-9]
+            out.setdefault(rank, {})[k] = {"compute": e - b, "host": sum(r["cpu"] for r in inside),
+                                           "device": sum(r["gpu"] for r in inside), "segments": len(inside)}
+    return out
+
+
+def diagnose(full: dict, fold: dict, cluster: str) -> dict:
+    """Where the full capture's prediction and the fold's part: see the module docstring."""
+    from prism_megatron.replay import graph_from_trace, replay
+    from prism_megatron.report.build import cost_model
+    from prism_megatron.trace import read_trace
+
+    t_full, t_fold = read_trace(full["trace"]), read_trace(fold["trace"])
+    rep, gpn = fold["rep"], fold["gpus_per_node"]
+    views = {}
+    for shift in _replica_shifts(rep):
+        view = _as_folded(t_full, rep, gpn, shift)
+        result = replay(graph_from_trace(view), cost_model(cluster, view.fold))
+        head, used = _headline(view, result)
+        views[shift] = {"live": list(view.fold.live), "iteration_s": head, "iterations": used,
+                        "iteration_times_s": result.iteration_times()}
+    own = {}  # each rank's own host times (no pooling over like ranks): the replay before that pooling
+    for name, t in (("full", t_full), ("fold", t_fold)):
+        result = replay(graph_from_trace(t, like_ranks=False), cost_model(cluster, t.fold))
+        own[name] = _headline(t, result)[0]
+    timed = sorted(set(views[min(views)]["iterations"])) if views else []
+    measured = {"full": _per_iteration(t_full), "fold": _per_iteration(t_fold)}
+    classes = {}
+    for live in sorted(set(rep)):
+        members = [r for r, x in enumerate(rep) if x == live]
+        entry = {}
+        for key in ("compute", "host", "device"):
+            def med(run: str, rank: int, key: str = key) -> float | None:
+                its = measured[run].get(rank, {})
+                vals = [its[k][key] for k in timed if k in its]
+                return statistics.median(vals) if vals else None
+            entry[key] = {"full": {r: med("full", r) for r in members}, "fold": med("fold", live)}
+        classes[live] = entry
+    return {"views": views, "own_host": own, "timed_iterations": timed, "classes": classes, "measured": measured}
+
+
+# ----------------------------------------------------------------------------- the tables
+def _ms(x: float | None) -> str:
+    return f"{x * 1e3:.2f}" if isinstance(x, (int, float)) and math.isfinite(x) else "n/a"
+
+
+def summarize(rows: list[dict], jobs: list[str], diags: dict[str, dict], say) -> None:
+    for job in jobs:
+        full = next((r for r in rows if r["job"] == job and r["fold"] == "off" and "ranks" in r), None)
+        fold = next((r for r in rows if r["job"] == job and r["fold"] == "on" and "ranks" in r), None)
+        if full is None or fold is None or not fold["rep"]:
+            say(f"{job}: a run failed or did not fold (see its log)")
+            continue
+        say(f"\n== {job}: memory per class (bytes; full: the largest of the class's members, and their spread)")
+        say(f"{'live rank (class; ranks)':34} {'full max alloc':>15} {'fold max alloc':>15} {'diff B':>10} "
+            f"{'diff %':>8} {'full members spread B':>21} {'full max resv':>15} {'fold max resv':>15}")
+        for live, m in sorted(fold["ranks"].items()):
+            members = [r for r, rep in enumerate(fold["rep"]) if rep == live and r in full["ranks"]]
+            alloc = [full["ranks"][r]["max_allocated"] for r in members]
+            resv = max(full["ranks"][r]["max_reserved"] for r in members)
+            diff = m["max_allocated"] - max(alloc)
+            label = f"rank {live} ({m['class']}; {len(members)})"
+            say(f"{label:34} {max(alloc):>15,} {m['max_allocated']:>15,} {diff:>10,} {100 * diff / max(alloc):>8.3f} "
+                f"{max(alloc) - min(alloc):>21,} {resv:>15,} {m['max_reserved']:>15,}")
+        fi, fo = full["iteration_s"], fold["iteration_s"]
+        ratio = f"{fo / fi:.4f}" if fi and fo else "n/a"
+        say(f"== {job}: predicted iteration (median of two-clock iterations): full {_ms(fi)} ms, fold {_ms(fo)} ms, "
+            f"fold/full {ratio}")
+        say(f"   per iteration (ms): full {[_ms(t) for t in full['iteration_times_s'] or []]}, "
+            f"fold {[_ms(t) for t in fold['iteration_times_s'] or []]}")
+        fl, ol = full["losses"], fold["losses"]
+        finite = all(math.isfinite(v) for v in (*fl.values(), *ol.values()))
+        gaps = [abs(ol[k] - fl[k]) for k in fl if k in ol]
+        spread = (max(fl.values()) - min(fl.values())) if fl else float("nan")
+        say(f"== {job}: losses full {({k: round(v, 4) for k, v in fl.items()})} fold "
+            f"{({k: round(v, 4) for k, v in ol.items()})}; all finite: {finite}; largest |fold - full| "
+            f"{max(gaps, default=float('nan')):.4f} (full run's spread over iterations {spread:.4f})")
+        say(f"== {job}: wall full {full['wall_s']:.1f} s, fold {fold['wall_s']:.1f} s; device memory in use at "
+            f"iteration ends, at most: full {full['device_used_max'] / 2**30:.1f} GiB, "
+            f"fold {fold['device_used_max'] / 2**30:.1f} GiB")
+        d = diags.get(job)
+        if not d:
+            continue
+        say(f"-- {job}: why (over iterations {d['timed_iterations']}):")
+        a, b = d["own_host"]["full"], d["own_host"]["fold"]
+        say(f"   each rank's own host times (no pooling over like ranks): full {_ms(a)} ms, fold {_ms(b)} ms, "
+            f"fold/full {b / a:.4f}" if a and b else "   each rank's own host times: n/a")
+        for _, v in sorted(d["views"].items()):
+            t = v["iteration_s"]
+            vs = f"this / full {t / fi:.4f}, fold / this {fo / t:.4f}" if t and fi and fo else "n/a"
+            say(f"   full capture replayed as if folded, live {v['live']}: {_ms(t)} ms ({vs})")
+        say(f"   {'class (live rank)':26} {'what, ms/iteration':18} {'fold':>9}   full, per member")
+        timed = any(e["host"]["fold"] for e in d["classes"].values())  # GPU rows (none on CPU)
+        for live, entry in sorted(d["classes"].items()):
+            for key in ("compute", "host", "device") if timed else ("compute",):
+                e = entry[key]
+                members = "  ".join(f"{r}:{_ms(v)}" for r, v in sorted(e["full"].items()))
+                say(f"   {('rank ' + str(live)):26} {key:18} {_ms(e['fold']):>9}   {members}")
+
+
+def _bundle(a: argparse.Namespace, limit: int = 15 << 20) -> None:
+    """Traces, logs and metrics of every run into one archive under --out (what comes back); without the
+    rank logs where that is over ``limit`` bytes."""
+    target = Path(a.out) / "traces.tar.gz"
+    for logs in (True, False):
+        with tarfile.open(target, "w:gz") as tar:
+            for p in sorted(Path(a.work).iterdir()):
+                if logs or not p.name.endswith(".logs"):
+                    tar.add(p, arcname=p.name)
+        if target.stat().st_size <= limit:
+            return
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--devices", default="0")
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out", required=True, help="results: fold_consistency.{json,txt}, traces.tar.gz")
+    ap.add_argument("--work", default=None, help="where the runs write (default: a temporary directory)")
     ap.add_argument("--cluster", default="h200-nvlink-ib400")
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--hidden", type=int, default=1024)
-    ap.add_argument("--heads", type=int, default=16)
-    ap.add_argument("--seq", type=int, default=1024)
-    ap.add_argument("--mbs", type=int, default=2)
-    ap.add_argument("--iters", type=int, default=3)
-    ap.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--jobs", default="dense,moe")
-    ap.add_argument("--world", type=int, default=16,
-                    help="ranks of each job (dense DP = world / 4, MoE DP = world / 2)")
-    ap.add_argument("--timeout", type=int, default=240)
+    ap.add_argument("--world", type=int, default=8, help="ranks of each job (dense DP = W/4, MoE DP = W/2)")
     ap.add_argument("--depth", default="replica", choices=("auto", "replica", "class"),
                     help="--prism-fold-depth of the folded run")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--hidden", type=int, default=4096, help="dense job's hidden size")
+    ap.add_argument("--moe-hidden", type=int, default=2048)
+    ap.add_argument("--moe-ffn", type=int, default=4096, help="each expert's FFN size")
+    ap.add_argument("--experts", type=int, default=8)
+    ap.add_argument("--moe-ep", type=int, default=2)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--mbs", type=int, default=4)
+    ap.add_argument("--micro", type=int, default=4, help="micro-batches per model replica")
+    ap.add_argument("--iters", type=int, default=None,
+                    help="iterations (default 5, 3 with --tiny); iterations 2.. are measured on two clocks")
+    ap.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--order", default="off,on", choices=["off,on", "on,off"],
+                    help="which capture of each job runs first (--prism-fold off: full)")
+    ap.add_argument("--pin-cores", action="store_true",
+                    help="each rank on a core of its own (PRISM_PIN_CORES=1; needs more cores than ranks)")
+    ap.add_argument("--spin-us", type=int, default=0,
+                    help="a blocked rank spins this long for its grant before it sleeps (PRISM_SPIN_GRANT_US): "
+                         "its core stays awake however many ranks take turns before it")
+    ap.add_argument("--tiny", action="store_true", help="CPU check: hidden 64, 2 layers, seq 64, mbs 1")
+    ap.add_argument("--timeout", type=float, default=200, help="seconds per run at most")
+    ap.add_argument("--budget", type=float, default=440,
+                    help="seconds for the whole script: a run that could not end inside it is not started")
     a = ap.parse_args()
-    Path(a.out).mkdir(parents=True, exist_ok=True)
-    rows = []
-    for name in a.jobs.split(","):
-        flags = _flags(a, name == "moe", a.world // 2 if name == "moe" else a.world // 4)
-        for fold in ("off", "on"):
-            r = _run(a, name, fold, flags)
+    if a.tiny:
+        a.hidden = a.moe_hidden = a.moe_ffn = 64
+        a.layers, a.heads, a.seq, a.mbs, a.micro, a.bf16 = 2, 4, 64, 1, 2, False
+    a.iters = a.iters or (3 if a.tiny else 5)
+    jobs = a.jobs.split(",")
+    for job in jobs:
+        if job not in ("dense", "moe"):
+            ap.error(f"--jobs: unknown job {job!r} (dense, moe)")
+    start = time.perf_counter()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = None
+    if a.work is None:
+        tmp = tempfile.mkdtemp(prefix="fold-consistency-")
+        a.work = tmp
+    Path(a.work).mkdir(parents=True, exist_ok=True)
+    lines: list[str] = []
+
+    def say(line: str) -> None:
+        lines.append(line)
+        print(line, flush=True)
+
+    say(f"# {' '.join(sys.argv)}")
+    rows, diags = [], {}
+    reserve = 25.0  # seconds kept for the reports, the tables and the archive
+    for job in jobs:
+        flags = _flags(a, job)
+        for fold in a.order.split(","):
+            left = a.budget - (time.perf_counter() - start) - reserve
+            if left < 30:
+                say(f"{job} --prism-fold {fold}: not run ({left:.0f} s of --budget left)")
+                continue
+            r = _run(a, job, fold, flags, min(a.timeout, left))
             rows.append(r)
-            print(json.dumps({k: v for k, v in r.items() if k != "error"}), flush=True)
+            (out / "fold_consistency.json").write_text(json.dumps({"rows": rows}, indent=1, default=str))  # so far
+            say(json.dumps({k: v for k, v in r.items() if k in ("job", "fold", "rc", "wall_s", "iteration_s",
+                                                                 "iteration_times_s", "device_used_max", "rep")}))
             if "error" in r:
-                print(r["error"], flush=True)
-    (Path(a.out) / "fold_consistency.json").write_text(json.dumps(rows, indent=1))
-    print("\njob    live rank (its class)                          full max alloc   fold max alloc   diff B   "
-          "full max resv   fold max resv")
-    for name in a.jobs.split(","):
-        full = next((r for r in rows if r["name"] == name and r["fold"] == "off" and "ranks" in r), None)
-        fold = next((r for r in rows if r["name"] == name and r["fold"] == "on" and "ranks" in r), None)
-        if full is None or fold is None or not fold["rep"]:
-            print(f"{name}: a run failed or did not fold (see its log)")
-            continue
-        # a live rank of the fold against the ranks it stands for in the full run (its class there)
-        for live, m in sorted(fold["ranks"].items()):
-            members = [r for r, rep in enumerate(fold["rep"]) if rep == live and r in full["ranks"]]
-            f = {k: max(full["ranks"][r][k] for r in members) for k in ("max_allocated", "max_reserved")}
-            label = f"rank {live} ({m['class']}; {len(members)} ranks)"
-            print(f"{name:6} {label:30} {f['max_allocated']:>15,} {m['max_allocated']:>15,} "
-                  f"{m['max_allocated'] - f['max_allocated']:>8,} {f['max_reserved']:>15,} {m['max_reserved']:>15,}")
-        fi, fo = full["iteration_s"], fold["iteration_s"]
-        ratio = f"{fo / fi:.3f}" if fi and fo else "n/a"
-        print(f"{name:6} predicted iteration: full {fi} s, fold {fo} s (fold/full {ratio}); wall full "
-              f"{full['wall_s']:.1f} s, fold {fold['wall_s']:.1f} s; losses full {full['losses']} "
-              f"fold {fold['losses']}")
+                say(r["error"])
+        full = next((r for r in rows if r["job"] == job and r["fold"] == "off" and "ranks" in r), None)
+        folded = next((r for r in rows if r["job"] == job and r["fold"] == "on" and "ranks" in r), None)
+        if full and folded and folded["rep"]:
+            try:
+                diags[job] = diagnose(full, folded, a.cluster)
+            except Exception as e:  # the decomposition must not lose the main figures
+                say(f"{job}: decomposition failed: {type(e).__name__}: {e}")
+    summarize(rows, jobs, diags, say)
+    (out / "fold_consistency.json").write_text(json.dumps({"rows": rows, "why": diags}, indent=1, default=str))
+    (out / "fold_consistency.txt").write_text("\n".join(lines) + "\n")
+    _bundle(a)
+    if tmp is not None:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(f"# total {time.perf_counter() - start:.0f} s; results in {out}", flush=True)
 
 
 if __name__ == "__main__":

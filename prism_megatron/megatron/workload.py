@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import math
 from typing import Any
 
 from prism_megatron.trace.markers import mark
@@ -94,8 +95,13 @@ def megatron_estimate(args: Any, vocab: int | None, data_parallel_size: int | No
     ns = _FormulaArgs(**{**_FORMULA_DEFAULTS, **vars(args)})
     ns.padded_vocab_size = getattr(args, "padded_vocab_size", None) or vocab
     ns.kv_channels = getattr(args, "kv_channels", None) or args.hidden_size // args.num_attention_heads
+    # Megatron-LM's validate_args fills it in; the core driver's parser leaves it None (0.19's formula reads it)
+    ns.expert_tensor_parallel_size = (getattr(args, "expert_tensor_parallel_size", None)
+                                      or getattr(args, "tensor_model_parallel_size", None) or 1)
     ns.data_parallel_size = (data_parallel_size or getattr(args, "data_parallel_size", None)
                              or ps.get_data_parallel_world_size())
+    sizes = [getattr(args, f"{p}_parallel_size", None) or 1 for p in ("tensor_model", "pipeline_model", "context")]
+    ns.world_size = getattr(args, "world_size", None) or ns.data_parallel_size * math.prod(sizes)
     ns.virtual_pipeline_model_parallel_size = (getattr(args, "virtual_pipeline_model_parallel_size", None)
                                                or getattr(args, "num_virtual_stages_per_pipeline_rank", None)
                                                or ps.get_virtual_pipeline_model_parallel_world_size())

@@ -11,7 +11,13 @@ Host time is the noisy figure (one rank's plain iterations of the same work diff
 docs/history.md): each segment's host time is the median over the iterations up to its own that ran
 the same sequence of segments (`typical_host_times`), so one slow iteration of one rank does not
 become the prediction's critical path, and an iteration is predicted alike while the capture runs
-and after it. Device times stay as measured (the profiler's, stable).
+and after it. Then over *like ranks* (`like_rank_host_times`): ranks that issued the same ops (kinds,
+bytes, dtypes, group sizes; not the bytes of MoE's token all_to_all: data-parallel replicas,
+tensor-parallel peers and expert ranks of one stage) run the same host code, and the emulating
+machine's processes differ in host speed by tens of percent for it (docs/measurements.md); left per
+rank, the replay's collectives would wait for whichever process ran slowest, so a capture of every
+replica predicted more than a folded one, which measures one. Device times stay as measured (the
+profiler's, stable).
 
 Iteration markers also get a CpuSync before them: Megatron times an iteration with its timers,
 which synchronise the device (as does ``bench/accuracy``'s real-run stamping), so an iteration ends
@@ -55,15 +61,7 @@ def typical_host_times(rows: list[dict[str, Any]], iteration_ends: list[float]) 
     is the same whether the trace ends with it (the live prediction in Megatron's log line) or goes on
     (the report). Rows before the first end (set-up and the first iteration) or after the last, and the
     first iteration of each shape, keep their own time."""
-    ends = sorted(iteration_ends)
-    windows: dict[int, list[int]] = defaultdict(list)  # iteration k (1..) -> indices into rows, clock order
-    order = sorted(range(len(rows)), key=lambda i: rows[i]["clock_start"])
-    k = 0
-    for i in order:
-        while k < len(ends) and rows[i]["clock_start"] >= ends[k] - _TOL:
-            k += 1
-        if 0 < k < len(ends):  # a whole iteration after the first
-            windows[k].append(i)
+    windows = _windows(rows, iteration_ends)
     pools: dict[tuple[int, int], list[float]] = defaultdict(list)  # (shape, position) -> host times so far
     out = [dict(r) for r in rows]
     for _, idx in sorted(windows.items()):
@@ -72,10 +70,70 @@ def typical_host_times(rows: list[dict[str, Any]], iteration_ends: list[float]) 
             pool.append(rows[i]["cpu"])
             if len(pool) < 2:
                 continue
-            row, typical = out[i], statistics.median(pool)
-            scale = typical / row["cpu"] if row["cpu"] > 0 else 1.0
-            row["syncs"] = [[off * scale, before] for off, before in _syncs(row)]
-            row["cpu"] = typical
+            _set_host(out[i], statistics.median(pool))
+    return out
+
+
+def _windows(rows: list[dict[str, Any]], iteration_ends: list[float]) -> dict[int, list[int]]:
+    """Iteration k (1..) -> indices into ``rows`` of its segments, in clock order: the whole iterations
+    after the first (set-up, the first iteration and the tail after the last end are in none)."""
+    ends = sorted(iteration_ends)
+    windows: dict[int, list[int]] = defaultdict(list)
+    order = sorted(range(len(rows)), key=lambda i: rows[i]["clock_start"])
+    k = 0
+    for i in order:
+        while k < len(ends) and rows[i]["clock_start"] >= ends[k] - _TOL:
+            k += 1
+        if 0 < k < len(ends):
+            windows[k].append(i)
+    return windows
+
+
+def _set_host(row: dict[str, Any], host: float) -> None:
+    """Give ``row`` the host time ``host``, its waits' host offsets in proportion."""
+    scale = host / row["cpu"] if row["cpu"] > 0 else 1.0
+    row["syncs"] = [[off * scale, before] for off, before in _syncs(row)]
+    row["cpu"] = host
+
+
+def like_rank_host_times(rows_by_rank: dict[int, list[dict[str, Any]]], ends_by_rank: dict[int, list[float]],
+                         ops_by_rank: dict[int, dict[int, list[tuple[float, Any]]]]) -> dict[int, list[dict[str, Any]]]:
+    """``rows_by_rank`` with host times (as :func:`typical_host_times` left them) pooled over *like ranks*.
+
+    ``ops_by_rank[rank][k]``: the ops the rank issued in iteration k (the k-th whole iteration after the
+    first, as in :func:`typical_host_times`), each as (its compute clock at issue, a key: kind, bytes,
+    dtype, group size). Ranks whose keys in iteration k are equal ran the same program on the same shapes
+    there; the host time of each stretch between two of their ops (the sum of its segments: ranks may
+    split a stretch differently, e.g. the last rank around its iteration line) becomes the median over
+    them, spread over the stretch's segments in proportion. Set-up, the first iteration and the tail keep
+    each rank's own. Only iterations a rank has ended count, so the live prediction of an iteration and
+    the report still agree."""
+    out = {r: [dict(x) for x in rows] for r, rows in rows_by_rank.items()}
+    like: dict[tuple, list[tuple[int, list[list[int]]]]] = defaultdict(list)  # (k, keys) -> (rank, stretches)
+    for r, rows in out.items():
+        for k, idx in _windows(rows, ends_by_rank.get(r, [])).items():
+            ops = ops_by_rank.get(r, {}).get(k)
+            if not ops:  # no op to tell what the rank ran: alike with no one
+                continue
+            stretches: list[list[int]] = [[] for _ in range(len(ops) + 1)]
+            j = 0
+            for i in idx:
+                while j < len(ops) and rows[i]["clock_end"] > ops[j][0] + _TOL:
+                    j += 1
+                stretches[j].append(i)
+            like[(k, tuple(key for _, key in ops))].append((r, stretches))
+    for members in like.values():
+        if len(members) < 2:
+            continue
+        for s in range(len(members[0][1])):
+            own = [(r, st[s], sum(out[r][i]["cpu"] for i in st[s])) for r, st in members]
+            own = [x for x in own if x[2] > 0]
+            if len(own) < 2:
+                continue
+            typical = statistics.median(h for _, _, h in own)
+            for r, idx, h in own:
+                for i in idx:
+                    _set_host(out[r][i], out[r][i]["cpu"] * typical / h)
     return out
 
 

@@ -363,14 +363,39 @@ def _drop_unmatched_p2p(per_rank: dict[int, list[dict[str, Any]]]) -> list[str]:
     return notes
 
 
-def graph_from_trace(trace: Any, gpu_times: bool = True, typical_host: bool = True) -> Graph:
+def _iteration_ops(ops: list[dict[str, Any]], marks: list[dict[str, Any]],
+                   sizes: dict[int, int]) -> dict[int, list[tuple[float, tuple]]]:
+    """A rank's ops in each whole iteration after the first (k = 1, 2, ...: those issued between its k-th
+    and (k+1)-th iteration ends), each as (its compute clock at issue, (kind, bytes, dtype, group size)):
+    what tells like ranks apart (gpu_segments.like_rank_host_times). The bytes of a kind whose sizes follow
+    the data (ops.DATA_SIZED_KINDS: MoE's token all_to_all) are left out: expert ranks of one class that
+    routed different token counts still ran the same host code."""
+    from ..ops import DATA_SIZED_KINDS
+
+    ends = sorted(m["t"] for m in marks if m["name"] == "iteration" and m["phase"] == "E")
+    out: dict[int, list[tuple[float, tuple]]] = defaultdict(list)
+    clock, k = 0.0, 0
+    for op in ops:  # in order of issue
+        clock += max(float(op["compute_before"]), 0.0)
+        while k < len(ends) and op["t_issue"] >= ends[k]:
+            k += 1
+        if 0 < k < len(ends):
+            size = None if op["kind"] in DATA_SIZED_KINDS else op["bytes"]
+            out[k].append((clock, (op["kind"], size, op["dtype"], sizes.get(op["group"]))))
+    return {k: out.get(k, []) for k in range(1, len(ends))}
+
+
+def graph_from_trace(trace: Any, gpu_times: bool = True, typical_host: bool = True,
+                     like_ranks: bool = True) -> Graph:
     """Build the graph of a PrismTrace (``prism_megatron.trace.read_trace(dir)``).
 
     ``gpu_times``: give compute the host and device times the trace measured on GPUs (its gpu table;
     the engine then runs two clocks per rank); False replays every rank on its one compute clock.
     ``typical_host``: each segment's host time is its median over like iterations (gpu_segments);
-    False keeps every iteration's own.
+    False keeps every iteration's own. ``like_ranks`` (with ``typical_host``): then the median over the
+    ranks that issued the same ops (gpu_segments.like_rank_host_times); False keeps each rank's own.
     """
+    from . import gpu_segments
     from .gpu_segments import typical_host_times, with_gpu_times
 
     groups = {g["id"]: Group(g["id"], tuple(g["ranks"]), g.get("name", "")) for g in trace.manifest["groups"]}
@@ -399,6 +424,10 @@ def graph_from_trace(trace: Any, gpu_times: bool = True, typical_host: bool = Tr
             ends = {r: [m["compute_clock"] for m in ms if m["name"] == "iteration" and m["phase"] == "E"]
                     for r, ms in marks_by_rank.items()}
             rows_by_rank = {r: typical_host_times(rows, ends.get(r, [])) for r, rows in rows_by_rank.items()}
+            if like_ranks:
+                sizes = {gid: len(g.ranks) for gid, g in groups.items()}
+                iteration_ops = {r: _iteration_ops(per_rank[r], marks_by_rank.get(r, []), sizes) for r in real}
+                rows_by_rank = gpu_segments.like_rank_host_times(rows_by_rank, ends, iteration_ops)
         events = {r: with_gpu_times(evs, rows_by_rank.get(r, [])) for r, evs in events.items()}
     graph = Graph(groups, events, str(getattr(trace, "path", "<trace>")), notes, fold)
     graph.validate()

@@ -131,8 +131,8 @@ def _provenance(cluster: str | None, gpu_timed: bool, calibrated: bool) -> str:
         return ("calibrated graph: compute and the ops inside a slice measured with each slice's ranks "
                 "running for real; other ops " + (f"costed by cluster profile {cluster}" if cluster else "free"))
     comm = f"costed by cluster profile {cluster}" if cluster else "free (no cluster profile)"
-    compute = ("host and GPU time per segment, measured (host: median over like iterations so far; the "
-               "median iteration of those so measured)" if gpu_timed else "compute")
+    compute = ("host and GPU time per segment, measured (host: median over like iterations so far and like "
+               "ranks; the median iteration of those so measured)" if gpu_timed else "compute")
     return f"{compute} from the bare trace (uncalibrated); communication {comm}"
 
 

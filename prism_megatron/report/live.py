@@ -63,7 +63,7 @@ def basis(timed: bool | None) -> str:
     """What a predicted iteration's compute rests on, as the live note and the report say it."""
     if timed is None:
         return "compute on one clock (no GPU timing)"
-    return ("host and GPU time measured (host: median over like iterations so far)" if timed
+    return ("host and GPU time measured (host: median over like iterations so far and like ranks)" if timed
             else "one clock (no host and GPU time measured for this iteration, or not yet)")
 
 

@@ -107,6 +107,9 @@ _USED: dict[str, dict[str, Any]] = {
     "--no-bias-gelu-fusion": dict(action="store_false", dest="bias_gelu_fusion"),
     "--no-bias-dropout-fusion": dict(action="store_false", dest="bias_dropout_fusion"),
     "--no-masked-softmax-fusion": dict(action="store_false", dest="masked_softmax_fusion"),
+    # megatron-core 0.19.2's expert MLP adds its bias in place on a custom Function's output, which
+    # autograd refuses on the GPU: MoE jobs there need it (as Megatron-LM's pretrain_gpt.py does)
+    "--disable-bias-linear": dict(action="store_false", dest="add_bias_linear"),
 }
 # Megatron flags that are legal here but change nothing this driver does: flag -> takes a value.
 _IGNORED: dict[str, bool] = {
@@ -208,6 +211,7 @@ def _transformer_config(args: argparse.Namespace) -> Any:
         moe_aux_loss_coeff=args.moe_aux_loss_coeff, moe_grouped_gemm=False,
         hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
         init_method_std=args.init_method_std, params_dtype=_dtype(args), pipeline_dtype=_dtype(args), bf16=args.bf16,
+        add_bias_linear=args.add_bias_linear,
         # 0.16.1's fused bias-GeLU refuses MoE's per-token probabilities: MoE gets plain GeLU
         bias_activation_fusion=args.bias_gelu_fusion and not args.num_experts,
         masked_softmax_fusion=args.masked_softmax_fusion, bias_dropout_fusion=args.bias_dropout_fusion,

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Folded vs full capture on one GPU (device `nvidia-h200`, one call of about 7 minutes): a dense
+# TP2·PP2·DP2 and a MoE PP2·EP2·DP4 GPT of 8 ranks, each captured whole and folded (4 live);
+# bench/gpu/fold_consistency.py says what runs and prints. Run from the repo root with the wheels
+# (megatron-core 0.19.x, and what the image lacks) installed into /tmp/site by the caller:
+#   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
+#   bash bench/gpu/fold_consistency.sh [fold_consistency.py flags: --jobs, --hidden, --mbs, --iters, ...]
+# Writes $OUT/fold_consistency.{json,txt}, $OUT/traces.tar.gz and $OUT/run.log; BUDGET (seconds,
+# default 440) stops new runs.
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
+out=${OUT:-/tmp/prism-gpu}
+mkdir -p "$out"
+nvidia-smi --query-gpu=name,memory.used,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader
+python3 -c "import torch, megatron.core as m; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'megatron-core', m.__version__)"
+python3 bench/gpu/fold_consistency.py --devices 0 --work /tmp/fold-consistency --out "$out" \
+  --budget "${BUDGET:-440}" "$@" 2>&1 | tee "$out/run.log"
