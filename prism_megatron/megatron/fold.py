@@ -590,7 +590,8 @@ def resolve_depth(layout: TargetLayout, requested: str = "auto") -> tuple[str, s
                              "for its peers and replicas in this version; use --prism-fold-depth replica (or auto)")
     interleaved = layout.vpp and layout.pp >= 3
     vpp = (f"an interleaved pipeline (PP{layout.pp}·VPP{layout.vpp}): each middle stage orders its units "
-           "differently (Megatron's schedule table) and the fold does not rebuild a folded stage's interleaved order yet")
+           "differently (Megatron's schedule table) and the fold does not rebuild a folded stage's interleaved "
+           "order yet")
     if requested == "class" and interleaved:
         raise FoldDepthError(f"fold depth class folds middle pipeline stages; this is {vpp}; "
                              "use --prism-fold-depth replica (or auto)")

@@ -17,9 +17,10 @@ pipeline rank) and M the iteration's microbatches. :func:`restage` rebuilds stag
 - The units and ops are put in stage p's order, the p2p ops in the calls Megatron makes there
   (``recv_forward``, ``send_forward``, ``send_forward_recv_backward``, ``send_backward_recv_forward``,
   ``recv_backward``, ``send_backward``; the ops of a call in the order Megatron's batched p2p posts
-  them: send/recv to the previous stage, then to the next), each call waited at once as Megatron's
-  p2p waits on its requests (the representative's own waits on these ops, as the trace placed them,
-  are dropped).
+  them: send/recv to the previous stage, then to the next), each call waited at its end as Megatron's
+  p2p waits on its requests, for the ops the representative's trace shows waited before its next
+  unit; an op the trace awaited later (graph_from_trace leaves out a wait that found its op already
+  complete) keeps that later wait where it still follows the op, as the representative's did.
 - Events before the iteration's first unit and after its last (optimizer, data-parallel gradient
   reduction, embedding all-reduce) keep their place; sequence numbers of ops that moved are renumbered
   per group in the new order (every member of such a group is a lockstep peer that moves alike: a
@@ -62,11 +63,11 @@ def one_f_one_b(warmup: int, microbatches: int) -> list[tuple[str, int]]:
     return out + [("B", m - w + i) for i in range(w)]
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class _WaitOn:
-    """A wait in the rebuilt program on the representative's ops at these (old) indices."""
+    """A wait in the rebuilt program on the representative's ops at these (old) indices (none: left out)."""
 
-    refs: tuple[int, ...]
+    refs: list[int]
 
 
 @dataclass
@@ -220,28 +221,37 @@ class _Restager:
     # --- writing stage p ------------------------------------------------------------------------
     def program(self, stage: int, blocks: list[_Block]) -> list[Event]:
         ev = self.ev
-        slots: list[int | _WaitOn] = []  # an old event index, or a new wait on old op indices
-        moved: set[int] = set()  # the p2p ops of rebuilt regions: waited by the new waits only
+        moved: set[int] = set()  # the p2p ops of rebuilt regions
         for b in blocks:
             moved.update(i for _, i in b.ops.values())
+        prompt = self._prompt(moved)
+        call_of: dict[int, _WaitOn] = {}  # a moved op -> the wait at the end of its call in stage p's program
+        slots: list[int | _WaitOn] = []  # an old event index, or a wait on old op indices
         at = 0
         for b in blocks:
             slots.extend(range(at, b.start))
-            slots.extend(self._region(b, stage))
+            slots.extend(self._region(b, stage, prompt, call_of))
             at = b.end
         slots.extend(range(at, len(ev)))
 
-        kept: list[int | _WaitOn] = []  # the old waits keep what they waited for besides the moved ops
-        for s in slots:
-            if isinstance(s, int) and type(ev[s]) is Wait:
-                refs = tuple(x for x in ev[s].refs if x not in moved)
-                if not refs:
-                    continue
-                s = _WaitOn(refs)
-            kept.append(s)
+        order = {s: n for n, s in enumerate(slots) if isinstance(s, int)}
+        for n, s in enumerate(slots):  # the trace's own waits: what they waited for that did not move, and
+            if not isinstance(s, int) or type(ev[s]) is not Wait:  # the deferred ops that still precede them
+                continue
+            keep = []
+            for x in ev[s].refs:
+                if x not in moved:
+                    keep.append(x)
+                elif x not in prompt:
+                    if order[x] < n:
+                        keep.append(x)
+                    else:  # its wait would come before it in stage p's order: wait at the end of its call
+                        call_of[x].refs.append(x)
+            slots[n] = _WaitOn(keep)
+        kept = [s for s in slots if not isinstance(s, _WaitOn) or s.refs]
         pos = {s: n for n, s in enumerate(kept) if isinstance(s, int)}
         seqs: dict[tuple, list[int]] = defaultdict(list)
-        for i, e in enumerate(ev):
+        for e in ev:
             if type(e) is Comm:
                 seqs[self._seq_key(e)].append(e.seq)
         for v in seqs.values():
@@ -250,10 +260,9 @@ class _Restager:
         out: list[Event] = []
         for n, s in enumerate(kept):
             if isinstance(s, _WaitOn):
-                refs = s.refs
-                new = tuple(sorted(pos[x] for x in refs))
+                new = tuple(sorted(pos[x] for x in s.refs))
                 if any(x >= n for x in new):
-                    raise ScheduleError(f"{self._where()}: a wait on its events {refs} would precede them in stage "
+                    raise ScheduleError(f"{self._where()}: a wait on its events {s.refs} would precede them in stage "
                                         f"{stage}'s order of units")
                 out.append(Wait(new))
                 continue
@@ -268,20 +277,34 @@ class _Restager:
             out.append(e)
         return out
 
+    def _prompt(self, moved: set[int]) -> set[int]:
+        """The moved async ops the trace shows waited before the next unit began (Megatron's p2p calls
+        wait at once; graph_from_trace leaves out a wait that found its op complete and awaits the op
+        later, and the rebuilt program keeps that as the trace has it)."""
+        ev = self.ev
+        units = [0] * (len(ev) + 1)  # unit beginnings before each index
+        for i, e in enumerate(ev):
+            units[i + 1] = units[i] + (type(e) is Mark and e.phase == "B" and e.name in UNITS)
+        out = set()
+        for j, e in enumerate(ev):
+            if type(e) is Wait:
+                out.update(x for x in e.refs if x in moved and units[j] == units[x])
+        return out
+
     @staticmethod
     def _seq_key(e: Comm) -> tuple:
         return (e.group, e.kind, e.peer) if e.is_p2p else (e.group,)
 
     def _check_moves(self, i: int, e: Comm, stage: int) -> None:
         """An op whose sequence number changes must be on a group of lockstep peers (they move alike)."""
-        members = self.group_members(e.group)
+        members = self.group_members[e.group]
         others = sorted({self.fold.coords[x][self.pp_axis] for x in members} - {self.stage})
         if e.is_p2p or others:
             raise ScheduleError(f"{self._where()} event {i} ({e.kind} on group {e.group}) moves in stage {stage}'s "
                                 f"order of units, but the group has members on other stages {others[:8]} "
                                 "whose order does not change: the op cannot be renumbered")
 
-    def _region(self, b: _Block, stage: int) -> list[int | _WaitOn]:
+    def _region(self, b: _Block, stage: int, prompt: set[int], call_of: dict[int, _WaitOn]) -> list[int | _WaitOn]:
         """Stage ``stage``'s calls and units of block ``b`` (see the module docstring)."""
         ev = self.ev
         m = sum(1 for kind, _ in b.order if kind == "F")
@@ -289,15 +312,15 @@ class _Restager:
         out: list[int | _WaitOn] = []
 
         def call(*ops: tuple[str, int]) -> None:
-            waited = []
+            wait = _WaitOn([])
             for key in ops:
                 lead, i = b.ops[key]
                 out.extend(lead)
                 out.append(i)
-                if ev[i].async_op:
-                    waited.append(i)
-            if waited:
-                out.append(_WaitOn(tuple(waited)))
+                call_of[i] = wait
+                if ev[i].async_op and i in prompt:
+                    wait.refs.append(i)
+            out.append(wait)
 
         def unit(key: tuple[str, int]) -> None:
             lead, body = b.units[key]

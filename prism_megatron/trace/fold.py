@@ -284,7 +284,8 @@ def parse_fold(doc: Any, world_size: int, path: str | Path) -> Fold:
                 sizes, coords, schedule, warmup)
 
 
-def _schedule(doc: dict, axes: tuple[str, ...], sizes: tuple[int, ...], path: str | Path) -> tuple[str, tuple[int, ...]]:
+def _schedule(doc: dict, axes: tuple[str, ...], sizes: tuple[int, ...],
+              path: str | Path) -> tuple[str, tuple[int, ...]]:
     """A version-2 plan's optional ``schedule`` (SCHEDULES): ("", ()) when absent; checked when present."""
     if "schedule" not in doc:
         return "", ()
