@@ -84,7 +84,7 @@ def main() -> None:
         t = time.perf_counter()
         exact = replay(replica, cost)
         same = exact.iteration_times() == sym.iteration_times()
-        print(f"    replica fold (every stage live, exact): {exact.method}, {time.perf_counter() - t:.1f} s wall; "
+        print(f"    replica fold (every stage live, exact): {exact.method}, {time.perf_counter() - t:.3f} s wall; "
               f"iteration times {', '.join(f'{x * 1e3:.3f}' for x in exact.iteration_times())} ms; "
               f"class fold == replica fold: {same}")
     if args.no_full:

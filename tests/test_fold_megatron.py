@@ -190,16 +190,17 @@ def test_fold_auto_runs_a_program_the_plan_cannot_read_in_full_and_on_refuses_it
         choose_fold("on", cfg, say=said.append)
 
 
-def _skeleton(graph, rank: int) -> list[tuple]:
-    """A rank's units and pipeline p2p ops in order: what its schedule decides (not its timing)."""
+def _skeleton(graph, rank: int, collectives: bool = False) -> list[tuple]:
+    """A rank's units and pipeline p2p ops (and collectives) in order: what its schedule decides, not
+    its timing; a group by its ranks (a synthesised graph numbers groups its own way)."""
     from prism_megatron.replay.graph import Comm, Mark
 
     out = []
     for ev in graph.events[rank]:
         if isinstance(ev, Mark) and ev.phase == "B" and ev.name in ("forward", "backward"):
             out.append((ev.name, ev.attrs.get("iteration"), ev.attrs.get("microbatch")))
-        elif isinstance(ev, Comm) and ev.is_p2p:
-            out.append((ev.kind, ev.peer, ev.seq, ev.nbytes))
+        elif isinstance(ev, Comm) and (ev.is_p2p or collectives):
+            out.append((ev.kind, ev.peer, ev.seq, ev.nbytes, graph.groups[ev.group].ranks))
     return out
 
 
@@ -231,4 +232,5 @@ def test_class_depth_gives_a_folded_middle_stage_its_own_1f1b_schedule(tmp_path)
     want = _skeleton(real, 2)
     assert [x[0] for x in want[:8]] == ["recv", "forward", "send", "recv", "forward", "send", "recv", "backward"]
     assert _skeleton(synth, 2) == want
-    assert _skeleton(synth, 1) == _skeleton(real, 1)  # the live stage 1 ran its own schedule
+    for r in range(4):  # the live stages ran their own schedules; every op of the job is the full run's
+        assert _skeleton(synth, r, collectives=True) == _skeleton(real, r, collectives=True), r
