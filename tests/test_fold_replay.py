@@ -13,7 +13,7 @@ from conftest import PROGRAMS, launch_source, prism
 from prism_megatron.calibration.costmodel import CollectiveCostModel, link_for
 from prism_megatron.calibration.profiles import load_profile
 from prism_megatron.replay import Comm, GraphBuilder, GraphError, Group, graph_from_trace, replay
-from prism_megatron.replay.graph import Graph, Mark
+from prism_megatron.replay.graph import Graph, Mark, Wait
 from prism_megatron.replay.synthesize import SynthesisError, fold_graph, synthesize
 from prism_megatron.replay.synthetic import Shape, class_fold, megatron_1f1b, replica_fold
 from prism_megatron.report import make_report, read_report, summary_text
@@ -369,6 +369,15 @@ def test_folded_stages_need_the_schedule_and_unit_markers():
     interleaved = fold_graph(full, gpus_per_node=8, **{**kw, "schedule": "interleaved", "warmup": ()})
     with pytest.raises(SynthesisError, match="names Megatron's interleaved schedule"):
         replay(interleaved)
+    events = list(full.events[1])  # stage 1 (live) with a collective between two of its units
+    at = next(i for i, e in enumerate(events) if isinstance(e, Mark) and e.name == "backward")
+    mp = next(g.id for g in full.groups.values() if g.name == "mp")
+    events = [Wait(tuple(x + (x >= at) for x in e.refs)) if isinstance(e, Wait) else e for e in events]
+    events.insert(at, Comm("all_reduce", mp, 99, nbytes=4))
+    odd = Graph(full.groups, {**full.events, 1: events})
+    with pytest.raises(SynthesisError, match=rf"rank 1 \(pipeline stage 1\) event {at} \(all_reduce on group {mp}\) "
+                                             r"lies between scheduling units of iteration 0 and is not a pipeline p2p"):
+        replay(fold_graph(odd, gpus_per_node=8, **kw))
 
 
 def test_a_plan_with_a_bad_schedule_is_refused_naming_the_field():
