@@ -1,10 +1,11 @@
 """Replay speed at scale: replay of a folded job (the method replay picks) vs the full synthesised replay.
 
 Builds a Megatron-shaped 1F1B graph (``prism_megatron.replay.synthetic``; TP·PP·DP in Megatron's
-rank order) and folds it: ``--depth replica`` to data-parallel replica 0 (the v1 sandbox of a dense
-model), ``--depth class`` to one live rank per class (a version-2 fold: TP peers and the middle
-pipeline stages folded too; the graph's middle stages then all run the lowest middle stage's 1F1B
-schedule, ``Shape.uniform_middle``, which is the job such a fold describes). Prints the wall time of
+rank order; every stage on its own 1F1B schedule) and folds it: ``--depth replica`` to data-parallel
+replica 0 (the v1 sandbox of a dense model), ``--depth class`` to one live rank per class (a version-2
+fold: TP peers and the middle pipeline stages folded too; synthesis gives each folded stage its own
+order of units, replay.stage_schedule, and the bench also prints the exact replica fold's figures,
+which the class fold must equal). Prints the wall time of
 (a) the replay of the folded graph (``replay`` picks an exact method: the live ranks symmetrically,
 or one synthesised pipeline when stages are folded; it prints which) and (b) synthesising the full
 graph of every rank and replaying it, with events per second and peak memory, and checks that both
@@ -25,7 +26,6 @@ import cProfile
 import pstats
 import resource
 import time
-from dataclasses import replace
 
 from prism_megatron.calibration.costmodel import CollectiveCostModel
 from prism_megatron.calibration.profiles import load_profile
@@ -55,13 +55,11 @@ def main() -> None:
     args = ap.parse_args()
 
     shape = Shape(tp=args.tp, pp=args.pp, dp=args.dp, microbatches=args.microbatches,
-                  layers_per_stage=args.layers_per_stage, iterations=args.iterations, gpu_times=True,
-                  uniform_middle=args.depth == "class")
+                  layers_per_stage=args.layers_per_stage, iterations=args.iterations, gpu_times=True)
     cost = CollectiveCostModel(load_profile(args.cluster), gpus_per_node=args.gpus_per_node)
     print(f"job: TP{shape.tp}·PP{shape.pp}·DP{shape.dp} = {shape.world_size} ranks, {shape.microbatches} "
           f"microbatches x {shape.iterations} iterations, {shape.layers_per_stage} layers per stage, "
-          f"cluster {args.cluster}, {args.gpus_per_node} GPUs per node; {args.depth} fold"
-          + (" (middle stages run stage 1's schedule)" if shape.uniform_middle else ""))
+          f"cluster {args.cluster}, {args.gpus_per_node} GPUs per node; {args.depth} fold")
 
     t = time.perf_counter()
     full_graph = megatron_1f1b(shape)
@@ -81,12 +79,14 @@ def main() -> None:
     t_sym, c_sym = time.perf_counter() - t, time.process_time() - c
     print(f"(a) folded replay ({sym.method}): {t_sym:.3f} s wall, {c_sym:.3f} s CPU; iteration times "
           f"{', '.join(f'{x * 1e3:.3f}' for x in sym.iteration_times())} ms; peak RSS {_peak_gib():.2f} GiB")
-    if shape.uniform_middle:  # what the job predicts with every stage on its own 1F1B schedule (exact, v1 fold)
-        own = replace(shape, uniform_middle=False)
-        exact = replay(fold_graph(megatron_1f1b(own), replica_fold(own), args.gpus_per_node), cost)
-        print(f"    the same job with each stage on its own 1F1B schedule (replica fold, exact): iteration times "
-              f"{', '.join(f'{x * 1e3:.3f}' for x in exact.iteration_times())} ms: a class fold of a 1F1B trace "
-              "gives its middle stages stage 1's schedule instead")
+    if args.depth == "class":  # the replica fold keeps every stage live: exact, and the class fold must equal it
+        replica = fold_graph(megatron_1f1b(shape), replica_fold(shape), args.gpus_per_node)
+        t = time.perf_counter()
+        exact = replay(replica, cost)
+        same = exact.iteration_times() == sym.iteration_times()
+        print(f"    replica fold (every stage live, exact): {exact.method}, {time.perf_counter() - t:.3f} s wall; "
+              f"iteration times {', '.join(f'{x * 1e3:.3f}' for x in exact.iteration_times())} ms; "
+              f"class fold == replica fold: {same}")
     if args.no_full:
         return
 

@@ -90,7 +90,7 @@ LAYOUTS = {
     "tp2-pp4-8b": TargetLayout(world_size=8, tp=2, pp=4, num_layers=32, hidden_size=4096, num_attention_heads=32),
     "tp2-pp5-dp2": TargetLayout(world_size=20, tp=2, pp=5, num_layers=10),
     "tp1-pp8-dp2": TargetLayout(world_size=16, pp=8, num_layers=16),
-    "tp2-pp4-vpp2": TargetLayout(world_size=32, tp=2, pp=4, vpp=2, num_layers=16),
+    "tp2-pp2-vpp2": TargetLayout(world_size=16, tp=2, pp=2, vpp=2, num_layers=8),
     "tp2-cp2-pp2": TargetLayout(world_size=32, tp=2, cp=2, pp=2, num_layers=4),
     "tp2-cp2-pp4-dp2": TargetLayout(world_size=32, tp=2, cp=2, pp=4, num_layers=8),
     "uneven-first1-last3": TargetLayout(world_size=64, tp=2, pp=4, num_layers=10, first_stage_layers=1,
@@ -141,9 +141,9 @@ def test_uneven_and_custom_layouts_split_their_classes():
 
 @pytest.mark.parametrize("t", [
     TargetLayout(world_size=8192, tp=2, pp=4, num_layers=8),
-    TargetLayout(world_size=8192, tp=4, pp=8, vpp=2, num_layers=32),
+    TargetLayout(world_size=8192, tp=4, pp=8, num_layers=32),
     TargetLayout(world_size=1024, num_layers=2),
-], ids=["tp2-pp4-dp1024", "tp4-pp8-vpp2-dp256", "pp1-dp1024"])
+], ids=["tp2-pp4-dp1024", "tp4-pp8-dp256", "pp1-dp1024"])
 def test_class_depth_at_scale(t):
     plan = build_fold_plan(t)
     assert len(plan.live) == len(plan.classes) == (1 if t.pp == 1 else 3)
@@ -161,6 +161,43 @@ def test_class_depth_for_moe_is_refused_and_auto_keeps_a_replica():
     _check_against_megatron(plan, t)
     with pytest.raises(FoldError, match="fold depth 'deep' is not one of auto, replica, class"):
         build_fold_plan(t, "deep")
+
+
+def test_the_plan_records_megatrons_warmup_per_stage_and_refuses_class_depth_for_interleaved_stages():
+    """Under 1F1B pipeline rank p runs min(pp - p - 1, M) warm-up forwards (Megatron's
+    get_pp_rank_microbatches, asked here through the plan): replay gives each folded stage its own."""
+    from megatron.core.pipeline_parallel.schedules import get_pp_rank_microbatches
+
+    plan = build_fold_plan(TargetLayout(world_size=16, pp=8, num_layers=8))
+    assert plan.schedule == {"name": "1f1b", "warmup": [7, 6, 5, 4, 3, 2, 1, 0]}
+    assert plan.to_json()["schedule"] == plan.schedule
+
+    class Group:
+        def __init__(self, p):
+            self.p = p
+
+        def size(self):
+            return 8
+
+        def rank(self):
+            return self.p
+
+    class P2P:
+        virtual_pipeline_model_parallel_size = None
+
+        def __init__(self, p):
+            self.pp_group = Group(p)
+
+    for p in range(8):  # with M = 3 microbatches Megatron caps the warm-up at 3
+        assert get_pp_rank_microbatches(3, 1, None, p2p_communicator=P2P(p))[2] == min(plan.schedule["warmup"][p], 3)
+    assert build_fold_plan(TargetLayout(world_size=4, num_layers=2)).schedule["name"] == "no_pipelining"
+    t = TargetLayout(world_size=32, tp=2, pp=4, vpp=2, num_layers=16)
+    with pytest.raises(FoldDepthError, match=r"fold depth class folds middle pipeline stages; this is an interleaved "
+                                             r"pipeline \(PP4·VPP2\).*--prism-fold-depth replica"):
+        build_fold_plan(t, "class")
+    plan = build_fold_plan(t)
+    assert plan.depth == "replica" and plan.schedule == {"name": "interleaved", "warmup": []}
+    assert build_fold_plan(TargetLayout(world_size=16, tp=2, pp=2, vpp=2, num_layers=8)).depth == "class"
 
 
 def test_replica_depth_of_a_dense_layout_is_the_v1_sandbox():
@@ -200,7 +237,7 @@ def test_plan_json_versions_1_and_2():
     assert data["version"] == 2 and data["depth"] == "class" and data["axes"] == ["tp", "cp", "dp", "pp"]
     assert data["sizes"] == [2, 1, 2, 4] and len(data["coords"]) == 16
     v1 = build_fold_plan(TargetLayout(world_size=16, tp=2, pp=4, num_layers=8), "replica").to_json()
-    v1 = {k: v for k, v in v1.items() if k not in ("depth", "axes", "sizes", "coords")} | {"version": 1}
+    v1 = {k: v for k, v in v1.items() if k not in ("depth", "axes", "sizes", "coords", "schedule")} | {"version": 1}
     old = FoldPlan.from_json(v1)
     assert old.version == 1 and old.depth == "replica" and old.coords == [] and old.to_json() == v1
     for broken, field in [({**data, "coords": data["coords"][:-1]}, "coords has 15 entries"),
@@ -210,7 +247,12 @@ def test_plan_json_versions_1_and_2():
                           ({**data, "axes": ["pp", "dp", "cp", "tp"]}, "field axes"),
                           ({**data, "sizes": [2, 1, 2, 2]}, "field sizes"),
                           ({k: v for k, v in data.items() if k != "coords"}, "field coords is missing"),
-                          ({**data, "version": 3}, "field version 3 is not supported")]:
+                          ({**data, "version": 3}, "field version 3 is not supported"),
+                          ({**data, "schedule": {"name": "gpipe", "warmup": []}}, "field schedule.name is 'gpipe'"),
+                          ({**data, "schedule": {"name": "1f1b", "warmup": [3, 2]}},
+                           r"field schedule.warmup has 2 entries; a 1f1b schedule needs one per pipeline rank \(4\)"),
+                          ({**data, "schedule": {"name": "1f1b", "warmup": [3, 2, -1, 0]}},
+                           "field schedule.warmup is")]:
         with pytest.raises(FoldPlanFormatError, match=field):
             FoldPlan.from_json(broken)
 
@@ -222,6 +264,14 @@ def test_the_trace_reader_accepts_a_version_2_plan():
     manifest = {"world_size": 16, "job": {"fold": {**plan.to_json(), "contributions": {}}}}
     fold = read_fold(manifest)
     assert fold.live == (0, 4, 12) and fold.rep == tuple(plan.rep)
+    assert fold.schedule == "1f1b" and fold.warmup == (3, 2, 1, 0)
+
+
+def test_the_plan_and_the_trace_reader_name_the_same_schedules():
+    from prism_megatron.megatron.fold import SCHEDULES
+    from prism_megatron.trace.fold import SCHEDULES as READ
+
+    assert SCHEDULES == READ
 
 
 def test_plan_cli_shows_three_live_ranks_for_an_8b_shaped_tp2_pp4_job():

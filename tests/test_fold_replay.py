@@ -12,7 +12,8 @@ from folding import fold_trace
 from conftest import PROGRAMS, launch_source, prism
 from prism_megatron.calibration.costmodel import CollectiveCostModel, link_for
 from prism_megatron.calibration.profiles import load_profile
-from prism_megatron.replay import Comm, DeadlockError, GraphBuilder, GraphError, Group, graph_from_trace, replay
+from prism_megatron.replay import Comm, GraphBuilder, GraphError, Group, graph_from_trace, replay
+from prism_megatron.replay.graph import Graph, Mark, Wait
 from prism_megatron.replay.synthesize import SynthesisError, fold_graph, synthesize
 from prism_megatron.replay.synthetic import Shape, class_fold, megatron_1f1b, replica_fold
 from prism_megatron.report import make_report, read_report, summary_text
@@ -289,12 +290,11 @@ def test_replica_fold_keeping_two_dp_indices_replays_symmetrically():
     _same_times(sym, replay(full, cost), folded.fold.live)
 
 
-@pytest.mark.parametrize("shape", [Shape(tp=2, pp=4, dp=3, microbatches=4, iterations=2, gpu_times=True,
-                                         uniform_middle=True),
-                                   Shape(tp=2, pp=5, dp=2, microbatches=2, iterations=1, uniform_middle=True)],
+@pytest.mark.parametrize("shape", [Shape(tp=2, pp=4, dp=3, microbatches=4, iterations=2, gpu_times=True),
+                                   Shape(tp=2, pp=5, dp=2, microbatches=2, iterations=1)],
                          ids=["tp2-pp4-dp3", "tp2-pp5-dp2"])
 def test_class_fold_synthesises_the_job_and_replays_one_pipeline_exactly(shape):
-    full = megatron_1f1b(shape)  # middle stages run stage 1's schedule: the job a class fold describes
+    full = megatron_1f1b(shape)  # every stage on its own 1F1B schedule; middle stages folded onto stage 1
     folded = fold_graph(full, gpus_per_node=4, **class_fold(shape))
     assert folded.fold.live == (0, shape.rank(0, 0, 1), shape.rank(0, 0, shape.pp - 1))
     synth = synthesize(folded)
@@ -316,7 +316,7 @@ def test_class_fold_synthesises_the_job_and_replays_one_pipeline_exactly(shape):
 
 
 def test_asymmetric_placement_falls_back_to_every_rank():
-    shape = Shape(tp=2, pp=4, dp=3, microbatches=2, iterations=1, uniform_middle=True)
+    shape = Shape(tp=2, pp=4, dp=3, microbatches=2, iterations=1)
     full = megatron_1f1b(shape)
     folded = fold_graph(full, gpus_per_node=3, **class_fold(shape))
     cost = CollectiveCostModel(PROFILE, gpus_per_node=3)  # TP pair {0, 1} on one node, {2, 3} across two
@@ -329,12 +329,67 @@ def test_asymmetric_placement_falls_back_to_every_rank():
         replay(folded, cost, fold_method="pipeline")
 
 
-def test_folded_stages_with_their_own_1f1b_schedules_are_not_a_silent_wrong_replay():
-    shape = Shape(tp=1, pp=6, dp=2, microbatches=4, iterations=1)  # stage p warms up pp - p - 1 forwards
-    folded = fold_graph(megatron_1f1b(shape), gpus_per_node=8, **class_fold(shape))
-    with pytest.raises(DeadlockError, match=r"(?s)deadlock.*folded pipeline stages: a virtual rank that is not a "
-                                            r"lockstep peer.*1F1B runs pp - stage - 1 warm-up forwards"):
-        replay(folded)
+@pytest.mark.parametrize("pp", [4, 5, 6, 7, 8])
+def test_folded_stages_run_their_own_1f1b_schedule(pp):
+    """Stage p warms up min(pp - p - 1, M) forwards: each folded middle stage gets its own order of
+    units from stage 1's, so the folded job is the full job, event for event and time for time."""
+    cost = CollectiveCostModel(PROFILE, gpus_per_node=4)
+    for m in range(1, 17):
+        shape = Shape(tp=1, pp=pp, dp=2, microbatches=m, iterations=2, layers_per_stage=1, gpu_times=m % 2 == 0)
+        full = megatron_1f1b(shape)
+        folded = fold_graph(full, gpus_per_node=4, **class_fold(shape))
+        synth = synthesize(folded)
+        for r in range(shape.world_size):
+            assert _canonical(synth, r) == _canonical(full, r), (m, r)
+        fast = replay(folded, cost)
+        assert "one pipeline" in fast.method
+        _same_times(fast, replay(full, cost), fast.graph.ranks)
+
+
+def test_folded_stages_need_the_schedule_and_unit_markers():
+    shape = Shape(tp=1, pp=5, dp=1, microbatches=4, iterations=1)
+    full = megatron_1f1b(shape)
+    kw = class_fold(shape)
+    no_schedule = fold_graph(full, gpus_per_node=8, **{**kw, "schedule": "", "warmup": ()})
+    with pytest.raises(SynthesisError, match=r"rank 1's virtual pipeline stage 2 runs its own order of units, but "
+                                             r"the fold plan names no pipeline schedule.*replica depth.*"
+                                             r"\(needed for rank 2"):
+        replay(no_schedule)
+    markers = ("forward", "backward")
+    bare = Graph(full.groups, {r: [Mark("step", e.phase) if isinstance(e, Mark) and e.name in markers else e
+                                   for e in evs] for r, evs in full.events.items()})  # a program without units
+    with pytest.raises(SynthesisError, match=r"rank 1 \(pipeline stage 1\): its trace has no scheduling units.*"
+                                             r"cannot be folded"):
+        replay(fold_graph(bare, gpus_per_node=8, **kw))
+    wrong = fold_graph(full, gpus_per_node=8, **{**kw, "warmup": [4, 1, 2, 1, 0]})  # stage 1 ran 3 warm-ups
+    with pytest.raises(SynthesisError, match=r"rank 1 \(pipeline stage 1\), iteration 0: its units run in an order "
+                                             r"that is not the plan's 1F1B schedule for its stage \(warm-up 1\): "
+                                             r"unit 2 is \('F', 2\), the schedule's \('B', 0\)"):
+        replay(wrong)
+    interleaved = fold_graph(full, gpus_per_node=8, **{**kw, "schedule": "interleaved", "warmup": ()})
+    with pytest.raises(SynthesisError, match="names Megatron's interleaved schedule"):
+        replay(interleaved)
+    events = list(full.events[1])  # stage 1 (live) with a collective between two of its units
+    at = next(i for i, e in enumerate(events) if isinstance(e, Mark) and e.name == "backward")
+    mp = next(g.id for g in full.groups.values() if g.name == "mp")
+    events = [Wait(tuple(x + (x >= at) for x in e.refs)) if isinstance(e, Wait) else e for e in events]
+    events.insert(at, Comm("all_reduce", mp, 99, nbytes=4))
+    odd = Graph(full.groups, {**full.events, 1: events})
+    with pytest.raises(SynthesisError, match=rf"rank 1 \(pipeline stage 1\) event {at} \(all_reduce on group {mp}\) "
+                                             r"lies between scheduling units of iteration 0 and is not a pipeline p2p"):
+        replay(fold_graph(odd, gpus_per_node=8, **kw))
+
+
+def test_a_plan_with_a_bad_schedule_is_refused_naming_the_field():
+    good = make_fold(**class_fold(Shape(tp=2, pp=3, dp=2)), gpus_per_node=8).to_json()
+    assert good["schedule"] == {"name": "1f1b", "warmup": [2, 1, 0]}
+    for change, message in [({"name": "zb"}, r"'job.fold.schedule.name' is 'zb'"),
+                            ({"name": "1f1b", "warmup": [2, 1]}, r"'job.fold.schedule.warmup' has 2 entries"),
+                            ({"name": "1f1b", "warmup": "2,1,0"}, r"'job.fold.schedule.warmup' is '2,1,0'")]:
+        with pytest.raises(TraceFormatError, match=message):
+            parse_fold({**good, "schedule": change}, 12, "plan.json")
+    old = {k: v for k, v in good.items() if k != "schedule"}  # a version-2 plan from before: no schedule
+    assert parse_fold(old, 12, "plan.json").schedule == ""
 
 
 def test_inconsistent_v2_plans_are_errors_naming_rank_and_group():

@@ -26,6 +26,12 @@ Two sandbox depths (``--prism-fold-depth``):
   micro-batches, so its peak is the class's); first and last stages keep their own live rank. MoE
   layouts keep replica depth: expert peers receive different token counts, so folding them onto
   one rank would change what a live expert rank computes.
+
+A folded middle stage does not run its representative's program: under 1F1B pipeline rank p runs
+``min(pp - p - 1, M)`` warm-up forwards. The plan records the schedule (``schedule``: Megatron's
+warm-up count per pipeline rank, from its own ``get_pp_rank_microbatches``) so that replay can give
+each folded stage its own order of units. Class depth with an interleaved schedule (VPP) over three
+or more stages is refused: each stage's interleaved order differs and is not rebuilt yet.
 """
 
 from __future__ import annotations
@@ -37,9 +43,9 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["FOLD_PLAN_VERSION", "FOLD_PLAN_VERSIONS", "FOLD_DEPTHS", "AXES", "FoldError", "FoldDepthError",
-           "FoldPlanFormatError", "TargetLayout", "RankClass", "FoldPlan", "layout_from_args", "resolve_depth",
-           "build_fold_plan", "check_class_members", "stage_signatures"]
+__all__ = ["FOLD_PLAN_VERSION", "FOLD_PLAN_VERSIONS", "FOLD_DEPTHS", "AXES", "SCHEDULES", "FoldError",
+           "FoldDepthError", "FoldPlanFormatError", "TargetLayout", "RankClass", "FoldPlan", "layout_from_args",
+           "resolve_depth", "build_fold_plan", "check_class_members", "stage_signatures", "pipeline_schedule"]
 
 FOLD_PLAN_VERSION = 2  # what build_fold_plan writes
 # what FoldPlan.from_json reads; a version-1 plan has no depth or coords: replica depth, shift = r - rep[r]
@@ -48,6 +54,8 @@ FOLD_DEPTHS = ("replica", "class")
 AXES = ("tp", "cp", "dp", "pp")  # the dense generator's axes, in the plan's coords
 ORDER = "tp-cp-ep-dp-pp"  # Megatron's default rank order (initialize_model_parallel)
 ORDER_TP_PP_DP = "tp-cp-ep-pp-dp"  # Megatron-LM's --use-tp-pp-dp-mapping
+# the plan's schedule.name values: prism_megatron.trace.fold.SCHEDULES (the trace reader's; a test keeps them equal)
+SCHEDULES = ("no_pipelining", "1f1b", "interleaved")
 
 
 class FoldError(ValueError):
@@ -198,7 +206,8 @@ def _import_megatron() -> None:
     import sys
 
     names = ("megatron.core.parallel_state", "megatron.core.transformer.transformer_config",
-             "megatron.core.transformer.transformer_block", "megatron.core.transformer.transformer_layer")
+             "megatron.core.transformer.transformer_block", "megatron.core.transformer.transformer_layer",
+             "megatron.core.pipeline_parallel.schedules")
     try:
         for name in names:
             importlib.import_module(name)
@@ -399,6 +408,8 @@ class FoldPlan:
     depth: str = "replica"  # one of FOLD_DEPTHS (module docstring)
     sizes: list[int] = field(default_factory=list)  # the dense grid's size per axis (AXES); empty in a v1 plan
     coords: list[list[int]] = field(default_factory=list)  # per rank, its position per axis (Megatron's groups)
+    # {"name": one of SCHEDULES, "warmup": per pipeline rank}: pipeline_schedule; {} in a v1 plan
+    schedule: dict[str, Any] = field(default_factory=dict)
 
     def is_live(self, rank: int) -> bool:
         i = bisect.bisect_left(self.live, rank)
@@ -424,6 +435,8 @@ class FoldPlan:
         if self.coords:
             out.update(depth=self.depth, axes=list(AXES), sizes=list(self.sizes),
                        coords=[list(c) for c in self.coords])
+            if self.schedule:
+                out["schedule"] = {"name": self.schedule["name"], "warmup": list(self.schedule["warmup"])}
         return out
 
     @classmethod
@@ -478,9 +491,73 @@ class FoldPlan:
             coords = need(data, "coords", list, "")
             _check_coords(coords, sizes, world, source)
             grid = {"depth": depth, "sizes": list(sizes), "coords": [list(c) for c in coords]}
+            if "schedule" in data:
+                grid["schedule"] = _read_schedule(data["schedule"], sizes[AXES.index("pp")], source)
         return cls(world_size=world, live=live, rep=rep, classes=classes, class_of=class_of,
                    gpus_per_node=need(data, "gpus_per_node", int, ""), k=int(data.get("k", 1)),
                    layout=dict(data.get("layout") or {}), **grid)
+
+
+def _read_schedule(value: Any, stages: int, source: str) -> dict[str, Any]:
+    """A plan's ``schedule`` field checked (FoldPlanFormatError naming the field)."""
+    if not isinstance(value, Mapping) or value.get("name") not in SCHEDULES:
+        got = value.get("name") if isinstance(value, Mapping) else value
+        raise FoldPlanFormatError(f"{source}: field schedule.name is {got!r}, expected one of {', '.join(SCHEDULES)}")
+    warmup = value.get("warmup")
+    if not isinstance(warmup, list) or any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in warmup):
+        raise FoldPlanFormatError(f"{source}: field schedule.warmup is {warmup!r}, expected a list of integers >= 0")
+    if value["name"] == "1f1b" and len(warmup) != stages:
+        raise FoldPlanFormatError(f"{source}: field schedule.warmup has {len(warmup)} entries; a 1f1b schedule needs "
+                                  f"one per pipeline rank ({stages})")
+    return {"name": value["name"], "warmup": list(warmup)}
+
+
+def pipeline_schedule(layout: TargetLayout) -> dict[str, Any]:
+    """The schedule Megatron runs for ``layout`` and, for non-interleaved 1F1B, each pipeline rank's
+    warm-up forwards before Megatron caps them at the iteration's microbatch count M (its schedule runs
+    ``min(warmup, M)``): from Megatron's ``get_pp_rank_microbatches`` where the installed release has
+    it (asked with M = PP, which no warm-up reaches), else the formula its non-interleaved schedule
+    writes, ``pp_size - pp_rank - 1``."""
+    t = layout
+    if t.pp == 1:
+        return {"name": "no_pipelining", "warmup": [0]}
+    if t.vpp:
+        return {"name": "interleaved", "warmup": []}
+    from megatron.core.pipeline_parallel import schedules
+
+    get_pp_rank_microbatches = getattr(schedules, "get_pp_rank_microbatches", None)  # not in every release
+    warmup = []
+    for p in range(t.pp):
+        if get_pp_rank_microbatches is None:
+            warmup.append(t.pp - p - 1)
+            continue
+        group = _StageGroup(t.pp, p)
+        _total, _all, n, _rest = get_pp_rank_microbatches(
+            t.pp, 1, None, p2p_communicator=_Stage(group))  # keyword: 0.16.x and 0.19.x agree
+        warmup.append(int(n))
+    return {"name": "1f1b", "warmup": warmup}
+
+
+@dataclass(frozen=True)
+class _StageGroup:
+    """What ``get_pp_rank_microbatches`` asks of a pipeline group: its size and this stage's rank."""
+
+    n: int
+    p: int
+
+    def size(self) -> int:
+        return self.n
+
+    def rank(self) -> int:
+        return self.p
+
+
+@dataclass(frozen=True)
+class _Stage:
+    """What ``get_pp_rank_microbatches`` asks of a P2PCommunicator (a non-interleaved pipeline)."""
+
+    pp_group: _StageGroup
+    virtual_pipeline_model_parallel_size: int | None = None
 
 
 def _check_coords(coords: list, sizes: list[int], world: int, source: str) -> None:
@@ -511,9 +588,18 @@ def resolve_depth(layout: TargetLayout, requested: str = "auto") -> tuple[str, s
         raise FoldDepthError(f"fold depth class folds TP/CP peers and pipeline stages of dense layouts only; this is "
                              f"{moe}: its expert ranks receive different token counts, so one live rank cannot stand "
                              "for its peers and replicas in this version; use --prism-fold-depth replica (or auto)")
+    interleaved = layout.vpp and layout.pp >= 3
+    vpp = (f"an interleaved pipeline (PP{layout.pp}·VPP{layout.vpp}): each middle stage orders its units "
+           "differently (Megatron's schedule table) and the fold does not rebuild a folded stage's interleaved "
+           "order yet")
+    if requested == "class" and interleaved:
+        raise FoldDepthError(f"fold depth class folds middle pipeline stages; this is {vpp}; "
+                             "use --prism-fold-depth replica (or auto)")
     if requested == "auto":
         if layout.num_experts:
             return "replica", f"auto: replica for {moe}, whose expert ranks receive different token counts"
+        if interleaved:
+            return "replica", f"auto: replica for {vpp}"
         return "class", "auto: class for a dense layout"
     return requested, f"{requested} (asked)"
 
@@ -706,7 +792,7 @@ def build_fold_plan(layout: TargetLayout, depth: str = "auto",
                     gpus_per_node=t.gpus_per_node, k=k,
                     layout={key: getattr(t, key) for key in ("tp", "cp", "ep", "etp", "pp", "vpp", "num_layers",
                                                              "order")} | {"dp": t.dp, "edp": t.edp},
-                    depth=depth, sizes=grid.sizes.tolist(), coords=grid.coords.tolist())
+                    depth=depth, sizes=grid.sizes.tolist(), coords=grid.coords.tolist(), schedule=pipeline_schedule(t))
 
 
 def check_class_members(plan: FoldPlan, observed: Mapping[int, Sequence[Any]], what: str = "op sequence") -> None:

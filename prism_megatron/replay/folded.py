@@ -9,10 +9,10 @@ representative does, translated (replay.synthesize). Three ways to replay it:
   *lockstep steps* (``Fold.lockstep_steps``: TP/CP/DP peers) run the same program translated, so each
   issues every op when its live peer does.
 - ``pipeline``: folded middle pipeline stages are not in lockstep with their representative (a
-  stage's timeline is offset from its neighbours', and a live stage receives from a virtual one).
-  Synthesise the ranks that are not lockstep peers of one another (one pipeline: every stage at the
-  live ranks' TP/CP/DP position) and replay those symmetrically, the rest of the job being their
-  lockstep peers.
+  stage's timeline is offset from its neighbours', each runs its own stage's order of units
+  (replay.stage_schedule), and a live stage receives from a virtual one). Synthesise the ranks that
+  are not lockstep peers of one another (one pipeline: every stage at the live ranks' TP/CP/DP
+  position) and replay those symmetrically, the rest of the job being their lockstep peers.
 - ``full``: synthesise every rank and replay all of them (exact, slow at thousands of ranks).
 
 ``auto`` takes the first of symmetric/pipeline that applies and checks what makes it exact: every
@@ -32,12 +32,6 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from .graph import Comm, Graph, GraphError
-
-#: Added to a deadlock of a fold with folded pipeline stages: the likeliest cause.
-STAGE_SCHEDULES = ("a virtual rank that is not a lockstep peer of a live rank (a folded pipeline stage) runs its "
-                   "representative's program, translated; where a pipeline schedule's order depends on the stage "
-                   "(1F1B runs pp - stage - 1 warm-up forwards) that is not the stage's own program and the "
-                   "synthesised job can deadlock: fold only stages whose programs are the same")
 
 if TYPE_CHECKING:
     from ..trace.fold import Fold
@@ -84,18 +78,6 @@ def replay_folded(graph: Graph, cost: CostFn, method: str = "auto", serialize: b
     says which was used. The result's graph is the one replayed: the live ranks, one synthesised
     pipeline (its fold then names the replayed ranks live and each rank's lockstep partner as its
     rep), or every rank (not folded)."""
-    from .engine import DeadlockError
-
-    try:
-        return _replay_folded(graph, cost, method, serialize)
-    except DeadlockError as e:
-        fold = graph.fold
-        if fold is not None and fold.coords and len(lockstep(fold)[1]) > len(fold.live):
-            raise DeadlockError(f"{e}\n  (folded pipeline stages: {STAGE_SCHEDULES})") from None
-        raise
-
-
-def _replay_folded(graph: Graph, cost: CostFn, method: str, serialize: bool) -> ReplayResult:
     from .engine import _Replay
 
     fold = graph.fold

@@ -7,7 +7,10 @@ peer x becomes translate(r, x); a collective on group R stays on R when the tran
 itself (r's own TP, DP or pipeline group when rep[r] is in it too; for a version-1 plan, any group
 r is a member of), else moves to the translated group {translate(r, x) for x in R}, a group that the
 folded run never created (it gets a new id here, one per original group and translation, so each
-keeps its own sequence numbers as a communicator would).
+keeps its own sequence numbers as a communicator would). A virtual rank on another pipeline stage than
+its representative (a middle stage folded at class depth) runs its own stage's schedule: its units
+(the same compute as rep[r]'s units of the same microbatch) are put in its stage's order by
+replay.stage_schedule before the translation.
 
 Synthesis is only sound when the translated groups are consistent: every member y of a translated
 group must be a virtual rank that mirrors a member of R and translates R to the same group (so it,
@@ -26,6 +29,7 @@ from collections.abc import Iterable, Sequence
 
 from ..trace.fold import Fold, FoldClass, make_fold
 from .graph import Comm, Event, Graph, GraphError, Group
+from .stage_schedule import ScheduleError, restage
 
 
 class SynthesisError(GraphError):
@@ -34,10 +38,13 @@ class SynthesisError(GraphError):
 
 def fold_graph(graph: Graph, rep: Sequence[int], gpus_per_node: int, classes: Sequence[FoldClass] = (),
                class_of: Sequence[int] = (), *, depth: str = "replica", axes: Sequence[str] = (),
-               sizes: Sequence[int] = (), coords: Sequence[Sequence[int]] = ()) -> Graph:
+               sizes: Sequence[int] = (), coords: Sequence[Sequence[int]] = (), schedule: str = "",
+               warmup: Sequence[int] = ()) -> Graph:
     """``graph`` (every rank of the job) folded to the ranks ``rep`` names: their events, all groups.
-    ``coords`` (with ``axes``, ``sizes``, ``depth``): a version-2 fold (see trace.fold)."""
-    fold = make_fold(rep, gpus_per_node, classes, class_of, depth=depth, axes=axes, sizes=sizes, coords=coords)
+    ``coords`` (with ``axes``, ``sizes``, ``depth``; ``schedule``, ``warmup``): a version-2 fold (see
+    trace.fold)."""
+    fold = make_fold(rep, gpus_per_node, classes, class_of, depth=depth, axes=axes, sizes=sizes, coords=coords,
+                     schedule=schedule, warmup=warmup)
     if sorted(graph.events) != list(range(fold.world_size)):
         raise GraphError(f"{graph.source}: fold_graph needs every rank 0..{fold.world_size - 1}; "
                          f"the graph has {len(graph.events)}")
@@ -54,6 +61,8 @@ class _Synthesis:
         self.free: dict[int, tuple[bool, ...]] = {}
         self.next_id = max(self.groups, default=-1) + 1
         self.checked: set[int] = set()
+        self.staged: dict[tuple[int, int], list[Event]] = {}  # (rep, stage) -> rep's units in that stage's order
+        self.pp_axis = fold.axes.index("pp") if "pp" in fold.axes else -1
 
     def _members(self, gid: int) -> frozenset[int]:
         m = self.members.get(gid)
@@ -140,11 +149,28 @@ class _Synthesis:
         self.groups[new] = Group(new, ranks, name)
         return new
 
+    def program(self, rank: int, rep: int) -> list[Event]:
+        """rep's events, or for a rank on another pipeline stage, rep's units in that stage's order."""
+        src = self.g.events[rep]
+        if self.pp_axis < 0:
+            return src
+        stage = self.fold.coords[rank][self.pp_axis]
+        if stage == self.fold.coords[rep][self.pp_axis]:
+            return src
+        key = (rep, stage)
+        if key not in self.staged:
+            members = {gid: g.ranks for gid, g in self.groups.items()}
+            try:
+                self.staged[key] = restage(src, self.fold, rep, stage, members, self.g.source)
+            except ScheduleError as e:
+                raise SynthesisError(f"{e} (needed for rank {rank}, a folded pipeline stage)") from None
+        return self.staged[key]
+
     def rank_events(self, rank: int) -> list[Event]:
         rep = self.fold.rep[rank]
-        src = self.g.events[rep]
         if rank == rep:
-            return src
+            return self.g.events[rep]
+        src = self.program(rank, rep)
         offset = self.fold.offset(rank)
         translate = self.fold.translate_by
         w = self.fold.world_size

@@ -6,14 +6,16 @@ what such a job's trace holds, in Megatron's rank order (tp fastest, then dp, th
 its tensor-parallel all-reduce, pipeline sends/receives posted together and then awaited (as
 ``batch_isend_irecv``), and per iteration the data-parallel gradient reduce-scatter and parameter
 all-gather, a loss all-reduce over data-parallel ranks and a grad-norm all-reduce over the
-model-parallel group. Stages differ in compute (embedding on the first, loss on the last), so a
-graph has one class of ranks per stage and tensor-parallel rank; every data-parallel replica is the
-same, which makes the graph symmetric under the fold to replica 0 (:func:`replica_fold`).
+model-parallel group; each forward and backward of a microbatch is a scheduling unit (``forward`` /
+``backward`` markers with iteration, microbatch and chunk, as Megatron's traces carry them). Stages
+differ in compute (embedding on the first, loss on the last), so a graph has one class of ranks per
+stage and tensor-parallel rank; every data-parallel replica is the same, which makes the graph
+symmetric under the fold to replica 0 (:func:`replica_fold`).
 
-Under 1F1B a stage's schedule depends on its position (stage p runs ``pp - p - 1`` warm-up
-forwards), so middle stages are not translates of each other. ``Shape.uniform_middle`` gives every
-middle stage the lowest middle stage's schedule: the job that a class-depth fold (:func:`class_fold`,
-middle stages mirroring the lowest one) describes, which synthesis must then rebuild exactly.
+Every stage runs its own 1F1B schedule (stage p: ``min(pp - p - 1, M)`` warm-up forwards, as
+Megatron's), so middle stages are not translates of each other: a class-depth fold
+(:func:`class_fold`, middle stages folded onto the lowest one) gives synthesis the schedule's warm-up
+counts, with which it rebuilds each folded stage's own order of units (replay.stage_schedule).
 """
 
 from __future__ import annotations
@@ -38,7 +40,6 @@ class Shape:
     activation_bytes: int = 16 << 20
     grad_bytes: int = 256 << 20
     gpu_times: bool = False  # two clocks: host time is a third of the device's
-    uniform_middle: bool = False  # every middle stage runs stage 1's 1F1B schedule (see the module docstring)
 
     @property
     def world_size(self) -> int:
@@ -56,7 +57,8 @@ def replica_fold(shape: Shape) -> list[int]:
 def class_fold(shape: Shape) -> dict[str, Any]:
     """``fold_graph`` keywords of the class-depth fold of ``shape``: one live rank per class (tp = dp =
     0; stage 0, the lowest middle stage 1 for every middle stage, the last stage), with the version-2
-    coordinates (tp, cp, dp, pp) of this module's rank order (tp fastest, then dp, then pp)."""
+    coordinates (tp, cp, dp, pp) of this module's rank order (tp fastest, then dp, then pp) and the
+    1F1B schedule's warm-up forwards per stage (``pp - p - 1``, Megatron's)."""
     s = shape
 
     def stage_class(p: int) -> int:
@@ -64,7 +66,8 @@ def class_fold(shape: Shape) -> dict[str, Any]:
 
     coords = [(r % s.tp, 0, (r // s.tp) % s.dp, r // (s.tp * s.dp)) for r in range(s.world_size)]
     return {"rep": [s.rank(0, 0, stage_class(c[3])) for c in coords], "depth": "class",
-            "axes": ("tp", "cp", "dp", "pp"), "sizes": (s.tp, 1, s.dp, s.pp), "coords": coords}
+            "axes": ("tp", "cp", "dp", "pp"), "sizes": (s.tp, 1, s.dp, s.pp), "coords": coords,
+            "schedule": "1f1b", "warmup": [s.pp - p - 1 for p in range(s.pp)]}
 
 
 def megatron_1f1b(shape: Shape) -> Graph:
@@ -105,7 +108,8 @@ def _rank_program(b: GraphBuilder, s: Shape, r: int, p: int, tp: int, dp: int, p
     def compute(seconds: float, label: str) -> None:
         b.compute(r, seconds / 3 if s.gpu_times else seconds, label, gpu=seconds if s.gpu_times else None)
 
-    def layers(direction: str) -> None:
+    def layers(direction: str, it: int, mb: int) -> None:
+        b.mark(r, direction, "B", iteration=it, microbatch=mb, chunk=0)
         scale = 1.0 if direction == "forward" else 2.0
         if direction == "forward" and extra_f:
             compute(extra_f * f, "embedding/loss")
@@ -113,6 +117,7 @@ def _rank_program(b: GraphBuilder, s: Shape, r: int, p: int, tp: int, dp: int, p
             compute(scale * f, f"{direction} layer {layer}")
             if s.tp > 1:
                 b.collective(r, "all_reduce", tp, s.activation_bytes, label=f"tp.{direction}")
+        b.mark(r, direction, "E")
 
     def p2p(*ops: tuple[str, int | None]) -> None:
         refs = []
@@ -125,23 +130,23 @@ def _rank_program(b: GraphBuilder, s: Shape, r: int, p: int, tp: int, dp: int, p
             b.wait(r, *refs)
 
     m = s.microbatches
-    warmup = min(s.pp - (1 if s.uniform_middle and 0 < p < s.pp - 1 else p) - 1, m)
+    warmup = min(s.pp - p - 1, m)
     for it in range(s.iterations):
         b.mark(r, "iteration", "B", iteration=it)
-        for _ in range(warmup):
+        for i in range(warmup):
             p2p(("recv", prv))
-            layers("forward")
+            layers("forward", it, i)
             p2p(("send", nxt))
         if m > warmup:
             p2p(("recv", prv))
         for i in range(m - warmup):
-            layers("forward")
+            layers("forward", it, warmup + i)
             p2p(("send", nxt), ("recv", nxt))
-            layers("backward")
+            layers("backward", it, i)
             p2p(("send", prv), *((("recv", prv),) if i < m - warmup - 1 else ()))
-        for _ in range(warmup):
+        for i in range(m - warmup, m):
             p2p(("recv", nxt))
-            layers("backward")
+            layers("backward", it, i)
             p2p(("send", prv))
         if s.dp > 1:
             for bucket in range(2):

@@ -35,6 +35,12 @@ FOLD_DEPTHS: tuple[str, ...] = ("replica", "class")
 #: How a virtual member's input to an op was made: nccl_prune.contributions.HOWS (a test keeps them
 #: equal; the trace format imports no executor).
 CONTRIBUTION_WAYS: tuple[str, ...] = ("mirror", "recorded", "keep", "passthrough")
+#: The pipeline schedules a version-2 plan's optional ``schedule.name`` can name: Megatron's
+#: ``forward_backward_no_pipelining``, non-interleaved 1F1B and interleaved 1F1B. For "1f1b" the plan
+#: gives ``schedule.warmup``: per pipeline rank (pp coordinate), Megatron's count of warm-up forwards
+#: before Megatron caps it at the iteration's microbatch count (its schedule takes ``min(warmup, M)``);
+#: replay.stage_schedule then gives each folded pipeline stage its own order of units.
+SCHEDULES: tuple[str, ...] = ("no_pipelining", "1f1b", "interleaved")
 
 Coord = tuple[int, ...]
 
@@ -69,6 +75,8 @@ class Fold:
     axes: tuple[str, ...] = ()
     sizes: tuple[int, ...] = ()
     coords: tuple[tuple[int, ...], ...] = field(default=(), repr=False)
+    schedule: str = ""  # one of SCHEDULES; "": the plan does not say (a stage cannot be given its own order)
+    warmup: tuple[int, ...] = ()  # "1f1b": per pipeline rank, Megatron's warm-up forwards before min(., M)
 
     @property
     def version(self) -> int:
@@ -172,15 +180,17 @@ class Fold:
         if self.coords:
             doc.update(depth=self.depth, axes=list(self.axes), sizes=list(self.sizes),
                        coords=[list(c) for c in self.coords])
+            if self.schedule:
+                doc["schedule"] = {"name": self.schedule, "warmup": list(self.warmup)}
         return doc
 
 
 def make_fold(rep: Sequence[int], gpus_per_node: int, classes: Sequence[FoldClass] = (),
               class_of: Sequence[int] = (), contributions: dict[str, dict[str, int]] | None = None, *,
               depth: str = "replica", axes: Sequence[str] = (), sizes: Sequence[int] = (),
-              coords: Sequence[Sequence[int]] = ()) -> Fold:
+              coords: Sequence[Sequence[int]] = (), schedule: str = "", warmup: Sequence[int] = ()) -> Fold:
     """A checked Fold from a rep list; without ``classes``, one class per live rank (the ranks it stands
-    for); with ``coords`` (and ``axes``, ``sizes``) a version-2 fold."""
+    for); with ``coords`` (and ``axes``, ``sizes``; optionally ``schedule``, ``warmup``) a version-2 fold."""
     rep = tuple(int(x) for x in rep)
     live = tuple(sorted(set(rep)))
     if not classes:
@@ -191,7 +201,8 @@ def make_fold(rep: Sequence[int], gpus_per_node: int, classes: Sequence[FoldClas
         classes = tuple(FoldClass(f"like rank {x}", "", counts[i], (x,)) for i, x in enumerate(live))
         class_of = tuple(index[x] for x in rep)
     fold = Fold(len(rep), live, rep, int(gpus_per_node), tuple(classes), tuple(class_of), dict(contributions or {}),
-                depth, tuple(axes), tuple(int(n) for n in sizes), tuple(tuple(int(x) for x in c) for c in coords))
+                depth, tuple(axes), tuple(int(n) for n in sizes), tuple(tuple(int(x) for x in c) for c in coords),
+                schedule, tuple(int(x) for x in warmup))
     return parse_fold(fold.to_json(), len(rep), "<fold>")
 
 
@@ -268,8 +279,28 @@ def parse_fold(doc: Any, world_size: int, path: str | Path) -> Fold:
             for v in contributions.values()):
         raise _error(path, "contributions", "is not an object of {op kind: {mirror|recorded|keep|passthrough: count}}")
     depth, axes, sizes, coords = ("replica", (), (), ()) if version == 1 else _axes(doc, w, path)
+    schedule, warmup = ("", ()) if version == 1 else _schedule(doc, axes, sizes, path)
     return Fold(w, tuple(live), tuple(rep), gpus, tuple(classes), tuple(class_of), contributions, depth, axes,
-                sizes, coords)
+                sizes, coords, schedule, warmup)
+
+
+def _schedule(doc: dict, axes: tuple[str, ...], sizes: tuple[int, ...],
+              path: str | Path) -> tuple[str, tuple[int, ...]]:
+    """A version-2 plan's optional ``schedule`` (SCHEDULES): ("", ()) when absent; checked when present."""
+    if "schedule" not in doc:
+        return "", ()
+    value = doc["schedule"]
+    if not isinstance(value, dict) or value.get("name") not in SCHEDULES:
+        got = value.get("name") if isinstance(value, dict) else value
+        raise _error(path, "schedule.name", f"is {got!r}, expected one of {', '.join(SCHEDULES)}")
+    warmup = value.get("warmup", [])
+    stages = sizes[axes.index("pp")] if "pp" in axes else 1
+    if not isinstance(warmup, list) or any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in warmup):
+        raise _error(path, "schedule.warmup", f"is {warmup!r}, expected a list of integers >= 0")
+    if value["name"] == "1f1b" and len(warmup) != stages:
+        raise _error(path, "schedule.warmup", f"has {len(warmup)} entries; a 1f1b schedule needs one per pipeline "
+                                              f"rank ({stages})")
+    return value["name"], tuple(warmup)
 
 
 def _axes(doc: dict, w: int, path: str | Path) -> tuple[str, tuple[str, ...], tuple[int, ...], tuple[Coord, ...]]:
