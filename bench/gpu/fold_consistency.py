@@ -34,6 +34,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -99,6 +100,23 @@ def _run(a: argparse.Namespace, job: str, fold: str, flags: list[str], timeout: 
     if rc != 0:
         out["error"] = text[-2500:]
         return out
+    return _collect(a, out, trace, metrics)
+
+
+def _analysed(a: argparse.Namespace, job: str, fold: str) -> dict | None:
+    """The row of an earlier run in ``--work`` (``--analyse``): its trace, metrics and log as it left them."""
+    work = Path(a.work)
+    trace, log = work / f"trace-{job}-fold-{fold}", work / f"{job}-fold-{fold}.log"
+    if not (trace / "manifest.json").exists():
+        return None
+    wall = re.search(r"done in ([0-9.]+) s", log.read_text()) if log.exists() else None
+    out = {"job": job, "fold": fold, "rc": 0, "wall_s": float(wall.group(1)) if wall else float("nan"),
+           "trace": str(trace)}
+    return _collect(a, out, trace, work / f"{job}-fold-{fold}.metrics.jsonl")
+
+
+def _collect(a: argparse.Namespace, out: dict, trace: Path, metrics: Path) -> dict:
+    """A finished run's row: memory per rank, prediction and losses from its trace and metrics."""
     from prism_megatron.report.build import build_report
 
     report = build_report(trace, cluster=a.cluster)
@@ -327,7 +345,11 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=200, help="seconds per run at most")
     ap.add_argument("--budget", type=float, default=440,
                     help="seconds for the whole script: a run that could not end inside it is not started")
+    ap.add_argument("--analyse", action="store_true",
+                    help="run nothing: rebuild the tables from the traces, metrics and logs in --work")
     a = ap.parse_args()
+    if a.analyse and a.work is None:
+        ap.error("--analyse needs --work (the directory of the earlier runs)")
     if a.tiny:
         a.hidden = a.moe_hidden = a.moe_ffn = 64
         a.layers, a.heads, a.seq, a.mbs, a.micro, a.bf16 = 2, 4, 64, 1, 2, False
@@ -356,6 +378,13 @@ def main() -> None:
     for job in jobs:
         flags = _flags(a, job)
         for fold in a.order.split(","):
+            if a.analyse:
+                r = _analysed(a, job, fold)
+                if r is None:
+                    say(f"{job} --prism-fold {fold}: no trace in {a.work}")
+                else:
+                    rows.append(r)
+                continue
             left = a.budget - (time.perf_counter() - start) - reserve
             if left < 30:
                 say(f"{job} --prism-fold {fold}: not run ({left:.0f} s of --budget left)")
@@ -377,7 +406,8 @@ def main() -> None:
     summarize(rows, jobs, diags, say)
     (out / "fold_consistency.json").write_text(json.dumps({"rows": rows, "why": diags}, indent=1, default=str))
     (out / "fold_consistency.txt").write_text("\n".join(lines) + "\n")
-    _bundle(a)
+    if not a.analyse:
+        _bundle(a)
     if tmp is not None:
         shutil.rmtree(tmp, ignore_errors=True)
     print(f"# total {time.perf_counter() - start:.0f} s; results in {out}", flush=True)
