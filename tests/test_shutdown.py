@@ -26,7 +26,15 @@ def _start(tmp: Path, program: str, *args: str, world: int = 3, extra: tuple[str
     return subprocess.Popen(
         [sys.executable, "-m", "prism_megatron", "launch", "-w", str(world), "--trace-dir", str(tmp / "trace"),
          "--log-ranks", "none", "--hang-timeout", "120", *extra, str(PROGRAMS / program), *args],
-        cwd=tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        cwd=tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=_default_signals)
+
+
+def _default_signals() -> None:
+    """The launcher as from a terminal: a test run in the background (nohup, ``cmd &``) inherits SIGINT
+    and SIGHUP ignored, which the launcher rightly keeps ignored."""
+    for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
 
 
 def _wait_for(cond, timeout: float = 60.0) -> None:
