@@ -216,6 +216,13 @@ class RankClient:
         # the segment ends here whether or not the ops are done: where segments end must not depend on
         # when ops happened to complete (the GPU timer pairs iterations segment by segment)
         self._pause()
+        # where the program waits is part of its schedule, also when the ops are already done: the replay
+        # decides when they complete (the trace's ops.wait_clock)
+        first = [o.op_id for o in ops if not o.waited]
+        if first:
+            for o in ops:
+                o.waited = True
+            self._send({"t": P.WAITED, "ids": first, "clk": self._clock})
         self._block(ops)
         self._resume()
 
