@@ -83,7 +83,9 @@ def main() -> None:
     medians: dict[str, list[float]] = {"fold": [], "full": [], "refold": []}
     with tempfile.TemporaryDirectory(prefix="prism-fold-class-") as tmp:
         work = Path(tmp)
-        print(f"{args.recipe}: predicted iteration times (ms), cluster {args.cluster}")
+        recipe = Path(args.recipe).resolve()
+        shown = recipe.relative_to(ROOT) if recipe.is_relative_to(ROOT) else recipe
+        print(f"{shown}: predicted iteration times (ms), cluster {args.cluster}")
         for i in range(args.repeats):
             folded = read_trace(_capture(work / f"fold{i}", args.recipe, "on"))
             f = folded.fold
