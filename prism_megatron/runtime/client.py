@@ -192,6 +192,7 @@ class RankClient:
             self._granted.clear()
             self._owed_grant = True
             self._owed_op = work._op
+            work._op.waited = True  # waited at issue (the trace's wait is the op itself): no WAITED message
         self._send(msg)
         if not self._owed_grant:
             self._resume()  # an async op: the program goes on computing
