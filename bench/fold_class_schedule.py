@@ -9,7 +9,9 @@ live middle stage and synthesis rebuilds every folded stage's own order of units
 cluster profile) and their median over the iterations after the first. CPU compute times vary from
 run to run (more so on a shared machine), so it also prints, for every full capture, that same trace
 folded at class depth and replayed (``refold``): the fold's own error, without run-to-run noise
-(only the folded stages' compute and waits are the live stage's instead of their own).
+(only the folded stages' compute and waits are the live stage's instead of their own). Each captured
+run's line also gives the live ranks' compute per iteration (median after the first, from the trace's
+markers): where fold and full differ, it says whether the captures' compute did.
 
     python bench/fold_class_schedule.py                        # TP1·PP5, 3 runs each way
     python bench/fold_class_schedule.py --recipe tests/recipes/fold-class-tp1pp4.yaml --repeats 2
@@ -45,9 +47,21 @@ def _times(graph, cost) -> list[float]:
     return [t * 1e3 for t in replay(graph, cost).iteration_times()]
 
 
-def _row(name: str, times: list[float]) -> float:
+def _compute(trace, ranks) -> dict[int, float]:
+    """Per rank: its compute (ms) per iteration, median after the first (marks' compute clock)."""
+    out = {}
+    for r in ranks:
+        clocks = [m["compute_clock"] for m in trace.marks.to_pylist() if m["rank"] == r and m["name"] == "iteration"]
+        its = [(b - a) * 1e3 for a, b in zip(clocks[0::2], clocks[1::2], strict=False)]
+        out[r] = statistics.median(its[1:]) if len(its) > 1 else its[0]
+    return out
+
+
+def _row(name: str, times: list[float], compute: dict[int, float] | None = None) -> float:
     med = statistics.median(times[1:]) if len(times) > 1 else times[0]
-    print(f"  {name:<10} {' '.join(f'{t:8.2f}' for t in times)}   median after the first {med:8.2f} ms", flush=True)
+    also = "   compute " + " ".join(f"r{r} {c:6.2f}" for r, c in compute.items()) if compute else ""
+    print(f"  {name:<10} {' '.join(f'{t:8.2f}' for t in times)}   median after the first {med:8.2f} ms{also}",
+          flush=True)
     return med
 
 
@@ -69,13 +83,16 @@ def main() -> None:
     medians: dict[str, list[float]] = {"fold": [], "full": [], "refold": []}
     with tempfile.TemporaryDirectory(prefix="prism-fold-class-") as tmp:
         work = Path(tmp)
-        print(f"{args.recipe}: predicted iteration times (ms), cluster {args.cluster}")
+        recipe = Path(args.recipe).resolve()
+        shown = recipe.relative_to(ROOT) if recipe.is_relative_to(ROOT) else recipe
+        print(f"{shown}: predicted iteration times (ms), cluster {args.cluster}")
         for i in range(args.repeats):
             folded = read_trace(_capture(work / f"fold{i}", args.recipe, "on"))
             f = folded.fold
-            medians["fold"].append(_row(f"fold {i}", _times(graph_from_trace(folded), cost)))
+            medians["fold"].append(_row(f"fold {i}", _times(graph_from_trace(folded), cost), _compute(folded, f.live)))
             full = _capture(work / f"full{i}", args.recipe, "off")
-            medians["full"].append(_row(f"full {i}", _times(graph_from_trace(read_trace(full)), cost)))
+            trace = read_trace(full)
+            medians["full"].append(_row(f"full {i}", _times(graph_from_trace(trace), cost), _compute(trace, f.live)))
             refold = fold_trace(full, work / f"refold{i}", f.rep, f.gpus_per_node, f.classes, f.class_of,
                                 depth=f.depth, axes=f.axes, sizes=f.sizes, coords=f.coords, schedule=f.schedule,
                                 warmup=f.warmup)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 from conftest import PROGRAMS, prism
 
@@ -19,6 +20,27 @@ def test_capture_then_replay(tmp_path):
     assert "critical path" in out and "costed by cluster profile h100-nvlink-ib400" in out
     events = json.loads((tmp_path / "p.json").read_text())["traceEvents"]
     assert {0, 1, 2, 3} <= {e["pid"] for e in events if e.get("ph") == "X"}
+
+    # every wait of ring.py's on its batched isend/irecv is in the trace, whether or not the op had
+    # completed by then, and the graph waits there: within the iteration (from the slot log alone, one
+    # that found its op complete waited after the next iteration's all_reduce)
+    from prism_megatron.replay import graph_from_trace
+    from prism_megatron.replay.graph import Comm, Mark, Wait
+    from prism_megatron.trace import read_trace
+
+    trace = read_trace(tmp_path / "t")
+    for op in trace.ops.to_pylist():
+        if op["async_op"]:
+            assert op["t_issue"] <= op["t_wait"] and op["wait_clock"] >= 0, op
+        else:  # synchronous: waited at issue
+            assert math.isnan(op["t_wait"]) and math.isnan(op["wait_clock"]), op
+    for rank, evs in graph_from_trace(trace).events.items():
+        for i, ev in enumerate(evs):
+            if isinstance(ev, Comm) and ev.kind == "recv":  # the batch's second op, after its send
+                end = next(j for j in range(i, len(evs)) if isinstance(evs[j], Mark))  # the iteration's end
+                waited = {ref for e in evs[i:end] if isinstance(e, Wait) for ref in e.refs}
+                send = max(j for j in range(i) if isinstance(evs[j], Comm) and evs[j].kind == "send")
+                assert waited == {send, i} and not any(isinstance(e, Comm) for e in evs[i + 1:end]), (rank, i)
 
 
 def test_cluster_commands(tmp_path):

@@ -204,6 +204,16 @@ def _skeleton(graph, rank: int, collectives: bool = False) -> list[tuple]:
     return out
 
 
+def _live_and_report_ms(run: dict, cluster: str) -> tuple[list[float], list[float]]:
+    """Megatron's iteration lines' predicted times (ms, as printed) and the report's, rounded alike."""
+    from prism_megatron.report.build import build_report
+
+    live = [float(x) for x in re.findall(r"iteration +\d+/ +\d+ \|.*?elapsed time per iteration \(ms\): "
+                                         r"([0-9.]+) \(predicted", run["output"])]
+    report = build_report(run["trace"], cluster=cluster)["prediction"]["iteration_times_s"]
+    return live, [round(t * 1e3, 1) for t in report]
+
+
 def test_class_depth_gives_a_folded_middle_stage_its_own_1f1b_schedule(tmp_path):
     """TP1·PP4, 4 microbatches: stage 2 (1 warm-up forward) is folded onto stage 1 (2 warm-ups). The
     synthesised stage 2 runs stage 1's units in stage 2's own order, with the p2p ops Megatron's
@@ -234,3 +244,7 @@ def test_class_depth_gives_a_folded_middle_stage_its_own_1f1b_schedule(tmp_path)
     assert _skeleton(synth, 2) == want
     for r in range(4):  # the live stages ran their own schedules; every op of the job is the full run's
         assert _skeleton(synth, r, collectives=True) == _skeleton(real, r, collectives=True), r
+    # the prediction in Megatron's log line is the report's (the same folded replay of the same graph)
+    for run in (folded, full):
+        live, report = _live_and_report_ms(run, "h100-nvlink-ib400")
+        assert len(live) == 2 and live == pytest.approx(report, abs=0.051), run["trace"]

@@ -373,6 +373,44 @@ def test_waits_on_async_ops_placed_from_slot_releases(tmp_path):
     assert replay(graph_from_trace(read_trace(bare))).makespan == 3.0
 
 
+def test_recorded_waits_are_placed_where_the_program_waited_even_on_completed_ops(tmp_path):
+    """Megatron's p2p call waits for its batch before returning. In this capture both ops had completed
+    when rank 0 waited (no slot release), yet the wait stays where the program made it: in the replay
+    rank 1 sends late and rank 0 waits for it before its compute, as the real program does."""
+    manifest = {
+        "world_size": 2,
+        "groups": [{"id": 0, "name": "world", "ranks": [0, 1], "backend": "nccl"},
+                   {"id": 1, "name": "pp", "ranks": [0, 1], "backend": "nccl"}],
+        "ranks": [{"rank": 0, "exit_code": 0, "device": "cpu"}, {"rank": 1, "exit_code": 0, "device": "cpu"}],
+    }
+    waited = {"t_wait": 3.0, "wait_clock": 0.5}
+    ops = [
+        dict(_row(0, 0, "send", 1, 0, 0.5, 1.2, 0.5, peer=1, async_op=True), **waited),
+        dict(_row(0, 1, "recv", 1, 0, 0.5, 2.6, 0.0, peer=1, async_op=True), **waited),
+        dict(_row(0, 2, "all_reduce", 0, 0, 3.5, 4.0, 2.0, async_op=True), t_wait=4.5, wait_clock=3.25),
+        _row(0, 3, "barrier", 0, 1, 4.2, 5.0, 0.5),
+        _row(1, 0, "recv", 1, 0, 0.6, 0.6, 0.0, peer=0),
+        _row(1, 1, "send", 1, 0, 2.6, 2.6, 2.0, peer=0),
+        _row(1, 2, "all_reduce", 0, 0, 3.1, 4.0, 0.5),
+        _row(1, 3, "barrier", 0, 1, 4.9, 5.0, 0.5),
+    ]
+    path = write_trace(tmp_path / "waited.prismtrace", manifest, ops)
+    ev0 = graph_from_trace(read_trace(path)).events[0]
+    # the all_reduce's wait was made after the barrier (the last-seen rule would have put it before)
+    assert [type(e).__name__ for e in ev0] == ["Compute", "Comm", "Comm", "Wait", "Compute", "Comm", "Compute",
+                                               "Comm", "Compute", "Wait"]
+    assert ev0[3].refs == (1, 2) and ev0[9].refs == (5,)
+    res = replay(graph_from_trace(read_trace(path)))
+    # rank 1 sends at 2.5; rank 0 then computes 2.0 and issues the all_reduce at 4.5 (rank 1's at 3.0)
+    assert res.ops[("coll", 0, 0)].start == 4.5
+    assert [e.duration for e in ev0 if isinstance(e, Compute)] == [0.5, 2.0, 0.5, 0.25]
+    # the same trace without the recorded waits (PrismTrace v4): the p2p wait moves past the barrier,
+    # and rank 0's 2.0 of compute overlaps the recv that the program waited for
+    old = write_trace(tmp_path / "v4.prismtrace", manifest,
+                      [{k: v for k, v in op.items() if k not in waited} for op in ops])
+    assert replay(graph_from_trace(read_trace(old))).ops[("coll", 0, 0)].start == 3.0
+
+
 # ----------------------------------------------------------------------------- export
 
 

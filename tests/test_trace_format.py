@@ -73,16 +73,31 @@ def _op(rank, index, kind, group, seq, t_issue, t_complete, **kw) -> dict:
         "label": "",
         "splits": "",
         "payload": "",
+        "t_wait": math.nan,  # never waited (a synchronous op)
+        "wait_clock": math.nan,
     }
     row.update(kw)
     return row
 
 
+def _nan_free(value):
+    """Rows or columns with NaN replaced by a marker, so that == compares them (NaN != NaN)."""
+    if isinstance(value, float) and math.isnan(value):
+        return "NaN"
+    if isinstance(value, dict):
+        return {k: _nan_free(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_nan_free(v) for v in value]
+    return value
+
+
 def _ops() -> list[dict]:
     return [
         _op(0, 0, "all_reduce", 0, 0, 0.25, 0.5, reduce_op="sum", bytes=2**40 + 3),
-        _op(0, 1, "send", 1, 0, 1.0, 1.25, peer=1, label="pp.send_forward", async_op=True),
-        _op(0, 2, "recv", 1, 0, 1.125, 1.5, peer=1, async_op=True, label="pp.recv_backward"),
+        _op(0, 1, "send", 1, 0, 1.0, 1.25, peer=1, label="pp.send_forward", async_op=True, t_wait=1.2,
+            wait_clock=0.5),
+        _op(0, 2, "recv", 1, 0, 1.125, 1.5, peer=1, async_op=True, label="pp.recv_backward", t_wait=1.2,
+            wait_clock=0.5),
         _op(0, 3, "broadcast", 0, 1, 2.0, 2.0, root=1, shapes="[[3], [4, 5]]"),
         _op(1, 0, "all_reduce", 0, 0, 0.3, 0.5, reduce_op="sum", compute_before=0.0),
         _op(1, 1, "recv", 1, 0, 0.6, 1.25, peer=0, label="pp.recv_forward"),
@@ -157,7 +172,7 @@ def test_round_trip_rows_preserves_every_value(trace_path: Path) -> None:
     tr = read_trace(trace_path)
     assert isinstance(tr, PrismTrace)
     assert tr.path == trace_path
-    assert tr.ops.to_pylist() == _ops()
+    assert _nan_free(tr.ops.to_pylist()) == _nan_free(_ops())
     assert tr.marks.to_pylist() == _marks()
     assert tr.slots.to_pylist() == _slots()
     for name, table in (("ops", tr.ops), ("marks", tr.marks), ("slots", tr.slots)):
@@ -173,7 +188,7 @@ def test_round_trip_rows_preserves_every_value(trace_path: Path) -> None:
 def test_round_trip_columns(tmp_path: Path) -> None:
     ops, marks, slots = _columns(_ops(), "ops"), _columns(_marks(), "marks"), _columns(_slots(), "slots")
     tr = read_trace(write_trace(tmp_path / "t", _manifest(), ops, marks=marks, slots=slots))
-    assert tr.ops.to_pydict() == ops
+    assert _nan_free(tr.ops.to_pydict()) == _nan_free(ops)
     assert tr.marks.to_pydict() == marks
     assert tr.slots.to_pydict() == slots
 
@@ -181,7 +196,7 @@ def test_round_trip_columns(tmp_path: Path) -> None:
 def test_arrow_tables_and_empty_tables(tmp_path: Path) -> None:
     ops = pa.Table.from_pylist(_ops())  # inferred int64 where the schema says int32: cast safely
     tr = read_trace(write_trace(tmp_path / "t", _manifest(), ops))
-    assert tr.ops.to_pylist() == _ops()
+    assert _nan_free(tr.ops.to_pylist()) == _nan_free(_ops())
     assert tr.marks.num_rows == 0 and tr.slots.num_rows == 0
     assert tr.marks.schema.equals(SCHEMAS["marks"])
 
@@ -205,7 +220,7 @@ def test_convenience_accessors(tmp_path: Path) -> None:
     for rank in (0, 1):
         got = tr.ops_for_rank(rank)
         assert [o["index"] for o in got] == [0, 1, 2, 3]
-        assert got == [o for o in _ops() if o["rank"] == rank]
+        assert _nan_free(got) == _nan_free([o for o in _ops() if o["rank"] == rank])
     assert tr.ops_for_rank(5) == []
 
 
@@ -334,7 +349,7 @@ def _set(key, value):
 MANIFEST_CASES = {
     "wrong format": (_set("format", "chrome"), ["'format'", "chrome"]),
     "no format": (_drop_key("format"), ["'format'", "missing"]),
-    "future version": (_set("version", 5), ["'version'", "is 5", "supports", "1, 2, 3, 4"]),
+    "future version": (_set("version", 6), ["'version'", "is 6", "supports", "1, 2, 3, 4, 5"]),
     "version string": (_set("version", "1"), ["'version'", "string"]),
     "no version": (_drop_key("version"), ["'version'", "missing"]),
     "incomplete without why": (_set("complete", False), ["'incomplete'", "must say why"]),
@@ -913,3 +928,18 @@ def test_partial_trace_says_why_and_reads(tmp_path: Path) -> None:
     assert read_trace(path).incomplete == "interrupted by SIGTERM"
     assert "incomplete: interrupted by SIGTERM" in summarize(path)
     assert read_trace(write_trace(tmp_path / "ok", _manifest(), _ops())).incomplete is None
+
+
+def test_wait_columns_round_trip_and_older_traces_read_them_as_nan(tmp_path):
+    import pyarrow.parquet as pq
+
+    path = write_trace(tmp_path / "t", _manifest(), _ops())
+    rows = read_trace(path).ops.to_pylist()
+    assert [(r["t_wait"], r["wait_clock"]) for r in rows if r["async_op"]] == [(1.2, 0.5), (1.2, 0.5)]
+    assert all(math.isnan(r["t_wait"]) and math.isnan(r["wait_clock"]) for r in rows if not r["async_op"])
+    pq.write_table(pq.read_table(path / "ops.parquet").drop_columns(["t_wait", "wait_clock"]), path / "ops.parquet")
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest["version"] = 4  # written before the program's waits were recorded
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    rows = read_trace(path).ops.to_pylist()
+    assert len(rows) == len(_ops()) and all(math.isnan(r["t_wait"]) and math.isnan(r["wait_clock"]) for r in rows)

@@ -8,15 +8,18 @@ PrismTrace says about a rank, and all the engine needs.
 Graphs come from a PrismTrace (:func:`graph_from_trace`) or are built directly in Python
 (:class:`GraphBuilder`), which tests use for hand-made schedules.
 
-Waits, when building from a trace: the trace records when an op was issued and when it completed,
-not when the rank waited for an asynchronous op. A non-async op blocks the rank until it completes.
-For async ops we use the slot log: a rank gives its slot back exactly when it blocks on ops that are
-not yet complete, so a slot release that does not belong to a synchronous op is a wait; it becomes
-a :class:`Wait` on the async ops still incomplete at that moment, placed at the rank's compute clock
-of the release (``batch_isend_irecv`` + ``wait()`` in Megatron's p2p lands where it was). A wait
-that found its ops already complete left no trace; such ops are awaited together with the next
-blocking op of the rank (a :class:`Wait` right after it) or at the end of the rank, which may let
-compute overlap communication that the real program waited for.
+Waits, when building from a trace: a non-async op blocks the rank until it completes. For an async
+op, PrismTrace v5 records where the program first waited for it (``ops.t_wait``, ``wait_clock``),
+also when the op had already completed then: the :class:`Wait` goes there, and the replay decides
+whether the op is done by that point (``batch_isend_irecv`` + ``wait()`` at the end of each of
+Megatron's p2p calls lands at the end of the call, whatever the capture's timing was). Where the trace
+holds no wait (traces before v5; a wait prism cannot see, such as torch's own on a Work's future) the
+slot log stands in: a rank gives its slot back exactly when it blocks on
+ops that are not yet complete, so a slot release that does not belong to a synchronous op is a wait on
+the async ops still incomplete at that moment, placed at the rank's compute clock of the release; a
+wait that found its ops already complete left no trace, and such ops are awaited together with the
+next blocking op of the rank or at the end of the rank, which may let compute overlap communication
+that the real program waited for.
 """
 
 from __future__ import annotations
@@ -242,15 +245,26 @@ def _rank_events(ops: list[dict[str, Any]], marks: list[dict[str, Any]],
                  releases: list[tuple[float, float]] = ()) -> list[Event]:
     """One rank's events: compute before each op, the op, waits for async ops, markers in place.
 
-    Markers and slot releases (``(t_release, compute clock then)``) sit between the last op
-    issued at or before their time and the next one; the compute segment they fall into is split
-    at their compute clock (the rank's cumulative compute seconds), which is consistent with
-    ``compute_before`` (the per-op increments of the same clock).
+    Markers, recorded waits (an op's ``t_wait``/``wait_clock``) and slot releases (``(t_release,
+    compute clock then)``) sit between the last op issued at or before their time and the next one; the
+    compute segment they fall into is split at their compute clock (the rank's cumulative compute
+    seconds), which is consistent with ``compute_before`` (the per-op increments of the same clock).
     """
-    points = sorted([(m["t"], m["compute_clock"], m) for m in marks] + [(t, c, None) for t, c in releases],
+    waits: dict[float, list[int]] = defaultdict(list)  # t_wait -> trace indices of the ops waited then
+    wait_clock: dict[float, float] = {}
+    for op in ops:
+        t_wait = op.get("t_wait", math.nan)
+        if op["async_op"] and t_wait is not None and math.isfinite(t_wait):
+            waits[t_wait].append(op["index"])
+            wait_clock[t_wait] = op["wait_clock"]
+    points = sorted([(m["t"], m["compute_clock"], m) for m in marks] + [(t, c, None) for t, c in releases]
+                    + [(t, wait_clock[t], tuple(idx)) for t, idx in waits.items()],
                     key=lambda p: p[0])
+    recorded = {i for idx in waits.values() for i in idx}
     events: list[Event] = []
-    outstanding: dict[int, float] = {}  # event index of an async op -> its t_complete in the trace
+    at_event: dict[int, int] = {}  # trace index of an async op -> its event index
+    outstanding: dict[int, float] = {}  # event index of an async op not waited yet -> its t_complete in the trace
+    inferred: set[int] = set()  # those of them whose wait the trace did not record (older traces)
     last: dict[str, Any] | None = None
     clock = 0.0  # cumulative compute at the current point
     pi = 0
@@ -262,22 +276,32 @@ def _rank_events(ops: list[dict[str, Any]], marks: list[dict[str, Any]],
             events.append(Compute(c - clock))
             clock = c
 
+    def wait(refs: tuple[int, ...]) -> None:
+        nonlocal outstanding
+        events.append(Wait(refs))
+        outstanding = {i: d for i, d in outstanding.items() if i not in refs}
+
     def place(limit_t: float, limit_clock: float) -> None:
-        nonlocal pi, outstanding
+        nonlocal pi
         while pi < len(points) and points[pi][0] < limit_t:
             t, c, m = points[pi]
             pi += 1
-            if m is not None:
+            if isinstance(m, dict):
                 at(c, limit_clock)
                 events.append(Mark(m["name"], m["phase"], _mark_attrs(m["attrs"])))
                 continue
+            if isinstance(m, tuple):  # the program waited for these ops here, complete or not
+                refs = tuple(at_event[i] for i in m if at_event.get(i) in outstanding)
+                if refs:
+                    at(c, limit_clock)
+                    wait(refs)
+                continue
             if last is not None and not last["async_op"] and last["t_complete"] >= t:
                 continue  # the release of a synchronous op blocking at issue
-            waited = tuple(i for i, done in outstanding.items() if done >= t)
+            waited = tuple(i for i, done in outstanding.items() if done >= t and i in inferred)
             if waited:
                 at(c, limit_clock)
-                events.append(Wait(waited))
-                outstanding = {i: d for i, d in outstanding.items() if i not in waited}
+                wait(waited)
 
     for op in ops:
         target = clock + max(float(op["compute_before"]), 0.0)
@@ -288,12 +312,14 @@ def _rank_events(ops: list[dict[str, Any]], marks: list[dict[str, Any]],
         last = op
         if op["async_op"]:
             outstanding[len(events) - 1] = op["t_complete"]
-        elif outstanding:
-            events.append(Wait(tuple(outstanding)))
-            outstanding = {}
+            at_event[op["index"]] = len(events) - 1
+            if op["index"] not in recorded:
+                inferred.add(len(events) - 1)
+        elif outstanding.keys() & inferred:
+            wait(tuple(i for i in outstanding if i in inferred))
     place(math.inf, math.inf)
     if outstanding:
-        events.append(Wait(tuple(outstanding)))
+        wait(tuple(outstanding))
     return events
 
 

@@ -192,6 +192,7 @@ class RankClient:
             self._granted.clear()
             self._owed_grant = True
             self._owed_op = work._op
+            work._op.waited = True  # waited at issue (the trace's wait is the op itself): no WAITED message
         self._send(msg)
         if not self._owed_grant:
             self._resume()  # an async op: the program goes on computing
@@ -216,6 +217,13 @@ class RankClient:
         # the segment ends here whether or not the ops are done: where segments end must not depend on
         # when ops happened to complete (the GPU timer pairs iterations segment by segment)
         self._pause()
+        # where the program waits is part of its schedule, also when the ops are already done: the replay
+        # decides when they complete (the trace's ops.wait_clock)
+        first = [o.op_id for o in ops if not o.waited]
+        if first:
+            for o in ops:
+                o.waited = True
+            self._send({"t": P.WAITED, "ids": first, "clk": self._clock})
         self._block(ops)
         self._resume()
 

@@ -199,6 +199,8 @@ class Coordinator:
             self._exited(int(msg["rank"]), msg["code"])
         elif t == P.OP:
             self._on_op(rs, msg)
+        elif t == P.WAITED:
+            self.recorder.waited(rs, msg["ids"])
         elif t == P.BLOCK:
             self._block(rs, msg, msg["ids"])
         elif t == P.ACQUIRE:

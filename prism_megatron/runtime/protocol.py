@@ -24,6 +24,7 @@ GROUP = "group"  # {h, name, ranks, backend, world, timeout}: the rank made a gr
 #   timeout in seconds (the group's own), or None
 OP = "op"  # an operation, see RankClient.submit
 BLOCK = "block"  # {ids, mem, peak}: the rank waits for these ops; release its slot until they complete
+WAITED = "waited"  # {ids}: the program waits for these ops for the first time (done or not; the trace's wait)
 ACQUIRE = "acquire"  # the rank wants a slot (start of the program)
 MARK = "mark"  # {name, phase, attrs}: a scheduling-unit marker
 DROP = "drop"  # {segment}: the rank unlinked a shared-memory segment

@@ -34,6 +34,7 @@ class RankState:
     blocked_since: float = 0.0
     done_ids: set[int] = field(default_factory=set)
     pending: dict[int, OpRecord] = field(default_factory=dict)
+    unwaited: dict[int, OpRecord] = field(default_factory=dict)  # async ops the program has not waited for yet
     n_ops: int = 0
     exit_code: int | None = None
     runtime_s: dict | None = None  # the rank's runtime work in its slot turns (RankClient.runtime_s), at exit

@@ -38,6 +38,8 @@ class OpRecord:
     op_id: int = -1
     splits: tuple = ()  # all_to_all_single: (input bytes per group rank, output bytes per group rank)
     payload: tuple[bytes, ...] = ()  # the inputs, when small enough to steer control flow (recorded_payload)
+    t_wait: float = float("nan")  # an async op: when the program first waited for it (waited())
+    wait_clock: float = float("nan")  # the rank's compute clock then
 
 
 #: Inputs recorded in the trace so that a virtual rank contributes what the real one did: integer and
@@ -89,6 +91,8 @@ class Recorder:
         rs.last_op_clock = rs.clock
         rs.n_ops += 1
         rs.pending[msg["id"]] = rec
+        if rec.async_op:
+            rs.unwaited[msg["id"]] = rec
         self.ops.append(rec)
         return rec
 
@@ -96,6 +100,13 @@ class Recorder:
         rec = rs.pending.pop(op_id, None)
         if rec is not None:
             rec.t_complete = self.now()
+
+    def waited(self, rs: RankState, ids: list[int]) -> None:
+        """The program of ``rs`` waits for the async ops ``ids`` (whether or not they are complete)."""
+        for op_id in ids:
+            rec = rs.unwaited.pop(op_id, None)
+            if rec is not None:
+                rec.t_wait, rec.wait_clock = self.now(), rs.clock
 
     def mark(self, rs: RankState, msg: dict) -> None:
         self.marks.append({"rank": rs.rank, "name": msg["name"], "phase": msg["phase"], "t": self.now(),

@@ -16,7 +16,8 @@ from prism_megatron.runtime.recorder import Recorder
 from prism_megatron.trace import write_trace
 
 _OP_COLUMNS = ("rank", "index", "kind", "group", "seq", "peer", "root", "bytes", "dtype", "shapes", "reduce_op",
-               "async_op", "t_issue", "t_complete", "compute_before", "label", "splits", "payload")
+               "async_op", "t_issue", "t_complete", "compute_before", "label", "splits", "payload",
+               "t_wait", "wait_clock")
 
 
 def _runtime(rs: RankState | None) -> dict:

@@ -1,4 +1,4 @@
-"""PrismTrace (version 4): the one place that says what a trace directory contains.
+"""PrismTrace (version 5): the one place that says what a trace directory contains.
 
 Writer, reader and exporters all validate against the definitions here, so a file the writer
 accepts is exactly a file the reader accepts. Every error names the file and the field, because a
@@ -25,12 +25,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 FORMAT = "prismtrace"
-VERSION = 4
+VERSION = 5
 #: Versions this code can read; a reader rejects anything else rather than guessing. Version 1 lacks
 #: slots.compute_clock; reading it fills the column from slot-holding time (what v1 recorded as compute).
 #: Versions 1 and 2 lack the gpu table; reading them gives an empty one. Versions 1 to 3 have no
-#: 'incomplete' field: every trace they could write recorded a run that ended normally.
-SUPPORTED_VERSIONS: tuple[int, ...] = (1, 2, 3, 4)
+#: 'incomplete' field: every trace they could write recorded a run that ended normally. Versions 1 to 4
+#: lack ops.t_wait/wait_clock (NaN when read: waits on async ops are then inferred, see replay.graph).
+SUPPORTED_VERSIONS: tuple[int, ...] = (1, 2, 3, 4, 5)
 
 MANIFEST_FILE = "manifest.json"
 TABLE_NAMES: tuple[str, ...] = ("ops", "marks", "slots", "gpu")
@@ -97,6 +98,13 @@ OPS_COLUMNS: tuple[Column, ...] = (
         "all_to_all_single: JSON [input bytes to each group rank, output bytes from each group rank] "
         "(uneven MoE dispatch); '' for other ops (v3; older traces read as '')",
     ),
+    Column(
+        "t_wait",
+        pa.float64(),
+        "an async op: seconds since job start when the program first waited for it, whether or not it "
+        "had completed (Work.wait and the like); NaN if never waited or not async (v5; older traces: NaN)",
+    ),
+    Column("wait_clock", pa.float64(), "the rank's compute clock at t_wait; NaN with it (v5)"),
     Column(
         "payload",
         pa.string(),
@@ -176,7 +184,9 @@ COLUMNS: dict[str, tuple[Column, ...]] = {
 
 #: Columns a writer may leave out (their value then is this): added by a later version, meaningful for
 #: few rows.
-DEFAULTS: dict[str, dict[str, Any]] = {"ops": {"splits": "", "payload": ""}}
+DEFAULTS: dict[str, dict[str, Any]] = {
+    "ops": {"splits": "", "payload": "", "t_wait": float("nan"), "wait_clock": float("nan")},
+}
 
 #: Columns the writer accepts as Python objects and stores as JSON text.
 JSON_COLUMNS: dict[str, tuple[str, ...]] = {
