@@ -218,10 +218,8 @@ class Coordinator:
             else:
                 if msg.get("timeout"):
                     rs.timeouts[gid] = float(msg["timeout"])
-                if new and self.fold is not None:
-                    problem = self.fold.fold_group(self.groups.by_id[gid])
-                    if problem is not None:
-                        self._fatal("fold", problem)
+                if new and self.fold is not None and (problem := self.fold.fold_group(self.groups.by_id[gid])):
+                    self._fatal("fold", problem)
         elif t == P.MARK:
             self.recorder.mark(rs, msg)
             self.governor.mark(rs.rank, msg)
