@@ -198,7 +198,7 @@ def _skeleton(graph, rank: int, collectives: bool = False) -> list[tuple]:
     out = []
     for ev in graph.events[rank]:
         if isinstance(ev, Mark) and ev.phase == "B" and ev.name in ("forward", "backward"):
-            out.append((ev.name, ev.attrs.get("iteration"), ev.attrs.get("microbatch")))
+            out.append((ev.name, ev.attrs.get("iteration"), ev.attrs.get("microbatch"), ev.attrs.get("chunk") or 0))
         elif isinstance(ev, Comm) and (ev.is_p2p or collectives):
             out.append((ev.kind, ev.peer, ev.seq, ev.nbytes, graph.groups[ev.group].ranks))
     return out
@@ -234,3 +234,39 @@ def test_class_depth_gives_a_folded_middle_stage_its_own_1f1b_schedule(tmp_path)
     assert _skeleton(synth, 2) == want
     for r in range(4):  # the live stages ran their own schedules; every op of the job is the full run's
         assert _skeleton(synth, r, collectives=True) == _skeleton(real, r, collectives=True), r
+
+
+def test_class_depth_gives_a_folded_middle_stage_its_own_interleaved_schedule(tmp_path):
+    """TP1·PP4·VPP2, 8 microbatches (16 virtual ones), p2p overlapped with compute (Megatron-LM's
+    default under VPP): stage 2 (6 warm-up forwards) is folded onto stage 1 (8). The synthesised stage
+    2 runs stage 1's (microbatch, chunk) units in stage 2's own order, with the p2p ops and waits
+    Megatron's interleaved schedule posts there: the same units and p2p ops, in the same order, as
+    stage 2 of the full capture."""
+    from prism_megatron.calibration.costmodel import CollectiveCostModel
+    from prism_megatron.calibration.profiles import load_profile
+    from prism_megatron.replay import graph_from_trace, replay
+    from prism_megatron.replay.synthesize import synthesize
+    from prism_megatron.trace import read_trace
+
+    recipe = str(RECIPES / "fold-class-tp1pp4vpp2.yaml")
+    folded = _run(tmp_path / "fold", recipe, "on", depth="class")
+    full = _run(tmp_path / "full", recipe, "off")
+    trace = read_trace(folded["trace"])
+    assert trace.fold.live == (0, 1, 3) and trace.fold.rep[2] == 1
+    assert trace.fold.schedule == "interleaved" and trace.fold.warmup == (10, 8, 6, 4)
+    assert (trace.fold.chunks, trace.fold.group, trace.fold.overlap_p2p) == (2, 4, True)
+    graph = graph_from_trace(trace)
+    cost = CollectiveCostModel(load_profile("h100-nvlink-ib400"), gpus_per_node=8)
+    result = replay(graph, cost)  # no deadlock
+    assert "one pipeline" in result.method and len(result.iteration_times()) == 2
+    real = graph_from_trace(read_trace(full["trace"]))
+    synth = synthesize(graph)
+    want = _skeleton(real, 2)
+    units = [x[2:] for x in want if x[0] in ("forward", "backward")]  # (microbatch, chunk)
+    assert units[:9] == [(0, 0), (1, 0), (2, 0), (3, 0), (0, 1), (1, 1),  # 6 warm-ups in Megatron's table order,
+                         (2, 1), (0, 1), (3, 1)]  # then pairs: forward, backward (chunks reversed)
+    assert _skeleton(synth, 2) == want
+    for r in range(4):  # the live stages ran their own schedules; every op of the job is the full run's
+        assert _skeleton(synth, r, collectives=True) == _skeleton(real, r, collectives=True), r
+    full_time = replay(real, cost).iteration_times()
+    assert len(full_time) == len(result.iteration_times())
