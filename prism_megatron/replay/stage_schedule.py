@@ -30,10 +30,13 @@ Under Megatron's interleaved schedule (``forward_backward_pipelining_with_interl
 schedule "interleaved") a stage runs T = M·chunks *virtual microbatches*: forwards in the order of
 Megatron's schedule table (:func:`schedule_table`), backwards in the same order with the chunk
 reversed, ``min(warmup[p], T)`` warm-up forwards then forward/backward pairs then cool-down backwards
-(:func:`interleaved_steps`: the units and the p2p calls of any stage, as its non-overlapped p2p path
-makes them). On a middle stage every unit has its p2p op in each direction, so the k-th op of each
-stream goes with the k-th virtual microbatch, and the same rebuilding applies with units keyed by
-virtual microbatch (their (microbatch, chunk) from the table).
+(:func:`interleaved_steps`: the units, p2p calls and waits of any stage, with p2p batched or
+overlapped with compute as the plan says). On a middle stage every unit has its p2p op in each
+direction, so the k-th op of each stream goes with the k-th virtual microbatch, and the same
+rebuilding applies with units keyed by virtual microbatch (their (microbatch, chunk) from the
+table). With overlapped p2p the waits on the moved ops are the schedule's own (a receive waited
+before the unit that needs it, a send when the next one of its direction is posted), in place of
+the representative's, whose positions belong to its own order.
 
 Iterations without backward units (forward-only: evaluation) run the same program on every stage and
 are kept. The representative's own order is checked against the schedule for its stage first, so a
@@ -54,6 +57,7 @@ if TYPE_CHECKING:
 
 #: The marker names of scheduling units (patches.schedules): a span per forward / backward of a microbatch.
 UNITS = ("forward", "backward")
+#: The kinds of unit in an order of units: a forward or a backward.
 UNIT_KINDS = ("F", "B")
 #: The four pipeline p2p streams of a stage: receive from the previous / next stage, send to either.
 RECV_PREV, SEND_NEXT, RECV_NEXT, SEND_PREV = "recv_prev", "send_next", "recv_next", "send_prev"
@@ -77,8 +81,7 @@ def schedule_table(microbatches: int, chunks: int, group: int) -> list[tuple[int
 
 #: One step of a stage's interleaved program: ("F" | "B", virtual microbatch) for a unit; ("call", ops)
 #: for a p2p call, ``ops`` its (stream, index) in the order Megatron posts them, index counting that
-#: stream's ops from 0;
-#: ("wait", ops) where Megatron waits on ops it posted.
+#: stream's ops from 0; ("wait", ops) where Megatron waits on ops it posted.
 Step = tuple
 
 
