@@ -236,12 +236,13 @@ def test_class_depth_gives_a_folded_middle_stage_its_own_1f1b_schedule(tmp_path)
         assert _skeleton(synth, r, collectives=True) == _skeleton(real, r, collectives=True), r
 
 
-def test_class_depth_gives_a_folded_middle_stage_its_own_interleaved_schedule(tmp_path):
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap-p2p", "batched-p2p"])
+def test_class_depth_gives_a_folded_middle_stage_its_own_interleaved_schedule(tmp_path, overlap):
     """TP1·PP4·VPP2, 8 microbatches (16 virtual ones), p2p overlapped with compute (Megatron-LM's
-    default under VPP): stage 2 (6 warm-up forwards) is folded onto stage 1 (8). The synthesised stage
-    2 runs stage 1's (microbatch, chunk) units in stage 2's own order, with the p2p ops and waits
-    Megatron's interleaved schedule posts there: the same units and p2p ops, in the same order, as
-    stage 2 of the full capture."""
+    default under VPP) or batched: stage 2 (6 warm-up forwards) is folded onto stage 1 (8). The
+    synthesised stage 2 runs stage 1's (microbatch, chunk) units in stage 2's own order, with the p2p
+    ops and waits Megatron's interleaved schedule posts there: the same units and p2p ops, in the same
+    order, as stage 2 of the full capture."""
     from prism_megatron.calibration.costmodel import CollectiveCostModel
     from prism_megatron.calibration.profiles import load_profile
     from prism_megatron.replay import graph_from_trace, replay
@@ -249,12 +250,13 @@ def test_class_depth_gives_a_folded_middle_stage_its_own_interleaved_schedule(tm
     from prism_megatron.trace import read_trace
 
     recipe = str(RECIPES / "fold-class-tp1pp4vpp2.yaml")
-    folded = _run(tmp_path / "fold", recipe, "on", depth="class")
-    full = _run(tmp_path / "full", recipe, "off")
+    extra = () if overlap else ("--no-overlap-p2p-communication",)
+    folded = _run(tmp_path / "fold", recipe, "on", *extra, depth="class")
+    full = _run(tmp_path / "full", recipe, "off", *extra)
     trace = read_trace(folded["trace"])
     assert trace.fold.live == (0, 1, 3) and trace.fold.rep[2] == 1
     assert trace.fold.schedule == "interleaved" and trace.fold.warmup == (10, 8, 6, 4)
-    assert (trace.fold.chunks, trace.fold.group, trace.fold.overlap_p2p) == (2, 4, True)
+    assert (trace.fold.chunks, trace.fold.group, trace.fold.overlap_p2p) == (2, 4, overlap)
     graph = graph_from_trace(trace)
     cost = CollectiveCostModel(load_profile("h100-nvlink-ib400"), gpus_per_node=8)
     result = replay(graph, cost)  # no deadlock
