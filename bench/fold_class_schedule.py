@@ -15,6 +15,7 @@ markers): where fold and full differ, it says whether the captures' compute did.
 
     python bench/fold_class_schedule.py                        # TP1·PP5, 3 runs each way
     python bench/fold_class_schedule.py --recipe tests/recipes/fold-class-tp1pp4.yaml --repeats 2
+    python bench/fold_class_schedule.py --recipe tests/recipes/fold-class-tp1pp4vpp2.yaml   # interleaved
 """
 
 from __future__ import annotations
@@ -95,7 +96,8 @@ def main() -> None:
             medians["full"].append(_row(f"full {i}", _times(graph_from_trace(trace), cost), _compute(trace, f.live)))
             refold = fold_trace(full, work / f"refold{i}", f.rep, f.gpus_per_node, f.classes, f.class_of,
                                 depth=f.depth, axes=f.axes, sizes=f.sizes, coords=f.coords, schedule=f.schedule,
-                                warmup=f.warmup)
+                                warmup=f.warmup, chunks=f.chunks, group=f.group, overlap_p2p=f.overlap_p2p,
+                                wait_sends=f.wait_sends)
             medians["refold"].append(_row(f"refold {i}", _times(graph_from_trace(read_trace(refold)), cost)))
         print(f"live ranks {list(f.live)} of {f.world_size}; warm-up per stage {list(f.warmup)}")
     m = {k: statistics.median(v) for k, v in medians.items()}

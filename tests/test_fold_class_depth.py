@@ -163,7 +163,7 @@ def test_class_depth_for_moe_is_refused_and_auto_keeps_a_replica():
         build_fold_plan(t, "deep")
 
 
-def test_the_plan_records_megatrons_warmup_per_stage_and_refuses_class_depth_for_interleaved_stages():
+def test_the_plan_records_megatrons_warmup_per_stage():
     """Under 1F1B pipeline rank p runs min(pp - p - 1, M) warm-up forwards (Megatron's
     get_pp_rank_microbatches, asked here through the plan): replay gives each folded stage its own."""
     from megatron.core.pipeline_parallel.schedules import get_pp_rank_microbatches
@@ -191,13 +191,52 @@ def test_the_plan_records_megatrons_warmup_per_stage_and_refuses_class_depth_for
     for p in range(8):  # with M = 3 microbatches Megatron caps the warm-up at 3
         assert get_pp_rank_microbatches(3, 1, None, p2p_communicator=P2P(p))[2] == min(plan.schedule["warmup"][p], 3)
     assert build_fold_plan(TargetLayout(world_size=4, num_layers=2)).schedule["name"] == "no_pipelining"
-    t = TargetLayout(world_size=32, tp=2, pp=4, vpp=2, num_layers=16)
-    with pytest.raises(FoldDepthError, match=r"fold depth class folds middle pipeline stages; this is an interleaved "
-                                             r"pipeline \(PP4·VPP2\).*--prism-fold-depth replica"):
-        build_fold_plan(t, "class")
-    plan = build_fold_plan(t)
-    assert plan.depth == "replica" and plan.schedule == {"name": "interleaved", "warmup": []}
     assert build_fold_plan(TargetLayout(world_size=16, tp=2, pp=2, vpp=2, num_layers=8)).depth == "class"
+
+
+@pytest.mark.parametrize("pp,vpp,group", [(4, 2, None), (6, 3, None), (8, 4, 10)])
+def test_the_plan_records_the_interleaved_schedule_and_folds_its_middle_stages(pp, vpp, group):
+    """Under VPP the plan records Megatron's warm-up per pipeline rank (get_pp_rank_microbatches, with
+    chunks and microbatch group), and replay's schedule table is Megatron's get_schedule_table."""
+    from megatron.core.pipeline_parallel.schedules import get_pp_rank_microbatches, get_schedule_table
+
+    from prism_megatron.replay.stage_schedule import interleaved_steps, schedule_table
+
+    t = TargetLayout(world_size=2 * pp, pp=pp, vpp=vpp, vp_group=group, num_layers=pp * vpp, overlap_p2p=True)
+    plan = build_fold_plan(t)
+    n = group or pp
+    assert plan.depth == "class" and len(plan.live) == 3  # first, one middle stage for all, last
+    assert plan.schedule == {"name": "interleaved", "warmup": [2 * (pp - p - 1) + (vpp - 1) * n for p in range(pp)],
+                             "chunks": vpp, "group": n, "overlap_p2p": True, "wait_sends": plan.schedule["wait_sends"]}
+
+    class Group:
+        def __init__(self, p):
+            self.p = p
+
+        def size(self):
+            return pp
+
+        def rank(self):
+            return self.p
+
+    class P2P:
+        virtual_pipeline_model_parallel_size = vpp
+
+        def __init__(self, p):
+            self.pp_group = Group(p)
+
+    for m in (n, 2 * n, 3 * n + pp):
+        assert schedule_table(m, vpp, n) == get_schedule_table(m, vpp, n)
+        for p in range(pp):
+            _total, _all, w, _rest = get_pp_rank_microbatches(m, vpp, n, p2p_communicator=P2P(p))
+            assert w == min(plan.schedule["warmup"][p], m * vpp)
+            units = [x for x in interleaved_steps(pp, p, vpp, n, m, plan.schedule["warmup"][p]) if x[0] in "FB"]
+            assert [x[1] for x in units if x[0] == "F"] == list(range(m * vpp))  # forwards in table order
+            assert units[:w] == [("F", k) for k in range(w)]  # warm-up, then 1F1B pairs, or the cool-down
+            assert units[w:w + 2] == ([("F", w), ("B", 0)] if w < m * vpp else [("B", 0), ("B", 1)])
+    assert FoldPlan.from_json(plan.to_json()).schedule == plan.schedule
+    with pytest.raises(FoldError, match="microbatch group per virtual stage 2 is below PP4"):
+        build_fold_plan(TargetLayout(world_size=8, pp=4, vpp=2, vp_group=2, num_layers=8))
 
 
 def test_replica_depth_of_a_dense_layout_is_the_v1_sandbox():

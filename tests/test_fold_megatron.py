@@ -198,7 +198,7 @@ def _skeleton(graph, rank: int, collectives: bool = False) -> list[tuple]:
     out = []
     for ev in graph.events[rank]:
         if isinstance(ev, Mark) and ev.phase == "B" and ev.name in ("forward", "backward"):
-            out.append((ev.name, ev.attrs.get("iteration"), ev.attrs.get("microbatch")))
+            out.append((ev.name, ev.attrs.get("iteration"), ev.attrs.get("microbatch"), ev.attrs.get("chunk") or 0))
         elif isinstance(ev, Comm) and (ev.is_p2p or collectives):
             out.append((ev.kind, ev.peer, ev.seq, ev.nbytes, graph.groups[ev.group].ranks))
     return out
@@ -248,3 +248,80 @@ def test_class_depth_gives_a_folded_middle_stage_its_own_1f1b_schedule(tmp_path)
     for run in (folded, full):
         live, report = _live_and_report_ms(run, "h100-nvlink-ib400")
         assert len(live) == 2 and live == pytest.approx(report, abs=0.051), run["trace"]
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap-p2p", "batched-p2p"])
+def test_class_depth_gives_a_folded_middle_stage_its_own_interleaved_schedule(tmp_path, overlap):
+    """TP1·PP4·VPP2, 8 microbatches (16 virtual ones), p2p overlapped with compute (Megatron-LM's
+    default under VPP) or batched: stage 2 (6 warm-up forwards) is folded onto stage 1 (8). The
+    synthesised stage 2 runs stage 1's (microbatch, chunk) units in stage 2's own order, with the p2p
+    ops and waits Megatron's interleaved schedule posts there: the same units and p2p ops, in the same
+    order, as stage 2 of the full capture."""
+    from prism_megatron.calibration.costmodel import CollectiveCostModel
+    from prism_megatron.calibration.profiles import load_profile
+    from prism_megatron.replay import graph_from_trace, replay
+    from prism_megatron.replay.synthesize import synthesize
+    from prism_megatron.trace import read_trace
+
+    recipe = str(RECIPES / "fold-class-tp1pp4vpp2.yaml")
+    extra = () if overlap else ("--no-overlap-p2p-communication",)
+    folded = _run(tmp_path / "fold", recipe, "on", *extra, depth="class")
+    full = _run(tmp_path / "full", recipe, "off", *extra)
+    trace = read_trace(folded["trace"])
+    assert trace.fold.live == (0, 1, 3) and trace.fold.rep[2] == 1
+    assert trace.fold.schedule == "interleaved" and trace.fold.warmup == (10, 8, 6, 4)
+    assert (trace.fold.chunks, trace.fold.group, trace.fold.overlap_p2p) == (2, 4, overlap)
+    graph = graph_from_trace(trace)
+    cost = CollectiveCostModel(load_profile("h100-nvlink-ib400"), gpus_per_node=8)
+    result = replay(graph, cost)  # no deadlock
+    assert "one pipeline" in result.method and len(result.iteration_times()) == 2
+    real = graph_from_trace(read_trace(full["trace"]))
+    synth = synthesize(graph)
+    want = _skeleton(real, 2)
+    units = [x[2:] for x in want if x[0] in ("forward", "backward")]  # (microbatch, chunk)
+    assert units[:9] == [(0, 0), (1, 0), (2, 0), (3, 0), (0, 1), (1, 1),  # 6 warm-ups in Megatron's table order,
+                         (2, 1), (0, 1), (3, 1)]  # then pairs: forward, backward (chunks reversed)
+    assert _skeleton(synth, 2) == want
+    for r in range(4):  # the live stages ran their own schedules; every op of the job is the full run's
+        assert _skeleton(synth, r, collectives=True) == _skeleton(real, r, collectives=True), r
+    for r in range(4):  # replay's model of the schedule (also the synthetic jobs') is what Megatron ran, every stage
+        for it in (1, 2):
+            assert _interleaved_skeleton(real, r, it) == _modelled(trace.fold, r, 8, another=it == 1), (r, it)
+
+
+def _interleaved_skeleton(graph, rank: int, iteration: int) -> list:
+    """A rank's units ((F | B, microbatch, chunk)) and pipeline p2p streams in one iteration, from the
+    first unit on (the iteration's first input receive precedes its markers)."""
+    from prism_megatron.replay.graph import Comm, Mark
+    from prism_megatron.replay.stage_schedule import RECV_NEXT, RECV_PREV, SEND_NEXT, SEND_PREV
+
+    out, at, pp = [], None, len(graph.events)
+    for ev in graph.events[rank]:
+        if isinstance(ev, Mark) and ev.phase == "B" and ev.name in ("forward", "backward"):
+            at = ev.attrs.get("iteration")
+            if at == iteration:
+                out.append((ev.name[0].upper(), ev.attrs["microbatch"], ev.attrs.get("chunk") or 0))
+        elif at == iteration and isinstance(ev, Comm) and ev.is_p2p:
+            nxt = ev.peer == (rank + 1) % pp
+            out.append({("send", True): SEND_NEXT, ("send", False): SEND_PREV, ("recv", True): RECV_NEXT,
+                        ("recv", False): RECV_PREV}[(ev.kind, nxt)])
+    return out
+
+
+def _modelled(fold, stage: int, microbatches: int, another: bool) -> list:
+    """The same for pipeline stage ``stage`` as replay.stage_schedule.interleaved_steps models it: its
+    first input receive belongs to the iteration before (``another``: one follows this one)."""
+    from prism_megatron.replay.stage_schedule import interleaved_steps, schedule_table
+
+    table = schedule_table(microbatches, fold.chunks, fold.group)
+    out = []
+    for step in interleaved_steps(len(fold.warmup), stage, fold.chunks, fold.group, microbatches, fold.warmup[stage],
+                                  fold.overlap_p2p, fold.wait_sends):
+        if step[0] == "call":
+            out += [stream for stream, _ in step[1]]
+        elif step[0] in ("F", "B"):
+            mb, chunk = table[step[1]]
+            out.append((step[0], mb, chunk if step[0] == "F" else fold.chunks - 1 - chunk))
+    if out[0] != "recv_prev":  # the first stage receives no input
+        return out
+    return out[1:] + (["recv_prev"] if another else [])

@@ -346,6 +346,63 @@ def test_folded_stages_run_their_own_1f1b_schedule(pp):
         _same_times(fast, replay(full, cost), fast.graph.ranks)
 
 
+_VPP_CASES = [(pp, vpp, m, mode) for i, (pp, vpp, m) in enumerate(
+    (pp, vpp, m) for pp in range(4, 9) for vpp in (2, 3, 4) for m in (pp, 2 * pp)) for mode in [i % 3]]
+
+
+_MODES = ("batched", "overlap", "overlap-ws")
+
+
+@pytest.mark.parametrize("pp,vpp,m,mode", _VPP_CASES,
+                         ids=[f"pp{a}-vpp{b}-m{c}-{_MODES[d]}" for a, b, c, d in _VPP_CASES])
+def test_folded_stages_run_their_own_interleaved_schedule(pp, vpp, m, mode):
+    """Under Megatron's interleaved schedule each middle stage runs its own order of (microbatch, chunk)
+    units and p2p calls (batched, or overlapped with waits deferred, the forward sends waited at once
+    where the release does): every folded middle stage rebuilt from stage 1's is the full job's stage,
+    event for event, and the folded replay is the full replay, time for time."""
+    shape = Shape(tp=1, pp=pp, dp=2, microbatches=m, iterations=2, layers_per_stage=1, vpp=vpp,
+                  overlap_p2p=mode > 0, wait_sends=mode == 2, gpu_times=m % 2 == 0)
+    full = megatron_1f1b(shape)
+    folded = fold_graph(full, gpus_per_node=4, **class_fold(shape))
+    assert folded.fold.schedule == "interleaved" and folded.fold.chunks == vpp and len(folded.fold.live) == 3
+    synth = synthesize(folded)
+    for r in range(shape.world_size):
+        assert _canonical(synth, r) == _canonical(full, r), r
+    cost = CollectiveCostModel(PROFILE, gpus_per_node=4)
+    fast = replay(folded, cost)
+    assert "one pipeline" in fast.method
+    _same_times(fast, replay(full, cost), fast.graph.ranks)
+
+
+def test_interleaved_fold_with_a_larger_microbatch_group_and_tp_dp_peers():
+    shape = Shape(tp=2, pp=4, dp=2, microbatches=10, iterations=1, layers_per_stage=1, vpp=2, group=5,
+                  overlap_p2p=True)
+    full = megatron_1f1b(shape)
+    folded = fold_graph(full, gpus_per_node=4, **class_fold(shape))
+    synth = synthesize(folded)
+    for r in range(shape.world_size):
+        assert _canonical(synth, r) == _canonical(full, r), r
+    cost = CollectiveCostModel(PROFILE, gpus_per_node=4)
+    _same_times(replay(folded, cost, fold_method="full"), replay(full, cost), range(shape.world_size))
+
+
+def test_interleaved_fold_errors_name_what_does_not_fit():
+    shape = Shape(tp=1, pp=4, dp=1, microbatches=4, iterations=1, layers_per_stage=1, vpp=2)
+    full = megatron_1f1b(shape)
+    kw = class_fold(shape)
+    wrong = fold_graph(full, gpus_per_node=8, **{**kw, "warmup": [9, 6, 2, 0]})  # stage 1 ran 2·2 + 2 = 6
+    with pytest.raises(SynthesisError, match=r"rank 1 \(pipeline stage 1\), iteration 0: its units run in an order "
+                                             r"that is not the plan's interleaved schedule for its stage "
+                                             r"\(warm-up 6\)"):
+        replay(wrong)
+    as_1f1b = fold_graph(full, gpus_per_node=8, **{**kw, "schedule": "1f1b", "warmup": [3, 2, 1, 0]})
+    with pytest.raises(SynthesisError, match=r"unit of microbatch 0, chunk 1, iteration 0: not a non-interleaved 1F1B "
+                                             r"unit"):
+        replay(as_1f1b)
+    with pytest.raises(TraceFormatError, match=r"'job.fold.schedule.group' is 3, expected an integer >= 4"):
+        fold_graph(full, gpus_per_node=8, **{**kw, "group": 3})  # below PP: Megatron refuses it
+
+
 def test_folded_stages_need_the_schedule_and_unit_markers():
     shape = Shape(tp=1, pp=5, dp=1, microbatches=4, iterations=1)
     full = megatron_1f1b(shape)
@@ -388,6 +445,18 @@ def test_a_plan_with_a_bad_schedule_is_refused_naming_the_field():
                             ({"name": "1f1b", "warmup": "2,1,0"}, r"'job.fold.schedule.warmup' is '2,1,0'")]:
         with pytest.raises(TraceFormatError, match=message):
             parse_fold({**good, "schedule": change}, 12, "plan.json")
+    vpp = make_fold(**class_fold(Shape(tp=1, pp=4, dp=2, vpp=2, overlap_p2p=True)), gpus_per_node=8).to_json()
+    assert vpp["schedule"] == {"name": "interleaved", "warmup": [10, 8, 6, 4], "chunks": 2, "group": 4,
+                               "overlap_p2p": True, "wait_sends": False}
+    assert parse_fold(vpp, 8, "plan.json").overlap_p2p
+    for change, message in [({"chunks": 1}, r"'job.fold.schedule.chunks' is 1, expected an integer >= 2"),
+                            ({"group": 2}, r"'job.fold.schedule.group' is 2, expected an integer >= 4"),
+                            ({"overlap_p2p": "yes"}, r"'job.fold.schedule.overlap_p2p' is 'yes'"),
+                            ({"warmup": [1, 2]}, r"'job.fold.schedule.warmup' has 2 entries; an interleaved")]:
+        with pytest.raises(TraceFormatError, match=message):
+            parse_fold({**vpp, "schedule": {**vpp["schedule"], **change}}, 8, "plan.json")
+    legacy = parse_fold({**vpp, "schedule": {"name": "interleaved", "warmup": []}}, 8, "plan.json")
+    assert legacy.schedule == "interleaved" and legacy.chunks == 0  # read; restage refuses it (re-plan)
     old = {k: v for k, v in good.items() if k != "schedule"}  # a version-2 plan from before: no schedule
     assert parse_fold(old, 12, "plan.json").schedule == ""
 

@@ -30,8 +30,9 @@ Two sandbox depths (``--prism-fold-depth``):
 A folded middle stage does not run its representative's program: under 1F1B pipeline rank p runs
 ``min(pp - p - 1, M)`` warm-up forwards. The plan records the schedule (``schedule``: Megatron's
 warm-up count per pipeline rank, from its own ``get_pp_rank_microbatches``) so that replay can give
-each folded stage its own order of units. Class depth with an interleaved schedule (VPP) over three
-or more stages is refused: each stage's interleaved order differs and is not rebuilt yet.
+each folded stage its own order of units. Under the interleaved schedule (VPP) the plan records its
+parameters (chunks, microbatch group, p2p overlap, per-rank warm-up) from which replay computes each
+stage's order of (microbatch, chunk) units for the iteration's microbatch count.
 """
 
 from __future__ import annotations
@@ -81,6 +82,8 @@ class TargetLayout:
     etp: int | None = None  # expert tensor-parallel size; None: TP's, as Megatron defaults it
     pp: int = 1
     vpp: int | None = None  # virtual stages per pipeline rank (None: not interleaved)
+    vp_group: int | None = None  # --microbatch-group-size-per-virtual-pipeline-stage (None: PP, Megatron's default)
+    overlap_p2p: bool = False  # overlap_p2p_comm (Megatron-LM turns it on with VPP unless told not to)
     num_layers: int = 1
     hidden_size: int = 8
     num_attention_heads: int = 1
@@ -150,11 +153,16 @@ def layout_from_args(args: argparse.Namespace | Any, world_size: int, gpus_per_n
     if isinstance(freq, str) or not isinstance(freq, (int, list, tuple)):
         raise FoldError(f"--moe-layer-freq {freq!r}: expected Megatron's parsed form (an int or a list)")
     layout = _arg(args, "pipeline_model_parallel_layout")
+    if vpp and int(vpp) > 1 and _arg(args, "overlap_p2p_comm_warmup_flush", False):
+        raise FoldError("--overlap-p2p-communication-warmup-flush: that interleaved schedule's p2p order is not "
+                        "rebuilt by the fold (leave it off)")
     return TargetLayout(
         world_size=int(world_size), tp=tp, pp=pp, cp=int(_arg(args, "context_parallel_size", 1)),
         ep=int(_arg(args, "expert_model_parallel_size", 1)),
         etp=int(_arg(args, "expert_tensor_parallel_size", tp)),
         vpp=int(vpp) if vpp and int(vpp) > 1 else None, num_layers=int(num_layers),
+        vp_group=_arg(args, "microbatch_group_size_per_vp_stage"),
+        overlap_p2p=bool(vpp and int(vpp) > 1 and _arg(args, "overlap_p2p_comm", True)),
         hidden_size=int(_arg(args, "hidden_size", 8)), num_attention_heads=int(_arg(args, "num_attention_heads", 1)),
         first_stage_layers=_arg(args, "decoder_first_pipeline_num_layers"),
         last_stage_layers=_arg(args, "decoder_last_pipeline_num_layers"),
@@ -436,7 +444,7 @@ class FoldPlan:
             out.update(depth=self.depth, axes=list(AXES), sizes=list(self.sizes),
                        coords=[list(c) for c in self.coords])
             if self.schedule:
-                out["schedule"] = {"name": self.schedule["name"], "warmup": list(self.schedule["warmup"])}
+                out["schedule"] = dict(self.schedule, warmup=list(self.schedule["warmup"]))
         return out
 
     @classmethod
@@ -509,33 +517,70 @@ def _read_schedule(value: Any, stages: int, source: str) -> dict[str, Any]:
     if value["name"] == "1f1b" and len(warmup) != stages:
         raise FoldPlanFormatError(f"{source}: field schedule.warmup has {len(warmup)} entries; a 1f1b schedule needs "
                                   f"one per pipeline rank ({stages})")
+    if value["name"] == "interleaved" and "chunks" in value:
+        for key in ("chunks", "group"):
+            x = value.get(key)
+            if isinstance(x, bool) or not isinstance(x, int) or x < (2 if key == "chunks" else stages):
+                raise FoldPlanFormatError(f"{source}: field schedule.{key} is {x!r}, expected an integer >= "
+                                          f"{2 if key == 'chunks' else stages}")
+        flags = (value.get("overlap_p2p", False), value.get("wait_sends", False))
+        if not all(isinstance(x, bool) for x in flags) or len(warmup) != stages:
+            raise FoldPlanFormatError(f"{source}: field schedule of an interleaved schedule needs one warm-up per "
+                                      f"pipeline rank ({stages}) and booleans overlap_p2p, wait_sends")
+        return {"name": "interleaved", "warmup": list(warmup), "chunks": value["chunks"], "group": value["group"],
+                "overlap_p2p": flags[0], "wait_sends": flags[1]}
     return {"name": value["name"], "warmup": list(warmup)}
 
 
 def pipeline_schedule(layout: TargetLayout) -> dict[str, Any]:
-    """The schedule Megatron runs for ``layout`` and, for non-interleaved 1F1B, each pipeline rank's
-    warm-up forwards before Megatron caps them at the iteration's microbatch count M (its schedule runs
-    ``min(warmup, M)``): from Megatron's ``get_pp_rank_microbatches`` where the installed release has
-    it (asked with M = PP, which no warm-up reaches), else the formula its non-interleaved schedule
-    writes, ``pp_size - pp_rank - 1``."""
+    """The schedule Megatron runs for ``layout`` and each pipeline rank's warm-up before Megatron caps it at
+    the iteration's (virtual) microbatch count: from Megatron's ``get_pp_rank_microbatches`` where the
+    installed release has it (asked with more microbatches than any warm-up reaches), else the formula
+    its schedules write (``pp_size - pp_rank - 1``; interleaved: ``2·(pp_size - pp_rank - 1) +
+    (chunks - 1)·group``). An interleaved schedule adds its ``chunks``, microbatch ``group``
+    (``microbatch_group_size_per_vp_stage``) and whether p2p overlaps compute (``overlap_p2p``): replay
+    computes each stage's order for the iteration's M from these (replay.stage_schedule)."""
     t = layout
     if t.pp == 1:
         return {"name": "no_pipelining", "warmup": [0]}
-    if t.vpp:
-        return {"name": "interleaved", "warmup": []}
     from megatron.core.pipeline_parallel import schedules
 
     get_pp_rank_microbatches = getattr(schedules, "get_pp_rank_microbatches", None)  # not in every release
+    chunks = t.vpp or 1
+    group = (t.vp_group or t.pp) if t.vpp else 1
+    if t.vpp and group < t.pp:
+        raise FoldError(f"microbatch group per virtual stage {group} is below PP{t.pp}: Megatron's interleaved "
+                        "schedule refuses it")
+    most = 2 * t.pp + chunks * group  # microbatches beyond every stage's warm-up
     warmup = []
     for p in range(t.pp):
         if get_pp_rank_microbatches is None:
-            warmup.append(t.pp - p - 1)
+            warmup.append((t.pp - p - 1) * 2 + (chunks - 1) * group if t.vpp else t.pp - p - 1)
             continue
-        group = _StageGroup(t.pp, p)
         _total, _all, n, _rest = get_pp_rank_microbatches(
-            t.pp, 1, None, p2p_communicator=_Stage(group))  # keyword: 0.16.x and 0.19.x agree
+            most if t.vpp else t.pp, chunks, group if t.vpp else None,
+            p2p_communicator=_Stage(_StageGroup(t.pp, p), t.vpp))  # keyword: 0.16.x and 0.19.x agree
         warmup.append(int(n))
+    if t.vpp:
+        return {"name": "interleaved", "warmup": warmup, "chunks": chunks, "group": group,
+                "overlap_p2p": t.overlap_p2p, "wait_sends": t.overlap_p2p and _waits_forward_sends(schedules)}
     return {"name": "1f1b", "warmup": warmup}
+
+
+def _waits_forward_sends(schedules: Any) -> bool:
+    """Whether the installed ``forward_backward_pipelining_with_interleaving`` waits each steady
+    forward's send to the next stage as soon as it is posted when ``deallocate_pipeline_outputs`` is
+    on (as Megatron-LM's config sets it): megatron-core 0.19 does, to free the output safely; 0.16
+    waits it when the next forward's send is posted. Read from the schedule's source, the one place
+    that says which release does what."""
+    import inspect
+
+    try:
+        source = inspect.getsource(schedules.forward_backward_pipelining_with_interleaving)
+    except (OSError, TypeError) as e:
+        raise FoldError(f"cannot read megatron-core's interleaved schedule to tell when it waits its sends: {e}") \
+            from None
+    return "send_next_wait_handle is not None and config.deallocate_pipeline_outputs" in source
 
 
 @dataclass(frozen=True)
@@ -588,18 +633,9 @@ def resolve_depth(layout: TargetLayout, requested: str = "auto") -> tuple[str, s
         raise FoldDepthError(f"fold depth class folds TP/CP peers and pipeline stages of dense layouts only; this is "
                              f"{moe}: its expert ranks receive different token counts, so one live rank cannot stand "
                              "for its peers and replicas in this version; use --prism-fold-depth replica (or auto)")
-    interleaved = layout.vpp and layout.pp >= 3
-    vpp = (f"an interleaved pipeline (PP{layout.pp}·VPP{layout.vpp}): each middle stage orders its units "
-           "differently (Megatron's schedule table) and the fold does not rebuild a folded stage's interleaved "
-           "order yet")
-    if requested == "class" and interleaved:
-        raise FoldDepthError(f"fold depth class folds middle pipeline stages; this is {vpp}; "
-                             "use --prism-fold-depth replica (or auto)")
     if requested == "auto":
         if layout.num_experts:
             return "replica", f"auto: replica for {moe}, whose expert ranks receive different token counts"
-        if interleaved:
-            return "replica", f"auto: replica for {vpp}"
         return "class", "auto: class for a dense layout"
     return requested, f"{requested} (asked)"
 

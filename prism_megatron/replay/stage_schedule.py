@@ -26,6 +26,18 @@ pipeline rank) and M the iteration's microbatches. :func:`restage` rebuilds stag
   per group in the new order (every member of such a group is a lockstep peer that moves alike: a
   group with members on other stages is an error, as is anything else that does not fit the schedule).
 
+Under Megatron's interleaved schedule (``forward_backward_pipelining_with_interleaving``, plan
+schedule "interleaved") a stage runs T = M·chunks *virtual microbatches*: forwards in the order of
+Megatron's schedule table (:func:`schedule_table`), backwards in the same order with the chunk
+reversed, ``min(warmup[p], T)`` warm-up forwards then forward/backward pairs then cool-down backwards
+(:func:`interleaved_steps`: the units, p2p calls and waits of any stage, with p2p batched or
+overlapped with compute as the plan says). On a middle stage every unit has its p2p op in each
+direction, so the k-th op of each stream goes with the k-th virtual microbatch, and the same
+rebuilding applies with units keyed by virtual microbatch (their (microbatch, chunk) from the
+table). With overlapped p2p the waits on the moved ops are the schedule's own (a receive waited
+before the unit that needs it, a send when the next one of its direction is posted), in place of
+the representative's, whose positions belong to its own order.
+
 Iterations without backward units (forward-only: evaluation) run the same program on every stage and
 are kept. The representative's own order is checked against the schedule for its stage first, so a
 trace whose program is not the one the plan names is an error, never a silent reorder.
@@ -45,12 +57,160 @@ if TYPE_CHECKING:
 
 #: The marker names of scheduling units (patches.schedules): a span per forward / backward of a microbatch.
 UNITS = ("forward", "backward")
+#: The kinds of unit in an order of units: a forward or a backward.
+UNIT_KINDS = ("F", "B")
 #: The four pipeline p2p streams of a stage: receive from the previous / next stage, send to either.
 RECV_PREV, SEND_NEXT, RECV_NEXT, SEND_PREV = "recv_prev", "send_next", "recv_next", "send_prev"
 
 
 class ScheduleError(GraphError):
     """A folded stage's own program cannot be rebuilt from its representative's trace."""
+
+
+def schedule_table(microbatches: int, chunks: int, group: int) -> list[tuple[int, int]]:
+    """Megatron's interleaved schedule table (``get_schedule_table`` in
+    ``megatron.core.pipeline_parallel.schedules``): per virtual microbatch, its (microbatch, chunk).
+    Microbatches go in groups of ``group`` (``microbatch_group_size_per_vp_stage``), each group through
+    every chunk in turn; the last group takes the remaining microbatches."""
+    out: list[tuple[int, int]] = []
+    for low in range(0, microbatches, group):
+        high = microbatches if low + group >= microbatches else low + group
+        out += [(mb, c) for c in range(chunks) for mb in range(low, high)]
+    return out
+
+
+#: One step of a stage's interleaved program: ("F" | "B", virtual microbatch) for a unit; ("call", ops)
+#: for a p2p call, ``ops`` its (stream, index) in the order Megatron posts them, index counting that
+#: stream's ops from 0; ("wait", ops) where Megatron waits on ops it posted.
+Step = tuple
+
+
+def interleaved_steps(stages: int, stage: int, chunks: int, group: int, microbatches: int,
+                      warmup: int, overlap: bool = False, wait_sends: bool = False) -> list[Step]:
+    """Stage ``stage``'s units, p2p calls and waits in one training iteration of Megatron's interleaved
+    schedule (``forward_backward_pipelining_with_interleaving``; ``warmup`` its
+    ``get_pp_rank_microbatches`` count before the cap at T = M·chunks).
+
+    Without p2p overlap (``overlap_p2p_comm`` off) every call is waited at once: ``recv_forward``, per
+    warm-up forward ``send_forward_recv_forward`` (the last one
+    ``send_forward_backward_recv_forward_backward`` when steady pairs follow), per steady pair
+    ``send_forward_backward_recv_forward_backward``, per cool-down backward
+    ``send_backward_recv_backward``. With ``overlap`` (Megatron-LM's default under VPP; the warm-up
+    flush variant is not modelled) the warm-up's calls are still waited at once, the last followed by a
+    ``send_backward_recv_backward`` that only posts the first output-gradient receive; each steady pair
+    posts ``send_forward_recv_forward`` after its forward and ``send_backward_recv_backward`` after its
+    backward, each then waiting the previous send in its direction; a unit first waits the oldest
+    pending receive of its direction (except the first stage's chunk-0 forward and the last stage's
+    last-chunk backward, which receive nothing); the cool-down waits the pending receive before each
+    backward but its own calls at once, and the last input-gradient send is waited at the end.
+
+    Which ops a call posts follows Megatron's ``recv_tensor_from_previous_stage`` and its
+    first/last-stage rules (no send of the last chunk's output on the last stage, nor of the first
+    chunk's input gradient on the first); in what order: without overlap Megatron-LM batches p2p
+    (``batch_p2p_comm``, ``_batched_p2p_ops``: send/receive to the previous stage, then the next), with
+    overlap it does not (``_p2p_ops``: even pipeline ranks post send-next, receive-previous,
+    send-previous, receive-next; odd ones receive-previous, send-next, receive-next, send-previous)."""
+    pp, t = stages, microbatches * chunks
+    if chunks < 2 or group < pp or group > microbatches or 0 < microbatches % group < pp:
+        raise ScheduleError(f"interleaved schedule over PP{pp} with {chunks} chunks, {microbatches} microbatches and "
+                            f"microbatch group {group}: Megatron's interleaved schedule refuses it (group in [PP, M], "
+                            "remainder of M by the group 0 or >= PP)")
+    table = schedule_table(microbatches, chunks, group)
+    w = min(warmup, t)
+    first, last = stage == 0, stage == pp - 1
+    count: dict[str, int] = defaultdict(int)
+    out: list[Step] = []
+    if not overlap:  # batch_p2p_comm (Megatron-LM: not overlap_p2p_comm): _batched_p2p_ops' order
+        posting = (SEND_PREV, RECV_PREV, SEND_NEXT, RECV_NEXT)
+    elif stage % 2 == 0:  # _p2p_ops: even pipeline ranks send first, odd ones receive first
+        posting = (SEND_NEXT, RECV_PREV, SEND_PREV, RECV_NEXT)
+    else:
+        posting = (RECV_PREV, SEND_NEXT, RECV_NEXT, SEND_PREV)
+
+    def chunk(vid: int, forward: bool) -> int:
+        c = table[vid % t][1]
+        return c if forward else chunks - 1 - c
+
+    def receives(vid: int, forward: bool) -> bool:  # Megatron's recv_tensor_from_previous_stage
+        if not (first if forward else last):
+            return True
+        if vid < pp - 1:
+            return False
+        return chunk(vid - (pp - 1), forward) != (chunks - 1 if forward else 0)
+
+    def sends_next(vid: int) -> bool:
+        return not (last and chunk(vid, True) == chunks - 1)
+
+    def sends_prev(vid: int) -> bool:
+        return not (first and chunk(vid, False) == 0)
+
+    def call(send_prev: bool, recv_prev: bool, send_next: bool, recv_next: bool, wait: bool = True) -> dict:
+        ops = {}
+        wanted = {SEND_PREV: send_prev, RECV_PREV: recv_prev, SEND_NEXT: send_next, RECV_NEXT: recv_next}
+        for name in posting:
+            on = wanted[name]
+            if on:
+                ops[name] = (name, count[name])
+                count[name] += 1
+        if ops:
+            out.append(("call", tuple(ops.values())))
+            if wait:
+                out.append(("wait", tuple(ops.values())))
+        return ops
+
+    pending: dict[str, list] = {RECV_PREV: [], RECV_NEXT: []}
+    sending: dict[str, tuple | None] = {SEND_NEXT: None, SEND_PREV: None}
+
+    def unit(kind: str, vid: int) -> None:
+        stream = RECV_PREV if kind == "F" else RECV_NEXT
+        edge = (first and chunk(vid, True) == 0) if kind == "F" else (last and chunk(vid, False) == chunks - 1)
+        if overlap and not edge and pending[stream]:
+            out.append(("wait", (pending[stream].pop(0),)))
+        out.append((kind, vid))
+
+    def posted(ops: dict, send: str, recv: str) -> None:  # an overlapped call: wait the previous send
+        if sending[send] is not None:
+            out.append(("wait", (sending[send],)))
+        sending[send] = ops.get(send)
+        if recv in ops:
+            pending[recv].append(ops[recv])
+        if wait_sends and send == SEND_NEXT and sending[send] is not None:
+            out.append(("wait", (sending[send],)))
+            sending[send] = None
+
+    call(False, not first, False, False)  # recv_forward
+    for k in range(w):
+        unit("F", k)
+        recv_prev = receives(k, True) and k != t - 1
+        if k == w - 1 and w < t and overlap:
+            call(False, recv_prev, sends_next(k), False)
+            posted(call(False, False, False, not last, wait=False), SEND_PREV, RECV_NEXT)
+        elif k == w - 1 and w < t:  # send_forward_backward_recv_forward_backward
+            call(False, recv_prev, sends_next(k), not last)
+        else:  # send_forward_recv_forward
+            call(False, recv_prev, sends_next(k), False)
+    for k in range(t - w):
+        recv_prev = receives(w + k, True) and k != t - w - 1
+        if overlap:
+            unit("F", w + k)
+            posted(call(False, recv_prev, sends_next(w + k), False, wait=False), SEND_NEXT, RECV_PREV)
+            unit("B", k)
+            posted(call(sends_prev(k), False, False, receives(k, False), wait=False), SEND_PREV, RECV_NEXT)
+            continue
+        unit("F", w + k)
+        unit("B", k)
+        call(sends_prev(k), recv_prev, sends_next(w + k), receives(k, False))
+    if w == t:
+        call(False, False, False, not last)  # recv_backward
+    for k in range(t - w, t):  # cool-down: send_backward_recv_backward
+        if k == 0:  # Megatron waits no pending receive before the first backward of the cool-down
+            out.append(("B", k))
+        else:
+            unit("B", k)
+        call(sends_prev(k), False, False, receives(k, False) and k != t - 1)
+    if overlap and sending[SEND_PREV] is not None:
+        out.append(("wait", (sending[SEND_PREV],)))
+    return out
 
 
 def one_f_one_b(warmup: int, microbatches: int) -> list[tuple[str, int]]:
@@ -80,6 +240,7 @@ class _Block:
     order: list[tuple[str, int]] = field(default_factory=list)
     units: dict[tuple[str, int], tuple[list[int], range]] = field(default_factory=dict)  # lead, body
     ops: dict[tuple[str, int], tuple[list[int], int]] = field(default_factory=dict)  # lead, op index
+    microbatches: int = 0  # M (units are keyed by virtual microbatch: M·chunks of them)
 
 
 class _Restager:
@@ -90,6 +251,8 @@ class _Restager:
         self.pp_axis = fold.axes.index("pp")
         self.stages = fold.sizes[self.pp_axis]
         self.stage = fold.coords[rep][self.pp_axis]
+        self.interleaved = fold.schedule == "interleaved"
+        self.explicit_waits = self.interleaved and fold.overlap_p2p  # waits placed by the schedule, not the trace
 
     def _where(self) -> str:
         return f"{self.source}: rank {self.rep} (pipeline stage {self.stage})"
@@ -169,24 +332,29 @@ class _Restager:
                 end = k + 1
             k += 1
         block = _Block(run[0][0], start, end)
+        chunks = self.fold.chunks if self.interleaved else 1
         lead: list[int] = []
         counts: dict[str, int] = defaultdict(int)
+        raw: list[tuple[str, int, int]] = []  # the units' (F | B, microbatch, chunk) in the trace's order
+        units: dict[tuple[str, int, int], tuple[list[int], range]] = {}
         i = start
         while i < end:
             e = ev[i]
             if type(e) is Mark and e.phase == "B" and e.name in UNITS:
                 j = self._unit_end(i)
                 mb, chunk = e.attrs.get("microbatch"), e.attrs.get("chunk") or 0
-                key = ("F" if e.name == "forward" else "B", mb)
-                if not isinstance(mb, int) or chunk != 0 or key in block.units:
+                key = ("F" if e.name == "forward" else "B", mb, chunk)
+                if (not isinstance(mb, int) or not isinstance(chunk, int) or not 0 <= chunk < chunks
+                        or key in units):
+                    what = f"an interleaved unit (each microbatch once per chunk 0..{chunks - 1})" \
+                        if self.interleaved else "a non-interleaved 1F1B unit (each microbatch once, chunk 0)"
                     raise ScheduleError(f"{self._where()} event {i}: {e.name} unit of microbatch {mb!r}, chunk "
-                                        f"{chunk!r}, iteration {block.iteration!r}: not a non-interleaved 1F1B unit "
-                                        "(each microbatch once, chunk 0)")
+                                        f"{chunk!r}, iteration {block.iteration!r}: not {what}")
                 for b in range(i, j + 1):
                     if self.stream(b) is not None:
                         raise ScheduleError(f"{self._where()} event {b}: a pipeline p2p op inside a {e.name} unit")
-                block.units[key] = (lead, range(i, j + 1))
-                block.order.append(key)
+                units[key] = (lead, range(i, j + 1))
+                raw.append(key)
                 lead = []
                 i = j + 1
                 continue
@@ -202,19 +370,33 @@ class _Restager:
             else:
                 lead.append(i)
             i += 1
-        m = sum(1 for kind, _ in block.order if kind == "F")
-        if sorted(block.order) != sorted([("F", i) for i in range(m)] + [("B", i) for i in range(m)]):
-            raise ScheduleError(f"{self._where()}, iteration {block.iteration!r}: its units {block.order[:8]}... "
-                                "are not one forward and one backward of microbatches 0..M-1")
+        n = sum(1 for kind, _, _ in raw if kind == "F")
+        m = n // chunks
+        table = schedule_table(m, chunks, self.fold.group) if self.interleaved and m else [(x, 0) for x in range(m)]
+        vid = {("F", mb, c): k for k, (mb, c) in enumerate(table)}
+        vid.update({("B", mb, chunks - 1 - c): k for k, (mb, c) in enumerate(table)})
+        if n % chunks or sorted(raw) != sorted(vid):
+            what = f"one forward and one backward of microbatches 0..M-1 in each of {chunks} chunks" \
+                if self.interleaved else "one forward and one backward of microbatches 0..M-1"
+            raise ScheduleError(f"{self._where()}, iteration {block.iteration!r}: its units {raw[:8]}... "
+                                f"are not {what}")
+        for key in raw:
+            block.units[(key[0], vid[key])] = units[key]
+            block.order.append((key[0], vid[key]))
+        block.microbatches = m
         for s in (RECV_PREV, SEND_NEXT, RECV_NEXT, SEND_PREV):
-            if counts[s] != m:
+            if counts[s] != n:
                 raise ScheduleError(f"{self._where()}, iteration {block.iteration!r}: {counts[s]} {s} p2p op(s) for "
-                                    f"{m} microbatches; a middle 1F1B stage has one per microbatch")
-        want = one_f_one_b(min(self.fold.warmup[self.stage], m), m)
+                                    f"{n} {'virtual microbatches' if self.interleaved else 'microbatches'}; a middle "
+                                    f"{'interleaved' if self.interleaved else '1F1B'} stage has one per "
+                                    f"{'virtual microbatch' if self.interleaved else 'microbatch'}")
+        want = one_f_one_b(min(self.fold.warmup[self.stage], n), n)
         if block.order != want:
             at = next(i for i, (a, b) in enumerate(zip(block.order, want, strict=True)) if a != b)
+            name = "interleaved" if self.interleaved else "1F1B"
             raise ScheduleError(f"{self._where()}, iteration {block.iteration!r}: its units run in an order that is "
-                                f"not the plan's 1F1B schedule for its stage (warm-up {self.fold.warmup[self.stage]}): "
+                                f"not the plan's {name} schedule for its stage "
+                                f"(warm-up {self.fold.warmup[self.stage]}): "
                                 f"unit {at} is {block.order[at]}, the schedule's {want[at]}")
         return block
 
@@ -242,6 +424,8 @@ class _Restager:
             for x in ev[s].refs:
                 if x not in moved:
                     keep.append(x)
+                elif self.explicit_waits:
+                    continue  # the schedule's own waits (interleaved_steps) stand for the trace's
                 elif x not in prompt:
                     if order[x] < n:
                         keep.append(x)
@@ -310,6 +494,31 @@ class _Restager:
         m = sum(1 for kind, _ in b.order if kind == "F")
         w = min(self.fold.warmup[stage], m)
         out: list[int | _WaitOn] = []
+        if self.interleaved:
+            if stage in (0, self.stages - 1):
+                raise ScheduleError(f"{self._where()}: pipeline stage {stage} is a first or last stage, whose "
+                                    "interleaved p2p calls differ from a middle stage's; it cannot be folded")
+            steps = interleaved_steps(self.stages, stage, self.fold.chunks, self.fold.group, b.microbatches,
+                                      self.fold.warmup[stage], self.fold.overlap_p2p, self.fold.wait_sends)
+            for step in steps:
+                if step[0] in UNIT_KINDS:
+                    lead, body = b.units[step]
+                    out.extend(lead)
+                    out.extend(body)
+                elif step[0] == "call":
+                    wait = _WaitOn([])
+                    for key in step[1]:
+                        lead, i = b.ops[key]
+                        out.extend(lead)
+                        out.append(i)
+                        call_of[i] = wait
+                        if ev[i].async_op and (self.fold.overlap_p2p or i in prompt):
+                            wait.refs.append(i)
+                    if not self.fold.overlap_p2p:
+                        out.append(wait)  # waited at the call's end, as the trace waited it
+                elif self.fold.overlap_p2p:  # Megatron's own wait on ops posted earlier
+                    out.append(_WaitOn([b.ops[key][1] for key in step[1] if ev[b.ops[key][1]].async_op]))
+            return out
 
         def call(*ops: tuple[str, int]) -> None:
             wait = _WaitOn([])
@@ -353,15 +562,18 @@ def restage(events: Sequence[Event], fold: Fold, rep: int, stage: int, group_mem
     """The events of pipeline stage ``stage`` folded onto rank ``rep`` (another stage of its class), in the
     representative's frame (peers and groups not yet translated): see the module docstring.
     ``group_members``: group id -> member ranks. ScheduleError where the program cannot be rebuilt."""
-    if fold.schedule != "1f1b":
+    if fold.schedule not in ("1f1b", "interleaved") or (fold.schedule == "interleaved" and fold.chunks < 2):
         what = {"": "names no pipeline schedule (a plan written before plans recorded it)",
-                "interleaved": "names Megatron's interleaved schedule, whose per-stage order is not rebuilt yet"}
+                "interleaved": "names Megatron's interleaved schedule without its chunks and microbatch group (a "
+                               "plan written before plans recorded them)"}
         raise ScheduleError(f"{source}: rank {rep}'s virtual pipeline stage {stage} runs its own order of units, but "
                             f"the fold plan {what.get(fold.schedule, f'names schedule {fold.schedule!r}')}: "
                             "fold at replica depth (or re-plan and recapture)")
     r = _Restager(events, fold, rep, group_members, source)
     blocks = r.blocks()
-    m = [sum(1 for kind, _ in b.order if kind == "F") for b in blocks]
-    if all(min(fold.warmup[stage], n) == min(fold.warmup[r.stage], n) for n in m):
-        return list(events)  # the same order of units: the representative's program as it ran
+    m = [sum(1 for kind, _ in b.order if kind == "F") for b in blocks]  # virtual microbatches
+    # unbatched p2p (interleaved with overlap) posts a call's ops in an order that depends on the stage's parity
+    parity = not (r.interleaved and fold.overlap_p2p) or stage % 2 == r.stage % 2
+    if parity and all(min(fold.warmup[stage], n) == min(fold.warmup[r.stage], n) for n in m):
+        return list(events)  # the same order of units and calls: the representative's program as it ran
     return r.program(stage, blocks)

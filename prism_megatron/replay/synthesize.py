@@ -39,12 +39,14 @@ class SynthesisError(GraphError):
 def fold_graph(graph: Graph, rep: Sequence[int], gpus_per_node: int, classes: Sequence[FoldClass] = (),
                class_of: Sequence[int] = (), *, depth: str = "replica", axes: Sequence[str] = (),
                sizes: Sequence[int] = (), coords: Sequence[Sequence[int]] = (), schedule: str = "",
-               warmup: Sequence[int] = ()) -> Graph:
+               warmup: Sequence[int] = (), chunks: int = 1, group: int = 0, overlap_p2p: bool = False,
+               wait_sends: bool = False) -> Graph:
     """``graph`` (every rank of the job) folded to the ranks ``rep`` names: their events, all groups.
-    ``coords`` (with ``axes``, ``sizes``, ``depth``; ``schedule``, ``warmup``): a version-2 fold (see
-    trace.fold)."""
+    ``coords`` (with ``axes``, ``sizes``, ``depth``; ``schedule``, ``warmup``, ``chunks``, ``group``,
+    ``overlap_p2p``, ``wait_sends``): a version-2 fold (see trace.fold)."""
     fold = make_fold(rep, gpus_per_node, classes, class_of, depth=depth, axes=axes, sizes=sizes, coords=coords,
-                     schedule=schedule, warmup=warmup)
+                     schedule=schedule, warmup=warmup, chunks=chunks, group=group, overlap_p2p=overlap_p2p,
+                     wait_sends=wait_sends)
     if sorted(graph.events) != list(range(fold.world_size)):
         raise GraphError(f"{graph.source}: fold_graph needs every rank 0..{fold.world_size - 1}; "
                          f"the graph has {len(graph.events)}")

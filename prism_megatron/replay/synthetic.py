@@ -16,6 +16,11 @@ Every stage runs its own 1F1B schedule (stage p: ``min(pp - p - 1, M)`` warm-up 
 Megatron's), so middle stages are not translates of each other: a class-depth fold
 (:func:`class_fold`, middle stages folded onto the lowest one) gives synthesis the schedule's warm-up
 counts, with which it rebuilds each folded stage's own order of units (replay.stage_schedule).
+
+With ``vpp`` > 1 every stage runs Megatron's interleaved schedule instead (``vpp`` model chunks per
+stage, microbatch groups of ``group``, default PP as Megatron-LM's): the units and p2p calls of
+replay.stage_schedule.interleaved_steps, embedding on chunk 0 of the first stage and loss on the
+last chunk of the last; :func:`class_fold` then names the interleaved schedule and its parameters.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .graph import Graph, GraphBuilder
+from .stage_schedule import RECV_NEXT, RECV_PREV, SEND_NEXT, SEND_PREV, interleaved_steps, schedule_table
 
 
 @dataclass(frozen=True)
@@ -40,6 +46,20 @@ class Shape:
     activation_bytes: int = 16 << 20
     grad_bytes: int = 256 << 20
     gpu_times: bool = False  # two clocks: host time is a third of the device's
+    vpp: int = 1  # model chunks per stage (> 1: Megatron's interleaved schedule)
+    group: int = 0  # microbatch_group_size_per_vp_stage (0: PP, Megatron-LM's default)
+    overlap_p2p: bool = False  # interleaved: overlap_p2p_comm (steady p2p awaited later, as Megatron's)
+    wait_sends: bool = False  # interleaved with overlap: each steady forward's send waited at once
+
+    @property
+    def vp_group(self) -> int:
+        return self.group or self.pp
+
+    def warmup(self, p: int) -> int:
+        """Megatron's warm-up count of stage p before its cap (get_pp_rank_microbatches)."""
+        if self.vpp > 1:
+            return (self.pp - p - 1) * 2 + (self.vpp - 1) * self.vp_group
+        return self.pp - p - 1
 
     @property
     def world_size(self) -> int:
@@ -58,7 +78,8 @@ def class_fold(shape: Shape) -> dict[str, Any]:
     """``fold_graph`` keywords of the class-depth fold of ``shape``: one live rank per class (tp = dp =
     0; stage 0, the lowest middle stage 1 for every middle stage, the last stage), with the version-2
     coordinates (tp, cp, dp, pp) of this module's rank order (tp fastest, then dp, then pp) and the
-    1F1B schedule's warm-up forwards per stage (``pp - p - 1``, Megatron's)."""
+    schedule's warm-up forwards per stage (Megatron's; with ``vpp`` > 1 the interleaved schedule's, its
+    chunks and microbatch group)."""
     s = shape
 
     def stage_class(p: int) -> int:
@@ -67,7 +88,9 @@ def class_fold(shape: Shape) -> dict[str, Any]:
     coords = [(r % s.tp, 0, (r // s.tp) % s.dp, r // (s.tp * s.dp)) for r in range(s.world_size)]
     return {"rep": [s.rank(0, 0, stage_class(c[3])) for c in coords], "depth": "class",
             "axes": ("tp", "cp", "dp", "pp"), "sizes": (s.tp, 1, s.dp, s.pp), "coords": coords,
-            "schedule": "1f1b", "warmup": [s.pp - p - 1 for p in range(s.pp)]}
+            "schedule": "interleaved" if s.vpp > 1 else "1f1b", "warmup": [s.warmup(p) for p in range(s.pp)],
+            **({"chunks": s.vpp, "group": s.vp_group, "overlap_p2p": s.overlap_p2p,
+                 "wait_sends": s.wait_sends} if s.vpp > 1 else {})}
 
 
 def megatron_1f1b(shape: Shape) -> Graph:
@@ -95,10 +118,12 @@ def megatron_1f1b(shape: Shape) -> Graph:
         for d in range(s.dp):
             for t in range(s.tp):
                 r = s.rank(t, d, p)
-                prv = s.rank(t, d, p - 1) if not first else None
-                nxt = s.rank(t, d, p + 1) if not last else None
+                ring = s.vpp > 1  # interleaved: the first stage's chunks > 0 receive from the last stage
+                prv = s.rank(t, d, (p - 1) % s.pp) if ring or not first else None
+                nxt = s.rank(t, d, (p + 1) % s.pp) if ring or not last else None
                 _rank_program(b, s, r, p, tp_g[(d, p)], dp_g[(t, p)], pp_g[(t, d)], mp_g[d], prv, nxt, extra_f)
-    return b.build(f"megatron_1f1b(tp={s.tp}, pp={s.pp}, dp={s.dp}, m={s.microbatches})")
+    vpp = f", vpp={s.vpp}" if s.vpp > 1 else ""
+    return b.build(f"megatron_1f1b(tp={s.tp}, pp={s.pp}{vpp}, dp={s.dp}, m={s.microbatches})")
 
 
 def _rank_program(b: GraphBuilder, s: Shape, r: int, p: int, tp: int, dp: int, pp: int, mp: int,
@@ -108,10 +133,11 @@ def _rank_program(b: GraphBuilder, s: Shape, r: int, p: int, tp: int, dp: int, p
     def compute(seconds: float, label: str) -> None:
         b.compute(r, seconds / 3 if s.gpu_times else seconds, label, gpu=seconds if s.gpu_times else None)
 
-    def layers(direction: str, it: int, mb: int) -> None:
-        b.mark(r, direction, "B", iteration=it, microbatch=mb, chunk=0)
+    def layers(direction: str, it: int, mb: int, chunk: int = 0) -> None:
+        b.mark(r, direction, "B", iteration=it, microbatch=mb, chunk=chunk)
         scale = 1.0 if direction == "forward" else 2.0
-        if direction == "forward" and extra_f:
+        edge = (p == 0 and chunk == 0) or (p == s.pp - 1 and chunk == s.vpp - 1)  # the chunk with embedding/loss
+        if direction == "forward" and extra_f and edge:
             compute(extra_f * f, "embedding/loss")
         for layer in range(s.layers_per_stage):
             compute(scale * f, f"{direction} layer {layer}")
@@ -119,32 +145,40 @@ def _rank_program(b: GraphBuilder, s: Shape, r: int, p: int, tp: int, dp: int, p
                 b.collective(r, "all_reduce", tp, s.activation_bytes, label=f"tp.{direction}")
         b.mark(r, direction, "E")
 
-    def p2p(*ops: tuple[str, int | None]) -> None:
+    def p2p(*ops: tuple[str, int | None], wait: bool = True) -> list:
         refs = []
         for kind, peer in ops:
             if peer is None:
                 continue
             refs.append((b.send if kind == "send" else b.recv)(r, peer, pp, s.activation_bytes, async_op=True,
                                                                  label=f"pp.{kind}"))
-        if refs:
+        if refs and wait:
             b.wait(r, *refs)
+        return refs
 
     m = s.microbatches
     warmup = min(s.pp - p - 1, m)
+    peer = {RECV_PREV: ("recv", prv), SEND_PREV: ("send", prv), SEND_NEXT: ("send", nxt), RECV_NEXT: ("recv", nxt)}
+    if s.vpp > 1:
+        table = schedule_table(m, s.vpp, s.vp_group)
+        steps = interleaved_steps(s.pp, p, s.vpp, s.vp_group, m, s.warmup(p), s.overlap_p2p, s.wait_sends)
     for it in range(s.iterations):
         b.mark(r, "iteration", "B", iteration=it)
-        for i in range(warmup):
+        if s.vpp > 1:
+            _interleaved(s, steps, table, lambda *ops: p2p(*(peer[x] for x in ops), wait=False),
+                         lambda d, mb, c, it=it: layers(d, it, mb, c), lambda *refs: b.wait(r, *refs))
+        for i in range(warmup if s.vpp == 1 else 0):
             p2p(("recv", prv))
             layers("forward", it, i)
             p2p(("send", nxt))
-        if m > warmup:
+        if m > warmup and s.vpp == 1:
             p2p(("recv", prv))
-        for i in range(m - warmup):
+        for i in range(m - warmup if s.vpp == 1 else 0):
             layers("forward", it, warmup + i)
             p2p(("send", nxt), ("recv", nxt))
             layers("backward", it, i)
             p2p(("send", prv), *((("recv", prv),) if i < m - warmup - 1 else ()))
-        for i in range(m - warmup, m):
+        for i in range(m - warmup, m) if s.vpp == 1 else ():
             p2p(("recv", nxt))
             layers("backward", it, i)
             p2p(("send", prv))
@@ -159,3 +193,17 @@ def _rank_program(b: GraphBuilder, s: Shape, r: int, p: int, tp: int, dp: int, p
         if s.gpu_times:
             b.cpu_sync(r)  # Megatron's timers synchronise at the iteration's end
         b.mark(r, "iteration", "E")
+
+
+def _interleaved(s: Shape, steps: list, table: list[tuple[int, int]], post: Any, layers: Any, wait: Any) -> None:
+    """One iteration of a stage's interleaved program: its units, calls and waits (``steps``)."""
+    refs: dict[tuple[str, int], Any] = {}
+    for step in steps:
+        if step[0] == "call":
+            refs.update(zip(step[1], post(*(x for x, _ in step[1])), strict=True))
+        elif step[0] == "wait":
+            wait(*(refs[x] for x in step[1]))
+        else:
+            mb, chunk = table[step[1]]
+            forward = step[0] == "F"
+            layers("forward" if forward else "backward", mb, chunk if forward else s.vpp - 1 - chunk)

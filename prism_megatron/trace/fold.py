@@ -39,7 +39,14 @@ CONTRIBUTION_WAYS: tuple[str, ...] = ("mirror", "recorded", "keep", "passthrough
 #: ``forward_backward_no_pipelining``, non-interleaved 1F1B and interleaved 1F1B. For "1f1b" the plan
 #: gives ``schedule.warmup``: per pipeline rank (pp coordinate), Megatron's count of warm-up forwards
 #: before Megatron caps it at the iteration's microbatch count (its schedule takes ``min(warmup, M)``);
-#: replay.stage_schedule then gives each folded pipeline stage its own order of units.
+#: replay.stage_schedule then gives each folded pipeline stage its own order of units. For
+#: "interleaved" ``warmup`` is per pipeline rank too (warm-up virtual microbatches before the cap at
+#: M·chunks) and the plan adds ``schedule.chunks`` (model chunks per rank, VPP) and ``schedule.group``
+#: (Megatron's ``microbatch_group_size_per_vp_stage``), ``schedule.overlap_p2p`` (``overlap_p2p_comm``)
+#: and ``schedule.wait_sends`` (the installed release waits each steady forward's send at once): the
+#: order of (microbatch, chunk) units and p2p calls follows from these and M
+#: (replay.stage_schedule.interleaved_steps). An interleaved schedule without them (a
+#: plan written before plans recorded them) is read, but a stage cannot be given its own order.
 SCHEDULES: tuple[str, ...] = ("no_pipelining", "1f1b", "interleaved")
 
 Coord = tuple[int, ...]
@@ -76,7 +83,11 @@ class Fold:
     sizes: tuple[int, ...] = ()
     coords: tuple[tuple[int, ...], ...] = field(default=(), repr=False)
     schedule: str = ""  # one of SCHEDULES; "": the plan does not say (a stage cannot be given its own order)
-    warmup: tuple[int, ...] = ()  # "1f1b": per pipeline rank, Megatron's warm-up forwards before min(., M)
+    warmup: tuple[int, ...] = ()  # "1f1b"/"interleaved": per pipeline rank, Megatron's warm-up before its cap
+    chunks: int = 1  # "interleaved": model chunks per pipeline rank (0: the plan does not say)
+    group: int = 0  # "interleaved": Megatron's microbatch_group_size_per_vp_stage (0: the plan does not say)
+    overlap_p2p: bool = False  # "interleaved": Megatron's overlap_p2p_comm (p2p calls split and awaited later)
+    wait_sends: bool = False  # "interleaved" with overlap: each steady forward's send waited at once
 
     @property
     def version(self) -> int:
@@ -182,15 +193,20 @@ class Fold:
                        coords=[list(c) for c in self.coords])
             if self.schedule:
                 doc["schedule"] = {"name": self.schedule, "warmup": list(self.warmup)}
+                if self.schedule == "interleaved" and self.chunks > 1:
+                    doc["schedule"].update(chunks=self.chunks, group=self.group, overlap_p2p=self.overlap_p2p,
+                                           wait_sends=self.wait_sends)
         return doc
 
 
 def make_fold(rep: Sequence[int], gpus_per_node: int, classes: Sequence[FoldClass] = (),
               class_of: Sequence[int] = (), contributions: dict[str, dict[str, int]] | None = None, *,
               depth: str = "replica", axes: Sequence[str] = (), sizes: Sequence[int] = (),
-              coords: Sequence[Sequence[int]] = (), schedule: str = "", warmup: Sequence[int] = ()) -> Fold:
+              coords: Sequence[Sequence[int]] = (), schedule: str = "", warmup: Sequence[int] = (),
+              chunks: int = 1, group: int = 0, overlap_p2p: bool = False, wait_sends: bool = False) -> Fold:
     """A checked Fold from a rep list; without ``classes``, one class per live rank (the ranks it stands
-    for); with ``coords`` (and ``axes``, ``sizes``; optionally ``schedule``, ``warmup``) a version-2 fold."""
+    for); with ``coords`` (and ``axes``, ``sizes``; optionally ``schedule``, ``warmup``, and for an
+    interleaved schedule ``chunks``, ``group``) a version-2 fold."""
     rep = tuple(int(x) for x in rep)
     live = tuple(sorted(set(rep)))
     if not classes:
@@ -202,7 +218,8 @@ def make_fold(rep: Sequence[int], gpus_per_node: int, classes: Sequence[FoldClas
         class_of = tuple(index[x] for x in rep)
     fold = Fold(len(rep), live, rep, int(gpus_per_node), tuple(classes), tuple(class_of), dict(contributions or {}),
                 depth, tuple(axes), tuple(int(n) for n in sizes), tuple(tuple(int(x) for x in c) for c in coords),
-                schedule, tuple(int(x) for x in warmup))
+                schedule, tuple(int(x) for x in warmup), int(chunks), int(group), bool(overlap_p2p),
+                bool(wait_sends))
     return parse_fold(fold.to_json(), len(rep), "<fold>")
 
 
@@ -279,16 +296,18 @@ def parse_fold(doc: Any, world_size: int, path: str | Path) -> Fold:
             for v in contributions.values()):
         raise _error(path, "contributions", "is not an object of {op kind: {mirror|recorded|keep|passthrough: count}}")
     depth, axes, sizes, coords = ("replica", (), (), ()) if version == 1 else _axes(doc, w, path)
-    schedule, warmup = ("", ()) if version == 1 else _schedule(doc, axes, sizes, path)
+    schedule, warmup, chunks, group, overlap, wait_sends = ("", (), 1, 0, False, False) if version == 1 else \
+        _schedule(doc, axes, sizes, path)
     return Fold(w, tuple(live), tuple(rep), gpus, tuple(classes), tuple(class_of), contributions, depth, axes,
-                sizes, coords, schedule, warmup)
+                sizes, coords, schedule, warmup, chunks, group, overlap, wait_sends)
 
 
 def _schedule(doc: dict, axes: tuple[str, ...], sizes: tuple[int, ...],
-              path: str | Path) -> tuple[str, tuple[int, ...]]:
-    """A version-2 plan's optional ``schedule`` (SCHEDULES): ("", ()) when absent; checked when present."""
+              path: str | Path) -> tuple[str, tuple[int, ...], int, int, bool, bool]:
+    """A version-2 plan's optional ``schedule`` (SCHEDULES): name, warmup, chunks, group, overlap_p2p,
+    wait_sends; ("", (), 1, 0, False, False) when absent; checked when present."""
     if "schedule" not in doc:
-        return "", ()
+        return "", (), 1, 0, False, False
     value = doc["schedule"]
     if not isinstance(value, dict) or value.get("name") not in SCHEDULES:
         got = value.get("name") if isinstance(value, dict) else value
@@ -300,7 +319,22 @@ def _schedule(doc: dict, axes: tuple[str, ...], sizes: tuple[int, ...],
     if value["name"] == "1f1b" and len(warmup) != stages:
         raise _error(path, "schedule.warmup", f"has {len(warmup)} entries; a 1f1b schedule needs one per pipeline "
                                               f"rank ({stages})")
-    return value["name"], tuple(warmup)
+    if value["name"] != "interleaved" or ("chunks" not in value and not warmup):
+        return value["name"], tuple(warmup), 1 if value["name"] != "interleaved" else 0, 0, False, False
+    for key, least in (("chunks", 2), ("group", stages)):
+        x = value.get(key)
+        if isinstance(x, bool) or not isinstance(x, int) or x < least:
+            raise _error(path, f"schedule.{key}", f"is {x!r}, expected an integer >= {least} for an interleaved "
+                                                  f"schedule over {stages} pipeline ranks")
+    if len(warmup) != stages:
+        raise _error(path, "schedule.warmup", f"has {len(warmup)} entries; an interleaved schedule needs one per "
+                                              f"pipeline rank ({stages})")
+    flags = []
+    for key in ("overlap_p2p", "wait_sends"):
+        flags.append(value.get(key, False))
+        if not isinstance(flags[-1], bool):
+            raise _error(path, f"schedule.{key}", f"is {flags[-1]!r}, expected true or false")
+    return value["name"], tuple(warmup), value["chunks"], value["group"], flags[0], flags[1]
 
 
 def _axes(doc: dict, w: int, path: str | Path) -> tuple[str, tuple[str, ...], tuple[int, ...], tuple[Coord, ...]]:
