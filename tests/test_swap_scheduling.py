@@ -289,7 +289,8 @@ dist.all_reduce(x)  # every rank has run: each reported its footprint
 if r == 7:
     threading.Timer(3.0, lambda: os._exit(9)).start()  # dies while blocked below
 if r == 0:
-    time.sleep(6)  # the device holds one rank: rank 0, computing; so rank 7 is swapped out when it dies
+    time.sleep(20)  # the device holds one rank: rank 0, computing; so rank 7 is swapped out when it dies
+    # (long beside rank 7's 3 s, so a loaded machine cannot let the job end before the death)
 dist.all_reduce(x)
 """
 
