@@ -163,6 +163,13 @@ def test_class_depth_for_moe_is_refused_and_auto_keeps_a_replica():
         build_fold_plan(t, "deep")
 
 
+def _p2p(pp: int, p: int, vpp: int | None = None) -> object:
+    """What Megatron's get_pp_rank_microbatches reads of a P2P communicator: pipeline rank p of pp
+    (and the virtual stages)."""
+    group = type("Group", (), {"size": lambda self: pp, "rank": lambda self: p})()
+    return type("P2P", (), {"virtual_pipeline_model_parallel_size": vpp, "pp_group": group})()
+
+
 def test_the_plan_records_megatrons_warmup_per_stage():
     """Under 1F1B pipeline rank p runs min(pp - p - 1, M) warm-up forwards (Megatron's
     get_pp_rank_microbatches, asked here through the plan): replay gives each folded stage its own."""
@@ -172,24 +179,9 @@ def test_the_plan_records_megatrons_warmup_per_stage():
     assert plan.schedule == {"name": "1f1b", "warmup": [7, 6, 5, 4, 3, 2, 1, 0]}
     assert plan.to_json()["schedule"] == plan.schedule
 
-    class Group:
-        def __init__(self, p):
-            self.p = p
-
-        def size(self):
-            return 8
-
-        def rank(self):
-            return self.p
-
-    class P2P:
-        virtual_pipeline_model_parallel_size = None
-
-        def __init__(self, p):
-            self.pp_group = Group(p)
-
     for p in range(8):  # with M = 3 microbatches Megatron caps the warm-up at 3
-        assert get_pp_rank_microbatches(3, 1, None, p2p_communicator=P2P(p))[2] == min(plan.schedule["warmup"][p], 3)
+        warmup = get_pp_rank_microbatches(3, 1, None, p2p_communicator=_p2p(8, p))[2]
+        assert warmup == min(plan.schedule["warmup"][p], 3)
     assert build_fold_plan(TargetLayout(world_size=4, num_layers=2)).schedule["name"] == "no_pipelining"
     assert build_fold_plan(TargetLayout(world_size=16, tp=2, pp=2, vpp=2, num_layers=8)).depth == "class"
 
@@ -209,26 +201,10 @@ def test_the_plan_records_the_interleaved_schedule_and_folds_its_middle_stages(p
     assert plan.schedule == {"name": "interleaved", "warmup": [2 * (pp - p - 1) + (vpp - 1) * n for p in range(pp)],
                              "chunks": vpp, "group": n, "overlap_p2p": True, "wait_sends": plan.schedule["wait_sends"]}
 
-    class Group:
-        def __init__(self, p):
-            self.p = p
-
-        def size(self):
-            return pp
-
-        def rank(self):
-            return self.p
-
-    class P2P:
-        virtual_pipeline_model_parallel_size = vpp
-
-        def __init__(self, p):
-            self.pp_group = Group(p)
-
     for m in (n, 2 * n, 3 * n + pp):
         assert schedule_table(m, vpp, n) == get_schedule_table(m, vpp, n)
         for p in range(pp):
-            _total, _all, w, _rest = get_pp_rank_microbatches(m, vpp, n, p2p_communicator=P2P(p))
+            _total, _all, w, _rest = get_pp_rank_microbatches(m, vpp, n, p2p_communicator=_p2p(pp, p, vpp))
             assert w == min(plan.schedule["warmup"][p], m * vpp)
             units = [x for x in interleaved_steps(pp, p, vpp, n, m, plan.schedule["warmup"][p]) if x[0] in "FB"]
             assert [x[1] for x in units if x[0] == "F"] == list(range(m * vpp))  # forwards in table order
