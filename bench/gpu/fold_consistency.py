@@ -311,6 +311,20 @@ def _bundle(a: argparse.Namespace, limit: int = 15 << 20) -> None:
             return
 
 
+def _public(rows: list[dict]) -> list[dict]:
+    """Rows as written to the results: each trace named as in the archive (traces.tar.gz), not by its path."""
+    return [{**r, "trace": Path(r["trace"]).name} if "trace" in r else r for r in rows]
+
+
+def _shown_argv(argv: list[str]) -> list[str]:
+    """The command as printed into result files: the directories it was given named OUT and WORK, not
+    the paths of the machine it ran on."""
+    shown, names = [], {"--out": "OUT", "--work": "WORK"}
+    for i, arg in enumerate(argv):
+        shown.append(names[argv[i - 1]] if i and argv[i - 1] in names else arg)
+    return shown
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--devices", default="0")
@@ -372,7 +386,7 @@ def main() -> None:
         lines.append(line)
         print(line, flush=True)
 
-    say(f"# {' '.join(sys.argv)}")
+    say(f"# {' '.join(_shown_argv(sys.argv))}")
     rows, diags = [], {}
     reserve = 25.0  # seconds kept for the reports, the tables and the archive
     for job in jobs:
@@ -391,7 +405,8 @@ def main() -> None:
                 continue
             r = _run(a, job, fold, flags, min(a.timeout, left))
             rows.append(r)
-            (out / "fold_consistency.json").write_text(json.dumps({"rows": rows}, indent=1, default=str))  # so far
+            so_far = json.dumps({"rows": _public(rows)}, indent=1, default=str)
+            (out / "fold_consistency.json").write_text(so_far)
             say(json.dumps({k: v for k, v in r.items() if k in ("job", "fold", "rc", "wall_s", "iteration_s",
                                                                  "iteration_times_s", "device_used_max", "rep")}))
             if "error" in r:
@@ -404,7 +419,7 @@ def main() -> None:
             except Exception as e:  # the decomposition must not lose the main figures
                 say(f"{job}: decomposition failed: {type(e).__name__}: {e}")
     summarize(rows, jobs, diags, say)
-    (out / "fold_consistency.json").write_text(json.dumps({"rows": rows, "why": diags}, indent=1, default=str))
+    (out / "fold_consistency.json").write_text(json.dumps({"rows": _public(rows), "why": diags}, indent=1, default=str))
     (out / "fold_consistency.txt").write_text("\n".join(lines) + "\n")
     if not a.analyse:
         _bundle(a)
