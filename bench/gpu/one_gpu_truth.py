@@ -158,13 +158,15 @@ def step(kind: str, config: Config, work: Path, iters: int, index: int, timeout:
               "--global-batch-size", str(config.gbs)], work / f"{name}.log",
              _env(**_single(_port()), PROBE_OUT=str(probe_out)), timeout)
         return {"kind": kind, "rows": json.loads(probe_out.read_text())}
-    m = re.fullmatch(r"emu(\d+)(?:-(keep|teardown|off))?", kind)
+    m = re.fullmatch(r"emu(\d+)(?:-(keep|teardown|off|spin))?", kind)
     if not m:
         raise ValueError(f"unknown step {kind!r}")
     world, variant = int(m.group(1)), m.group(2) or ""
     trace = work / f"trace-{name}"
     shutil.rmtree(trace, ignore_errors=True)
-    extra = {"keep": {"TEARDOWN_CUPTI": "0"}, "teardown": {"TEARDOWN_CUPTI": "1"}}.get(variant, {})
+    extra = {"keep": {"TEARDOWN_CUPTI": "0"}, "teardown": {"TEARDOWN_CUPTI": "1"},
+             # each rank on a core of its own, spinning 3 ms for its grant: its core stays awake, as a real rank's
+             "spin": {"PRISM_PIN_CORES": "1", "PRISM_SPIN_GRANT_US": "3000"}}.get(variant, {})
     cmd = [PY, "-m", "prism_megatron", "run", "--prism-emulate", "--prism-world-size", str(world), "--prism-devices",
            "0", "--prism-trace-dir", str(trace), "--prism-report", "off",
            *(["--prism-gpu-timing", "off"] if variant == "off" else []),
@@ -346,7 +348,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work", type=Path, default=Path("/tmp/one-gpu-truth"),
                    help="traces and logs (packed into OUT/traces.tar.gz at the end)")
     p.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated config names")
-    p.add_argument("--plan", default="", help="'config:step,step,...;config:...' (steps: real, probe, emuW[-variant])")
+    p.add_argument("--plan", default="", help="'config:step,step,...;config:...' (steps: real, probe, "
+                   "emuW[-keep|-teardown|-off|-spin])")
     p.add_argument("--iters", type=int, default=8, help=f"iterations per run ({WARMUP} of them warm-up)")
     p.add_argument("--budget", type=float, default=480.0, help="seconds after which no step starts")
     p.add_argument("--timeout", type=float, default=150.0, help="seconds one step may take")
