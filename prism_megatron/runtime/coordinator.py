@@ -69,8 +69,8 @@ class Coordinator:
         self.finished = False
         # what the launcher said when it connected (trace directory, job description): enough to keep the
         # trace so far and clean up if the launcher dies without ending the job
-        self.job: dict = {}
-        self.trace_dir: str | None = None
+        self.job, self.trace_dir = {}, None
+        self._held: dict | None = None  # a FATAL raised before the launcher's CONTROL was read: sent with it
         self.segment_prefix = ""  # the job's shared-memory segments, removed if the launcher dies
         self.watch = LauncherWatch()
         self._finish_received = False
@@ -119,6 +119,8 @@ class Coordinator:
         self.finished = True
         if self._finish_received:
             return  # the launcher ended the job itself
+        if self._held is not None:
+            print(self._held["report"], file=sys.stderr)
         print(f"prism coordinator: {reason}; ending the job's ranks and removing its shared memory",
               file=sys.stderr, flush=True)
         for rs in self.ranks.values():
@@ -195,6 +197,8 @@ class Coordinator:
         elif t == P.CONTROL:
             self.control = conn
             self.job, self.trace_dir = msg.get("job", {}), msg.get("trace_dir")
+            if self._held is not None:
+                self._send_control(self._held)
         elif t == P.EXITED:
             self._exited(int(msg["rank"]), msg["code"])
         elif t == P.OP:
@@ -455,10 +459,12 @@ class Coordinator:
                                                      self.hang.timeout, self.recorder.now()))
 
     def _fatal(self, kind: str, report: str) -> None:
+        """Hand the report to the launcher, which ends the job. The launcher sends CONTROL before it starts
+        the ranks, but a rank's message may be read first: the report waits for it (or for the watch's
+        deadline on a launcher that never connects, when _abandon prints it)."""
         self._send_control({"t": P.FATAL, "kind": kind, "report": report})
         if self.control is None:
-            print(report, file=sys.stderr)
-            self._abandon(f"{kind} with no launcher to report to")
+            self._held = self._held or {"t": P.FATAL, "kind": kind, "report": report}
         self.hang.reported()  # the launcher ends the job; do not repeat the report meanwhile
 
     def _send(self, rs: RankState, msg: dict) -> None:
