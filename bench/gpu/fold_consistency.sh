@@ -13,6 +13,7 @@ export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
 out=${OUT:-/tmp/prism-gpu}
 mkdir -p "$out"
 nvidia-smi --query-gpu=name,memory.used,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader
+echo "cores: $(nproc); hyperthread siblings: $(sort -u /sys/devices/system/cpu/cpu*/topology/thread_siblings_list 2>/dev/null | tr '\n' ' ')"
 python3 -c "import torch, megatron.core as m; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'megatron-core', m.__version__)"
 python3 bench/gpu/fold_consistency.py --devices 0 --work /tmp/fold-consistency --out "$out" \
   --budget "${BUDGET:-440}" "$@" 2>&1 | tee "$out/run.log"

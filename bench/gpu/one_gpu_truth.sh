@@ -12,5 +12,6 @@ export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH} CUDA_DEVICE_MAX_CONN
 out=${OUT:-/tmp/prism-gpu}
 mkdir -p "$out"
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader
+echo "cores: $(nproc); hyperthread siblings: $(sort -u /sys/devices/system/cpu/cpu*/topology/thread_siblings_list 2>/dev/null | tr '\n' ' ')"
 python3 -c "import torch, megatron.core as m; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'megatron-core', m.__version__)"
 python3 bench/gpu/one_gpu_truth.py --out "$out" --budget "${BUDGET:-420}" "$@"

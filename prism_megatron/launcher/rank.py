@@ -60,14 +60,45 @@ def rank_env(cfg: LaunchConfig, rank: int, store_port: int) -> dict[str, str]:
     return env
 
 
+def _siblings(cpu: int) -> frozenset[int]:
+    """The logical CPUs that share ``cpu``'s physical core (itself alone where the kernel does not say)."""
+    try:
+        text = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list").read_text().strip()
+    except OSError:
+        return frozenset({cpu})
+    out: set[int] = set()
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        out.update(range(int(lo), int(hi or lo) + 1))
+    return frozenset(out)
+
+
+def pin_plan(cores: list[int], processes: int, siblings=_siblings) -> list[int] | None:
+    """The logical CPU of each rank process: one physical core each, the first physical core (all its logical
+    CPUs) left to the coordinator and launcher; logical CPUs 1.. where there are fewer physical cores
+    than processes + 1 but more logical ones; None where not even those suffice."""
+    first_of_core: dict[frozenset[int], int] = {}
+    for c in sorted(cores):
+        first_of_core.setdefault(siblings(c) & set(cores) or frozenset({c}), c)
+    physical = sorted(first_of_core.values())
+    if len(physical) > processes:
+        return physical[1:1 + processes]
+    if len(cores) > processes:
+        return sorted(cores)[1:1 + processes]
+    return None
+
+
 def _pin(cfg: LaunchConfig, rank: int) -> None:
     """A core of its own for each rank where there are enough (PRISM_PIN_CORES=1): a rank that
-    resumes on whatever core is free starts with cold caches, which its measured host time shows."""
+    resumes on whatever core is free starts with cold caches, and one whose hyperthread sibling
+    computes (another rank, or the coordinator answering its ops) runs slower; its measured host time
+    shows both."""
     if os.environ.get("PRISM_PIN_CORES") != "1" or not hasattr(os, "sched_setaffinity"):
         return
-    cores = sorted(os.sched_getaffinity(0))
-    if len(cores) > cfg.world_size:
-        os.sched_setaffinity(0, {cores[1 + rank]})  # the first core stays with the coordinator and launcher
+    live = cfg.live_ranks()  # the processes (a fold forks only its live ranks)
+    plan = pin_plan(sorted(os.sched_getaffinity(0)), len(live))
+    if plan is not None:
+        os.sched_setaffinity(0, {plan[live.index(rank)]})
 
 
 def run_rank(cfg: LaunchConfig, rank: int, address: tuple[str, int], authkey: bytes, store_port: int,
