@@ -115,6 +115,14 @@ class RunOnlyOptions:
     """GPT driver a recipe runs: 'training' (Megatron-LM's pretrain, needs megatron.training), 'core'
     (megatron.core only), 'auto' (training if importable, else core)."""
 
+    attention: Literal["megatron", "sdpa"] = "megatron"
+    """Core attention of --transformer-impl local layers: 'megatron' runs Megatron's own unfused
+    DotProductAttention (it keeps every head's s x s attention probabilities for the backward pass);
+    'sdpa' computes the same values with torch's scaled_dot_product_attention, whose flash kernels keep
+    only the output and softmax statistics, as Transformer Engine's fused attention does: the closest
+    runnable setting where the target runs TE and this machine lacks it. Causal self-attention only
+    (anything else is refused at its first call, named)."""
+
     cluster: str | None = None
     """Cluster profile that costs communication in the prediction (prism-megatron cluster list);
     default: the recipe's target cluster, else free communication."""

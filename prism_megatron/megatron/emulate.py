@@ -41,6 +41,10 @@ def install_patches(training: bool = True) -> None:
     schedules.install()
     p2p.install()
     ddp.install()
+    from prism_megatron.patches import attention
+
+    if os.environ.get(attention.ENV_VAR) == "sdpa":  # --prism-attention sdpa (megatron.run sets it)
+        attention.install()
 
 
 def rank_setup() -> None:

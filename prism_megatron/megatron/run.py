@@ -196,6 +196,16 @@ def parse_run_args(argv: list[str]) -> RunRequest:
             request.env[DRIVER_ENV] = name
             request.driver_note = f"prism: driver {name} ({request.script.name}; {why})"
         request.script_args = render_args(recipe) + request.script_args
+    if request.emulate and request.options.get("prism_attention") == "sdpa":
+        from prism_megatron.patches.attention import ENV_VAR as ATTENTION_ENV
+
+        request.env[ATTENTION_ENV] = "sdpa"
+        request.substitutions.append({
+            "setting": "core attention (--prism-attention sdpa)",
+            "published": "--transformer-impl local: Megatron's unfused DotProductAttention",
+            "rendered": "torch scaled_dot_product_attention (flash kernels, as Transformer Engine's fused attention)",
+            "affects": "activation memory (no s x s attention probabilities kept per layer and micro-batch) and "
+                       "attention time"})
     if request.driver_note is None and request.options.get("prism_driver") in ("core", "training"):
         request.env[DRIVER_ENV] = request.options["prism_driver"]  # a script of one's own: only the rank setup
     if request.script is None:

@@ -1,0 +1,94 @@
+"""--prism-attention sdpa: Megatron's local DotProductAttention computed by torch's fused attention.
+
+The values (forward and gradients) are the unfused path's within rounding, and what autograd keeps
+for the backward pass holds no s x s probabilities; what the seam cannot compute as Megatron would is
+refused by name. Each case runs in a child process (Megatron's parallel state, one gloo rank)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytestmark = pytest.mark.megatron
+
+CHILD = textwrap.dedent("""
+    import json, os, socket, sys
+    import torch
+    from prism_megatron.megatron.cpu_mode import enable_cpu_mode
+    enable_cpu_mode()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
+    torch.distributed.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{port}")
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+    parallel_state.initialize_model_parallel(1, 1)
+    model_parallel_cuda_manual_seed(1)
+    torch.manual_seed(0)
+    case = sys.argv[1]
+    heads, groups, d, s, b = 8, 2, 16, 48, 2
+    config = TransformerConfig(num_layers=2, hidden_size=heads * d, num_attention_heads=heads,
+                               num_query_groups=groups, kv_channels=d, use_cpu_initialization=True,
+                               attention_dropout=0.0, apply_query_key_layer_scaling=case == "layer-scaling")
+    mask_type = AttnMaskType.padding if case == "padding" else AttnMaskType.causal
+    attn = DotProductAttention(config, layer_number=2, attn_mask_type=mask_type, attention_type="self")
+    q = torch.randn(s, b, heads, d, requires_grad=True)
+    k = torch.randn(s, b, groups, d, requires_grad=True)
+    v = torch.randn(s, b, groups, d, requires_grad=True)
+    mask = torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1).expand(b, 1, s, s)
+
+    def run():
+        kept = []
+        def pack(t):
+            kept.append(tuple(t.shape)); return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = attn(q, k, v, mask)
+        out.square().sum().backward()
+        grads = [t.grad.clone() for t in (q, k, v)]
+        for t in (q, k, v):
+            t.grad = None
+        return out.detach(), grads, kept
+
+    ref, ref_grads, ref_kept = run() if case != "padding" else (None, None, [])
+    from prism_megatron.patches import attention
+    attention.install()
+    try:
+        out, grads, kept = run()
+    except attention.UnsupportedAttention as e:
+        print(json.dumps({"refused": str(e)})); sys.exit(0)
+    squares = lambda shapes: sum(1 for sh in shapes if len(sh) >= 2 and sh[-1] == s and sh[-2] == s)
+    print(json.dumps({
+        "shape": list(out.shape), "ref_shape": list(ref.shape),
+        "max_diff": (out - ref).abs().max().item(),
+        "grad_diff": max((g - r).abs().max().item() for g, r in zip(grads, ref_grads)),
+        "ref_s_by_s_kept": squares(ref_kept), "s_by_s_kept": squares(kept)}))
+""")
+
+
+def _child(case: str) -> dict:
+    import json
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
+    p = subprocess.run([sys.executable, "-c", CHILD, case], capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("case", ["causal", "layer-scaling"])
+def test_sdpa_gives_the_unfused_values_and_keeps_no_s_by_s_probabilities(case):
+    r = _child(case)
+    assert r["shape"] == r["ref_shape"] == [48, 2, 128]  # [s, b, heads x d]
+    assert r["max_diff"] < 1e-4 and r["grad_diff"] < 1e-3, r
+    assert r["ref_s_by_s_kept"] >= 1  # Megatron's unfused path keeps the probabilities for backward
+    assert r["s_by_s_kept"] == 0
+
+
+def test_a_mask_sdpa_cannot_take_is_refused_by_name():
+    r = _child("padding")
+    assert "attention mask type padding" in r["refused"] and "--prism-attention megatron" in r["refused"]
