@@ -456,5 +456,10 @@ def graph_from_trace(trace: Any, gpu_times: bool = True, typical_host: bool = Tr
                 rows_by_rank = gpu_segments.like_rank_host_times(rows_by_rank, ends, iteration_ops)
         events = {r: with_gpu_times(evs, rows_by_rank.get(r, [])) for r, evs in events.items()}
     graph = Graph(groups, events, str(getattr(trace, "path", "<trace>")), notes, fold)
+    microbatches = getattr(trace, "microbatches", None)
+    if microbatches is not None:  # m_c of the target's M micro-batches ran: every rank's program at M
+        from .microbatch_fold import expand_microbatches
+
+        graph = expand_microbatches(graph, microbatches)
     graph.validate()
     return graph
