@@ -8,7 +8,10 @@ wall time (start-up included and, folded, one parse of the command by Megatron's
 emulation's own (the launcher's job time), the predicted iteration time (median after the first
 iteration, the recipe's cluster profile), tokens/s and each rank's peak allocated memory, then the
 ratios of the medians. CPU compute times vary from run to run (more so on a shared machine): compare
-the prediction ratio with the full runs' own spread.
+the prediction ratio with the full runs' own spread. For every full capture it also prints ``refold``:
+that same graph with each unit of micro-batches m_c - 1 .. M - 2 given the compute of micro-batch
+m_c - 2's unit of its iteration (what the fold replays), which is the fold's own error without
+run-to-run noise.
 
     python bench/fold_microbatches.py                              # PP2, M = 32, 2 runs each way
     python bench/fold_microbatches.py --global-batch-size 64 --repeats 3
@@ -40,6 +43,35 @@ def _capture(out: Path, recipe: str, mode: str, gbs: int) -> tuple[Path, float]:
     return out, wall
 
 
+def _refold(trace_dir: Path, captured: int, cluster: str) -> float:
+    """The full capture's predicted iteration (median after the first) with the units of micro-batches
+    captured - 1 .. M - 2 replaced by micro-batch captured - 2's of the same rank and iteration."""
+    from prism_megatron.replay import graph_from_trace, replay
+    from prism_megatron.replay.graph import Compute, Mark
+    from prism_megatron.report.build import cost_model
+    from prism_megatron.trace import read_trace
+
+    graph = graph_from_trace(read_trace(trace_dir))
+    for r, events in graph.events.items():
+        spans: dict[tuple, list[int]] = {}
+        key = None
+        for i, e in enumerate(events):
+            if type(e) is Mark and e.name in ("forward", "backward"):
+                key = (e.name, e.attrs.get("iteration"), e.attrs.get("microbatch")) if e.phase == "B" else None
+            elif key is not None and type(e) is Compute:
+                spans.setdefault(key, []).append(i)
+        m = 1 + max(k[2] for k in spans)
+        for (name, it, mb), idx in spans.items():
+            if captured - 1 <= mb < m - 1:
+                source = spans[(name, it, captured - 2)]
+                if len(source) != len(idx):
+                    raise SystemExit(f"rank {r}: {name} units of micro-batches {mb} and {captured - 2} differ")
+                for i, j in zip(idx, source, strict=True):
+                    events[i] = events[j]
+    its = replay(graph, cost_model(cluster, None)).iteration_times()
+    return statistics.median(its[1:] or its)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--recipe", default=str(ROOT / "tests" / "recipes" / "fold-microbatches-pp2.yaml"))
@@ -61,9 +93,12 @@ def main() -> None:
                 from prism_megatron.trace import read_trace
 
                 job = read_trace(trace).manifest["job"]
-                rows[mode].append({"wall": wall, "emulation": job.get("wall_time_s", float("nan")),
+                rows[mode].append({"trace": trace, "wall": wall, "emulation": job.get("wall_time_s", float("nan")),
                                    "pred": statistics.median(its), "tokens": pred["tokens_per_s"],
                                    "peaks": peaks, "provenance": pred["provenance"]})
+        captured = read_trace(rows["auto"][0]["trace"]).microbatches.captured
+        for r in rows["off"]:
+            r["refold"] = _refold(r["trace"], captured, a.cluster)
     recipe = Path(a.recipe).name
     print(f"recipe {recipe}, global batch {a.global_batch_size}, cluster {a.cluster}, {a.repeats} run(s) each way")
     print("  " + rows["auto"][0]["provenance"].rsplit("; ", 1)[-1])
@@ -73,6 +108,8 @@ def main() -> None:
             peaks = ", ".join(f"{rank}: {b}" for rank, b in sorted(r["peaks"].items()))
             print(f"  {name + ' ' + str(k):<10} {r['wall']:>8.1f} {r['emulation']:>8.1f} {r['pred'] * 1e3:>9.1f} "
                   f"{r['tokens']:>10.1f}  {peaks}")
+    for k, r in enumerate(rows["off"]):
+        print(f"  refold {k}: {r['refold'] * 1e3:.1f} ms predicted, {r['refold'] / r['pred']:.3f} of full {k}'s")
     med = {m: (statistics.median(r["pred"] for r in rows[m]), statistics.median(r["wall"] for r in rows[m]),
                statistics.median(r["emulation"] for r in rows[m])) for m in rows}
     spread = [r["pred"] for r in rows["off"]]
