@@ -101,7 +101,8 @@ def main() -> None:
             r["refold"] = _refold(r["trace"], captured, a.cluster)
     recipe = Path(a.recipe).name
     print(f"recipe {recipe}, global batch {a.global_batch_size}, cluster {a.cluster}, {a.repeats} run(s) each way")
-    print("  " + rows["auto"][0]["provenance"].rsplit("; ", 1)[-1])
+    said = rows["auto"][0]["provenance"]
+    print("  " + said[said.index("micro-batches:"):])
     print(f"  {'run':<10} {'wall s':>8} {'emul. s':>8} {'pred ms':>9} {'tokens/s':>10}  peak allocated per rank (B)")
     for mode, name in (("off", "full"), ("auto", "folded")):
         for k, r in enumerate(rows[mode]):
