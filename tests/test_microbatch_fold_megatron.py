@@ -124,3 +124,34 @@ def test_choose_microbatches_rewrites_the_global_batch_once_and_refuses_what_it_
     ]:
         with pytest.raises(MicrobatchModeError, match=match):
             choose(value, **kw)
+
+
+def test_a_class_fold_of_a_microbatch_folded_capture_gives_the_folded_stage_the_targets_microbatches(tmp_path):
+    """TP1·PP4 at M = 16 captured with m_c = 5 and its middle stage 2 folded onto stage 1: the synthesised
+    stage 2 runs 16 forward and 16 backward units per iteration in its own 1F1B order (warm-up 1)."""
+    from prism_megatron.replay import replay
+    from prism_megatron.replay.graph import Mark, graph_from_trace
+    from prism_megatron.replay.stage_schedule import one_f_one_b
+    from prism_megatron.replay.synthesize import synthesize
+    from prism_megatron.trace import read_trace
+
+    recipe = str(Path(__file__).parent / "recipes" / "fold-class-tp1pp4.yaml")
+    out = tmp_path / "run"
+    out.mkdir()
+    cmd = [sys.executable, "-m", "prism_megatron", "run", "--recipe", recipe, "--prism-driver", "core",
+           "--prism-fold", "on", "--prism-fold-depth", "class", "--prism-fold-microbatches", "auto",
+           "--prism-report", "off", "--prism-trace-dir", str(out / "trace"), "--global-batch-size", "16"]
+    proc = subprocess.run(cmd, cwd=out, capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    trace = read_trace(out / "trace")
+    assert trace.fold.live == (0, 1, 3) and (trace.microbatches.target, trace.microbatches.captured) == (16, 5)
+    graph = graph_from_trace(trace)
+    synth = synthesize(graph)
+    for r, warmup in ((1, 2), (2, 1), (3, 0)):
+        order = [("F" if e.name == "forward" else "B", e.attrs["microbatch"]) for e in synth.events[r]
+                 if isinstance(e, Mark) and e.name in ("forward", "backward") and e.phase == "B"
+                 and e.attrs["iteration"] == 2]
+        assert order == one_f_one_b(warmup, 16), r
+    result = replay(graph)
+    assert "one pipeline" in result.method and len(result.iteration_times()) == 2
