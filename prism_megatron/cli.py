@@ -225,13 +225,16 @@ def replay_cmd(trace_dir: Path, cluster: str | None, chrome_out: Path | None, fu
     from prism_megatron.trace import TraceFormatError, read_trace
 
     try:
-        graph = graph_from_trace(read_trace(trace_dir))
+        trace = read_trace(trace_dir)
+        graph = graph_from_trace(trace)
         fold = graph.fold
         result = replay(graph, cost_model(cluster, fold, gpus_per_node), fold_method="full" if full else "auto")
     except (TraceFormatError, GraphError, ValueError) as e:
         raise click.ClickException(str(e)) from None
     click.echo(result.summary(None if fold is None else {r: fold.class_name(r) for r in result.graph.ranks}))
-    click.echo(f"  provenance: {provenance(cluster, fold=fold, gpus_per_node=gpus_per_node, method=result.method)}")
+    said = provenance(cluster, fold=fold, gpus_per_node=gpus_per_node, method=result.method,
+                      microbatches=trace.microbatches)
+    click.echo(f"  provenance: {said}")
     if chrome_out is not None:
         from prism_megatron.replay.export import write_chrome
 

@@ -141,6 +141,15 @@ class RunOnlyOptions:
     first and last stages stay live); 'auto' is replica when one model replica fits this machine (or
     Megatron's memory formula is unavailable) and for MoE, else class."""
 
+    fold_microbatches: str = "off"
+    """Micro-batch folding: 'N' runs N of the target's M micro-batches per iteration (its global batch run as
+    N x micro batch x DP) and the replay gives every rank the target's M, copies of a steady micro-batch's
+    forward/backward standing for the ones not run; 'auto' does so with the minimum whenever M exceeds it;
+    'off' runs M. The minimum is the largest pipeline warm-up + 2 (PP1: 3): every stage runs its whole
+    warm-up, a steady forward/backward pair and its own first and last micro-batch, and the activations in
+    flight are bounded by the warm-up, so the captured peak memory is the target's. Megatron's
+    non-interleaved schedules only (interleaved pipelines and batch-size ramp-up are refused)."""
+
     calibrate: Literal["off", "on"] = "off"
     """After the run, calibrate: re-run the job once per slice (coupled groups such as TP kept whole)
     with the slice's ranks computing for real and the others replayed; the report then predicts from

@@ -335,6 +335,23 @@ def run(request: RunRequest) -> int:
 
     cfg = launch_config(request)
     after = request.run_options()
+    if after.fold_microbatches != "off":
+        from prism_megatron.launcher.exit_codes import BAD_INPUT
+        from prism_megatron.megatron.microbatch_mode import MicrobatchModeError, choose_microbatches
+
+        try:
+            if after.calibrate == "on":
+                raise MicrobatchModeError(f"--prism-fold-microbatches {after.fold_microbatches} with --prism-calibrate "
+                                          "on: not yet (calibration re-runs the captured micro-batches); run with "
+                                          "--prism-fold-microbatches off")
+            cfg.script_args, record = choose_microbatches(
+                after.fold_microbatches, cfg.script, list(cfg.script_args), cfg.world_size, cfg.gpus_per_node,
+                request.env, say=lambda m: print(f"prism: {m}", file=sys.stderr, flush=True))
+        except MicrobatchModeError as e:
+            print(f"prism: {e}", file=sys.stderr, flush=True)
+            return BAD_INPUT
+        if record is not None:
+            cfg.job_extra = {**cfg.job_extra, "microbatches": record}
     if after.fold != "off":
         from prism_megatron.megatron.fold_mode import FoldModeError, choose_fold
 

@@ -420,6 +420,8 @@ def graph_from_trace(trace: Any, gpu_times: bool = True, typical_host: bool = Tr
     ``typical_host``: each segment's host time is its median over like iterations (gpu_segments);
     False keeps every iteration's own. ``like_ranks`` (with ``typical_host``): then the median over the
     ranks that issued the same ops (gpu_segments.like_rank_host_times); False keeps each rank's own.
+    A micro-batch-folded trace (``trace.microbatches``) gives every rank the target's micro-batches
+    (replay.microbatch_fold).
     """
     from . import gpu_segments
     from .gpu_segments import typical_host_times, with_gpu_times
@@ -456,5 +458,10 @@ def graph_from_trace(trace: Any, gpu_times: bool = True, typical_host: bool = Tr
                 rows_by_rank = gpu_segments.like_rank_host_times(rows_by_rank, ends, iteration_ops)
         events = {r: with_gpu_times(evs, rows_by_rank.get(r, [])) for r, evs in events.items()}
     graph = Graph(groups, events, str(getattr(trace, "path", "<trace>")), notes, fold)
+    microbatches = getattr(trace, "microbatches", None)
+    if microbatches is not None:  # m_c of the target's M micro-batches ran: every rank's program at M
+        from .microbatch_fold import expand_microbatches
+
+        graph = expand_microbatches(graph, microbatches)
     graph.validate()
     return graph

@@ -20,6 +20,7 @@ import pyarrow.compute as pc
 from prism_megatron.replay import Compute, GraphError, ReplayResult, graph_from_trace, replay, zero_cost
 from prism_megatron.trace import PrismTrace, TraceFormatError, read_trace
 from prism_megatron.trace.fold import Fold
+from prism_megatron.trace.microbatches import MicrobatchFold
 
 from .classify import UNKNOWN, class_order, rank_class
 from .live import basis, timed_iterations
@@ -79,7 +80,8 @@ def assemble(trace_dir: str | Path, cluster: str | None = None,
         "target": target,
         "prediction": None if result is None else _prediction(result, cluster, classes, marks["workload"],
                                                               calibrated is not None, fold, trace.world_size,
-                                                              None if calibrated else timed_iterations(trace)),
+                                                              None if calibrated else timed_iterations(trace),
+                                                              trace.microbatches),
         "prediction_error": error,
         "memory": memory,
         "oom": oom,
@@ -108,12 +110,14 @@ def _substitutions(subs: Any, where: Path) -> list[dict[str, str]] | None:
 
 def provenance(cluster: str | None, gpu_timed: bool = False, calibrated: bool = False,
                fold: Fold | None = None, full: bool = False, gpus_per_node: int | None = None,
-               method: str = "") -> str:
+               method: str = "", microbatches: MicrobatchFold | None = None) -> str:
     """Where the predicted numbers come from, in a sentence: they are not measurements. A folded
     trace adds which ranks were real and how the virtual ones were made, and how the job was replayed
     (``method``: the replay's own sentence, ReplayResult.method; else ``full``: the synthesised graph
-    of every rank, or the live ranks symmetrically)."""
+    of every rank, or the live ranks symmetrically); a micro-batch fold says how many ran."""
     base = _provenance(cluster, gpu_timed, calibrated)
+    if microbatches is not None:
+        base = f"{base}; {microbatches.describe()}"
     if fold is None:
         return base
     n, w = len(fold.live), fold.world_size
@@ -266,12 +270,17 @@ def _window(result: ReplayResult, timed: dict[int, bool] | None = None) -> tuple
 
 def _prediction(result: ReplayResult, cluster: str | None, classes: dict[int, str],
                 workload: dict[int, dict], calibrated: bool = False, fold: Fold | None = None,
-                world_size: int | None = None, timed: dict[int, bool] | None = None) -> dict[str, Any]:
+                world_size: int | None = None, timed: dict[int, bool] | None = None,
+                microbatches: MicrobatchFold | None = None) -> dict[str, Any]:
     times = result.iteration_times()
     headline = [it.time for it in _headline(result, timed)] or times
     median = statistics.median(headline) if headline else None
     work = workload.get(0) or next(iter(workload.values()), {})
     tokens, flops = work.get("tokens_per_iteration"), work.get("flops_per_iteration")
+    if microbatches is not None:  # the ranks ran the captured global batch; the target's is M / m_c of it
+        scale = microbatches.target / microbatches.captured
+        tokens = tokens * scale if _num(tokens) else tokens
+        flops = flops * scale if _num(flops) else flops
     per_s = median if median and median > 0 else None
     number, t0, t1 = _window(result, timed)
     breakdown = []
@@ -285,7 +294,7 @@ def _prediction(result: ReplayResult, cluster: str | None, classes: dict[int, st
     its = result.iterations()
     return {
         "provenance": provenance(cluster, any(b["host_bound_s"] is not None for b in breakdown), calibrated, fold,
-                                 method=result.method),
+                                 method=result.method, microbatches=microbatches),
         "cluster": cluster,
         "iteration_times_s": times,
         "iteration_time_s": median,

@@ -336,9 +336,11 @@ class Coordinator:
             # slot meanwhile, so it never inflates a rank's measured compute time
             self.grants.pause()
             return
+        # the job keys that change what the graph is (a micro-batch fold: the target's micro-batches replayed)
+        snapshot = {"live": True, **{k: self.job[k] for k in ("microbatches",) if k in self.job}}
         for rs, it in ready:
             seconds, note = self.predictor.answer(it, lambda path: self.write_trace(
-                path, {"live": True}, {}, incomplete="live snapshot of a running job"))
+                path, snapshot, {}, incomplete="live snapshot of a running job"))
             self._send(rs, {"t": P.PREDICTED, "iteration": it, "seconds": seconds, "note": note})
             self.grants.request(rs)
         self.predictor.waiting = [w for w in self.predictor.waiting if w not in ready]

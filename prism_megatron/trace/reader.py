@@ -17,6 +17,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from .fold import Fold, read_fold
+from .microbatches import MicrobatchFold, read_microbatches
 from .schema import (
     COLUMNS,
     DEFAULTS,
@@ -45,6 +46,8 @@ class PrismTrace:
     gpu: pa.Table = field(default_factory=SCHEMAS["gpu"].empty_table)
     #: the fold (job key "fold"): which ranks ran for real and whom the others mirror; None: all ran
     fold: Fold | None = None
+    #: the micro-batch fold (job key "microbatches"): m_c of the target's M ran per iteration; None: all ran
+    microbatches: MicrobatchFold | None = None
     # ops sorted by (rank, index) and each rank's [start, stop) rows in it, built on first use so
     # that walking all ranks is O(rows) rather than O(ranks * rows).
     _ops_by_rank: tuple[pa.Table, dict[int, tuple[int, int]]] | None = field(
@@ -153,7 +156,8 @@ def read_trace(path: str | Path) -> PrismTrace:
     fold = read_fold(manifest, path)
     if fold is not None:
         _check_live_rows(fold, tables, paths)
-    return PrismTrace(path=path, manifest=manifest, fold=fold, **tables)
+    microbatches = read_microbatches(manifest, path)
+    return PrismTrace(path=path, manifest=manifest, fold=fold, microbatches=microbatches, **tables)
 
 
 def _check_live_rows(fold: Fold, tables: dict[str, pa.Table], paths: dict[str, Path]) -> None:

@@ -1,0 +1,386 @@
+"""Every rank's program at the target's M micro-batches, from a capture of m_c of them per iteration.
+
+A micro-batch-folded trace (trace.microbatches) ran m_c of the target's M micro-batches per training
+iteration, under Megatron's non-interleaved schedules. :func:`expand_microbatches` rebuilds each
+rank's iterations at M, before rank-fold synthesis (so live, synthesised and unfolded ranks alike):
+
+- A rank's pipeline stage and PP are its place in the group of its pipeline p2p ops (Megatron
+  builds that group in stage order); a rank without p2p ops is PP1.
+- Each training iteration's units (``forward``/``backward`` spans with their micro-batch) and
+  pipeline p2p ops are cut as replay.stage_schedule cuts them, on any stage: the k-th receive from
+  the previous stage is forward k's input, the k-th send to the next its output, the k-th receive
+  from the next backward k's output gradient, the k-th send to the previous its input gradient (a
+  first stage has no previous, a last no next). Compute and markers in the gaps go with the unit or
+  op they precede. The captured order must be the plan's 1F1B for the stage at m_c
+  (``one_f_one_b(min(warmup, m_c), m_c)``).
+- Target micro-batch i takes the units and ops of captured micro-batch ``MicrobatchFold.source(i)``
+  (its own for i < m_c - 1, the steady m_c - 2 for the extra ones, the captured last for M - 1), in
+  the stage's order ``one_f_one_b(min(warmup, M), M)`` and Megatron's p2p calls (``recv_forward``,
+  ``send_forward``, ``send_forward_recv_backward``, ``send_backward_recv_forward``, ``recv_backward``,
+  ``send_backward``; the ops of a call in replay.stage_schedule's order), each call waited at its
+  end as Megatron's non-interleaved p2p waits on its requests. A wait of the trace on a p2p op of
+  the iteration is that call-end wait; a wait inside a unit on an op of the same unit is copied with
+  it; a wait inside the iteration on anything else is an error.
+- Copied ops get fresh sequence numbers: every op of a group (p2p: of a group and peer) that a copy
+  touches is renumbered in program order from the group's first number, so peers that copy alike
+  still match; a group whose numbers the trace did not give contiguously is an error.
+
+Forward-only iterations (evaluation) and anything that does not fit (a missing unit, an op that does
+not attach, an order that is not the plan's) are a ScheduleError naming the rank and micro-batch.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
+
+from .graph import Comm, Event, Graph, Group, Mark, Wait
+from .stage_schedule import RECV_NEXT, RECV_PREV, SEND_NEXT, SEND_PREV, UNITS, ScheduleError, one_f_one_b
+
+if TYPE_CHECKING:
+    from ..trace.microbatches import MicrobatchFold
+
+_STREAMS = (RECV_PREV, SEND_NEXT, RECV_NEXT, SEND_PREV)
+
+#: a slot of the rebuilt program: (old event index, instance), the instance a target unit/op key or None
+Slot = tuple[int, object]
+
+
+@dataclass(eq=False)
+class _CallWait:
+    """The wait at the end of a p2p call, on the async ops it posted."""
+
+    refs: list[Slot] = field(default_factory=list)
+
+
+@dataclass
+class _Block:
+    iteration: object
+    start: int
+    end: int
+    order: list[tuple[str, int]] = field(default_factory=list)
+    units: dict[tuple[str, int], tuple[list[int], range]] = field(default_factory=dict)
+    ops: dict[tuple[str, int], tuple[list[int], int]] = field(default_factory=dict)
+
+
+def expand_microbatches(graph: Graph, mb: MicrobatchFold) -> Graph:
+    """``graph`` (a capture of ``mb.captured`` micro-batches per iteration) with every rank's training
+    iterations at ``mb.target`` (see the module docstring); its notes say what was folded."""
+    events = {r: expand_rank(evs, graph.groups, r, mb, graph.source) for r, evs in graph.events.items()}
+    return Graph(graph.groups, events, graph.source, [*graph.notes, mb.describe()], graph.fold)
+
+
+def expand_rank(events: Sequence[Event], groups: dict[int, Group], rank: int, mb: MicrobatchFold,
+                source: str = "<graph>") -> list[Event]:
+    """Rank ``rank``'s program with its training iterations at ``mb.target`` micro-batches."""
+    return _Expander(events, groups, rank, mb, source).run()
+
+
+class _Expander:
+    def __init__(self, events: Sequence[Event], groups: dict[int, Group], rank: int, mb: MicrobatchFold,
+                 source: str) -> None:
+        self.ev, self.groups, self.rank, self.mb, self.source = events, groups, rank, mb, source
+        self.stage, self.pp, self.pp_group = self._place()
+        if self.pp != len(mb.warmup):
+            raise ScheduleError(f"{self._where()}: its pipeline has {self.pp} stage(s), the micro-batch fold's "
+                                f"warm-up names {len(mb.warmup)}")
+        self.warmup = mb.warmup[self.stage]
+        self.streams = tuple(s for s in _STREAMS if (s in (RECV_PREV, SEND_PREV) and self.stage > 0)
+                             or (s in (SEND_NEXT, RECV_NEXT) and self.stage < self.pp - 1))
+
+    def _where(self, microbatch: int | None = None) -> str:
+        mbs = f", micro-batch {microbatch}" if microbatch is not None else ""
+        return f"{self.source}: rank {self.rank}{mbs}"
+
+    def _place(self) -> tuple[int, int, int | None]:
+        """(stage, PP, group) from the rank's pipeline p2p ops."""
+        found = {ev.group for ev in self.ev if type(ev) is Comm and ev.is_p2p}
+        if not found:
+            return 0, 1, None
+        if len(found) > 1:
+            raise ScheduleError(f"{self._where()}: p2p ops on several groups {sorted(found)[:4]}: not one pipeline "
+                                "group of a non-interleaved schedule")
+        gid = found.pop()
+        ranks = list(self.groups[gid].ranks)
+        if self.rank not in ranks:
+            raise ScheduleError(f"{self._where()}: p2p ops on group {gid}, which does not hold it")
+        return ranks.index(self.rank), len(ranks), gid
+
+    def stream(self, i: int) -> str | None:
+        ev = self.ev[i]
+        if type(ev) is not Comm or not ev.is_p2p:
+            return None
+        ranks = self.groups[ev.group].ranks
+        peer = ranks.index(ev.peer) if ev.peer in ranks else -1
+        if peer == self.stage - 1:
+            return RECV_PREV if ev.kind == "recv" else SEND_PREV
+        if peer == self.stage + 1:
+            return RECV_NEXT if ev.kind == "recv" else SEND_NEXT
+        raise ScheduleError(f"{self._where()} event {i} ({ev.kind} with rank {ev.peer}) is a p2p op with a rank that "
+                            f"is not a neighbouring stage of stage {self.stage}: not a non-interleaved pipeline's")
+
+    # --- reading ------------------------------------------------------------------------------
+    def _unit_end(self, i: int) -> int:
+        name, depth = self.ev[i].name, 0
+        for j in range(i, len(self.ev)):
+            ev = self.ev[j]
+            if type(ev) is Mark and ev.name == name:
+                depth += 1 if ev.phase == "B" else -1 if ev.phase == "E" else 0
+                if depth == 0:
+                    return j
+        raise ScheduleError(f"{self._where()} event {i}: the {name} unit never ends")
+
+    def blocks(self) -> list[_Block]:
+        ev = self.ev
+        spans = []  # (iteration, eval, start, end inclusive)
+        i = 0
+        while i < len(ev):
+            e = ev[i]
+            if type(e) is Mark and e.phase == "B" and (e.name in UNITS or e.name == "forward_backward"):
+                if e.name == "forward_backward":
+                    raise ScheduleError(f"{self._where()} event {i}: a combined forward_backward unit (Megatron's "
+                                        "combined 1F1B); its micro-batches are not folded (run with "
+                                        "--prism-fold-microbatches off)")
+                j = self._unit_end(i)
+                spans.append((e.attrs.get("iteration"), bool(e.attrs.get("eval")), i, j))
+                i = j + 1
+                continue
+            i += 1
+        if not spans:
+            raise ScheduleError(f"{self._where()}: its trace has no scheduling units (forward/backward markers); its "
+                                "iterations cannot be given the target's micro-batches")
+        out: list[_Block] = []
+        run: list[tuple] = []
+        for s in [*spans, None]:
+            if run and (s is None or (s[0], s[1]) != (run[0][0], run[0][1])):
+                if run[0][1] or not any(ev[a].name == "backward" for _, _, a, _ in run):
+                    raise ScheduleError(f"{self._where()}: iteration {run[0][0]!r} runs forward units only "
+                                        "(evaluation), captured with the folded micro-batch count: run with "
+                                        "--eval-iters 0 or --prism-fold-microbatches off")
+                out.append(self._block(run))
+                run = []
+            if s is not None:
+                run.append(s)
+        return out
+
+    def _passable(self, k: int) -> bool:
+        e = self.ev[k]
+        return type(e) is not Comm and not (type(e) is Mark and e.name in (*UNITS, "iteration"))
+
+    def _block(self, run: list[tuple]) -> _Block:
+        ev, m_c = self.ev, self.mb.captured
+        start, end = run[0][2], run[-1][3] + 1
+        k = start - 1
+        while k >= 0 and (self._passable(k) or self.stream(k) == RECV_PREV):
+            if self.stream(k) == RECV_PREV:
+                start = k
+            k -= 1
+        k = end
+        while k < len(ev) and (self._passable(k) or self.stream(k) == SEND_PREV):
+            if self.stream(k) == SEND_PREV:
+                end = k + 1
+            k += 1
+        b = _Block(run[0][0], start, end)
+        lead: list[int] = []
+        counts: dict[str, int] = defaultdict(int)
+        i = start
+        while i < end:
+            e = ev[i]
+            if type(e) is Mark and e.phase == "B" and e.name in UNITS:
+                j = self._unit_end(i)
+                mbn, chunk = e.attrs.get("microbatch"), e.attrs.get("chunk") or 0
+                key = ("F" if e.name == "forward" else "B", mbn)
+                if not isinstance(mbn, int) or chunk != 0 or key in b.units or not 0 <= mbn < m_c:
+                    raise ScheduleError(f"{self._where(mbn)} event {i}: {e.name} unit (chunk {chunk!r}) of iteration "
+                                        f"{b.iteration!r} is not a non-interleaved unit of a captured micro-batch "
+                                        f"0..{m_c - 1} seen once")
+                for x in range(i, j + 1):
+                    if self.stream(x) is not None:
+                        raise ScheduleError(f"{self._where(mbn)} event {x}: a pipeline p2p op inside a {e.name} unit")
+                b.units[key] = (lead, range(i, j + 1))
+                b.order.append(key)
+                lead = []
+                i = j + 1
+                continue
+            s = self.stream(i)
+            if s is not None:
+                b.ops[(s, counts[s])] = (lead, i)
+                counts[s] += 1
+                lead = []
+            elif type(e) is Comm:
+                raise ScheduleError(f"{self._where()} event {i} ({e.kind} on group {e.group}) lies between the "
+                                    f"units of iteration {b.iteration!r} and is not a pipeline p2p op: it has no place "
+                                    "in the target's order of units")
+            else:
+                lead.append(i)
+            i += 1
+        n = sum(1 for kind, _ in b.order if kind == "F")
+        for kind in ("F", "B"):
+            missing = [x for x in range(m_c) if (kind, x) not in b.units]
+            if missing:
+                raise ScheduleError(f"{self._where(missing[0])}, iteration {b.iteration!r}: no "
+                                    f"{'forward' if kind == 'F' else 'backward'} unit; the fold captured {m_c} "
+                                    f"micro-batches per iteration (the trace shows {n} forwards)")
+        for s in _STREAMS:
+            want = m_c if s in self.streams else 0
+            if counts[s] != want:
+                raise ScheduleError(f"{self._where(min(counts[s], want))}, iteration {b.iteration!r}: {counts[s]} {s} "
+                                    f"p2p op(s) for {m_c} captured micro-batches; stage {self.stage} of {self.pp} has "
+                                    f"{want}: the ops do not attach to its units")
+        want_order = one_f_one_b(min(self.warmup, m_c), m_c)
+        if b.order != want_order:
+            at = next(x for x, (a, c) in enumerate(zip(b.order, want_order, strict=True)) if a != c)
+            raise ScheduleError(f"{self._where(b.order[at][1])}, iteration {b.iteration!r}: its units run in an order "
+                                f"that is not 1F1B for stage {self.stage} (warm-up {self.warmup}): unit {at} is "
+                                f"{b.order[at]}, the schedule's {want_order[at]}")
+        return b
+
+    # --- writing ------------------------------------------------------------------------------
+    def run(self) -> list[Event]:
+        ev = self.ev
+        blocks = self.blocks()
+        in_block: dict[int, _Block] = {}
+        body_of: dict[int, tuple[str, int]] = {}  # event index -> the captured unit whose body holds it
+        p2p: set[int] = set()
+        for b in blocks:
+            for i in range(b.start, b.end):
+                in_block[i] = b
+            for key, (_, body) in b.units.items():
+                for i in body:
+                    body_of[i] = key
+            p2p.update(i for _, i in b.ops.values())
+        slots: list[Slot | _CallWait] = []
+        at = 0
+        for b in blocks:
+            slots.extend((i, None) for i in range(at, b.start))
+            slots.extend(self._region(b))
+            at = b.end
+        slots.extend((i, None) for i in range(at, len(ev)))
+
+        insts: dict[int, list[object]] = defaultdict(list)  # old index -> the instances it appears as
+        for s in slots:
+            if not isinstance(s, _CallWait):
+                insts[s[0]].append(s[1])
+        pos: dict[Slot, int] = {}
+        kept: list[Slot | _CallWait] = []
+        for s in slots:
+            if isinstance(s, _CallWait):
+                if s.refs:
+                    kept.append(s)
+                continue
+            i, inst = s
+            e = ev[i]
+            if type(e) is Wait:
+                refs: list[Slot] = []
+                for x in e.refs:
+                    if x in p2p:
+                        continue  # waited at the end of its call
+                    if x not in in_block:
+                        refs.append((x, None))
+                    elif inst is not None and x in body_of and body_of.get(i) == body_of[x]:
+                        refs.append((x, inst))  # an op of its own unit, copied with it
+                    elif i not in in_block and i > x and x in body_of:
+                        refs.extend((x, y) for y in insts[x])  # after the iteration: every copy of the op
+                    else:
+                        raise ScheduleError(f"{self._where()} event {i}: a wait on event {x}, an op of another "
+                                            f"unit of iteration {in_block[x].iteration!r}: it cannot be placed among "
+                                            "the target's copies of the units")
+                if refs:
+                    kept.append(_CallWait(refs))
+                continue
+            pos[s] = len(kept)
+            kept.append(s)
+
+        # sequence numbers: every key with an op in an iteration region is renumbered in program order
+        touched = {self._seq_key(ev[i]) for i in in_block if type(ev[i]) is Comm}
+        first: dict[tuple, int] = {}
+        seen: dict[tuple, list[int]] = defaultdict(list)
+        for e in ev:
+            if type(e) is Comm:
+                key = self._seq_key(e)
+                if key in touched:
+                    seen[key].append(e.seq)
+        for key, seqs in seen.items():
+            if seqs != list(range(seqs[0], seqs[0] + len(seqs))):
+                peer = f" with rank {key[2]}" if len(key) > 1 else ""
+                raise ScheduleError(f"{self._where()}: ops on group {key[0]}{peer} "
+                                    f"have sequence numbers {seqs[:6]}... that are not contiguous: copies cannot be "
+                                    "numbered")
+            first[key] = seqs[0]
+        taken: dict[tuple, int] = defaultdict(int)
+        out: list[Event] = []
+        for n, s in enumerate(kept):
+            if isinstance(s, _CallWait):
+                new = tuple(sorted(pos[x] for x in s.refs))
+                if any(x >= n for x in new):
+                    raise ScheduleError(f"{self._where()}: a wait on its events {[x for x, _ in s.refs]} would precede "
+                                        "them in the target's order")
+                out.append(Wait(new))
+                continue
+            i, inst = s
+            e = ev[i]
+            if type(e) is Comm:
+                key = self._seq_key(e)
+                if key in first:
+                    seq = first[key] + taken[key]
+                    taken[key] += 1
+                    if seq != e.seq:
+                        e = replace(e, seq=seq)
+            elif type(e) is Mark and inst is not None and isinstance(e.attrs.get("microbatch"), int):
+                target = inst[1]
+                if e.attrs["microbatch"] != target:
+                    e = Mark(e.name, e.phase, {**e.attrs, "microbatch": target})
+            out.append(e)
+        return out
+
+    @staticmethod
+    def _seq_key(e: Comm) -> tuple:
+        return (e.group, e.kind, e.peer) if e.is_p2p else (e.group,)
+
+    def _region(self, b: _Block) -> list[Slot | _CallWait]:
+        """The iteration at M: the stage's 1F1B order of (copied) units and p2p calls."""
+        ev, m = self.ev, self.mb.target
+        w = min(self.warmup, m)
+        source = self.mb.source
+        out: list[Slot | _CallWait] = []
+
+        def call(*ops: tuple[str, int]) -> None:
+            wait = _CallWait()
+            for stream, k in ops:
+                if stream not in self.streams:
+                    continue
+                lead, i = b.ops[(stream, source(k))]
+                inst = (stream, k)
+                out.extend((x, inst) for x in lead)
+                out.append((i, inst))
+                if ev[i].async_op:
+                    wait.refs.append((i, inst))
+            out.append(wait)
+
+        def unit(kind: str, k: int) -> None:
+            lead, body = b.units[(kind, source(k))]
+            inst = (kind, k)
+            out.extend((x, inst) for x in lead)
+            out.extend((x, inst) for x in body)
+
+        for i in range(w):  # warm-up
+            call((RECV_PREV, i))
+            unit("F", i)
+            call((SEND_NEXT, i))
+        if m > w:
+            call((RECV_PREV, w))
+        for i in range(m - w):  # steady 1F1B
+            unit("F", w + i)
+            call((SEND_NEXT, w + i), (RECV_NEXT, i))  # send_forward_recv_backward
+            unit("B", i)
+            if i == m - w - 1:
+                call((SEND_PREV, i))  # send_backward
+            else:
+                call((SEND_PREV, i), (RECV_PREV, w + i + 1))  # send_backward_recv_forward
+        for i in range(m - w, m):  # cool-down
+            call((RECV_NEXT, i))
+            unit("B", i)
+            call((SEND_PREV, i))
+        return out

@@ -1,0 +1,128 @@
+"""Micro-batch folding: a capture of m_c micro-batches per iteration replayed at the target's M."""
+
+from __future__ import annotations
+
+import pytest
+
+from prism_megatron.calibration.costmodel import CollectiveCostModel
+from prism_megatron.calibration.profiles import load_profile
+from prism_megatron.replay import Comm, GraphError, replay
+from prism_megatron.replay.graph import Graph, Mark
+from prism_megatron.replay.microbatch_fold import expand_microbatches
+from prism_megatron.replay.stage_schedule import ScheduleError
+from prism_megatron.replay.synthesize import fold_graph
+from prism_megatron.replay.synthetic import Shape, class_fold, megatron_1f1b
+from prism_megatron.trace import TraceFormatError
+from prism_megatron.trace.microbatches import MicrobatchFold, minimum_captured, parse_microbatches
+
+COST = CollectiveCostModel(load_profile("h100-nvlink-ib400"), gpus_per_node=4)
+
+
+def _canonical(graph, rank):
+    """A rank's events with groups named by their ranks, unit markers with their micro-batch."""
+    out = []
+    for ev in graph.events[rank]:
+        if isinstance(ev, Comm):
+            out.append((ev.kind, graph.groups[ev.group].ranks, ev.seq, ev.peer, ev.root, ev.nbytes, ev.async_op,
+                        ev.label))
+        elif isinstance(ev, Mark):
+            out.append((ev.name, ev.phase, ev.attrs.get("microbatch"), ev.attrs.get("iteration")))
+        else:
+            out.append(ev)
+    return out
+
+
+def _same_times(a, b, ranks):
+    assert a.iteration_times() == b.iteration_times()
+    for r in ranks:
+        assert a.rank_end[r] == b.rank_end[r], r
+        assert a.breakdown(r) == b.breakdown(r), r
+        assert a.event_times[r] == b.event_times[r], r
+
+
+def _record(shape: Shape, captured: int) -> MicrobatchFold:
+    warmup = tuple(shape.warmup(p) for p in range(shape.pp))
+    return MicrobatchFold(shape.microbatches, captured, "1f1b" if shape.pp > 1 else "no_pipelining", warmup)
+
+
+def _shapes(pp: int, extra: int, **kw) -> tuple[Shape, Shape, MicrobatchFold]:
+    """The job at M = m_c + extra micro-batches, the same job at its minimum m_c, and the fold record."""
+    m_c = minimum_captured([pp - p - 1 for p in range(pp)])
+    full = Shape(pp=pp, microbatches=m_c + extra, **kw)
+    small = Shape(pp=pp, microbatches=m_c, **kw)
+    return full, small, _record(full, m_c)
+
+
+@pytest.mark.parametrize("pp", [1, 2, 3, 4, 5, 6, 7, 8])
+def test_expanded_capture_is_the_full_job_event_for_event_and_time_for_time(pp):
+    """Every stage's units at M from a capture of max(warm-up) + 2: the same events, the same replay."""
+    for extra, tp, dp, gpu in ((0, 1, 2, False), (1, 2, 1, True), (11, 2, 2, pp % 2 == 0)):
+        kw = dict(tp=tp, dp=dp, iterations=2, layers_per_stage=1, gpu_times=gpu)
+        full_shape, small_shape, mb = _shapes(pp, extra, **kw)
+        full, small = megatron_1f1b(full_shape), megatron_1f1b(small_shape)
+        expanded = expand_microbatches(small, mb)
+        assert mb.describe() in expanded.notes
+        for r in range(full_shape.world_size):
+            assert _canonical(expanded, r) == _canonical(full, r), (pp, extra, r)
+        _same_times(replay(expanded, COST), replay(full, COST), range(full_shape.world_size))
+
+
+@pytest.mark.parametrize("pp", [4, 6])
+def test_expansion_before_a_class_fold_synthesises_the_full_job(pp):
+    """Live ranks expanded first, then the folded middle stages restaged from them at M."""
+    full_shape, small_shape, mb = _shapes(pp, 7, tp=2, dp=2, iterations=2, layers_per_stage=1)
+    full = megatron_1f1b(full_shape)
+    folded = fold_graph(megatron_1f1b(small_shape), gpus_per_node=4, **class_fold(small_shape))
+    expanded = expand_microbatches(folded, mb)
+    assert sorted(expanded.events) == list(folded.fold.live)
+    fast = replay(expanded, COST)
+    assert "one pipeline" in fast.method
+    _same_times(fast, replay(full, COST), fast.graph.ranks)
+    everyone = replay(expanded, COST, fold_method="full")
+    _same_times(everyone, replay(full, COST), range(full_shape.world_size))
+
+
+def test_record_and_sentence():
+    mb = MicrobatchFold(64, 6, "1f1b", (3, 2, 1, 0))
+    assert mb.describe() == ("micro-batches: 6 of 64 run per iteration; 58 replayed as copies of micro-batch 4's "
+                             "forward/backward")
+    assert [mb.source(i) for i in (0, 3, 4, 5, 40, 62, 63)] == [0, 3, 4, 4, 4, 4, 5]
+    assert minimum_captured([0]) == 3 and minimum_captured([1, 0]) == 3 and minimum_captured([7, 6, 0]) == 9
+    assert parse_microbatches(mb.to_json(), "m.json") == mb
+    with pytest.raises(TraceFormatError, match=r"'job.microbatches.captured' is 4, expected an integer >= 5"):
+        parse_microbatches({**mb.to_json(), "captured": 4}, "m.json")
+    with pytest.raises(TraceFormatError, match=r"'job.microbatches.target' is 4, expected an integer >= captured"):
+        parse_microbatches({**mb.to_json(), "target": 4}, "m.json")
+    with pytest.raises(TraceFormatError, match=r"'job.microbatches.schedule' is 'interleaved'"):
+        parse_microbatches({**mb.to_json(), "schedule": "interleaved"}, "m.json")
+    with pytest.raises(TraceFormatError, match=r"'job.microbatches.version' is 2"):
+        parse_microbatches({**mb.to_json(), "version": 2}, "m.json")
+
+
+def test_what_does_not_fit_is_an_error_naming_rank_and_microbatch():
+    full_shape, small_shape, mb = _shapes(4, 3, tp=1, dp=1, iterations=1, layers_per_stage=1)
+    small = megatron_1f1b(small_shape)
+    too_many = MicrobatchFold(8, 4, "1f1b", (2, 1, 0, 0))  # the record says 4 ran; the trace holds 5
+    with pytest.raises(ScheduleError, match=r"rank 0, micro-batch 4 event \d+: forward unit .* is not a "
+                                            r"non-interleaved unit of a captured micro-batch 0..3"):
+        expand_microbatches(small, too_many)
+    assert isinstance(ScheduleError("x"), GraphError)
+    events = list(small.events[1])  # stage 1 without its micro-batch 2 backward
+    at = next(i for i, e in enumerate(events) if isinstance(e, Mark) and e.name == "backward"
+              and e.phase == "B" and e.attrs["microbatch"] == 2)
+    end = next(i for i in range(at + 1, len(events)) if isinstance(events[i], Mark) and events[i].name == "backward")
+    cut = Graph(small.groups, {**small.events, 1: events[:at] + events[end + 1:]})
+    with pytest.raises(ScheduleError, match=r"rank 1, micro-batch 2, iteration 0: no backward unit"):
+        expand_microbatches(cut, mb)
+    no_send = [e for e in small.events[2] if not (isinstance(e, Comm) and e.kind == "send" and e.peer == 3)]
+    with pytest.raises(ScheduleError, match=r"rank 2, micro-batch 0, iteration 0: 0 send_next p2p op\(s\) for 5 "
+                                            r"captured micro-batches; stage 2 of 4 has 5"):
+        expand_microbatches(Graph(small.groups, {**small.events, 2: no_send}), mb)
+    evaluation = {r: [Mark(e.name, e.phase, {**e.attrs, "eval": True}) if isinstance(e, Mark) and e.name in
+                      ("forward", "backward") else e for e in evs] for r, evs in small.events.items()}
+    with pytest.raises(ScheduleError, match=r"rank 0: iteration 0 runs forward units only \(evaluation\)"):
+        expand_microbatches(Graph(small.groups, evaluation), mb)
+    wrong = MicrobatchFold(8, 5, "1f1b", (3, 1, 1, 0))  # stage 1 ran 2 warm-up forwards, not 1
+    with pytest.raises(ScheduleError, match=r"rank 1, micro-batch 2, iteration 0: its units run in an order that "
+                                            r"is not 1F1B for stage 1 \(warm-up 1\): unit 2 is \('F', 2\)"):
+        expand_microbatches(small, wrong)

@@ -1,0 +1,157 @@
+"""``--prism-fold-microbatches`` on a real Megatron job (the core driver on CPU), and its refusals.
+
+A TP1·PP2 tiny GPT with M = 8 micro-batches per iteration, captured at its minimum m_c = 3 (warm-up 1
++ 2) and in full: the replayed graph has M forward and M backward units per stage, the report says
+what was folded and counts the target's tokens, and the per-rank peak memory is the full run's. The
+first stage's is equal to the byte. The last stage keeps each micro-batch's reduced loss (Megatron's
+``forward_data_store``) until the end of the iteration, a few bytes per micro-batch (16 B here): the
+fold's last stage is lower by those of the M - m_c micro-batches that did not run, and by nothing else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from prism_megatron.megatron import cpu_mode
+
+pytestmark = [pytest.mark.megatron,
+              pytest.mark.skipif(cpu_mode._gpu_present(), reason="CPU runs of Megatron need CPU mode")]
+
+RECIPE = str(Path(__file__).parent / "recipes" / "fold-microbatches-pp2.yaml")
+#: bytes of one micro-batch's reduced loss that the last stage holds to the end of the iteration
+LOSS_STORE_BYTES = 16
+
+
+def _run(out: Path, *extra: str, check: bool = True) -> subprocess.CompletedProcess:
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "prism_megatron", "run", "--recipe", RECIPE, "--prism-driver", "core",
+           "--prism-fold", "off", "--prism-track-memory", "on", "--prism-report", "off",
+           "--prism-trace-dir", str(out / "trace"), *extra]
+    proc = subprocess.run(cmd, cwd=out, capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    if check:
+        assert proc.returncode == 0, f"{' '.join(cmd)}:\n{proc.stdout[-2000:]}\n{proc.stderr[-5000:]}"
+    return proc
+
+
+def test_a_folded_capture_replays_the_targets_microbatches_with_its_memory(tmp_path):
+    from prism_megatron.replay import graph_from_trace
+    from prism_megatron.replay.graph import Mark
+    from prism_megatron.report.build import build_report
+    from prism_megatron.trace import read_trace
+
+    folded = _run(tmp_path / "fold", "--prism-fold-microbatches", "auto")
+    assert "prism: micro-batches: 3 of 8 run per iteration" in folded.stderr
+    _run(tmp_path / "full", "--prism-fold-microbatches", "off")
+    trace = read_trace(tmp_path / "fold" / "trace")
+    mb = trace.microbatches
+    assert (mb.target, mb.captured, mb.schedule, mb.warmup) == (8, 3, "1f1b", (1, 0))
+    assert read_trace(tmp_path / "full" / "trace").microbatches is None
+    captured = trace.marks.to_pylist()
+    assert sum(1 for m in captured if m["name"] == "forward" and m["phase"] == "B" and m["rank"] == 0) == 3 * 2
+    graph = graph_from_trace(trace)
+    for r, events in graph.events.items():
+        for kind in ("forward", "backward"):
+            units = [(e.attrs["iteration"], e.attrs["microbatch"]) for e in events
+                     if isinstance(e, Mark) and e.name == kind and e.phase == "B"]
+            assert units == [(it, i) for it in (1, 2) for i in range(8)], (r, kind, units)
+
+    cluster = "h100-nvlink-ib400"
+    fold_report = build_report(tmp_path / "fold" / "trace", cluster)
+    full_report = build_report(tmp_path / "full" / "trace", cluster)
+    pred = fold_report["prediction"]
+    assert ("micro-batches: 3 of 8 run per iteration; 5 replayed as copies of micro-batch 1's forward/backward"
+            in pred["provenance"])
+    target_tokens = 8 * 1 * 32  # M x micro batch x sequence: the target's global batch, not the captured 3
+    assert pred["tokens_per_s"] * pred["iteration_time_s"] == pytest.approx(target_tokens)
+    full_pred = full_report["prediction"]
+    assert full_pred["tokens_per_s"] * full_pred["iteration_time_s"] == pytest.approx(target_tokens)
+    assert pred["tflops_per_gpu"] / pred["tokens_per_s"] == pytest.approx(
+        full_pred["tflops_per_gpu"] / full_pred["tokens_per_s"])
+
+    got = {e["rank"]: e["max_allocated"] for e in fold_report["memory"]["ranks"]}
+    want = {e["rank"]: e["max_allocated"] for e in full_report["memory"]["ranks"]}
+    assert got[0] == want[0], (got, want)  # first stage: to the byte
+    assert 0 <= want[1] - got[1] <= (mb.target - mb.captured) * LOSS_STORE_BYTES, (got, want)
+
+
+def test_a_count_below_the_minimum_is_refused_naming_it(tmp_path):
+    proc = _run(tmp_path, "--prism-fold-microbatches", "2", check=False)
+    assert proc.returncode != 0
+    assert ("--prism-fold-microbatches 2: 2 micro-batches per iteration is below the minimum 3 (largest warm-up 1 "
+            "+ 2, at least 3)") in proc.stderr
+    assert not (tmp_path / "trace" / "manifest.json").exists()
+
+
+def _args(**kw) -> argparse.Namespace:
+    base = dict(tensor_model_parallel_size=1, pipeline_model_parallel_size=4, num_layers=4, hidden_size=32,
+                num_attention_heads=2, micro_batch_size=2, global_batch_size=64, train_iters=2, eval_iters=0,
+                eval_interval=1000, rampup_batch_size=None, train_samples=None)
+    return argparse.Namespace(**{**base, **kw})
+
+
+def test_choose_microbatches_rewrites_the_global_batch_once_and_refuses_what_it_cannot_fold():
+    from prism_megatron.megatron.microbatch_mode import MicrobatchModeError, choose_microbatches
+
+    said: list[str] = []
+
+    def choose(value: str, **kw):
+        return choose_microbatches(value, Path("pretrain_gpt.py"), ["--x"], 8, args=_args(**kw), say=said.append)
+
+    argv, record = choose("auto")  # PP4 x DP2, micro batch 2: M = 64 / 4 = 16; warm-up 3 -> m_c = 5
+    assert argv == ["--x", "--global-batch-size", str(5 * 2 * 2)]
+    assert (record["target"], record["captured"], record["warmup"]) == (16, 5, [3, 2, 1, 0])
+    argv, record = choose("7")
+    assert argv[-1] == str(7 * 2 * 2) and record["captured"] == 7
+    assert choose("off") == (["--x"], None)
+    assert choose("auto", global_batch_size=20) == (["--x"], None)  # M = 5: nothing beyond the minimum
+    assert "all 5 run per iteration" in said[-1]
+    for value, kw, match in [
+        ("4", {}, r"--prism-fold-microbatches 4: 4 micro-batches per iteration is below the minimum 5"),
+        ("17", {}, r"17 micro-batches per iteration is more than the target's 16"),
+        ("auto", {"rampup_batch_size": [8, 8, 100]}, r"--rampup-batch-size 8 8 100: the micro-batch count changes"),
+        ("auto", {"virtual_pipeline_model_parallel_size": 2, "num_layers": 8},
+         r"an interleaved pipeline \(VPP2\) is not yet folded by micro-batch: run with --prism-fold-microbatches off"),
+        ("auto", {"train_samples": 640}, r"--train-samples 640: the iteration count follows from the global batch"),
+        ("auto", {"eval_iters": 2, "eval_interval": 1}, r"--eval-iters 2 with --eval-interval 1"),
+        ("many", {}, r"--prism-fold-microbatches 'many': expected auto, off or a number"),
+    ]:
+        with pytest.raises(MicrobatchModeError, match=match):
+            choose(value, **kw)
+
+
+def test_a_class_fold_of_a_microbatch_folded_capture_gives_the_folded_stage_the_targets_microbatches(tmp_path):
+    """TP1·PP4 at M = 16 captured with m_c = 5 and its middle stage 2 folded onto stage 1: the synthesised
+    stage 2 runs 16 forward and 16 backward units per iteration in its own 1F1B order (warm-up 1)."""
+    from prism_megatron.replay import replay
+    from prism_megatron.replay.graph import Mark, graph_from_trace
+    from prism_megatron.replay.stage_schedule import one_f_one_b
+    from prism_megatron.replay.synthesize import synthesize
+    from prism_megatron.trace import read_trace
+
+    recipe = str(Path(__file__).parent / "recipes" / "fold-class-tp1pp4.yaml")
+    out = tmp_path / "run"
+    out.mkdir()
+    cmd = [sys.executable, "-m", "prism_megatron", "run", "--recipe", recipe, "--prism-driver", "core",
+           "--prism-fold", "on", "--prism-fold-depth", "class", "--prism-fold-microbatches", "auto",
+           "--prism-report", "off", "--prism-trace-dir", str(out / "trace"), "--global-batch-size", "16"]
+    proc = subprocess.run(cmd, cwd=out, capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    trace = read_trace(out / "trace")
+    assert trace.fold.live == (0, 1, 3) and (trace.microbatches.target, trace.microbatches.captured) == (16, 5)
+    graph = graph_from_trace(trace)
+    synth = synthesize(graph)
+    for r, warmup in ((1, 2), (2, 1), (3, 0)):
+        order = [("F" if e.name == "forward" else "B", e.attrs["microbatch"]) for e in synth.events[r]
+                 if isinstance(e, Mark) and e.name in ("forward", "backward") and e.phase == "B"
+                 and e.attrs["iteration"] == 2]
+        assert order == one_f_one_b(warmup, 16), r
+    result = replay(graph)
+    assert "one pipeline" in result.method and len(result.iteration_times()) == 2
