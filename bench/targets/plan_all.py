@@ -1,0 +1,86 @@
+"""What each target recipe would need on one emulation machine, before any device time is spent.
+
+For every recipe in ``prism_megatron/recipes/targets/`` this runs ``prism-megatron plan --recipe NAME
+--json`` against a machine given by its device and host memory (default: one H200, 139 GiB, and the
+115 GiB of host RAM the GPU machine leaves free), and prints one row per recipe: layout, fold depth,
+live ranks of all, the memory one sandbox rank needs by Megatron's formula (weights and optimizer,
+activations), whether the sandbox fits and why not, and the plan's rough emulation time.
+
+Megatron's formula lives in ``megatron.training`` (Megatron-LM, not the megatron-core wheel): give a
+checkout or an archive made by ``bench/peer/run_peer_suite.py --pack`` with ``--megatron-lm``, or let
+it fetch the pinned tag into the user's cache. Run with a Python whose megatron-core matches the tag:
+
+    python bench/targets/plan_all.py --megatron-lm .peer-cache/megatron-lm-core_v0.19.0.tar.gz --out OUT.txt
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent.parent
+sys.path.insert(0, str(REPO / "bench" / "peer"))
+from run_peer_suite import TAG, megatron_checkout  # noqa: E402
+
+GIB = 1 << 30
+
+
+def plan(name: str, checkout: Path, device_gib: float, host_gib: float) -> dict:
+    """The plan's JSON for recipe ``name`` (a refused plan's too: it says why), or {'error': ...}."""
+    env = dict(os.environ, MEGATRON_LM_PATH=str(checkout),
+               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    cmd = [sys.executable, "-m", "prism_megatron", "plan", "--recipe", f"targets-{name}", "--prism-devices", "0",
+           "--prism-device-memory", str(device_gib), "--prism-host-memory", str(host_gib), "--json"]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+    try:
+        return json.loads(p.stdout)
+    except json.JSONDecodeError:
+        return {"error": (p.stderr.strip().splitlines() or ["no output"])[-1]}
+
+
+def row(name: str, d: dict) -> list[str]:
+    if "error" in d:
+        return [name, "-", "-", "-", "-", "-", "-", f"error: {d['error']}"]
+    m, fold = d["memory"], d.get("fold") or {}
+    live = fold.get("live") or []
+    gib = (lambda k: "-" if m.get(k) is None else f"{m[k] / GIB:.1f}")
+    fits = {True: "fits", False: "does not fit", None: "unknown"}[m.get("fits")]
+    depth = (d.get("fold_depth") or "").split(" ")[1] if d.get("fold_depth") else "-"
+    return [name, d["layout"], depth, f"{len(live)} of {fold.get('world_size', '?')}", gib("per_rank"),
+            f"{gib('weight_and_optimizer')} + {gib('activation')}", f"{d['time']['seconds'] / 60:.0f} min",
+            fits + ("" if m.get("fits") else f": {m.get('why')}")]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--megatron-lm", help=f"Megatron-LM checkout or --pack archive (default: fetch {TAG})")
+    ap.add_argument("--device-memory", type=float, default=139.0, help="GiB of the emulation GPU")
+    ap.add_argument("--host-memory", type=float, default=115.0, help="GiB of host RAM the emulation may use")
+    ap.add_argument("--out", type=Path, help="also write the table here")
+    a = ap.parse_args()
+    checkout = megatron_checkout(a.megatron_lm, TAG)
+    names = sorted(p.stem for p in (REPO / "prism_megatron" / "recipes" / "targets").glob("*.yaml"))
+    head = ["recipe", "layout", "depth", "live", "GiB/rank", "weights+opt + activ.", "emulation", "sandbox here"]
+    rows = []
+    for i, name in enumerate(names, 1):
+        print(f"[{i}/{len(names)}] plan {name}", file=sys.stderr, flush=True)
+        rows.append(row(name, plan(name, checkout, a.device_memory, a.host_memory)))
+    widths = [max(len(r[c]) for r in [head, *rows]) for c in range(len(head) - 1)]
+    lines = [f"# python bench/targets/plan_all.py --device-memory {a.device_memory:g} --host-memory {a.host_memory:g}"
+             f"  (Megatron-LM {TAG}'s formula)"]
+    for r in [head, *rows]:
+        lines.append("  ".join(x.ljust(w) for x, w in zip(r, widths, strict=False)) + "  " + r[-1])
+    text = "\n".join(lines) + "\n"
+    print(text, end="")
+    if a.out:
+        tmp = a.out.with_name(a.out.name + ".tmp")
+        tmp.write_text(text)
+        tmp.replace(a.out)
+
+
+if __name__ == "__main__":
+    main()
