@@ -104,6 +104,7 @@ def plan_cmd(args: tuple[str, ...]) -> None:
 
     from prism_megatron.megatron.fold import FoldError
     from prism_megatron.megatron.megatron_args import ArgsError
+    from prism_megatron.megatron.microbatch_mode import MicrobatchModeError, choose_microbatches
     from prism_megatron.megatron.plan import make_plan, plan_json, render_plan
     from prism_megatron.megatron.run import RunError, parse_run_args
     from prism_megatron.recipe import RecipeError
@@ -122,17 +123,23 @@ def plan_cmd(args: tuple[str, ...]) -> None:
         o = request.options
         if o.get("prism_world_size") is None:
             raise RunError("plan needs --prism-world-size W (the target job's number of ranks) or --recipe")
-        plan = make_plan(request.script, request.script_args, int(o["prism_world_size"]),
+        said: list[str] = []  # micro-batch folding: the plan is of the command the ranks will run
+        script_args, microbatches = choose_microbatches(
+            o["prism_fold_microbatches"], request.script, request.script_args, int(o["prism_world_size"]),
+            o["prism_gpus_per_node"], env=request.env, say=said.append)
+        plan = make_plan(request.script, script_args, int(o["prism_world_size"]),
                          parse_devices(o["prism_devices"]), o["prism_gpus_per_node"], o["prism_device_memory"],
                          o["prism_host_memory"], o["prism_swap"], env=request.env,
                          source=o.get("prism_recipe") or str(request.script), fold_depth=o["prism_fold_depth"])
-    except (RunError, RecipeError, LaunchError) as e:
+    except (RunError, RecipeError, LaunchError, MicrobatchModeError) as e:
         raise click.UsageError(str(e)) from None
     except (FoldError, ArgsError) as e:
         raise click.ClickException(str(e)) from None
     if as_json:
-        click.echo(json.dumps(plan_json(plan), indent=1))
+        click.echo(json.dumps(plan_json(plan, microbatches), indent=1))
     else:
+        for line in said:
+            click.echo(line)
         render_plan(plan, Console(width=120, soft_wrap=True))
     if plan.memory.get("fits") is False:
         raise click.ClickException(f"the sandbox does not fit here: {plan.memory['why']}")

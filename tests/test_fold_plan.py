@@ -194,7 +194,8 @@ def test_plan_cli_8192_rank_command_json():
                                        "--prism-fold-depth", "replica", "--", str(CORE_DRIVER_SCRIPT), *TINY_GPT])
     assert result.exit_code == 0, result.output
     out = json.loads(result.stdout)  # stdout only: warnings go to stderr
-    assert out["version"] == 1 and out["layout"] == "TP2·PP4·DP1024 = 8192 ranks"
+    assert out["version"] == 2 and out["layout"] == "TP2·PP4·DP1024 = 8192 ranks"
+    assert out["microbatches"] is None  # every micro-batch runs unless --prism-fold-microbatches says otherwise
     assert out["fold_depth"] == "replica (asked)"
     fold = FoldPlan.from_json(out["fold"])
     assert fold.world_size == 8192 and len(fold.live) == 8 and fold.depth == "replica"
@@ -279,3 +280,21 @@ def test_args_with_an_axis_the_fold_does_not_know_are_refused():
     args.gtp_weight_remat_size = 1
     layout = layout_from_args(args, 16, gpus_per_node=4)
     assert (layout.tp, layout.pp, layout.dp, layout.etp, layout.gpus_per_node) == (2, 2, 4, 2, 4)
+
+
+def test_plan_says_what_micro_batch_folding_will_run_and_plans_that_command():
+    """GBS 1024 over DP1024 is one micro-batch per pipeline: nothing to fold; GBS 16,384 is 16, of which
+    the minimum (the largest 1F1B warm-up, 3 at PP4, + 2) runs and the plan is of that command."""
+    base = ["plan", "--json", "--prism-world-size", "8192", "--devices", "cpu", "--prism-fold-depth", "replica"]
+    big = [*TINY_GPT[:TINY_GPT.index("--global-batch-size") + 1], "16384",
+           *TINY_GPT[TINY_GPT.index("--global-batch-size") + 2:]]
+    result = CliRunner().invoke(main, [*base, "--prism-fold-microbatches", "auto", "--", str(CORE_DRIVER_SCRIPT),
+                                       *big])
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.stdout)
+    assert out["microbatches"]["target"] == 16 and out["microbatches"]["captured"] == 5
+    folded_flops = out["time"]["sandbox_flops_per_iteration"]
+    result = CliRunner().invoke(main, [*base, "--", str(CORE_DRIVER_SCRIPT), *big])
+    assert json.loads(result.stdout)["time"]["sandbox_flops_per_iteration"] == pytest.approx(folded_flops * 16 / 5)
+    result = CliRunner().invoke(main, [*base, "--prism-fold-microbatches", "4", "--", str(CORE_DRIVER_SCRIPT), *big])
+    assert result.exit_code != 0 and "below the minimum 5" in result.output

@@ -18,7 +18,7 @@ from prism_megatron.megatron.megatron_args import ESTIMATE_KEY, parse_megatron_a
 
 __all__ = ["PLAN_JSON_VERSION", "PlanError", "Plan", "make_plan", "plan_json", "render_plan", "ROUGH_TIME_MODEL"]
 
-PLAN_JSON_VERSION = 1
+PLAN_JSON_VERSION = 2  # 2: microbatches (the micro-batch fold's record, or null)
 GiB = 1 << 30
 #: Host memory of one live rank's process besides its GPU state (Python, torch, Megatron, the
 #: runtime's buffers); rough, and on CPU devices added to the rank's state.
@@ -166,11 +166,12 @@ def make_plan(script: Any, script_args: list[str], world_size: int, devices: lis
     return plan
 
 
-def plan_json(plan: Plan) -> dict[str, Any]:
-    """The plan for programs (``plan --json``); ``fold`` is ``FoldPlan.to_json()``."""
+def plan_json(plan: Plan, microbatches: dict | None = None) -> dict[str, Any]:
+    """The plan for programs (``plan --json``); ``fold`` is ``FoldPlan.to_json()``, ``microbatches`` the
+    trace's ``job.microbatches`` record the run would write (None: every micro-batch runs)."""
     return {"version": PLAN_JSON_VERSION, "source": plan.source, "layout": plan.layout.describe(),
             "devices": plan.devices, "iterations": plan.iterations, "memory": plan.memory, "time": plan.time,
-            "fold_depth": plan.depth_note, "fold": plan.fold.to_json()}
+            "fold_depth": plan.depth_note, "fold": plan.fold.to_json(), "microbatches": microbatches}
 
 
 def _ranks(ranks: list[int], limit: int = 12) -> str:
