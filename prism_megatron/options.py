@@ -148,7 +148,8 @@ class RunOnlyOptions:
     'off' runs M. The minimum is the largest pipeline warm-up + 2 (PP1: 3): every stage runs its whole
     warm-up, a steady forward/backward pair and its own first and last micro-batch, and the activations in
     flight are bounded by the warm-up, so the captured peak memory is the target's. Megatron's
-    non-interleaved schedules only (interleaved pipelines and batch-size ramp-up are refused)."""
+    non-interleaved schedules only ('auto' runs every micro-batch of an interleaved pipeline, saying so; N
+    there, and batch-size ramp-up, are refused)."""
 
     calibrate: Literal["off", "on"] = "off"
     """After the run, calibrate: re-run the job once per slice (coupled groups such as TP kept whole)

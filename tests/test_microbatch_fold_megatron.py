@@ -112,11 +112,13 @@ def test_choose_microbatches_rewrites_the_global_batch_once_and_refuses_what_it_
     assert choose("off") == (["--x"], None)
     assert choose("auto", global_batch_size=20) == (["--x"], None)  # M = 5: nothing beyond the minimum
     assert "all 5 run per iteration" in said[-1]
+    assert choose("auto", virtual_pipeline_model_parallel_size=2, num_layers=8) == (["--x"], None)  # said, not refused
+    assert "VPP2, is not yet folded by micro-batch" in said[-1]
     for value, kw, match in [
         ("4", {}, r"--prism-fold-microbatches 4: 4 micro-batches per iteration is below the minimum 5"),
         ("17", {}, r"17 micro-batches per iteration is more than the target's 16"),
         ("auto", {"rampup_batch_size": [8, 8, 100]}, r"--rampup-batch-size 8 8 100: the micro-batch count changes"),
-        ("auto", {"virtual_pipeline_model_parallel_size": 2, "num_layers": 8},
+        ("5", {"virtual_pipeline_model_parallel_size": 2, "num_layers": 8},
          r"an interleaved pipeline \(VPP2\) is not yet folded by micro-batch: run with --prism-fold-microbatches off"),
         ("auto", {"train_samples": 640}, r"--train-samples 640: the iteration count follows from the global batch"),
         ("auto", {"eval_iters": 2, "eval_interval": 1}, r"--eval-iters 2 with --eval-interval 1"),

@@ -82,6 +82,10 @@ def choose_microbatches(value: str, script: Path, script_args: list[str], world_
         schedule = pipeline_schedule(layout)
     except FoldError as e:
         raise MicrobatchModeError(f"{flag}: {e}") from None
+    if layout.vpp and layout.vpp > 1 and mode == "auto":
+        say(f"micro-batches auto: all run per iteration (an interleaved pipeline, VPP{layout.vpp}, is not yet "
+            "folded by micro-batch)")
+        return list(script_args), None
     if layout.vpp and layout.vpp > 1:
         raise MicrobatchModeError(f"{flag}: an interleaved pipeline (VPP{layout.vpp}) is not yet folded by "
                                   "micro-batch: run with --prism-fold-microbatches off")
