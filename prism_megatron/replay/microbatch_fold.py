@@ -37,7 +37,17 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from .graph import Comm, Event, Graph, Group, Mark, Wait
-from .stage_schedule import RECV_NEXT, RECV_PREV, SEND_NEXT, SEND_PREV, UNITS, ScheduleError, one_f_one_b
+from .stage_schedule import (
+    RECV_NEXT,
+    RECV_PREV,
+    SEND_NEXT,
+    SEND_PREV,
+    UNITS,
+    ScheduleError,
+    one_f_one_b,
+    unit_end,
+    unit_spans,
+)
 
 if TYPE_CHECKING:
     from ..trace.microbatches import MicrobatchFold
@@ -123,31 +133,12 @@ class _Expander:
 
     # --- reading ------------------------------------------------------------------------------
     def _unit_end(self, i: int) -> int:
-        name, depth = self.ev[i].name, 0
-        for j in range(i, len(self.ev)):
-            ev = self.ev[j]
-            if type(ev) is Mark and ev.name == name:
-                depth += 1 if ev.phase == "B" else -1 if ev.phase == "E" else 0
-                if depth == 0:
-                    return j
-        raise ScheduleError(f"{self._where()} event {i}: the {name} unit never ends")
+        return unit_end(self.ev, i, self._where())
 
     def blocks(self) -> list[_Block]:
         ev = self.ev
-        spans = []  # (iteration, eval, start, end inclusive)
-        i = 0
-        while i < len(ev):
-            e = ev[i]
-            if type(e) is Mark and e.phase == "B" and (e.name in UNITS or e.name == "forward_backward"):
-                if e.name == "forward_backward":
-                    raise ScheduleError(f"{self._where()} event {i}: a combined forward_backward unit (Megatron's "
-                                        "combined 1F1B); its micro-batches are not folded (run with "
-                                        "--prism-fold-microbatches off)")
-                j = self._unit_end(i)
-                spans.append((e.attrs.get("iteration"), bool(e.attrs.get("eval")), i, j))
-                i = j + 1
-                continue
-            i += 1
+        spans = unit_spans(ev, self._where(),
+                           "its micro-batches are not folded (run with --prism-fold-microbatches off)")
         if not spans:
             raise ScheduleError(f"{self._where()}: its trace has no scheduling units (forward/backward markers); its "
                                 "iterations cannot be given the target's micro-batches")

@@ -67,6 +67,38 @@ class ScheduleError(GraphError):
     """A folded stage's own program cannot be rebuilt from its representative's trace."""
 
 
+def unit_end(events: Sequence[Event], i: int, where: str) -> int:
+    """The index of the marker that ends the unit ``events[i]`` begins (units of one name may nest)."""
+    name, depth = events[i].name, 0
+    for j in range(i, len(events)):
+        ev = events[j]
+        if type(ev) is Mark and ev.name == name:
+            depth += 1 if ev.phase == "B" else -1 if ev.phase == "E" else 0
+            if depth == 0:
+                return j
+    raise ScheduleError(f"{where} event {i}: the {name} unit never ends")
+
+
+def unit_spans(events: Sequence[Event], where: str, combined: str) -> list[tuple[object, bool, int, int]]:
+    """(iteration, eval, first index, last index) of every scheduling unit of a rank's events, in order.
+    A combined ``forward_backward`` unit (Megatron's combined 1F1B) is a ScheduleError ending in ``combined``
+    (what the caller cannot do with it)."""
+    spans = []
+    i = 0
+    while i < len(events):
+        e = events[i]
+        if type(e) is Mark and e.phase == "B" and (e.name in UNITS or e.name == "forward_backward"):
+            if e.name == "forward_backward":
+                raise ScheduleError(f"{where} event {i}: a combined forward_backward unit (Megatron's combined "
+                                    f"1F1B); {combined}")
+            j = unit_end(events, i, where)
+            spans.append((e.attrs.get("iteration"), bool(e.attrs.get("eval")), i, j))
+            i = j + 1
+            continue
+        i += 1
+    return spans
+
+
 def schedule_table(microbatches: int, chunks: int, group: int) -> list[tuple[int, int]]:
     """Megatron's interleaved schedule table (``get_schedule_table`` in
     ``megatron.core.pipeline_parallel.schedules``): per virtual microbatch, its (microbatch, chunk).
@@ -272,31 +304,12 @@ class _Restager:
 
     # --- reading the representative ---------------------------------------------------------------
     def _unit_end(self, i: int) -> int:
-        name, depth = self.ev[i].name, 0
-        for j in range(i, len(self.ev)):
-            ev = self.ev[j]
-            if type(ev) is Mark and ev.name == name:
-                depth += 1 if ev.phase == "B" else -1 if ev.phase == "E" else 0
-                if depth == 0:
-                    return j
-        raise ScheduleError(f"{self._where()} event {i}: the {name} unit never ends")
+        return unit_end(self.ev, i, self._where())
 
     def blocks(self) -> list[_Block]:
         """The iterations to rebuild: consecutive training units of one iteration."""
         ev = self.ev
-        spans = []  # (iteration, eval, start, end inclusive)
-        i = 0
-        while i < len(ev):
-            e = ev[i]
-            if type(e) is Mark and e.phase == "B" and (e.name in UNITS or e.name == "forward_backward"):
-                if e.name == "forward_backward":
-                    raise ScheduleError(f"{self._where()} event {i}: a combined forward_backward unit (Megatron's "
-                                        "combined 1F1B); a folded stage's order of such units is not rebuilt")
-                j = self._unit_end(i)
-                spans.append((e.attrs.get("iteration"), bool(e.attrs.get("eval")), i, j))
-                i = j + 1
-                continue
-            i += 1
+        spans = unit_spans(ev, self._where(), "a folded stage's order of such units is not rebuilt")
         if not spans:
             raise ScheduleError(f"{self._where()}: its trace has no scheduling units (forward/backward markers, "
                                 "which Megatron's schedules emit); a folded pipeline stage's own order of units "
