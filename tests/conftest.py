@@ -54,3 +54,11 @@ def launch_source(tmp_path: Path, source: str, world_size: int = 2, slots_per_de
                                slots_per_device=slots_per_device, **options).validate())
     assert code == 0, f"exit {code}; logs in {trace}.logs"
     return read_trace(trace)
+
+
+@pytest.fixture(scope="session")
+def megatron_runs(tmp_path_factory):
+    """Megatron captures shared by the files that read them: each distinct command runs once (megatron_runs.py)."""
+    from megatron_runs import Captures
+
+    return Captures(tmp_path_factory.mktemp("megatron-runs"))
