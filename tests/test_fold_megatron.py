@@ -165,7 +165,7 @@ def test_a_recipes_substitutions_go_into_the_trace_job():
 
 
 @MEGATRON
-def test_fold_auto_runs_a_program_the_plan_cannot_read_in_full_and_on_refuses_it(tmp_path):
+def test_fold_auto_runs_a_program_the_plan_cannot_read_in_full_and_on_refuses_it(tmp_path, parse_each_command_once):
     from prism_megatron.launcher.config import LaunchConfig
     from prism_megatron.megatron.fold_mode import FoldModeError, choose_fold
 
