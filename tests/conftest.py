@@ -54,3 +54,38 @@ def launch_source(tmp_path: Path, source: str, world_size: int = 2, slots_per_de
                                slots_per_device=slots_per_device, **options).validate())
     assert code == 0, f"exit {code}; logs in {trace}.logs"
     return read_trace(trace)
+
+
+@pytest.fixture(scope="session")
+def megatron_runs(tmp_path_factory):
+    """Megatron captures shared by the files that read them: each distinct command runs once (megatron_runs.py)."""
+    from megatron_runs import Captures
+
+    return Captures(tmp_path_factory.mktemp("megatron-runs"))
+
+
+@pytest.fixture
+def parse_each_command_once(monkeypatch):
+    """Within a test, planning reads Megatron's parse of a command once (a child interpreter that imports
+    Megatron: seconds); planning the same command again, say under another fold mode, gets that parse's
+    namespace (a copy) or its error again. Returns the parses made, by command."""
+    import argparse
+
+    from prism_megatron.megatron import plan
+
+    real = plan.parse_megatron_args
+    parsed: dict[tuple, object] = {}
+
+    def once(script, script_args, world_size, env=None, **kw):
+        key = (str(script), tuple(script_args), world_size, tuple(sorted((env or {}).items())), tuple(sorted(kw)))
+        if key not in parsed:
+            try:
+                parsed[key] = real(script, script_args, world_size, env, **kw)
+            except Exception as e:  # given again, as the parser would give it again
+                parsed[key] = e
+        if isinstance(parsed[key], Exception):
+            raise parsed[key]
+        return argparse.Namespace(**vars(parsed[key]))
+
+    monkeypatch.setattr(plan, "parse_megatron_args", once)
+    return parsed

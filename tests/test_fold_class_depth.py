@@ -314,7 +314,7 @@ def test_plan_cli_shows_three_live_ranks_for_an_8b_shaped_tp2_pp4_job():
         assert row in text
 
 
-def test_run_passes_the_depth_to_the_fold_and_refuses_class_depth_for_moe():
+def test_run_passes_the_depth_to_the_fold_and_refuses_class_depth_for_moe(parse_each_command_once):
     from prism_megatron.megatron.fold_mode import FoldModeError, choose_fold
     from prism_megatron.megatron.run import launch_config, parse_run_args
 

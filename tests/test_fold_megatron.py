@@ -7,47 +7,28 @@ loss is replica 0's loss where the full run averages replicas that read differen
 within the spread of per-sample losses of a freshly initialised model (log(vocab) ~ 6.9): 2% here.
 """
 
-import json
 import math
-import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from prism_megatron.megatron import cpu_mode
 
-pytestmark = [pytest.mark.megatron,  # runs megatron-core: CI also runs it on the second stack (.ci/run)
-              pytest.mark.skipif(cpu_mode._gpu_present(), reason="CPU runs of Megatron need CPU mode")]
+pytestmark = pytest.mark.skipif(cpu_mode._gpu_present(), reason="CPU runs of Megatron need CPU mode")
+# runs megatron-core: CI also runs it on the second stack (.ci/run). Every test here but three variants, which
+# run on the first stack only: the 8,192-rank fold (the 1,024-rank fold's Megatron code and 8 live ranks, at
+# prism's scale), TP2·PP2·DP2 folded (TP2·PP2·DP4's model and replica fold, one virtual replica instead of
+# three) and batched p2p under VPP (overlapped p2p, Megatron-LM's default there, runs on both stacks).
+MEGATRON = pytest.mark.megatron
 
 RECIPES = Path(__file__).parent / "recipes"
 LOSS_RTOL = 0.02
-
-
-def _run(out: Path, recipe: str, fold: str, *extra: str, timeout: int = 300, check: bool = True,
-         depth: str = "replica") -> dict:
-    """Run ``recipe`` folded (``fold``) at ``depth``: replica here, the sandbox these comparisons were made
-    for (class depth folds middle pipeline stages, whose p2p with a live neighbour is another rule's)."""
-    out.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "prism_megatron", "run", "--recipe", recipe, "--prism-driver", "core",
-           "--prism-fold", fold, "--prism-fold-depth", depth, "--prism-report", "off", "--prism-track-memory", "on",
-           "--prism-trace-dir", str(out / "trace"), *extra]
-    env = dict(os.environ, PRISM_MEGATRON_METRICS=str(out / "metrics.jsonl"), OMP_NUM_THREADS="1")
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=out, capture_output=True, text=True, timeout=timeout, env=env)
-    wall = time.perf_counter() - t0
-    if check:
-        assert proc.returncode == 0, f"{' '.join(cmd)}:\n{proc.stdout[-2000:]}\n{proc.stderr[-5000:]}"
-    metrics = {}
-    if (out / "metrics.jsonl").exists():
-        for line in (out / "metrics.jsonl").read_text().splitlines():
-            r = json.loads(line)
-            metrics[(r["rank"], r["iteration"])] = r["loss"].get("lm loss")
-    return {"code": proc.returncode, "output": proc.stdout + proc.stderr, "trace": out / "trace", "wall": wall,
-            "metrics": metrics}
+# Runs: ``megatron_runs.run`` (conftest), each distinct command once per session. Folds are at replica depth
+# unless a test asks for class depth: the sandbox the comparisons were made for (class depth folds middle
+# pipeline stages, whose p2p with a live neighbour is another rule's).
 
 
 def _class_peaks(trace_dir: Path, fold) -> dict[str, int]:
@@ -62,7 +43,7 @@ def _class_peaks(trace_dir: Path, fold) -> dict[str, int]:
 
 
 def _losses(metrics: dict) -> dict[int, float]:
-    return {it: loss for (_, it), loss in metrics.items() if loss is not None}
+    return {it: loss["lm loss"] for (_, it), (loss, _) in metrics.items() if loss.get("lm loss") is not None}
 
 
 CASES = {
@@ -73,12 +54,12 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_a_folded_mini_recipe_matches_its_full_capture(case, tmp_path):
+@pytest.mark.parametrize("case", [pytest.param(c, marks=() if c == "tp2pp2dp2" else MEGATRON) for c in CASES])
+def test_a_folded_mini_recipe_matches_its_full_capture(case, megatron_runs):
     from prism_megatron.trace import read_trace
 
-    folded = _run(tmp_path / "fold", CASES[case], "on")
-    full = _run(tmp_path / "full", CASES[case], "off")
+    folded = megatron_runs.run(CASES[case], "on")
+    full = megatron_runs.run(CASES[case], "off")  # also test_megatron_emulation's capture of the case
     fold = read_trace(folded["trace"]).fold
     assert fold is not None and len(fold.live) < fold.world_size, folded["output"][-2000:]
     assert "prism: fold: " in folded["output"] and "classes:" in folded["output"]
@@ -99,6 +80,7 @@ def test_a_folded_mini_recipe_matches_its_full_capture(case, tmp_path):
         assert fold.contributions.get("all_gather", {}).get("keep", 0) > 0, fold.contributions
 
 
+@MEGATRON
 def test_moe_ep4_pp2_folds_to_the_whole_job(tmp_path):
     """EP4 spans all four DP indices, so the v1 sandbox (whole expert groups) is the whole job: the
     run says so and captures every rank."""
@@ -114,15 +96,17 @@ def test_moe_ep4_pp2_folds_to_the_whole_job(tmp_path):
     assert any("the sandbox is the whole job (8 ranks)" in s for s in said), said
 
 
-@pytest.mark.parametrize("recipe, world, live", [("fold-scale-tp2pp4dp128", 1024, 8),
-                                                 ("fold-scale-tp2pp4dp1024", 8192, 8)])
-def test_a_tiny_gpt_at_scale_runs_folded_end_to_end(recipe, world, live, tmp_path):
+@pytest.mark.parametrize("recipe, world, live", [
+    pytest.param("fold-scale-tp2pp4dp128", 1024, 8, marks=MEGATRON),
+    pytest.param("fold-scale-tp2pp4dp1024", 8192, 8),  # Megatron as at 1,024: prism's scale, on one stack
+])
+def test_a_tiny_gpt_at_scale_runs_folded_end_to_end(recipe, world, live, megatron_runs):
     """Plan, capture, replay and report of a job of ``world`` ranks with ``live`` processes (the
     synthesised full graph replayed at 1,024; at 8,192 that replay is bench/fold_scale.py's)."""
     from prism_megatron.report.build import build_report
     from prism_megatron.trace import read_trace
 
-    run = _run(tmp_path, str(RECIPES / f"{recipe}.yaml"), "auto", timeout=600)
+    run = megatron_runs.run(str(RECIPES / f"{recipe}.yaml"), "auto", timeout=600)
     assert "the full job does not fit here" in run["output"] and f"{world - live:,} virtual" in run["output"]
     trace = read_trace(run["trace"])
     assert trace.world_size == world and len(trace.fold.live) == live
@@ -144,13 +128,15 @@ def test_a_tiny_gpt_at_scale_runs_folded_end_to_end(recipe, world, live, tmp_pat
     assert "synthesised graph of every rank" in full.stdout + full.stderr
 
 
-def test_a_sandbox_that_cannot_fit_is_refused_saying_what_would(tmp_path):
-    run = _run(tmp_path, "mini-dense-tp2pp2dp2", "on", "--prism-host-memory", "2", check=False)
+@MEGATRON
+def test_a_sandbox_that_cannot_fit_is_refused_saying_what_would(megatron_runs):
+    run = megatron_runs.run("mini-dense-tp2pp2dp2", "on", "--prism-host-memory", "2", check=False)
     assert run["code"] == 2, run["output"][-3000:]
     assert "the sandbox does not fit here" in run["output"] and "4 ranks" in run["output"]
-    assert not (tmp_path / "trace" / "manifest.json").exists()
+    assert not (run["trace"] / "manifest.json").exists()
 
 
+@MEGATRON
 def test_fold_auto_captures_fully_what_fits(tmp_path):
     from prism_megatron.launcher.config import LaunchConfig
     from prism_megatron.megatron.fold_mode import choose_fold
@@ -165,6 +151,7 @@ def test_fold_auto_captures_fully_what_fits(tmp_path):
     assert any("fold auto: full capture" in s for s in said), said
 
 
+@MEGATRON
 def test_a_recipes_substitutions_go_into_the_trace_job():
     import dataclasses
 
@@ -177,7 +164,8 @@ def test_a_recipes_substitutions_go_into_the_trace_job():
     assert want and _Job(launch_config(request)).job_meta()["substitutions"] == want
 
 
-def test_fold_auto_runs_a_program_the_plan_cannot_read_in_full_and_on_refuses_it(tmp_path):
+@MEGATRON
+def test_fold_auto_runs_a_program_the_plan_cannot_read_in_full_and_on_refuses_it(tmp_path, parse_each_command_once):
     from prism_megatron.launcher.config import LaunchConfig
     from prism_megatron.megatron.fold_mode import FoldModeError, choose_fold
 
@@ -214,7 +202,8 @@ def _live_and_report_ms(run: dict, cluster: str) -> tuple[list[float], list[floa
     return live, [round(t * 1e3, 1) for t in report]
 
 
-def test_class_depth_gives_a_folded_middle_stage_its_own_1f1b_schedule(tmp_path):
+@MEGATRON
+def test_class_depth_gives_a_folded_middle_stage_its_own_1f1b_schedule(megatron_runs):
     """TP1·PP4, 4 microbatches: stage 2 (1 warm-up forward) is folded onto stage 1 (2 warm-ups). The
     synthesised stage 2 runs stage 1's units in stage 2's own order, with the p2p ops Megatron's
     schedule posts there: the same units and p2p ops, in the same order, as stage 2 of the full capture.
@@ -227,8 +216,8 @@ def test_class_depth_gives_a_folded_middle_stage_its_own_1f1b_schedule(tmp_path)
     from prism_megatron.trace import read_trace
 
     recipe = str(RECIPES / "fold-class-tp1pp4.yaml")
-    folded = _run(tmp_path / "fold", recipe, "on", depth="class")
-    full = _run(tmp_path / "full", recipe, "off")
+    folded = megatron_runs.run(recipe, "on", depth="class")
+    full = megatron_runs.run(recipe, "off")
     trace = read_trace(folded["trace"])
     assert trace.fold.live == (0, 1, 3) and trace.fold.rep[2] == 1
     assert trace.fold.schedule == "1f1b" and trace.fold.warmup == (3, 2, 1, 0)
@@ -250,8 +239,9 @@ def test_class_depth_gives_a_folded_middle_stage_its_own_1f1b_schedule(tmp_path)
         assert len(live) == 2 and live == pytest.approx(report, abs=0.051), run["trace"]
 
 
-@pytest.mark.parametrize("overlap", [True, False], ids=["overlap-p2p", "batched-p2p"])
-def test_class_depth_gives_a_folded_middle_stage_its_own_interleaved_schedule(tmp_path, overlap):
+@pytest.mark.parametrize("overlap", [pytest.param(True, id="overlap-p2p", marks=MEGATRON),
+                                     pytest.param(False, id="batched-p2p")])
+def test_class_depth_gives_a_folded_middle_stage_its_own_interleaved_schedule(megatron_runs, overlap):
     """TP1·PP4·VPP2, 8 microbatches (16 virtual ones), p2p overlapped with compute (Megatron-LM's
     default under VPP) or batched: stage 2 (6 warm-up forwards) is folded onto stage 1 (8). The
     synthesised stage 2 runs stage 1's (microbatch, chunk) units in stage 2's own order, with the p2p
@@ -265,8 +255,8 @@ def test_class_depth_gives_a_folded_middle_stage_its_own_interleaved_schedule(tm
 
     recipe = str(RECIPES / "fold-class-tp1pp4vpp2.yaml")
     extra = () if overlap else ("--no-overlap-p2p-communication",)
-    folded = _run(tmp_path / "fold", recipe, "on", *extra, depth="class")
-    full = _run(tmp_path / "full", recipe, "off", *extra)
+    folded = megatron_runs.run(recipe, "on", *extra, depth="class")
+    full = megatron_runs.run(recipe, "off", *extra)
     trace = read_trace(folded["trace"])
     assert trace.fold.live == (0, 1, 3) and trace.fold.rep[2] == 1
     assert trace.fold.schedule == "interleaved" and trace.fold.warmup == (10, 8, 6, 4)

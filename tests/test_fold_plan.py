@@ -203,7 +203,7 @@ def test_plan_cli_8192_rank_command_json():
     assert out["time"]["iterations"] == 2 and "rough" in out["time"]["model"]
 
 
-def test_plan_cli_mini_recipe_table():
+def test_plan_cli_mini_recipe_table(parse_each_command_once):
     result = CliRunner().invoke(main, ["plan", "--recipe", "mini-dense-tp2pp2dp4"])
     assert result.exit_code == 0, result.output
     text = result.output

@@ -110,9 +110,11 @@ _CPU_ONLY = pytest.mark.skipif(cpu_mode._gpu_present(), reason="CPU-mode runs re
 
 def _run(tmp_path: Path, name: str, cap_gib: str) -> tuple[subprocess.CompletedProcess, Path]:
     trace = tmp_path / name
+    # --prism-fold off: the full capture a fold auto chooses here, without planning it (Megatron's parser in
+    # a child interpreter: seconds); the fold's choice is test_fold_megatron's
     cmd = [sys.executable, "-m", "prism_megatron", "run", "--recipe", "mini-dense-tp2pp2", "--prism-driver", "core",
            "--prism-trace-dir", str(trace), "--prism-target-gpu", cap_gib, "--prism-target-context", "0",
-           "--prism-report", "off"]
+           "--prism-report", "off", "--prism-fold", "off"]
     env = {**os.environ, "WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path)}
     return subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env), trace
 
@@ -176,7 +178,8 @@ def test_fake_pg_anchor_beside_the_measured_peak(tmp_path):
 
     env = {**os.environ, "WANDB_MODE": "disabled"}
     p = subprocess.run([sys.executable, "-m", "prism_megatron", "run", "--recipe", "mini-dense-tp2pp2",
-                        "--prism-driver", "core", "--prism-track-memory", "on", "--prism-anchor-fake-pg"],
+                        "--prism-driver", "core", "--prism-track-memory", "on", "--prism-anchor-fake-pg",
+                        "--prism-fold", "off"],  # the full capture, unplanned (as _run)
                        cwd=tmp_path, capture_output=True, text=True, timeout=900, env=env)
     assert p.returncode == 0, p.stderr[-3000:]
     anchors = json.loads((tmp_path / "prism-trace" / "fake-pg-anchor.json").read_text())

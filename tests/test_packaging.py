@@ -70,13 +70,15 @@ def test_auto_driver_and_requirement_from_the_table():
 
 def test_every_test_that_runs_megatron_carries_the_marker():
     """.ci/run's Python 3.12 leg selects the Megatron tests by the `megatron` marker: a file that imports
-    Megatron or runs a recipe without it would silently stay untested on the second stack."""
+    Megatron or runs a recipe (itself or through the shared ``megatron_runs``) without it would silently
+    stay untested on the second stack."""
     import re
 
     unmarked = []
     for path in sorted((REPO / "tests").glob("test_*.py")):
         text = path.read_text(encoding="utf-8")
-        runs_megatron = re.search(r"^\s*(import|from) megatron\b", text, re.M) or '"run", "--recipe"' in text
+        runs_megatron = (re.search(r"^\s*(import|from) megatron\b", text, re.M) or '"run", "--recipe"' in text
+                         or re.search(r"\bmegatron_runs\b", text))  # the shared captures (conftest)
         if runs_megatron and "pytest.mark.megatron" not in text:
             unmarked.append(path.name)
     assert not unmarked
