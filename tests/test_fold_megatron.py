@@ -21,7 +21,9 @@ pytestmark = pytest.mark.skipif(cpu_mode._gpu_present(), reason="CPU runs of Meg
 # runs megatron-core: CI also runs it on the second stack (.ci/run). Every test here but three variants, which
 # run on the first stack only: the 8,192-rank fold (the 1,024-rank fold's Megatron code and 8 live ranks, at
 # prism's scale), TP2·PP2·DP2 folded (TP2·PP2·DP4's model and replica fold, one virtual replica instead of
-# three) and batched p2p under VPP (overlapped p2p, Megatron-LM's default there, runs on both stacks).
+# three) and batched p2p under VPP, whose p2p calls are the same in both releases' interleaved schedule.
+# Overlapped p2p (Megatron-LM's default under VPP) runs on both: there the releases differ (0.19 waits each
+# steady forward's send at once: the fold's wait_sends).
 MEGATRON = pytest.mark.megatron
 
 RECIPES = Path(__file__).parent / "recipes"
