@@ -108,7 +108,7 @@ def test_a_tiny_gpt_at_scale_runs_folded_end_to_end(recipe, world, live, megatro
     from prism_megatron.report.build import build_report
     from prism_megatron.trace import read_trace
 
-    run = megatron_runs.run(str(RECIPES / f"{recipe}.yaml"), "auto", timeout=600)
+    run = megatron_runs.run(str(RECIPES / f"{recipe}.yaml"), "auto", memory=False, timeout=600)
     assert "the full job does not fit here" in run["output"] and f"{world - live:,} virtual" in run["output"]
     trace = read_trace(run["trace"])
     assert trace.world_size == world and len(trace.fold.live) == live
@@ -218,8 +218,8 @@ def test_class_depth_gives_a_folded_middle_stage_its_own_1f1b_schedule(megatron_
     from prism_megatron.trace import read_trace
 
     recipe = str(RECIPES / "fold-class-tp1pp4.yaml")
-    folded = megatron_runs.run(recipe, "on", depth="class")
-    full = megatron_runs.run(recipe, "off")
+    folded = megatron_runs.run(recipe, "on", depth="class", memory=False)
+    full = megatron_runs.run(recipe, "off", memory=False)
     trace = read_trace(folded["trace"])
     assert trace.fold.live == (0, 1, 3) and trace.fold.rep[2] == 1
     assert trace.fold.schedule == "1f1b" and trace.fold.warmup == (3, 2, 1, 0)
@@ -257,8 +257,8 @@ def test_class_depth_gives_a_folded_middle_stage_its_own_interleaved_schedule(me
 
     recipe = str(RECIPES / "fold-class-tp1pp4vpp2.yaml")
     extra = () if overlap else ("--no-overlap-p2p-communication",)
-    folded = megatron_runs.run(recipe, "on", *extra, depth="class")
-    full = megatron_runs.run(recipe, "off", *extra)
+    folded = megatron_runs.run(recipe, "on", *extra, depth="class", memory=False)
+    full = megatron_runs.run(recipe, "off", *extra, memory=False)
     trace = read_trace(folded["trace"])
     assert trace.fold.live == (0, 1, 3) and trace.fold.rep[2] == 1
     assert trace.fold.schedule == "interleaved" and trace.fold.warmup == (10, 8, 6, 4)
