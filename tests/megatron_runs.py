@@ -5,8 +5,10 @@ files read the same one: the numerics contract (test_megatron_emulation) compare
 real gloo processes, the fold tests compare a folded run with that same full capture, the smoke
 tests check that a shipped recipe trains. Each distinct command runs once per session.
 
-Every capture has the per-rank metrics (``PRISM_MEGATRON_METRICS``) and memory tracking on, and no
-report (the report after a run is test_publish's): one command serves every reader.
+Every capture has the per-rank metrics (``PRISM_MEGATRON_METRICS``) and no report (the report after a
+run is test_publish's), and memory tracking on unless its readers read no memory figure: the CPU byte
+accountant costs little on a mini recipe, much in the world-sized object gathers of a fold at thousands
+of ranks. One command serves every reader.
 """
 
 from __future__ import annotations
@@ -37,16 +39,17 @@ class Captures:
         self.done: dict[tuple, dict] = {}
 
     def run(self, recipe: str, fold: str = "off", *extra: str, driver: str = "core", depth: str = "replica",
-            timeout: int = 300, check: bool = True) -> dict:
+            memory: bool = True, timeout: int = 300, check: bool = True) -> dict:
         """``recipe`` (a name or a file) run with ``--prism-fold fold --prism-fold-depth depth`` and ``extra``
-        flags: {"code", "output", "trace", "wall", "metrics"}; ``check``: the run must succeed."""
-        key = (recipe, fold, depth, driver, extra)
+        flags, memory tracked (``memory``) or not: {"code", "output", "trace", "wall", "metrics"}; ``check``:
+        the run must succeed."""
+        key = (recipe, fold, depth, driver, memory, extra)
         if key not in self.done:
             out = self.root / f"run-{len(self.done)}"
             out.mkdir()
             cmd = [sys.executable, "-m", "prism_megatron", "run", "--recipe", recipe, "--prism-driver", driver,
                    "--prism-fold", fold, "--prism-fold-depth", depth, "--prism-report", "off",
-                   "--prism-track-memory", "on", "--prism-trace-dir", str(out / "trace"), *extra]
+                   "--prism-track-memory", "on" if memory else "off", "--prism-trace-dir", str(out / "trace"), *extra]
             env = dict(os.environ, PRISM_MEGATRON_METRICS=str(out / "metrics.jsonl"), PYTHONUNBUFFERED="1",
                        OMP_NUM_THREADS="1")
             t0 = time.perf_counter()
