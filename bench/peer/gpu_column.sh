@@ -3,7 +3,7 @@
 # distributed/*.py and tensor_parallel/*.py as 8 logical ranks on one GPU, several files at once, in a bounded
 # time, on a machine that cannot fetch Megatron-LM: the files come from an archive made beforehand with
 #   python bench/peer/run_peer_suite.py --pack ARCHIVE   (2-3 MiB)
-# Usage: bench/peer/gpu_column.sh ARCHIVE OUT [DEADLINE_S]   env: DEVICES (0), SLOTS (2), JOBS (4), PYTHON (python3),
+# Usage: bench/peer/gpu_column.sh ARCHIVE OUT [DEADLINE_S]   env: DEVICES (0), SLOTS (2), JOBS (4), PYTHON (python3), TIMEOUT (per file, 300 s),
 #   FILES (test files or globs under the checkout, space-separated; default: the column's files below)
 # Writes OUT/table.txt, OUT/console.txt, OUT/raw.tar.gz (per-rank results), OUT/logs.tar.gz (per file:
 # launcher output, rank logs, prism's reports). Ends within DEADLINE_S (default 360) plus about 40 s.
@@ -17,7 +17,7 @@ cd "$(dirname "$0")/../.."
 # at once makes that fail fast (these files use no data) instead of waiting on name resolution in every rank
 export HTTPS_PROXY=http://127.0.0.1:9 HTTP_PROXY=http://127.0.0.1:9 NO_PROXY=localhost,127.0.0.1 PYTHONUNBUFFERED=1
 "${PYTHON:-python3}" bench/peer/run_peer_suite.py -w 8 --devices "${DEVICES:-0}" --slots-per-device "${SLOTS:-2}" \
-    --jobs "${JOBS:-4}" --deadline "$deadline" --timeout 300 --megatron-lm "$archive" \
+    --jobs "${JOBS:-4}" --deadline "$deadline" --timeout "${TIMEOUT:-300}" --megatron-lm "$archive" \
     --out "$out/table.txt" --raw "$work/raw" --logs "$work/logs" \
     ${FILES:-tests/unit_tests/pipeline_parallel/test_schedules.py tests/unit_tests/test_parallel_state.py
     'tests/unit_tests/distributed/*.py' 'tests/unit_tests/tensor_parallel/*.py'} 2>&1 | tee "$out/console.txt"
