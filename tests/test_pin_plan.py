@@ -34,3 +34,23 @@ def test_more_processes_than_physical_cores_falls_back_to_logical_cpus_then_to_n
 def test_without_topology_every_logical_cpu_is_its_own_core():
     assert pin_plan([0, 1, 2, 3], 3, lambda c: frozenset({c})) == [1, 2, 3]
     assert pin_plan([4, 5, 6], 2, lambda c: frozenset({c})) == [5, 6]  # an affinity mask that starts at 4
+
+
+def test_a_folded_launch_pins_each_live_rank_to_its_planned_core(monkeypatch, tmp_path):
+    """`_pin` reads the launch's live ranks (a fold forks only those) and sets this process's affinity."""
+    import os
+    from types import SimpleNamespace
+
+    from prism_megatron.launcher import rank as rank_mod
+
+    got: list[set[int]] = []
+    monkeypatch.setenv("PRISM_PIN_CORES", "1")
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    monkeypatch.setattr(os, "sched_setaffinity", lambda pid, cpus: got.append(set(cpus)), raising=False)
+    monkeypatch.setattr(rank_mod, "pin_plan", lambda cores, n: pin_plan(cores, n, lambda c: frozenset({c})))
+    from prism_megatron.launcher.config import LaunchConfig
+
+    cfg = SimpleNamespace(fold={"live": [0, 1, 4, 5]}, world_size=8)
+    cfg.live_ranks = LaunchConfig.live_ranks.fget(cfg)  # the property's own code on a stand-in config
+    rank_mod._pin(cfg, 4)
+    assert got == [{3}]  # live ranks 0, 1, 4, 5 on cores 1-4: rank 4 is the third

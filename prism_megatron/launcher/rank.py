@@ -95,7 +95,7 @@ def _pin(cfg: LaunchConfig, rank: int) -> None:
     shows both."""
     if os.environ.get("PRISM_PIN_CORES") != "1" or not hasattr(os, "sched_setaffinity"):
         return
-    live = cfg.live_ranks()  # the processes (a fold forks only its live ranks)
+    live = cfg.live_ranks  # the processes (a fold forks only its live ranks)
     plan = pin_plan(sorted(os.sched_getaffinity(0)), len(live))
     if plan is not None:
         os.sched_setaffinity(0, {plan[live.index(rank)]})
