@@ -47,8 +47,9 @@ CAUSES: list[tuple[str, re.Pattern]] = [
 
 TE_FRAMES = re.compile(r"TESpecProvider|FP8GlobalStateManager|\[transformer_engine|"
                        r"megatron/core/extensions/transformer_engine|get_gpt_layer_with_transformer_engine|"
-                       # a TE layer class Megatron left as its MagicMock placeholder, built by the test
-                       r"return TE(ColumnParallel|RowParallel|Layer|Norm|Linear|DotProduct)\w*\(")
+                       # a TE class Megatron left as its MagicMock placeholder, built by the test or Megatron
+                       r"(return |= )TE(ColumnParallel|RowParallel|Layer|Norm|Linear|DotProduct|CudaRNGStatesTracker)"
+                       r"\w*\(")
 
 
 #: Causes that only the CPU run has (no GPU, the CPU mode's stand-ins): on a GPU such a failure is read, not assumed.
