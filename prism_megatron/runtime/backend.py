@@ -244,6 +244,8 @@ class PrismProcessGroup(dist.ProcessGroup):
             for j, (x, flat) in enumerate(zip(input_list, flats, strict=True)):
                 for out, chunk in zip((o[j] for o in output_lists), flat.view(self.size(), *x.shape), strict=True):
                     out.copy_(chunk)
+            if flats[0].is_cuda:  # complete before the Work is (as _write's copies of the results)
+                torch.cuda.current_stream().synchronize()
 
         return self._op("all_gather", list(input_list), flats, opts, title="all_gather",
                         result=[t for o in output_lists for t in o], after=unflatten)
