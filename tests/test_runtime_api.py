@@ -19,8 +19,8 @@ def test_api_edges_and_markers(tmp_path):
         assert "backend=nccl" in text and "group_backend=gloo" in text
         assert "future_then=12.0" in text  # 3 ones summed over 4 ranks, through then()
         assert "completed=True success=True" in text
-        assert ("unsupported allgather_coalesced=NotImplementedError: prism backend: allgather_coalesced "
-                "(deprecated by torch) is not supported") in text
+        assert ("unsupported allgather_coalesced=ValueError: prism backend: allgather_coalesced got 1 output "
+                "lists for a group of 4") in text
         assert "unsupported future_op=UnsupportedOp: prism backend: ProcessGroup.future_op is not supported" in text
     trace = read_trace(tmp_path / "trace")
     marks = trace.marks.to_pylist()

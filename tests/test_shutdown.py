@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import PROGRAMS, prism
+from conftest import PROGRAMS, launch_source, prism
 from prism_megatron.launcher.config import LaunchConfig, LaunchError
 from prism_megatron.launcher.preflight import RANK_FOOTPRINT, check_host_memory, lock_trace_dir
 from prism_megatron.runtime.shm import shm_dir
@@ -186,6 +186,32 @@ def test_group_timeout_raises_in_every_waiting_rank_as_gloo(tmp_path):
                         r"\(rank (\d)", p.stdout)
     assert sorted(raised) == [("RuntimeError", "0"), ("RuntimeError", "2")], p.stdout
     assert "exited with code 7" in p.stderr
+
+
+def test_barrier_only_one_member_calls_times_out_and_the_job_goes_on(tmp_path):
+    """torch's test_barrier_timeout_*: rank 0 alone calls barrier on a group made with a 1 s timeout; it
+    raises gloo's timeout error no earlier than that, the others never call it, and the job goes on."""
+    out = tmp_path / "out.txt"
+    launch_source(tmp_path, f"""
+import datetime, time
+import torch, torch.distributed as dist
+dist.init_process_group("gloo")
+g = dist.new_group(timeout=datetime.timedelta(seconds=1))
+if dist.get_rank() == 0:
+    t0 = time.time()
+    try:
+        dist.barrier(g)
+        said = "no error"
+    except RuntimeError as e:
+        said = str(e)
+    open({str(out)!r}, "w").write(f"{{time.time() - t0:.3f}} {{said}}")
+t = torch.ones(2)
+dist.all_reduce(t)
+assert t.tolist() == [3.0, 3.0]
+""", world_size=3, slots_per_device=3)
+    took, said = out.read_text().split(" ", 1)
+    assert re.search(r" Timed out waiting 1000ms for barrier operation to complete ", said), said
+    assert float(took) >= 1.0 - 0.1, took  # torch's test allows 0.1 s early
 
 
 def test_rank_that_exits_early_ends_the_job_without_the_full_timeout(tmp_path):

@@ -129,7 +129,7 @@ class PrismProcessGroup(dist.ProcessGroup):
 
     # ---- plumbing ------------------------------------------------------------------------------
     def _op(self, kind: str, ins: list[torch.Tensor], outs: list[torch.Tensor], opts: Any = None,
-            **params: Any) -> PrismWork:
+            title: str | None = None, **params: Any) -> PrismWork:
         sparse = next((t for t in (*ins, *outs) if t.layout != torch.strided), None)
         if sparse is not None:  # gloo sums sparse COO tensors, NCCL (the target's backend) refuses them
             raise ValueError(f"prism: {kind} of a {sparse.layout} tensor is not supported (gloo sums sparse "
@@ -143,7 +143,8 @@ class PrismProcessGroup(dist.ProcessGroup):
         if torch._C._autograd._profiler_enabled():  # the event a real backend records, ended at completion
             backend = BACKEND_NAME if self.requested_backend == "undefined" else self.requested_backend
             # (a recv's event carries the receiving tensor, as gloo's does)
-            title = "recvAnySource" if kind == "recv" and params.get("peer") is None else _TITLES[kind]
+            if title is None:
+                title = "recvAnySource" if kind == "recv" and params.get("peer") is None else _TITLES[kind]
             handle = torch._C._autograd._record_function_with_args_enter(f"{backend}:{title}", *(ins or outs))
             try:
                 work = self._client.submit(self._handle, kind, ins, outs, async_op=async_op, profiled=handle,
@@ -231,8 +232,23 @@ class PrismProcessGroup(dist.ProcessGroup):
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
-    def allgather_coalesced(self, output_lists: Any, input_list: Any, opts: Any = None) -> PrismWork:
-        raise NotImplementedError("prism backend: allgather_coalesced (deprecated by torch) is not supported")
+    def allgather_coalesced(self, output_lists: list[list[torch.Tensor]], input_list: list[torch.Tensor],
+                            opts: Any = None) -> PrismWork:
+        """``output_lists[r][j]`` gets member r's ``input_list[j]``. Run as gloo runs it: one coalesced
+        all_gather (one trace record, as the coalescing manager's), each input gathered into a flat
+        buffer, whose chunks are copied into the output lists once the op's results are written."""
+        _check_gather_coalesced(output_lists, input_list, self.size())
+        flats = [torch.empty(self.size() * x.numel(), dtype=x.dtype, device=x.device) for x in input_list]
+
+        def unflatten() -> None:
+            for j, (x, flat) in enumerate(zip(input_list, flats, strict=True)):
+                for out, chunk in zip((o[j] for o in output_lists), flat.view(self.size(), *x.shape), strict=True):
+                    out.copy_(chunk)
+            if flats[0].is_cuda:  # complete before the Work is (as _write's copies of the results)
+                torch.cuda.current_stream().synchronize()
+
+        return self._op("all_gather", list(input_list), flats, opts, title="all_gather",
+                        result=[t for o in output_lists for t in o], after=unflatten)
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> PrismWork:
         root = opts.rootRank
@@ -345,6 +361,23 @@ class _AllWork(PrismWork):
 def _single(tensors: list[torch.Tensor], op: str) -> None:
     if len(tensors) != 1:
         raise ValueError(f"prism backend: {op} takes exactly one tensor per rank, got {len(tensors)}")
+
+
+def _check_gather_coalesced(output_lists: Any, input_list: Any, size: int) -> None:
+    """gloo's checks of allgather_coalesced: one output list per member, each like the inputs."""
+    if not input_list:
+        raise ValueError("prism backend: allgather_coalesced needs a non-empty input tensor list")
+    if len(output_lists) != size:
+        raise ValueError(f"prism backend: allgather_coalesced got {len(output_lists)} output lists for a group "
+                         f"of {size}")
+    for r, outs in enumerate(output_lists):
+        if len(outs) != len(input_list):
+            raise ValueError(f"prism backend: allgather_coalesced output list {r} holds {len(outs)} tensors, "
+                             f"the input list {len(input_list)}")
+        for j, (o, x) in enumerate(zip(outs, input_list, strict=True)):
+            if o.shape != x.shape or o.dtype != x.dtype:
+                raise ValueError(f"prism backend: allgather_coalesced output [{r}][{j}] is {o.dtype} "
+                                 f"{list(o.shape)}, its input {x.dtype} {list(x.shape)}")
 
 
 def _split_bytes(t: torch.Tensor, splits: Any, n: int, what: str) -> list[int]:

@@ -13,6 +13,7 @@ import itertools
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Client, Connection
 from typing import Any
@@ -145,13 +146,15 @@ class RankClient:
 
     def submit(self, group: int, kind: str, ins: list[torch.Tensor], outs: list[torch.Tensor],
                *, inplace: bool = False, result: list[torch.Tensor] | None = None,
-               current: list[torch.Tensor] | None = None, profiled: Any = None, **params: Any) -> PrismWork:
+               current: list[torch.Tensor] | None = None, profiled: Any = None,
+               after: Callable[[], None] | None = None, **params: Any) -> PrismWork:
         """Send one op; returns its Work at once (the op completes in the background).
 
         `inplace`: outputs are the inputs (all_reduce, broadcast): results overwrite the staged input.
         `current`: tensors whose content goes along (a folded group: an in-place all_gather's output,
         whose virtual chunks the coordinator keeps; a virtual root's data, held by its mirror).
         `profiled`: the op's profiler event (a torch record function), ended when the coordinator completes it.
+        `after`: run once the results are written, before the Work completes (PrismWork._after).
         """
         if self._fatal is not None:
             raise self._fatal
@@ -165,6 +168,7 @@ class RankClient:
             clock = self._clock
         op_id = next(self._ids)
         work = PrismWork(self, op_id, outs if result is None else result)
+        work._after = after
         t0 = time.perf_counter()
         with untracked():  # staging copies are the runtime's, not the program's memory
             if params.get("local"):

@@ -4,6 +4,7 @@ compute slot back (RankClient.wait)."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -69,6 +70,9 @@ class PrismWork(dist.Work):
         self._error: BaseException | None = None
         self._source: int = -1
         self._future: PrismFuture = PrismFuture(client, [self._op])
+        #: run once the op's results are written, before the Work completes (a backend op whose result
+        #: tensors are not the staged outputs copies them over: allgather_coalesced)
+        self._after: Callable[[], None] | None = None
 
     @property
     def op_id(self) -> int:
@@ -80,6 +84,12 @@ class PrismWork(dist.Work):
 
     # completion, from the receiver thread (or at once for ops with nothing to wait for)
     def _finish(self, error: BaseException | None = None, source: int = -1) -> None:
+        if error is None and self._after is not None:
+            try:
+                with torch.no_grad():
+                    self._after()
+            except Exception as e:  # a result that cannot be written is the op's failure, not a hang
+                error = PrismCommError(f"writing the result of op {self.op_id} failed: {e}")
         self._error = error
         self._source = source
         self._op.arrived.set()

@@ -1,4 +1,5 @@
-"""Explicit-store rendezvous, get_backend, markers, an unsupported op's error, Work/future semantics."""
+"""Explicit-store rendezvous, get_backend, markers, an unsupported op's and a refused call's errors,
+Work/future semantics."""
 import os
 import sys
 
@@ -21,6 +22,7 @@ with span("unit", microbatch=r):
     lines.append(f"completed={w.is_completed()} success={w.is_success()}")
 mark("after", value=1)
 pg = dist.group.WORLD
+# an op prism lacks, and one it refuses for bad input (one output list for a group of four), before anything is sent
 for name, call in [("allgather_coalesced", lambda: pg.allgather_coalesced([[torch.empty(1)]], [torch.ones(1)])),
                    ("future_op", lambda: pg.future_op(torch.ones(1)))]:
     try:
