@@ -109,14 +109,15 @@ class _Expander:
         return f"{self.source}: rank {self.rank}{mbs}"
 
     def _place(self) -> tuple[int, int, int | None]:
-        """(stage, PP, group) from the rank's pipeline p2p ops."""
-        found = {ev.group for ev in self.ev if type(ev) is Comm and ev.is_p2p}
+        """(stage, PP, group) from the rank's pipeline p2p ops (Megatron may post them on more than one
+        group of the pipeline's ranks: megatron-core's interleaved schedule at PP2 does)."""
+        found = sorted({ev.group for ev in self.ev if type(ev) is Comm and ev.is_p2p})
         if not found:
             return 0, 1, None
-        if len(found) > 1:
-            raise ScheduleError(f"{self._where()}: p2p ops on several groups {sorted(found)[:4]}: not one pipeline "
-                                "group's")
-        gid = found.pop()
+        if len({tuple(self.groups[g].ranks) for g in found}) > 1:
+            raise ScheduleError(f"{self._where()}: p2p ops on groups {found[:4]} of different ranks: not one "
+                                "pipeline's")
+        gid = found[0]
         ranks = list(self.groups[gid].ranks)
         if self.rank not in ranks:
             raise ScheduleError(f"{self._where()}: p2p ops on group {gid}, which does not hold it")
@@ -457,7 +458,8 @@ class _Interleaved(_Expander):
         self.steps_t, self.unit_src, self.op_src = interleaved_alignment(self.pp, self.stage, mb)
 
     def _where(self, microbatch: int | None = None) -> str:
-        return f"{super()._where(microbatch)} (stage {self.stage}, interleaved)"
+        stage = getattr(self, "stage", None)  # not yet known while the rank's place is found
+        return f"{super()._where(microbatch)} ({'' if stage is None else f'stage {stage}, '}interleaved)"
 
     def stream(self, i: int) -> str | None:
         """Any pipeline p2p op; which stream it is follows from its place in the captured program."""
