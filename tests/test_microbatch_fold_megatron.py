@@ -225,3 +225,26 @@ def test_an_interleaved_capture_expands_to_the_full_captures_units_with_its_memo
     want = {e["rank"]: e["max_allocated"] for e in full_report["memory"]["ranks"]}
     assert got[0] == want[0], (got, want)
     assert 0 <= want[1] - got[1] <= (mb.target - mb.captured) * LOSS_STORE_BYTES, (got, want)
+
+
+@MEGATRON
+def test_plan_says_what_an_interleaved_micro_batch_fold_will_run():
+    """PP2·VPP2 at M = 32: the plan's --json has the fold's record (the plan prints its sentence, as for 1F1B);
+    7 is refused, naming it."""
+    import json
+
+    from click.testing import CliRunner
+
+    from prism_megatron.cli import main
+
+    recipe = str(Path(__file__).parent / "recipes" / "fold-microbatches-pp2vpp2.yaml")
+    base = ["plan", "--recipe", recipe, "--prism-driver", "core", "--global-batch-size", "32"]
+    result = CliRunner().invoke(main, [*base, "--json", "--prism-fold-microbatches", "auto"])
+    assert result.exit_code == 0, result.output
+    record = json.loads(result.stdout)["microbatches"]
+    assert (record["version"], record["schedule"], record["target"], record["captured"], record["rule"]) == (
+        2, "interleaved", 32, 6, "steady-group-copy")
+    result = CliRunner().invoke(main, [*base, "--prism-fold-microbatches", "7"])
+    assert result.exit_code != 0
+    assert "7 micro-batches per iteration is not the target's 32 less a multiple of the micro-batch group 2" \
+        in result.output
