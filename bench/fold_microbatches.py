@@ -18,7 +18,7 @@ fold's own error without run-to-run noise.
 
     python bench/fold_microbatches.py                              # PP2, M = 32, 2 runs each way
     python bench/fold_microbatches.py --global-batch-size 64 --repeats 3
-    python bench/fold_microbatches.py --vpp                        # PP2·VPP2, M = 32
+    python bench/fold_microbatches.py --vpp --global-batch-size 64 --train-iters 4   # PP2·VPP2, M = 64
 """
 
 from __future__ import annotations
@@ -35,10 +35,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _capture(out: Path, recipe: str, mode: str, gbs: int) -> tuple[Path, float]:
+def _capture(out: Path, recipe: str, mode: str, gbs: int, iters: int | None) -> tuple[Path, float]:
     cmd = [sys.executable, "-m", "prism_megatron", "run", "--recipe", recipe, "--prism-driver", "core",
            "--prism-fold", "off", "--prism-fold-microbatches", mode, "--prism-track-memory", "on",
-           "--prism-report", "off", "--prism-trace-dir", str(out), "--global-batch-size", str(gbs)]
+           "--prism-report", "off", "--prism-trace-dir", str(out), "--global-batch-size", str(gbs),
+           *(("--train-iters", str(iters)) if iters else ())]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
     wall = time.perf_counter() - t0
@@ -128,6 +129,8 @@ def main() -> None:
     p.add_argument("--vpp", action="store_true", help="the PP2·VPP2 recipe (Megatron's interleaved schedule)")
     p.add_argument("--global-batch-size", type=int, default=32)
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--train-iters", type=int, default=None, help="default: the recipe's (the prediction is the "
+                   "median of the iterations after the first)")
     p.add_argument("--cluster", default="h100-nvlink-ib400")
     a = p.parse_args()
     a.recipe = a.recipe or str(ROOT / "tests" / "recipes" / f"fold-microbatches-pp2{'vpp2' if a.vpp else ''}.yaml")
@@ -137,7 +140,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for k in range(a.repeats):
             for mode in ("off", "auto"):
-                trace, wall = _capture(Path(tmp) / f"{mode}-{k}", a.recipe, mode, a.global_batch_size)
+                trace, wall = _capture(Path(tmp) / f"{mode}-{k}", a.recipe, mode, a.global_batch_size,
+                                       a.train_iters)
                 report = build_report(trace, a.cluster)
                 pred = report["prediction"]
                 its = pred["iteration_times_s"][1:] or pred["iteration_times_s"]
@@ -152,7 +156,9 @@ def main() -> None:
         for r in rows["off"]:
             r["refold"] = _refold(r["trace"], mb, a.cluster)
     recipe = Path(a.recipe).name
-    print(f"recipe {recipe}, global batch {a.global_batch_size}, cluster {a.cluster}, {a.repeats} run(s) each way")
+    iters = f", {a.train_iters} iterations" if a.train_iters else ""
+    print(f"recipe {recipe}, global batch {a.global_batch_size}{iters}, cluster {a.cluster}, {a.repeats} run(s) "
+          "each way")
     said = rows["auto"][0]["provenance"]
     print("  " + said[said.index("micro-batches:"):])
     print(f"  {'run':<10} {'wall s':>8} {'emul. s':>8} {'pred ms':>9} {'tokens/s':>10}  peak allocated per rank (B)")

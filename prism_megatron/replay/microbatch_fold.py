@@ -1,8 +1,8 @@
 """Every rank's program at the target's M micro-batches, from a capture of m_c of them per iteration.
 
 A micro-batch-folded trace (trace.microbatches) ran m_c of the target's M micro-batches per training
-iteration, under Megatron's non-interleaved schedules. :func:`expand_microbatches` rebuilds each
-rank's iterations at M, before rank-fold synthesis (so live, synthesised and unfolded ranks alike):
+iteration. :func:`expand_microbatches` rebuilds each rank's iterations at M, before rank-fold synthesis
+(so live, synthesised and unfolded ranks alike); under Megatron's non-interleaved schedules:
 
 - A rank's pipeline stage and PP are its place in the group of its pipeline p2p ops (Megatron
   builds that group in stage order); a rank without p2p ops is PP1.
@@ -24,6 +24,13 @@ rank's iterations at M, before rank-fold synthesis (so live, synthesised and unf
 - Copied ops get fresh sequence numbers: every op of a group (p2p: of a group and peer) that a copy
   touches is renumbered in program order from the group's first number, so peers that copy alike
   still match; a group whose numbers the trace did not give contiguously is an error.
+
+Under Megatron's interleaved schedule (record schedule "interleaved") a stage's units are keyed by
+virtual microbatch (the schedule table's (microbatch, chunk)); its captured iteration must be
+replay.stage_schedule.interleaved_steps at m_c unit for unit and p2p op for op (each op's stream follows
+from its place there, checked against its kind and peer: at PP2 the previous and the next stage are
+one rank), and the iteration at M is interleaved_steps at M, each unit and op from the captured one
+:func:`interleaved_alignment` names, each wait the schedule's own on the target's ops.
 
 Forward-only iterations (evaluation) and anything that does not fit (a missing unit, an op that does
 not attach, an order that is not the plan's) are a ScheduleError naming the rank and micro-batch.
