@@ -24,7 +24,8 @@ from prism_megatron.megatron import cpu_mode
 
 pytestmark = pytest.mark.skipif(cpu_mode._gpu_present(), reason="CPU runs of Megatron need CPU mode")
 # runs megatron-core: CI also runs these on the second stack (.ci/run), but for the interleaved capture, whose
-# schedule's p2p calls the class-fold tests (test_fold_megatron) check on both stacks
+# schedule's p2p calls the class-fold tests (test_fold_megatron) check on both stacks, and the interleaved
+# plan, whose record choose_microbatches' test checks on both
 MEGATRON = pytest.mark.megatron
 
 RECIPE = str(Path(__file__).parent / "recipes" / "fold-microbatches-pp2.yaml")
@@ -227,7 +228,6 @@ def test_an_interleaved_capture_expands_to_the_full_captures_units_with_its_memo
     assert 0 <= want[1] - got[1] <= (mb.target - mb.captured) * LOSS_STORE_BYTES, (got, want)
 
 
-@MEGATRON
 def test_plan_says_what_an_interleaved_micro_batch_fold_will_run():
     """PP2·VPP2 at M = 32: the plan's --json has the fold's record (the plan prints its sentence, as for 1F1B;
     the refusals are choose_microbatches', above)."""
