@@ -143,13 +143,15 @@ class RunOnlyOptions:
 
     fold_microbatches: str = "off"
     """Micro-batch folding: 'N' runs N of the target's M micro-batches per iteration (its global batch run as
-    N x micro batch x DP) and the replay gives every rank the target's M, copies of a steady micro-batch's
-    forward/backward standing for the ones not run; 'auto' does so with the minimum whenever M exceeds it;
-    'off' runs M. The minimum is the largest pipeline warm-up + 2 (PP1: 3): every stage runs its whole
-    warm-up, a steady forward/backward pair and its own first and last micro-batch, and the activations in
-    flight are bounded by the warm-up, so the captured peak memory is the target's. Megatron's
-    non-interleaved schedules only ('auto' runs every micro-batch of an interleaved pipeline, saying so; N
-    there, and batch-size ramp-up, are refused)."""
+    N x micro batch x DP) and the replay gives every rank the target's M, copies of steady units standing
+    for the ones not run; 'auto' does so with the minimum whenever M exceeds it; 'off' runs M. Under
+    non-interleaved schedules the minimum is the largest pipeline warm-up + 2 (PP1: 3): every stage runs
+    its whole warm-up, a steady forward/backward pair and its own first and last micro-batch. Under an
+    interleaved pipeline (VPP) N is M less whole micro-batch groups (microbatch_group_size_per_vp_stage),
+    at least the first group, a steady group whose units stand for the missing ones and the last group
+    (3 groups at the default group of PP); the extra groups are replayed in the schedule's own order of
+    (micro-batch, chunk) units and p2p calls. Either way the activations in flight are bounded by the
+    warm-up, so the captured peak memory is the target's. Batch-size ramp-up is refused."""
 
     calibrate: Literal["off", "on"] = "off"
     """After the run, calibrate: re-run the job once per slice (coupled groups such as TP kept whole)

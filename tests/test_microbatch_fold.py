@@ -8,12 +8,18 @@ from prism_megatron.calibration.costmodel import CollectiveCostModel
 from prism_megatron.calibration.profiles import load_profile
 from prism_megatron.replay import Comm, GraphError, replay
 from prism_megatron.replay.graph import Graph, Mark
-from prism_megatron.replay.microbatch_fold import expand_microbatches
-from prism_megatron.replay.stage_schedule import ScheduleError
+from prism_megatron.replay.microbatch_fold import expand_microbatches, interleaved_alignment
+from prism_megatron.replay.stage_schedule import ScheduleError, interleaved_steps, schedule_table
 from prism_megatron.replay.synthesize import fold_graph
 from prism_megatron.replay.synthetic import Shape, class_fold, megatron_1f1b
 from prism_megatron.trace import TraceFormatError
-from prism_megatron.trace.microbatches import MicrobatchFold, minimum_captured, parse_microbatches
+from prism_megatron.trace.microbatches import (
+    MicrobatchFold,
+    interleaved_cut,
+    minimum_captured,
+    minimum_interleaved,
+    parse_microbatches,
+)
 
 COST = CollectiveCostModel(load_profile("h100-nvlink-ib400"), gpus_per_node=4)
 
@@ -95,8 +101,8 @@ def test_record_and_sentence():
         parse_microbatches({**mb.to_json(), "target": 4}, "m.json")
     with pytest.raises(TraceFormatError, match=r"'job.microbatches.schedule' is 'interleaved'"):
         parse_microbatches({**mb.to_json(), "schedule": "interleaved"}, "m.json")
-    with pytest.raises(TraceFormatError, match=r"'job.microbatches.version' is 2"):
-        parse_microbatches({**mb.to_json(), "version": 2}, "m.json")
+    with pytest.raises(TraceFormatError, match=r"'job.microbatches.version' is 3"):
+        parse_microbatches({**mb.to_json(), "version": 3}, "m.json")
 
 
 def test_what_does_not_fit_is_an_error_naming_rank_and_microbatch():
@@ -126,3 +132,122 @@ def test_what_does_not_fit_is_an_error_naming_rank_and_microbatch():
     with pytest.raises(ScheduleError, match=r"rank 1, micro-batch 2, iteration 0: its units run in an order that "
                                             r"is not 1F1B for stage 1 \(warm-up 1\): unit 2 is \('F', 2\)"):
         expand_microbatches(small, wrong)
+
+
+# --- Megatron's interleaved schedule (VPP) ---------------------------------------------------------------
+
+
+def _vpp(pp: int, group: int, overlap: bool, extra_groups: int, **kw) -> tuple[Shape, Shape, MicrobatchFold]:
+    """An interleaved job (2 chunks) at M = m_c + extra_groups·group, the same job at m_c, and the record."""
+    shape = Shape(pp=pp, vpp=2, group=group, overlap_p2p=overlap, wait_sends=overlap and pp == 4, **kw)
+    warmup = tuple(shape.warmup(p) for p in range(pp))
+    m_c = minimum_interleaved(warmup, 2, group, 100 * group)
+    full = Shape(**{**shape.__dict__, "microbatches": m_c + extra_groups * group})
+    small = Shape(**{**shape.__dict__, "microbatches": m_c})
+    return full, small, MicrobatchFold(full.microbatches, m_c, "interleaved", warmup, chunks=2, group=group,
+                                       overlap_p2p=overlap, wait_sends=shape.wait_sends)
+
+
+@pytest.mark.parametrize("pp,group,overlap", [(2, 2, False), (2, 2, True), (4, 4, False), (4, 4, True),
+                                              (2, 4, True)])
+def test_an_expanded_interleaved_capture_is_the_full_job_event_for_event_and_time_for_time(pp, group, overlap):
+    """PP2/PP4 x VPP2 captured at m_c (3 groups) and expanded to M: every stage's units, p2p calls and waits
+    are those of the job built at M, and so is its replay."""
+    for extra, tp, dp, gpu in ((0, 1, 2, False), (1, 2, 1, True), (3, 1, 1, False)):
+        kw = dict(tp=tp, dp=dp, iterations=2, layers_per_stage=1, gpu_times=gpu)
+        full_shape, small_shape, mb = _vpp(pp, group, overlap, extra, **kw)
+        assert mb.captured == 3 * group
+        full, small = megatron_1f1b(full_shape), megatron_1f1b(small_shape)
+        expanded = expand_microbatches(small, mb)
+        assert mb.describe() in expanded.notes
+        for r in range(full_shape.world_size):
+            assert _canonical(expanded, r) == _canonical(full, r), (pp, extra, r)
+        _same_times(replay(expanded, COST), replay(full, COST), range(full_shape.world_size))
+
+
+def test_an_interleaved_expansion_before_a_class_fold_synthesises_the_full_job():
+    full_shape, small_shape, mb = _vpp(4, 4, True, 2, tp=2, dp=2, iterations=2, layers_per_stage=1)
+    full = megatron_1f1b(full_shape)
+    folded = fold_graph(megatron_1f1b(small_shape), gpus_per_node=4, **class_fold(small_shape))
+    everyone = replay(expand_microbatches(folded, mb), COST, fold_method="full")
+    _same_times(everyone, replay(full, COST), range(full_shape.world_size))
+
+
+def _held(steps: list, table: list[tuple[int, int]], chunks: int) -> set[tuple[int, ...]]:
+    """Every set of activations a stage holds at once, as units per chunk, over its program."""
+    held, seen = [0] * chunks, set()
+    for step in steps:
+        if step[0] in ("F", "B"):
+            chunk = table[step[1]][1]
+            held[chunk if step[0] == "F" else chunks - 1 - chunk] += 1 if step[0] == "F" else -1
+            seen.add(tuple(held))
+    return seen
+
+
+@pytest.mark.parametrize("pp", [2, 3, 4, 8])
+def test_interleaved_rule_holds_for_every_layout_and_the_capture_holds_the_targets_activations(pp):
+    """For PP x VPP2-3, groups of PP and more, overlapped p2p or not and every valid M up to 6 groups beyond
+    m_c: every stage's program at M is its program at m_c with whole periods inserted (no ScheduleError), each
+    target unit replays a captured unit of its chunk, and the sets of activations held at once (units per
+    chunk) over the target's program are the capture's: the captured peak is the target's."""
+    for chunks in (2, 3):
+        for group in (pp, pp + 1, 2 * pp):
+            warmup = tuple(2 * (pp - p - 1) + (chunks - 1) * group for p in range(pp))
+            for rest in sorted({0, pp} - ({pp} if group == pp else set())):
+                m_c = minimum_interleaved(warmup, chunks, group, 20 * group + rest)
+                assert m_c - group < group or any(interleaved_cut(w, chunks, group, m_c - group) is None
+                                                   for w in warmup)  # the least: one group fewer does not do
+                for m in range(m_c, m_c + 7 * group, group):
+                    table_t, table_c = schedule_table(m, chunks, group), schedule_table(m_c, chunks, group)
+                    for overlap in (False, True):
+                        mb = MicrobatchFold(m, m_c, "interleaved", warmup, chunks=chunks, group=group,
+                                            overlap_p2p=overlap)
+                        for stage in range(pp):
+                            steps, units, ops = interleaved_alignment(pp, stage, mb)
+                            assert sorted(units) == sorted(s for s in steps if s[0] in ("F", "B"))
+                            assert all(table_t[a[1]][1] == table_c[b[1]][1] for a, b in units.items())
+                            assert len(set(ops)) == sum(len(s[1]) for s in steps if s[0] == "call")
+                            captured = interleaved_steps(pp, stage, chunks, group, m_c, warmup[stage], overlap)
+                            assert _held(steps, table_t, chunks) == _held(captured, table_c, chunks), (m, stage)
+
+
+def test_interleaved_record_and_refusals():
+    mb = MicrobatchFold(64, 12, "interleaved", (10, 8, 6, 4), chunks=2, group=4, overlap_p2p=True)
+    assert mb.describe() == ("micro-batches: 12 of 64 run per iteration (interleaved, 2 chunks, groups of 4); 52 "
+                             "replayed as 13 copies of a steady group's forward/backward units in every chunk")
+    doc = mb.to_json()
+    assert (doc["version"], doc["rule"], doc["chunks"], doc["group"]) == (2, "steady-group-copy", 2, 4)
+    assert parse_microbatches(doc, "m.json") == mb
+    assert MicrobatchFold(8, 5, "1f1b", (3, 2, 1, 0)).to_json()["version"] == 1  # readable as before
+    for change, match in [({"captured": 8}, r"'job.microbatches.captured' is 8, expected target 64 less a multiple "
+                                            r"of group 4, at least 12"),
+                          ({"captured": 14}, r"'job.microbatches.captured' is 14"),
+                          ({"target": 66}, r"'job.microbatches.target' is 66, expected an integer >= group 4 whose "
+                                           r"remainder by it is 0 or >= PP 4"),
+                          ({"group": 3}, r"'job.microbatches.group' is 3, expected an integer >= PP \(4\)"),
+                          ({"chunks": 1}, r"'job.microbatches.chunks' is 1"),
+                          ({"rule": "steady-copy"}, r"'job.microbatches.rule' is 'steady-copy', expected "
+                                                    r"'steady-group-copy'"),
+                          ({"version": 1}, r"'job.microbatches.schedule' is 'interleaved', expected one of "
+                                           r"no_pipelining, 1f1b \(version 1\)")]:
+        with pytest.raises(TraceFormatError, match=match):
+            parse_microbatches({**doc, **change}, "m.json")
+
+
+def test_an_interleaved_capture_that_does_not_fit_is_an_error_naming_rank_and_microbatch():
+    full_shape, small_shape, mb = _vpp(2, 2, False, 2, tp=1, dp=1, iterations=1, layers_per_stage=1)
+    small = megatron_1f1b(small_shape)
+    other = MicrobatchFold(mb.target, mb.captured, "interleaved", mb.warmup, chunks=2, group=2, overlap_p2p=True)
+    with pytest.raises(ScheduleError, match=r"rank 0 \(stage 0, interleaved\) event \d+ \(recv with rank 1\), "
+                                            r"iteration 0: stands where Megatron's interleaved schedule at 6 "
+                                            r"micro-batches \(warm-up 4\) has \('send_next', \d+\)"):
+        expand_microbatches(small, other)  # batched p2p captured, overlapped p2p recorded
+    events = [e for e in small.events[1] if not (isinstance(e, Mark) and e.attrs.get("microbatch") == 5
+                                                 and e.attrs.get("chunk") == 1 and e.name == "forward")]
+    with pytest.raises(ScheduleError, match=r"rank 1, micro-batch \d+ \(stage 1, interleaved\), iteration 0: its "
+                                            r"(forward|backward) unit of chunk \d stands where"):
+        expand_microbatches(Graph(small.groups, {**small.events, 1: events}), mb)
+    odd = MicrobatchFold(mb.target + 1, mb.captured, "interleaved", mb.warmup, chunks=2, group=2)
+    with pytest.raises(ScheduleError, match=r"6 captured micro-batches have no steady group to stand for the other "
+                                            r"5 \(it needs target 11 less a multiple of 2"):
+        expand_microbatches(small, odd)

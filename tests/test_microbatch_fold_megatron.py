@@ -6,6 +6,8 @@ what was folded and counts the target's tokens, and the per-rank peak memory is 
 first stage's is equal to the byte. The last stage keeps each micro-batch's reduced loss (Megatron's
 ``forward_data_store``) until the end of the iteration, a few bytes per micro-batch (16 B here): the
 fold's last stage is lower by those of the M - m_c micro-batches that did not run, and by nothing else.
+The same holds for a TP1·PP2·VPP2 job (Megatron's interleaved schedule) at M = 10 captured at 6, whose
+expanded graph has the full capture's units and p2p ops in the same order on every rank.
 """
 
 from __future__ import annotations
@@ -20,17 +22,20 @@ import pytest
 
 from prism_megatron.megatron import cpu_mode
 
-pytestmark = [pytest.mark.megatron,
-              pytest.mark.skipif(cpu_mode._gpu_present(), reason="CPU runs of Megatron need CPU mode")]
+pytestmark = pytest.mark.skipif(cpu_mode._gpu_present(), reason="CPU runs of Megatron need CPU mode")
+# runs megatron-core: CI also runs these on the second stack (.ci/run), but for the interleaved capture, whose
+# schedule's p2p calls the class-fold tests (test_fold_megatron) check on both stacks, and the interleaved
+# plan, whose record choose_microbatches' test checks on both
+MEGATRON = pytest.mark.megatron
 
 RECIPE = str(Path(__file__).parent / "recipes" / "fold-microbatches-pp2.yaml")
 #: bytes of one micro-batch's reduced loss that the last stage holds to the end of the iteration
 LOSS_STORE_BYTES = 16
 
 
-def _run(out: Path, *extra: str, check: bool = True) -> subprocess.CompletedProcess:
+def _run(out: Path, *extra: str, check: bool = True, recipe: str = RECIPE) -> subprocess.CompletedProcess:
     out.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "prism_megatron", "run", "--recipe", RECIPE, "--prism-driver", "core",
+    cmd = [sys.executable, "-m", "prism_megatron", "run", "--recipe", recipe, "--prism-driver", "core",
            "--prism-fold", "off", "--prism-track-memory", "on", "--prism-report", "off",
            "--prism-trace-dir", str(out / "trace"), *extra]
     proc = subprocess.run(cmd, cwd=out, capture_output=True, text=True, timeout=300,
@@ -40,6 +45,7 @@ def _run(out: Path, *extra: str, check: bool = True) -> subprocess.CompletedProc
     return proc
 
 
+@MEGATRON
 def test_a_folded_capture_replays_the_targets_microbatches_with_its_memory(tmp_path):
     from prism_megatron.replay import graph_from_trace
     from prism_megatron.replay.graph import Mark
@@ -81,6 +87,7 @@ def test_a_folded_capture_replays_the_targets_microbatches_with_its_memory(tmp_p
     assert 0 <= want[1] - got[1] <= (mb.target - mb.captured) * LOSS_STORE_BYTES, (got, want)
 
 
+@MEGATRON
 def test_a_count_below_the_minimum_is_refused_naming_it(tmp_path):
     proc = _run(tmp_path, "--prism-fold-microbatches", "2", check=False)
     assert proc.returncode != 0
@@ -96,6 +103,7 @@ def _args(**kw) -> argparse.Namespace:
     return argparse.Namespace(**{**base, **kw})
 
 
+@MEGATRON
 def test_choose_microbatches_rewrites_the_global_batch_once_and_refuses_what_it_cannot_fold():
     from prism_megatron.megatron.microbatch_mode import MicrobatchModeError, choose_microbatches
 
@@ -112,14 +120,27 @@ def test_choose_microbatches_rewrites_the_global_batch_once_and_refuses_what_it_
     assert choose("off") == (["--x"], None)
     assert choose("auto", global_batch_size=20) == (["--x"], None)  # M = 5: nothing beyond the minimum
     assert "all 5 run per iteration" in said[-1]
-    assert choose("auto", virtual_pipeline_model_parallel_size=2, num_layers=8) == (["--x"], None)  # said, not refused
-    assert "VPP2, is not yet folded by micro-batch" in said[-1]
+    vpp = dict(virtual_pipeline_model_parallel_size=2, num_layers=8)  # interleaved: groups of PP4, 3 of them
+    argv, record = choose("auto", **vpp)
+    assert argv == ["--x", "--global-batch-size", str(12 * 2 * 2)]
+    assert (record["schedule"], record["captured"], record["warmup"], record["chunks"], record["group"]) == (
+        "interleaved", 12, [10, 8, 6, 4], 2, 4)
+    assert "12 of 16 run per iteration (interleaved, 2 chunks, groups of 4)" in said[-1]
+    assert choose("auto", global_batch_size=96, **vpp)[1]["captured"] == 12  # M = 24
+    assert choose("auto", global_batch_size=48, **vpp) == (["--x"], None)  # M = 12: nothing beyond the minimum
     for value, kw, match in [
         ("4", {}, r"--prism-fold-microbatches 4: 4 micro-batches per iteration is below the minimum 5"),
         ("17", {}, r"17 micro-batches per iteration is more than the target's 16"),
         ("auto", {"rampup_batch_size": [8, 8, 100]}, r"--rampup-batch-size 8 8 100: the micro-batch count changes"),
-        ("5", {"virtual_pipeline_model_parallel_size": 2, "num_layers": 8},
-         r"an interleaved pipeline \(VPP2\) is not yet folded by micro-batch: run with --prism-fold-microbatches off"),
+        ("8", {"virtual_pipeline_model_parallel_size": 2, "num_layers": 8},
+         r"--prism-fold-microbatches 8: 8 micro-batches per iteration is below the minimum 12 \(the first group, a "
+         r"steady group and the last group, over warm-ups up to 10 of 2 chunks\)"),
+        ("14", {"virtual_pipeline_model_parallel_size": 2, "num_layers": 8, "global_batch_size": 96},
+         r"14 micro-batches per iteration is not the target's 24 less a multiple of the micro-batch group 4 \(whole "
+         r"groups are replayed\): give 12 or 16"),
+        ("auto", {"virtual_pipeline_model_parallel_size": 2, "num_layers": 8, "global_batch_size": 40},
+         r"10 micro-batches per iteration .* with micro-batch groups of 4: Megatron's interleaved schedule needs a "
+         r"group <= M and a remainder of M by it of 0 or >= PP4"),
         ("auto", {"train_samples": 640}, r"--train-samples 640: the iteration count follows from the global batch"),
         ("auto", {"eval_iters": 2, "eval_interval": 1}, r"--eval-iters 2 with --eval-interval 1"),
         ("many", {}, r"--prism-fold-microbatches 'many': expected auto, off or a number"),
@@ -128,6 +149,7 @@ def test_choose_microbatches_rewrites_the_global_batch_once_and_refuses_what_it_
             choose(value, **kw)
 
 
+@MEGATRON
 def test_a_class_fold_of_a_microbatch_folded_capture_gives_the_folded_stage_the_targets_microbatches(tmp_path):
     """TP1·PP4 at M = 16 captured with m_c = 5 and its middle stage 2 folded onto stage 1: the synthesised
     stage 2 runs 16 forward and 16 backward units per iteration in its own 1F1B order (warm-up 1)."""
@@ -157,3 +179,68 @@ def test_a_class_fold_of_a_microbatch_folded_capture_gives_the_folded_stage_the_
         assert order == one_f_one_b(warmup, 16), r
     result = replay(graph)
     assert "one pipeline" in result.method and len(result.iteration_times()) == 2
+
+
+def _skeleton(graph, rank: int) -> list:
+    """A rank's units (name, iteration, micro-batch, chunk) and pipeline p2p ops (kind, peer, group's ranks)."""
+    from prism_megatron.replay.graph import Comm, Mark
+
+    out = []
+    for e in graph.events[rank]:
+        if isinstance(e, Mark) and e.phase == "B" and e.name in ("forward", "backward"):
+            out.append((e.name, e.attrs["iteration"], e.attrs["microbatch"], e.attrs.get("chunk")))
+        elif isinstance(e, Comm) and e.is_p2p:
+            out.append((e.kind, e.peer, graph.groups[e.group].ranks))
+    return out
+
+
+def test_an_interleaved_capture_expands_to_the_full_captures_units_with_its_memory(tmp_path):
+    """TP1·PP2·VPP2 (Megatron's interleaved schedule, overlapped p2p, groups of 2) at M = 10, captured at
+    m_c = 6 (3 groups) and in full: the expanded graph's units and p2p ops, in order on every rank, are the
+    full capture's; the first stage's peak is the full run's to the byte, the last stage's lower by the reduced
+    losses of the 4 micro-batches not run."""
+    from prism_megatron.replay import graph_from_trace
+    from prism_megatron.report.build import build_report
+    from prism_megatron.trace import read_trace
+
+    recipe = str(Path(__file__).parent / "recipes" / "fold-microbatches-pp2vpp2.yaml")
+    folded = _run(tmp_path / "fold", "--prism-fold-microbatches", "auto", recipe=recipe)
+    assert "prism: micro-batches: 6 of 10 run per iteration (interleaved, 2 chunks, groups of 2)" in folded.stderr
+    _run(tmp_path / "full", "--prism-fold-microbatches", "off", recipe=recipe)
+    trace = read_trace(tmp_path / "fold" / "trace")
+    mb = trace.microbatches
+    assert (mb.target, mb.captured, mb.schedule, mb.warmup, mb.chunks, mb.group) == (10, 6, "interleaved", (4, 2), 2, 2)
+    expanded, full = graph_from_trace(trace), graph_from_trace(read_trace(tmp_path / "full" / "trace"))
+    for r in (0, 1):
+        want = _skeleton(full, r)
+        assert sum(1 for x in want if x[0] == "forward") == 2 * 10 * 2  # iterations x M x chunks
+        assert _skeleton(expanded, r) == want, r
+
+    cluster = "h100-nvlink-ib400"
+    fold_report, full_report = build_report(tmp_path / "fold" / "trace", cluster), \
+        build_report(tmp_path / "full" / "trace", cluster)
+    assert mb.describe() in fold_report["prediction"]["provenance"]
+    pred = fold_report["prediction"]
+    assert pred["tokens_per_s"] * pred["iteration_time_s"] == pytest.approx(10 * 1 * 32)
+    got = {e["rank"]: e["max_allocated"] for e in fold_report["memory"]["ranks"]}
+    want = {e["rank"]: e["max_allocated"] for e in full_report["memory"]["ranks"]}
+    assert got[0] == want[0], (got, want)
+    assert 0 <= want[1] - got[1] <= (mb.target - mb.captured) * LOSS_STORE_BYTES, (got, want)
+
+
+def test_plan_says_what_an_interleaved_micro_batch_fold_will_run():
+    """PP2·VPP2 at M = 32: the plan's --json has the fold's record (the plan prints its sentence, as for 1F1B;
+    the refusals are choose_microbatches', above)."""
+    import json
+
+    from click.testing import CliRunner
+
+    from prism_megatron.cli import main
+
+    recipe = str(Path(__file__).parent / "recipes" / "fold-microbatches-pp2vpp2.yaml")
+    base = ["plan", "--recipe", recipe, "--prism-driver", "core", "--global-batch-size", "32"]
+    result = CliRunner().invoke(main, [*base, "--json", "--prism-fold-microbatches", "auto"])
+    assert result.exit_code == 0, result.output
+    record = json.loads(result.stdout)["microbatches"]
+    assert (record["version"], record["schedule"], record["target"], record["captured"], record["rule"]) == (
+        2, "interleaved", 32, 6, "steady-group-copy")

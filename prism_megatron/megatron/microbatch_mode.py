@@ -1,15 +1,18 @@
 """``--prism-fold-microbatches``: how many of the target's micro-batches a run captures per iteration.
 
-The target runs M = global batch / (micro batch x DP) micro-batches per pipeline and iteration. Under
-Megatron's non-interleaved schedules every stage's micro-batches between its warm-up and the last one
-do the same work on the same shapes, so the run captures m_c of them and replay gives every rank the
-target's M (replay.microbatch_fold; the rule and the minimum in trace.microbatches). The ranks are
+The target runs M = global batch / (micro batch x DP) micro-batches per pipeline and iteration. Every
+stage's micro-batches between its warm-up and the last ones do the same work on the same shapes, so
+the run captures m_c of them and replay gives every rank the target's M (replay.microbatch_fold; the
+rules and minimums in trace.microbatches): under Megatron's non-interleaved schedules m_c = the
+largest warm-up + 2 (PP1: 3); under its interleaved schedule (VPP) m_c = M less whole micro-batch
+groups (``microbatch_group_size_per_vp_stage``), at least the first group, a steady group and the last
+(3 groups at Megatron-LM's default group of PP), so Megatron's rules on M hold for m_c. The ranks are
 given the same command with ``--global-batch-size`` m_c x micro batch x DP (appended once: Megatron's
 parser keeps the last value), and the trace's ``job.microbatches`` records M, m_c and the rule.
 
-Refused, naming the flag: a batch-size ramp-up (M changes between iterations), an interleaved
-pipeline (not yet), sample-based training (``--train-samples``: the iteration count follows from the
-global batch), and evaluation during the run (forward-only iterations are not expanded).
+Refused, naming the flag: a batch-size ramp-up (M changes between iterations), sample-based training
+(``--train-samples``: the iteration count follows from the global batch), evaluation during the run
+(forward-only iterations are not expanded), and a count N that is not one the rules allow.
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ def choose_microbatches(value: str, script: Path, script_args: list[str], world_
     """(the ranks' command line, the manifest's ``job.microbatches`` record or None) under
     ``--prism-fold-microbatches value``. ``args``: Megatron's parsed args (else parsed here)."""
     from prism_megatron.megatron.fold import FoldError, layout_from_args, pipeline_schedule
-    from prism_megatron.trace.microbatches import MicrobatchFold, minimum_captured
+    from prism_megatron.trace.microbatches import MicrobatchFold, minimum_captured, minimum_interleaved
 
     mode = parse_value(value)
     if mode == "off":
@@ -82,36 +85,51 @@ def choose_microbatches(value: str, script: Path, script_args: list[str], world_
         schedule = pipeline_schedule(layout)
     except FoldError as e:
         raise MicrobatchModeError(f"{flag}: {e}") from None
-    if layout.vpp and layout.vpp > 1 and mode == "auto":
-        say(f"micro-batches auto: all run per iteration (an interleaved pipeline, VPP{layout.vpp}, is not yet "
-            "folded by micro-batch)")
-        return list(script_args), None
-    if layout.vpp and layout.vpp > 1:
-        raise MicrobatchModeError(f"{flag}: an interleaved pipeline (VPP{layout.vpp}) is not yet folded by "
-                                  "micro-batch: run with --prism-fold-microbatches off")
     mbs, gbs, dp = int(_arg(args, "micro_batch_size", 1)), _arg(args, "global_batch_size"), layout.dp
     if not gbs or gbs % (mbs * dp):
         raise MicrobatchModeError(f"{flag}: --global-batch-size {gbs} is not a multiple of micro batch {mbs} x "
                                   f"DP{dp}")
-    m, least = gbs // (mbs * dp), minimum_captured(schedule["warmup"])
+    m = gbs // (mbs * dp)
+    interleaved = schedule["name"] == "interleaved"
+    if interleaved:
+        chunks, group, pp = int(schedule["chunks"]), int(schedule["group"]), len(schedule["warmup"])
+        if group > m or 0 < m % group < pp:
+            raise MicrobatchModeError(f"{flag}: {m} micro-batches per iteration (global batch {gbs} / (micro batch "
+                                      f"{mbs} x DP{dp})) with micro-batch groups of {group}: Megatron's interleaved "
+                                      f"schedule needs a group <= M and a remainder of M by it of 0 or >= PP{pp}")
+        least = minimum_interleaved(schedule["warmup"], chunks, group, m)
+        rule = (f"the first group, a steady group and the last group, over warm-ups up to "
+                f"{max(schedule['warmup'])} of {chunks} chunks")
+    else:
+        least = minimum_captured(schedule["warmup"])
+        rule = f"largest warm-up {max(schedule['warmup'])} + 2, at least 3"
     if mode == "auto":
         if m <= least:
-            say(f"micro-batches auto: all {m} run per iteration (folding needs more than {least}: the largest "
-                "warm-up + 2)")
+            say(f"micro-batches auto: all {m} run per iteration (folding needs more than {least}: "
+                f"{'an interleaved pipeline needs ' + rule if interleaved else 'the largest warm-up + 2'})")
             return list(script_args), None
         captured = least
     else:
         captured = int(mode)
-        if captured < least:
-            raise MicrobatchModeError(f"{flag}: {captured} micro-batches per iteration is below the minimum {least} "
-                                      f"(largest warm-up {max(schedule['warmup'])} + 2, at least 3): every stage "
-                                      "must run its warm-up, a steady pair and its own last micro-batch")
         if captured > m:
             raise MicrobatchModeError(f"{flag}: {captured} micro-batches per iteration is more than the target's "
                                       f"{m} (global batch {gbs} / (micro batch {mbs} x DP{dp}))")
+        if captured < least:
+            what = ("every stage must run its warm-up, a steady group whose units stand for the missing ones, and "
+                    "its cool-down" if interleaved else
+                    "every stage must run its warm-up, a steady pair and its own last micro-batch")
+            raise MicrobatchModeError(f"{flag}: {captured} micro-batches per iteration is below the minimum {least} "
+                                      f"({rule}): {what}")
+        if interleaved and (m - captured) % group:
+            lower = captured - (captured - least) % group
+            raise MicrobatchModeError(f"{flag}: {captured} micro-batches per iteration is not the target's {m} less "
+                                      f"a multiple of the micro-batch group {group} (whole groups are replayed): "
+                                      f"give {lower} or {lower + group}")
         if captured == m:
             say(f"micro-batches: all {m} run per iteration (--prism-fold-microbatches {captured} is the target's)")
             return list(script_args), None
-    record = MicrobatchFold(m, captured, schedule["name"], tuple(int(x) for x in schedule["warmup"]))
+    extra = ({"chunks": chunks, "group": group, "overlap_p2p": bool(schedule["overlap_p2p"]),
+              "wait_sends": bool(schedule["wait_sends"])} if interleaved else {})
+    record = MicrobatchFold(m, captured, schedule["name"], tuple(int(x) for x in schedule["warmup"]), **extra)
     say(f"{record.describe()} (global batch {gbs} run as {captured * mbs * dp})")
     return [*script_args, "--global-batch-size", str(captured * mbs * dp)], record.to_json()

@@ -1,8 +1,8 @@
 """Every rank's program at the target's M micro-batches, from a capture of m_c of them per iteration.
 
 A micro-batch-folded trace (trace.microbatches) ran m_c of the target's M micro-batches per training
-iteration, under Megatron's non-interleaved schedules. :func:`expand_microbatches` rebuilds each
-rank's iterations at M, before rank-fold synthesis (so live, synthesised and unfolded ranks alike):
+iteration. :func:`expand_microbatches` rebuilds each rank's iterations at M, before rank-fold synthesis
+(so live, synthesised and unfolded ranks alike); under Megatron's non-interleaved schedules:
 
 - A rank's pipeline stage and PP are its place in the group of its pipeline p2p ops (Megatron
   builds that group in stage order); a rank without p2p ops is PP1.
@@ -25,6 +25,13 @@ rank's iterations at M, before rank-fold synthesis (so live, synthesised and unf
   touches is renumbered in program order from the group's first number, so peers that copy alike
   still match; a group whose numbers the trace did not give contiguously is an error.
 
+Under Megatron's interleaved schedule (record schedule "interleaved") a stage's units are keyed by
+virtual microbatch (the schedule table's (microbatch, chunk)); its captured iteration must be
+replay.stage_schedule.interleaved_steps at m_c unit for unit and p2p op for op (each op's stream follows
+from its place there, checked against its kind and peer: at PP2 the previous and the next stage are
+one rank), and the iteration at M is interleaved_steps at M, each unit and op from the captured one
+:func:`interleaved_alignment` names, each wait the schedule's own on the target's ops.
+
 Forward-only iterations (evaluation) and anything that does not fit (a missing unit, an op that does
 not attach, an order that is not the plan's) are a ScheduleError naming the rank and micro-batch.
 """
@@ -42,9 +49,13 @@ from .stage_schedule import (
     RECV_PREV,
     SEND_NEXT,
     SEND_PREV,
+    UNIT_KINDS,
     UNITS,
     ScheduleError,
+    Step,
+    interleaved_steps,
     one_f_one_b,
+    schedule_table,
     unit_end,
     unit_spans,
 )
@@ -85,7 +96,7 @@ def expand_microbatches(graph: Graph, mb: MicrobatchFold) -> Graph:
 def expand_rank(events: Sequence[Event], groups: dict[int, Group], rank: int, mb: MicrobatchFold,
                 source: str = "<graph>") -> list[Event]:
     """Rank ``rank``'s program with its training iterations at ``mb.target`` micro-batches."""
-    return _Expander(events, groups, rank, mb, source).run()
+    return (_Interleaved if mb.interleaved else _Expander)(events, groups, rank, mb, source).run()
 
 
 class _Expander:
@@ -105,14 +116,15 @@ class _Expander:
         return f"{self.source}: rank {self.rank}{mbs}"
 
     def _place(self) -> tuple[int, int, int | None]:
-        """(stage, PP, group) from the rank's pipeline p2p ops."""
-        found = {ev.group for ev in self.ev if type(ev) is Comm and ev.is_p2p}
+        """(stage, PP, group) from the rank's pipeline p2p ops (Megatron may post them on more than one
+        group of the pipeline's ranks: megatron-core's interleaved schedule at PP2 does)."""
+        found = sorted({ev.group for ev in self.ev if type(ev) is Comm and ev.is_p2p})
         if not found:
             return 0, 1, None
-        if len(found) > 1:
-            raise ScheduleError(f"{self._where()}: p2p ops on several groups {sorted(found)[:4]}: not one pipeline "
-                                "group of a non-interleaved schedule")
-        gid = found.pop()
+        if len({tuple(self.groups[g].ranks) for g in found}) > 1:
+            raise ScheduleError(f"{self._where()}: p2p ops on groups {found[:4]} of different ranks: not one "
+                                "pipeline's")
+        gid = found[0]
         ranks = list(self.groups[gid].ranks)
         if self.rank not in ranks:
             raise ScheduleError(f"{self._where()}: p2p ops on group {gid}, which does not hold it")
@@ -320,8 +332,8 @@ class _Expander:
                     if seq != e.seq:
                         e = replace(e, seq=seq)
             elif type(e) is Mark and inst is not None and isinstance(e.attrs.get("microbatch"), int):
-                target = inst[1]
-                if e.attrs["microbatch"] != target:
+                target = self._microbatch(inst)
+                if target is not None and e.attrs["microbatch"] != target:
                     e = Mark(e.name, e.phase, {**e.attrs, "microbatch": target})
             out.append(e)
         return out
@@ -329,6 +341,11 @@ class _Expander:
     @staticmethod
     def _seq_key(e: Comm) -> tuple:
         return (e.group, e.kind, e.peer) if e.is_p2p else (e.group,)
+
+    @staticmethod
+    def _microbatch(inst: object) -> int | None:
+        """The target micro-batch of an instance (a unit's or a p2p op's key) whose markers say one."""
+        return inst[1]  # type: ignore[index]
 
     def _region(self, b: _Block) -> list[Slot | _CallWait]:
         """The iteration at M: the stage's 1F1B order of (copied) units and p2p calls."""
@@ -374,4 +391,175 @@ class _Expander:
             call((RECV_NEXT, i))
             unit("B", i)
             call((SEND_PREV, i))
+        return out
+
+
+def interleaved_alignment(stages: int, stage: int, mb: MicrobatchFold) -> tuple[list[Step], dict, dict]:
+    """(stage ``stage``'s interleaved steps at ``mb.target``, the captured unit each target unit replays,
+    the captured p2p op each target op replays): units ("F" | "B", virtual microbatch), ops (stream,
+    index), keyed as replay.stage_schedule.interleaved_steps keys them.
+
+    The target's steps up to the forward of pair k0 (trace.microbatches.interleaved_cut) are the
+    capture's; then come x = (M - m_c) / group copies of the capture's steps from the forward of pair
+    k0 - U to that of k0 (U = chunks·group); then the capture's steps from the forward of pair k0 on.
+    Each copy must have the period's steps kind for kind (units of the same chunk, calls on the same
+    streams, waits on as many ops of the same streams): a ScheduleError otherwise."""
+    from ..trace.microbatches import interleaved_cut
+
+    w, v, g, m, m_c = mb.warmup[stage], mb.chunks, mb.group, mb.target, mb.captured
+    where = f"stage {stage} of the interleaved PP{stages} x {v} chunks (groups of {g})"
+    k0 = interleaved_cut(w, v, g, m_c)
+    if k0 is None or (m - m_c) % g:
+        raise ScheduleError(f"{where}: {m_c} captured micro-batches have no steady group to stand for the other "
+                            f"{m - m_c} (it needs target {m} less a multiple of {g}, and more steady pairs)")
+    args = (stages, stage, v, g)
+    steps_t = interleaved_steps(*args, m, w, mb.overlap_p2p, mb.wait_sends)
+    steps_c = interleaved_steps(*args, m_c, w, mb.overlap_p2p, mb.wait_sends)
+    table_t, table_c = schedule_table(m, v, g), schedule_table(m_c, v, g)
+    w, u, x = min(w, m_c * v), v * g, (m - m_c) // g
+
+    def at(steps: list[Step], vid: int) -> int:
+        return steps.index(("F", vid))
+
+    cut_c, period_c = at(steps_c, w + k0), at(steps_c, w + k0 - u)
+    pieces = [(steps_t[:cut_c], steps_c[:cut_c])]
+    for j in range(x):
+        pieces.append((steps_t[at(steps_t, w + k0 + j * u):at(steps_t, w + k0 + (j + 1) * u)],
+                       steps_c[period_c:cut_c]))
+    pieces.append((steps_t[at(steps_t, w + k0 + x * u):], steps_c[cut_c:]))
+    units: dict[Step, Step] = {}
+    ops: dict[tuple[str, int], tuple[str, int]] = {}
+    for piece, (mine, theirs) in enumerate(pieces):
+        if len(mine) != len(theirs):
+            raise ScheduleError(f"{where}: piece {piece} of its program at M = {m} has {len(mine)} steps, the "
+                                f"capture's at {m_c} {len(theirs)}: the schedule does not repeat by group")
+        for a, b in zip(mine, theirs, strict=True):
+            same = a[0] == b[0]
+            if same and a[0] in UNIT_KINDS:
+                same = table_t[a[1]][1] == table_c[b[1]][1]
+                units[a] = b
+            elif same:
+                same = [s for s, _ in a[1]] == [s for s, _ in b[1]]
+                if a[0] == "call":
+                    ops.update(zip(a[1], b[1], strict=True))
+            if not same:
+                raise ScheduleError(f"{where}: step {a} of its program at M = {m} stands where the capture's at "
+                                    f"{m_c} has {b}: the schedule does not repeat by group")
+    return steps_t, units, ops
+
+
+class _Interleaved(_Expander):
+    """The expansion of a stage of Megatron's interleaved schedule (see interleaved_alignment)."""
+
+    def __init__(self, events: Sequence[Event], groups: dict[int, Group], rank: int, mb: MicrobatchFold,
+                 source: str) -> None:
+        super().__init__(events, groups, rank, mb, source)
+        ranks = list(groups[self.pp_group].ranks) if self.pp_group is not None else [rank]
+        self.prev, self.next = ranks[(self.stage - 1) % self.pp], ranks[(self.stage + 1) % self.pp]
+        self.table_c = schedule_table(mb.captured, mb.chunks, mb.group)
+        self.table_t = schedule_table(mb.target, mb.chunks, mb.group)
+        self.vid = {("F", *x): k for k, x in enumerate(self.table_c)}
+        self.vid.update({("B", mbn, mb.chunks - 1 - c): k for k, (mbn, c) in enumerate(self.table_c)})
+        self.steps_c = interleaved_steps(self.pp, self.stage, mb.chunks, mb.group, mb.captured, self.warmup,
+                                         mb.overlap_p2p, mb.wait_sends)
+        self.steps_t, self.unit_src, self.op_src = interleaved_alignment(self.pp, self.stage, mb)
+
+    def _where(self, microbatch: int | None = None) -> str:
+        stage = getattr(self, "stage", None)  # not yet known while the rank's place is found
+        return f"{super()._where(microbatch)} ({'' if stage is None else f'stage {stage}, '}interleaved)"
+
+    def stream(self, i: int) -> str | None:
+        """Any pipeline p2p op; which stream it is follows from its place in the captured program."""
+        ev = self.ev[i]
+        return "p2p" if type(ev) is Comm and ev.is_p2p else None
+
+    def _is(self, k: int, kind: str, peer: int) -> bool:
+        e = self.ev[k]
+        return type(e) is Comm and e.is_p2p and e.kind == kind and e.peer == peer
+
+    def _block(self, run: list[tuple]) -> _Block:
+        ev, m_c, chunks = self.ev, self.mb.captured, self.mb.chunks
+        start, end = run[0][2], run[-1][3] + 1
+        k = start - 1  # the first forward's input receive precedes it
+        while k >= 0 and (self._passable(k) or self._is(k, "recv", self.prev)):
+            if self._is(k, "recv", self.prev):
+                start = k
+            k -= 1
+        k = end  # the last backward's input-gradient send follows it
+        while k < len(ev) and (self._passable(k) or self._is(k, "send", self.prev)):
+            if self._is(k, "send", self.prev):
+                end = k + 1
+            k += 1
+        b = _Block(run[0][0], start, end)
+        want = [(s[0], s[1]) if s[0] in UNIT_KINDS else op for s in self.steps_c if s[0] != "wait"
+                for op in ((s,) if s[0] in UNIT_KINDS else s[1])]
+        lead: list[int] = []
+        i, n = start, 0
+        while i < end:
+            e = ev[i]
+            got = None
+            if type(e) is Mark and e.phase == "B" and e.name in UNITS:
+                j = self._unit_end(i)
+                mbn, chunk = e.attrs.get("microbatch"), e.attrs.get("chunk") or 0
+                got = self.vid.get(("F" if e.name == "forward" else "B", mbn, chunk))
+                if got is None:
+                    raise ScheduleError(f"{self._where(mbn)} event {i}: {e.name} unit of chunk {chunk!r}, iteration "
+                                        f"{b.iteration!r}, is not a unit of a captured micro-batch 0..{m_c - 1} in "
+                                        f"chunks 0..{chunks - 1}")
+                for x in range(i, j + 1):
+                    if self.stream(x) is not None:
+                        raise ScheduleError(f"{self._where(mbn)} event {x}: a pipeline p2p op inside a {e.name} unit")
+                key = ("F" if e.name == "forward" else "B", got)
+                if n >= len(want) or want[n] != key:
+                    expect = want[n] if n < len(want) else "the iteration's end"
+                    raise ScheduleError(f"{self._where(mbn)}, iteration {b.iteration!r}: its {e.name} unit of chunk "
+                                        f"{chunk} stands where Megatron's interleaved schedule at {m_c} micro-batches "
+                                        f"(warm-up {self.warmup}) has {expect}")
+                b.units[key] = (lead, range(i, j + 1))
+                b.order.append(key)
+                lead, n, i = [], n + 1, j + 1
+                continue
+            if self.stream(i) is not None:
+                op = want[n] if n < len(want) else None
+                if op is None or op[0] in UNIT_KINDS or not self._is(
+                        i, "recv" if op[0] in (RECV_PREV, RECV_NEXT) else "send",
+                        self.prev if op[0] in (RECV_PREV, SEND_PREV) else self.next):
+                    raise ScheduleError(f"{self._where()} event {i} ({e.kind} with rank {e.peer}), iteration "
+                                        f"{b.iteration!r}: stands where Megatron's interleaved schedule at {m_c} "
+                                        f"micro-batches (warm-up {self.warmup}) has {op or 'the iteration end'}")
+                b.ops[op] = (lead, i)
+                lead, n = [], n + 1
+            elif type(e) is Comm:
+                raise ScheduleError(f"{self._where()} event {i} ({e.kind} on group {e.group}) lies between the "
+                                    f"units of iteration {b.iteration!r} and is not a pipeline p2p op: it has no place "
+                                    "in the target's order of units")
+            else:
+                lead.append(i)
+            i += 1
+        if n != len(want):
+            raise ScheduleError(f"{self._where()}, iteration {b.iteration!r}: {n} units and p2p ops where Megatron's "
+                                f"interleaved schedule at {m_c} micro-batches has {len(want)}; next: {want[n]}")
+        return b
+
+    def _microbatch(self, inst: object) -> int | None:
+        kind, k = inst  # type: ignore[misc]
+        return self.table_t[k][0] if kind in UNIT_KINDS else None
+
+    def _region(self, b: _Block) -> list[Slot | _CallWait]:
+        """The iteration at M: the stage's interleaved steps at M, from the captured units and ops."""
+        ev = self.ev
+        out: list[Slot | _CallWait] = []
+        for step in self.steps_t:
+            if step[0] in UNIT_KINDS:
+                lead, body = b.units[self.unit_src[step]]
+                out.extend((x, step) for x in lead)
+                out.extend((x, step) for x in body)
+            elif step[0] == "call":
+                for op in step[1]:
+                    lead, i = b.ops[self.op_src[op]]
+                    out.extend((x, op) for x in lead)
+                    out.append((i, op))
+            else:
+                refs = [(b.ops[self.op_src[op]][1], op) for op in step[1]]
+                out.append(_CallWait([r for r in refs if ev[r[0]].async_op]))
         return out
