@@ -41,6 +41,8 @@ MIRROR, RECORDED, KEEP, PASSTHROUGH = "mirror", "recorded", "keep", "passthrough
 SELF_MIRROR, STANDIN = "self_mirror", "standin"
 #: every way a virtual member's contribution is made: the one list (the trace reader keeps an equal one)
 HOWS = (MIRROR, RECORDED, KEEP, PASSTHROUGH, SELF_MIRROR, STANDIN)
+#: the ways every count names; the serial capture's (self_mirror, standin) appear where they were made
+COUNTED = HOWS[:4]
 
 SELF_MIRROR_RULE = """\
 In a serial capture only one live rank L runs; every other rank is virtual, the other live ranks of the
@@ -129,7 +131,7 @@ def virtual_contributions(kind: str, plan: GroupPlan, *, root: int | None = None
                           recorded: Collection[int] = (), self_mirror: Collection[int] = ()) -> dict[str, int]:
     """Virtual contributions one op makes that reach a live member, by how they are made."""
     k = op_kind(kind)
-    counts = dict.fromkeys(HOWS, 0)
+    counts = dict.fromkeys(COUNTED + ((SELF_MIRROR,) if self_mirror else ()), 0)
     keep = in_place and kind in ("all_gather", "all_gather_list")
     if k.reaches == "all" or (k.reaches == "to_root" and plan.is_live(_root(plan, root, kind))):
         for p in plan.virtual_positions:
@@ -166,17 +168,20 @@ class Contributions:
 
     def add(self, kind: str, plan: GroupPlan, *, root: int | None = None, in_place: bool = False,
             recorded: Collection[int] = ()) -> None:
-        c = virtual_contributions(kind, plan, root=root, in_place=in_place, recorded=recorded)
-        row = self.counts.setdefault(kind, dict.fromkeys(HOWS, 0))
-        for h, n in c.items():
-            row[h] += n
+        self.add_counts(kind, virtual_contributions(kind, plan, root=root, in_place=in_place, recorded=recorded))
+
+    def add_counts(self, kind: str, counts: Mapping[str, int]) -> None:
+        """Add one op's counts (``virtual_contributions``) to ``kind``'s row."""
+        row = self.counts.setdefault(kind, dict.fromkeys(COUNTED, 0))
+        for h, n in counts.items():
+            row[h] = row.get(h, 0) + n
 
     def add_passthrough(self, kind: str = "recv", n: int = 1, how: str = PASSTHROUGH) -> None:
         """Count ``n`` receives answered by the pass-through rule (``how``: passthrough, or standin)."""
         op_kind(kind)
         if how not in (PASSTHROUGH, STANDIN):
             raise ValueError(f"a receive from a virtual neighbour is answered by passthrough or standin, not {how!r}")
-        self.counts.setdefault(kind, dict.fromkeys(HOWS, 0))[how] += n
+        self.add_counts(kind, {how: n})
 
     def to_json(self) -> dict[str, dict[str, int]]:
         return {k: dict(v) for k, v in sorted(self.counts.items())}
@@ -189,5 +194,5 @@ class Contributions:
             bad = set(row) - set(HOWS)
             if bad:
                 raise ValueError(f"contributions[{k!r}]: unknown field(s) {sorted(bad)} (known: {HOWS})")
-            c.counts[k] = {h: int(row.get(h, 0)) for h in HOWS}
+            c.counts[k] = {h: int(row.get(h, 0)) for h in HOWS if h in COUNTED or h in row}
         return c

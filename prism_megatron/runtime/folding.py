@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from nccl_prune import Contributions, PruneError, plan_group
-from nccl_prune.contributions import HOWS, virtual_contributions
+from nccl_prune.contributions import virtual_contributions
 from prism_megatron.runtime.dataplane import DataPlane
 from prism_megatron.runtime.groups import Group
 from prism_megatron.runtime.matching import Member
@@ -86,9 +86,7 @@ class Folding:
         if c is None:
             c = self._per_op[key] = virtual_contributions(kind, g.fold, root=root, in_place=in_place,
                                                           self_mirror=self._self_mirror.get(g.id, ()))
-        row = self.contributions.counts.setdefault(kind, dict.fromkeys(HOWS, 0))
-        for how, n in c.items():
-            row[how] += n
+        self.contributions.add_counts(kind, c)
 
     def to_json(self) -> dict[str, Any]:
         """The manifest's ``job.fold``: the plan plus the contributions counted so far."""

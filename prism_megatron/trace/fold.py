@@ -190,8 +190,9 @@ class Fold:
         return self.classes[self.class_of[rank]].name if self.classes else f"like rank {self.rep[rank]}"
 
     def contribution_counts(self) -> dict[str, int]:
-        """Virtual contributions by way (CONTRIBUTION_WAYS), summed over op kinds."""
-        out = dict.fromkeys(CONTRIBUTION_WAYS, 0)
+        """Virtual contributions by way, summed over op kinds: the first four CONTRIBUTION_WAYS always, a serial
+        capture's (self_mirror, standin) where it made any."""
+        out = dict.fromkeys(CONTRIBUTION_WAYS[:4], 0)
         for ways in self.contributions.values():
             for way, n in ways.items():
                 out[way] = out.get(way, 0) + n

@@ -90,9 +90,9 @@ def merge_captures(out: str | Path, plan: Mapping[str, Any], captures: Sequence[
             tables[name].append(getattr(t, name))
         ranks += t.manifest["ranks"]
         for kind, ways in t.fold.contributions.items():
-            row = contributions.setdefault(kind, dict.fromkeys(CONTRIBUTION_WAYS, 0))
+            row = contributions.setdefault(kind, dict.fromkeys(CONTRIBUTION_WAYS[:4], 0))
             for way, n in ways.items():
-                row[way] += n
+                row[way] = row.get(way, 0) + n
         jobs.append((record[-1], dict(t.manifest.get("job") or {})))
     if not jobs:
         raise TraceFormatError(out, "captures", "wrote no trace: nothing to merge")
