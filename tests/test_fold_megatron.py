@@ -357,8 +357,8 @@ def test_a_class_fold_captured_serially_reads_like_one_captured_together(megatro
     assert ga.ranks == gb.ranks
     for r in ga.ranks:
         assert [type(e) for e in ga.events[r]] == [type(e) for e in gb.events[r]], r
-        comms = [[(e.kind, e.seq, e.peer, e.nbytes, g.groups[e.group].ranks) for e in g.events[r] if isinstance(e, Comm)]
-                 for g in (ga, gb)]
+        comms = [[(e.kind, e.seq, e.peer, e.nbytes, g.groups[e.group].ranks) for e in g.events[r]
+                  if isinstance(e, Comm)] for g in (ga, gb)]
         assert comms[0] == comms[1], r
         gb.events[r] = [x if isinstance(x, Compute) else y for x, y in zip(ga.events[r], gb.events[r], strict=True)]
     want, got = replay(ga, cost).iteration_times(), replay(gb, cost).iteration_times()
