@@ -1,7 +1,7 @@
 """A folded run captured class by class (``--prism-fold-capture serial``): one capture per live rank, merged.
 
 A fold at class depth keeps one live rank per rank class (first, middle, last pipeline stage); at the
-targets' sizes each holds 45-166 GiB, so they do not fit this machine together. Serially, capture i runs
+targets' sizes each holds much of a device, so they need not fit this machine together. Serially, capture i runs
 only live rank L_i as a process: its plan (:func:`capture_plan`) makes every other rank virtual, the other
 live ranks too, each represented by L_i. The coordinator answers a virtual member whose class's live rank
 is not L_i by self mirror (``nccl_prune.SELF_MIRROR_RULE``) and a receive from a virtual pipeline neighbour

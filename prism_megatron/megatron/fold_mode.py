@@ -117,13 +117,13 @@ def choose_fold(mode: str, cfg: Any, env: dict[str, str] | None = None,
         say(f"fold capture serial: {len(fold.live)} capture(s), one live rank each ({why})")
     elif plan.memory.get("fits") is False:
         raise FoldModeError(f"--prism-fold {mode}: the sandbox does not fit here: {plan.memory['why']}"
-                            + ("; a serial capture (--prism-fold-capture serial) needs one live rank at a time to "
-                               f"fit: {one_rank_fits(plan)[1]}" if len(fold.live) > 1 else ""))
+                            + _serial_hint(plan, cfg))
     if plan.memory.get("fits") is None:  # no formula: the sandbox's processes alone must fit (same rule)
         fits, why = full_job_fits(plan, 1 if capture == "serial" else len(fold.live))
         if not fits:
             raise FoldModeError(f"--prism-fold {mode}: the sandbox does not fit here: {why}; give more host "
-                                "memory (--prism-host-memory) or run on GPUs (--prism-devices)")
+                                "memory (--prism-host-memory) or run on GPUs (--prism-devices)"
+                                + ("" if capture == "serial" else _serial_hint(plan, cfg)))
     how = ("each does its class's live rank's work, translated to its own position" if fold.depth == "class"
            else "each mirrors the live rank of its replica position")
     say(f"fold: {plan.layout.describe()} -> {len(fold.live)} live rank(s), {fold.virtual_count:,} virtual "
@@ -131,6 +131,16 @@ def choose_fold(mode: str, cfg: Any, env: dict[str, str] | None = None,
     for line in class_lines(fold):
         say(line)
     return fold.to_json()
+
+
+def _serial_hint(plan: Any, cfg: Any) -> str:
+    """What a serial capture would need, for a together sandbox of several live ranks that does not fit."""
+    if len(plan.fold.live) < 2:
+        return ""
+    fits, why = one_rank_fits(plan)
+    if fits is None:
+        why = full_job_fits(plan, 1)[1]
+    return f"; a serial capture (--prism-fold-capture serial) runs one live rank at a time: {why}"
 
 
 def check_trace_classes(trace_dir: Path) -> None:
