@@ -375,6 +375,9 @@ def test_a_serial_capture_needs_one_live_rank_to_fit_and_a_folded_run(parse_each
     fold = choose_fold("on", cfg, request.env, say=said.append, depth="replica", capture="serial")
     assert fold["live"] == [0, 1, 4, 5] and any("fold capture serial: 4 capture(s), one live rank each" in s
                                                  for s in said), said
+    moe = parse_run_args(["--recipe", "mini-moe-ep4-tp1pp2", "--prism-driver", "core"])
+    with pytest.raises(FoldModeError, match="--prism-fold-capture serial: .* is a MoE layout"):
+        choose_fold("on", launch_config(moe), moe.env, say=said.append, capture="serial")
     off = parse_run_args(["--recipe", "mini-dense-tp2pp2dp2", "--prism-driver", "core", "--prism-fold", "off",
                           "--prism-fold-capture", "serial"])
     assert run(off) == BAD_INPUT

@@ -8,7 +8,8 @@ when W x (Megatron's memory per rank + ``RANK_PROCESS_HOST_BYTES``) fits in the 
 there). Without Megatron's formula (no megatron.training) the per-rank state counts as 0, and that is
 said; a command the plan cannot read (not a Megatron command, a layout that does not fold) is run in
 full under 'auto', saying why, and refused under 'on'; a depth the layout cannot take (class depth
-for MoE) is refused under both. After a folded capture, the live ranks of
+for MoE) is refused under both. Under ``--prism-fold-capture serial`` the sandbox must fit one live rank at a time
+(``one_rank_fits``), and MoE layouts are refused (launcher.serial). After a folded capture, the live ranks of
 each class must have issued the same ops (kinds, sizes, group sizes); a class whose members differ is
 refused (``fold.check_class_members``).
 """
@@ -106,6 +107,11 @@ def choose_fold(mode: str, cfg: Any, env: dict[str, str] | None = None,
             say(f"fold auto: full capture, every rank runs ({why})")
             return None
         say(f"fold auto: the full job does not fit here ({why}); folding")
+    if capture == "serial" and plan.layout.num_experts:
+        raise FoldModeError(f"--prism-fold-capture serial: {plan.layout.describe()} is a MoE layout; its expert ranks "
+                            "exchange token counts and uneven all-to-all pieces with each other, which a capture of "
+                            "one live rank would answer from that rank's own routing (self mirror): not yet; capture "
+                            "it together (--prism-fold-capture together)")
     if fold.virtual_count == 0:
         say(f"fold {mode}: the sandbox is the whole job ({cfg.world_size} ranks): full capture")
         return None
