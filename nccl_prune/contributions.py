@@ -18,6 +18,12 @@ Four ways a virtual member takes part:
 - *passthrough*: a live rank's receive from a virtual pipeline neighbour gets what the nearest live
   rank upstream sent into the virtual stages (``passthrough.PASSTHROUGH_RULE``): virtual stages stand
   in as the identity. Counted once per answered receive.
+- *self_mirror* (a serial capture: one live rank at a time, ``SELF_MIRROR_RULE``): a virtual member
+  whose class has no live rank in this capture contributes what the capture's live member of the
+  group contributes. Shapes are right by construction; values are a real value of the run, never zeros.
+- *standin* (a serial capture): a receive from a virtual pipeline neighbour with no other live rank
+  on the ring gets a seeded stand-in of the posted shape (``passthrough.STANDIN_RULE``). Counted once
+  per answered receive.
 
 Op kinds are the runtime's (the names its messages carry); see ``KINDS``. Personalised exchanges
 (all_to_all, scatter lists) address pieces to group positions: ``A2A_RULE`` says which piece a live
@@ -32,8 +38,21 @@ from dataclasses import dataclass
 from nccl_prune.plan import GroupPlan, PruneError
 
 MIRROR, RECORDED, KEEP, PASSTHROUGH = "mirror", "recorded", "keep", "passthrough"
+SELF_MIRROR, STANDIN = "self_mirror", "standin"
 #: every way a virtual member's contribution is made: the one list (the trace reader keeps an equal one)
-HOWS = (MIRROR, RECORDED, KEEP, PASSTHROUGH)
+HOWS = (MIRROR, RECORDED, KEEP, PASSTHROUGH, SELF_MIRROR, STANDIN)
+#: the ways every count names; the serial capture's (self_mirror, standin) appear where they were made
+COUNTED = HOWS[:4]
+
+SELF_MIRROR_RULE = """\
+In a serial capture only one live rank L runs; every other rank is virtual, the other live ranks of the
+fold too. A virtual member whose own class's live rank is L mirrors L as in a fold captured together. A
+virtual member whose class's live rank is another (not a process in this capture: e.g. the last stage in
+the first stage's capture of the pipeline group, the embedding group or the model-parallel group) is
+answered by self mirror: it contributes what L contributes to the same op. Shapes are right (a
+collective's members post equal shapes); values are a real value of the run, never zeros: a grad-norm or
+loss reduction over the pipeline group counts L's share once per member, an inf/NaN flag is L's own, a
+broadcast from such a root sends L's buffer as it stands."""
 
 A2A_RULE = """\
 A live member l receives from a virtual member v the piece that v's mirror m sends to l's counterpart:
@@ -95,26 +114,30 @@ def op_kind(kind: str) -> OpKind:
         raise PruneError(f"op kind {kind!r} has no pruning rule (known: {', '.join(KINDS)})") from None
 
 
-def how(plan: GroupPlan, pos: int, *, recorded: Collection[int] = (), keep: bool = False) -> str | None:
-    """How member ``pos`` contributes: None when live, else mirror / recorded / keep."""
+def how(plan: GroupPlan, pos: int, *, recorded: Collection[int] = (), keep: bool = False,
+        self_mirror: Collection[int] = ()) -> str | None:
+    """How member ``pos`` contributes: None when live, else mirror / recorded / keep / self_mirror
+    (``self_mirror``: positions whose class has no live rank in a serial capture, SELF_MIRROR_RULE)."""
     if plan.mirror[pos] == pos:
         return None
     if pos in recorded:
         return RECORDED
-    return KEEP if keep else MIRROR
+    if keep:
+        return KEEP
+    return SELF_MIRROR if pos in self_mirror else MIRROR
 
 
 def virtual_contributions(kind: str, plan: GroupPlan, *, root: int | None = None, in_place: bool = False,
-                          recorded: Collection[int] = ()) -> dict[str, int]:
+                          recorded: Collection[int] = (), self_mirror: Collection[int] = ()) -> dict[str, int]:
     """Virtual contributions one op makes that reach a live member, by how they are made."""
     k = op_kind(kind)
-    counts = dict.fromkeys(HOWS, 0)
+    counts = dict.fromkeys(COUNTED + ((SELF_MIRROR,) if self_mirror else ()), 0)
     keep = in_place and kind in ("all_gather", "all_gather_list")
     if k.reaches == "all" or (k.reaches == "to_root" and plan.is_live(_root(plan, root, kind))):
         for p in plan.virtual_positions:
-            counts[how(plan, p, recorded=recorded, keep=keep)] += 1  # type: ignore[index]
+            counts[how(plan, p, recorded=recorded, keep=keep, self_mirror=self_mirror)] += 1  # type: ignore[index]
     elif k.reaches == "from_root" and not plan.is_live(_root(plan, root, kind)):
-        counts[how(plan, root, recorded=recorded)] += 1  # type: ignore[index, arg-type]
+        counts[how(plan, root, recorded=recorded, self_mirror=self_mirror)] += 1  # type: ignore[index, arg-type]
     return counts
 
 
@@ -145,15 +168,20 @@ class Contributions:
 
     def add(self, kind: str, plan: GroupPlan, *, root: int | None = None, in_place: bool = False,
             recorded: Collection[int] = ()) -> None:
-        c = virtual_contributions(kind, plan, root=root, in_place=in_place, recorded=recorded)
-        row = self.counts.setdefault(kind, dict.fromkeys(HOWS, 0))
-        for h, n in c.items():
-            row[h] += n
+        self.add_counts(kind, virtual_contributions(kind, plan, root=root, in_place=in_place, recorded=recorded))
 
-    def add_passthrough(self, kind: str = "recv", n: int = 1) -> None:
-        """Count ``n`` receives answered by the pass-through rule."""
+    def add_counts(self, kind: str, counts: Mapping[str, int]) -> None:
+        """Add one op's counts (``virtual_contributions``) to ``kind``'s row."""
+        row = self.counts.setdefault(kind, dict.fromkeys(COUNTED, 0))
+        for h, n in counts.items():
+            row[h] = row.get(h, 0) + n
+
+    def add_passthrough(self, kind: str = "recv", n: int = 1, how: str = PASSTHROUGH) -> None:
+        """Count ``n`` receives answered by the pass-through rule (``how``: passthrough, or standin)."""
         op_kind(kind)
-        self.counts.setdefault(kind, dict.fromkeys(HOWS, 0))[PASSTHROUGH] += n
+        if how not in (PASSTHROUGH, STANDIN):
+            raise ValueError(f"a receive from a virtual neighbour is answered by passthrough or standin, not {how!r}")
+        self.add_counts(kind, {how: n})
 
     def to_json(self) -> dict[str, dict[str, int]]:
         return {k: dict(v) for k, v in sorted(self.counts.items())}
@@ -166,5 +194,5 @@ class Contributions:
             bad = set(row) - set(HOWS)
             if bad:
                 raise ValueError(f"contributions[{k!r}]: unknown field(s) {sorted(bad)} (known: {HOWS})")
-            c.counts[k] = {h: int(row.get(h, 0)) for h in HOWS}
+            c.counts[k] = {h: int(row.get(h, 0)) for h in HOWS if h in COUNTED or h in row}
         return c

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from nccl_prune.plan import GroupPlan, PruneError, _show
 
 RULE_IN_SHORT = "virtual pipeline stages between two live stages pass messages through unchanged"
@@ -23,7 +25,21 @@ upstream of V (walking from V against the flow) sent to its virtual neighbour on
 n counts L's receives from V. A send from a live rank to a virtual neighbour completes at once; its
 data are kept only when a live rank downstream will consume them, until it does. The stand-in must
 have the dtype and shape L posted. A receive whose stand-in would be L's own later send (L is the only
-live rank on the ring) and a p2p with a virtual peer that is not a neighbour are refused."""
+live rank on the ring) and a p2p with a virtual peer that is not a neighbour are refused, except in a
+serial capture, where STANDIN_RULE answers the former."""
+STANDIN_SEED = 20260  # the stand-ins' generator seed: the same values in every run, on every machine
+STANDIN_RULE = f"""\
+In a serial capture (one live rank at a time) a live rank L's receive from a virtual pipeline
+neighbour whose walk upstream comes back to L (no other live rank on the ring in this capture) gets a
+stand-in: a tensor of the dtype and shape L posted, standard normal values from a generator seeded with
+{STANDIN_SEED} (the same tensor for every receive of that dtype, shape and direction), scaled in the
+backward direction (the receive's op label names a backward receive, else its position says so) to an
+L2 norm of 1 (a gradient of the size a mean loss gives, not one per element),
+so activations and gradients entering a stage are finite and non-zero, never a silent zero; their values
+are not the neighbour's (the loss of a last stage captured alone is the loss of stand-in activations,
+the grad norm of a first stage the norm under stand-in gradients). Sends from L to a virtual
+neighbour complete at once and are dropped (no live rank downstream consumes them in that capture). An
+integer tensor (a shape exchange: values that steer the program) gets no stand-in: refused."""
 
 
 @dataclass(frozen=True)
@@ -38,16 +54,20 @@ class Route:
     stream: tuple[int, int]
     consumer: int | None
     step: int
+    standin: bool = False  # answered by STANDIN_RULE (serial capture: no other live rank upstream)
 
     @property
     def direction(self) -> str:
         return "forward" if self.step == 1 else "backward"
 
 
-def route_recv(plan: GroupPlan, dst: int, src: int) -> Route:
-    """Live position ``dst`` receives from virtual position ``src``: the stream that answers it."""
+def route_recv(plan: GroupPlan, dst: int, src: int, standin: bool = False) -> Route:
+    """Live position ``dst`` receives from virtual position ``src``: the stream that answers it
+    (``standin``: a serial capture, where a walk back to ``dst`` itself is answered by STANDIN_RULE)."""
     step = _step(plan, src, dst, "receives from")
     u = _walk(plan, src, -step)
+    if u == dst and standin:
+        return Route((u, (u + step) % plan.size), dst, step, standin=True)
     if u == dst:
         raise PruneError(f"rank {plan.ranks[dst]} receives from virtual rank {plan.ranks[src]} on group "
                          f"{_show(plan.ranks)}, and the only live rank upstream is rank {plan.ranks[dst]} itself: "
@@ -91,3 +111,19 @@ def _walk(plan: GroupPlan, start: int, step: int) -> int:
             return pos
     raise AssertionError("a folded group has a live member")
 
+
+
+def standin_values(dtype: torch.dtype, numel: int, backward: bool = False) -> torch.Tensor:
+    """STANDIN_RULE's values: ``numel`` seeded standard normal values of ``dtype`` (flat, host), of L2
+    norm 1 for a ``backward`` (gradient) receive; PruneError for an integer or boolean dtype (values that
+    steer the program get no stand-in)."""
+    if not (dtype.is_floating_point or dtype.is_complex):
+        raise PruneError(f"a stand-in for a {dtype} receive (rule: {STANDIN_RULE.splitlines()[0]} ...): integer "
+                         "values steer the program (a shape exchange), so a serial capture does not invent them; "
+                         "capture this fold together (--prism-fold-capture together)")
+    g = torch.Generator().manual_seed(STANDIN_SEED)
+    work = torch.float64 if dtype.itemsize >= 8 else torch.float32
+    values = torch.randn(numel, generator=g, dtype=work)
+    if backward and numel:
+        values /= values.norm()
+    return values.to(dtype)

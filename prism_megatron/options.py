@@ -141,6 +141,14 @@ class RunOnlyOptions:
     first and last stages stay live); 'auto' is replica when one model replica fits this machine (or
     Megatron's memory formula is unavailable) and for MoE, else class."""
 
+    fold_capture: Literal["together", "serial"] = "together"
+    """How a folded run captures its live ranks: 'together' runs them as processes at once; 'serial' runs one
+    capture per live rank (only that rank a process, every other rank virtual, the other live ranks too) and
+    merges the captures into one trace, so that only the largest live rank must fit here. In a serial capture a
+    virtual member whose class has no live rank in it contributes what that capture's live member of the group
+    contributes (self mirror) and a receive from a virtual pipeline neighbour gets a seeded stand-in of the
+    posted shape (docs/features.md). Folded runs only."""
+
     fold_microbatches: str = "off"
     """Micro-batch folding: 'N' runs N of the target's M micro-batches per iteration (its global batch run as
     N x micro batch x DP) and the replay gives every rank the target's M, copies of steady units standing

@@ -358,3 +358,28 @@ def test_plan_table_gives_each_class_its_live_memory_by_megatrons_formula():
         assert [row.split("│")[-2].strip() for row in rows] == live_memory, text
         host = next(line for line in text.splitlines() if "host RAM" in line)
         assert host.split("│")[2].strip() == f"{len(fold.live) * 11:.1f} GiB"  # per live rank: 10 + 1 of process
+
+
+def test_a_serial_capture_needs_one_live_rank_to_fit_and_a_folded_run(parse_each_command_once, capsys):
+    from prism_megatron.launcher.exit_codes import BAD_INPUT
+    from prism_megatron.megatron.fold_mode import FoldModeError, choose_fold
+    from prism_megatron.megatron.run import launch_config, parse_run_args, run
+
+    request = parse_run_args(["--recipe", "mini-dense-tp2pp2dp2", "--prism-driver", "core", "--prism-fold-depth",
+                              "replica", "--prism-host-memory", "2", "--prism-fold-capture", "serial"])
+    assert request.run_options().fold_capture == "serial"
+    cfg = launch_config(request)
+    with pytest.raises(FoldModeError, match="the sandbox does not fit here.*a serial capture"):
+        choose_fold("on", cfg, request.env, say=lambda m: None, depth="replica")  # 4 live ranks together
+    said: list[str] = []
+    fold = choose_fold("on", cfg, request.env, say=said.append, depth="replica", capture="serial")
+    assert fold["live"] == [0, 1, 4, 5] and any("fold capture serial: 4 capture(s), one live rank each" in s
+                                                 for s in said), said
+    moe = parse_run_args(["--recipe", "mini-moe-ep4-tp1pp2", "--prism-driver", "core"])
+    with pytest.raises(FoldModeError, match="--prism-fold-capture serial: .* is a MoE layout"):
+        choose_fold("on", launch_config(moe), moe.env, say=said.append, capture="serial")
+    off = parse_run_args(["--recipe", "mini-dense-tp2pp2dp2", "--prism-driver", "core", "--prism-fold", "off",
+                          "--prism-fold-capture", "serial"])
+    assert run(off) == BAD_INPUT
+    assert "--prism-fold-capture serial captures a folded run one live rank at a time; --prism-fold off" in \
+        capsys.readouterr().err

@@ -317,3 +317,51 @@ def _modelled(fold, stage: int, microbatches: int, another: bool) -> list:
     if out[0] != "recv_prev":  # the first stage receives no input
         return out
     return out[1:] + (["recv_prev"] if another else [])
+
+
+def test_a_class_fold_captured_serially_reads_like_one_captured_together(megatron_runs):
+    """TP2·PP2·DP2 at class depth (live ranks 0 and 4): captured together and one live rank at a time
+    (--prism-fold-capture serial). Same live ranks and plan, per-class max allocated equal to the byte, the
+    same ops per live rank (kind, bytes, group, per-group sequence number, peer), losses finite. Replay: the
+    merged graph is the together graph but for its measured compute, so with the together capture's compute
+    durations it predicts the same iteration times (1e-9); with its own (CPU timing: noisy), times > 0
+    (bench/fold_serial.py prints both side by side)."""
+    from prism_megatron.calibration.costmodel import CollectiveCostModel
+    from prism_megatron.calibration.profiles import load_profile
+    from prism_megatron.replay import graph_from_trace, replay
+    from prism_megatron.replay.graph import Comm, Compute
+    from prism_megatron.trace import read_trace
+
+    together = megatron_runs.run("mini-dense-tp2pp2dp2", "on", depth="class")
+    serial = megatron_runs.run("mini-dense-tp2pp2dp2", "on", "--prism-fold-capture", "serial", depth="class")
+    a, b = read_trace(together["trace"]), read_trace(serial["trace"])
+    assert "serial capture 2/2: rank 4 (class last)" in serial["output"]
+    assert a.fold.live == b.fold.live == (0, 4) and a.fold.rep == b.fold.rep and a.fold.depth == "class"
+    assert (a.fold.capture_mode, b.fold.capture_mode) == ("together", "serial") and b.incomplete is None
+    ways = b.fold.contribution_counts()
+    assert ways["self_mirror"] > 0 and ways["standin"] > 0 and "standin" not in a.fold.contribution_counts()
+    peaks = _class_peaks(serial["trace"], b.fold)
+    assert peaks == _class_peaks(together["trace"], a.fold) and set(peaks) == {"first", "last"}, peaks
+
+    def ops(t) -> dict[int, list[tuple]]:
+        groups = {g["id"]: (g["name"], tuple(g["ranks"])) for g in t.manifest["groups"]}
+        return {r: [(o["kind"], o["bytes"], groups[o["group"]], o["seq"], o["peer"]) for o in t.ops_for_rank(r)]
+                for r in t.fold.live}
+
+    assert ops(a) == ops(b) and all(len(v) > 50 for v in ops(a).values())
+    losses = _losses(serial["metrics"])
+    assert losses and all(math.isfinite(x) for x in losses.values()), losses
+
+    cost = CollectiveCostModel(load_profile("h100-nvlink-ib400"), gpus_per_node=8)
+    ga, gb = graph_from_trace(a), graph_from_trace(b)
+    assert ga.ranks == gb.ranks
+    for r in ga.ranks:
+        assert [type(e) for e in ga.events[r]] == [type(e) for e in gb.events[r]], r
+        comms = [[(e.kind, e.seq, e.peer, e.nbytes, g.groups[e.group].ranks) for e in g.events[r]
+                  if isinstance(e, Comm)] for g in (ga, gb)]
+        assert comms[0] == comms[1], r
+        gb.events[r] = [x if isinstance(x, Compute) else y for x, y in zip(ga.events[r], gb.events[r], strict=True)]
+    want, got = replay(ga, cost).iteration_times(), replay(gb, cost).iteration_times()
+    assert len(want) == 3 and got == pytest.approx(want, rel=1e-9)
+    own = replay(graph_from_trace(b), cost).iteration_times()
+    assert len(own) == 3 and all(t > 0 and math.isfinite(t) for t in own), own

@@ -349,7 +349,7 @@ def _set(key, value):
 MANIFEST_CASES = {
     "wrong format": (_set("format", "chrome"), ["'format'", "chrome"]),
     "no format": (_drop_key("format"), ["'format'", "missing"]),
-    "future version": (_set("version", 6), ["'version'", "is 6", "supports", "1, 2, 3, 4, 5"]),
+    "future version": (_set("version", 7), ["'version'", "is 7", "supports", "1, 2, 3, 4, 5, 6"]),
     "version string": (_set("version", "1"), ["'version'", "string"]),
     "no version": (_drop_key("version"), ["'version'", "missing"]),
     "incomplete without why": (_set("complete", False), ["'incomplete'", "must say why"]),

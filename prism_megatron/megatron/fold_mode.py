@@ -8,7 +8,8 @@ when W x (Megatron's memory per rank + ``RANK_PROCESS_HOST_BYTES``) fits in the 
 there). Without Megatron's formula (no megatron.training) the per-rank state counts as 0, and that is
 said; a command the plan cannot read (not a Megatron command, a layout that does not fold) is run in
 full under 'auto', saying why, and refused under 'on'; a depth the layout cannot take (class depth
-for MoE) is refused under both. After a folded capture, the live ranks of
+for MoE) is refused under both. Under ``--prism-fold-capture serial`` the sandbox must fit one live rank at a time
+(``one_rank_fits``), and MoE layouts are refused (launcher.serial). After a folded capture, the live ranks of
 each class must have issued the same ops (kinds, sizes, group sizes); a class whose members differ is
 refused (``fold.check_class_members``).
 """
@@ -21,7 +22,7 @@ from typing import Any
 
 from prism_megatron.megatron.fold import FoldDepthError, FoldError
 
-__all__ = ["FoldModeError", "choose_fold", "full_job_fits", "check_trace_classes", "class_lines"]
+__all__ = ["FoldModeError", "choose_fold", "full_job_fits", "one_rank_fits", "check_trace_classes", "class_lines"]
 
 
 class FoldModeError(ValueError):
@@ -60,10 +61,28 @@ def class_lines(fold: Any, limit: int = 12) -> list[str]:
     return out
 
 
+def one_rank_fits(plan: Any) -> tuple[bool | None, str]:
+    """Whether the sandbox's most loaded rank alone fits here (a serial capture runs one live rank at a
+    time): its state (Megatron's formula) within one device, or on CPU with its process within the host
+    RAM prism may use; None without Megatron's formula."""
+    from prism_megatron.megatron.plan import RANK_PROCESS_HOST_BYTES, GiB
+
+    m = plan.memory
+    per_rank = m.get("per_rank")
+    if per_rank is None:
+        return None, "Megatron's memory formula is unavailable"
+    if plan.devices == ["cpu"]:
+        need, have, where = per_rank + RANK_PROCESS_HOST_BYTES, m["host_available"], "of host RAM"
+    else:
+        need, have, where = per_rank, m["per_device"], "of one device"
+    return need <= have, f"one live rank needs {need / GiB:.1f} GiB against {have / GiB:.1f} GiB {where}"
+
+
 def choose_fold(mode: str, cfg: Any, env: dict[str, str] | None = None,
-                say: Callable[[str], None] = print, depth: str = "auto") -> dict | None:
+                say: Callable[[str], None] = print, depth: str = "auto", capture: str = "together") -> dict | None:
     """The fold plan's JSON for the launch ``cfg`` under ``--prism-fold mode`` and ``--prism-fold-depth
-    depth``, or None (every rank runs).
+    depth``, or None (every rank runs). ``capture`` serial: the sandbox must fit one live rank at a time
+    (``one_rank_fits``), not all together.
 
     The Megatron args are the ranks' own command line (``cfg.script_args``) parsed by Megatron's parser."""
     from prism_megatron.megatron.megatron_args import ArgsError
@@ -88,16 +107,29 @@ def choose_fold(mode: str, cfg: Any, env: dict[str, str] | None = None,
             say(f"fold auto: full capture, every rank runs ({why})")
             return None
         say(f"fold auto: the full job does not fit here ({why}); folding")
+    if capture == "serial" and plan.layout.num_experts:
+        raise FoldModeError(f"--prism-fold-capture serial: {plan.layout.describe()} is a MoE layout; its expert ranks "
+                            "exchange token counts and uneven all-to-all pieces with each other, which a capture of "
+                            "one live rank would answer from that rank's own routing (self mirror): not yet; capture "
+                            "it together (--prism-fold-capture together)")
     if fold.virtual_count == 0:
         say(f"fold {mode}: the sandbox is the whole job ({cfg.world_size} ranks): full capture")
         return None
-    if plan.memory.get("fits") is False:
-        raise FoldModeError(f"--prism-fold {mode}: the sandbox does not fit here: {plan.memory['why']}")
+    if capture == "serial":
+        fits, why = one_rank_fits(plan)
+        if fits is False:
+            raise FoldModeError(f"--prism-fold {mode} --prism-fold-capture serial: the sandbox does not fit here one "
+                                f"rank at a time: {why}")
+        say(f"fold capture serial: {len(fold.live)} capture(s), one live rank each ({why})")
+    elif plan.memory.get("fits") is False:
+        raise FoldModeError(f"--prism-fold {mode}: the sandbox does not fit here: {plan.memory['why']}"
+                            + _serial_hint(plan, cfg))
     if plan.memory.get("fits") is None:  # no formula: the sandbox's processes alone must fit (same rule)
-        fits, why = full_job_fits(plan, len(fold.live))
+        fits, why = full_job_fits(plan, 1 if capture == "serial" else len(fold.live))
         if not fits:
             raise FoldModeError(f"--prism-fold {mode}: the sandbox does not fit here: {why}; give more host "
-                                "memory (--prism-host-memory) or run on GPUs (--prism-devices)")
+                                "memory (--prism-host-memory) or run on GPUs (--prism-devices)"
+                                + ("" if capture == "serial" else _serial_hint(plan, cfg)))
     how = ("each does its class's live rank's work, translated to its own position" if fold.depth == "class"
            else "each mirrors the live rank of its replica position")
     say(f"fold: {plan.layout.describe()} -> {len(fold.live)} live rank(s), {fold.virtual_count:,} virtual "
@@ -105,6 +137,16 @@ def choose_fold(mode: str, cfg: Any, env: dict[str, str] | None = None,
     for line in class_lines(fold):
         say(line)
     return fold.to_json()
+
+
+def _serial_hint(plan: Any, cfg: Any) -> str:
+    """What a serial capture would need, for a together sandbox of several live ranks that does not fit."""
+    if len(plan.fold.live) < 2:
+        return ""
+    fits, why = one_rank_fits(plan)
+    if fits is None:
+        why = full_job_fits(plan, 1)[1]
+    return f"; a serial capture (--prism-fold-capture serial) runs one live rank at a time: {why}"
 
 
 def check_trace_classes(trace_dir: Path) -> None:

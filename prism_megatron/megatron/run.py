@@ -357,14 +357,32 @@ def run(request: RunRequest) -> int:
 
         try:
             cfg.fold = choose_fold(after.fold, cfg, request.env, say=lambda m: print(f"prism: {m}", file=sys.stderr,
-                                                                                  flush=True), depth=after.fold_depth)
+                                                                                  flush=True), depth=after.fold_depth,
+                                   capture=after.fold_capture)
         except FoldModeError as e:
             print(f"prism: {e}", file=sys.stderr, flush=True)
             from prism_megatron.launcher.exit_codes import BAD_INPUT
 
             return BAD_INPUT
+    serial = after.fold_capture == "serial"
+    if serial and (after.fold == "off" or after.calibrate == "on"):
+        from prism_megatron.launcher.exit_codes import BAD_INPUT
+
+        why = "--prism-fold off runs every rank together" if after.fold == "off" else \
+            "--prism-calibrate on re-runs slices of a capture together"
+        print(f"prism: --prism-fold-capture serial captures a folded run one live rank at a time; {why}",
+              file=sys.stderr, flush=True)
+        return BAD_INPUT
+    if serial and cfg.fold is None:
+        print("prism: --prism-fold-capture serial: the run is not folded (every rank runs), so it is captured "
+              "together", file=sys.stderr, flush=True)
     cfg.validate()
-    code = launch(cfg)
+    if serial and cfg.fold is not None:
+        from prism_megatron.launcher.serial import capture_serially
+
+        code = capture_serially(cfg, launch, say=lambda m: print(f"prism: {m}", file=sys.stderr, flush=True))
+    else:
+        code = launch(cfg)
     if cfg.fold is not None and code == 0 and (cfg.trace_dir / "manifest.json").exists():
         from prism_megatron.megatron.fold_mode import FoldModeError, check_trace_classes
 

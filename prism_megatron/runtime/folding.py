@@ -7,6 +7,11 @@ path and numerics, a folded one completes when its live members have posted an o
 ``nccl_prune.host`` (``ops.OpKind.run``); a p2p with a virtual neighbour is passed through
 (runtime.passthrough). Knows ranks, not Megatron: the fold arrives as the plan's JSON (``trace.fold``
 reads the same).
+
+One capture of a serial run (``capture.part`` in the plan: one live rank L, every other rank's rep L)
+answers a virtual member whose class has its live rank elsewhere by self mirror, and a receive with no
+other live rank upstream by a stand-in; the counts say which (``nccl_prune.SELF_MIRROR_RULE``,
+``nccl_prune.STANDIN_RULE``).
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from nccl_prune import Contributions, PruneError, plan_group
-from nccl_prune.contributions import HOWS, virtual_contributions
+from nccl_prune.contributions import virtual_contributions
 from prism_megatron.runtime.dataplane import DataPlane
 from prism_megatron.runtime.groups import Group
 from prism_megatron.runtime.matching import Member
@@ -31,7 +36,12 @@ class Folding:
         self.rep: list[int] = [int(x) for x in plan["rep"]]
         self.live: list[int] = [int(x) for x in plan["live"]]
         self.contributions = Contributions()
-        self.passthrough = PassThrough(self.contributions)
+        part = (plan.get("capture") or {}).get("part")
+        # a serial capture: every rank's class representative in the fold captured together (the plan's own
+        # rep is the capture's one live rank for every rank)
+        self.class_rep: list[int] | None = [int(x) for x in part["class_rep"]] if part else None
+        self.passthrough = PassThrough(self.contributions, standin=part is not None)
+        self._self_mirror: dict[int, frozenset[int]] = {}  # group id -> positions answered by self mirror
         self._planned: set[int] = set()  # group ids folded already
         # per (group, kind, root, in place): the counts one op adds (an op's count is O(group), once)
         self._per_op: dict[tuple, dict[str, int]] = {}
@@ -49,6 +59,9 @@ class Folding:
         if p is None:  # cannot happen for a group a live rank registered: the rank is a member
             return f"process group {g.name!r} (ranks {g.ranks[:8]}) has no live member but was registered"
         g.fold = p if p.num_virtual else None  # no virtual member: exactly the unfolded path
+        if self.class_rep is not None and g.fold is not None:
+            self._self_mirror[g.id] = frozenset(q for q in p.virtual_positions
+                                                if self.class_rep[p.ranks[q]] != p.ranks[p.mirror[q]])
         return None
 
     def virtual_peer(self, g: Group, msg: dict) -> bool:
@@ -71,10 +84,9 @@ class Folding:
         key = (g.id, kind, root, in_place)
         c = self._per_op.get(key)
         if c is None:
-            c = self._per_op[key] = virtual_contributions(kind, g.fold, root=root, in_place=in_place)
-        row = self.contributions.counts.setdefault(kind, dict.fromkeys(HOWS, 0))
-        for how, n in c.items():
-            row[how] += n
+            c = self._per_op[key] = virtual_contributions(kind, g.fold, root=root, in_place=in_place,
+                                                          self_mirror=self._self_mirror.get(g.id, ()))
+        self.contributions.add_counts(kind, c)
 
     def to_json(self) -> dict[str, Any]:
         """The manifest's ``job.fold``: the plan plus the contributions counted so far."""

@@ -5,7 +5,9 @@ keeps the messages in flight. A live rank's send to a virtual neighbour complete
 sender may reuse its buffer then, so its data are copied — into the coordinator's host memory, where
 the data plane (runtime.dataplane: the ranks' shared-memory segments, on a GPU too) holds every
 payload — but only when a live rank downstream will receive them, and dropped when it has. A receive
-posted first waits in its stream and takes the data straight from the send's segment.
+posted first waits in its stream and takes the data straight from the send's segment. In a serial
+capture a receive with no other live rank upstream is answered at once by a stand-in
+(``nccl_prune.passthrough.STANDIN_RULE``).
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ from dataclasses import dataclass, field
 import torch
 
 from nccl_prune import Contributions, PruneError
-from nccl_prune.passthrough import RULE_IN_SHORT, Route, route_recv, route_send
+from nccl_prune.contributions import STANDIN
+from nccl_prune.passthrough import RULE_IN_SHORT, Route, route_recv, route_send, standin_values
+from prism_megatron.runtime import protocol as P
 from prism_megatron.runtime.dataplane import DataPlane
 from prism_megatron.runtime.groups import Group, GroupTable
 from prism_megatron.runtime.matching import Member
@@ -47,8 +51,10 @@ class _Stream:
 class PassThrough:
     """Every pass-through stream of a folded job, and the count of receives it answered."""
 
-    def __init__(self, contributions: Contributions) -> None:
+    def __init__(self, contributions: Contributions, standin: bool = False) -> None:
         self.contributions = contributions
+        self.standin = standin  # a serial capture: STANDIN_RULE answers a receive with no other live rank upstream
+        self._standins: dict[tuple[str, int, bool], torch.Tensor] = {}  # (dtype, numel, backward) -> its stand-in
         self.groups: dict[int, Group] = {}  # groups with streams (each in Group.passthrough, keyed (U, w))
         self._routes: dict[tuple[int, str, int, int], Route] = {}  # (group id, kind, me, peer): O(1) per op
 
@@ -60,10 +66,13 @@ class PassThrough:
         route = self._routes.get(key)
         if route is None:
             try:
-                route = (route_send if m.kind == "send" else route_recv)(g.fold, m.grank, peer)
+                route = (route_send(g.fold, m.grank, peer) if m.kind == "send"
+                         else route_recv(g.fold, m.grank, peer, standin=self.standin))
             except PruneError as e:
                 return str(e)
             self._routes[key] = route
+        if route.standin:
+            return self._stand_in(g, m, peer, _backward(m, route), deliver)
         s = g.passthrough.get(route.stream)
         if s is None:
             s = g.passthrough[route.stream] = _Stream()
@@ -92,6 +101,23 @@ class PassThrough:
         if problem is not None:
             return problem
         self._answer(m, k.data, deliver)
+        return None
+
+    def _stand_in(self, g: Group, m: Member, peer: int, backward: bool, deliver: Deliver) -> str | None:
+        """STANDIN_RULE: the receive gets the seeded stand-in of its posted dtype and shape at once."""
+        GroupTable.p2p_seq(g, m.record, peer, m.grank)
+        _, dt, shape = m.msg["outs"][0]
+        numel = 1
+        for n in shape:
+            numel *= int(n)
+        key = (dt, numel, backward)
+        if key not in self._standins:
+            try:
+                self._standins[key] = standin_values(P.dtype_from_name(dt), numel, backward)
+            except PruneError as e:
+                return str(e)
+        deliver(m, [self._standins[key]], src=peer)
+        self.contributions.add_passthrough("recv", how=STANDIN)
         return None
 
     def _answer(self, recv: Member, data: torch.Tensor, deliver: Deliver) -> None:
@@ -135,3 +161,14 @@ def waiting_receives(g: Group) -> list[str]:
     return [f"recv rank {m.rank} <- virtual rank {g.ranks[m.msg['peer']]} on group {g.name!r}: waits for rank "
             f"{g.ranks[u]}'s next send to virtual rank {g.ranks[w]} (pass-through)"
             for (u, w), s in sorted(g.passthrough.items()) for m in s.waiting]
+
+
+def _backward(m: Member, route: Route) -> bool:
+    """Whether a stand-in receive carries a gradient: its op label's direction where the label names one
+    receive direction only (a pipeline call such as recv_backward or send_forward_recv_backward), else its
+    position (on a ring of two stages both neighbours are one rank: there the label decides)."""
+    label = m.msg.get("label") or ""
+    fwd, bwd = "recv_forward" in label, "recv_backward" in label
+    if fwd != bwd:
+        return bwd
+    return route.step == -1

@@ -25,7 +25,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from .schema import MANIFEST_FILE, TraceFormatError
+from .schema import MANIFEST_FILE, VERSION, TraceFormatError
 
 #: Fold plan versions this reader understands.
 FOLD_VERSIONS: tuple[int, ...] = (1, 2)
@@ -34,7 +34,17 @@ FOLD_VERSIONS: tuple[int, ...] = (1, 2)
 FOLD_DEPTHS: tuple[str, ...] = ("replica", "class")
 #: How a virtual member's input to an op was made: nccl_prune.contributions.HOWS (a test keeps them
 #: equal; the trace format imports no executor).
-CONTRIBUTION_WAYS: tuple[str, ...] = ("mirror", "recorded", "keep", "passthrough")
+CONTRIBUTION_WAYS: tuple[str, ...] = ("mirror", "recorded", "keep", "passthrough", "self_mirror", "standin")
+#: How a folded trace's live ranks were captured (v6 ``job.fold.capture.mode``): "together" (every live
+#: rank a process of one run; what a trace without the field records), "serial" (one capture per live
+#: rank, only that rank a process; ``--prism-fold-capture serial``). A serial run's merged trace lists
+#: its ``captures`` (per live rank: its own trace directory, relative to the merged trace's parent, and
+#: whether it completed); the trace of one capture has ``part`` instead (its live rank, index, the
+#: fold's sandbox and every rank's class representative ``class_rep``). ``rules`` names how the sandbox
+#: members that were virtual in a capture were answered: collectives by "self_mirror", receives from a
+#: virtual pipeline neighbour by "standin" (nccl_prune.SELF_MIRROR_RULE, nccl_prune.STANDIN_RULE).
+CAPTURE_MODES: tuple[str, ...] = ("together", "serial")
+SERIAL_RULES: dict[str, str] = {"collectives": "self_mirror", "p2p": "standin"}
 #: The pipeline schedules a version-2 plan's optional ``schedule.name`` can name: Megatron's
 #: ``forward_backward_no_pipelining``, non-interleaved 1F1B and interleaved 1F1B. For "1f1b" the plan
 #: gives ``schedule.warmup``: per pipeline rank (pp coordinate), Megatron's count of warm-up forwards
@@ -88,6 +98,12 @@ class Fold:
     group: int = 0  # "interleaved": Megatron's microbatch_group_size_per_vp_stage (0: the plan does not say)
     overlap_p2p: bool = False  # "interleaved": Megatron's overlap_p2p_comm (p2p calls split and awaited later)
     wait_sends: bool = False  # "interleaved" with overlap: each steady forward's send waited at once
+    capture: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)  # v6: CAPTURE_MODES
+
+    @property
+    def capture_mode(self) -> str:
+        """How the live ranks were captured: "together" (also every trace before v6) or "serial"."""
+        return self.capture.get("mode", "together")
 
     @property
     def version(self) -> int:
@@ -174,8 +190,9 @@ class Fold:
         return self.classes[self.class_of[rank]].name if self.classes else f"like rank {self.rep[rank]}"
 
     def contribution_counts(self) -> dict[str, int]:
-        """Virtual contributions by way (CONTRIBUTION_WAYS), summed over op kinds."""
-        out = dict.fromkeys(CONTRIBUTION_WAYS, 0)
+        """Virtual contributions by way, summed over op kinds: the first four CONTRIBUTION_WAYS always, a serial
+        capture's (self_mirror, standin) where it made any."""
+        out = dict.fromkeys(CONTRIBUTION_WAYS[:4], 0)
         for ways in self.contributions.values():
             for way, n in ways.items():
                 out[way] = out.get(way, 0) + n
@@ -196,6 +213,8 @@ class Fold:
                 if self.schedule == "interleaved" and self.chunks > 1:
                     doc["schedule"].update(chunks=self.chunks, group=self.group, overlap_p2p=self.overlap_p2p,
                                            wait_sends=self.wait_sends)
+        if self.capture:
+            doc["capture"] = self.capture
         return doc
 
 
@@ -241,8 +260,9 @@ def _int(doc: dict, key: str, path: str | Path, minimum: int = 1) -> int:
     return value
 
 
-def parse_fold(doc: Any, world_size: int, path: str | Path) -> Fold:
-    """Check a ``job.fold`` value against the trace's ``world_size``; raise TraceFormatError naming the field."""
+def parse_fold(doc: Any, world_size: int, path: str | Path, trace_version: int = VERSION) -> Fold:
+    """Check a ``job.fold`` value against the trace's ``world_size`` (and its version: ``capture`` and the
+    ways self_mirror/standin came with v6); raise TraceFormatError naming the field."""
     if not isinstance(doc, dict):
         raise TraceFormatError(path, "manifest field 'job.fold'", f"is {type(doc).__name__}, expected an object")
     version = doc.get("version")
@@ -295,11 +315,76 @@ def parse_fold(doc: Any, world_size: int, path: str | Path) -> Fold:
             not isinstance(v, dict) or any(not isinstance(n, int) or isinstance(n, bool) or n < 0 for n in v.values())
             for v in contributions.values()):
         raise _error(path, "contributions", "is not an object of {op kind: {mirror|recorded|keep|passthrough: count}}")
+    ways = CONTRIBUTION_WAYS if trace_version >= 6 else CONTRIBUTION_WAYS[:4]
+    for kind, v in contributions.items():
+        bad = sorted(set(v) - set(ways))
+        if bad:
+            raise _error(path, f"contributions.{kind}", f"names way(s) {bad}; a v{trace_version} trace knows "
+                                                        f"{', '.join(ways)}")
+    capture = _capture(doc, live, w, path, trace_version)
     depth, axes, sizes, coords = ("replica", (), (), ()) if version == 1 else _axes(doc, w, path)
     schedule, warmup, chunks, group, overlap, wait_sends = ("", (), 1, 0, False, False) if version == 1 else \
         _schedule(doc, axes, sizes, path)
     return Fold(w, tuple(live), tuple(rep), gpus, tuple(classes), tuple(class_of), contributions, depth, axes,
-                sizes, coords, schedule, warmup, chunks, group, overlap, wait_sends)
+                sizes, coords, schedule, warmup, chunks, group, overlap, wait_sends, capture)
+
+
+def _capture(doc: dict, live: list[int], w: int, path: str | Path, trace_version: int) -> dict[str, Any]:
+    """The v6 ``capture`` record (CAPTURE_MODES), checked; {} when absent."""
+    if "capture" not in doc:
+        return {}
+    value = doc["capture"]
+    if trace_version < 6:
+        raise _error(path, "capture", f"is present in a v{trace_version} trace (it came with v6)")
+    if not isinstance(value, dict) or value.get("mode") not in CAPTURE_MODES:
+        got = value.get("mode") if isinstance(value, dict) else value
+        raise _error(path, "capture.mode", f"is {got!r}, expected one of {', '.join(CAPTURE_MODES)}")
+    if value["mode"] == "together":
+        return dict(value)
+    if value.get("rules") != SERIAL_RULES:
+        raise _error(path, "capture.rules", f"is {value.get('rules')!r}, expected {SERIAL_RULES}")
+    if ("captures" in value) == ("part" in value):
+        raise _error(path, "capture", "of a serial run needs either 'captures' (the merged trace) or 'part' (one "
+                                      "capture's trace)")
+    if "part" in value:
+        part = value["part"]
+        if not isinstance(part, dict):
+            raise _error(path, "capture.part", "is not an object")
+        rank, sandbox, class_rep = part.get("rank"), part.get("sandbox"), part.get("class_rep")
+        if live != [rank]:
+            raise _error(path, "capture.part.rank", f"is {rank!r}; one capture's live ranks are [rank], got {live}")
+        if not isinstance(sandbox, list) or rank not in sandbox or any(
+                isinstance(x, bool) or not isinstance(x, int) or not 0 <= x < w for x in sandbox):
+            raise _error(path, "capture.part.sandbox", f"is {sandbox!r}: expected the fold's live ranks, {rank} "
+                                                       "among them")
+        if not isinstance(class_rep, list) or len(class_rep) != w or not set(class_rep) <= set(sandbox):
+            raise _error(path, "capture.part.class_rep", f"must hold one rank of capture.part.sandbox per rank ({w})")
+        for key in ("index", "of"):
+            x = part.get(key)
+            if isinstance(x, bool) or not isinstance(x, int) or x < 0:
+                raise _error(path, f"capture.part.{key}", f"is {x!r}, expected an integer >= 0")
+        if part["index"] >= part["of"] or part["of"] != len(sandbox):
+            raise _error(path, "capture.part.of", f"is {part['of']}: capture {part['index']} of one capture per "
+                                                  f"sandbox rank ({len(sandbox)})")
+        return dict(value)
+    captures = value["captures"]
+    if not isinstance(captures, list) or not captures:
+        raise _error(path, "capture.captures", "is not a non-empty list")
+    seen = []
+    for i, c in enumerate(captures):
+        key = f"capture.captures[{i}]"
+        if (not isinstance(c, dict) or isinstance(c.get("rank"), bool) or not isinstance(c.get("rank"), int)
+                or not isinstance(c.get("trace"), str) or not isinstance(c.get("complete"), bool)):
+            raise _error(path, key, "is not an object with an integer 'rank', a string 'trace' and a boolean "
+                                    "'complete'")
+        reason = c.get("incomplete")
+        if c["complete"] == (reason is not None) or (reason is not None and not (isinstance(reason, str) and reason)):
+            raise _error(path, f"{key}.incomplete", f"is {reason!r}: null for a complete capture, else why not")
+        seen.append(c["rank"])
+    if sorted(seen) != live:
+        raise _error(path, "capture.captures", f"lists ranks {seen}; a serial run captures each live rank once "
+                                               f"({live})")
+    return dict(value)
 
 
 def _schedule(doc: dict, axes: tuple[str, ...], sizes: tuple[int, ...],
@@ -374,4 +459,5 @@ def read_fold(manifest: dict[str, Any], trace_dir: str | Path = "<trace>") -> Fo
     job = manifest.get("job") or {}
     if not isinstance(job, dict) or job.get("fold") is None:
         return None
-    return parse_fold(job["fold"], int(manifest["world_size"]), Path(trace_dir) / MANIFEST_FILE)
+    return parse_fold(job["fold"], int(manifest["world_size"]), Path(trace_dir) / MANIFEST_FILE,
+                      int(manifest.get("version", VERSION)))

@@ -1,4 +1,4 @@
-"""PrismTrace (version 5): the one place that says what a trace directory contains.
+"""PrismTrace (version 6): the one place that says what a trace directory contains.
 
 Writer, reader and exporters all validate against the definitions here, so a file the writer
 accepts is exactly a file the reader accepts. Every error names the file and the field, because a
@@ -25,13 +25,16 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 FORMAT = "prismtrace"
-VERSION = 5
+VERSION = 6
 #: Versions this code can read; a reader rejects anything else rather than guessing. Version 1 lacks
 #: slots.compute_clock; reading it fills the column from slot-holding time (what v1 recorded as compute).
 #: Versions 1 and 2 lack the gpu table; reading them gives an empty one. Versions 1 to 3 have no
 #: 'incomplete' field: every trace they could write recorded a run that ended normally. Versions 1 to 4
 #: lack ops.t_wait/wait_clock (NaN when read: waits on async ops are then inferred, see replay.graph).
-SUPPORTED_VERSIONS: tuple[int, ...] = (1, 2, 3, 4, 5)
+#: Version 6 adds a folded trace's 'job.fold.capture' (how its live ranks were captured: together, or
+#: serially one capture per live rank and merged) and the contribution ways self_mirror and standin;
+#: versions 1 to 5 have neither (every folded trace they could write was captured together).
+SUPPORTED_VERSIONS: tuple[int, ...] = (1, 2, 3, 4, 5, 6)
 
 MANIFEST_FILE = "manifest.json"
 TABLE_NAMES: tuple[str, ...] = ("ops", "marks", "slots", "gpu")
@@ -233,14 +236,15 @@ RANK_FIELDS: dict[str, tuple[type, ...]] = {"rank": (int,), "exit_code": (int, _
 
 MANIFEST_DOCS: dict[str, str] = {
     "format": f"always '{FORMAT}'",
-    "version": "format version; this code writes 4 and reads 1 to 4",
+    "version": f"format version; this code writes {VERSION} and reads {', '.join(map(str, SUPPORTED_VERSIONS))}",
     "complete": "true when the trace records a run that ended normally; from v4 false for a partial record "
                 "(a failed, interrupted or still running job; 'incomplete' says why); up to v3 always true",
     "incomplete": "(v4) null, or why the record is partial: 'rank 2 exited with code 1', 'interrupted by "
                   "SIGTERM', 'live snapshot of a running job'...; its files are whole either way",
     "created": "ISO-8601 time the trace was written",
     "world_size": "number of logical ranks of the target job",
-    "job": "free-form job description: argv, script, devices, slots_per_device...",
+    "job": "free-form job description: argv, script, devices, slots_per_device...; a folded run's 'fold' "
+           "(trace.fold: the plan, its contributions and, from v6, 'capture')",
     "groups": "process groups: id, name, global ranks, requested backend (e.g. 'nccl')",
     "ranks": "per rank: global rank, exit code (null if unknown), device it ran on; optionally runtime_s, "
              "seconds of the runtime's own work in the rank's slot turns (stage: inputs into shared memory, "

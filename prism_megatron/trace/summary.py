@@ -61,7 +61,11 @@ def _fold_lines(trace) -> list[str]:
     live = list(fold.live)
     shown = ",".join(map(str, live[:16])) + (f",... ({len(live)})" if len(live) > 16 else "")
     ways = ", ".join(f"{way} {n}" for way, n in fold.contribution_counts().items())
-    return [f"  folded: {len(live)} of {fold.world_size} ranks ran (ranks {shown}), {len(fold.classes)} rank "
+    part = fold.capture.get("part")
+    serial = "" if fold.capture_mode != "serial" else (
+        f", capture {part['index'] + 1} of {part['of']} of a serial run" if part else
+        f", captured serially ({len(fold.capture['captures'])} captures: one live rank each)")
+    return [f"  folded: {len(live)} of {fold.world_size} ranks ran (ranks {shown}){serial}, {len(fold.classes)} rank "
             f"class(es), {fold.gpus_per_node} GPUs per node; virtual contributions: {ways}"]
 
 

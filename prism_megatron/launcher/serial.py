@@ -1,0 +1,92 @@
+"""A folded run captured class by class (``--prism-fold-capture serial``): one capture per live rank, merged.
+
+A fold at class depth keeps one live rank per rank class (first, middle, last pipeline stage); at the
+targets' sizes each holds much of a device, so they need not fit this machine together. Serially, capture i runs
+only live rank L_i as a process: its plan (:func:`capture_plan`) makes every other rank virtual, the other
+live ranks too, each represented by L_i. The coordinator answers a virtual member whose class's live rank
+is not L_i by self mirror (``nccl_prune.SELF_MIRROR_RULE``) and a receive from a virtual pipeline neighbour
+by a stand-in of the posted shape (``nccl_prune.STANDIN_RULE``); L_i's own program, shapes and memory are
+those of a capture together. Each capture writes its own trace (``TRACE.captures/capture-I-rank-L``;
+logs beside it), a failed one marked incomplete; the run stops at the first capture that fails and the
+merged trace (``trace.merge``) says which. Captures run in the fold's live-rank order (first stage first).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from prism_megatron.launcher.config import LaunchConfig
+from prism_megatron.trace.fold import SERIAL_RULES
+
+__all__ = ["capture_plan", "captures_dir", "capture_serially"]
+
+
+def capture_plan(plan: dict[str, Any], rank: int, index: int) -> dict[str, Any]:
+    """The plan of capture ``index`` of a serial run: live rank ``rank`` alone, every rank's rep ``rank``,
+    one class (``rank``'s) standing for all; ``capture.part`` keeps the fold's sandbox and each rank's
+    class representative (``class_rep``), by which the coordinator tells mirror from self mirror."""
+    live = [int(x) for x in plan["live"]]
+    if rank not in live:
+        raise ValueError(f"rank {rank} is not a live rank of the fold (live: {live})")
+    world = int(plan["world_size"])
+    own = dict(plan["classes"][plan["class_of"][rank]])
+    out = {k: v for k, v in plan.items() if k not in ("contributions", "capture")}
+    out.update(live=[rank], rep=[rank] * world, class_of=[0] * world,
+               classes=[{**own, "count": world, "sandbox": [rank]}],
+               capture={"mode": "serial", "rules": dict(SERIAL_RULES),
+                        "part": {"rank": rank, "index": index, "of": len(live), "sandbox": live,
+                                 "class_rep": [int(x) for x in plan["rep"]]}})
+    return out
+
+
+def captures_dir(trace_dir: Path) -> Path:
+    """Where a serial run's captures write their traces: ``TRACE.captures`` beside the merged trace."""
+    return trace_dir.with_name(trace_dir.name + ".captures")
+
+
+def capture_serially(cfg: LaunchConfig, launch: Callable[[LaunchConfig], int],
+                     say: Callable[[str], None] = print) -> int:
+    """Capture ``cfg``'s fold one live rank at a time with ``launch``, then merge the captures at
+    ``cfg.trace_dir``; returns the first failing capture's exit code, else 0."""
+    from prism_megatron.trace.merge import merge_captures
+
+    plan = cfg.fold
+    if plan is None:
+        raise ValueError("a serial capture needs a folded run")
+    live = [int(x) for x in plan["live"]]
+    root = captures_dir(cfg.trace_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    code, captures, walls = 0, [], []
+    for i, rank in enumerate(live):
+        part = root / f"capture-{i}-rank-{rank}"
+        cls = plan["classes"][plan["class_of"][rank]]["name"]
+        if code != 0:
+            captures.append({"rank": rank, "trace": None, "incomplete": f"not run: capture {i} failed first"})
+            continue
+        say(f"serial capture {i + 1}/{len(live)}: rank {rank} (class {cls}) is the only process; every other rank "
+            f"is virtual (self mirror, stand-ins); trace {part}")
+        t0 = time.perf_counter()
+        # no live prediction: one capture's trace is not the job's graph (the merged trace is)
+        code = launch(dataclasses.replace(cfg, fold=capture_plan(plan, rank, i), trace_dir=part, predictor=None))
+        walls.append(time.perf_counter() - t0)
+        written = (part / "manifest.json").exists()
+        reason = None
+        if written:
+            manifest = json.loads((part / "manifest.json").read_text(encoding="utf-8"))
+            reason = manifest.get("incomplete") if manifest.get("complete") is False else None
+        if code != 0 and reason is None:
+            reason = f"exited with code {code}"
+        if code != 0:
+            say(f"serial capture {i + 1}/{len(live)} (rank {rank}) failed: {reason}; later captures are not run")
+        captures.append({"rank": rank, "trace": part if written else None, "incomplete": reason})
+    if any(c["trace"] is not None for c in captures):
+        merge_captures(cfg.trace_dir, plan, captures)
+        said = ", ".join(f"{w:.1f}" for w in walls)
+        say(f"serial capture: merged {sum(c['trace'] is not None for c in captures)} of {len(live)} capture(s) "
+            f"into {cfg.trace_dir} (wall s per capture: {said})")
+    return code

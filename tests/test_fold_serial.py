@@ -1,0 +1,234 @@
+"""Serial capture of a folded run (``--prism-fold-capture serial``): one capture per live rank, merged
+into one trace that reads like the fold captured together — the capture plans, self mirror and
+stand-ins, the merge (groups lined up by what they are, sequence numbers kept, a failed capture named),
+the trace's v6 record, and a generic pipeline captured both ways (same ops, same sequence numbers)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from nccl_prune import STANDIN_RULE, Contributions, PruneError, plan_group, route_recv, standin_values
+from prism_megatron.launcher.exit_codes import BAD_INPUT
+from prism_megatron.launcher.launch import LaunchConfig, launch
+from prism_megatron.launcher.serial import capture_plan, capture_serially, captures_dir
+from prism_megatron.runtime import protocol as P
+from prism_megatron.runtime.folding import Folding
+from prism_megatron.runtime.groups import Group
+from prism_megatron.runtime.matching import Member
+from prism_megatron.runtime.passthrough import PassThrough
+from prism_megatron.trace import read_trace, write_trace
+from prism_megatron.trace.fold import FoldClass, make_fold, parse_fold
+from prism_megatron.trace.merge import merge_captures
+from prism_megatron.trace.schema import TraceFormatError
+
+PROGRAMS = Path(__file__).parent / "programs"
+
+
+def _class_plan() -> dict:
+    """TP2·PP2·DP2 at class depth (rank = tp + 2·dp + 4·pp): first stage onto rank 0, last onto rank 4."""
+    rep = [4 * (r // 4) for r in range(8)]
+    classes = [FoldClass("first", "stage 0", 4, (0,)), FoldClass("last", "stage 1", 4, (4,))]
+    coords = [[r % 2, 0, (r // 2) % 2, r // 4] for r in range(8)]
+    return make_fold(rep, 8, classes, [r // 4 for r in range(8)], depth="class", axes=("tp", "cp", "dp", "pp"),
+                     sizes=(2, 1, 2, 2), coords=coords, schedule="1f1b", warmup=(1, 0)).to_json()
+
+
+def test_a_capture_plan_keeps_one_live_rank_and_every_ranks_class_representative():
+    plan = _class_plan()
+    part = capture_plan(plan, 4, 1)
+    fold = parse_fold(part, 8, "capture")
+    assert fold.live == (4,) and set(fold.rep) == {4} and [c.name for c in fold.classes] == ["last"]
+    assert fold.capture_mode == "serial" and fold.capture["rules"] == {"collectives": "self_mirror", "p2p": "standin"}
+    assert fold.capture["part"] == {"rank": 4, "index": 1, "of": 2, "sandbox": [0, 4], "class_rep": plan["rep"]}
+    assert fold.depth == "class" and fold.schedule == "1f1b"  # the rest of the plan as captured together
+    with pytest.raises(ValueError, match="rank 1 is not a live rank of the fold"):
+        capture_plan(plan, 1, 0)
+
+
+def test_the_reader_checks_the_capture_record_and_its_version():
+    plan = _class_plan()
+    part = capture_plan(plan, 0, 0)
+    bad = {**part, "capture": {**part["capture"], "mode": "sideways"}}
+    with pytest.raises(TraceFormatError, match=r"job.fold.capture.mode' is 'sideways'"):
+        parse_fold(bad, 8, "t")
+    with pytest.raises(TraceFormatError, match=r"job.fold.capture' is present in a v5 trace"):
+        parse_fold(part, 8, "t", trace_version=5)
+    wrong = {**part, "capture": {**part["capture"], "part": {**part["capture"]["part"], "rank": 4}}}
+    with pytest.raises(TraceFormatError, match=r"capture.part.rank' is 4"):
+        parse_fold(wrong, 8, "t")
+    merged = {**plan, "capture": {"mode": "serial", "rules": part["capture"]["rules"],
+                                  "captures": [{"rank": 0, "trace": "a", "complete": True, "incomplete": None}]}}
+    with pytest.raises(TraceFormatError, match=r"capture.captures' lists ranks \[0\]; .* each live rank once"):
+        parse_fold(merged, 8, "t")
+    ways = {**plan, "contributions": {"recv": {"standin": 2}}}
+    assert parse_fold(ways, 8, "t").contribution_counts()["standin"] == 2
+    with pytest.raises(TraceFormatError, match=r"contributions.recv' names way\(s\) \['standin'\]; a v5 trace"):
+        parse_fold(ways, 8, "t", trace_version=5)
+
+
+def _group(gid: int, name: str, ranks: list[int], folding: Folding) -> Group:
+    g = Group(gid, name, ranks, "nccl")
+    assert folding.fold_group(g) is None
+    return g
+
+
+def test_a_virtual_member_of_another_class_is_answered_by_self_mirror():
+    folding = Folding(capture_plan(_class_plan(), 0, 0))
+    pp = _group(0, "pp", [0, 4], folding)  # rank 4's class lives in the other capture
+    tp = _group(1, "tp", [0, 1], folding)  # rank 1 is rank 0's class: mirror, as captured together
+    world = _group(2, "world", list(range(8)), folding)
+    for g in (pp, tp, world):
+        folding.count(g, "all_reduce", None, False)
+    assert folding.contributions.to_json() == {"all_reduce": {"mirror": 1 + 3, "recorded": 0, "keep": 0,
+                                                              "passthrough": 0, "self_mirror": 1 + 4}}
+    together = Folding(_class_plan())  # captured together: no self mirror, no stand-in
+    g = _group(0, "world", list(range(8)), together)
+    together.count(g, "all_reduce", None, False)
+    assert together.contributions.to_json() == {"all_reduce": {"mirror": 6, "recorded": 0, "keep": 0,
+                                                               "passthrough": 0}}
+
+
+def _recv(rank: int, peer: int, dtype: str = "float32", shape=(4, 8), label: str = "") -> Member:
+    nbytes = torch.empty(0, dtype=P.dtype_from_name(dtype)).element_size() * shape[0] * shape[1]
+    msg = {"kind": "recv", "peer": peer, "ins": [], "outs": [(("r", nbytes), dtype, list(shape))], "label": label}
+    return Member(rank, rank, msg, SimpleNamespace(seq=-1, kind="recv"))
+
+
+def test_a_receive_with_no_live_rank_upstream_gets_a_seeded_stand_in():
+    pair = plan_group([0, 4], [0, 0, 0, 0, 0])  # capture of rank 0: its pipeline neighbour 4 is virtual
+    with pytest.raises(PruneError, match="its own later send"):
+        route_recv(pair, 0, 1)  # captured together this is refused: one live rank on the ring
+    assert route_recv(pair, 0, 1, standin=True).standin
+    g = Group(0, "pp", [0, 4], "nccl")
+    g.fold = pair
+    c = Contributions()
+    pt = PassThrough(c, standin=True)
+    done = []
+    for label in ("recv_forward", "send_forward_recv_backward", "recv_forward"):
+        assert pt.handle(g, _recv(0, 1, label=label), None, lambda m, outs, src=-1: done.append(outs[0])) is None
+    fwd, bwd, again = done
+    assert fwd.shape == (32,) and torch.isfinite(fwd).all() and fwd.abs().min() > 0
+    assert torch.equal(fwd, again) and torch.equal(fwd, standin_values(torch.float32, 32))  # seeded
+    assert float(bwd.norm()) == pytest.approx(1.0)  # a gradient: L2 norm 1
+    assert c.to_json() == {"recv": {"mirror": 0, "recorded": 0, "keep": 0, "passthrough": 0, "standin": 3}}
+    problem = pt.handle(g, _recv(0, 1, dtype="int64"), None, lambda *a, **k: None)
+    assert "torch.int64 receive" in problem and "integer values steer the program" in problem
+    assert "seeded with" in STANDIN_RULE
+
+
+# ---- the merge -----------------------------------------------------------------------------------
+def _op(rank: int, index: int, kind: str, group: int, seq: int, peer: int = -1) -> dict:
+    return {"rank": rank, "index": index, "kind": kind, "group": group, "seq": seq, "peer": peer, "root": -1,
+            "bytes": 64, "dtype": "torch.float32", "shapes": [[16]], "reduce_op": "sum" if peer < 0 else "",
+            "async_op": False, "t_issue": 0.1 * index, "t_complete": 0.1 * index + 0.01, "compute_before": 0.05,
+            "label": ""}
+
+
+def _capture(path: Path, plan: dict, rank: int, index: int, groups: list[tuple[str, list[int]]], ops: list[dict],
+             incomplete: str | None = None) -> Path:
+    part = capture_plan(plan, rank, index)
+    counts = {"all_reduce": {"mirror": 1, "recorded": 0, "keep": 0, "passthrough": 0, "self_mirror": 2}}
+    manifest = {"world_size": 8, "job": {"fold": {**part, "contributions": counts}, "argv": ["x"], "swap": rank},
+                "groups": [{"id": i, "name": n, "ranks": r, "backend": "nccl"} for i, (n, r) in enumerate(groups)],
+                "ranks": [{"rank": rank, "exit_code": 0, "device": "cpu"}]}
+    return write_trace(path, manifest, ops=ops, incomplete=incomplete)
+
+
+def test_the_merge_lines_groups_up_by_what_they_are_and_keeps_sequence_numbers(tmp_path):
+    plan = _class_plan()
+    # each capture declared its own groups in its own order: the ids differ, the groups do not
+    a = _capture(tmp_path / "c0", plan, 0, 0, [("0", list(range(8))), ("7", [0, 4]), ("3", [0, 1])],
+                 [_op(0, 0, "all_reduce", 2, 0), _op(0, 1, "all_reduce", 1, 0), _op(0, 2, "send", 1, 0, peer=4),
+                  _op(0, 3, "all_reduce", 1, 1)])
+    b = _capture(tmp_path / "c1", plan, 4, 1, [("0", list(range(8))), ("3", [4, 5]), ("7", [0, 4])],
+                 [_op(4, 0, "all_reduce", 1, 0), _op(4, 1, "all_reduce", 2, 0), _op(4, 2, "recv", 2, 0, peer=0),
+                  _op(4, 3, "all_reduce", 2, 1)])
+    out = merge_captures(tmp_path / "merged", plan, [{"rank": 0, "trace": a, "incomplete": None},
+                                                     {"rank": 4, "trace": b, "incomplete": None}])
+    t = read_trace(out)
+    assert t.incomplete is None and t.fold.live == (0, 4) and t.fold.rep == tuple(plan["rep"])
+    assert [c.sandbox for c in t.fold.classes] == [(0,), (4,)]  # the plan as captured together
+    groups = {g["id"]: (g["name"], tuple(g["ranks"])) for g in t.manifest["groups"]}
+    assert sorted(groups.values()) == [("0", tuple(range(8))), ("3", (0, 1)), ("3", (4, 5)), ("7", (0, 4))]
+    pp = {(o["rank"], o["index"]): (groups[o["group"]], o["seq"]) for o in t.ops.to_pylist()}
+    assert pp[(0, 1)] == pp[(4, 1)] == (("7", (0, 4)), 0) and pp[(0, 3)] == pp[(4, 3)] == (("7", (0, 4)), 1)
+    assert pp[(0, 2)] == pp[(4, 2)] == (("7", (0, 4)), 0)  # the send and its receive: one p2p pair's first
+    assert t.fold.contributions == {"all_reduce": {"mirror": 2, "recorded": 0, "keep": 0, "passthrough": 0,
+                                                   "self_mirror": 4}}
+    cap = t.fold.capture
+    assert cap["mode"] == "serial" and [(c["rank"], c["trace"], c["complete"]) for c in cap["captures"]] == [
+        (0, "c0", True), (4, "c1", True)]
+    assert t.manifest["job"]["argv"] == ["x"] and "swap" not in t.manifest["job"]  # what differs stays per capture
+    assert [c["job"] for c in cap["captures"]] == [{"swap": 0}, {"swap": 4}]
+
+
+def test_a_failed_capture_leaves_its_trace_and_the_merge_names_it(tmp_path):
+    plan = _class_plan()
+    a = _capture(tmp_path / "c0", plan, 0, 0, [("0", list(range(8)))], [_op(0, 0, "all_reduce", 0, 0)],
+                 incomplete="rank 0 exited with code 1")
+    out = merge_captures(tmp_path / "merged", plan, [
+        {"rank": 0, "trace": a, "incomplete": "rank 0 exited with code 1"},
+        {"rank": 4, "trace": None, "incomplete": "not run: capture 0 failed first"}])
+    t = read_trace(out)
+    assert t.incomplete == ("capture 1 of 2 (rank 0): rank 0 exited with code 1; capture 2 of 2 (rank 4): not run: "
+                            "capture 0 failed first")
+    assert [(c["rank"], c["complete"], c["trace"]) for c in t.fold.capture["captures"]] == [
+        (0, False, "c0"), (4, False, "")]
+    with pytest.raises(TraceFormatError, match=r"not the capture of rank 4"):  # a trace of another capture
+        merge_captures(tmp_path / "m2", plan, [{"rank": 4, "trace": a, "incomplete": None},
+                                               {"rank": 0, "trace": a, "incomplete": None}])
+
+
+# ---- a generic pipeline captured both ways -----------------------------------------------------
+def _skeleton(trace) -> dict[int, list[tuple]]:
+    """Per live rank, its ops as a capture together would give them: kind, bytes, group (name, ranks), seq, peer."""
+    groups = {g["id"]: (g["name"], tuple(g["ranks"])) for g in trace.manifest["groups"]}
+    return {r: [(o["kind"], o["bytes"], groups[o["group"]], o["seq"], o["peer"]) for o in trace.ops_for_rank(r)]
+            for r in trace.fold.live}
+
+
+def test_a_pipeline_captured_serially_issues_the_ops_of_the_capture_together(tmp_path):
+    """fold_pipeline.py, 4 stages, stage 2 folded onto stage 1: captured together (0, 1 and 3 as processes) and
+    serially (one at a time; each other stage's receives answered by stand-ins): the same ops with the
+    same per-group sequence numbers, rank by rank."""
+    fold = make_fold([0, 1, 1, 3], 8).to_json()
+    base = dict(script=PROGRAMS / "fold_pipeline.py", world_size=4, hang_timeout=60, fold=fold)
+    assert launch(LaunchConfig(**base, script_args=[str(tmp_path / "r1"), "3"], trace_dir=tmp_path / "together")) == 0
+    said: list[str] = []
+    cfg = LaunchConfig(**base, script_args=[str(tmp_path / "r2"), "3"], trace_dir=tmp_path / "serial")
+    assert capture_serially(cfg, launch, say=said.append) == 0
+    together, serial = read_trace(tmp_path / "together"), read_trace(tmp_path / "serial")
+    assert serial.fold.live == together.fold.live == (0, 1, 3) and serial.fold.rep == together.fold.rep
+    assert _skeleton(serial) == _skeleton(together)
+    assert serial.fold.capture_mode == "serial" and together.fold.capture_mode == "together"
+    # every receive from a stage that was not a process in its capture got a stand-in: 3 per micro-batch
+    # and stage (stage 0 backward, stage 1 forward and backward, stage 3 forward), none passed through
+    recv = serial.fold.contributions["recv"]
+    assert recv["standin"] == 4 * 3 and recv["passthrough"] == 0
+    assert [c["trace"] for c in serial.fold.capture["captures"]] == [
+        f"serial.captures/capture-{i}-rank-{r}" for i, r in enumerate((0, 1, 3))]
+    for c in serial.fold.capture["captures"]:
+        assert read_trace(tmp_path / c["trace"]).fold.live == (c["rank"],)
+    assert any("serial capture 2/3: rank 1" in s for s in said) and captures_dir(tmp_path / "serial").is_dir()
+    got = torch.load(tmp_path / "r2" / "rank-3.pt")  # the last stage's inputs: stand-ins, finite
+    assert all(torch.isfinite(x).all() for x in got["fwd"])
+
+
+def test_a_capture_that_fails_stops_the_run_and_the_merged_trace_says_which(tmp_path):
+    """fold_bad.py p2p: rank 0 sends to rank 2, virtual and not its neighbour: capture 1 (rank 0) is refused,
+    capture 2 (rank 1) is not run; the merged trace is partial and names both."""
+    cfg = LaunchConfig(script=PROGRAMS / "fold_bad.py", script_args=["p2p"], world_size=4, hang_timeout=60,
+                       fold=make_fold([0, 1, 0, 1], 8).to_json(), trace_dir=tmp_path / "serial")
+    said: list[str] = []
+    assert capture_serially(cfg, launch, say=said.append) == BAD_INPUT
+    t = read_trace(tmp_path / "serial")
+    assert t.incomplete.startswith("capture 1 of 2 (rank 0): ") and "capture 2 of 2 (rank 1): not run" in t.incomplete
+    first = read_trace(tmp_path / t.fold.capture["captures"][0]["trace"])  # the failed capture's own trace
+    assert first.incomplete and first.fold.live == (0,)
+    report = (tmp_path / "serial.captures" / "capture-0-rank-0.logs" / "fold-report.txt").read_text()
+    assert "rank 0 sends to virtual rank 2" in report, report
+    assert any("serial capture 1/2 (rank 0) failed" in s for s in said), said
