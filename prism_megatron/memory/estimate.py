@@ -332,10 +332,16 @@ def _chunk_activations(j: Job, chunk: list[str]) -> int:
     if "embedding" in chunk:
         out += sp_tokens * h * _mask_bytes(j, j.hidden_dropout)  # embedding dropout's mask
     if "loss" in chunk:
-        # final norm: input + stats; the output layer's input; the loss's fp32 softmax over vocab/TP
-        out += sp_tokens * h * d + sp_tokens * 2 * FP32 + sp_tokens * h * d
-        out += tokens * (j.vocab // j.tp) * FP32 + j.mbs * j.seq * (8 + FP32)
+        out += _loss_kept(j) + j.mbs * j.seq * (8 + FP32)  # + labels and loss mask
     return out
+
+
+def _loss_kept(j: Job) -> int:
+    """What the loss keeps per micro-batch: the final norm's input and stats, the output layer's input
+    and the cross entropy's fp32 softmax over vocab/TP."""
+    tokens = j.mbs * j.seq // j.cp
+    sp_tokens = tokens // j.tp if j.sp else tokens
+    return sp_tokens * j.hidden * j.dtype * 2 + sp_tokens * 2 * FP32 + tokens * (j.vocab // j.tp) * FP32
 
 
 def _recomputed(j: Job, n: int) -> list[bool]:
@@ -377,26 +383,27 @@ def _loss_transient(j: Job) -> int:
 
 
 # ----------------------------------------------------------------------------- schedule
-def in_flight_units(warmup: int, chunks: int, group: int, microbatches: int) -> list[int]:
-    """Per model chunk, the micro-batches whose activations are held at once at the schedule's worst
-    point: Megatron's forward order (interleaved: ``group`` micro-batches per chunk in turn; 1F1B: one
-    chunk) after ``warmup`` forwards, then one forward and one backward (in reverse chunk order) per step."""
+def in_flight_units(warmup: int, group: int, microbatches: int, sizes: list[int]) -> list[int]:
+    """Per model chunk (``sizes``: bytes one micro-batch keeps through each), the micro-batches held at
+    once at the schedule's worst point: Megatron's forward order (interleaved: ``group`` micro-batches
+    per chunk in turn; 1F1B: one chunk) for ``warmup`` forwards, then per step one forward and one
+    backward (chunks in reverse order); the peak is after a step's forward, before its backward."""
+    chunks = len(sizes)
     total = microbatches * chunks
 
     def chunk_of(k: int, backward: bool) -> int:
         c = (k % (group * chunks)) // group
         return chunks - 1 - c if backward else c
 
-    first = min(warmup + 1, total)
+    first = min(warmup, total)
     held = [0] * chunks
     for k in range(first):
         held[chunk_of(k, False)] += 1
     best = list(held)
-    worst = sum(best)
-    for step in range(total - first):  # steady state: forward k = first + step, then backward step
+    for step in range(total - first):
         held[chunk_of(first + step, False)] += 1
-        if sum(held) >= worst and held != best:
-            best, worst = list(held), sum(held)
+        if sum(n * a for n, a in zip(held, sizes, strict=True)) > sum(n * a for n, a in zip(best, sizes, strict=True)):
+            best = list(held)
         held[chunk_of(step, True)] -= 1
     return best
 
@@ -423,12 +430,13 @@ def class_estimate(j: Job, chunks: list[list[str]], warmup: int, group: int | No
         buffers += tokens * j.hidden * j.dtype
     static = weights + grads + optimizer + buffers
     per_chunk = [_chunk_activations(j, c) for c in chunks]
-    held = in_flight_units(warmup, len(chunks), group or j.pp, j.microbatches) if len(chunks) > 1 else \
-        [min(warmup + 1, j.microbatches)]
+    held = in_flight_units(warmup, group or j.pp, j.microbatches, per_chunk)
     activations = sum(n * a for n, a in zip(held, per_chunk, strict=True))
     transient = max(_layer_transient(j, c) for c in chunks)
     if any("loss" in c for c in chunks):
-        transient = max(transient, _loss_transient(j))
+        # the loss's backward runs first and frees what the loss kept (its fp32 softmax, the final norm's and
+        # output layer's inputs) before any layer's backward: the layer's working set comes on top of less
+        transient = max(transient - _loss_kept(j), _loss_transient(j))
     transient += tokens * j.hidden * j.dtype  # the stage's received gradient or activation (p2p)
     if j.device == "cuda" and j.optimizer == "adam":  # foreach Adam: a temporary per updated parameter
         step = (shard_dense + shard_expert) * FP32
