@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 
 import pytest
 
@@ -312,6 +313,11 @@ def test_plan_cli_shows_three_live_ranks_for_an_8b_shaped_tp2_pp4_job():
     for row in ("stage 0 (first: embedding; 8 layers)", "stages 1-2 (middle; 8 layers)",
                 "stage 3 (last: loss; 8 layers)"):
         assert row in text
+    # prism's estimate of stage 0 (unfused attention: s x s probabilities of 4 micro-batches x 8 layers) is at
+    # least what that stage held on an H200 when it ran out of memory (72,145,931,264 B = 67.2 GiB allocated,
+    # bench/gpu/results/2026-12-01-fold-class-h200.txt); Megatron's formula gave far less
+    first = re.search(r"│ first .*?│ *([\d.]+) GiB │", text)
+    assert first and float(first.group(1)) >= 67.2, text
 
 
 def test_run_passes_the_depth_to_the_fold_and_refuses_class_depth_for_moe(parse_each_command_once):
