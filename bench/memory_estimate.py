@@ -27,8 +27,9 @@ sys.path.insert(0, str(REPO))
 
 from prism_megatron.megatron.driver import CORE_DRIVER_SCRIPT  # noqa: E402
 
-COMMON = ("--tokenizer-type NullTokenizer --vocab-size 32000 --mock-data --lr 0.0001 --seed 1234 --transformer-impl local "
-          "--no-gradient-accumulation-fusion --log-interval 1 --eval-iters 0 --bf16 --no-masked-softmax-fusion")
+COMMON = ("--tokenizer-type NullTokenizer --vocab-size 32000 --mock-data --lr 0.0001 --seed 1234 "
+          "--transformer-impl local --no-gradient-accumulation-fusion --log-interval 1 --eval-iters 0 --bf16 "
+          "--no-masked-softmax-fusion")
 # name, world size, core-driver flags, measured max allocated per class (bytes), where the figure is from
 GPU_CASES = [
     ("fold-consistency dense TP2·PP2·DP2", 8,
@@ -97,7 +98,8 @@ def capture(recipe: str, where: Path) -> Path:
     trace = where / recipe / "trace"
     trace.parent.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "prism_megatron", "run", "--recipe", recipe, "--prism-driver", "core",
-           "--prism-fold", "off", "--prism-report", "off", "--prism-track-memory", "on", "--prism-trace-dir", str(trace)]
+           "--prism-fold", "off", "--prism-report", "off", "--prism-track-memory", "on",
+           "--prism-trace-dir", str(trace)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(filter(None, [str(REPO),
                                                                                         os.environ.get("PYTHONPATH")])))
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)

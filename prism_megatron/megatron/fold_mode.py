@@ -8,9 +8,9 @@ when the sum over rank classes of (ranks x prism's estimate for the class, ``mem
 (on CPU: the host RAM alone; a rank's state is host memory there). Megatron's formula is not used: it
 misses the unfused attention's s x s probabilities and counts sequence-parallel activations
 unsharded. Where prism's estimate is unavailable (a vocabulary only a tokenizer knows) the state
-counts as 0, and that is said; a command the plan cannot read (not a Megatron command, a layout that does not fold) is run in
-full under 'auto', saying why, and refused under 'on'; a depth the layout cannot take (class depth
-for MoE) is refused under both. After a folded capture, the live ranks of
+counts as 0, and that is said; a command the plan cannot read (not a Megatron command, a layout that
+does not fold) is run in full under 'auto', saying why, and refused under 'on'; a depth the layout
+cannot take (class depth for MoE) is refused under both. After a folded capture, the live ranks of
 each class must have issued the same ops (kinds, sizes, group sizes); a class whose members differ is
 refused (``fold.check_class_members``).
 """

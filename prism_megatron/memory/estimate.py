@@ -320,7 +320,7 @@ def _routed_tokens(j: Job, tokens: int) -> int:
 
 def _chunk_activations(j: Job, chunk: list[str]) -> int:
     """Bytes one micro-batch keeps through one model chunk (its layers, embedding and loss terms)."""
-    d, h = j.dtype, j.hidden
+    h = j.hidden
     tokens = j.mbs * j.seq // j.cp
     sp_tokens = tokens // j.tp if j.sp else tokens
     layers = [x for x in chunk if x in ("dense", "moe", "mtp")]
