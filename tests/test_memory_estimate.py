@@ -4,7 +4,7 @@ terms Megatron's formula gets wrong (the unfused attention's s x s tensors, sequ
 Tolerance against measured peaks: 10 %. The estimate counts the tensors autograd keeps per layer and
 micro-batch tensor by tensor, the static state exactly, and one working set on top; what it does not
 follow op by op (short-lived temporaries of ops it does not model, p2p buffers of the schedule, small
-tensors) left it within -7.4 % .. +0.2 % of 19 measured rank classes, GPU and CPU
+tensors) left it within -7.4 % .. +2.1 % of 19 measured rank classes, GPU and CPU
 (``bench/memory_estimate.py``, ``bench/results/memory_estimate-*.txt``); 10 % is that spread with room
 for the second megatron-core release, not a figure tuned to one run.
 """

@@ -100,6 +100,7 @@ class Job:
     recompute_modules: tuple[str, ...]
     attention: str  # one of ATTENTIONS
     device: str  # 'cuda' or 'cpu'
+    bias_gelu: bool = False  # Megatron's bias-GeLU function (bias_activation_fusion, GeLU MLP)
 
     @property
     def half(self) -> bool:
@@ -182,7 +183,8 @@ def job_from_args(args: Any, world_size: int, vocab: int, device: str, attention
         grad_bytes=FP32 if grad_fp32 or not half else 2, optimizer=optimizer, main_param_bytes=main,
         moment_bytes=moments, recompute=_get(args, "recompute_granularity"),
         recompute_method=_get(args, "recompute_method"), recompute_layers=_get(args, "recompute_num_layers"),
-        recompute_modules=tuple(modules), attention=attention, device=device)
+        recompute_modules=tuple(modules), attention=attention, device=device,
+        bias_gelu=bool(_get(args, "bias_gelu_fusion", True)) and not _get(args, "swiglu", False) and not experts)
 
 
 # ----------------------------------------------------------------------------- parameters
@@ -366,11 +368,20 @@ def _layer_transient(j: Job, chunk: list[str]) -> int:
     if j.attention == "local":
         s2 = j.mbs * heads_tp * (j.seq // j.cp) * j.seq
         att = s2 * _s2_backward_extra(j) + (s2 * _s2_saved(j) if selective else 0)
-    mlp = 2 * tokens * (j.ffn // j.tp) * d
+    mlp = _mlp_backward_units(j) * tokens * (j.ffn // j.tp) * d
     layers = [x for x in chunk if x in ("dense", "moe", "mtp")]
     full = any(_recomputed(j, len(layers)))
     remat = _layer(j, "moe" in layers, False) if full else 0  # one layer's activations rebuilt in backward
     return grads + max(att, mlp) + remat
+
+
+def _mlp_backward_units(j: Job) -> int:
+    """Tensors of the fc1 output's size in flight in the MLP activation's backward beyond what is kept,
+    fc2's kept input (the activation's output) being freed by then: its incoming gradient and its
+    result where one kernel computes it (torch's GeLU; Megatron's bias-GeLU compiled by
+    ``torch.compile`` on a GPU); prism's CPU mode runs the bias-GeLU backward op by op (torch.compile is
+    off there), holding besides the gradient the input sum, its tanh and up to four temporaries."""
+    return (7 if j.bias_gelu and j.device == "cpu" else 2) - 1
 
 
 def _loss_transient(j: Job) -> int:
