@@ -40,7 +40,7 @@ bench (``bench/memory_estimate.py``) prints estimate vs measured per case.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["ATTENTIONS", "EstimateError", "Job", "job_from_args", "class_estimate", "estimate_classes",
@@ -105,9 +105,6 @@ class Job:
     @property
     def half(self) -> bool:
         return self.dtype == 2
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def _get(args: Any, name: str, default: Any = None) -> Any:
@@ -205,6 +202,20 @@ def _layer_params(j: Job, moe: bool) -> tuple[int, int]:
         sfc1 = j.shared_ffn * (2 if j.gated else 1)
         shared = h * sfc1 // j.tp + j.shared_ffn * h // j.tp
     return attn + router + shared, expert
+
+
+def _largest_param(j: Job, chunks: list[list[str]]) -> int:
+    """Elements of a rank's largest single parameter tensor (what a tensor-by-tensor optimizer step
+    allocates its temporaries for): the embedding or output layer, else a layer's QKV or fc1 weight."""
+    h = j.hidden
+    items = {x for c in chunks for x in c}
+    out = (j.heads + 2 * j.groups) * j.kv * h // j.tp
+    out = max(out, h * j.ffn * (2 if j.gated else 1) // j.tp)
+    if "moe" in items:
+        out = max(out, h * j.moe_ffn * (2 if j.gated else 1) // j.etp)
+    if "embedding" in items or "loss" in items:
+        out = max(out, j.vocab * h // j.tp)
+    return out
 
 
 def _chunk_params(j: Job, chunk: list[str]) -> tuple[int, int]:
@@ -452,7 +463,7 @@ def class_estimate(j: Job, chunks: list[list[str]], warmup: int, group: int | No
     if j.device == "cuda" and j.optimizer == "adam":  # foreach Adam: a temporary per updated parameter
         step = (shard_dense + shard_expert) * FP32
     else:  # tensor by tensor: two temporaries of the largest parameter
-        step = 2 * max(j.vocab // j.tp * j.hidden, _layer_params(j, False)[0] // 2) * FP32
+        step = 2 * _largest_param(j, chunks) * FP32
     total = max(static + activations + transient, static + step)
     return {"total": int(total), "params": int(params), "weights": int(weights), "grads": int(grads),
             "optimizer": int(optimizer), "buffers": int(buffers), "activations": int(activations),
