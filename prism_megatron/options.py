@@ -130,16 +130,18 @@ class RunOnlyOptions:
     fold: Literal["auto", "on", "off"] = "auto"
     """Rank folding: 'on' runs only the sandbox (one model replica: every rank class's live ranks) and
     answers for every other rank without a process (its ops mirror its class's live rank); 'off' runs
-    every rank (full capture); 'auto' folds when the full job does not fit this machine: W ranks x
-    (Megatron's memory formula per rank + 1 GiB of process) against the devices plus 90% of the
-    available host RAM (on CPU: host RAM alone). The fold's classes are printed before the run."""
+    every rank (full capture); 'auto' folds when the full job does not fit this machine: the ranks of
+    each class x prism's memory estimate for the class (the program prism runs, its attention included;
+    prism-megatron plan shows it beside Megatron's formula, which is not used) + 1 GiB of process per
+    rank, against the devices plus 90% of the available host RAM (on CPU: host RAM alone). The fold's
+    classes are printed before the run."""
 
     fold_depth: Literal["auto", "replica", "class"] = "auto"
     """How far a fold goes: 'replica' keeps one model replica live (DP replicas folded; every TP/CP peer
     and pipeline stage runs); 'class' keeps one live rank per rank class (dense layouts only: TP/CP peers
     folded onto tp = cp = 0, middle pipeline stages of one kind onto the lowest of them, DP replicas too;
-    first and last stages stay live); 'auto' is replica when one model replica fits this machine (or
-    Megatron's memory formula is unavailable) and for MoE, else class."""
+    first and last stages stay live); 'auto' is replica when one model replica fits this machine by
+    prism's memory estimate per class (or that estimate is unavailable) and for MoE, else class."""
 
     fold_capture: Literal["together", "serial"] = "together"
     """How a folded run captures its live ranks: 'together' runs them as processes at once; 'serial' runs one

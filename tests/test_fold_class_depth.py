@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 
 import pytest
 
@@ -301,8 +302,8 @@ def test_plan_cli_shows_three_live_ranks_for_an_8b_shaped_tp2_pp4_job():
              "--mock-data", "--micro-batch-size", "1", "--global-batch-size", "32", "--train-iters", "3", "--lr",
              "1e-4", "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "4",
              "--transformer-impl", "local"]
-    # host memory declared large: where Megatron's formula is importable (megatron.training) the plan
-    # checks the sandbox's ~83 GiB against it and would refuse on a small machine
+    # host memory declared large: the plan checks the sandbox's state (prism's estimate, ~173 GiB with the
+    # unfused attention) against it and would refuse on a small machine
     result = CliRunner().invoke(main, ["plan", "--prism-world-size", "8", "--devices", "cpu", "--prism-host-memory",
                                        "4096", "--prism-fold-depth", "class", "--", str(CORE_DRIVER_SCRIPT), *llama])
     assert result.exit_code == 0, result.output
@@ -312,6 +313,11 @@ def test_plan_cli_shows_three_live_ranks_for_an_8b_shaped_tp2_pp4_job():
     for row in ("stage 0 (first: embedding; 8 layers)", "stages 1-2 (middle; 8 layers)",
                 "stage 3 (last: loss; 8 layers)"):
         assert row in text
+    # prism's estimate of stage 0 (unfused attention: s x s probabilities of 4 micro-batches x 8 layers) is at
+    # least what that stage held on an H200 when it ran out of memory (72,145,931,264 B = 67.2 GiB allocated,
+    # bench/gpu/results/2026-12-01-fold-class-h200.txt); Megatron's formula gave far less
+    first = re.search(r"│ first .*?│ *([\d.]+) GiB │", text)
+    assert first and float(first.group(1)) >= 67.2, text
 
 
 def test_run_passes_the_depth_to_the_fold_and_refuses_class_depth_for_moe(parse_each_command_once):
@@ -340,24 +346,30 @@ def test_run_passes_the_depth_to_the_fold_and_refuses_class_depth_for_moe(parse_
             choose_fold(mode, launch_config(request), request.env, say=said.append, depth="class")
 
 
-def test_plan_table_gives_each_class_its_live_memory_by_megatrons_formula():
+def test_plan_table_gives_each_class_its_live_memory_by_prisms_estimate():
     from rich.console import Console
 
     from prism_megatron.megatron.plan import GiB, Plan, _memory, render_plan
 
     t = TargetLayout(world_size=8192, tp=2, pp=4, num_layers=8)
-    for depth, live_memory in (("class", ["10.0 GiB"] * 3), ("replica", ["20.0 GiB", "40.0 GiB", "20.0 GiB"])):
+    estimate = {"source": "prism", "classes": {"first": {"total": 12 * GiB}, "middle": {"total": 10 * GiB},
+                                               "last": {"total": 8 * GiB}}}
+    formula = {"total": 3 * GiB}
+    for depth, live_memory in (("class", ["12.0 GiB", "10.0 GiB", "8.0 GiB"]),
+                               ("replica", ["24.0 GiB", "40.0 GiB", "16.0 GiB"])):
         fold = build_fold_plan(t, depth)
         plan = Plan(layout=t, fold=fold, iterations=1, devices=["cpu"], depth_note=f"{depth} (asked)",
-                    memory=_memory(fold, {"total": 10 * GiB}, ["cpu"], None, 1000.0, "auto"),
+                    memory=_memory(fold, estimate, ["cpu"], None, 1000.0, "auto", formula),
                     time={"seconds": 60.0, "iterations": 1, "model": "rough"})
         console = Console(width=200, record=True)
         render_plan(plan, console)
         text = console.export_text()
         rows = [line for line in text.splitlines() if line.startswith("│ ") and "stage" in line]
         assert [row.split("│")[-2].strip() for row in rows] == live_memory, text
+        assert all(row.split("│")[-3].strip() == "3.0 GiB" for row in rows), text  # Megatron's, beside
         host = next(line for line in text.splitlines() if "host RAM" in line)
-        assert host.split("│")[2].strip() == f"{len(fold.live) * 11:.1f} GiB"  # per live rank: 10 + 1 of process
+        state = sum(float(x.split()[0]) for x in live_memory)
+        assert host.split("│")[2].strip() == f"{state + len(fold.live):.1f} GiB"  # + 1 GiB of process per live rank
 
 
 def test_a_serial_capture_needs_one_live_rank_to_fit_and_a_folded_run(parse_each_command_once, capsys):

@@ -171,15 +171,27 @@ def test_plan_json_rejects_what_it_cannot_read():
 
 
 def test_memory_refusal_says_what_would_fit():
+    """The sandbox's need is the sum of its live ranks' class estimates (prism's, per class); Megatron's
+    formula, given beside, is shown and not used."""
     plan = build_fold_plan(TargetLayout(world_size=8192, tp=2, pp=4, num_layers=8), "replica")
-    estimate = {"total": 10 * GiB, "source": "formula"}
-    cpu = _memory(plan, estimate, ["cpu"], None, 40.0, "auto")
-    assert cpu["fits"] is False and "88.0 GiB of host RAM" in cpu["why"]
+
+    def per_class(first: float, middle: float, last: float) -> dict:
+        return {"source": "prism", "classes": {"first": {"total": int(first * GiB)},
+                                               "middle": {"total": int(middle * GiB)},
+                                               "last": {"total": int(last * GiB)}}}
+
+    estimate = per_class(12, 9, 10)  # live: 2 x first, 4 x middle, 2 x last = 80 GiB
+    formula = {"total": 1 * GiB, "source": "formula"}
+    cpu = _memory(plan, estimate, ["cpu"], None, 40.0, "auto", formula)
+    assert cpu["fits"] is False and "88.0 GiB of host RAM" in cpu["why"] and cpu["megatron"]["total"] == GiB
+    assert cpu["per_rank"] == 12 * GiB and cpu["per_rank_class"] == "first"
     gpu = _memory(plan, estimate, ["0"], 40.0, 30.0, "none")
     assert gpu["fits"] is False and "at least 2 device(s) of 40 GiB" in gpu["why"]
     assert _memory(plan, estimate, ["0", "1"], 40.0, 30.0, "none")["fits"] is True
-    big = _memory(plan, {"total": 50 * GiB}, ["0", "1"], 40.0, 300.0, "auto")
-    assert big["fits"] is False and "one sandbox rank needs 50.0 GiB" in big["why"]
+    big = _memory(plan, per_class(9, 50, 9), ["0", "1"], 40.0, 300.0, "auto")
+    assert big["fits"] is False and "a sandbox rank of class middle needs 50.0 GiB" in big["why"]
+    none = _memory(plan, {"error": "no vocabulary"}, ["0"], 40.0, 30.0, "auto", formula)
+    assert none["fits"] is None and "no vocabulary" in none["why"]
 
 
 TINY_GPT = ["--num-layers", "8", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
@@ -194,12 +206,17 @@ def test_plan_cli_8192_rank_command_json():
                                        "--prism-fold-depth", "replica", "--", str(CORE_DRIVER_SCRIPT), *TINY_GPT])
     assert result.exit_code == 0, result.output
     out = json.loads(result.stdout)  # stdout only: warnings go to stderr
-    assert out["version"] == 2 and out["layout"] == "TP2·PP4·DP1024 = 8192 ranks"
+    assert out["version"] == 3 and out["layout"] == "TP2·PP4·DP1024 = 8192 ranks"
     assert out["microbatches"] is None  # every micro-batch runs unless --prism-fold-microbatches says otherwise
     assert out["fold_depth"] == "replica (asked)"
     fold = FoldPlan.from_json(out["fold"])
     assert fold.world_size == 8192 and len(fold.live) == 8 and fold.depth == "replica"
     assert [c.count for c in fold.classes] == [2048, 4096, 2048]
+    memory = out["memory"]  # prism's estimate per class on CPU (the device asked), the live ranks' sum judged
+    assert memory["classes"]["first"]["total"] > memory["classes"]["middle"]["total"] > 0
+    assert memory["per_rank"] == max(c["total"] for c in memory["classes"].values())
+    assert memory["classes"]["middle"]["in_flight"] == [1]  # GBS 1024 over DP1024: one micro-batch in flight
+    assert memory["fits"] is True and set(memory["megatron"]) >= {"total", "error"}
     assert out["time"]["iterations"] == 2 and "rough" in out["time"]["model"]
 
 

@@ -3,10 +3,12 @@
 For every recipe in ``prism_megatron/recipes/targets/`` this runs ``prism-megatron plan --recipe NAME
 --json`` against a machine given by its device and host memory (default: one H200, 139 GiB, and the
 115 GiB of host RAM the GPU machine leaves free), and prints one row per recipe: layout, fold depth,
-live ranks of all, the memory one sandbox rank needs by Megatron's formula (weights and optimizer,
-activations), whether the sandbox fits and why not, and the plan's rough emulation time.
+live ranks of all, the memory the most loaded sandbox rank needs by prism's estimate (its class) and,
+beside it, by Megatron's formula (weights and optimizer + activations), whether the sandbox fits (by
+prism's estimate) and why not, and the plan's rough emulation time.
 
-Megatron's formula lives in ``megatron.training`` (Megatron-LM, not the megatron-core wheel): give a
+The target recipes are parsed by Megatron-LM's own parser, and Megatron's formula lives there too
+(``megatron.training``, not in the megatron-core wheel): give a
 checkout or an archive made by ``bench/peer/run_peer_suite.py --pack`` with ``--megatron-lm``, or let
 it fetch the pinned tag into the user's cache. Run with a Python whose megatron-core matches the tag:
 
@@ -42,16 +44,24 @@ def plan(name: str, checkout: Path, device_gib: float, host_gib: float) -> dict:
         return {"error": (p.stderr.strip().splitlines() or ["no output"])[-1]}
 
 
+PLAN_VERSION = 3  # the plan JSON this table reads (prism_megatron.megatron.plan.PLAN_JSON_VERSION)
+
+
 def row(name: str, d: dict) -> list[str]:
     if "error" in d:
         return [name, "-", "-", "-", "-", "-", "-", f"error: {d['error']}"]
+    if d.get("version") != PLAN_VERSION:
+        raise SystemExit(f"plan of {name}: field version {d.get('version')!r} is not {PLAN_VERSION}, which this reads")
     m, fold = d["memory"], d.get("fold") or {}
     live = fold.get("live") or []
-    gib = (lambda k: "-" if m.get(k) is None else f"{m[k] / GIB:.1f}")
+    formula = m.get("megatron") or {}
+    gib = (lambda x: "-" if x is None else f"{x / GIB:.1f}")
     fits = {True: "fits", False: "does not fit", None: "unknown"}[m.get("fits")]
     depth = (d.get("fold_depth") or "").split(" ")[1] if d.get("fold_depth") else "-"
-    return [name, d["layout"], depth, f"{len(live)} of {fold.get('world_size', '?')}", gib("per_rank"),
-            f"{gib('weight_and_optimizer')} + {gib('activation')}", f"{d['time']['seconds'] / 60:.0f} min",
+    return [name, d["layout"], depth, f"{len(live)} of {fold.get('world_size', '?')}",
+            f"{gib(m.get('per_rank'))} ({m.get('per_rank_class') or '-'})",
+            f"{gib(formula.get('total'))} = {gib(formula.get('weight_and_optimizer'))} + "
+            f"{gib(formula.get('activation'))}", f"{d['time']['seconds'] / 60:.0f} min",
             fits + ("" if m.get("fits") else f": {m.get('why')}")]
 
 
@@ -64,14 +74,15 @@ def main() -> None:
     a = ap.parse_args()
     checkout = megatron_checkout(a.megatron_lm, TAG)
     names = sorted(p.stem for p in (REPO / "prism_megatron" / "recipes" / "targets").glob("*.yaml"))
-    head = ["recipe", "layout", "depth", "live", "GiB/rank", "weights+opt + activ.", "emulation", "sandbox here"]
+    head = ["recipe", "layout", "depth", "live", "GiB/rank (prism, class)", "Megatron's formula = w+opt + act.",
+            "emulation", "sandbox here"]
     rows = []
     for i, name in enumerate(names, 1):
         print(f"[{i}/{len(names)}] plan {name}", file=sys.stderr, flush=True)
         rows.append(row(name, plan(name, checkout, a.device_memory, a.host_memory)))
     widths = [max(len(r[c]) for r in [head, *rows]) for c in range(len(head) - 1)]
     lines = [f"# python bench/targets/plan_all.py --device-memory {a.device_memory:g} --host-memory {a.host_memory:g}"
-             f"  (Megatron-LM {TAG}'s formula)"]
+             f"  (prism's estimate judges; Megatron-LM {TAG}'s formula beside it)"]
     for r in [head, *rows]:
         lines.append("  ".join(x.ljust(w) for x, w in zip(r, widths, strict=False)) + "  " + r[-1])
     text = "\n".join(lines) + "\n"

@@ -3,13 +3,16 @@
 'off' runs every rank; 'on' folds (``fold.build_fold_plan`` at ``--prism-fold-depth``: one live rank
 per class for dense layouts, one model replica for MoE, by default); 'auto' folds when the full job
 does not fit this machine. The rule, stated once: the full job fits
-when W x (Megatron's memory per rank + ``RANK_PROCESS_HOST_BYTES``) fits in the devices' memory plus
-``HOST_SHARE`` of the available host RAM (on CPU: the host RAM alone; a rank's state is host memory
-there). Without Megatron's formula (no megatron.training) the per-rank state counts as 0, and that is
-said; a command the plan cannot read (not a Megatron command, a layout that does not fold) is run in
-full under 'auto', saying why, and refused under 'on'; a depth the layout cannot take (class depth
-for MoE) is refused under both. Under ``--prism-fold-capture serial`` the sandbox must fit one live rank at a time
-(``one_rank_fits``), and MoE layouts are refused (launcher.serial). After a folded capture, the live ranks of
+when the sum over rank classes of (ranks x prism's estimate for the class, ``memory.estimate``) + W x
+``RANK_PROCESS_HOST_BYTES`` fits in the devices' memory plus ``HOST_SHARE`` of the available host RAM
+(on CPU: the host RAM alone; a rank's state is host memory there). Megatron's formula is not used: it
+misses the unfused attention's s x s probabilities and counts sequence-parallel activations
+unsharded. Where prism's estimate is unavailable (a vocabulary only a tokenizer knows) the state
+counts as 0, and that is said; a command the plan cannot read (not a Megatron command, a layout that
+does not fold) is run in full under 'auto', saying why, and refused under 'on'; a depth the layout
+cannot take (class depth for MoE) is refused under both. Under ``--prism-fold-capture serial`` the
+sandbox must fit one live rank at a time (``one_rank_fits``), and MoE layouts are refused
+(launcher.serial). After a folded capture, the live ranks of
 each class must have issued the same ops (kinds, sizes, group sizes); a class whose members differ is
 refused (``fold.check_class_members``).
 """
@@ -29,21 +32,26 @@ class FoldModeError(ValueError):
     """The fold asked for cannot run (a sandbox that does not fit, a layout that does not fold)."""
 
 
-def full_job_fits(plan: Any, world_size: int) -> tuple[bool, str]:
-    """Whether every rank of the job fits here as a process, and the figures that say so."""
+def full_job_fits(plan: Any, world_size: int, live_only: bool = False) -> tuple[bool, str]:
+    """Whether every rank of the job (``live_only``: the sandbox's) fits here as a process, by prism's
+    estimate per class, and the figures that say so."""
     from prism_megatron.megatron.plan import RANK_PROCESS_HOST_BYTES, GiB
 
-    m = plan.memory
-    per_rank = m.get("per_rank")
-    state = per_rank or 0
-    host = m["host_available"]
-    if plan.devices == ["cpu"]:
-        need, have = world_size * (state + RANK_PROCESS_HOST_BYTES), host
+    m, fold = plan.memory, plan.fold
+    classes = m.get("classes")
+    if live_only:
+        counts = {c.name: len(c.sandbox) for c in fold.classes}
+        ranks = len(fold.live)
     else:
-        need, have = world_size * (state + RANK_PROCESS_HOST_BYTES), host + (m.get("devices_total") or 0)
-    source = ("Megatron's formula" if per_rank is not None
-              else "process memory only: Megatron's memory formula is unavailable")
-    why = (f"{world_size} ranks x ({state / GiB:.2f} GiB state + {RANK_PROCESS_HOST_BYTES / GiB:.0f} GiB process) "
+        counts = {c.name: c.count for c in fold.classes}
+        ranks = world_size
+    state = sum(counts[name] * classes[name]["total"] for name in counts) if classes else 0
+    host = m["host_available"]
+    have = host if plan.devices == ["cpu"] else host + (m.get("devices_total") or 0)
+    need = state + ranks * RANK_PROCESS_HOST_BYTES
+    source = ("prism's estimate per class" if classes
+              else f"process memory only: prism's memory estimate is unavailable ({m.get('why')})")
+    why = (f"{ranks} ranks: {state / GiB:.2f} GiB state + {ranks} x {RANK_PROCESS_HOST_BYTES / GiB:.0f} GiB process "
            f"= {need / GiB:.1f} GiB against {have / GiB:.1f} GiB here ({source})")
     return need <= have, why
 
@@ -63,14 +71,14 @@ def class_lines(fold: Any, limit: int = 12) -> list[str]:
 
 def one_rank_fits(plan: Any) -> tuple[bool | None, str]:
     """Whether the sandbox's most loaded rank alone fits here (a serial capture runs one live rank at a
-    time): its state (Megatron's formula) within one device, or on CPU with its process within the host
-    RAM prism may use; None without Megatron's formula."""
+    time): its state (prism's estimate for its class) within one device, or on CPU with its process within
+    the host RAM prism may use; None without prism's estimate."""
     from prism_megatron.megatron.plan import RANK_PROCESS_HOST_BYTES, GiB
 
     m = plan.memory
     per_rank = m.get("per_rank")
     if per_rank is None:
-        return None, "Megatron's memory formula is unavailable"
+        return None, f"prism's memory estimate is unavailable ({m.get('why')})"
     if plan.devices == ["cpu"]:
         need, have, where = per_rank + RANK_PROCESS_HOST_BYTES, m["host_available"], "of host RAM"
     else:
@@ -124,8 +132,9 @@ def choose_fold(mode: str, cfg: Any, env: dict[str, str] | None = None,
     elif plan.memory.get("fits") is False:
         raise FoldModeError(f"--prism-fold {mode}: the sandbox does not fit here: {plan.memory['why']}"
                             + _serial_hint(plan, cfg))
-    if plan.memory.get("fits") is None:  # no formula: the sandbox's processes alone must fit (same rule)
-        fits, why = full_job_fits(plan, 1 if capture == "serial" else len(fold.live))
+    if plan.memory.get("fits") is None:  # no estimate: the sandbox's processes alone must fit (same rule)
+        fits, why = full_job_fits(plan, 1) if capture == "serial" else full_job_fits(plan, len(fold.live),
+                                                                                      live_only=True)
         if not fits:
             raise FoldModeError(f"--prism-fold {mode}: the sandbox does not fit here: {why}; give more host "
                                 "memory (--prism-host-memory) or run on GPUs (--prism-devices)"

@@ -17,7 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-__all__ = ["ArgsError", "parse_megatron_args", "ESTIMATE_KEY"]
+__all__ = ["ArgsError", "parse_megatron_args", "padded_vocab", "ESTIMATE_KEY"]
 
 #: key of the parsed args that holds Megatron's theoretical memory of the most loaded shard
 #: (``workload.megatron_estimate``, computed in the child where megatron.training is imported)
@@ -71,10 +71,21 @@ def _parse_here(script: Path, argv: list[str]) -> argparse.Namespace:
     return arguments.validate_args(args, defaults)
 
 
-def _estimate(args: argparse.Namespace, world: int) -> dict:
-    """Megatron's theoretical memory (``workload.megatron_estimate``) for the job's sizes, or why none."""
+def padded_vocab(args: argparse.Namespace) -> int | None:
+    """The padded vocabulary Megatron builds: ``padded_vocab_size`` where the parser set it, else a
+    NullTokenizer's (one EOD id added) padded to ``make_vocab_size_divisible_by`` x TP as Megatron pads
+    it; None where only the tokenizer knows it."""
     import math
 
+    vocab = getattr(args, "padded_vocab_size", None)
+    if vocab is None and getattr(args, "tokenizer_type", None) == "NullTokenizer" and getattr(args, "vocab_size", None):
+        multiple = (getattr(args, "make_vocab_size_divisible_by", None) or 128) * args.tensor_model_parallel_size
+        vocab = math.ceil((args.vocab_size + 1) / multiple) * multiple
+    return vocab
+
+
+def _estimate(args: argparse.Namespace, world: int) -> dict:
+    """Megatron's theoretical memory (``workload.megatron_estimate``) for the job's sizes, or why none."""
     from prism_megatron.megatron.megatron_lm import ensure_megatron_training, training_available
     from prism_megatron.megatron.workload import megatron_estimate
 
@@ -85,10 +96,7 @@ def _estimate(args: argparse.Namespace, world: int) -> dict:
             return {"error": f"megatron.training does not import ({type(e).__name__}: {e})"}
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     dp = world // (tp * pp * (getattr(args, "context_parallel_size", None) or 1))
-    vocab = getattr(args, "padded_vocab_size", None)
-    if vocab is None and getattr(args, "tokenizer_type", None) == "NullTokenizer" and args.vocab_size:
-        multiple = (getattr(args, "make_vocab_size_divisible_by", None) or 128) * tp  # as Megatron pads it
-        vocab = math.ceil((args.vocab_size + 1) / multiple) * multiple
+    vocab = padded_vocab(args)
     if vocab is None:
         return {"error": "the padded vocabulary is known only once the tokenizer is built (not a NullTokenizer)"}
     micro = args.global_batch_size // (args.micro_batch_size * dp) if dp else 0

@@ -1,9 +1,11 @@
 """``prism-megatron plan``: the fold of a job (classes, sandbox, virtual ranks), what the sandbox
 needs here, roughly how long it takes, and a refusal that says what would fit.
 
-Memory per sandbox rank is Megatron's own theoretical formula for the most loaded shard
-(``megatron.training.theoretical_memory_usage``; the report shows the same figure beside measured
-peaks), so the sandbox's sum is an upper bound. The time is a stated rough model, not a prediction.
+Memory per sandbox rank is prism's own estimate for the rank's class (``memory.estimate``: the
+program prism runs, the attention it runs included), and what fits here is judged by it. Megatron's
+theoretical formula for the most loaded shard (``megatron.training.theoretical_memory_usage``) is
+shown beside it, not used: it misses the unfused attention's s x s probabilities and counts
+sequence-parallel activations unsharded. The time is a stated rough model, not a prediction.
 """
 
 from __future__ import annotations
@@ -14,11 +16,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prism_megatron.megatron.fold import FoldPlan, TargetLayout, build_fold_plan, layout_from_args, resolve_depth
-from prism_megatron.megatron.megatron_args import ESTIMATE_KEY, parse_megatron_args
+from prism_megatron.megatron.megatron_args import ESTIMATE_KEY, padded_vocab, parse_megatron_args
 
 __all__ = ["PLAN_JSON_VERSION", "PlanError", "Plan", "make_plan", "plan_json", "render_plan", "ROUGH_TIME_MODEL"]
 
-PLAN_JSON_VERSION = 2  # 2: microbatches (the micro-batch fold's record, or null)
+PLAN_JSON_VERSION = 3  # 2: microbatches (the micro-batch fold's record, or null); 3: memory by prism's estimate
+# per class (memory.classes, memory.per_rank: the most of a live rank), Megatron's formula under memory.megatron
 GiB = 1 << 30
 #: Host memory of one live rank's process besides its GPU state (Python, torch, Megatron, the
 #: runtime's buffers); rough, and on CPU devices added to the rank's state.
@@ -63,32 +66,63 @@ def _gpu_totals(devices: list[str]) -> list[int]:
     return _check_gpus(devices)
 
 
+def _prism_estimate(args: Any, world_size: int, fold: FoldPlan, devices: list[str],
+                    env: dict[str, str] | None) -> dict[str, Any]:
+    """Prism's estimate per class of ``fold`` (``memory.estimate``) for the program the ranks run here
+    (the device kind, ``--prism-attention``), or why there is none."""
+    from prism_megatron.memory.estimate import ESTIMATE_SOURCE, EstimateError, estimate_classes, job_from_args
+    from prism_megatron.patches.attention import ENV_VAR as ATTENTION_ENV
+
+    vocab = padded_vocab(args)
+    if vocab is None:
+        return {"error": "the padded vocabulary is known only once the tokenizer is built (not a NullTokenizer)"}
+    sdpa = (env or {}).get(ATTENTION_ENV) == "sdpa" or getattr(args, "prism_attention", None) == "sdpa"
+    try:
+        job = job_from_args(args, world_size, vocab, "cpu" if devices == ["cpu"] else "cuda", "sdpa" if sdpa else None)
+        return {"source": ESTIMATE_SOURCE, "device": job.device, "attention": job.attention,
+                "classes": estimate_classes(job, fold)}
+    except EstimateError as e:
+        return {"error": str(e)}
+
+
+def _megatron_column(estimate: dict[str, Any]) -> dict[str, Any]:
+    """Megatron's formula as the plan shows it beside prism's estimate (not used to judge the fit)."""
+    return {key: estimate.get(key) for key in ("total", "weight_and_optimizer", "activation", "source", "error")}
+
+
 def _memory(fold: FoldPlan, estimate: dict[str, Any], devices: list[str], device_gib: float | None,
-            host_gib: float | None, swap: str) -> dict[str, Any]:
-    """What the sandbox needs against what is here; ``fits`` None when Megatron's formula is unavailable."""
+            host_gib: float | None, swap: str, megatron: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What the sandbox needs against what is here, by prism's estimate per class (``estimate['classes']``,
+    ``_prism_estimate``); ``fits`` None when there is none. ``megatron``: Megatron's formula, shown beside."""
     n = len(fold.live)
     host = int(host_gib * GiB) if host_gib is not None else int(_host_available() * HOST_SHARE)
     out: dict[str, Any] = {"sandbox_ranks": n, "host_available": host, "source": estimate.get("source"),
-                           "host_per_rank_process": RANK_PROCESS_HOST_BYTES}
-    per_rank = estimate.get("total")
-    if per_rank is None:
-        out.update(per_rank=None, fits=None, why=f"Megatron's formula is unavailable: {estimate.get('error')}")
+                           "host_per_rank_process": RANK_PROCESS_HOST_BYTES,
+                           "megatron": _megatron_column(megatron or {"error": "not computed"})}
+    classes = estimate.get("classes")
+    if not classes:
+        out.update(per_rank=None, classes=None, fits=None,
+                   why=f"prism's memory estimate is unavailable: {estimate.get('error')}")
         return out
+    out["classes"] = classes
+    need = {r: classes[fold.classes[fold.class_of[r]].name]["total"] for r in fold.live}
+    heaviest = max(fold.live, key=lambda r: need[r])
+    per_rank, state = need[heaviest], sum(need.values())
+    heavy_class = fold.classes[fold.class_of[heaviest]].name
     out["per_rank"] = per_rank
-    out["weight_and_optimizer"] = estimate.get("weight_and_optimizer")
-    out["activation"] = estimate.get("activation")
+    out["per_rank_class"] = heavy_class
     on_cpu = devices == ["cpu"]
     if on_cpu:
-        need_host = n * (per_rank + RANK_PROCESS_HOST_BYTES)
+        need_host = state + n * RANK_PROCESS_HOST_BYTES
         out.update(gpu_needed=0, host_needed=need_host, devices_total=0, fits=need_host <= host)
         if not out["fits"]:
-            out["why"] = (f"the sandbox's {n} ranks need {need_host / GiB:.1f} GiB of host RAM (Megatron's formula "
-                          f"{per_rank / GiB:.2f} GiB + {RANK_PROCESS_HOST_BYTES / GiB:.0f} GiB process each); "
+            out["why"] = (f"the sandbox's {n} ranks need {need_host / GiB:.1f} GiB of host RAM (prism's estimate "
+                          f"{state / GiB:.2f} GiB + {RANK_PROCESS_HOST_BYTES / GiB:.0f} GiB process each); "
                           f"{host / GiB:.1f} GiB may be used here: run on GPUs (--prism-devices) or on a machine "
                           f"with at least {need_host / HOST_SHARE / GiB:.0f} GiB available")
         return out
     per_device = int(device_gib * GiB) if device_gib is not None else min(_gpu_totals(devices))
-    gpu_need = n * per_rank
+    gpu_need = state
     gpu_have = per_device * len(devices)
     spill = max(0, gpu_need - gpu_have)
     swap_room = host - n * RANK_PROCESS_HOST_BYTES if swap != "none" else 0
@@ -96,9 +130,9 @@ def _memory(fold: FoldPlan, estimate: dict[str, Any], devices: list[str], device
     fits = per_rank <= per_device and spill <= max(0, swap_room)
     out.update(gpu_needed=gpu_need, devices_total=gpu_have, per_device=per_device, host_needed=need_host, fits=fits)
     if per_rank > per_device:
-        out["why"] = (f"one sandbox rank needs {per_rank / GiB:.1f} GiB (Megatron's formula, most loaded shard) "
+        out["why"] = (f"a sandbox rank of class {heavy_class} needs {per_rank / GiB:.1f} GiB (prism's estimate) "
                       f"but a device holds {per_device / GiB:.1f} GiB: use GPUs with at least that much memory "
-                      "(or a layout with smaller shards: more TP/PP)")
+                      "(or a layout with smaller shards: more TP/PP, recompute, --prism-attention sdpa)")
     elif not fits:
         devices_needed = math.ceil(max(0, gpu_need - max(0, swap_room)) / per_device)
         out["why"] = (f"the sandbox's {n} ranks need {gpu_need / GiB:.1f} GiB of GPU memory; {len(devices)} device(s) "
@@ -141,28 +175,29 @@ def make_plan(script: Any, script_args: list[str], world_size: int, devices: lis
     args = parse_megatron_args(script, script_args, world_size, env)
     layout = layout_from_args(args, world_size, gpus_per_node)
     depth, depth_note = resolve_depth(layout, fold_depth)
-    estimate = getattr(args, ESTIMATE_KEY, None) or {"error": "not computed"}
+    megatron = getattr(args, ESTIMATE_KEY, None) or {"error": "not computed"}
     fold = build_fold_plan(layout, depth)
-    memory = _memory(fold, estimate, list(devices), device_gib, host_gib, swap)
+    estimate = _prism_estimate(args, world_size, fold, list(devices), env)  # per class: the same at any depth
+    memory = _memory(fold, estimate, list(devices), device_gib, host_gib, swap, megatron)
     if fold_depth == "auto" and depth == "class":
         # Fold no deeper than needed: a replica keeps every TP/CP partial and every stage real (values
         # and schedules exact), while class depth stands in for them; take class only when a replica
         # does not fit here.
         replica = build_fold_plan(layout, "replica")
-        replica_memory = _memory(replica, estimate, list(devices), device_gib, host_gib, swap)
+        replica_memory = _memory(replica, estimate, list(devices), device_gib, host_gib, swap, megatron)
         if replica_memory.get("fits") is not False:
             fold, memory = replica, replica_memory
             depth_note = ("auto: replica (one model replica fits here; class depth, which stands in for TP/CP "
                           "peers' partial sums and middle stages, is taken only when it does not)"
                           if replica_memory.get("fits") else
-                          "auto: replica (Megatron's memory formula is unavailable to say that class depth is needed)")
+                          "auto: replica (prism's memory estimate is unavailable to say that class depth is needed)")
         else:
             depth_note = f"auto: class (one model replica does not fit here: {replica_memory.get('why')})"
     iterations = getattr(args, "train_iters", None)
     plan = Plan(layout=layout, fold=fold, iterations=iterations, devices=list(devices), source=source,
                 depth_note=depth_note)
     plan.memory = memory
-    plan.time = _time(fold, args, estimate.get("vocab"), iterations, plan.devices)
+    plan.time = _time(fold, args, megatron.get("vocab") or padded_vocab(args), iterations, plan.devices)
     return plan
 
 
@@ -185,6 +220,15 @@ def _gib(n: int | None) -> str:
     from prism_megatron.report.units import fmt_bytes
 
     return "unknown" if n is None else fmt_bytes(n)
+
+
+def _class_total(classes: dict[str, Any], name: str) -> int | None:
+    """A class row's estimate; a merged row of expert classes ('first/ep*') shows its largest."""
+    if name in classes:
+        return classes[name]["total"]
+    stage = name.partition("/")[0]
+    found = [c["total"] for n, c in classes.items() if n.partition("/")[0] == stage]
+    return max(found) if found else None
 
 
 #: Beyond this many classes, a stage's expert-rank classes share one row.
@@ -215,13 +259,16 @@ def render_plan(plan: Plan, console: Any) -> None:
     console.print(f"[bold]plan[/bold] {plan.source}: {plan.layout.describe()} "
                   f"({plan.layout.gpus_per_node} GPUs per node)")
     console.print(f"fold depth: {f.depth} ({plan.depth_note})" if plan.depth_note else f"fold depth: {f.depth}")
-    per_rank = m.get("per_rank")
-    table = Table(title="rank classes")
-    for col in ("class", "role", "ranks", "sandbox (live)", "live memory"):
-        table.add_column(col, justify="right" if col in ("ranks", "live memory") else "left")
+    classes = m.get("classes") or {}
+    formula = (m.get("megatron") or {}).get("total")
+    table = Table(title="rank classes (memory per rank: prism's estimate of what it runs here; 'Megatron': its "
+                        "formula for the most loaded shard, shown, not used)")
+    for col in ("class", "role", "ranks", "sandbox (live)", "per rank", "Megatron", "live memory"):
+        table.add_column(col, justify="right" if col in ("ranks", "per rank", "Megatron", "live memory") else "left")
     for name, role, count, sandbox in _class_rows(f):
-        table.add_row(name, role, f"{count:,}", _ranks(sandbox),
-                      _gib(None if per_rank is None else per_rank * len(sandbox)))
+        each = _class_total(classes, name)
+        table.add_row(name, role, f"{count:,}", _ranks(sandbox), _gib(each), _gib(formula),
+                      _gib(None if each is None else each * len(sandbox)))
     console.print(table)
     if f.depth == "class":
         console.print(f"sandbox: {len(f.live)} live rank(s) run the real program: {_ranks(f.live)} (one per class: "
@@ -241,8 +288,9 @@ def render_plan(plan: Plan, console: Any) -> None:
     mem.add_column("what")
     mem.add_column("needed", justify="right")
     mem.add_column("here", justify="right")
-    mem.add_row("per sandbox rank (Megatron's formula, most loaded shard: a bound for every class)",
-                _gib(m.get("per_rank")), "")
+    mem.add_row(f"per sandbox rank, most (prism's estimate, class {m.get('per_rank_class')})", _gib(m.get("per_rank")),
+                _gib(m.get("per_device")) if plan.devices != ["cpu"] else "")
+    mem.add_row("per rank by Megatron's formula (most loaded shard; shown, not used)", _gib(formula), "")
     if plan.devices != ["cpu"]:
         mem.add_row("GPU, sandbox", _gib(m.get("gpu_needed")), _gib(m.get("devices_total")))
     mem.add_row("host RAM", _gib(m.get("host_needed")), _gib(m.get("host_available")))

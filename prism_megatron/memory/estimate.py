@@ -1,0 +1,493 @@
+"""Prism's estimate of each rank class's peak memory for the program prism runs.
+
+Megatron-LM's ``theoretical_memory_usage`` is a formula for the target's program as its authors
+budget it: with ``--sequence-parallel`` and no selective recompute it counts every layer's norms and
+dropouts unsharded, and no path of it counts the s x s attention probabilities that the unfused
+``DotProductAttention`` (``--transformer-impl local``, what runs where Transformer Engine does not)
+keeps for the backward pass. A fit gate on that formula passes ranks that run out of memory. This
+module counts, per rank class (pipeline role and its layers from the fold plan; TP/CP/EP/ETP shards,
+VPP chunks), what the ranks prism launches hold at their peak:
+
+- *static*: weights (params dtype), the DDP gradient buffer (fp32 where gradients reduce in fp32,
+  as bf16 training does), the optimizer's state (Adam: fp32 main params under bf16/fp16, two
+  moments; precision-aware dtypes where given; sharded over DP by the distributed optimizer, expert
+  params over expert DP), and buffers kept across micro-batches (the unfused attention's score
+  buffer, the sequence-parallel all-gather buffer).
+- *activations*: the tensors autograd keeps per layer and micro-batch, counted tensor by tensor for
+  Megatron's local layer spec (``_layer``: norms' inputs, linear layers' inputs, the QKV output, the
+  MLP's activation input and output, dropout masks; sharded by ``--sequence-parallel`` where Megatron
+  shards them), the attention actually run (``local``: fp32 softmax output, dropout mask and output,
+  b·n/t·s² each; ``sdpa``/``fused``: output and softmax statistics only), recompute (full: a layer's
+  input; selective core_attn: no s² terms), MoE (tokens routed to this rank: tokens x top-k, capped
+  by the capacity factor), the embedding (dropout mask, token ids) on the first stage and the loss's
+  fp32 logits (vocab/TP) on the last; times the micro-batches (VPP: micro-batch chunks) in flight
+  under the schedule (1F1B warm-up per stage; the interleaved schedule's order).
+- *transient*: the largest working set on top of that at the peak: the backward of one layer's
+  attention (the s² gradients in flight), the loss's logits gradient and output-layer weight
+  gradient on the last stage, or the optimizer step's temporaries (torch's foreach Adam on a GPU:
+  one fp32 tensor per parameter it updates).
+
+The peak is the larger of (static + activations in flight + layer/loss transient) and (static +
+optimizer step). Where the device is a CPU (prism's CPU mode), dropout keeps a mask of the input's
+dtype (torch's CPU kernel) where a GPU keeps bool, and Adam runs tensor by tensor.
+
+What is not counted: the caching allocator's rounding and fragmentation (reserved > allocated), the
+CUDA context, NCCL buffers, small tensors (biases' gradients in flight, scalars), and activation
+terms of modules the local spec does not build (MLA, MTP layers are counted as dense layers). The
+bench (``bench/memory_estimate.py``) prints estimate vs measured per case.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["ATTENTIONS", "EstimateError", "Job", "job_from_args", "class_estimate", "estimate_classes",
+           "in_flight_units", "ESTIMATE_SOURCE"]
+
+ATTENTIONS = ("local", "sdpa", "fused")
+ESTIMATE_SOURCE = "prism (prism_megatron.memory.estimate: the program prism runs, per rank class)"
+FP32 = 4
+
+
+class EstimateError(ValueError):
+    """A job the estimate cannot count (the message names the value)."""
+
+
+@dataclass(frozen=True)
+class Job:
+    """What decides a rank's memory, read from Megatron's parsed args (``job_from_args``)."""
+
+    hidden: int
+    ffn: int
+    heads: int
+    groups: int  # query groups (= heads without GQA)
+    kv: int  # channels per head
+    seq: int
+    mbs: int
+    vocab: int  # padded
+    max_pos: int | None  # learned absolute position embedding rows; None: no position table (RoPE)
+    gated: bool  # SwiGLU: fc1 is 2 x ffn
+    norm_params: int  # per norm and hidden unit: 2 LayerNorm, 1 RMSNorm
+    bias: bool
+    untied: bool
+    experts: int | None
+    moe_ffn: int
+    topk: int
+    capacity: float | None
+    shared_ffn: int | None
+    dtype: int  # bytes of params/activations (2 bf16/fp16, 4 fp32)
+    hidden_dropout: float
+    attention_dropout: float
+    tp: int
+    cp: int
+    ep: int
+    etp: int
+    pp: int
+    dp: int
+    edp: int
+    sp: bool
+    distopt: bool
+    microbatches: int
+    grad_bytes: int  # DDP gradient buffer
+    optimizer: str  # adam or sgd
+    main_param_bytes: int  # 0: the optimizer updates the model's params themselves (fp32 training)
+    moment_bytes: tuple[int, ...]  # per optimizer state tensor (Adam: exp_avg, exp_avg_sq; SGD: momentum)
+    recompute: str | None  # None, 'full', 'selective'
+    recompute_method: str | None
+    recompute_layers: int | None
+    recompute_modules: tuple[str, ...]
+    attention: str  # one of ATTENTIONS
+    device: str  # 'cuda' or 'cpu'
+    bias_gelu: bool = False  # Megatron's bias-GeLU function (bias_activation_fusion, GeLU MLP)
+
+    @property
+    def half(self) -> bool:
+        return self.dtype == 2
+
+
+def _get(args: Any, name: str, default: Any = None) -> Any:
+    value = getattr(args, name, None)
+    return default if value is None else value
+
+
+_DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp8": 1}
+
+
+def _dtype_bytes(value: Any, default: int, flag: str) -> int:
+    if value is None:
+        return default
+    key = str(value).rsplit(".", 1)[-1].lower()
+    if key not in _DTYPE_BYTES:
+        raise EstimateError(f"--{flag} {value!r}: a dtype the estimate does not know ({', '.join(_DTYPE_BYTES)})")
+    return _DTYPE_BYTES[key]
+
+
+def job_from_args(args: Any, world_size: int, vocab: int, device: str, attention: str | None = None) -> Job:
+    """The job of Megatron's parsed ``args`` at ``world_size`` ranks, run on ``device`` ('cuda' or 'cpu').
+
+    ``attention``: 'sdpa' where ``--prism-attention sdpa`` replaces the unfused attention; None reads
+    the implementation from ``--transformer-impl`` (local: unfused; transformer_engine: fused)."""
+    if device not in ("cuda", "cpu"):
+        raise EstimateError(f"device {device!r}: expected 'cuda' or 'cpu'")
+    h, heads = int(args.hidden_size), int(args.num_attention_heads)
+    tp, pp = int(_get(args, "tensor_model_parallel_size", 1)), int(_get(args, "pipeline_model_parallel_size", 1))
+    cp, ep = int(_get(args, "context_parallel_size", 1)), int(_get(args, "expert_model_parallel_size", 1))
+    etp = int(_get(args, "expert_tensor_parallel_size", tp))
+    dp, edp = world_size // (tp * pp * cp), world_size // (etp * ep * pp)
+    if dp < 1 or edp < 1:
+        raise EstimateError(f"world size {world_size} is smaller than one model replica (TP{tp}·PP{pp}·CP{cp})")
+    mbs, gbs = int(args.micro_batch_size), int(_get(args, "global_batch_size", args.micro_batch_size * dp))
+    half = bool(_get(args, "bf16", False) or _get(args, "fp16", False))
+    impl = _get(args, "transformer_impl", "local")
+    if attention is None:
+        attention = "fused" if impl == "transformer_engine" else "local"
+    if attention not in ATTENTIONS:
+        raise EstimateError(f"attention {attention!r}: expected one of {', '.join(ATTENTIONS)}")
+    gqa = bool(_get(args, "group_query_attention", False))
+    experts = _get(args, "num_experts")
+    ffn = int(_get(args, "ffn_hidden_size", 4 * h))
+    optimizer = str(_get(args, "optimizer", "adam"))
+    if optimizer not in ("adam", "sgd"):
+        raise EstimateError(f"--optimizer {optimizer!r}: the estimate counts adam and sgd")
+    aware = bool(_get(args, "use_precision_aware_optimizer", False))
+    main = _dtype_bytes(_get(args, "main_params_dtype") if aware else None, FP32, "main-params-dtype") if half else 0
+    if optimizer == "adam":
+        moments = (_dtype_bytes(_get(args, "exp_avg_dtype") if aware else None, FP32, "exp-avg-dtype"),
+                   _dtype_bytes(_get(args, "exp_avg_sq_dtype") if aware else None, FP32, "exp-avg-sq-dtype"))
+    else:
+        moments = (FP32,) if float(_get(args, "sgd_momentum", 0.9)) else ()
+    # Megatron-LM's validate_args turns fp32 accumulation on under bf16; the core driver reduces in fp32 there too
+    grad_fp32 = _get(args, "accumulate_allreduce_grads_in_fp32", None)
+    grad_fp32 = bool(_get(args, "bf16", False)) if grad_fp32 is None else bool(grad_fp32)
+    modules = _get(args, "recompute_modules", ["core_attn"])
+    pos = _get(args, "position_embedding_type", "learned_absolute")
+    return Job(
+        hidden=h, ffn=ffn, heads=heads, groups=int(_get(args, "num_query_groups", heads)) if gqa else heads,
+        kv=int(_get(args, "kv_channels", h // heads)), seq=int(args.seq_length), mbs=mbs, vocab=int(vocab),
+        max_pos=int(_get(args, "max_position_embeddings", args.seq_length)) if pos == "learned_absolute" else None,
+        gated=bool(_get(args, "swiglu", False)), norm_params=1 if _get(args, "normalization", "LayerNorm") == "RMSNorm"
+        else 2, bias=bool(_get(args, "add_bias_linear", True)),
+        untied=bool(_get(args, "untie_embeddings_and_output_weights", False)),
+        experts=int(experts) if experts else None, moe_ffn=int(_get(args, "moe_ffn_hidden_size", ffn)),
+        topk=int(_get(args, "moe_router_topk", 2)), capacity=_get(args, "moe_expert_capacity_factor"),
+        shared_ffn=_get(args, "moe_shared_expert_intermediate_size"), dtype=2 if half else 4,
+        hidden_dropout=float(_get(args, "hidden_dropout", 0.1)),
+        attention_dropout=float(_get(args, "attention_dropout", 0.1)), tp=tp, cp=cp, ep=ep, etp=etp, pp=pp, dp=dp,
+        edp=edp, sp=bool(_get(args, "sequence_parallel", False)) and tp > 1,
+        distopt=bool(_get(args, "use_distributed_optimizer", False)), microbatches=max(1, gbs // (mbs * dp)),
+        grad_bytes=FP32 if grad_fp32 or not half else 2, optimizer=optimizer, main_param_bytes=main,
+        moment_bytes=moments, recompute=_get(args, "recompute_granularity"),
+        recompute_method=_get(args, "recompute_method"), recompute_layers=_get(args, "recompute_num_layers"),
+        recompute_modules=tuple(modules), attention=attention, device=device,
+        bias_gelu=bool(_get(args, "bias_gelu_fusion", True)) and not _get(args, "swiglu", False) and not experts)
+
+
+# ----------------------------------------------------------------------------- parameters
+def _layer_params(j: Job, moe: bool) -> tuple[int, int]:
+    """(dense, expert) parameters of one layer on one rank (Megatron's local/TE layer, TP/EP/ETP shards)."""
+    h, b = j.hidden, int(j.bias)
+    qkv = (j.heads + 2 * j.groups) * j.kv
+    attn = h * qkv // j.tp + b * qkv // j.tp + j.heads * j.kv * h // j.tp + b * h + 2 * j.norm_params * h
+    if not moe:
+        fc1 = j.ffn * (2 if j.gated else 1)
+        return attn + h * fc1 // j.tp + b * fc1 // j.tp + j.ffn * h // j.tp + b * h, 0
+    fc1 = j.moe_ffn * (2 if j.gated else 1)
+    local = j.experts // j.ep
+    expert = local * (h * fc1 // j.etp + b * fc1 // j.etp + j.moe_ffn * h // j.etp + b * h)
+    router = j.experts * h
+    shared = 0
+    if j.shared_ffn:
+        sfc1 = j.shared_ffn * (2 if j.gated else 1)
+        shared = h * sfc1 // j.tp + j.shared_ffn * h // j.tp
+    return attn + router + shared, expert
+
+
+def _largest_param(j: Job, chunks: list[list[str]]) -> int:
+    """Elements of a rank's largest single parameter tensor (what a tensor-by-tensor optimizer step
+    allocates its temporaries for): the embedding or output layer, else a layer's QKV or fc1 weight."""
+    h = j.hidden
+    items = {x for c in chunks for x in c}
+    out = (j.heads + 2 * j.groups) * j.kv * h // j.tp
+    out = max(out, h * j.ffn * (2 if j.gated else 1) // j.tp)
+    if "moe" in items:
+        out = max(out, h * j.moe_ffn * (2 if j.gated else 1) // j.etp)
+    if "embedding" in items or "loss" in items:
+        out = max(out, j.vocab * h // j.tp)
+    return out
+
+
+def _chunk_params(j: Job, chunk: list[str]) -> tuple[int, int]:
+    dense = expert = 0
+    for item in chunk:
+        if item in ("dense", "moe", "mtp"):
+            d, e = _layer_params(j, item == "moe")
+            dense, expert = dense + d, expert + e
+        elif item == "embedding":
+            dense += j.vocab * j.hidden // j.tp + (j.max_pos or 0) * j.hidden
+        elif item == "loss":
+            dense += j.norm_params * j.hidden
+            # the output layer: its own weight when untied or when the embedding lives on another stage
+            if j.untied or "embedding" not in chunk:
+                dense += j.vocab * j.hidden // j.tp
+    return dense, expert
+
+
+# ----------------------------------------------------------------------------- activations
+def _mask_bytes(j: Job, p: float) -> int:
+    """Bytes per element a dropout of probability ``p`` keeps for backward: torch's GPU kernel a bool
+    mask, its CPU kernel a scaled mask of the input's dtype; p = 0 returns its input and keeps nothing."""
+    if p <= 0:
+        return 0
+    return 1 if j.device == "cuda" else j.dtype
+
+
+def _s2_saved(j: Job) -> int:
+    """Bytes per attention-probability element the unfused attention keeps: the softmax's output (fp32
+    under bf16/fp16: softmax_in_fp32), then either dropout's mask and output, or, without dropout, the
+    probabilities cast back to the params dtype (what the value product keeps)."""
+    soft = FP32 if j.half else j.dtype
+    if j.attention_dropout > 0:
+        return soft + _mask_bytes(j, j.attention_dropout) + j.dtype
+    return soft + (j.dtype if j.half else 0)
+
+
+def _s2_backward_extra(j: Job) -> int:
+    """Bytes per attention-probability element in flight above ``_s2_saved`` during that attention's
+    backward, at its largest (the softmax's backward: its fp32 gradient in and out while the saved
+    output is still held), as the autograd nodes run and free their saved tensors in order."""
+    soft = FP32 if j.half else j.dtype
+    live = saved = _s2_saved(j)
+    peak = live
+    # value product: gradient of the probabilities (dtype) in, the kept probabilities out
+    live += j.dtype
+    peak = max(peak, live)
+    if j.attention_dropout > 0:
+        live -= j.dtype  # dropout's output
+        live += j.dtype  # dropout backward: a new gradient
+        peak = max(peak, live)
+        live -= j.dtype + _mask_bytes(j, j.attention_dropout)
+    elif j.half:
+        live -= j.dtype  # the cast probabilities
+    if j.half:
+        live += soft  # cast backward to fp32
+        peak = max(peak, live)
+        live -= j.dtype
+    live += soft  # softmax backward: a new gradient while its input gradient and saved output are held
+    peak = max(peak, live)
+    return peak - saved
+
+
+def _layer(j: Job, moe: bool, recompute_full: bool) -> int:
+    """Bytes one layer keeps for backward per micro-batch on one rank (module docstring)."""
+    d = j.dtype
+    tokens = j.mbs * j.seq // j.cp  # this rank's tokens
+    sp_tokens = tokens // j.tp if j.sp else tokens  # tensors sequence parallelism shards
+    h = j.hidden
+    if recompute_full:
+        return sp_tokens * h * d  # the layer's input; the rest is recomputed in backward
+    stats = sp_tokens * 2 * FP32  # a norm's mean and rstd (fp32)
+    hm = _mask_bytes(j, j.hidden_dropout)
+    heads_tp = j.heads // j.tp
+    # input norm: input + stats; QKV linear's input (sharded under SP: Megatron saves its pre-gather input)
+    out = sp_tokens * h * d + stats + sp_tokens * h * d
+    # QKV output kept by the attention (local/sdpa: q, k, v per query head once GQA is expanded)
+    qkv_heads = 3 * heads_tp if j.attention in ("local", "sdpa") else (j.heads + 2 * j.groups) // j.tp
+    out += tokens * qkv_heads * j.kv * d
+    selective = j.recompute == "selective" and "core_attn" in j.recompute_modules
+    if j.attention == "local" and not selective:
+        out += j.mbs * heads_tp * (j.seq // j.cp) * j.seq * _s2_saved(j)
+    elif j.attention in ("sdpa", "fused"):
+        out += tokens * heads_tp * FP32  # softmax statistics (log-sum-exp per query row)
+        if j.attention == "sdpa":
+            out += tokens * heads_tp * j.kv * d  # SDPA's own output, kept beside the reshaped copy below
+    out += tokens * heads_tp * j.kv * d  # output projection's input (the attention's context)
+    out += sp_tokens * h * hm  # bias-dropout-add's mask
+    out += sp_tokens * h * d + stats + sp_tokens * h * d  # pre-MLP norm: input + stats; fc1's input
+    if not moe:
+        fc1 = j.ffn * (2 if j.gated else 1) // j.tp
+        out += tokens * (fc1 + j.ffn // j.tp) * d  # activation's input (fc1 out + bias), fc2's input
+    else:
+        routed = _routed_tokens(j, sp_tokens)
+        fc1 = j.moe_ffn * (2 if j.gated else 1) // j.etp
+        # router: logits and probabilities (fp32) per token and expert; dispatched tokens (fc1's input),
+        # activation input and output, fc2's output (weighted by the routing probabilities)
+        out += sp_tokens * j.experts * 2 * FP32
+        out += routed * (h + fc1 + j.moe_ffn // j.etp + h) * d
+        if j.shared_ffn:
+            sfc1 = j.shared_ffn * (2 if j.gated else 1) // j.tp
+            out += tokens * (sfc1 + j.shared_ffn // j.tp) * d
+    out += sp_tokens * h * hm  # MLP bias-dropout-add's mask
+    return out
+
+
+def _routed_tokens(j: Job, tokens: int) -> int:
+    """Tokens this rank's experts receive per MoE layer and micro-batch: its tokens x top-k (balanced
+    routing: what each of EP peers sends it on average), capped by the capacity factor when set."""
+    routed = tokens * j.topk
+    if j.capacity:
+        routed = min(routed, int(math.ceil(j.capacity * tokens * j.topk / j.experts)) * (j.experts // j.ep))
+    return routed
+
+
+def _chunk_activations(j: Job, chunk: list[str]) -> int:
+    """Bytes one micro-batch keeps through one model chunk (its layers, embedding and loss terms)."""
+    h = j.hidden
+    tokens = j.mbs * j.seq // j.cp
+    sp_tokens = tokens // j.tp if j.sp else tokens
+    layers = [x for x in chunk if x in ("dense", "moe", "mtp")]
+    full = _recomputed(j, len(layers))
+    out = sum(_layer(j, kind == "moe", full[i]) for i, kind in enumerate(layers))
+    reads = "embedding" in chunk or "loss" in chunk
+    if reads:  # the batch's token ids (int64) and, for the unfused attention, its s x s boolean mask
+        out += j.mbs * j.seq * 8 * 2 + (j.mbs * j.seq * j.seq if j.attention == "local" else 0)
+    if "embedding" in chunk:
+        out += sp_tokens * h * _mask_bytes(j, j.hidden_dropout)  # embedding dropout's mask
+    if "loss" in chunk:
+        out += _loss_kept(j) + j.mbs * j.seq * (8 + FP32)  # + labels and loss mask
+    return out
+
+
+def _loss_kept(j: Job) -> int:
+    """What the loss keeps per micro-batch: the final norm's input and stats, the output layer's input
+    and the cross entropy's fp32 softmax over vocab/TP."""
+    tokens = j.mbs * j.seq // j.cp
+    sp_tokens = tokens // j.tp if j.sp else tokens
+    return sp_tokens * j.hidden * j.dtype * 2 + sp_tokens * 2 * FP32 + tokens * (j.vocab // j.tp) * FP32
+
+
+def _recomputed(j: Job, n: int) -> list[bool]:
+    """Which of a chunk's ``n`` layers keep only their input (full recompute: uniform keeps one input
+    per group of ``recompute_num_layers``, counted as every layer's; block recomputes the first N)."""
+    if j.recompute != "full":
+        return [False] * n
+    if j.recompute_method == "block":
+        k = int(j.recompute_layers or 0)
+        return [i < k for i in range(n)]
+    return [True] * n
+
+
+def _layer_transient(j: Job, chunk: list[str]) -> int:
+    """The largest working set one layer's backward (or recompute) adds on top of what is kept."""
+    d, h = j.dtype, j.hidden
+    tokens = j.mbs * j.seq // j.cp
+    heads_tp = j.heads // j.tp
+    grads = 2 * tokens * h * d  # the hidden gradient in and out of the layer
+    att = 0
+    selective = j.recompute == "selective" and "core_attn" in j.recompute_modules
+    if j.attention == "local":
+        s2 = j.mbs * heads_tp * (j.seq // j.cp) * j.seq
+        att = s2 * _s2_backward_extra(j) + (s2 * _s2_saved(j) if selective else 0)
+    mlp = _mlp_backward_units(j) * tokens * (j.ffn // j.tp) * d
+    layers = [x for x in chunk if x in ("dense", "moe", "mtp")]
+    full = any(_recomputed(j, len(layers)))
+    remat = _layer(j, "moe" in layers, False) if full else 0  # one layer's activations rebuilt in backward
+    return grads + max(att, mlp) + remat
+
+
+def _mlp_backward_units(j: Job) -> int:
+    """Tensors of the fc1 output's size in flight in the MLP activation's backward beyond what is kept,
+    fc2's kept input (the activation's output) being freed by then: its incoming gradient and its
+    result where one kernel computes it (torch's GeLU; Megatron's bias-GeLU compiled by
+    ``torch.compile`` on a GPU); prism's CPU mode runs the bias-GeLU backward op by op (torch.compile is
+    off there), holding besides the gradient the input sum, its tanh and up to four temporaries."""
+    return (7 if j.bias_gelu and j.device == "cpu" else 2) - 1
+
+
+def _loss_transient(j: Job) -> int:
+    """The last stage's loss backward: the logits' gradient cast to the params dtype while the fp32
+    softmax is held (bf16/fp16), and the output layer's weight gradient before it is added to the
+    gradient buffer."""
+    tokens = j.mbs * j.seq // j.cp
+    cast = tokens * (j.vocab // j.tp) * j.dtype if j.half else 0
+    return cast + j.vocab // j.tp * j.hidden * j.dtype
+
+
+# ----------------------------------------------------------------------------- schedule
+def in_flight_units(warmup: int, group: int, microbatches: int, sizes: list[int]) -> list[int]:
+    """Per model chunk (``sizes``: bytes one micro-batch keeps through each), the micro-batches held at
+    once at the schedule's worst point: Megatron's forward order (interleaved: ``group`` micro-batches
+    per chunk in turn; 1F1B: one chunk) for ``warmup`` forwards, then per step one forward and one
+    backward (chunks in reverse order); the peak is after a step's forward, before its backward."""
+    chunks = len(sizes)
+    total = microbatches * chunks
+
+    def chunk_of(k: int, backward: bool) -> int:
+        c = (k % (group * chunks)) // group
+        return chunks - 1 - c if backward else c
+
+    first = min(warmup, total)
+    held = [0] * chunks
+    for k in range(first):
+        held[chunk_of(k, False)] += 1
+    best = list(held)
+    for step in range(total - first):
+        held[chunk_of(first + step, False)] += 1
+        if sum(n * a for n, a in zip(held, sizes, strict=True)) > sum(n * a for n, a in zip(best, sizes, strict=True)):
+            best = list(held)
+        held[chunk_of(step, True)] -= 1
+    return best
+
+
+# ----------------------------------------------------------------------------- per class
+def class_estimate(j: Job, chunks: list[list[str]], warmup: int, group: int | None = None) -> dict[str, Any]:
+    """The peak of one rank of a class whose model chunks are ``chunks`` (the fold plan's stage
+    signature) at a pipeline rank with ``warmup`` warm-up forwards (bytes; figures and the terms)."""
+    dense, expert = map(sum, zip(*(_chunk_params(j, c) for c in chunks), strict=True))
+    params = dense + expert
+    weights = params * j.dtype
+    grads = params * j.grad_bytes
+    per_param = j.main_param_bytes + sum(j.moment_bytes)
+    shard_dense = math.ceil(dense / (j.dp * j.cp)) if j.distopt else dense
+    shard_expert = math.ceil(expert / j.edp) if j.distopt else expert
+    optimizer = (shard_dense + shard_expert) * per_param
+    tokens = j.mbs * j.seq // j.cp
+    buffers = 0
+    if j.attention == "local":  # the unfused attention's score buffer (Megatron's global memory buffer)
+        buffers += j.mbs * (j.heads // j.tp) * (j.seq // j.cp) * j.seq * j.dtype
+        if not any("embedding" in c or "loss" in c for c in chunks):
+            buffers += j.seq * j.seq  # the cached causal mask of stages that read no batch
+    if j.sp:  # the sequence-parallel all-gather buffer (Megatron's global memory buffer)
+        buffers += tokens * j.hidden * j.dtype
+    static = weights + grads + optimizer + buffers
+    per_chunk = [_chunk_activations(j, c) for c in chunks]
+    held = in_flight_units(warmup, group or j.pp, j.microbatches, per_chunk)
+    activations = sum(n * a for n, a in zip(held, per_chunk, strict=True))
+    transient = max(_layer_transient(j, c) for c in chunks)
+    if any("loss" in c for c in chunks):
+        # the loss's backward runs first and frees what the loss kept (its fp32 softmax, the final norm's and
+        # output layer's inputs) before any layer's backward: the layer's working set comes on top of less
+        transient = max(transient - _loss_kept(j), _loss_transient(j))
+    transient += tokens * j.hidden * j.dtype  # the stage's received gradient or activation (p2p)
+    if j.device == "cuda" and j.optimizer == "adam":  # foreach Adam: a temporary per updated parameter
+        step = (shard_dense + shard_expert) * FP32
+    else:  # tensor by tensor: two temporaries of the largest parameter
+        step = 2 * _largest_param(j, chunks) * FP32
+    total = max(static + activations + transient, static + step)
+    return {"total": int(total), "params": int(params), "weights": int(weights), "grads": int(grads),
+            "optimizer": int(optimizer), "buffers": int(buffers), "activations": int(activations),
+            "transient": int(transient), "optimizer_step": int(step), "in_flight": held,
+            "per_microbatch": [int(a) for a in per_chunk],
+            "peak_at": "backward" if static + activations + transient >= static + step else "optimizer step"}
+
+
+def estimate_classes(j: Job, fold: Any) -> dict[str, dict[str, Any]]:
+    """Per class of ``fold`` (a FoldPlan: each class's chunks and pipeline stages, the schedule's
+    warm-up per stage): ``class_estimate`` at the class's stage that holds the most, with ``stage``."""
+    schedule = getattr(fold, "schedule", None) or {}
+    warmups = schedule.get("warmup") or [0] * j.pp
+    group = schedule.get("group")
+    out: dict[str, dict[str, Any]] = {}
+    for c in fold.classes:
+        chunks = [list(x) for x in c.coords.get("chunks", [])]
+        if not chunks:
+            raise EstimateError(f"class {c.name!r} has no chunks in the fold plan (a version-1 plan)")
+        best = None
+        for p in c.coords.get("pp", [0]):
+            w = warmups[p] if p < len(warmups) else 0
+            e = class_estimate(j, chunks, int(w), group) | {"stage": p}
+            if best is None or e["total"] > best["total"]:
+                best = e
+        out[c.name] = best
+    return out
