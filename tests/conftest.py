@@ -67,13 +67,14 @@ def megatron_runs(tmp_path_factory):
 @pytest.fixture
 def parse_each_command_once(monkeypatch):
     """Within a test, planning reads Megatron's parse of a command once (a child interpreter that imports
-    Megatron: seconds); planning the same command again, say under another fold mode, gets that parse's
-    namespace (a copy) or its error again. Returns the parses made, by command."""
+    Megatron: seconds); planning the same command again, say under another fold mode, or choosing its
+    micro-batch count (``--prism-fold-microbatches``) gets that parse's namespace (a copy) or its error
+    again. Returns the parses made, by command."""
     import argparse
 
-    from prism_megatron.megatron import plan
+    from prism_megatron.megatron import megatron_args, plan
 
-    real = plan.parse_megatron_args
+    real = megatron_args.parse_megatron_args
     parsed: dict[tuple, object] = {}
 
     def once(script, script_args, world_size, env=None, **kw):
@@ -87,5 +88,6 @@ def parse_each_command_once(monkeypatch):
             raise parsed[key]
         return argparse.Namespace(**vars(parsed[key]))
 
-    monkeypatch.setattr(plan, "parse_megatron_args", once)
+    monkeypatch.setattr(plan, "parse_megatron_args", once)  # imported by name when plan is imported
+    monkeypatch.setattr(megatron_args, "parse_megatron_args", once)  # microbatch_mode imports it when it parses
     return parsed

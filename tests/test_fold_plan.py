@@ -299,9 +299,11 @@ def test_args_with_an_axis_the_fold_does_not_know_are_refused():
     assert (layout.tp, layout.pp, layout.dp, layout.etp, layout.gpus_per_node) == (2, 2, 4, 2, 4)
 
 
-def test_plan_says_what_micro_batch_folding_will_run_and_plans_that_command():
+def test_plan_says_what_micro_batch_folding_will_run_and_plans_that_command(parse_each_command_once):
     """GBS 1024 over DP1024 is one micro-batch per pipeline: nothing to fold; GBS 16,384 is 16, of which
-    the minimum (the largest 1F1B warm-up, 3 at PP4, + 2) runs and the plan is of that command."""
+    the minimum (the largest 1F1B warm-up, 3 at PP4, + 2) runs and the plan is of that command. Megatron
+    parses two commands: the target's (read again by the unfolded plan and the refused count) and the
+    folded one the plan is of."""
     base = ["plan", "--json", "--prism-world-size", "8192", "--devices", "cpu", "--prism-fold-depth", "replica"]
     big = [*TINY_GPT[:TINY_GPT.index("--global-batch-size") + 1], "16384",
            *TINY_GPT[TINY_GPT.index("--global-batch-size") + 2:]]

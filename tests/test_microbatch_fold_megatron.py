@@ -13,9 +13,6 @@ expanded graph has the full capture's units and p2p ops in the same order on eve
 from __future__ import annotations
 
 import argparse
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,42 +20,35 @@ import pytest
 from prism_megatron.megatron import cpu_mode
 
 pytestmark = pytest.mark.skipif(cpu_mode._gpu_present(), reason="CPU runs of Megatron need CPU mode")
-# runs megatron-core: CI also runs these on the second stack (.ci/run), but for the interleaved capture, whose
-# schedule's p2p calls the class-fold tests (test_fold_megatron) check on both stacks, and the interleaved
-# plan, whose record choose_microbatches' test checks on both
+# runs megatron-core: CI also runs these on the second stack (.ci/run), but for four tests that run on the first
+# stack only, each prism's own code over what the marked tests already run on both stacks: the refused count
+# (choose_microbatches on Megatron's parse of the command; the same refusal through `plan` runs on both in
+# test_fold_plan), the class fold of a micro-batch-folded capture (the micro-batch fold and the class fold's 1F1B
+# schedule each run on both here and in test_fold_megatron; their combination is the synthesis's), the
+# interleaved capture (whose schedule's p2p calls the class-fold tests in test_fold_megatron check on both stacks)
+# and the interleaved plan (whose record choose_microbatches' test checks on both)
 MEGATRON = pytest.mark.megatron
 
 RECIPE = str(Path(__file__).parent / "recipes" / "fold-microbatches-pp2.yaml")
 #: bytes of one micro-batch's reduced loss that the last stage holds to the end of the iteration
 LOSS_STORE_BYTES = 16
-
-
-def _run(out: Path, *extra: str, check: bool = True, recipe: str = RECIPE) -> subprocess.CompletedProcess:
-    out.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "prism_megatron", "run", "--recipe", recipe, "--prism-driver", "core",
-           "--prism-fold", "off", "--prism-track-memory", "on", "--prism-report", "off",
-           "--prism-trace-dir", str(out / "trace"), *extra]
-    proc = subprocess.run(cmd, cwd=out, capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
-    if check:
-        assert proc.returncode == 0, f"{' '.join(cmd)}:\n{proc.stdout[-2000:]}\n{proc.stderr[-5000:]}"
-    return proc
+# Runs: ``megatron_runs.run`` (conftest), each distinct command once per session.
 
 
 @MEGATRON
-def test_a_folded_capture_replays_the_targets_microbatches_with_its_memory(tmp_path):
+def test_a_folded_capture_replays_the_targets_microbatches_with_its_memory(megatron_runs):
     from prism_megatron.replay import graph_from_trace
     from prism_megatron.replay.graph import Mark
     from prism_megatron.report.build import build_report
     from prism_megatron.trace import read_trace
 
-    folded = _run(tmp_path / "fold", "--prism-fold-microbatches", "auto")
-    assert "prism: micro-batches: 3 of 8 run per iteration" in folded.stderr
-    _run(tmp_path / "full", "--prism-fold-microbatches", "off")
-    trace = read_trace(tmp_path / "fold" / "trace")
+    folded = megatron_runs.run(RECIPE, "off", "--prism-fold-microbatches", "auto")
+    assert "prism: micro-batches: 3 of 8 run per iteration" in folded["output"]
+    full = megatron_runs.run(RECIPE, "off", "--prism-fold-microbatches", "off")
+    trace = read_trace(folded["trace"])
     mb = trace.microbatches
     assert (mb.target, mb.captured, mb.schedule, mb.warmup) == (8, 3, "1f1b", (1, 0))
-    assert read_trace(tmp_path / "full" / "trace").microbatches is None
+    assert read_trace(full["trace"]).microbatches is None
     captured = trace.marks.to_pylist()
     assert sum(1 for m in captured if m["name"] == "forward" and m["phase"] == "B" and m["rank"] == 0) == 3 * 2
     graph = graph_from_trace(trace)
@@ -69,8 +59,8 @@ def test_a_folded_capture_replays_the_targets_microbatches_with_its_memory(tmp_p
             assert units == [(it, i) for it in (1, 2) for i in range(8)], (r, kind, units)
 
     cluster = "h100-nvlink-ib400"
-    fold_report = build_report(tmp_path / "fold" / "trace", cluster)
-    full_report = build_report(tmp_path / "full" / "trace", cluster)
+    fold_report = build_report(folded["trace"], cluster)
+    full_report = build_report(full["trace"], cluster)
     pred = fold_report["prediction"]
     assert ("micro-batches: 3 of 8 run per iteration; 5 replayed as copies of micro-batch 1's forward/backward"
             in pred["provenance"])
@@ -87,13 +77,12 @@ def test_a_folded_capture_replays_the_targets_microbatches_with_its_memory(tmp_p
     assert 0 <= want[1] - got[1] <= (mb.target - mb.captured) * LOSS_STORE_BYTES, (got, want)
 
 
-@MEGATRON
-def test_a_count_below_the_minimum_is_refused_naming_it(tmp_path):
-    proc = _run(tmp_path, "--prism-fold-microbatches", "2", check=False)
-    assert proc.returncode != 0
+def test_a_count_below_the_minimum_is_refused_naming_it(megatron_runs):
+    run = megatron_runs.run(RECIPE, "off", "--prism-fold-microbatches", "2", check=False)
+    assert run["code"] != 0
     assert ("--prism-fold-microbatches 2: 2 micro-batches per iteration is below the minimum 3 (largest warm-up 1 "
-            "+ 2, at least 3)") in proc.stderr
-    assert not (tmp_path / "trace" / "manifest.json").exists()
+            "+ 2, at least 3)") in run["output"]
+    assert not (run["trace"] / "manifest.json").exists()
 
 
 def _args(**kw) -> argparse.Namespace:
@@ -149,8 +138,7 @@ def test_choose_microbatches_rewrites_the_global_batch_once_and_refuses_what_it_
             choose(value, **kw)
 
 
-@MEGATRON
-def test_a_class_fold_of_a_microbatch_folded_capture_gives_the_folded_stage_the_targets_microbatches(tmp_path):
+def test_a_class_fold_of_a_microbatch_folded_capture_gives_the_folded_stage_the_targets_microbatches(megatron_runs):
     """TP1·PP4 at M = 16 captured with m_c = 5 and its middle stage 2 folded onto stage 1: the synthesised
     stage 2 runs 16 forward and 16 backward units per iteration in its own 1F1B order (warm-up 1)."""
     from prism_megatron.replay import replay
@@ -160,15 +148,9 @@ def test_a_class_fold_of_a_microbatch_folded_capture_gives_the_folded_stage_the_
     from prism_megatron.trace import read_trace
 
     recipe = str(Path(__file__).parent / "recipes" / "fold-class-tp1pp4.yaml")
-    out = tmp_path / "run"
-    out.mkdir()
-    cmd = [sys.executable, "-m", "prism_megatron", "run", "--recipe", recipe, "--prism-driver", "core",
-           "--prism-fold", "on", "--prism-fold-depth", "class", "--prism-fold-microbatches", "auto",
-           "--prism-report", "off", "--prism-trace-dir", str(out / "trace"), "--global-batch-size", "16"]
-    proc = subprocess.run(cmd, cwd=out, capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    trace = read_trace(out / "trace")
+    run = megatron_runs.run(recipe, "on", "--prism-fold-microbatches", "auto", "--global-batch-size", "16",
+                            depth="class", memory=False)
+    trace = read_trace(run["trace"])
     assert trace.fold.live == (0, 1, 3) and (trace.microbatches.target, trace.microbatches.captured) == (16, 5)
     graph = graph_from_trace(trace)
     synth = synthesize(graph)
@@ -194,7 +176,7 @@ def _skeleton(graph, rank: int) -> list:
     return out
 
 
-def test_an_interleaved_capture_expands_to_the_full_captures_units_with_its_memory(tmp_path):
+def test_an_interleaved_capture_expands_to_the_full_captures_units_with_its_memory(megatron_runs):
     """TP1·PP2·VPP2 (Megatron's interleaved schedule, overlapped p2p, groups of 2) at M = 10, captured at
     m_c = 6 (3 groups) and in full: the expanded graph's units and p2p ops, in order on every rank, are the
     full capture's; the first stage's peak is the full run's to the byte, the last stage's lower by the reduced
@@ -204,21 +186,20 @@ def test_an_interleaved_capture_expands_to_the_full_captures_units_with_its_memo
     from prism_megatron.trace import read_trace
 
     recipe = str(Path(__file__).parent / "recipes" / "fold-microbatches-pp2vpp2.yaml")
-    folded = _run(tmp_path / "fold", "--prism-fold-microbatches", "auto", recipe=recipe)
-    assert "prism: micro-batches: 6 of 10 run per iteration (interleaved, 2 chunks, groups of 2)" in folded.stderr
-    _run(tmp_path / "full", "--prism-fold-microbatches", "off", recipe=recipe)
-    trace = read_trace(tmp_path / "fold" / "trace")
+    folded = megatron_runs.run(recipe, "off", "--prism-fold-microbatches", "auto")
+    assert "prism: micro-batches: 6 of 10 run per iteration (interleaved, 2 chunks, groups of 2)" in folded["output"]
+    full_run = megatron_runs.run(recipe, "off", "--prism-fold-microbatches", "off")
+    trace = read_trace(folded["trace"])
     mb = trace.microbatches
     assert (mb.target, mb.captured, mb.schedule, mb.warmup, mb.chunks, mb.group) == (10, 6, "interleaved", (4, 2), 2, 2)
-    expanded, full = graph_from_trace(trace), graph_from_trace(read_trace(tmp_path / "full" / "trace"))
+    expanded, full = graph_from_trace(trace), graph_from_trace(read_trace(full_run["trace"]))
     for r in (0, 1):
         want = _skeleton(full, r)
         assert sum(1 for x in want if x[0] == "forward") == 2 * 10 * 2  # iterations x M x chunks
         assert _skeleton(expanded, r) == want, r
 
     cluster = "h100-nvlink-ib400"
-    fold_report, full_report = build_report(tmp_path / "fold" / "trace", cluster), \
-        build_report(tmp_path / "full" / "trace", cluster)
+    fold_report, full_report = build_report(folded["trace"], cluster), build_report(full_run["trace"], cluster)
     assert mb.describe() in fold_report["prediction"]["provenance"]
     pred = fold_report["prediction"]
     assert pred["tokens_per_s"] * pred["iteration_time_s"] == pytest.approx(10 * 1 * 32)
