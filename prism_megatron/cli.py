@@ -105,7 +105,7 @@ def plan_cmd(args: tuple[str, ...]) -> None:
     from prism_megatron.megatron.fold import FoldError
     from prism_megatron.megatron.megatron_args import ArgsError
     from prism_megatron.megatron.microbatch_mode import MicrobatchModeError, choose_microbatches
-    from prism_megatron.megatron.plan import make_plan, plan_json, render_plan
+    from prism_megatron.megatron.plan import make_plan, plan_fits, plan_json, render_plan
     from prism_megatron.megatron.run import RunError, parse_run_args
     from prism_megatron.recipe import RecipeError
 
@@ -130,7 +130,8 @@ def plan_cmd(args: tuple[str, ...]) -> None:
         plan = make_plan(request.script, script_args, int(o["prism_world_size"]),
                          parse_devices(o["prism_devices"]), o["prism_gpus_per_node"], o["prism_device_memory"],
                          o["prism_host_memory"], o["prism_swap"], env=request.env,
-                         source=o.get("prism_recipe") or str(request.script), fold_depth=o["prism_fold_depth"])
+                         source=o.get("prism_recipe") or str(request.script), fold_depth=o["prism_fold_depth"],
+                         capture=o["prism_fold_capture"])
     except (RunError, RecipeError, LaunchError, MicrobatchModeError) as e:
         raise click.UsageError(str(e)) from None
     except (FoldError, ArgsError) as e:
@@ -141,8 +142,9 @@ def plan_cmd(args: tuple[str, ...]) -> None:
         for line in said:
             click.echo(line)
         render_plan(plan, Console(width=120, soft_wrap=True))
-    if plan.memory.get("fits") is False:
-        raise click.ClickException(f"the sandbox does not fit here: {plan.memory['why']}")
+    if plan_fits(plan) is False:
+        why = plan.capture["why"] if plan.capture["mode"] == "serial" else plan.memory["why"]
+        raise click.ClickException(f"the sandbox does not fit here: {why}")
 
 
 @main.group()

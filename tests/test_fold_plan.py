@@ -33,7 +33,7 @@ from megatron.core.parallel_state import RankGenerator  # noqa: E402
 
 from prism_megatron.cli import main  # noqa: E402
 from prism_megatron.megatron.driver import CORE_DRIVER_SCRIPT  # noqa: E402
-from prism_megatron.megatron.plan import GiB, _memory  # noqa: E402
+from prism_megatron.megatron.plan import PLAN_JSON_VERSION, GiB, _memory  # noqa: E402
 
 
 def _dense(layout: TargetLayout) -> RankGenerator:
@@ -206,7 +206,8 @@ def test_plan_cli_8192_rank_command_json():
                                        "--prism-fold-depth", "replica", "--", str(CORE_DRIVER_SCRIPT), *TINY_GPT])
     assert result.exit_code == 0, result.output
     out = json.loads(result.stdout)  # stdout only: warnings go to stderr
-    assert out["version"] == 3 and out["layout"] == "TP2·PP4·DP1024 = 8192 ranks"
+    assert out["version"] == PLAN_JSON_VERSION and out["layout"] == "TP2·PP4·DP1024 = 8192 ranks"
+    assert out["capture"] == {"mode": "together"} and out["fits"] is out["memory"]["fits"]
     assert out["microbatches"] is None  # every micro-batch runs unless --prism-fold-microbatches says otherwise
     assert out["fold_depth"] == "replica (asked)"
     fold = FoldPlan.from_json(out["fold"])
@@ -218,6 +219,24 @@ def test_plan_cli_8192_rank_command_json():
     assert memory["classes"]["middle"]["in_flight"] == [1]  # GBS 1024 over DP1024: one micro-batch in flight
     assert memory["fits"] is True and set(memory["megatron"]) >= {"total", "error"}
     assert out["time"]["iterations"] == 2 and "rough" in out["time"]["model"]
+
+
+def test_plan_of_a_serial_capture_judges_one_live_rank_at_a_time():
+    """8 live ranks whose sum does not fit the host RAM given, one of which does: refused together, planned
+    serially (8 captures), and a host too small for even one rank is refused naming the serial need."""
+    base = ["plan", "--json", "--prism-world-size", "8192", "--devices", "cpu", "--prism-fold-depth", "replica"]
+    args = ["--", str(CORE_DRIVER_SCRIPT), *TINY_GPT]
+    together = CliRunner().invoke(main, [*base, "--prism-host-memory", "6", *args])
+    assert together.exit_code != 0 and "the sandbox does not fit here" in together.output
+    serial = CliRunner().invoke(main, [*base, "--prism-host-memory", "6", "--prism-fold-capture", "serial", *args])
+    assert serial.exit_code == 0, serial.output
+    out = json.loads(serial.stdout)
+    capture = out["capture"]
+    assert capture["mode"] == "serial" and capture["captures"] == 8 and out["fits"] is True
+    assert out["memory"]["fits"] is False  # together: still said
+    assert capture["why"].startswith("one live rank needs 1.0 GiB against 6.0 GiB of host RAM"), capture
+    tiny = CliRunner().invoke(main, [*base, "--prism-host-memory", "0.5", "--prism-fold-capture", "serial", *args])
+    assert tiny.exit_code != 0 and "one live rank needs 1.0 GiB against 0.5 GiB of host RAM" in tiny.output
 
 
 def test_plan_cli_mini_recipe_table(parse_each_command_once):

@@ -31,12 +31,12 @@ from run_peer_suite import TAG, megatron_checkout  # noqa: E402
 GIB = 1 << 30
 
 
-def plan(name: str, checkout: Path, device_gib: float, host_gib: float) -> dict:
+def plan(name: str, checkout: Path, device_gib: float, host_gib: float, options: list[str]) -> dict:
     """The plan's JSON for recipe ``name`` (a refused plan's too: it says why), or {'error': ...}."""
     env = dict(os.environ, MEGATRON_LM_PATH=str(checkout),
                PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     cmd = [sys.executable, "-m", "prism_megatron", "plan", "--recipe", f"targets-{name}", "--prism-devices", "0",
-           "--prism-device-memory", str(device_gib), "--prism-host-memory", str(host_gib), "--json"]
+           "--prism-device-memory", str(device_gib), "--prism-host-memory", str(host_gib), *options, "--json"]
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
     try:
         return json.loads(p.stdout)
@@ -44,7 +44,7 @@ def plan(name: str, checkout: Path, device_gib: float, host_gib: float) -> dict:
         return {"error": (p.stderr.strip().splitlines() or ["no output"])[-1]}
 
 
-PLAN_VERSION = 3  # the plan JSON this table reads (prism_megatron.megatron.plan.PLAN_JSON_VERSION)
+PLAN_VERSION = 4  # the plan JSON this table reads (prism_megatron.megatron.plan.PLAN_JSON_VERSION)
 
 
 def row(name: str, d: dict) -> list[str]:
@@ -56,13 +56,17 @@ def row(name: str, d: dict) -> list[str]:
     live = fold.get("live") or []
     formula = m.get("megatron") or {}
     gib = (lambda x: "-" if x is None else f"{x / GIB:.1f}")
-    fits = {True: "fits", False: "does not fit", None: "unknown"}[m.get("fits")]
+    capture = d["capture"]
+    verdict, why = (d["fits"], capture["why"]) if capture["mode"] == "serial" else (m.get("fits"), m.get("why"))
+    fits = {True: "fits", False: "does not fit", None: "unknown"}[verdict]
+    if capture["mode"] == "serial":
+        fits = f"serial, {capture['captures']} capture(s): {fits}"
     depth = (d.get("fold_depth") or "").split(" ")[1] if d.get("fold_depth") else "-"
     return [name, d["layout"], depth, f"{len(live)} of {fold.get('world_size', '?')}",
             f"{gib(m.get('per_rank'))} ({m.get('per_rank_class') or '-'})",
             f"{gib(formula.get('total'))} = {gib(formula.get('weight_and_optimizer'))} + "
             f"{gib(formula.get('activation'))}", f"{d['time']['seconds'] / 60:.0f} min",
-            fits + ("" if m.get("fits") else f": {m.get('why')}")]
+            fits + (f": {why}" if capture["mode"] == "serial" or not verdict else "")]
 
 
 def main() -> None:
@@ -71,6 +75,8 @@ def main() -> None:
     ap.add_argument("--device-memory", type=float, default=139.0, help="GiB of the emulation GPU")
     ap.add_argument("--host-memory", type=float, default=115.0, help="GiB of host RAM the emulation may use")
     ap.add_argument("--out", type=Path, help="also write the table here")
+    ap.add_argument("--options", default="", help="prism options every plan takes, e.g. '--prism-fold-capture "
+                    "serial --prism-attention sdpa --prism-fold-microbatches auto'")
     a = ap.parse_args()
     checkout = megatron_checkout(a.megatron_lm, TAG)
     names = sorted(p.stem for p in (REPO / "prism_megatron" / "recipes" / "targets").glob("*.yaml"))
@@ -79,10 +85,11 @@ def main() -> None:
     rows = []
     for i, name in enumerate(names, 1):
         print(f"[{i}/{len(names)}] plan {name}", file=sys.stderr, flush=True)
-        rows.append(row(name, plan(name, checkout, a.device_memory, a.host_memory)))
+        rows.append(row(name, plan(name, checkout, a.device_memory, a.host_memory, a.options.split())))
     widths = [max(len(r[c]) for r in [head, *rows]) for c in range(len(head) - 1)]
+    shown = f" --options '{a.options}'" if a.options else ""
     lines = [f"# python bench/targets/plan_all.py --device-memory {a.device_memory:g} --host-memory {a.host_memory:g}"
-             f"  (prism's estimate judges; Megatron-LM {TAG}'s formula beside it)"]
+             f"{shown}  (prism's estimate judges; Megatron-LM {TAG}'s formula beside it)"]
     for r in [head, *rows]:
         lines.append("  ".join(x.ljust(w) for x, w in zip(r, widths, strict=False)) + "  " + r[-1])
     text = "\n".join(lines) + "\n"

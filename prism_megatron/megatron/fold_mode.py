@@ -25,7 +25,7 @@ from typing import Any
 
 from prism_megatron.megatron.fold import FoldDepthError, FoldError
 
-__all__ = ["FoldModeError", "choose_fold", "full_job_fits", "one_rank_fits", "check_trace_classes", "class_lines"]
+__all__ = ["FoldModeError", "choose_fold", "full_job_fits", "check_trace_classes", "class_lines"]
 
 
 class FoldModeError(ValueError):
@@ -69,23 +69,6 @@ def class_lines(fold: Any, limit: int = 12) -> list[str]:
     return out
 
 
-def one_rank_fits(plan: Any) -> tuple[bool | None, str]:
-    """Whether the sandbox's most loaded rank alone fits here (a serial capture runs one live rank at a
-    time): its state (prism's estimate for its class) within one device, or on CPU with its process within
-    the host RAM prism may use; None without prism's estimate."""
-    from prism_megatron.megatron.plan import RANK_PROCESS_HOST_BYTES, GiB
-
-    m = plan.memory
-    per_rank = m.get("per_rank")
-    if per_rank is None:
-        return None, f"prism's memory estimate is unavailable ({m.get('why')})"
-    if plan.devices == ["cpu"]:
-        need, have, where = per_rank + RANK_PROCESS_HOST_BYTES, m["host_available"], "of host RAM"
-    else:
-        need, have, where = per_rank, m["per_device"], "of one device"
-    return need <= have, f"one live rank needs {need / GiB:.1f} GiB against {have / GiB:.1f} GiB {where}"
-
-
 def choose_fold(mode: str, cfg: Any, env: dict[str, str] | None = None,
                 say: Callable[[str], None] = print, depth: str = "auto", capture: str = "together") -> dict | None:
     """The fold plan's JSON for the launch ``cfg`` under ``--prism-fold mode`` and ``--prism-fold-depth
@@ -124,6 +107,8 @@ def choose_fold(mode: str, cfg: Any, env: dict[str, str] | None = None,
         say(f"fold {mode}: the sandbox is the whole job ({cfg.world_size} ranks): full capture")
         return None
     if capture == "serial":
+        from prism_megatron.megatron.plan import one_rank_fits
+
         fits, why = one_rank_fits(plan)
         if fits is False:
             raise FoldModeError(f"--prism-fold {mode} --prism-fold-capture serial: the sandbox does not fit here one "
@@ -152,6 +137,8 @@ def _serial_hint(plan: Any, cfg: Any) -> str:
     """What a serial capture would need, for a together sandbox of several live ranks that does not fit."""
     if len(plan.fold.live) < 2:
         return ""
+    from prism_megatron.megatron.plan import one_rank_fits
+
     fits, why = one_rank_fits(plan)
     if fits is None:
         why = full_job_fits(plan, 1)[1]

@@ -18,9 +18,11 @@ from typing import Any
 from prism_megatron.megatron.fold import FoldPlan, TargetLayout, build_fold_plan, layout_from_args, resolve_depth
 from prism_megatron.megatron.megatron_args import ESTIMATE_KEY, padded_vocab, parse_megatron_args
 
-__all__ = ["PLAN_JSON_VERSION", "PlanError", "Plan", "make_plan", "plan_json", "render_plan", "ROUGH_TIME_MODEL"]
+__all__ = ["PLAN_JSON_VERSION", "PlanError", "Plan", "make_plan", "plan_json", "render_plan", "plan_fits",
+           "one_rank_fits", "ROUGH_TIME_MODEL"]
 
-PLAN_JSON_VERSION = 3  # 2: microbatches (the micro-batch fold's record, or null); 3: memory by prism's estimate
+# 2: microbatches (the micro-batch fold's record, or null); 3: memory by prism's estimate; 4: capture
+PLAN_JSON_VERSION = 4
 # per class (memory.classes, memory.per_rank: the most of a live rank), Megatron's formula under memory.megatron
 GiB = 1 << 30
 #: Host memory of one live rank's process besides its GPU state (Python, torch, Megatron, the
@@ -52,6 +54,8 @@ class Plan:
     time: dict[str, Any] = field(default_factory=dict)
     source: str = ""
     depth_note: str = ""  # why the fold has its depth (fold.resolve_depth)
+    #: how the sandbox is captured: {"mode": "together"}, or serial with its captures and fit
+    capture: dict[str, Any] = field(default_factory=lambda: {"mode": "together"})
 
 
 def _host_available() -> int:
@@ -167,11 +171,43 @@ def _time(fold: FoldPlan, args: Any, vocab: int | None, iterations: int | None, 
                       f"{m['overhead_per_rank_iteration_s']} s per rank; easily off by 3x")}
 
 
+def one_rank_fits(plan: Plan) -> tuple[bool | None, str]:
+    """Whether the sandbox's most loaded rank alone fits here (a serial capture runs one live rank at a
+    time): its state (prism's estimate for its class) within one device, or on CPU with its process within
+    the host RAM prism may use; None without prism's estimate."""
+    m = plan.memory
+    per_rank = m.get("per_rank")
+    if per_rank is None:
+        return None, f"prism's memory estimate is unavailable ({m.get('why')})"
+    if plan.devices == ["cpu"]:
+        need, have, where = per_rank + RANK_PROCESS_HOST_BYTES, m["host_available"], "of host RAM"
+    else:
+        need, have, where = per_rank, m["per_device"], "of one device"
+    return need <= have, f"one live rank needs {need / GiB:.1f} GiB against {have / GiB:.1f} GiB {where}"
+
+
+def _serial(plan: Plan) -> dict[str, Any]:
+    """The serial capture's entry of a plan: its captures, and whether one live rank at a time fits."""
+    n = len(plan.fold.live)
+    if plan.layout.num_experts:
+        return {"mode": "serial", "captures": n, "fits": False,
+                "why": "a MoE layout is captured together (serial capture would answer expert token counts from "
+                       "one rank's own routing)"}
+    fits, why = one_rank_fits(plan)
+    return {"mode": "serial", "captures": n, "fits": fits, "why": why}
+
+
+def plan_fits(plan: Plan) -> bool | None:
+    """The plan's verdict: the sandbox together, or one live rank at a time under serial capture."""
+    return plan.capture.get("fits") if plan.capture["mode"] == "serial" else plan.memory.get("fits")
+
+
 def make_plan(script: Any, script_args: list[str], world_size: int, devices: list[str], gpus_per_node: int = 8,
               device_gib: float | None = None, host_gib: float | None = None, swap: str = "auto",
-              env: dict[str, str] | None = None, source: str = "", fold_depth: str = "auto") -> Plan:
+              env: dict[str, str] | None = None, source: str = "", fold_depth: str = "auto",
+              capture: str = "together") -> Plan:
     """Parse the command with Megatron's parser, fold it (``fold_depth``: auto, replica or class), and
-    cost the sandbox here."""
+    cost the sandbox here, captured ``capture`` (together, or serial: one live rank at a time)."""
     args = parse_megatron_args(script, script_args, world_size, env)
     layout = layout_from_args(args, world_size, gpus_per_node)
     depth, depth_note = resolve_depth(layout, fold_depth)
@@ -198,6 +234,11 @@ def make_plan(script: Any, script_args: list[str], world_size: int, devices: lis
                 depth_note=depth_note)
     plan.memory = memory
     plan.time = _time(fold, args, megatron.get("vocab") or padded_vocab(args), iterations, plan.devices)
+    if capture == "serial":
+        plan.capture = _serial(plan)
+        extra = ROUGH_TIME_MODEL["startup_s"] * (len(fold.live) - 1)  # every capture starts a job of its own
+        plan.time = {**plan.time, "seconds": plan.time["seconds"] + extra,
+                     "model": f"{plan.time['model']}; serial: {len(fold.live)} jobs started one after another"}
     return plan
 
 
@@ -206,7 +247,8 @@ def plan_json(plan: Plan, microbatches: dict | None = None) -> dict[str, Any]:
     trace's ``job.microbatches`` record the run would write (None: every micro-batch runs)."""
     return {"version": PLAN_JSON_VERSION, "source": plan.source, "layout": plan.layout.describe(),
             "devices": plan.devices, "iterations": plan.iterations, "memory": plan.memory, "time": plan.time,
-            "fold_depth": plan.depth_note, "fold": plan.fold.to_json(), "microbatches": microbatches}
+            "fold_depth": plan.depth_note, "fold": plan.fold.to_json(), "microbatches": microbatches,
+            "capture": plan.capture, "fits": plan_fits(plan)}
 
 
 def _ranks(ranks: list[int], limit: int = 12) -> str:
@@ -296,7 +338,13 @@ def render_plan(plan: Plan, console: Any) -> None:
     mem.add_row("host RAM", _gib(m.get("host_needed")), _gib(m.get("host_available")))
     console.print(mem)
     verdict = {True: "[bold green]fits[/bold green]", False: "[bold red]does not fit[/bold red]",
-               None: "[bold yellow]not checked[/bold yellow]"}[m.get("fits")]
-    console.print(f"memory: {verdict}" + (f" — {m['why']}" if m.get("why") else ""))
+               None: "[bold yellow]not checked[/bold yellow]"}
+    c = plan.capture
+    if c["mode"] == "serial":
+        console.print(f"memory, together: {verdict[m.get('fits')]}" + (f" — {m['why']}" if m.get("why") else ""))
+        console.print(f"capture: serial, {c['captures']} capture(s) one after another, one live rank each: "
+                      f"{verdict[c['fits']]} — {c['why']}")
+    else:
+        console.print(f"memory: {verdict[m.get('fits')]}" + (f" — {m['why']}" if m.get("why") else ""))
     console.print(f"expected emulation time: ~{t['seconds'] / 60:.1f} min for {t['iterations']} iteration(s) "
                   f"({t['model']})")
