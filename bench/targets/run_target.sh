@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# One target recipe emulated end to end on one GPU (issue 20): class-depth fold captured serially (one
+# live rank at a time), fused attention in place of Transformer Engine's (--prism-attention sdpa),
+# micro-batches folded; then the report. Prints the plan, the run's own lines, the emulation's wall time
+# and the peak GPU and host memory in use, sampled every second while it ran.
+# Run from the repo root on the GPU machine, megatron-core installed into /tmp/site by the caller and the
+# Megatron-LM archive made by `bench/peer/run_peer_suite.py --pack` carried (Megatron-LM's training loop):
+#   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
+#   bash bench/targets/run_target.sh llama3-70b-h100x64 [more prism or Megatron flags]
+# env: ARCHIVE (.peer-cache/megatron-lm-core_v0.19.0.tar.gz), DEVICES (0), TIMEOUT (s, 480), OUT (/tmp/prism-gpu).
+# Writes OUT/target-NAME/{run.log,memory.txt,summary.txt} and the report beside the trace (report.json).
+set -uo pipefail
+[ $# -ge 1 ] || { echo "usage: $0 NAME [flags]" >&2; exit 2; }
+name=$1; shift
+out=${OUT:-/tmp/prism-gpu}/target-$name
+work=$(mktemp -d)
+mkdir -p "$out"
+archive=${ARCHIVE:-.peer-cache/megatron-lm-core_v0.19.0.tar.gz}
+mkdir -p "$work/mlm" && tar -xzf "$archive" -C "$work/mlm" || { echo "cannot unpack $archive" >&2; exit 2; }
+export MEGATRON_LM_PATH=$work/mlm PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 CUDA_DEVICE_MAX_CONNECTIONS=1
+export WANDB_MODE=offline
+flags=(--recipe "targets-$name" --prism-devices "${DEVICES:-0}" --prism-driver training --prism-fold on
+       --prism-fold-capture serial --prism-attention sdpa --prism-fold-microbatches auto "$@")
+python3 -m prism_megatron plan "${flags[@]}" 2>&1 | grep -v -i "warn" | tee "$out/plan.txt"
+sample() {  # peak GPU memory used (MiB) and host memory used (MiB), once a second
+  local gpu=0 host=0 g h
+  while :; do
+    g=$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -i "${DEVICES:-0}" 2>/dev/null | head -1)
+    h=$(free -m | awk '/^Mem:/ {print $3}')
+    [ -n "$g" ] && [ "$g" -gt "$gpu" ] && gpu=$g
+    [ -n "$h" ] && [ "$h" -gt "$host" ] && host=$h
+    echo "peak GPU memory used: ${gpu} MiB; peak host memory used: ${host} MiB" > "$out/memory.txt"
+    sleep 1
+  done
+}
+sample & sampler=$!
+t0=$(date +%s)
+timeout "${TIMEOUT:-480}" python3 -m prism_megatron run "${flags[@]}" --prism-emulate \
+  --prism-trace-dir "$work/trace" > "$out/run.log" 2>&1
+rc=$?
+kill "$sampler" 2>/dev/null
+{ echo "== $name: exit $rc in $(( $(date +%s) - t0 )) s (flags: ${flags[*]})"
+  cat "$out/memory.txt"
+  grep -E "^prism: (serial capture|micro-batches|fold|done|report)|iteration +[0-9]+/" "$out/run.log" | cut -c1-240
+  python3 -m prism_megatron report "$work/trace" 2>&1 | grep -v -i "warn"
+} | tee "$out/summary.txt"
+cp "$work/trace/report.json" "$out/" 2>/dev/null
+rm -rf "$work"
+exit "$rc"
