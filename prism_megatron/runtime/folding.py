@@ -115,10 +115,11 @@ class Folding:
         if dtype.is_floating_point or dtype.is_complex:
             return None, None
         who = self.class_rep[g.ranks[root]]
+        when = ("is captured after this one" if self._later(who) else
+                f"recorded no such broadcast in its capture (over {RECORD_MAX_BYTES} bytes, or not issued there)")
         return None, (f"broadcast of {out[1]} from virtual rank {g.ranks[root]}, whose class's live rank {who} "
-                      f"is captured {'after' if self._later(who) else 'without recording'} this one: integer "
-                      "values steer the program, and self mirror would send this rank's own "
-                      "(RECORDED_BROADCAST_RULE); capture the root's class first")
+                      f"{when}: integer values steer the program, and self mirror would send this rank's own "
+                      "(RECORDED_BROADCAST_RULE)")
 
     def _later(self, rank: int) -> bool:
         live = list((self.plan_json.get("capture") or {}).get("part", {}).get("sandbox", []))
