@@ -52,7 +52,9 @@ the first stage's capture of the pipeline group, the embedding group or the mode
 answered by self mirror: it contributes what L contributes to the same op. Shapes are right (a
 collective's members post equal shapes); values are a real value of the run, never zeros: a grad-norm or
 loss reduction over the pipeline group counts L's share once per member, an inf/NaN flag is L's own, a
-broadcast from such a root sends L's buffer as it stands."""
+broadcast from such a root sends L's buffer as it stands, unless the caller answers it with the root's
+recorded bytes (a broadcast's root sends values its receivers branch on: prism records them in the
+capture of the root's class and answers later captures from it, counted recorded)."""
 
 A2A_RULE = """\
 A live member l receives from a virtual member v the piece that v's mirror m sends to l's counterpart:

@@ -365,3 +365,29 @@ def test_a_class_fold_captured_serially_reads_like_one_captured_together(megatro
     assert len(want) == 3 and got == pytest.approx(want, rel=1e-9)
     own = replay(graph_from_trace(b), cost).iteration_times()
     assert len(own) == 3 and all(t > 0 and math.isfinite(t) for t in own), own
+
+
+@MEGATRON
+def test_a_serial_capture_of_a_middle_stage_trains_on_the_first_stages_flags(megatron_runs):
+    """TP1·PP4 at class depth captured serially: stage 1 (middle) builds no data loader, so Megatron's trainer
+    learns do_train/do_valid/do_test from rank 0's world broadcast. In the middle stage's capture rank 0 is
+    virtual: self mirror would send the middle stage's own zeros and end its program before training. The
+    broadcast is answered from what rank 0's capture recorded; every capture trains its iteration."""
+    from prism_megatron.megatron.megatron_lm import training_available
+    from prism_megatron.trace import read_trace
+
+    if not training_available():
+        pytest.skip("the do_train broadcast is Megatron-LM's trainer's (megatron.training not found)")
+    run = megatron_runs.run(str(RECIPES / "fold-class-tp1pp4.yaml"), "on", "--prism-fold-capture", "serial",
+                            "--train-iters", "1", depth="class", driver="training", memory=False)
+    merged = read_trace(run["trace"])
+    assert merged.incomplete is None and merged.fold.live == (0, 1, 3)
+    captures = [read_trace(run["trace"].parent / c["trace"]) for c in merged.fold.capture["captures"]]
+    for t in captures:
+        marks = [(m["name"], m["phase"]) for m in t.marks.to_pylist()]
+        assert marks.count(("iteration", "E")) == 1, (t.fold.live, marks)
+    first, middle, last = (t.manifest["job"]["fold"]["capture"]["part"] for t in captures)
+    assert any(b["group"][1] == [0, 1, 2, 3] and b["dtype"] == "int64" for b in first["broadcasts"]), first
+    for t, part in ((captures[1], middle), (captures[2], last)):
+        assert len(part["answers"]) == len(first["broadcasts"])
+        assert t.fold.contributions["broadcast"]["recorded"] >= 1

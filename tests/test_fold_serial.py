@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from nccl_prune import STANDIN_RULE, Contributions, PruneError, plan_group, route_recv, standin_values
-from prism_megatron.launcher.exit_codes import BAD_INPUT
+from prism_megatron.launcher.exit_codes import BAD_INPUT, RANK_FAILED
 from prism_megatron.launcher.launch import LaunchConfig, launch
 from prism_megatron.launcher.serial import capture_plan, capture_serially, captures_dir
 from prism_megatron.runtime import protocol as P
@@ -43,7 +43,8 @@ def test_a_capture_plan_keeps_one_live_rank_and_every_ranks_class_representative
     fold = parse_fold(part, 8, "capture")
     assert fold.live == (4,) and set(fold.rep) == {4} and [c.name for c in fold.classes] == ["last"]
     assert fold.capture_mode == "serial" and fold.capture["rules"] == {"collectives": "self_mirror", "p2p": "standin"}
-    assert fold.capture["part"] == {"rank": 4, "index": 1, "of": 2, "sandbox": [0, 4], "class_rep": plan["rep"]}
+    assert fold.capture["part"] == {"rank": 4, "index": 1, "of": 2, "sandbox": [0, 4], "class_rep": plan["rep"],
+                                       "answers": []}
     assert fold.depth == "class" and fold.schedule == "1f1b"  # the rest of the plan as captured together
     with pytest.raises(ValueError, match="rank 1 is not a live rank of the fold"):
         capture_plan(plan, 1, 0)
@@ -232,3 +233,66 @@ def test_a_capture_that_fails_stops_the_run_and_the_merged_trace_says_which(tmp_
     report = (tmp_path / "serial.captures" / "capture-0-rank-0.logs" / "fold-report.txt").read_text()
     assert "rank 0 sends to virtual rank 2" in report, report
     assert any("serial capture 1/2 (rank 0) failed" in s for s in said), said
+
+
+# ---- broadcasts answered from an earlier capture ----------------------------------------------------
+def _bcast_out(dtype: str, n: int) -> tuple:
+    return (("r", n * torch.empty(0, dtype=P.dtype_from_name(dtype)).element_size()), dtype, [n])
+
+
+def test_a_broadcast_from_another_class_is_answered_from_the_capture_that_rooted_it():
+    """Megatron's do_train flags: rank 0 broadcasts them on the world group; a middle or last stage's capture
+    must receive rank 0's values (self mirror would send its own, zeros on a stage without a data loader)."""
+    plan = _class_plan()
+    first = Folding(capture_plan(plan, 0, 0))
+    world = _group(0, "world", list(range(8)), first)
+    flags = torch.tensor([1, 0, 1], dtype=torch.int64)
+    first.record_broadcast(world, 3, 0, flags, "int64")  # rank 0 roots it: recorded
+    first.record_broadcast(world, 4, 5, flags, "int64")  # root 5 is the last stage's class: not this capture's
+    tp = _group(1, "tp", [0, 1], first)
+    first.record_broadcast(tp, 0, 0, flags, "int64")  # only this class's members: no later capture asks
+    part = first.to_json()["capture"]["part"]
+    assert [(b["group"], b["seq"], b["dtype"]) for b in part["broadcasts"]] == [(["world", list(range(8)), 0], 3,
+                                                                                 "int64")]
+    last = Folding(capture_plan(plan, 4, 1, part["broadcasts"]))
+    world4 = _group(0, "world", list(range(8)), last)
+    got, problem = last.broadcast_answer(world4, 3, 0, _bcast_out("int64", 3))
+    assert problem is None and torch.equal(got, flags)
+    last.count(world4, "broadcast", 0, False, recorded=got is not None)
+    assert last.contributions.to_json()["broadcast"]["recorded"] == 1
+    got, problem = last.broadcast_answer(world4, 4, 0, _bcast_out("int64", 3))  # no recording of seq 4
+    assert got is None and "integer values steer the program" in problem and "class's live rank 0" in problem
+    assert last.broadcast_answer(world4, 4, 0, _bcast_out("float32", 3)) == (None, None)  # data: self mirror
+    assert last.broadcast_answer(world4, 3, 4, _bcast_out("int64", 3)) == (None, None)  # its own root
+    got, problem = last.broadcast_answer(world4, 3, 0, _bcast_out("int64", 4))
+    assert got is None and "do not run the same program" in problem
+    got, problem = first.broadcast_answer(world, 9, 4, _bcast_out("int32", 1))  # the last stage is captured later
+    assert got is None and "captured after this one" in problem
+    with pytest.raises(ValueError, match=r"capture.part.answers\[0\]' is not a recorded broadcast"):
+        Folding(capture_plan(plan, 4, 1, [{"group": ["world"], "seq": 3}]))
+
+
+def test_a_capture_whose_rank_ran_no_iteration_fails_the_serial_run_by_name(tmp_path):
+    """Captures that each end with code 0, the second with no iteration: the run fails, the merged trace says
+    which capture ran none."""
+    plan = _class_plan()
+
+    def fake_launch(cfg: LaunchConfig) -> int:
+        part = cfg.fold["capture"]["part"]
+        rank, iters = part["rank"], 2 if part["index"] == 0 else 0
+        marks = [{"rank": rank, "name": "iteration", "phase": p, "t": 0.1 * i, "compute_clock": 0.0, "attrs": {}}
+                 for i in range(iters) for p in ("B", "E")]
+        manifest = {"world_size": 8, "job": {"fold": {**cfg.fold, "contributions": {}}},
+                    "groups": [{"id": 0, "name": "0", "ranks": list(range(8)), "backend": "nccl"}],
+                    "ranks": [{"rank": rank, "exit_code": 0, "device": "cpu"}]}
+        write_trace(cfg.trace_dir, manifest, ops=[_op(rank, 0, "all_reduce", 0, 0)], marks=marks)
+        return 0
+
+    said: list[str] = []
+    cfg = LaunchConfig(script=PROGRAMS / "fold_pipeline.py", world_size=8, fold=plan, trace_dir=tmp_path / "serial")
+    assert capture_serially(cfg, fake_launch, say=said.append) == RANK_FAILED
+    t = read_trace(tmp_path / "serial")
+    assert t.incomplete == "capture 2 of 2 (rank 4): rank 4 ran no iteration (capture 1, rank 0, ran 2): its " \
+                           "program ended early"
+    assert [c["complete"] for c in t.fold.capture["captures"]] == [True, False]
+    assert any("serial capture 2/2 (rank 4) failed" in s for s in said), said

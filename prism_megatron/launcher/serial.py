@@ -6,7 +6,11 @@ only live rank L_i as a process: its plan (:func:`capture_plan`) makes every oth
 live ranks too, each represented by L_i. The coordinator answers a virtual member whose class's live rank
 is not L_i by self mirror (``nccl_prune.SELF_MIRROR_RULE``) and a receive from a virtual pipeline neighbour
 by a stand-in of the posted shape (``nccl_prune.STANDIN_RULE``); L_i's own program, shapes and memory are
-those of a capture together. Each capture writes its own trace (``TRACE.captures/capture-I-rank-L``;
+those of a capture together. A broadcast from such a root is answered from the earlier captures' recordings
+(``runtime.folding.RECORDED_BROADCAST_RULE``: each capture's trace lists the broadcasts its class rooted,
+the next captures' plans carry them), so a middle stage learns rank 0's do_train flags. A capture whose
+live rank ran no iteration while another's did is incomplete, by name: its program ended early. Each
+capture writes its own trace (``TRACE.captures/capture-I-rank-L``;
 logs beside it), a failed one marked incomplete; the run stops at the first capture that fails and the
 merged trace (``trace.merge``) says which. Captures run in the fold's live-rank order (first stage first).
 """
@@ -21,15 +25,18 @@ from pathlib import Path
 from typing import Any
 
 from prism_megatron.launcher.config import LaunchConfig
+from prism_megatron.launcher.exit_codes import RANK_FAILED
 from prism_megatron.trace.fold import SERIAL_RULES
 
 __all__ = ["capture_plan", "captures_dir", "capture_serially"]
 
 
-def capture_plan(plan: dict[str, Any], rank: int, index: int) -> dict[str, Any]:
+def capture_plan(plan: dict[str, Any], rank: int, index: int,
+                 answers: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """The plan of capture ``index`` of a serial run: live rank ``rank`` alone, every rank's rep ``rank``,
     one class (``rank``'s) standing for all; ``capture.part`` keeps the fold's sandbox and each rank's
-    class representative (``class_rep``), by which the coordinator tells mirror from self mirror."""
+    class representative (``class_rep``), by which the coordinator tells mirror from self mirror, and
+    ``answers``: the broadcasts earlier captures recorded (``capture.part.broadcasts`` of their traces)."""
     live = [int(x) for x in plan["live"]]
     if rank not in live:
         raise ValueError(f"rank {rank} is not a live rank of the fold (live: {live})")
@@ -40,7 +47,7 @@ def capture_plan(plan: dict[str, Any], rank: int, index: int) -> dict[str, Any]:
                classes=[{**own, "count": world, "sandbox": [rank]}],
                capture={"mode": "serial", "rules": dict(SERIAL_RULES),
                         "part": {"rank": rank, "index": index, "of": len(live), "sandbox": live,
-                                 "class_rep": [int(x) for x in plan["rep"]]}})
+                                 "class_rep": [int(x) for x in plan["rep"]], "answers": list(answers or [])}})
     return out
 
 
@@ -61,7 +68,7 @@ def capture_serially(cfg: LaunchConfig, launch: Callable[[LaunchConfig], int],
     live = [int(x) for x in plan["live"]]
     root = captures_dir(cfg.trace_dir)
     root.mkdir(parents=True, exist_ok=True)
-    code, captures, walls = 0, [], []
+    code, captures, walls, answers, iterations = 0, [], [], [], {}
     for i, rank in enumerate(live):
         part = root / f"capture-{i}-rank-{rank}"
         cls = plan["classes"][plan["class_of"][rank]]["name"]
@@ -72,21 +79,42 @@ def capture_serially(cfg: LaunchConfig, launch: Callable[[LaunchConfig], int],
             f"is virtual (self mirror, stand-ins); trace {part}")
         t0 = time.perf_counter()
         # no live prediction: one capture's trace is not the job's graph (the merged trace is)
-        code = launch(dataclasses.replace(cfg, fold=capture_plan(plan, rank, i), trace_dir=part, predictor=None))
+        code = launch(dataclasses.replace(cfg, fold=capture_plan(plan, rank, i, answers), trace_dir=part,
+                                          predictor=None))
         walls.append(time.perf_counter() - t0)
         written = (part / "manifest.json").exists()
         reason = None
         if written:
             manifest = json.loads((part / "manifest.json").read_text(encoding="utf-8"))
             reason = manifest.get("incomplete") if manifest.get("complete") is False else None
+            fold = (manifest.get("job") or {}).get("fold") or {}
+            answers += ((fold.get("capture") or {}).get("part") or {}).get("broadcasts") or []
+            iterations[i] = _iterations(part)
         if code != 0 and reason is None:
             reason = f"exited with code {code}"
         if code != 0:
             say(f"serial capture {i + 1}/{len(live)} (rank {rank}) failed: {reason}; later captures are not run")
         captures.append({"rank": rank, "trace": part if written else None, "incomplete": reason})
+    ran = {i: n for i, n in iterations.items() if n}
+    for i, n in iterations.items():
+        if n == 0 and ran and captures[i]["incomplete"] is None:
+            j, m = next(iter(ran.items()))
+            captures[i]["incomplete"] = (f"rank {captures[i]['rank']} ran no iteration (capture {j + 1}, rank "
+                                         f"{captures[j]['rank']}, ran {m}): its program ended early")
+            say(f"serial capture {i + 1}/{len(live)} (rank {captures[i]['rank']}) failed: {captures[i]['incomplete']}")
+            code = code or RANK_FAILED
     if any(c["trace"] is not None for c in captures):
         merge_captures(cfg.trace_dir, plan, captures)
         said = ", ".join(f"{w:.1f}" for w in walls)
         say(f"serial capture: merged {sum(c['trace'] is not None for c in captures)} of {len(live)} capture(s) "
             f"into {cfg.trace_dir} (wall s per capture: {said})")
     return code
+
+
+def _iterations(trace: Path) -> int:
+    """The iterations a capture's live rank completed (its "iteration" markers that ended)."""
+    from prism_megatron.trace import read_trace
+
+    marks = read_trace(trace).marks
+    return sum(1 for n, p in zip(marks.column("name").to_pylist(), marks.column("phase").to_pylist(), strict=True)
+               if n == "iteration" and p == "E")

@@ -421,17 +421,26 @@ class Coordinator:
             ins=[self.data.inputs(m) for m in ms], redop=first.get("redop"), factor=first.get("factor"),
             root=first.get("root"), in_splits=[m.msg["in_splits"] for m in ms] if "in_splits" in first else None,
             out_view=lambda i, j, like: self.data.out_view(ms[i], j, like))
+        answer = None
         if g.fold is not None:  # virtual members: answered by nccl_prune from the live members (ms)
             call.fold = g.fold
             call.in_place = bool(first.get("in_place"))
             if any("cur" in m.msg for m in ms):
                 call.current = [[self.data.read(d[0], d[1]) for d in m.msg.get("cur", ())] for m in ms]
-            self.fold.count(g, ms[0].kind, call.root, bool(first.get("in_place")))
+            if ms[0].kind == "broadcast" and len(ms) == 1 and first["outs"]:  # a serial capture's receiver
+                answer, problem = self.fold.broadcast_answer(g, seq, call.root, first["outs"][0])
+                if problem is not None:
+                    return self._fatal("fold", f"rank {ms[0].rank}: collective #{seq} broadcast on group "
+                                       f"{g.name!r} (ranks {fmt_ranks(g.ranks)}): {problem}")
+            self.fold.count(g, ms[0].kind, call.root, bool(first.get("in_place")), recorded=answer is not None)
         try:
-            outs = op.run(call)
+            outs = [[answer]] if answer is not None else op.run(call)
         except PruneError as e:
             return self._fatal("fold", f"collective #{seq} {ms[0].kind} on group {g.name!r} "
                                f"(ranks {fmt_ranks(g.ranks)}): {e}")
+        if g.fold is not None and ms[0].kind == "broadcast" and len(ms) == 1:  # kept for later captures
+            sent = call.ins[0][0] if not first["outs"] else outs[0][0]
+            self.fold.record_broadcast(g, seq, call.root, sent, (first["ins"] or first["outs"])[0][1])
         for m, o in zip(ms, outs, strict=True):
             self._deliver(m, [t.reshape(-1) if t is not None else None for t in o])
 

@@ -11,14 +11,23 @@ reads the same).
 One capture of a serial run (``capture.part`` in the plan: one live rank L, every other rank's rep L)
 answers a virtual member whose class has its live rank elsewhere by self mirror, and a receive with no
 other live rank upstream by a stand-in; the counts say which (``nccl_prune.SELF_MIRROR_RULE``,
-``nccl_prune.STANDIN_RULE``).
+``nccl_prune.STANDIN_RULE``). A broadcast is the exception (``RECORDED_BROADCAST_RULE``): its root sends
+values the receivers branch on (Megatron's do_train/do_valid/do_test flags from rank 0 reach a middle
+stage, which builds no data loader, only this way), so L's own buffer is not an answer. Each capture
+records the broadcasts its class roots (``capture.part.broadcasts``) and a later capture answers a root
+of that class from them (``capture.part.answers``, counted ``recorded``); an integer broadcast with no
+recording is refused by name.
 """
 
 from __future__ import annotations
 
+import base64
+import math
 import sys
 from collections.abc import Callable
 from typing import Any
+
+import torch
 
 from nccl_prune import Contributions, PruneError, plan_group
 from nccl_prune.contributions import virtual_contributions
@@ -26,6 +35,19 @@ from prism_megatron.runtime.dataplane import DataPlane
 from prism_megatron.runtime.groups import Group
 from prism_megatron.runtime.matching import Member
 from prism_megatron.runtime.passthrough import PassThrough
+from prism_megatron.runtime.protocol import dtype_from_name
+
+#: the largest broadcast a capture records for later captures: values a program branches on are small
+RECORD_MAX_BYTES = 1 << 16
+
+RECORDED_BROADCAST_RULE = """\
+In a serial capture of live rank L, a broadcast whose root's class has its live rank R elsewhere is not
+answered by self mirror: the root sends what R sends, a value the receivers may branch on. Each capture
+records the broadcasts (up to RECORD_MAX_BYTES) whose root is its live rank or a member of its class, on a
+group with members of another class; a later capture answers that broadcast (the same group, by name,
+members and incarnation, and the same sequence number) with the recorded bytes. Captures run first stage
+first, so a broadcast from the first stage is answered in every later capture. Without a recording an
+integer or bool broadcast is refused by name; a floating-point one is answered by self mirror (data, not a decision)."""
 
 
 class Folding:
@@ -43,6 +65,12 @@ class Folding:
         self.passthrough = PassThrough(self.contributions, standin=part is not None)
         self._self_mirror: dict[int, frozenset[int]] = {}  # group id -> positions answered by self mirror
         self._planned: set[int] = set()  # group ids folded already
+        self._key: dict[int, tuple] = {}  # group id -> (name, ranks, incarnation): the same in every capture
+        self._incarnations: dict[tuple, int] = {}
+        self.capture_rank: int | None = int(part["rank"]) if part else None
+        # (group key, seq) -> (dtype, bytes): earlier captures' broadcasts; this capture's, for later ones
+        self.answers = _read_broadcasts(part.get("answers", []) if part else [], "capture.part.answers")
+        self.recorded: list[dict[str, Any]] = []
         # per (group, kind, root, in place): the counts one op adds (an op's count is O(group), once)
         self._per_op: dict[tuple, dict[str, int]] = {}
 
@@ -52,6 +80,10 @@ class Folding:
         if g.id in self._planned:
             return None
         self._planned.add(g.id)
+        base = (g.name, tuple(g.ranks))
+        k = self._incarnations.get(base, 0)
+        self._incarnations[base] = k + 1
+        self._key[g.id] = (*base, k)
         try:
             p = plan_group(g.ranks, self.rep)
         except PruneError as e:
@@ -63,6 +95,50 @@ class Folding:
             self._self_mirror[g.id] = frozenset(q for q in p.virtual_positions
                                                 if self.class_rep[p.ranks[q]] != p.ranks[p.mirror[q]])
         return None
+
+    def broadcast_answer(self, g: Group, seq: int, root: int, out: tuple) -> tuple[torch.Tensor | None, str | None]:
+        """A serial capture's answer to broadcast ``seq`` on ``g`` from group position ``root`` at the live
+        receiver whose output is ``out`` (desc, dtype, shape): (the recorded data, None) where an earlier
+        capture recorded it; (None, the problem) where it cannot be answered; (None, None): answer as usual
+        (``RECORDED_BROADCAST_RULE``)."""
+        if g.fold is None or root not in self._self_mirror.get(g.id, ()):
+            return None, None
+        dtype = dtype_from_name(out[1])
+        nbytes = math.prod(out[2]) * dtype.itemsize
+        got = self.answers.get((self._key[g.id], seq))
+        if got is not None:
+            if got[0] != out[1] or len(got[1]) != nbytes:
+                return None, (f"the broadcast recorded for it by an earlier capture is {len(got[1])} bytes of "
+                              f"{got[0]}, this capture's receive is {nbytes} bytes of {out[1]}: the "
+                              "captures do not run the same program")
+            return torch.frombuffer(bytearray(got[1]), dtype=torch.uint8).view(dtype), None
+        if dtype.is_floating_point or dtype.is_complex:
+            return None, None
+        who = self.class_rep[g.ranks[root]]
+        when = ("is captured after this one" if self._later(who) else
+                f"recorded no such broadcast in its capture (over {RECORD_MAX_BYTES} bytes, or not issued there)")
+        return None, (f"broadcast of {out[1]} from virtual rank {g.ranks[root]}, whose class's live rank {who} "
+                      f"{when}: integer values steer the program, and self mirror would send this rank's own "
+                      "(RECORDED_BROADCAST_RULE)")
+
+    def _later(self, rank: int) -> bool:
+        live = list((self.plan_json.get("capture") or {}).get("part", {}).get("sandbox", []))
+        return rank in live and self.capture_rank in live and live.index(rank) > live.index(self.capture_rank)
+
+    def record_broadcast(self, g: Group, seq: int, root: int, data: torch.Tensor, dtype: str) -> None:
+        """Keep broadcast ``seq`` on ``g`` for later captures when its root is this capture's live rank or
+        of its class (what a capture together sends) and another class has members in ``g``; larger than
+        RECORD_MAX_BYTES: not kept."""
+        if self.class_rep is None or g.fold is None or self.class_rep[g.ranks[root]] != self.capture_rank:
+            return
+        if not self._self_mirror.get(g.id):  # every member is of this capture's class: no other capture asks
+            return
+        raw = data.reshape(-1).contiguous().view(torch.uint8)
+        if raw.numel() > RECORD_MAX_BYTES:
+            return
+        name, ranks, k = self._key[g.id]
+        self.recorded.append({"group": [name, list(ranks), k], "seq": seq, "dtype": dtype,
+                              "data": base64.b64encode(raw.numpy().tobytes()).decode("ascii")})
 
     def virtual_peer(self, g: Group, msg: dict) -> bool:
         """Whether a send or receive names a virtual group rank (answered by ``pass_through``)."""
@@ -79,15 +155,38 @@ class Folding:
         for line in self.passthrough.leftovers():
             print(f"prism coordinator: pass-through: {line}", file=sys.stderr, flush=True)
 
-    def count(self, g: Group, kind: str, root: int | None, in_place: bool) -> None:
-        """Add one op's virtual contributions (cached per group and op shape: O(1) per op after the first)."""
-        key = (g.id, kind, root, in_place)
+    def count(self, g: Group, kind: str, root: int | None, in_place: bool, recorded: bool = False) -> None:
+        """Add one op's virtual contributions (cached per group and op shape: O(1) per op after the first);
+        ``recorded``: the root's contribution came from an earlier capture (``broadcast_answer``)."""
+        key = (g.id, kind, root, in_place, recorded)
         c = self._per_op.get(key)
         if c is None:
             c = self._per_op[key] = virtual_contributions(kind, g.fold, root=root, in_place=in_place,
+                                                          recorded=(root,) if recorded else (),
                                                           self_mirror=self._self_mirror.get(g.id, ()))
         self.contributions.add_counts(kind, c)
 
     def to_json(self) -> dict[str, Any]:
         """The manifest's ``job.fold``: the plan plus the contributions counted so far."""
-        return {**self.plan_json, "contributions": self.contributions.to_json()}
+        out = {**self.plan_json, "contributions": self.contributions.to_json()}
+        if self.class_rep is not None:  # a serial capture: the broadcasts it recorded for later captures
+            capture = out["capture"]
+            out["capture"] = {**capture, "part": {**capture["part"], "broadcasts": list(self.recorded)}}
+        return out
+
+
+def _read_broadcasts(items: Any, field: str) -> dict[tuple, tuple[str, bytes]]:
+    """Recorded broadcasts (``Folding.record_broadcast``'s entries) by (group key, seq); ValueError naming
+    ``field`` when an entry is not one."""
+    if not isinstance(items, list):
+        raise ValueError(f"fold plan field {field!r} is {type(items).__name__}, expected a list")
+    out = {}
+    for i, e in enumerate(items):
+        try:
+            name, ranks, k = e["group"]
+            dtype_from_name(e["dtype"])
+            out[((str(name), tuple(int(r) for r in ranks), int(k)), int(e["seq"]))] = (
+                e["dtype"], base64.b64decode(e["data"], validate=True))
+        except (KeyError, TypeError, ValueError) as err:
+            raise ValueError(f"fold plan field '{field}[{i}]' is not a recorded broadcast: {err}") from None
+    return out
