@@ -271,8 +271,6 @@ def test_dp_ops_of_first_and_last_units_are_placed_as_megatron_issues_them_at_m(
         expanded = expand_microbatches(small, mb)
         for r in range(full_shape.world_size):
             assert _canonical(expanded, r) == _canonical(full, r), (pp, extra, r)
-            assert sum(1 for e in expanded.events[r] if isinstance(e, Comm) and e.label.startswith("dp.grads")) \
-                == 2 * 2 * (1 if vpp == 1 else 1)  # per iteration: both buckets / one per chunk
         _same_times(replay(expanded, COST), replay(full, COST), range(full_shape.world_size))
 
 

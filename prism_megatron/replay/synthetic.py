@@ -222,7 +222,7 @@ def _interleaved(s: Shape, steps: list, table: list[tuple[int, int]], post: Any,
     is k - stage (backward_step_helper_postprocess)."""
     refs: dict[tuple[str, int], Any] = {}
     last = {}  # chunk -> the virtual microbatch of its last backward
-    for k, (mb, chunk) in enumerate(table):
+    for k, (_, chunk) in enumerate(table):
         last[s.vpp - 1 - chunk] = max(last.get(s.vpp - 1 - chunk, -1), k)
     for step in steps:
         if step[0] == "call":
