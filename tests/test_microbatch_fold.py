@@ -294,3 +294,11 @@ def test_a_dp_op_in_a_copied_unit_or_not_after_a_unit_is_refused_by_name():
                                             r"on group \d+, which the other units of its kind do not .* replays "
                                             r"that unit \d+ times"):
         expand_microbatches(Graph(small.groups, {**small.events, 0: renumbered}), mb)
+    after_p2p = list(renumbered)  # the same op right after the first p2p op, no unit before it
+    after_p2p.remove(moved)
+    p2p = next(i for i, e in enumerate(after_p2p) if isinstance(e, Comm) and e.is_p2p)
+    after_p2p.insert(p2p + 1, moved)
+    with pytest.raises(ScheduleError, match=r"rank 0 event \d+ \(reduce_scatter on group \d+\) lies between the "
+                                            r"units of iteration 0, is not a pipeline p2p op and does not directly "
+                                            r"follow a unit"):
+        expand_microbatches(Graph(small.groups, {**small.events, 0: after_p2p}), mb)

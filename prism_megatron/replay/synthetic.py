@@ -21,6 +21,13 @@ With ``vpp`` > 1 every stage runs Megatron's interleaved schedule instead (``vpp
 stage, microbatch groups of ``group``, default PP as Megatron-LM's): the units and p2p calls of
 replay.stage_schedule.interleaved_steps, embedding on chunk 0 of the first stage and loss on the
 last chunk of the last; :func:`class_fold` then names the interleaved schedule and its parameters.
+
+With ``overlap_grad`` (and DP > 1) the data-parallel ops are issued within the schedule as megatron-core's
+DDP issues them under ``--overlap-grad-reduce --overlap-param-gather`` with the distributed optimizer and
+Megatron-LM's aligned grad sync: each chunk's parameter all-gathers (two buckets, each awaited at once)
+in its first forward; the grad reduce-scatters asynchronously, in the first stage's last backward (1F1B)
+or, interleaved, after backward k when k - stage is a chunk's last backward, the rest after the
+schedule; all awaited at the iteration's end.
 """
 
 from __future__ import annotations
