@@ -38,9 +38,10 @@ DDP gathers a chunk's parameters from a forward pre-hook, so in the chunk's firs
 group's gather is dispatched once per iteration, ``param_gather_dispatched``), and starts a bucket
 group's grad reduce-scatter / all-reduce only while ``is_last_microbatch`` holds (the schedules
 disable grad sync, ``no_sync``, for every other micro-batch): from the grad hooks in the last
-backward (in the first batch finalize_model_grads starts them, after the schedule), or through ``grad_sync_func`` (align-grad-reduce, as Megatron-LM's
-train sets it) after the cool-down (1F1B) or, interleaved, right after backward k when k - stage is a
-chunk's last backward (``backward_step_helper_postprocess``), the others after the schedule. Several
+backward (in the first batch finalize_model_grads starts them, after the schedule), or through
+``grad_sync_func`` (align-grad-reduce, as Megatron-LM's train sets it) after the cool-down (1F1B)
+or, interleaved, right after backward k when k - stage is a chunk's last backward
+(``backward_step_helper_postprocess``), the others after the schedule. Several
 buckets change nothing: each starts when its last grad is ready, still within that backward. So a
 collective inside a unit is copied with it, and one that directly follows a unit (only computation
 and markers between) joins that unit; the target's order places it at M where Megatron does, since
