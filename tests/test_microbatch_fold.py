@@ -251,3 +251,54 @@ def test_an_interleaved_capture_that_does_not_fit_is_an_error_naming_rank_and_mi
     with pytest.raises(ScheduleError, match=r"6 captured micro-batches have no steady group to stand for the other "
                                             r"5 \(it needs target 11 less a multiple of 2"):
         expand_microbatches(small, odd)
+
+
+# --- data-parallel ops within the schedule (overlap-grad-reduce, overlap-param-gather) ---------------------
+
+
+@pytest.mark.parametrize("pp,vpp,group", [(1, 1, 0), (2, 1, 0), (4, 1, 0), (2, 2, 2), (4, 2, 4), (2, 2, 4)])
+def test_dp_ops_of_first_and_last_units_are_placed_as_megatron_issues_them_at_m(pp, vpp, group):
+    """Param all-gathers in each chunk's first forward, grad reduce-scatters in the first stage's last backward
+    (1F1B) or after the backward `stage` units past each chunk's last (interleaved, aligned grad sync): the
+    expansion is the job built at M event for event, the copied steady units carrying no DP op."""
+    for extra in (1, 3):
+        kw = dict(tp=2, dp=2, iterations=2, layers_per_stage=1, overlap_grad=True)
+        if vpp > 1:
+            full_shape, small_shape, mb = _vpp(pp, group, True, extra, **kw)
+        else:
+            full_shape, small_shape, mb = _shapes(pp, extra, **kw)
+        full, small = megatron_1f1b(full_shape), megatron_1f1b(small_shape)
+        expanded = expand_microbatches(small, mb)
+        for r in range(full_shape.world_size):
+            assert _canonical(expanded, r) == _canonical(full, r), (pp, extra, r)
+        _same_times(replay(expanded, COST), replay(full, COST), range(full_shape.world_size))
+
+
+def test_a_dp_op_in_a_copied_unit_or_not_after_a_unit_is_refused_by_name():
+    full_shape, small_shape, mb = _shapes(2, 2, tp=1, dp=2, iterations=1, layers_per_stage=1, overlap_grad=True)
+    small = megatron_1f1b(small_shape)
+    dp = next(g.id for g in small.groups.values() if g.name == "dp" and 0 in g.ranks)
+    events = list(small.events[0])  # a reduce-scatter inside the copied steady backward (micro-batch 1)
+    at = next(i for i, e in enumerate(events) if isinstance(e, Mark) and e.name == "backward" and e.phase == "B"
+              and e.attrs["microbatch"] == mb.copied)
+    seqs = [e.seq for e in events if isinstance(e, Comm) and e.group == dp]
+    moved = [e for e in events if isinstance(e, Comm) and e.group == dp and e.kind == "reduce_scatter"][0]
+    rest = [e for e in events if e is not moved]
+    rest.insert(at + 1, moved)
+    renumbered, n = [], 0
+    for e in rest:
+        if isinstance(e, Comm) and e.group == dp:
+            e, n = Comm(**{**e.__dict__, "seq": seqs[n]}), n + 1
+        renumbered.append(e)
+    with pytest.raises(ScheduleError, match=r"rank 0, iteration 0: captured unit \('B', 1\) issues reduce_scatter "
+                                            r"on group \d+, which the other units of its kind do not .* replays "
+                                            r"that unit \d+ times"):
+        expand_microbatches(Graph(small.groups, {**small.events, 0: renumbered}), mb)
+    after_p2p = list(renumbered)  # the same op right after the first p2p op, no unit before it
+    after_p2p.remove(moved)
+    p2p = next(i for i, e in enumerate(after_p2p) if isinstance(e, Comm) and e.is_p2p)
+    after_p2p.insert(p2p + 1, moved)
+    with pytest.raises(ScheduleError, match=r"rank 0 event \d+ \(reduce_scatter on group \d+\) lies between the "
+                                            r"units of iteration 0, is not a pipeline p2p op and does not directly "
+                                            r"follow a unit"):
+        expand_microbatches(Graph(small.groups, {**small.events, 0: after_p2p}), mb)

@@ -20,13 +20,14 @@ import pytest
 from prism_megatron.megatron import cpu_mode
 
 pytestmark = pytest.mark.skipif(cpu_mode._gpu_present(), reason="CPU runs of Megatron need CPU mode")
-# runs megatron-core: CI also runs these on the second stack (.ci/run), but for four tests that run on the first
+# runs megatron-core: CI also runs these on the second stack (.ci/run), but for five tests that run on the first
 # stack only, each prism's own code over what the marked tests already run on both stacks: the refused count
 # (choose_microbatches on Megatron's parse of the command; the same refusal through `plan` runs on both in
 # test_fold_plan), the class fold of a micro-batch-folded capture (the micro-batch fold and the class fold's 1F1B
 # schedule each run on both here and in test_fold_megatron; their combination is the synthesis's), the
-# interleaved capture (whose schedule's p2p calls the class-fold tests in test_fold_megatron check on both stacks)
-# and the interleaved plan (whose record choose_microbatches' test checks on both)
+# interleaved capture (whose schedule's p2p calls the class-fold tests in test_fold_megatron check on both stacks),
+# its variant with overlapped DP ops (whose placement the synthetic tests of test_microbatch_fold check) and the
+# interleaved plan (whose record choose_microbatches' test checks on both)
 MEGATRON = pytest.mark.megatron
 
 RECIPE = str(Path(__file__).parent / "recipes" / "fold-microbatches-pp2.yaml")
@@ -163,16 +164,25 @@ def test_a_class_fold_of_a_microbatch_folded_capture_gives_the_folded_stage_the_
     assert "one pipeline" in result.method and len(result.iteration_times()) == 2
 
 
-def _skeleton(graph, rank: int) -> list:
-    """A rank's units (name, iteration, micro-batch, chunk) and pipeline p2p ops (kind, peer, group's ranks)."""
+#: labels of the data-parallel grad and param collectives (patches.ddp)
+DP_LABELS = ("grad-reduce-scatter", "grad-all-reduce", "param-all-gather")
+
+
+def _skeleton(graph, rank: int, dp: bool = False) -> list:
+    """A rank's units (name, iteration, micro-batch, chunk) and pipeline p2p ops (kind, peer, group's ranks);
+    with ``dp`` its data-parallel grad/param collectives (kind, group's ranks, label, unit begun or ended)."""
     from prism_megatron.replay.graph import Comm, Mark
 
     out = []
     for e in graph.events[rank]:
         if isinstance(e, Mark) and e.phase == "B" and e.name in ("forward", "backward"):
             out.append((e.name, e.attrs["iteration"], e.attrs["microbatch"], e.attrs.get("chunk")))
+        elif isinstance(e, Mark) and e.phase == "E" and e.name in ("forward", "backward") and dp:
+            out.append((e.name, "end"))
         elif isinstance(e, Comm) and e.is_p2p:
             out.append((e.kind, e.peer, graph.groups[e.group].ranks))
+        elif isinstance(e, Comm) and dp and e.label in DP_LABELS:
+            out.append((e.kind, graph.groups[e.group].ranks, e.label))
     return out
 
 
@@ -207,6 +217,31 @@ def test_an_interleaved_capture_expands_to_the_full_captures_units_with_its_memo
     want = {e["rank"]: e["max_allocated"] for e in full_report["memory"]["ranks"]}
     assert got[0] == want[0], (got, want)
     assert 0 <= want[1] - got[1] <= (mb.target - mb.captured) * LOSS_STORE_BYTES, (got, want)
+
+
+def test_an_interleaved_capture_with_overlapped_dp_ops_expands_to_the_full_captures_units_and_dp_ops(megatron_runs):
+    """TP1·PP2·VPP2·DP2 with the distributed optimizer and overlapped grad reduce-scatter / param all-gather at
+    M = 8, captured at m_c = 6 and in full: every rank's units, p2p ops and data-parallel collectives (those
+    issued inside each chunk's first forward, right after the backward that readies a chunk's grads, and after
+    the schedule) are the full capture's, in order; no copied unit carries one."""
+    from prism_megatron.replay import graph_from_trace
+    from prism_megatron.trace import read_trace
+
+    recipe = str(Path(__file__).parent / "recipes" / "fold-microbatches-pp2vpp2dp2-overlap.yaml")
+    folded = megatron_runs.run(recipe, "off", "--prism-fold-microbatches", "auto", memory=False)
+    assert "prism: micro-batches: 6 of 8 run per iteration (interleaved" in folded["output"]
+    full_run = megatron_runs.run(recipe, "off", "--prism-fold-microbatches", "off", memory=False)
+    expanded = graph_from_trace(read_trace(folded["trace"]))
+    full = graph_from_trace(read_trace(full_run["trace"]))
+    for r in range(4):
+        want = _skeleton(full, r, dp=True)
+        assert sum(1 for x in want if x[0] == "forward" and len(x) == 4) == 2 * 8 * 2  # iterations x M x chunks
+        assert {x[2] for x in want if len(x) == 3 and x[2] in DP_LABELS} == {"grad-reduce-scatter",
+                                                                           "param-all-gather"}
+        assert _skeleton(expanded, r, dp=True) == want, r
+    seq = _skeleton(full, 2, dp=True)  # stage 1 starts a chunk's grad sync between two units of the schedule
+    assert any(x[-1] == "grad-reduce-scatter" and seq[i - 1] == ("backward", "end") and seq[i + 1][0] == "recv"
+               for i, x in enumerate(seq[:-1]))
 
 
 def test_plan_says_what_an_interleaved_micro_batch_fold_will_run():

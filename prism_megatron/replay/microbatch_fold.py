@@ -32,13 +32,30 @@ from its place there, checked against its kind and peer: at PP2 the previous and
 one rank), and the iteration at M is interleaved_steps at M, each unit and op from the captured one
 :func:`interleaved_alignment` names, each wait the schedule's own on the target's ops.
 
+Data-parallel ops within the schedule (``--overlap-grad-reduce``, ``--overlap-param-gather``) belong to
+the first and last units, which the fold keeps, never to the steady units it copies: megatron-core's
+DDP gathers a chunk's parameters from a forward pre-hook, so in the chunk's first forward (its bucket
+group's gather is dispatched once per iteration, ``param_gather_dispatched``), and starts a bucket
+group's grad reduce-scatter / all-reduce only while ``is_last_microbatch`` holds (the schedules
+disable grad sync, ``no_sync``, for every other micro-batch): from the grad hooks in the last
+backward (in the first batch finalize_model_grads starts them, after the schedule), or through
+``grad_sync_func`` (align-grad-reduce, as Megatron-LM's train sets it) after the cool-down (1F1B)
+or, interleaved, right after backward k when k - stage is a chunk's last backward
+(``backward_step_helper_postprocess``), the others after the schedule. Several
+buckets change nothing: each starts when its last grad is ready, still within that backward. So a
+collective inside a unit is copied with it, and one that directly follows a unit (only computation
+and markers between) joins that unit; the target's order places it at M where Megatron does, since
+the units that issue these ops are replayed once, at the same place relative to the iteration's start
+or end. A unit issuing a collective that the other units of its kind (and chunk) do not issue, which
+the target replays more than once, or one not following a unit, is a ScheduleError naming it.
+
 Forward-only iterations (evaluation) and anything that does not fit (a missing unit, an op that does
 not attach, an order that is not the plan's) are a ScheduleError naming the rank and micro-batch.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
@@ -121,11 +138,13 @@ class _Expander:
         found = sorted({ev.group for ev in self.ev if type(ev) is Comm and ev.is_p2p})
         if not found:
             return 0, 1, None
-        if len({tuple(self.groups[g].ranks) for g in found}) > 1:
-            raise ScheduleError(f"{self._where()}: p2p ops on groups {found[:4]} of different ranks: not one "
-                                "pipeline's")
-        gid = found[0]
+        # at PP2 Megatron posts one direction of its p2p on the world group, which with DP > 1 holds more
+        # ranks than the pipeline's: the pipeline is the least group, the others hold it
+        gid = min(found, key=lambda g: (len(self.groups[g].ranks), g))
         ranks = list(self.groups[gid].ranks)
+        if any(not set(ranks) <= set(self.groups[g].ranks) for g in found):
+            raise ScheduleError(f"{self._where()}: p2p ops on groups {found[:4]}, not all holding group {gid}'s "
+                                "ranks: not one pipeline's")
         if self.rank not in ranks:
             raise ScheduleError(f"{self._where()}: p2p ops on group {gid}, which does not hold it")
         return ranks.index(self.rank), len(ranks), gid
@@ -134,7 +153,7 @@ class _Expander:
         ev = self.ev[i]
         if type(ev) is not Comm or not ev.is_p2p:
             return None
-        ranks = self.groups[ev.group].ranks
+        ranks = self.groups[self.pp_group].ranks if self.pp_group is not None else ()
         peer = ranks.index(ev.peer) if ev.peer in ranks else -1
         if peer == self.stage - 1:
             return RECV_PREV if ev.kind == "recv" else SEND_PREV
@@ -172,9 +191,58 @@ class _Expander:
         e = self.ev[k]
         return type(e) is not Comm and not (type(e) is Mark and e.name in (*UNITS, "iteration"))
 
+    def _attach(self, b: _Block, last: tuple | None, lead: list[int], i: int) -> list[int]:
+        """Op ``i``, a collective between the units, joins the unit ``last`` it follows (with the events
+        between): Megatron issues a data-parallel grad sync right after the backward that readies it."""
+        e = self.ev[i]
+        if last is None or any(type(self.ev[x]) is Wait for x in lead):
+            raise ScheduleError(f"{self._where()} event {i} ({e.kind} on group {e.group}) lies between the units of "
+                                f"iteration {b.iteration!r}, is not a pipeline p2p op and does not directly follow a "
+                                "unit: it has no place in the target's order of units")
+        unit_lead, body = b.units[last]
+        b.units[last] = (unit_lead, range(body.start, i + 1))
+        return []
+
+    def _trailing_dp(self, end: int) -> int:
+        """The end of an iteration's last unit past the collectives that directly follow it (see _attach)."""
+        ev = self.ev
+        while True:
+            j = end
+            while j < len(ev) and type(ev[j]) is not Wait and self._passable(j):
+                j += 1
+            if j < len(ev) and type(ev[j]) is Comm and not ev[j].is_p2p:
+                end = j + 1
+            else:
+                return end
+
+    def _unit_class(self, key: tuple) -> tuple:
+        """Units alike but for the micro-batch: same kind (and chunk)."""
+        return (key[0],)
+
+    def _check_extra_ops(self, b: _Block, uses: dict[int, list[object]]) -> None:
+        """A unit's collectives that not every unit of its class issues (data-parallel ops of a first or last
+        micro-batch) must be replayed once: a unit carrying them that the target repeats is an error."""
+        sigs: dict[tuple, Counter] = {}
+        for key, (_, body) in b.units.items():
+            sigs[key] = Counter((self.ev[x].kind, self.ev[x].group) for x in body
+                                if type(self.ev[x]) is Comm and not self.ev[x].is_p2p)
+        common: dict[tuple, Counter] = {}
+        for key, sig in sigs.items():
+            cls = self._unit_class(key)
+            common[cls] = common[cls] & sig if cls in common else sig
+        for key, sig in sigs.items():
+            extra = sig - common[self._unit_class(key)]
+            n = len(uses[b.units[key][1].start])
+            if extra and n != 1:
+                kind, group = next(iter(extra))
+                raise ScheduleError(f"{self._where()}, iteration {b.iteration!r}: captured unit {key} issues "
+                                    f"{kind} on group {group}, which the other units of its kind do not (a "
+                                    f"data-parallel op Megatron issues in a first or last micro-batch), and the "
+                                    f"target's order replays that unit {n} times: the op has no one place at M")
+
     def _block(self, run: list[tuple]) -> _Block:
         ev, m_c = self.ev, self.mb.captured
-        start, end = run[0][2], run[-1][3] + 1
+        start, end = run[0][2], self._trailing_dp(run[-1][3] + 1)
         k = start - 1
         while k >= 0 and (self._passable(k) or self.stream(k) == RECV_PREV):
             if self.stream(k) == RECV_PREV:
@@ -187,6 +255,7 @@ class _Expander:
             k += 1
         b = _Block(run[0][0], start, end)
         lead: list[int] = []
+        last: tuple[str, int] | None = None  # the unit that nothing but lead events follow yet
         counts: dict[str, int] = defaultdict(int)
         i = start
         while i < end:
@@ -204,18 +273,16 @@ class _Expander:
                         raise ScheduleError(f"{self._where(mbn)} event {x}: a pipeline p2p op inside a {e.name} unit")
                 b.units[key] = (lead, range(i, j + 1))
                 b.order.append(key)
-                lead = []
+                lead, last = [], key
                 i = j + 1
                 continue
             s = self.stream(i)
             if s is not None:
                 b.ops[(s, counts[s])] = (lead, i)
                 counts[s] += 1
-                lead = []
+                lead, last = [], None
             elif type(e) is Comm:
-                raise ScheduleError(f"{self._where()} event {i} ({e.kind} on group {e.group}) lies between the "
-                                    f"units of iteration {b.iteration!r} and is not a pipeline p2p op: it has no place "
-                                    "in the target's order of units")
+                lead = self._attach(b, last, lead, i)
             else:
                 lead.append(i)
             i += 1
@@ -266,6 +333,8 @@ class _Expander:
         for s in slots:
             if not isinstance(s, _CallWait):
                 insts[s[0]].append(s[1])
+        for b in blocks:
+            self._check_extra_ops(b, insts)
         pos: dict[Slot, int] = {}
         kept: list[Slot | _CallWait] = []
         for s in slots:
@@ -479,7 +548,7 @@ class _Interleaved(_Expander):
 
     def _block(self, run: list[tuple]) -> _Block:
         ev, m_c, chunks = self.ev, self.mb.captured, self.mb.chunks
-        start, end = run[0][2], run[-1][3] + 1
+        start, end = run[0][2], self._trailing_dp(run[-1][3] + 1)
         k = start - 1  # the first forward's input receive precedes it
         while k >= 0 and (self._passable(k) or self._is(k, "recv", self.prev)):
             if self._is(k, "recv", self.prev):
@@ -494,6 +563,7 @@ class _Interleaved(_Expander):
         want = [(s[0], s[1]) if s[0] in UNIT_KINDS else op for s in self.steps_c if s[0] != "wait"
                 for op in ((s,) if s[0] in UNIT_KINDS else s[1])]
         lead: list[int] = []
+        last: Step | None = None
         i, n = start, 0
         while i < end:
             e = ev[i]
@@ -517,7 +587,7 @@ class _Interleaved(_Expander):
                                         f"(warm-up {self.warmup}) has {expect}")
                 b.units[key] = (lead, range(i, j + 1))
                 b.order.append(key)
-                lead, n, i = [], n + 1, j + 1
+                lead, n, i, last = [], n + 1, j + 1, key
                 continue
             if self.stream(i) is not None:
                 op = want[n] if n < len(want) else None
@@ -528,11 +598,9 @@ class _Interleaved(_Expander):
                                         f"{b.iteration!r}: stands where Megatron's interleaved schedule at {m_c} "
                                         f"micro-batches (warm-up {self.warmup}) has {op or 'the iteration end'}")
                 b.ops[op] = (lead, i)
-                lead, n = [], n + 1
+                lead, n, last = [], n + 1, None
             elif type(e) is Comm:
-                raise ScheduleError(f"{self._where()} event {i} ({e.kind} on group {e.group}) lies between the "
-                                    f"units of iteration {b.iteration!r} and is not a pipeline p2p op: it has no place "
-                                    "in the target's order of units")
+                lead = self._attach(b, last, lead, i)
             else:
                 lead.append(i)
             i += 1
@@ -540,6 +608,9 @@ class _Interleaved(_Expander):
             raise ScheduleError(f"{self._where()}, iteration {b.iteration!r}: {n} units and p2p ops where Megatron's "
                                 f"interleaved schedule at {m_c} micro-batches has {len(want)}; next: {want[n]}")
         return b
+
+    def _unit_class(self, key: tuple) -> tuple:
+        return (key[0], self.table_c[key[1]][1])
 
     def _microbatch(self, inst: object) -> int | None:
         kind, k = inst  # type: ignore[misc]

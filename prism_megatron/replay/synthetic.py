@@ -21,6 +21,13 @@ With ``vpp`` > 1 every stage runs Megatron's interleaved schedule instead (``vpp
 stage, microbatch groups of ``group``, default PP as Megatron-LM's): the units and p2p calls of
 replay.stage_schedule.interleaved_steps, embedding on chunk 0 of the first stage and loss on the
 last chunk of the last; :func:`class_fold` then names the interleaved schedule and its parameters.
+
+With ``overlap_grad`` (and DP > 1) the data-parallel ops are issued within the schedule as megatron-core's
+DDP issues them under ``--overlap-grad-reduce --overlap-param-gather`` with the distributed optimizer and
+Megatron-LM's aligned grad sync: each chunk's parameter all-gathers (two buckets, each awaited at once)
+in its first forward; the grad reduce-scatters asynchronously, in the first stage's last backward (1F1B)
+or, interleaved, after backward k when k - stage is a chunk's last backward, the rest after the
+schedule; all awaited at the iteration's end.
 """
 
 from __future__ import annotations
@@ -50,6 +57,7 @@ class Shape:
     group: int = 0  # microbatch_group_size_per_vp_stage (0: PP, Megatron-LM's default)
     overlap_p2p: bool = False  # interleaved: overlap_p2p_comm (steady p2p awaited later, as Megatron's)
     wait_sends: bool = False  # interleaved with overlap: each steady forward's send waited at once
+    overlap_grad: bool = False  # DP ops issued within the schedule (overlap-grad-reduce, overlap-param-gather)
 
     @property
     def vp_group(self) -> int:
@@ -133,8 +141,20 @@ def _rank_program(b: GraphBuilder, s: Shape, r: int, p: int, tp: int, dp: int, p
     def compute(seconds: float, label: str) -> None:
         b.compute(r, seconds / 3 if s.gpu_times else seconds, label, gpu=seconds if s.gpu_times else None)
 
+    overlap = s.overlap_grad and s.dp > 1
+    grads: list = []  # the iteration's async grad reduce-scatters, awaited at its end
+
+    def grad_sync(buckets: int = 1) -> None:
+        for bucket in range(buckets):
+            grads.append(b.collective(r, "reduce_scatter", dp, s.grad_bytes // 2, async_op=True,
+                                      label=f"dp.grads {bucket}"))
+
     def layers(direction: str, it: int, mb: int, chunk: int = 0) -> None:
         b.mark(r, direction, "B", iteration=it, microbatch=mb, chunk=chunk)
+        if overlap and direction == "forward" and mb == 0:  # the forward pre-hook gathers the chunk's params
+            for bucket in range(2):
+                b.wait(r, b.collective(r, "all_gather", dp, s.grad_bytes // 4, async_op=True,
+                                       label=f"dp.params {bucket}"))
         scale = 1.0 if direction == "forward" else 2.0
         edge = (p == 0 and chunk == 0) or (p == s.pp - 1 and chunk == s.vpp - 1)  # the chunk with embedding/loss
         if direction == "forward" and extra_f and edge:
@@ -143,6 +163,8 @@ def _rank_program(b: GraphBuilder, s: Shape, r: int, p: int, tp: int, dp: int, p
             compute(scale * f, f"{direction} layer {layer}")
             if s.tp > 1:
                 b.collective(r, "all_reduce", tp, s.activation_bytes, label=f"tp.{direction}")
+        if overlap and s.vpp == 1 and p == 0 and direction == "backward" and mb == m - 1:
+            grad_sync(2)  # the first stage's last backward: the grad hooks start each bucket's reduce-scatter
         b.mark(r, direction, "E")
 
     def p2p(*ops: tuple[str, int | None], wait: bool = True) -> list:
@@ -164,9 +186,11 @@ def _rank_program(b: GraphBuilder, s: Shape, r: int, p: int, tp: int, dp: int, p
         steps = interleaved_steps(s.pp, p, s.vpp, s.vp_group, m, s.warmup(p), s.overlap_p2p, s.wait_sends)
     for it in range(s.iterations):
         b.mark(r, "iteration", "B", iteration=it)
+        grads.clear()
         if s.vpp > 1:
             _interleaved(s, steps, table, lambda *ops: p2p(*(peer[x] for x in ops), wait=False),
-                         lambda d, mb, c, it=it: layers(d, it, mb, c), lambda *refs: b.wait(r, *refs))
+                         lambda d, mb, c, it=it: layers(d, it, mb, c), lambda *refs: b.wait(r, *refs),
+                         grad_sync if overlap else None, p)
         for i in range(warmup if s.vpp == 1 else 0):
             p2p(("recv", prv))
             layers("forward", it, i)
@@ -182,22 +206,31 @@ def _rank_program(b: GraphBuilder, s: Shape, r: int, p: int, tp: int, dp: int, p
             p2p(("recv", nxt))
             layers("backward", it, i)
             p2p(("send", prv))
+        if overlap:  # the stages and chunks not yet synchronised start theirs after the schedule
+            grad_sync(max(0, (2 if s.vpp == 1 else s.vpp) - len(grads)))
+            b.wait(r, *grads)  # finalize_model_grads
         if s.dp > 1:
-            for bucket in range(2):
+            for bucket in range(0 if overlap else 2):
                 b.collective(r, "reduce_scatter", dp, s.grad_bytes // 2, label=f"dp.grads {bucket}")
             b.collective(r, "all_reduce", dp, 4, label="dp.loss")
         b.collective(r, "all_reduce", mp, 4, label="mp.grad_norm")
         compute(2 * f, "optimizer")
-        if s.dp > 1:
+        if s.dp > 1 and not overlap:
             b.collective(r, "all_gather", dp, s.grad_bytes // 2, label="dp.params")
         if s.gpu_times:
             b.cpu_sync(r)  # Megatron's timers synchronise at the iteration's end
         b.mark(r, "iteration", "E")
 
 
-def _interleaved(s: Shape, steps: list, table: list[tuple[int, int]], post: Any, layers: Any, wait: Any) -> None:
-    """One iteration of a stage's interleaved program: its units, calls and waits (``steps``)."""
+def _interleaved(s: Shape, steps: list, table: list[tuple[int, int]], post: Any, layers: Any, wait: Any,
+                 grad_sync: Any = None, stage: int = 0) -> None:
+    """One iteration of a stage's interleaved program: its units, calls and waits (``steps``); with
+    ``grad_sync``, Megatron's aligned grad sync: after backward k, the sync of the chunk whose last backward
+    is k - stage (backward_step_helper_postprocess)."""
     refs: dict[tuple[str, int], Any] = {}
+    last = {}  # chunk -> the virtual microbatch of its last backward
+    for k, (_, chunk) in enumerate(table):
+        last[s.vpp - 1 - chunk] = max(last.get(s.vpp - 1 - chunk, -1), k)
     for step in steps:
         if step[0] == "call":
             refs.update(zip(step[1], post(*(x for x, _ in step[1])), strict=True))
@@ -207,3 +240,5 @@ def _interleaved(s: Shape, steps: list, table: list[tuple[int, int]], post: Any,
             mb, chunk = table[step[1]]
             forward = step[0] == "F"
             layers("forward" if forward else "backward", mb, chunk if forward else s.vpp - 1 - chunk)
+            if grad_sync is not None and not forward and step[1] - stage in last.values():
+                grad_sync()
