@@ -151,11 +151,27 @@ def test_class_depth_at_scale(t):
     _check_against_megatron(plan, t, sample=300)
 
 
-def test_class_depth_for_moe_is_refused_and_auto_keeps_a_replica():
+def test_class_depth_for_moe_folds_expert_peers_onto_ep0_and_auto_keeps_a_replica():
+    # EP4 = DP4: each stage's expert peers fold onto its ep = 0 rank (translated mirror of its routing)
+    t = TargetLayout(world_size=8, tp=1, pp=2, ep=4, num_experts=8, num_layers=4)
+    plan = build_fold_plan(t, "class")
+    assert plan.depth == "class" and plan.live == [0, 4] and plan.expert_tokens == "translated mirror"
+    assert [(c.name, c.count, c.sandbox) for c in plan.classes] == [("first", 4, [0]), ("last", 4, [4])]
+    _check_against_megatron(plan, t)
+    doc = json.loads(json.dumps(plan.to_json()))
+    assert doc["expert_tokens"] == "translated mirror" and FoldPlan.from_json(doc) == plan
+    with pytest.raises(FoldPlanFormatError, match="field expert_tokens is 'zeros'"):
+        FoldPlan.from_json({**doc, "expert_tokens": "zeros"})
+    assert build_fold_plan(t).depth == "replica"  # auto: expert ranks stay live unless class is asked for
+    # an expert axis that is not a segment of the dense DP axis (ETP1 under TP2): no shift along EP
     t = TargetLayout(world_size=64, tp=2, etp=1, pp=2, ep=4, num_experts=8, num_layers=4)
-    with pytest.raises(FoldDepthError, match=r"class folds .* dense layouts only; this is a MoE layout \(8 experts, "
-                                             r"EP4\).*--prism-fold-depth replica"):
+    with pytest.raises(FoldDepthError, match=r"fold depth class for this MoE layout \(TP2·PP2·EP4·ETP1·DP16 = 64 "
+                                             r"ranks\): its expert-parallel axis is not a segment .*replica"):
         build_fold_plan(t, "class")
+    # expert DP 2: the dense grid's translations do not carry expert groups onto expert groups
+    with pytest.raises(FoldDepthError, match=r"EP8, expert DP2, ETP1\): expert ep group \[0, 1, 2, 3, 4, 5, 6, 7\] "
+                                             r"moved by dp\+1 is not one group.*expert DP 1"):
+        build_fold_plan(TargetLayout(world_size=16, tp=1, pp=1, ep=8, num_experts=8, num_layers=4), "class")
     plan = build_fold_plan(t)
     assert plan.depth == "replica" and plan.k == 2 and len(plan.live) == 8
     _check_against_megatron(plan, t)
@@ -314,7 +330,7 @@ def test_plan_cli_shows_three_live_ranks_for_an_8b_shaped_tp2_pp4_job():
         assert row in text
 
 
-def test_run_passes_the_depth_to_the_fold_and_refuses_class_depth_for_moe(parse_each_command_once):
+def test_run_passes_the_depth_to_the_fold_and_folds_moe_expert_peers_at_class_depth(parse_each_command_once):
     from prism_megatron.megatron.fold_mode import FoldModeError, choose_fold
     from prism_megatron.megatron.run import launch_config, parse_run_args
 
@@ -335,9 +351,10 @@ def test_run_passes_the_depth_to_the_fold_and_refuses_class_depth_for_moe(parse_
     request = parse_run_args(["--recipe", "mini-moe-ep4-tp1pp2", "--prism-driver", "core",
                               "--prism-fold-depth", "class"])
     assert request.run_options().fold_depth == "class"
-    for mode in ("on", "auto"):  # a depth the layout cannot take is refused whatever the fold mode
-        with pytest.raises(FoldModeError, match="--prism-fold-depth class: fold depth class folds .* MoE layout"):
-            choose_fold(mode, launch_config(request), request.env, say=said.append, depth="class")
+    said = []
+    fold = choose_fold("on", launch_config(request), request.env, say=said.append, depth="class")
+    assert fold["live"] == [0, 4] and fold["expert_tokens"] == "translated mirror", fold["live"]
+    assert any("translated mirror of ep 0's routing" in s for s in said), said
 
 
 def test_plan_table_gives_each_class_its_live_memory_by_megatrons_formula():

@@ -57,6 +57,9 @@ ORDER = "tp-cp-ep-dp-pp"  # Megatron's default rank order (initialize_model_para
 ORDER_TP_PP_DP = "tp-cp-ep-pp-dp"  # Megatron-LM's --use-tp-pp-dp-mapping
 # the plan's schedule.name values: prism_megatron.trace.fold.SCHEDULES (the trace reader's; a test keeps them equal)
 SCHEDULES = ("no_pipelining", "1f1b", "interleaved")
+#: the rule for the tokens a folded expert rank receives at class depth (the plan's ``expert_tokens``;
+#: nccl_prune.contributions.A2A_RULE and prism_megatron.patches.moe_fold implement it)
+EXPERT_TOKENS = "translated mirror"
 
 
 class FoldError(ValueError):
@@ -64,7 +67,8 @@ class FoldError(ValueError):
 
 
 class FoldDepthError(FoldError):
-    """A fold depth this layout cannot take (class depth for MoE): an error whatever the fold mode."""
+    """A fold depth this layout cannot take (class depth for a MoE layout whose expert groups the dense
+    grid's translations do not carry onto expert groups): an error whatever the fold mode."""
 
 
 class FoldPlanFormatError(ValueError):
@@ -418,6 +422,8 @@ class FoldPlan:
     coords: list[list[int]] = field(default_factory=list)  # per rank, its position per axis (Megatron's groups)
     # {"name": one of SCHEDULES, "warmup": per pipeline rank}: pipeline_schedule; {} in a v1 plan
     schedule: dict[str, Any] = field(default_factory=dict)
+    # EXPERT_TOKENS when expert-parallel peers are virtual (class depth of a MoE layout); "" otherwise
+    expert_tokens: str = ""
 
     def is_live(self, rank: int) -> bool:
         i = bisect.bisect_left(self.live, rank)
@@ -445,6 +451,8 @@ class FoldPlan:
                        coords=[list(c) for c in self.coords])
             if self.schedule:
                 out["schedule"] = dict(self.schedule, warmup=list(self.schedule["warmup"]))
+            if self.expert_tokens:
+                out["expert_tokens"] = self.expert_tokens
         return out
 
     @classmethod
@@ -501,6 +509,11 @@ class FoldPlan:
             grid = {"depth": depth, "sizes": list(sizes), "coords": [list(c) for c in coords]}
             if "schedule" in data:
                 grid["schedule"] = _read_schedule(data["schedule"], sizes[AXES.index("pp")], source)
+            if "expert_tokens" in data:
+                if data["expert_tokens"] != EXPERT_TOKENS:
+                    raise FoldPlanFormatError(f"{source}: field expert_tokens is {data['expert_tokens']!r}; this "
+                                              f"prism folds expert peers by {EXPERT_TOKENS!r} only")
+                grid["expert_tokens"] = EXPERT_TOKENS
         return cls(world_size=world, live=live, rep=rep, classes=classes, class_of=class_of,
                    gpus_per_node=need(data, "gpus_per_node", int, ""), k=int(data.get("k", 1)),
                    layout=dict(data.get("layout") or {}), **grid)
@@ -629,14 +642,13 @@ def resolve_depth(layout: TargetLayout, requested: str = "auto") -> tuple[str, s
     if requested not in ("auto", *FOLD_DEPTHS):
         raise FoldDepthError(f"fold depth {requested!r} is not one of auto, {', '.join(FOLD_DEPTHS)}")
     moe = f"a MoE layout ({layout.num_experts} experts, EP{layout.ep})"
-    if requested == "class" and layout.num_experts:
-        raise FoldDepthError(f"fold depth class folds TP/CP peers and pipeline stages of dense layouts only; this is "
-                             f"{moe}: its expert ranks receive different token counts, so one live rank cannot stand "
-                             "for its peers and replicas in this version; use --prism-fold-depth replica (or auto)")
     if requested == "auto":
         if layout.num_experts:
-            return "replica", f"auto: replica for {moe}, whose expert ranks receive different token counts"
+            return "replica", (f"auto: replica for {moe}: its expert ranks stay live (class depth, which folds "
+                               f"them onto ep 0 by {EXPERT_TOKENS} of its routing, only when asked)")
         return "class", "auto: class for a dense layout"
+    if requested == "class" and layout.num_experts:
+        return "class", f"class (asked) for {moe}: expert peers receive the {EXPERT_TOKENS} of ep 0's routing"
     return requested, f"{requested} (asked)"
 
 
@@ -794,13 +806,27 @@ def build_fold_plan(layout: TargetLayout, depth: str = "auto",
         for g in gens.groups("dense", "dp"):  # position in Megatron's DP group = DP index
             for d, r in enumerate(g):
                 rep[r] = g[d % k]
+    if depth == "class" and t.num_experts and t.ep > 1 and (t.etp != t.tp or t.cp != 1):
+        raise FoldDepthError(f"fold depth class for this MoE layout ({t.describe()}): its expert-parallel axis is "
+                             f"not a segment of the dense data-parallel axis (ETP{t.etp} vs TP{t.tp}, CP{t.cp}), so "
+                             f"a peer's translation is not a shift along EP and the {EXPERT_TOKENS} of the "
+                             "live rank's routing is not defined for it; use --prism-fold-depth replica")
     live = np.flatnonzero(rep == np.arange(world)).tolist()
     say(f"checking the fold of every group kind ({world - len(live)} virtual ranks)")
-    _check_fold(_group_kinds(gens, t), grid, rep)
+    try:
+        _check_fold(_group_kinds(gens, t), grid, rep)
+    except FoldError as e:
+        if depth == "class" and t.num_experts:
+            raise FoldDepthError(f"fold depth class for this MoE layout ({t.describe()}, EP{t.ep}, expert DP{t.edp}"
+                                 f", ETP{t.etp}): {e}; class depth folds MoE layouts whose expert groups the "
+                                 "dense grid's translations carry onto expert groups (expert DP 1); use "
+                                 "--prism-fold-depth replica") from None
+        raise
 
     # Expert-parallel peers hold different experts and receive different token counts (routing):
     # not the same shapes, so each expert rank is a class of its own within its stages.
-    experts = t.ep if t.num_experts and t.ep > 1 else 1
+    # At class depth they fold onto the stage's ep = 0 rank: one class per stage, EXPERT_TOKENS.
+    experts = t.ep if t.num_experts and t.ep > 1 and depth != "class" else 1
     classes: list[RankClass] = []
     per_class = world // t.pp // experts
     middle = sum(1 for sig in by_signature if _stage_role(sig).startswith("middle"))
@@ -828,7 +854,8 @@ def build_fold_plan(layout: TargetLayout, depth: str = "auto",
                     gpus_per_node=t.gpus_per_node, k=k,
                     layout={key: getattr(t, key) for key in ("tp", "cp", "ep", "etp", "pp", "vpp", "num_layers",
                                                              "order")} | {"dp": t.dp, "edp": t.edp},
-                    depth=depth, sizes=grid.sizes.tolist(), coords=grid.coords.tolist(), schedule=pipeline_schedule(t))
+                    depth=depth, sizes=grid.sizes.tolist(), coords=grid.coords.tolist(), schedule=pipeline_schedule(t),
+                    expert_tokens=EXPERT_TOKENS if depth == "class" and t.num_experts and t.ep > 1 else "")
 
 
 def check_class_members(plan: FoldPlan, observed: Mapping[int, Sequence[Any]], what: str = "op sequence") -> None:

@@ -35,6 +35,8 @@ class Folding:
         self._planned: set[int] = set()  # group ids folded already
         # per (group, kind, root, in place): the counts one op adds (an op's count is O(group), once)
         self._per_op: dict[tuple, dict[str, int]] = {}
+        self.untranslate = _untranslate(plan)
+
 
     def fold_group(self, g: Group) -> str | None:
         """Fold ``g`` at its first registration: None, or why it cannot be folded (a live rank made it,
@@ -43,7 +45,7 @@ class Folding:
             return None
         self._planned.add(g.id)
         try:
-            p = plan_group(g.ranks, self.rep)
+            p = plan_group(g.ranks, self.rep, self.untranslate)
         except PruneError as e:
             return f"process group {g.name!r}: {e}"
         if p is None:  # cannot happen for a group a live rank registered: the rank is a member
@@ -79,3 +81,19 @@ class Folding:
     def to_json(self) -> dict[str, Any]:
         """The manifest's ``job.fold``: the plan plus the contributions counted so far."""
         return {**self.plan_json, "contributions": self.contributions.to_json()}
+
+
+def _untranslate(plan: dict[str, Any]) -> Callable[[int, int], int] | None:
+    """A version-2 plan's translation by coordinates, inverted (``nccl_prune.GroupPlan.untranslate``):
+    the rank that v's representative plays where v plays y; None for a plan without coordinates."""
+    coords, sizes = plan.get("coords"), plan.get("sizes")
+    if not coords or not sizes:
+        return None
+    rep = [int(x) for x in plan["rep"]]
+    at = {tuple(c): r for r, c in enumerate(coords)}
+
+    def untranslate(v: int, y: int) -> int:
+        cv, cm, cy = coords[v], coords[rep[v]], coords[y]
+        return at[tuple((a - (b - c)) % n for a, b, c, n in zip(cy, cv, cm, sizes, strict=True))]
+
+    return untranslate

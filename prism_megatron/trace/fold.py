@@ -88,6 +88,8 @@ class Fold:
     group: int = 0  # "interleaved": Megatron's microbatch_group_size_per_vp_stage (0: the plan does not say)
     overlap_p2p: bool = False  # "interleaved": Megatron's overlap_p2p_comm (p2p calls split and awaited later)
     wait_sends: bool = False  # "interleaved" with overlap: each steady forward's send waited at once
+    # how folded expert-parallel peers' tokens were made ("translated mirror"); "": no expert peer is virtual
+    expert_tokens: str = ""
 
     @property
     def version(self) -> int:
@@ -196,6 +198,8 @@ class Fold:
                 if self.schedule == "interleaved" and self.chunks > 1:
                     doc["schedule"].update(chunks=self.chunks, group=self.group, overlap_p2p=self.overlap_p2p,
                                            wait_sends=self.wait_sends)
+            if self.expert_tokens:
+                doc["expert_tokens"] = self.expert_tokens
         return doc
 
 
@@ -298,8 +302,11 @@ def parse_fold(doc: Any, world_size: int, path: str | Path) -> Fold:
     depth, axes, sizes, coords = ("replica", (), (), ()) if version == 1 else _axes(doc, w, path)
     schedule, warmup, chunks, group, overlap, wait_sends = ("", (), 1, 0, False, False) if version == 1 else \
         _schedule(doc, axes, sizes, path)
+    expert_tokens = doc.get("expert_tokens", "")
+    if not isinstance(expert_tokens, str):
+        raise _error(path, "expert_tokens", f"is {expert_tokens!r}, expected a string (the rule's name)")
     return Fold(w, tuple(live), tuple(rep), gpus, tuple(classes), tuple(class_of), contributions, depth, axes,
-                sizes, coords, schedule, warmup, chunks, group, overlap, wait_sends)
+                sizes, coords, schedule, warmup, chunks, group, overlap, wait_sends, expert_tokens)
 
 
 def _schedule(doc: dict, axes: tuple[str, ...], sizes: tuple[int, ...],
