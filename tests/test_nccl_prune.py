@@ -217,6 +217,39 @@ def test_all_to_all_counterpart_by_shift_hand_checked():
     assert [plan.counterpart(0, q) for q in range(3)] == [0, 0, 0]
 
 
+def test_all_to_all_single_translated_mirror_for_folded_expert_peers():
+    """EP4 folded onto ep 0 (class depth of TP1·PP2·EP4·DP4): virtual expert rank j sends live rank 4 what
+    rank 4 sends to EP offset -j (mod 4), under uneven splits; with the dispatcher's counts rotated by the
+    same rule (patches.moe_fold) the splits agree, dispatch and combine, and the live rank receives
+    exactly the tokens its router sends out."""
+    from prism_megatron.patches.moe_fold import rotate_peer_counts
+    from prism_megatron.runtime.folding import _untranslate
+
+    rep = [0] * 4 + [4] * 4
+    plan_json = {"rep": rep, "live": [0, 4], "sizes": [1, 1, 4, 2], "coords": [[0, 0, r % 4, r // 4] for r in range(8)]}
+    plan = plan_group([4, 5, 6, 7], rep, _untranslate(plan_json))
+    assert [plan.counterpart(0, q) for q in range(4)] == [0, 3, 2, 1]
+    assert plan_group([4, 5, 6, 7], rep).counterpart(0, 1) == 0  # without coordinates: the v1 rule (itself)
+    # routing: 8 experts, 2 per EP rank; tokens per expert of the live rank
+    counts = torch.tensor([2, 1, 0, 0, 1, 1, 0, 1])
+    input_splits = counts.reshape(4, 2).sum(1).tolist()
+    assert input_splits == [3, 0, 2, 1]
+    gathered = rotate_peer_counts(counts.repeat(4), ep_size=4, tp_size=1, num_experts=8, ep_rank=0)
+    output_splits = gathered.reshape(4, 1, 8)[:, 0, 0:2].sum(-1).tolist()  # Megatron's preprocess, local experts 0-1
+    assert gathered.reshape(4, 8)[1].tolist() == [0, 1, 2, 1, 0, 0, 1, 1]  # peer 1 routes to e+2 what rank 4 routes to e
+    assert output_splits == [3, 1, 2, 0]
+    tokens = torch.arange(100, 106)  # dispatch: pieces to offsets 0..3 = [100 101 102] [] [103 104] [105]
+    got = execute("all_to_all", plan, {0: [tokens]}, in_splits={0: input_splits})[0][0]
+    assert got.tolist() == [100, 101, 102, 105, 103, 104]
+    pieces = [len(x) for x in ([100, 101, 102], [105], [103, 104], [])]
+    assert pieces == output_splits and got.numel() == sum(input_splits)
+    # combine: the live rank sends back by output_splits and receives by its dispatch's input_splits
+    back = torch.arange(200, 206)  # pieces [200 201 202] [203] [204 205] []
+    got = execute("all_to_all", plan, {0: [back]}, in_splits={0: output_splits})[0][0]
+    # from 0 its own piece; from 1 the piece to offset 3 ([]), from 2 to 2, from 3 to 1: sizes = input_splits
+    assert got.tolist() == [200, 201, 202, 204, 205, 203]
+
+
 def test_uneven_split_mismatch_is_an_error():
     plan = plan_group([0, 1], [0, 0])
     with pytest.raises(PruneError, match=r"splits \[1, 1\] of member 0 do not match 2 members and 3"):
