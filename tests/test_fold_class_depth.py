@@ -331,7 +331,7 @@ def test_plan_cli_shows_three_live_ranks_for_an_8b_shaped_tp2_pp4_job():
 
 
 def test_run_passes_the_depth_to_the_fold_and_folds_moe_expert_peers_at_class_depth(parse_each_command_once):
-    from prism_megatron.megatron.fold_mode import FoldModeError, choose_fold
+    from prism_megatron.megatron.fold_mode import choose_fold
     from prism_megatron.megatron.run import launch_config, parse_run_args
 
     request = parse_run_args(["--recipe", "mini-dense-tp2pp2dp4", "--prism-driver", "core",

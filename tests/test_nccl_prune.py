@@ -236,7 +236,8 @@ def test_all_to_all_single_translated_mirror_for_folded_expert_peers():
     assert input_splits == [3, 0, 2, 1]
     gathered = rotate_peer_counts(counts.repeat(4), ep_size=4, tp_size=1, num_experts=8, ep_rank=0)
     output_splits = gathered.reshape(4, 1, 8)[:, 0, 0:2].sum(-1).tolist()  # Megatron's preprocess, local experts 0-1
-    assert gathered.reshape(4, 8)[1].tolist() == [0, 1, 2, 1, 0, 0, 1, 1]  # peer 1 routes to e+2 what rank 4 routes to e
+    # peer 1 routes to expert e + 2 what rank 4 routes to expert e
+    assert gathered.reshape(4, 8)[1].tolist() == [0, 1, 2, 1, 0, 0, 1, 1]
     assert output_splits == [3, 1, 2, 0]
     tokens = torch.arange(100, 106)  # dispatch: pieces to offsets 0..3 = [100 101 102] [] [103 104] [105]
     got = execute("all_to_all", plan, {0: [tokens]}, in_splits={0: input_splits})[0][0]

@@ -29,12 +29,13 @@ from run_peer_suite import TAG, megatron_checkout  # noqa: E402
 GIB = 1 << 30
 
 
-def plan(name: str, checkout: Path, device_gib: float, host_gib: float) -> dict:
+def plan(name: str, checkout: Path, device_gib: float, host_gib: float, depth: str = "auto") -> dict:
     """The plan's JSON for recipe ``name`` (a refused plan's too: it says why), or {'error': ...}."""
     env = dict(os.environ, MEGATRON_LM_PATH=str(checkout),
                PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     cmd = [sys.executable, "-m", "prism_megatron", "plan", "--recipe", f"targets-{name}", "--prism-devices", "0",
-           "--prism-device-memory", str(device_gib), "--prism-host-memory", str(host_gib), "--json"]
+           "--prism-device-memory", str(device_gib), "--prism-host-memory", str(host_gib), "--prism-fold-depth", depth,
+           "--json"]
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
     try:
         return json.loads(p.stdout)
@@ -60,6 +61,8 @@ def main() -> None:
     ap.add_argument("--megatron-lm", help=f"Megatron-LM checkout or --pack archive (default: fetch {TAG})")
     ap.add_argument("--device-memory", type=float, default=139.0, help="GiB of the emulation GPU")
     ap.add_argument("--host-memory", type=float, default=115.0, help="GiB of host RAM the emulation may use")
+    ap.add_argument("--fold-depth", default="auto", choices=("auto", "replica", "class"),
+                    help="--prism-fold-depth of every plan (class: MoE targets fold their expert peers too)")
     ap.add_argument("--out", type=Path, help="also write the table here")
     a = ap.parse_args()
     checkout = megatron_checkout(a.megatron_lm, TAG)
@@ -68,10 +71,10 @@ def main() -> None:
     rows = []
     for i, name in enumerate(names, 1):
         print(f"[{i}/{len(names)}] plan {name}", file=sys.stderr, flush=True)
-        rows.append(row(name, plan(name, checkout, a.device_memory, a.host_memory)))
+        rows.append(row(name, plan(name, checkout, a.device_memory, a.host_memory, a.fold_depth)))
     widths = [max(len(r[c]) for r in [head, *rows]) for c in range(len(head) - 1)]
     lines = [f"# python bench/targets/plan_all.py --device-memory {a.device_memory:g} --host-memory {a.host_memory:g}"
-             f"  (Megatron-LM {TAG}'s formula)"]
+             f" --fold-depth {a.fold_depth}  (Megatron-LM {TAG}'s formula)"]
     for r in [head, *rows]:
         lines.append("  ".join(x.ljust(w) for x, w in zip(r, widths, strict=False)) + "  " + r[-1])
     text = "\n".join(lines) + "\n"

@@ -12,8 +12,9 @@ Classes group ranks that do the same work on the same shapes: data-parallel repl
 too), tensor/context-parallel peers, and pipeline stages whose chunks hold the same layers
 with the same embedding/loss role (layer counts per stage from Megatron's own
 ``get_num_layers_to_build``, so uneven first/last stages and ``--pipeline-model-parallel-layout``
-make their stages classes of their own). Expert-parallel peers are not grouped: they hold different
-experts and receive different token counts, so each expert rank of a stage is its own class.
+make their stages classes of their own). At replica depth expert-parallel peers are not grouped:
+they hold different experts and receive different token counts, so each expert rank of a stage is
+its own class (and live). At class depth they are one class with the stage (see below).
 
 Two sandbox depths (``--prism-fold-depth``):
 
@@ -21,11 +22,20 @@ Two sandbox depths (``--prism-fold-depth``):
   count of DP indices that holds whole expert tensor-and-expert-parallel groups (k = 1 for dense
   models); ``rep[r]`` is the rank with r's other coordinates and DP index ``d mod k``. A class may
   have several live ranks (its TP/CP peers, its pipeline stages).
-- *class* (dense layouts): one live rank per class. ``rep[r]`` is the rank at tp = cp = 0, DP index
-  0 and the lowest pipeline stage of r's class (under 1F1B it holds the most in-flight
-  micro-batches, so its peak is the class's); first and last stages keep their own live rank. MoE
-  layouts keep replica depth: expert peers receive different token counts, so folding them onto
-  one rank would change what a live expert rank computes.
+- *class*: one live rank per class. ``rep[r]`` is the rank at tp = cp = 0, DP index 0 and the
+  lowest pipeline stage of r's class (under 1F1B it holds the most in-flight micro-batches, so its
+  peak is the class's); first and last stages keep their own live rank. A MoE stage's expert peers
+  fold onto its ep = 0 (etp = 0) rank by the *translated mirror* (``EXPERT_TOKENS``, recorded as the
+  plan's ``expert_tokens``): virtual expert rank j does the live rank's work translated by j along
+  EP, so it routes to expert g + j·L (L local experts per rank) what the live rank routes to expert
+  g. The live rank then receives from peer j the tokens its own router sends to EP offset -j
+  (nccl_prune's A2A_RULE by the plan's coordinates) and the per-expert counts that say so
+  (prism_megatron.patches.moe_fold rotates the mirrored count all-gather): over its peers, exactly
+  the tokens its router sends out, so it holds and computes what a real expert rank holds under
+  that routing (a balanced load where real ranks vary). This needs the translation to be a shift
+  along EP: ETP = TP, CP1 and groups carried onto groups (expert DP 1); other MoE layouts are
+  refused at class depth (FoldDepthError naming the group). ``auto`` keeps replica depth for MoE:
+  a replica keeps every expert rank's own routing.
 
 A folded middle stage does not run its representative's program: under 1F1B pipeline rank p runs
 ``min(pp - p - 1, M)`` warm-up forwards. The plan records the schedule (``schedule``: Megatron's

@@ -8,9 +8,9 @@ when W x (Megatron's memory per rank + ``RANK_PROCESS_HOST_BYTES``) fits in the 
 there). Without Megatron's formula (no megatron.training) the per-rank state counts as 0, and that is
 said; a command the plan cannot read (not a Megatron command, a layout that does not fold) is run in
 full under 'auto', saying why, and refused under 'on'; a depth the layout cannot take (class depth
-for MoE) is refused under both. After a folded capture, the live ranks of
-each class must have issued the same ops (kinds, sizes, group sizes); a class whose members differ is
-refused (``fold.check_class_members``).
+for a MoE layout whose expert axis is not a shift of the dense grid) is refused under both. After a
+folded capture, the live ranks of each class must have issued the same ops (kinds, sizes, group
+sizes); a class whose members differ is refused (``fold.check_class_members``).
 """
 
 from __future__ import annotations
