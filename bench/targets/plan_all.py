@@ -50,7 +50,7 @@ def row(name: str, d: dict) -> list[str]:
     live = fold.get("live") or []
     gib = (lambda k: "-" if m.get(k) is None else f"{m[k] / GIB:.1f}")
     fits = {True: "fits", False: "does not fit", None: "unknown"}[m.get("fits")]
-    depth = (d.get("fold_depth") or "").split(" ")[1] if d.get("fold_depth") else "-"
+    depth = fold.get("depth") or "-"
     return [name, d["layout"], depth, f"{len(live)} of {fold.get('world_size', '?')}", gib("per_rank"),
             f"{gib('weight_and_optimizer')} + {gib('activation')}", f"{d['time']['seconds'] / 60:.0f} min",
             fits + ("" if m.get("fits") else f": {m.get('why')}")]
