@@ -55,10 +55,12 @@ def _check_against_megatron(plan: FoldPlan, t: TargetLayout, sample: int | None 
     world = t.world_size
     kinds = _kinds(t)
     # coords: each rank's position in Megatron's group of each axis
-    for a, axis in enumerate(("tp", "cp", "dp", "pp")):
-        for g in kinds[f"dense {axis}"]:
+    expert = plan.axes == ("tp", "cp", "ep", "edp", "pp")  # MoE at class depth with expert DP > 1
+    for a, axis in enumerate(plan.axes):
+        kind = {"ep": "expert ep", "edp": "expert dp"}.get(axis, f"dense {axis}")
+        for g in kinds[kind]:
             assert [plan.coords[r][a] for r in g] == list(range(len(g)))
-    assert plan.sizes == [t.tp, t.cp, t.dp, t.pp]
+    assert plan.sizes == ([t.tp, t.cp, t.ep, t.edp, t.pp] if expert else [t.tp, t.cp, t.dp, t.pp])
     index = {tuple(c): r for r, c in enumerate(plan.coords)}
     assert len(index) == world
     live = set(plan.live)
@@ -168,10 +170,15 @@ def test_class_depth_for_moe_folds_expert_peers_onto_ep0_and_auto_keeps_a_replic
     with pytest.raises(FoldDepthError, match=r"fold depth class for this MoE layout \(TP2·PP2·EP4·ETP1·DP16 = 64 "
                                              r"ranks\): its expert-parallel axis is not a segment .*replica"):
         build_fold_plan(t, "class")
-    # expert DP 2: the dense grid's translations do not carry expert groups onto expert groups
-    with pytest.raises(FoldDepthError, match=r"EP8, expert DP2, ETP1\): expert ep group \[0, 1, 2, 3, 4, 5, 6, 7\] "
-                                             r"moved by dp\+1 is not one group.*expert DP 1"):
-        build_fold_plan(TargetLayout(world_size=16, tp=1, pp=1, ep=8, num_experts=8, num_layers=4), "class")
+    # expert DP > 1: the plan's axes split dense DP into ep and expert DP (a shift along ep keeps groups)
+    for m in (TargetLayout(world_size=16, tp=1, pp=1, ep=8, num_experts=8, num_layers=4),
+              TargetLayout(world_size=64, tp=2, pp=2, ep=4, num_experts=8, num_layers=4),
+              TargetLayout(world_size=256, tp=1, pp=8, ep=8, num_experts=128, num_layers=16)):
+        plan = build_fold_plan(m, "class")
+        assert plan.axes == ("tp", "cp", "ep", "edp", "pp") and plan.expert_tokens == "translated mirror"
+        assert len(plan.live) == len(plan.classes) == min(m.pp, 3), (m, plan.live)
+        _check_against_megatron(plan, m, sample=200)
+        assert FoldPlan.from_json(json.loads(json.dumps(plan.to_json()))) == plan
     plan = build_fold_plan(t)
     assert plan.depth == "replica" and plan.k == 2 and len(plan.live) == 8
     _check_against_megatron(plan, t)

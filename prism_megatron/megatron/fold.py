@@ -54,7 +54,7 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["FOLD_PLAN_VERSION", "FOLD_PLAN_VERSIONS", "FOLD_DEPTHS", "AXES", "SCHEDULES", "FoldError",
+__all__ = ["FOLD_PLAN_VERSION", "FOLD_PLAN_VERSIONS", "FOLD_DEPTHS", "AXES", "AXES_EXPERT", "SCHEDULES", "FoldError",
            "FoldDepthError", "FoldPlanFormatError", "TargetLayout", "RankClass", "FoldPlan", "layout_from_args",
            "resolve_depth", "build_fold_plan", "check_class_members", "stage_signatures", "pipeline_schedule"]
 
@@ -63,6 +63,9 @@ FOLD_PLAN_VERSION = 2  # what build_fold_plan writes
 FOLD_PLAN_VERSIONS = (1, 2)
 FOLD_DEPTHS = ("replica", "class")
 AXES = ("tp", "cp", "dp", "pp")  # the dense generator's axes, in the plan's coords
+# a MoE layout at class depth with expert DP > 1 (ETP = TP, CP1): the dense DP index is ep + EP·edp, and
+# its digits are the axes (so that a shift along ep keeps the expert DP index: expert groups onto groups)
+AXES_EXPERT = ("tp", "cp", "ep", "edp", "pp")
 ORDER = "tp-cp-ep-dp-pp"  # Megatron's default rank order (initialize_model_parallel)
 ORDER_TP_PP_DP = "tp-cp-ep-pp-dp"  # Megatron-LM's --use-tp-pp-dp-mapping
 # the plan's schedule.name values: prism_megatron.trace.fold.SCHEDULES (the trace reader's; a test keeps them equal)
@@ -428,12 +431,13 @@ class FoldPlan:
     k: int = 1  # DP indices in the sandbox
     layout: dict[str, Any] = field(default_factory=dict)
     depth: str = "replica"  # one of FOLD_DEPTHS (module docstring)
-    sizes: list[int] = field(default_factory=list)  # the dense grid's size per axis (AXES); empty in a v1 plan
+    sizes: list[int] = field(default_factory=list)  # the grid's size per axis (``axes``); empty in a v1 plan
     coords: list[list[int]] = field(default_factory=list)  # per rank, its position per axis (Megatron's groups)
     # {"name": one of SCHEDULES, "warmup": per pipeline rank}: pipeline_schedule; {} in a v1 plan
     schedule: dict[str, Any] = field(default_factory=dict)
     # EXPERT_TOKENS when expert-parallel peers are virtual (class depth of a MoE layout); "" otherwise
     expert_tokens: str = ""
+    axes: tuple[str, ...] = AXES  # AXES, or AXES_EXPERT (class depth of a MoE layout with expert DP > 1)
 
     def is_live(self, rank: int) -> bool:
         i = bisect.bisect_left(self.live, rank)
@@ -457,7 +461,7 @@ class FoldPlan:
                "k": self.k, "layout": dict(self.layout), "live": list(self.live), "rep": list(self.rep),
                "class_of": list(self.class_of), "classes": [c.to_json() for c in self.classes]}
         if self.coords:
-            out.update(depth=self.depth, axes=list(AXES), sizes=list(self.sizes),
+            out.update(depth=self.depth, axes=list(self.axes), sizes=list(self.sizes),
                        coords=[list(c) for c in self.coords])
             if self.schedule:
                 out["schedule"] = dict(self.schedule, warmup=list(self.schedule["warmup"]))
@@ -507,18 +511,19 @@ class FoldPlan:
             if depth not in FOLD_DEPTHS:
                 raise FoldPlanFormatError(f"{source}: field depth {depth!r} is not one of {', '.join(FOLD_DEPTHS)}")
             axes = need(data, "axes", list, "")
-            if axes != list(AXES):
-                raise FoldPlanFormatError(f"{source}: field axes is {axes}; this prism reads {list(AXES)}")
+            if axes not in (list(AXES), list(AXES_EXPERT)):
+                raise FoldPlanFormatError(f"{source}: field axes is {axes}; this prism reads {list(AXES)} or "
+                                          f"{list(AXES_EXPERT)}")
             sizes = need(data, "sizes", list, "")
-            if (len(sizes) != len(AXES) or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in sizes)
+            if (len(sizes) != len(axes) or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in sizes)
                     or math.prod(sizes) != world):
-                raise FoldPlanFormatError(f"{source}: field sizes is {sizes}: expected {len(AXES)} positive sizes "
+                raise FoldPlanFormatError(f"{source}: field sizes is {sizes}: expected {len(axes)} positive sizes "
                                           f"whose product is world_size {world}")
             coords = need(data, "coords", list, "")
             _check_coords(coords, sizes, world, source)
-            grid = {"depth": depth, "sizes": list(sizes), "coords": [list(c) for c in coords]}
+            grid = {"depth": depth, "sizes": list(sizes), "coords": [list(c) for c in coords], "axes": tuple(axes)}
             if "schedule" in data:
-                grid["schedule"] = _read_schedule(data["schedule"], sizes[AXES.index("pp")], source)
+                grid["schedule"] = _read_schedule(data["schedule"], sizes[axes.index("pp")], source)
             if "expert_tokens" in data:
                 if data["expert_tokens"] != EXPERT_TOKENS:
                     raise FoldPlanFormatError(f"{source}: field expert_tokens is {data['expert_tokens']!r}; this "
@@ -663,15 +668,20 @@ def resolve_depth(layout: TargetLayout, requested: str = "auto") -> tuple[str, s
 
 
 class _Grid:
-    """Megatron's dense grid: each rank's coordinates (its position in Megatron's group of each axis)
-    and the rank at a position, both as arrays (O(W) once)."""
+    """Megatron's grid: each rank's coordinates (its position in Megatron's group of each axis) and the
+    rank at a position, both as arrays (O(W) once). Axes AXES (the dense generator's) or, with
+    ``expert``, AXES_EXPERT (dense DP split into the expert generator's ep and expert-DP axes)."""
 
-    def __init__(self, gens: _Generators, layout: TargetLayout) -> None:
+    def __init__(self, gens: _Generators, layout: TargetLayout, expert: bool = False) -> None:
         import numpy as np
 
         world = layout.world_size
-        self.sizes = np.array([layout.tp, layout.cp, layout.dp, layout.pp], dtype=np.int64)
-        self.coords = np.array([gens.coordinate("dense", axis, world) for axis in AXES], dtype=np.int64).T.copy()
+        t = layout
+        self.axes = AXES_EXPERT if expert else AXES
+        self.sizes = np.array([t.tp, t.cp, t.ep, t.edp, t.pp] if expert else [t.tp, t.cp, t.dp, t.pp], dtype=np.int64)
+        which = {"ep": ("expert", "ep"), "edp": ("expert", "dp")}
+        self.coords = np.array([gens.coordinate(*which.get(axis, ("dense", axis)), world) for axis in self.axes],
+                               dtype=np.int64).T.copy()
         if (self.coords < 0).any():
             r = int(np.flatnonzero((self.coords < 0).any(axis=1))[0])
             raise FoldError(f"rank {r} is in no group of Megatron's rank generator along some axis: not a grid")
@@ -683,7 +693,7 @@ class _Grid:
 
     def _flat(self, coords: Any) -> Any:
         flat = coords[:, 0].copy()
-        for a in range(1, len(AXES)):
+        for a in range(1, len(self.axes)):
             flat = flat * self.sizes[a] + coords[:, a]
         return flat
 
@@ -758,7 +768,7 @@ def _check_fold(kinds: list[tuple[str, list[list[int]]]], grid: _Grid, rep: Any)
             raise FoldError(f"{name} group {_short(groups[gid[r]])} has live members but rank {r}'s "
                             f"representative {rep[r]} is outside it: this layout does not fold")
         firsts = np.cumsum(lengths) - lengths
-        for a, axis in enumerate(AXES):
+        for a, axis in enumerate(grid.axes):
             step = int(np.gcd.reduce(np.append(steps[covered, a], grid.sizes[a])))
             if step == grid.sizes[a]:
                 continue  # no translation moves along this axis
@@ -793,8 +803,15 @@ def build_fold_plan(layout: TargetLayout, depth: str = "auto",
     signatures = stage_signatures(t)
     say(f"Megatron's rank order for {world} ranks")
     gens = _Generators(t)
-    grid = _Grid(gens, t)
-    dp_index = grid.coords[:, 2].tolist()
+    moe_class = depth == "class" and bool(t.num_experts) and t.ep > 1
+    if moe_class and (t.etp != t.tp or t.cp != 1):
+        raise FoldDepthError(f"fold depth class for this MoE layout ({t.describe()}): its expert-parallel axis is "
+                             f"not a segment of the dense data-parallel axis (ETP{t.etp} vs TP{t.tp}, CP{t.cp}), so "
+                             f"a peer's translation is not a shift along EP and the {EXPERT_TOKENS} of the "
+                             "live rank's routing is not defined for it; use --prism-fold-depth replica")
+    grid = _Grid(gens, t, expert=moe_class and t.edp > 1)
+    pp_axis = len(grid.axes) - 1
+    dp_index = gens.coordinate("dense", "dp", world)
     k = _sandbox_k(t, gens, dp_index)
 
     by_signature: dict[Hashable, list[int]] = {}
@@ -807,20 +824,14 @@ def build_fold_plan(layout: TargetLayout, depth: str = "auto",
             stage_class[p], lowest[p] = si, stages[0]
 
     if depth == "class":
-        to = grid.coords.copy()
-        to[:, 0] = to[:, 1] = to[:, 2] = 0  # TP/CP peers and DP replicas onto tp = cp = 0, DP index 0 (k = 1)
-        to[:, 3] = np.array(lowest, dtype=np.int64)[grid.coords[:, 3]]
+        to = np.zeros_like(grid.coords)  # TP/CP peers and DP replicas (expert peers) onto 0 (k = 1)
+        to[:, pp_axis] = np.array(lowest, dtype=np.int64)[grid.coords[:, pp_axis]]
         rep = grid.at(to)
     else:
         rep = np.empty(world, dtype=np.int64)
         for g in gens.groups("dense", "dp"):  # position in Megatron's DP group = DP index
             for d, r in enumerate(g):
                 rep[r] = g[d % k]
-    if depth == "class" and t.num_experts and t.ep > 1 and (t.etp != t.tp or t.cp != 1):
-        raise FoldDepthError(f"fold depth class for this MoE layout ({t.describe()}): its expert-parallel axis is "
-                             f"not a segment of the dense data-parallel axis (ETP{t.etp} vs TP{t.tp}, CP{t.cp}), so "
-                             f"a peer's translation is not a shift along EP and the {EXPERT_TOKENS} of the "
-                             "live rank's routing is not defined for it; use --prism-fold-depth replica")
     live = np.flatnonzero(rep == np.arange(world)).tolist()
     say(f"checking the fold of every group kind ({world - len(live)} virtual ranks)")
     try:
@@ -828,9 +839,7 @@ def build_fold_plan(layout: TargetLayout, depth: str = "auto",
     except FoldError as e:
         if depth == "class" and t.num_experts:
             raise FoldDepthError(f"fold depth class for this MoE layout ({t.describe()}, EP{t.ep}, expert DP{t.edp}"
-                                 f", ETP{t.etp}): {e}; class depth folds MoE layouts whose expert groups the "
-                                 "dense grid's translations carry onto expert groups (expert DP 1); use "
-                                 "--prism-fold-depth replica") from None
+                                 f", ETP{t.etp}): {e}; use --prism-fold-depth replica") from None
         raise
 
     # Expert-parallel peers hold different experts and receive different token counts (routing):
@@ -854,7 +863,7 @@ def build_fold_plan(layout: TargetLayout, depth: str = "auto",
                 where += f", expert rank {e} of {experts}"
             classes.append(RankClass(name=f"{name}/ep{e}" if experts > 1 else name, role=where,
                                      count=per_class * len(stages), sandbox=[], coords=coords))
-    class_of_arr = np.array(stage_class, dtype=np.int64)[grid.coords[:, 3]]
+    class_of_arr = np.array(stage_class, dtype=np.int64)[grid.coords[:, pp_axis]]
     if experts > 1:
         class_of_arr = class_of_arr * experts + np.array(gens.coordinate("expert", "ep", world), dtype=np.int64)
     class_of = class_of_arr.tolist()
@@ -865,7 +874,7 @@ def build_fold_plan(layout: TargetLayout, depth: str = "auto",
                     layout={key: getattr(t, key) for key in ("tp", "cp", "ep", "etp", "pp", "vpp", "num_layers",
                                                              "order")} | {"dp": t.dp, "edp": t.edp},
                     depth=depth, sizes=grid.sizes.tolist(), coords=grid.coords.tolist(), schedule=pipeline_schedule(t),
-                    expert_tokens=EXPERT_TOKENS if depth == "class" and t.num_experts and t.ep > 1 else "")
+                    expert_tokens=EXPERT_TOKENS if moe_class else "", axes=grid.axes)
 
 
 def check_class_members(plan: FoldPlan, observed: Mapping[int, Sequence[Any]], what: str = "op sequence") -> None:
