@@ -33,9 +33,11 @@ Two sandbox depths (``--prism-fold-depth``):
   (prism_megatron.patches.moe_fold rotates the mirrored count all-gather): over its peers, exactly
   the tokens its router sends out, so it holds and computes what a real expert rank holds under
   that routing (a balanced load where real ranks vary). This needs the translation to be a shift
-  along EP: ETP = TP, CP1 and groups carried onto groups (expert DP 1); other MoE layouts are
-  refused at class depth (FoldDepthError naming the group). ``auto`` keeps replica depth for MoE:
-  a replica keeps every expert rank's own routing.
+  along EP: ETP = TP and CP1 (else FoldDepthError). With expert DP > 1 the plan's axes are
+  ``AXES_EXPERT`` (tp, cp, ep, edp, pp: the dense DP index is ep + EP·edp, Megatron's expert
+  generator's coordinates), so that a shift along ep keeps a rank's expert DP index and carries
+  expert groups onto expert groups. ``auto`` keeps replica depth for MoE: a replica keeps every
+  expert rank's own routing.
 
 A folded middle stage does not run its representative's program: under 1F1B pipeline rank p runs
 ``min(pp - p - 1, M)`` warm-up forwards. The plan records the schedule (``schedule``: Megatron's
