@@ -56,11 +56,12 @@ def _check_against_megatron(plan: FoldPlan, t: TargetLayout, sample: int | None 
     kinds = _kinds(t)
     # coords: each rank's position in Megatron's group of each axis
     expert = plan.axes == ("tp", "cp", "ep", "edp", "pp")  # MoE at class depth with expert DP > 1
+    inner = t.tp // t.etp if expert else 1  # dense-TP positions inside one EP position
     for a, axis in enumerate(plan.axes):
         kind = {"ep": "expert ep", "edp": "expert dp"}.get(axis, f"dense {axis}")
         for g in kinds[kind]:
-            assert [plan.coords[r][a] for r in g] == list(range(len(g)))
-    assert plan.sizes == ([t.tp, t.cp, t.ep, t.edp, t.pp] if expert else [t.tp, t.cp, t.dp, t.pp])
+            assert [plan.coords[r][a] for r in g] == [i // inner if axis == "ep" else i for i in range(len(g))]
+    assert plan.sizes == ([t.tp, t.cp, t.ep // inner, t.edp, t.pp] if expert else [t.tp, t.cp, t.dp, t.pp])
     index = {tuple(c): r for r, c in enumerate(plan.coords)}
     assert len(index) == world
     live = set(plan.live)
@@ -165,14 +166,17 @@ def test_class_depth_for_moe_folds_expert_peers_onto_ep0_and_auto_keeps_a_replic
     with pytest.raises(FoldPlanFormatError, match="field expert_tokens is 'zeros'"):
         FoldPlan.from_json({**doc, "expert_tokens": "zeros"})
     assert build_fold_plan(t).depth == "replica"  # auto: expert ranks stay live unless class is asked for
-    # an expert axis that is not a segment of the dense DP axis (ETP1 under TP2): no shift along EP
+    # an expert axis that is not made of TP's digits above ETP and DP's: refused, naming the sizes or group
+    with pytest.raises(FoldDepthError, match=r"\(TP1·PP2·EP4·ETP2·DP8 = 16 ranks\): its expert-parallel axis is not "
+                                             r"made of .*ETP must divide TP.*replica"):
+        build_fold_plan(TargetLayout(world_size=16, tp=1, etp=2, pp=2, ep=4, num_experts=8, num_layers=4), "class")
+    with pytest.raises(FoldDepthError, match=r"expert tp group \[0, 1\] moved by tp\+1 is not one group"):
+        build_fold_plan(TargetLayout(world_size=64, tp=4, etp=2, pp=2, ep=4, num_experts=8, num_layers=4), "class")
+    # expert DP > 1 or ETP1 under TP2: the plan's axes split TP and DP into EP's digits (tp, ep) and expert DP
     t = TargetLayout(world_size=64, tp=2, etp=1, pp=2, ep=4, num_experts=8, num_layers=4)
-    with pytest.raises(FoldDepthError, match=r"fold depth class for this MoE layout \(TP2·PP2·EP4·ETP1·DP16 = 64 "
-                                             r"ranks\): its expert-parallel axis is not a segment .*replica"):
-        build_fold_plan(t, "class")
-    # expert DP > 1: the plan's axes split dense DP into ep and expert DP (a shift along ep keeps groups)
     for m in (TargetLayout(world_size=16, tp=1, pp=1, ep=8, num_experts=8, num_layers=4),
-              TargetLayout(world_size=64, tp=2, pp=2, ep=4, num_experts=8, num_layers=4),
+              TargetLayout(world_size=64, tp=2, pp=2, ep=4, num_experts=8, num_layers=4), t,
+              TargetLayout(world_size=1024, tp=2, etp=1, pp=8, ep=64, num_experts=256, num_layers=16),
               TargetLayout(world_size=256, tp=1, pp=8, ep=8, num_experts=128, num_layers=16)):
         plan = build_fold_plan(m, "class")
         assert plan.axes == ("tp", "cp", "ep", "edp", "pp") and plan.expert_tokens == "translated mirror"

@@ -138,12 +138,14 @@ def test_moe_class_depth_folds_expert_peers_by_translated_mirror(megatron_runs):
     assert set(losses) == {1, 2, 3} and all(math.isfinite(x) for x in losses.values())
     ref = _losses(full["metrics"])
     assert all(math.isclose(losses[it], ref[it], rel_tol=LOSS_RTOL) for it in ref), (losses, ref)
-    # expert DP 2 (16 ranks): the plan's axes split DP into ep and expert DP; the same rule, 2 live ranks
-    wide = megatron_runs.run(str(RECIPES / "fold-class-moe-ep4pp2dp8.yaml"), "on", depth="class", memory=False)
+    # TP2 with expert TP1 and expert DP2 (16 ranks): the plan's axes split TP and DP into EP's digits; the
+    # same rule (2 live ranks), 128 rows per all-to-all (sequence parallel halves the tokens)
+    wide = megatron_runs.run(str(RECIPES / "fold-class-moe-tp2etp1ep4pp2.yaml"), "on", depth="class", memory=False)
     trace = read_trace(wide["trace"])
     assert trace.fold.live == (0, 8) and trace.fold.axes == ("tp", "cp", "ep", "edp", "pp"), wide["output"][-2000:]
+    assert trace.fold.sizes == (2, 1, 2, 2, 2)
     for rank in trace.fold.live:
-        assert {b for k, b, _, _ in _op_sequence(trace, rank) if k == "all_to_all"} == {256 * 64 * 4, 256 * 4}
+        assert {b for k, b, _, _ in _op_sequence(trace, rank) if k == "all_to_all"} == {128 * 64 * 4, 128 * 4}
     losses = _losses(wide["metrics"])
     assert set(losses) == {1, 2, 3} and all(math.isfinite(x) for x in losses.values())
 

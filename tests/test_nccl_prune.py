@@ -251,6 +251,33 @@ def test_all_to_all_single_translated_mirror_for_folded_expert_peers():
     assert got.tolist() == [200, 201, 202, 204, 205, 203]
 
 
+@pytest.mark.parametrize("tp, ep", [(1, 4), (2, 4), (2, 8), (4, 8)])
+def test_rotated_counts_say_what_the_translated_all_to_all_delivers(tp, ep):
+    """For every folded expert peer, the count the dispatcher reads for the live rank's experts (row e,
+    its block) is the size of the piece the coordinator delivers from that peer (the piece its mirror
+    sends to the counterpart): ETP1 under TP ``tp`` (EP position = tp + TP·q, the plan's axes tp, cp,
+    ep, edp, pp with ep = q) translates digit by digit, not by a roll of EP positions. The all-to-all's
+    total cannot tell them apart; the per-expert sorting after it can."""
+    from prism_megatron.patches.moe_fold import rotate_peer_counts
+    from prism_megatron.runtime.folding import _untranslate
+
+    rep = [0] * ep  # one stage, EP group = the whole stage, live rank 0
+    coords = [[e % tp, 0, e // tp, 0, 0] for e in range(ep)]
+    fold = {"rep": rep, "coords": coords, "sizes": [tp, 1, ep // tp, 1, 1]}
+    plan = plan_group(list(range(ep)), rep, _untranslate(fold))
+    local = 2
+    counts = torch.randperm(ep * local) * 7 + 1  # distinct per expert
+    rows = rotate_peer_counts(counts.repeat(ep), ep_size=ep, tp_size=1, num_experts=ep * local, ep_rank=0,
+                              inner=tp).reshape(ep, ep, local)
+    block = counts.reshape(ep, local)
+    for e in range(ep):
+        assert torch.equal(rows[e, 0], block[plan.counterpart(0, e)]), (e, plan.counterpart(0, e))
+        assert sorted(rows[e].reshape(-1).tolist()) == sorted(counts.tolist())  # a permutation of blocks
+    if tp > 1:  # a roll of EP positions would name other pieces
+        rolled = rotate_peer_counts(counts.repeat(ep), ep, 1, ep * local, 0).reshape(ep, ep, local)
+        assert any(not torch.equal(rolled[e, 0], block[plan.counterpart(0, e)]) for e in range(ep))
+
+
 def test_uneven_split_mismatch_is_an_error():
     plan = plan_group([0, 1], [0, 0])
     with pytest.raises(PruneError, match=r"splits \[1, 1\] of member 0 do not match 2 members and 3"):

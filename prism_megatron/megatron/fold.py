@@ -680,10 +680,18 @@ class _Grid:
         world = layout.world_size
         t = layout
         self.axes = AXES_EXPERT if expert else AXES
-        self.sizes = np.array([t.tp, t.cp, t.ep, t.edp, t.pp] if expert else [t.tp, t.cp, t.dp, t.pp], dtype=np.int64)
+        inner = t.tp // t.etp if expert else 1  # dense-TP positions inside one EP position
+        self.sizes = np.array([t.tp, t.cp, t.ep // inner, t.edp, t.pp] if expert else [t.tp, t.cp, t.dp, t.pp],
+                              dtype=np.int64)
         which = {"ep": ("expert", "ep"), "edp": ("expert", "dp")}
         self.coords = np.array([gens.coordinate(*which.get(axis, ("dense", axis)), world) for axis in self.axes],
                                dtype=np.int64).T.copy()
+        if expert and inner > 1:  # EP position = (tp // ETP) + inner · ep: its digits above TP's are the axis
+            ep = self.coords[:, 2].copy()
+            if ((ep % inner) != (self.coords[:, 0] // t.etp)).any():
+                raise FoldError(f"{t.describe()}: the EP index is not the dense TP index's digits above ETP{t.etp} "
+                                "plus the next ones: its translation is not digit by digit")
+            self.coords[:, 2] = ep // inner
         if (self.coords < 0).any():
             r = int(np.flatnonzero((self.coords < 0).any(axis=1))[0])
             raise FoldError(f"rank {r} is in no group of Megatron's rank generator along some axis: not a grid")
@@ -806,12 +814,13 @@ def build_fold_plan(layout: TargetLayout, depth: str = "auto",
     say(f"Megatron's rank order for {world} ranks")
     gens = _Generators(t)
     moe_class = depth == "class" and bool(t.num_experts) and t.ep > 1
-    if moe_class and (t.etp != t.tp or t.cp != 1):
+    if moe_class and (t.cp != 1 or t.etp > t.tp or t.tp % t.etp or t.ep % (t.tp // t.etp)):
         raise FoldDepthError(f"fold depth class for this MoE layout ({t.describe()}): its expert-parallel axis is "
-                             f"not a segment of the dense data-parallel axis (ETP{t.etp} vs TP{t.tp}, CP{t.cp}), so "
-                             f"a peer's translation is not a shift along EP and the {EXPERT_TOKENS} of the "
-                             "live rank's routing is not defined for it; use --prism-fold-depth replica")
-    grid = _Grid(gens, t, expert=moe_class and t.edp > 1)
+                             f"not made of the dense TP axis's digits above ETP and data-parallel digits (ETP{t.etp}, "
+                             f"TP{t.tp}, EP{t.ep}, CP{t.cp}: ETP must divide TP, TP/ETP divide EP, CP1), so the "
+                             f"{EXPERT_TOKENS} of the live rank's routing is not defined for its peers; use "
+                             "--prism-fold-depth replica")
+    grid = _Grid(gens, t, expert=moe_class and (t.edp > 1 or t.etp != t.tp))
     pp_axis = len(grid.axes) - 1
     dp_index = gens.coordinate("dense", "dp", world)
     k = _sandbox_k(t, gens, dp_index)
