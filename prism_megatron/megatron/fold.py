@@ -32,12 +32,12 @@ Two sandbox depths (``--prism-fold-depth``):
   (nccl_prune's A2A_RULE by the plan's coordinates) and the per-expert counts that say so
   (prism_megatron.patches.moe_fold rotates the mirrored count all-gather): over its peers, exactly
   the tokens its router sends out, so it holds and computes what a real expert rank holds under
-  that routing (a balanced load where real ranks vary). This needs the translation to be a shift
-  along EP: ETP = TP and CP1 (else FoldDepthError). With expert DP > 1 the plan's axes are
-  ``AXES_EXPERT`` (tp, cp, ep, edp, pp: the dense DP index is ep + EP·edp, Megatron's expert
-  generator's coordinates), so that a shift along ep keeps a rank's expert DP index and carries
-  expert groups onto expert groups. ``auto`` keeps replica depth for MoE: a replica keeps every
-  expert rank's own routing.
+  that routing (a balanced load where real ranks vary). With expert DP > 1 or ETP < TP the plan's
+  axes are ``AXES_EXPERT`` (tp, cp, ep, edp, pp): Megatron's expert generator's EP index is
+  (tp // ETP) + (TP / ETP)·ep and its expert DP index is edp, so that translations digit by digit
+  keep expert groups whole (the ``ep`` axis is the EP index's digits above TP's). CP > 1, ETP not
+  dividing TP, or a group that still does not translate onto one is refused (FoldDepthError naming
+  it). ``auto`` keeps replica depth for MoE: a replica keeps every expert rank's own routing.
 
 A folded middle stage does not run its representative's program: under 1F1B pipeline rank p runs
 ``min(pp - p - 1, M)`` warm-up forwards. The plan records the schedule (``schedule``: Megatron's
@@ -65,8 +65,8 @@ FOLD_PLAN_VERSION = 2  # what build_fold_plan writes
 FOLD_PLAN_VERSIONS = (1, 2)
 FOLD_DEPTHS = ("replica", "class")
 AXES = ("tp", "cp", "dp", "pp")  # the dense generator's axes, in the plan's coords
-# a MoE layout at class depth with expert DP > 1 (ETP = TP, CP1): the dense DP index is ep + EP·edp, and
-# its digits are the axes (so that a shift along ep keeps the expert DP index: expert groups onto groups)
+# a MoE layout at class depth with expert DP > 1 or ETP < TP (CP1): Megatron's EP index is (tp // ETP) +
+# (TP / ETP)·ep and its expert DP index edp; translating these digits keeps expert groups onto groups
 AXES_EXPERT = ("tp", "cp", "ep", "edp", "pp")
 ORDER = "tp-cp-ep-dp-pp"  # Megatron's default rank order (initialize_model_parallel)
 ORDER_TP_PP_DP = "tp-cp-ep-pp-dp"  # Megatron-LM's --use-tp-pp-dp-mapping
@@ -439,7 +439,7 @@ class FoldPlan:
     schedule: dict[str, Any] = field(default_factory=dict)
     # EXPERT_TOKENS when expert-parallel peers are virtual (class depth of a MoE layout); "" otherwise
     expert_tokens: str = ""
-    axes: tuple[str, ...] = AXES  # AXES, or AXES_EXPERT (class depth of a MoE layout with expert DP > 1)
+    axes: tuple[str, ...] = AXES  # AXES, or AXES_EXPERT (class depth of MoE with expert DP > 1 or ETP < TP)
 
     def is_live(self, rank: int) -> bool:
         i = bisect.bisect_left(self.live, rank)
@@ -672,7 +672,7 @@ def resolve_depth(layout: TargetLayout, requested: str = "auto") -> tuple[str, s
 class _Grid:
     """Megatron's grid: each rank's coordinates (its position in Megatron's group of each axis) and the
     rank at a position, both as arrays (O(W) once). Axes AXES (the dense generator's) or, with
-    ``expert``, AXES_EXPERT (dense DP split into the expert generator's ep and expert-DP axes)."""
+    ``expert``, AXES_EXPERT (the expert generator's EP digits above TP's, and its expert-DP axis)."""
 
     def __init__(self, gens: _Generators, layout: TargetLayout, expert: bool = False) -> None:
         import numpy as np
