@@ -58,14 +58,19 @@ capture of the root's class and answers later captures from it, counted recorded
 
 A2A_RULE = """\
 A live member l receives from a virtual member v the piece that v's mirror m sends to l's counterpart:
-the member x with x + shift(v) == l (v does what m does, shifted by shift(v) = v - rep[v] into v's
-replica), when that rank is in the group. When it is not (the group spans replicas, e.g. a
-data-parallel group, and l's counterpart lies outside it), the counterpart is l itself: the piece m
-sends to l. In the v1 sandbox (one replica) every live member is in m's replica, so this is "the piece
-the mirror sent to the member of its own replica at the same relative position". MoE token counts
-follow the same rule: a virtual expert peer sends a live expert rank the tokens (and counts) its
-class's sandbox member routes to that rank's counterpart — the mirror of its class's routing, never
-zeros; expert-parallel groups that lie inside the sandbox exchange only real tokens."""
+the member x that v's translation carries onto l (v does what m does, translated into v's position).
+With the fold's coordinates (``GroupPlan.untranslate``) x is l's coordinates less v's offset from m,
+mod the grid's sizes, axis by axis (an expert-parallel group folded onto its ep = 0 rank maps onto
+itself). Without coordinates x is the rank l - shift(v). When x is not in the group (the group spans
+replicas and l's counterpart lies outside it), the counterpart is l itself: the piece m sends to l.
+Translated mirror for MoE: a virtual expert rank at EP offset j sends the live expert rank at offset
+0 the tokens its mirror routes to offset -j (mod EP; digit by digit where an EP position spans
+several TP positions), so the live rank's experts receive, over all its peers, exactly the tokens
+its own router sends out (as if every expert rank routed like it, translated); never zeros. The
+count exchange that precedes it must say the same (peer j's per-expert counts are the live rank's,
+blocks of local experts permuted by j's translation: the program's side, which knows what the
+counts index): with none the splits disagree and the run stops; with another permutation the totals
+agree and tokens are sorted to the wrong experts."""
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ representative to be a member of the same group. A group with no live member nev
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -24,6 +24,9 @@ class GroupPlan:
     ``mirror[p]`` is the position whose input member p contributes (p itself when live);
     ``multiplicity[p]`` is how many members contribute live member p's input (itself included; 0 at a
     virtual position); ``shift[p] = ranks[p] - rep[ranks[p]]`` (0 when live).
+    ``untranslate(v, y)``, where the fold translates by coordinates: the rank that virtual rank v's
+    representative plays where v plays y (``coords[y] - (coords[v] - coords[rep[v]])``, mod the grid's
+    sizes); None: translate by ``shift`` (see ``counterpart``).
     """
 
     ranks: tuple[int, ...]
@@ -33,6 +36,7 @@ class GroupPlan:
     shift: tuple[int, ...]
     position: dict[int, int] = field(repr=False, compare=False)
     _live_index: dict[int, int] = field(repr=False, compare=False, default_factory=dict)
+    untranslate: Callable[[int, int], int] | None = field(repr=False, compare=False, default=None)
 
     @property
     def size(self) -> int:
@@ -71,12 +75,17 @@ class GroupPlan:
         ``src_pos`` in a personalised exchange (all_to_all, scatter lists): see contributions.A2A_RULE."""
         if self.mirror[src_pos] == src_pos:
             return live_pos
-        there = self.position.get(self.ranks[live_pos] - self.shift[src_pos])
+        if self.untranslate is not None:
+            there = self.position.get(self.untranslate(self.ranks[src_pos], self.ranks[live_pos]))
+        else:
+            there = self.position.get(self.ranks[live_pos] - self.shift[src_pos])
         return live_pos if there is None else there
 
 
-def plan_group(group_ranks: Sequence[int], rep: Sequence[int]) -> GroupPlan | None:
+def plan_group(group_ranks: Sequence[int], rep: Sequence[int],
+               untranslate: Callable[[int, int], int] | None = None) -> GroupPlan | None:
     """Fold one group: None when no member is live (the group is never materialised).
+    ``untranslate``: the fold's translation by coordinates (``GroupPlan.untranslate``), or None.
 
     O(len(group_ranks)): ``rep`` is only indexed. Raises PruneError for a virtual member whose
     representative is not in the group (or is not itself live) while the group has live members, and
@@ -111,7 +120,7 @@ def plan_group(group_ranks: Sequence[int], rep: Sequence[int]) -> GroupPlan | No
         shift[p] = r - rr
     return GroupPlan(ranks=ranks, live_positions=live, mirror=tuple(mirror), multiplicity=tuple(multiplicity),
                      shift=tuple(shift), position=position,
-                     _live_index={p: i for i, p in enumerate(live)})
+                     _live_index={p: i for i, p in enumerate(live)}, untranslate=untranslate)
 
 
 def _show(ranks: Sequence[int]) -> str:

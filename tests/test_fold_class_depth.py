@@ -56,10 +56,13 @@ def _check_against_megatron(plan: FoldPlan, t: TargetLayout, sample: int | None 
     world = t.world_size
     kinds = _kinds(t)
     # coords: each rank's position in Megatron's group of each axis
-    for a, axis in enumerate(("tp", "cp", "dp", "pp")):
-        for g in kinds[f"dense {axis}"]:
-            assert [plan.coords[r][a] for r in g] == list(range(len(g)))
-    assert plan.sizes == [t.tp, t.cp, t.dp, t.pp]
+    expert = plan.axes == ("tp", "cp", "ep", "edp", "pp")  # MoE at class depth with expert DP > 1
+    inner = t.tp // t.etp if expert else 1  # dense-TP positions inside one EP position
+    for a, axis in enumerate(plan.axes):
+        kind = {"ep": "expert ep", "edp": "expert dp"}.get(axis, f"dense {axis}")
+        for g in kinds[kind]:
+            assert [plan.coords[r][a] for r in g] == [i // inner if axis == "ep" else i for i in range(len(g))]
+    assert plan.sizes == ([t.tp, t.cp, t.ep // inner, t.edp, t.pp] if expert else [t.tp, t.cp, t.dp, t.pp])
     index = {tuple(c): r for r, c in enumerate(plan.coords)}
     assert len(index) == world
     live = set(plan.live)
@@ -152,11 +155,35 @@ def test_class_depth_at_scale(t):
     _check_against_megatron(plan, t, sample=300)
 
 
-def test_class_depth_for_moe_is_refused_and_auto_keeps_a_replica():
+def test_class_depth_for_moe_folds_expert_peers_onto_ep0_and_auto_keeps_a_replica():
+    # EP4 = DP4: each stage's expert peers fold onto its ep = 0 rank (translated mirror of its routing)
+    t = TargetLayout(world_size=8, tp=1, pp=2, ep=4, num_experts=8, num_layers=4)
+    plan = build_fold_plan(t, "class")
+    assert plan.depth == "class" and plan.live == [0, 4] and plan.expert_tokens == "translated mirror"
+    assert [(c.name, c.count, c.sandbox) for c in plan.classes] == [("first", 4, [0]), ("last", 4, [4])]
+    _check_against_megatron(plan, t)
+    doc = json.loads(json.dumps(plan.to_json()))
+    assert doc["expert_tokens"] == "translated mirror" and FoldPlan.from_json(doc) == plan
+    with pytest.raises(FoldPlanFormatError, match="field expert_tokens is 'zeros'"):
+        FoldPlan.from_json({**doc, "expert_tokens": "zeros"})
+    assert build_fold_plan(t).depth == "replica"  # auto: expert ranks stay live unless class is asked for
+    # an expert axis that is not made of TP's digits above ETP and DP's: refused, naming the sizes or group
+    with pytest.raises(FoldDepthError, match=r"\(TP1·PP2·EP4·ETP2·DP8 = 16 ranks\): its expert-parallel axis is not "
+                                             r"made of .*ETP must divide TP.*replica"):
+        build_fold_plan(TargetLayout(world_size=16, tp=1, etp=2, pp=2, ep=4, num_experts=8, num_layers=4), "class")
+    with pytest.raises(FoldDepthError, match=r"expert tp group \[0, 1\] moved by tp\+1 is not one group"):
+        build_fold_plan(TargetLayout(world_size=64, tp=4, etp=2, pp=2, ep=4, num_experts=8, num_layers=4), "class")
+    # expert DP > 1 or ETP1 under TP2: the plan's axes split TP and DP into EP's digits (tp, ep) and expert DP
     t = TargetLayout(world_size=64, tp=2, etp=1, pp=2, ep=4, num_experts=8, num_layers=4)
-    with pytest.raises(FoldDepthError, match=r"class folds .* dense layouts only; this is a MoE layout \(8 experts, "
-                                             r"EP4\).*--prism-fold-depth replica"):
-        build_fold_plan(t, "class")
+    for m in (TargetLayout(world_size=16, tp=1, pp=1, ep=8, num_experts=8, num_layers=4),
+              TargetLayout(world_size=64, tp=2, pp=2, ep=4, num_experts=8, num_layers=4), t,
+              TargetLayout(world_size=1024, tp=2, etp=1, pp=8, ep=64, num_experts=256, num_layers=16),
+              TargetLayout(world_size=256, tp=1, pp=8, ep=8, num_experts=128, num_layers=16)):
+        plan = build_fold_plan(m, "class")
+        assert plan.axes == ("tp", "cp", "ep", "edp", "pp") and plan.expert_tokens == "translated mirror"
+        assert len(plan.live) == len(plan.classes) == min(m.pp, 3), (m, plan.live)
+        _check_against_megatron(plan, m, sample=200)
+        assert FoldPlan.from_json(json.loads(json.dumps(plan.to_json()))) == plan
     plan = build_fold_plan(t)
     assert plan.depth == "replica" and plan.k == 2 and len(plan.live) == 8
     _check_against_megatron(plan, t)
@@ -320,8 +347,8 @@ def test_plan_cli_shows_three_live_ranks_for_an_8b_shaped_tp2_pp4_job():
     assert first and float(first.group(1)) >= 67.2, text
 
 
-def test_run_passes_the_depth_to_the_fold_and_refuses_class_depth_for_moe(parse_each_command_once):
-    from prism_megatron.megatron.fold_mode import FoldModeError, choose_fold
+def test_run_passes_the_depth_to_the_fold_and_folds_moe_expert_peers_at_class_depth(parse_each_command_once):
+    from prism_megatron.megatron.fold_mode import choose_fold
     from prism_megatron.megatron.run import launch_config, parse_run_args
 
     request = parse_run_args(["--recipe", "mini-dense-tp2pp2dp4", "--prism-driver", "core",
@@ -341,9 +368,10 @@ def test_run_passes_the_depth_to_the_fold_and_refuses_class_depth_for_moe(parse_
     request = parse_run_args(["--recipe", "mini-moe-ep4-tp1pp2", "--prism-driver", "core",
                               "--prism-fold-depth", "class"])
     assert request.run_options().fold_depth == "class"
-    for mode in ("on", "auto"):  # a depth the layout cannot take is refused whatever the fold mode
-        with pytest.raises(FoldModeError, match="--prism-fold-depth class: fold depth class folds .* MoE layout"):
-            choose_fold(mode, launch_config(request), request.env, say=said.append, depth="class")
+    said = []
+    fold = choose_fold("on", launch_config(request), request.env, say=said.append, depth="class")
+    assert fold["live"] == [0, 4] and fold["expert_tokens"] == "translated mirror", fold["live"]
+    assert any("translated mirror of ep 0's routing" in s for s in said), said
 
 
 def test_plan_table_gives_each_class_its_live_memory_by_prisms_estimate():

@@ -98,6 +98,58 @@ def test_moe_ep4_pp2_folds_to_the_whole_job(tmp_path):
     assert any("the sandbox is the whole job (8 ranks)" in s for s in said), said
 
 
+def _op_sequence(trace, rank: int) -> list[tuple]:
+    sizes = {g["id"]: len(g["ranks"]) for g in trace.manifest["groups"]}
+    cols = trace.ops.select(["rank", "kind", "bytes", "dtype", "group"]).to_pydict()
+    return [(k, b, d, sizes.get(g)) for r, k, b, d, g in zip(cols["rank"], cols["kind"], cols["bytes"], cols["dtype"],
+                                                              cols["group"], strict=True) if r == rank]
+
+
+def test_moe_class_depth_folds_expert_peers_by_translated_mirror(megatron_runs):
+    """MoE EP4·PP2 at class depth (2 live ranks: each stage's ep 0) against its replica-depth capture (here
+    the whole job). The live expert rank issues the full capture's ep-0 op sequence: same kinds, dtypes,
+    group sizes, and bytes for every op but the token all-to-alls, whose sizes routing decides; under the
+    translated mirror each of those moves exactly the tokens the live rank's router sends out (micro-batch
+    2 x seq 64 x top-2 = 256 rows: 256 x 64 fp32 hidden values, 256 probabilities), where the full run's
+    ranks receive more or fewer. Per-class max allocated: the fold's within the full run's range over the
+    class's ranks (their routing differs, so their expert activations do: about 8 % apart on this model)."""
+    from prism_megatron.report.build import build_report
+    from prism_megatron.trace import read_trace
+
+    folded = megatron_runs.run("mini-moe-ep4-tp1pp2", "on", depth="class")
+    full = megatron_runs.run("mini-moe-ep4-tp1pp2")  # also test_megatron_emulation's smoke capture
+    fold, whole = read_trace(folded["trace"]), read_trace(full["trace"])
+    assert fold.fold.live == (0, 4) and fold.fold.expert_tokens == "translated mirror", folded["output"][-2000:]
+    assert fold.fold.contributions["all_to_all"]["mirror"] > 0
+    for rank in fold.fold.live:
+        got, want = _op_sequence(fold, rank), _op_sequence(whole, rank)
+        assert [(k, d, n) for k, _, d, n in got] == [(k, d, n) for k, _, d, n in want], rank
+        assert [x for x in got if x[0] != "all_to_all"] == [x for x in want if x[0] != "all_to_all"], rank
+        assert {b for k, b, _, _ in got if k == "all_to_all"} == {256 * 64 * 4, 256 * 4}, rank
+        assert len({b for k, b, _, _ in want if k == "all_to_all"}) > 2, rank  # routing-sized in the full run
+    got, want = _class_peaks(folded["trace"], fold.fold), _class_peaks(full["trace"], fold.fold)
+    low: dict[str, int] = {}
+    for entry in build_report(full["trace"])["memory"]["ranks"]:
+        name = fold.fold.class_name(entry["rank"])
+        low[name] = min(low.get(name, entry["max_allocated"]), entry["max_allocated"])
+    assert got.keys() == want.keys() == {"first", "last"}
+    assert all(low[c] <= got[c] <= want[c] for c in got), (low, got, want)
+    losses = _losses(folded["metrics"])
+    assert set(losses) == {1, 2, 3} and all(math.isfinite(x) for x in losses.values())
+    ref = _losses(full["metrics"])
+    assert all(math.isclose(losses[it], ref[it], rel_tol=LOSS_RTOL) for it in ref), (losses, ref)
+    # TP2 with expert TP1 and expert DP2 (16 ranks): the plan's axes split TP and DP into EP's digits; the
+    # same rule (2 live ranks), 128 rows per all-to-all (sequence parallel halves the tokens)
+    wide = megatron_runs.run(str(RECIPES / "fold-class-moe-tp2etp1ep4pp2.yaml"), "on", depth="class", memory=False)
+    trace = read_trace(wide["trace"])
+    assert trace.fold.live == (0, 8) and trace.fold.axes == ("tp", "cp", "ep", "edp", "pp"), wide["output"][-2000:]
+    assert trace.fold.sizes == (2, 1, 2, 2, 2)
+    for rank in trace.fold.live:
+        assert {b for k, b, _, _ in _op_sequence(trace, rank) if k == "all_to_all"} == {128 * 64 * 4, 128 * 4}
+    losses = _losses(wide["metrics"])
+    assert set(losses) == {1, 2, 3} and all(math.isfinite(x) for x in losses.values())
+
+
 @pytest.mark.parametrize("recipe, world, live", [
     pytest.param("fold-scale-tp2pp4dp128", 1024, 8, marks=MEGATRON),
     pytest.param("fold-scale-tp2pp4dp1024", 8192, 8),  # Megatron as at 1,024: prism's scale, on one stack

@@ -217,6 +217,67 @@ def test_all_to_all_counterpart_by_shift_hand_checked():
     assert [plan.counterpart(0, q) for q in range(3)] == [0, 0, 0]
 
 
+def test_all_to_all_single_translated_mirror_for_folded_expert_peers():
+    """EP4 folded onto ep 0 (class depth of TP1·PP2·EP4·DP4): virtual expert rank j sends live rank 4 what
+    rank 4 sends to EP offset -j (mod 4), under uneven splits; with the dispatcher's counts rotated by the
+    same rule (patches.moe_fold) the splits agree, dispatch and combine, and the live rank receives
+    exactly the tokens its router sends out."""
+    from prism_megatron.patches.moe_fold import rotate_peer_counts
+    from prism_megatron.runtime.folding import _untranslate
+
+    rep = [0] * 4 + [4] * 4
+    plan_json = {"rep": rep, "live": [0, 4], "sizes": [1, 1, 4, 2], "coords": [[0, 0, r % 4, r // 4] for r in range(8)]}
+    plan = plan_group([4, 5, 6, 7], rep, _untranslate(plan_json))
+    assert [plan.counterpart(0, q) for q in range(4)] == [0, 3, 2, 1]
+    assert plan_group([4, 5, 6, 7], rep).counterpart(0, 1) == 0  # without coordinates: the v1 rule (itself)
+    # routing: 8 experts, 2 per EP rank; tokens per expert of the live rank
+    counts = torch.tensor([2, 1, 0, 0, 1, 1, 0, 1])
+    input_splits = counts.reshape(4, 2).sum(1).tolist()
+    assert input_splits == [3, 0, 2, 1]
+    gathered = rotate_peer_counts(counts.repeat(4), ep_size=4, tp_size=1, num_experts=8, ep_rank=0)
+    output_splits = gathered.reshape(4, 1, 8)[:, 0, 0:2].sum(-1).tolist()  # Megatron's preprocess, local experts 0-1
+    # peer 1 routes to expert e + 2 what rank 4 routes to expert e
+    assert gathered.reshape(4, 8)[1].tolist() == [0, 1, 2, 1, 0, 0, 1, 1]
+    assert output_splits == [3, 1, 2, 0]
+    tokens = torch.arange(100, 106)  # dispatch: pieces to offsets 0..3 = [100 101 102] [] [103 104] [105]
+    got = execute("all_to_all", plan, {0: [tokens]}, in_splits={0: input_splits})[0][0]
+    assert got.tolist() == [100, 101, 102, 105, 103, 104]
+    pieces = [len(x) for x in ([100, 101, 102], [105], [103, 104], [])]
+    assert pieces == output_splits and got.numel() == sum(input_splits)
+    # combine: the live rank sends back by output_splits and receives by its dispatch's input_splits
+    back = torch.arange(200, 206)  # pieces [200 201 202] [203] [204 205] []
+    got = execute("all_to_all", plan, {0: [back]}, in_splits={0: output_splits})[0][0]
+    # from 0 its own piece; from 1 the piece to offset 3 ([]), from 2 to 2, from 3 to 1: sizes = input_splits
+    assert got.tolist() == [200, 201, 202, 204, 205, 203]
+
+
+@pytest.mark.parametrize("tp, ep", [(1, 4), (2, 4), (2, 8), (4, 8)])
+def test_rotated_counts_say_what_the_translated_all_to_all_delivers(tp, ep):
+    """For every folded expert peer, the count the dispatcher reads for the live rank's experts (row e,
+    its block) is the size of the piece the coordinator delivers from that peer (the piece its mirror
+    sends to the counterpart): ETP1 under TP ``tp`` (EP position = tp + TP·q, the plan's axes tp, cp,
+    ep, edp, pp with ep = q) translates digit by digit, not by a roll of EP positions. The all-to-all's
+    total cannot tell them apart; the per-expert sorting after it can."""
+    from prism_megatron.patches.moe_fold import rotate_peer_counts
+    from prism_megatron.runtime.folding import _untranslate
+
+    rep = [0] * ep  # one stage, EP group = the whole stage, live rank 0
+    coords = [[e % tp, 0, e // tp, 0, 0] for e in range(ep)]
+    fold = {"rep": rep, "coords": coords, "sizes": [tp, 1, ep // tp, 1, 1]}
+    plan = plan_group(list(range(ep)), rep, _untranslate(fold))
+    local = 2
+    counts = torch.randperm(ep * local) * 7 + 1  # distinct per expert
+    rows = rotate_peer_counts(counts.repeat(ep), ep_size=ep, tp_size=1, num_experts=ep * local, ep_rank=0,
+                              inner=tp).reshape(ep, ep, local)
+    block = counts.reshape(ep, local)
+    for e in range(ep):
+        assert torch.equal(rows[e, 0], block[plan.counterpart(0, e)]), (e, plan.counterpart(0, e))
+        assert sorted(rows[e].reshape(-1).tolist()) == sorted(counts.tolist())  # a permutation of blocks
+    if tp > 1:  # a roll of EP positions would name other pieces
+        rolled = rotate_peer_counts(counts.repeat(ep), ep, 1, ep * local, 0).reshape(ep, ep, local)
+        assert any(not torch.equal(rolled[e, 0], block[plan.counterpart(0, e)]) for e in range(ep))
+
+
 def test_uneven_split_mismatch_is_an_error():
     plan = plan_group([0, 1], [0, 0])
     with pytest.raises(PruneError, match=r"splits \[1, 1\] of member 0 do not match 2 members and 3"):

@@ -61,7 +61,7 @@ def row(name: str, d: dict) -> list[str]:
     fits = {True: "fits", False: "does not fit", None: "unknown"}[verdict]
     if capture["mode"] == "serial":
         fits = f"serial, {capture['captures']} capture(s): {fits}"
-    depth = (d.get("fold_depth") or "").split(" ")[1] if d.get("fold_depth") else "-"
+    depth = fold.get("depth") or "-"
     return [name, d["layout"], depth, f"{len(live)} of {fold.get('world_size', '?')}",
             f"{gib(m.get('per_rank'))} ({m.get('per_rank_class') or '-'})",
             f"{gib(formula.get('total'))} = {gib(formula.get('weight_and_optimizer'))} + "
@@ -74,6 +74,8 @@ def main() -> None:
     ap.add_argument("--megatron-lm", help=f"Megatron-LM checkout or --pack archive (default: fetch {TAG})")
     ap.add_argument("--device-memory", type=float, default=139.0, help="GiB of the emulation GPU")
     ap.add_argument("--host-memory", type=float, default=115.0, help="GiB of host RAM the emulation may use")
+    ap.add_argument("--fold-depth", default="auto", choices=("auto", "replica", "class"),
+                    help="--prism-fold-depth of every plan (class: MoE targets fold their expert peers too)")
     ap.add_argument("--out", type=Path, help="also write the table here")
     ap.add_argument("--options", default="", help="prism options every plan takes, e.g. '--prism-fold-capture "
                     "serial --prism-attention sdpa --prism-fold-microbatches auto'")
@@ -82,12 +84,13 @@ def main() -> None:
     names = sorted(p.stem for p in (REPO / "prism_megatron" / "recipes" / "targets").glob("*.yaml"))
     head = ["recipe", "layout", "depth", "live", "GiB/rank (prism, class)", "Megatron's formula = w+opt + act.",
             "emulation", "sandbox here"]
+    options = [*a.options.split(), "--prism-fold-depth", a.fold_depth]
     rows = []
     for i, name in enumerate(names, 1):
         print(f"[{i}/{len(names)}] plan {name}", file=sys.stderr, flush=True)
-        rows.append(row(name, plan(name, checkout, a.device_memory, a.host_memory, a.options.split())))
+        rows.append(row(name, plan(name, checkout, a.device_memory, a.host_memory, options)))
     widths = [max(len(r[c]) for r in [head, *rows]) for c in range(len(head) - 1)]
-    shown = f" --options '{a.options}'" if a.options else ""
+    shown = f" --fold-depth {a.fold_depth}" + (f" --options '{a.options}'" if a.options else "")
     lines = [f"# python bench/targets/plan_all.py --device-memory {a.device_memory:g} --host-memory {a.host_memory:g}"
              f"{shown}  (prism's estimate judges; Megatron-LM {TAG}'s formula beside it)"]
     for r in [head, *rows]:

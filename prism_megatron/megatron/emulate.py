@@ -45,6 +45,10 @@ def install_patches(training: bool = True) -> None:
 
     if os.environ.get(attention.ENV_VAR) == "sdpa":  # --prism-attention sdpa (megatron.run sets it)
         attention.install()
+    from prism_megatron.patches import moe_fold
+
+    if os.environ.get(moe_fold.ENV_VAR):  # a fold whose expert peers are virtual (megatron.run sets it)
+        moe_fold.install()
 
 
 def rank_setup() -> None:

@@ -12,8 +12,9 @@ Classes group ranks that do the same work on the same shapes: data-parallel repl
 too), tensor/context-parallel peers, and pipeline stages whose chunks hold the same layers
 with the same embedding/loss role (layer counts per stage from Megatron's own
 ``get_num_layers_to_build``, so uneven first/last stages and ``--pipeline-model-parallel-layout``
-make their stages classes of their own). Expert-parallel peers are not grouped: they hold different
-experts and receive different token counts, so each expert rank of a stage is its own class.
+make their stages classes of their own). At replica depth expert-parallel peers are not grouped:
+they hold different experts and receive different token counts, so each expert rank of a stage is
+its own class (and live). At class depth they are one class with the stage (see below).
 
 Two sandbox depths (``--prism-fold-depth``):
 
@@ -21,11 +22,22 @@ Two sandbox depths (``--prism-fold-depth``):
   count of DP indices that holds whole expert tensor-and-expert-parallel groups (k = 1 for dense
   models); ``rep[r]`` is the rank with r's other coordinates and DP index ``d mod k``. A class may
   have several live ranks (its TP/CP peers, its pipeline stages).
-- *class* (dense layouts): one live rank per class. ``rep[r]`` is the rank at tp = cp = 0, DP index
-  0 and the lowest pipeline stage of r's class (under 1F1B it holds the most in-flight
-  micro-batches, so its peak is the class's); first and last stages keep their own live rank. MoE
-  layouts keep replica depth: expert peers receive different token counts, so folding them onto
-  one rank would change what a live expert rank computes.
+- *class*: one live rank per class. ``rep[r]`` is the rank at tp = cp = 0, DP index 0 and the
+  lowest pipeline stage of r's class (under 1F1B it holds the most in-flight micro-batches, so its
+  peak is the class's); first and last stages keep their own live rank. A MoE stage's expert peers
+  fold onto its ep = 0 (etp = 0) rank by the *translated mirror* (``EXPERT_TOKENS``, recorded as the
+  plan's ``expert_tokens``): virtual expert rank j does the live rank's work translated by j along
+  EP, so it routes to expert g + j·L (L local experts per rank) what the live rank routes to expert
+  g. The live rank then receives from peer j the tokens its own router sends to EP offset -j
+  (nccl_prune's A2A_RULE by the plan's coordinates) and the per-expert counts that say so
+  (prism_megatron.patches.moe_fold rotates the mirrored count all-gather): over its peers, exactly
+  the tokens its router sends out, so it holds and computes what a real expert rank holds under
+  that routing (a balanced load where real ranks vary). With expert DP > 1 or ETP < TP the plan's
+  axes are ``AXES_EXPERT`` (tp, cp, ep, edp, pp): Megatron's expert generator's EP index is
+  (tp // ETP) + (TP / ETP)·ep and its expert DP index is edp, so that translations digit by digit
+  keep expert groups whole (the ``ep`` axis is the EP index's digits above TP's). CP > 1, ETP not
+  dividing TP, or a group that still does not translate onto one is refused (FoldDepthError naming
+  it). ``auto`` keeps replica depth for MoE: a replica keeps every expert rank's own routing.
 
 A folded middle stage does not run its representative's program: under 1F1B pipeline rank p runs
 ``min(pp - p - 1, M)`` warm-up forwards. The plan records the schedule (``schedule``: Megatron's
@@ -44,7 +56,7 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["FOLD_PLAN_VERSION", "FOLD_PLAN_VERSIONS", "FOLD_DEPTHS", "AXES", "SCHEDULES", "FoldError",
+__all__ = ["FOLD_PLAN_VERSION", "FOLD_PLAN_VERSIONS", "FOLD_DEPTHS", "AXES", "AXES_EXPERT", "SCHEDULES", "FoldError",
            "FoldDepthError", "FoldPlanFormatError", "TargetLayout", "RankClass", "FoldPlan", "layout_from_args",
            "resolve_depth", "build_fold_plan", "check_class_members", "stage_signatures", "pipeline_schedule"]
 
@@ -53,10 +65,16 @@ FOLD_PLAN_VERSION = 2  # what build_fold_plan writes
 FOLD_PLAN_VERSIONS = (1, 2)
 FOLD_DEPTHS = ("replica", "class")
 AXES = ("tp", "cp", "dp", "pp")  # the dense generator's axes, in the plan's coords
+# a MoE layout at class depth with expert DP > 1 or ETP < TP (CP1): Megatron's EP index is (tp // ETP) +
+# (TP / ETP)·ep and its expert DP index edp; translating these digits keeps expert groups onto groups
+AXES_EXPERT = ("tp", "cp", "ep", "edp", "pp")
 ORDER = "tp-cp-ep-dp-pp"  # Megatron's default rank order (initialize_model_parallel)
 ORDER_TP_PP_DP = "tp-cp-ep-pp-dp"  # Megatron-LM's --use-tp-pp-dp-mapping
 # the plan's schedule.name values: prism_megatron.trace.fold.SCHEDULES (the trace reader's; a test keeps them equal)
 SCHEDULES = ("no_pipelining", "1f1b", "interleaved")
+#: the rule for the tokens a folded expert rank receives at class depth (the plan's ``expert_tokens``;
+#: nccl_prune.contributions.A2A_RULE and prism_megatron.patches.moe_fold implement it)
+EXPERT_TOKENS = "translated mirror"
 
 
 class FoldError(ValueError):
@@ -64,7 +82,8 @@ class FoldError(ValueError):
 
 
 class FoldDepthError(FoldError):
-    """A fold depth this layout cannot take (class depth for MoE): an error whatever the fold mode."""
+    """A fold depth this layout cannot take (class depth for a MoE layout whose expert groups the dense
+    grid's translations do not carry onto expert groups): an error whatever the fold mode."""
 
 
 class FoldPlanFormatError(ValueError):
@@ -414,10 +433,13 @@ class FoldPlan:
     k: int = 1  # DP indices in the sandbox
     layout: dict[str, Any] = field(default_factory=dict)
     depth: str = "replica"  # one of FOLD_DEPTHS (module docstring)
-    sizes: list[int] = field(default_factory=list)  # the dense grid's size per axis (AXES); empty in a v1 plan
+    sizes: list[int] = field(default_factory=list)  # the grid's size per axis (``axes``); empty in a v1 plan
     coords: list[list[int]] = field(default_factory=list)  # per rank, its position per axis (Megatron's groups)
     # {"name": one of SCHEDULES, "warmup": per pipeline rank}: pipeline_schedule; {} in a v1 plan
     schedule: dict[str, Any] = field(default_factory=dict)
+    # EXPERT_TOKENS when expert-parallel peers are virtual (class depth of a MoE layout); "" otherwise
+    expert_tokens: str = ""
+    axes: tuple[str, ...] = AXES  # AXES, or AXES_EXPERT (class depth of MoE with expert DP > 1 or ETP < TP)
 
     def is_live(self, rank: int) -> bool:
         i = bisect.bisect_left(self.live, rank)
@@ -441,10 +463,12 @@ class FoldPlan:
                "k": self.k, "layout": dict(self.layout), "live": list(self.live), "rep": list(self.rep),
                "class_of": list(self.class_of), "classes": [c.to_json() for c in self.classes]}
         if self.coords:
-            out.update(depth=self.depth, axes=list(AXES), sizes=list(self.sizes),
+            out.update(depth=self.depth, axes=list(self.axes), sizes=list(self.sizes),
                        coords=[list(c) for c in self.coords])
             if self.schedule:
                 out["schedule"] = dict(self.schedule, warmup=list(self.schedule["warmup"]))
+            if self.expert_tokens:
+                out["expert_tokens"] = self.expert_tokens
         return out
 
     @classmethod
@@ -489,18 +513,24 @@ class FoldPlan:
             if depth not in FOLD_DEPTHS:
                 raise FoldPlanFormatError(f"{source}: field depth {depth!r} is not one of {', '.join(FOLD_DEPTHS)}")
             axes = need(data, "axes", list, "")
-            if axes != list(AXES):
-                raise FoldPlanFormatError(f"{source}: field axes is {axes}; this prism reads {list(AXES)}")
+            if axes not in (list(AXES), list(AXES_EXPERT)):
+                raise FoldPlanFormatError(f"{source}: field axes is {axes}; this prism reads {list(AXES)} or "
+                                          f"{list(AXES_EXPERT)}")
             sizes = need(data, "sizes", list, "")
-            if (len(sizes) != len(AXES) or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in sizes)
+            if (len(sizes) != len(axes) or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in sizes)
                     or math.prod(sizes) != world):
-                raise FoldPlanFormatError(f"{source}: field sizes is {sizes}: expected {len(AXES)} positive sizes "
+                raise FoldPlanFormatError(f"{source}: field sizes is {sizes}: expected {len(axes)} positive sizes "
                                           f"whose product is world_size {world}")
             coords = need(data, "coords", list, "")
             _check_coords(coords, sizes, world, source)
-            grid = {"depth": depth, "sizes": list(sizes), "coords": [list(c) for c in coords]}
+            grid = {"depth": depth, "sizes": list(sizes), "coords": [list(c) for c in coords], "axes": tuple(axes)}
             if "schedule" in data:
-                grid["schedule"] = _read_schedule(data["schedule"], sizes[AXES.index("pp")], source)
+                grid["schedule"] = _read_schedule(data["schedule"], sizes[axes.index("pp")], source)
+            if "expert_tokens" in data:
+                if data["expert_tokens"] != EXPERT_TOKENS:
+                    raise FoldPlanFormatError(f"{source}: field expert_tokens is {data['expert_tokens']!r}; this "
+                                              f"prism folds expert peers by {EXPERT_TOKENS!r} only")
+                grid["expert_tokens"] = EXPERT_TOKENS
         return cls(world_size=world, live=live, rep=rep, classes=classes, class_of=class_of,
                    gpus_per_node=need(data, "gpus_per_node", int, ""), k=int(data.get("k", 1)),
                    layout=dict(data.get("layout") or {}), **grid)
@@ -629,27 +659,39 @@ def resolve_depth(layout: TargetLayout, requested: str = "auto") -> tuple[str, s
     if requested not in ("auto", *FOLD_DEPTHS):
         raise FoldDepthError(f"fold depth {requested!r} is not one of auto, {', '.join(FOLD_DEPTHS)}")
     moe = f"a MoE layout ({layout.num_experts} experts, EP{layout.ep})"
-    if requested == "class" and layout.num_experts:
-        raise FoldDepthError(f"fold depth class folds TP/CP peers and pipeline stages of dense layouts only; this is "
-                             f"{moe}: its expert ranks receive different token counts, so one live rank cannot stand "
-                             "for its peers and replicas in this version; use --prism-fold-depth replica (or auto)")
     if requested == "auto":
         if layout.num_experts:
-            return "replica", f"auto: replica for {moe}, whose expert ranks receive different token counts"
+            return "replica", (f"auto: replica for {moe}: its expert ranks stay live (class depth, which folds "
+                               f"them onto ep 0 by {EXPERT_TOKENS} of its routing, only when asked)")
         return "class", "auto: class for a dense layout"
+    if requested == "class" and layout.num_experts:
+        return "class", f"class (asked) for {moe}: expert peers receive the {EXPERT_TOKENS} of ep 0's routing"
     return requested, f"{requested} (asked)"
 
 
 class _Grid:
-    """Megatron's dense grid: each rank's coordinates (its position in Megatron's group of each axis)
-    and the rank at a position, both as arrays (O(W) once)."""
+    """Megatron's grid: each rank's coordinates (its position in Megatron's group of each axis) and the
+    rank at a position, both as arrays (O(W) once). Axes AXES (the dense generator's) or, with
+    ``expert``, AXES_EXPERT (the expert generator's EP digits above TP's, and its expert-DP axis)."""
 
-    def __init__(self, gens: _Generators, layout: TargetLayout) -> None:
+    def __init__(self, gens: _Generators, layout: TargetLayout, expert: bool = False) -> None:
         import numpy as np
 
         world = layout.world_size
-        self.sizes = np.array([layout.tp, layout.cp, layout.dp, layout.pp], dtype=np.int64)
-        self.coords = np.array([gens.coordinate("dense", axis, world) for axis in AXES], dtype=np.int64).T.copy()
+        t = layout
+        self.axes = AXES_EXPERT if expert else AXES
+        inner = t.tp // t.etp if expert else 1  # dense-TP positions inside one EP position
+        self.sizes = np.array([t.tp, t.cp, t.ep // inner, t.edp, t.pp] if expert else [t.tp, t.cp, t.dp, t.pp],
+                              dtype=np.int64)
+        which = {"ep": ("expert", "ep"), "edp": ("expert", "dp")}
+        self.coords = np.array([gens.coordinate(*which.get(axis, ("dense", axis)), world) for axis in self.axes],
+                               dtype=np.int64).T.copy()
+        if expert and inner > 1:  # EP position = (tp // ETP) + inner · ep: its digits above TP's are the axis
+            ep = self.coords[:, 2].copy()
+            if ((ep % inner) != (self.coords[:, 0] // t.etp)).any():
+                raise FoldError(f"{t.describe()}: the EP index is not the dense TP index's digits above ETP{t.etp} "
+                                "plus the next ones: its translation is not digit by digit")
+            self.coords[:, 2] = ep // inner
         if (self.coords < 0).any():
             r = int(np.flatnonzero((self.coords < 0).any(axis=1))[0])
             raise FoldError(f"rank {r} is in no group of Megatron's rank generator along some axis: not a grid")
@@ -661,7 +703,7 @@ class _Grid:
 
     def _flat(self, coords: Any) -> Any:
         flat = coords[:, 0].copy()
-        for a in range(1, len(AXES)):
+        for a in range(1, len(self.axes)):
             flat = flat * self.sizes[a] + coords[:, a]
         return flat
 
@@ -736,7 +778,7 @@ def _check_fold(kinds: list[tuple[str, list[list[int]]]], grid: _Grid, rep: Any)
             raise FoldError(f"{name} group {_short(groups[gid[r]])} has live members but rank {r}'s "
                             f"representative {rep[r]} is outside it: this layout does not fold")
         firsts = np.cumsum(lengths) - lengths
-        for a, axis in enumerate(AXES):
+        for a, axis in enumerate(grid.axes):
             step = int(np.gcd.reduce(np.append(steps[covered, a], grid.sizes[a])))
             if step == grid.sizes[a]:
                 continue  # no translation moves along this axis
@@ -771,8 +813,16 @@ def build_fold_plan(layout: TargetLayout, depth: str = "auto",
     signatures = stage_signatures(t)
     say(f"Megatron's rank order for {world} ranks")
     gens = _Generators(t)
-    grid = _Grid(gens, t)
-    dp_index = grid.coords[:, 2].tolist()
+    moe_class = depth == "class" and bool(t.num_experts) and t.ep > 1
+    if moe_class and (t.cp != 1 or t.etp > t.tp or t.tp % t.etp or t.ep % (t.tp // t.etp)):
+        raise FoldDepthError(f"fold depth class for this MoE layout ({t.describe()}): its expert-parallel axis is "
+                             f"not made of the dense TP axis's digits above ETP and data-parallel digits (ETP{t.etp}, "
+                             f"TP{t.tp}, EP{t.ep}, CP{t.cp}: ETP must divide TP, TP/ETP divide EP, CP1), so the "
+                             f"{EXPERT_TOKENS} of the live rank's routing is not defined for its peers; use "
+                             "--prism-fold-depth replica")
+    grid = _Grid(gens, t, expert=moe_class and (t.edp > 1 or t.etp != t.tp))
+    pp_axis = len(grid.axes) - 1
+    dp_index = gens.coordinate("dense", "dp", world)
     k = _sandbox_k(t, gens, dp_index)
 
     by_signature: dict[Hashable, list[int]] = {}
@@ -785,9 +835,8 @@ def build_fold_plan(layout: TargetLayout, depth: str = "auto",
             stage_class[p], lowest[p] = si, stages[0]
 
     if depth == "class":
-        to = grid.coords.copy()
-        to[:, 0] = to[:, 1] = to[:, 2] = 0  # TP/CP peers and DP replicas onto tp = cp = 0, DP index 0 (k = 1)
-        to[:, 3] = np.array(lowest, dtype=np.int64)[grid.coords[:, 3]]
+        to = np.zeros_like(grid.coords)  # TP/CP peers and DP replicas (expert peers) onto 0 (k = 1)
+        to[:, pp_axis] = np.array(lowest, dtype=np.int64)[grid.coords[:, pp_axis]]
         rep = grid.at(to)
     else:
         rep = np.empty(world, dtype=np.int64)
@@ -796,11 +845,18 @@ def build_fold_plan(layout: TargetLayout, depth: str = "auto",
                 rep[r] = g[d % k]
     live = np.flatnonzero(rep == np.arange(world)).tolist()
     say(f"checking the fold of every group kind ({world - len(live)} virtual ranks)")
-    _check_fold(_group_kinds(gens, t), grid, rep)
+    try:
+        _check_fold(_group_kinds(gens, t), grid, rep)
+    except FoldError as e:
+        if depth == "class" and t.num_experts:
+            raise FoldDepthError(f"fold depth class for this MoE layout ({t.describe()}, EP{t.ep}, expert DP{t.edp}"
+                                 f", ETP{t.etp}): {e}; use --prism-fold-depth replica") from None
+        raise
 
     # Expert-parallel peers hold different experts and receive different token counts (routing):
     # not the same shapes, so each expert rank is a class of its own within its stages.
-    experts = t.ep if t.num_experts and t.ep > 1 else 1
+    # At class depth they fold onto the stage's ep = 0 rank: one class per stage, EXPERT_TOKENS.
+    experts = t.ep if t.num_experts and t.ep > 1 and depth != "class" else 1
     classes: list[RankClass] = []
     per_class = world // t.pp // experts
     middle = sum(1 for sig in by_signature if _stage_role(sig).startswith("middle"))
@@ -818,7 +874,7 @@ def build_fold_plan(layout: TargetLayout, depth: str = "auto",
                 where += f", expert rank {e} of {experts}"
             classes.append(RankClass(name=f"{name}/ep{e}" if experts > 1 else name, role=where,
                                      count=per_class * len(stages), sandbox=[], coords=coords))
-    class_of_arr = np.array(stage_class, dtype=np.int64)[grid.coords[:, 3]]
+    class_of_arr = np.array(stage_class, dtype=np.int64)[grid.coords[:, pp_axis]]
     if experts > 1:
         class_of_arr = class_of_arr * experts + np.array(gens.coordinate("expert", "ep", world), dtype=np.int64)
     class_of = class_of_arr.tolist()
@@ -828,7 +884,8 @@ def build_fold_plan(layout: TargetLayout, depth: str = "auto",
                     gpus_per_node=t.gpus_per_node, k=k,
                     layout={key: getattr(t, key) for key in ("tp", "cp", "ep", "etp", "pp", "vpp", "num_layers",
                                                              "order")} | {"dp": t.dp, "edp": t.edp},
-                    depth=depth, sizes=grid.sizes.tolist(), coords=grid.coords.tolist(), schedule=pipeline_schedule(t))
+                    depth=depth, sizes=grid.sizes.tolist(), coords=grid.coords.tolist(), schedule=pipeline_schedule(t),
+                    expert_tokens=EXPERT_TOKENS if moe_class else "", axes=grid.axes)
 
 
 def check_class_members(plan: FoldPlan, observed: Mapping[int, Sequence[Any]], what: str = "op sequence") -> None:

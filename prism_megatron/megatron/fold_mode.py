@@ -10,7 +10,8 @@ misses the unfused attention's s x s probabilities and counts sequence-parallel 
 unsharded. Where prism's estimate is unavailable (a vocabulary only a tokenizer knows) the state
 counts as 0, and that is said; a command the plan cannot read (not a Megatron command, a layout that
 does not fold) is run in full under 'auto', saying why, and refused under 'on'; a depth the layout
-cannot take (class depth for MoE) is refused under both. Under ``--prism-fold-capture serial`` the
+cannot take (class depth for a MoE layout whose expert axis is not a shift of the dense grid) is
+refused under both. Under ``--prism-fold-capture serial`` the
 sandbox must fit one live rank at a time (``one_rank_fits``), and MoE layouts are refused
 (launcher.serial). After a folded capture, the live ranks of
 each class must have issued the same ops (kinds, sizes, group sizes); a class whose members differ is

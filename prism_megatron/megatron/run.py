@@ -364,6 +364,10 @@ def run(request: RunRequest) -> int:
             from prism_megatron.launcher.exit_codes import BAD_INPUT
 
             return BAD_INPUT
+        if cfg.fold is not None and cfg.fold.get("expert_tokens"):  # the ranks' side of the rule
+            from prism_megatron.patches.moe_fold import ENV_VAR as EXPERT_TOKENS_ENV
+
+            os.environ[EXPERT_TOKENS_ENV] = cfg.fold["expert_tokens"]
     serial = after.fold_capture == "serial"
     if serial and (after.fold == "off" or after.calibrate == "on"):
         from prism_megatron.launcher.exit_codes import BAD_INPUT

@@ -129,6 +129,8 @@ def provenance(cluster: str | None, gpu_timed: bool = False, calibrated: bool = 
     return (f"{base}; {n} of {w} ranks ran for real (ranks {rank_ranges(fold.live)}){serial}, the other {w - n} are "
             f"virtual: each mirrors its class's sandbox rank (compute, and op inputs: {made}), its collectives "
             f"costed for the full groups on {gpus_per_node or fold.gpus_per_node} GPUs per node; "
+            + (f"tokens each folded expert rank receives: {fold.expert_tokens} of live rank(s) "
+               f"{rank_ranges(fold.live)}'s routing; " if fold.expert_tokens else "")
             + (method or ("replay of the synthesised graph of every rank" if full else
                           "symmetric replay of the live ranks")))
 

@@ -73,6 +73,8 @@ class Folding:
         self.recorded: list[dict[str, Any]] = []
         # per (group, kind, root, in place): the counts one op adds (an op's count is O(group), once)
         self._per_op: dict[tuple, dict[str, int]] = {}
+        self.untranslate = _untranslate(plan)
+
 
     def fold_group(self, g: Group) -> str | None:
         """Fold ``g`` at its first registration: None, or why it cannot be folded (a live rank made it,
@@ -85,7 +87,7 @@ class Folding:
         self._incarnations[base] = k + 1
         self._key[g.id] = (*base, k)
         try:
-            p = plan_group(g.ranks, self.rep)
+            p = plan_group(g.ranks, self.rep, self.untranslate)
         except PruneError as e:
             return f"process group {g.name!r}: {e}"
         if p is None:  # cannot happen for a group a live rank registered: the rank is a member
@@ -190,3 +192,19 @@ def _read_broadcasts(items: Any, field: str) -> dict[tuple, tuple[str, bytes]]:
         except (KeyError, TypeError, ValueError) as err:
             raise ValueError(f"fold plan field '{field}[{i}]' is not a recorded broadcast: {err}") from None
     return out
+
+
+def _untranslate(plan: dict[str, Any]) -> Callable[[int, int], int] | None:
+    """A version-2 plan's translation by coordinates, inverted (``nccl_prune.GroupPlan.untranslate``):
+    the rank that v's representative plays where v plays y; None for a plan without coordinates."""
+    coords, sizes = plan.get("coords"), plan.get("sizes")
+    if not coords or not sizes:
+        return None
+    rep = [int(x) for x in plan["rep"]]
+    at = {tuple(c): r for r, c in enumerate(coords)}
+
+    def untranslate(v: int, y: int) -> int:
+        cv, cm, cy = coords[v], coords[rep[v]], coords[y]
+        return at[tuple((a - (b - c)) % n for a, b, c, n in zip(cy, cv, cm, sizes, strict=True))]
+
+    return untranslate

@@ -104,6 +104,8 @@ class Fold:
     def capture_mode(self) -> str:
         """How the live ranks were captured: "together" (also every trace before v6) or "serial"."""
         return self.capture.get("mode", "together")
+    # how folded expert-parallel peers' tokens were made ("translated mirror"); "": no expert peer is virtual
+    expert_tokens: str = ""
 
     @property
     def version(self) -> int:
@@ -213,6 +215,8 @@ class Fold:
                 if self.schedule == "interleaved" and self.chunks > 1:
                     doc["schedule"].update(chunks=self.chunks, group=self.group, overlap_p2p=self.overlap_p2p,
                                            wait_sends=self.wait_sends)
+        if self.expert_tokens:
+            doc["expert_tokens"] = self.expert_tokens
         if self.capture:
             doc["capture"] = self.capture
         return doc
@@ -325,8 +329,12 @@ def parse_fold(doc: Any, world_size: int, path: str | Path, trace_version: int =
     depth, axes, sizes, coords = ("replica", (), (), ()) if version == 1 else _axes(doc, w, path)
     schedule, warmup, chunks, group, overlap, wait_sends = ("", (), 1, 0, False, False) if version == 1 else \
         _schedule(doc, axes, sizes, path)
+    expert_tokens = doc.get("expert_tokens", "")
+    if not isinstance(expert_tokens, str):
+        raise _error(path, "expert_tokens", f"is {expert_tokens!r}, expected a string (the rule's name)")
     return Fold(w, tuple(live), tuple(rep), gpus, tuple(classes), tuple(class_of), contributions, depth, axes,
-                sizes, coords, schedule, warmup, chunks, group, overlap, wait_sends, capture)
+                sizes, coords, schedule, warmup, chunks, group, overlap, wait_sends, capture,
+                expert_tokens)
 
 
 def _capture(doc: dict, live: list[int], w: int, path: str | Path, trace_version: int) -> dict[str, Any]:
