@@ -166,8 +166,11 @@ def test_an_expanded_interleaved_capture_is_the_full_job_event_for_event_and_tim
         _same_times(replay(expanded, COST), replay(full, COST), range(full_shape.world_size))
 
 
-def test_an_interleaved_expansion_before_a_class_fold_synthesises_the_full_job():
-    full_shape, small_shape, mb = _vpp(4, 4, True, 2, tp=2, dp=2, iterations=2, layers_per_stage=1)
+@pytest.mark.parametrize("vpp,overlap_grad", [(2, False), (3, True)])
+def test_an_interleaved_expansion_before_a_class_fold_synthesises_the_full_job(vpp, overlap_grad):
+    """Also with DP ops in the schedule (overlap grad reduce / param gather): expanded, then restaged."""
+    full_shape, small_shape, mb = _vpp(4, 4, True, 2, vpp=vpp, tp=2, dp=2, iterations=2, layers_per_stage=1,
+                                       overlap_grad=overlap_grad)
     full = megatron_1f1b(full_shape)
     folded = fold_graph(megatron_1f1b(small_shape), gpus_per_node=4, **class_fold(small_shape))
     everyone = replay(expand_microbatches(folded, mb), COST, fold_method="full")
