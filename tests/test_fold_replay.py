@@ -374,6 +374,39 @@ def test_folded_stages_run_their_own_interleaved_schedule(pp, vpp, m, mode):
     _same_times(fast, replay(full, cost), fast.graph.ranks)
 
 
+@pytest.mark.parametrize("pp,vpp,m,overlap", [(4, 1, 6, False), (6, 1, 8, False), (4, 2, 4, True), (6, 3, 12, False),
+                                               (8, 4, 8, True), (5, 2, 10, True)])
+def test_folded_stages_place_the_overlapped_dp_ops_as_their_own_stage_issues_them(pp, vpp, m, overlap):
+    """With --overlap-grad-reduce --overlap-param-gather (and, interleaved, Megatron-LM's aligned grad sync and
+    param gather: chunk c's grad sync after backward last(c) + stage, chunk c + 1's param gather before forward
+    first(c) - stage) every folded middle stage rebuilt from stage 1's is the job built whole, event for event,
+    and so is the replay."""
+    shape = Shape(tp=1, pp=pp, dp=2, microbatches=m, iterations=2, layers_per_stage=1, vpp=vpp,
+                  overlap_p2p=overlap, overlap_grad=True)
+    full = megatron_1f1b(shape)
+    folded = fold_graph(full, gpus_per_node=4, **class_fold(shape))
+    synth = synthesize(folded)
+    for r in range(shape.world_size):
+        assert _canonical(synth, r) == _canonical(full, r), r
+    cost = CollectiveCostModel(PROFILE, gpus_per_node=4)
+    _same_times(replay(folded, cost, fold_method="full"), replay(full, cost), range(shape.world_size))
+
+
+def test_a_dp_op_that_no_stage_rule_places_is_refused_naming_it():
+    shape = Shape(tp=1, pp=4, dp=2, microbatches=4, iterations=1, layers_per_stage=1, vpp=2, overlap_grad=True)
+    full = megatron_1f1b(shape)
+    events = list(full.events[2])  # stage 1: its first grad sync, moved to after its first forward
+    sync = next(i for i, e in enumerate(events) if isinstance(e, Comm) and e.kind == "reduce_scatter")
+    op = events.pop(sync)
+    f0 = next(i for i, e in enumerate(events) if isinstance(e, Mark) and e.name == "forward" and e.phase == "E")
+    events.insert(f0 + 1, op)
+    folded = fold_graph(Graph(full.groups, {**full.events, 2: events}), gpus_per_node=4, **class_fold(shape))
+    with pytest.raises(SynthesisError, match=r"rank 2 \(pipeline stage 1\), iteration 0: event \d+ \(reduce_scatter "
+                                             r"on group \d+\) lies directly after unit \('F', 0\), where Megatron's "
+                                             r"interleaved schedule issues a param gather before a forward"):
+        synthesize(folded)
+
+
 def test_interleaved_fold_with_a_larger_microbatch_group_and_tp_dp_peers():
     shape = Shape(tp=2, pp=4, dp=2, microbatches=10, iterations=1, layers_per_stage=1, vpp=2, group=5,
                   overlap_p2p=True)
@@ -432,8 +465,9 @@ def test_folded_stages_need_the_schedule_and_unit_markers():
     events = [Wait(tuple(x + (x >= at) for x in e.refs)) if isinstance(e, Wait) else e for e in events]
     events.insert(at, Comm("all_reduce", mp, 99, nbytes=4))
     odd = Graph(full.groups, {**full.events, 1: events})
-    with pytest.raises(SynthesisError, match=rf"rank 1 \(pipeline stage 1\) event {at} \(all_reduce on group {mp}\) "
-                                             r"lies between scheduling units of iteration 0 and is not a pipeline p2p"):
+    with pytest.raises(SynthesisError, match=rf"rank 1 \(pipeline stage 1\), iteration 0: event {at} \(all_reduce on "
+                                             rf"group {mp}\) lies directly before unit \('B', 0\), where Megatron's "
+                                             r"non-interleaved 1F1B schedule issues none between its units"):
         replay(fold_graph(odd, gpus_per_node=8, **kw))
 
 

@@ -137,14 +137,15 @@ def test_what_does_not_fit_is_an_error_naming_rank_and_microbatch():
 # --- Megatron's interleaved schedule (VPP) ---------------------------------------------------------------
 
 
-def _vpp(pp: int, group: int, overlap: bool, extra_groups: int, **kw) -> tuple[Shape, Shape, MicrobatchFold]:
-    """An interleaved job (2 chunks) at M = m_c + extra_groups·group, the same job at m_c, and the record."""
-    shape = Shape(pp=pp, vpp=2, group=group, overlap_p2p=overlap, wait_sends=overlap and pp == 4, **kw)
+def _vpp(pp: int, group: int, overlap: bool, extra_groups: int, vpp: int = 2,
+         **kw) -> tuple[Shape, Shape, MicrobatchFold]:
+    """An interleaved job (``vpp`` chunks) at M = m_c + extra_groups·group, the same job at m_c, and the record."""
+    shape = Shape(pp=pp, vpp=vpp, group=group, overlap_p2p=overlap, wait_sends=overlap and pp == 4, **kw)
     warmup = tuple(shape.warmup(p) for p in range(pp))
-    m_c = minimum_interleaved(warmup, 2, group, 100 * group)
+    m_c = minimum_interleaved(warmup, vpp, group, 100 * group)
     full = Shape(**{**shape.__dict__, "microbatches": m_c + extra_groups * group})
     small = Shape(**{**shape.__dict__, "microbatches": m_c})
-    return full, small, MicrobatchFold(full.microbatches, m_c, "interleaved", warmup, chunks=2, group=group,
+    return full, small, MicrobatchFold(full.microbatches, m_c, "interleaved", warmup, chunks=vpp, group=group,
                                        overlap_p2p=overlap, wait_sends=shape.wait_sends)
 
 
@@ -165,8 +166,11 @@ def test_an_expanded_interleaved_capture_is_the_full_job_event_for_event_and_tim
         _same_times(replay(expanded, COST), replay(full, COST), range(full_shape.world_size))
 
 
-def test_an_interleaved_expansion_before_a_class_fold_synthesises_the_full_job():
-    full_shape, small_shape, mb = _vpp(4, 4, True, 2, tp=2, dp=2, iterations=2, layers_per_stage=1)
+@pytest.mark.parametrize("vpp,overlap_grad", [(2, False), (3, True)])
+def test_an_interleaved_expansion_before_a_class_fold_synthesises_the_full_job(vpp, overlap_grad):
+    """Also with DP ops in the schedule (overlap grad reduce / param gather): expanded, then restaged."""
+    full_shape, small_shape, mb = _vpp(4, 4, True, 2, vpp=vpp, tp=2, dp=2, iterations=2, layers_per_stage=1,
+                                       overlap_grad=overlap_grad)
     full = megatron_1f1b(full_shape)
     folded = fold_graph(megatron_1f1b(small_shape), gpus_per_node=4, **class_fold(small_shape))
     everyone = replay(expand_microbatches(folded, mb), COST, fold_method="full")
@@ -256,15 +260,23 @@ def test_an_interleaved_capture_that_does_not_fit_is_an_error_naming_rank_and_mi
 # --- data-parallel ops within the schedule (overlap-grad-reduce, overlap-param-gather) ---------------------
 
 
-@pytest.mark.parametrize("pp,vpp,group", [(1, 1, 0), (2, 1, 0), (4, 1, 0), (2, 2, 2), (4, 2, 4), (2, 2, 4)])
+@pytest.mark.parametrize("pp,vpp,group", [(1, 1, 0), (2, 1, 0), (4, 1, 0), (2, 2, 2), (4, 2, 4), (2, 2, 4),
+                                           (2, 3, 2), (4, 4, 4)])
 def test_dp_ops_of_first_and_last_units_are_placed_as_megatron_issues_them_at_m(pp, vpp, group):
-    """Param all-gathers in each chunk's first forward, grad reduce-scatters in the first stage's last backward
-    (1F1B) or after the backward `stage` units past each chunk's last (interleaved, aligned grad sync): the
-    expansion is the job built at M event for event, the copied steady units carrying no DP op."""
+    """Param all-gathers in each chunk's first forward (1F1B) or dispatched by the schedule right before the
+    forward `stage` units ahead of a chunk's first (interleaved, aligned param gather: a collective directly
+    preceding a unit), grad reduce-scatters in the first stage's last backward (1F1B) or after the backward
+    `stage` units past each chunk's last (interleaved, aligned grad sync): the expansion is the job built at M
+    event for event, the copied steady units carrying no DP op."""
     for extra in (1, 3):
         kw = dict(tp=2, dp=2, iterations=2, layers_per_stage=1, overlap_grad=True)
         if vpp > 1:
-            full_shape, small_shape, mb = _vpp(pp, group, True, extra, **kw)
+            full_shape, small_shape, mb = _vpp(pp, group, True, extra, vpp=vpp, **kw)
+            small = megatron_1f1b(small_shape)
+            last = small.events[small_shape.rank(0, 0, pp - 1)]  # its first gathers precede its first receive
+            gathers = [i for i, e in enumerate(last) if isinstance(e, Comm) and e.kind == "all_gather"]
+            assert any(isinstance(last[i + 1], Mark) and last[i + 1].name == "forward"
+                       for i in gathers) == (vpp > 2)  # a gather right before a unit's begin marker
         else:
             full_shape, small_shape, mb = _shapes(pp, extra, **kw)
         full, small = megatron_1f1b(full_shape), megatron_1f1b(small_shape)

@@ -34,8 +34,14 @@ one rank), and the iteration at M is interleaved_steps at M, each unit and op fr
 
 Data-parallel ops within the schedule (``--overlap-grad-reduce``, ``--overlap-param-gather``) belong to
 the first and last units, which the fold keeps, never to the steady units it copies: megatron-core's
-DDP gathers a chunk's parameters from a forward pre-hook, so in the chunk's first forward (its bucket
-group's gather is dispatched once per iteration, ``param_gather_dispatched``), and starts a bucket
+DDP gathers a chunk's parameters from a forward pre-hook (``finish_param_sync``), so in the chunk's
+first forward (its bucket group's gather is dispatched once per iteration, ``param_gather_dispatched``;
+without aligned param gather the hook dispatches the next bucket group's too, still in that forward).
+Under the interleaved schedule Megatron-LM aligns the param gather (``align_param_gather``,
+``config.param_sync_func``: the pre-hook then only awaits): the schedule dispatches chunks 0 and 1
+before its first receive, and chunk c + 1 > 1 in ``forward_step_helper_preprocess`` of forward k, right
+before that unit, when k + stage is chunk c's first forward (and ``is_first_microbatch_for_model_chunk``),
+a unit of the warm-up that the fold keeps. It starts a bucket
 group's grad reduce-scatter / all-reduce only while ``is_last_microbatch`` holds (the schedules
 disable grad sync, ``no_sync``, for every other micro-batch): from the grad hooks in the last
 backward (in the first batch finalize_model_grads starts them, after the schedule), or through
@@ -43,11 +49,15 @@ backward (in the first batch finalize_model_grads starts them, after the schedul
 or, interleaved, right after backward k when k - stage is a chunk's last backward
 (``backward_step_helper_postprocess``), the others after the schedule. Several
 buckets change nothing: each starts when its last grad is ready, still within that backward. So a
-collective inside a unit is copied with it, and one that directly follows a unit (only computation
-and markers between) joins that unit; the target's order places it at M where Megatron does, since
+collective inside a unit is copied with it; one that directly follows a unit (only computation
+and markers between) joins that unit; one that does not but directly precedes a unit (only computation,
+markers and other such collectives before the unit's begin marker) joins that unit's lead, and the
+chunk's wait on it in a later unit waits that one copy; the target's order places it at M where
+Megatron does, since
 the units that issue these ops are replayed once, at the same place relative to the iteration's start
 or end. A unit issuing a collective that the other units of its kind (and chunk) do not issue, which
-the target replays more than once, or one not following a unit, is a ScheduleError naming it.
+the target replays more than once, or one neither following nor preceding a unit, is a ScheduleError
+naming it.
 
 Forward-only iterations (evaluation) and anything that does not fit (a missing unit, an op that does
 not attach, an order that is not the plan's) are a ScheduleError naming the rank and micro-batch.
@@ -193,15 +203,29 @@ class _Expander:
 
     def _attach(self, b: _Block, last: tuple | None, lead: list[int], i: int) -> list[int]:
         """Op ``i``, a collective between the units, joins the unit ``last`` it follows (with the events
-        between): Megatron issues a data-parallel grad sync right after the backward that readies it."""
+        between): Megatron issues a data-parallel grad sync right after the backward that readies it; else
+        the unit it directly precedes, in that unit's lead: a param all-gather dispatched right before a
+        forward. Returns the lead that follows."""
         e = self.ev[i]
         if last is None or any(type(self.ev[x]) is Wait for x in lead):
+            if self._precedes_unit(i):  # a param all-gather the next unit's schedule step dispatches
+                return [*lead, i]
             raise ScheduleError(f"{self._where()} event {i} ({e.kind} on group {e.group}) lies between the units of "
                                 f"iteration {b.iteration!r}, is not a pipeline p2p op and does not directly follow a "
-                                "unit: it has no place in the target's order of units")
+                                "unit nor precede one: it has no place in the target's order of units")
         unit_lead, body = b.units[last]
         b.units[last] = (unit_lead, range(body.start, i + 1))
         return []
+
+    def _precedes_unit(self, i: int) -> bool:
+        """Whether only compute, markers and other data-parallel collectives lie between collective ``i`` and
+        the begin marker of a unit (Megatron dispatches a chunk's param all-gather right before a forward)."""
+        ev = self.ev
+        j = i + 1
+        while j < len(ev) and type(ev[j]) is not Wait and (self._passable(j) or (type(ev[j]) is Comm
+                                                                                  and not ev[j].is_p2p)):
+            j += 1
+        return j < len(ev) and type(ev[j]) is Mark and ev[j].phase == "B" and ev[j].name in UNITS
 
     def _trailing_dp(self, end: int) -> int:
         """The end of an iteration's last unit past the collectives that directly follow it (see _attach)."""
@@ -223,8 +247,8 @@ class _Expander:
         """A unit's collectives that not every unit of its class issues (data-parallel ops of a first or last
         micro-batch) must be replayed once: a unit carrying them that the target repeats is an error."""
         sigs: dict[tuple, Counter] = {}
-        for key, (_, body) in b.units.items():
-            sigs[key] = Counter((self.ev[x].kind, self.ev[x].group) for x in body
+        for key, (lead, body) in b.units.items():
+            sigs[key] = Counter((self.ev[x].kind, self.ev[x].group) for x in (*lead, *body)
                                 if type(self.ev[x]) is Comm and not self.ev[x].is_p2p)
         common: dict[tuple, Counter] = {}
         for key, sig in sigs.items():
@@ -355,6 +379,8 @@ class _Expander:
                         refs.append((x, inst))  # an op of its own unit, copied with it
                     elif i not in in_block and i > x and x in body_of:
                         refs.extend((x, y) for y in insts[x])  # after the iteration: every copy of the op
+                    elif i > x and type(ev[x]) is Comm and not ev[x].is_p2p and len(insts[x]) == 1:
+                        refs.append((x, insts[x][0]))  # a DP op of a unit replayed once (a param all-gather)
                     else:
                         raise ScheduleError(f"{self._where()} event {i}: a wait on event {x}, an op of another "
                                             f"unit of iteration {in_block[x].iteration!r}: it cannot be placed among "

@@ -38,6 +38,20 @@ table). With overlapped p2p the waits on the moved ops are the schedule's own (a
 before the unit that needs it, a send when the next one of its direction is posted), in place of
 the representative's, whose positions belong to its own order.
 
+Data-parallel collectives issued within the schedule (``--overlap-grad-reduce --overlap-param-gather``
+with the distributed optimizer) go with units as replay.microbatch_fold attaches them: one inside a unit
+is copied with it (a 1F1B chunk's param gathers from the forward pre-hook in its first forward, the
+pre-hook's waits); one directly following a unit (only compute and markers between) is that unit's, as is
+one directly preceding a unit (only compute, markers and such collectives before its begin marker). Under
+the interleaved schedule their place depends on the stage: with Megatron-LM's aligned grad sync
+(``backward_step_helper_postprocess``) chunk c's grad sync follows backward last(c) + p on stage p, and
+with its aligned param gather (``forward_step_helper_preprocess``, ``param_sync_func``) chunk c + 1's
+gather precedes forward first(c) - p, so stage p's program moves them by p - q virtual microbatches from
+q's places (the microbatch group >= PP keeps each within the schedule; the chunks a stage syncs after the
+schedule are the same on every middle stage: chunk 0's). Non-interleaved 1F1B issues none between units
+(its grad sync follows the cool-down): one there, one on the wrong kind of unit, or one the move would
+take outside the schedule is a ScheduleError when the stage's program is rebuilt.
+
 Iterations without backward units (forward-only: evaluation) run the same program on every stage and
 are kept. The representative's own order is checked against the schedule for its stage first, so a
 trace whose program is not the one the plan names is an error, never a silent reorder.
@@ -273,6 +287,10 @@ class _Block:
     units: dict[tuple[str, int], tuple[list[int], range]] = field(default_factory=dict)  # lead, body
     ops: dict[tuple[str, int], tuple[list[int], int]] = field(default_factory=dict)  # lead, op index
     microbatches: int = 0  # M (units are keyed by virtual microbatch: M·chunks of them)
+    #: data-parallel collectives (with the compute and markers before them) directly following a unit (grad
+    #: sync) / directly preceding one (param gather), by unit
+    after: dict[tuple[str, int], list[int]] = field(default_factory=dict)
+    before: dict[tuple[str, int], list[int]] = field(default_factory=dict)
 
 
 class _Restager:
@@ -350,6 +368,9 @@ class _Restager:
         counts: dict[str, int] = defaultdict(int)
         raw: list[tuple[str, int, int]] = []  # the units' (F | B, microbatch, chunk) in the trace's order
         units: dict[tuple[str, int, int], tuple[list[int], range]] = {}
+        after: dict[tuple[str, int, int], list[int]] = {}
+        before: dict[tuple[str, int, int], list[int]] = {}
+        last: tuple[str, int, int] | None = None  # the unit that nothing but compute and markers follow yet
         i = start
         while i < end:
             e = ev[i]
@@ -366,20 +387,30 @@ class _Restager:
                 for b in range(i, j + 1):
                     if self.stream(b) is not None:
                         raise ScheduleError(f"{self._where()} event {b}: a pipeline p2p op inside a {e.name} unit")
-                units[key] = (lead, range(i, j + 1))
+                dp = next((x for x, y in enumerate(lead) if type(ev[y]) is Comm), len(lead))
+                if dp < len(lead):  # data-parallel collectives directly preceding the unit
+                    before[key] = lead[dp:]
+                units[key] = (lead[:dp], range(i, j + 1))
                 raw.append(key)
-                lead = []
+                lead, last = [], key
                 i = j + 1
                 continue
             s = self.stream(i)
             if s is not None:
                 block.ops[(s, counts[s])] = (lead, i)
                 counts[s] += 1
-                lead = []
+                lead, last = [], None
             elif type(e) is Comm:
-                raise ScheduleError(f"{self._where()} event {i} ({e.kind} on group {e.group}) lies between "
-                                    f"scheduling units of iteration {block.iteration!r} and is not a pipeline p2p "
-                                    "op: it has no place in another stage's order of units")
+                if last is not None and not any(type(ev[x]) is Wait for x in lead):
+                    after.setdefault(last, []).extend([*lead, i])
+                    lead = []
+                elif self._precedes_unit(i):
+                    lead.append(i)
+                else:
+                    raise ScheduleError(f"{self._where()} event {i} ({e.kind} on group {e.group}) lies between "
+                                        f"scheduling units of iteration {block.iteration!r}, is not a pipeline p2p "
+                                        "op and neither directly follows nor directly precedes a unit: it has no "
+                                        "place in another stage's order of units")
             else:
                 lead.append(i)
             i += 1
@@ -396,6 +427,10 @@ class _Restager:
         for key in raw:
             block.units[(key[0], vid[key])] = units[key]
             block.order.append((key[0], vid[key]))
+            if key in after:
+                block.after[(key[0], vid[key])] = after[key]
+            if key in before:
+                block.before[(key[0], vid[key])] = before[key]
         block.microbatches = m
         for s in (RECV_PREV, SEND_NEXT, RECV_NEXT, SEND_PREV):
             if counts[s] != n:
@@ -412,6 +447,19 @@ class _Restager:
                                 f"(warm-up {self.fold.warmup[self.stage]}): "
                                 f"unit {at} is {block.order[at]}, the schedule's {want[at]}")
         return block
+
+    def _passable(self, k: int) -> bool:
+        e = self.ev[k]
+        return type(e) not in (Comm, Wait) and not (type(e) is Mark and e.name in (*UNITS, "iteration"))
+
+    def _precedes_unit(self, i: int) -> bool:
+        """Whether only compute, markers and other data-parallel collectives lie between collective ``i`` and
+        a unit's begin marker."""
+        ev = self.ev
+        j = i + 1
+        while j < len(ev) and (self._passable(j) or (type(ev[j]) is Comm and not ev[j].is_p2p)):
+            j += 1
+        return j < len(ev) and type(ev[j]) is Mark and ev[j].phase == "B" and ev[j].name in UNITS
 
     # --- writing stage p ------------------------------------------------------------------------
     def program(self, stage: int, blocks: list[_Block]) -> list[Event]:
@@ -501,12 +549,39 @@ class _Restager:
                                 f"order of units, but the group has members on other stages {others[:8]} "
                                 "whose order does not change: the op cannot be renumbered")
 
+    def _dp_shift(self, b: _Block, stage: int) -> tuple[dict, dict]:
+        """Stage ``stage``'s data-parallel collectives of block ``b``: by the unit they directly precede, and by
+        the unit they directly follow there (see the module docstring)."""
+        d, t = stage - self.stage, len(b.order) // 2
+        before = {(kind, k - d): ops for (kind, k), ops in b.before.items()}
+        after = {(kind, k + d): ops for (kind, k), ops in b.after.items()}
+        if not d or not (before or after):
+            return before, after
+        odd = [("before", key, ops) for key, ops in b.before.items() if key[0] != "F" or not self.interleaved]
+        odd += [("after", key, ops) for key, ops in b.after.items() if key[0] != "B" or not self.interleaved]
+        if odd:
+            where, key, ops = odd[0]
+            x = next(x for x in ops if type(self.ev[x]) is Comm)
+            what = "none between its units (its grad sync follows the cool-down)" if not self.interleaved else \
+                "a param gather before a forward, a grad sync after a backward, and no other"
+            raise ScheduleError(f"{self._where()}, iteration {b.iteration!r}: event {x} ({self.ev[x].kind} on group "
+                                f"{self.ev[x].group}) lies directly {where} unit {key}, where Megatron's "
+                                f"{'interleaved' if self.interleaved else 'non-interleaved 1F1B'} schedule issues "
+                                f"{what}: it has no place in stage {stage}'s order of units")
+        out = [k for _, k in (*before, *after) if not 0 <= k < t]
+        if out:  # Megatron's microbatch group >= PP keeps every shifted sync within the schedule
+            raise ScheduleError(f"{self._where()}, iteration {b.iteration!r}: on stage {stage} a param gather or "
+                                f"grad sync of its units would go with virtual microbatch {out[0]}, outside the "
+                                f"schedule's 0..{t - 1}")
+        return before, after
+
     def _region(self, b: _Block, stage: int, prompt: set[int], call_of: dict[int, _WaitOn]) -> list[int | _WaitOn]:
         """Stage ``stage``'s calls and units of block ``b`` (see the module docstring)."""
         ev = self.ev
         m = sum(1 for kind, _ in b.order if kind == "F")
         w = min(self.fold.warmup[stage], m)
         out: list[int | _WaitOn] = []
+        before, after = self._dp_shift(b, stage)
         if self.interleaved:
             if stage in (0, self.stages - 1):
                 raise ScheduleError(f"{self._where()}: pipeline stage {stage} is a first or last stage, whose "
@@ -517,7 +592,9 @@ class _Restager:
                 if step[0] in UNIT_KINDS:
                     lead, body = b.units[step]
                     out.extend(lead)
+                    out.extend(before.get(step, ()))
                     out.extend(body)
+                    out.extend(after.get(step, ()))
                 elif step[0] == "call":
                     wait = _WaitOn([])
                     for key in step[1]:
@@ -547,7 +624,9 @@ class _Restager:
         def unit(key: tuple[str, int]) -> None:
             lead, body = b.units[key]
             out.extend(lead)
+            out.extend(before.get(key, ()))
             out.extend(body)
+            out.extend(after.get(key, ()))
 
         for i in range(w):  # warm-up
             call((RECV_PREV, i))
@@ -587,6 +666,7 @@ def restage(events: Sequence[Event], fold: Fold, rep: int, stage: int, group_mem
     m = [sum(1 for kind, _ in b.order if kind == "F") for b in blocks]  # virtual microbatches
     # unbatched p2p (interleaved with overlap) posts a call's ops in an order that depends on the stage's parity
     parity = not (r.interleaved and fold.overlap_p2p) or stage % 2 == r.stage % 2
-    if parity and all(min(fold.warmup[stage], n) == min(fold.warmup[r.stage], n) for n in m):
+    shifted = r.interleaved and any(b.before or b.after for b in blocks)  # DP ops placed by the stage
+    if parity and not shifted and all(min(fold.warmup[stage], n) == min(fold.warmup[r.stage], n) for n in m):
         return list(events)  # the same order of units and calls: the representative's program as it ran
     return r.program(stage, blocks)

@@ -24,8 +24,10 @@ last chunk of the last; :func:`class_fold` then names the interleaved schedule a
 
 With ``overlap_grad`` (and DP > 1) the data-parallel ops are issued within the schedule as megatron-core's
 DDP issues them under ``--overlap-grad-reduce --overlap-param-gather`` with the distributed optimizer and
-Megatron-LM's aligned grad sync: each chunk's parameter all-gathers (two buckets, each awaited at once)
-in its first forward; the grad reduce-scatters asynchronously, in the first stage's last backward (1F1B)
+Megatron-LM's aligned grad sync: each chunk's parameter all-gathers (two buckets) in its first forward,
+each awaited at once (1F1B) or, interleaved (aligned param gather), dispatched by the schedule (chunks 0
+and 1 at its start, chunk c + 1 right before forward k when k + stage is chunk c's first) and awaited in
+the chunk's first forward; the grad reduce-scatters asynchronously, in the first stage's last backward (1F1B)
 or, interleaved, after backward k when k - stage is a chunk's last backward, the rest after the
 schedule; all awaited at the iteration's end.
 """
@@ -149,12 +151,21 @@ def _rank_program(b: GraphBuilder, s: Shape, r: int, p: int, tp: int, dp: int, p
             grads.append(b.collective(r, "reduce_scatter", dp, s.grad_bytes // 2, async_op=True,
                                       label=f"dp.grads {bucket}"))
 
+    gathers: dict[int, list] = {}  # chunk -> its dispatched param all-gathers (aligned param gather)
+
+    def param_sync(chunk: int) -> None:  # start_param_sync of a chunk: one async all-gather per bucket
+        gathers[chunk] = [b.collective(r, "all_gather", dp, s.grad_bytes // 4, async_op=True,
+                                       label=f"dp.params {bucket}") for bucket in range(2)]
+
     def layers(direction: str, it: int, mb: int, chunk: int = 0) -> None:
         b.mark(r, direction, "B", iteration=it, microbatch=mb, chunk=chunk)
-        if overlap and direction == "forward" and mb == 0:  # the forward pre-hook gathers the chunk's params
-            for bucket in range(2):
+        if overlap and direction == "forward" and mb == 0 and s.vpp == 1:
+            for bucket in range(2):  # the forward pre-hook dispatches each bucket's gather and awaits it
                 b.wait(r, b.collective(r, "all_gather", dp, s.grad_bytes // 4, async_op=True,
                                        label=f"dp.params {bucket}"))
+        elif overlap and direction == "forward" and mb == 0:  # the pre-hook awaits the aligned gathers
+            for ref in gathers.pop(chunk):
+                b.wait(r, ref)
         scale = 1.0 if direction == "forward" else 2.0
         edge = (p == 0 and chunk == 0) or (p == s.pp - 1 and chunk == s.vpp - 1)  # the chunk with embedding/loss
         if direction == "forward" and extra_f and edge:
@@ -190,7 +201,7 @@ def _rank_program(b: GraphBuilder, s: Shape, r: int, p: int, tp: int, dp: int, p
         if s.vpp > 1:
             _interleaved(s, steps, table, lambda *ops: p2p(*(peer[x] for x in ops), wait=False),
                          lambda d, mb, c, it=it: layers(d, it, mb, c), lambda *refs: b.wait(r, *refs),
-                         grad_sync if overlap else None, p)
+                         grad_sync if overlap else None, p, param_sync if overlap else None)
         for i in range(warmup if s.vpp == 1 else 0):
             p2p(("recv", prv))
             layers("forward", it, i)
@@ -223,11 +234,16 @@ def _rank_program(b: GraphBuilder, s: Shape, r: int, p: int, tp: int, dp: int, p
 
 
 def _interleaved(s: Shape, steps: list, table: list[tuple[int, int]], post: Any, layers: Any, wait: Any,
-                 grad_sync: Any = None, stage: int = 0) -> None:
+                 grad_sync: Any = None, stage: int = 0, param_sync: Any = None) -> None:
     """One iteration of a stage's interleaved program: its units, calls and waits (``steps``); with
     ``grad_sync``, Megatron's aligned grad sync: after backward k, the sync of the chunk whose last backward
-    is k - stage (backward_step_helper_postprocess)."""
+    is k - stage (backward_step_helper_postprocess); with ``param_sync``, its aligned param gather: chunks 0
+    and 1 before the first receive, chunk c + 1 > 1 right before forward k when k + stage is chunk c's first
+    (forward_step_helper_preprocess)."""
     refs: dict[tuple[str, int], Any] = {}
+    if param_sync is not None:
+        param_sync(0)
+        param_sync(1)
     last = {}  # chunk -> the virtual microbatch of its last backward
     for k, (_, chunk) in enumerate(table):
         last[s.vpp - 1 - chunk] = max(last.get(s.vpp - 1 - chunk, -1), k)
@@ -239,6 +255,10 @@ def _interleaved(s: Shape, steps: list, table: list[tuple[int, int]], post: Any,
         else:
             mb, chunk = table[step[1]]
             forward = step[0] == "F"
+            ahead = step[1] + stage
+            if param_sync is not None and forward and ahead < len(table) and table[ahead][0] == 0 \
+                    and 1 < table[ahead][1] + 1 < s.vpp:
+                param_sync(table[ahead][1] + 1)
             layers("forward" if forward else "backward", mb, chunk if forward else s.vpp - 1 - chunk)
             if grad_sync is not None and not forward and step[1] - stage in last.values():
                 grad_sync()
