@@ -22,6 +22,7 @@ TOLERANCE = 0.10
 GiB = 1 << 30
 
 
+@pytest.mark.megatron  # both stacks: the estimate must hold for each supported megatron-core
 @pytest.mark.skipif(cpu_mode._gpu_present(), reason="CPU runs of Megatron need CPU mode")
 def test_estimate_is_within_tolerance_of_a_cpu_capture(megatron_runs):
     """The plan's estimate per class (CPU: the byte accountant's figures) against the full capture of the
