@@ -33,9 +33,9 @@ What it does while active:
   - ``moe_utils.maybe_move_tensor_to_cpu`` (and its copy in ``token_dispatcher``) only
     converts split sizes to numpy for CUDA tensors; on CPU it converts every tensor, so the
     alltoall dispatcher gets host split sizes as on a GPU.
-  - ``torch_norm.WrappedTorchNorm`` refuses ``sequence_parallel``; on CPU it builds the
-    torch norm and tags its parameters ``sequence_parallel=True`` (what apex's norm does on a
-    GPU), so Megatron all-reduces their gradients across the TP group.
+  - ``torch_norm.WrappedTorchNorm`` refuses ``sequence_parallel``; it builds the torch norm
+    with its parameters marked for the TP gradient all-reduce (:mod:`prism_megatron.patches.norm`,
+    the same seam an emulated rank on a GPU gets; here undone on disable).
   - triton: megatron-core 0.19 imports triton at module level (MoE paged stash). Only if
     importing a seam fails because triton is missing is a stub installed (importable,
     launching a kernel raises); it is removed from ``sys.modules`` on disable.
@@ -69,6 +69,7 @@ from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
 from prism_megatron.megatron import cpu_cuda_stubs as stubs
 from prism_megatron.megatron.versions import checked_versions
+from prism_megatron.patches import norm
 
 __all__ = ["cpu_mode", "cpu_mode_active", "disable_cpu_mode", "enable_cpu_mode"]
 
@@ -281,21 +282,7 @@ def _patch_megatron(patches: _Patches) -> None:
         patches.setattr(moe_utils, "te_general_gemm", None)
 
     norm_cls = _seam(_import_with_triton_fallback(mc + "transformer.torch_norm", patches), "WrappedTorchNorm")
-    original_new = norm_cls.__new__
-
-    def sequence_parallel_norm(cls: type, config: Any, *args: Any, **kwargs: Any) -> Any:
-        if not getattr(config, "sequence_parallel", False):
-            return original_new(cls, config, *args, **kwargs)
-        config.sequence_parallel = False  # the torch norm itself works on SP-sharded tokens
-        try:
-            norm = original_new(cls, config, *args, **kwargs)
-        finally:
-            config.sequence_parallel = True
-        for param in norm.parameters():
-            param.sequence_parallel = True
-        return norm
-
-    patches.setattr(norm_cls, "__new__", staticmethod(sequence_parallel_norm))
+    patches.setattr(norm_cls, "__new__", staticmethod(norm.sequence_parallel_new(norm_cls.__new__)))
 
 
 # --------------------------------------------------------------------------- public API

@@ -41,7 +41,9 @@ def install_patches(training: bool = True) -> None:
     schedules.install()
     p2p.install()
     ddp.install()
-    from prism_megatron.patches import attention
+    from prism_megatron.patches import attention, norm
+
+    norm.install()  # the local spec's torch norms under --sequence-parallel, as TE's and apex's take it
 
     if os.environ.get(attention.ENV_VAR) == "sdpa":  # --prism-attention sdpa (megatron.run sets it)
         attention.install()
