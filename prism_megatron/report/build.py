@@ -248,7 +248,7 @@ def _replay(trace: PrismTrace, cluster: str | None) -> tuple[ReplayResult | None
     try:
         return replay(graph_from_trace(trace), cost), None
     except IncompleteCaptureError as e:  # not a failure of the replay: there is no whole job to replay
-        return None, f"not replayed: {e.reason()}; the memory figures are each capture's own (an incomplete one's " \
+        return None, f"{e.reason()}; the memory figures are each capture's own (an incomplete one's " \
                      "until it stopped)"
     except GraphError as e:  # DeadlockError included: typically a job that died mid-iteration
         lines = str(e).splitlines()  # a deadlock names every stuck rank: thousands of lines at scale
