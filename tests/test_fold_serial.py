@@ -5,6 +5,7 @@ the trace's v6 record, and a generic pipeline captured both ways (same ops, same
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -130,13 +131,13 @@ def _op(rank: int, index: int, kind: str, group: int, seq: int, peer: int = -1) 
 
 
 def _capture(path: Path, plan: dict, rank: int, index: int, groups: list[tuple[str, list[int]]], ops: list[dict],
-             incomplete: str | None = None) -> Path:
+             incomplete: str | None = None, marks: list[dict] | None = None) -> Path:
     part = capture_plan(plan, rank, index)
     counts = {"all_reduce": {"mirror": 1, "recorded": 0, "keep": 0, "passthrough": 0, "self_mirror": 2}}
     manifest = {"world_size": 8, "job": {"fold": {**part, "contributions": counts}, "argv": ["x"], "swap": rank},
                 "groups": [{"id": i, "name": n, "ranks": r, "backend": "nccl"} for i, (n, r) in enumerate(groups)],
                 "ranks": [{"rank": rank, "exit_code": 0, "device": "cpu"}]}
-    return write_trace(path, manifest, ops=ops, incomplete=incomplete)
+    return write_trace(path, manifest, ops=ops, incomplete=incomplete, marks=marks)
 
 
 def test_the_merge_lines_groups_up_by_what_they_are_and_keeps_sequence_numbers(tmp_path):
@@ -182,6 +183,59 @@ def test_a_failed_capture_leaves_its_trace_and_the_merge_names_it(tmp_path):
     with pytest.raises(TraceFormatError, match=r"not the capture of rank 4"):  # a trace of another capture
         merge_captures(tmp_path / "m2", plan, [{"rank": 4, "trace": a, "incomplete": None},
                                                {"rank": 0, "trace": a, "incomplete": None}])
+
+
+def _memory_mark(rank: int, peak: int) -> dict:
+    attrs = {"allocated": peak, "reserved": peak, "max_allocated": peak, "max_reserved": peak, "cap": 1 << 30,
+             "source": "cpu-accountant"}
+    return {"rank": rank, "name": "memory", "phase": "i", "t": 1.0, "compute_clock": 1.0, "attrs": attrs}
+
+
+def test_a_merge_with_an_incomplete_capture_is_not_replayed_and_the_report_says_which(tmp_path):
+    """A serial run cut short (issue 20's Llama-3-70B run: capture 2 of 3 timed out, 3 not run): the other live
+    ranks' p2p ops with the missing class have no partner. graph_from_trace refuses the merge naming the captures
+    (it used to drop those ops as unmatched and fail later as a schedule error of a complete capture); the report
+    says so plainly and still gives the memory the captures measured. The complete merge of the same captures
+    keeps the p2p pair."""
+    from prism_megatron.replay import IncompleteCaptureError, graph_from_trace
+    from prism_megatron.replay.graph import Comm
+    from prism_megatron.report.build import build_report
+
+    plan = _class_plan()
+    groups = [("0", list(range(8))), ("7", [0, 4])]
+    a = _capture(tmp_path / "c0", plan, 0, 0, groups, [_op(0, 0, "all_reduce", 0, 0), _op(0, 1, "send", 1, 0, peer=4)],
+                 marks=[_memory_mark(0, 3 << 20)])
+    ops4 = [_op(4, 0, "all_reduce", 0, 0), _op(4, 1, "recv", 1, 0, peer=0)]
+    cut = _capture(tmp_path / "c1", plan, 4, 1, groups, ops4[:1], incomplete="ended by SIGTERM",
+                   marks=[_memory_mark(4, 1 << 20)])
+    whole = _capture(tmp_path / "c1-whole", plan, 4, 1, groups, ops4, marks=[_memory_mark(4, 2 << 20)])
+
+    both = [{"rank": 0, "trace": a, "incomplete": None}, {"rank": 4, "trace": whole, "incomplete": None}]
+    complete = read_trace(merge_captures(tmp_path / "complete", plan, both))
+    assert complete.fold.incomplete_captures() == []
+    graph = graph_from_trace(complete)
+    assert [e.kind for e in graph.events[0] if type(e) is Comm] == ["all_reduce", "send"]  # the pair is kept
+
+    for name, second, said in (
+            ("partial", {"rank": 4, "trace": cut, "incomplete": "ended by SIGTERM"},
+             "capture 2 of 2 (rank 4, class last) incomplete: ended by SIGTERM"),
+            ("missing", {"rank": 4, "trace": None, "incomplete": "not run: capture 1 failed first"},
+             "capture 2 of 2 (rank 4, class last) not run: capture 1 failed first")):
+        out = merge_captures(tmp_path / name, plan, [{"rank": 0, "trace": a, "incomplete": None}, second])
+        trace = read_trace(out)
+        assert [c.sentence for c in trace.fold.incomplete_captures()] == [said]
+        with pytest.raises(IncompleteCaptureError, match=rf"{name}: {re.escape(said)}: a serially captured fold is "
+                                                         "replayed only when all 2 of its captures completed"):
+            graph_from_trace(trace)
+        report = build_report(out)
+        assert report["prediction"] is None
+        why = report["prediction_error"]
+        assert why.startswith(f"{said}: a serially captured fold is replayed only when all 2 "), why
+        status = "incomplete" if second["trace"] else "not run"
+        assert report["verdict"].startswith("fits: ")
+        assert report["verdict"].endswith(f"; class(es) not measured in full: last (capture 2 of 2 {status})")
+        peaks = {e["rank"]: e["max_allocated"] for e in report["memory"]["ranks"]}
+        assert peaks == ({0: 3 << 20, 4: 1 << 20} if second["trace"] else {0: 3 << 20})
 
 
 # ---- a generic pipeline captured both ways -----------------------------------------------------

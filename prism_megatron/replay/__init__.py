@@ -17,7 +17,19 @@ from .engine import (
     zero_cost,
 )
 from .export import to_chrome, write_chrome
-from .graph import Comm, Compute, CpuSync, Graph, GraphBuilder, GraphError, Group, Mark, Wait, graph_from_trace
+from .graph import (
+    Comm,
+    Compute,
+    CpuSync,
+    Graph,
+    GraphBuilder,
+    GraphError,
+    Group,
+    IncompleteCaptureError,
+    Mark,
+    Wait,
+    graph_from_trace,
+)
 
 __all__ = [
     "Breakdown",
@@ -31,6 +43,7 @@ __all__ = [
     "GraphBuilder",
     "GraphError",
     "Group",
+    "IncompleteCaptureError",
     "Iteration",
     "Mark",
     "PathStep",

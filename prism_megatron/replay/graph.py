@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ..trace.fold import Fold
+    from ..trace.fold import Fold, IncompleteCapture
 
 #: Op kinds that are point-to-point (matched by src/dst), everything else is a collective.
 P2P_KINDS = frozenset({"send", "recv"})
@@ -40,6 +40,22 @@ P2P_KINDS = frozenset({"send", "recv"})
 
 class GraphError(ValueError):
     """The graph is inconsistent: an op with no partner, a group without that rank, a bad wait."""
+
+
+class IncompleteCaptureError(GraphError):
+    """A serial run's merged trace whose captures did not all complete (``Fold.incomplete_captures``): each
+    class's program is its live rank's whole capture, so a class whose capture stopped early or never ran
+    has none, and the other live ranks' p2p ops with it have no partner (they would be dropped as
+    unmatched and the rest read as a schedule it does not fit)."""
+
+    def __init__(self, source: str, captures: list[IncompleteCapture]) -> None:
+        self.captures = captures
+        super().__init__(f"{source}: {self.reason()}")
+
+    def reason(self) -> str:
+        """The captures that did not complete, and why that stops the replay: one line."""
+        return (f"{'; '.join(c.sentence for c in self.captures)}: a serially captured fold is replayed only when "
+                f"all {self.captures[0].of} of its captures completed")
 
 
 @dataclass(frozen=True)
@@ -421,11 +437,16 @@ def graph_from_trace(trace: Any, gpu_times: bool = True, typical_host: bool = Tr
     False keeps every iteration's own. ``like_ranks`` (with ``typical_host``): then the median over the
     ranks that issued the same ops (gpu_segments.like_rank_host_times); False keeps each rank's own.
     A micro-batch-folded trace (``trace.microbatches``) gives every rank the target's micro-batches
-    (replay.microbatch_fold).
+    (replay.microbatch_fold). A serial run's merged trace with a capture that did not complete is an
+    IncompleteCaptureError naming it.
     """
     from . import gpu_segments
     from .gpu_segments import typical_host_times, with_gpu_times
 
+    fold = getattr(trace, "fold", None)
+    cut = fold.incomplete_captures() if fold is not None else []
+    if cut:
+        raise IncompleteCaptureError(str(getattr(trace, "path", "<trace>")), cut)
     groups = {g["id"]: Group(g["id"], tuple(g["ranks"]), g.get("name", "")) for g in trace.manifest["groups"]}
     marks_by_rank: dict[int, list[dict[str, Any]]] = defaultdict(list)
     for m in trace.marks.to_pylist():
@@ -433,7 +454,6 @@ def graph_from_trace(trace: Any, gpu_times: bool = True, typical_host: bool = Tr
     slots_by_rank: dict[int, list[dict[str, Any]]] = defaultdict(list)
     for s in trace.slots.to_pylist():
         slots_by_rank[s["rank"]].append(s)
-    fold = getattr(trace, "fold", None)
     real = list(fold.live) if fold is not None else range(trace.world_size)
     per_rank = {r: trace.ops_for_rank(r) for r in real}
     _resolve_any_source(per_rank)

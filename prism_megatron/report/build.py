@@ -17,7 +17,15 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from prism_megatron.replay import Compute, GraphError, ReplayResult, graph_from_trace, replay, zero_cost
+from prism_megatron.replay import (
+    Compute,
+    GraphError,
+    IncompleteCaptureError,
+    ReplayResult,
+    graph_from_trace,
+    replay,
+    zero_cost,
+)
 from prism_megatron.trace import PrismTrace, TraceFormatError, read_trace
 from prism_megatron.trace.fold import Fold
 from prism_megatron.trace.microbatches import MicrobatchFold
@@ -86,7 +94,7 @@ def assemble(trace_dir: str | Path, cluster: str | None = None,
         "memory": memory,
         "oom": oom,
         "swap": _swap(job.get("swap")),
-        "verdict": verdict(memory, oom, exit5, classes, target["gpu"]),
+        "verdict": verdict(memory, oom, exit5, classes, target["gpu"]) + _unmeasured(fold),
         "fold": None if fold is None else _fold(fold, memory, None if result is None else result, classes),
         "anchors": {**_anchors(marks, memory), "fake_pg": _fake_pg(Path(trace_dir), memory)},
     }
@@ -239,6 +247,9 @@ def _replay(trace: PrismTrace, cluster: str | None) -> tuple[ReplayResult | None
     cost = cost_model(cluster, trace.fold)
     try:
         return replay(graph_from_trace(trace), cost), None
+    except IncompleteCaptureError as e:  # not a failure of the replay: there is no whole job to replay
+        return None, f"{e.reason()}; the memory figures are each capture's own (an incomplete one's " \
+                     "until it stopped)"
     except GraphError as e:  # DeadlockError included: typically a job that died mid-iteration
         lines = str(e).splitlines()  # a deadlock names every stuck rank: thousands of lines at scale
         more = f"\n  ... and {len(lines) - MAX_ERROR_LINES} more line(s)" if len(lines) > MAX_ERROR_LINES else ""
@@ -465,6 +476,16 @@ def _swap(swap: Any) -> dict[str, Any] | None:
 
 
 # ---------------------------------------------------------------------------------------- verdict
+
+
+def _unmeasured(fold: Fold | None) -> str:
+    """What a verdict leaves out when a serial run's capture did not complete: its class was measured in part
+    (until the capture stopped) or not at all; "" otherwise."""
+    cut = fold.incomplete_captures() if fold is not None else []
+    if not cut:
+        return ""
+    parts = [f"{c.cls} (capture {c.number} of {c.of} {c.status})" for c in cut]
+    return f"; class(es) not measured in full: {', '.join(parts)}"
 
 
 def verdict(memory: dict[str, Any], oom: list[dict[str, Any]], exit5: list[int], classes: dict[int, str],

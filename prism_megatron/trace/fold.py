@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from .schema import MANIFEST_FILE, VERSION, TraceFormatError
 
@@ -60,6 +60,31 @@ SERIAL_RULES: dict[str, str] = {"collectives": "self_mirror", "p2p": "standin"}
 SCHEDULES: tuple[str, ...] = ("no_pipelining", "1f1b", "interleaved")
 
 Coord = tuple[int, ...]
+
+
+class IncompleteCapture(NamedTuple):
+    """A capture of a serial run that did not complete: the ``number``-th of ``of``, of live ``rank`` (class
+    ``cls``); ``written``: it wrote a trace (cut short), else none; ``reason``: why (the merge's record)."""
+
+    number: int
+    of: int
+    rank: int
+    cls: str
+    written: bool
+    reason: str
+
+    @property
+    def status(self) -> str:
+        """"incomplete" (cut short), "not run" (an earlier capture failed) or "wrote no trace"."""
+        return "incomplete" if self.written else "not run" if self.reason.startswith("not run") else \
+            "wrote no trace"
+
+    @property
+    def sentence(self) -> str:
+        """"capture 2 of 3 (rank 16, class middle) incomplete: ended by SIGTERM", or for one that was not run
+        "capture 3 of 3 (rank 48, class last) not run: capture 2 failed first"."""
+        head = f"capture {self.number} of {self.of} (rank {self.rank}, class {self.cls})"
+        return f"{head} {self.reason}" if self.status == "not run" else f"{head} {self.status}: {self.reason}"
 
 
 @dataclass(frozen=True)
@@ -190,6 +215,13 @@ class Fold:
     # --- reports ------------------------------------------------------------------------------
     def class_name(self, rank: int) -> str:
         return self.classes[self.class_of[rank]].name if self.classes else f"like rank {self.rep[rank]}"
+
+    def incomplete_captures(self) -> list[IncompleteCapture]:
+        """A serial run's merged trace: its captures that did not complete, in capture order; [] where every
+        capture completed, and for any other trace."""
+        captures = self.capture.get("captures") or []
+        return [IncompleteCapture(i + 1, len(captures), c["rank"], self.class_name(c["rank"]), bool(c["trace"]),
+                                  c["incomplete"]) for i, c in enumerate(captures) if not c["complete"]]
 
     def contribution_counts(self) -> dict[str, int]:
         """Virtual contributions by way, summed over op kinds: the first four CONTRIBUTION_WAYS always, a serial
