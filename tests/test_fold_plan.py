@@ -242,7 +242,8 @@ def test_plan_of_a_serial_capture_judges_one_live_rank_at_a_time():
 #: a MoE job shaped like the targets for the core driver: TP1·PP2·EP8 on 64 ranks (expert DP4), 64 experts top-8
 MOE_TARGET = ["--num-layers", "8", "--hidden-size", "1024", "--num-attention-heads", "16", "--seq-length", "1024",
               "--max-position-embeddings", "1024", "--vocab-size", "32000", "--micro-batch-size", "1",
-              "--global-batch-size", "256", "--train-iters", "3", "--lr", "1e-4", "--bf16", "--no-masked-softmax-fusion",
+              "--global-batch-size", "256", "--train-iters", "3", "--lr", "1e-4", "--bf16",
+              "--no-masked-softmax-fusion",
               "--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "8", "--num-experts", "64",
               "--moe-router-topk", "8", "--moe-ffn-hidden-size", "512", "--moe-token-dispatcher-type", "alltoall",
               "--use-distributed-optimizer", "--disable-bias-linear", "--mock-data", "--tokenizer-type",

@@ -15,8 +15,15 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from prism_megatron.megatron.fold import (EXPERT_TOKENS, FoldDepthError, FoldPlan, TargetLayout, build_fold_plan,
-                                          layout_from_args, resolve_depth)
+from prism_megatron.megatron.fold import (
+    EXPERT_TOKENS,
+    FoldDepthError,
+    FoldPlan,
+    TargetLayout,
+    build_fold_plan,
+    layout_from_args,
+    resolve_depth,
+)
 from prism_megatron.megatron.megatron_args import ESTIMATE_KEY, padded_vocab, parse_megatron_args
 
 __all__ = ["PLAN_JSON_VERSION", "PlanError", "Plan", "make_plan", "plan_json", "render_plan", "plan_fits",
@@ -247,7 +254,8 @@ def plan_fits(plan: Plan) -> bool | None:
     return plan.capture.get("fits") if plan.capture["mode"] == "serial" else plan.memory.get("fits")
 
 
-def _auto_serial_moe(layout: TargetLayout, fold: FoldPlan, memory: dict[str, Any], args: Any, world_size: int, devices: list[str], env: dict[str, str] | None,
+def _auto_serial_moe(layout: TargetLayout, fold: FoldPlan, memory: dict[str, Any], args: Any, world_size: int,
+                     devices: list[str], env: dict[str, str] | None,
                      device_gib: float | None, host_gib: float | None, swap: str, megatron: dict[str, Any],
                      note: str) -> tuple[str, str, FoldPlan, dict[str, Any]]:
     """``--prism-fold-depth auto`` for a MoE layout captured serially: its replica where the replica fits
