@@ -411,6 +411,10 @@ def _serial_reads_like_together(together: dict, serial: dict) -> tuple:
     assert ops(a) == ops(b) and all(len(v) > 50 for v in ops(a).values())
     losses = _losses(serial["metrics"])
     assert losses and all(math.isfinite(x) for x in losses.values()), losses
+    # the last stage's tied output layer starts from a seeded draw, not the zeros self mirror would leave
+    # (patches.serial_embedding): gradients reach every layer of its stage from the first iteration on
+    norms = {it: n for (r, it), (_, n) in serial["metrics"].items() if r == 4}
+    assert len(norms) == 3 and all(n > 0 and math.isfinite(n) for n in norms.values()), norms
 
     cost = CollectiveCostModel(load_profile("h100-nvlink-ib400"), gpus_per_node=8)
     ga, gb = graph_from_trace(a), graph_from_trace(b)

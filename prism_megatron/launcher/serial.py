@@ -28,7 +28,11 @@ from prism_megatron.launcher.config import LaunchConfig
 from prism_megatron.launcher.exit_codes import RANK_FAILED
 from prism_megatron.trace.fold import SERIAL_RULES
 
-__all__ = ["capture_plan", "captures_dir", "capture_serially"]
+__all__ = ["CAPTURE_ENV", "capture_plan", "captures_dir", "capture_serially"]
+
+#: set to "serial" in the ranks of a serial capture (``rank.rank_env``): program-side rules that only a capture
+#: of one live rank needs install on it (e.g. ``patches.serial_embedding``)
+CAPTURE_ENV = "PRISM_FOLD_CAPTURE"
 
 
 def capture_plan(plan: dict[str, Any], rank: int, index: int,
