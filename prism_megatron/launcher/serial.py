@@ -13,6 +13,8 @@ live rank ran no iteration while another's did is incomplete, by name: its progr
 capture writes its own trace (``TRACE.captures/capture-I-rank-L``;
 logs beside it), a failed one marked incomplete; the run stops at the first capture that fails and the
 merged trace (``trace.merge``) says which. Captures run in the fold's live-rank order (first stage first).
+A capture's ranks see ``CAPTURE_ENV``: rules the program side keeps for a capture of one live rank install
+on it (Megatron's tied-embedding initialisation: ``patches.serial_embedding``).
 """
 
 from __future__ import annotations
