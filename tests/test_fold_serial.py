@@ -50,6 +50,19 @@ def test_a_capture_plan_keeps_one_live_rank_and_every_ranks_class_representative
         capture_plan(plan, 1, 0)
 
 
+def test_a_captures_ranks_are_told_it_is_a_serial_capture():
+    """Program-side rules for a capture of one live rank (patches.serial_embedding) install where the rank's
+    environment says so: a capture's plan sets it, the fold captured together does not."""
+    from prism_megatron.launcher.rank import rank_env
+    from prism_megatron.launcher.serial import CAPTURE_ENV
+
+    plan = _class_plan()
+    part = LaunchConfig(script=PROGRAMS / "fold_pipeline.py", world_size=8, fold=capture_plan(plan, 4, 1))
+    assert rank_env(part, 4, 1234)[CAPTURE_ENV] == "serial"
+    together = LaunchConfig(script=PROGRAMS / "fold_pipeline.py", world_size=8, fold=plan)
+    assert CAPTURE_ENV not in rank_env(together, 4, 1234)
+
+
 def test_the_reader_checks_the_capture_record_and_its_version():
     plan = _class_plan()
     part = capture_plan(plan, 0, 0)
