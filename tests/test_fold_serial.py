@@ -134,6 +134,37 @@ def test_a_receive_with_no_live_rank_upstream_gets_a_seeded_stand_in():
     assert "seeded with" in STANDIN_RULE
 
 
+def test_a_serial_capture_answers_a_peer_that_is_not_a_neighbour_by_the_label_s_direction():
+    """Megatron's overlapped p2p of a two-stage pipeline sends one direction over the world group by global rank
+    (PP2·VPP2: stage 0 is rank 0, stage 1 rank 4 of 8): in a serial capture rank 0 is the world group's only
+    live member, so such a receive gets a stand-in, its direction from the op label (none named: refused), and
+    such a send completes, consumed by no one. Captured together the same peer is refused by name."""
+    from nccl_prune import route_send
+
+    world = plan_group(list(range(8)), [0] * 8)
+    with pytest.raises(PruneError, match="not its neighbour in the group's order"):
+        route_recv(world, 0, 4)
+    with pytest.raises(PruneError, match="not its neighbour"):  # 4 is no live rank of the fold: as together
+        route_recv(world, 0, 4, standin=True)
+    route = route_recv(world, 0, 4, standin=True, elsewhere=True)
+    assert route.standin and route.step == 0 and route.consumer == 0
+    assert route_send(world, 0, 4, standin=True, elsewhere=True).consumer is None
+    with pytest.raises(PruneError, match="not its neighbour"):
+        route_send(world, 0, 4, standin=True)
+    g = Group(0, "0", list(range(8)), "nccl")
+    g.fold = world
+    c = Contributions()
+    pt = PassThrough(c, standin=True, elsewhere=frozenset({4}))
+    done = []
+    for label in ("send_backward_recv_backward", "send_forward_recv_forward"):
+        assert pt.handle(g, _recv(0, 4, label=label), None, lambda m, outs, src=-1: done.append(outs[0])) is None
+    grad, act = done
+    assert float(grad.norm()) == pytest.approx(1.0) and torch.equal(act, standin_values(torch.float32, 32))
+    problem = pt.handle(g, _recv(0, 4, label=""), None, lambda *a, **k: None)
+    assert "names no direction" in problem and "virtual rank 4" in problem
+    assert c.to_json()["recv"]["standin"] == 2
+
+
 # ---- the merge -----------------------------------------------------------------------------------
 def _op(rank: int, index: int, kind: str, group: int, seq: int, peer: int = -1) -> dict:
     return {"rank": rank, "index": index, "kind": kind, "group": group, "seq": seq, "peer": peer, "root": -1,
