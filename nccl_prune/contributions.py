@@ -54,7 +54,9 @@ collective's members post equal shapes); values are a real value of the run, nev
 loss reduction over the pipeline group counts L's share once per member, an inf/NaN flag is L's own, a
 broadcast from such a root sends L's buffer as it stands, unless the caller answers it with the root's
 recorded bytes (a broadcast's root sends values its receivers branch on: prism records them in the
-capture of the root's class and answers later captures from it, counted recorded)."""
+capture of the root's class and answers later captures from it, counted recorded). Members of L's own
+class are never self mirrored: a MoE live rank's expert-parallel peers at class depth are of its class, so
+its count exchange and token all-to-alls are answered by the translated mirror (A2A_RULE) as together."""
 
 A2A_RULE = """\
 A live member l receives from a virtual member v the piece that v's mirror m sends to l's counterpart:

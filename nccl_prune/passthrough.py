@@ -38,8 +38,12 @@ L2 norm of 1 (a gradient of the size a mean loss gives, not one per element),
 so activations and gradients entering a stage are finite and non-zero, never a silent zero; their values
 are not the neighbour's (the loss of a last stage captured alone is the loss of stand-in activations,
 the grad norm of a first stage the norm under stand-in gradients). Sends from L to a virtual
-neighbour complete at once and are dropped (no live rank downstream consumes them in that capture). An
-integer tensor (a shape exchange: values that steer the program) gets no stand-in: refused."""
+neighbour complete at once and are dropped (no live rank downstream consumes them in that capture). A
+p2p with a live rank of the fold captured in another capture that is not L's neighbour in the group's
+order (Megatron's overlapped p2p sends one direction of a two-stage pipeline over the world group, by
+global rank; together it is a p2p between live ranks) is answered the same way: its receive gets a
+stand-in, its direction the op label's (without a label that names one: refused), its send is dropped.
+An integer tensor (a shape exchange: values that steer the program) gets no stand-in: refused."""
 
 
 @dataclass(frozen=True)
@@ -53,7 +57,7 @@ class Route:
 
     stream: tuple[int, int]
     consumer: int | None
-    step: int
+    step: int  # 0: a stand-in from a peer that is not a neighbour in the group's order (its label gives the direction)
     standin: bool = False  # answered by STANDIN_RULE (serial capture: no other live rank upstream)
 
     @property
@@ -61,9 +65,14 @@ class Route:
         return "forward" if self.step == 1 else "backward"
 
 
-def route_recv(plan: GroupPlan, dst: int, src: int, standin: bool = False) -> Route:
+def route_recv(plan: GroupPlan, dst: int, src: int, standin: bool = False, elsewhere: bool = False) -> Route:
     """Live position ``dst`` receives from virtual position ``src``: the stream that answers it
-    (``standin``: a serial capture, where a walk back to ``dst`` itself is answered by STANDIN_RULE)."""
+    (``standin``: a serial capture, where a walk back to ``dst`` itself is answered by STANDIN_RULE;
+    ``elsewhere``: ``src`` is a live rank of the fold captured in another capture, a p2p between live ranks
+    when captured together: answered by a stand-in whatever its position in the group's order, with step 0
+    where it is not ``dst``'s neighbour: no direction by position, the op's label must give it)."""
+    if standin and elsewhere and plan.live_positions == (dst,) and not _adjacent(plan, src, dst):
+        return Route((dst, src), dst, 0, standin=True)
     step = _step(plan, src, dst, "receives from")
     u = _walk(plan, src, -step)
     if u == dst and standin:
@@ -76,11 +85,20 @@ def route_recv(plan: GroupPlan, dst: int, src: int, standin: bool = False) -> Ro
     return Route((u, (u + step) % plan.size), dst, step)
 
 
-def route_send(plan: GroupPlan, src: int, dst: int) -> Route:
-    """Live position ``src`` sends to virtual position ``dst``: its stream and who consumes it."""
+def route_send(plan: GroupPlan, src: int, dst: int, standin: bool = False, elsewhere: bool = False) -> Route:
+    """Live position ``src`` sends to virtual position ``dst``: its stream and who consumes it (``standin`` and
+    ``elsewhere``: a serial capture's send to a live rank of the fold captured in another capture, which no one
+    consumes here, whatever its position in the group's order)."""
+    if standin and elsewhere and plan.live_positions == (src,) and not _adjacent(plan, src, dst):
+        return Route((src, dst), None, 0)
     step = _step(plan, src, dst, "sends to")
     consumer = _walk(plan, dst, step)
     return Route((src, dst), None if consumer == src else consumer, step)
+
+
+def _adjacent(plan: GroupPlan, a: int, b: int) -> bool:
+    """Whether positions ``a`` and ``b`` are neighbours in the group's (cyclic) order."""
+    return (a - b) % plan.size in (1, plan.size - 1)
 
 
 def _step(plan: GroupPlan, sender: int, receiver: int, verb: str) -> int:

@@ -143,6 +143,8 @@ def plan_cmd(args: tuple[str, ...]) -> None:
             click.echo(line)
         render_plan(plan, Console(width=120, soft_wrap=True))
     if plan_fits(plan) is False:
+        if plan.capture.get("refused"):
+            raise click.ClickException(f"serial capture refused: {plan.capture['why']}")
         why = plan.capture["why"] if plan.capture["mode"] == "serial" else plan.memory["why"]
         raise click.ClickException(f"the sandbox does not fit here: {why}")
 

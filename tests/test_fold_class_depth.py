@@ -415,9 +415,17 @@ def test_a_serial_capture_needs_one_live_rank_to_fit_and_a_folded_run(parse_each
     fold = choose_fold("on", cfg, request.env, say=said.append, depth="replica", capture="serial")
     assert fold["live"] == [0, 1, 4, 5] and any("fold capture serial: 4 capture(s), one live rank each" in s
                                                  for s in said), said
+    # MoE: at replica depth (auto keeps it where the replica fits together) each expert rank is live in its own
+    # capture: refused by name; at class depth expert peers are the live rank's own class (translated mirror)
     moe = parse_run_args(["--recipe", "mini-moe-ep4-tp1pp2", "--prism-driver", "core"])
-    with pytest.raises(FoldModeError, match="--prism-fold-capture serial: .* is a MoE layout"):
+    with pytest.raises(FoldModeError, match=r"--prism-fold-capture serial: .*EP4\) at replica depth: .*"
+                                            r"--prism-fold-depth class.*fits here together"):
         choose_fold("on", launch_config(moe), moe.env, say=said.append, capture="serial")
+    said.clear()
+    deep = choose_fold("on", launch_config(moe), moe.env, say=said.append, depth="class", capture="serial")
+    assert deep["live"] == [0, 4] and deep["expert_tokens"] == "translated mirror"
+    assert any("fold capture serial: 2 capture(s), one live rank each" in s and "translated mirror" in s
+               for s in said), said
     off = parse_run_args(["--recipe", "mini-dense-tp2pp2dp2", "--prism-driver", "core", "--prism-fold", "off",
                           "--prism-fold-capture", "serial"])
     assert run(off) == BAD_INPUT

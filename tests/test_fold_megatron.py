@@ -378,16 +378,24 @@ def test_a_class_fold_captured_serially_reads_like_one_captured_together(megatro
     merged graph is the together graph but for its measured compute, so with the together capture's compute
     durations it predicts the same iteration times (1e-9); with its own (CPU timing: noisy), times > 0
     (bench/fold_serial.py prints both side by side)."""
+    together = megatron_runs.run("mini-dense-tp2pp2dp2", "on", depth="class")
+    serial = megatron_runs.run("mini-dense-tp2pp2dp2", "on", "--prism-fold-capture", "serial", depth="class")
+    assert "serial capture 2/2: rank 4 (class last)" in serial["output"]
+    _serial_reads_like_together(together, serial)
+
+
+def _serial_reads_like_together(together: dict, serial: dict) -> tuple:
+    """The checks a class fold captured serially passes against the same fold captured together (both runs of
+    ``megatron_runs``): same live ranks and plan, per-class max allocated equal to the byte, the same ops per live
+    rank (kind, bytes, group, per-group sequence number, peer), losses finite, and the same predicted iteration
+    times from the same compute. Returns the two traces."""
     from prism_megatron.calibration.costmodel import CollectiveCostModel
     from prism_megatron.calibration.profiles import load_profile
     from prism_megatron.replay import graph_from_trace, replay
     from prism_megatron.replay.graph import Comm, Compute
     from prism_megatron.trace import read_trace
 
-    together = megatron_runs.run("mini-dense-tp2pp2dp2", "on", depth="class")
-    serial = megatron_runs.run("mini-dense-tp2pp2dp2", "on", "--prism-fold-capture", "serial", depth="class")
     a, b = read_trace(together["trace"]), read_trace(serial["trace"])
-    assert "serial capture 2/2: rank 4 (class last)" in serial["output"]
     assert a.fold.live == b.fold.live == (0, 4) and a.fold.rep == b.fold.rep and a.fold.depth == "class"
     assert (a.fold.capture_mode, b.fold.capture_mode) == ("together", "serial") and b.incomplete is None
     ways = b.fold.contribution_counts()
@@ -403,6 +411,10 @@ def test_a_class_fold_captured_serially_reads_like_one_captured_together(megatro
     assert ops(a) == ops(b) and all(len(v) > 50 for v in ops(a).values())
     losses = _losses(serial["metrics"])
     assert losses and all(math.isfinite(x) for x in losses.values()), losses
+    # the last stage's tied output layer starts from a seeded draw, not the zeros self mirror would leave
+    # (patches.serial_embedding): gradients reach every layer of its stage from the first iteration on
+    norms = {it: n for (r, it), (_, n) in serial["metrics"].items() if r == 4}
+    assert len(norms) == 3 and all(n > 0 and math.isfinite(n) for n in norms.values()), norms
 
     cost = CollectiveCostModel(load_profile("h100-nvlink-ib400"), gpus_per_node=8)
     ga, gb = graph_from_trace(a), graph_from_trace(b)
@@ -417,6 +429,33 @@ def test_a_class_fold_captured_serially_reads_like_one_captured_together(megatro
     assert len(want) == 3 and got == pytest.approx(want, rel=1e-9)
     own = replay(graph_from_trace(b), cost).iteration_times()
     assert len(own) == 3 and all(t > 0 and math.isfinite(t) for t in own), own
+    return a, b
+
+
+@MEGATRON
+def test_a_moe_class_fold_captured_serially_answers_expert_peers_as_together(megatron_runs):
+    """MoE EP4·PP2 at class depth (live ranks 0 and 4: each stage's ep 0) captured together (the translated-mirror
+    test's run) and serially. In each capture the live rank's expert peers are of its own class, so its count
+    gathers and token all-to-alls are answered by the translated mirror as together: the same all-to-all
+    contributions (mirror, none by self mirror), each capture's plan recording the rule (expert_tokens); what
+    crosses captures (pipeline p2p, the embedding and model-parallel reductions) is answered as for a dense fold.
+    Everything _serial_reads_like_together checks holds: peaks to the byte, the same ops (the all-to-alls' routing
+    sized bytes included), the same prediction from the same compute (bench/fold_serial.py --recipe
+    mini-moe-ep4-tp1pp2 prints the figures)."""
+    from prism_megatron.trace import read_trace
+
+    together = megatron_runs.run("mini-moe-ep4-tp1pp2", "on", depth="class")
+    serial = megatron_runs.run("mini-moe-ep4-tp1pp2", "on", "--prism-fold-capture", "serial", depth="class")
+    assert "serial capture 2/2: rank 4 (class last)" in serial["output"], serial["output"][-2000:]
+    a, b = _serial_reads_like_together(together, serial)
+    assert a.fold.expert_tokens == b.fold.expert_tokens == "translated mirror"
+    assert b.fold.contributions["all_to_all"] == a.fold.contributions["all_to_all"]
+    assert a.fold.contributions["all_to_all"]["mirror"] > 0
+    for c in b.fold.capture["captures"]:
+        part = read_trace(serial["trace"].parent / c["trace"])
+        assert part.fold.live == (c["rank"],) and part.fold.expert_tokens == "translated mirror"
+        row = part.fold.contributions["all_to_all"]
+        assert row["mirror"] > 0 and row.get("self_mirror", 0) == 0, (c["rank"], row)
 
 
 @MEGATRON

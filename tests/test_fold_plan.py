@@ -239,6 +239,63 @@ def test_plan_of_a_serial_capture_judges_one_live_rank_at_a_time():
     assert tiny.exit_code != 0 and "one live rank needs 1.0 GiB against 0.5 GiB of host RAM" in tiny.output
 
 
+#: a MoE job shaped like the targets for the core driver: TP1·PP2·EP8 on 64 ranks (expert DP4), 64 experts top-8
+MOE_TARGET = ["--num-layers", "8", "--hidden-size", "1024", "--num-attention-heads", "16", "--seq-length", "1024",
+              "--max-position-embeddings", "1024", "--vocab-size", "32000", "--micro-batch-size", "1",
+              "--global-batch-size", "256", "--train-iters", "3", "--lr", "1e-4", "--bf16",
+              "--no-masked-softmax-fusion",
+              "--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "8", "--num-experts", "64",
+              "--moe-router-topk", "8", "--moe-ffn-hidden-size", "512", "--moe-token-dispatcher-type", "alltoall",
+              "--use-distributed-optimizer", "--disable-bias-linear", "--mock-data", "--tokenizer-type",
+              "NullTokenizer"]
+
+
+def test_plan_of_a_moe_target_captured_serially_folds_expert_peers_at_class_depth(parse_each_command_once):
+    """Serial capture of a MoE job: auto depth keeps the replica (16 live expert ranks) where it fits here together,
+    and refuses to capture it serially, naming class depth; where it does not fit, auto takes class depth (2 live
+    ranks, expert peers by the translated mirror) and one live rank at a time fits."""
+    base = ["plan", "--json", "--prism-world-size", "64", "--devices", "0", "--prism-host-memory", "1",
+            "--prism-fold-capture", "serial"]
+    args = ["--", str(CORE_DRIVER_SCRIPT), *MOE_TARGET]
+    roomy = CliRunner().invoke(main, [*base, "--prism-device-memory", "100", *args])
+    assert roomy.exit_code != 0 and "serial capture refused: a MoE layout (EP8) at replica depth" in roomy.output
+    out = json.loads(roomy.stdout)
+    assert out["fold_depth"].startswith("auto: replica for a MoE layout (one model replica fits here together")
+    assert len(out["fold"]["live"]) == 16 and out["capture"]["refused"] is True and out["fits"] is False
+    small = CliRunner().invoke(main, [*base, "--prism-device-memory", "4", *args])
+    assert small.exit_code == 0, small.output
+    out = json.loads(small.stdout)
+    assert out["fold_depth"].startswith("auto: class for a MoE layout captured serially (one model replica does not "
+                                        "fit here: the sandbox's 16 ranks need")
+    assert out["fold"]["live"] == [0, 32] and out["fold"]["expert_tokens"] == "translated mirror"
+    capture = out["capture"]
+    assert capture["captures"] == 2 and capture["fits"] is True and "refused" not in capture, capture
+    assert capture["why"].startswith("one live rank needs 2.1 GiB against 4.0 GiB of one device")
+    assert out["memory"]["per_rank_class"] == "first"
+    tiny = CliRunner().invoke(main, [*base, "--prism-device-memory", "1.5", *args])  # not even one rank
+    assert tiny.exit_code != 0 and "one live rank needs 2.1 GiB against 1.5 GiB" in tiny.output
+
+
+def test_serial_capture_refuses_what_no_rule_answers_by_name():
+    from types import SimpleNamespace
+
+    from prism_megatron.megatron.plan import serial_refusal
+
+    moe = TargetLayout(world_size=16, pp=2, ep=4, num_experts=8, num_layers=4)
+    ok = SimpleNamespace(moe_token_dispatcher_type="alltoall", calculate_per_token_loss=False)
+    assert serial_refusal(moe, "class", ok) is None
+    assert serial_refusal(moe, "class", SimpleNamespace(**{**vars(ok), "moe_token_dispatcher_type": "allgather"})) \
+        is None
+    flex = serial_refusal(moe, "class", SimpleNamespace(**{**vars(ok), "moe_token_dispatcher_type": "flex"}))
+    assert flex.startswith("--moe-token-dispatcher-type flex: a serial capture answers the alltoall and allgather")
+    assert "at replica depth" in serial_refusal(moe, "replica", ok)
+    dense = TargetLayout(world_size=8, pp=2, num_layers=4)
+    assert serial_refusal(dense, "replica", ok) is None  # EP1: nothing crosses captures but the dense ops
+    per_token = SimpleNamespace(**{**vars(ok), "calculate_per_token_loss": True})
+    assert serial_refusal(dense, "class", per_token).startswith("--calculate-per-token-loss: every stage divides")
+    assert serial_refusal(TargetLayout(world_size=8, num_layers=4), "class", per_token) is None  # PP1: one stage
+
+
 def test_plan_cli_mini_recipe_table(parse_each_command_once):
     result = CliRunner().invoke(main, ["plan", "--recipe", "mini-dense-tp2pp2dp4"])
     assert result.exit_code == 0, result.output

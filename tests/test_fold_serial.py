@@ -51,6 +51,19 @@ def test_a_capture_plan_keeps_one_live_rank_and_every_ranks_class_representative
         capture_plan(plan, 1, 0)
 
 
+def test_a_captures_ranks_are_told_it_is_a_serial_capture():
+    """Program-side rules for a capture of one live rank (patches.serial_embedding) install where the rank's
+    environment says so: a capture's plan sets it, the fold captured together does not."""
+    from prism_megatron.launcher.rank import rank_env
+    from prism_megatron.launcher.serial import CAPTURE_ENV
+
+    plan = _class_plan()
+    part = LaunchConfig(script=PROGRAMS / "fold_pipeline.py", world_size=8, fold=capture_plan(plan, 4, 1))
+    assert rank_env(part, 4, 1234)[CAPTURE_ENV] == "serial"
+    together = LaunchConfig(script=PROGRAMS / "fold_pipeline.py", world_size=8, fold=plan)
+    assert CAPTURE_ENV not in rank_env(together, 4, 1234)
+
+
 def test_the_reader_checks_the_capture_record_and_its_version():
     plan = _class_plan()
     part = capture_plan(plan, 0, 0)
@@ -120,6 +133,37 @@ def test_a_receive_with_no_live_rank_upstream_gets_a_seeded_stand_in():
     problem = pt.handle(g, _recv(0, 1, dtype="int64"), None, lambda *a, **k: None)
     assert "torch.int64 receive" in problem and "integer values steer the program" in problem
     assert "seeded with" in STANDIN_RULE
+
+
+def test_a_serial_capture_answers_a_peer_that_is_not_a_neighbour_by_the_label_s_direction():
+    """Megatron's overlapped p2p of a two-stage pipeline sends one direction over the world group by global rank
+    (PP2·VPP2: stage 0 is rank 0, stage 1 rank 4 of 8): in a serial capture rank 0 is the world group's only
+    live member, so such a receive gets a stand-in, its direction from the op label (none named: refused), and
+    such a send completes, consumed by no one. Captured together the same peer is refused by name."""
+    from nccl_prune import route_send
+
+    world = plan_group(list(range(8)), [0] * 8)
+    with pytest.raises(PruneError, match="not its neighbour in the group's order"):
+        route_recv(world, 0, 4)
+    with pytest.raises(PruneError, match="not its neighbour"):  # 4 is no live rank of the fold: as together
+        route_recv(world, 0, 4, standin=True)
+    route = route_recv(world, 0, 4, standin=True, elsewhere=True)
+    assert route.standin and route.step == 0 and route.consumer == 0
+    assert route_send(world, 0, 4, standin=True, elsewhere=True).consumer is None
+    with pytest.raises(PruneError, match="not its neighbour"):
+        route_send(world, 0, 4, standin=True)
+    g = Group(0, "0", list(range(8)), "nccl")
+    g.fold = world
+    c = Contributions()
+    pt = PassThrough(c, standin=True, elsewhere=frozenset({4}))
+    done = []
+    for label in ("send_backward_recv_backward", "send_forward_recv_forward"):
+        assert pt.handle(g, _recv(0, 4, label=label), None, lambda m, outs, src=-1: done.append(outs[0])) is None
+    grad, act = done
+    assert float(grad.norm()) == pytest.approx(1.0) and torch.equal(act, standin_values(torch.float32, 32))
+    problem = pt.handle(g, _recv(0, 4, label=""), None, lambda *a, **k: None)
+    assert "names no direction" in problem and "virtual rank 4" in problem
+    assert c.to_json()["recv"]["standin"] == 2
 
 
 # ---- the merge -----------------------------------------------------------------------------------

@@ -58,7 +58,7 @@ def row(name: str, d: dict) -> list[str]:
     gib = (lambda x: "-" if x is None else f"{x / GIB:.1f}")
     capture = d["capture"]
     verdict, why = (d["fits"], capture["why"]) if capture["mode"] == "serial" else (m.get("fits"), m.get("why"))
-    fits = {True: "fits", False: "does not fit", None: "unknown"}[verdict]
+    fits = "refused" if capture.get("refused") else {True: "fits", False: "does not fit", None: "unknown"}[verdict]
     if capture["mode"] == "serial":
         fits = f"serial, {capture['captures']} capture(s): {fits}"
     depth = fold.get("depth") or "-"

@@ -57,6 +57,10 @@ def rank_env(cfg: LaunchConfig, rank: int, store_port: int) -> dict[str, str]:
         env["PRISM_GPU_TIMING"] = "1"
     if cfg.page_locks:
         env["PRISM_PAGE_LOCK"] = "1"
+    if cfg.fold is not None and (cfg.fold.get("capture") or {}).get("mode") == "serial":
+        from prism_megatron.launcher.serial import CAPTURE_ENV
+
+        env[CAPTURE_ENV] = "serial"
     return env
 
 

@@ -13,6 +13,8 @@ live rank ran no iteration while another's did is incomplete, by name: its progr
 capture writes its own trace (``TRACE.captures/capture-I-rank-L``;
 logs beside it), a failed one marked incomplete; the run stops at the first capture that fails and the
 merged trace (``trace.merge``) says which. Captures run in the fold's live-rank order (first stage first).
+A capture's ranks see ``CAPTURE_ENV``: rules the program side keeps for a capture of one live rank install
+on it (Megatron's tied-embedding initialisation: ``patches.serial_embedding``).
 """
 
 from __future__ import annotations
@@ -28,7 +30,11 @@ from prism_megatron.launcher.config import LaunchConfig
 from prism_megatron.launcher.exit_codes import RANK_FAILED
 from prism_megatron.trace.fold import SERIAL_RULES
 
-__all__ = ["capture_plan", "captures_dir", "capture_serially"]
+__all__ = ["CAPTURE_ENV", "capture_plan", "captures_dir", "capture_serially"]
+
+#: set to "serial" in the ranks of a serial capture (``rank.rank_env``): program-side rules that only a capture
+#: of one live rank needs install on it (e.g. ``patches.serial_embedding``)
+CAPTURE_ENV = "PRISM_FOLD_CAPTURE"
 
 
 def capture_plan(plan: dict[str, Any], rank: int, index: int,

@@ -51,6 +51,12 @@ def install_patches(training: bool = True) -> None:
 
     if os.environ.get(moe_fold.ENV_VAR):  # a fold whose expert peers are virtual (megatron.run sets it)
         moe_fold.install()
+    from prism_megatron.launcher.serial import CAPTURE_ENV
+
+    if os.environ.get(CAPTURE_ENV) == "serial":  # one capture of a serial run (the launcher sets it per rank)
+        from prism_megatron.patches import serial_embedding
+
+        serial_embedding.install()
 
 
 def rank_setup() -> None:

@@ -37,7 +37,9 @@ Two sandbox depths (``--prism-fold-depth``):
   (tp // ETP) + (TP / ETP)·ep and its expert DP index is edp, so that translations digit by digit
   keep expert groups whole (the ``ep`` axis is the EP index's digits above TP's). CP > 1, ETP not
   dividing TP, or a group that still does not translate onto one is refused (FoldDepthError naming
-  it). ``auto`` keeps replica depth for MoE: a replica keeps every expert rank's own routing.
+  it). ``auto`` keeps replica depth for MoE: a replica keeps every expert rank's own routing (``plan``
+  takes class depth for a MoE job captured serially whose replica does not fit: a serial capture answers
+  expert peers at class depth only).
 
 A folded middle stage does not run its representative's program: under 1F1B pipeline rank p runs
 ``min(pp - p - 1, M)`` warm-up forwards. The plan records the schedule (``schedule``: Megatron's

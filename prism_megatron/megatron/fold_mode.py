@@ -12,8 +12,10 @@ counts as 0, and that is said; a command the plan cannot read (not a Megatron co
 does not fold) is run in full under 'auto', saying why, and refused under 'on'; a depth the layout
 cannot take (class depth for a MoE layout whose expert axis is not a shift of the dense grid) is
 refused under both. Under ``--prism-fold-capture serial`` the
-sandbox must fit one live rank at a time (``one_rank_fits``), and MoE layouts are refused
-(launcher.serial). After a folded capture, the live ranks of
+sandbox must fit one live rank at a time (``one_rank_fits``), and what no rule answers one capture at a
+time is refused by name (``plan.serial_refusal``: a MoE layout other than at class depth, a dispatcher
+not covered, per-token loss over a pipeline); ``auto`` depth takes class depth for a MoE layout
+captured serially when its replica does not fit here together. After a folded capture, the live ranks of
 each class must have issued the same ops (kinds, sizes, group sizes); a class whose members differ is
 refused (``fold.check_class_members``).
 """
@@ -84,7 +86,7 @@ def choose_fold(mode: str, cfg: Any, env: dict[str, str] | None = None,
         plan = make_plan(cfg.script, list(cfg.script_args), cfg.world_size, list(cfg.devices),
                          gpus_per_node=cfg.gpus_per_node, device_gib=cfg.device_memory_gib,
                          host_gib=cfg.host_memory_gib, swap=cfg.swap, env=env, source=str(cfg.script),
-                         fold_depth=depth)
+                         fold_depth=depth, capture=capture)
     except FoldDepthError as e:
         raise FoldModeError(f"--prism-fold-depth {depth}: {e}") from None
     except (FoldError, ArgsError) as e:
@@ -99,18 +101,13 @@ def choose_fold(mode: str, cfg: Any, env: dict[str, str] | None = None,
             say(f"fold auto: full capture, every rank runs ({why})")
             return None
         say(f"fold auto: the full job does not fit here ({why}); folding")
-    if capture == "serial" and plan.layout.num_experts:
-        raise FoldModeError(f"--prism-fold-capture serial: {plan.layout.describe()} is a MoE layout; its expert ranks "
-                            "exchange token counts and uneven all-to-all pieces with each other, which a capture of "
-                            "one live rank would answer from that rank's own routing (self mirror): not yet; capture "
-                            "it together (--prism-fold-capture together)")
+    if capture == "serial" and plan.capture.get("refused"):
+        raise FoldModeError(f"--prism-fold-capture serial: {plan.layout.describe()}: {plan.capture['why']}")
     if fold.virtual_count == 0:
         say(f"fold {mode}: the sandbox is the whole job ({cfg.world_size} ranks): full capture")
         return None
     if capture == "serial":
-        from prism_megatron.megatron.plan import one_rank_fits
-
-        fits, why = one_rank_fits(plan)
+        fits, why = plan.capture["fits"], plan.capture["why"]  # one_rank_fits, and how expert peers are answered
         if fits is False:
             raise FoldModeError(f"--prism-fold {mode} --prism-fold-capture serial: the sandbox does not fit here one "
                                 f"rank at a time: {why}")

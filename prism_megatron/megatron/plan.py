@@ -15,11 +15,19 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from prism_megatron.megatron.fold import FoldPlan, TargetLayout, build_fold_plan, layout_from_args, resolve_depth
+from prism_megatron.megatron.fold import (
+    EXPERT_TOKENS,
+    FoldDepthError,
+    FoldPlan,
+    TargetLayout,
+    build_fold_plan,
+    layout_from_args,
+    resolve_depth,
+)
 from prism_megatron.megatron.megatron_args import ESTIMATE_KEY, padded_vocab, parse_megatron_args
 
 __all__ = ["PLAN_JSON_VERSION", "PlanError", "Plan", "make_plan", "plan_json", "render_plan", "plan_fits",
-           "one_rank_fits", "ROUGH_TIME_MODEL"]
+           "one_rank_fits", "serial_refusal", "SERIAL_MOE_DISPATCHERS", "ROUGH_TIME_MODEL"]
 
 # 2: microbatches (the micro-batch fold's record, or null); 3: memory by prism's estimate; 4: capture
 PLAN_JSON_VERSION = 4
@@ -186,20 +194,87 @@ def one_rank_fits(plan: Plan) -> tuple[bool | None, str]:
     return need <= have, f"one live rank needs {need / GiB:.1f} GiB against {have / GiB:.1f} GiB {where}"
 
 
-def _serial(plan: Plan) -> dict[str, Any]:
-    """The serial capture's entry of a plan: its captures, and whether one live rank at a time fits."""
+#: Token dispatchers whose expert all-to-alls a serial capture answers as the capture together does (the
+#: translated mirror at class depth: their exchanges stay inside one stage's class, ``serial_refusal``)
+SERIAL_MOE_DISPATCHERS = ("alltoall", "allgather")
+
+
+def serial_refusal(layout: TargetLayout, depth: str, args: Any = None) -> str | None:
+    """Why a serial capture of this layout at fold ``depth`` is not answered by a defended rule, or None.
+
+    A serial capture changes only what reaches the live rank from virtual members of *another* class
+    (self mirror, stand-ins, recorded broadcasts: launcher.serial). At class depth every expert-parallel
+    peer of a live MoE rank is of its own class (the same stage), so its token-count gather and token
+    all-to-alls are answered as captured together (the translated mirror); what crosses classes is what
+    crosses them for a dense layout (pipeline p2p, embedding and model-parallel reductions) plus the
+    expert tensor-model-pipeline group's grad-norm and inf/NaN reductions, which self mirror answers as it
+    does the dense model-parallel group's. Refused: replica depth (each expert rank is its own class, live
+    in another capture: its all-to-all pieces and counts would be self mirrored, untranslated), a
+    dispatcher outside ``SERIAL_MOE_DISPATCHERS``, and ``--calculate-per-token-loss`` with PP > 1 (every
+    stage scales its gradients by the last stage's token count, broadcast over the pipeline group from a
+    stage captured after the first)."""
+    if args is not None and getattr(args, "calculate_per_token_loss", False) and layout.pp > 1:
+        return ("--calculate-per-token-loss: every stage divides its gradients by the token count the last stage "
+                "broadcasts over the pipeline group, an integer a first stage captured before the last cannot be "
+                "answered with; capture together (--prism-fold-capture together)")
+    if not layout.num_experts:
+        return None
+    dispatcher = getattr(args, "moe_token_dispatcher_type", None) if args is not None else None
+    if dispatcher is not None and dispatcher not in SERIAL_MOE_DISPATCHERS:
+        return (f"--moe-token-dispatcher-type {dispatcher}: a serial capture answers the "
+                f"{' and '.join(SERIAL_MOE_DISPATCHERS)} dispatchers' expert exchanges only (its kernels bypass the "
+                "groups prism folds); capture together, or render the recipe with alltoall")
+    if depth != "class" and layout.ep > 1:
+        return (f"a MoE layout (EP{layout.ep}) at {depth} depth: each expert rank is a class of its own, live in "
+                "another capture, so its token counts and all-to-all pieces would be answered by self mirror of one "
+                "rank's untranslated routing; a serial capture folds expert peers at class depth "
+                "(--prism-fold-depth class: each capture's expert all-to-alls answered by the translated mirror, as "
+                "captured together)")
+    return None
+
+
+def _serial(plan: Plan, args: Any = None) -> dict[str, Any]:
+    """The serial capture's entry of a plan: its captures, and whether one live rank at a time fits
+    (``refused``: a layout no rule answers, ``serial_refusal``)."""
     n = len(plan.fold.live)
-    if plan.layout.num_experts:
-        return {"mode": "serial", "captures": n, "fits": False,
-                "why": "a MoE layout is captured together (serial capture would answer expert token counts from "
-                       "one rank's own routing)"}
+    refused = serial_refusal(plan.layout, plan.fold.depth, args)
+    if refused is not None:
+        if plan.memory.get("fits"):
+            refused += "; the sandbox fits here together (--prism-fold-capture together)"
+        return {"mode": "serial", "captures": n, "fits": False, "refused": True, "why": refused}
     fits, why = one_rank_fits(plan)
+    if plan.fold.expert_tokens:
+        why += (f"; expert peers answered by the {plan.fold.expert_tokens} of each capture's live rank, as captured "
+                "together")
     return {"mode": "serial", "captures": n, "fits": fits, "why": why}
 
 
 def plan_fits(plan: Plan) -> bool | None:
     """The plan's verdict: the sandbox together, or one live rank at a time under serial capture."""
     return plan.capture.get("fits") if plan.capture["mode"] == "serial" else plan.memory.get("fits")
+
+
+def _auto_serial_moe(layout: TargetLayout, fold: FoldPlan, memory: dict[str, Any], args: Any, world_size: int,
+                     devices: list[str], env: dict[str, str] | None,
+                     device_gib: float | None, host_gib: float | None, swap: str, megatron: dict[str, Any],
+                     note: str) -> tuple[str, str, FoldPlan, dict[str, Any]]:
+    """``--prism-fold-depth auto`` for a MoE layout captured serially: its replica where the replica fits
+    here together (every expert rank keeps its own routing; a MoE replica is captured together), else class
+    depth, the one a serial capture answers (``serial_refusal``). (depth, why, fold, memory)."""
+    if memory.get("fits") is not False:
+        why = ("one model replica fits here together" if memory.get("fits") else
+               "prism's memory estimate is unavailable to say that class depth is needed")
+        return "replica", (f"auto: replica for a MoE layout ({why}; its expert ranks keep their own routing: capture "
+                           "it together, a serial capture folds expert peers at class depth)"), fold, memory
+    try:
+        deep = build_fold_plan(layout, "class")
+    except FoldDepthError as e:
+        return "replica", f"{note}; class depth, which a serial capture needs, is refused: {e}", fold, memory
+    deep_estimate = _prism_estimate(args, world_size, deep, list(devices), env)
+    deep_memory = _memory(deep, deep_estimate, list(devices), device_gib, host_gib, swap, megatron)
+    return "class", (f"auto: class for a MoE layout captured serially (one model replica does not fit here: "
+                     f"{memory.get('why')}; a serial capture answers expert peers at class depth by the "
+                     f"{EXPERT_TOKENS} of each capture's live rank)"), deep, deep_memory
 
 
 def make_plan(script: Any, script_args: list[str], world_size: int, devices: list[str], gpus_per_node: int = 8,
@@ -215,7 +290,10 @@ def make_plan(script: Any, script_args: list[str], world_size: int, devices: lis
     fold = build_fold_plan(layout, depth)
     estimate = _prism_estimate(args, world_size, fold, list(devices), env)  # per class: the same at any depth
     memory = _memory(fold, estimate, list(devices), device_gib, host_gib, swap, megatron)
-    if fold_depth == "auto" and depth == "class":
+    if fold_depth == "auto" and depth == "replica" and capture == "serial" and layout.num_experts and layout.ep > 1:
+        depth, depth_note, fold, memory = _auto_serial_moe(layout, fold, memory, args, world_size, devices,
+                                                           env, device_gib, host_gib, swap, megatron, depth_note)
+    if fold_depth == "auto" and depth == "class" and not fold.expert_tokens:
         # Fold no deeper than needed: a replica keeps every TP/CP partial and every stage real (values
         # and schedules exact), while class depth stands in for them; take class only when a replica
         # does not fit here.
@@ -235,7 +313,7 @@ def make_plan(script: Any, script_args: list[str], world_size: int, devices: lis
     plan.memory = memory
     plan.time = _time(fold, args, megatron.get("vocab") or padded_vocab(args), iterations, plan.devices)
     if capture == "serial":
-        plan.capture = _serial(plan)
+        plan.capture = _serial(plan, args)
         extra = ROUGH_TIME_MODEL["startup_s"] * (len(fold.live) - 1)  # every capture starts a job of its own
         plan.time = {**plan.time, "seconds": plan.time["seconds"] + extra,
                      "model": f"{plan.time['model']}; serial: {len(fold.live)} jobs started one after another"}
@@ -342,8 +420,9 @@ def render_plan(plan: Plan, console: Any) -> None:
     c = plan.capture
     if c["mode"] == "serial":
         console.print(f"memory, together: {verdict[m.get('fits')]}" + (f" — {m['why']}" if m.get("why") else ""))
+        said = "[bold red]refused[/bold red]" if c.get("refused") else verdict[c["fits"]]
         console.print(f"capture: serial, {c['captures']} capture(s) one after another, one live rank each: "
-                      f"{verdict[c['fits']]} — {c['why']}")
+                      f"{said} — {c['why']}")
     else:
         console.print(f"memory: {verdict[m.get('fits')]}" + (f" — {m['why']}" if m.get("why") else ""))
     console.print(f"expected emulation time: ~{t['seconds'] / 60:.1f} min for {t['iterations']} iteration(s) "

@@ -62,7 +62,9 @@ class Folding:
         # a serial capture: every rank's class representative in the fold captured together (the plan's own
         # rep is the capture's one live rank for every rank)
         self.class_rep: list[int] | None = [int(x) for x in part["class_rep"]] if part else None
-        self.passthrough = PassThrough(self.contributions, standin=part is not None)
+        self.passthrough = PassThrough(self.contributions, standin=part is not None,
+                                       elsewhere=frozenset(int(x) for x in part["sandbox"]) - {int(part["rank"])}
+                                       if part else frozenset())
         self._self_mirror: dict[int, frozenset[int]] = {}  # group id -> positions answered by self mirror
         self._planned: set[int] = set()  # group ids folded already
         self._key: dict[int, tuple] = {}  # group id -> (name, ranks, incarnation): the same in every capture

@@ -51,9 +51,11 @@ class _Stream:
 class PassThrough:
     """Every pass-through stream of a folded job, and the count of receives it answered."""
 
-    def __init__(self, contributions: Contributions, standin: bool = False) -> None:
+    def __init__(self, contributions: Contributions, standin: bool = False,
+                 elsewhere: frozenset[int] = frozenset()) -> None:
         self.contributions = contributions
         self.standin = standin  # a serial capture: STANDIN_RULE answers a receive with no other live rank upstream
+        self.elsewhere = elsewhere  # a serial capture: the fold's live ranks captured in other captures
         self._standins: dict[tuple[str, int, bool], torch.Tensor] = {}  # (dtype, numel, backward) -> its stand-in
         self.groups: dict[int, Group] = {}  # groups with streams (each in Group.passthrough, keyed (U, w))
         self._routes: dict[tuple[int, str, int, int], Route] = {}  # (group id, kind, me, peer): O(1) per op
@@ -66,13 +68,21 @@ class PassThrough:
         route = self._routes.get(key)
         if route is None:
             try:
-                route = (route_send(g.fold, m.grank, peer) if m.kind == "send"
-                         else route_recv(g.fold, m.grank, peer, standin=self.standin))
+                elsewhere = g.ranks[peer] in self.elsewhere
+                route = (route_send(g.fold, m.grank, peer, standin=self.standin, elsewhere=elsewhere)
+                         if m.kind == "send" else
+                         route_recv(g.fold, m.grank, peer, standin=self.standin, elsewhere=elsewhere))
             except PruneError as e:
                 return str(e)
             self._routes[key] = route
         if route.standin:
-            return self._stand_in(g, m, peer, _backward(m, route), deliver)
+            backward = _backward(m, route)
+            if backward is None:
+                return (f"rank {m.rank} receives from virtual rank {g.ranks[peer]} on group {g.name!r}, which is not "
+                        f"its neighbour in the group's order, and the op's label ({m.msg.get('label') or 'none'!r}) "
+                        "names no direction: its stand-in would not know whether it is an activation or a gradient "
+                        "(STANDIN_RULE)")
+            return self._stand_in(g, m, peer, backward, deliver)
         s = g.passthrough.get(route.stream)
         if s is None:
             s = g.passthrough[route.stream] = _Stream()
@@ -163,12 +173,13 @@ def waiting_receives(g: Group) -> list[str]:
             for (u, w), s in sorted(g.passthrough.items()) for m in s.waiting]
 
 
-def _backward(m: Member, route: Route) -> bool:
+def _backward(m: Member, route: Route) -> bool | None:
     """Whether a stand-in receive carries a gradient: its op label's direction where the label names one
     receive direction only (a pipeline call such as recv_backward or send_forward_recv_backward), else its
-    position (on a ring of two stages both neighbours are one rank: there the label decides)."""
+    position (on a ring of two stages both neighbours are one rank: there the label decides); None where
+    neither says (a peer that is not a neighbour in the group's order, ``route.step`` 0)."""
     label = m.msg.get("label") or ""
     fwd, bwd = "recv_forward" in label, "recv_backward" in label
     if fwd != bwd:
         return bwd
-    return route.step == -1
+    return None if route.step == 0 else route.step == -1
