@@ -158,6 +158,78 @@ def test_class_members_that_differ_are_refused():
         check_class_members(plan, {16: same, 32: [same[0], ("send", (2, 16))]}, "ops (kind, shape)")
 
 
+def _trace_of(graph, plan: FoldPlan, path):
+    """A folded trace of the live ranks of ``plan`` written from a synthetic graph (one tick per event)."""
+    from prism_megatron.replay.graph import Comm, Mark
+    from prism_megatron.trace import write_trace
+
+    ops, marks = [], []
+    for r in plan.live:
+        for t, e in enumerate(graph.events[r]):
+            if type(e) is Comm:
+                ops.append(dict(rank=r, index=len(ops), kind=e.kind, group=e.group, seq=e.seq, peer=e.peer,
+                                root=e.root, bytes=e.nbytes, dtype=e.dtype, shapes=[[e.nbytes]], reduce_op="",
+                                async_op=e.async_op, t_issue=float(t), t_complete=float(t), compute_before=0.0,
+                                label=e.label, splits="", t_wait=float("nan"), wait_clock=float("nan"), payload=""))
+            elif type(e) is Mark:
+                marks.append(dict(rank=r, name=e.name, phase=e.phase, t=float(t), compute_clock=0.0, attrs=e.attrs))
+    manifest = {"world_size": plan.world_size, "job": {"fold": plan.to_json()},
+                "groups": [{"id": g.id, "name": g.name, "ranks": list(g.ranks), "backend": "gloo"}
+                           for g in graph.groups.values()],
+                "ranks": [{"rank": r, "exit_code": 0, "device": "cpu"} for r in plan.live]}
+    return write_trace(path, manifest, ops, marks)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_replica_fold_of_an_interleaved_pipeline_accepts_its_middle_stages_own_orders(tmp_path, overlap):
+    """PP4·VPP2·TP2·DP2 at replica depth: the class 'middle' holds live ranks on stages 1 and 2, which run
+    their units and p2p calls in their own stage's order (warm-up counts; with overlapped p2p, Megatron's
+    unbatched _p2p_ops posts a call's send first on even stages and its receive first on odd ones). The
+    same work: accepted. A member that differs in a unit's ops or in a p2p stream's sizes: refused, naming
+    the class, the part of the program and the difference."""
+    from prism_megatron.megatron.fold_mode import FoldModeError, check_trace_classes
+    from prism_megatron.replay.graph import Comm, Graph, Mark
+    from prism_megatron.replay.synthetic import Shape, megatron_1f1b
+
+    shape = Shape(tp=2, pp=4, dp=2, vpp=2, microbatches=8, layers_per_stage=1, iterations=2,
+                  overlap_p2p=overlap, overlap_grad=True)
+    plan = build_fold_plan(TargetLayout(world_size=16, tp=2, pp=4, vpp=2, overlap_p2p=overlap, num_layers=8),
+                           "replica")
+    middle = next(c for c in plan.classes if c.name == "middle")
+    assert middle.sandbox == [4, 5, 8, 9] and middle.coords["pp"] == [1, 2]
+    graph = megatron_1f1b(shape)
+    sizes = {g.id: len(g.ranks) for g in graph.groups.values()}
+
+    def flat(r):
+        return [(e.kind, e.nbytes, e.dtype, sizes[e.group]) for e in graph.events[r] if type(e) is Comm]
+
+    assert flat(4) != flat(8)  # stage 1 and stage 2 issue their ops in different orders: the refusal this fixes
+    check_trace_classes(_trace_of(graph, plan, tmp_path / "same"))
+
+    def changed(r, pick, nbytes):  # rank r's graph with the first op that ``pick`` selects resized
+        events = list(graph.events[r])
+        i = next(i for i, e in enumerate(events) if type(e) is Comm and pick(i, e))
+        e = events[i]
+        events[i] = Comm(e.kind, e.group, e.seq, e.peer, e.root, nbytes, e.dtype, e.async_op, e.label)
+        return Graph(graph.groups, {**graph.events, r: events}, graph.source)
+
+    inside, open_units = set(), 0  # indices of rank 8's ops within a backward unit
+    for i, e in enumerate(graph.events[8]):
+        if type(e) is Mark and e.name == "backward":
+            open_units += 1 if e.phase == "B" else -1
+        elif type(e) is Comm and open_units:
+            inside.add(i)
+    assert inside
+
+    with pytest.raises(FoldModeError, match=r"class 'middle' \(stages 1-2.*ranks 4 and 8 differ in their ops .* in "
+                                            r"backward unit \(iteration 0, microbatch \d+, chunk \d\).* at entry 0"):
+        check_trace_classes(_trace_of(changed(8, lambda i, e: i in inside, 12345), plan, tmp_path / "unit"))
+    with pytest.raises(FoldModeError, match=r"ranks 4 and 8 differ .* in p2p sends with the next stage outside "
+                                            r"scheduling units at entry 0: \('send', 16777216.* vs \('send', 8,"):
+        check_trace_classes(_trace_of(changed(8, lambda i, e: e.kind == "send" and e.peer == 12, 8), plan,
+                                      tmp_path / "p2p"))
+
+
 def test_plan_json_rejects_what_it_cannot_read():
     data = build_fold_plan(TargetLayout(world_size=16, tp=2, pp=2, num_layers=4), "replica").to_json()
     with pytest.raises(FoldPlanFormatError, match="field version 9"):

@@ -890,21 +890,36 @@ def build_fold_plan(layout: TargetLayout, depth: str = "auto",
                     expert_tokens=EXPERT_TOKENS if moe_class else "", axes=grid.axes)
 
 
-def check_class_members(plan: FoldPlan, observed: Mapping[int, Sequence[Any]], what: str = "op sequence") -> None:
+def check_class_members(plan: FoldPlan, observed: Mapping[int, Sequence[Any] | Mapping[str, Sequence[Any]]],
+                        what: str = "op sequence") -> None:
     """Refuse a fold whose live ranks of one class turned out to differ: FoldError naming the class,
-    the two ranks and the first difference in ``what`` (``observed[rank]``: e.g. its ops' kinds and shapes)."""
+    the two ranks and the first difference in ``what`` (``observed[rank]``: e.g. its ops' kinds and shapes,
+    or such sequences by the part of the program they belong to, compared part by part and named)."""
     for cls in plan.classes:
         ranks = [r for r in cls.sandbox if r in observed]
         if len(ranks) < 2:
             continue
         a = ranks[0]
-        ref = list(observed[a])
         for b in ranks[1:]:
-            got = list(observed[b])
-            if got == ref:
-                continue
-            i = next((i for i, (x, y) in enumerate(zip(ref, got, strict=False)) if x != y), min(len(ref), len(got)))
-            left = ref[i] if i < len(ref) else "<end>"
-            right = got[i] if i < len(got) else "<end>"
-            raise FoldError(f"class {cls.name!r} ({cls.role}): ranks {a} and {b} differ in their {what} at "
-                            f"entry {i}: {left!r} vs {right!r}; they cannot stand for each other")
+            diff = _first_difference(observed[a], observed[b])
+            if diff is not None:
+                raise FoldError(f"class {cls.name!r} ({cls.role}): ranks {a} and {b} differ in their {what}{diff}; "
+                                "they cannot stand for each other")
+
+
+def _first_difference(ref: Sequence[Any] | Mapping[str, Sequence[Any]],
+                      got: Sequence[Any] | Mapping[str, Sequence[Any]]) -> str | None:
+    """Where two ranks' observations first differ (' in PART at entry i: x vs y'), None where they do not."""
+    if isinstance(ref, Mapping) and isinstance(got, Mapping):
+        for part in [*ref, *(p for p in got if p not in ref)]:
+            diff = _first_difference(ref.get(part, ()), got.get(part, ()))
+            if diff is not None:
+                return f" in {part}{diff}"
+        return None
+    ref, got = list(ref), list(got)
+    if got == ref:
+        return None
+    i = next((i for i, (x, y) in enumerate(zip(ref, got, strict=False)) if x != y), min(len(ref), len(got)))
+    left = ref[i] if i < len(ref) else "<end>"
+    right = got[i] if i < len(got) else "<end>"
+    return f" at entry {i}: {left!r} vs {right!r}"

@@ -17,18 +17,29 @@ time is refused by name (``plan.serial_refusal``: a MoE layout other than at cla
 not covered, per-token loss over a pipeline); ``auto`` depth takes class depth for a MoE layout
 captured serially when its replica does not fit here together. After a folded capture, the live ranks of
 each class must have issued the same ops (kinds, sizes, group sizes); a class whose members differ is
-refused (``fold.check_class_members``).
+refused (``fold.check_class_members``). What is compared is the stage-independent part of a rank's
+program (``op_sections``): the ops of each scheduling unit in order, the pipeline p2p ops of each
+stream in order, and the other ops in order. Members of one class on different pipeline stages run
+their units and p2p calls in their own stage's order: each stage's warm-up count, and under the
+interleaved schedule with overlapped p2p Megatron's unbatched ``_p2p_ops`` posts a call's send first on
+even stages and its receive first on odd ones. That order is the schedule's, not the class's: replay
+takes it from each live rank's own trace (replica depth) or rebuilds it for each folded stage from the
+plan's schedule (class depth, ``replay.stage_schedule.restage``, which posts in the stage's own parity),
+so it is not compared.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import json
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from prism_megatron.megatron.fold import FoldDepthError, FoldError
 
-__all__ = ["FoldModeError", "choose_fold", "full_job_fits", "check_trace_classes", "class_lines"]
+__all__ = ["FoldModeError", "choose_fold", "full_job_fits", "check_trace_classes", "class_lines",
+           "op_sections"]
 
 
 class FoldModeError(ValueError):
@@ -145,7 +156,7 @@ def _serial_hint(plan: Any, cfg: Any) -> str:
 
 def check_trace_classes(trace_dir: Path) -> None:
     """Refuse a folded capture whose live ranks of one class issued different ops (FoldModeError
-    naming the class, the two ranks and the first difference)."""
+    naming the class, the two ranks, the part of their programs and the first difference there)."""
     from prism_megatron.megatron.fold import FoldPlan, check_class_members
     from prism_megatron.trace import read_trace
 
@@ -154,12 +165,64 @@ def check_trace_classes(trace_dir: Path) -> None:
     doc.pop("contributions", None)
     plan = FoldPlan.from_json(doc, f"{trace_dir}/manifest.json job.fold")
     sizes = {g["id"]: len(g["ranks"]) for g in trace.manifest["groups"]}
-    observed: dict[int, list[tuple]] = {}
-    cols = trace.ops.select(["rank", "kind", "bytes", "dtype", "group"]).to_pydict()
-    for rank, kind, nbytes, dtype, group in zip(cols["rank"], cols["kind"], cols["bytes"], cols["dtype"],
-                                                cols["group"], strict=True):
-        observed.setdefault(rank, []).append((kind, nbytes, dtype, sizes.get(group)))
+    ops: dict[int, list[dict]] = {}
+    for op in trace.ops.select(["rank", "index", "kind", "bytes", "dtype", "group", "peer", "t_issue"]).to_pylist():
+        ops.setdefault(op["rank"], []).append(op)
+    marks: dict[int, list[dict]] = {}
+    for m in trace.marks.select(["rank", "name", "phase", "t", "attrs"]).to_pylist():
+        marks.setdefault(m["rank"], []).append(m)
+    pp_axis = plan.axes.index("pp")
+    stages = plan.sizes[pp_axis] if plan.coords else 0
+    stage = (lambda r: plan.coords[r][pp_axis]) if plan.coords else None
+    observed = {r: op_sections(sorted(rows, key=lambda o: o["index"]), marks.get(r, []), sizes, stage, stages)
+                for r, rows in ops.items()}
     try:
         check_class_members(plan, observed, "ops (kind, bytes, dtype, group size)")
     except FoldError as e:
         raise FoldModeError(f"the folded capture is refused: {e}") from None
+
+
+def op_sections(ops: Sequence[Mapping[str, Any]], marks: Sequence[Mapping[str, Any]], sizes: Mapping[int, int],
+                stage: Callable[[int], int] | None = None, stages: int = 0) -> dict[str, list[tuple]]:
+    """One rank's ops (trace rows in order of issue) as (kind, bytes, dtype, group size), by the part of its
+    program they belong to, each part in order of issue: each scheduling unit (``forward``/``backward``
+    marker span: iteration, microbatch, chunk), each pipeline p2p stream outside units (kind and the peer's
+    stage relative to this rank's: ``stage`` gives a rank's stage, ``stages`` their count; without them,
+    by kind), and the other ops. Two ranks of one class run the same parts whatever their stage's order of
+    units and p2p calls (the module docstring says why that order is not compared)."""
+    from prism_megatron.ops import P2P_KINDS
+    from prism_megatron.replay.stage_schedule import UNITS
+
+    out: dict[str, list[tuple]] = {}
+    spans = sorted((m for m in marks if m["name"] in UNITS and m["phase"] in ("B", "E")), key=lambda m: m["t"])
+    seen: Counter = Counter()
+    open_units: list[str] = []  # the unit spans open here, outermost first: the ops go with the outermost
+    at = 0
+    for op in ops:
+        while at < len(spans) and spans[at]["t"] < op["t_issue"]:
+            m = spans[at]
+            at += 1
+            if m["phase"] == "E":
+                if open_units:
+                    open_units.pop()
+                continue
+            attrs = m["attrs"] if isinstance(m["attrs"], Mapping) else json.loads(m["attrs"] or "{}")
+            key = (m["name"], attrs.get("iteration"), attrs.get("microbatch"), attrs.get("chunk") or 0,
+                   bool(attrs.get("eval")))
+            seen[key] += 1
+            open_units.append(f"{key[0]} unit (iteration {key[1]}, microbatch {key[2]}, chunk {key[3]}"
+                              f"{', eval' if key[4] else ''}{f', #{seen[key]}' if seen[key] > 1 else ''})")
+        entry = (op["kind"], op["bytes"], op["dtype"], sizes.get(op["group"]))
+        if open_units:
+            part = open_units[0]
+        elif op["kind"] in P2P_KINDS:
+            where = ""
+            if stage is not None and stages > 2 and op["peer"] >= 0:
+                d = (stage(op["peer"]) - stage(op["rank"])) % stages
+                where = (" with the next stage" if d == 1 else " with the previous stage" if d == stages - 1
+                         else f" with stage +{d}")
+            part = f"p2p {op['kind']}s{where} outside scheduling units"
+        else:
+            part = "other ops outside scheduling units"
+        out.setdefault(part, []).append(entry)
+    return out
