@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from prism_megatron.ops import P2P_KINDS
+from prism_megatron.runtime import local_fold
 from prism_megatron.runtime.client import RankClient
 from prism_megatron.runtime.work import PrismWork
 
@@ -97,6 +98,8 @@ class PrismProcessGroup(dist.ProcessGroup):
         # a folded job's group with virtual members (rep[r] != r): the coordinator answers for them and
         # needs what a virtual member cannot send (kept all_gather chunks, a virtual root's data)
         self._rep = rep if rep is not None and any(rep[r] != r for r in ranks) else None
+        # a folded group whose only live member is this rank: its collectives are answered here (local_fold)
+        self._lone = local_fold.lone_plan(ranks, self._rep, rank)
         # a group of one: the rank computes each op's result itself (RankClient.submit); fixed per group
         self._local = len(ranks) == 1 and not _STAGE_GROUPS_OF_ONE
         self._name = name
@@ -140,6 +143,11 @@ class PrismProcessGroup(dist.ProcessGroup):
             params["label"] = label
         if self._local and kind not in P2P_KINDS:
             params["local"] = True
+        elif self._lone is not None and local_fold.answerable(self._lone, kind, ins, outs, params):
+            plan, current = self._lone, params.get("current")
+            params["answer"] = lambda: local_fold.answer(
+                plan, kind, ins, outs, redop=params.get("redop"), factor=params.get("factor"),
+                in_place=bool(params.get("in_place")), current=current)
         if torch._C._autograd._profiler_enabled():  # the event a real backend records, ended at completion
             backend = BACKEND_NAME if self.requested_backend == "undefined" else self.requested_backend
             # (a recv's event carries the receiving tensor, as gloo's does)
