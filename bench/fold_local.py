@@ -51,6 +51,13 @@ def _ops(args: argparse.Namespace, tmp: Path) -> None:
         print(f"{key:<34} {ms:12.1f} {got['local'][key]:10.1f} {ms / got['local'][key]:8.1f}x")
 
 
+def _by_rank(table, cols):
+    """Rows in (rank, issue) order without times (ranks' rows interleave as they happened to arrive)."""
+    if cols is None:  # marks: each rank's in order (a stable sort)
+        return table.drop(["t", "compute_clock"]).sort_by([("rank", "ascending")])
+    return table.select(cols).sort_by([("rank", "ascending"), ("index", "ascending")])
+
+
 def _megatron(args: argparse.Namespace, tmp: Path) -> None:
     from prism_megatron.trace import read_trace
 
@@ -70,8 +77,8 @@ def _megatron(args: argparse.Namespace, tmp: Path) -> None:
     a, b = traces["coordinator"], traces["local"]
     times = {"t_issue", "t_complete", "compute_before", "t_wait", "wait_clock"}
     cols = [c for c in a.ops.column_names if c not in times]
-    same = {"ops": a.ops.num_rows == b.ops.num_rows and a.ops.select(cols).equals(b.ops.select(cols)),
-            "marks": a.marks.drop(["t", "compute_clock"]).equals(b.marks.drop(["t", "compute_clock"])),
+    same = {"ops": a.ops.num_rows == b.ops.num_rows and _by_rank(a.ops, cols).equals(_by_rank(b.ops, cols)),
+            "marks": _by_rank(a.marks, cols=None).equals(_by_rank(b.marks, cols=None)),
             "groups": a.manifest["groups"] == b.manifest["groups"],
             "contributions": a.fold.contribution_counts() == b.fold.contribution_counts()
             and a.manifest["job"]["fold"]["contributions"] == b.manifest["job"]["fold"]["contributions"]}
@@ -88,10 +95,13 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--device", default="cpu", help="cpu, or cuda:N")
     ap.add_argument("--recipe", default="mini-dense-tp2pp2dp2")
+    ap.add_argument("--keep", type=Path, help="keep the traces in this directory (default: a temporary one)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="fold-local-") as tmp:
+        where = args.keep or Path(tmp)
+        where.mkdir(parents=True, exist_ok=True)
         for part in args.parts:
-            (_ops if part == "ops" else _megatron)(args, Path(tmp))
+            (_ops if part == "ops" else _megatron)(args, where)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ Ranks in messages are group ranks; the coordinator knows each group's global ran
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
 import weakref
@@ -144,10 +145,11 @@ class PrismProcessGroup(dist.ProcessGroup):
         if self._local and kind not in P2P_KINDS:
             params["local"] = True
         elif self._lone is not None and local_fold.answerable(self._lone, kind, ins, outs, params):
-            plan, current = self._lone, params.get("current")
-            params["answer"] = lambda: local_fold.answer(
-                plan, kind, ins, outs, redop=params.get("redop"), factor=params.get("factor"),
-                in_place=bool(params.get("in_place")), current=current)
+            # a partial, not a closure over params (which would hold it: a cycle keeping the op's tensors
+            # alive until the cyclic GC runs, and the rank's memory above the target's)
+            params["answer"] = functools.partial(
+                local_fold.answer, self._lone, kind, ins, outs, redop=params.get("redop"),
+                factor=params.get("factor"), in_place=bool(params.get("in_place")), current=params.get("current"))
         if torch._C._autograd._profiler_enabled():  # the event a real backend records, ended at completion
             backend = BACKEND_NAME if self.requested_backend == "undefined" else self.requested_backend
             # (a recv's event carries the receiving tensor, as gloo's does)

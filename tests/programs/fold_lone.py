@@ -5,7 +5,9 @@ ranks 0 and 4 (rep[r] = r - r % 4). Results go to OUT_DIR/rank-R.pt.
 
 Usage: fold_lone.py OUT_DIR
 """
+import gc
 import sys
+import weakref
 from pathlib import Path
 
 import torch
@@ -77,6 +79,15 @@ with span("iteration", iteration=0):
                 dist.broadcast(bc, src=dist.get_global_rank(g, 0) if g is not None else 0, group=g)
                 res[f"{key}/broadcast"] = bc
                 dist.barrier(group=g)
+# an op's tensors die with the program's last reference (no cycle keeps them for the cyclic GC: the rank's
+# memory would exceed the target's)
+gc.disable()
+x = torch.ones(40_000)
+ref = weakref.ref(x)
+dist.all_reduce(x, group=lone)
+del x
+res["freed"] = torch.tensor([ref() is None])
+gc.enable()
 out_dir.mkdir(parents=True, exist_ok=True)
 torch.save(res, out_dir / f"rank-{r}.pt")
 dist.destroy_process_group()
