@@ -200,6 +200,8 @@ def test_which_collectives_a_rank_answers_alone(monkeypatch):
     assert local_fold.answerable(plan, "reduce_scatter", [x], [torch.empty(2)], {})
     assert not local_fold.answerable(plan, "reduce_scatter", [x], [torch.empty(3)], {})  # the coordinator says
     assert not local_fold.answerable(plan, "all_gather", [x], [torch.empty(32, dtype=torch.int32)], {})
+    mixed = [x, torch.ones(4, dtype=torch.bfloat16)]  # a coalesced all_reduce of two dtypes: each its own
+    assert local_fold.answerable(plan, "all_reduce", mixed, mixed, {"redop": "avg"})
     assert not local_fold.answerable(plan, "all_reduce", [x[::2]], [x[::2]], {})  # not contiguous
     assert not local_fold.answerable(plan, "all_to_all", [x], [x], {})
     assert not local_fold.answerable(plan, "reduce", [x], [x], {"root": 0})
@@ -253,6 +255,11 @@ def test_a_rank_answers_every_kind_it_takes_bitwise_as_the_coordinator(dtype):
         local_fold.answer(plan, kind, mine, outs, redop=attrs.get("redop"), factor=attrs.get("factor"))
         coordinator(kind, theirs_in, theirs, attrs.get("redop"), attrs.get("factor"))
         assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(outs, theirs, strict=True)), (kind, attrs)
+    mine = [inp(7), torch.randn(5, generator=g).to(torch.float64)]  # a coalesced all_reduce of two dtypes
+    theirs = [t.clone() for t in mine]
+    local_fold.answer(plan, "all_reduce", mine, mine, redop="avg")
+    coordinator("all_reduce", theirs, theirs, "avg")
+    assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(mine, theirs, strict=True))
     buf = inp(12)  # in place: the chunks of virtual members kept, this member's own in place
     theirs = buf.clone()
     local_fold.answer(plan, "all_gather", [buf[:3]], [buf], in_place=True, current=[buf])

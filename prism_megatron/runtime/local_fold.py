@@ -78,8 +78,12 @@ def answerable(plan: GroupPlan, kind: str, ins: list[torch.Tensor], outs: list[t
         return params.get("root") == me and sum(nbytes(t) for t in ins) > RECORD_MAX_BYTES
     if kind == "barrier":
         return True
-    dtypes = {t.dtype for t in (*ins, *outs)}
-    if len(dtypes) != 1 or not ins:
+    if not ins:
+        return False
+    if kind in ("all_reduce", "reduce_scatter", "all_gather"):  # buffer j's result is of input j's dtype
+        if len(outs) != len(ins) or any(i.dtype != o.dtype for i, o in zip(ins, outs, strict=True)):
+            return False
+    elif len({t.dtype for t in (*ins, *outs)}) != 1:
         return False
     sizes = [t.numel() for t in ins]
     if kind == "all_reduce":
