@@ -90,13 +90,15 @@ def _megatron(args: argparse.Namespace, tmp: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("parts", nargs="*", default=["ops", "megatron"], choices=["ops", "megatron"])
+    ap.add_argument("parts", nargs="*", default=["ops", "megatron"], help="ops, megatron (default both)")
     ap.add_argument("--sizes", default="64,1024", help="MiB, comma-separated (default 64,1024)")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--device", default="cpu", help="cpu, or cuda:N")
     ap.add_argument("--recipe", default="mini-dense-tp2pp2dp2")
     ap.add_argument("--keep", type=Path, help="keep the traces in this directory (default: a temporary one)")
     args = ap.parse_args()
+    if set(args.parts) - {"ops", "megatron"}:
+        ap.error(f"parts are ops and megatron, not {sorted(set(args.parts) - {'ops', 'megatron'})}")
     with tempfile.TemporaryDirectory(prefix="fold-local-") as tmp:
         where = args.keep or Path(tmp)
         where.mkdir(parents=True, exist_ok=True)
