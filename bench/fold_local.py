@@ -51,11 +51,21 @@ def _ops(args: argparse.Namespace, tmp: Path) -> None:
         print(f"{key:<34} {ms:12.1f} {got['local'][key]:10.1f} {ms / got['local'][key]:8.1f}x")
 
 
-def _by_rank(table, cols):
-    """Rows in (rank, issue) order without times (ranks' rows interleave as they happened to arrive)."""
-    if cols is None:  # marks: each rank's in order (a stable sort)
-        return table.drop(["t", "compute_clock"]).sort_by([("rank", "ascending")])
-    return table.select(cols).sort_by([("rank", "ascending"), ("index", "ascending")])
+def _groups(trace) -> list:
+    return sorted((g["name"], g["ranks"], g.get("backend")) for g in trace.manifest["groups"])
+
+
+def _by_rank(trace, cols):
+    """Ops (``cols``; None: marks) in (rank, issue) order without times, each op's group named by its
+    ranks and name: ranks' rows interleave, and groups are numbered, as their messages happened to arrive."""
+    import pyarrow as pa
+
+    if cols is None:  # each rank's marks in order (a stable sort)
+        return trace.marks.drop(["t", "compute_clock"]).sort_by([("rank", "ascending")])
+    key = {g["id"]: f"{g['name']} {g['ranks']}" for g in trace.manifest["groups"]}
+    table = trace.ops.select(cols).sort_by([("rank", "ascending"), ("index", "ascending")])
+    named = pa.array([key[i] for i in table.column("group").to_pylist()], pa.string())
+    return table.set_column(table.column_names.index("group"), "group", named)
 
 
 def _megatron(args: argparse.Namespace, tmp: Path) -> None:
@@ -77,9 +87,9 @@ def _megatron(args: argparse.Namespace, tmp: Path) -> None:
     a, b = traces["coordinator"], traces["local"]
     times = {"t_issue", "t_complete", "compute_before", "t_wait", "wait_clock"}
     cols = [c for c in a.ops.column_names if c not in times]
-    same = {"ops": a.ops.num_rows == b.ops.num_rows and _by_rank(a.ops, cols).equals(_by_rank(b.ops, cols)),
-            "marks": _by_rank(a.marks, cols=None).equals(_by_rank(b.marks, cols=None)),
-            "groups": a.manifest["groups"] == b.manifest["groups"],
+    same = {"ops": a.ops.num_rows == b.ops.num_rows and _by_rank(a, cols).equals(_by_rank(b, cols)),
+            "marks": _by_rank(a, None).equals(_by_rank(b, None)),
+            "groups": _groups(a) == _groups(b),
             "contributions": a.fold.contribution_counts() == b.fold.contribution_counts()
             and a.manifest["job"]["fold"]["contributions"] == b.manifest["job"]["fold"]["contributions"]}
     print(f"recipe {args.recipe}, class depth, serial capture, CPU (core driver): {a.ops.num_rows} ops")

@@ -155,11 +155,21 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
-def _by_rank(table, cols):
-    """Rows in (rank, issue) order without times (ranks' rows interleave as they happened to arrive)."""
-    if cols is None:  # marks: each rank's in order (a stable sort)
-        return table.drop(["t", "compute_clock"]).sort_by([("rank", "ascending")])
-    return table.select(cols).sort_by([("rank", "ascending"), ("index", "ascending")])
+def _groups(trace) -> list:
+    return sorted((g["name"], g["ranks"], g.get("backend")) for g in trace.manifest["groups"])
+
+
+def _by_rank(trace, cols):
+    """Ops (``cols``; None: marks) in (rank, issue) order without times, each op's group named by its
+    ranks and name: ranks' rows interleave, and groups are numbered, as their messages happened to arrive."""
+    import pyarrow as pa
+
+    if cols is None:  # each rank's marks in order (a stable sort)
+        return trace.marks.drop(["t", "compute_clock"]).sort_by([("rank", "ascending")])
+    key = {g["id"]: f"{g['name']} {g['ranks']}" for g in trace.manifest["groups"]}
+    table = trace.ops.select(cols).sort_by([("rank", "ascending"), ("index", "ascending")])
+    named = pa.array([key[i] for i in table.column("group").to_pylist()], pa.string())
+    return table.set_column(table.column_names.index("group"), "group", named)
 
 
 def test_a_folded_collective_answered_in_its_one_live_rank_matches_the_coordinators_and_the_trace(
@@ -179,9 +189,9 @@ def test_a_folded_collective_answered_in_its_one_live_rank_matches_the_coordinat
     a, b = read_trace(tmp_path / "local"), read_trace(tmp_path / "staged")
     times = {"t_issue", "t_complete", "compute_before", "t_wait", "wait_clock"}
     cols = [c for c in a.ops.column_names if c not in times]
-    assert a.ops.num_rows == b.ops.num_rows > 0 and _by_rank(a.ops, cols).equals(_by_rank(b.ops, cols))
-    assert _by_rank(a.marks, cols=None).equals(_by_rank(b.marks, cols=None))
-    assert a.manifest["groups"] == b.manifest["groups"]
+    assert a.ops.num_rows == b.ops.num_rows > 0 and _by_rank(a, cols).equals(_by_rank(b, cols))
+    assert _by_rank(a, None).equals(_by_rank(b, None))
+    assert _groups(a) == _groups(b)
     fa, fb = read_fold(a.manifest, tmp_path / "local"), read_fold(b.manifest, tmp_path / "staged")
     assert fa.contributions == fb.contributions and fa.contributions["all_reduce"]["mirror"] > 0
 
@@ -265,3 +275,27 @@ def test_a_rank_answers_every_kind_it_takes_bitwise_as_the_coordinator(dtype):
     local_fold.answer(plan, "all_gather", [buf[:3]], [buf], in_place=True, current=[buf])
     coordinator("all_gather", [theirs[:3]], [theirs], in_place=True, current=[theirs])
     assert torch.equal(_bits(buf), _bits(theirs))
+
+
+def test_the_coordinator_counts_an_answer_in_the_rank_and_refuses_one_outside_the_rule():
+    from prism_megatron.runtime.folding import Folding
+    from prism_megatron.runtime.groups import Group
+
+    folding = Folding(make_fold([r - r % 4 for r in range(8)], 8).to_json())
+    lone, world = Group(0, "tp", [0, 1, 2, 3], "nccl"), Group(1, "world", list(range(8)), "nccl")
+    assert folding.fold_group(lone) is None and folding.fold_group(world) is None
+    big = [(("l", 1 << 20), "float32", [1 << 18])]
+    assert folding.answered_in_rank(lone, {"kind": "all_reduce", "ins": big, "outs": big}) is None
+    assert folding.answered_in_rank(lone, {"kind": "all_gather", "ins": big, "outs": big, "in_place": True}) is None
+    assert folding.answered_in_rank(lone, {"kind": "broadcast", "root": 0, "ins": big, "outs": []}) is None
+    assert folding.contributions.to_json() == {
+        "all_gather": {"mirror": 0, "recorded": 0, "keep": 3, "passthrough": 0},
+        "all_reduce": {"mirror": 3, "recorded": 0, "keep": 0, "passthrough": 0},
+        "broadcast": {"mirror": 0, "recorded": 0, "keep": 0, "passthrough": 0}}
+    assert "the group has live members [0, 4]" in folding.answered_in_rank(
+        world, {"kind": "all_reduce", "ins": big, "outs": big})
+    a2a = {"kind": "all_to_all", "ins": big, "outs": big}
+    assert "answered in the rank only" in folding.answered_in_rank(lone, a2a)
+    small = [(("i", b"\0" * 8), "int64", [1])]
+    assert "RECORDED_BROADCAST_RULE" in folding.answered_in_rank(
+        lone, {"kind": "broadcast", "root": 0, "ins": small, "outs": []})
