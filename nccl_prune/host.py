@@ -22,7 +22,8 @@ Inputs = Mapping[int, Sequence[torch.Tensor]]
 def execute(kind: str, plan: GroupPlan, inputs: Inputs, *, op: str | None = None, factor: float | None = None,
             root: int | None = None, in_splits: Mapping[int, Sequence[int]] | None = None,
             in_place: bool = False, current: Inputs | None = None, recorded: Inputs | None = None,
-            out: Sequence[torch.Tensor | None] | None = None) -> dict[int, list[torch.Tensor]]:
+            out: Sequence[torch.Tensor | None] | None = None,
+            into: Mapping[int, Sequence[torch.Tensor]] | None = None) -> dict[int, list[torch.Tensor]]:
     """Outputs of op ``kind`` for every live position of ``plan``.
 
     inputs[p]: live member p's inputs as the runtime carries them — all_reduce/reduce/reduce_scatter/
@@ -36,6 +37,11 @@ def execute(kind: str, plan: GroupPlan, inputs: Inputs, *, op: str | None = None
     recorded[v]: inputs for virtual position v (laid out as a live member's), used instead of the mirror.
     out (all_reduce): ``out[j]`` receives reduction j (saves a copy into a member's output buffer); it
     may be the first live member's input j, never another member's.
+    into (all_reduce, reduce_scatter(_list), all_gather(_list)): live member p's output buffers, flat and
+    laid out as its results (all_gather_list: one per member), written with the results and returned; the
+    same arithmetic, with no temporary of their size (the executor in a rank, on its device). A buffer may
+    be p's own input (an in-place all_reduce, a reduce_scatter into p's own chunk) or hold p's own chunk
+    (an in-place all_gather), never another member's input.
     Outputs may share memory with inputs and with each other: do not write into them.
     """
     k = op_kind(kind)
@@ -52,14 +58,21 @@ def execute(kind: str, plan: GroupPlan, inputs: Inputs, *, op: str | None = None
 
     live = plan.live_positions
     n = plan.size
+    if into is not None:
+        _check_into(kind, plan, inputs, into)
     if kind in ("all_reduce", "reduce"):
         if kind == "reduce" and not plan.is_live(_root(plan, root, kind)):
             return {p: [] for p in live}
         outs = out if kind == "all_reduce" and out is not None else [None] * len(inputs[live[0]])
+        if kind == "all_reduce" and into is not None:
+            outs = into[live[0]]
         res = [_reduce(plan, lambda p, j=j: src(p)[j], op, factor, recorded, outs[j])
                for j in range(len(inputs[live[0]]))]
         if kind == "reduce":
             return {p: (res if p == root else []) for p in live}
+        if into is not None:  # every live member's buffers, once every reduction has read its inputs
+            return {p: res if p == live[0] else [b.copy_(r) for b, r in zip(into[p], res, strict=True)]
+                    for p in live}
         return {p: res for p in live}
     if kind == "reduce_scatter":
         out: dict[int, list[torch.Tensor]] = {p: [] for p in live}
@@ -70,10 +83,11 @@ def execute(kind: str, plan: GroupPlan, inputs: Inputs, *, op: str | None = None
             c = size // n
             for p in live:
                 out[p].append(_reduce(plan, lambda q, j=j, p=p, c=c: src(q)[j].reshape(-1)[p * c:(p + 1) * c],
-                                      op, factor, recorded))
+                                      op, factor, recorded, None if into is None else into[p][j]))
         return out
     if kind == "reduce_scatter_list":
-        return {p: [_reduce(plan, lambda q, p=p: src(q)[p].reshape(-1), op, factor, recorded)] for p in live}
+        return {p: [_reduce(plan, lambda q, p=p: src(q)[p].reshape(-1), op, factor, recorded,
+                            None if into is None else into[p][0])] for p in live}
     if kind in ("all_gather", "all_gather_list"):
         keep = in_place
         if keep and current is None:
@@ -90,7 +104,10 @@ def execute(kind: str, plan: GroupPlan, inputs: Inputs, *, op: str | None = None
                     else:
                         chunks.append(src(q)[j].reshape(-1))
                 per_buffer.append(chunks)
-            res[p] = [torch.cat(c) for c in per_buffer] if kind == "all_gather" else per_buffer[0]
+            if into is not None:
+                res[p] = _gather_into(kind, per_buffer, into[p])
+            else:
+                res[p] = [torch.cat(c) for c in per_buffer] if kind == "all_gather" else per_buffer[0]
         return res
     if kind in ("all_to_all", "all_to_all_list"):
         pieces = {}
@@ -132,6 +149,47 @@ def execute(kind: str, plan: GroupPlan, inputs: Inputs, *, op: str | None = None
     raise AssertionError(kind)
 
 
+def _gather_into(kind: str, per_buffer: list[list[torch.Tensor]], bufs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Write gathered chunks into a member's buffers (all_gather: chunk q of buffer j; all_gather_list:
+    buffer q), skipping a chunk that already is the memory it goes to (its own chunk, a kept one)."""
+    pairs = []
+    for j, chunks in enumerate(per_buffer):
+        if kind == "all_gather_list":
+            pairs += list(zip(bufs, chunks, strict=True))
+        else:
+            c = bufs[j].numel() // len(chunks)
+            pairs += [(bufs[j][q * c:(q + 1) * c], x) for q, x in enumerate(chunks)]
+    for dst, x in pairs:
+        if dst.data_ptr() != x.data_ptr() or dst.dtype != x.dtype:
+            dst.copy_(x)
+    return list(bufs)
+
+
+def _check_into(kind: str, plan: GroupPlan, inputs: Inputs, into: Mapping[int, Sequence[torch.Tensor]]) -> None:
+    if kind not in ("all_reduce", "reduce_scatter", "reduce_scatter_list", "all_gather", "all_gather_list"):
+        raise PruneError(f"{kind}: results cannot be written into the members' buffers (into=)")
+    if set(into) != set(plan.live_positions):
+        raise PruneError(f"{kind}: buffers for positions {sorted(into)}, expected the live positions "
+                         f"{list(plan.live_positions)}")
+    n = plan.size
+    for p, bufs in into.items():
+        ins = inputs[p]
+        if kind == "all_reduce":
+            want = [x.numel() for x in ins]
+        elif kind == "reduce_scatter":
+            want = [x.numel() // n for x in ins]
+        elif kind == "reduce_scatter_list":
+            want = [ins[p].numel()]
+        elif kind == "all_gather":
+            want = [x.numel() * n for x in ins]
+        else:
+            want = [ins[0].numel()] * n
+        got = [b.numel() for b in bufs]
+        if got != want or any(b.dim() != 1 or not b.is_contiguous() for b in bufs):
+            raise PruneError(f"{kind}: the output buffers of position {p} hold {got} elements, expected {want} "
+                             f"(flat, contiguous)")
+
+
 def is_in_place_all_gather(output: torch.Tensor | Sequence[torch.Tensor], input: torch.Tensor,
                            position: int) -> bool:
     """Whether an all_gather's input is member ``position``'s own chunk of its output — the in-place
@@ -149,13 +207,41 @@ def is_in_place_all_gather(output: torch.Tensor | Sequence[torch.Tensor], input:
 def _reduce(plan: GroupPlan, src, op: str, factor: float | None, recorded: Inputs,
             out: torch.Tensor | None = None) -> torch.Tensor:
     """The weighted reduction over the group in position order: each live input once with its
-    multiplicity less the virtual members that contribute recorded inputs, each recorded input once."""
+    multiplicity less the virtual members that contribute recorded inputs, each recorded input once.
+    ``out`` gets the result; the first term is written straight into it where no input is read after
+    that write (``out`` is that term's own input, or shares memory with no input)."""
     weight = list(plan.multiplicity)
     for v in recorded:
         weight[plan.mirror[v]] -= 1
         weight[v] += 1
-    terms = [term(src(p), weight[p], op, factor) for p in range(plan.size) if weight[p] > 0]
+    contributors = [p for p in range(plan.size) if weight[p] > 0]
+    xs = [src(p) for p in contributors]
+    first_into = None
+    if out is not None:
+        if _writable_first(out, xs, op):
+            first_into = out
+        elif any(_overlap(out, x) for x in xs):  # it holds an input still to be read: reduce, then copy
+            terms = [term(x, weight[p], op, factor) for p, x in zip(contributors, xs, strict=True)]
+            return out.copy_(reduce_terms(terms, op, plan.size))
+    terms = [term(x, weight[p], op, factor, out=first_into if i == 0 else None)
+             for i, (p, x) in enumerate(zip(contributors, xs, strict=True))]
     return reduce_terms(terms, op, plan.size, out)
+
+
+def _writable_first(out: torch.Tensor, xs: Sequence[torch.Tensor], op: str) -> bool:
+    first = xs[0]
+    if out.dtype != first.dtype or out.shape != first.shape or (op == "premul_sum" and not first.is_floating_point()):
+        return False
+    if out.data_ptr() == first.data_ptr():
+        return not any(_overlap(out, x) for x in xs[1:])
+    return not any(_overlap(out, x) for x in xs)
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors (contiguous, flat) share any byte."""
+    if a.device != b.device or not a.numel() or not b.numel():
+        return False
+    return a.data_ptr() < b.data_ptr() + b.nbytes and b.data_ptr() < a.data_ptr() + a.nbytes
 
 
 def _kept_chunk(kind: str, bufs: Sequence[torch.Tensor], j: int, q: int, n: int) -> torch.Tensor:

@@ -31,28 +31,37 @@ def effective_op(op: str, dtype: torch.dtype) -> str:
     return op
 
 
-def term(x: torch.Tensor, m: int, op: str, factor: float | None = None) -> torch.Tensor:
+def term(x: torch.Tensor, m: int, op: str, factor: float | None = None,
+         out: torch.Tensor | None = None) -> torch.Tensor:
     """What ``m`` members holding ``x`` contribute to a reduction by ``op`` (may return ``x`` itself).
 
     sum/avg: m·x (a sum of m copies; bool adds as OR, so x); premul_sum: (x·factor)·m (each member
     pre-multiplies, as NCCL does); product: x**m; bxor: x for odd m, else zeros (x ^ x == 0, exact);
     min/max/band/bor: x (idempotent).
+    ``out``: write the term there (it may be ``x`` itself) instead of into a new tensor: the same
+    elementwise operations, so the same bits, without a temporary of x's size.
     """
     if m < 1:
         raise ValueError(f"a reduction term needs a multiplicity >= 1, got {m}")
     eop = effective_op(op, x.dtype)
     if eop == "premul_sum":
-        t = x * factor
+        t = x * factor if out is None else torch.mul(x, factor, out=out)
         return t if m == 1 else t.mul_(m)
     if m == 1 or eop in IDEMPOTENT_OPS or (x.dtype == torch.bool and eop == "avg"):
-        return x
+        return x if out is None or _same(out, x) else out.copy_(x)
     if eop in ("sum", "avg"):
-        return x * m
+        return x * m if out is None else torch.mul(x, m, out=out)
     if eop == "product":
-        return torch.pow(x, m)
+        return torch.pow(x, m) if out is None else torch.pow(x, m, out=out)
     if eop == "bxor":
-        return x if m % 2 else torch.zeros_like(x)
+        if m % 2:
+            return x if out is None or _same(out, x) else out.copy_(x)
+        return torch.zeros_like(x) if out is None else out.zero_()
     raise AssertionError(eop)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.data_ptr() == b.data_ptr() and a.dtype == b.dtype and a.shape == b.shape
 
 
 def reduce_terms(terms: Sequence[torch.Tensor], op: str, group_size: int,
@@ -63,7 +72,8 @@ def reduce_terms(terms: Sequence[torch.Tensor], op: str, group_size: int,
     first = terms[0]
     eop = effective_op(op, first.dtype)
     if eop == "premul_sum":
-        acc = first if out is None else out.copy_(first)  # the term is a fresh product (``term``)
+        # the term is a fresh product (``term``), or ``out`` itself where it was written there
+        acc = first if out is None or out.data_ptr() == first.data_ptr() else out.copy_(first)
         for t in terms[1:]:
             acc.add_(t)
         return acc

@@ -149,3 +149,153 @@ def test_a_fold_that_does_not_fit_the_launch_is_a_launch_error(tmp_path):
                        trace_dir=tmp_path / "t", fold=fold)
     with pytest.raises(LaunchError, match="world_size"):
         cfg.validate()
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)
+
+
+def _groups(trace) -> list:
+    return sorted((g["name"], g["ranks"], g.get("backend")) for g in trace.manifest["groups"])
+
+
+def _by_rank(trace, cols):
+    """Ops (``cols``; None: marks) in (rank, issue) order without times, each op's group named by its
+    ranks and name: ranks' rows interleave, and groups are numbered, as their messages happened to arrive."""
+    import pyarrow as pa
+
+    if cols is None:  # each rank's marks in order (a stable sort)
+        return trace.marks.drop(["t", "compute_clock"]).sort_by([("rank", "ascending")])
+    key = {g["id"]: f"{g['name']} {g['ranks']}" for g in trace.manifest["groups"]}
+    table = trace.ops.select(cols).sort_by([("rank", "ascending"), ("index", "ascending")])
+    named = pa.array([key[i] for i in table.column("group").to_pylist()], pa.string())
+    return table.set_column(table.column_names.index("group"), "group", named)
+
+
+def test_a_folded_collective_answered_in_its_one_live_rank_matches_the_coordinators_and_the_trace(
+        tmp_path, monkeypatch):
+    """fold_lone.py on 8 ranks folded to 0 and 4: each is the only live member of its group of 4, and one
+    of two on the world group. With the answer in the rank (runtime.local_fold) and without it, every
+    result is bitwise the same and the traces agree in everything but times."""
+    fold = make_fold([r - r % 4 for r in range(8)], 8).to_json()
+    assert _run(tmp_path, "local", "fold_lone.py", [str(tmp_path / "local-res")], 8, fold) == 0
+    monkeypatch.setenv("PRISM_FOLD_LOCAL", "0")
+    assert _run(tmp_path, "staged", "fold_lone.py", [str(tmp_path / "staged-res")], 8, fold) == 0
+    for r in (0, 4):
+        got, want = _received(tmp_path / "local-res", r), _received(tmp_path / "staged-res", r)
+        assert got.keys() == want.keys() and len(got) == 2 * 3 * 2 * 15 + 1
+        assert got["freed"].item()  # nothing of the answer kept the op's tensors alive
+        assert [k for k in want if not torch.equal(_bits(got[k]), _bits(want[k]))] == []
+    a, b = read_trace(tmp_path / "local"), read_trace(tmp_path / "staged")
+    times = {"t_issue", "t_complete", "compute_before", "t_wait", "wait_clock"}
+    cols = [c for c in a.ops.column_names if c not in times]
+    assert a.ops.num_rows == b.ops.num_rows > 0 and _by_rank(a, cols).equals(_by_rank(b, cols))
+    assert _by_rank(a, None).equals(_by_rank(b, None))
+    assert _groups(a) == _groups(b)
+    fa, fb = read_fold(a.manifest, tmp_path / "local"), read_fold(b.manifest, tmp_path / "staged")
+    assert fa.contributions == fb.contributions and fa.contributions["all_reduce"]["mirror"] > 0
+
+
+def test_which_collectives_a_rank_answers_alone(monkeypatch):
+    from prism_megatron.runtime import local_fold
+
+    rep = [r - r % 4 for r in range(8)]
+    plan = local_fold.lone_plan([0, 1, 2, 3], rep, 0)
+    assert plan is not None and plan.live_positions == (0,) and plan.multiplicity[0] == 4
+    assert local_fold.lone_plan(list(range(8)), rep, 0) is None  # two live members: the coordinator's
+    assert local_fold.lone_plan([0, 4], [0, 1, 2, 3, 4], 0) is None  # no virtual member
+    assert local_fold.lone_plan([1, 2], [0, 0, 0], 0) is None  # not foldable: the coordinator says why
+    x, big = torch.ones(8), torch.ones(1 << 15)
+    assert local_fold.answerable(plan, "all_reduce", [x], [x], {"redop": "sum"})
+    assert local_fold.answerable(plan, "reduce_scatter", [x], [torch.empty(2)], {})
+    assert not local_fold.answerable(plan, "reduce_scatter", [x], [torch.empty(3)], {})  # the coordinator says
+    assert not local_fold.answerable(plan, "all_gather", [x], [torch.empty(32, dtype=torch.int32)], {})
+    mixed = [x, torch.ones(4, dtype=torch.bfloat16)]  # a coalesced all_reduce of two dtypes: each its own
+    assert local_fold.answerable(plan, "all_reduce", mixed, mixed, {"redop": "avg"})
+    assert not local_fold.answerable(plan, "all_reduce", [x[::2]], [x[::2]], {})  # not contiguous
+    assert not local_fold.answerable(plan, "all_to_all", [x], [x], {})
+    assert not local_fold.answerable(plan, "reduce", [x], [x], {"root": 0})
+    assert local_fold.answerable(plan, "broadcast", [big], [], {"root": 0})
+    assert not local_fold.answerable(plan, "broadcast", [x], [], {"root": 0})  # a serial capture may record it
+    assert not local_fold.answerable(plan, "broadcast", [], [big], {"root": 1})  # a virtual root
+    monkeypatch.setenv(local_fold.ENV, "0")  # off: every op through the coordinator
+    assert local_fold.lone_plan([0, 1, 2, 3], rep, 0) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64], ids=str)
+def test_a_rank_answers_every_kind_it_takes_bitwise_as_the_coordinator(dtype):
+    """local_fold.answer on the rank's tensors against the coordinator's path (OpKind.run on staged
+    copies, its output view for an in-place all_reduce, results copied back as bytes)."""
+    from prism_megatron.ops import OPS, CollectiveCall
+    from prism_megatron.runtime import local_fold
+    from prism_megatron.runtime.staging import typed
+
+    plan = local_fold.lone_plan([0, 1, 2, 3], [0, 0, 0, 0], 0)
+    g = torch.Generator().manual_seed(3)
+
+    def inp(k):
+        return ((torch.randn(k, generator=g) * 3).to(dtype) if dtype.is_floating_point
+                else torch.randint(-9, 9, (k,), generator=g))
+
+    def coordinator(kind, ins, outs, redop=None, factor=None, in_place=False, current=None):
+        staged = [t.clone().reshape(-1) for t in ins]
+        view = (lambda i, j, like: staged[j]) if kind == "all_reduce" else None
+        cur = [[t.clone().reshape(-1) for t in current]] if current else None
+        call = CollectiveCall(ins=[staged], redop=redop, factor=factor, out_view=view, fold=plan,
+                              in_place=in_place, current=cur)
+        res = OPS[kind].run(call)[0]
+        for o, r in zip(outs, res, strict=True):
+            o.copy_(typed(r.reshape(-1).view(torch.uint8), o))
+
+    ops = ["sum", "avg", "min", "max", "product", "premul_sum"] if dtype.is_floating_point else \
+        ["sum", "avg", "min", "max", "band", "bor", "bxor"]
+    cases = []
+    for op in ops:
+        factor = 0.25 if op == "premul_sum" else None
+        cases.append(("all_reduce", [inp(7), inp(5)], None, {"redop": op, "factor": factor}))
+        cases.append(("reduce_scatter", [inp(8)], [2], {"redop": op, "factor": factor}))
+        cases.append(("reduce_scatter_list", [inp(3) for _ in range(4)], [3], {"redop": op, "factor": factor}))
+    cases += [("all_gather", [inp(3), inp(2)], [12, 8], {}), ("all_gather_list", [inp(3)], [3] * 4, {})]
+    for kind, ins, out_sizes, attrs in cases:
+        mine = [t.clone() for t in ins]
+        outs = mine if out_sizes is None else [torch.full((k,), 7, dtype=ins[0].dtype) for k in out_sizes]
+        theirs_in = [t.clone() for t in ins]
+        theirs = theirs_in if out_sizes is None else [o.clone() for o in outs]
+        assert local_fold.answerable(plan, kind, mine, outs, attrs)
+        local_fold.answer(plan, kind, mine, outs, redop=attrs.get("redop"), factor=attrs.get("factor"))
+        coordinator(kind, theirs_in, theirs, attrs.get("redop"), attrs.get("factor"))
+        assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(outs, theirs, strict=True)), (kind, attrs)
+    mine = [inp(7), torch.randn(5, generator=g).to(torch.float64)]  # a coalesced all_reduce of two dtypes
+    theirs = [t.clone() for t in mine]
+    local_fold.answer(plan, "all_reduce", mine, mine, redop="avg")
+    coordinator("all_reduce", theirs, theirs, "avg")
+    assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(mine, theirs, strict=True))
+    buf = inp(12)  # in place: the chunks of virtual members kept, this member's own in place
+    theirs = buf.clone()
+    local_fold.answer(plan, "all_gather", [buf[:3]], [buf], in_place=True, current=[buf])
+    coordinator("all_gather", [theirs[:3]], [theirs], in_place=True, current=[theirs])
+    assert torch.equal(_bits(buf), _bits(theirs))
+
+
+def test_the_coordinator_counts_an_answer_in_the_rank_and_refuses_one_outside_the_rule():
+    from prism_megatron.runtime.folding import Folding
+    from prism_megatron.runtime.groups import Group
+
+    folding = Folding(make_fold([r - r % 4 for r in range(8)], 8).to_json())
+    lone, world = Group(0, "tp", [0, 1, 2, 3], "nccl"), Group(1, "world", list(range(8)), "nccl")
+    assert folding.fold_group(lone) is None and folding.fold_group(world) is None
+    big = [(("l", 1 << 20), "float32", [1 << 18])]
+    assert folding.answered_in_rank(lone, {"kind": "all_reduce", "ins": big, "outs": big}) is None
+    assert folding.answered_in_rank(lone, {"kind": "all_gather", "ins": big, "outs": big, "in_place": True}) is None
+    assert folding.answered_in_rank(lone, {"kind": "broadcast", "root": 0, "ins": big, "outs": []}) is None
+    assert folding.contributions.to_json() == {
+        "all_gather": {"mirror": 0, "recorded": 0, "keep": 3, "passthrough": 0},
+        "all_reduce": {"mirror": 3, "recorded": 0, "keep": 0, "passthrough": 0},
+        "broadcast": {"mirror": 0, "recorded": 0, "keep": 0, "passthrough": 0}}
+    assert "the group has live members [0, 4]" in folding.answered_in_rank(
+        world, {"kind": "all_reduce", "ins": big, "outs": big})
+    a2a = {"kind": "all_to_all", "ins": big, "outs": big}
+    assert "answered in the rank only" in folding.answered_in_rank(lone, a2a)
+    small = [(("i", b"\0" * 8), "int64", [1])]
+    assert "RECORDED_BROADCAST_RULE" in folding.answered_in_rank(
+        lone, {"kind": "broadcast", "root": 0, "ins": small, "outs": []})

@@ -126,6 +126,81 @@ def test_all_reduce_into_out_and_into_the_first_input(op):
         assert got[0][0].data_ptr() == first.data_ptr() and torch.equal(first, want), (op, dtype)
 
 
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int32, torch.bool], ids=str)
+def test_results_written_into_the_members_buffers_are_bitwise_the_executors(dtype):
+    """``into=`` (the executor in a rank): the same bits as new tensors, for every kind it takes, with the
+    buffers a rank passes: separate memory, its own input (in-place all_reduce, reduce_scatter into its
+    own chunk), its own chunk of the output (in-place all_gather)."""
+    rng = random.Random(11)
+    g = torch.Generator().manual_seed(11)
+    for _ in range(12):
+        plan, _ = random_plan(rng)
+        n, live = plan.size, plan.live_positions
+        for op in ops_for(dtype):
+            factor = 0.5 if op == "premul_sum" else None
+
+            def fresh(shape, op=op, live=live):
+                return {p: [random_tensor(g, shape, dtype, op), random_tensor(g, (3,), dtype, op)] for p in live}
+
+            x = fresh((n * 2,))
+            want = execute("all_reduce", plan, x, op=op, factor=factor)
+            own = {p: [t.clone() for t in v] for p, v in x.items()}  # in place: each member's input
+            got = execute("all_reduce", plan, own, op=op, factor=factor, into=own)
+            assert all(torch.equal(_bits(got[p][j]), _bits(want[p][j])) and got[p][j] is own[p][j]
+                       for p in live for j in range(2)), (op, plan)
+            x = {p: [v[0]] for p, v in fresh((n * 2,)).items()}
+            want = execute("reduce_scatter", plan, x, op=op, factor=factor)
+            bufs = {p: [torch.empty(2, dtype=dtype)] for p in live}
+            got = execute("reduce_scatter", plan, x, op=op, factor=factor, into=bufs)
+            assert all(torch.equal(_bits(got[p][0]), _bits(want[p][0])) for p in live), (op, plan)
+            own = {p: [v[0].clone()] for p, v in x.items()}  # each member's output is its own chunk
+            got = execute("reduce_scatter", plan, own, op=op, factor=factor,
+                          into={p: [own[p][0][p * 2:(p + 1) * 2]] for p in live})
+            assert all(torch.equal(_bits(own[p][0][p * 2:(p + 1) * 2]), _bits(want[p][0])) for p in live), (op, plan)
+            lists = {p: [random_tensor(g, (q + 1,), dtype, op) for q in range(n)] for p in live}
+            want = execute("reduce_scatter_list", plan, lists, op=op, factor=factor)
+            got = execute("reduce_scatter_list", plan, lists, op=op, factor=factor,
+                          into={p: [torch.empty(p + 1, dtype=dtype)] for p in live})
+            assert all(torch.equal(_bits(got[p][0]), _bits(want[p][0])) for p in live), (op, plan)
+        x = {p: [random_tensor(g, (2,), dtype), random_tensor(g, (3,), dtype)] for p in live}
+        want = execute("all_gather", plan, x)
+        got = execute("all_gather", plan, x, into={p: [torch.empty(2 * n, dtype=dtype), torch.empty(3 * n, dtype=dtype)]
+                                                   for p in live})
+        assert all(torch.equal(_bits(got[p][j]), _bits(want[p][j])) for p in live for j in range(2))
+        want = execute("all_gather_list", plan, {p: [v[0]] for p, v in x.items()})
+        got = execute("all_gather_list", plan, {p: [v[0]] for p, v in x.items()},
+                      into={p: [torch.empty(2, dtype=dtype) for _ in range(n)] for p in live})
+        assert all(torch.equal(_bits(got[p][q]), _bits(want[p][q])) for p in live for q in range(n))
+        bufs = {p: random_tensor(g, (n * 2,), dtype) for p in live}  # in place: the chunks are kept
+        ins = {p: [bufs[p][p * 2:(p + 1) * 2]] for p in live}
+        cur = {p: [bufs[p]] for p in live}
+        want = execute("all_gather", plan, ins, in_place=True, current=cur)
+        before = {p: bufs[p].clone() for p in live}
+        got = execute("all_gather", plan, ins, in_place=True, current=cur, into=cur)
+        assert all(got[p][0] is bufs[p] and torch.equal(_bits(bufs[p]), _bits(want[p][0])) for p in live)
+        if len(live) == 1:  # every other chunk kept, its own in place: nothing moved
+            assert all(torch.equal(_bits(bufs[p]), _bits(before[p])) for p in live)
+
+
+def test_a_reduction_into_a_members_input_reads_every_input_before_writing_it():
+    """A recorded virtual member contributes the first term while ``out`` is the live member's input:
+    the result is the reduction of the inputs as they were, not of an overwritten one."""
+    plan = plan_group([0, 1], [1, 1])  # position 0 virtual (mirrors 1), recorded
+    x = torch.tensor([1.0, 2.0])
+    want = execute("all_reduce", plan, {1: [x.clone()]}, op="sum", recorded={0: [torch.tensor([10.0, 20.0])]})
+    mine = x.clone()
+    got = execute("all_reduce", plan, {1: [mine]}, op="sum", recorded={0: [torch.tensor([10.0, 20.0])]}, out=[mine])
+    assert want[1][0].tolist() == [11.0, 22.0] and got[1][0].tolist() == [11.0, 22.0] and mine.tolist() == [11.0, 22.0]
+    with pytest.raises(PruneError, match="buffers of position 1 hold \\[3\\] elements, expected \\[2\\]"):
+        execute("all_reduce", plan, {1: [x]}, op="sum", into={1: [torch.empty(3)]})
+    with pytest.raises(PruneError, match="broadcast: results cannot be written"):
+        execute("broadcast", plan, {1: [x]}, root=1, into={1: []})
+
+
 def test_reduce_gather_broadcast_scatter_roots():
     rep = [0, 1, 0, 1, 4, 5]  # group [0, 1, 2, 3]: live 0 and 1; 2 mirrors 0, 3 mirrors 1
     plan = plan_group([0, 1, 2, 3], rep)

@@ -9,6 +9,7 @@ Ranks in messages are group ranks; the coordinator knows each group's global ran
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
 import weakref
@@ -20,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from prism_megatron.ops import P2P_KINDS
+from prism_megatron.runtime import local_fold
 from prism_megatron.runtime.client import RankClient
 from prism_megatron.runtime.work import PrismWork
 
@@ -97,6 +99,8 @@ class PrismProcessGroup(dist.ProcessGroup):
         # a folded job's group with virtual members (rep[r] != r): the coordinator answers for them and
         # needs what a virtual member cannot send (kept all_gather chunks, a virtual root's data)
         self._rep = rep if rep is not None and any(rep[r] != r for r in ranks) else None
+        # a folded group whose only live member is this rank: its collectives are answered here (local_fold)
+        self._lone = local_fold.lone_plan(ranks, self._rep, rank)
         # a group of one: the rank computes each op's result itself (RankClient.submit); fixed per group
         self._local = len(ranks) == 1 and not _STAGE_GROUPS_OF_ONE
         self._name = name
@@ -140,6 +144,12 @@ class PrismProcessGroup(dist.ProcessGroup):
             params["label"] = label
         if self._local and kind not in P2P_KINDS:
             params["local"] = True
+        elif self._lone is not None and local_fold.answerable(self._lone, kind, ins, outs, params):
+            # a partial, not a closure over params (which would hold it: a cycle keeping the op's tensors
+            # alive until the cyclic GC runs, and the rank's memory above the target's)
+            params["answer"] = functools.partial(
+                local_fold.answer, self._lone, kind, ins, outs, redop=params.get("redop"),
+                factor=params.get("factor"), in_place=bool(params.get("in_place")), current=params.get("current"))
         if torch._C._autograd._profiler_enabled():  # the event a real backend records, ended at completion
             backend = BACKEND_NAME if self.requested_backend == "undefined" else self.requested_backend
             # (a recv's event carries the receiving tensor, as gloo's does)

@@ -22,6 +22,7 @@ import torch
 
 from prism_megatron.memory.accountant import untracked
 from prism_megatron.ops import op_kind
+from prism_megatron.runtime import local_fold
 from prism_megatron.runtime import protocol as P
 from prism_megatron.runtime.gpu_timing import GpuSegmentTimer
 from prism_megatron.runtime.shm import Arena
@@ -147,7 +148,8 @@ class RankClient:
     def submit(self, group: int, kind: str, ins: list[torch.Tensor], outs: list[torch.Tensor],
                *, inplace: bool = False, result: list[torch.Tensor] | None = None,
                current: list[torch.Tensor] | None = None, profiled: Any = None,
-               after: Callable[[], None] | None = None, **params: Any) -> PrismWork:
+               after: Callable[[], None] | None = None, answer: Callable[[], None] | None = None,
+               **params: Any) -> PrismWork:
         """Send one op; returns its Work at once (the op completes in the background).
 
         `inplace`: outputs are the inputs (all_reduce, broadcast): results overwrite the staged input.
@@ -155,6 +157,9 @@ class RankClient:
         whose virtual chunks the coordinator keeps; a virtual root's data, held by its mirror).
         `profiled`: the op's profiler event (a torch record function), ended when the coordinator completes it.
         `after`: run once the results are written, before the Work completes (PrismWork._after).
+        `answer`: writes the results here (a folded group whose only live member this rank is:
+        runtime.local_fold); the coordinator gets the op's description only. Not where an earlier op still
+        pending writes memory the outputs cover (its results arrive later): then the op is staged.
         """
         if self._fatal is not None:
             raise self._fatal
@@ -171,7 +176,12 @@ class RankClient:
         work._after = after
         t0 = time.perf_counter()
         with untracked():  # staging copies are the runtime's, not the program's memory
-            if params.get("local"):
+            if answer is not None and not self._writers_of([*outs, *(current or ())]):
+                # its inputs' descriptors first: the answer may overwrite them (an in-place all_reduce)
+                regions, (in_descs, out_descs) = [], local_fold.descs(ins, outs)
+                answer()
+                params["local"], current = True, None
+            elif params.get("local"):
                 regions, in_descs, out_descs = [], local_descs(ins), local_descs(outs)
                 # a group of one: done where the tensors are, with nothing staged through host memory
                 # (Megatron all-reduces gradients over data-parallel groups of one)

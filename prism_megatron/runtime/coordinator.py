@@ -414,7 +414,10 @@ class Coordinator:
         op = OPS.get(ms[0].kind)
         if op is None or op.p2p:
             return self._fatal("unsupported", f"rank {ms[0].rank}: op {ms[0].kind!r} is not supported by prism")
-        if len(ms) == 1 and ms[0].msg.get("local"):  # a group of one: the rank computed its result (OpKind.local)
+        if len(ms) == 1 and ms[0].msg.get("local"):  # the rank computed its result (OpKind.local, local_fold)
+            if g.fold is not None and (problem := self.fold.answered_in_rank(g, ms[0].msg)) is not None:
+                return self._fatal("fold", f"rank {ms[0].rank}: collective #{seq} {ms[0].kind} on group "
+                                   f"{g.name!r} (ranks {fmt_ranks(g.ranks)}): {problem}")
             return self._deliver(ms[0], [None] * len(ms[0].msg["outs"]))
         first = ms[0].msg
         call = CollectiveCall(

@@ -33,7 +33,7 @@ from nccl_prune import Contributions, PruneError, plan_group
 from nccl_prune.contributions import virtual_contributions
 from prism_megatron.runtime.dataplane import DataPlane
 from prism_megatron.runtime.groups import Group
-from prism_megatron.runtime.matching import Member
+from prism_megatron.runtime.matching import Member, desc_bytes
 from prism_megatron.runtime.passthrough import PassThrough
 from prism_megatron.runtime.protocol import dtype_from_name
 
@@ -143,6 +143,25 @@ class Folding:
         name, ranks, k = self._key[g.id]
         self.recorded.append({"group": [name, list(ranks), k], "seq": seq, "dtype": dtype,
                               "data": base64.b64encode(raw.numpy().tobytes()).decode("ascii")})
+
+    def answered_in_rank(self, g: Group, msg: dict) -> str | None:
+        """A collective on folded ``g`` that its only live member answered itself (runtime.local_fold):
+        count it as the coordinator's answer would be counted; or say why it should not have been
+        answered there (LOCAL_RULE)."""
+        from prism_megatron.runtime.local_fold import KINDS, LOCAL_RULE
+
+        kind, root = msg["kind"], msg.get("root")
+        fold = g.fold
+        if len(fold.live_positions) != 1 or kind not in KINDS:
+            return (f"answered in the rank, but the group has live members "
+                    f"{[g.ranks[p] for p in fold.live_positions][:8]} and {kind} is answered in the rank only "
+                    f"by the group's one live member ({' '.join(LOCAL_RULE.split())})")
+        if kind == "broadcast" and (root not in fold.live_positions or
+                                    sum(desc_bytes(d[0]) for d in msg["ins"]) <= RECORD_MAX_BYTES):
+            return ("a broadcast answered in the rank, but its root is virtual or its data small enough for a "
+                    "serial capture to record (RECORDED_BROADCAST_RULE): the coordinator must see it")
+        self.count(g, kind, root, bool(msg.get("in_place")))
+        return None
 
     def virtual_peer(self, g: Group, msg: dict) -> bool:
         """Whether a send or receive names a virtual group rank (answered by ``pass_through``)."""
