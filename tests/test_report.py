@@ -305,6 +305,24 @@ def test_terminal_summary(tmp_path):
     assert "state preservation" not in summary_text(dict(build_report(make_trace(tmp_path / "n")), swap=None))
 
 
+def test_terminal_headline_says_which_iterations_its_median_is_of(tmp_path):
+    """On a GPU trace the headline is the median of the iterations timed on host and GPU, not of the
+    warm-up iterations before GPU timing started; the line says so and still shows all of them."""
+    from prism_megatron.report.live import basis
+
+    report = build_report(make_trace(tmp_path / "t", world=4))
+    pred = report["prediction"]
+    n = len(pred["iteration_times_s"])
+    assert n >= 2
+    times = [10.0 * (i + 1) for i in range(n)]
+    timed = dict(pred, iteration_times_s=times, iteration_time_s=times[-1],
+                 iteration_bases=[basis(False)] * (n - 1) + [basis(True)])
+    text = summary_text(dict(report, prediction=timed), width=200)
+    assert f"(median of 1 timed on host and GPU; all {n}: 10.00 s - {times[-1]:.2f} s)" in text, text
+    every = dict(pred, iteration_times_s=times, iteration_bases=[basis(True)] * n)
+    assert f"(median of {n}; 10.00 s - " in summary_text(dict(report, prediction=every), width=200)
+
+
 # -------------------------------------------------------------------------------------------- CLI
 
 

@@ -43,7 +43,7 @@ kill "$sampler" 2>/dev/null
 { echo "== $name: exit $rc in $(( $(date +%s) - t0 )) s (flags: ${flags[*]})"
   cat "$out/memory.txt"
   grep -E "^prism: (serial capture|micro-batches|fold|done|report)|iteration +[0-9]+/" "$out/run.log" | cut -c1-240
-  python3 -m prism_megatron report "$work/trace" 2>&1 | grep -v -i "warn"
+  sed -n '/^prism-megatron report of/,$p' "$out/run.log"  # the run's own report (its cluster profile costs comm)
 } | tee "$out/summary.txt"
 cp "$work/trace/report.json" "$out/" 2>/dev/null
 rm -rf "$work"

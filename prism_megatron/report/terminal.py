@@ -16,6 +16,7 @@ from rich.text import Text
 
 from ..trace.summary import swap_summary
 from .classify import class_order
+from .live import basis
 from .units import fmt_bytes, fmt_rate, fmt_seconds, rank_ranges
 
 #: Up to this many ranks the breakdown has one row per rank, beyond it one row per class.
@@ -43,8 +44,12 @@ def _prediction(report: dict[str, Any]) -> list[Any]:
     lines = Text()
     lines.append("predicted iteration ")
     lines.append(fmt_seconds(pred["iteration_time_s"]), style="bold")
-    lines.append(f" (median of {len(times)}; {fmt_seconds(min(times))} - {fmt_seconds(max(times))})"
-                 if len(times) > 1 else "")
+    timed = sum(b == basis(True) for b in pred.get("iteration_bases") or ())  # the headline's iterations
+    if timed and timed < len(times):  # the warm-up iterations before GPU timing are not in the median
+        lines.append(f" (median of {timed} timed on host and GPU; all {len(times)}: {fmt_seconds(min(times))} - "
+                     f"{fmt_seconds(max(times))})")
+    elif len(times) > 1:
+        lines.append(f" (median of {len(times)}; {fmt_seconds(min(times))} - {fmt_seconds(max(times))})")
     if pred["tokens_per_s"] is not None:
         lines.append(f"  ·  {fmt_rate(pred['tokens_per_s'], 'tokens/s')}")
     if pred["tflops_per_gpu"] is not None:
