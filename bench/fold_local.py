@@ -51,25 +51,9 @@ def _ops(args: argparse.Namespace, tmp: Path) -> None:
         print(f"{key:<34} {ms:12.1f} {got['local'][key]:10.1f} {ms / got['local'][key]:8.1f}x")
 
 
-def _groups(trace) -> list:
-    return sorted((g["name"], g["ranks"], g.get("backend")) for g in trace.manifest["groups"])
-
-
-def _by_rank(trace, cols):
-    """Ops (``cols``; None: marks) in (rank, issue) order without times, each op's group named by its
-    ranks and name: ranks' rows interleave, and groups are numbered, as their messages happened to arrive."""
-    import pyarrow as pa
-
-    if cols is None:  # each rank's marks in order (a stable sort)
-        return trace.marks.drop(["t", "compute_clock"]).sort_by([("rank", "ascending")])
-    key = {g["id"]: f"{g['name']} {g['ranks']}" for g in trace.manifest["groups"]}
-    table = trace.ops.select(cols).sort_by([("rank", "ascending"), ("index", "ascending")])
-    named = pa.array([key[i] for i in table.column("group").to_pylist()], pa.string())
-    return table.set_column(table.column_names.index("group"), "group", named)
-
-
 def _megatron(args: argparse.Namespace, tmp: Path) -> None:
     from prism_megatron.trace import read_trace
+    from prism_megatron.trace.untimed import untimed_differences
 
     traces, walls = {}, {}
     for way, env in WAYS:
@@ -85,11 +69,8 @@ def _megatron(args: argparse.Namespace, tmp: Path) -> None:
             sys.exit(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
         traces[way] = read_trace(out)
     a, b = traces["coordinator"], traces["local"]
-    times = {"t_issue", "t_complete", "compute_before", "t_wait", "wait_clock"}
-    cols = [c for c in a.ops.column_names if c not in times]
-    same = {"ops": a.ops.num_rows == b.ops.num_rows and _by_rank(a, cols).equals(_by_rank(b, cols)),
-            "marks": _by_rank(a, None).equals(_by_rank(b, None)),
-            "groups": _groups(a) == _groups(b),
+    diff = untimed_differences(a, b)
+    same = {"ops": "ops" not in diff, "marks": "marks" not in diff, "groups": "groups" not in diff,
             "contributions": a.fold.contribution_counts() == b.fold.contribution_counts()
             and a.manifest["job"]["fold"]["contributions"] == b.manifest["job"]["fold"]["contributions"]}
     print(f"recipe {args.recipe}, class depth, serial capture, CPU (core driver): {a.ops.num_rows} ops")

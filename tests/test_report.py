@@ -378,3 +378,13 @@ def test_megatron_formula_anchor_beside_the_measured_peak(tmp_path):
     assert "Megatron's memory formula (most loaded shard): 3.0 GiB" in text and f"{expected:+.1f}%" in text
     assert "memory formula" in render_html(report)
     assert build_report(make_trace(tmp_path / "plain"))["anchors"]["megatron_formula"] is None
+
+
+def test_untimed_differences_name_what_differs_beyond_times(tmp_path):
+    from prism_megatron.trace import read_trace
+    from prism_megatron.trace.untimed import untimed_differences
+
+    a, same = read_trace(make_trace(tmp_path / "a")), read_trace(make_trace(tmp_path / "b"))
+    assert untimed_differences(a, same) == []
+    assert untimed_differences(a, read_trace(make_trace(tmp_path / "m", memory=False))) == ["marks"]
+    assert untimed_differences(a, read_trace(make_trace(tmp_path / "w", world=6))) == ["ops", "marks", "groups"]

@@ -36,6 +36,12 @@ VERSION = 6
 #: versions 1 to 5 have neither (every folded trace they could write was captured together).
 SUPPORTED_VERSIONS: tuple[int, ...] = (1, 2, 3, 4, 5, 6)
 
+#: the columns that hold times (wall or compute clock): two runs of one program differ only there
+TIME_COLUMNS: dict[str, tuple[str, ...]] = {
+    "ops": ("t_issue", "t_complete", "compute_before", "t_wait", "wait_clock"),
+    "marks": ("t", "compute_clock"),
+}
+
 MANIFEST_FILE = "manifest.json"
 TABLE_NAMES: tuple[str, ...] = ("ops", "marks", "slots", "gpu")
 DEFAULT_FILES: dict[str, str] = {name: f"{name}.parquet" for name in TABLE_NAMES}
