@@ -215,8 +215,9 @@ def _cannot_write(path: Path, e: OSError) -> str:
 
 @main.command("replay")
 @click.argument("trace_dir", type=click.Path(path_type=Path))
-@click.option("--cluster", default=None, help="Cluster profile (name or YAML) that costs communication; "
-              "default: communication free, compute from the trace.")
+@click.option("--cluster", default=None, help="Cluster profile (name or YAML) that costs communication, or "
+              "'none' for communication free; default: the profile the run recorded in the trace (none recorded: "
+              "free).")
 @click.option("--chrome", "chrome_out", type=click.Path(path_type=Path), default=None,
               help="Write the predicted timeline as Chrome trace-event JSON.")
 @click.option("--full", is_flag=True, help="Folded trace: synthesise and replay every rank (default: the fastest "
@@ -233,24 +234,27 @@ def replay_cmd(trace_dir: Path, cluster: str | None, chrome_out: Path | None, fu
     from prism_megatron.replay.engine import GraphError, replay
     from prism_megatron.replay.graph import graph_from_trace
     from prism_megatron.report.build import cost_model, provenance
+    from prism_megatron.report.costing import choose_costing
     from prism_megatron.trace import TraceFormatError, read_trace
 
     try:
         trace = read_trace(trace_dir)
+        costing = choose_costing(cluster, trace)
         graph = graph_from_trace(trace)
         fold = graph.fold
-        result = replay(graph, cost_model(cluster, fold, gpus_per_node), fold_method="full" if full else "auto")
+        result = replay(graph, cost_model(costing.cluster, fold, gpus_per_node),
+                        fold_method="full" if full else "auto")
     except (TraceFormatError, GraphError, ValueError) as e:
         raise click.ClickException(str(e)) from None
     click.echo(result.summary(None if fold is None else {r: fold.class_name(r) for r in result.graph.ranks}))
-    said = provenance(cluster, fold=fold, gpus_per_node=gpus_per_node, method=result.method,
-                      microbatches=trace.microbatches)
+    said = provenance(costing.cluster, fold=fold, gpus_per_node=gpus_per_node, method=result.method,
+                      microbatches=trace.microbatches, recorded=costing.recorded)
     click.echo(f"  provenance: {said}")
     if chrome_out is not None:
         from prism_megatron.replay.export import write_chrome
 
         try:
-            write_chrome(result, chrome_out, {"trace": str(trace_dir), "cluster": cluster})
+            write_chrome(result, chrome_out, {"trace": str(trace_dir), "cluster": costing.cluster})
         except OSError as e:
             raise click.ClickException(_cannot_write(chrome_out, e)) from None
         click.echo(f"wrote {chrome_out}")
@@ -296,8 +300,9 @@ def calibrate_cmd(bare_trace: Path, out_dir: Path, devices: str, ranks_per_devic
 
 @main.command("report")
 @click.argument("trace_dir", type=click.Path(path_type=Path))
-@click.option("--cluster", default=None, help="Cluster profile (name or YAML) that costs communication; "
-              "default: communication free, compute from the trace.")
+@click.option("--cluster", default=None, help="Cluster profile (name or YAML) that costs communication, or "
+              "'none' for communication free; default: the profile the run recorded in the trace (none recorded: "
+              "free).")
 @click.option("--out", "out_dir", type=click.Path(path_type=Path), default=None,
               help="Directory for report.json, report.html and timeline.json (default: TRACE_DIR).")
 def report_cmd(trace_dir: Path, cluster: str | None, out_dir: Path | None) -> None:
@@ -317,8 +322,9 @@ def report_cmd(trace_dir: Path, cluster: str | None, out_dir: Path | None) -> No
 
 @main.command("compare")
 @click.argument("reports", nargs=-1, required=True, type=click.Path(path_type=Path))
-@click.option("--cluster", default=None, help="Cluster profile for entries that are traces (reports keep "
-              "the profile they were made with).")
+@click.option("--cluster", default=None, help="Cluster profile for entries that are traces, or 'none' for "
+              "communication free; default: each trace's recorded profile (reports keep the profile they were made "
+              "with).")
 @click.option("--label", "labels", multiple=True, help="Name of each entry, in order (default: its recipe's "
               "name, else its directory name).")
 @click.option("--recipe", "recipes", multiple=True, help="The recipe each entry ran, in order: its substitutions "

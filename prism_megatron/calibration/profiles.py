@@ -235,10 +235,23 @@ def profile_names() -> list[str]:
     return sorted(p.stem for p in PROFILES_DIR.glob("*.yaml"))
 
 
+def names_file(name_or_path: str | os.PathLike[str]) -> bool:
+    """Whether ``name_or_path`` names a profile file rather than a shipped profile: a YAML suffix, or a
+    file that exists (how ``load_profile`` tells them apart)."""
+    path = Path(name_or_path)
+    return path.suffix in (".yaml", ".yml") or path.is_file()
+
+
+def profile_reference(name_or_path: str | os.PathLike[str]) -> str:
+    """How a trace records the profile a run used: a shipped name as given, a file by its absolute
+    path (a report made later, from another directory, reads the same file)."""
+    return str(Path(name_or_path).resolve()) if names_file(name_or_path) else str(name_or_path)
+
+
 def load_profile(name_or_path: str | os.PathLike[str]) -> ClusterProfile:
     """Load a shipped profile by name (``h100-nvlink-ib400``) or any profile file by path."""
     path = Path(name_or_path)
-    if path.suffix not in (".yaml", ".yml") and not path.is_file():
+    if not names_file(name_or_path):
         path = PROFILES_DIR / f"{name_or_path}.yaml"
         if not path.is_file():
             raise ProfileError(name_or_path, "(name)",

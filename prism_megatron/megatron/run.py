@@ -272,18 +272,25 @@ def cpu_defaults(script_args: list[str]) -> list[str]:
 
 def launch_config(request: RunRequest):
     """The launcher's configuration for an emulated run (validated by the caller)."""
+    from prism_megatron.calibration.profiles import profile_reference
     from prism_megatron.launcher.config import LaunchConfig, parse_devices
+    from prism_megatron.trace.costing import JOB_KEY as CLUSTER_KEY
 
     job = request.job_options()
     script_args = [*request.script_args, *request.prism_argv()]
     if parse_devices(job.devices) == ["cpu"]:
         script_args += cpu_defaults(script_args)
+    cluster = request.run_options().cluster
+    # the trace records the profile the run costs communication with: its report, remade later, predicts the same
+    extra: dict = {CLUSTER_KEY: None if cluster is None else profile_reference(cluster)}
+    if request.substitutions:
+        extra["substitutions"] = request.substitutions
     return LaunchConfig.from_options(
         job, request.script, script_args, preload=[PRELOAD], rank_setup=[RANK_SETUP],
         expected_iterations=_flag_int(request.script_args, "--train-iters"),
-        predictor=PREDICTOR, predictor_options={"cluster": request.run_options().cluster},
+        predictor=PREDICTOR, predictor_options={"cluster": cluster},
         memory_classes=stage_classes(request.script_args, job.world_size),
-        job_extra={"substitutions": request.substitutions} if request.substitutions else {},
+        job_extra=extra,
     )
 
 

@@ -52,7 +52,8 @@ def make_report(trace_dir: str | Path, out_dir: str | Path | None = None,
     paths = {"report": write_report(report, out / REPORT_FILE),
              "html": atomic_write_text(out / HTML_FILE, render_html(report))}
     if result is not None:
-        meta = {"trace": str(trace_dir), "cluster": cluster, "provenance": report["prediction"]["provenance"]}
+        meta = {"trace": str(trace_dir), "cluster": report["prediction"]["cluster"],
+                "provenance": report["prediction"]["provenance"]}
         paths["timeline"] = atomic_write_text(out / TIMELINE_FILE, json.dumps(to_chrome(result, meta)) + "\n")
     else:
         (out / TIMELINE_FILE).unlink(missing_ok=True)  # an older run's timeline would contradict the report

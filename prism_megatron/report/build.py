@@ -31,6 +31,7 @@ from prism_megatron.trace.fold import Fold
 from prism_megatron.trace.microbatches import MicrobatchFold
 
 from .classify import UNKNOWN, class_order, rank_class
+from .costing import Costing, choose_costing
 from .live import basis, timed_iterations
 from .schema import FORMAT, VERSION
 from .units import fmt_bytes, rank_ranges
@@ -49,10 +50,11 @@ def build_report(trace_dir: str | Path, cluster: str | None = None,
                  calibrated: str | Path | None = None) -> dict[str, Any]:
     """The report dict of the trace at ``trace_dir`` (see ``schema.REPORT``).
 
-    ``cluster`` names a cluster profile that costs communication; without it communication is
-    free. ``calibrated``: a calibrated graph of this trace (``prism-megatron calibrate``), whose replay
-    then gives the prediction. Raises TraceFormatError for a bad trace (or bad marks) and
-    ProfileError (a ValueError) for a bad profile; a replay that fails gives a null prediction.
+    ``cluster`` names a cluster profile that costs communication (``costing.NO_PROFILE``: none, free);
+    without it, the profile the run recorded in the trace (none recorded: free). ``calibrated``: a
+    calibrated graph of this trace (``prism-megatron calibrate``), whose replay then gives the
+    prediction. Raises TraceFormatError for a bad trace (or bad marks) and ProfileError (a ValueError)
+    for a bad profile or a recorded profile file that is gone; a replay that fails gives a null prediction.
     """
     return assemble(trace_dir, cluster, calibrated)[0]
 
@@ -68,7 +70,8 @@ def assemble(trace_dir: str | Path, cluster: str | None = None,
     else:  # the fold's classes; only live ranks have rows
         classes = {r: fold.class_name(r) for r in fold.live}
     job = trace.manifest["job"]
-    result, error = _replay(trace, cluster) if calibrated is None else _replay_calibrated(calibrated)
+    costing = choose_costing(cluster, trace)
+    result, error = _replay(trace, costing.cluster) if calibrated is None else _replay_calibrated(calibrated)
     memory = _memory(marks, classes, trace)
     oom = [_oom_entry(r, a, classes[r]) for r, a in sorted(marks["oom"].items())]
     exit5 = [e["rank"] for e in trace.manifest["ranks"] if e["exit_code"] == OOM_EXIT_CODE]
@@ -86,7 +89,7 @@ def assemble(trace_dir: str | Path, cluster: str | None = None,
             "slots_per_device": job["slots_per_device"] if type(job.get("slots_per_device")) is int else None,
         },
         "target": target,
-        "prediction": None if result is None else _prediction(result, cluster, classes, marks["workload"],
+        "prediction": None if result is None else _prediction(result, costing, classes, marks["workload"],
                                                               calibrated is not None, fold, trace.world_size,
                                                               None if calibrated else timed_iterations(trace),
                                                               trace.microbatches),
@@ -118,12 +121,13 @@ def _substitutions(subs: Any, where: Path) -> list[dict[str, str]] | None:
 
 def provenance(cluster: str | None, gpu_timed: bool = False, calibrated: bool = False,
                fold: Fold | None = None, full: bool = False, gpus_per_node: int | None = None,
-               method: str = "", microbatches: MicrobatchFold | None = None) -> str:
+               method: str = "", microbatches: MicrobatchFold | None = None, recorded: bool = False) -> str:
     """Where the predicted numbers come from, in a sentence: they are not measurements. A folded
     trace adds which ranks were real and how the virtual ones were made, and how the job was replayed
     (``method``: the replay's own sentence, ReplayResult.method; else ``full``: the synthesised graph
-    of every rank, or the live ranks symmetrically); a micro-batch fold says how many ran."""
-    base = _provenance(cluster, gpu_timed, calibrated)
+    of every rank, or the live ranks symmetrically); a micro-batch fold says how many ran. ``recorded``:
+    ``cluster`` is the profile the trace recorded (the run's own), and the sentence says so."""
+    base = _provenance(Costing(cluster, recorded), gpu_timed, calibrated)
     if microbatches is not None:
         base = f"{base}; {microbatches.describe()}"
     if fold is None:
@@ -143,11 +147,11 @@ def provenance(cluster: str | None, gpu_timed: bool = False, calibrated: bool = 
                           "symmetric replay of the live ranks")))
 
 
-def _provenance(cluster: str | None, gpu_timed: bool, calibrated: bool) -> str:
+def _provenance(costing: Costing, gpu_timed: bool, calibrated: bool) -> str:
     if calibrated:
         return ("calibrated graph: compute and the ops inside a slice measured with each slice's ranks "
-                "running for real; other ops " + (f"costed by cluster profile {cluster}" if cluster else "free"))
-    comm = f"costed by cluster profile {cluster}" if cluster else "free (no cluster profile)"
+                "running for real; other ops " + (costing.describe() if costing.cluster else "free"))
+    comm = costing.describe()
     compute = ("host and GPU time per segment, measured (host: median over like iterations so far and like "
                "ranks; the median iteration of those so measured)" if gpu_timed else "compute")
     return f"{compute} from the bare trace (uncalibrated); communication {comm}"
@@ -284,7 +288,7 @@ def _window(result: ReplayResult, timed: dict[int, bool] | None = None) -> tuple
     return it.number, it.start, it.end
 
 
-def _prediction(result: ReplayResult, cluster: str | None, classes: dict[int, str],
+def _prediction(result: ReplayResult, costing: Costing, classes: dict[int, str],
                 workload: dict[int, dict], calibrated: bool = False, fold: Fold | None = None,
                 world_size: int | None = None, timed: dict[int, bool] | None = None,
                 microbatches: MicrobatchFold | None = None) -> dict[str, Any]:
@@ -309,9 +313,9 @@ def _prediction(result: ReplayResult, cluster: str | None, classes: dict[int, st
                           "host_bound_s": _host_bound(result, r, t0, t1)})
     its = result.iterations()
     return {
-        "provenance": provenance(cluster, any(b["host_bound_s"] is not None for b in breakdown), calibrated, fold,
-                                 method=result.method, microbatches=microbatches),
-        "cluster": cluster,
+        "provenance": provenance(costing.cluster, any(b["host_bound_s"] is not None for b in breakdown), calibrated,
+                                 fold, method=result.method, microbatches=microbatches, recorded=costing.recorded),
+        "cluster": costing.cluster,
         "iteration_times_s": times,
         "iteration_time_s": median,
         # optional (no version bump): per iteration what its prediction rests on, as Megatron's log line said

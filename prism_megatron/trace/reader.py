@@ -16,6 +16,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from .costing import RecordedCluster, read_recorded_cluster
 from .fold import Fold, read_fold
 from .microbatches import MicrobatchFold, read_microbatches
 from .schema import (
@@ -48,6 +49,8 @@ class PrismTrace:
     fold: Fold | None = None
     #: the micro-batch fold (job key "microbatches"): m_c of the target's M ran per iteration; None: all ran
     microbatches: MicrobatchFold | None = None
+    #: the cluster profile the run costed communication with (job key "cluster"); None: not recorded
+    cluster: RecordedCluster | None = None
     # ops sorted by (rank, index) and each rank's [start, stop) rows in it, built on first use so
     # that walking all ranks is O(rows) rather than O(ranks * rows).
     _ops_by_rank: tuple[pa.Table, dict[int, tuple[int, int]]] | None = field(
@@ -157,7 +160,8 @@ def read_trace(path: str | Path) -> PrismTrace:
     if fold is not None:
         _check_live_rows(fold, tables, paths)
     microbatches = read_microbatches(manifest, path)
-    return PrismTrace(path=path, manifest=manifest, fold=fold, microbatches=microbatches, **tables)
+    return PrismTrace(path=path, manifest=manifest, fold=fold, microbatches=microbatches,
+                      cluster=read_recorded_cluster(manifest, path), **tables)
 
 
 def _check_live_rows(fold: Fold, tables: dict[str, pa.Table], paths: dict[str, Path]) -> None:

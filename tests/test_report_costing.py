@@ -1,0 +1,111 @@
+"""The report, replay and comparison of a trace cost communication with the profile its run recorded."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from click.testing import CliRunner
+from test_report import make_trace
+
+from prism_megatron.calibration.profiles import PROFILES_DIR
+from prism_megatron.cli import main
+from prism_megatron.report import build_report, read_report
+from prism_megatron.report.compare import compare
+from prism_megatron.trace import TraceFormatError, read_trace
+
+PROFILE = "h100-nvlink-ib400"
+
+
+def _record(trace, value):
+    """Set the manifest's job.cluster as a run writes it."""
+    manifest = trace / "manifest.json"
+    doc = json.loads(manifest.read_text())
+    doc["job"]["cluster"] = value
+    manifest.write_text(json.dumps(doc))
+    return trace
+
+
+def test_recorded_profile_is_the_default_and_flags_override_it(tmp_path):
+    free = build_report(make_trace(tmp_path / "old"))["prediction"]  # written before the key: free, as always
+    assert free["cluster"] is None and "communication free (no cluster profile)" in free["provenance"]
+    assert read_trace(tmp_path / "old").cluster is None
+
+    trace = _record(make_trace(tmp_path / "t"), PROFILE)
+    recorded = build_report(trace)["prediction"]
+    given = build_report(make_trace(tmp_path / "g"), cluster=PROFILE)["prediction"]
+    assert recorded["cluster"] == PROFILE and recorded["iteration_time_s"] == given["iteration_time_s"]
+    assert recorded["iteration_time_s"] > free["iteration_time_s"]
+    assert f"costed by cluster profile {PROFILE} (the run's, recorded in the trace)" in recorded["provenance"]
+    assert "recorded in the trace" not in given["provenance"]
+    # the run's own report passes the profile it recorded: it reads like the remade one
+    assert build_report(trace, cluster=PROFILE)["prediction"]["provenance"] == recorded["provenance"]
+
+    none = build_report(trace, cluster="none")["prediction"]
+    assert none["cluster"] is None and none["iteration_time_s"] == free["iteration_time_s"]
+    assert "communication free (no cluster profile)" in none["provenance"]
+
+    other = tmp_path / "other.yaml"  # another profile, given: it is the one named
+    other.write_text((PROFILES_DIR / f"{PROFILE}.yaml").read_text().replace(f"name: {PROFILE}", "name: other"))
+    overridden = build_report(trace, cluster=str(other))["prediction"]
+    assert overridden["cluster"] == str(other) and "recorded in the trace" not in overridden["provenance"]
+
+    _record(trace, None)  # the run had no profile
+    assert build_report(trace)["prediction"]["iteration_time_s"] == free["iteration_time_s"]
+
+
+def test_recorded_profile_file_is_read_from_anywhere_and_a_missing_one_is_named(tmp_path, monkeypatch):
+    profile = tmp_path / "site" / "mine.yaml"
+    profile.parent.mkdir()
+    shutil.copy(PROFILES_DIR / f"{PROFILE}.yaml", profile)
+    trace = _record(make_trace(tmp_path / "t"), str(profile))
+    monkeypatch.chdir(tmp_path / "site")
+    ok = CliRunner().invoke(main, ["report", str(trace)])
+    assert ok.exit_code == 0, ok.output
+    assert read_report(trace / "report.json")["prediction"]["cluster"] == str(profile)
+
+    profile.unlink()
+    gone = CliRunner().invoke(main, ["report", str(trace)])
+    assert gone.exit_code == 1 and "Traceback" not in gone.output
+    assert str(profile) in gone.output and "no longer exists" in gone.output and "--cluster" in gone.output
+    for cmd in (["report", str(trace), "--cluster", "none"], ["replay", str(trace), "--cluster", PROFILE]):
+        res = CliRunner().invoke(main, cmd)
+        assert res.exit_code == 0, res.output
+
+
+def test_replay_and_compare_default_to_the_recorded_profile(tmp_path):
+    trace = _record(make_trace(tmp_path / "t"), PROFILE)
+    res = CliRunner().invoke(main, ["replay", str(trace)])
+    assert res.exit_code == 0, res.output
+    assert f"costed by cluster profile {PROFILE} (the run's, recorded in the trace)" in res.output
+    res = CliRunner().invoke(main, ["replay", str(trace), "--cluster", "none"])
+    assert res.exit_code == 0 and "communication free" in res.output, res.output
+
+    free = compare([make_trace(tmp_path / "f")])[0]
+    costed = compare([trace])[0]
+    assert costed.iteration_time_s > free.iteration_time_s
+    assert compare([trace], "none")[0].iteration_time_s == free.iteration_time_s
+
+
+@pytest.mark.parametrize("value", [3, "", ["h100"]])
+def test_bad_recorded_profile_names_file_and_field(tmp_path, value):
+    trace = _record(make_trace(tmp_path / "t"), value)
+    with pytest.raises(TraceFormatError, match=r"manifest.json: manifest field 'job.cluster' is"):
+        read_trace(trace)
+
+
+def test_run_records_the_profile_it_costs_with(tmp_path, monkeypatch):
+    from prism_megatron.megatron.run import launch_config, parse_run_args
+
+    script = tmp_path / "train.py"
+    script.write_text("")
+    shutil.copy(PROFILES_DIR / f"{PROFILE}.yaml", tmp_path / "mine.yaml")
+    monkeypatch.chdir(tmp_path)
+    base = ["--prism-emulate", "--prism-world-size", "4"]
+    for flags, recorded in ((["--prism-cluster", PROFILE], PROFILE),
+                            (["--prism-cluster", "mine.yaml"], str(tmp_path / "mine.yaml")), ([], None)):
+        cfg = launch_config(parse_run_args([*base, *flags, str(script)]))
+        assert cfg.job_extra["cluster"] == recorded and cfg.predictor_options["cluster"] == (flags or [None])[-1]
+    recipe = launch_config(parse_run_args(["--recipe", "targets-llama3-70b-h100x64"]))
+    assert recipe.job_extra["cluster"] == PROFILE
