@@ -301,6 +301,14 @@ def test_a_rank_over_the_target_cap_runs_to_its_oom_verdict_where_the_cap_is_bel
     assert lines[1] == ("rank class middle: predicted OOM on 25 GiB (estimate 50.0 GiB > cap 25.0 GiB); the run "
                         "stops it at the cap and reports the failing allocation")
     assert "the captures after it (middle, last) are not run" in lines[-1]
+    from rich.console import Console
+
+    from prism_megatron.megatron.plan import render_plan
+
+    console = Console(width=300, record=True)
+    render_plan(Plan(**{**vars(capped), "time": {"seconds": 60.0, "iterations": 1, "model": "rough"}}), console)
+    text = console.export_text()
+    assert lines[1] in text and "verdict: runs (to an OOM verdict)" in text, text
     # together: 25 + 25 + 20 GiB held on one 40 GiB device, swap off: does not fit, and no OOM is promised
     together = plan_with(25.0, "together")
     assert together.memory["gpu_needed"] == 70 * GiB and plan_verdict(together) == "does not fit"
