@@ -107,6 +107,7 @@ def plan_cmd(args: tuple[str, ...]) -> None:
     from prism_megatron.megatron.microbatch_mode import MicrobatchModeError, choose_microbatches
     from prism_megatron.megatron.plan import make_plan, plan_fits, plan_json, render_plan
     from prism_megatron.megatron.run import RunError, parse_run_args
+    from prism_megatron.memory.targets import TargetError, resolve_target
     from prism_megatron.recipe import RecipeError
 
     tokens, as_json = [], False
@@ -131,8 +132,10 @@ def plan_cmd(args: tuple[str, ...]) -> None:
                          parse_devices(o["prism_devices"]), o["prism_gpus_per_node"], o["prism_device_memory"],
                          o["prism_host_memory"], o["prism_swap"], env=request.env,
                          source=o.get("prism_recipe") or str(request.script), fold_depth=o["prism_fold_depth"],
-                         capture=o["prism_fold_capture"])
-    except (RunError, RecipeError, LaunchError, MicrobatchModeError) as e:
+                         capture=o["prism_fold_capture"],
+                         target=(resolve_target(o["prism_target_gpu"], o.get("prism_target_context"))
+                                 if o.get("prism_target_gpu") is not None else None))
+    except (RunError, RecipeError, LaunchError, MicrobatchModeError, TargetError) as e:
         raise click.UsageError(str(e)) from None
     except (FoldError, ArgsError) as e:
         raise click.ClickException(str(e)) from None

@@ -266,6 +266,67 @@ def test_memory_refusal_says_what_would_fit():
     assert none["fits"] is None and "no vocabulary" in none["why"]
 
 
+def test_a_rank_over_the_target_cap_runs_to_its_oom_verdict_where_the_cap_is_below_the_device():
+    """A class whose estimate exceeds the emulating device but also the target's cap is stopped at the cap by the
+    allocator (memory.probe): it holds at most the cap here, so the plan runs it to a predicted OOM instead of
+    refusing it; with the cap above the device the rank could exhaust the device first, and the plan refuses it."""
+    from prism_megatron.megatron.plan import Plan, _serial, plan_fits, plan_verdict, predicted_ooms
+
+    layout = TargetLayout(world_size=64, pp=4, num_layers=8)
+    fold = build_fold_plan(layout, "class")  # live: first, middle, last
+    estimate = {"source": "prism", "classes": {"first": {"total": 30 * GiB}, "middle": {"total": 50 * GiB},
+                                               "last": {"total": 20 * GiB}}}
+
+    def plan_with(cap_gib: float | None, capture: str) -> Plan:
+        target = None if cap_gib is None else {"name": f"{cap_gib:g} GiB", "usable": int(cap_gib * GiB)}
+        plan = Plan(layout=layout, fold=fold, iterations=1, devices=["0"],
+                    memory=_memory(fold, estimate, ["0"], 40.0, 100.0, "none", None, target))
+        if capture == "serial":
+            plan.capture = _serial(plan)
+        return plan
+
+    without = plan_with(None, "serial")  # no target: the middle rank's 50 GiB cannot be held by a 40 GiB device
+    assert plan_fits(without) is False and plan_verdict(without) == "does not fit"
+    assert "one live rank needs 50.0 GiB against 40.0 GiB" in without.capture["why"]
+
+    capped = plan_with(25.0, "serial")  # cap 25 < device 40: first and middle stop at 25 GiB
+    m = capped.memory
+    assert m["per_rank"] == 50 * GiB and m["per_rank_held"] == 25 * GiB
+    assert m["target"]["oom"] == {"first": 30 * GiB, "middle": 50 * GiB}
+    assert plan_fits(capped) is True and plan_verdict(capped) == "runs (to an OOM verdict)"
+    assert capped.capture["why"].startswith("one live rank needs 25.0 GiB (class middle: estimate 50.0 GiB, stopped "
+                                            "at the target's cap) against 40.0 GiB of one device")
+    assert capped.capture["stops_at"] == "first" and capped.capture["not_captured"] == ["middle", "last"]
+    lines = predicted_ooms(capped)
+    assert lines[1] == ("rank class middle: predicted OOM on 25 GiB (estimate 50.0 GiB > cap 25.0 GiB); the run "
+                        "stops it at the cap and reports the failing allocation")
+    assert "the captures after it (middle, last) are not run" in lines[-1]
+    from rich.console import Console
+
+    from prism_megatron.megatron.plan import render_plan
+
+    console = Console(width=300, record=True)
+    render_plan(Plan(**{**vars(capped), "time": {"seconds": 60.0, "iterations": 1, "model": "rough"}}), console)
+    text = console.export_text()
+    assert lines[1] in text and "verdict: runs (to an OOM verdict)" in text, text
+    # together: 25 + 25 + 20 GiB held on one 40 GiB device, swap off: does not fit, and no OOM is promised
+    together = plan_with(25.0, "together")
+    assert together.memory["gpu_needed"] == 70 * GiB and plan_verdict(together) == "does not fit"
+    assert predicted_ooms(together) == []
+
+    over = plan_with(45.0, "serial")  # cap 45 > device 40: the 50 GiB rank could exhaust the device before its cap
+    assert plan_fits(over) is False and plan_verdict(over) == "does not fit" and predicted_ooms(over) == []
+    assert over.memory["why"] == ("a sandbox rank of class middle needs 50.0 GiB (prism's estimate), more than the "
+                                  "target 45 GiB's cap of 45.0 GiB per rank, but that cap is above the 40.0 GiB a "
+                                  "device holds here: the rank could exhaust the device before its cap stops it, so "
+                                  "its OOM would be the emulation's, not the target's: use GPUs with more than "
+                                  "45.0 GiB")
+    under = plan_with(60.0, "serial")  # cap above every estimate: no OOM predicted, the old refusal stands
+    assert under.memory["target"]["oom"] == {} and plan_verdict(under) == "does not fit"
+    assert "a sandbox rank of class middle needs 50.0 GiB (prism's estimate) but a device holds 40.0 GiB" \
+        in under.memory["why"]
+
+
 TINY_GPT = ["--num-layers", "8", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
             "--max-position-embeddings", "64", "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000",
             "--mock-data", "--micro-batch-size", "1", "--global-batch-size", "1024", "--train-iters", "2",
@@ -309,6 +370,28 @@ def test_plan_of_a_serial_capture_judges_one_live_rank_at_a_time():
     assert capture["why"].startswith("one live rank needs 1.0 GiB against 6.0 GiB of host RAM"), capture
     tiny = CliRunner().invoke(main, [*base, "--prism-host-memory", "0.5", "--prism-fold-capture", "serial", *args])
     assert tiny.exit_code != 0 and "one live rank needs 1.0 GiB against 0.5 GiB of host RAM" in tiny.output
+
+
+def test_plan_cli_takes_the_target_gpu_and_runs_a_rank_over_its_cap_to_the_oom_verdict():
+    """``plan --prism-target-gpu``: a device smaller than the heaviest rank's estimate but larger than the target's
+    cap plans a run to the OOM verdict (exit 0, ``verdict``, ``predicted_oom``); a cap above the device refuses."""
+    base = ["plan", "--json", "--prism-world-size", "8192", "--devices", "0", "--prism-host-memory", "8",
+            "--prism-fold-depth", "replica", "--prism-fold-capture", "serial"]
+    args = ["--", str(CORE_DRIVER_SCRIPT), *TINY_GPT]
+    first = CliRunner().invoke(main, [*base, "--prism-device-memory", "1000", *args])
+    assert first.exit_code == 0, first.output
+    need = json.loads(first.stdout)["memory"]["per_rank"] / GiB  # the heaviest class's estimate
+    device = f"{need * 0.8:.4f}"
+    runs = CliRunner().invoke(main, [*base, "--prism-device-memory", device, "--prism-target-gpu", f"{need * 0.5:.4f}",
+                                     "--prism-target-context", "0", *args])
+    assert runs.exit_code == 0, runs.output
+    out = json.loads(runs.stdout)
+    assert out["version"] == PLAN_JSON_VERSION and out["fits"] is True and out["verdict"] == "runs (to an OOM verdict)"
+    assert out["memory"]["per_rank_held"] == out["memory"]["target"]["cap"] < out["memory"]["per_rank"]
+    assert out["predicted_oom"] and out["predicted_oom"][0].startswith("rank class first: predicted OOM on ")
+    over = CliRunner().invoke(main, [*base, "--prism-device-memory", device, "--prism-target-gpu", f"{need * 0.9:.4f}",
+                                     "--prism-target-context", "0", *args])
+    assert over.exit_code != 0 and "that cap is above the" in over.output
 
 
 #: a MoE job shaped like the targets for the core driver: TP1·PP2·EP8 on 64 ranks (expert DP4), 64 experts top-8

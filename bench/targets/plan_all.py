@@ -44,7 +44,7 @@ def plan(name: str, checkout: Path, device_gib: float, host_gib: float, options:
         return {"error": (p.stderr.strip().splitlines() or ["no output"])[-1]}
 
 
-PLAN_VERSION = 4  # the plan JSON this table reads (prism_megatron.megatron.plan.PLAN_JSON_VERSION)
+PLAN_VERSION = 5  # the plan JSON this table reads (prism_megatron.megatron.plan.PLAN_JSON_VERSION)
 
 
 def row(name: str, d: dict) -> list[str]:
@@ -58,9 +58,11 @@ def row(name: str, d: dict) -> list[str]:
     gib = (lambda x: "-" if x is None else f"{x / GIB:.1f}")
     capture = d["capture"]
     verdict, why = (d["fits"], capture["why"]) if capture["mode"] == "serial" else (m.get("fits"), m.get("why"))
-    fits = "refused" if capture.get("refused") else {True: "fits", False: "does not fit", None: "unknown"}[verdict]
+    fits = d["verdict"]  # runs, runs (to an OOM verdict), does not fit, refused, not checked
     if capture["mode"] == "serial":
         fits = f"serial, {capture['captures']} capture(s): {fits}"
+    if d.get("predicted_oom"):
+        why = f"{why}; " + "; ".join(d["predicted_oom"])
     depth = fold.get("depth") or "-"
     return [name, d["layout"], depth, f"{len(live)} of {fold.get('world_size', '?')}",
             f"{gib(m.get('per_rank'))} ({m.get('per_rank_class') or '-'})",

@@ -97,7 +97,7 @@ def choose_fold(mode: str, cfg: Any, env: dict[str, str] | None = None,
         plan = make_plan(cfg.script, list(cfg.script_args), cfg.world_size, list(cfg.devices),
                          gpus_per_node=cfg.gpus_per_node, device_gib=cfg.device_memory_gib,
                          host_gib=cfg.host_memory_gib, swap=cfg.swap, env=env, source=str(cfg.script),
-                         fold_depth=depth, capture=capture)
+                         fold_depth=depth, capture=capture, target=cfg.target_gpu)
     except FoldDepthError as e:
         raise FoldModeError(f"--prism-fold-depth {depth}: {e}") from None
     except (FoldError, ArgsError) as e:

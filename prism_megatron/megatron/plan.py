@@ -2,7 +2,13 @@
 needs here, roughly how long it takes, and a refusal that says what would fit.
 
 Memory per sandbox rank is prism's own estimate for the rank's class (``memory.estimate``: the
-program prism runs, the attention it runs included), and what fits here is judged by it. Megatron's
+program prism runs, the attention it runs included), and what fits here is judged by it. With a target
+GPU (``--prism-target-gpu``) each rank's allocator is capped at the target's usable bytes
+(``memory.probe``: ``set_per_process_memory_fraction`` on a GPU, the byte accountant on CPU), so a rank
+holds here at most the smaller of its estimate and that cap: a class whose estimate exceeds the cap is a
+predicted OOM that the run reaches at the cap (recording the failing allocation), not a sandbox that
+cannot run; where the cap itself is above what a device holds, such a rank could exhaust the device first,
+and the plan refuses it. Megatron's
 theoretical formula for the most loaded shard (``megatron.training.theoretical_memory_usage``) is
 shown beside it, not used: it misses the unfused attention's s x s probabilities and counts
 sequence-parallel activations unsharded. The time is a stated rough model, not a prediction.
@@ -27,10 +33,12 @@ from prism_megatron.megatron.fold import (
 from prism_megatron.megatron.megatron_args import ESTIMATE_KEY, padded_vocab, parse_megatron_args
 
 __all__ = ["PLAN_JSON_VERSION", "PlanError", "Plan", "make_plan", "plan_json", "render_plan", "plan_fits",
-           "one_rank_fits", "serial_refusal", "SERIAL_MOE_DISPATCHERS", "ROUGH_TIME_MODEL"]
+           "plan_verdict", "predicted_ooms", "one_rank_fits", "serial_refusal", "SERIAL_MOE_DISPATCHERS",
+           "ROUGH_TIME_MODEL"]
 
-# 2: microbatches (the micro-batch fold's record, or null); 3: memory by prism's estimate; 4: capture
-PLAN_JSON_VERSION = 4
+# 2: microbatches (the micro-batch fold's record, or null); 3: memory by prism's estimate; 4: capture;
+# 5: the target's cap (memory.target, memory.per_rank_held), verdict and predicted_oom
+PLAN_JSON_VERSION = 5
 # per class (memory.classes, memory.per_rank: the most of a live rank), Megatron's formula under memory.megatron
 GiB = 1 << 30
 #: Host memory of one live rank's process besides its GPU state (Python, torch, Megatron, the
@@ -102,10 +110,20 @@ def _megatron_column(estimate: dict[str, Any]) -> dict[str, Any]:
     return {key: estimate.get(key) for key in ("total", "weight_and_optimizer", "activation", "source", "error")}
 
 
+def _target_json(target: Any) -> dict[str, Any] | None:
+    """``target`` (a ``memory.targets.TargetGPU`` or its ``as_dict()``) as the plan records it, or None."""
+    if target is None:
+        return None
+    t = target.as_dict() if hasattr(target, "as_dict") else dict(target)
+    return {"gpu": t["name"], "cap": int(t["usable"]), "source": t.get("source")}
+
+
 def _memory(fold: FoldPlan, estimate: dict[str, Any], devices: list[str], device_gib: float | None,
-            host_gib: float | None, swap: str, megatron: dict[str, Any] | None = None) -> dict[str, Any]:
+            host_gib: float | None, swap: str, megatron: dict[str, Any] | None = None,
+            target: Any = None) -> dict[str, Any]:
     """What the sandbox needs against what is here, by prism's estimate per class (``estimate['classes']``,
-    ``_prism_estimate``); ``fits`` None when there is none. ``megatron``: Megatron's formula, shown beside."""
+    ``_prism_estimate``); ``fits`` None when there is none. ``megatron``: Megatron's formula, shown beside.
+    ``target``: the target GPU (``TargetGPU`` or its dict), whose cap bounds what a rank holds here."""
     n = len(fold.live)
     host = int(host_gib * GiB) if host_gib is not None else int(_host_available() * HOST_SHARE)
     out: dict[str, Any] = {"sandbox_ranks": n, "host_available": host, "source": estimate.get("source"),
@@ -119,10 +137,17 @@ def _memory(fold: FoldPlan, estimate: dict[str, Any], devices: list[str], device
     out["classes"] = classes
     need = {r: classes[fold.classes[fold.class_of[r]].name]["total"] for r in fold.live}
     heaviest = max(fold.live, key=lambda r: need[r])
-    per_rank, state = need[heaviest], sum(need.values())
     heavy_class = fold.classes[fold.class_of[heaviest]].name
-    out["per_rank"] = per_rank
+    out["per_rank"] = need[heaviest]
     out["per_rank_class"] = heavy_class
+    cap = None
+    if (tj := _target_json(target)) is not None:
+        # the allocator stops a rank at the cap (memory.probe): what it holds here is bounded by it
+        cap = tj["cap"]
+        out["target"] = {**tj, "oom": {name: c["total"] for name, c in classes.items() if c["total"] > cap}}
+    held = {r: need[r] if cap is None else min(need[r], cap) for r in fold.live}
+    per_rank, state = held[heaviest], sum(held.values())
+    out["per_rank_held"] = per_rank
     on_cpu = devices == ["cpu"]
     if on_cpu:
         need_host = state + n * RANK_PROCESS_HOST_BYTES
@@ -142,9 +167,17 @@ def _memory(fold: FoldPlan, estimate: dict[str, Any], devices: list[str], device
     fits = per_rank <= per_device and spill <= max(0, swap_room)
     out.update(gpu_needed=gpu_need, devices_total=gpu_have, per_device=per_device, host_needed=need_host, fits=fits)
     if per_rank > per_device:
-        out["why"] = (f"a sandbox rank of class {heavy_class} needs {per_rank / GiB:.1f} GiB (prism's estimate) "
-                      f"but a device holds {per_device / GiB:.1f} GiB: use GPUs with at least that much memory "
-                      "(or a layout with smaller shards: more TP/PP, recompute, --prism-attention sdpa)")
+        if cap is not None and need[heaviest] > cap:  # over the cap, and the cap is over the device
+            out["why"] = (f"a sandbox rank of class {heavy_class} needs {need[heaviest] / GiB:.1f} GiB (prism's "
+                          f"estimate), more than the target {tj['gpu']}'s cap of {cap / GiB:.1f} GiB per rank, but "
+                          f"that cap is above the {per_device / GiB:.1f} GiB a device holds here: the rank could "
+                          "exhaust the device before its cap stops it, so its OOM would be the emulation's, not "
+                          f"the target's: use GPUs with more than {cap / GiB:.1f} GiB")
+        else:
+            out["why"] = (f"a sandbox rank of class {heavy_class} needs {per_rank / GiB:.1f} GiB (prism's "
+                          f"estimate) but a device holds {per_device / GiB:.1f} GiB: use GPUs with at least that "
+                          "much memory (or a layout with smaller shards: more TP/PP, recompute, "
+                          "--prism-attention sdpa)")
     elif not fits:
         devices_needed = math.ceil(max(0, gpu_need - max(0, swap_room)) / per_device)
         out["why"] = (f"the sandbox's {n} ranks need {gpu_need / GiB:.1f} GiB of GPU memory; {len(devices)} device(s) "
@@ -187,11 +220,14 @@ def one_rank_fits(plan: Plan) -> tuple[bool | None, str]:
     per_rank = m.get("per_rank")
     if per_rank is None:
         return None, f"prism's memory estimate is unavailable ({m.get('why')})"
+    held = m.get("per_rank_held", per_rank)  # bounded by the target's cap, where there is one
     if plan.devices == ["cpu"]:
-        need, have, where = per_rank + RANK_PROCESS_HOST_BYTES, m["host_available"], "of host RAM"
+        need, have, where = held + RANK_PROCESS_HOST_BYTES, m["host_available"], "of host RAM"
     else:
-        need, have, where = per_rank, m["per_device"], "of one device"
-    return need <= have, f"one live rank needs {need / GiB:.1f} GiB against {have / GiB:.1f} GiB {where}"
+        need, have, where = held, m["per_device"], "of one device"
+    capped = (f" (class {m.get('per_rank_class')}: estimate {per_rank / GiB:.1f} GiB, stopped at the target's cap)"
+              if held < per_rank else "")
+    return need <= have, f"one live rank needs {need / GiB:.1f} GiB{capped} against {have / GiB:.1f} GiB {where}"
 
 
 #: Token dispatchers whose expert all-to-alls a serial capture answers as the capture together does (the
@@ -246,18 +282,59 @@ def _serial(plan: Plan, args: Any = None) -> dict[str, Any]:
     if plan.fold.expert_tokens:
         why += (f"; expert peers answered by the {plan.fold.expert_tokens} of each capture's live rank, as captured "
                 "together")
-    return {"mode": "serial", "captures": n, "fits": fits, "why": why}
+    out = {"mode": "serial", "captures": n, "fits": fits, "why": why}
+    oom = (plan.memory.get("target") or {}).get("oom") or {}
+    order = [plan.fold.classes[plan.fold.class_of[r]].name for r in plan.fold.live]
+    first = next((i for i, name in enumerate(order) if name in oom), None)
+    if fits and first is not None:  # the run stops at the first capture that fails (launcher.serial)
+        out["stops_at"] = order[first]
+        out["not_captured"] = order[first + 1:]
+    return out
 
 
 def plan_fits(plan: Plan) -> bool | None:
-    """The plan's verdict: the sandbox together, or one live rank at a time under serial capture."""
+    """Whether the sandbox runs here: together, or one live rank at a time under serial capture (True
+    also where it runs to a predicted OOM at the target's cap: ``plan_verdict``)."""
     return plan.capture.get("fits") if plan.capture["mode"] == "serial" else plan.memory.get("fits")
+
+
+def predicted_ooms(plan: Plan) -> list[str]:
+    """One line per rank class whose estimate exceeds the target's cap, for a sandbox that runs here
+    (``plan_fits``): the run stops such a rank at the cap and records the failing allocation."""
+    target = plan.memory.get("target") or {}
+    if not target.get("oom") or not plan_fits(plan):
+        return []
+    cap = target["cap"]
+    lines = [f"rank class {name}: predicted OOM on {target['gpu']} (estimate {total / GiB:.1f} GiB > cap "
+             f"{cap / GiB:.1f} GiB); the run stops it at the cap and reports the failing allocation"
+             for name, total in target["oom"].items()]
+    c = plan.capture
+    if c.get("stops_at") is not None:
+        rest = (f"; the captures after it ({', '.join(c['not_captured'])}) are not run" if c["not_captured"]
+                else "")
+        lines.append(f"serial: the capture of class {c['stops_at']} ends the run with its OOM (captures run in the "
+                     f"fold's live-rank order and stop at the first that fails){rest}")
+    elif c["mode"] == "together":
+        lines.append("together: the run ends at the first rank that reaches its cap")
+    return lines
+
+
+def plan_verdict(plan: Plan) -> str:
+    """The plan's verdict in words: runs, runs (to an OOM verdict), does not fit, refused, not checked."""
+    if plan.capture.get("refused"):
+        return "refused"
+    fits = plan_fits(plan)
+    if fits is None:
+        return "not checked"
+    if not fits:
+        return "does not fit"
+    return "runs (to an OOM verdict)" if predicted_ooms(plan) else "runs"
 
 
 def _auto_serial_moe(layout: TargetLayout, fold: FoldPlan, memory: dict[str, Any], args: Any, world_size: int,
                      devices: list[str], env: dict[str, str] | None,
                      device_gib: float | None, host_gib: float | None, swap: str, megatron: dict[str, Any],
-                     note: str) -> tuple[str, str, FoldPlan, dict[str, Any]]:
+                     note: str, target: Any = None) -> tuple[str, str, FoldPlan, dict[str, Any]]:
     """``--prism-fold-depth auto`` for a MoE layout captured serially: its replica where the replica fits
     here together (every expert rank keeps its own routing; a MoE replica is captured together), else class
     depth, the one a serial capture answers (``serial_refusal``). (depth, why, fold, memory)."""
@@ -271,7 +348,7 @@ def _auto_serial_moe(layout: TargetLayout, fold: FoldPlan, memory: dict[str, Any
     except FoldDepthError as e:
         return "replica", f"{note}; class depth, which a serial capture needs, is refused: {e}", fold, memory
     deep_estimate = _prism_estimate(args, world_size, deep, list(devices), env)
-    deep_memory = _memory(deep, deep_estimate, list(devices), device_gib, host_gib, swap, megatron)
+    deep_memory = _memory(deep, deep_estimate, list(devices), device_gib, host_gib, swap, megatron, target)
     return "class", (f"auto: class for a MoE layout captured serially (one model replica does not fit here: "
                      f"{memory.get('why')}; a serial capture answers expert peers at class depth by the "
                      f"{EXPERT_TOKENS} of each capture's live rank)"), deep, deep_memory
@@ -280,25 +357,28 @@ def _auto_serial_moe(layout: TargetLayout, fold: FoldPlan, memory: dict[str, Any
 def make_plan(script: Any, script_args: list[str], world_size: int, devices: list[str], gpus_per_node: int = 8,
               device_gib: float | None = None, host_gib: float | None = None, swap: str = "auto",
               env: dict[str, str] | None = None, source: str = "", fold_depth: str = "auto",
-              capture: str = "together") -> Plan:
+              capture: str = "together", target: Any = None) -> Plan:
     """Parse the command with Megatron's parser, fold it (``fold_depth``: auto, replica or class), and
-    cost the sandbox here, captured ``capture`` (together, or serial: one live rank at a time)."""
+    cost the sandbox here, captured ``capture`` (together, or serial: one live rank at a time).
+    ``target``: the target GPU (``memory.targets.TargetGPU`` or its ``as_dict()``) whose cap each rank's
+    allocator runs under, or None (no cap)."""
     args = parse_megatron_args(script, script_args, world_size, env)
     layout = layout_from_args(args, world_size, gpus_per_node)
     depth, depth_note = resolve_depth(layout, fold_depth)
     megatron = getattr(args, ESTIMATE_KEY, None) or {"error": "not computed"}
     fold = build_fold_plan(layout, depth)
     estimate = _prism_estimate(args, world_size, fold, list(devices), env)  # per class: the same at any depth
-    memory = _memory(fold, estimate, list(devices), device_gib, host_gib, swap, megatron)
+    memory = _memory(fold, estimate, list(devices), device_gib, host_gib, swap, megatron, target)
     if fold_depth == "auto" and depth == "replica" and capture == "serial" and layout.num_experts and layout.ep > 1:
         depth, depth_note, fold, memory = _auto_serial_moe(layout, fold, memory, args, world_size, devices,
-                                                           env, device_gib, host_gib, swap, megatron, depth_note)
+                                                           env, device_gib, host_gib, swap, megatron, depth_note,
+                                                           target)
     if fold_depth == "auto" and depth == "class" and not fold.expert_tokens:
         # Fold no deeper than needed: a replica keeps every TP/CP partial and every stage real (values
         # and schedules exact), while class depth stands in for them; take class only when a replica
         # does not fit here.
         replica = build_fold_plan(layout, "replica")
-        replica_memory = _memory(replica, estimate, list(devices), device_gib, host_gib, swap, megatron)
+        replica_memory = _memory(replica, estimate, list(devices), device_gib, host_gib, swap, megatron, target)
         if replica_memory.get("fits") is not False:
             fold, memory = replica, replica_memory
             depth_note = ("auto: replica (one model replica fits here; class depth, which stands in for TP/CP "
@@ -326,7 +406,8 @@ def plan_json(plan: Plan, microbatches: dict | None = None) -> dict[str, Any]:
     return {"version": PLAN_JSON_VERSION, "source": plan.source, "layout": plan.layout.describe(),
             "devices": plan.devices, "iterations": plan.iterations, "memory": plan.memory, "time": plan.time,
             "fold_depth": plan.depth_note, "fold": plan.fold.to_json(), "microbatches": microbatches,
-            "capture": plan.capture, "fits": plan_fits(plan)}
+            "capture": plan.capture, "fits": plan_fits(plan), "verdict": plan_verdict(plan),
+            "predicted_oom": predicted_ooms(plan)}
 
 
 def _ranks(ranks: list[int], limit: int = 12) -> str:
@@ -410,6 +491,9 @@ def render_plan(plan: Plan, console: Any) -> None:
     mem.add_column("here", justify="right")
     mem.add_row(f"per sandbox rank, most (prism's estimate, class {m.get('per_rank_class')})", _gib(m.get("per_rank")),
                 _gib(m.get("per_device")) if plan.devices != ["cpu"] else "")
+    if m.get("target"):
+        mem.add_row(f"per sandbox rank, most held here (allocator capped at {m['target']['gpu']}'s "
+                    f"{_gib(m['target']['cap'])})", _gib(m.get("per_rank_held")), "")
     mem.add_row("per rank by Megatron's formula (most loaded shard; shown, not used)", _gib(formula), "")
     if plan.devices != ["cpu"]:
         mem.add_row("GPU, sandbox", _gib(m.get("gpu_needed")), _gib(m.get("devices_total")))
@@ -425,5 +509,8 @@ def render_plan(plan: Plan, console: Any) -> None:
                       f"{said} — {c['why']}")
     else:
         console.print(f"memory: {verdict[m.get('fits')]}" + (f" — {m['why']}" if m.get("why") else ""))
+    for line in predicted_ooms(plan):
+        console.print(f"  {line}")
+    console.print(f"verdict: [bold]{plan_verdict(plan)}[/bold]")
     console.print(f"expected emulation time: ~{t['seconds'] / 60:.1f} min for {t['iterations']} iteration(s) "
                   f"({t['model']})")
