@@ -20,11 +20,14 @@ from prism_megatron.megatron import cpu_mode
 pytestmark = pytest.mark.skipif(cpu_mode._gpu_present(), reason="CPU runs of Megatron need CPU mode")
 # runs megatron-core: CI also runs it on the second stack (.ci/run). Every test here but three variants, which
 # run on the first stack only: the 8,192-rank fold (the 1,024-rank fold's Megatron code and 8 live ranks, at
-# prism's scale), TP2·PP2·DP2 folded (TP2·PP2·DP4's model and replica fold, one virtual replica instead of
-# three) and batched p2p under VPP, whose p2p calls are the same in both releases' interleaved schedule.
+# prism's scale), the MoE class fold by translated mirror (the MoE capture and the class fold each run on both
+# stacks) and batched p2p under VPP, whose p2p calls are the same in both releases' interleaved schedule.
 # Overlapped p2p (Megatron-LM's default under VPP) runs on both: there the releases differ (0.19 waits each
-# steady forward's send at once: the fold's wait_sends).
+# steady forward's send at once: the fold's wait_sends). The second stack leaves the long checks of prism's own
+# machinery (``heavy``: pytest.ini) to the first: it runs one fold against its full capture, TP2·PP2·DP2's,
+# whose full capture test_megatron_emulation's numerics already make there.
 MEGATRON = pytest.mark.megatron
+HEAVY = (MEGATRON, pytest.mark.heavy)
 
 RECIPES = Path(__file__).parent / "recipes"
 LOSS_RTOL = 0.02
@@ -56,7 +59,7 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, marks=() if c == "tp2pp2dp2" else MEGATRON) for c in CASES])
+@pytest.mark.parametrize("case", [pytest.param(c, marks=MEGATRON if c == "tp2pp2dp2" else HEAVY) for c in CASES])
 def test_a_folded_mini_recipe_matches_its_full_capture(case, megatron_runs):
     from prism_megatron.trace import read_trace
 
@@ -151,7 +154,7 @@ def test_moe_class_depth_folds_expert_peers_by_translated_mirror(megatron_runs):
 
 
 @pytest.mark.parametrize("recipe, world, live", [
-    pytest.param("fold-scale-tp2pp4dp128", 1024, 8, marks=MEGATRON),
+    pytest.param("fold-scale-tp2pp4dp128", 1024, 8, marks=HEAVY),
     pytest.param("fold-scale-tp2pp4dp1024", 8192, 8),  # Megatron as at 1,024: prism's scale, on one stack
 ])
 def test_a_tiny_gpt_at_scale_runs_folded_end_to_end(recipe, world, live, megatron_runs):
@@ -183,6 +186,7 @@ def test_a_tiny_gpt_at_scale_runs_folded_end_to_end(recipe, world, live, megatro
 
 
 @MEGATRON
+@pytest.mark.heavy
 def test_a_sandbox_that_cannot_fit_is_refused_saying_what_would(megatron_runs):
     run = megatron_runs.run("mini-dense-tp2pp2dp2", "on", "--prism-host-memory", "2", check=False)
     assert run["code"] == 2, run["output"][-3000:]
@@ -257,6 +261,7 @@ def _live_and_report_ms(run: dict, cluster: str) -> tuple[list[float], list[floa
 
 
 @MEGATRON
+@pytest.mark.heavy
 def test_class_depth_gives_a_folded_middle_stage_its_own_1f1b_schedule(megatron_runs):
     """TP1·PP4, 4 microbatches: stage 2 (1 warm-up forward) is folded onto stage 1 (2 warm-ups). The
     synthesised stage 2 runs stage 1's units in stage 2's own order, with the p2p ops Megatron's
