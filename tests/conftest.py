@@ -89,8 +89,8 @@ def parse_each_command_once(monkeypatch):
     """Planning in this process reads Megatron's parse of a command once per session (a child interpreter
     that imports Megatron: seconds on two cores); planning the same command again, in another test, under
     another fold mode, or choosing its micro-batch count (``--prism-fold-microbatches``) gets that parse's
-    namespace (a copy) or its error again. The key holds the parser's environment (this process's, but the
-    per-test PYTEST_CURRENT_TEST, and the ``env`` given), so a test that changes what the child would see
+    namespace (a copy) or its error again. The key holds the parser's environment (this process's with the
+    ``env`` given, but the per-test PYTEST_CURRENT_TEST), so a test that changes what the child would see
     gets its own parse. Returns the session's parses, by command."""
     import argparse
 
@@ -99,9 +99,10 @@ def parse_each_command_once(monkeypatch):
     real = megatron_args.parse_megatron_args
 
     def once(script, script_args, world_size, env=None, **kw):
-        seen = tuple(sorted((k, v) for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"))
-        key = (str(script), tuple(script_args), world_size, tuple(sorted((env or {}).items())),
-               tuple(sorted(kw.items())), seen, sys.executable)
+        child = {**os.environ, **(env or {})}  # the parser's environment (megatron_args)
+        child.pop("PYTEST_CURRENT_TEST", None)
+        key = (str(script), tuple(script_args), world_size, tuple(sorted(child.items())), tuple(sorted(kw.items())),
+               sys.executable)
         if key not in _PARSES:
             try:
                 _PARSES[key] = real(script, script_args, world_size, env, **kw)

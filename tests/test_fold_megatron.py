@@ -85,6 +85,7 @@ def test_a_folded_mini_recipe_matches_its_full_capture(case, megatron_runs):
         assert fold.contributions.get("all_gather", {}).get("keep", 0) > 0, fold.contributions
 
 
+@pytest.mark.heavy
 @MEGATRON
 def test_moe_ep4_pp2_folds_to_the_whole_job(tmp_path):
     """EP4 spans all four DP indices, so the v1 sandbox (whole expert groups) is the whole job: the
@@ -187,13 +188,23 @@ def test_a_tiny_gpt_at_scale_runs_folded_end_to_end(recipe, world, live, megatro
 
 @MEGATRON
 @pytest.mark.heavy
-def test_a_sandbox_that_cannot_fit_is_refused_saying_what_would(megatron_runs):
-    run = megatron_runs.run("mini-dense-tp2pp2dp2", "on", "--prism-host-memory", "2", check=False)
-    assert run["code"] == 2, run["output"][-3000:]
-    assert "the sandbox does not fit here" in run["output"] and "4 ranks" in run["output"]
-    assert not (run["trace"] / "manifest.json").exists()
+def test_a_sandbox_that_cannot_fit_is_refused_saying_what_would(tmp_path, monkeypatch, capsys):
+    """``run`` (in this process: its plan reads the session's parse of the command, conftest) refuses before
+    any rank starts: exit 2, naming what would fit, no trace."""
+    from prism_megatron.megatron.run import parse_run_args, run
+
+    request = parse_run_args(["--recipe", "mini-dense-tp2pp2dp2", "--prism-driver", "core", "--prism-fold", "on",
+                              "--prism-fold-depth", "replica", "--prism-report", "off", "--prism-host-memory", "2",
+                              "--prism-trace-dir", str(tmp_path / "trace")])
+    for key, value in request.env.items():  # run sets the recipe's environment: this test's only
+        monkeypatch.setenv(key, value)
+    assert run(request) == 2
+    err = capsys.readouterr().err
+    assert "the sandbox does not fit here" in err and "4 ranks" in err, err[-3000:]
+    assert not (tmp_path / "trace" / "manifest.json").exists()
 
 
+@pytest.mark.heavy
 @MEGATRON
 def test_fold_auto_captures_fully_what_fits(tmp_path):
     from prism_megatron.launcher.config import LaunchConfig
@@ -222,6 +233,7 @@ def test_a_recipes_substitutions_go_into_the_trace_job():
     assert want and _Job(launch_config(request)).job_meta()["substitutions"] == want
 
 
+@pytest.mark.heavy
 @MEGATRON
 def test_fold_auto_runs_a_program_the_plan_cannot_read_in_full_and_on_refuses_it(tmp_path, parse_each_command_once):
     from prism_megatron.launcher.config import LaunchConfig
