@@ -18,14 +18,16 @@ import pytest
 from prism_megatron.megatron import cpu_mode
 
 pytestmark = pytest.mark.skipif(cpu_mode._gpu_present(), reason="CPU runs of Megatron need CPU mode")
-# runs megatron-core: CI also runs it on the second stack (.ci/run). Every test here but three variants, which
-# run on the first stack only: the 8,192-rank fold (the 1,024-rank fold's Megatron code and 8 live ranks, at
-# prism's scale), the MoE class fold by translated mirror (the MoE capture and the class fold each run on both
-# stacks) and batched p2p under VPP, whose p2p calls are the same in both releases' interleaved schedule.
-# Overlapped p2p (Megatron-LM's default under VPP) runs on both: there the releases differ (0.19 waits each
-# steady forward's send at once: the fold's wait_sends). The second stack leaves the long checks of prism's own
-# machinery (``heavy``: pytest.ini) to the first: it runs one fold against its full capture, TP2·PP2·DP2's,
-# whose full capture test_megatron_emulation's numerics already make there.
+# runs megatron-core: CI also runs it on the second stack (.ci/run), but for the long checks of prism's own
+# machinery (``heavy``: pytest.ini), which run on the first stack only: there the second runs one fold against
+# its full capture, TP2·PP2·DP2's (whose full capture test_megatron_emulation's numerics make there too), and a
+# serial capture of a middle stage under Megatron-LM's trainer. Unmarked, on the first stack only as before: the
+# 8,192-rank fold (the 1,024-rank fold's Megatron code and 8 live ranks, at prism's scale), the MoE class fold by
+# translated mirror, and batched p2p under VPP, whose p2p calls are the same in both releases' interleaved
+# schedule. Overlapped p2p under VPP is where the releases differ (0.19 waits each steady forward's send at once:
+# the fold's wait_sends); against real Megatron it runs on the first stack (0.16); on the second, the plan's record
+# of the installed release's order (test_fold_class_depth) and 0.19's order in the synthetic schedule tests
+# (test_fold_replay, test_microbatch_fold).
 MEGATRON = pytest.mark.megatron
 HEAVY = (MEGATRON, pytest.mark.heavy)
 
@@ -310,7 +312,7 @@ def test_class_depth_gives_a_folded_middle_stage_its_own_1f1b_schedule(megatron_
         assert len(live) == 2 and live == pytest.approx(report, abs=0.051), run["trace"]
 
 
-@pytest.mark.parametrize("overlap", [pytest.param(True, id="overlap-p2p", marks=MEGATRON),
+@pytest.mark.parametrize("overlap", [pytest.param(True, id="overlap-p2p", marks=HEAVY),
                                      pytest.param(False, id="batched-p2p")])
 def test_class_depth_gives_a_folded_middle_stage_its_own_interleaved_schedule(megatron_runs, overlap):
     """TP1·PP4·VPP2, 8 microbatches (16 virtual ones), p2p overlapped with compute (Megatron-LM's
@@ -348,6 +350,21 @@ def test_class_depth_gives_a_folded_middle_stage_its_own_interleaved_schedule(me
     for r in range(4):  # replay's model of the schedule (also the synthetic jobs') is what Megatron ran, every stage
         for it in (1, 2):
             assert _interleaved_skeleton(real, r, it) == _modelled(trace.fold, r, 8, another=it == 1), (r, it)
+
+
+@MEGATRON
+def test_the_installed_release_says_when_its_interleaved_schedule_waits_its_sends():
+    """The fold's wait_sends is read from the installed megatron-core's interleaved schedule: 0.16 waits a steady
+    forward's send when the next one is posted, 0.19 at once. (The overlapped-p2p class fold above checks the
+    modelled order against a real capture; this is its seam, cheap enough for both stacks.)"""
+    import importlib.metadata
+
+    from megatron.core.pipeline_parallel import schedules
+
+    from prism_megatron.megatron.fold import _waits_forward_sends
+
+    release = tuple(int(x) for x in importlib.metadata.version("megatron-core").split(".")[:2])
+    assert _waits_forward_sends(schedules) == (release >= (0, 19)), release
 
 
 def _interleaved_skeleton(graph, rank: int, iteration: int) -> list:

@@ -109,9 +109,10 @@ def _close(a: float | None, b: float | None) -> bool:
 # Each case once per stack, on the driver HERE, but W = 8 on the core driver (Megatron-LM's trainer there would
 # take the file past ~4 min on 2 cores); a driver's own loop runs alike on both sides of the comparison.
 _ONE_DRIVER = {case: "core" if case == "tp2pp2dp2" else HERE for case in CASES}
-# The second stack (.ci/run) leaves the ``heavy`` cases to the first (pytest.ini): TP2·DP2 with the distributed
-# optimizer and PP2·VPP2, whose captures it still makes for the labels and ... see _HEAVY_THERE's readers.
-_HEAVY_THERE = {"tp2dp2-distopt", "pp2vpp2"}
+# The second stack (.ci/run) compares TP2·PP2·DP2 (core driver) and MoE EP2 (its trainer) with gloo and leaves the
+# other cases' comparisons to the first (``heavy``, pytest.ini); it still captures TP2·PP2 and TP2·DP2 with the
+# distributed optimizer there, for the scheduling units, the op labels and the trainer's data loaders below.
+_HEAVY_THERE = {"tp2pp2", "tp2dp2-distopt", "pp2vpp2"}
 NUMERICS = [pytest.param(case, driver.values[0], id=f"{case}-{driver.id}",
                          marks=[*driver.marks, *([pytest.mark.heavy] if case in _HEAVY_THERE else [])])
             for case in CASES for driver in DRIVERS if driver.id == _ONE_DRIVER[case]]
