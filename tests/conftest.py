@@ -64,30 +64,54 @@ def megatron_runs(tmp_path_factory):
     return Captures(tmp_path_factory.mktemp("megatron-runs"))
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
+def published_run(tmp_path_factory) -> dict:
+    """``run --recipe mini-dense-tp2pp2`` (core driver, the full capture) as a user runs it, with everything that
+    follows a capture but calibration (test_publish's, which changes the report's figures): memory tracked,
+    Megatron's --fake-process-group anchor, the report and an offline W&B run. Read by test_publish (report,
+    W&B) and test_memory (anchor): one capture for both. {"proc", "dir" (the cwd: prism-trace/ there)}."""
+    d = tmp_path_factory.mktemp("published")
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_DIR": str(d), "WANDB_CONFIG_DIR": str(d / "cfg"),
+           "WANDB_CACHE_DIR": str(d / "cache"), "WANDB_DATA_DIR": str(d / "data")}
+    p = subprocess.run([sys.executable, "-m", "prism_megatron", "run", "--recipe", "mini-dense-tp2pp2",
+                        "--prism-driver", "core", "--prism-track-memory", "on", "--prism-anchor-fake-pg",
+                        "--prism-fold", "off"],  # the full capture fold auto would choose, without planning it
+                       cwd=d, capture_output=True, text=True, timeout=900, env=env)
+    return {"proc": p, "dir": d}
+
+
+#: Megatron's parse of each command planned in this session (namespace or error), by command and environment
+_PARSES: dict[tuple, object] = {}
+
+
+@pytest.fixture(autouse=True)
 def parse_each_command_once(monkeypatch):
-    """Within a test, planning reads Megatron's parse of a command once (a child interpreter that imports
-    Megatron: seconds); planning the same command again, say under another fold mode, or choosing its
-    micro-batch count (``--prism-fold-microbatches``) gets that parse's namespace (a copy) or its error
-    again. Returns the parses made, by command."""
+    """Planning in this process reads Megatron's parse of a command once per session (a child interpreter
+    that imports Megatron: seconds on two cores); planning the same command again, in another test, under
+    another fold mode, or choosing its micro-batch count (``--prism-fold-microbatches``) gets that parse's
+    namespace (a copy) or its error again. The key holds the parser's environment (this process's with the
+    ``env`` given, but the per-test PYTEST_CURRENT_TEST), so a test that changes what the child would see
+    gets its own parse. Returns the session's parses, by command."""
     import argparse
 
     from prism_megatron.megatron import megatron_args, plan
 
     real = megatron_args.parse_megatron_args
-    parsed: dict[tuple, object] = {}
 
     def once(script, script_args, world_size, env=None, **kw):
-        key = (str(script), tuple(script_args), world_size, tuple(sorted((env or {}).items())), tuple(sorted(kw)))
-        if key not in parsed:
+        child = {**os.environ, **(env or {})}  # the parser's environment (megatron_args)
+        child.pop("PYTEST_CURRENT_TEST", None)
+        key = (str(script), tuple(script_args), world_size, tuple(sorted(child.items())), tuple(sorted(kw.items())),
+               sys.executable)
+        if key not in _PARSES:
             try:
-                parsed[key] = real(script, script_args, world_size, env, **kw)
+                _PARSES[key] = real(script, script_args, world_size, env, **kw)
             except Exception as e:  # given again, as the parser would give it again
-                parsed[key] = e
-        if isinstance(parsed[key], Exception):
-            raise parsed[key]
-        return argparse.Namespace(**vars(parsed[key]))
+                _PARSES[key] = e
+        if isinstance(_PARSES[key], Exception):
+            raise _PARSES[key]
+        return argparse.Namespace(**vars(_PARSES[key]))
 
     monkeypatch.setattr(plan, "parse_megatron_args", once)  # imported by name when plan is imported
     monkeypatch.setattr(megatron_args, "parse_megatron_args", once)  # microbatch_mode imports it when it parses
-    return parsed
+    return _PARSES

@@ -596,7 +596,10 @@ def test_gpt_training_single_process():
 
 @cpu_only
 @needs_megatron
-@pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2-sequence-parallel"])
+# `heavy` (pytest.ini): on the second stack the TP2 step without SP and the MoE step are the Megatron code that
+# test_megatron_emulation's captures and gloo runs already train there in CPU mode (TP2·PP2·DP2, MoE EP2 all-to-all)
+@pytest.mark.parametrize("sp", [pytest.param(False, id="tp2", marks=pytest.mark.heavy),
+                                pytest.param(True, id="tp2-sequence-parallel")])
 def test_gpt_training_tensor_parallel_two_processes(sp):
     """Equal losses on both ranks; with SP, norm weights stay equal only if their grads were
     all-reduced, i.e. only if the sequence_parallel tag reached Megatron's finalize step."""
@@ -605,5 +608,6 @@ def test_gpt_training_tensor_parallel_two_processes(sp):
 
 @cpu_only
 @needs_megatron
+@pytest.mark.heavy  # see test_gpt_training_tensor_parallel_two_processes
 def test_gpt_moe_alltoall_expert_parallel_two_processes():
     _check_training(_run_ranks(2, moe=True))

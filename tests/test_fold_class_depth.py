@@ -148,6 +148,7 @@ def test_uneven_and_custom_layouts_split_their_classes():
     TargetLayout(world_size=8192, tp=4, pp=8, num_layers=32),
     TargetLayout(world_size=1024, num_layers=2),
 ], ids=["tp2-pp4-dp1024", "tp4-pp8-dp256", "pp1-dp1024"])
+@pytest.mark.heavy
 def test_class_depth_at_scale(t):
     plan = build_fold_plan(t)
     assert len(plan.live) == len(plan.classes) == (1 if t.pp == 1 else 3)
@@ -317,6 +318,7 @@ def test_the_plan_and_the_trace_reader_name_the_same_schedules():
     assert SCHEDULES == READ
 
 
+@pytest.mark.heavy
 def test_plan_cli_shows_three_live_ranks_for_an_8b_shaped_tp2_pp4_job():
     from click.testing import CliRunner
 
@@ -347,6 +349,7 @@ def test_plan_cli_shows_three_live_ranks_for_an_8b_shaped_tp2_pp4_job():
     assert first and float(first.group(1)) >= 67.2, text
 
 
+@pytest.mark.heavy
 def test_run_passes_the_depth_to_the_fold_and_folds_moe_expert_peers_at_class_depth(parse_each_command_once):
     from prism_megatron.megatron.fold_mode import choose_fold
     from prism_megatron.megatron.run import launch_config, parse_run_args
@@ -400,6 +403,7 @@ def test_plan_table_gives_each_class_its_live_memory_by_prisms_estimate():
         assert host.split("│")[2].strip() == f"{state + len(fold.live):.1f} GiB"  # + 1 GiB of process per live rank
 
 
+@pytest.mark.heavy
 def test_a_serial_capture_needs_one_live_rank_to_fit_and_a_folded_run(parse_each_command_once, capsys):
     from prism_megatron.launcher.exit_codes import BAD_INPUT
     from prism_megatron.megatron.fold_mode import FoldModeError, choose_fold

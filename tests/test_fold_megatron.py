@@ -18,13 +18,18 @@ import pytest
 from prism_megatron.megatron import cpu_mode
 
 pytestmark = pytest.mark.skipif(cpu_mode._gpu_present(), reason="CPU runs of Megatron need CPU mode")
-# runs megatron-core: CI also runs it on the second stack (.ci/run). Every test here but three variants, which
-# run on the first stack only: the 8,192-rank fold (the 1,024-rank fold's Megatron code and 8 live ranks, at
-# prism's scale), TP2·PP2·DP2 folded (TP2·PP2·DP4's model and replica fold, one virtual replica instead of
-# three) and batched p2p under VPP, whose p2p calls are the same in both releases' interleaved schedule.
-# Overlapped p2p (Megatron-LM's default under VPP) runs on both: there the releases differ (0.19 waits each
-# steady forward's send at once: the fold's wait_sends).
+# runs megatron-core: CI also runs it on the second stack (.ci/run), but for the long checks of prism's own
+# machinery (``heavy``: pytest.ini), which run on the first stack only: there the second runs one fold against
+# its full capture, TP2·PP2·DP2's (whose full capture test_megatron_emulation's numerics make there too), and a
+# serial capture of a middle stage under Megatron-LM's trainer. Unmarked, on the first stack only as before: the
+# 8,192-rank fold (the 1,024-rank fold's Megatron code and 8 live ranks, at prism's scale), the MoE class fold by
+# translated mirror, and batched p2p under VPP, whose p2p calls are the same in both releases' interleaved
+# schedule. Overlapped p2p under VPP is where the releases differ (0.19 waits each steady forward's send at once:
+# the fold's wait_sends); against real Megatron it runs on the first stack (0.16); on the second, the plan's record
+# of the installed release's order (test_fold_class_depth) and 0.19's order in the synthetic schedule tests
+# (test_fold_replay, test_microbatch_fold).
 MEGATRON = pytest.mark.megatron
+HEAVY = (MEGATRON, pytest.mark.heavy)
 
 RECIPES = Path(__file__).parent / "recipes"
 LOSS_RTOL = 0.02
@@ -56,7 +61,7 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, marks=() if c == "tp2pp2dp2" else MEGATRON) for c in CASES])
+@pytest.mark.parametrize("case", [pytest.param(c, marks=MEGATRON if c == "tp2pp2dp2" else HEAVY) for c in CASES])
 def test_a_folded_mini_recipe_matches_its_full_capture(case, megatron_runs):
     from prism_megatron.trace import read_trace
 
@@ -82,6 +87,7 @@ def test_a_folded_mini_recipe_matches_its_full_capture(case, megatron_runs):
         assert fold.contributions.get("all_gather", {}).get("keep", 0) > 0, fold.contributions
 
 
+@pytest.mark.heavy
 @MEGATRON
 def test_moe_ep4_pp2_folds_to_the_whole_job(tmp_path):
     """EP4 spans all four DP indices, so the v1 sandbox (whole expert groups) is the whole job: the
@@ -151,7 +157,7 @@ def test_moe_class_depth_folds_expert_peers_by_translated_mirror(megatron_runs):
 
 
 @pytest.mark.parametrize("recipe, world, live", [
-    pytest.param("fold-scale-tp2pp4dp128", 1024, 8, marks=MEGATRON),
+    pytest.param("fold-scale-tp2pp4dp128", 1024, 8, marks=HEAVY),
     pytest.param("fold-scale-tp2pp4dp1024", 8192, 8),  # Megatron as at 1,024: prism's scale, on one stack
 ])
 def test_a_tiny_gpt_at_scale_runs_folded_end_to_end(recipe, world, live, megatron_runs):
@@ -183,13 +189,24 @@ def test_a_tiny_gpt_at_scale_runs_folded_end_to_end(recipe, world, live, megatro
 
 
 @MEGATRON
-def test_a_sandbox_that_cannot_fit_is_refused_saying_what_would(megatron_runs):
-    run = megatron_runs.run("mini-dense-tp2pp2dp2", "on", "--prism-host-memory", "2", check=False)
-    assert run["code"] == 2, run["output"][-3000:]
-    assert "the sandbox does not fit here" in run["output"] and "4 ranks" in run["output"]
-    assert not (run["trace"] / "manifest.json").exists()
+@pytest.mark.heavy
+def test_a_sandbox_that_cannot_fit_is_refused_saying_what_would(tmp_path, monkeypatch, capsys):
+    """``run`` (in this process: its plan reads the session's parse of the command, conftest) refuses before
+    any rank starts: exit 2, naming what would fit, no trace."""
+    from prism_megatron.megatron.run import parse_run_args, run
+
+    request = parse_run_args(["--recipe", "mini-dense-tp2pp2dp2", "--prism-driver", "core", "--prism-fold", "on",
+                              "--prism-fold-depth", "replica", "--prism-report", "off", "--prism-host-memory", "2",
+                              "--prism-trace-dir", str(tmp_path / "trace")])
+    for key, value in request.env.items():  # run sets the recipe's environment: this test's only
+        monkeypatch.setenv(key, value)
+    assert run(request) == 2
+    err = capsys.readouterr().err
+    assert "the sandbox does not fit here" in err and "4 ranks" in err, err[-3000:]
+    assert not (tmp_path / "trace" / "manifest.json").exists()
 
 
+@pytest.mark.heavy
 @MEGATRON
 def test_fold_auto_captures_fully_what_fits(tmp_path):
     from prism_megatron.launcher.config import LaunchConfig
@@ -218,6 +235,7 @@ def test_a_recipes_substitutions_go_into_the_trace_job():
     assert want and _Job(launch_config(request)).job_meta()["substitutions"] == want
 
 
+@pytest.mark.heavy
 @MEGATRON
 def test_fold_auto_runs_a_program_the_plan_cannot_read_in_full_and_on_refuses_it(tmp_path, parse_each_command_once):
     from prism_megatron.launcher.config import LaunchConfig
@@ -257,6 +275,7 @@ def _live_and_report_ms(run: dict, cluster: str) -> tuple[list[float], list[floa
 
 
 @MEGATRON
+@pytest.mark.heavy
 def test_class_depth_gives_a_folded_middle_stage_its_own_1f1b_schedule(megatron_runs):
     """TP1·PP4, 4 microbatches: stage 2 (1 warm-up forward) is folded onto stage 1 (2 warm-ups). The
     synthesised stage 2 runs stage 1's units in stage 2's own order, with the p2p ops Megatron's
@@ -293,7 +312,7 @@ def test_class_depth_gives_a_folded_middle_stage_its_own_1f1b_schedule(megatron_
         assert len(live) == 2 and live == pytest.approx(report, abs=0.051), run["trace"]
 
 
-@pytest.mark.parametrize("overlap", [pytest.param(True, id="overlap-p2p", marks=MEGATRON),
+@pytest.mark.parametrize("overlap", [pytest.param(True, id="overlap-p2p", marks=HEAVY),
                                      pytest.param(False, id="batched-p2p")])
 def test_class_depth_gives_a_folded_middle_stage_its_own_interleaved_schedule(megatron_runs, overlap):
     """TP1·PP4·VPP2, 8 microbatches (16 virtual ones), p2p overlapped with compute (Megatron-LM's
@@ -331,6 +350,21 @@ def test_class_depth_gives_a_folded_middle_stage_its_own_interleaved_schedule(me
     for r in range(4):  # replay's model of the schedule (also the synthetic jobs') is what Megatron ran, every stage
         for it in (1, 2):
             assert _interleaved_skeleton(real, r, it) == _modelled(trace.fold, r, 8, another=it == 1), (r, it)
+
+
+@MEGATRON
+def test_the_installed_release_says_when_its_interleaved_schedule_waits_its_sends():
+    """The fold's wait_sends is read from the installed megatron-core's interleaved schedule: 0.16 waits a steady
+    forward's send when the next one is posted, 0.19 at once. (The overlapped-p2p class fold above checks the
+    modelled order against a real capture; this is its seam, cheap enough for both stacks.)"""
+    import importlib.metadata
+
+    from megatron.core.pipeline_parallel import schedules
+
+    from prism_megatron.megatron.fold import _waits_forward_sends
+
+    release = tuple(int(x) for x in importlib.metadata.version("megatron-core").split(".")[:2])
+    assert _waits_forward_sends(schedules) == (release >= (0, 19)), release
 
 
 def _interleaved_skeleton(graph, rank: int, iteration: int) -> list:
@@ -433,6 +467,7 @@ def _serial_reads_like_together(together: dict, serial: dict) -> tuple:
 
 
 @MEGATRON
+@pytest.mark.heavy
 def test_a_moe_class_fold_captured_serially_answers_expert_peers_as_together(megatron_runs):
     """MoE EP4·PP2 at class depth (live ranks 0 and 4: each stage's ep 0) captured together (the translated-mirror
     test's run) and serially. In each capture the live rank's expert peers are of its own class, so its count

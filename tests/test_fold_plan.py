@@ -334,6 +334,7 @@ TINY_GPT = ["--num-layers", "8", "--hidden-size", "64", "--num-attention-heads",
             "--transformer-impl", "local"]
 
 
+@pytest.mark.heavy
 def test_plan_cli_8192_rank_command_json():
     result = CliRunner().invoke(main, ["plan", "--json", "--prism-world-size", "8192", "--devices", "cpu",
                                        "--prism-fold-depth", "replica", "--", str(CORE_DRIVER_SCRIPT), *TINY_GPT])
@@ -354,6 +355,7 @@ def test_plan_cli_8192_rank_command_json():
     assert out["time"]["iterations"] == 2 and "rough" in out["time"]["model"]
 
 
+@pytest.mark.heavy
 def test_plan_of_a_serial_capture_judges_one_live_rank_at_a_time():
     """8 live ranks whose sum does not fit the host RAM given, one of which does: refused together, planned
     serially (8 captures), and a host too small for even one rank is refused naming the serial need."""
@@ -372,6 +374,7 @@ def test_plan_of_a_serial_capture_judges_one_live_rank_at_a_time():
     assert tiny.exit_code != 0 and "one live rank needs 1.0 GiB against 0.5 GiB of host RAM" in tiny.output
 
 
+@pytest.mark.heavy
 def test_plan_cli_takes_the_target_gpu_and_runs_a_rank_over_its_cap_to_the_oom_verdict():
     """``plan --prism-target-gpu``: a device smaller than the heaviest rank's estimate but larger than the target's
     cap plans a run to the OOM verdict (exit 0, ``verdict``, ``predicted_oom``); a cap above the device refuses."""
@@ -405,6 +408,7 @@ MOE_TARGET = ["--num-layers", "8", "--hidden-size", "1024", "--num-attention-hea
               "NullTokenizer"]
 
 
+@pytest.mark.heavy
 def test_plan_of_a_moe_target_captured_serially_folds_expert_peers_at_class_depth(parse_each_command_once):
     """Serial capture of a MoE job: auto depth keeps the replica (16 live expert ranks) where it fits here together,
     and refuses to capture it serially, naming class depth; where it does not fit, auto takes class depth (2 live
@@ -451,6 +455,7 @@ def test_serial_capture_refuses_what_no_rule_answers_by_name():
     assert serial_refusal(TargetLayout(world_size=8, num_layers=4), "class", per_token) is None  # PP1: one stage
 
 
+@pytest.mark.heavy
 def test_plan_cli_mini_recipe_table(parse_each_command_once):
     result = CliRunner().invoke(main, ["plan", "--recipe", "mini-dense-tp2pp2dp4"])
     assert result.exit_code == 0, result.output
@@ -467,6 +472,7 @@ def test_plan_cli_mini_recipe_table(parse_each_command_once):
     assert "expected emulation time" in text
 
 
+@pytest.mark.heavy
 def test_plan_cli_refuses_bad_layout():
     result = CliRunner().invoke(main, ["plan", "--prism-world-size", "12", "--", str(CORE_DRIVER_SCRIPT), *TINY_GPT])
     assert result.exit_code != 0
@@ -530,6 +536,7 @@ def test_args_with_an_axis_the_fold_does_not_know_are_refused():
     assert (layout.tp, layout.pp, layout.dp, layout.etp, layout.gpus_per_node) == (2, 2, 4, 2, 4)
 
 
+@pytest.mark.heavy
 def test_plan_says_what_micro_batch_folding_will_run_and_plans_that_command(parse_each_command_once):
     """GBS 1024 over DP1024 is one micro-batch per pipeline: nothing to fold; GBS 16,384 is 16, of which
     the minimum (the largest 1F1B warm-up, 3 at PP4, + 2) runs and the plan is of that command. Megatron

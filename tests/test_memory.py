@@ -170,18 +170,18 @@ def test_megatron_memory_lines_are_parsed_per_rank():
 
 
 @_CPU_ONLY
-def test_fake_pg_anchor_beside_the_measured_peak(tmp_path):
+def test_fake_pg_anchor_beside_the_measured_peak(published_run, tmp_path):
     """Dense job: Megatron's fake process group and our emulation agree on each class's peak (as on the
-    H200, device-notes); the report carries both; a broken anchor file is named in the error."""
+    H200, device-notes); the report carries both; a broken anchor file is named in the error. (The run is
+    test_publish's too: ``published_run``.)"""
+    import shutil
+
     from prism_megatron.report import build_report
     from prism_megatron.trace import TraceFormatError
 
-    env = {**os.environ, "WANDB_MODE": "disabled"}
-    p = subprocess.run([sys.executable, "-m", "prism_megatron", "run", "--recipe", "mini-dense-tp2pp2",
-                        "--prism-driver", "core", "--prism-track-memory", "on", "--prism-anchor-fake-pg",
-                        "--prism-fold", "off"],  # the full capture, unplanned (as _run)
-                       cwd=tmp_path, capture_output=True, text=True, timeout=900, env=env)
+    p = published_run["proc"]
     assert p.returncode == 0, p.stderr[-3000:]
+    shutil.copytree(published_run["dir"] / "prism-trace", tmp_path / "prism-trace")  # this test breaks its copy
     anchors = json.loads((tmp_path / "prism-trace" / "fake-pg-anchor.json").read_text())
     assert [(a["rank"], a["class"]) for a in anchors["ranks"]] == [(0, "stage 0 of 2 (first)"),
                                                                   (2, "stage 1 of 2 (last)")]

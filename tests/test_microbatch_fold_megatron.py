@@ -37,6 +37,7 @@ LOSS_STORE_BYTES = 16
 
 
 @MEGATRON
+@pytest.mark.heavy  # the second stack leaves it to the first (pytest.ini); there it plans this fold (test_fold_plan)
 def test_a_folded_capture_replays_the_targets_microbatches_with_its_memory(megatron_runs):
     from prism_megatron.replay import graph_from_trace
     from prism_megatron.replay.graph import Mark

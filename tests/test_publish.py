@@ -54,11 +54,9 @@ def test_publish_logs_ours_and_resumes_megatrons_run(tmp_path, monkeypatch):
 
 @pytest.mark.skipif(cpu_mode._gpu_present(), reason="CPU-mode runs refuse a GPU")
 @pytest.mark.megatron
-def test_run_writes_report_and_an_offline_wandb_run(tmp_path):
-    env = {**os.environ, **_wandb_env(tmp_path)}
-    p = subprocess.run([sys.executable, "-m", "prism_megatron", "run", "--recipe", "mini-dense-tp2pp2",
-                        "--prism-driver", "core", "--prism-track-memory", "on"],
-                       cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
+@pytest.mark.heavy  # the report and W&B are prism's; the second stack's captures run the same Megatron job
+def test_run_writes_report_and_an_offline_wandb_run(published_run):
+    p, tmp_path = published_run["proc"], published_run["dir"]  # its offline W&B runs are under its own dir
     assert p.returncode == 0, p.stderr[-3000:]
     report = read_report(tmp_path / "prism-trace" / "report.json")
     assert len(report["prediction"]["iteration_times_s"]) == 3
