@@ -87,11 +87,12 @@ def capture_serially(cfg: LaunchConfig, launch: Callable[[LaunchConfig], int],
     root = captures_dir(cfg.trace_dir)
     root.mkdir(parents=True, exist_ok=True)
     code, ooms, captures, walls, answers, iterations = 0, [], [], [], [], {}
+    failed = 0  # the number (from 1) of the capture that failed
     for i, rank in enumerate(live):
         part = root / f"capture-{i}-rank-{rank}"
         cls = plan["classes"][plan["class_of"][rank]]["name"]
         if code != 0:
-            captures.append({"rank": rank, "trace": None, "incomplete": f"not run: capture {i} failed first"})
+            captures.append({"rank": rank, "trace": None, "incomplete": f"not run: capture {failed} failed first"})
             continue
         say(f"serial capture {i + 1}/{len(live)}: rank {rank} (class {cls}) is the only process; every other rank "
             f"is virtual (self mirror, stand-ins); trace {part}")
@@ -117,6 +118,7 @@ def capture_serially(cfg: LaunchConfig, launch: Callable[[LaunchConfig], int],
             say(f"serial capture {i + 1}/{len(live)} (rank {rank}, class {cls}) ran out of memory under the "
                 f"target's cap: predicted OOM for its class{more}")
         elif code != 0:
+            failed = i + 1
             say(f"serial capture {i + 1}/{len(live)} (rank {rank}) failed: {reason}; later captures are not run")
         captures.append({"rank": rank, "trace": part if written else None, "incomplete": reason})
     ran = {i: n for i, n in iterations.items() if n}
