@@ -283,6 +283,35 @@ def test_a_merge_with_an_incomplete_capture_is_not_replayed_and_the_report_says_
         assert peaks == ({0: 3 << 20, 4: 1 << 20} if second["trace"] else {0: 3 << 20})
 
 
+def _oom_mark(rank: int, reserved: int, requested: int) -> dict:
+    attrs = {"allocated": reserved, "reserved": reserved, "max_allocated": reserved, "max_reserved": reserved,
+             "cap": 1 << 30, "source": "cpu-accountant", "requested": requested, "message": "out of memory",
+             "snapshot": None}
+    return {"rank": rank, "name": "oom", "phase": "i", "t": 1.0, "compute_clock": 1.0, "attrs": attrs}
+
+
+def test_the_report_of_a_serial_run_whose_classes_ran_out_of_memory_names_each_class(tmp_path):
+    """Both captures of a merge ran out of memory under the cap (each class its own failing allocation): the
+    verdict names each class's OOM, the worst first, and no class as "not measured in full"; no time prediction."""
+    from prism_megatron.report.build import build_report
+
+    plan = _class_plan()
+    groups = [("0", list(range(8)))]
+    why = "rank {} ran out of memory under the target's cap (predicted OOM)"
+    a = _capture(tmp_path / "c0", plan, 0, 0, groups, [_op(0, 0, "all_reduce", 0, 0)], incomplete=why.format(0),
+                 marks=[_oom_mark(0, 900 << 20, 200 << 20)])
+    b = _capture(tmp_path / "c1", plan, 4, 1, groups, [_op(4, 0, "all_reduce", 0, 0)], incomplete=why.format(4),
+                 marks=[_memory_mark(4, 1 << 20), _oom_mark(4, 1000 << 20, 300 << 20)])
+    out = merge_captures(tmp_path / "merged", plan, [{"rank": 0, "trace": a, "incomplete": why.format(0)},
+                                                     {"rank": 4, "trace": b, "incomplete": why.format(4)}])
+    report = build_report(out)
+    assert report["verdict"] == (
+        "OOM: rank 4 (last) needs 276.0 MiB more than its 1.0 GiB cap (asked for 300.0 MiB with 1000.0 MiB reserved); "
+        "rank 0 (first) needs 76.0 MiB more than its 1.0 GiB cap (asked for 200.0 MiB with 900.0 MiB reserved)")
+    assert report["prediction"] is None and report["prediction_error"].startswith(
+        "class(es) first, last ran out of memory under the target's cap (the verdict names each)")
+
+
 # ---- a generic pipeline captured both ways -----------------------------------------------------
 def _skeleton(trace) -> dict[int, list[tuple]]:
     """Per live rank, its ops as a capture together would give them: kind, bytes, group (name, ranks), seq, peer."""
@@ -443,8 +472,9 @@ def test_a_capture_that_runs_out_of_memory_is_its_class_verdict_and_the_later_ca
         f"for 8.0 MiB with {fmt_bytes(oom['reserved'])} reserved); class(es) that fit: like rank 1 (peak reserved "
         f"{fmt_bytes(last['max_reserved'])}, headroom {fmt_bytes(last['headroom'])})")
     assert report["prediction"] is None
-    assert report["prediction_error"].startswith("no time prediction: class(es) like rank 0 ran out of memory under "
-                                                 "the target's cap"), report["prediction_error"]
+    assert report["prediction_error"].startswith("class(es) like rank 0 ran out of memory under the target's cap "
+                                                 "(the verdict names each): the job does not run on the target, so "
+                                                 "there is no iteration time to predict"), report["prediction_error"]
 
 
 def test_a_capture_that_runs_out_of_memory_before_a_broadcast_it_roots_leaves_a_later_capture_refused_by_name(tmp_path):

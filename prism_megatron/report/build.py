@@ -503,8 +503,8 @@ def _oom_not_replayed(fold: Fold | None, dead: set[int]) -> str | None:
     if not cut or any(c.rank not in dead for c in cut):
         return None
     names = ", ".join(dict.fromkeys(c.cls for c in cut))
-    return (f"no time prediction: class(es) {names} ran out of memory under the target's cap (the verdict names "
-            "each), so the job does not run there and has no iteration time; the memory figures are each "
+    return (f"class(es) {names} ran out of memory under the target's cap (the verdict names each): the job does "
+            "not run on the target, so there is no iteration time to predict; the memory figures are each "
             "capture's own (an OOM capture's until its failing allocation)")
 
 
