@@ -100,7 +100,8 @@ def assemble(trace_dir: str | Path, cluster: str | None = None,
         "memory": memory,
         "oom": oom,
         "swap": _swap(job.get("swap")),
-        "verdict": verdict(memory, oom, exit5, classes, target["gpu"]) + _unmeasured(fold, dead),
+        "verdict": verdict(memory, oom, exit5, classes, target["gpu"], _captured_in_full(fold))
+        + _unmeasured(fold, dead),
         "fold": None if fold is None else _fold(fold, memory, None if result is None else result, classes),
         "anchors": {**_anchors(marks, memory), "fake_pg": _fake_pg(Path(trace_dir), memory)},
     }
@@ -508,10 +509,20 @@ def _oom_not_replayed(fold: Fold | None, dead: set[int]) -> str | None:
             "capture's own (an OOM capture's until its failing allocation)")
 
 
+def _captured_in_full(fold: Fold | None) -> set[str]:
+    """A serial run's classes whose capture completed (their peaks are the whole job's); none for any other trace:
+    a run together ends every rank at the first OOM."""
+    if fold is None or fold.capture_mode != "serial" or "captures" not in fold.capture:
+        return set()
+    cut = {c.rank for c in fold.incomplete_captures()}
+    return {fold.class_name(c["rank"]) for c in fold.capture["captures"] if c["rank"] not in cut}
+
+
 def verdict(memory: dict[str, Any], oom: list[dict[str, Any]], exit5: list[int], classes: dict[int, str],
-            gpu: str | None = None) -> str:
+            gpu: str | None = None, complete: set[str] = frozenset()) -> str:
     """One line: did it run out of memory (who, by how much: the worst rank first, then the worst of each other
-    class that did, then the classes that fit), or does it fit (with what to spare)."""
+    class that did, then the ``complete`` classes, measured to the end, that fit), or does it fit (with what to
+    spare)."""
     on = f" on {gpu}" if gpu else ""  # after the cap: the prefixes (OOM:, fits:) stay fixed for programs
     if oom:
         def shortfall(e: dict) -> float:
@@ -528,7 +539,8 @@ def verdict(memory: dict[str, Any], oom: list[dict[str, Any]], exit5: list[int],
         dead = {e["class"] for e in oom} | {classes.get(r, UNKNOWN) for r in exit5}
         fit = [f"{c['class']} (peak reserved {fmt_bytes(c['max_reserved'])}, headroom {fmt_bytes(c['headroom'])})"
                for c in memory["classes"]
-               if c["class"] not in dead and c["headroom"] is not None and c["headroom"] >= 0]
+               if c["class"] in complete and c["class"] not in dead and c["headroom"] is not None
+               and c["headroom"] >= 0]
         fits = f"; class(es) that fit: {', '.join(fit)}" if fit else ""
         return "OOM: " + "; ".join(named) + more + fits
     if exit5:
