@@ -13,9 +13,10 @@ import pytest
 import torch
 
 from nccl_prune import STANDIN_RULE, Contributions, PruneError, plan_group, route_recv, standin_values
-from prism_megatron.launcher.exit_codes import BAD_INPUT, RANK_FAILED
+from prism_megatron.launcher.exit_codes import BAD_INPUT, OOM, RANK_FAILED
 from prism_megatron.launcher.launch import LaunchConfig, launch
 from prism_megatron.launcher.serial import capture_plan, capture_serially, captures_dir
+from prism_megatron.report.units import fmt_bytes
 from prism_megatron.runtime import protocol as P
 from prism_megatron.runtime.folding import Folding
 from prism_megatron.runtime.groups import Group
@@ -282,6 +283,35 @@ def test_a_merge_with_an_incomplete_capture_is_not_replayed_and_the_report_says_
         assert peaks == ({0: 3 << 20, 4: 1 << 20} if second["trace"] else {0: 3 << 20})
 
 
+def _oom_mark(rank: int, reserved: int, requested: int) -> dict:
+    attrs = {"allocated": reserved, "reserved": reserved, "max_allocated": reserved, "max_reserved": reserved,
+             "cap": 1 << 30, "source": "cpu-accountant", "requested": requested, "message": "out of memory",
+             "snapshot": None}
+    return {"rank": rank, "name": "oom", "phase": "i", "t": 1.0, "compute_clock": 1.0, "attrs": attrs}
+
+
+def test_the_report_of_a_serial_run_whose_classes_ran_out_of_memory_names_each_class(tmp_path):
+    """Both captures of a merge ran out of memory under the cap (each class its own failing allocation): the
+    verdict names each class's OOM, the worst first, and no class as "not measured in full"; no time prediction."""
+    from prism_megatron.report.build import build_report
+
+    plan = _class_plan()
+    groups = [("0", list(range(8)))]
+    why = "rank {} ran out of memory under the target's cap (predicted OOM)"
+    a = _capture(tmp_path / "c0", plan, 0, 0, groups, [_op(0, 0, "all_reduce", 0, 0)], incomplete=why.format(0),
+                 marks=[_oom_mark(0, 900 << 20, 200 << 20)])
+    b = _capture(tmp_path / "c1", plan, 4, 1, groups, [_op(4, 0, "all_reduce", 0, 0)], incomplete=why.format(4),
+                 marks=[_memory_mark(4, 1 << 20), _oom_mark(4, 1000 << 20, 300 << 20)])
+    out = merge_captures(tmp_path / "merged", plan, [{"rank": 0, "trace": a, "incomplete": why.format(0)},
+                                                     {"rank": 4, "trace": b, "incomplete": why.format(4)}])
+    report = build_report(out)
+    assert report["verdict"] == (
+        "OOM: rank 4 (last) needs 276.0 MiB more than its 1.0 GiB cap (asked for 300.0 MiB with 1000.0 MiB reserved); "
+        "rank 0 (first) needs 76.0 MiB more than its 1.0 GiB cap (asked for 200.0 MiB with 900.0 MiB reserved)")
+    assert report["prediction"] is None and report["prediction_error"].startswith(
+        "class(es) first, last ran out of memory under the target's cap (the verdict names each)")
+
+
 # ---- a generic pipeline captured both ways -----------------------------------------------------
 def _skeleton(trace) -> dict[int, list[tuple]]:
     """Per live rank, its ops as a capture together would give them: kind, bytes, group (name, ranks), seq, peer."""
@@ -394,3 +424,75 @@ def test_a_capture_whose_rank_ran_no_iteration_fails_the_serial_run_by_name(tmp_
                            "program ended early"
     assert [c["complete"] for c in t.fold.capture["captures"]] == [True, False]
     assert any("serial capture 2/2 (rank 4) failed" in s for s in said), said
+
+
+# ---- a capture that runs out of memory under the target's cap: a verdict, the later captures run ------------
+def _oom_run(tmp_path: Path, mode: str) -> tuple[int, list[str], LaunchConfig]:
+    """fold_oom.py under a 4 MiB cap: the even class (rank 0) keeps 8 MiB per iteration, the odd one 64 KiB."""
+    from prism_megatron.memory.targets import resolve_target
+
+    cfg = LaunchConfig(script=PROGRAMS / "fold_oom.py", script_args=[mode], world_size=4, hang_timeout=60,
+                       fold=make_fold([0, 1, 0, 1], 8).to_json(), trace_dir=tmp_path / "serial",
+                       target_gpu=resolve_target("0.004", 0).as_dict())
+    said: list[str] = []
+    return capture_serially(cfg, launch, say=said.append), said, cfg
+
+
+def test_a_capture_that_runs_out_of_memory_is_its_class_verdict_and_the_later_captures_run(tmp_path):
+    """Issue 20's per-class verdict: capture 1 (rank 0) runs out of memory under the cap in iteration 1, after the
+    set-up broadcast it recorded; capture 2 (rank 1) still runs with that recording and fits. The run exits OOM as a
+    run together with a predicted OOM does; the merged report names rank 0's failing allocation and rank 1's peak,
+    and gives no time prediction, saying why."""
+    from prism_megatron.report.build import build_report
+
+    code, said, cfg = _oom_run(tmp_path, "oom")
+    assert code == OOM, said
+    assert any("serial capture 1/2 (rank 0, class like rank 0) ran out of memory under the target's cap: predicted "
+               "OOM for its class; the later captures run" in s for s in said), said
+    t = read_trace(tmp_path / "serial")
+    assert [(c["rank"], c["complete"], bool(c["trace"])) for c in t.fold.capture["captures"]] == [
+        (0, False, True), (1, True, True)]
+    assert "predicted OOM" in t.fold.capture["captures"][0]["incomplete"]
+    first = read_trace(tmp_path / t.fold.capture["captures"][0]["trace"])
+    assert [b["group"][0] for b in first.fold.capture["part"]["broadcasts"]] == ["0"]  # recorded before its OOM
+    assert t.fold.contributions["broadcast"]["recorded"] == 1  # capture 2 was answered from it
+    assert sum(1 for m in t.marks.to_pylist() if m["rank"] == 1 and m["name"] == "iteration" and m["phase"] == "E") == 2
+
+    report = build_report(tmp_path / "serial")
+    cap = cfg.memory_cap
+    [oom] = report["oom"]
+    assert (oom["rank"], oom["class"], oom["requested"], oom["cap"]) == (0, "like rank 0", 8 << 20, cap)
+    assert oom["reserved"] < oom["requested"]  # the failed allocation is not counted as held
+    peak = {e["rank"]: e for e in report["memory"]["ranks"]}
+    assert peak[0]["oom"] and not peak[1]["oom"] and 2 * (64 << 10) <= peak[1]["max_reserved"] < cap
+    short = oom["reserved"] + oom["requested"] - cap
+    last = next(c for c in report["memory"]["classes"] if c["class"] == "like rank 1")
+    assert report["verdict"] == (
+        f"OOM: rank 0 (like rank 0) needs {fmt_bytes(short)} more than its {fmt_bytes(cap)} cap on 0.004 GiB (asked "
+        f"for 8.0 MiB with {fmt_bytes(oom['reserved'])} reserved); class(es) that fit: like rank 1 (peak reserved "
+        f"{fmt_bytes(last['max_reserved'])}, headroom {fmt_bytes(last['headroom'])})")
+    assert report["prediction"] is None
+    assert report["prediction_error"].startswith("class(es) like rank 0 ran out of memory under the target's cap "
+                                                 "(the verdict names each): the job does not run on the target, so "
+                                                 "there is no iteration time to predict"), report["prediction_error"]
+
+
+def test_a_capture_that_runs_out_of_memory_before_a_broadcast_it_roots_leaves_a_later_capture_refused_by_name(tmp_path):
+    """Rank 0 runs out of memory before its set-up broadcast: nothing recorded; capture 2 runs, reaches that
+    broadcast and is refused by name, which stops the run with its own exit code."""
+    code, said, _ = _oom_run(tmp_path, "early")
+    assert code == BAD_INPUT, said
+    t = read_trace(tmp_path / "serial")
+    assert [c["complete"] for c in t.fold.capture["captures"]] == [False, False]
+    report = (tmp_path / "serial.captures" / "capture-1-rank-1.logs" / "fold-report.txt").read_text()
+    assert "broadcast of int64 from virtual rank 0, whose class's live rank 0 recorded no such broadcast" in report
+    assert any("serial capture 2/2 (rank 1) failed" in s for s in said), said
+
+
+def test_a_crash_in_a_capture_under_a_cap_still_stops_the_run(tmp_path):
+    code, said, _ = _oom_run(tmp_path, "crash")
+    assert code == RANK_FAILED, said
+    t = read_trace(tmp_path / "serial")
+    assert [(c["complete"], c["incomplete"]) for c in t.fold.capture["captures"]][1] == (
+        False, "not run: capture 1 failed first")
+    assert any("serial capture 1/2 (rank 0) failed" in s and "later captures are not run" in s for s in said), said

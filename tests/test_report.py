@@ -171,6 +171,7 @@ def test_oom_job_verdict_names_rank_and_class(tmp_path):
     assert rep["prediction"] is None
     assert "deadlock" in rep["prediction_error"]
     assert rep["verdict"].startswith("OOM: rank 3 (stage 1 of 2 (last)) needs 512.0 MiB more than its 4.0 GiB cap")
+    assert "fit" not in rep["verdict"]  # the first stage's ranks ended with the job: not measured to its end
     [oom] = rep["oom"]
     assert oom == {"rank": 3, "class": "stage 1 of 2 (last)", "requested": GIB, "allocated": 3 * GIB,
                    "reserved": int(3.5 * GIB), "max_allocated": 3 * GIB, "max_reserved": int(3.5 * GIB),

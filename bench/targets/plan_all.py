@@ -44,7 +44,7 @@ def plan(name: str, checkout: Path, device_gib: float, host_gib: float, options:
         return {"error": (p.stderr.strip().splitlines() or ["no output"])[-1]}
 
 
-PLAN_VERSION = 5  # the plan JSON this table reads (prism_megatron.megatron.plan.PLAN_JSON_VERSION)
+PLAN_VERSION = 6  # the plan JSON this table reads (prism_megatron.megatron.plan.PLAN_JSON_VERSION)
 
 
 def row(name: str, d: dict) -> list[str]:

@@ -12,7 +12,10 @@ the next captures' plans carry them), so a middle stage learns rank 0's do_train
 live rank ran no iteration while another's did is incomplete, by name: its program ended early. Each
 capture writes its own trace (``TRACE.captures/capture-I-rank-L``;
 logs beside it), a failed one marked incomplete; the run stops at the first capture that fails and the
-merged trace (``trace.merge``) says which. Captures run in the fold's live-rank order (first stage first).
+merged trace (``trace.merge``) says which. A capture whose rank ran out of memory under the target GPU's cap
+(exit code ``OOM``) did not fail: its OOM is the prediction for its class, so the later captures run and the
+merged trace holds every class, each with its peak or its failing allocation (``OOM_CONTINUES_RULE``).
+Captures run in the fold's live-rank order (first stage first).
 A capture's ranks see ``CAPTURE_ENV``: rules the program side keeps for a capture of one live rank install
 on it (Megatron's tied-embedding initialisation: ``patches.serial_embedding``).
 """
@@ -27,14 +30,22 @@ from pathlib import Path
 from typing import Any
 
 from prism_megatron.launcher.config import LaunchConfig
-from prism_megatron.launcher.exit_codes import RANK_FAILED
+from prism_megatron.launcher.exit_codes import OOM, RANK_FAILED
 from prism_megatron.trace.fold import SERIAL_RULES
 
-__all__ = ["CAPTURE_ENV", "capture_plan", "captures_dir", "capture_serially"]
+__all__ = ["CAPTURE_ENV", "OOM_CONTINUES_RULE", "capture_plan", "captures_dir", "capture_serially"]
 
 #: set to "serial" in the ranks of a serial capture (``rank.rank_env``): program-side rules that only a capture
 #: of one live rank needs install on it (e.g. ``patches.serial_embedding``)
 CAPTURE_ENV = "PRISM_FOLD_CAPTURE"
+
+OOM_CONTINUES_RULE = """\
+A serial capture whose live rank ran out of memory under the target GPU's cap (exit code OOM, its trace written
+with the oom mark) is its class's verdict, not a failure of the run: the next captures run. What they need
+from it are the broadcasts it recorded (RECORDED_BROADCAST_RULE), kept up to its OOM; one it never reached is
+absent, and a later capture that needs it is refused by name as for any missing recording. Any other failure
+(a crash, a refusal, a hang, the physical device's OOM, no trace written) stops the run as before. The run
+exits as a run together with a predicted OOM does (OOM), unless a capture failed (its code)."""
 
 
 def capture_plan(plan: dict[str, Any], rank: int, index: int,
@@ -65,7 +76,8 @@ def captures_dir(trace_dir: Path) -> Path:
 def capture_serially(cfg: LaunchConfig, launch: Callable[[LaunchConfig], int],
                      say: Callable[[str], None] = print) -> int:
     """Capture ``cfg``'s fold one live rank at a time with ``launch``, then merge the captures at
-    ``cfg.trace_dir``; returns the first failing capture's exit code, else 0."""
+    ``cfg.trace_dir``; returns the first failing capture's exit code, else OOM where a capture ran out of
+    memory under the target's cap (``OOM_CONTINUES_RULE``), else 0."""
     from prism_megatron.trace.merge import merge_captures
 
     plan = cfg.fold
@@ -74,12 +86,13 @@ def capture_serially(cfg: LaunchConfig, launch: Callable[[LaunchConfig], int],
     live = [int(x) for x in plan["live"]]
     root = captures_dir(cfg.trace_dir)
     root.mkdir(parents=True, exist_ok=True)
-    code, captures, walls, answers, iterations = 0, [], [], [], {}
+    code, ooms, captures, walls, answers, iterations = 0, [], [], [], [], {}
+    failed = 0  # the number (from 1) of the capture that failed
     for i, rank in enumerate(live):
         part = root / f"capture-{i}-rank-{rank}"
         cls = plan["classes"][plan["class_of"][rank]]["name"]
         if code != 0:
-            captures.append({"rank": rank, "trace": None, "incomplete": f"not run: capture {i} failed first"})
+            captures.append({"rank": rank, "trace": None, "incomplete": f"not run: capture {failed} failed first"})
             continue
         say(f"serial capture {i + 1}/{len(live)}: rank {rank} (class {cls}) is the only process; every other rank "
             f"is virtual (self mirror, stand-ins); trace {part}")
@@ -98,7 +111,14 @@ def capture_serially(cfg: LaunchConfig, launch: Callable[[LaunchConfig], int],
             iterations[i] = _iterations(part)
         if code != 0 and reason is None:
             reason = f"exited with code {code}"
-        if code != 0:
+        if code == OOM and written:  # a prediction (OOM_CONTINUES_RULE): the later captures run
+            ooms.append(i)
+            code = 0
+            more = "; the later captures run" if i + 1 < len(live) else ""
+            say(f"serial capture {i + 1}/{len(live)} (rank {rank}, class {cls}) ran out of memory under the "
+                f"target's cap: predicted OOM for its class{more}")
+        elif code != 0:
+            failed = i + 1
             say(f"serial capture {i + 1}/{len(live)} (rank {rank}) failed: {reason}; later captures are not run")
         captures.append({"rank": rank, "trace": part if written else None, "incomplete": reason})
     ran = {i: n for i, n in iterations.items() if n}
@@ -114,7 +134,7 @@ def capture_serially(cfg: LaunchConfig, launch: Callable[[LaunchConfig], int],
         said = ", ".join(f"{w:.1f}" for w in walls)
         say(f"serial capture: merged {sum(c['trace'] is not None for c in captures)} of {len(live)} capture(s) "
             f"into {cfg.trace_dir} (wall s per capture: {said})")
-    return code
+    return code or (OOM if ooms else 0)
 
 
 def _iterations(trace: Path) -> int:

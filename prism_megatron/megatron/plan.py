@@ -37,8 +37,9 @@ __all__ = ["PLAN_JSON_VERSION", "PlanError", "Plan", "make_plan", "plan_json", "
            "ROUGH_TIME_MODEL"]
 
 # 2: microbatches (the micro-batch fold's record, or null); 3: memory by prism's estimate; 4: capture;
-# 5: the target's cap (memory.target, memory.per_rank_held), verdict and predicted_oom
-PLAN_JSON_VERSION = 5
+# 5: the target's cap (memory.target, memory.per_rank_held), verdict and predicted_oom; 6: no capture.stops_at,
+# capture.not_captured (a serial run captures every class past a predicted OOM)
+PLAN_JSON_VERSION = 6
 # per class (memory.classes, memory.per_rank: the most of a live rank), Megatron's formula under memory.megatron
 GiB = 1 << 30
 #: Host memory of one live rank's process besides its GPU state (Python, torch, Megatron, the
@@ -282,14 +283,7 @@ def _serial(plan: Plan, args: Any = None) -> dict[str, Any]:
     if plan.fold.expert_tokens:
         why += (f"; expert peers answered by the {plan.fold.expert_tokens} of each capture's live rank, as captured "
                 "together")
-    out = {"mode": "serial", "captures": n, "fits": fits, "why": why}
-    oom = (plan.memory.get("target") or {}).get("oom") or {}
-    order = [plan.fold.classes[plan.fold.class_of[r]].name for r in plan.fold.live]
-    first = next((i for i, name in enumerate(order) if name in oom), None)
-    if fits and first is not None:  # the run stops at the first capture that fails (launcher.serial)
-        out["stops_at"] = order[first]
-        out["not_captured"] = order[first + 1:]
-    return out
+    return {"mode": "serial", "captures": n, "fits": fits, "why": why}
 
 
 def plan_fits(plan: Plan) -> bool | None:
@@ -309,11 +303,12 @@ def predicted_ooms(plan: Plan) -> list[str]:
              f"{cap / GiB:.1f} GiB); the run stops it at the cap and reports the failing allocation"
              for name, total in target["oom"].items()]
     c = plan.capture
-    if c.get("stops_at") is not None:
-        rest = (f"; the captures after it ({', '.join(c['not_captured'])}) are not run" if c["not_captured"]
-                else "")
-        lines.append(f"serial: the capture of class {c['stops_at']} ends the run with its OOM (captures run in the "
-                     f"fold's live-rank order and stop at the first that fails){rest}")
+    if c["mode"] == "serial":  # launcher.serial.OOM_CONTINUES_RULE
+        order = [plan.fold.classes[plan.fold.class_of[r]].name for r in plan.fold.live]
+        over = [name for name in order if name in target["oom"]]
+        lines.append(f"serial: every class is captured; a capture that reaches its OOM ({', '.join(over)}) ends "
+                     "there and the later captures still run, so the report gives each class its verdict (fits, or "
+                     "the failing allocation) and no time prediction")
     elif c["mode"] == "together":
         lines.append("together: the run ends at the first rank that reaches its cap")
     return lines

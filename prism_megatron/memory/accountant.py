@@ -55,6 +55,7 @@ class ByteAccountant(TorchDispatchMode):
         if getattr(_local, "off", False):
             return out
         before = self.current
+        prior: dict[int, int | None] = {}  # this op's storages: their counted bytes before it
         for t in tree_leaves(out):
             if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
                 continue
@@ -64,6 +65,7 @@ class ByteAccountant(TorchDispatchMode):
                 continue
             key, n = id(storage), storage.nbytes()
             old = self._live.get(key)
+            prior.setdefault(key, old)
             if old is None:
                 self._live[key] = n
                 self.current += n
@@ -72,7 +74,15 @@ class ByteAccountant(TorchDispatchMode):
                 self._live[key] = n
                 self.current += n - old
         if self.cap is not None and self.current > self.cap and self.current > before:
-            requested = self.failed = self.current - before  # the outputs die with the exception: never held
+            requested = self.failed = self.current - before
+            # the outputs die with the exception, never held: uncounted now, not when the traceback lets them go
+            # (the OOM mark, taken meanwhile, would count the failed allocation as held)
+            for key, old in prior.items():
+                if old is None:
+                    self._live.pop(key, None)
+                else:
+                    self._live[key] = old
+            self.current = before
             raise torch.OutOfMemoryError(
                 f"prism CPU-mode budget: tried to allocate {requested / 2**20:.2f} MiB in {func}; "
                 f"this rank holds {before / 2**20:.2f} MiB of its {self.cap / 2**20:.2f} MiB cap")

@@ -75,6 +75,9 @@ def assemble(trace_dir: str | Path, cluster: str | None = None,
     memory = _memory(marks, classes, trace)
     oom = [_oom_entry(r, a, classes[r]) for r, a in sorted(marks["oom"].items())]
     exit5 = [e["rank"] for e in trace.manifest["ranks"] if e["exit_code"] == OOM_EXIT_CODE]
+    dead = {e["rank"] for e in oom} | set(exit5)
+    if result is None and calibrated is None:
+        error = _oom_not_replayed(fold, dead) or error
     target = _target(job.get("target_gpu"))
     report = {
         "format": FORMAT,
@@ -97,7 +100,8 @@ def assemble(trace_dir: str | Path, cluster: str | None = None,
         "memory": memory,
         "oom": oom,
         "swap": _swap(job.get("swap")),
-        "verdict": verdict(memory, oom, exit5, classes, target["gpu"]) + _unmeasured(fold),
+        "verdict": verdict(memory, oom, exit5, classes, target["gpu"], _captured_in_full(fold))
+        + _unmeasured(fold, dead),
         "fold": None if fold is None else _fold(fold, memory, None if result is None else result, classes),
         "anchors": {**_anchors(marks, memory), "fake_pg": _fake_pg(Path(trace_dir), memory)},
     }
@@ -482,19 +486,43 @@ def _swap(swap: Any) -> dict[str, Any] | None:
 # ---------------------------------------------------------------------------------------- verdict
 
 
-def _unmeasured(fold: Fold | None) -> str:
+def _unmeasured(fold: Fold | None, dead: set[int]) -> str:
     """What a verdict leaves out when a serial run's capture did not complete: its class was measured in part
-    (until the capture stopped) or not at all; "" otherwise."""
-    cut = fold.incomplete_captures() if fold is not None else []
+    (until the capture stopped) or not at all; "" otherwise. A capture whose rank ran out of memory under the
+    target's cap (in ``dead``) is not listed: its OOM is its class's verdict."""
+    cut = [c for c in fold.incomplete_captures() if c.rank not in dead] if fold is not None else []
     if not cut:
         return ""
     parts = [f"{c.cls} (capture {c.number} of {c.of} {c.status})" for c in cut]
     return f"; class(es) not measured in full: {', '.join(parts)}"
 
 
+def _oom_not_replayed(fold: Fold | None, dead: set[int]) -> str | None:
+    """Why a serial run whose only incomplete captures ran out of memory under the target's cap has no time
+    prediction (launcher.serial.OOM_CONTINUES_RULE): the job does not run there. None for any other trace."""
+    cut = fold.incomplete_captures() if fold is not None else []
+    if not cut or any(c.rank not in dead for c in cut):
+        return None
+    names = ", ".join(dict.fromkeys(c.cls for c in cut))
+    return (f"class(es) {names} ran out of memory under the target's cap (the verdict names each): the job does "
+            "not run on the target, so there is no iteration time to predict; the memory figures are each "
+            "capture's own (an OOM capture's until its failing allocation)")
+
+
+def _captured_in_full(fold: Fold | None) -> set[str]:
+    """A serial run's classes whose capture completed (their peaks are the whole job's); none for any other trace:
+    a run together ends every rank at the first OOM."""
+    if fold is None or fold.capture_mode != "serial" or "captures" not in fold.capture:
+        return set()
+    cut = {c.rank for c in fold.incomplete_captures()}
+    return {fold.class_name(c["rank"]) for c in fold.capture["captures"] if c["rank"] not in cut}
+
+
 def verdict(memory: dict[str, Any], oom: list[dict[str, Any]], exit5: list[int], classes: dict[int, str],
-            gpu: str | None = None) -> str:
-    """One line: did it run out of memory (who, by how much), or does it fit (with what to spare)."""
+            gpu: str | None = None, complete: set[str] = frozenset()) -> str:
+    """One line: did it run out of memory (who, by how much: the worst rank first, then the worst of each other
+    class that did, then the ``complete`` classes, measured to the end, that fit), or does it fit (with what to
+    spare)."""
     on = f" on {gpu}" if gpu else ""  # after the cap: the prefixes (OOM:, fits:) stay fixed for programs
     if oom:
         def shortfall(e: dict) -> float:
@@ -502,21 +530,19 @@ def verdict(memory: dict[str, Any], oom: list[dict[str, Any]], exit5: list[int],
                 return float("-inf")
             return e["reserved"] + e["requested"] - e["cap"]
 
-        worst = max(oom, key=shortfall)
-        who = f"rank {worst['rank']} ({worst['class']})"
-        others = len({e["rank"] for e in oom} | set(exit5)) - 1
+        worst: dict[str, dict] = {}  # per class its worst rank, the worst class first
+        for e in sorted(oom, key=lambda e: (-shortfall(e), e["rank"])):
+            worst.setdefault(e["class"], e)
+        named = [_oom_words(e, shortfall(e), on) for e in worst.values()]
+        others = len({e["rank"] for e in oom} | set(exit5)) - len(worst)
         more = f"; {others} other rank(s) out of memory too" if others else ""
-        if worst["requested"] is not None and worst["cap"] is not None:
-            short = shortfall(worst)
-            if short > 0:
-                return (f"OOM: {who} needs {fmt_bytes(short)} more than its {fmt_bytes(worst['cap'])} cap{on} "
-                        f"(asked for {fmt_bytes(worst['requested'])} with {fmt_bytes(worst['reserved'])} "
-                        f"reserved){more}")
-            return (f"OOM: {who} could not get {fmt_bytes(worst['requested'])} with "
-                    f"{fmt_bytes(worst['reserved'])} of its {fmt_bytes(worst['cap'])} cap{on} reserved "
-                    f"(fragmentation){more}")
-        message = worst["message"].strip().splitlines()[0][:160] if worst["message"].strip() else "no message"
-        return f"OOM: {who} ran out of memory: {message}{more}"
+        dead = {e["class"] for e in oom} | {classes.get(r, UNKNOWN) for r in exit5}
+        fit = [f"{c['class']} (peak reserved {fmt_bytes(c['max_reserved'])}, headroom {fmt_bytes(c['headroom'])})"
+               for c in memory["classes"]
+               if c["class"] in complete and c["class"] not in dead and c["headroom"] is not None
+               and c["headroom"] >= 0]
+        fits = f"; class(es) that fit: {', '.join(fit)}" if fit else ""
+        return "OOM: " + "; ".join(named) + more + fits
     if exit5:
         r = min(exit5)
         return (f"OOM: rank {r} ({classes.get(r, UNKNOWN)}) exited with code {OOM_EXIT_CODE} (out of memory)"
@@ -535,3 +561,16 @@ def verdict(memory: dict[str, Any], oom: list[dict[str, Any]], exit5: list[int],
         return (f"does not fit: rank {tight['rank']} ({tight['class']}) reserves {fmt_bytes(-tight['headroom'])} "
                 f"more than its cap{on}")
     return f"fits: smallest headroom {fmt_bytes(tight['headroom'])}{on} (rank {tight['rank']}, {tight['class']})"
+
+
+def _oom_words(e: dict[str, Any], short: float, on: str) -> str:
+    """One rank's OOM in the verdict: "rank 3 (last) needs 512.0 MiB more than its 4.0 GiB cap (asked for ...)"."""
+    who = f"rank {e['rank']} ({e['class']})"
+    if e["requested"] is not None and e["cap"] is not None:
+        if short > 0:
+            return (f"{who} needs {fmt_bytes(short)} more than its {fmt_bytes(e['cap'])} cap{on} "
+                    f"(asked for {fmt_bytes(e['requested'])} with {fmt_bytes(e['reserved'])} reserved)")
+        return (f"{who} could not get {fmt_bytes(e['requested'])} with {fmt_bytes(e['reserved'])} of its "
+                f"{fmt_bytes(e['cap'])} cap{on} reserved (fragmentation)")
+    message = e["message"].strip().splitlines()[0][:160] if e["message"].strip() else "no message"
+    return f"{who} ran out of memory: {message}"

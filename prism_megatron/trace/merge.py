@@ -84,7 +84,8 @@ def merge_captures(out: str | Path, plan: Mapping[str, Any], captures: Sequence[
         if ops.num_rows:
             old = ops.column("group")
             new = pa.array([remap[x] for x in old.to_pylist()], pa.int32())
-            ops = ops.set_column(ops.schema.get_field_index("group"), "group", new)
+            at = ops.schema.get_field_index("group")  # its field kept (not null): a capture with no ops has it
+            ops = ops.set_column(at, ops.schema.field(at), new)
         tables["ops"].append(ops)
         for name in ("marks", "slots", "gpu"):
             tables[name].append(getattr(t, name))
