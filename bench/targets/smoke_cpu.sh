@@ -10,8 +10,9 @@
 #
 # Run from the repo root with a Python that has megatron-core installed (0.19.x: the GPU's version):
 #   MEGATRON_LM_PATH=DIR_WITH_megatron/training PYTHON=python3 bash bench/targets/smoke_cpu.sh [NAME ...]
-# env: PYTHON (python3), TIMEOUT (s per target run, 360), ITERS (train iterations, 2), OUT (/tmp/prism-smoke).
-# Prints one summary block per target; writes OUT/smoke-NAME/{plan.txt,run.log}.
+# env: PYTHON (python3), TIMEOUT (s per target run, 360), ITERS (train iterations, 2), OUT (/tmp/prism-smoke),
+#   SUMMARY_ONLY (1: run nothing, print the blocks of the runs already in OUT).
+# Prints one summary block per target; writes OUT/smoke-NAME/{plan.txt,run.log,exit.txt,overrides.txt} and the trace.
 set -uo pipefail
 : "${MEGATRON_LM_PATH:?set MEGATRON_LM_PATH to a Megatron-LM checkout (the directory holding megatron/training)}"
 py=${PYTHON:-python3}
@@ -52,30 +53,18 @@ depth() {  # the fold depth the GPU plan takes for it (bench/targets/results/pla
   case $1 in llama3-8b-*) echo replica ;; *) echo class ;; esac
 }
 
-failed=0
-for name in "${targets[@]}"; do
-  out=$outroot/smoke-$name
-  rm -rf "$out" && mkdir -p "$out"
-  read -r -a own <<< "$(shrink "$name")" || { failed=$((failed + 1)); continue; }
-  flags=(--recipe "targets-$name" --prism-devices cpu --prism-driver training --prism-fold on
-         --prism-fold-depth "$(depth "$name")" --prism-fold-capture serial --prism-attention sdpa --prism-fold-microbatches auto
-         "${common[@]}" "${own[@]}")
-  "$py" -m prism_megatron plan "${flags[@]}" > "$out/plan.txt" 2>&1
-  plan_rc=$?
-  t0=$(date +%s)
-  timeout "${TIMEOUT:-360}" "$py" -m prism_megatron run "${flags[@]}" --prism-emulate \
-    --prism-trace-dir "$out/trace" > "$out/run.log" 2>&1
-  rc=$?
-  wall=$(( $(date +%s) - t0 ))
-  [ "$rc" -ne 0 ] && failed=$((failed + 1))
-  echo "== $name: exit $rc in $wall s$([ "$rc" -eq 124 ] && echo " (timed out at ${TIMEOUT:-360} s)")"
-  echo "   overrides: ${common[*]} ${own[*]}"
+summarize() {  # NAME: the block printed for one target, from OUT/smoke-NAME
+  local name=$1 out=$outroot/smoke-$1 rc wall plan_rc overrides
+  read -r rc wall plan_rc < "$out/exit.txt" || { echo "== $name: no result in $out"; return 1; }
+  overrides=$(cat "$out/overrides.txt")
+  echo "== $name: exit $rc in $wall s$([ "$rc" -eq 124 ] && echo " (timed out)")"
+  echo "   overrides: $overrides"
   echo "   plan: exit $plan_rc; $(grep -m1 -E "^capture: serial|serial capture refused|does not fit" "$out/plan.txt" \
                                    | cut -c1-200 || echo "(no verdict line)")"
   grep -m1 -E "^prism: micro-batches" "$out/run.log" | cut -c8-200 | sed 's/^/   /'
-  started=$(grep -c -E "^prism: serial capture [0-9]+/" "$out/run.log")
-  echo "   captures: $started started; $(grep -m1 -E "^prism: serial capture: merged" "$out/run.log" \
-                                        | sed 's/ into .*(/ (/; s/^prism: serial capture: //' || echo "none merged")"
+  echo "   captures: $(grep -c -E "^prism: serial capture [0-9]+/" "$out/run.log") started; $(grep -m1 -E \
+       "^prism: serial capture: merged" "$out/run.log" | sed 's/ into .*(/ (/; s/^prism: serial capture: //' \
+       || echo "none merged")"
   if [ "$rc" -eq 0 ]; then
     grep -m1 -E "^predicted iteration" "$out/run.log" | sed 's/^/   /'
     grep -m1 -E "^fits:|^OOM|does not fit" "$out/run.log" | sed 's/^/   /'
@@ -83,6 +72,28 @@ for name in "${targets[@]}"; do
     [ "$plan_rc" -ne 0 ] && echo "   plan error: $(first_error "$out/plan.txt" | cut -c1-240)"
     echo "   error: $(first_error "$out/run.log" | cut -c1-240)"
   fi
+  return $(( rc != 0 ))
+}
+
+failed=0
+for name in "${targets[@]}"; do
+  out=$outroot/smoke-$name
+  if [ -z "${SUMMARY_ONLY:-}" ]; then  # SUMMARY_ONLY=1: print the blocks of runs already in OUT
+    rm -rf "$out" && mkdir -p "$out"
+    read -r -a own <<< "$(shrink "$name")" || { failed=$((failed + 1)); continue; }
+    flags=(--recipe "targets-$name" --prism-devices cpu --prism-driver training --prism-fold on
+           --prism-fold-depth "$(depth "$name")" --prism-fold-capture serial --prism-attention sdpa
+           --prism-fold-microbatches auto "${common[@]}" "${own[@]}")
+    echo "${common[*]} ${own[*]}" > "$out/overrides.txt"
+    "$py" -m prism_megatron plan "${flags[@]}" > "$out/plan.txt" 2>&1
+    plan_rc=$?
+    t0=$(date +%s)
+    timeout "${TIMEOUT:-360}" "$py" -m prism_megatron run "${flags[@]}" --prism-emulate \
+      --prism-trace-dir "$out/trace" > "$out/run.log" 2>&1
+    rc=$?
+    echo "$rc $(( $(date +%s) - t0 )) $plan_rc" > "$out/exit.txt"
+  fi
+  summarize "$name" || failed=$((failed + 1))
 done
 echo "== smoke_cpu: ${#targets[@]} target(s), $failed failed"
 exit $(( failed > 0 ))
