@@ -62,7 +62,7 @@ summarize() {  # NAME: the block printed for one target, from OUT/smoke-NAME
   echo "   plan: exit $plan_rc; $(grep -m1 -E "^capture: serial|serial capture refused|does not fit" "$out/plan.txt" \
                                    | cut -c1-200 || echo "(no verdict line)")"
   grep -m1 -E "^prism: micro-batches" "$out/run.log" | cut -c8-200 | sed 's/^/   /'
-  echo "   captures: $(grep -c -E "^prism: serial capture [0-9]+/" "$out/run.log") started; $(grep -m1 -E \
+  echo "   captures: $(grep -c -E "^prism: serial capture [0-9]+/[0-9]+: rank" "$out/run.log") started; $(grep -m1 -E \
        "^prism: serial capture: merged" "$out/run.log" | sed 's/ into .*(/ (/; s/^prism: serial capture: //' \
        || echo "none merged")"
   if [ "$rc" -eq 0 ]; then
@@ -70,7 +70,11 @@ summarize() {  # NAME: the block printed for one target, from OUT/smoke-NAME
     grep -m1 -E "^fits:|^OOM|does not fit" "$out/run.log" | sed 's/^/   /'
   else
     [ "$plan_rc" -ne 0 ] && echo "   plan error: $(first_error "$out/plan.txt" | cut -c1-240)"
-    echo "   error: $(first_error "$out/run.log" | cut -c1-240)"
+    if [ "$rc" -eq 124 ]; then
+      echo "   timed out; last prism line: $(grep "^prism:" "$out/run.log" | tail -1 | cut -c1-200)"
+    else
+      echo "   error: $(first_error "$out/run.log" | cut -c1-240)"
+    fi
   fi
   return $(( rc != 0 ))
 }
