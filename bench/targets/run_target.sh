@@ -7,11 +7,14 @@
 # Megatron-LM archive made by `bench/peer/run_peer_suite.py --pack` carried (Megatron-LM's training loop):
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
 #   bash bench/targets/run_target.sh llama3-70b-h100x64 [more prism or Megatron flags]
-# env: ARCHIVE (.peer-cache/megatron-lm-core_v0.19.0.tar.gz), DEVICES (0), TIMEOUT (s, 480), OUT (/tmp/prism-gpu).
+# env: ARCHIVE (.peer-cache/megatron-lm-core_v0.19.0.tar.gz), DEVICES (0), TIMEOUT (s, 480), OUT (/tmp/prism-gpu);
+#   BUDGET (s left when it starts, unset: no limit): skip the run (exit 3) when the plan's expected emulation time times SLACK
+#   (2.5: the Llama-3-70B run took 2.5x the plan's figure) exceeds it, and cap TIMEOUT at it (run_many.sh sets it).
 # Writes OUT/target-NAME/{run.log,memory.txt,summary.txt} and the report beside the trace (report.json).
 set -uo pipefail
 [ $# -ge 1 ] || { echo "usage: $0 NAME [flags]" >&2; exit 2; }
 name=$1; shift
+started=$(date +%s)
 out=${OUT:-/tmp/prism-gpu}/target-$name
 work=$(mktemp -d)
 mkdir -p "$out"
@@ -23,6 +26,20 @@ export WANDB_MODE=offline
 flags=(--recipe "targets-$name" --prism-devices "${DEVICES:-0}" --prism-driver training --prism-fold on
        --prism-fold-capture serial --prism-attention sdpa --prism-fold-microbatches auto "$@")
 python3 -m prism_megatron plan "${flags[@]}" 2>&1 | grep -v -i "warn" | tee "$out/plan.txt"
+timeout=${TIMEOUT:-480}
+if [ -n "${BUDGET:-}" ]; then  # run_many.sh: BUDGET s were left at the start; skip a run the plan expects to outlast them
+  left=$(( BUDGET - ($(date +%s) - started) ))
+  minutes=$(sed -n 's/^expected emulation time: ~\([0-9.]*\) min.*/\1/p' "$out/plan.txt" | head -1)
+  [ -n "$minutes" ] || { echo "== $name: the plan failed (no expected time)" | tee "$out/summary.txt"; rm -rf "$work"; exit 2; }
+  need=$(awk -v m="$minutes" -v k="${SLACK:-2.5}" 'BEGIN {printf "%d", m * 60 * k + 0.5}')
+  if [ "$need" -gt "$left" ]; then
+    echo "== $name: skipped: the plan expects $minutes min (x${SLACK:-2.5} = $need s), $left s left" \
+      | tee "$out/summary.txt"
+    rm -rf "$work"
+    exit 3
+  fi
+  [ "$left" -lt "$timeout" ] && timeout=$left
+fi
 sample() {  # peak GPU memory used (MiB) and host memory used (MiB), once a second
   local gpu=0 host=0 g h
   while :; do
@@ -36,7 +53,7 @@ sample() {  # peak GPU memory used (MiB) and host memory used (MiB), once a seco
 }
 sample & sampler=$!
 t0=$(date +%s)
-timeout "${TIMEOUT:-480}" python3 -m prism_megatron run "${flags[@]}" --prism-emulate \
+timeout "$timeout" python3 -m prism_megatron run "${flags[@]}" --prism-emulate \
   --prism-trace-dir "$work/trace" > "$out/run.log" 2>&1
 rc=$?
 kill "$sampler" 2>/dev/null

@@ -41,9 +41,10 @@ def install_patches(training: bool = True) -> None:
     schedules.install()
     p2p.install()
     ddp.install()
-    from prism_megatron.patches import attention, norm
+    from prism_megatron.patches import attention, mla_attention, norm
 
     norm.install()  # the local spec's torch norms under --sequence-parallel, as TE's and apex's take it
+    mla_attention.install()  # the local core attention under multi-latent attention, as TE's takes it
 
     if os.environ.get(attention.ENV_VAR) == "sdpa":  # --prism-attention sdpa (megatron.run sets it)
         attention.install()

@@ -40,19 +40,29 @@ def rotate_peer_counts(gathered: Any, ep_size: int, tp_size: int, num_experts: i
     sent. An EP position e has digits (e mod inner, e div inner), ``inner`` = TP / ETP dense-TP
     positions inside it (1 when ETP = TP: the translation is a shift along EP, a roll of the blocks);
     a peer translated by (a, b) routes to block ((p mod inner + a) mod inner) + inner·((p div inner
-    + b) mod (EP / inner)) what this rank routes to block p (``fold``'s translation, digit by digit)."""
+    + b) mod (EP / inner)) what this rank routes to block p (``fold``'s translation, digit by digit).
+    One gather with a cached index: this runs inside the rank's measured compute, every MoE layer and
+    micro-batch, so its cost must stay that of one kernel (not EP² indexing calls)."""
+    local = num_experts // ep_size
+    rows = gathered.reshape(ep_size, tp_size, ep_size, local)
+    source = _source_blocks(ep_size, ep_rank, inner, str(gathered.device))
+    index = source[:, None, :, None].expand(ep_size, tp_size, ep_size, local)
+    return rows.gather(2, index).reshape(gathered.shape)
+
+
+@functools.lru_cache(maxsize=32)
+def _source_blocks(ep_size: int, ep_rank: int, inner: int, device: str) -> Any:
+    """[e, q] -> the block p of row e that lands in block q (the inverse of the translation above)."""
     import torch
 
-    local = num_experts // ep_size
     outer = ep_size // inner
-    rows = gathered.reshape(ep_size, tp_size, ep_size, local)
-    out = torch.empty_like(rows)
+    source = torch.empty(ep_size, ep_size, dtype=torch.long)
     for e in range(ep_size):
         a = (e % inner - ep_rank % inner) % inner
         b = (e // inner - ep_rank // inner) % outer
         for p in range(ep_size):
-            out[e, :, (p % inner + a) % inner + inner * ((p // inner + b) % outer)] = rows[e, :, p]
-    return out.reshape(gathered.shape)
+            source[e, (p % inner + a) % inner + inner * ((p // inner + b) % outer)] = p
+    return source.to(device)
 
 
 @once
