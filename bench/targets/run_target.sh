@@ -8,6 +8,7 @@
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
 #   bash bench/targets/run_target.sh llama3-70b-h100x64 [more prism or Megatron flags]
 # env: ARCHIVE (.peer-cache/megatron-lm-core_v0.19.0.tar.gz), DEVICES (0), TIMEOUT (s, 480), OUT (/tmp/prism-gpu);
+#   KEEP_TRACE=1: also write the trace (rank logs left out) as OUT/target-NAME/trace.tar.gz for offline analysis;
 #   BUDGET (s left when it starts, unset: no limit): skip the run (exit 3) when the plan's expected emulation time times SLACK
 #   (2.5: the Llama-3-70B run took 2.5x the plan's figure) exceeds it, and cap TIMEOUT at it (run_many.sh sets it).
 # Writes OUT/target-NAME/{run.log,memory.txt,summary.txt} and the report beside the trace (report.json).
@@ -63,5 +64,6 @@ kill "$sampler" 2>/dev/null
   sed -n '/^prism-megatron report of/,$p' "$out/run.log"  # the run's own report (its cluster profile costs comm)
 } | tee "$out/summary.txt"
 cp "$work/trace/report.json" "$out/" 2>/dev/null
+[ "${KEEP_TRACE:-0}" = 1 ] && tar -czf "$out/trace.tar.gz" -C "$work" --exclude='*.logs' trace
 rm -rf "$work"
 exit "$rc"
