@@ -41,6 +41,7 @@ import math
 import os
 import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -98,13 +99,12 @@ def _run(a: argparse.Namespace, job: str, fold: str, flags: list[str], timeout: 
            "--prism-report", "off", "--prism-track-memory", "on", "--prism-log-ranks", "none",
            "--prism-trace-dir", str(trace), CORE, *flags]
     t0 = time.perf_counter()
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
-        rc, text = p.returncode, p.stdout + p.stderr
-    except subprocess.TimeoutExpired as e:
-        rc = 124
-        text = "".join(x.decode(errors="replace") if isinstance(x, bytes) else (x or "")
-                       for x in (e.stdout, e.stderr)) + f"\n(timed out after {timeout:.0f} s)"
+        text, _ = p.communicate(timeout=timeout)
+        rc = p.returncode
+    except subprocess.TimeoutExpired:
+        rc, text = 124, _stop(p) + f"\n(timed out after {timeout:.0f} s)"
     wall = time.perf_counter() - t0
     (work / f"{name}.log").write_text(text)
     out = {"job": job, "fold": fold, "repeat": repeat, "rc": rc, "wall_s": wall, "trace": str(trace)}
@@ -112,6 +112,44 @@ def _run(a: argparse.Namespace, job: str, fold: str, flags: list[str], timeout: 
         out["error"] = text[-2500:]
         return out
     return _collect(a, out, trace, metrics)
+
+
+def _ranks_of(launcher: int) -> list[int]:
+    """The rank processes of a launcher: its children forked from it (the same command line; the
+    coordinator, a child too, runs another)."""
+    def cmdline(pid: int) -> bytes:
+        try:
+            return Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            return b""
+    own, out = cmdline(launcher), []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rpartition(")")[2].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == launcher and cmdline(int(stat.parent.name)) == own:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def _stop(p: subprocess.Popen, grace: float = 20.0) -> str:
+    """A run past its time: every rank writes its threads' stacks into its log (SIGUSR1, the launcher's
+    hang reports), then the launcher ends the job on its own path (SIGTERM: the trace so far, the logs),
+    killed only if that takes over ``grace`` seconds. Returns the run's output."""
+    for pid in _ranks_of(p.pid):
+        try:
+            os.kill(pid, signal.SIGUSR1)
+        except OSError:
+            pass
+    time.sleep(1.0)
+    p.send_signal(signal.SIGTERM)
+    try:
+        text, _ = p.communicate(timeout=grace)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        text, _ = p.communicate()
+    return text or ""
 
 
 def _analysed(a: argparse.Namespace, job: str, fold: str, repeat: int = 0) -> dict | None:
@@ -434,7 +472,7 @@ def main() -> None:
 
     say(f"# {' '.join(_shown_argv(sys.argv))}")
     rows, diags = [], {}
-    reserve = 25.0  # seconds kept for the reports, the tables and the archive
+    reserve = 45.0  # seconds kept for a run past its time to end (_stop), the reports, the tables and the archive
     shown = ("job", "fold", "rc", "wall_s", "iteration_s", "iteration_times_s", "device_used_max", "rep")
     if a.repeats > 1:
         shown = ("repeat", *shown)
