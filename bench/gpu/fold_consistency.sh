@@ -14,9 +14,12 @@ out=${OUT:-/tmp/prism-gpu}
 mkdir -p "$out"
 nvidia-smi --query-gpu=name,memory.used,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader
 echo "cores: $(nproc); hyperthread siblings: $(sort -u /sys/devices/system/cpu/cpu*/topology/thread_siblings_list 2>/dev/null | tr '\n' ' ')"
+echo "NUMA nodes (CPUs): $(for n in /sys/devices/system/node/node[0-9]*; do [ -e "$n/cpulist" ] && printf '%s: %s  ' "${n##*/}" "$(cat "$n/cpulist")"; done); GPU's node: $(cat /sys/bus/pci/devices/*/numa_node 2>/dev/null | sort | uniq -c | tr '\n' ' ')"
 python3 -c "import torch, megatron.core as m; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'megatron-core', m.__version__)"
-# the host every 5 s (load, available memory, swap): a run that stops making progress says whether the host did
-( while sleep 5; do echo "$(date +%T) load $(cut -d' ' -f1-3 /proc/loadavg) $(awk '/^(MemAvailable|SwapFree|Dirty):/ {printf "%s %d MiB ", $1, $2 / 1024}' /proc/meminfo)"; done ) > "$out/host.log" 2>&1 &
+# the host every 5 s (load, available memory, swap; each python process's CPU and %CPU): a run that stops
+# making progress says whether the host did, and a rank's host time can be set beside where it ran
+( while sleep 5; do echo "$(date +%T) load $(cut -d' ' -f1-3 /proc/loadavg) $(awk '/^(MemAvailable|SwapFree|Dirty):/ {printf "%s %d MiB ", $1, $2 / 1024}' /proc/meminfo)"
+  echo "  pid/cpu/%cpu: $(ps -C python3,python -o pid=,psr=,pcpu= 2>/dev/null | awk '{printf "%s/%s/%s ", $1, $2, $3}')"; done ) > "$out/host.log" 2>&1 &
 sampler=$!
 python3 bench/gpu/fold_consistency.py --devices 0 --work /tmp/fold-consistency --out "$out" \
   --budget "${BUDGET:-440}" "$@" 2>&1 | tee "$out/run.log"
