@@ -23,6 +23,11 @@ differently (more ranks sharing the device, or the machine's drift between runs)
     python bench/gpu/fold_consistency.py --devices 0 --out DIR              # on the GPU machine
     python bench/gpu/fold_consistency.py --devices cpu --tiny --out DIR     # end to end on CPU, tiny shapes
 
+``--repeats N`` captures each job N times each way, interleaved (off, on, off, on, ...): the tables are the
+first pair's; a last block gives every run's prediction, fold/full, and the spread of the full runs among
+themselves and of the folds among themselves, so a difference of a few percent can be judged against the
+run-to-run noise. ``bench/gpu/fold_segments.py`` compares two captures segment by segment.
+
 ``--out`` gets fold_consistency.json, fold_consistency.txt and traces.tar.gz (traces, rank logs,
 metrics); the runs work in ``--work`` (default: a temporary directory).
 """
@@ -36,6 +41,7 @@ import math
 import os
 import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -70,10 +76,16 @@ def _flags(a: argparse.Namespace, job: str) -> list[str]:
     return flags
 
 
-def _run(a: argparse.Namespace, job: str, fold: str, flags: list[str], timeout: float) -> dict:
+def _name(job: str, fold: str, repeat: int) -> str:
+    """A run's name in --work (its trace is trace-NAME): the first repeat's as without --repeats."""
+    return f"{job}-fold-{fold}" + (f"-r{repeat}" if repeat else "")
+
+
+def _run(a: argparse.Namespace, job: str, fold: str, flags: list[str], timeout: float, repeat: int = 0) -> dict:
     work = Path(a.work)
-    trace = work / f"trace-{job}-fold-{fold}"
-    metrics = work / f"{job}-fold-{fold}.metrics.jsonl"
+    name = _name(job, fold, repeat)
+    trace = work / f"trace-{name}"
+    metrics = work / f"{name}.metrics.jsonl"
     metrics.unlink(missing_ok=True)
     env = dict(os.environ, PRISM_MEGATRON_METRICS=str(metrics), CUDA_DEVICE_MAX_CONNECTIONS="1",
                WANDB_MODE="disabled", PYTHONUNBUFFERED="1")
@@ -87,32 +99,70 @@ def _run(a: argparse.Namespace, job: str, fold: str, flags: list[str], timeout: 
            "--prism-report", "off", "--prism-track-memory", "on", "--prism-log-ranks", "none",
            "--prism-trace-dir", str(trace), CORE, *flags]
     t0 = time.perf_counter()
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
-        rc, text = p.returncode, p.stdout + p.stderr
-    except subprocess.TimeoutExpired as e:
-        rc = 124
-        text = "".join(x.decode(errors="replace") if isinstance(x, bytes) else (x or "")
-                       for x in (e.stdout, e.stderr)) + f"\n(timed out after {timeout:.0f} s)"
+        text, _ = p.communicate(timeout=timeout)
+        rc = p.returncode
+    except subprocess.TimeoutExpired:
+        rc, text = 124, _stop(p) + f"\n(timed out after {timeout:.0f} s)"
     wall = time.perf_counter() - t0
-    (work / f"{job}-fold-{fold}.log").write_text(text)
-    out = {"job": job, "fold": fold, "rc": rc, "wall_s": wall, "trace": str(trace)}
+    (work / f"{name}.log").write_text(text)
+    out = {"job": job, "fold": fold, "repeat": repeat, "rc": rc, "wall_s": wall, "trace": str(trace)}
     if rc != 0:
         out["error"] = text[-2500:]
         return out
     return _collect(a, out, trace, metrics)
 
 
-def _analysed(a: argparse.Namespace, job: str, fold: str) -> dict | None:
+def _ranks_of(launcher: int) -> list[int]:
+    """The rank processes of a launcher: its children forked from it (the same command line; the
+    coordinator, a child too, runs another)."""
+    def cmdline(pid: int) -> bytes:
+        try:
+            return Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            return b""
+    own, out = cmdline(launcher), []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rpartition(")")[2].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == launcher and cmdline(int(stat.parent.name)) == own:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def _stop(p: subprocess.Popen, grace: float = 20.0) -> str:
+    """A run past its time: every rank writes its threads' stacks into its log (SIGUSR1, the launcher's
+    hang reports), then the launcher ends the job on its own path (SIGTERM: the trace so far, the logs),
+    killed only if that takes over ``grace`` seconds. Returns the run's output."""
+    for pid in _ranks_of(p.pid):
+        try:
+            os.kill(pid, signal.SIGUSR1)
+        except OSError:
+            pass
+    time.sleep(1.0)
+    p.send_signal(signal.SIGTERM)
+    try:
+        text, _ = p.communicate(timeout=grace)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        text, _ = p.communicate()
+    return text or ""
+
+
+def _analysed(a: argparse.Namespace, job: str, fold: str, repeat: int = 0) -> dict | None:
     """The row of an earlier run in ``--work`` (``--analyse``): its trace, metrics and log as it left them."""
     work = Path(a.work)
-    trace, log = work / f"trace-{job}-fold-{fold}", work / f"{job}-fold-{fold}.log"
+    name = _name(job, fold, repeat)
+    trace, log = work / f"trace-{name}", work / f"{name}.log"
     if not (trace / "manifest.json").exists():
         return None
     wall = re.search(r"done in ([0-9.]+) s", log.read_text()) if log.exists() else None
-    out = {"job": job, "fold": fold, "rc": 0, "wall_s": float(wall.group(1)) if wall else float("nan"),
-           "trace": str(trace)}
-    return _collect(a, out, trace, work / f"{job}-fold-{fold}.metrics.jsonl")
+    out = {"job": job, "fold": fold, "repeat": repeat, "rc": 0,
+           "wall_s": float(wall.group(1)) if wall else float("nan"), "trace": str(trace)}
+    return _collect(a, out, trace, work / f"{name}.metrics.jsonl")
 
 
 def _collect(a: argparse.Namespace, out: dict, trace: Path, metrics: Path) -> dict:
@@ -298,6 +348,35 @@ def summarize(rows: list[dict], jobs: list[str], diags: dict[str, dict], say) ->
                 say(f"   {('rank ' + str(live)):26} {key:18} {_ms(e['fold']):>9}   {members}")
 
 
+def noise(rows: list[dict], jobs: list[str], say) -> dict[str, dict]:
+    """With --repeats: the fold/full ratio of predicted iteration time beside the spread of the full runs
+    among themselves and of the folds among themselves (max - min over the median), so a difference of a
+    few percent can be told from run-to-run noise."""
+    out = {}
+    for job in jobs:
+        times = {f: [r["iteration_s"] for r in rows if r["job"] == job and r["fold"] == f and r.get("iteration_s")]
+                 for f in ("off", "on")}
+        pairs = {}
+        for r in rows:
+            if r["job"] == job and r.get("iteration_s"):
+                pairs.setdefault(r.get("repeat", 0), {})[r["fold"]] = r["iteration_s"]
+        ratios = [p["on"] / p["off"] for _, p in sorted(pairs.items()) if "on" in p and "off" in p]
+        full, fold = times["off"], times["on"]
+        if not full or not fold:
+            say(f"== {job}: repeats: no full or no folded prediction")
+            continue
+        mf, mo = statistics.median(full), statistics.median(fold)
+        e = {"full_s": full, "fold_s": fold, "ratio_of_medians": mo / mf, "pair_ratios": ratios,
+             "full_spread": (max(full) - min(full)) / mf, "fold_spread": (max(fold) - min(fold)) / mo}
+        out[job] = e
+        say(f"== {job}: {len(full)} full and {len(fold)} folded runs, predicted iteration (ms): "
+            f"full {[_ms(t) for t in full]}, fold {[_ms(t) for t in fold]}")
+        say(f"   fold/full of the medians {e['ratio_of_medians']:.4f}; per repeat {[round(x, 4) for x in ratios]}; "
+            f"spread (max - min) / median: full among themselves {100 * e['full_spread']:.2f} %, "
+            f"fold among themselves {100 * e['fold_spread']:.2f} %")
+    return out
+
+
 def _bundle(a: argparse.Namespace, limit: int = 15 << 20) -> None:
     """Traces, logs and metrics of every run into one archive under --out (what comes back); without the
     rank logs where that is over ``limit`` bytes."""
@@ -350,6 +429,9 @@ def main() -> None:
     ap.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--order", default="off,on", choices=["off,on", "on,off"],
                     help="which capture of each job runs first (--prism-fold off: full)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="captures of each job per fold setting, interleaved (off,on,off,on,... per --order); "
+                         "prints fold/full beside each side's spread among its own runs")
     ap.add_argument("--pin-cores", action="store_true",
                     help="each rank on a core of its own (PRISM_PIN_CORES=1; needs more cores than ranks)")
     ap.add_argument("--spin-us", type=int, default=0,
@@ -362,6 +444,8 @@ def main() -> None:
     ap.add_argument("--analyse", action="store_true",
                     help="run nothing: rebuild the tables from the traces, metrics and logs in --work")
     a = ap.parse_args()
+    if a.repeats < 1:
+        ap.error(f"--repeats must be a positive integer, got {a.repeats}")
     if a.analyse and a.work is None:
         ap.error("--analyse needs --work (the directory of the earlier runs)")
     if a.tiny:
@@ -388,27 +472,30 @@ def main() -> None:
 
     say(f"# {' '.join(_shown_argv(sys.argv))}")
     rows, diags = [], {}
-    reserve = 25.0  # seconds kept for the reports, the tables and the archive
+    reserve = 45.0  # seconds kept for a run past its time to end (_stop), the reports, the tables and the archive
+    shown = ("job", "fold", "rc", "wall_s", "iteration_s", "iteration_times_s", "device_used_max", "rep")
+    if a.repeats > 1:
+        shown = ("repeat", *shown)
     for job in jobs:
         flags = _flags(a, job)
-        for fold in a.order.split(","):
+        for k, fold in ((k, f) for k in range(a.repeats) for f in a.order.split(",")):  # off,on,off,on,...
+            what = f"{job} --prism-fold {fold}" + (f" (repeat {k})" if k else "")
             if a.analyse:
-                r = _analysed(a, job, fold)
+                r = _analysed(a, job, fold, k)
                 if r is None:
-                    say(f"{job} --prism-fold {fold}: no trace in {a.work}")
+                    say(f"{what}: no trace in {a.work}")
                 else:
                     rows.append(r)
                 continue
             left = a.budget - (time.perf_counter() - start) - reserve
             if left < 30:
-                say(f"{job} --prism-fold {fold}: not run ({left:.0f} s of --budget left)")
+                say(f"{what}: not run ({left:.0f} s of --budget left)")
                 continue
-            r = _run(a, job, fold, flags, min(a.timeout, left))
+            r = _run(a, job, fold, flags, min(a.timeout, left), repeat=k)
             rows.append(r)
             so_far = json.dumps({"rows": _public(rows)}, indent=1, default=str)
             (out / "fold_consistency.json").write_text(so_far)
-            say(json.dumps({k: v for k, v in r.items() if k in ("job", "fold", "rc", "wall_s", "iteration_s",
-                                                                 "iteration_times_s", "device_used_max", "rep")}))
+            say(json.dumps({k: v for k, v in r.items() if k in shown}))
             if "error" in r:
                 say(r["error"])
         full = next((r for r in rows if r["job"] == job and r["fold"] == "off" and "ranks" in r), None)
@@ -419,7 +506,11 @@ def main() -> None:
             except Exception as e:  # the decomposition must not lose the main figures
                 say(f"{job}: decomposition failed: {type(e).__name__}: {e}")
     summarize(rows, jobs, diags, say)
-    (out / "fold_consistency.json").write_text(json.dumps({"rows": _public(rows), "why": diags}, indent=1, default=str))
+    result = {"rows": _public(rows), "why": diags}
+    if a.repeats > 1:
+        say("\n== run-to-run noise (--repeats: the first repeat's runs are the tables above)")
+        result["repeats"] = noise(rows, jobs, say)
+    (out / "fold_consistency.json").write_text(json.dumps(result, indent=1, default=str))
     (out / "fold_consistency.txt").write_text("\n".join(lines) + "\n")
     if not a.analyse:
         _bundle(a)
