@@ -65,6 +65,8 @@ def megatron_argv(name: str, *, depth: str = "auto", microbatches: str = "prism"
 
     if microbatches not in ("prism", "recipe"):
         raise ValueError(f"--microbatches {microbatches!r}: expected prism or recipe")
+    if iters is not None and iters < 1:
+        raise ValueError(f"--iters {iters}: expected at least 1")
     request = parse_run_args([*plan_flags(name, depth), *overrides])
     world = int(request.options["prism_world_size"])
     args = list(request.script_args)
@@ -73,8 +75,6 @@ def megatron_argv(name: str, *, depth: str = "auto", microbatches: str = "prism"
                                       env=request.env, say=lambda m: None)
     if iters is None:
         iters = min(_flag_int(args, "--train-iters") or 3, 3)
-    if iters < 1:
-        raise ValueError(f"--iters {iters}: expected at least 1")
     for key, value in DRIVER_ARG_DEFAULTS.items():  # what prism's driver defaults, as flags for pretrain_gpt.py
         flag = "--" + key.replace("_", "-")
         if not any(a == flag or a.startswith(flag + "=") for a in args):
@@ -84,7 +84,8 @@ def megatron_argv(name: str, *, depth: str = "auto", microbatches: str = "prism"
 
 
 def plan_ranks(name: str, depth: str, overrides: list[str] = ()) -> dict[int, str]:
-    """The plan's live ranks (one per class at class depth), each with its class's name."""
+    """The lowest live rank of each class of the plan, with its class's name (at replica depth a class
+    can have several live ranks: they hold alike, so one is measured)."""
     cmd = [sys.executable, "-m", "prism_megatron", "plan", "--json", *plan_flags(name, depth), *overrides]
     p = subprocess.run(cmd, capture_output=True, text=True)
     start = p.stdout.find("{")
@@ -93,7 +94,10 @@ def plan_ranks(name: str, depth: str, overrides: list[str] = ()) -> dict[int, st
                          f"{(p.stderr.strip().splitlines() or ['no output'])[-1]}")
     fold = json.loads(p.stdout[start:p.stdout.rfind("}") + 1])["fold"]
     names = [c["name"] for c in fold["classes"]]
-    return {r: names[fold["class_of"][r]] for r in fold["live"]}
+    first: dict[str, int] = {}
+    for r in sorted(fold["live"]):
+        first.setdefault(names[fold["class_of"][r]], r)
+    return {r: name for name, r in first.items()}
 
 
 def resolve_script(choice: str | None) -> Path:
@@ -180,7 +184,7 @@ def run_rank(script: Path, argv: list[str], env: dict[str, str], world: int, ran
     wall = round(time.monotonic() - t0, 1)
     if log is not None:
         log.write_text(out)
-    entry: dict[str, Any] = {"rank": rank, "exit": rc, "wall_s": wall}
+    entry: dict[str, Any] = {"rank": rank, "exit": rc, "wall_s": wall, "oom": False}
     line = next((x for x in reversed(out.splitlines()) if x.startswith(MARK)), None)
     if line is not None:
         entry.update(json.loads(line[len(MARK):]))
@@ -227,7 +231,7 @@ def table(entries: list[dict[str, Any]]) -> str:
         rows.append((str(e["rank"]), e.get("class") or "-", e["status"], _mib(mine), _mib(e.get("max_reserved")),
                      _mib(meg.get("max_allocated")), _mib(prism), diff))
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines) + "\n(MiB; diff = prism - fake-pg; Megatron line: its own report_memory max allocated)"
 
