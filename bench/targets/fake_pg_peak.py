@@ -156,6 +156,14 @@ def _child(script: Path, argv: list[str]) -> int:
         code = OOM_EXIT
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    try:  # the iterations Megatron completed (its own count of samples consumed)
+        from megatron.training.global_vars import get_args
+
+        margs = get_args()
+        result.update(iterations=margs.consumed_train_samples // margs.global_batch_size,
+                      train_iters=margs.train_iters)
+    except Exception:  # noqa: BLE001 - no args: Megatron stopped before parsing; the status says so
+        result.update(iterations=None, train_iters=None)
     gpu = torch.cuda.is_available() and not cpu_mode.cpu_mode_active()
     result.update(device=torch.cuda.get_device_name() if gpu else "cpu",
                   max_allocated=torch.cuda.max_memory_allocated() if gpu else None,
@@ -200,6 +208,8 @@ def run_rank(script: Path, argv: list[str], env: dict[str, str], world: int, ran
         tail = [x for x in out.splitlines() if x.strip() and not x.startswith(MARK)][-3:]
         entry["status"] = f"failed (exit {rc})"
         entry["error"] = " | ".join(tail)[:600] or "no output"
+    elif entry.get("iterations") != entry.get("train_iters"):
+        entry["status"] = f"stopped after {entry.get('iterations')} of {entry.get('train_iters')} iterations"
     else:
         entry["status"] = "ran"
     return entry
@@ -271,9 +281,10 @@ def main(argv: list[str]) -> int:
         e["class"] = classes.get(rank) or (prism.get(rank) or {}).get("class")
         if rank in prism:
             e["prism"] = {k: prism[rank].get(k) for k in ("class", "max_allocated", "max_reserved", "oom")}
-        print(f"  rank {rank}: {e['status']}; max allocated {_mib(e.get('max_allocated'))} MiB, max reserved "
-              f"{_mib(e.get('max_reserved'))} MiB in {e['wall_s']} s" + (f"; {e['error']}" if e.get("error") else ""),
-              flush=True)
+        said = f"; {e['error']}" if e.get("error") else ""
+        print(f"  rank {rank}: {e['status']} ({e.get('iterations')} iterations); max allocated "
+              f"{_mib(e.get('max_allocated'))} MiB, max reserved {_mib(e.get('max_reserved'))} MiB in "
+              f"{e['wall_s']} s{said}", flush=True)
         entries.append(e)
     doc = {"format": FORMAT, "version": VERSION, "recipe": a.name, "world_size": world, "script": str(script),
            "argv": args, "env": env, "source": "Megatron-LM --fake-process-group, one rank alone per process",

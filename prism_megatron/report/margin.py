@@ -5,7 +5,7 @@ spec (torch norms and linears, prism's fused attention): its measured peak is th
 own kernels keep somewhat different activations and workspaces. So where the recipe records that
 substitution, a class whose peak lies within ``TE_SUBSTITUTION_MARGIN`` of the target's cap (either
 side) is not called fits or OOM but "within the TE-substitution margin": the rendered program's bytes
-cannot decide it. The margin's definition and its basis are in docs/measurements.md.
+cannot decide it. The margin and its basis: docs/features.md.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 
 __all__ = ["TE_SUBSTITUTION_MARGIN", "FITS", "OOM", "WITHIN_MARGIN", "te_substituted", "class_verdicts"]
 
-#: fraction of the target GPU's cap: |cap - peak| <= margin x cap is within the margin (docs/measurements.md)
+#: fraction of the target GPU's cap: |cap - peak| <= margin x cap is within the margin (docs/features.md)
 TE_SUBSTITUTION_MARGIN = 0.05
 FITS, OOM, WITHIN_MARGIN = "fits", "OOM", "within the TE-substitution margin"
 
