@@ -44,11 +44,12 @@ FORMAT, VERSION = "prismfakepg", 1
 
 # ------------------------------------------------------------------------------------------------ argv
 
-def plan_flags(name: str, depth: str) -> list[str]:
-    """The prism flags run_target.sh runs a target with (its plan's live ranks are the defaults here)."""
-    return ["--recipe", f"targets-{name}", "--prism-driver", "training", "--prism-fold", "on",
-            "--prism-fold-depth", depth, "--prism-fold-capture", "serial", "--prism-attention", "sdpa",
-            "--prism-fold-microbatches", "auto"]
+def plan_flags(name: str, depth: str, devices: str = "cpu") -> list[str]:
+    """The prism flags run_target.sh runs a target with (its plan's live ranks are the defaults here);
+    ``devices`` as its --prism-devices (the fold depth ``auto`` picks depends on their memory)."""
+    return ["--recipe", f"targets-{name}", "--prism-devices", devices, "--prism-driver", "training",
+            "--prism-fold", "on", "--prism-fold-depth", depth, "--prism-fold-capture", "serial",
+            "--prism-attention", "sdpa", "--prism-fold-microbatches", "auto"]
 
 
 def megatron_argv(name: str, *, depth: str = "auto", microbatches: str = "prism", iters: int | None = None,
@@ -83,10 +84,10 @@ def megatron_argv(name: str, *, depth: str = "auto", microbatches: str = "prism"
     return args, dict(request.env), world
 
 
-def plan_ranks(name: str, depth: str, overrides: list[str] = ()) -> dict[int, str]:
+def plan_ranks(name: str, depth: str, overrides: list[str] = (), devices: str = "cpu") -> dict[int, str]:
     """The lowest live rank of each class of the plan, with its class's name (at replica depth a class
     can have several live ranks: they hold alike, so one is measured)."""
-    cmd = [sys.executable, "-m", "prism_megatron", "plan", "--json", *plan_flags(name, depth), *overrides]
+    cmd = [sys.executable, "-m", "prism_megatron", "plan", "--json", *plan_flags(name, depth, devices), *overrides]
     p = subprocess.run(cmd, capture_output=True, text=True)
     start = p.stdout.find("{")
     if start < 0:
@@ -98,6 +99,12 @@ def plan_ranks(name: str, depth: str, overrides: list[str] = ()) -> dict[int, st
     for r in sorted(fold["live"]):
         first.setdefault(names[fold["class_of"][r]], r)
     return {r: name for name, r in first.items()}
+
+
+def _default_devices() -> str:
+    import torch
+
+    return "0" if torch.cuda.is_available() else "cpu"
 
 
 def resolve_script(choice: str | None) -> Path:
@@ -258,6 +265,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--microbatches", default="prism", choices=("prism", "recipe"),
                     help="global batch as prism's ranks run it (default) or the recipe's")
     ap.add_argument("--fold-depth", default="auto", help="the plan's --prism-fold-depth (default auto)")
+    ap.add_argument("--devices", help="the plan's --prism-devices (default: 0 where a GPU is visible, else cpu)")
     ap.add_argument("--prism-report", type=Path, help="a prism report.json: its per-rank peak beside each")
     ap.add_argument("--out", type=Path, default=Path("."), help="directory for fake-pg-NAME.json and the logs")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per rank (900)")
@@ -265,8 +273,11 @@ def main(argv: list[str]) -> int:
     script = resolve_script(a.script)
     args, env, world = megatron_argv(a.name, depth=a.fold_depth, microbatches=a.microbatches, iters=a.iters,
                                      overrides=overrides)
-    classes = plan_ranks(a.name, a.fold_depth, overrides)
-    ranks = [int(r) for r in a.ranks.split(",")] if a.ranks else sorted(classes)
+    if a.ranks:
+        ranks, classes = [int(r) for r in a.ranks.split(",")], {}
+    else:
+        classes = plan_ranks(a.name, a.fold_depth, overrides, a.devices or _default_devices())
+        ranks = sorted(classes)
     bad = [r for r in ranks if not 0 <= r < world]
     if bad:
         raise SystemExit(f"fake_pg_peak: --ranks {bad}: not ranks of a world of {world}")
