@@ -9,7 +9,10 @@ rendering seams only (``emulate.install_rendering_patches``: torch norms under s
 the MLA core attention, ``--prism-attention sdpa``), so its model is the program prism's ranks build;
 none of prism's runtime runs. Each child prints torch.cuda.max_memory_allocated/reserved when
 training ends, or the OOM (the failing allocation) when it runs out of device memory; Megatron's own
-``report_memory`` line is read too where it prints one (data-parallel rank 0 only).
+``report_memory`` line is read too where it prints one (data-parallel rank 0 only). One change to
+Megatron's fake-process-group run: a rank that builds no dataset (a middle pipeline stage) trains, as
+rank 0's broadcast tells it to in the real job (the fake broadcast does nothing, so Megatron alone
+would skip its training; ``FAKE_PG_BROADCAST=off`` shows that).
 
 Usage (repo root; MEGATRON_LM_PATH a Megatron-LM checkout at the installed core's tag):
   python bench/targets/fake_pg_peak.py llama3-8b-h100x8 [--ranks 0,3] [--prism-report OUT/report.json]
@@ -38,6 +41,7 @@ if str(_REPO) not in sys.path:
 
 MARK = "PRISM-FAKE-PG "  # the child's one result line (JSON after it)
 OOM_EXIT = 3  # the child ran out of device memory (its result line says where)
+BROADCAST_ENV = "FAKE_PG_BROADCAST"  # off: ranks that build no dataset do not train (_train_as_broadcast)
 MiB = 1 << 20
 FORMAT, VERSION = "prismfakepg", 1
 
@@ -130,6 +134,29 @@ def resolve_script(choice: str | None) -> Path:
 
 # ------------------------------------------------------------------------------------------------ one rank
 
+def _train_as_broadcast() -> None:
+    """Every rank trains, as rank 0's broadcast tells it to in the real job.
+
+    Megatron decides ``args.do_train`` on the ranks that build a dataset and broadcasts it from rank 0;
+    a rank that builds none (a middle pipeline stage) takes the broadcast's value. Under the fake
+    process group the broadcast does nothing, so such a rank would skip training and report only its
+    weights and optimizer state. Set where rank 0 would have sent it (mock data: train_iters > 0).
+    ``FAKE_PG_BROADCAST=off``: Megatron's own behaviour."""
+    from megatron.training import training
+
+    from prism_megatron.patches import seam
+
+    original = seam(training, "build_train_valid_test_data_loaders", ("0.19.0",))
+
+    def loaders(*a, **k):
+        out = original(*a, **k)
+        args = training.get_args()
+        args.do_train = bool(args.do_train) or (args.train_iters or 0) > 0
+        return out
+
+    training.build_train_valid_test_data_loaders = loaders
+
+
 def _child(script: Path, argv: list[str]) -> int:
     """In the rank's own process: the rendering seams, then the script as ``python SCRIPT ARGS``."""
     import runpy
@@ -150,6 +177,8 @@ def _child(script: Path, argv: list[str]) -> int:
 
         cpu_trainer.install()  # what prism's driver installs on CPU
     install_rendering_patches()
+    if os.environ.get(BROADCAST_ENV) != "off":
+        _train_as_broadcast()
     import torch
 
     sys.argv = [str(script), *argv]
@@ -299,6 +328,7 @@ def main(argv: list[str]) -> int:
         entries.append(e)
     doc = {"format": FORMAT, "version": VERSION, "recipe": a.name, "world_size": world, "script": str(script),
            "argv": args, "env": env, "source": "Megatron-LM --fake-process-group, one rank alone per process",
+           "do_train": "Megatron's own" if os.environ.get(BROADCAST_ENV) == "off" else "as rank 0 broadcasts it",
            "ranks": entries}
     path = a.out / f"fake-pg-{a.name}.json"
     tmp = path.with_suffix(".json.tmp")
