@@ -62,6 +62,10 @@ def test_oom_is_reported_as_a_verdict(tmp_path):
     entry = tool.run_rank(script, [], {}, 8, 3, timeout=120)
     assert entry["oom"] is True and entry["exit"] == tool.OOM_EXIT
     assert entry["status"].startswith("OOM") and "Tried to allocate 2.00 GiB" in entry["error"]
+    plain = tmp_path / "plain_oom.py"  # a C++ path raises CUDA's OOM as a plain RuntimeError
+    plain.write_text("raise RuntimeError('CUDA out of memory. Tried to allocate 64.00 MiB')\n")
+    entry = tool.run_rank(plain, [], {}, 8, 3, timeout=120)
+    assert entry["oom"] is True and entry["status"].startswith("OOM") and "64.00 MiB" in entry["error"]
     broken = tmp_path / "broken.py"
     broken.write_text("raise RuntimeError('bad flag --foo')\n")
     entry = tool.run_rank(broken, [], {}, 8, 3, timeout=120)

@@ -192,6 +192,14 @@ def _child(script: Path, argv: list[str]) -> int:
         code = OOM_EXIT
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except Exception as e:  # noqa: BLE001 - said below with the peaks reached so far, and the traceback
+        import traceback
+
+        traceback.print_exc()
+        said = " ".join(f"{type(e).__name__}: {e}".split())[:600]
+        oom = "out of memory" in said.lower()  # a CUDA OOM raised as a plain RuntimeError by a C++ path
+        result = {"oom": oom, "error": said}
+        code = OOM_EXIT if oom else 1
     try:  # the iterations Megatron completed (its own count of samples consumed)
         from megatron.training.global_vars import get_args
 
@@ -243,7 +251,7 @@ def run_rank(script: Path, argv: list[str], env: dict[str, str], world: int, ran
     elif rc != 0 or line is None:
         tail = [x for x in out.splitlines() if x.strip() and not x.startswith(MARK)][-3:]
         entry["status"] = f"failed (exit {rc})"
-        entry["error"] = " | ".join(tail)[:600] or "no output"
+        entry["error"] = entry.get("error") or " | ".join(tail)[:600] or "no output"
     elif entry.get("iterations") != entry.get("train_iters"):
         entry["status"] = f"stopped after {entry.get('iterations')} of {entry.get('train_iters')} iterations"
     else:
