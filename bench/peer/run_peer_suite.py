@@ -98,6 +98,9 @@ def megatron_checkout(path: str | None, tag: str) -> Path:
 PACKED = ("megatron", "pyproject.toml", "tests/__init__.py", "tests/test_utils", "tests/unit_tests/*.py",
           "tests/unit_tests/dist_checkpointing", "tests/unit_tests/distributed", "tests/unit_tests/pipeline_parallel",
           "tests/unit_tests/tensor_parallel")
+#: Packed where the checkout has them: Megatron-LM's GPT entry and the modules beside it that it imports, for
+#: bench/targets/fake_pg_peak.py (Megatron's own --fake-process-group run of a target's ranks).
+PACKED_IF_PRESENT = ("pretrain_gpt.py", "gpt_builders.py", "model_provider.py")
 
 
 def pack(checkout: Path, archive: Path) -> None:
@@ -113,6 +116,9 @@ def pack(checkout: Path, archive: Path) -> None:
             for path in found:
                 tar.add(path, arcname=str(path.relative_to(checkout)),
                         filter=lambda ti: None if "__pycache__" in ti.name or ti.name.endswith(".pyc") else ti)
+        for name in PACKED_IF_PRESENT:
+            if (checkout / name).is_file():
+                tar.add(checkout / name, arcname=name)
     tmp.replace(archive)
 
 

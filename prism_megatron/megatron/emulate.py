@@ -7,7 +7,7 @@ import os
 from prism_megatron.megatron import cpu_mode
 from prism_megatron.megatron.megatron_lm import ensure_megatron_training, training_available
 
-__all__ = ["install_patches", "rank_setup", "uses_training"]
+__all__ = ["install_patches", "install_rendering_patches", "rank_setup", "uses_training"]
 
 
 def uses_training() -> bool:
@@ -41,13 +41,7 @@ def install_patches(training: bool = True) -> None:
     schedules.install()
     p2p.install()
     ddp.install()
-    from prism_megatron.patches import attention, mla_attention, norm
-
-    norm.install()  # the local spec's torch norms under --sequence-parallel, as TE's and apex's take it
-    mla_attention.install()  # the local core attention under multi-latent attention, as TE's takes it
-
-    if os.environ.get(attention.ENV_VAR) == "sdpa":  # --prism-attention sdpa (megatron.run sets it)
-        attention.install()
+    install_rendering_patches()
     from prism_megatron.patches import moe_fold
 
     if os.environ.get(moe_fold.ENV_VAR):  # a fold whose expert peers are virtual (megatron.run sets it)
@@ -58,6 +52,18 @@ def install_patches(training: bool = True) -> None:
         from prism_megatron.patches import serial_embedding
 
         serial_embedding.install()
+
+
+def install_rendering_patches() -> None:
+    """The seams that make the program a rank runs (the model's modules), not how it communicates:
+    what a rank run without prism (Megatron's ``--fake-process-group``, bench/targets/fake_pg_peak.py)
+    installs so that its model is the one prism's ranks build."""
+    from prism_megatron.patches import attention, mla_attention, norm
+
+    norm.install()  # the local spec's torch norms under --sequence-parallel, as TE's and apex's take it
+    mla_attention.install()  # the local core attention under multi-latent attention, as TE's takes it
+    if os.environ.get(attention.ENV_VAR) == "sdpa":  # --prism-attention sdpa (megatron.run sets it)
+        attention.install()
 
 
 def rank_setup() -> None:

@@ -33,6 +33,7 @@ from prism_megatron.trace.microbatches import MicrobatchFold
 from .classify import UNKNOWN, class_order, rank_class
 from .costing import Costing, choose_costing
 from .live import basis, timed_iterations
+from .margin import TE_SUBSTITUTION_MARGIN, WITHIN_MARGIN, class_verdicts, te_substituted
 from .schema import FORMAT, VERSION
 from .units import fmt_bytes, rank_ranges
 
@@ -108,7 +109,21 @@ def assemble(trace_dir: str | Path, cluster: str | None = None,
     subs = _substitutions(job.get("substitutions"), trace.path / "manifest.json")
     if subs is not None:
         report["substitutions"] = subs
+    _mark_margin(report)
     return report, result
+
+
+def _mark_margin(report: dict[str, Any]) -> None:
+    """Each memory class's verdict; where the run substituted Transformer Engine, those within the margin
+    (report.margin) are named so, in the class rows and after the verdict line (whose prefix stays)."""
+    margin = TE_SUBSTITUTION_MARGIN if te_substituted(report.get("substitutions")) else None
+    verdicts = class_verdicts(report["memory"], report["oom"], margin)
+    for c in report["memory"]["classes"]:
+        c["verdict"] = verdicts[c["class"]]
+    near = [name for name, v in verdicts.items() if v == WITHIN_MARGIN]
+    if near:
+        report["verdict"] += (f"; within the TE-substitution margin (peak within {margin:.0%} of the cap, "
+                              f"local spec rendered for Transformer Engine): {', '.join(near)}")
 
 
 def _substitutions(subs: Any, where: Path) -> list[dict[str, str]] | None:

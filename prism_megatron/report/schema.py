@@ -124,6 +124,8 @@ MEMORY_CLASS = Obj({
     "max_reserved": (int,),
     "headroom": OPT_INT,  # the smallest of its ranks
 })
+#: Optional in a class row (no version bump): fits, OOM or "within the TE-substitution margin"
+#: (report.margin), null where no cap was set.
 MEMORY = Obj({"source": OPT_STR, "ranks": ListOf(MEMORY_RANK), "classes": ListOf(MEMORY_CLASS)})
 OOM = Obj({
     "rank": (int,),

@@ -17,6 +17,7 @@ from rich.text import Text
 from ..trace.summary import swap_summary
 from .classify import class_order
 from .live import basis
+from .margin import WITHIN_MARGIN
 from .units import fmt_bytes, fmt_rate, fmt_seconds, rank_ranges
 
 #: Up to this many ranks the breakdown has one row per rank, beyond it one row per class.
@@ -70,14 +71,15 @@ def _memory(report: dict[str, Any]) -> Table | None:
     if not mem["classes"]:
         return None
     t = Table(title=f"memory per class ({mem['source'] or 'unknown source'})", title_justify="left")
-    for col in ("class", "ranks", "max allocated", "max reserved", "headroom"):
-        t.add_column(col, justify="left" if col in ("class", "ranks") else "right")
+    for col in ("class", "ranks", "max allocated", "max reserved", "headroom", "verdict"):
+        t.add_column(col, justify="left" if col in ("class", "ranks", "verdict") else "right")
     oom_ranks = {e["rank"] for e in mem["ranks"] if e["oom"]}
     for c in mem["classes"]:
-        room = c["headroom"]
-        style = "red" if (room is not None and room < 0) or oom_ranks & set(c["ranks"]) else ""
+        room, said = c["headroom"], c.get("verdict")  # verdict: absent in reports written before it
+        style = "yellow" if said == WITHIN_MARGIN else "red" if (room is not None and room < 0) or oom_ranks & set(
+            c["ranks"]) else ""
         t.add_row(c["class"], _ranks_cell(c["ranks"]), fmt_bytes(c["max_allocated"]), fmt_bytes(c["max_reserved"]),
-                  fmt_bytes(room), style=style)
+                  fmt_bytes(room), said or "-", style=style)
     return t
 
 

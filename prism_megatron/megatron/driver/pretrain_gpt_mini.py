@@ -179,7 +179,9 @@ def train_valid_test_datasets_provider(num_samples, vp_stage: int | None = None)
 
 def main() -> None:
     train_valid_test_datasets_provider.is_distributed = True
-    defaults = {"tokenizer_type": "NullTokenizer", "eval_interval": 1000}
+    from prism_megatron.megatron.driver import DRIVER_ARG_DEFAULTS
+
+    defaults = dict(DRIVER_ARG_DEFAULTS)
     from megatron.training import arguments
 
     if not hasattr(arguments, "parse_and_validate_args"):  # 0.16.x: pretrain parses and takes a provider

@@ -1,0 +1,53 @@
+"""Per-class memory verdicts, and the margin a Transformer Engine substitution puts on them.
+
+A target recipe that publishes ``--transformer-impl transformer_engine`` runs here as Megatron's local
+spec (torch norms and linears, prism's fused attention): its measured peak is that program's, and TE's
+own kernels keep somewhat different activations and workspaces. So where the recipe records that
+substitution, a class whose peak lies within ``TE_SUBSTITUTION_MARGIN`` of the target's cap (either
+side) is not called fits or OOM but "within the TE-substitution margin": the rendered program's bytes
+cannot decide it. The margin and its basis: docs/features.md.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["TE_SUBSTITUTION_MARGIN", "FITS", "OOM", "WITHIN_MARGIN", "te_substituted", "class_verdicts"]
+
+#: fraction of the target GPU's cap: |cap - peak| <= margin x cap is within the margin (docs/features.md)
+TE_SUBSTITUTION_MARGIN = 0.05
+FITS, OOM, WITHIN_MARGIN = "fits", "OOM", "within the TE-substitution margin"
+
+
+def te_substituted(substitutions: list[dict[str, str]] | None) -> bool:
+    """Whether the run rendered a published Transformer Engine model with another implementation."""
+    return any(s["setting"] == "model.transformer_impl" and "transformer_engine" in s["published"]
+               and "transformer_engine" not in s["rendered"] for s in substitutions or ())
+
+
+def class_verdicts(memory: dict[str, Any], oom: list[dict[str, Any]], margin: float | None) -> dict[str, str | None]:
+    """Class -> its verdict (None where no cap was set). A class's peak is its worst rank's: what it
+    reserved, or, where it ran out of memory, what it reserved plus what it asked for (the least it
+    needed; unknown where the allocation's size is). ``margin`` None: plain fits/OOM."""
+    caps: dict[str, int] = {}
+    for r in memory["ranks"]:
+        if r["cap"] is not None:
+            caps[r["class"]] = max(caps.get(r["class"], 0), r["cap"])
+    need: dict[str, int | None] = {c["class"]: c["max_reserved"] for c in memory["classes"]}
+    dead: set[str] = {r["class"] for r in memory["ranks"] if r["oom"]}
+    for e in oom:
+        dead.add(e["class"])
+        asked = None if e["requested"] is None else e["reserved"] + e["requested"]
+        have = need.get(e["class"])
+        need[e["class"]] = None if asked is None else max(asked, have or 0)
+    out: dict[str, str | None] = {}
+    for c in memory["classes"]:
+        name, cap = c["class"], caps.get(c["class"])
+        if cap is None:
+            out[name] = None
+            continue
+        peak = need.get(name)
+        plain = OOM if name in dead or (peak is not None and peak > cap) else FITS
+        near = margin is not None and peak is not None and abs(cap - peak) <= margin * cap
+        out[name] = WITHIN_MARGIN if near else plain
+    return out
