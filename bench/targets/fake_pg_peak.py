@@ -41,6 +41,7 @@ if str(_REPO) not in sys.path:
 
 MARK = "PRISM-FAKE-PG "  # the child's one result line (JSON after it)
 OOM_EXIT = 3  # the child ran out of device memory (its result line says where)
+CAP_ENV = "FAKE_PG_CAP_BYTES"  # set: the rank's allocator capped as prism caps an emulated rank (memory.probe)
 BROADCAST_ENV = "FAKE_PG_BROADCAST"  # off: ranks that build no dataset do not train (_train_as_broadcast)
 MiB = 1 << 20
 FORMAT, VERSION = "prismfakepg", 1
@@ -181,6 +182,12 @@ def _child(script: Path, argv: list[str]) -> int:
         _train_as_broadcast()
     import torch
 
+    cap = int(os.environ.get(CAP_ENV) or 0)
+    if cap and torch.cuda.is_available() and not cpu_mode.cpu_mode_active():
+        total = torch.cuda.get_device_properties(0).total_memory
+        if cap > total:
+            raise SystemExit(f"fake_pg_peak: --cap {cap} B exceeds this GPU's {total} B")
+        torch.cuda.set_per_process_memory_fraction(cap / total, 0)
     sys.argv = [str(script), *argv]
     sys.path.insert(0, str(script.parent))  # pretrain_gpt.py imports gpt_builders, model_provider beside it
     result: dict[str, Any] = {"oom": False}
@@ -306,10 +313,17 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--prism-report", type=Path, help="a prism report.json: its per-rank peak beside each")
     ap.add_argument("--out", type=Path, default=Path("."), help="directory for fake-pg-NAME.json and the logs")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per rank (900)")
+    ap.add_argument("--cap", metavar="GPU",
+                    help="cap each rank's allocator at this target GPU's usable bytes, as prism caps an emulated "
+                         "rank (e.g. h100-80gb; default: uncapped)")
     a = ap.parse_args(own)
     script = resolve_script(a.script)
     args, env, world = megatron_argv(a.name, depth=a.fold_depth, microbatches=a.microbatches, iters=a.iters,
                                      overrides=overrides)
+    if a.cap:
+        from prism_megatron.memory.targets import resolve_target
+
+        env = {**env, CAP_ENV: str(resolve_target(a.cap).usable)}
     if a.ranks:
         ranks, classes = [int(r) for r in a.ranks.split(",")], {}
     else:
