@@ -31,7 +31,8 @@ Memory per iteration: the running peak at each iteration's end per class, and (M
 received in its token dispatches. A fold mirrors data-parallel gradients (the sandbox replica's own
 stand for the others'), so from the first optimizer step on its weights, hence its expert routing and
 expert activations, follow the sandbox's data, not the mean over replicas: iteration 1 is the one the
-two runs share.
+two runs share. ``--same-batches`` gives every replica the same data in both runs: then they should agree
+at every iteration.
 
     python bench/gpu/fold_consistency.py --devices 0 --out DIR              # on the GPU machine
     python bench/gpu/fold_consistency.py --devices cpu --tiny --out DIR     # end to end on CPU, tiny shapes
@@ -106,6 +107,8 @@ def _run(a: argparse.Namespace, job: str, fold: str, flags: list[str], timeout: 
         env["PRISM_PIN_CORES"] = "1"
     if a.spin_us:
         env["PRISM_SPIN_GRANT_US"] = str(a.spin_us)
+    if a.same_batches:
+        env["PRISM_SAME_BATCHES"] = "1"
     cmd = [sys.executable, "-m", "prism_megatron", "run", "--prism-emulate", "--prism-world-size", str(a.world),
            "--prism-devices", a.devices, "--prism-driver", "core", "--prism-fold", fold, "--prism-fold-depth", a.depth,
            "--prism-swap", "none",
@@ -483,7 +486,8 @@ def summarize(rows: list[dict], jobs: list[str], diags: dict[str, dict], say) ->
                 e = entry[key]
                 members = "  ".join(f"{r}:{_ms(v)}" for r, v in sorted(e["full"].items()))
                 say(f"   {('rank ' + str(live)):26} {key:18} {_ms(e['fold']):>9}   {members}")
-        _say_choices(job, d, fi, fo, say)
+        if timed:  # without GPU rows (CPU) the members' measured times are one clock each: nothing to move
+            _say_choices(job, d, fi, fo, say)
         _say_iterations(job, d, fold["rep"], say)
 
 
@@ -621,6 +625,10 @@ def main() -> None:
     ap.add_argument("--spin-us", type=int, default=0,
                     help="a blocked rank spins this long for its grant before it sleeps (PRISM_SPIN_GRANT_US): "
                          "its core stays awake however many ranks take turns before it")
+    ap.add_argument("--same-batches", action="store_true",
+                    help="every DP replica reads replica 0's samples in both runs (core driver's PRISM_SAME_BATCHES): "
+                         "the full reduction then equals the fold's mirror, so MoE routing and memory should agree "
+                         "at every iteration, not only the first")
     ap.add_argument("--tiny", action="store_true", help="CPU check: hidden 64, 2 layers, seq 64, mbs 1")
     ap.add_argument("--timeout", type=float, default=200, help="seconds per run at most")
     ap.add_argument("--budget", type=float, default=440,
