@@ -20,6 +20,20 @@ symmetrically, as the fold's trace is replayed — once per replica. full vs its
 replaying every replica adds; a folded view vs the fold: what the capture itself measured
 differently (more ranks sharing the device, or the machine's drift between runs).
 
+The time criterion compares like with like: the full capture replayed as the fold is (one measured rank
+per class, the rest synthesised) once per choice of which member's measured host and device times stand
+for each class (``member_choices``); the fold's prediction against the median of those and inside their
+range says whether it differs by more than which rank happened to be measured. The full capture's own
+headline pools the host times of every like rank (more of them than a fold has), a different estimator.
+The fold replayed with the full capture's host, then device, times of the same ranks splits the rest.
+
+Memory per iteration: the running peak at each iteration's end per class, and (MoE) the rows each rank
+received in its token dispatches. A fold mirrors data-parallel gradients (the sandbox replica's own
+stand for the others'), so from the first optimizer step on its weights, hence its expert routing and
+expert activations, follow the sandbox's data, not the mean over replicas: iteration 1 is the one the
+two runs share. ``--same-batches`` gives every replica the same data in both runs: then they should agree
+at every iteration.
+
     python bench/gpu/fold_consistency.py --devices 0 --out DIR              # on the GPU machine
     python bench/gpu/fold_consistency.py --devices cpu --tiny --out DIR     # end to end on CPU, tiny shapes
 
@@ -93,6 +107,8 @@ def _run(a: argparse.Namespace, job: str, fold: str, flags: list[str], timeout: 
         env["PRISM_PIN_CORES"] = "1"
     if a.spin_us:
         env["PRISM_SPIN_GRANT_US"] = str(a.spin_us)
+    if a.same_batches:
+        env["PRISM_SAME_BATCHES"] = "1"
     cmd = [sys.executable, "-m", "prism_megatron", "run", "--prism-emulate", "--prism-world-size", str(a.world),
            "--prism-devices", a.devices, "--prism-driver", "core", "--prism-fold", fold, "--prism-fold-depth", a.depth,
            "--prism-swap", "none",
@@ -233,6 +249,122 @@ def _as_folded(trace, rep: list[int], gpus_per_node: int, shift: int):
                                slots=only(trace.slots), gpu=only(trace.gpu))
 
 
+def _iteration_rows(trace) -> dict[int, dict[int, list[int]]]:
+    """rank -> iteration (1-based) -> indices into ``trace.gpu`` of the rank's GPU-timed segments inside
+    it, in clock order."""
+    clocks: dict[int, list[tuple[str, float]]] = {}
+    for m in trace.marks.to_pylist():
+        if m["name"] == "iteration" and m["phase"] in ("B", "E"):
+            clocks.setdefault(m["rank"], []).append((m["phase"], m["compute_clock"]))
+    rows: dict[int, list[tuple[float, float, int]]] = {}
+    for i, row in enumerate(trace.gpu.to_pylist()):
+        rows.setdefault(row["rank"], []).append((row["clock_start"], row["clock_end"], i))
+    out: dict[int, dict[int, list[int]]] = {}
+    for rank, marks in clocks.items():
+        begins = [c for p, c in marks if p == "B"]
+        ends = [c for p, c in marks if p == "E"]
+        mine = sorted(rows.get(rank, []))
+        for k, (b, e) in enumerate(zip(begins, ends, strict=False), start=1):
+            out.setdefault(rank, {})[k] = [i for s, t, i in mine if b - 1e-9 <= s and t <= e + 1e-9]
+    return out
+
+
+def _measured_by(view, source, pick: dict[int, int], columns: tuple[str, ...] = ("cpu", "gpu", "syncs")):
+    """``view`` (a folded trace) whose live rank l carries, inside every whole iteration, the measured
+    ``columns`` of the gpu table (host time, device time and waits) of ``source``'s rank ``pick[l]``,
+    segment k onto segment k (the same program: a class's members issue the same ops); set-up, tail and
+    l's own ops stay l's. An iteration whose segment counts differ is a ValueError naming both ranks."""
+    import pyarrow as pa
+
+    mine_at, theirs_at = _iteration_rows(view), _iteration_rows(source)
+    cols = {name: source.gpu.column(name).to_pylist() for name in columns}
+    new = {name: view.gpu.column(name).to_pylist() for name in cols}
+    for live, member in pick.items():
+        if live == member and view is source:
+            continue
+        for k, mine in mine_at.get(live, {}).items():
+            theirs = theirs_at.get(member, {}).get(k)
+            if theirs is None:
+                continue
+            if len(theirs) != len(mine):
+                raise ValueError(f"iteration {k}: rank {member} has {len(theirs)} GPU-timed segments, "
+                                 f"rank {live} {len(mine)}: not the same program")
+            for i, j in zip(mine, theirs, strict=True):
+                for name in new:
+                    new[name][i] = cols[name][j]
+    gpu = view.gpu
+    for name, values in new.items():
+        field = gpu.schema.field(name)
+        gpu = gpu.set_column(gpu.schema.get_field_index(name), field, pa.array(values, field.type))
+    return dataclasses.replace(view, gpu=gpu)
+
+
+def member_choices(trace, rep: list[int], gpus_per_node: int, cluster: str, limit: int = 256) -> list[dict]:
+    """The full capture ``trace`` replayed as the fold ``rep`` is (only one measured rank per class, the
+    rest synthesised from it), once per choice of which class member's measured times stand for the
+    class: what the fold's prediction would have been had its sandbox measured like each of the full
+    capture's members. Every choice up to ``limit`` of them, else ``limit`` drawn at random (seed 0)."""
+    import itertools
+    import random
+
+    from prism_megatron.replay import graph_from_trace, replay
+    from prism_megatron.report.build import cost_model
+
+    base = _as_folded(trace, rep, gpus_per_node, 0)
+    classes = {x: [r for r, y in enumerate(rep) if y == x] for x in sorted(set(rep))}
+    total = math.prod(len(m) for m in classes.values())
+    picks = list(itertools.product(*classes.values())) if total <= limit else \
+        [tuple(random.Random(f"{n}").choice(m) for m in classes.values()) for n in range(limit)]
+    out = []
+    for pick in picks:
+        view = _measured_by(base, trace, dict(zip(classes, pick, strict=True)))
+        head, _ = _headline(view, replay(graph_from_trace(view), cost_model(cluster, view.fold)))
+        out.append({"members": list(pick), "iteration_s": head})
+    return out
+
+
+def memory_by_iteration(trace) -> dict[int, dict[int, int]]:
+    """rank -> iteration -> max allocated bytes at the iteration's end (its memory mark): a running peak,
+    the allocator's peak is not reset between iterations; the first iteration holding the final value
+    is the one the rank's peak was reached in."""
+    out: dict[int, dict[int, int]] = {}
+    for m in trace.marks.to_pylist():
+        if m["name"] == "memory":
+            attrs = json.loads(m["attrs"])
+            if attrs.get("iteration") is not None:
+                out.setdefault(m["rank"], {})[attrs["iteration"]] = attrs["max_allocated"]
+    return out
+
+
+def expert_rows(trace) -> dict[int, dict[int, list[int]]]:
+    """rank -> iteration -> rows (token copies) the rank received in each MoE token dispatch of its
+    forward passes: the first of each pair of 2-D all-to-alls inside a forward mark (dispatch, then
+    combine, per MoE layer), its output rows. Empty for a job without expert all-to-alls."""
+    windows: dict[int, list[tuple[float, float, int]]] = {}
+    opened: dict[int, tuple[float, int]] = {}
+    for m in sorted(trace.marks.to_pylist(), key=lambda m: (m["rank"], m["compute_clock"], m["phase"] != "E")):
+        if m["name"] != "forward":
+            continue
+        if m["phase"] == "B":
+            opened[m["rank"]] = (m["compute_clock"], json.loads(m["attrs"]).get("iteration", 0))
+        elif m["phase"] == "E" and m["rank"] in opened:
+            b, it = opened.pop(m["rank"])
+            windows.setdefault(m["rank"], []).append((b, m["compute_clock"], it))
+    out: dict[int, dict[int, list[int]]] = {}
+    for rank, wins in windows.items():
+        clock, seen = 0.0, []
+        for op in trace.ops_for_rank(rank):
+            clock += op["compute_before"]
+            if op["kind"] in ("all_to_all", "all_to_all_single"):
+                shapes = json.loads(op["shapes"])
+                if len(shapes) == 2 and len(shapes[1]) == 2:
+                    seen.append((clock, shapes[1][0]))
+        for b, e, it in wins:
+            inside = [rows for c, rows in seen if b - 1e-9 <= c <= e + 1e-9]
+            out.setdefault(rank, {}).setdefault(it, []).extend(inside[0::2])
+    return out
+
+
 def _per_iteration(trace) -> dict[int, dict[int, dict[str, float]]]:
     """rank -> iteration -> measured seconds: one-clock compute (the rank's compute clock across the
     iteration), host and device time (sums over its GPU-timed segments; 0 where none)."""
@@ -286,7 +418,15 @@ def diagnose(full: dict, fold: dict, cluster: str) -> dict:
                 return statistics.median(vals) if vals else None
             entry[key] = {"full": {r: med("full", r) for r in members}, "fold": med("fold", live)}
         classes[live] = entry
-    return {"views": views, "own_host": own, "timed_iterations": timed, "classes": classes, "measured": measured}
+    choices = member_choices(t_full, rep, gpn, cluster)
+    swapped = {}  # the fold replayed with the full capture's host (cpu) or device (gpu, syncs) times, same ranks
+    for what, columns in (("host", ("cpu",)), ("device", ("gpu", "syncs"))):
+        view = _measured_by(t_fold, t_full, {x: x for x in set(rep)}, columns)
+        swapped[what] = _headline(view, replay(graph_from_trace(view), cost_model(cluster, view.fold)))[0]
+    memory = {"full": memory_by_iteration(t_full), "fold": memory_by_iteration(t_fold)}
+    rows = {"full": expert_rows(t_full), "fold": expert_rows(t_fold)}
+    return {"views": views, "own_host": own, "timed_iterations": timed, "classes": classes, "measured": measured,
+            "choices": choices, "swapped": swapped, "memory_by_iteration": memory, "expert_rows": rows}
 
 
 # ----------------------------------------------------------------------------- the tables
@@ -346,6 +486,54 @@ def summarize(rows: list[dict], jobs: list[str], diags: dict[str, dict], say) ->
                 e = entry[key]
                 members = "  ".join(f"{r}:{_ms(v)}" for r, v in sorted(e["full"].items()))
                 say(f"   {('rank ' + str(live)):26} {key:18} {_ms(e['fold']):>9}   {members}")
+        if timed:  # without GPU rows (CPU) the members' measured times are one clock each: nothing to move
+            _say_choices(job, d, fi, fo, say)
+        _say_iterations(job, d, fold["rep"], say)
+
+
+def _say_choices(job: str, d: dict, full_s: float | None, fold_s: float | None, say) -> None:
+    """The fold's prediction against the full capture's own spread over which member is measured (the
+    statistic for the time criterion: like compared with like, the same synthesis from one rank a class)."""
+    times = sorted(c["iteration_s"] for c in d.get("choices", []) if c["iteration_s"])
+    if not times or not fold_s or not full_s:
+        return
+    med = statistics.median(times)
+    lo, hi = times[0], times[-1]
+    say(f"-- {job}: full capture replayed as the fold is, one measured member per class, over {len(times)} "
+        f"choices of member: min {_ms(lo)}, median {_ms(med)}, max {_ms(hi)} ms (/ full {lo / full_s:.4f} .. "
+        f"{hi / full_s:.4f})")
+    for what, t in d.get("swapped", {}).items():
+        if t:
+            say(f"   fold replayed with the full capture's {what} times of the same ranks: {_ms(t)} ms "
+                f"(/ full {t / full_s:.4f}, / fold {t / fold_s:.4f})")
+    inside = "inside" if lo <= fold_s <= hi else "outside"
+    say(f"   fold / median of the choices {fold_s / med:.4f} (|.-1| {'<=' if abs(fold_s / med - 1) <= 0.02 else '>'} "
+        f"2 %); fold {inside} the choices' range; fold / full {fold_s / full_s:.4f}")
+
+
+def _say_iterations(job: str, d: dict, rep: list[int], say) -> None:
+    """Per class and iteration: the running peak (max allocated at the iteration's end) and, for MoE, the
+    rows the class's ranks received in their token dispatches; full: per member, fold: its live rank."""
+    mem, rows = d.get("memory_by_iteration", {}), d.get("expert_rows", {})
+    if not mem.get("fold"):
+        return
+    say(f"-- {job}: running peak (max allocated at each iteration's end, MB) and rows received by MoE token "
+        f"dispatches (sum over the iteration's forward passes | largest one), full per member | fold")
+    for live in sorted(set(rep)):
+        members = [r for r, x in enumerate(rep) if x == live]
+        its = sorted(mem["fold"].get(live, {}))
+        for k in its:
+            def cell(run: str, r: int, k: int = k) -> str:
+                peak = mem[run].get(r, {}).get(k)
+                got = rows.get(run, {}).get(r, {}).get(k)
+                text = f"{peak / 1e6:,.0f}" if peak is not None else "n/a"
+                return text + (f" [{sum(got):,} | {max(got):,}]" if got else "")
+            full = "  ".join(f"{r}: {cell('full', r)}" for r in members)
+            peaks = [mem["full"].get(r, {}).get(k) for r in members]
+            fold_peak = mem["fold"][live].get(k)
+            diff = (f"{100 * (fold_peak - max(peaks)) / max(peaks):+.2f} %"
+                    if fold_peak is not None and None not in peaks else "n/a")
+            say(f"   rank {live} it {k}: full {full}   fold {cell('fold', live)}   fold vs full class max {diff}")
 
 
 def noise(rows: list[dict], jobs: list[str], say) -> dict[str, dict]:
@@ -437,6 +625,10 @@ def main() -> None:
     ap.add_argument("--spin-us", type=int, default=0,
                     help="a blocked rank spins this long for its grant before it sleeps (PRISM_SPIN_GRANT_US): "
                          "its core stays awake however many ranks take turns before it")
+    ap.add_argument("--same-batches", action="store_true",
+                    help="every DP replica reads replica 0's samples in both runs (core driver's PRISM_SAME_BATCHES): "
+                         "the full reduction then equals the fold's mirror, so MoE routing and memory should agree "
+                         "at every iteration, not only the first")
     ap.add_argument("--tiny", action="store_true", help="CPU check: hidden 64, 2 layers, seq 64, mbs 1")
     ap.add_argument("--timeout", type=float, default=200, help="seconds per run at most")
     ap.add_argument("--budget", type=float, default=440,

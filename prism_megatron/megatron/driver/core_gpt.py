@@ -7,6 +7,9 @@ local layer spec, core DDP, ``get_megatron_optimizer``, the schedules of
 ``get_forward_backward_func`` with ``finalize_model_grads``, and ``MockGPTDataset``. It prints
 Megatron's iteration line on the last rank and, with ``PRISM_MEGATRON_METRICS=FILE``, appends every
 rank's per-iteration loss and grad norm as JSON lines (the format of ``patches.metrics``).
+``PRISM_SAME_BATCHES=1`` (a check, not training): every data-parallel replica reads replica 0's samples, so
+a full run's data-parallel reduction returns what a fold's mirror returns and the two runs' weights, MoE
+routing and memory can be compared at every iteration, not only the first.
 
 Flags: those it uses (``_USED``) plus Megatron flags it knowingly ignores (``_IGNORED``); any other
 flag is an error naming it, so a typo is never silently dropped. ``--prism-*`` flags are accepted.
@@ -467,8 +470,10 @@ def train(args: argparse.Namespace) -> None:
         parallel_state.is_pipeline_last_stage(ignore_virtual=True)
     dataset = build_dataset(args, args.train_iters * gbs, built=needs_data)
 
+    data_rank = 0 if os.environ.get("PRISM_SAME_BATCHES") == "1" else dp_rank  # see the module docstring
+
     def iterator() -> Iterator[dict] | None:
-        return batches(dataset, args, dp_rank, dp_size) if dataset is not None else None
+        return batches(dataset, args, data_rank, dp_size) if dataset is not None else None
 
     data = [iterator() for _ in model] if len(model) > 1 else iterator()
     forward_backward = get_forward_backward_func()
