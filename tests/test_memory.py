@@ -90,6 +90,36 @@ def test_requested_bytes_from_cuda_message():
     assert requested_bytes("something else") is None
 
 
+def test_capped_gpu_rank_records_no_traceback_per_allocation(monkeypatch, tmp_path):
+    """A capped GPU rank's allocator history is the OOM snapshot's, recorded inside every measured
+    compute segment: with a traceback per allocation and free (PyTorch's default context) that host
+    work became the target's compute (thousands of events per micro-batch). Events only, and the cap
+    still applies."""
+    import inspect
+
+    from prism_megatron.memory.probe import MemoryProbe
+
+    calls: dict[str, object] = {}
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: type("Props", (), {"total_memory": 140 * GiB})())
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction",
+                        lambda fraction, device: calls.update(fraction=fraction))
+    record = torch.cuda.memory._record_memory_history
+
+    def recorded(*args, **kwargs):
+        bound = inspect.signature(record).bind(*args, **kwargs)
+        bound.apply_defaults()
+        calls["history"] = dict(bound.arguments)
+
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", recorded)
+    MemoryProbe(0, on_gpu=True, cap=70 * GiB, snapshot_dir=tmp_path).install()
+    assert calls["fraction"] == pytest.approx(0.5)
+    history = calls["history"]
+    assert history["enabled"] == "all" and history["max_entries"] > 0  # the snapshot keeps its timeline
+    assert history["context"] is None, f"a traceback per allocation is recorded: context={history['context']!r}"
+
+
 def test_flops_match_the_classic_gpt_formula():
     """72·B·s·L·h²·(1 + s/(6h) + V/(12·L·h)) for MHA, 4h MLP, no recompute (Narayanan et al., 2021)."""
     class Args:

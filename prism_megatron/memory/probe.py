@@ -18,6 +18,10 @@ import torch
 from prism_megatron.memory.accountant import ByteAccountant
 from prism_megatron.trace.markers import mark
 
+#: How a capped rank records its allocator's history for the OOM snapshot: every allocation and free
+#: (sizes, addresses, the timeline PyTorch's memory viz draws), no stack traces (``context=None``).
+HISTORY: dict[str, Any] = {"enabled": "all", "context": None, "max_entries": 100_000}
+
 _REQUESTED = re.compile(r"Tried to allocate ([0-9.]+) (bytes|KiB|MiB|GiB|TiB)")
 _UNIT = {"bytes": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
 
@@ -53,7 +57,10 @@ class MemoryProbe:
             else:
                 torch.cuda.set_per_process_memory_fraction(self.cap / total, device)
             if self.snapshot_dir is not None:
-                torch.cuda.memory._record_memory_history(max_entries=100_000)
+                # events only: a traceback per allocation and free (the default context) is host work
+                # inside every measured compute segment, thousands of times per micro-batch; the
+                # target's program does not pay it
+                torch.cuda.memory._record_memory_history(**HISTORY)
 
     def stats(self) -> dict[str, Any]:
         if self.on_gpu:
