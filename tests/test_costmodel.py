@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import re
+from dataclasses import replace
 
 import pytest
 import yaml
@@ -19,7 +20,7 @@ from prism_megatron.calibration import (
     profile_names,
 )
 from prism_megatron.calibration import costmodel as cm
-from prism_megatron.calibration.profiles import PROFILES_DIR
+from prism_megatron.calibration.profiles import PROFILES_DIR, Figure
 from prism_megatron.replay import GraphBuilder, replay
 
 
@@ -369,3 +370,64 @@ def test_async_dp_reduce_overlaps_compute_in_the_replay():
         res = replay(gb.build(), model)
         overlapped = 1.0 + max(cost, rest)
         assert res.makespan == pytest.approx(overlapped if async_op else 1.0 + cost + rest, rel=1e-9)
+
+
+# --- all-to-all across nodes (MoE expert-parallel dispatch and combine) -------------------------------
+
+
+def test_all_to_all_across_nodes_sends_its_off_node_part_through_its_own_nic_share():
+    """An EP group of 16 on two nodes of 8: each rank sends half its buffer across, through its own
+    NIC (8 x 50 GB/s / 8 GPUs = 50 GB/s), and 7/16 over NVLink at the same time; not a ring, whose
+    whole-node group would use the NIC share of all 8 GPUs."""
+    p = load_profile("h100-nvlink-ib400")
+    model = CollectiveCostModel(p)
+    S = 4096 * 8 * 2048 * 2  # seq 4096 x top-8 token copies x hidden 2048 x bf16: 128 MiB
+    a_in, b_in, a_out, share = 3.4e-6, 450e9, 9.6e-6, 50e9
+    off, on = 8 / 16 * S / share, 7 / 16 * S / b_in
+    assert off > on
+    assert model.choose("all_to_all", S, range(16)) == pytest.approx(("ring", "simple", 15 * a_out + off))
+    assert model.time("all_to_all", S, range(16)) == pytest.approx(1486.2e-6, abs=0.1e-6)
+    # one node: NVLink only, as before
+    assert model.time("all_to_all", S, range(8)) == pytest.approx(7 * a_in + 7 / 8 * S / b_in)
+    # one rank per node: everything but its own part crosses, through its share (the ring's figure too)
+    assert model.time("all_to_all", S, range(0, 128, 8)) == pytest.approx(15 * a_out + 15 / 16 * S / share)
+    # uneven placement: the node with the fewest members sends the most off-node
+    assert cm.all_to_all_link(p, (0, 1, 2, 8)).bandwidth == pytest.approx(share * 3 / 3)
+    assert cm.all_to_all_link(p, (0, 1, 2, 8, 9, 10)).bandwidth == pytest.approx(share * 5 / 3)
+    # NVLink bounds a group with many members per node and few elsewhere (k_max - 1 = 7 peers on NVLink)
+    slow_nvlink = cm.all_to_all_link(replace(p, intra_bandwidth_GBps=Figure(20, "test", "assumed")), range(16))
+    assert slow_nvlink.bandwidth == pytest.approx(min(share * 15 / 8, 20e9 * 15 / 7))
+    # all-reduce over the same group still rings with the 8 GPUs' share (bounded by NVLink)
+    assert link_for(p, range(16)).bandwidth == 400e9
+
+
+def test_replay_charges_each_ep_all_to_all_its_cross_node_time():
+    """A two-node EP group's dispatch and combine in a replayed graph: each is charged the time of its
+    off-node half through one NIC, so a step of compute plus the two all-to-alls takes that long."""
+    model = CollectiveCostModel(load_profile("h100-nvlink-ib400"))
+    S = 1 << 27
+    gb = GraphBuilder()
+    gb.group(0, list(range(16)))
+    for r in range(16):
+        gb.compute(r, 0.001)
+        gb.collective(r, "all_to_all", 0, S)  # dispatch
+        gb.compute(r, 0.002)
+        gb.collective(r, "all_to_all", 0, S)  # combine
+    res = replay(gb.build(), model)
+    each = 15 * 9.6e-6 + S / 2 / 50e9
+    assert res.makespan == pytest.approx(0.003 + 2 * each)
+    assert res.breakdown(0).exposed_comm == pytest.approx(2 * each)
+
+
+def test_fit_of_an_all_to_all_across_nodes_reproduces_it_through_the_cost_model(tmp_path):
+    log = tmp_path / "a2a.log"
+    log.write_text(synthetic_log("alltoall", 16, 2, 8e-6, 90e9))
+    fragment = yaml.safe_load(fit_main(log).split("profile fragment (inter_node):\n", 1)[1])
+    doc = _profile_dict(**{"inter_node.nics_per_node": _fig(8)})
+    doc["inter_node"].update(fragment["inter_node"])
+    doc["intra_node"]["bandwidth_GBps"] = _fig(450)
+    p = parse_profile(yaml.safe_dump(doc), "fitted.yaml")
+    assert p.nic_bandwidth_GBps.value == pytest.approx(90 * 8 / 15, rel=0.01)
+    S = 1 << 30
+    assert CollectiveCostModel(p).time("all_to_all", S, range(16)) == pytest.approx(
+        15 * 8e-6 + 15 / 16 * S / 90e9, rel=0.01)

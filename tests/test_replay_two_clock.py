@@ -93,14 +93,43 @@ def test_host_bound_rank_hides_communication():
     assert (ar1.start, ar1.end) == (2.0, pytest.approx(2.1))
     assert res.makespan == 3.0  # 3 x host time: both all_reduces hidden (one clock: 3.2)
     assert replay(three_steps(c=1.0, g=None).build(), const(0.1)).makespan == pytest.approx(3.2)
+    # the stream waits for each all_reduce, but the device would have waited for the host instead: the
+    # waits are the host's ("host"), so the breakdown's exposed communication agrees with the path's
     assert activity(res, 0) == approx_rows([
-        ("compute", "C0", 0.0, 0.2), ("compute", "host", 0.2, 1.0), ("exposed_comm", "", 1.0, 1.1),
-        ("compute", "C1", 1.1, 1.3), ("compute", "host", 1.3, 2.0), ("exposed_comm", "", 2.0, 2.1),
+        ("compute", "C0", 0.0, 0.2), ("compute", "host", 0.2, 1.0), ("compute", "host", 1.0, 1.1),
+        ("compute", "C1", 1.1, 1.3), ("compute", "host", 1.3, 2.0), ("compute", "host", 2.0, 2.1),
         ("compute", "C2", 2.1, 2.3), ("compute", "host", 2.3, 3.0)])
     b = res.breakdown(0)
-    assert (b.compute, b.exposed_comm, b.bubble) == (pytest.approx(2.8), pytest.approx(0.2), 0.0)
+    assert (b.compute, b.exposed_comm, b.bubble) == (pytest.approx(3.0), 0.0, 0.0)
+    assert b.comm == pytest.approx(0.2)  # still in flight for 0.2 s, overlapped with the host's issuing
     # the host is what is critical: three host segments back to back
     assert path(res) == [("compute", (0,), 0.0, 1.0), ("compute", (0,), 1.0, 2.0), ("compute", (0,), 2.0, 3.0)]
+
+
+def test_comm_partly_hidden_behind_the_host_is_exposed_by_what_free_comm_would_save():
+    """A 1 s all_reduce on the stream after 0.5 s of device work; the host issues the next segment until
+    1.1 and then waits for the device (CpuSync) until 1.6: with free communication it would have waited
+    until 1.1 only, so 0.5 s of the op is exposed and the rest was the host's."""
+    def graph() -> GraphBuilder:
+        gb = GraphBuilder()
+        gb.group(0, [0, 1])
+        for r in (0, 1):
+            gb.compute(r, 0.1, "C0", gpu=0.5)
+            gb.collective(r, "all_reduce", 0, 8)
+            gb.compute(r, 1.0, "C1", gpu=0.1)
+            gb.cpu_sync(r)
+        return gb
+
+    res, free = replay(graph().build(), const(1.0)), replay(graph().build(), const(0.0))
+    assert (res.makespan, free.makespan) == (pytest.approx(1.6), pytest.approx(1.1))
+    assert activity(res, 0) == approx_rows([
+        ("compute", "C0", 0.0, 0.5), ("compute", "host", 0.5, 1.0), ("exposed_comm", "", 1.0, 1.5),
+        ("compute", "C1", 1.5, 1.6)])
+    b = res.breakdown(0)
+    assert (b.compute, b.exposed_comm, b.comm) == (pytest.approx(1.1), pytest.approx(0.5), pytest.approx(1.0))
+    assert b.exposed_comm == pytest.approx(res.makespan - free.makespan)
+    assert path(res) == approx_rows([("compute", (0,), 0.0, 0.5), ("all_reduce", (0, 1), 0.5, 1.5),
+                                     ("compute", (0,), 1.5, 1.6)])
 
 
 def test_device_bound_rank_sums_gpu_and_comm():
@@ -201,7 +230,7 @@ def test_pipeline_p2p_two_clocks():
     assert first.issue == {0: 1.0, 1: 0.0} and (first.start, first.end) == (1.0, 1.5)
     assert second.issue == {0: 2.75, 1: 3.5} and (second.start, second.end) == (3.5, 4.0)
     assert activity(res, 0) == [
-        ("compute", "F0", 0.0, 1.0), ("exposed_comm", "", 1.0, 1.5), ("compute", "F1", 1.5, 2.5),
+        ("compute", "F0", 0.0, 1.0), ("compute", "host", 1.0, 1.5), ("compute", "F1", 1.5, 2.5),
         ("compute", "host", 2.5, 2.75), ("bubble", "waiting for the op to start", 2.75, 3.5),
         ("exposed_comm", "", 3.5, 4.0), ("bubble", "idle", 4.0, 6.0)]
     assert activity(res, 1) == [
@@ -210,7 +239,8 @@ def test_pipeline_p2p_two_clocks():
     assert sorted((m.rank, m.phase, m.t) for m in res.marks if m.phase == "E") == [(0, "E", 4.0), (1, "E", 6.0)]
     assert res.rank_end == {0: 4.0, 1: 6.0} and res.iteration_times() == [6.0]
     b0, b1 = res.breakdown(0), res.breakdown(1)
-    assert (b0.compute, b0.exposed_comm, b0.bubble) == (2.25, 1.0, 2.75)
+    # rank 0's first send is hidden behind its slow host (F1 is issued until 2.75 either way)
+    assert (b0.compute, b0.exposed_comm, b0.bubble) == (2.75, 0.5, 2.75)
     assert (b1.compute, b1.exposed_comm, b1.bubble) == (4.0, 1.0, 1.0)
     assert path(res) == [("compute", (0,), 0.0, 1.0), ("send/recv", (0, 1), 1.0, 1.5),
                          ("compute", (1,), 1.5, 3.5), ("send/recv", (0, 1), 3.5, 4.0),

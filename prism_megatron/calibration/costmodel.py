@@ -31,6 +31,17 @@ min(intra_bw, k * nics * nic_bw / gpus_per_node) (k = 1: one GPU per node, the t
 under intra-node TP; k = gpus_per_node: a whole-node group uses every NIC). Every step pays the
 inter-node latency (a ring's steps are synchronous, so the slow hop sets the pace).
 
+An all-to-all is no ring: every member sends S/n to every other member at once (NCCL runs it as
+grouped send/recv), so a member on a node holding k of the n members sends (n-k)/n S off its node
+through its own NIC share and (k-1)/n S over NVLink, both at the same time. Its time is the slower of
+the two, which the bus-bandwidth formula gives with the group bandwidth (:func:`all_to_all_link`)
+
+    min(share * (n-1)/(n-k_min), intra_bw * (n-1)/(k_max-1))
+
+(k_min, k_max: the fewest and most members on one node; one node: intra_bw). One member per node is
+the ring's figure (the share); a whole-node group is not k times it, as a ring's would be: an EP
+group of 16 on two nodes sends half its buffer across, 15/8 of the share, not 8 times.
+
 Algorithm choice (``auto``): NCCL's tuner predicts each enabled (algorithm, protocol) pair's time
 from its own alpha-beta tables and runs the fastest; we do the same over the pairs NCCL enables for
 the op and the group's placement (:func:`algorithms_for`):
@@ -203,6 +214,29 @@ def link_for(profile: ClusterProfile, ranks: tuple[int, ...] | list[int], gpus_p
     return Link("inter", profile.inter_alpha, min(profile.intra_bw, k * profile.inter_bw_per_gpu))
 
 
+def all_to_all_link(profile: ClusterProfile, ranks: tuple[int, ...] | list[int],
+                    gpus_per_node: int | None = None) -> Link:
+    """The group bandwidth an all-to-all among ``ranks`` runs at, in the bus-bandwidth convention:
+    each member's off-node part through its NIC share and its on-node part over NVLink, concurrently
+    (module docstring); the inter-node latency per step once the group spans nodes."""
+    per_node = members_per_node(ranks, gpus_per_node or profile.node_size)
+    n = sum(per_node.values())
+    if len(per_node) <= 1:
+        return Link("intra", profile.intra_alpha, profile.intra_bw)
+    k_min, k_max = min(per_node.values()), max(per_node.values())
+    off = profile.inter_bw_per_gpu * (n - 1) / (n - k_min)
+    on = profile.intra_bw * (n - 1) / (k_max - 1) if k_max > 1 else math.inf
+    return Link("inter", profile.inter_alpha, min(off, on))
+
+
+def inter_share_from_all_to_all(bandwidth: float, n: int, per_node: int) -> float:
+    """A GPU's NIC share from the bus bandwidth an all-to-all of ``n`` ranks, ``per_node`` on each node,
+    ran at (the inverse of :func:`all_to_all_link` where the NICs bound it): for fitting a profile."""
+    if not 1 <= per_node < n:
+        raise ValueError(f"an all-to-all of {n} ranks with {per_node} per node does not cross nodes")
+    return bandwidth * (n - per_node) / (n - 1)
+
+
 # --- the model -----------------------------------------------------------------------------------
 class CollectiveCostModel:
     """Cost of ops on a target cluster; callable on anything with ``kind``, ``nbytes``, ``ranks``.
@@ -219,7 +253,7 @@ class CollectiveCostModel:
             raise ValueError(f"gpus_per_node {gpus_per_node!r}: expected a positive integer")
         self.profile = profile
         self.gpus_per_node = gpus_per_node or profile.node_size
-        self._links: dict[tuple[int, ...], Link] = {}  # a group's link, by its ranks (large groups recur)
+        self._links: dict[tuple, Link] = {}  # a group's link, by (all-to-all?, its ranks) (large groups recur)
         self._times: dict[tuple, float] = {}  # replay costs the same op of every iteration again
         self.algorithm = algorithm or profile.algorithm
         self.protocol = protocol or profile.protocol
@@ -250,9 +284,11 @@ class CollectiveCostModel:
         if (family == "p2p" and len(set(ranks)) <= 1) or (family != "p2p" and len(ranks) <= 1):
             return ("none", "none", 0.0)
         per_node = members_per_node(ranks, self.gpus_per_node)
-        link = self._links.get(ranks)
+        a2a = family == "all_to_all"
+        link = self._links.get((a2a, ranks))
         if link is None:
-            link = self._links[ranks] = link_for(self.profile, ranks, self.gpus_per_node)
+            link = self._links[(a2a, ranks)] = (all_to_all_link if a2a else link_for)(
+                self.profile, ranks, self.gpus_per_node)
         protocols = PROTOCOLS if self.protocol == "auto" else (self.protocol,)
         if family == "p2p":
             algorithms: tuple[str, ...] = ("p2p",)

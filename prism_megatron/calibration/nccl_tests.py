@@ -17,7 +17,7 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from .costmodel import BUS_FACTOR
+from .costmodel import BUS_FACTOR, inter_share_from_all_to_all
 
 #: test binary name -> cost-model family
 TEST_FAMILY = {
@@ -184,12 +184,18 @@ def fit_main(path: str | Path) -> str:
         ]
     else:
         per_host = max(fit.nranks // fit.nhosts, 1)
+        if fit.family == "all_to_all":  # each rank's off-node part through its own NIC (costmodel)
+            nic = inter_share_from_all_to_all(fit.bandwidth, fit.nranks, per_host)
+            how = f"(n-1)/(n-{per_host}) * nics_per_node * nic_bandwidth_GBps / gpus_per_node"
+        else:  # a ring crosses each node boundary once, with the NIC share of the node's members
+            nic = fit.bandwidth / per_host
+            how = f"{per_host} * nics_per_node * nic_bandwidth_GBps / gpus_per_node"
         lines += [
             "inter_node:",
             f"  # the fit gives {fit.bandwidth / 1e9:.4g} GB/s for a group with {per_host} GPU(s) on each node",
-            f"  # (= {per_host} * nics_per_node * nic_bandwidth_GBps / gpus_per_node, see costmodel); below",
+            f"  # (= {how}, see costmodel); below",
             f"  # assumes gpus_per_node = {per_host} and nics_per_node = {per_host} (one NIC per GPU)",
-            f"  nic_bandwidth_GBps: {{value: {fit.bandwidth / 1e9 / per_host:.4g}, basis: fitted, "
+            f"  nic_bandwidth_GBps: {{value: {nic / 1e9:.4g}, basis: fitted, "
             f"source: \"{src}; assumes one NIC per GPU, {per_host} per node\"}}",
             f"  latency_us: {{value: {fit.alpha * 1e6:.4g}, basis: fitted, source: \"{src}\"}}",
         ]

@@ -36,6 +36,15 @@ in two: while an awaited op is in flight it is *exposed communication*; before i
 peer had not issued yet) it is *bubble*, as is a rank's idle time after its last event. Stream time
 spent waiting for the host to issue is *compute* labelled "host". compute + exposed_comm + bubble
 is the length of the window, for every rank.
+
+Communication hidden behind the host. On a two-clock rank the stream may wait for an op while the
+host is still issuing the work that follows it; if the device then waits for the host anyway (a
+"host" stretch) before the host next waits for the device (a CpuSync), the op cost the rank no time:
+the device would have waited for the host instead. Such exposed_comm is re-labelled compute "host"
+(:meth:`_Replay._hide_behind_host`), so that exposed communication is what lengthens the rank's time,
+as the critical path says. Where the host does wait for the device first (a CpuSync, or the rank's
+end), the comm waits since the previous one stay exposed up to the time the host waited, earliest
+hidden first; exact for one op, an upper bound on what free communication would save for several.
 """
 
 from __future__ import annotations
@@ -306,6 +315,8 @@ class _Replay:
         # symmetric replay: a collective needs its live members only (all members in a full graph)
         self.live = frozenset(graph.events) if graph.fold is not None else None
         self.need: dict[int, int] = {}
+        # two-clock rank -> (position in its segments, seconds the host waited for the device) per CpuSync
+        self.host_waits: dict[int, list[tuple[int, float]]] = defaultdict(list)
 
     # --- ops ---------------------------------------------------------------------------------------
     def _issue(self, rank: int, i: int, ev: Comm) -> tuple:
@@ -467,6 +478,8 @@ class _Replay:
             elif kind is Mark:
                 self.marks.append(MarkTime(rank, ev.name, ev.phase, clock[rank], ev.attrs))
             elif kind is CpuSync:
+                if stream[rank] > clock[rank] and self.two_clock[rank]:
+                    self.host_waits[rank].append((len(self.segments[rank]), stream[rank] - clock[rank]))
                 clock[rank] = max(clock[rank], stream[rank])
             elif kind is Wait:
                 keys = self.keys[rank]
@@ -494,12 +507,58 @@ class _Replay:
         self.end = {r: max(self.clock[r], self.stream[r]) for r in self.g.ranks}  # exit waits for the device
         makespan = max(self.end.values(), default=0.0)
         for r in self.g.ranks:
+            if self.two_clock[r]:
+                self._hide_behind_host(r)
             if self.end[r] < makespan:
                 self.segments[r].append(_segment(r, "bubble", self.end[r], makespan, "idle"))
             self.segments[r].sort(key=lambda s: (s.start, s.kind == "comm"))
         times = {r: list(zip(self.ready[r], self.done_t[r], strict=True)) for r in self.g.ranks}
         return ReplayResult(self.g, makespan, dict(self.end), dict(self.segments), self.ops, self.marks,
                             self._critical_path(), times)
+
+    def _hide_behind_host(self, rank: int) -> None:
+        """Re-label the exposed_comm of two-clock ``rank`` that the host's issuing hid (module docstring).
+
+        Walks the rank's own segments in the order it made them (its ops' in-flight "comm" segments,
+        made by whichever member completed the op, are left alone). Comm waits pend until the device
+        next waits for the host (all hidden) or the host for the device (hidden beyond that wait).
+        """
+        segs = self.segments[rank]
+        waits = self.host_waits.get(rank, [])
+        out: list[Segment] = []
+        pending: list[int] = []  # indices into ``out`` of exposed_comm since the last coupling
+
+        def settle(exposed: float) -> None:
+            """Keep the last ``exposed`` seconds of the pending waits exposed; the rest waited for the host."""
+            hidden = sum(out[j].duration for j in pending) - exposed
+            for j in pending:
+                if hidden <= 0:
+                    break
+                seg = out[j]
+                cut = min(hidden, seg.duration)
+                hidden -= cut
+                if cut >= seg.duration:
+                    out[j] = _segment(rank, "compute", seg.start, seg.end, "host", {"hidden_comm": seg.label})
+                else:
+                    out[j] = _segment(rank, "compute", seg.start, seg.start + cut, "host", {"hidden_comm": seg.label})
+                    out.append(_segment(rank, "exposed_comm", seg.start + cut, seg.end, seg.label, seg.args))
+            pending.clear()
+
+        w = 0
+        for i, seg in enumerate(segs):
+            while w < len(waits) and waits[w][0] <= i:
+                settle(waits[w][1])
+                w += 1
+            if seg.kind == "exposed_comm":
+                pending.append(len(out))
+            elif seg.kind == "compute" and seg.label == "host" and seg.end > seg.start:
+                settle(0.0)
+            out.append(seg)
+        while w < len(waits):
+            settle(waits[w][1])
+            w += 1
+        settle(max(self.stream[rank] - self.clock[rank], 0.0))
+        self.segments[rank] = out
 
     def _missing(self, op: OpResult) -> str:
         """The ranks an op still waits for, the first 16 of them (groups of thousands at scale)."""
