@@ -46,7 +46,7 @@ def test_a_capture_plan_keeps_one_live_rank_and_every_ranks_class_representative
     assert fold.live == (4,) and set(fold.rep) == {4} and [c.name for c in fold.classes] == ["last"]
     assert fold.capture_mode == "serial" and fold.capture["rules"] == {"collectives": "self_mirror", "p2p": "standin"}
     assert fold.capture["part"] == {"rank": 4, "index": 1, "of": 2, "sandbox": [0, 4], "class_rep": plan["rep"],
-                                       "answers": []}
+                                       "answers": [], "p2p_answers": []}
     assert fold.depth == "class" and fold.schedule == "1f1b"  # the rest of the plan as captured together
     with pytest.raises(ValueError, match="rank 1 is not a live rank of the fold"):
         capture_plan(plan, 1, 0)

@@ -62,12 +62,16 @@ class Folding:
         # a serial capture: every rank's class representative in the fold captured together (the plan's own
         # rep is the capture's one live rank for every rank)
         self.class_rep: list[int] | None = [int(x) for x in part["class_rep"]] if part else None
+        self._key: dict[int, tuple] = {}  # group id -> (name, ranks, incarnation): the same in every capture
+        sandbox = frozenset(int(x) for x in part["sandbox"]) if part else frozenset()
         self.passthrough = PassThrough(self.contributions, standin=part is not None,
-                                       elsewhere=frozenset(int(x) for x in part["sandbox"]) - {int(part["rank"])}
-                                       if part else frozenset())
+                                       elsewhere=sandbox - {int(part["rank"])} if part else frozenset(),
+                                       sandbox=sandbox,
+                                       norms=_read_norms(part.get("p2p_answers", []) if part else [],
+                                                         "capture.part.p2p_answers"),
+                                       key=lambda g: self._key[g.id])
         self._self_mirror: dict[int, frozenset[int]] = {}  # group id -> positions answered by self mirror
         self._planned: set[int] = set()  # group ids folded already
-        self._key: dict[int, tuple] = {}  # group id -> (name, ranks, incarnation): the same in every capture
         self._incarnations: dict[tuple, int] = {}
         self.capture_rank: int | None = int(part["rank"]) if part else None
         # (group key, seq) -> (dtype, bytes): earlier captures' broadcasts; this capture's, for later ones
@@ -192,9 +196,12 @@ class Folding:
     def to_json(self) -> dict[str, Any]:
         """The manifest's ``job.fold``: the plan plus the contributions counted so far."""
         out = {**self.plan_json, "contributions": self.contributions.to_json()}
-        if self.class_rep is not None:  # a serial capture: the broadcasts it recorded for later captures
+        if self.class_rep is not None:  # a serial capture: what it recorded for later captures
             capture = out["capture"]
-            out["capture"] = {**capture, "part": {**capture["part"], "broadcasts": list(self.recorded)}}
+            pt = self.passthrough
+            out["capture"] = {**capture, "part": {**capture["part"], "broadcasts": list(self.recorded),
+                                                  "p2p_norms": pt.recordings(),
+                                                  "standins_unrecorded": pt.unrecorded}}
         return out
 
 
@@ -212,6 +219,23 @@ def _read_broadcasts(items: Any, field: str) -> dict[tuple, tuple[str, bytes]]:
                 e["dtype"], base64.b64decode(e["data"], validate=True))
         except (KeyError, TypeError, ValueError) as err:
             raise ValueError(f"fold plan field '{field}[{i}]' is not a recorded broadcast: {err}") from None
+    return out
+
+
+def _read_norms(items: Any, field: str) -> dict[tuple, list[tuple[int, float]]]:
+    """Recorded p2p norms (``PassThrough.recordings``' entries) by (group key, sender, receiver); ValueError
+    naming ``field`` when an entry is not one. A later entry for the same stream replaces an earlier one
+    (a capture taken again: ``nccl_prune.SECOND_PASS_RULE``)."""
+    if not isinstance(items, list):
+        raise ValueError(f"fold plan field {field!r} is {type(items).__name__}, expected a list")
+    out = {}
+    for i, e in enumerate(items):
+        try:
+            name, ranks, k = e["group"]
+            key = ((str(name), tuple(int(r) for r in ranks), int(k)), int(e["src"]), int(e["dst"]))
+            out[key] = [(int(n), float(v)) for n, v in e["norms"]]
+        except (KeyError, TypeError, ValueError) as err:
+            raise ValueError(f"fold plan field '{field}[{i}]' is not a recorded p2p stream: {err}") from None
     return out
 
 
