@@ -32,36 +32,40 @@ STANDIN_RULE = f"""\
 In a serial capture (one live rank at a time) a live rank L's receive from a virtual pipeline
 neighbour whose walk upstream comes back to L (no other live rank on the ring in this capture) gets a
 stand-in: a tensor of the dtype and shape L posted, its direction standard normal values from a generator
-seeded with {STANDIN_SEED} (the same direction for every receive of that dtype and shape), its L2 norm
-the norm of the message a capture together would deliver there: the n-th message that the nearest live
-rank of the fold upstream (walking from the virtual neighbour against the flow, as PASSTHROUGH_RULE
-does together) sent on that side, n counting L's receives from that neighbour, as an earlier capture
-recorded it (*recorded norm*: every capture records the norm of each floating-point message it sends to
-a virtual neighbour). Captures run first stage first, so forward receives find their recording; a
-receive whose sender is captured later (the gradients entering an earlier stage, the wrap-around of an
-interleaved pipeline) has none in the first pass and gets the *unit fallback*: L2 norm 1 for a gradient
-(the receive's op label names a backward receive, else its position says so), standard normal values
-(norm the square root of its size) for an activation. Those captures are captured again, in reverse
-order, once the captures after them have recorded their sends (SECOND_PASS_RULE), and their second
-capture is the one kept. The norm is the quantity that steers the program downstream (LayerNorm divides
-by the activation's scale; a stage's weight gradients, hence the grad norm and gradient clipping, are
-linear in the gradient it receives), so a stand-in of another scale puts the grad norm off by the
-ratio of the scales: a unit is far from a real activation's size or from the gradient of a mean loss
-over many tokens and micro-batches. Values are never zeros, and are not the neighbour's (their
-direction is not). Sends from L to a virtual neighbour complete at once and are dropped (no live rank
-downstream consumes them in that capture) once their norm is recorded. A p2p with a live rank of the
-fold captured in another capture that is not L's neighbour in the group's order (Megatron's overlapped
-p2p sends one direction of a two-stage pipeline over the world group, by global rank; together it is a
-p2p between live ranks) is answered the same way: its receive gets a stand-in, its direction the op
-label's (without a label that names one: refused), its send is dropped. An integer tensor (a shape
-exchange: values that steer the program) gets no stand-in: refused."""
+seeded with {STANDIN_SEED} (the same direction for every receive of that dtype and shape), its L2 norm, in
+this order of preference:
+(1) *recorded*: the norm of the message a capture together would deliver there, the n-th message that the
+nearest live rank of the fold upstream (walking from the virtual neighbour against the flow, as
+PASSTHROUGH_RULE does together) sent on that side, n counting L's receives from that neighbour, as an
+earlier capture recorded it (every capture records the norm of each floating-point message it sends to a
+virtual neighbour, and whether it sent it after a stand-in of that direction had to fall back below (1)
+or (2): such a recording is *derived*, its scale possibly the fallback's);
+(2) *own scale*: the norm of L's own first message of that direction and size in this capture, when not
+derived (a residual stream's activations and gradients change little in scale from stage to stage, so a
+stage's neighbour sends what the stage itself sends, in size);
+(3) a derived recording; (4) the *unit fallback*: L2 norm 1 for a gradient, standard normal values for
+an activation.
+The direction of a receive is its op label's (a backward receive), else its position. Captures run first
+stage first, so forward receives find (1); the gradients entering an earlier stage, and the wrap-around of
+an interleaved pipeline, are sent by later captures: a capture that fell back to (3) or (4) is captured again
+(SECOND_PASS_RULE). The norm is what steers the program downstream (LayerNorm divides by the activation's
+scale; a stage's weight gradients, hence the grad norm and gradient clipping, are linear in the gradient it
+receives): a stand-in of another scale puts the grad norm off by the ratio of the scales, and a unit is far
+from a real activation's size or from the gradient of a mean loss over many tokens and micro-batches. Values
+are never zeros, and are not the neighbour's (their direction is not). Sends from L to a virtual neighbour
+complete at once and are dropped (no live rank downstream consumes them in that capture) once their norm is
+recorded. A p2p with a live rank of the fold captured in another capture that is not L's neighbour in the
+group's order (Megatron's overlapped p2p sends one direction of a two-stage pipeline over the world group, by
+global rank; together it is a p2p between live ranks) is answered the same way: its receive gets a stand-in,
+its direction the op label's (without a label that names one: refused), its send is dropped. An integer
+tensor (a shape exchange: values that steer the program) gets no stand-in: refused."""
 SECOND_PASS_RULE = """\
-A serial capture that answered a receive by STANDIN_RULE's unit fallback (its sender's capture ran
-later) is captured again after the first pass, latest first, with every recording made so far (the
-second pass's own included), and the captures merged are the latest of each live rank. A pipeline
-without wrap-around then gets recorded norms in every receive: the last stage's forward receives were
-recorded by the first pass, each earlier stage's backward receives by the stage after it, captured
-again before it. An interleaved pipeline's wrap-around receives get the norms of the first pass."""
+A serial capture that gave a stand-in a derived recording's norm or the unit fallback (STANDIN_RULE (3),
+(4)) is captured again after the first pass, latest first, with every recording made so far (the second
+pass's own included), and the captures merged are the latest of each live rank. A pipeline without
+wrap-around then has every stand-in recorded: the last stage's forward receives were recorded by the first
+pass, each earlier stage's backward receives by the stage after it, captured again before it. In an
+interleaved pipeline the last capture of the first pass takes its wrap-around gradients at its own scale."""
 
 
 @dataclass(frozen=True)

@@ -169,45 +169,60 @@ def test_a_serial_capture_answers_a_peer_that_is_not_a_neighbour_by_the_label_s_
 
 def test_stand_ins_take_the_norm_a_capture_together_delivers_as_an_earlier_capture_recorded_it():
     """STANDIN_RULE's scale: TP2·PP2·DP2 at class depth, pipeline group [0, 4]. Capture 1 (rank 0) sends its
-    activations to rank 4, virtual there: their L2 norms are recorded. Capture 2 (rank 4) receives from rank 0,
-    virtual there: each stand-in has the n-th recorded norm (a unit would put what the last stage computes off
-    by the ratio: LayerNorm divides by the activations' scale). Its own gradients sent back are recorded in
-    turn; rank 0's first capture had none (its sender is captured later): the unit fallback, counted."""
+    activations to rank 4, virtual there: their L2 norms are recorded. Its gradient receive has no recording
+    (rank 4 is captured later) nor a gradient of its own sent before: the unit fallback, counted, and what it
+    sends backward after that is marked derived. Capture 2 (rank 4) receives from rank 0: each stand-in has
+    the n-th recorded norm (a unit would put what the last stage computes off by the ratio: LayerNorm divides
+    by the activations' scale); a receive past the recording takes its own gradient's scale (not derived)."""
     from tests.test_passthrough import _member, _Plane
 
     plan = _class_plan()
     first = Folding(capture_plan(plan, 0, 0))
     pp = _group(0, "pp", [0, 4], first)
-    plane, sent = _Plane(), [torch.full((4, 8), 0.03 * (i + 1)) for i in range(3)]
-    for i, x in enumerate(sent):
+    plane, sent = _Plane(), [torch.full((4, 8), 0.03 * (i + 1)) for i in range(3)] + [torch.full((4, 8), 0.2)]
+    nothing = lambda *a, **k: None  # noqa: E731
+    for i, x in enumerate(sent[:3]):
         plane.buffers[f"a{i}"] = x.reshape(-1).view(torch.uint8)
-        assert first.pass_through(pp, _member("send", 0, 1, (4, 8), buf=f"a{i}"), plane,
-                                  lambda *a, **k: None) is None
+        m = _member("send", 0, 1, (4, 8), buf=f"a{i}")
+        m.msg["label"] = "send_forward"
+        assert first.pass_through(pp, m, plane, nothing) is None
     done: list[torch.Tensor] = []
     deliver = lambda m, outs, src=-1: done.append(outs[0])  # noqa: E731
     assert first.pass_through(pp, _recv(0, 1, label="recv_backward"), plane, deliver) is None
-    assert float(done[-1].norm()) == pytest.approx(1.0)  # no recording yet: the unit fallback
+    assert float(done[-1].norm()) == pytest.approx(1.0)  # no recording, no gradient of its own: the unit
+    plane.buffers["g"] = sent[3].reshape(-1).view(torch.uint8)
+    m = _member("send", 0, 1, (4, 8), buf="g")
+    m.msg["label"] = "send_backward"  # after the unit fallback: derived
+    assert first.pass_through(pp, m, plane, nothing) is None
     part = first.to_json()["capture"]["part"]
     assert part["standins_unrecorded"] == 1
     assert part["p2p_norms"] == [{"group": ["pp", [0, 4], 0], "src": 0, "dst": 4,
-                                  "norms": [[32, pytest.approx(float(x.norm()))] for x in sent]}]
+                                  "norms": [[32, pytest.approx(float(x.norm())), int(i == 3)]
+                                            for i, x in enumerate(sent)]}]
     last = Folding(capture_plan(plan, 4, 1, p2p_answers=part["p2p_norms"]))
     pp4 = _group(0, "pp", [0, 4], last)
-    for i in range(3):  # rank 4 is group position 1, its virtual neighbour rank 0 position 0
-        m = _recv(4, 0, label="recv_forward")
-        m.grank = 1
-        assert last.pass_through(pp4, m, plane, deliver) is None
+
+    def recv4(label: str, shape=(4, 8)) -> Member:
+        m = _recv(4, 0, shape=shape, label=label)
+        m.grank = 1  # rank 4 is group position 1, its virtual neighbour rank 0 position 0
+        return m
+
+    for i in range(3):
+        assert last.pass_through(pp4, recv4("recv_forward"), plane, deliver) is None
         assert float(done[-1].norm()) == pytest.approx(float(sent[i].norm()), rel=1e-6)
         assert torch.isfinite(done[-1]).all() and done[-1].abs().min() > 0  # a direction, never zeros
-    m = _recv(4, 0, label="recv_forward")  # a fourth message: rank 0 sent three
-    m.grank = 1
-    assert last.pass_through(pp4, m, plane, deliver) is None
-    assert last.to_json()["capture"]["part"]["standins_unrecorded"] == 1
+    plane.buffers["own"] = torch.full((32,), 0.5).view(torch.uint8)
+    m = _member("send", 4, 0, (4, 8), buf="own")
+    m.grank, m.msg["label"] = 1, "send_backward"
+    assert last.pass_through(pp4, m, plane, nothing) is None
+    # message 3 was recorded derived: its own gradient's scale is preferred
+    assert last.pass_through(pp4, recv4("recv_backward"), plane, deliver) is None
+    assert float(done[-1].norm()) == pytest.approx(float(torch.full((32,), 0.5).norm()), rel=1e-6)
+    assert last.to_json()["capture"]["part"]["standins_unrecorded"] == 0
     again = Folding(capture_plan(plan, 4, 1, p2p_answers=part["p2p_norms"]))
     pp4 = _group(0, "pp", [0, 4], again)
-    m = _recv(4, 0, shape=(8, 8), label="recv_forward")
-    m.grank = 1
-    problem = again.pass_through(pp4, m, plane, deliver)
+    last = again
+    problem = again.pass_through(pp4, recv4("recv_forward", shape=(8, 8)), plane, deliver)
     assert "posts 64 elements" in problem and "was 32 elements" in problem and "same program" in problem
     with pytest.raises(ValueError, match=r"capture.part.p2p_answers\[0\]' is not a recorded p2p stream"):
         Folding(capture_plan(plan, 4, 1, p2p_answers=[{"group": ["pp", [0, 4], 0], "src": 0}]))

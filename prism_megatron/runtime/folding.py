@@ -222,7 +222,7 @@ def _read_broadcasts(items: Any, field: str) -> dict[tuple, tuple[str, bytes]]:
     return out
 
 
-def _read_norms(items: Any, field: str) -> dict[tuple, list[tuple[int, float]]]:
+def _read_norms(items: Any, field: str) -> dict[tuple, list[tuple[int, float, bool]]]:
     """Recorded p2p norms (``PassThrough.recordings``' entries) by (group key, sender, receiver); ValueError
     naming ``field`` when an entry is not one. A later entry for the same stream replaces an earlier one
     (a capture taken again: ``nccl_prune.SECOND_PASS_RULE``)."""
@@ -233,7 +233,7 @@ def _read_norms(items: Any, field: str) -> dict[tuple, list[tuple[int, float]]]:
         try:
             name, ranks, k = e["group"]
             key = ((str(name), tuple(int(r) for r in ranks), int(k)), int(e["src"]), int(e["dst"]))
-            out[key] = [(int(n), float(v)) for n, v in e["norms"]]
+            out[key] = [(int(n), float(v), bool(d)) for n, v, d in e["norms"]]
         except (KeyError, TypeError, ValueError) as err:
             raise ValueError(f"fold plan field '{field}[{i}]' is not a recorded p2p stream: {err}") from None
     return out

@@ -56,17 +56,21 @@ class PassThrough:
 
     def __init__(self, contributions: Contributions, standin: bool = False,
                  elsewhere: frozenset[int] = frozenset(), sandbox: frozenset[int] = frozenset(),
-                 norms: dict[StreamKey, list[tuple[int, float]]] | None = None,
+                 norms: dict[StreamKey, list[tuple[int, float, bool]]] | None = None,
                  key: Callable[[Group], tuple] | None = None) -> None:
         self.contributions = contributions
         self.standin = standin  # a serial capture: STANDIN_RULE answers a receive with no other live rank upstream
         self.elsewhere = elsewhere  # a serial capture: the fold's live ranks captured in other captures
         self.sandbox = sandbox  # a serial capture: the fold's live ranks, whose captures record their sends
-        self.norms = norms or {}  # earlier captures' recordings: (numel, L2 norm) per message, in send order
+        # earlier captures' recordings: (numel, L2 norm, derived) per message, in send order; derived: sent after
+        # its capture gave a stand-in of that direction without a recording (its scale may be the fallback's)
+        self.norms = norms or {}
         self._key = key or (lambda g: (g.name, tuple(g.ranks), 0))
-        self.sent: dict[StreamKey, list[tuple[int, float]]] = {}  # this capture's recordings, for later ones
+        self.sent: dict[StreamKey, list[tuple[int, float, bool]]] = {}  # this capture's recordings, for later ones
         self._taken: dict[StreamKey, int] = {}  # stand-ins answered per recorded stream
-        self.unrecorded = 0  # stand-ins given the unit fallback (no recording of their message)
+        self.unrecorded = 0  # stand-ins with neither a recording of their own nor this rank's own scale
+        self._own: dict[tuple[bool, int], float] = {}  # (backward, numel) -> this rank's first such send's norm
+        self._derived = {False: False, True: False}  # per direction (backward): a stand-in without a recording given
         self._standins: dict[tuple, torch.Tensor] = {}  # (dtype, numel, backward | None) -> its stand-in
         self.groups: dict[int, Group] = {}  # groups with streams (each in Group.passthrough, keyed (U, w))
         self._routes: dict[tuple[int, str, int, int], Route] = {}  # (group id, kind, me, peer): O(1) per op
@@ -145,14 +149,22 @@ class PassThrough:
             n = self._taken.get(k, 0)
             self._taken[k] = n + 1
             got = self.norms.get(k, ())
-            if n < len(got):
-                if got[n][0] != numel:
-                    return (f"rank {m.rank}'s receive {n} from virtual rank {g.ranks[peer]} on group {g.name!r} "
-                            f"posts {numel} elements, but message {n} that rank {sender} sent to rank {to} was "
-                            f"{got[n][0]} elements when its capture recorded it (STANDIN_RULE): the captures do not "
-                            "run the same program")
-                norm = got[n][1]
-        if norm is None:
+            recorded = got[n] if n < len(got) else None
+            if recorded is not None and recorded[0] != numel:
+                return (f"rank {m.rank}'s receive {n} from virtual rank {g.ranks[peer]} on group {g.name!r} "
+                        f"posts {numel} elements, but message {n} that rank {sender} sent to rank {to} was "
+                        f"{recorded[0]} elements when its capture recorded it (STANDIN_RULE): the captures do not "
+                        "run the same program")
+            own = self._own.get((backward, numel))
+            if recorded is not None and not recorded[2]:
+                norm = recorded[1]  # recorded
+            elif own is not None:
+                norm = own  # own scale
+            else:  # a recording derived from stand-ins without one, or the unit fallback
+                norm = recorded[1] if recorded is not None else None
+                self.unrecorded += 1
+                self._derived[backward] = True
+        else:
             self.unrecorded += 1
         try:
             values = self._values(dt, numel, backward, norm)
@@ -186,12 +198,16 @@ class PassThrough:
             return
         t = data.read(desc, dt).reshape(-1)
         norm = float(torch.linalg.vector_norm(t if t.dtype in (torch.float32, torch.float64) else t.float()))
-        self.sent.setdefault((self._key(g), m.rank, g.ranks[peer]), []).append((t.numel(), norm))
+        backward = _send_backward(m, g, peer)
+        derived = any(self._derived.values()) if backward is None else self._derived[backward]
+        self.sent.setdefault((self._key(g), m.rank, g.ranks[peer]), []).append((t.numel(), norm, derived))
+        if backward is not None and not derived:
+            self._own.setdefault((backward, t.numel()), norm)
 
     def recordings(self) -> list[dict]:
         """This capture's recorded norms as JSON (``capture.part.p2p_norms``): one entry per stream."""
         return [{"group": [k[0][0], list(k[0][1]), k[0][2]], "src": k[1], "dst": k[2],
-                 "norms": [[n, v] for n, v in values]} for k, values in self.sent.items()]
+                 "norms": [[n, v, int(d)] for n, v, d in values]} for k, values in self.sent.items()]
 
     def _answer(self, recv: Member, data: torch.Tensor, deliver: Deliver) -> None:
         deliver(recv, [data], src=recv.msg["peer"])
@@ -234,6 +250,19 @@ def waiting_receives(g: Group) -> list[str]:
     return [f"recv rank {m.rank} <- virtual rank {g.ranks[m.msg['peer']]} on group {g.name!r}: waits for rank "
             f"{g.ranks[u]}'s next send to virtual rank {g.ranks[w]} (pass-through)"
             for (u, w), s in sorted(g.passthrough.items()) for m in s.waiting]
+
+
+def _send_backward(m: Member, g: Group, peer: int) -> bool | None:
+    """Whether a send carries a gradient: its op label's direction where the label names one send direction
+    only, else its position when the peer is a neighbour on a ring of more than two; None otherwise."""
+    label = m.msg.get("label") or ""
+    fwd, bwd = "send_forward" in label, "send_backward" in label
+    if fwd != bwd:
+        return bwd
+    n = len(g.ranks)
+    if n > 2 and (peer - m.grank) % n in (1, n - 1):
+        return (peer - m.grank) % n == n - 1
+    return None
 
 
 def _backward(m: Member, route: Route) -> bool | None:
