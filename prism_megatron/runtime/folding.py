@@ -13,10 +13,11 @@ answers a virtual member whose class has its live rank elsewhere by self mirror,
 other live rank upstream by a stand-in, scaled to the norm an earlier capture recorded for that message
 (``capture.part.p2p_answers`` in, this capture's ``capture.part.p2p_norms`` out); the counts say which
 (``nccl_prune.SELF_MIRROR_RULE``, ``nccl_prune.STANDIN_RULE``). A broadcast is the exception
-(``RECORDED_BROADCAST_RULE``): its root sends values the receivers branch on (Megatron's do_train/do_valid/do_test flags from rank 0 reach a middle
-stage, which builds no data loader, only this way), so L's own buffer is not an answer. Each capture
-records the broadcasts its class roots (``capture.part.broadcasts``) and a later capture answers a root
-of that class from them (``capture.part.answers``, counted ``recorded``); an integer broadcast with no
+(``RECORDED_BROADCAST_RULE``): its root sends values the receivers branch on (Megatron's
+do_train/do_valid/do_test flags from rank 0 reach a middle stage, which builds no data loader, only this
+way), so L's own buffer is not an answer. Each capture records the broadcasts its class roots
+(``capture.part.broadcasts``) and a later capture answers a root of that class from them
+(``capture.part.answers``, counted ``recorded``); an integer broadcast with no
 recording is refused by name.
 """
 
