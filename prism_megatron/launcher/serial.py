@@ -152,9 +152,9 @@ def capture_serially(cfg: LaunchConfig, launch: Callable[[LaunchConfig], int],
             break
         if unrecorded.get(i) and i not in ooms and any(
                 captures[j]["trace"] is not None for j in range(i + 1, len(live))):
-            say(f"serial capture {i + 1}/{len(live)}: {unrecorded[i]} stand-in(s) had no recorded norm (their "
-                "senders are captured later): capturing it again with the later captures' recordings "
-                "(nccl_prune.SECOND_PASS_RULE)")
+            say(f"serial capture {i + 1}/{len(live)}: {unrecorded[i]} stand-in(s) had neither a recorded norm nor "
+                "the rank's own scale (their senders are captured later): capturing it again with the later "
+                "captures' recordings (nccl_prune.SECOND_PASS_RULE)")
             run(i, live[i], again=True)
     ran = {i: n for i, n in iterations.items() if n}
     for i, n in iterations.items():
