@@ -9,9 +9,18 @@ members. Knows collectives and ranks, not Megatron.
 
 from nccl_prune.contributions import KINDS, SELF_MIRROR_RULE, Contributions, check_p2p, virtual_contributions
 from nccl_prune.host import execute, is_in_place_all_gather
-from nccl_prune.passthrough import PASSTHROUGH_RULE, STANDIN_RULE, Route, route_recv, route_send, standin_values
+from nccl_prune.passthrough import (
+    PASSTHROUGH_RULE,
+    SECOND_PASS_RULE,
+    STANDIN_RULE,
+    Route,
+    recorded_stream,
+    route_recv,
+    route_send,
+    standin_values,
+)
 from nccl_prune.plan import GroupPlan, PruneError, plan_group
 
-__all__ = ["KINDS", "PASSTHROUGH_RULE", "SELF_MIRROR_RULE", "STANDIN_RULE", "Contributions", "GroupPlan",
-           "PruneError", "Route", "check_p2p", "execute", "is_in_place_all_gather", "plan_group", "route_recv",
-           "route_send", "standin_values", "virtual_contributions"]
+__all__ = ["KINDS", "PASSTHROUGH_RULE", "SECOND_PASS_RULE", "SELF_MIRROR_RULE", "STANDIN_RULE", "Contributions",
+           "GroupPlan", "PruneError", "Route", "check_p2p", "execute", "is_in_place_all_gather", "plan_group",
+           "recorded_stream", "route_recv", "route_send", "standin_values", "virtual_contributions"]

@@ -31,19 +31,41 @@ STANDIN_SEED = 20260  # the stand-ins' generator seed: the same values in every 
 STANDIN_RULE = f"""\
 In a serial capture (one live rank at a time) a live rank L's receive from a virtual pipeline
 neighbour whose walk upstream comes back to L (no other live rank on the ring in this capture) gets a
-stand-in: a tensor of the dtype and shape L posted, standard normal values from a generator seeded with
-{STANDIN_SEED} (the same tensor for every receive of that dtype, shape and direction), scaled in the
-backward direction (the receive's op label names a backward receive, else its position says so) to an
-L2 norm of 1 (a gradient of the size a mean loss gives, not one per element),
-so activations and gradients entering a stage are finite and non-zero, never a silent zero; their values
-are not the neighbour's (the loss of a last stage captured alone is the loss of stand-in activations,
-the grad norm of a first stage the norm under stand-in gradients). Sends from L to a virtual
-neighbour complete at once and are dropped (no live rank downstream consumes them in that capture). A
-p2p with a live rank of the fold captured in another capture that is not L's neighbour in the group's
-order (Megatron's overlapped p2p sends one direction of a two-stage pipeline over the world group, by
-global rank; together it is a p2p between live ranks) is answered the same way: its receive gets a
-stand-in, its direction the op label's (without a label that names one: refused), its send is dropped.
-An integer tensor (a shape exchange: values that steer the program) gets no stand-in: refused."""
+stand-in: a tensor of the dtype and shape L posted, its direction standard normal values from a generator
+seeded with {STANDIN_SEED} (the same direction for every receive of that dtype and shape), its L2 norm, in
+this order of preference:
+(1) *recorded*: the norm of the message a capture together would deliver there, the n-th message that the
+nearest live rank of the fold upstream (walking from the virtual neighbour against the flow, as
+PASSTHROUGH_RULE does together) sent on that side, n counting L's receives from that neighbour, as an
+earlier capture recorded it (every capture records the norm of each floating-point message it sends to a
+virtual neighbour, and whether it sent it after a stand-in of that direction had to fall back below (1)
+or (2): such a recording is *derived*, its scale possibly the fallback's);
+(2) *own scale*: the norm of L's own first message of that direction and size in this capture, when not
+derived (a residual stream's activations and gradients change little in scale from stage to stage, so a
+stage's neighbour sends what the stage itself sends, in size);
+(3) a derived recording; (4) the *unit fallback*: L2 norm 1 for a gradient, standard normal values for
+an activation.
+The direction of a receive is its op label's (a backward receive), else its position. Captures run first
+stage first, so forward receives find (1); the gradients entering an earlier stage, and the wrap-around of
+an interleaved pipeline, are sent by later captures: a capture that fell back to (3) or (4) is captured again
+(SECOND_PASS_RULE). The norm is what steers the program downstream (LayerNorm divides by the activation's
+scale; a stage's weight gradients, hence the grad norm and gradient clipping, are linear in the gradient it
+receives): a stand-in of another scale puts the grad norm off by the ratio of the scales, and a unit is far
+from a real activation's size or from the gradient of a mean loss over many tokens and micro-batches. Values
+are never zeros, and are not the neighbour's (their direction is not). Sends from L to a virtual neighbour
+complete at once and are dropped (no live rank downstream consumes them in that capture) once their norm is
+recorded. A p2p with a live rank of the fold captured in another capture that is not L's neighbour in the
+group's order (Megatron's overlapped p2p sends one direction of a two-stage pipeline over the world group, by
+global rank; together it is a p2p between live ranks) is answered the same way: its receive gets a stand-in,
+its direction the op label's (without a label that names one: refused), its send is dropped. An integer
+tensor (a shape exchange: values that steer the program) gets no stand-in: refused."""
+SECOND_PASS_RULE = """\
+A serial capture that gave a stand-in a derived recording's norm or the unit fallback (STANDIN_RULE (3),
+(4)) is captured again after the first pass, latest first, with every recording made so far (the second
+pass's own included), and the captures merged are the latest of each live rank. A pipeline without
+wrap-around then has every stand-in recorded: the last stage's forward receives were recorded by the first
+pass, each earlier stage's backward receives by the stage after it, captured again before it. In an
+interleaved pipeline the last capture of the first pass takes its wrap-around gradients at its own scale."""
 
 
 @dataclass(frozen=True)
@@ -131,17 +153,40 @@ def _walk(plan: GroupPlan, start: int, step: int) -> int:
 
 
 
-def standin_values(dtype: torch.dtype, numel: int, backward: bool = False) -> torch.Tensor:
-    """STANDIN_RULE's values: ``numel`` seeded standard normal values of ``dtype`` (flat, host), of L2
-    norm 1 for a ``backward`` (gradient) receive; PruneError for an integer or boolean dtype (values that
-    steer the program get no stand-in)."""
+def standin_values(dtype: torch.dtype, numel: int, backward: bool = False, norm: float | None = None) -> torch.Tensor:
+    """STANDIN_RULE's values: ``numel`` seeded standard normal values of ``dtype`` (flat, host) scaled to the
+    L2 norm ``norm`` (the recorded norm), or without one the unit fallback: L2 norm 1 for a ``backward``
+    (gradient) receive, as drawn for an activation; PruneError for an integer or boolean dtype (values that
+    steer the program get no stand-in) or a negative norm. An infinite or NaN recorded norm (the sender's
+    message held inf/NaN) gives inf/NaN values, as the message would: inf/NaN checks downstream see them."""
     if not (dtype.is_floating_point or dtype.is_complex):
         raise PruneError(f"a stand-in for a {dtype} receive (rule: {STANDIN_RULE.splitlines()[0]} ...): integer "
                          "values steer the program (a shape exchange), so a serial capture does not invent them; "
                          "capture this fold together (--prism-fold-capture together)")
+    if norm is not None and norm < 0:
+        raise PruneError(f"a stand-in's recorded norm is {norm!r}: an L2 norm is >= 0 (STANDIN_RULE)")
     g = torch.Generator().manual_seed(STANDIN_SEED)
     work = torch.float64 if dtype.itemsize >= 8 else torch.float32
     values = torch.randn(numel, generator=g, dtype=work)
-    if backward and numel:
-        values /= values.norm()
+    if numel and (norm is not None or backward):
+        values *= (1.0 if norm is None else norm) / values.norm()
     return values.to(dtype)
+
+
+def recorded_stream(ranks: list[int] | tuple[int, ...], sandbox: frozenset[int], receiver: int, sender: int,
+                    step: int) -> tuple[int, int]:
+    """STANDIN_RULE's recording that answers group position ``receiver``'s receive from ``sender``: the
+    (sender, to) global ranks of the stream a capture together delivers from. ``step``: +1 forward, -1
+    backward along the group's order, 0 for a peer that is not a neighbour (a p2p between two live ranks
+    together: its own stream). Walks from ``sender`` against the flow to the first member in ``sandbox``
+    (the fold's live ranks), cyclically; PruneError when none is (no capture records that stream)."""
+    n = len(ranks)
+    if step == 0:
+        return ranks[sender], ranks[receiver]
+    pos = sender
+    for _ in range(n):
+        if ranks[pos] in sandbox:
+            return ranks[pos], ranks[(pos + step) % n]
+        pos = (pos - step) % n
+    raise PruneError(f"no live rank of the fold {sorted(sandbox)[:8]} is on the ring {_show(list(ranks))}: no "
+                     "capture records what reaches its members (STANDIN_RULE)")

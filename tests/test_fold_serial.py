@@ -46,7 +46,7 @@ def test_a_capture_plan_keeps_one_live_rank_and_every_ranks_class_representative
     assert fold.live == (4,) and set(fold.rep) == {4} and [c.name for c in fold.classes] == ["last"]
     assert fold.capture_mode == "serial" and fold.capture["rules"] == {"collectives": "self_mirror", "p2p": "standin"}
     assert fold.capture["part"] == {"rank": 4, "index": 1, "of": 2, "sandbox": [0, 4], "class_rep": plan["rep"],
-                                       "answers": []}
+                                       "answers": [], "p2p_answers": []}
     assert fold.depth == "class" and fold.schedule == "1f1b"  # the rest of the plan as captured together
     with pytest.raises(ValueError, match="rank 1 is not a live rank of the fold"):
         capture_plan(plan, 1, 0)
@@ -165,6 +165,105 @@ def test_a_serial_capture_answers_a_peer_that_is_not_a_neighbour_by_the_label_s_
     problem = pt.handle(g, _recv(0, 4, label=""), None, lambda *a, **k: None)
     assert "names no direction" in problem and "virtual rank 4" in problem
     assert c.to_json()["recv"]["standin"] == 2
+
+
+def test_stand_ins_take_the_norm_a_capture_together_delivers_as_an_earlier_capture_recorded_it():
+    """STANDIN_RULE's scale: TP2·PP2·DP2 at class depth, pipeline group [0, 4]. Capture 1 (rank 0) sends its
+    activations to rank 4, virtual there: their L2 norms are recorded. Its gradient receive has no recording
+    (rank 4 is captured later) nor a gradient of its own sent before: the unit fallback, counted, and what it
+    sends backward after that is marked derived. Capture 2 (rank 4) receives from rank 0: each stand-in has
+    the n-th recorded norm (a unit would put what the last stage computes off by the ratio: LayerNorm divides
+    by the activations' scale); a receive past the recording takes its own gradient's scale (not derived)."""
+    from tests.test_passthrough import _member, _Plane
+
+    plan = _class_plan()
+    first = Folding(capture_plan(plan, 0, 0))
+    pp = _group(0, "pp", [0, 4], first)
+    plane, sent = _Plane(), [torch.full((4, 8), 0.03 * (i + 1)) for i in range(3)] + [torch.full((4, 8), 0.2)]
+    nothing = lambda *a, **k: None  # noqa: E731
+    for i, x in enumerate(sent[:3]):
+        plane.buffers[f"a{i}"] = x.reshape(-1).view(torch.uint8)
+        m = _member("send", 0, 1, (4, 8), buf=f"a{i}")
+        m.msg["label"] = "send_forward"
+        assert first.pass_through(pp, m, plane, nothing) is None
+    done: list[torch.Tensor] = []
+    deliver = lambda m, outs, src=-1: done.append(outs[0])  # noqa: E731
+    assert first.pass_through(pp, _recv(0, 1, label="recv_backward"), plane, deliver) is None
+    assert float(done[-1].norm()) == pytest.approx(1.0)  # no recording, no gradient of its own: the unit
+    plane.buffers["g"] = sent[3].reshape(-1).view(torch.uint8)
+    m = _member("send", 0, 1, (4, 8), buf="g")
+    m.msg["label"] = "send_backward"  # after the unit fallback: derived
+    assert first.pass_through(pp, m, plane, nothing) is None
+    part = first.to_json()["capture"]["part"]
+    assert part["standins_unrecorded"] == 1
+    assert part["p2p_norms"] == [{"group": ["pp", [0, 4], 0], "src": 0, "dst": 4,
+                                  "norms": [[32, pytest.approx(float(x.norm())), int(i == 3)]
+                                            for i, x in enumerate(sent)]}]
+    last = Folding(capture_plan(plan, 4, 1, p2p_answers=part["p2p_norms"]))
+    pp4 = _group(0, "pp", [0, 4], last)
+
+    def recv4(label: str, shape=(4, 8)) -> Member:
+        m = _recv(4, 0, shape=shape, label=label)
+        m.grank = 1  # rank 4 is group position 1, its virtual neighbour rank 0 position 0
+        return m
+
+    for i in range(3):
+        assert last.pass_through(pp4, recv4("recv_forward"), plane, deliver) is None
+        assert float(done[-1].norm()) == pytest.approx(float(sent[i].norm()), rel=1e-6)
+        assert torch.isfinite(done[-1]).all() and done[-1].abs().min() > 0  # a direction, never zeros
+    plane.buffers["own"] = torch.full((32,), 0.5).view(torch.uint8)
+    m = _member("send", 4, 0, (4, 8), buf="own")
+    m.grank, m.msg["label"] = 1, "send_backward"
+    assert last.pass_through(pp4, m, plane, nothing) is None
+    # message 3 was recorded derived: its own gradient's scale is preferred
+    assert last.pass_through(pp4, recv4("recv_backward"), plane, deliver) is None
+    assert float(done[-1].norm()) == pytest.approx(float(torch.full((32,), 0.5).norm()), rel=1e-6)
+    assert last.to_json()["capture"]["part"]["standins_unrecorded"] == 0
+    again = Folding(capture_plan(plan, 4, 1, p2p_answers=part["p2p_norms"]))
+    pp4 = _group(0, "pp", [0, 4], again)
+    last = again
+    problem = again.pass_through(pp4, recv4("recv_forward", shape=(8, 8)), plane, deliver)
+    assert "posts 64 elements" in problem and "was 32 elements" in problem and "same program" in problem
+    with pytest.raises(ValueError, match=r"capture.part.p2p_answers\[0\]' is not a recorded p2p stream"):
+        Folding(capture_plan(plan, 4, 1, p2p_answers=[{"group": ["pp", [0, 4], 0], "src": 0}]))
+
+
+def test_a_stand_in_s_recording_is_the_stream_a_capture_together_passes_through():
+    """PP4 folded to stages 0, 1, 3 (stage 2 virtual, an identity stand-in together): rank 3's forward receive
+    from virtual rank 2 is answered together by what rank 1 sent to rank 2; rank 1's backward receive from 2
+    by what rank 3 sent to 2; a live neighbour's (rank 0 -> 1) is its own stream; a non-neighbour's (VPP's
+    overlapped p2p over the world group) its own too. Norms scale, the direction is the seeded one."""
+    from nccl_prune import recorded_stream
+
+    ranks, sandbox = [0, 1, 2, 3], frozenset({0, 1, 3})
+    assert recorded_stream(ranks, sandbox, 3, 2, +1) == (1, 2)
+    assert recorded_stream(ranks, sandbox, 1, 2, -1) == (3, 2)
+    assert recorded_stream(ranks, sandbox, 1, 0, +1) == (0, 1)
+    assert recorded_stream(ranks, sandbox, 0, 3, 0) == (3, 0)
+    with pytest.raises(PruneError, match="no live rank of the fold"):
+        recorded_stream(ranks, frozenset({7}), 3, 2, +1)
+    unit = standin_values(torch.float32, 100, norm=1.0)
+    assert torch.allclose(standin_values(torch.float32, 100, norm=0.25), 0.25 * unit)
+    assert torch.allclose(standin_values(torch.float32, 100, backward=True), unit)  # the fallback: norm 1
+    assert float(standin_values(torch.bfloat16, 100, norm=3.0).float().norm()) == pytest.approx(3.0, rel=1e-2)
+    assert torch.isinf(standin_values(torch.float32, 4, norm=float("inf"))).all()  # inf/NaN reach the checks
+    with pytest.raises(PruneError, match=">= 0"):
+        standin_values(torch.float32, 4, norm=-1.0)
+
+
+def test_the_merged_line_counts_complete_captures_and_names_the_others():
+    from prism_megatron.launcher.serial import merged_line
+
+    caps = [{"rank": 0, "trace": Path("a"), "incomplete": None},
+            {"rank": 16, "trace": Path("b"), "incomplete": "exited with code 1"},
+            {"rank": 48, "trace": None, "incomplete": "not run: capture 2 failed first"}]
+    line = merged_line(caps, Path("T"), [1.0, 2.0], [0.5])
+    assert line.startswith("serial capture: merged 2 of 3 capture(s), 1 complete, into T (wall s per capture: "
+                           "1.0, 2.0; again: 0.5)")
+    assert "capture 2 (rank 16) incomplete: exited with code 1" in line
+    assert "capture 3 (rank 48) not merged: not run: capture 2 failed first" in line
+    ok = merged_line(caps[:1], Path("T"), [1.0])
+    assert ok == "serial capture: merged 1 of 1 capture(s), 1 complete, into T (wall s per capture: 1.0)"
 
 
 # ---- the merge -----------------------------------------------------------------------------------
@@ -343,8 +442,23 @@ def test_a_pipeline_captured_serially_issues_the_ops_of_the_capture_together(tmp
     for c in serial.fold.capture["captures"]:
         assert read_trace(tmp_path / c["trace"]).fold.live == (c["rank"],)
     assert any("serial capture 2/3: rank 1" in s for s in said) and captures_dir(tmp_path / "serial").is_dir()
-    got = torch.load(tmp_path / "r2" / "rank-3.pt")  # the last stage's inputs: stand-ins, finite
-    assert all(torch.isfinite(x).all() for x in got["fwd"])
+    got = {r: torch.load(tmp_path / "r2" / f"rank-{r}.pt") for r in (0, 1, 3)}  # each rank's last capture
+    assert all(torch.isfinite(x).all() for x in got[3]["fwd"])  # the last stage's inputs: stand-ins, finite
+    # STANDIN_RULE: each stand-in has the norm of what the stream a capture together passes through carried, as
+    # recorded by the capture that sent it: stage 1 adds 2000 going forward, stage 3 turns x into 2x + 40000,
+    # stage 1 adds 20000 going backward; stage 0's micro-batch i is arange % 7 + 100 i, plus 1000
+    norm = lambda x: float(x.double().norm())  # noqa: E731
+    x0 = [(torch.arange(128 * 160) % 7).reshape(128, 160) + 100.0 * i + 1000.0 for i in range(3)]
+    for i in range(3):
+        assert norm(got[1]["fwd"][i]) == pytest.approx(norm(x0[i]), rel=1e-5)
+        assert norm(got[3]["fwd"][i]) == pytest.approx(norm(got[1]["fwd"][i] + 2000.0), rel=1e-5)
+        assert norm(got[1]["bwd"][i]) == pytest.approx(norm(2 * got[3]["fwd"][i] + 40000.0), rel=1e-5)
+        assert norm(got[0]["bwd"][i]) == pytest.approx(norm(got[1]["bwd"][i] + 20000.0), rel=1e-5)
+    # SECOND_PASS_RULE: stages 0 and 1 had backward stand-ins without a recording in the first pass (their
+    # senders are captured later): captured again, latest first; their second traces are the ones merged
+    assert [s.split(":")[0] for s in said if s.startswith("serial capture ") and "again:" in s] == [
+        "serial capture 2/3 again", "serial capture 1/3 again"]
+    assert "merged 3 of 3 capture(s), 3 complete" in said[-1]
 
 
 def test_a_capture_that_fails_stops_the_run_and_the_merged_trace_says_which(tmp_path):

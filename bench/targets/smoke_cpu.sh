@@ -63,7 +63,7 @@ summarize() {  # NAME: the block printed for one target, from OUT/smoke-NAME
                                    | cut -c1-200 || echo "(no verdict line)")"
   grep -m1 -E "^prism: micro-batches" "$out/run.log" | cut -c8-200 | sed 's/^/   /'
   echo "   captures: $(grep -c -E "^prism: serial capture [0-9]+/[0-9]+: rank" "$out/run.log") started; $(grep -m1 -E \
-       "^prism: serial capture: merged" "$out/run.log" | sed 's/ into .*(/ (/; s/^prism: serial capture: //' \
+       "^prism: serial capture: merged" "$out/run.log" | sed 's/,\{0,1\} into .*(/ (/; s/^prism: serial capture: //' \
        || echo "none merged")"
   if [ "$rc" -eq 0 ]; then
     grep -m1 -E "^predicted iteration" "$out/run.log" | sed 's/^/   /'

@@ -15,7 +15,9 @@ logs beside it), a failed one marked incomplete; the run stops at the first capt
 merged trace (``trace.merge``) says which. A capture whose rank ran out of memory under the target GPU's cap
 (exit code ``OOM``) did not fail: its OOM is the prediction for its class, so the later captures run and the
 merged trace holds every class, each with its peak or its failing allocation (``OOM_CONTINUES_RULE``).
-Captures run in the fold's live-rank order (first stage first).
+Captures run in the fold's live-rank order (first stage first); a capture whose stand-ins had no recorded
+norm (their senders are captured later) is captured again after them, latest first
+(``nccl_prune.SECOND_PASS_RULE``), and its second trace is the one merged.
 A capture's ranks see ``CAPTURE_ENV``: rules the program side keeps for a capture of one live rank install
 on it (Megatron's tied-embedding initialisation: ``patches.serial_embedding``).
 """
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -33,7 +36,7 @@ from prism_megatron.launcher.config import LaunchConfig
 from prism_megatron.launcher.exit_codes import OOM, RANK_FAILED
 from prism_megatron.trace.fold import SERIAL_RULES
 
-__all__ = ["CAPTURE_ENV", "OOM_CONTINUES_RULE", "capture_plan", "captures_dir", "capture_serially"]
+__all__ = ["CAPTURE_ENV", "OOM_CONTINUES_RULE", "capture_plan", "captures_dir", "capture_serially", "merged_line"]
 
 #: set to "serial" in the ranks of a serial capture (``rank.rank_env``): program-side rules that only a capture
 #: of one live rank needs install on it (e.g. ``patches.serial_embedding``)
@@ -49,11 +52,14 @@ exits as a run together with a predicted OOM does (OOM), unless a capture failed
 
 
 def capture_plan(plan: dict[str, Any], rank: int, index: int,
-                 answers: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+                 answers: list[dict[str, Any]] | None = None,
+                 p2p_answers: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """The plan of capture ``index`` of a serial run: live rank ``rank`` alone, every rank's rep ``rank``,
     one class (``rank``'s) standing for all; ``capture.part`` keeps the fold's sandbox and each rank's
-    class representative (``class_rep``), by which the coordinator tells mirror from self mirror, and
-    ``answers``: the broadcasts earlier captures recorded (``capture.part.broadcasts`` of their traces)."""
+    class representative (``class_rep``), by which the coordinator tells mirror from self mirror,
+    ``answers``: the broadcasts earlier captures recorded (``capture.part.broadcasts`` of their traces), and
+    ``p2p_answers``: the norms of the p2p messages they sent to virtual neighbours (``capture.part.p2p_norms``),
+    which scale this capture's stand-ins (``nccl_prune.STANDIN_RULE``)."""
     live = [int(x) for x in plan["live"]]
     if rank not in live:
         raise ValueError(f"rank {rank} is not a live rank of the fold (live: {live})")
@@ -64,7 +70,8 @@ def capture_plan(plan: dict[str, Any], rank: int, index: int,
                classes=[{**own, "count": world, "sandbox": [rank]}],
                capture={"mode": "serial", "rules": dict(SERIAL_RULES),
                         "part": {"rank": rank, "index": index, "of": len(live), "sandbox": live,
-                                 "class_rep": [int(x) for x in plan["rep"]], "answers": list(answers or [])}})
+                                 "class_rep": [int(x) for x in plan["rep"]], "answers": list(answers or []),
+                                 "p2p_answers": list(p2p_answers or [])}})
     return out
 
 
@@ -87,40 +94,68 @@ def capture_serially(cfg: LaunchConfig, launch: Callable[[LaunchConfig], int],
     root = captures_dir(cfg.trace_dir)
     root.mkdir(parents=True, exist_ok=True)
     code, ooms, captures, walls, answers, iterations = 0, [], [], [], [], {}
+    norms: dict[tuple, dict[str, Any]] = {}  # (group, src, dst) -> the latest recording of that p2p stream
+    unrecorded: dict[int, int] = {}  # capture index -> its stand-ins given the unit fallback
     failed = 0  # the number (from 1) of the capture that failed
-    for i, rank in enumerate(live):
+
+    def run(i: int, rank: int, again: bool) -> None:
+        nonlocal code, failed
         part = root / f"capture-{i}-rank-{rank}"
         cls = plan["classes"][plan["class_of"][rank]]["name"]
-        if code != 0:
-            captures.append({"rank": rank, "trace": None, "incomplete": f"not run: capture {failed} failed first"})
-            continue
-        say(f"serial capture {i + 1}/{len(live)}: rank {rank} (class {cls}) is the only process; every other rank "
-            f"is virtual (self mirror, stand-ins); trace {part}")
+        if again:
+            shutil.rmtree(part, ignore_errors=True)
+        say(f"serial capture {i + 1}/{len(live)}{' again' if again else ''}: rank {rank} (class {cls}) is the "
+            f"only process; every other rank is virtual (self mirror, stand-ins); trace {part}")
         t0 = time.perf_counter()
         # no live prediction: one capture's trace is not the job's graph (the merged trace is)
-        code = launch(dataclasses.replace(cfg, fold=capture_plan(plan, rank, i, answers), trace_dir=part,
-                                          predictor=None))
-        walls.append(time.perf_counter() - t0)
+        code = launch(dataclasses.replace(cfg, fold=capture_plan(plan, rank, i, answers, list(norms.values())),
+                                          trace_dir=part, predictor=None))
+        (again_walls if again else walls).append(time.perf_counter() - t0)
         written = (part / "manifest.json").exists()
         reason = None
         if written:
             manifest = json.loads((part / "manifest.json").read_text(encoding="utf-8"))
             reason = manifest.get("incomplete") if manifest.get("complete") is False else None
-            fold = (manifest.get("job") or {}).get("fold") or {}
-            answers += ((fold.get("capture") or {}).get("part") or {}).get("broadcasts") or []
+            got = ((((manifest.get("job") or {}).get("fold") or {}).get("capture") or {}).get("part") or {})
+            answers.extend(got.get("broadcasts") or [])
+            for e in got.get("p2p_norms") or []:
+                norms[(json.dumps(e["group"]), e["src"], e["dst"])] = e
+            unrecorded[i] = int(got.get("standins_unrecorded") or 0)
             iterations[i] = _iterations(part)
         if code != 0 and reason is None:
             reason = f"exited with code {code}"
         if code == OOM and written:  # a prediction (OOM_CONTINUES_RULE): the later captures run
             ooms.append(i)
             code = 0
-            more = "; the later captures run" if i + 1 < len(live) else ""
+            more = "; the later captures run" if i + 1 < len(live) and not again else ""
             say(f"serial capture {i + 1}/{len(live)} (rank {rank}, class {cls}) ran out of memory under the "
                 f"target's cap: predicted OOM for its class{more}")
         elif code != 0:
             failed = i + 1
             say(f"serial capture {i + 1}/{len(live)} (rank {rank}) failed: {reason}; later captures are not run")
-        captures.append({"rank": rank, "trace": part if written else None, "incomplete": reason})
+        entry = {"rank": rank, "trace": part if written else None, "incomplete": reason}
+        if again:
+            captures[i] = entry
+        else:
+            captures.append(entry)
+
+    again_walls: list[float] = []
+    for i, rank in enumerate(live):
+        if code != 0:
+            captures.append({"rank": rank, "trace": None, "incomplete": f"not run: capture {failed} failed first"})
+            continue
+        run(i, rank, again=False)
+    # SECOND_PASS_RULE: a capture whose stand-ins lacked a recording (its senders ran later) is taken again,
+    # latest first, once the captures after it have recorded their sends
+    for i in reversed(range(len(live))):
+        if code != 0:
+            break
+        if unrecorded.get(i) and i not in ooms and any(
+                captures[j]["trace"] is not None for j in range(i + 1, len(live))):
+            say(f"serial capture {i + 1}/{len(live)}: {unrecorded[i]} stand-in(s) had neither a recorded norm nor "
+                "the rank's own scale (their senders are captured later): capturing it again with the later "
+                "captures' recordings (nccl_prune.SECOND_PASS_RULE)")
+            run(i, live[i], again=True)
     ran = {i: n for i, n in iterations.items() if n}
     for i, n in iterations.items():
         if n == 0 and ran and captures[i]["incomplete"] is None:
@@ -131,10 +166,22 @@ def capture_serially(cfg: LaunchConfig, launch: Callable[[LaunchConfig], int],
             code = code or RANK_FAILED
     if any(c["trace"] is not None for c in captures):
         merge_captures(cfg.trace_dir, plan, captures)
-        said = ", ".join(f"{w:.1f}" for w in walls)
-        say(f"serial capture: merged {sum(c['trace'] is not None for c in captures)} of {len(live)} capture(s) "
-            f"into {cfg.trace_dir} (wall s per capture: {said})")
+        say(merged_line(captures, cfg.trace_dir, walls, again_walls))
     return code or (OOM if ooms else 0)
+
+
+def merged_line(captures: list[dict[str, Any]], trace_dir: Path, walls: list[float],
+                again: list[float] = ()) -> str:
+    """The line that says what the merged trace holds: how many captures wrote a trace, how many of those
+    completed, and each that did not (its reason) or was not run."""
+    merged = sum(c["trace"] is not None for c in captures)
+    complete = sum(c["trace"] is not None and c["incomplete"] is None for c in captures)
+    said = ", ".join(f"{w:.1f}" for w in walls) + (f"; again: {', '.join(f'{w:.1f}' for w in again)}" if again else "")
+    bad = [f"capture {i + 1} (rank {c['rank']}) {'incomplete' if c['trace'] is not None else 'not merged'}: "
+           f"{c['incomplete'] or 'no trace written'}"
+           for i, c in enumerate(captures) if c["trace"] is None or c["incomplete"] is not None]
+    return (f"serial capture: merged {merged} of {len(captures)} capture(s), {complete} complete, into {trace_dir} "
+            f"(wall s per capture: {said})" + (f"; {'; '.join(bad)}" if bad else ""))
 
 
 def _iterations(trace: Path) -> int:

@@ -46,6 +46,10 @@ def install_patches(training: bool = True) -> None:
 
     if os.environ.get(moe_fold.ENV_VAR):  # a fold whose expert peers are virtual (megatron.run sets it)
         moe_fold.install()
+    from prism_megatron.patches import tp_fold_embedding
+
+    if os.environ.get(tp_fold_embedding.ENV_VAR):  # a fold whose TP peers mirror the live rank (megatron.run)
+        tp_fold_embedding.install()
     from prism_megatron.launcher.serial import CAPTURE_ENV
 
     if os.environ.get(CAPTURE_ENV) == "serial":  # one capture of a serial run (the launcher sets it per rank)

@@ -375,6 +375,13 @@ def run(request: RunRequest) -> int:
             from prism_megatron.patches.moe_fold import ENV_VAR as EXPERT_TOKENS_ENV
 
             os.environ[EXPERT_TOKENS_ENV] = cfg.fold["expert_tokens"]
+    from prism_megatron.patches.tp_fold_embedding import ENV_VAR as TP_MIRROR_ENV
+
+    tp = tp_mirrored(cfg.fold, after.fold_capture)
+    if tp > 1:  # the ranks' side of the rule: their TP peers mirror them (patches.tp_fold_embedding)
+        os.environ[TP_MIRROR_ENV] = str(tp)
+    else:  # never inherited from an earlier run in this process: it changes every TP embedding
+        os.environ.pop(TP_MIRROR_ENV, None)
     serial = after.fold_capture == "serial"
     if serial and (after.fold == "off" or after.calibrate == "on"):
         from prism_megatron.launcher.exit_codes import BAD_INPUT
@@ -443,3 +450,14 @@ def _calibrate(cfg, options: RunOnlyOptions) -> Path | None:
     for line in format_iterations(rows, name):
         print(f"prism: {line}", file=sys.stderr)
     return path
+
+
+def tp_mirrored(fold: dict | None, capture: str) -> int:
+    """The TP size when a fold's live ranks have their tensor-parallel peers mirror them (class depth, where
+    TP peers fold onto tp = 0; a serial capture, where every peer not captured with the rank is virtual),
+    else 1 (no fold, TP 1, or TP peers live together at replica depth)."""
+    if fold is None:
+        return 1
+    axes, sizes = fold.get("axes") or (), fold.get("sizes") or ()
+    tp = int(sizes[list(axes).index("tp")]) if "tp" in axes else 1
+    return tp if fold.get("depth") == "class" or capture == "serial" else 1

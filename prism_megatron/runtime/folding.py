@@ -10,12 +10,14 @@ reads the same).
 
 One capture of a serial run (``capture.part`` in the plan: one live rank L, every other rank's rep L)
 answers a virtual member whose class has its live rank elsewhere by self mirror, and a receive with no
-other live rank upstream by a stand-in; the counts say which (``nccl_prune.SELF_MIRROR_RULE``,
-``nccl_prune.STANDIN_RULE``). A broadcast is the exception (``RECORDED_BROADCAST_RULE``): its root sends
-values the receivers branch on (Megatron's do_train/do_valid/do_test flags from rank 0 reach a middle
-stage, which builds no data loader, only this way), so L's own buffer is not an answer. Each capture
-records the broadcasts its class roots (``capture.part.broadcasts``) and a later capture answers a root
-of that class from them (``capture.part.answers``, counted ``recorded``); an integer broadcast with no
+other live rank upstream by a stand-in, scaled to the norm an earlier capture recorded for that message
+(``capture.part.p2p_answers`` in, this capture's ``capture.part.p2p_norms`` out); the counts say which
+(``nccl_prune.SELF_MIRROR_RULE``, ``nccl_prune.STANDIN_RULE``). A broadcast is the exception
+(``RECORDED_BROADCAST_RULE``): its root sends values the receivers branch on (Megatron's
+do_train/do_valid/do_test flags from rank 0 reach a middle stage, which builds no data loader, only this
+way), so L's own buffer is not an answer. Each capture records the broadcasts its class roots
+(``capture.part.broadcasts``) and a later capture answers a root of that class from them
+(``capture.part.answers``, counted ``recorded``); an integer broadcast with no
 recording is refused by name.
 """
 
@@ -62,12 +64,16 @@ class Folding:
         # a serial capture: every rank's class representative in the fold captured together (the plan's own
         # rep is the capture's one live rank for every rank)
         self.class_rep: list[int] | None = [int(x) for x in part["class_rep"]] if part else None
+        self._key: dict[int, tuple] = {}  # group id -> (name, ranks, incarnation): the same in every capture
+        sandbox = frozenset(int(x) for x in part["sandbox"]) if part else frozenset()
         self.passthrough = PassThrough(self.contributions, standin=part is not None,
-                                       elsewhere=frozenset(int(x) for x in part["sandbox"]) - {int(part["rank"])}
-                                       if part else frozenset())
+                                       elsewhere=sandbox - {int(part["rank"])} if part else frozenset(),
+                                       sandbox=sandbox,
+                                       norms=_read_norms(part.get("p2p_answers", []) if part else [],
+                                                         "capture.part.p2p_answers"),
+                                       key=lambda g: self._key[g.id])
         self._self_mirror: dict[int, frozenset[int]] = {}  # group id -> positions answered by self mirror
         self._planned: set[int] = set()  # group ids folded already
-        self._key: dict[int, tuple] = {}  # group id -> (name, ranks, incarnation): the same in every capture
         self._incarnations: dict[tuple, int] = {}
         self.capture_rank: int | None = int(part["rank"]) if part else None
         # (group key, seq) -> (dtype, bytes): earlier captures' broadcasts; this capture's, for later ones
@@ -192,9 +198,12 @@ class Folding:
     def to_json(self) -> dict[str, Any]:
         """The manifest's ``job.fold``: the plan plus the contributions counted so far."""
         out = {**self.plan_json, "contributions": self.contributions.to_json()}
-        if self.class_rep is not None:  # a serial capture: the broadcasts it recorded for later captures
+        if self.class_rep is not None:  # a serial capture: what it recorded for later captures
             capture = out["capture"]
-            out["capture"] = {**capture, "part": {**capture["part"], "broadcasts": list(self.recorded)}}
+            pt = self.passthrough
+            out["capture"] = {**capture, "part": {**capture["part"], "broadcasts": list(self.recorded),
+                                                  "p2p_norms": pt.recordings(),
+                                                  "standins_unrecorded": pt.unrecorded}}
         return out
 
 
@@ -212,6 +221,23 @@ def _read_broadcasts(items: Any, field: str) -> dict[tuple, tuple[str, bytes]]:
                 e["dtype"], base64.b64decode(e["data"], validate=True))
         except (KeyError, TypeError, ValueError) as err:
             raise ValueError(f"fold plan field '{field}[{i}]' is not a recorded broadcast: {err}") from None
+    return out
+
+
+def _read_norms(items: Any, field: str) -> dict[tuple, list[tuple[int, float, bool]]]:
+    """Recorded p2p norms (``PassThrough.recordings``' entries) by (group key, sender, receiver); ValueError
+    naming ``field`` when an entry is not one. A later entry for the same stream replaces an earlier one
+    (a capture taken again: ``nccl_prune.SECOND_PASS_RULE``)."""
+    if not isinstance(items, list):
+        raise ValueError(f"fold plan field {field!r} is {type(items).__name__}, expected a list")
+    out = {}
+    for i, e in enumerate(items):
+        try:
+            name, ranks, k = e["group"]
+            key = ((str(name), tuple(int(r) for r in ranks), int(k)), int(e["src"]), int(e["dst"]))
+            out[key] = [(int(n), float(v), bool(d)) for n, v, d in e["norms"]]
+        except (KeyError, TypeError, ValueError) as err:
+            raise ValueError(f"fold plan field '{field}[{i}]' is not a recorded p2p stream: {err}") from None
     return out
 
 
