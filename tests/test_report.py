@@ -220,17 +220,29 @@ def test_report_json_round_trip_and_reader_errors(tmp_path):
     paths = make_report(make_trace(tmp_path / "t"), tmp_path / "out")
     assert set(paths) == {"report", "html", "timeline"}
     rep = read_report(paths["report"])
-    assert rep["format"] == "prismreport" and rep["version"] == 3
+    assert rep["format"] == "prismreport" and rep["version"] == 4
     assert rep == json.loads(paths["report"].read_text())
-    assert {b["host_bound_s"] for b in rep["prediction"]["breakdown"]} == {None}  # a CPU trace: one clock
+    assert {(b["host_bound_s"], b["device_busy_s"]) for b in rep["prediction"]["breakdown"]} == {(None, None)}
+    assert rep["prediction"]["host_bound"] is None  # a CPU trace: one clock, nothing to say
     assert read_report(tmp_path / "out") == rep  # the directory works too
 
     bad = tmp_path / "bad.json"
     write_report(rep, bad)
     doc = json.loads(bad.read_text())
-    doc["version"] = 4
+    doc["version"] = 5
     bad.write_text(json.dumps(doc))
-    with pytest.raises(ReportFormatError, match=r"report .*bad.json: field 'version' is 4; this reader supports"):
+    with pytest.raises(ReportFormatError, match=r"report .*bad.json: field 'version' is 5; this reader supports"):
+        read_report(bad)
+    doc["version"] = 3  # v3 had no device_busy_s nor host_bound: they read as null
+    del doc["prediction"]["host_bound"]
+    for b in doc["prediction"]["breakdown"]:
+        del b["device_busy_s"]
+    bad.write_text(json.dumps(doc))
+    assert read_report(bad)["prediction"]["host_bound"] is None
+    assert {b["device_busy_s"] for b in read_report(bad)["prediction"]["breakdown"]} == {None}
+    doc["version"] = 4  # v4 has them
+    bad.write_text(json.dumps(doc))
+    with pytest.raises(ReportFormatError, match=r"field 'prediction.breakdown\[0\].device_busy_s' is missing"):
         read_report(bad)
     doc["version"] = 2  # v2 had no fold: it reads as null
     del doc["fold"]

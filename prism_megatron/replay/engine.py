@@ -34,8 +34,9 @@ compute slowdown from overlapping communication are not modelled.
 Segments describe the device stream (the one clock, for a one-clock rank). Blocked time is split
 in two: while an awaited op is in flight it is *exposed communication*; before it could start (a
 peer had not issued yet) it is *bubble*, as is a rank's idle time after its last event. Stream time
-spent waiting for the host to issue is *compute* labelled "host". compute + exposed_comm + bubble
-is the length of the window, for every rank.
+spent waiting for the host to issue is *compute* labelled ``HOST_WAIT`` ("host"): the part of a segment
+whose host time outran its device time (``Breakdown.host_wait``); the rest of compute is the device
+busy. compute + exposed_comm + bubble is the length of the window, for every rank.
 
 Communication hidden behind the host. On a two-clock rank the stream may wait for an op while the
 host is still issuing the work that follows it; if the device then waits for the host anyway (a
@@ -56,6 +57,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .graph import P2P_KINDS, Comm, Compute, CpuSync, Event, Graph, GraphError, Mark, Wait
+
+#: Label of the compute segments in which a two-clock rank's stream waited for its host to issue work.
+HOST_WAIT = "host"
 
 
 class DeadlockError(GraphError):
@@ -141,6 +145,7 @@ class Breakdown:
     exposed_comm: float
     bubble: float
     comm: float  # time any of the rank's ops was in flight (overlapped or not)
+    host_wait: float = 0.0  # of compute: the stream waited for the host to issue (HOST_WAIT); the rest is device busy
 
     @property
     def total(self) -> float:
@@ -210,10 +215,12 @@ class ReplayResult:
             overlap = min(seg.end, t1) - max(seg.start, t0)
             if overlap > 0:
                 sums[seg.kind] += overlap
+                if seg.kind == "compute" and seg.label == HOST_WAIT:
+                    sums[HOST_WAIT] += overlap
         covered = sums["compute"] + sums["exposed_comm"] + sums["bubble"]
         idle = max((t1 - t0) - covered, 0.0)  # before the rank's first event / after its last
         comm = _union_length([(s.start, s.end) for s in self.segments.get(rank, ()) if s.kind == "comm"], t0, t1)
-        return Breakdown(sums["compute"], sums["exposed_comm"], sums["bubble"] + idle, comm)
+        return Breakdown(sums["compute"], sums["exposed_comm"], sums["bubble"] + idle, comm, sums[HOST_WAIT])
 
     def iterations(self, name: str = "iteration") -> list[Iteration]:
         """Iterations from B/E markers called ``name``; [] when the graph has none."""
@@ -444,8 +451,8 @@ class _Replay:
         clock, start = self.clock[rank], self.stream[rank]
         busy = start + g
         after = max(busy, clock + c)  # the device cannot finish before the host has issued it all
-        for label, t0, t1 in ((ev.label, start, busy), ("host", busy, after)):
-            if t1 > t0:  # "host": the stream idles, waiting for the host to issue work
+        for label, t0, t1 in ((ev.label, start, busy), (HOST_WAIT, busy, after)):
+            if t1 > t0:  # HOST_WAIT: the stream idles, waiting for the host to issue work
                 self.segments[rank].append(_segment(rank, "compute", t0, t1, label))
         self.span[rank][i] = (start, busy, after)
         self.clock[rank], self.stream[rank] = clock + c, after

@@ -18,6 +18,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from prism_megatron.replay import (
+    Breakdown,
     Compute,
     GraphError,
     IncompleteCaptureError,
@@ -80,6 +81,7 @@ def assemble(trace_dir: str | Path, cluster: str | None = None,
     if result is None and calibrated is None:
         error = _oom_not_replayed(fold, dead) or error
     target = _target(job.get("target_gpu"))
+    timed = None if calibrated else timed_iterations(trace)
     report = {
         "format": FORMAT,
         "version": VERSION,
@@ -95,7 +97,7 @@ def assemble(trace_dir: str | Path, cluster: str | None = None,
         "target": target,
         "prediction": None if result is None else _prediction(result, costing, classes, marks["workload"],
                                                               calibrated is not None, fold, trace.world_size,
-                                                              None if calibrated else timed_iterations(trace),
+                                                              timed,
                                                               trace.microbatches),
         "prediction_error": error,
         "memory": memory,
@@ -103,7 +105,7 @@ def assemble(trace_dir: str | Path, cluster: str | None = None,
         "swap": _swap(job.get("swap")),
         "verdict": verdict(memory, oom, exit5, classes, target["gpu"], _captured_in_full(fold))
         + _unmeasured(fold, dead),
-        "fold": None if fold is None else _fold(fold, memory, None if result is None else result, classes),
+        "fold": None if fold is None else _fold(fold, memory, result, timed),
         "anchors": {**_anchors(marks, memory), "fake_pg": _fake_pg(Path(trace_dir), memory)},
     }
     subs = _substitutions(job.get("substitutions"), trace.path / "manifest.json")
@@ -328,8 +330,7 @@ def _prediction(result: ReplayResult, costing: Costing, classes: dict[int, str],
     for r in result.graph.ranks:
         b = result.breakdown(r, t0, t1)
         breakdown.append({"rank": r, "class": classes.get(r, UNKNOWN), "compute_s": b.compute,
-                          "exposed_comm_s": b.exposed_comm, "bubble_s": b.bubble,
-                          "host_bound_s": _host_bound(result, r, t0, t1)})
+                          "exposed_comm_s": b.exposed_comm, "bubble_s": b.bubble, **_clocks(result, r, b)})
     its = result.iterations()
     return {
         "provenance": provenance(costing.cluster, any(b["host_bound_s"] is not None for b in breakdown), calibrated,
@@ -343,19 +344,42 @@ def _prediction(result: ReplayResult, costing: Costing, classes: dict[int, str],
         "tokens_per_s": tokens / per_s if per_s and _num(tokens) else None,
         "tflops_per_gpu": flops / per_s / (world_size or len(classes)) / 1e12 if per_s and _num(flops) else None,
         "breakdown": breakdown,
+        "host_bound": _host_bound(result, breakdown, t0, t1),
         "critical_path": _critical_path(result, t0, t1),
         "timeline": _timeline(result, classes, number, t0, t1),
         "notes": list(result.graph.notes),
     }
 
 
-def _host_bound(result: ReplayResult, rank: int, t0: float, t1: float) -> float | None:
-    """Seconds of [t0, t1] the rank's GPU waited for its host to issue work (two-clock replay), or None
-    when the rank had no measured GPU times."""
-    if not any(isinstance(ev, Compute) and ev.gpu is not None for ev in result.graph.events[rank]):
+def _gpu_timed(result: ReplayResult, rank: int) -> bool:
+    """Whether the rank's compute had measured GPU times (then it ran on two clocks in the replay)."""
+    return any(isinstance(ev, Compute) and ev.gpu is not None for ev in result.graph.events[rank])
+
+
+def _clocks(result: ReplayResult, rank: int, b: Breakdown) -> dict[str, float | None]:
+    """The two parts of a rank's compute in a window (the replay's, ``Breakdown.host_wait``): host_bound_s,
+    the GPU waited for its host to issue work (a segment's host time outran its device time), and
+    device_busy_s, the GPU ran the compute; both None when the rank had no measured GPU times."""
+    if not _gpu_timed(result, rank):
+        return {"host_bound_s": None, "device_busy_s": None}
+    return {"host_bound_s": b.host_wait, "device_busy_s": b.compute - b.host_wait}
+
+
+def _host_bound(result: ReplayResult, breakdown: list[dict[str, Any]], t0: float,
+                t1: float) -> dict[str, Any] | None:
+    """The headline's compute on two clocks: the breakdown row of the critical rank (of the GPU-timed ranks,
+    the one with the most compute on the critical path in [t0, t1]; ties: the most compute); None when no
+    rank had measured GPU times."""
+    rows = [b for b in breakdown if b["host_bound_s"] is not None]
+    if not rows:
         return None
-    return sum(max(min(s.end, t1) - max(s.start, t0), 0.0) for s in result.segments.get(rank, ())
-               if s.kind == "compute" and s.label == "host")
+    on_path: dict[int, float] = defaultdict(float)
+    for s in result.critical_path:
+        if s.kind == "compute":
+            for r in s.ranks:
+                on_path[r] += max(min(s.end, t1) - max(s.start, t0), 0.0)
+    top = max(rows, key=lambda b: (on_path[b["rank"]], b["compute_s"], -b["rank"]))
+    return {k: top[k] for k in ("rank", "class", "compute_s", "host_bound_s", "device_busy_s")}
 
 
 def _num(x: Any) -> bool:
@@ -419,24 +443,31 @@ def _timeline(result: ReplayResult, classes: dict[int, str], number: int | None,
 # ------------------------------------------------------------------------------------------- fold
 
 
-def _fold(fold: Fold, memory: dict[str, Any], result: ReplayResult | None, classes: dict[int, str]) -> dict[str, Any]:
+def _fold(fold: Fold, memory: dict[str, Any], result: ReplayResult | None,
+          timed: dict[int, bool] | None = None) -> dict[str, Any]:
     """The rank classes of a folded job: what each stands for, its peak memory and its time (the mean
-    over its sandbox ranks in the median iteration; null without a prediction)."""
+    over its sandbox ranks in the headline's median iteration; null without a prediction), with the
+    compute's two clocks where its sandbox ranks had measured GPU times (see :func:`_clocks`)."""
     mem = {c["class"]: c for c in memory["classes"]}
-    window = _window(result) if result is not None else None
+    window = _window(result, timed) if result is not None else None
     out = []
     for c in fold.classes:
         row: dict[str, Any] = {"name": c.name, "role": c.role, "count": c.count, "sandbox": list(c.sandbox),
                                "max_allocated": mem[c.name]["max_allocated"] if c.name in mem else None,
                                "max_reserved": mem[c.name]["max_reserved"] if c.name in mem else None,
-                               "compute_s": None, "exposed_comm_s": None, "bubble_s": None}
+                               "compute_s": None, "exposed_comm_s": None, "bubble_s": None,
+                               "host_bound_s": None, "device_busy_s": None}
         if window is not None:
             _, t0, t1 = window
-            parts = [result.breakdown(r, t0, t1) for r in c.sandbox if r in result.graph.events]
+            ranks = [r for r in c.sandbox if r in result.graph.events]
+            parts = [result.breakdown(r, t0, t1) for r in ranks]
             if parts:
                 row.update(compute_s=sum(b.compute for b in parts) / len(parts),
                            exposed_comm_s=sum(b.exposed_comm for b in parts) / len(parts),
                            bubble_s=sum(b.bubble for b in parts) / len(parts))
+            clocks = [_clocks(result, r, b) for r, b in zip(ranks, parts, strict=True)]
+            if clocks and all(x["host_bound_s"] is not None for x in clocks):
+                row.update({k: sum(x[k] for x in clocks) / len(clocks) for k in ("host_bound_s", "device_busy_s")})
         out.append(row)
     return {"world_size": fold.world_size, "live": list(fold.live), "gpus_per_node": fold.gpus_per_node,
             "contributions": fold.contribution_counts(), "classes": out}

@@ -13,7 +13,7 @@ import re
 from html import escape
 from typing import Any
 
-from .terminal import anchor_lines
+from .terminal import anchor_lines, class_time_columns, host_bound_line
 from .units import GIB, fmt_bytes, fmt_rate, fmt_seconds, rank_ranges
 
 COLOURS = {"compute": "#3b82f6", "exposed_comm": "#f59e0b", "bubble": "#e5e7eb"}
@@ -250,14 +250,18 @@ def render_html(report: dict[str, Any]) -> str:
              f'{_e(report["trace"])}</title><style>{CSS}</style></head><body>',
              f'<h1>prism-megatron report</h1><div class="sub">{_e(sub)}</div>',
              f'<div class="verdict {tone}">{_e(verdict)}</div>', _cards(report)]
+    bound = host_bound_line(report)
+    if bound:  # the prediction rests on the emulating machine's host time: say so beside the headline
+        parts.append(f'<p class="prov"><b>{_e(bound)}</b></p>')
     fold = report.get("fold")
     if fold:
         live, w = len(fold["live"]), fold["world_size"]
+        keys, cols = class_time_columns(fold["classes"])
         parts += [f"<h2>Rank classes: {live} of {w} ranks ran, {w - live} virtual</h2>",
-                  _table(["class", "role", "ranks", "sandbox", "max allocated", "compute", "exposed comm", "bubble"],
+                  _table(["class", "role", "ranks", "sandbox", "max allocated", *cols],
                          [[c["name"], c["role"], c["count"], rank_ranges(c["sandbox"]), fmt_bytes(c["max_allocated"]),
-                           *(fmt_seconds(c[k]) for k in ("compute_s", "exposed_comm_s", "bubble_s"))]
-                          for c in fold["classes"]], {2, 4, 5, 6, 7}),
+                           *(fmt_seconds(c[k]) for k in keys)]
+                          for c in fold["classes"]], {2, 4, *range(5, 5 + len(keys))}),
                   '<p class="note">Time: the median iteration, mean over the class\'s sandbox ranks.</p>']
     if pred is not None:
         tl = pred["timeline"]

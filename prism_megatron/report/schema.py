@@ -1,4 +1,4 @@
-"""PrismReport (version 3): the one place that says what ``report.json`` contains.
+"""PrismReport (version 4): the one place that says what ``report.json`` contains.
 
 A report is read later by people and programs that never saw the trace (dashboards, a comparison
 of two runs), so like PrismTrace it is versioned and a reader refuses what it does not understand,
@@ -17,10 +17,12 @@ from typing import Any, NamedTuple
 from prism_megatron.trace.writer import atomic_write_text
 
 FORMAT = "prismreport"
-VERSION = 3
+VERSION = 4
 #: Versions this code can read; a reader rejects anything else rather than guessing. Version 1 lacks
-#: breakdown[].host_bound_s; reading it gives null there. Versions 1 and 2 lack ``fold``: null.
-SUPPORTED_VERSIONS: tuple[int, ...] = (1, 2, 3)
+#: breakdown[].host_bound_s; reading it gives null there. Versions 1 and 2 lack ``fold``: null. Versions
+#: 1 to 3 lack breakdown[].device_busy_s, prediction.host_bound and fold.classes[].host_bound_s and
+#: .device_busy_s: null (not measured, as in a trace without GPU times).
+SUPPORTED_VERSIONS: tuple[int, ...] = (1, 2, 3, 4)
 REPORT_FILE = "report.json"
 
 
@@ -76,8 +78,14 @@ TARGET = Obj({
 #: One rank over the median iteration's window; compute + exposed_comm + bubble add up to the window.
 #: host_bound_s (v2): the part of compute in which the GPU waited for the host to issue work (a trace
 #: measured on GPUs; null otherwise): launch-bound time that CUDA graphs or larger micro-batches cut.
+#: device_busy_s (v4): the rest of compute, the GPU running it: what the device alone needs (a floor, not
+#: a prediction); null where host_bound_s is.
 BREAKDOWN = Obj({"rank": (int,), "class": (str,), "compute_s": NUM, "exposed_comm_s": NUM, "bubble_s": NUM,
-                 "host_bound_s": OPT_NUM})
+                 "host_bound_s": OPT_NUM, "device_busy_s": OPT_NUM})
+#: The headline's compute on two clocks (v4; null without GPU times): the breakdown figures of the critical
+#: rank (the GPU-timed rank with the most compute on the critical path of the median iteration).
+HOST_BOUND = Obj({"rank": (int,), "class": (str,), "compute_s": NUM, "host_bound_s": NUM, "device_busy_s": NUM},
+                 nullable=True)
 #: A step of the critical path inside the window; ``ranks`` as ranges, e.g. '0-7'.
 PATH_STEP = Obj({"kind": (str,), "ranks": (str,), "start_s": NUM, "end_s": NUM, "label": (str,)})
 CRITICAL_PATH = Obj({
@@ -104,6 +112,7 @@ PREDICTION = Obj({
     "tokens_per_s": OPT_NUM,
     "tflops_per_gpu": OPT_NUM,  # model FLOPs
     "breakdown": ListOf(BREAKDOWN),
+    "host_bound": HOST_BOUND,
     "critical_path": CRITICAL_PATH,
     "timeline": TIMELINE,
     "notes": ListOf((str,)),  # what building the graph left out or guessed
@@ -140,7 +149,8 @@ OOM = Obj({
     "snapshot": OPT_STR,  # file name relative to the trace dir
 })
 #: A rank class of a folded job (v3): the ranks it stands for, its live (sandbox) ranks, its peak
-#: memory and its mean time over its sandbox ranks in the median iteration (null: no figure).
+#: memory and its mean time over its sandbox ranks in the median iteration (null: no figure); v4 adds
+#: host_bound_s and device_busy_s as in BREAKDOWN (null unless every sandbox rank had GPU times).
 FOLD_CLASS = Obj({
     "name": (str,),
     "role": (str,),
@@ -151,6 +161,8 @@ FOLD_CLASS = Obj({
     "compute_s": OPT_NUM,
     "exposed_comm_s": OPT_NUM,
     "bubble_s": OPT_NUM,
+    "host_bound_s": OPT_NUM,
+    "device_busy_s": OPT_NUM,
 })
 #: A folded job (v3; null when every rank ran): which ranks were real and how the others were made.
 FOLD = Obj({
@@ -219,7 +231,8 @@ def _check(value: Any, spec: Any, path: str | Path, field: str) -> None:
 
 
 def check_report(report: Any, path: str | Path) -> None:
-    """Raise ReportFormatError unless ``report`` is a well-typed v1, v2 or v3 report.
+    """Raise ReportFormatError unless ``report`` is a well-typed report of a supported version (older
+    versions gain their missing fields as null).
 
     Format and version come first: a newer report should say so rather than complain about a
     field it may legitimately lack.
@@ -237,13 +250,28 @@ def check_report(report: Any, path: str | Path) -> None:
                                                          f"{supported}")
     if version < 3:
         report.setdefault("fold", None)
-    if version == 1 and isinstance(report.get("prediction"), dict):
-        for row in report["prediction"].get("breakdown") or []:
-            if isinstance(row, dict):
-                row.setdefault("host_bound_s", None)
+    if version < 4:
+        _null_missing(report, version)
     _check(report, REPORT, path, "")
     if "substitutions" in report:
         _check(report["substitutions"], ListOf(SUBSTITUTION), path, "substitutions")
+
+
+def _null_missing(report: dict[str, Any], version: int) -> None:
+    """Give a report of a version before 4 the fields it lacks, as null (what was not measured then)."""
+    pred = report.get("prediction")
+    if isinstance(pred, dict):
+        pred.setdefault("host_bound", None)
+        for row in pred.get("breakdown") or []:
+            if isinstance(row, dict):
+                row.setdefault("device_busy_s", None)
+                if version == 1:
+                    row.setdefault("host_bound_s", None)
+    fold = report.get("fold")
+    for row in (fold.get("classes") or []) if isinstance(fold, dict) else []:
+        if isinstance(row, dict):
+            row.setdefault("host_bound_s", None)
+            row.setdefault("device_busy_s", None)
 
 
 def read_report(path: str | Path) -> dict[str, Any]:

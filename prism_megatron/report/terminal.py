@@ -35,6 +35,17 @@ def _verdict_style(verdict: str) -> str:
         ("OOM", "does not fit")) else "bold yellow"
 
 
+def host_bound_line(report: dict[str, Any]) -> str | None:
+    """The headline compute on two clocks, e.g. "compute host-bound: 80 % of 105 s (...); the device was busy
+    20.4 s (...)"; None without GPU times (or without a prediction)."""
+    hb = (report.get("prediction") or {}).get("host_bound")
+    if not hb or hb["compute_s"] <= 0:
+        return None
+    return (f"compute host-bound: {100 * hb['host_bound_s'] / hb['compute_s']:.0f} % of {fmt_seconds(hb['compute_s'])} "
+            f"(rank {hb['rank']}, {hb['class']}: the GPU waited for its host to issue work); the device was busy "
+            f"{fmt_seconds(hb['device_busy_s'])} (what the GPU alone needs: a floor, not a prediction)")
+
+
 def _prediction(report: dict[str, Any]) -> list[Any]:
     pred = report["prediction"]
     if pred is None:
@@ -55,7 +66,11 @@ def _prediction(report: dict[str, Any]) -> list[Any]:
         lines.append(f"  ·  {fmt_rate(pred['tokens_per_s'], 'tokens/s')}")
     if pred["tflops_per_gpu"] is not None:
         lines.append(f"  ·  {pred['tflops_per_gpu']:.3g} TFLOP/s per GPU")
-    out: list[Any] = [lines, Text(f"  provenance: {pred['provenance']}", style="dim")]
+    out: list[Any] = [lines]
+    bound = host_bound_line(report)
+    if bound:
+        out.append(Text(f"  {bound}", style="yellow"))
+    out.append(Text(f"  provenance: {pred['provenance']}", style="dim"))
     for sub in report.get("substitutions") or ():  # what ran instead of the target's setting
         out.append(Text(f"  substituted {sub['setting']}: {sub['published']} -> {sub['rendered']} "
                         f"(affects {sub['affects']})", style="yellow"))
@@ -107,12 +122,25 @@ def _classes(report: dict[str, Any]) -> Table | None:
     live, w = len(fold["live"]), fold["world_size"]
     t = Table(title=f"rank classes: {live} of {w} ranks ran, {w - live} virtual (median iteration, mean over "
                     "sandbox ranks)", title_justify="left")
-    for col in ("class", "role", "ranks", "sandbox", "max allocated", "compute", "exposed comm", "bubble"):
+    keys, cols = class_time_columns(fold["classes"])
+    for col in ("class", "role", "ranks", "sandbox", "max allocated", *cols):
         t.add_column(col, justify="left" if col in ("class", "role", "sandbox") else "right")
     for c in fold["classes"]:
         t.add_row(c["name"], c["role"], str(c["count"]), _ranks_cell(c["sandbox"]), fmt_bytes(c["max_allocated"]),
-                  *(fmt_seconds(c[k]) for k in ("compute_s", "exposed_comm_s", "bubble_s")))
+                  *(fmt_seconds(c[k]) for k in keys))
     return t
+
+
+#: The two parts of compute on a trace measured on GPUs (host-bound: the GPU waited for its host): key -> head.
+_CLOCK_COLUMNS = {"host_bound_s": "host-bound", "device_busy_s": "device busy"}
+
+
+def class_time_columns(rows: list[dict[str, Any]]) -> tuple[tuple[str, ...], list[str]]:
+    """The time columns of a class or rank table (report keys, heads): compute, exposed comm, bubble, and
+    the compute's two parts where any row has them (a trace measured on GPUs)."""
+    keys, cols = ("compute_s", "exposed_comm_s", "bubble_s"), ["compute", "exposed comm", "bubble"]
+    clocks = tuple(k for k in _CLOCK_COLUMNS if any(r.get(k) is not None for r in rows))
+    return (*keys, *clocks), [*cols, *(_CLOCK_COLUMNS[k] for k in clocks)]
 
 
 def _breakdown(report: dict[str, Any]) -> Table | None:
@@ -120,11 +148,7 @@ def _breakdown(report: dict[str, Any]) -> Table | None:
     if pred is None or not pred["breakdown"] or report.get("fold"):  # a folded job: the classes table
         return None
     rows = pred["breakdown"]
-    keys: tuple[str, ...] = ("compute_s", "exposed_comm_s", "bubble_s")
-    cols = ["compute", "exposed comm", "bubble"]
-    if any(b.get("host_bound_s") is not None for b in rows):  # a trace measured on GPUs
-        rows = [dict(b, host_bound_s=b["host_bound_s"] or 0.0) for b in rows]
-        keys, cols = (*keys, "host_bound_s"), [*cols, "of compute: GPU waits for host"]
+    keys, cols = class_time_columns(rows)
     t = Table(title="median iteration per " + ("rank" if len(rows) <= PER_RANK_LIMIT else "class (mean)"),
               title_justify="left")
     t.add_column("class")
@@ -140,10 +164,15 @@ def _breakdown(report: dict[str, Any]) -> Table | None:
         by_class[b["class"]].append(b)
     for name, members in sorted(by_class.items(), key=lambda kv: class_order(kv[0])):
         t.add_row(name, _ranks_cell([b["rank"] for b in members]),
-                  *(fmt_seconds(sum(b[k] for b in members) / len(members)) for k in keys))
+                  *(fmt_seconds(_mean([b[k] for b in members])) for k in keys))
     worst = max(rows, key=lambda b: b["bubble_s"])
     t.caption = f"most bubble: rank {worst['rank']} ({worst['class']}) {fmt_seconds(worst['bubble_s'])}"
     return t
+
+
+def _mean(values: list[float | None]) -> float | None:
+    """The mean, or None where a member has no figure (a rank without GPU times among timed ones)."""
+    return None if any(v is None for v in values) else sum(values) / len(values)
 
 
 def _fake_pg_lines(anchors: dict[str, Any]) -> list[Any]:
