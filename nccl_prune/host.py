@@ -18,6 +18,10 @@ from nccl_prune.reduction import reduce_terms, term
 
 Inputs = Mapping[int, Sequence[torch.Tensor]]
 
+#: kinds whose results ``execute`` can write into the live members' own buffers (``into=``)
+INTO_KINDS = frozenset({"all_reduce", "reduce_scatter", "reduce_scatter_list", "all_gather", "all_gather_list",
+                        "all_to_all", "all_to_all_list"})
+
 
 def execute(kind: str, plan: GroupPlan, inputs: Inputs, *, op: str | None = None, factor: float | None = None,
             root: int | None = None, in_splits: Mapping[int, Sequence[int]] | None = None,
@@ -37,11 +41,12 @@ def execute(kind: str, plan: GroupPlan, inputs: Inputs, *, op: str | None = None
     recorded[v]: inputs for virtual position v (laid out as a live member's), used instead of the mirror.
     out (all_reduce): ``out[j]`` receives reduction j (saves a copy into a member's output buffer); it
     may be the first live member's input j, never another member's.
-    into (all_reduce, reduce_scatter(_list), all_gather(_list)): live member p's output buffers, flat and
-    laid out as its results (all_gather_list: one per member), written with the results and returned; the
-    same arithmetic, with no temporary of their size (the executor in a rank, on its device). A buffer may
-    be p's own input (an in-place all_reduce, a reduce_scatter into p's own chunk) or hold p's own chunk
-    (an in-place all_gather), never another member's input.
+    into (``INTO_KINDS``): live member p's output buffers, flat and laid out as its results
+    (all_gather_list, all_to_all_list: one per member; all_to_all: one, of its dtype: exchange bytes with
+    byte splits), written with the results and returned; the same arithmetic, with no temporary of their
+    size (the executor in a rank, on its device). A buffer may be p's own input (an in-place all_reduce, a
+    reduce_scatter into p's own chunk, an all_to_all's input) or hold p's own chunk (an in-place
+    all_gather), never another member's input.
     Outputs may share memory with inputs and with each other: do not write into them.
     """
     k = op_kind(kind)
@@ -116,16 +121,11 @@ def execute(kind: str, plan: GroupPlan, inputs: Inputs, *, op: str | None = None
                 pieces[q] = _pieces(kind, recorded[q], (in_splits or {}).get(q), n, q)
             elif plan.is_live(q):
                 pieces[q] = _pieces(kind, inputs[q], (in_splits or {}).get(q), n, q)
-        res = {}
-        for p in live:
-            got = []
-            for q in range(n):
-                if q in pieces:
-                    got.append(pieces[q][p])
-                else:  # a virtual member: its mirror's piece for p's counterpart
-                    got.append(pieces[plan.mirror[q]][plan.counterpart(p, q)])
-            res[p] = [torch.cat(got)] if kind == "all_to_all" else got
-        return res
+        got = {p: [pieces[q][p] if q in pieces  # a virtual member: its mirror's piece for p's counterpart
+                   else pieces[plan.mirror[q]][plan.counterpart(p, q)] for q in range(n)] for p in live}
+        if into is not None:
+            return _exchange_into(kind, got, into)
+        return {p: [torch.cat(got[p])] if kind == "all_to_all" else got[p] for p in live}
     if kind == "broadcast":
         r = _root(plan, root, kind)
         data = src(r)
@@ -165,12 +165,45 @@ def _gather_into(kind: str, per_buffer: list[list[torch.Tensor]], bufs: Sequence
     return list(bufs)
 
 
+def _exchange_into(kind: str, got: Mapping[int, list[torch.Tensor]],
+                   into: Mapping[int, Sequence[torch.Tensor]]) -> dict[int, list[torch.Tensor]]:
+    """Write the pieces each live member p receives (``got[p]``, views of the members' inputs) into its
+    buffers: all_to_all one after the other into its one buffer, all_to_all_list piece q into buffer q, as
+    the results without ``into`` are laid out. A piece in memory that some buffer covers is copied aside
+    before any write (a member's own input may be its output), unless it already is where it goes;
+    otherwise no temporary: each piece is copied once, straight into place."""
+    dsts = {}
+    for p, pieces in got.items():
+        bufs = into[p]
+        sizes = [x.numel() for x in pieces]
+        want = [sum(sizes)] if kind == "all_to_all" else sizes
+        if [b.numel() for b in bufs] != want or any(b.dim() != 1 or not b.is_contiguous() for b in bufs):
+            raise PruneError(f"{kind}: the output buffers of position {p} hold {[b.numel() for b in bufs]} "
+                             f"elements, the pieces it receives {want} (flat, contiguous)")
+        if any(b.dtype != x.dtype for b in bufs for x in pieces):
+            raise PruneError(f"{kind}: the output buffers of position {p} are not of the pieces' dtype "
+                             f"(exchange bytes: pass both as uint8)")
+        dsts[p] = list(bufs[0].split(sizes)) if kind == "all_to_all" else list(bufs)
+    every = [b for bufs in into.values() for b in bufs]
+    pairs = []
+    for p, pieces in got.items():
+        for d, x in zip(dsts[p], pieces, strict=True):
+            if not d.numel() or d.data_ptr() == x.data_ptr():
+                continue  # nothing to write, or already there
+            pairs.append((d, x.clone() if any(_overlap(b, x) for b in every) else x))
+    for d, x in pairs:
+        d.copy_(x)
+    return {p: list(into[p]) for p in got}
+
+
 def _check_into(kind: str, plan: GroupPlan, inputs: Inputs, into: Mapping[int, Sequence[torch.Tensor]]) -> None:
-    if kind not in ("all_reduce", "reduce_scatter", "reduce_scatter_list", "all_gather", "all_gather_list"):
+    if kind not in INTO_KINDS:
         raise PruneError(f"{kind}: results cannot be written into the members' buffers (into=)")
     if set(into) != set(plan.live_positions):
         raise PruneError(f"{kind}: buffers for positions {sorted(into)}, expected the live positions "
                          f"{list(plan.live_positions)}")
+    if kind in ("all_to_all", "all_to_all_list"):  # sizes follow the splits: checked with the pieces
+        return
     n = plan.size
     for p, bufs in into.items():
         ins = inputs[p]

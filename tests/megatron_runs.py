@@ -39,21 +39,21 @@ class Captures:
         self.done: dict[tuple, dict] = {}
 
     def run(self, recipe: str, fold: str = "off", *extra: str, driver: str = "core", depth: str = "replica",
-            memory: bool = True, timeout: int = 300, check: bool = True) -> dict:
+            memory: bool = True, timeout: int = 300, check: bool = True, env: dict[str, str] | None = None) -> dict:
         """``recipe`` (a name or a file) run with ``--prism-fold fold --prism-fold-depth depth`` and ``extra``
         flags, memory tracked (``memory``) or not: {"code", "output", "trace", "wall", "metrics"}; ``check``:
-        the run must succeed."""
-        key = (recipe, fold, depth, driver, memory, extra)
+        the run must succeed; ``env``: more environment variables for the run."""
+        key = (recipe, fold, depth, driver, memory, extra, tuple(sorted((env or {}).items())))
         if key not in self.done:
             out = self.root / f"run-{len(self.done)}"
             out.mkdir()
             cmd = [sys.executable, "-m", "prism_megatron", "run", "--recipe", recipe, "--prism-driver", driver,
                    "--prism-fold", fold, "--prism-fold-depth", depth, "--prism-report", "off",
                    "--prism-track-memory", "on" if memory else "off", "--prism-trace-dir", str(out / "trace"), *extra]
-            env = dict(os.environ, PRISM_MEGATRON_METRICS=str(out / "metrics.jsonl"), PYTHONUNBUFFERED="1",
-                       OMP_NUM_THREADS="1")
+            full_env = dict(os.environ, PRISM_MEGATRON_METRICS=str(out / "metrics.jsonl"), PYTHONUNBUFFERED="1",
+                            OMP_NUM_THREADS="1", **(env or {}))
             t0 = time.perf_counter()
-            proc = subprocess.run(cmd, cwd=out, capture_output=True, text=True, timeout=timeout, env=env)
+            proc = subprocess.run(cmd, cwd=out, capture_output=True, text=True, timeout=timeout, env=full_env)
             self.done[key] = {"code": proc.returncode, "output": proc.stdout + proc.stderr, "trace": out / "trace",
                               "wall": time.perf_counter() - t0, "metrics": read_metrics(out / "metrics.jsonl"),
                               "command": " ".join(cmd)}

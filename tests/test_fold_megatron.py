@@ -494,6 +494,28 @@ def test_a_moe_class_fold_captured_serially_answers_expert_peers_as_together(meg
 
 
 @MEGATRON
+@pytest.mark.heavy
+def test_a_moe_serial_capture_answers_its_token_all_to_alls_in_the_rank_as_the_coordinator(megatron_runs):
+    """MoE EP4·PP2 at class depth captured serially: each capture's live rank is the only live member of its
+    expert-parallel group, so its count and token all-to-alls are answered in the rank (runtime.local_fold,
+    A2A_RULE's pieces by the fold's coordinates). Against the same run with every op through the coordinator
+    (PRISM_FOLD_LOCAL=0): the merged traces agree in everything but times (ops, their routing-sized bytes,
+    marks with the memory figures, groups), the contributions are the same, and so are the losses and grad
+    norms, bit for bit (bench/fold_local.py megatron --recipe mini-moe-ep4-tp1pp2 prints the walls)."""
+    from prism_megatron.trace import read_trace
+    from prism_megatron.trace.untimed import untimed_differences
+
+    args = ("mini-moe-ep4-tp1pp2", "on", "--prism-fold-capture", "serial")
+    local = megatron_runs.run(*args, depth="class")
+    staged = megatron_runs.run(*args, depth="class", env={"PRISM_FOLD_LOCAL": "0"})
+    a, b = read_trace(local["trace"]), read_trace(staged["trace"])
+    assert a.fold.coords and a.ops.column("kind").to_pylist().count("all_to_all") > 50
+    assert untimed_differences(a, b) == []
+    assert a.fold.contributions == b.fold.contributions and a.fold.contributions["all_to_all"]["mirror"] > 0
+    assert local["metrics"] and local["metrics"] == staged["metrics"]
+
+
+@MEGATRON
 def test_a_serial_capture_of_a_middle_stage_trains_on_the_first_stages_flags(megatron_runs):
     """TP1·PP4 at class depth captured serially: stage 1 (middle) builds no data loader, so Megatron's trainer
     learns do_train/do_valid/do_test from rank 0's world broadcast. In the middle stage's capture rank 0 is

@@ -167,7 +167,7 @@ def test_a_folded_collective_answered_in_its_one_live_rank_matches_the_coordinat
     assert _run(tmp_path, "staged", "fold_lone.py", [str(tmp_path / "staged-res")], 8, fold) == 0
     for r in (0, 4):
         got, want = _received(tmp_path / "local-res", r), _received(tmp_path / "staged-res", r)
-        assert got.keys() == want.keys() and len(got) == 2 * 3 * 2 * 15 + 1
+        assert got.keys() == want.keys() and len(got) == 2 * 3 * 2 * 18 + 1
         assert got["freed"].item()  # nothing of the answer kept the op's tensors alive
         assert [k for k in want if not torch.equal(_bits(got[k]), _bits(want[k]))] == []
     a, b = read_trace(tmp_path / "local"), read_trace(tmp_path / "staged")
@@ -193,7 +193,11 @@ def test_which_collectives_a_rank_answers_alone(monkeypatch):
     mixed = [x, torch.ones(4, dtype=torch.bfloat16)]  # a coalesced all_reduce of two dtypes: each its own
     assert local_fold.answerable(plan, "all_reduce", mixed, mixed, {"redop": "avg"})
     assert not local_fold.answerable(plan, "all_reduce", [x[::2]], [x[::2]], {})  # not contiguous
-    assert not local_fold.answerable(plan, "all_to_all", [x], [x], {})
+    assert not local_fold.answerable(plan, "all_to_all", [x], [x], {})  # no splits: not as the backend passes it
+    assert local_fold.answerable(plan, "all_to_all", [x], [x], {"in_splits": [8] * 4})
+    assert not local_fold.answerable(plan, "all_to_all", [x], [torch.empty(4)], {"in_splits": [8] * 4})
+    assert local_fold.answerable(plan, "all_to_all_list", [x] * 4, [torch.empty(8, dtype=torch.int32)] * 4, {})
+    assert not local_fold.answerable(plan, "all_to_all_list", [x] * 4, [torch.empty(4)] * 4, {})
     assert not local_fold.answerable(plan, "reduce", [x], [x], {"root": 0})
     assert local_fold.answerable(plan, "broadcast", [big], [], {"root": 0})
     assert not local_fold.answerable(plan, "broadcast", [x], [], {"root": 0})  # a serial capture may record it
@@ -257,6 +261,122 @@ def test_a_rank_answers_every_kind_it_takes_bitwise_as_the_coordinator(dtype):
     assert torch.equal(_bits(buf), _bits(theirs))
 
 
+def _grid(sizes: tuple[int, ...]) -> list[list[int]]:
+    """Every rank's coordinates, the first axis fastest (rank = a0 + s0 * (a1 + s1 * ...))."""
+    import itertools
+
+    return [list(reversed(c)) for c in itertools.product(*(range(n) for n in reversed(sizes)))]
+
+
+#: (name, the fold plan's JSON as coordinator and rank read it, the group, its live member's position): a pure
+#: data-parallel mirror (no coordinates: pieces by shift); an expert-parallel group folded onto ep 0 by
+#: coordinates (ep x pp, every rank's rep 0 as in a serial capture of rank 0); a group spanning two replicas
+#: (ep x dp, ep 0 and 1 of each: some counterparts lie outside the group, A2A_RULE's "l itself"); the world
+#: of tp x ep translated along both axes onto rank 5, listed out of rank order
+A2A_PLANS = [
+    ("dp-mirror", {"rep": [0] * 4, "live": [0]}, [0, 1, 2, 3], 0),
+    ("ep-translated", {"rep": [0] * 8, "live": [0], "sizes": [4, 2], "coords": _grid((4, 2))}, [0, 1, 2, 3], 0),
+    ("ep-spans-replicas", {"rep": [0] * 8, "live": [0], "sizes": [4, 2], "coords": _grid((4, 2))},
+     [0, 1, 4, 5], 0),
+    ("tp-ep-world", {"rep": [5] * 8, "live": [5], "sizes": [2, 4], "coords": _grid((2, 4))},
+     [1, 3, 5, 7, 0, 2, 4, 6], 2),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.bool], ids=str)
+@pytest.mark.parametrize("case", A2A_PLANS, ids=[c[0] for c in A2A_PLANS])
+def test_a_rank_answers_an_all_to_all_alone_bitwise_as_the_coordinator(case, dtype):
+    """all_to_all_single (even and uneven splits, rows of several elements, in place) and all_to_all (lists)
+    answered in the rank (local_fold, its plan built from the fold's JSON as a rank builds it) against the
+    coordinator's path (runtime.folding's fold of the group, OpKind.run on staged copies, results copied
+    back as bytes): the same bytes, and the op counted alike."""
+    from prism_megatron.ops import OPS, CollectiveCall
+    from prism_megatron.runtime import local_fold
+    from prism_megatron.runtime.backend import _split_bytes
+    from prism_megatron.runtime.folding import Folding, untranslation
+    from prism_megatron.runtime.groups import Group
+    from prism_megatron.runtime.staging import typed
+
+    _, fold, ranks, me = case
+    n = len(ranks)
+    mine = local_fold.lone_plan(ranks, fold["rep"], me, untranslation(fold))
+    folding = Folding(fold)
+    g = Group(0, "ep", ranks, "nccl")
+    assert folding.fold_group(g) is None and mine is not None and mine == g.fold
+    assert [mine.counterpart(me, q) for q in range(n)] == [g.fold.counterpart(me, q) for q in range(n)]
+    gen = torch.Generator().manual_seed(11)
+
+    def inp(*shape):
+        if dtype == torch.bool:
+            return torch.randint(0, 2, shape, generator=gen).bool()
+        if dtype.is_floating_point:
+            return (torch.randn(*shape, generator=gen) * 3).to(dtype)
+        return torch.randint(-1 << 40, 1 << 40, shape, generator=gen)
+
+    def coordinator(kind, ins, outs, in_splits):
+        call = CollectiveCall(ins=[[t.clone().reshape(-1) for t in ins]], fold=g.fold,
+                              in_splits=None if in_splits is None else [in_splits])
+        folding.count(g, kind, None, False)
+        for o, r in zip(outs, OPS[kind].run(call)[0], strict=True):
+            o.copy_(typed(r.reshape(-1).view(torch.uint8), o))
+
+    def received(rows):  # the rows of each piece the live member receives (A2A_RULE), in member order
+        return [rows[mine.counterpart(me, q)] for q in range(n)]
+
+    cases = []
+    for rows, width in (([2] * n, 1), ([3, 0, 5, 1, 2, 0, 4, 1][:n], 3), ([0] * n, 2)):
+        x = inp(sum(rows), width)
+        out = torch.full((sum(received(rows)), width), 1, dtype=dtype)
+        cases.append(("all_to_all", [x], [out], rows))
+    x = inp(4 * n)  # in place: the output is the input
+    cases.append(("all_to_all", [x], [x], [4] * n))
+    lists = [inp(k) for k in [1, 4, 0, 2, 7, 3, 2, 5][:n]]
+    cases.append(("all_to_all_list", lists, [torch.empty(t.numel(), dtype=dtype) for t in received(lists)], None))
+    for kind, ins, outs, rows in cases:
+        splits = None if rows is None else _split_bytes(ins[0], rows, n, "input")
+        theirs_in, theirs = [t.clone() for t in ins], [o.clone() for o in outs]
+        if outs[0] is ins[0]:
+            theirs = theirs_in
+        assert local_fold.answerable(mine, kind, ins, outs, {"in_splits": splits})
+        local_fold.answer(mine, kind, ins, outs, in_splits=splits)
+        coordinator(kind, theirs_in, theirs, splits)
+        assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(outs, theirs, strict=True)), (kind, rows)
+        assert folding.answered_in_rank(g, {"kind": kind, "ins": [], "outs": []}) is None
+    got = folding.contributions.to_json()
+    assert got[kind]["mirror"] == 2 * (n - 1) and got["all_to_all"]["mirror"] == 2 * 4 * (n - 1)
+    wrong = [torch.empty(1 + outs[0].numel(), dtype=dtype)] + outs[1:]
+    assert not local_fold.answerable(mine, "all_to_all_list", lists, wrong, {})  # the coordinator says why
+    if fold.get("coords"):  # the rank's plan without the fold's coordinates would choose other pieces
+        plain = local_fold.lone_plan(ranks, fold["rep"], me)
+        assert [plain.counterpart(me, q) for q in range(n)] != [mine.counterpart(me, q) for q in range(n)]
+
+
+def test_an_all_to_all_written_into_the_members_buffers_is_the_executors_answer():
+    """nccl_prune.host.execute with into= for all_to_all over two live members whose outputs are their own
+    inputs (in place): each piece read before anything is written, the result that of the executor without
+    into; a buffer of the wrong size is refused by name."""
+    from nccl_prune import PruneError, plan_group
+    from nccl_prune.host import execute
+
+    plan = plan_group([0, 1, 2, 3, 4, 5], [0, 0, 0, 3, 3, 3])
+    gen = torch.Generator().manual_seed(5)
+    ins = {0: [torch.randn(12, generator=gen)], 3: [torch.randn(12, generator=gen)]}
+    splits = {0: [1, 2, 3, 1, 2, 3], 3: [3, 2, 1, 3, 2, 1]}
+    want = execute("all_to_all", plan, ins, in_splits=splits)
+    sizes = {p: want[p][0].numel() for p in want}
+    want = {p: [t.clone() for t in v] for p, v in want.items()}
+    bufs = {p: [torch.cat([ins[p][0], torch.zeros(sizes[p] - 12)])] for p in ins}  # room for what it receives
+    execute("all_to_all", plan, {p: [bufs[p][0][:12]] for p in ins}, in_splits=splits, into=bufs)
+    assert all(torch.equal(bufs[p][0], want[p][0]) for p in ins)
+    with pytest.raises(PruneError, match="output buffers of position 0"):
+        execute("all_to_all", plan, ins, in_splits=splits, into={0: [torch.empty(1)], 3: [torch.empty(1)]})
+    lists = {p: [torch.randn(k, generator=gen) for k in range(1, 7)] for p in ins}
+    want = execute("all_to_all_list", plan, lists)
+    outs = {p: [torch.empty(t.numel()) for t in want[p]] for p in ins}
+    execute("all_to_all_list", plan, lists, into=outs)
+    assert all(torch.equal(a, b) for p in ins for a, b in zip(outs[p], want[p], strict=True))
+
+
 def test_the_coordinator_counts_an_answer_in_the_rank_and_refuses_one_outside_the_rule():
     from prism_megatron.runtime.folding import Folding
     from prism_megatron.runtime.groups import Group
@@ -274,8 +394,11 @@ def test_the_coordinator_counts_an_answer_in_the_rank_and_refuses_one_outside_th
         "broadcast": {"mirror": 0, "recorded": 0, "keep": 0, "passthrough": 0}}
     assert "the group has live members [0, 4]" in folding.answered_in_rank(
         world, {"kind": "all_reduce", "ins": big, "outs": big})
-    a2a = {"kind": "all_to_all", "ins": big, "outs": big}
-    assert "answered in the rank only" in folding.answered_in_rank(lone, a2a)
+    a2a = {"kind": "all_to_all", "ins": big, "outs": big, "in_splits": [1 << 18] * 4, "out_splits": [1 << 18] * 4}
+    assert folding.answered_in_rank(lone, a2a) is None
+    assert folding.contributions.to_json()["all_to_all"] == {"mirror": 3, "recorded": 0, "keep": 0, "passthrough": 0}
+    assert "answered in the rank only" in folding.answered_in_rank(lone, {"kind": "gather", "root": 0, "ins": big,
+                                                                          "outs": big})
     small = [(("i", b"\0" * 8), "int64", [1])]
     assert "RECORDED_BROADCAST_RULE" in folding.answered_in_rank(
         lone, {"kind": "broadcast", "root": 0, "ins": small, "outs": []})

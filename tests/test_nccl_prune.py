@@ -298,11 +298,11 @@ def test_all_to_all_single_translated_mirror_for_folded_expert_peers():
     same rule (patches.moe_fold) the splits agree, dispatch and combine, and the live rank receives
     exactly the tokens its router sends out."""
     from prism_megatron.patches.moe_fold import rotate_peer_counts
-    from prism_megatron.runtime.folding import _untranslate
+    from prism_megatron.runtime.folding import untranslation
 
     rep = [0] * 4 + [4] * 4
     plan_json = {"rep": rep, "live": [0, 4], "sizes": [1, 1, 4, 2], "coords": [[0, 0, r % 4, r // 4] for r in range(8)]}
-    plan = plan_group([4, 5, 6, 7], rep, _untranslate(plan_json))
+    plan = plan_group([4, 5, 6, 7], rep, untranslation(plan_json))
     assert [plan.counterpart(0, q) for q in range(4)] == [0, 3, 2, 1]
     assert plan_group([4, 5, 6, 7], rep).counterpart(0, 1) == 0  # without coordinates: the v1 rule (itself)
     # routing: 8 experts, 2 per EP rank; tokens per expert of the live rank
@@ -334,12 +334,12 @@ def test_rotated_counts_say_what_the_translated_all_to_all_delivers(tp, ep):
     ep, edp, pp with ep = q) translates digit by digit, not by a roll of EP positions. The all-to-all's
     total cannot tell them apart; the per-expert sorting after it can."""
     from prism_megatron.patches.moe_fold import rotate_peer_counts
-    from prism_megatron.runtime.folding import _untranslate
+    from prism_megatron.runtime.folding import untranslation
 
     rep = [0] * ep  # one stage, EP group = the whole stage, live rank 0
     coords = [[e % tp, 0, e // tp, 0, 0] for e in range(ep)]
     fold = {"rep": rep, "coords": coords, "sizes": [tp, 1, ep // tp, 1, 1]}
-    plan = plan_group(list(range(ep)), rep, _untranslate(fold))
+    plan = plan_group(list(range(ep)), rep, untranslation(fold))
     local = 2
     counts = torch.randperm(ep * local) * 7 + 1  # distinct per expert
     rows = rotate_peer_counts(counts.repeat(ep), ep_size=ep, tp_size=1, num_experts=ep * local, ep_rank=0,

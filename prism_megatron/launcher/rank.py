@@ -137,10 +137,11 @@ def run_rank(cfg: LaunchConfig, rank: int, address: tuple[str, int], authkey: by
             _map_local_devices(torch)
         from prism_megatron.runtime.backend import install
         from prism_megatron.runtime.client import RankClient
+        from prism_megatron.runtime.folding import untranslation
         from prism_megatron.trace import markers
 
         client = RankClient(address, authkey, rank, cfg.world_size, f"{segment_prefix}-r{rank}")
-        install(client, rep=cfg.fold["rep"] if cfg.fold is not None else None)
+        install(client, rep=cfg.fold["rep"] if cfg.fold is not None else None, untranslate=untranslation(cfg.fold))
         probe = None
         if cfg.tracks_memory:
             from prism_megatron.memory import MemoryProbe

@@ -13,7 +13,7 @@ import functools
 import os
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -92,7 +92,7 @@ class PrismProcessGroup(dist.ProcessGroup):
 
     def __init__(self, client: RankClient, rank: int, size: int, ranks: list[int], name: str,
                  requested_backend: str, timeout: timedelta | None = None, world: bool = False,
-                 rep: list[int] | None = None) -> None:
+                 rep: list[int] | None = None, untranslate: Callable[[int, int], int] | None = None) -> None:
         super().__init__(rank, size)
         self._client = client
         self._ranks = ranks
@@ -100,7 +100,7 @@ class PrismProcessGroup(dist.ProcessGroup):
         # needs what a virtual member cannot send (kept all_gather chunks, a virtual root's data)
         self._rep = rep if rep is not None and any(rep[r] != r for r in ranks) else None
         # a folded group whose only live member is this rank: its collectives are answered here (local_fold)
-        self._lone = local_fold.lone_plan(ranks, self._rep, rank)
+        self._lone = local_fold.lone_plan(ranks, self._rep, rank, untranslate)
         # a group of one: the rank computes each op's result itself (RankClient.submit); fixed per group
         self._local = len(ranks) == 1 and not _STAGE_GROUPS_OF_ONE
         self._name = name
@@ -149,7 +149,8 @@ class PrismProcessGroup(dist.ProcessGroup):
             # alive until the cyclic GC runs, and the rank's memory above the target's)
             params["answer"] = functools.partial(
                 local_fold.answer, self._lone, kind, ins, outs, redop=params.get("redop"),
-                factor=params.get("factor"), in_place=bool(params.get("in_place")), current=params.get("current"))
+                factor=params.get("factor"), in_place=bool(params.get("in_place")), current=params.get("current"),
+                in_splits=params.get("in_splits"))
         if torch._C._autograd._profiler_enabled():  # the event a real backend records, ended at completion
             backend = BACKEND_NAME if self.requested_backend == "undefined" else self.requested_backend
             # (a recv's event carries the receiving tensor, as gloo's does)
@@ -433,13 +434,16 @@ def idle(seconds: float) -> None:
         _installed.idle(seconds)
 
 
-def install(client: RankClient, rep: list[int] | None = None) -> None:
+def install(client: RankClient, rep: list[int] | None = None,
+            untranslate: Callable[[int, int], int] | None = None) -> None:
     """Make every process group of this process a prism group, whatever backend the program asks for.
 
     torch creates every group (init_process_group, new_group, new_subgroups) in
     `_new_process_group_helper`; we route that one seam to `prism` and then record the backend
     the program asked for, so `dist.get_backend()` answers what it would on the target job and
-    code that branches on it takes the same path. ``rep``: a folded job's representative of every rank.
+    code that branches on it takes the same path. ``rep``: a folded job's representative of every rank;
+    ``untranslate``: its translation by coordinates (``folding.untranslation``), for the groups this rank
+    answers alone (runtime.local_fold).
     """
     global _installed, _stands_for_last
     from torch.distributed import distributed_c10d as c10d
@@ -456,7 +460,7 @@ def install(client: RankClient, rep: list[int] | None = None) -> None:
         world = not ranks  # torch passes no ranks for the default group only (init_process_group)
         return PrismProcessGroup(client, opts.group_rank, opts.group_size, ranks or list(range(opts.group_size)),
                                  str(opts.group_id), requested[-1] if requested else BACKEND_NAME, opts.timeout, world,
-                                 rep=rep)
+                                 rep=rep, untranslate=untranslate)
 
     dist.Backend.register_backend(BACKEND_NAME, creator, extended_api=True, devices=["cpu", "cuda"])
     original = c10d._new_process_group_helper

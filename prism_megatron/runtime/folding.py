@@ -81,7 +81,7 @@ class Folding:
         self.recorded: list[dict[str, Any]] = []
         # per (group, kind, root, in place): the counts one op adds (an op's count is O(group), once)
         self._per_op: dict[tuple, dict[str, int]] = {}
-        self.untranslate = _untranslate(plan)
+        self.untranslate = untranslation(plan)
 
 
     def fold_group(self, g: Group) -> str | None:
@@ -241,9 +241,13 @@ def _read_norms(items: Any, field: str) -> dict[tuple, list[tuple[int, float, bo
     return out
 
 
-def _untranslate(plan: dict[str, Any]) -> Callable[[int, int], int] | None:
+def untranslation(plan: dict[str, Any] | None) -> Callable[[int, int], int] | None:
     """A version-2 plan's translation by coordinates, inverted (``nccl_prune.GroupPlan.untranslate``):
-    the rank that v's representative plays where v plays y; None for a plan without coordinates."""
+    the rank that v's representative plays where v plays y; None for a plan without coordinates (or no
+    plan). The coordinator folds groups with it, and so does a rank that answers a group alone
+    (runtime.local_fold): both choose the same all_to_all pieces."""
+    if plan is None:
+        return None
     coords, sizes = plan.get("coords"), plan.get("sizes")
     if not coords or not sizes:
         return None

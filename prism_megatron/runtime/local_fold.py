@@ -15,7 +15,7 @@ coordinator path (``LOCAL_RULE``).
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -34,28 +34,35 @@ def enabled() -> bool:
 
 #: kinds answered in the rank; the others keep the coordinator path
 KINDS = frozenset({"all_reduce", "reduce_scatter", "reduce_scatter_list", "all_gather", "all_gather_list",
-                   "broadcast", "barrier"})
+                   "all_to_all", "all_to_all_list", "broadcast", "barrier"})
 
 LOCAL_RULE = """\
 A collective is answered in the rank when the rank is the only live member of a folded group (every
 other member mirrors it), its kind is all_reduce (coalesced too, every reduce op), reduce_scatter (tensor
-or list), all_gather (tensor, list, coalesced, in place), barrier, or a broadcast whose root is the rank
-and whose payload is larger than a serial capture records (runtime.folding.RECORD_MAX_BYTES: a smaller
-one is kept for later captures, a virtual root may be answered from a recording), and its tensors are
-contiguous with outputs of the inputs' dtype and the collective's sizes; not when an earlier op still
-pending writes memory its outputs cover. Everything else (all_to_all, whose counts a MoE fold rotates;
-reduce, gather, scatter; p2p; a group with two or more live members) goes through the coordinator.
+or list), all_gather (tensor, list, coalesced, in place), all_to_all (single, even or uneven splits, or
+lists), barrier, or a broadcast whose root is the rank and whose payload is larger than a serial capture
+records (runtime.folding.RECORD_MAX_BYTES: a smaller one is kept for later captures, a virtual root may be
+answered from a recording), and its tensors are contiguous with outputs of the inputs' dtype and the
+collective's sizes (an all_to_all exchanges bytes, as the coordinator does: its outputs hold the bytes of
+the pieces the rank receives by the fold's translation, A2A_RULE, with the rank's plan built as the
+coordinator's, coordinates included); not when an earlier op still pending writes memory its outputs
+cover. Everything else (reduce, gather, scatter; p2p; a group with two or more live members) goes through
+the coordinator. A MoE fold's count exchange is an all_gather whose rotation is the program's side
+(patches.moe_fold), so the token all_to_all needs only A2A_RULE's piece selection.
 PRISM_FOLD_LOCAL=0 sends every op through the coordinator."""
 
 
-def lone_plan(ranks: Sequence[int], rep: Sequence[int] | None, me: int) -> GroupPlan | None:
+def lone_plan(ranks: Sequence[int], rep: Sequence[int] | None, me: int,
+              untranslate: Callable[[int, int], int] | None = None) -> GroupPlan | None:
     """The fold of a group whose only live member is group position ``me`` and which has virtual
     members; None otherwise, when answering in the rank is off, or when the group cannot be folded (the
-    coordinator says why at registration). O(group size), once per group this rank makes."""
+    coordinator says why at registration). ``untranslate``: the fold's translation by coordinates, as the
+    coordinator folds the group with (``folding.untranslation``; an all_to_all's pieces follow it).
+    O(group size), once per group this rank makes."""
     if rep is None or not enabled():
         return None
     try:
-        plan = plan_group(ranks, rep)
+        plan = plan_group(ranks, rep, untranslate)
     except PruneError:
         return None
     if plan is None or plan.live_positions != (me,) or not plan.num_virtual:
@@ -78,6 +85,8 @@ def answerable(plan: GroupPlan, kind: str, ins: list[torch.Tensor], outs: list[t
         return params.get("root") == me and sum(nbytes(t) for t in ins) > RECORD_MAX_BYTES
     if kind == "barrier":
         return True
+    if kind in ("all_to_all", "all_to_all_list"):
+        return _exchange_fits(plan, kind, ins, outs, params.get("in_splits"))
     if not ins:
         return False
     if kind in ("all_reduce", "reduce_scatter", "all_gather"):  # buffer j's result is of input j's dtype
@@ -103,6 +112,22 @@ def answerable(plan: GroupPlan, kind: str, ins: list[torch.Tensor], outs: list[t
     return want == [t.numel() for t in outs]
 
 
+def _exchange_fits(plan: GroupPlan, kind: str, ins: list[torch.Tensor], outs: list[torch.Tensor],
+                   in_splits: Sequence[int] | None) -> bool:
+    """Whether the rank's outputs hold, byte for byte, the pieces it receives (A2A_RULE: from a virtual
+    member v its own piece for its counterpart through v); else the coordinator answers (and says why)."""
+    me, n = plan.live_positions[0], plan.size
+    if kind == "all_to_all":
+        if len(ins) != 1 or len(outs) != 1 or in_splits is None or len(in_splits) != n \
+                or sum(in_splits) != nbytes(ins[0]):
+            return False
+        piece = list(in_splits)
+        return sum(piece[plan.counterpart(me, q)] for q in range(n)) == nbytes(outs[0])
+    if len(ins) != n or len(outs) != n:
+        return False
+    return all(nbytes(outs[q]) == nbytes(ins[plan.counterpart(me, q)]) for q in range(n))
+
+
 def descs(ins: list[torch.Tensor], outs: list[torch.Tensor]) -> tuple[list, list]:
     """The op's descriptors for the coordinator: small inputs inline (the trace keeps those a program
     branches on, as for a staged op), the rest and every output ``("l", nbytes)``: they stay here."""
@@ -113,17 +138,25 @@ def descs(ins: list[torch.Tensor], outs: list[torch.Tensor]) -> tuple[list, list
 
 def answer(plan: GroupPlan, kind: str, ins: list[torch.Tensor], outs: list[torch.Tensor], *,
            redop: str | None = None, factor: float | None = None, in_place: bool = False,
-           current: list[torch.Tensor] | None = None) -> None:
+           current: list[torch.Tensor] | None = None, in_splits: Sequence[int] | None = None) -> None:
     """Write op ``kind``'s results into ``outs`` (``answerable`` said yes): ``nccl_prune.host.execute``
-    on this rank's tensors, where they are. Waits for the device (the work is the runtime's, off the
+    on this rank's tensors, where they are. An all_to_all exchanges bytes (``in_splits``: bytes per
+    member), as the coordinator's path does. Waits for the device (the work is the runtime's, off the
     program's clock, as a staged op's result copies are)."""
     if kind in ("broadcast", "barrier"):  # the root of a broadcast receives nothing; a barrier has no data
         return
     me = plan.live_positions[0]
+    exchange = kind in ("all_to_all", "all_to_all_list")
     with torch.no_grad():
-        flat = [t.detach().view(-1) for t in ins]
-        into = [t.detach().view(-1) for t in outs]
+        flat = [_flat(t, exchange) for t in ins]
+        into = [_flat(t, exchange) for t in outs]
         cur = {me: [t.detach().view(-1) for t in current]} if in_place and current is not None else None
-        execute(kind, plan, {me: flat}, op=redop, factor=factor, in_place=in_place, current=cur, into={me: into})
+        execute(kind, plan, {me: flat}, op=redop, factor=factor, in_place=in_place, current=cur, into={me: into},
+                in_splits={me: list(in_splits)} if in_splits is not None else None)
     if any(t.is_cuda for t in (*ins, *outs)):
         torch.cuda.current_stream().synchronize()
+
+
+def _flat(t: torch.Tensor, as_bytes: bool) -> torch.Tensor:
+    flat = t.detach().view(-1)
+    return flat.view(torch.uint8) if as_bytes else flat

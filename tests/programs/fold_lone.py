@@ -75,6 +75,19 @@ with span("iteration", iteration=0):
                 obuf = inp(size * n, dtype)  # the distributed optimizer's parameter gather
                 dist.all_gather_into_tensor(obuf, obuf[me * size:(me + 1) * size], group=g)
                 res[f"{key}/all_gather/in_place"] = obuf
+                rows = [(i * 3 + r + 1) % 5 for i in range(n)]  # uneven; what it receives: a count exchange first
+                got_rows = torch.empty(n, dtype=torch.int64)
+                dist.all_to_all_single(got_rows, torch.tensor(rows), group=g)
+                x = inp(sum(rows) * size, dtype).view(sum(rows), size)
+                a2a = torch.full((int(got_rows.sum()), size), 7, dtype=dtype)
+                dist.all_to_all_single(a2a, x, output_split_sizes=got_rows.tolist(), input_split_sizes=rows, group=g)
+                res[f"{key}/all_to_all_single/uneven"] = a2a
+                a2a = torch.empty(n * size, dtype=dtype)
+                dist.all_to_all_single(a2a, inp(n * size, dtype), group=g)
+                res[f"{key}/all_to_all_single"] = a2a
+                parts = [torch.empty(size, dtype=dtype) for _ in range(n)]
+                dist.all_to_all(parts, [inp(size, dtype) for _ in range(n)], group=g)
+                res[f"{key}/all_to_all/list"] = torch.cat(parts)
                 bc = inp(size, dtype)
                 dist.broadcast(bc, src=dist.get_global_rank(g, 0) if g is not None else 0, group=g)
                 res[f"{key}/broadcast"] = bc
