@@ -96,9 +96,13 @@ def _layout() -> tuple[int, int]:
 
 @once
 def install() -> None:
+    import importlib
+
     import torch.distributed as dist
-    from megatron.core.distributed import finalize_model_grads as fmg
     from megatron.core.transformer.moe import router
+
+    # the module (megatron.core.distributed's attribute of that name is the function)
+    fmg = importlib.import_module("megatron.core.distributed.finalize_model_grads")
 
     counts = seam(router, "get_tokens_per_expert_and_token_count", CHECKED, ("routing_map", "reduce_group"))
     cls = seam(router, "TopKRouter", CHECKED)
