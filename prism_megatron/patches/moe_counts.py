@@ -19,9 +19,13 @@ in H's orbit, so (mirrored sum, summed over the orbit) / |H| - an exact integer 
 is an integer. That sum is invariant under H, so the aux loss a translated member computes (its
 translated probabilities against it) equals the live rank's, which makes the mirrored loss logging
 exact too, and the expert bias it updates stays invariant under EP translation: a peer routing
-translated is what a real peer with that bias does. A count reduction over any other group is
-refused (``CountGroupError``), never answered by the mirror silently. Installed where ``moe_fold``
-is (``moe_fold.ENV_VAR``). Checked against the supported releases (``megatron.versions``).
+translated is what a real peer with that bias does. The mirrored sum is N x the live rank's counts
+because a class-depth fold keeps one live rank per class and a stage's ranks are one class: no other
+live member (nor, in a serial capture, a self-mirrored one) is in these groups. A count reduction over
+any other group is refused (``CountGroupError``), never answered by the mirror silently. Installed
+where ``moe_fold`` is (``moe_fold.ENV_VAR``), whatever the dispatcher: the rule is the plan's (the
+allgather dispatcher's token exchange stays the plain mirror's, ``moe_fold``). Checked against the
+supported releases (``megatron.versions``).
 """
 
 from __future__ import annotations
