@@ -167,7 +167,9 @@ def _expert_bias_update(counts: list[float], bias: list[float], rate: float):
 
 @pytest.mark.heavy
 @MEGATRON
-def test_a_moe_class_folds_router_counts_are_its_peers_translated_counts(megatron_runs, monkeypatch, tmp_path):
+@pytest.mark.parametrize("capture", ["together", "serial"])
+def test_a_moe_class_folds_router_counts_are_its_peers_translated_counts(megatron_runs, monkeypatch, tmp_path,
+                                                                          capture):
     """DeepSeek-V3's balancing (sigmoid router, expert bias, sequence aux loss) on TP2·ETP1·EP4·PP2·DP4 (16 ranks)
     at class depth: 2 live ranks (each stage's first), every other member of their reduce groups virtual. The
     expert-bias update's token counts (an all-reduce over the stage's 8 tensor-data-and-context ranks) must be
@@ -176,15 +178,19 @@ def test_a_moe_class_folds_router_counts_are_its_peers_translated_counts(megatro
     Each live router's expert bias after iterations 1 and 2 (``PRISM_ROUTER_STATE``: its counts before the
     reduction, its bias after) is Megatron's update from the translated counts, to the bit; the mirror's
     differs. The sequence aux loss's reduction over the tensor-and-context group (TP2: EP digits inside TP)
-    runs through the same seam (a group it could not translate stops the run)."""
+    runs through the same seam (a group it could not translate stops the run). Captured serially (one live rank
+    at a time) the same: those groups' members are of the live rank's own class, answered by the mirror."""
     import torch
 
     from prism_megatron.trace import read_trace
 
     states = tmp_path / "router.jsonl"
     monkeypatch.setenv("PRISM_ROUTER_STATE", str(states))
-    run = megatron_runs.run(str(RECIPES / "fold-class-moe-expert-bias.yaml"), "on", depth="class", memory=False)
+    extra = ("--prism-fold-capture", "serial") if capture == "serial" else ()
+    run = megatron_runs.run(str(RECIPES / "fold-class-moe-expert-bias.yaml"), "on", *extra, depth="class",
+                            memory=False)
     fold = read_trace(run["trace"]).fold
+    assert fold.capture_mode == capture
     assert fold.live == (0, 8) and fold.expert_tokens == "translated mirror", run["output"][-2000:]
     rows = {(r["rank"], r["iteration"]): r for r in map(json.loads, states.read_text().splitlines())}
     assert set(rows) == {(r, it) for r in fold.live for it in (1, 2)}, sorted(rows)
