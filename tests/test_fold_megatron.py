@@ -7,6 +7,7 @@ loss is replica 0's loss where the full run averages replicas that read differen
 within the spread of per-sample losses of a freshly initialised model (log(vocab) ~ 6.9): 2% here.
 """
 
+import json
 import math
 import re
 import subprocess
@@ -154,6 +155,65 @@ def test_moe_class_depth_folds_expert_peers_by_translated_mirror(megatron_runs):
         assert {b for k, b, _, _ in _op_sequence(trace, rank) if k == "all_to_all"} == {128 * 64 * 4, 128 * 4}
     losses = _losses(wide["metrics"])
     assert set(losses) == {1, 2, 3} and all(math.isfinite(x) for x in losses.values())
+
+
+def _expert_bias_update(counts: list[float], bias: list[float], rate: float):
+    """Megatron's get_updated_expert_bias on already reduced counts (float32, as its buffers)."""
+    import torch
+
+    t, b = torch.tensor(counts, dtype=torch.float32), torch.tensor(bias, dtype=torch.float32)
+    return b + torch.sign(t.sum() / t.numel() - t) * rate
+
+
+@pytest.mark.heavy
+@MEGATRON
+@pytest.mark.parametrize("capture", ["together", "serial"])
+def test_a_moe_class_folds_router_counts_are_its_peers_translated_counts(megatron_runs, monkeypatch, tmp_path,
+                                                                          capture):
+    """DeepSeek-V3's balancing (sigmoid router, expert bias, sequence aux loss) on TP2·ETP1·EP4·PP2·DP4 (16 ranks)
+    at class depth: 2 live ranks (each stage's first), every other member of their reduce groups virtual. The
+    expert-bias update's token counts (an all-reduce over the stage's 8 tensor-data-and-context ranks) must be
+    the sum of the members' *translated* counts: each of EP4's offsets twice, so per local expert twice the live
+    rank's counts summed over its 4 blocks, the same in every block - not the plain mirror's 8 x its own counts.
+    Each live router's expert bias after iterations 1 and 2 (``PRISM_ROUTER_STATE``: its counts before the
+    reduction, its bias after) is Megatron's update from the translated counts, to the bit; the mirror's
+    differs. The sequence aux loss's reduction over the tensor-and-context group (TP2: EP digits inside TP)
+    runs through the same seam (a group it could not translate stops the run). Captured serially (one live rank
+    at a time) the same: those groups' members are of the live rank's own class, answered by the mirror."""
+    import torch
+
+    from prism_megatron.trace import read_trace
+
+    states = tmp_path / "router.jsonl"
+    monkeypatch.setenv("PRISM_ROUTER_STATE", str(states))
+    extra = ("--prism-fold-capture", "serial") if capture == "serial" else ()
+    run = megatron_runs.run(str(RECIPES / "fold-class-moe-expert-bias.yaml"), "on", *extra, depth="class",
+                            memory=False)
+    fold = read_trace(run["trace"]).fold
+    assert fold.capture_mode == capture
+    assert fold.live == (0, 8) and fold.expert_tokens == "translated mirror", run["output"][-2000:]
+    rows = {(r["rank"], r["iteration"]): r for r in map(json.loads, states.read_text().splitlines())}
+    assert set(rows) == {(r, it) for r in fold.live for it in (1, 2)}, sorted(rows)
+    members, ep, rate = 8, 4, 1e-3
+    mirror_differs = False
+    for rank in fold.live:
+        bias = [[0.0] * 8, [0.0] * 8]  # two MoE layers per stage, Megatron's zero initial bias
+        for it in (1, 2):
+            row = rows[(rank, it)]
+            assert len(row["tokens_per_expert"]) == len(row["expert_bias"]) == 2
+            for layer, counts in enumerate(row["tokens_per_expert"]):
+                assert sum(counts) == 2 * 2 * 32 * 2  # micro-batches x mbs x seq / TP x top-2 (sequence parallel)
+                blocks = torch.tensor(counts).view(ep, -1).sum(0)  # per local expert, over the 4 EP blocks
+                translated = (members // ep * blocks).repeat(ep).tolist()
+                want = _expert_bias_update(translated, bias[layer], rate)
+                got = torch.tensor(row["expert_bias"][layer], dtype=torch.float32)
+                assert torch.equal(got, want), (rank, it, layer, counts, row["expert_bias"][layer])
+                mirror = _expert_bias_update([members * c for c in counts], bias[layer], rate)
+                mirror_differs |= not torch.equal(mirror, want)
+                bias[layer] = got.tolist()
+    assert mirror_differs  # the plain mirror would have updated the bias from the live rank's own imbalance
+    losses = _losses(run["metrics"])
+    assert set(losses) == {1, 2} and all(math.isfinite(x) for x in losses.values())
 
 
 @pytest.mark.parametrize("recipe, world, live", [

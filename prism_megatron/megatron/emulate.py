@@ -42,10 +42,11 @@ def install_patches(training: bool = True) -> None:
     p2p.install()
     ddp.install()
     install_rendering_patches()
-    from prism_megatron.patches import moe_fold
+    from prism_megatron.patches import moe_counts, moe_fold
 
     if os.environ.get(moe_fold.ENV_VAR):  # a fold whose expert peers are virtual (megatron.run sets it)
-        moe_fold.install()
+        moe_fold.install()  # the dispatcher's count all-gather
+        moe_counts.install()  # the router's count reductions (aux losses, expert-bias update)
     from prism_megatron.patches import tp_fold_embedding
 
     if os.environ.get(tp_fold_embedding.ENV_VAR):  # a fold whose TP peers mirror the live rank (megatron.run)

@@ -30,7 +30,8 @@ Two sandbox depths (``--prism-fold-depth``):
   EP, so it routes to expert g + j·L (L local experts per rank) what the live rank routes to expert
   g. The live rank then receives from peer j the tokens its own router sends to EP offset -j
   (nccl_prune's A2A_RULE by the plan's coordinates) and the per-expert counts that say so
-  (prism_megatron.patches.moe_fold rotates the mirrored count all-gather): over its peers, exactly
+  (prism_megatron.patches.moe_fold rotates the mirrored count all-gather; patches.moe_counts turns the
+  router's mirrored count reductions into its peers' translated sums): over its peers, exactly
   the tokens its router sends out, so it holds and computes what a real expert rank holds under
   that routing (a balanced load where real ranks vary). With expert DP > 1 or ETP < TP the plan's
   axes are ``AXES_EXPERT`` (tp, cp, ep, edp, pp): Megatron's expert generator's EP index is

@@ -163,7 +163,8 @@ def provenance(cluster: str | None, gpu_timed: bool = False, calibrated: bool = 
             f"virtual: each mirrors its class's sandbox rank (compute, and op inputs: {made}), its collectives "
             f"costed for the full groups on {gpus_per_node or fold.gpus_per_node} GPUs per node; "
             + (f"tokens each folded expert rank receives: {fold.expert_tokens} of live rank(s) "
-               f"{rank_ranges(fold.live)}'s routing; " if fold.expert_tokens else "")
+               f"{rank_ranges(fold.live)}'s routing (the router's per-expert token counts summed over its peers' "
+               "translations too: aux losses, expert bias); " if fold.expert_tokens else "")
             + (method or ("replay of the synthesised graph of every rank" if full else
                           "symmetric replay of the live ranks")))
 

@@ -7,6 +7,7 @@ local layer spec, core DDP, ``get_megatron_optimizer``, the schedules of
 ``get_forward_backward_func`` with ``finalize_model_grads``, and ``MockGPTDataset``. It prints
 Megatron's iteration line on the last rank and, with ``PRISM_MEGATRON_METRICS=FILE``, appends every
 rank's per-iteration loss and grad norm as JSON lines (the format of ``patches.metrics``).
+``PRISM_ROUTER_STATE=FILE`` (a check) appends every rank's per-iteration router counts and expert bias.
 ``PRISM_SAME_BATCHES=1`` (a check, not training): every data-parallel replica reads replica 0's samples, so
 a full run's data-parallel reduction returns what a fold's mirror returns and the two runs' weights, MoE
 routing and memory can be compared at every iteration, not only the first.
@@ -97,6 +98,12 @@ _USED: dict[str, dict[str, Any]] = {
     "--moe-token-dispatcher-type": dict(type=str, default="allgather", choices=["allgather", "alltoall"]),
     "--moe-ffn-hidden-size": dict(type=int, default=None),
     "--moe-aux-loss-coeff": dict(type=float, default=0.0),
+    "--moe-router-load-balancing-type": dict(type=str, default="aux_loss",
+                                              choices=["aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn",
+                                                       "none"]),
+    "--moe-router-score-function": dict(type=str, default="softmax", choices=["softmax", "sigmoid"]),
+    "--moe-router-enable-expert-bias": dict(action="store_true"),
+    "--moe-router-bias-update-rate": dict(type=float, default=1e-3),
     "--sequence-parallel": dict(action="store_true"),
     "--use-distributed-optimizer": dict(action="store_true"),
     "--overlap-grad-reduce": dict(action="store_true"),
@@ -212,6 +219,10 @@ def _transformer_config(args: argparse.Namespace) -> Any:
         num_moe_experts=args.num_experts, moe_router_topk=args.moe_router_topk,
         moe_token_dispatcher_type=args.moe_token_dispatcher_type, moe_ffn_hidden_size=args.moe_ffn_hidden_size,
         moe_aux_loss_coeff=args.moe_aux_loss_coeff, moe_grouped_gemm=False,
+        moe_router_load_balancing_type=args.moe_router_load_balancing_type,
+        moe_router_score_function=args.moe_router_score_function,
+        moe_router_enable_expert_bias=args.moe_router_enable_expert_bias,
+        moe_router_bias_update_rate=args.moe_router_bias_update_rate,
         hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
         init_method_std=args.init_method_std, params_dtype=_dtype(args), pipeline_dtype=_dtype(args), bf16=args.bf16,
         add_bias_linear=args.add_bias_linear,
@@ -396,6 +407,29 @@ def _metrics_writer() -> Any:
     return write
 
 
+def _router_state_hook(model: list[Any], finalize: Any) -> Any:
+    """``PRISM_ROUTER_STATE=FILE`` (a check): ``finalize`` wrapped so that every rank appends, per iteration, its
+    routers' per-expert token counts (its own, before the reduction) and expert bias after the update."""
+    path = os.environ.get("PRISM_ROUTER_STATE")
+    if not path:
+        return finalize
+    routers = [m for chunk in model for m in chunk.modules() if getattr(m, "expert_bias", None) is not None]
+    iteration = 0
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        nonlocal iteration
+        iteration += 1
+        counts = [m.local_tokens_per_expert.tolist() for m in routers]
+        out = finalize(*args, **kwargs)
+        record = {"rank": dist.get_rank(), "iteration": iteration, "tokens_per_expert": counts,
+                  "expert_bias": [m.expert_bias.tolist() for m in routers]}
+        with open(path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        return out
+
+    return recorded
+
+
 def _snapshot_hook() -> Any:
     """``PRISM_MEMORY_SNAPSHOT=PREFIX`` (diagnostics on a GPU): record allocations, dump PREFIX-rankR.pickle."""
     prefix = os.environ.get("PRISM_MEMORY_SNAPSHOT")
@@ -461,7 +495,7 @@ def train(args: argparse.Namespace) -> None:
         config.grad_sync_func = [chunk.start_grad_sync for chunk in model]
         if len(model) == 1:
             config.no_sync_func, config.grad_sync_func = config.no_sync_func[0], config.grad_sync_func[0]
-    config.finalize_model_grads_func = finalize_model_grads
+    config.finalize_model_grads_func = _router_state_hook(model, finalize_model_grads)
 
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_size = parallel_state.get_data_parallel_world_size()
