@@ -30,7 +30,7 @@ def test_summary_names_the_jobs_swaps_and_how_turns_were_admitted():
     line = [ln for ln in lines if "swaps" in ln]
     assert len(line) == 1
     assert "swaps: 4 out, 3 in, 7.0 GiB moved" in line[0] and "rank 0" in line[0]
-    assert "bound 9" in line[0] and "class 1" in line[0]
+    assert "no peak known 9" in line[0] and "class peak 1" in line[0]
 
 
 def test_no_swap_line_where_the_job_swapped_nothing():
