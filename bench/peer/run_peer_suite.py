@@ -151,10 +151,11 @@ def expand(checkout: Path, patterns: list[str]) -> list[str]:
 
 def run_file(checkout: Path, test_file: str, world: int, timeout: float, hang_timeout: float,
              extra_path: list[str], pytest_args: list[str], suite: str = "megatron", devices: str = "cpu",
-             slots: int = 1, logs: Path | None = None) -> dict:
+             slots: int = 1, logs: Path | None = None, launch_args: list[str] | None = None) -> dict:
     """One launch: every rank runs ``test_file`` (for the torch suite: the tests whose names contain it);
     returns per-rank results and how the job ended. ``logs``: keep the job's logs (launcher output, rank
-    logs, prism's reports) in a directory of this file's own there."""
+    logs, prism's reports, the trace's manifest: swaps, admissions, groups) in a directory of this file's
+    own there. ``launch_args``: more options for ``prism-megatron launch`` (e.g. ``--swap none``)."""
     with tempfile.TemporaryDirectory(prefix="prism-peer-") as tmp:
         out = Path(tmp) / "out"
         out.mkdir()
@@ -164,7 +165,7 @@ def run_file(checkout: Path, test_file: str, world: int, timeout: float, hang_ti
         mode = ["--cpu-mode"] if devices == "cpu" else []
         cmd = [sys.executable, "-m", "prism_megatron", "launch", "-w", str(world), "--devices", devices,
                "--slots-per-device", str(slots), "--hang-timeout", str(hang_timeout),
-               "--trace-dir", str(Path(tmp) / "trace"), "--log-ranks", "none",
+               "--trace-dir", str(Path(tmp) / "trace"), "--log-ranks", "none", *(launch_args or []),
                *([str(HERE / "rank_pytest.py"), str(out), *mode, "--", test_file, *pytest_args]
                  if suite == "megatron" else [str(HERE / "rank_torch.py"), str(out), test_file])]
         t0 = time.perf_counter()
@@ -181,6 +182,8 @@ def run_file(checkout: Path, test_file: str, world: int, timeout: float, hang_ti
                 _, err = p.communicate()
             code, err = "timeout", f"{err}\nrun_peer_suite: ended at the time limit ({timeout:.0f} s)"
         wall = time.perf_counter() - t0
+        manifest = Path(tmp) / "trace" / "manifest.json"
+        job = json.loads(manifest.read_text()).get("job", {}) if manifest.is_file() else {}
         ranks = {}
         for r in range(world):
             f = out / f"rank-{r}.json"
@@ -192,7 +195,10 @@ def run_file(checkout: Path, test_file: str, world: int, timeout: float, hang_ti
                 shutil.copytree(Path(tmp) / "trace.logs", keep, dirs_exist_ok=True)
             keep.mkdir(parents=True, exist_ok=True)
             (keep / "launcher.txt").write_text(err)
-        return {"file": test_file, "exit": code, "wall_s": wall, "ranks": ranks, "stderr_tail": err[-4000:]}
+            if manifest.is_file():
+                shutil.copy(manifest, keep / "trace-manifest.json")
+        return {"file": test_file, "exit": code, "wall_s": wall, "ranks": ranks, "stderr_tail": err[-4000:],
+                "swap": job.get("swap") or {}, "admission": job.get("admission") or {}}
 
 
 def safe_name(test_file: str) -> str:
@@ -227,12 +233,28 @@ def summarize(res: dict, world: int, on_gpu: bool = False) -> list[str]:
     for tid, e in failing.items():
         causes[e["cause"]] += 1
         lines.append(f"    FAIL {tid} ranks {_ranks(e['ranks'])}: {e['cause']} -- {e['line']}")
+    swapped = _swaps(res.get("swap") or {})
+    if swapped:  # prism's cost, not the tests': on a GPU each swap is a process checkpoint or restore
+        names = {"own": "own peak", "class": "class peak", "bound": "bound, no peak known"}
+        turns = ", ".join(f"{names.get(k, k)} {v}" for k, v in (res.get("admission") or {}).items())
+        lines.append(f"    prism {swapped}" + (f"; slot turns admitted by {turns}" if turns else ""))
     unfinished = len(res["ranks"]) < world or any(d.get("exit", 0) is None for d in res["ranks"].values())
     if res["exit"] != 0 and unfinished:
         why = _job_end(res["stderr_tail"])
         cause = "prism" if "prism" in why and "hang" not in why else "see report"
         lines.append(f"    JOB ENDED (exit {res['exit']}): {why} [{cause}]")
     return lines
+
+
+def _swaps(swap: dict) -> str | None:
+    """The trace's swap line (prism's trace summary, from this repository wherever the harness runs)."""
+    if not swap:
+        return None
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+    from prism_megatron.trace.summary import swap_summary
+
+    return swap_summary(swap)
 
 
 def _first_line(text: str) -> str:
@@ -279,6 +301,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--raw", help="also write each file's per-rank results (JSON) into this directory")
     ap.add_argument("--logs", help="keep each file's logs (launcher output, rank logs, reports) in this directory")
     ap.add_argument("--pytest-arg", action="append", default=[], help="passed to pytest (repeatable)")
+    ap.add_argument("--launch-arg", action="append", default=[], help="passed to prism-megatron launch "
+                    "(repeatable; e.g. --launch-arg=--swap --launch-arg=none)")
     a = ap.parse_args(argv)
     t_start = time.monotonic()
     on_gpu = a.devices != "cpu"
@@ -290,7 +314,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         where = (f"on CUDA device(s) {a.devices}, {a.slots_per_device} slot(s) per device" if on_gpu
                  else "on CPU (CPU mode)")
-        head = [f"peer suite: Megatron-LM {a.tag} at {checkout.name}, {a.world_size} logical ranks {where}, "
+        launch = f", launch {' '.join(a.launch_arg)}" if a.launch_arg else ""
+        head = [f"peer suite: Megatron-LM {a.tag} at {checkout.name}, {a.world_size} logical ranks {where}{launch}, "
                 f"python {sys.version.split()[0]}", ""]
         files = expand(checkout, a.files)
     else:
@@ -325,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"running {f} ...", file=sys.stderr, flush=True)
             res = run_file(checkout, f, a.world_size, a.timeout if left is None else min(a.timeout, left),
                            a.hang_timeout, a.path, a.pytest_arg, a.suite, a.devices, a.slots_per_device,
-                           Path(a.logs) if a.logs else None)
+                           Path(a.logs) if a.logs else None, a.launch_arg)
             if a.raw:
                 Path(a.raw).mkdir(parents=True, exist_ok=True)
                 (Path(a.raw) / (safe_name(f) + ".json")).write_text(json.dumps(res))
