@@ -547,9 +547,10 @@ def test_a_capture_whose_rank_ran_no_iteration_fails_the_serial_run_by_name(tmp_
 
 
 # ---- --prism-fold-second-pass: the second pass where the stand-ins' norms change what prism predicts -----------
-def _second_pass_run(tmp_path: Path, moe_layers: int | None, mode: str) -> tuple[list[int], list[str], object]:
+def _second_pass_run(tmp_path: Path, moe_layers: int | None, mode: str,
+                     last: int = 0) -> tuple[list[int], list[str], object]:
     """A fake serial run of _class_plan (its layout's moe_layers, None: the plan does not say): capture 1 (rank 0)
-    gives 3 stand-ins no recording in its first pass, none in a second; capture 2 (rank 4) none. Returns the
+    gives 3 stand-ins no recording in its first pass, none in a second; capture 2 (rank 4) ``last``. Returns the
     capture indices launched, what was said and the merged trace."""
     plan = _class_plan() | ({} if moe_layers is None else {"layout": {"moe_layers": moe_layers}})
     launched: list[int] = []
@@ -557,7 +558,7 @@ def _second_pass_run(tmp_path: Path, moe_layers: int | None, mode: str) -> tuple
     def fake_launch(cfg: LaunchConfig) -> int:
         part = cfg.fold["capture"]["part"]
         rank = part["rank"]
-        unrecorded = 3 if part["index"] == 0 and part["index"] not in launched else 0
+        unrecorded = (3 if part["index"] not in launched else 0) if part["index"] == 0 else last
         launched.append(part["index"])
         marks = [{"rank": rank, "name": "iteration", "phase": p, "t": 0.1, "compute_clock": 0.0, "attrs": {}}
                  for p in ("B", "E")]
@@ -600,6 +601,11 @@ def test_the_second_pass_is_taken_for_moe_and_where_the_plan_does_not_say_and_of
         assert any(s.startswith("serial capture 1/2: 3 stand-in(s)") and why in s for s in said), said
         assert [c.get("second_pass") for c in t.fold.capture["captures"]] == ["taken", None]
         assert t.fold.unrecorded_standins() == "" and "kept stand-ins" not in provenance(None, fold=t.fold)
+    # the last capture has no later one to record its senders: kept, said, whatever the option
+    launched, said, t = _second_pass_run(tmp_path / "last", 2, "auto", last=2)
+    assert launched == [0, 1, 0] and t.fold.unrecorded_standins() == (
+        "capture 2 kept stand-ins without a recorded norm (no capture recorded their senders' norms: the grad norms "
+        "and losses they log are not the job's)")
     launched, said, t = _second_pass_run(tmp_path / "off", 2, "off")
     assert launched == [0, 1] and t.fold.capture["second_pass"]["moe"] is True
     assert t.fold.unrecorded_standins() == (

@@ -246,18 +246,18 @@ class Fold:
         report says it (e.g. "captures 1, 2 kept stand-ins without a recorded norm (second pass off for a dense
         fold: ...)"); "" where none did, or the trace does not say (SECOND_PASS_FIELDS)."""
         captures = self.capture.get("captures") or []
-        kept = [i + 1 for i, c in enumerate(captures) if c.get("standins_unrecorded")]
-        if not kept:
-            return ""
         decision = self.capture.get("second_pass")
-        skipped = [i + 1 for i, c in enumerate(captures) if c.get("second_pass") == "skipped"]
-        if decision is not None and skipped and not decision["on"]:
-            why = second_pass_skipped(decision)
-        else:  # taken, yet still unrecorded: no later capture sent them (an interleaved wrap-around)
-            why = "after the second pass: no later capture sent them; the grad norms and losses they log are not " \
-                  "the job's"
-        which = f"capture{'s' if len(kept) > 1 else ''} {', '.join(map(str, kept))}"
-        return f"{which} kept stand-ins without a recorded norm ({why})"
+        kept = [(i + 1, c.get("second_pass") == "skipped" and decision is not None and not decision["on"])
+                for i, c in enumerate(captures) if c.get("standins_unrecorded")]
+        out = []
+        for skipped, why in ((True, second_pass_skipped(decision) if decision else ""),
+                             (False, "no capture recorded their senders' norms: the grad norms and losses they log "
+                                     "are not the job's")):
+            which = [n for n, s in kept if s == skipped]
+            if which:
+                out.append(f"capture{'s' if len(which) > 1 else ''} {', '.join(map(str, which))} kept stand-ins "
+                           f"without a recorded norm ({why})")
+        return "; ".join(out)
 
     def contribution_counts(self) -> dict[str, int]:
         """Virtual contributions by way, summed over op kinds: the first four CONTRIBUTION_WAYS always, a serial
