@@ -65,7 +65,12 @@ A serial capture that gave a stand-in a derived recording's norm or the unit fal
 pass's own included), and the captures merged are the latest of each live rank. A pipeline without
 wrap-around then has every stand-in recorded: the last stage's forward receives were recorded by the first
 pass, each earlier stage's backward receives by the stage after it, captured again before it. In an
-interleaved pipeline the last capture of the first pass takes its wrap-around gradients at its own scale."""
+interleaved pipeline the last capture of the first pass takes its wrap-around gradients at its own scale.
+The norms steer values (the grad norm, gradient clipping, losses); shapes, the op sequence, time and memory
+follow them only through MoE routing (tokens per expert follow activation values). So the launcher's option
+(--prism-fold-second-pass) takes the second pass always (on), never (off), or only for a fold with MoE layers
+(auto, the default; also where the plan does not say), and a capture that needed one and was not taken again
+is named as such in the launcher's output, the merged trace and the report."""
 
 
 @dataclass(frozen=True)

@@ -151,6 +151,13 @@ class RunOnlyOptions:
     contributes (self mirror) and a receive from a virtual pipeline neighbour gets a seeded stand-in of the
     posted shape (docs/features.md). Folded runs only."""
 
+    fold_second_pass: Literal["auto", "on", "off"] = "auto"
+    """A serial capture whose pipeline stand-ins had no recorded norm (their senders are captured later) is
+    captured again after the first pass (nccl_prune.SECOND_PASS_RULE; up to 2k-1 captures for k live ranks):
+    'on' always, 'off' never, 'auto' only where the fold has MoE layers. The stand-ins' norms steer values
+    (grad norm, clipping, losses); only through MoE routing do they change shapes, time or memory. What was
+    skipped is printed, recorded in the merged trace and said in the report. Serial captures only."""
+
     fold_microbatches: str = "off"
     """Micro-batch folding: 'N' runs N of the target's M micro-batches per iteration (its global batch run as
     N x micro batch x DP) and the replay gives every rank the target's M, copies of steady units standing

@@ -475,7 +475,12 @@ def test_a_class_fold_captured_serially_reads_like_one_captured_together(megatro
     together = megatron_runs.run("mini-dense-tp2pp2dp2", "on", depth="class")
     serial = megatron_runs.run("mini-dense-tp2pp2dp2", "on", "--prism-fold-capture", "serial", depth="class")
     assert "serial capture 2/2: rank 4 (class last)" in serial["output"]
-    _serial_reads_like_together(together, serial)
+    # --prism-fold-second-pass auto on a dense fold: capture 1's backward stand-ins stay unrecorded, said
+    assert "serial capture: capture(s) 1 not captured again: second pass off for a dense fold" in serial["output"]
+    assert "serial capture 1/2 again" not in serial["output"]
+    _, merged = _serial_reads_like_together(together, serial)
+    assert merged.fold.unrecorded_standins().startswith("capture 1 kept stand-ins without a recorded norm (second "
+                                                         "pass off for a dense fold: ")
 
 
 def _serial_reads_like_together(together: dict, serial: dict) -> tuple:

@@ -423,12 +423,12 @@ def test_a_pipeline_captured_serially_issues_the_ops_of_the_capture_together(tmp
     """fold_pipeline.py, 4 stages, stage 2 folded onto stage 1: captured together (0, 1 and 3 as processes) and
     serially (one at a time; each other stage's receives answered by stand-ins): the same ops with the
     same per-group sequence numbers, rank by rank."""
-    fold = make_fold([0, 1, 1, 3], 8).to_json()
+    fold = {**make_fold([0, 1, 1, 3], 8).to_json(), "layout": {"moe_layers": 0}}  # dense: auto would skip it
     base = dict(script=PROGRAMS / "fold_pipeline.py", world_size=4, hang_timeout=60, fold=fold)
     assert launch(LaunchConfig(**base, script_args=[str(tmp_path / "r1"), "3"], trace_dir=tmp_path / "together")) == 0
     said: list[str] = []
     cfg = LaunchConfig(**base, script_args=[str(tmp_path / "r2"), "3"], trace_dir=tmp_path / "serial")
-    assert capture_serially(cfg, launch, say=said.append) == 0
+    assert capture_serially(cfg, launch, say=said.append, second="on") == 0
     together, serial = read_trace(tmp_path / "together"), read_trace(tmp_path / "serial")
     assert serial.fold.live == together.fold.live == (0, 1, 3) and serial.fold.rep == together.fold.rep
     assert _skeleton(serial) == _skeleton(together)
@@ -459,6 +459,12 @@ def test_a_pipeline_captured_serially_issues_the_ops_of_the_capture_together(tmp
     assert [s.split(":")[0] for s in said if s.startswith("serial capture ") and "again:" in s] == [
         "serial capture 2/3 again", "serial capture 1/3 again"]
     assert "merged 3 of 3 capture(s), 3 complete" in said[-1]
+    # the merged trace records it: captures 1, 2 taken again, every merged capture's stand-ins recorded
+    record = serial.fold.capture
+    assert record["second_pass"] == {"option": "on", "on": True, "why": "by --prism-fold-second-pass on", "moe": False}
+    assert [(c["second_pass"] if "second_pass" in c else None, c["standins_unrecorded"]) for c in record["captures"]] \
+        == [("taken", 0), ("taken", 0), (None, 0)]
+    assert serial.fold.unrecorded_standins() == ""
 
 
 def test_a_capture_that_fails_stops_the_run_and_the_merged_trace_says_which(tmp_path):
@@ -538,6 +544,95 @@ def test_a_capture_whose_rank_ran_no_iteration_fails_the_serial_run_by_name(tmp_
                            "program ended early"
     assert [c["complete"] for c in t.fold.capture["captures"]] == [True, False]
     assert any("serial capture 2/2 (rank 4) failed" in s for s in said), said
+
+
+# ---- --prism-fold-second-pass: the second pass where the stand-ins' norms change what prism predicts -----------
+def _second_pass_run(tmp_path: Path, moe_layers: int | None, mode: str,
+                     last: int = 0) -> tuple[list[int], list[str], object]:
+    """A fake serial run of _class_plan (its layout's moe_layers, None: the plan does not say): capture 1 (rank 0)
+    gives 3 stand-ins no recording in its first pass, none in a second; capture 2 (rank 4) ``last``. Returns the
+    capture indices launched, what was said and the merged trace."""
+    plan = _class_plan() | ({} if moe_layers is None else {"layout": {"moe_layers": moe_layers}})
+    launched: list[int] = []
+
+    def fake_launch(cfg: LaunchConfig) -> int:
+        part = cfg.fold["capture"]["part"]
+        rank = part["rank"]
+        unrecorded = (3 if part["index"] not in launched else 0) if part["index"] == 0 else last
+        launched.append(part["index"])
+        marks = [{"rank": rank, "name": "iteration", "phase": p, "t": 0.1, "compute_clock": 0.0, "attrs": {}}
+                 for p in ("B", "E")]
+        fold = {**cfg.fold, "contributions": {}}
+        fold["capture"] = {**fold["capture"], "part": {**part, "standins_unrecorded": unrecorded}}
+        manifest = {"world_size": 8, "job": {"fold": fold},
+                    "groups": [{"id": 0, "name": "0", "ranks": list(range(8)), "backend": "nccl"}],
+                    "ranks": [{"rank": rank, "exit_code": 0, "device": "cpu"}]}
+        write_trace(cfg.trace_dir, manifest, ops=[_op(rank, 0, "all_reduce", 0, 0)], marks=marks)
+        return 0
+
+    said: list[str] = []
+    cfg = LaunchConfig(script=PROGRAMS / "fold_pipeline.py", world_size=8, fold=plan, trace_dir=tmp_path / mode)
+    assert capture_serially(cfg, fake_launch, say=said.append, second=mode) == 0
+    return launched, said, read_trace(tmp_path / mode)
+
+
+def test_auto_skips_the_second_pass_for_a_dense_fold_and_says_so_in_the_line_trace_and_report(tmp_path):
+    from prism_megatron.report.build import provenance
+
+    launched, said, t = _second_pass_run(tmp_path, 0, "auto")
+    assert launched == [0, 1]  # 2 captures, not 3
+    dense = ("second pass off for a dense fold: the grad norms and losses they log are not the job's; time and "
+             "memory do not depend on them")
+    assert f"serial capture: capture(s) 1 not captured again: {dense} (nccl_prune.SECOND_PASS_RULE)" in said, said
+    record = t.fold.capture
+    assert record["second_pass"] == {"option": "auto", "on": False, "why": "for a dense fold", "moe": False}
+    assert [(c.get("second_pass"), c["standins_unrecorded"]) for c in record["captures"]] == [("skipped", 3), (None, 0)]
+    assert f"; capture 1 kept stand-ins without a recorded norm ({dense}))" in provenance(None, fold=t.fold)
+
+
+def test_the_second_pass_is_taken_for_moe_and_where_the_plan_does_not_say_and_off_never(tmp_path):
+    from prism_megatron.report.build import provenance
+
+    for layers, mode, launched_then, why in ((2, "auto", [0, 1, 0], "for a fold with MoE layers"),
+                                             (None, "auto", [0, 1, 0], "where the fold plan does not say"),
+                                             (0, "on", [0, 1, 0], "by --prism-fold-second-pass on")):
+        launched, said, t = _second_pass_run(tmp_path / f"{layers}", layers, mode)
+        assert launched == launched_then
+        assert any(s.startswith("serial capture 1/2: 3 stand-in(s)") and why in s for s in said), said
+        assert [c.get("second_pass") for c in t.fold.capture["captures"]] == ["taken", None]
+        assert t.fold.unrecorded_standins() == "" and "kept stand-ins" not in provenance(None, fold=t.fold)
+    # the last capture has no later one to record its senders: kept, said, whatever the option
+    launched, said, t = _second_pass_run(tmp_path / "last", 2, "auto", last=2)
+    assert launched == [0, 1, 0] and t.fold.unrecorded_standins() == (
+        "capture 2 kept stand-ins without a recorded norm (no capture recorded their senders' norms: the grad norms "
+        "and losses they log are not the job's)")
+    launched, said, t = _second_pass_run(tmp_path / "off", 2, "off")
+    assert launched == [0, 1] and t.fold.capture["second_pass"]["moe"] is True
+    assert t.fold.unrecorded_standins() == (
+        "capture 1 kept stand-ins without a recorded norm (second pass off by --prism-fold-second-pass off: the grad "
+        "norms and losses they log are not the job's; nor, through MoE routing, are their tokens per expert, hence "
+        "time and memory)")
+    with pytest.raises(ValueError, match="--prism-fold-second-pass must be one of auto, on, off, got 'sometimes'"):
+        capture_serially(LaunchConfig(script=PROGRAMS / "fold_pipeline.py", world_size=8, fold=_class_plan()),
+                         launch, second="sometimes")
+
+
+def test_the_second_pass_option_is_refused_with_a_bad_value_and_old_traces_read_without_its_record(tmp_path):
+    from prism_megatron.megatron.run import RunError, parse_run_args
+
+    script = tmp_path / "s.py"
+    script.write_text("")
+    with pytest.raises(RunError, match="invalid choice: 'sometimes'.*'auto', 'on', 'off'"):
+        parse_run_args(["--prism-emulate", "--prism-world-size", "2", str(script), "--prism-fold-second-pass",
+                        "sometimes"])
+    plan = _class_plan()
+    groups = [("0", list(range(8)))]
+    caps = [{"rank": r, "trace": _capture(tmp_path / f"c{r}", plan, r, i, groups, [_op(r, 0, "all_reduce", 0, 0)]),
+             "incomplete": None} for i, r in enumerate((0, 4))]
+    old = read_trace(merge_captures(tmp_path / "old", plan, caps))  # a merge before the record: nothing said
+    assert "second_pass" not in old.fold.capture and old.fold.unrecorded_standins() == ""
+    with pytest.raises(TraceFormatError, match=r"capture.captures\[0\].second_pass.*expected one of taken, skipped"):
+        read_trace(merge_captures(tmp_path / "bad", plan, [{**caps[0], "second_pass": "maybe"}, caps[1]]))
 
 
 # ---- a capture that runs out of memory under the target's cap: a verdict, the later captures run ------------

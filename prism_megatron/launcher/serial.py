@@ -17,7 +17,8 @@ merged trace (``trace.merge``) says which. A capture whose rank ran out of memor
 merged trace holds every class, each with its peak or its failing allocation (``OOM_CONTINUES_RULE``).
 Captures run in the fold's live-rank order (first stage first); a capture whose stand-ins had no recorded
 norm (their senders are captured later) is captured again after them, latest first
-(``nccl_prune.SECOND_PASS_RULE``), and its second trace is the one merged.
+(``nccl_prune.SECOND_PASS_RULE``), and its second trace is the one merged, where ``--prism-fold-second-pass``
+takes it (:func:`second_pass`: under auto only for a fold with MoE layers); what was skipped is said and recorded.
 A capture's ranks see ``CAPTURE_ENV``: rules the program side keeps for a capture of one live rank install
 on it (Megatron's tied-embedding initialisation: ``patches.serial_embedding``).
 """
@@ -34,9 +35,11 @@ from typing import Any
 
 from prism_megatron.launcher.config import LaunchConfig
 from prism_megatron.launcher.exit_codes import OOM, RANK_FAILED
-from prism_megatron.trace.fold import SERIAL_RULES
+from prism_megatron.options import RunOnlyOptions, option
+from prism_megatron.trace.fold import SERIAL_RULES, second_pass_skipped
 
-__all__ = ["CAPTURE_ENV", "OOM_CONTINUES_RULE", "capture_plan", "captures_dir", "capture_serially", "merged_line"]
+__all__ = ["CAPTURE_ENV", "OOM_CONTINUES_RULE", "capture_plan", "captures_dir", "capture_serially", "merged_line",
+           "second_pass"]
 
 #: set to "serial" in the ranks of a serial capture (``rank.rank_env``): program-side rules that only a capture
 #: of one live rank needs install on it (e.g. ``patches.serial_embedding``)
@@ -49,6 +52,26 @@ from it are the broadcasts it recorded (RECORDED_BROADCAST_RULE), kept up to its
 absent, and a later capture that needs it is refused by name as for any missing recording. Any other failure
 (a crash, a refusal, a hang, the physical device's OOM, no trace written) stops the run as before. The run
 exits as a run together with a predicted OOM does (OOM), unless a capture failed (its code)."""
+
+
+def second_pass(mode: str, plan: dict[str, Any]) -> dict[str, Any]:
+    """Whether a serial run of ``plan`` takes SECOND_PASS_RULE's second pass under ``--prism-fold-second-pass
+    mode``: {"option": mode, "on": bool, "why": the reason, "moe": whether the fold has MoE layers (None: the plan
+    does not say)}, said and recorded in the merged trace (``trace.fold.SECOND_PASS_FIELDS``). auto takes it
+    for a fold with MoE layers (the plan's ``expert_tokens``, or its layout's ``moe_layers`` > 0: routing follows
+    activation values, so the stand-ins' norms steer tokens per expert, hence time and memory), skips it for a
+    dense fold (``moe_layers`` 0: they steer values only) and takes it for a plan that does not say."""
+    choices = option(RunOnlyOptions, "fold_second_pass").choices
+    if mode not in choices:
+        raise ValueError(f"--prism-fold-second-pass must be one of {', '.join(choices)}, got {mode!r}")
+    layers = (plan.get("layout") or {}).get("moe_layers")
+    moe = True if plan.get("expert_tokens") or layers else (False if layers == 0 else None)
+    if mode != "auto":
+        return {"option": mode, "on": mode == "on", "why": f"by --prism-fold-second-pass {mode}", "moe": moe}
+    if moe is False:
+        return {"option": mode, "on": False, "why": "for a dense fold", "moe": moe}
+    why = "for a fold with MoE layers" if moe else "where the fold plan does not say whether it has MoE layers"
+    return {"option": mode, "on": True, "why": why, "moe": moe}
 
 
 def capture_plan(plan: dict[str, Any], rank: int, index: int,
@@ -81,15 +104,18 @@ def captures_dir(trace_dir: Path) -> Path:
 
 
 def capture_serially(cfg: LaunchConfig, launch: Callable[[LaunchConfig], int],
-                     say: Callable[[str], None] = print) -> int:
+                     say: Callable[[str], None] = print,
+                     second: str = option(RunOnlyOptions, "fold_second_pass").default) -> int:
     """Capture ``cfg``'s fold one live rank at a time with ``launch``, then merge the captures at
     ``cfg.trace_dir``; returns the first failing capture's exit code, else OOM where a capture ran out of
-    memory under the target's cap (``OOM_CONTINUES_RULE``), else 0."""
+    memory under the target's cap (``OOM_CONTINUES_RULE``), else 0. ``second``: ``--prism-fold-second-pass``
+    (:func:`second_pass`)."""
     from prism_megatron.trace.merge import merge_captures
 
     plan = cfg.fold
     if plan is None:
         raise ValueError("a serial capture needs a folded run")
+    decided = second_pass(second, plan)
     live = [int(x) for x in plan["live"]]
     root = captures_dir(cfg.trace_dir)
     root.mkdir(parents=True, exist_ok=True)
@@ -146,16 +172,26 @@ def capture_serially(cfg: LaunchConfig, launch: Callable[[LaunchConfig], int],
             continue
         run(i, rank, again=False)
     # SECOND_PASS_RULE: a capture whose stand-ins lacked a recording (its senders ran later) is taken again,
-    # latest first, once the captures after it have recorded their sends
+    # latest first, once the captures after it have recorded their sends (where --prism-fold-second-pass takes it)
+    skipped = []
     for i in reversed(range(len(live))):
         if code != 0:
             break
         if unrecorded.get(i) and i not in ooms and any(
                 captures[j]["trace"] is not None for j in range(i + 1, len(live))):
+            if not decided["on"]:
+                skipped.append(i)
+                captures[i]["second_pass"] = "skipped"
+                continue
             say(f"serial capture {i + 1}/{len(live)}: {unrecorded[i]} stand-in(s) had neither a recorded norm nor "
                 "the rank's own scale (their senders are captured later): capturing it again with the later "
-                "captures' recordings (nccl_prune.SECOND_PASS_RULE)")
+                f"captures' recordings (nccl_prune.SECOND_PASS_RULE; second pass on {decided['why']})")
             run(i, live[i], again=True)
+            captures[i]["second_pass"] = "taken"
+    if skipped:
+        said = ", ".join(str(i + 1) for i in sorted(skipped))
+        say(f"serial capture: capture(s) {said} not captured again: {second_pass_skipped(decided)} "
+            "(nccl_prune.SECOND_PASS_RULE)")
     ran = {i: n for i, n in iterations.items() if n}
     for i, n in iterations.items():
         if n == 0 and ran and captures[i]["incomplete"] is None:
@@ -165,7 +201,7 @@ def capture_serially(cfg: LaunchConfig, launch: Callable[[LaunchConfig], int],
             say(f"serial capture {i + 1}/{len(live)} (rank {captures[i]['rank']}) failed: {captures[i]['incomplete']}")
             code = code or RANK_FAILED
     if any(c["trace"] is not None for c in captures):
-        merge_captures(cfg.trace_dir, plan, captures)
+        merge_captures(cfg.trace_dir, plan, captures, second_pass=decided)
         say(merged_line(captures, cfg.trace_dir, walls, again_walls))
     return code or (OOM if ooms else 0)
 

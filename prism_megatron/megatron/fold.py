@@ -434,6 +434,8 @@ class FoldPlan:
     class_of: list[int]
     gpus_per_node: int
     k: int = 1  # DP indices in the sandbox
+    # the target layout's sizes (tp, cp, ep, etp, pp, vpp, num_layers, order, dp, edp) and its moe_layers (the
+    # count of MoE layers: 0 for a dense model; what decides a serial capture's second pass under auto)
     layout: dict[str, Any] = field(default_factory=dict)
     depth: str = "replica"  # one of FOLD_DEPTHS (module docstring)
     sizes: list[int] = field(default_factory=list)  # the grid's size per axis (``axes``); empty in a v1 plan
@@ -886,7 +888,8 @@ def build_fold_plan(layout: TargetLayout, depth: str = "auto",
     return FoldPlan(world_size=world, live=live, rep=rep.tolist(), classes=classes, class_of=class_of,
                     gpus_per_node=t.gpus_per_node, k=k,
                     layout={key: getattr(t, key) for key in ("tp", "cp", "ep", "etp", "pp", "vpp", "num_layers",
-                                                             "order")} | {"dp": t.dp, "edp": t.edp},
+                                                             "order")} | {"dp": t.dp, "edp": t.edp,
+                                                                          "moe_layers": sum(_moe_pattern(t))},
                     depth=depth, sizes=grid.sizes.tolist(), coords=grid.coords.tolist(), schedule=pipeline_schedule(t),
                     expert_tokens=EXPERT_TOKENS if moe_class else "", axes=grid.axes)
 

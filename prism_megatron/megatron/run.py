@@ -391,6 +391,9 @@ def run(request: RunRequest) -> int:
         print(f"prism: --prism-fold-capture serial captures a folded run one live rank at a time; {why}",
               file=sys.stderr, flush=True)
         return BAD_INPUT
+    if not serial and after.fold_second_pass != "auto":
+        print(f"prism: --prism-fold-second-pass {after.fold_second_pass}: only a serial capture "
+              "(--prism-fold-capture serial) takes a second pass; ignored", file=sys.stderr, flush=True)
     if serial and cfg.fold is None:
         print("prism: --prism-fold-capture serial: the run is not folded (every rank runs), so it is captured "
               "together", file=sys.stderr, flush=True)
@@ -398,7 +401,8 @@ def run(request: RunRequest) -> int:
     if serial and cfg.fold is not None:
         from prism_megatron.launcher.serial import capture_serially
 
-        code = capture_serially(cfg, launch, say=lambda m: print(f"prism: {m}", file=sys.stderr, flush=True))
+        code = capture_serially(cfg, launch, say=lambda m: print(f"prism: {m}", file=sys.stderr, flush=True),
+                                second=after.fold_second_pass)
     else:
         code = launch(cfg)
     if cfg.fold is not None and code == 0 and (cfg.trace_dir / "manifest.json").exists():

@@ -45,6 +45,14 @@ CONTRIBUTION_WAYS: tuple[str, ...] = ("mirror", "recorded", "keep", "passthrough
 #: virtual pipeline neighbour by "standin" (nccl_prune.SELF_MIRROR_RULE, nccl_prune.STANDIN_RULE).
 CAPTURE_MODES: tuple[str, ...] = ("together", "serial")
 SERIAL_RULES: dict[str, str] = {"collectives": "self_mirror", "p2p": "standin"}
+#: A serial run's merged trace may say what its stand-ins lacked (traces before these fields say nothing; read
+#: as unknown): per capture, ``standins_unrecorded`` (its receives whose stand-in had no recorded norm: a derived
+#: recording's or the unit fallback, nccl_prune.STANDIN_RULE (3), (4)) and ``second_pass`` ("taken": captured
+#: again, its second trace merged; "skipped": it needed one and ``--prism-fold-second-pass`` took none), and
+#: ``capture.second_pass``: the option's decision, {"option", "on": taken where needed, "why", "moe": whether
+#: the fold has MoE layers, null where the plan did not say} (launcher.serial.second_pass).
+SECOND_PASS_STATES: tuple[str, ...] = ("taken", "skipped")
+SECOND_PASS_FIELDS: tuple[str, ...] = ("option", "on", "why", "moe")
 #: The pipeline schedules a version-2 plan's optional ``schedule.name`` can name: Megatron's
 #: ``forward_backward_no_pipelining``, non-interleaved 1F1B and interleaved 1F1B. For "1f1b" the plan
 #: gives ``schedule.warmup``: per pipeline rank (pp coordinate), Megatron's count of warm-up forwards
@@ -60,6 +68,16 @@ SERIAL_RULES: dict[str, str] = {"collectives": "self_mirror", "p2p": "standin"}
 SCHEDULES: tuple[str, ...] = ("no_pipelining", "1f1b", "interleaved")
 
 Coord = tuple[int, ...]
+
+
+def second_pass_skipped(decision: dict[str, Any]) -> str:
+    """What skipping the second pass (``capture.second_pass`` with "on" false) leaves in a capture's stand-ins,
+    in the words the launcher's line and the report say it: the stand-ins' norms steer values (grad norm,
+    clipping, losses) and, through MoE routing only, tokens per expert, hence time and memory."""
+    consequence = {False: "; time and memory do not depend on them",
+                   True: "; nor, through MoE routing, are their tokens per expert, hence time and memory"}
+    return (f"second pass off {decision['why']}: the grad norms and losses they log are not the job's"
+            + consequence.get(decision.get("moe"), ""))
 
 
 class IncompleteCapture(NamedTuple):
@@ -222,6 +240,24 @@ class Fold:
         captures = self.capture.get("captures") or []
         return [IncompleteCapture(i + 1, len(captures), c["rank"], self.class_name(c["rank"]), bool(c["trace"]),
                                   c["incomplete"]) for i, c in enumerate(captures) if not c["complete"]]
+
+    def unrecorded_standins(self) -> str:
+        """A serial run's merged trace: which captures kept stand-ins without a recorded norm and why, as the
+        report says it (e.g. "captures 1, 2 kept stand-ins without a recorded norm (second pass off for a dense
+        fold: ...)"); "" where none did, or the trace does not say (SECOND_PASS_FIELDS)."""
+        captures = self.capture.get("captures") or []
+        decision = self.capture.get("second_pass")
+        kept = [(i + 1, c.get("second_pass") == "skipped" and decision is not None and not decision["on"])
+                for i, c in enumerate(captures) if c.get("standins_unrecorded")]
+        out = []
+        for skipped, why in ((True, second_pass_skipped(decision) if decision else ""),
+                             (False, "no capture recorded their senders' norms: the grad norms and losses they log "
+                                     "are not the job's")):
+            which = [n for n, s in kept if s == skipped]
+            if which:
+                out.append(f"capture{'s' if len(which) > 1 else ''} {', '.join(map(str, which))} kept stand-ins "
+                           f"without a recorded norm ({why})")
+        return "; ".join(out)
 
     def contribution_counts(self) -> dict[str, int]:
         """Virtual contributions by way, summed over op kinds: the first four CONTRIBUTION_WAYS always, a serial
@@ -420,7 +456,20 @@ def _capture(doc: dict, live: list[int], w: int, path: str | Path, trace_version
         reason = c.get("incomplete")
         if c["complete"] == (reason is not None) or (reason is not None and not (isinstance(reason, str) and reason)):
             raise _error(path, f"{key}.incomplete", f"is {reason!r}: null for a complete capture, else why not")
+        n = c.get("standins_unrecorded", 0)
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise _error(path, f"{key}.standins_unrecorded", f"is {n!r}, expected an integer >= 0")
+        if c.get("second_pass", "taken") not in SECOND_PASS_STATES:
+            raise _error(path, f"{key}.second_pass", f"is {c['second_pass']!r}, expected one of "
+                                                     f"{', '.join(SECOND_PASS_STATES)}")
         seen.append(c["rank"])
+    decision = value.get("second_pass")
+    if decision is not None and (not isinstance(decision, dict) or set(decision) != set(SECOND_PASS_FIELDS)
+                                 or not isinstance(decision["on"], bool) or not isinstance(decision["why"], str)
+                                 or not isinstance(decision["option"], str)
+                                 or not (decision["moe"] is None or isinstance(decision["moe"], bool))):
+        raise _error(path, "capture.second_pass", f"is {decision!r}: expected {{{', '.join(SECOND_PASS_FIELDS)}}} "
+                                                  "with a boolean 'on', a string 'why' and 'moe' true, false or null")
     if sorted(seen) != live:
         raise _error(path, "capture.captures", f"lists ranks {seen}; a serial run captures each live rank once "
                                                f"({live})")

@@ -45,10 +45,12 @@ def group_key(trace: PrismTrace) -> dict[int, tuple]:
 
 
 def merge_captures(out: str | Path, plan: Mapping[str, Any], captures: Sequence[Mapping[str, Any]],
-                   relative_to: str | Path | None = None) -> Path:
+                   relative_to: str | Path | None = None, second_pass: Mapping[str, Any] | None = None) -> Path:
     """Write the merged trace of a serial run at ``out``: ``plan`` the fold's JSON as captured together,
     ``captures`` one entry per live rank, in capture order: {"rank", "trace": its trace directory (None:
-    it wrote none), "incomplete": None, or why it did not complete}. Partial when a capture did not
+    it wrote none), "incomplete": None, or why it did not complete, and optionally "second_pass": "taken" or
+    "skipped"}; ``second_pass``: the run's decision on SECOND_PASS_RULE's second pass (``fold.SECOND_PASS_FIELDS``;
+    each capture's ``standins_unrecorded`` comes from its trace). Partial when a capture did not
     complete (``incomplete`` names it); TraceFormatError when a capture's trace does not belong to this
     fold (another world size, another live rank)."""
     out = Path(out)
@@ -71,8 +73,13 @@ def merge_captures(out: str | Path, plan: Mapping[str, Any], captures: Sequence[
         record.append({"rank": int(c["rank"]),
                        "trace": "" if c.get("trace") is None else _relative(Path(c["trace"]), base),
                        "complete": reason is None, "incomplete": reason})
+        if c.get("second_pass") is not None:
+            record[-1]["second_pass"] = c["second_pass"]
         if t is None:
             continue
+        part = t.fold.capture.get("part") or {}
+        if "standins_unrecorded" in part:
+            record[-1]["standins_unrecorded"] = int(part["standins_unrecorded"])
         remap, keys = {}, group_key(t)
         for g in sorted(t.manifest["groups"], key=lambda g: g["id"]):
             key = keys[g["id"]]
@@ -100,6 +107,8 @@ def merge_captures(out: str | Path, plan: Mapping[str, Any], captures: Sequence[
     job = _merged_job(jobs)
     job["fold"] = {**{k: v for k, v in plan.items() if k != "capture"}, "contributions": contributions,
                    "capture": {"mode": "serial", "rules": dict(SERIAL_RULES), "captures": record}}
+    if second_pass is not None:
+        job["fold"]["capture"]["second_pass"] = dict(second_pass)
     failed = [f"capture {i + 1} of {len(record)} (rank {r['rank']}): {r['incomplete']}"
               for i, r in enumerate(record) if not r["complete"]]
     manifest = {"world_size": int(plan["world_size"]), "job": job, "groups": groups,
