@@ -12,13 +12,8 @@
 set -uo pipefail
 [ $# -ge 1 ] || { echo "usage: $0 NAME [fake_pg_peak.py flags]" >&2; exit 2; }
 name=$1; shift
-out=${OUT:-/tmp/prism-gpu}/target-$name
-work=$(mktemp -d)
-mkdir -p "$out"
-archive=${ARCHIVE:-.peer-cache/megatron-lm-core_v0.19.0.tar.gz}
-mkdir -p "$work/mlm" && tar -xzf "$archive" -C "$work/mlm" || { echo "cannot unpack $archive" >&2; exit 2; }
-export MEGATRON_LM_PATH=$work/mlm PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-export CUDA_VISIBLE_DEVICES=${DEVICES:-0} CUDA_DEVICE_MAX_CONNECTIONS=1 WANDB_MODE=offline
+. "$(dirname "$0")/setup.sh"
+export CUDA_VISIBLE_DEVICES=${DEVICES:-0}
 flags=(--out "$out" --timeout "${TIMEOUT:-540}")
 [ -n "${SCRIPT:-}" ] && flags+=(--script "$SCRIPT")
 [ -f "$out/report.json" ] && flags+=(--prism-report "$out/report.json")

@@ -16,14 +16,7 @@ set -uo pipefail
 [ $# -ge 1 ] || { echo "usage: $0 NAME [flags]" >&2; exit 2; }
 name=$1; shift
 started=$(date +%s)
-out=${OUT:-/tmp/prism-gpu}/target-$name
-work=$(mktemp -d)
-mkdir -p "$out"
-archive=${ARCHIVE:-.peer-cache/megatron-lm-core_v0.19.0.tar.gz}
-mkdir -p "$work/mlm" && tar -xzf "$archive" -C "$work/mlm" || { echo "cannot unpack $archive" >&2; exit 2; }
-export MEGATRON_LM_PATH=$work/mlm PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 CUDA_DEVICE_MAX_CONNECTIONS=1
-export WANDB_MODE=offline
+. "$(dirname "$0")/setup.sh"
 flags=(--recipe "targets-$name" --prism-devices "${DEVICES:-0}" --prism-driver training --prism-fold on
        --prism-fold-capture serial --prism-attention sdpa --prism-fold-microbatches auto "$@")
 python3 -m prism_megatron plan "${flags[@]}" 2>&1 | grep -v -i "warn" | tee "$out/plan.txt"

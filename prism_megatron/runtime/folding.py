@@ -207,38 +207,42 @@ class Folding:
         return out
 
 
-def _read_broadcasts(items: Any, field: str) -> dict[tuple, tuple[str, bytes]]:
-    """Recorded broadcasts (``Folding.record_broadcast``'s entries) by (group key, seq); ValueError naming
-    ``field`` when an entry is not one."""
+def _read_entries(items: Any, field: str, what: str, entry: Callable[[dict], tuple[tuple, Any]]) -> dict[tuple, Any]:
+    """A fold plan's list ``field`` of recorded entries, each ``entry(e)`` -> (key, value); a later entry for
+    the same key replaces an earlier one. ValueError naming ``field`` (and the entry) when it is not one."""
     if not isinstance(items, list):
         raise ValueError(f"fold plan field {field!r} is {type(items).__name__}, expected a list")
     out = {}
     for i, e in enumerate(items):
         try:
-            name, ranks, k = e["group"]
-            dtype_from_name(e["dtype"])
-            out[((str(name), tuple(int(r) for r in ranks), int(k)), int(e["seq"]))] = (
-                e["dtype"], base64.b64decode(e["data"], validate=True))
+            key, value = entry(e)
         except (KeyError, TypeError, ValueError) as err:
-            raise ValueError(f"fold plan field '{field}[{i}]' is not a recorded broadcast: {err}") from None
+            raise ValueError(f"fold plan field '{field}[{i}]' is not a {what}: {err}") from None
+        out[key] = value
     return out
+
+
+def _group_key(e: dict) -> tuple:
+    name, ranks, k = e["group"]
+    return str(name), tuple(int(r) for r in ranks), int(k)
+
+
+def _read_broadcasts(items: Any, field: str) -> dict[tuple, tuple[str, bytes]]:
+    """Recorded broadcasts (``Folding.record_broadcast``'s entries) by (group key, seq)."""
+    def entry(e: dict) -> tuple[tuple, tuple[str, bytes]]:
+        dtype_from_name(e["dtype"])
+        return (_group_key(e), int(e["seq"])), (e["dtype"], base64.b64decode(e["data"], validate=True))
+
+    return _read_entries(items, field, "recorded broadcast", entry)
 
 
 def _read_norms(items: Any, field: str) -> dict[tuple, list[tuple[int, float, bool]]]:
-    """Recorded p2p norms (``PassThrough.recordings``' entries) by (group key, sender, receiver); ValueError
-    naming ``field`` when an entry is not one. A later entry for the same stream replaces an earlier one
-    (a capture taken again: ``nccl_prune.SECOND_PASS_RULE``)."""
-    if not isinstance(items, list):
-        raise ValueError(f"fold plan field {field!r} is {type(items).__name__}, expected a list")
-    out = {}
-    for i, e in enumerate(items):
-        try:
-            name, ranks, k = e["group"]
-            key = ((str(name), tuple(int(r) for r in ranks), int(k)), int(e["src"]), int(e["dst"]))
-            out[key] = [(int(n), float(v), bool(d)) for n, v, d in e["norms"]]
-        except (KeyError, TypeError, ValueError) as err:
-            raise ValueError(f"fold plan field '{field}[{i}]' is not a recorded p2p stream: {err}") from None
-    return out
+    """Recorded p2p norms (``PassThrough.recordings``' entries) by (group key, sender, receiver); a later
+    entry for the same stream replaces an earlier one (a capture taken again: ``nccl_prune.SECOND_PASS_RULE``)."""
+    def entry(e: dict) -> tuple[tuple, list[tuple[int, float, bool]]]:
+        return (_group_key(e), int(e["src"]), int(e["dst"])), [(int(n), float(v), bool(d)) for n, v, d in e["norms"]]
+
+    return _read_entries(items, field, "recorded p2p stream", entry)
 
 
 def untranslation(plan: dict[str, Any] | None) -> Callable[[int, int], int] | None:
