@@ -2,7 +2,8 @@
 loss, its TP reductions answered as the fold answers them (T members each contributing the live rank's partial),
 has no target logit for a target outside the live shard; with ``patches.tp_fold_cross_entropy`` the loss is the
 cross entropy of the translated target (row t mod S) over T copies of the live shard, and the gradient Megatron's
-softmax minus the one-hot there, for Megatron's unfused and native fused paths. Run in a child process:
+softmax minus 1/T of the one-hot there (the live rank's share of the target), for Megatron's unfused and native
+fused paths. Run in a child process:
 ``install`` patches the class for the rest of the process."""
 
 from __future__ import annotations
@@ -58,10 +59,12 @@ CHILD = textwrap.dedent("""
     after = predicted(target)
     print("after: every target's logit is row t mod S's over T", torch.allclose(after, own / T))
 
-    # expected, independently: torch's cross entropy over T copies of the shard, target t mod S in the live copy
+    # expected, independently: torch's cross entropy over T copies of the shard, the target t mod S's mass split
+    # evenly over the copies (each member contributes 1/T of its logit); the gradient is the live copy's
     live = logits.clone().requires_grad_(True)
-    copies = torch.cat([live] + [logits] * (T - 1), dim=-1)
-    want = F.cross_entropy(copies.reshape(-1, T * S), (target % S).reshape(-1), reduction="none").view(3, 8)
+    copies = torch.cat([live] + [logits] * (T - 1), dim=-1).reshape(-1, T * S)
+    mass = F.one_hot(target % S, S).float().reshape(-1, S).repeat(1, T) / T
+    want = F.cross_entropy(copies, mass, reduction="none").view(3, 8)
     want.sum().backward()
     for name, loss_fn in (("unfused", lambda x: vocab_parallel_cross_entropy(x, target)),
                           ("fused", lambda x: fused_vocab_parallel_cross_entropy(x, target, group))):
