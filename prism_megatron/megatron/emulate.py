@@ -47,10 +47,11 @@ def install_patches(training: bool = True) -> None:
     if os.environ.get(moe_fold.ENV_VAR):  # a fold whose expert peers are virtual (megatron.run sets it)
         moe_fold.install()  # the dispatcher's count all-gather
         moe_counts.install()  # the router's count reductions (aux losses, expert-bias update)
-    from prism_megatron.patches import tp_fold_embedding
+    from prism_megatron.patches import tp_fold_cross_entropy, tp_fold_embedding
 
     if os.environ.get(tp_fold_embedding.ENV_VAR):  # a fold whose TP peers mirror the live rank (megatron.run)
-        tp_fold_embedding.install()
+        tp_fold_embedding.install()  # the word embedding's tokens
+        tp_fold_cross_entropy.install()  # the loss's targets, translated the same way
     from prism_megatron.launcher.serial import CAPTURE_ENV
 
     if os.environ.get(CAPTURE_ENV) == "serial":  # one capture of a serial run (the launcher sets it per rank)

@@ -9,9 +9,10 @@ that sum is T times the live rank's partial (T the TP size): its own tokens' row
 for every other token. Without biases and with rotary positions (Llama) those zeros go through every
 layer of the stage (RMSNorm of zeros, gradients scaled by 1/sqrt(eps)) and on to the next stages: a
 silent zero that steers the program (grad norms of hundreds where the full capture logs about 2, and
-once stand-ins carry recorded norms, the next stages receive the zeros too). ``RULE`` instead. Only
-installed where the fold mirrors the rank's TP peers (``ENV_VAR``, set by ``megatron.run``). Checked
-against the supported releases (``megatron.versions``).
+once stand-ins carry recorded norms, the next stages receive the zeros too). ``RULE`` instead (the loss's
+targets take the same translation, ``translated_ids``: ``tp_fold_cross_entropy``). Only installed where the
+fold mirrors the rank's TP peers (``ENV_VAR``, set by ``megatron.run``). Checked against the supported
+releases (``megatron.versions``).
 """
 
 from __future__ import annotations
