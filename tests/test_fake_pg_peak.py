@@ -7,26 +7,20 @@ target runs end to end here on CPU with Megatron's fake process group and prism'
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
 from prism_megatron.megatron.megatron_lm import training_available
+from tests.bench_scripts import load_bench
 
 pytestmark = [pytest.mark.megatron,
               pytest.mark.skipif(not training_available(), reason="no Megatron-LM checkout (set MEGATRON_LM_PATH)")]
 
-ROOT = Path(__file__).resolve().parents[1]
 SHRINK = ["--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128", "--num-attention-heads", "8",
           "--num-query-groups", "2", "--seq-length", "64", "--max-position-embeddings", "64", "--vocab-size", "1000"]
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("fake_pg_peak", ROOT / "bench" / "targets" / "fake_pg_peak.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench('targets/fake_pg_peak.py')
 
 
 def _last(args: list[str], flag: str) -> str:

@@ -3,7 +3,6 @@ the rows a rank received in its MoE token dispatches, the running peak per itera
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -12,15 +11,11 @@ import pytest
 
 from prism_megatron.trace.reader import PrismTrace
 from prism_megatron.trace.schema import SCHEMAS
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.bench_scripts import load_bench
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("fold_consistency", ROOT / "bench" / "gpu" / "fold_consistency.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench('gpu/fold_consistency.py')
 
 
 def _mark(rank: int, name: str, phase: str, clock: float, **attrs) -> dict:

@@ -3,17 +3,11 @@ file's job are shown beside its results (on a GPU they, not the tests, can be mo
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.bench_scripts import load_bench
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("run_peer_suite", ROOT / "bench" / "peer" / "run_peer_suite.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench('peer/run_peer_suite.py')
 
 
 def _result(swap: dict, admission: dict) -> dict:
