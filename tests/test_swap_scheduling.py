@@ -288,10 +288,26 @@ x = torch.ones(4)
 dist.all_reduce(x)  # every rank has run: each reported its footprint
 if r == 7:
     threading.Timer(3.0, lambda: os._exit(9)).start()  # dies while blocked below
+    dist.send(x, 0)
 if r == 0:
+    dist.recv(x, 7)  # rank 7's timer runs before rank 0 takes the device, whichever turn order the grants take
     time.sleep(20)  # the device holds one rank: rank 0, computing; so rank 7 is swapped out when it dies
-    # (long beside rank 7's 3 s, so a loaded machine cannot let the job end before the death)
 dist.all_reduce(x)
+"""
+
+THREAD_OUTLIVES_MAIN = """
+import os, sys, threading, time
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+out = sys.argv[1]
+def late():
+    time.sleep(0.5)
+    with open(f"{out}/late-{dist.get_rank()}", "w") as f:
+        f.write("ran")
+    if dist.get_rank() == 1:
+        os._exit(3)
+threading.Thread(target=late).start()  # non-daemon: Python waits for it after the script's last line
 """
 
 
@@ -312,6 +328,21 @@ def test_a_rank_that_dies_while_swapped_out_is_reported_like_any_crash(tmp_path)
     assert p.returncode == 1, p.stderr
     assert "rank 7 exited with code 9; ending the job" in p.stderr
     assert time.perf_counter() - t0 < 45  # ended at the death, not at the 60 s hang timeout
+
+
+def test_a_rank_waits_for_its_non_daemon_threads_as_python_does(tmp_path):
+    """The script's last line is not the process's end: Python joins non-daemon threads first, and what
+    they do (write, exit with a code of their own) is the rank's behaviour."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "late.py"
+    script.write_text(THREAD_OUTLIVES_MAIN)
+    p = subprocess.run([sys.executable, "-m", "prism_megatron", "launch", "-w", "2", "--log-ranks", "none",
+                        "--trace-dir", str(tmp_path / "trace"), str(script), str(tmp_path)],
+                       capture_output=True, text=True, timeout=120)
+    assert (tmp_path / "late-0").read_text() == "ran" and (tmp_path / "late-1").read_text() == "ran"
+    assert p.returncode == 1 and "rank 1 exited with code 3" in p.stderr, p.stderr
 
 
 def test_nvml_figures_replace_a_blocked_ranks_report_and_later_reports_move_them():

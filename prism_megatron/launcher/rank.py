@@ -14,6 +14,7 @@ import os
 import runpy
 import signal
 import sys
+import threading
 import traceback
 from pathlib import Path
 
@@ -161,6 +162,7 @@ def run_rank(cfg: LaunchConfig, rank: int, address: tuple[str, int], authkey: by
         sys.stderr.flush()
         os._exit(1)
     code = _run_script(cfg, rank, probe, client)
+    _join_program_threads()
     try:
         atexit._run_exitfuncs()
     except BaseException:
@@ -172,6 +174,18 @@ def run_rank(cfg: LaunchConfig, rank: int, address: tuple[str, int], authkey: by
             pass
     client.close(code)
     os._exit(code)
+
+
+def _join_program_threads() -> None:
+    """Wait for the script's non-daemon threads, as Python does before it exits (and before atexit):
+    `os._exit` would cut them short, and what they still do (a timer, a writer, an exit code of their
+    own) is part of the program's behaviour under torchrun."""
+    while True:
+        alive = [t for t in threading.enumerate() if t is not threading.current_thread() and not t.daemon]
+        if not alive:
+            return
+        for t in alive:
+            t.join()
 
 
 def _run_script(cfg: LaunchConfig, rank: int, probe=None, client=None) -> int:
