@@ -479,6 +479,12 @@ def test_a_class_fold_captured_serially_reads_like_one_captured_together(megatro
     assert "serial capture: capture(s) 1 not captured again: second pass off for a dense fold" in serial["output"]
     assert "serial capture 1/2 again" not in serial["output"]
     _, merged = _serial_reads_like_together(together, serial)
+    # the plan foresaw it: capture 1 (index 0) is the one the second pass would take
+    from prism_megatron.megatron.fold import FoldPlan
+    from prism_megatron.megatron.plan import second_pass_captures
+
+    plan = {k: v for k, v in merged.manifest["job"]["fold"].items() if k not in ("contributions", "capture")}
+    assert second_pass_captures(FoldPlan.from_json(plan)) == [0]
     assert merged.fold.unrecorded_standins().startswith("capture 1 kept stand-ins without a recorded norm (second "
                                                          "pass off for a dense fold: ")
 

@@ -34,12 +34,13 @@ from prism_megatron.megatron.megatron_args import ESTIMATE_KEY, padded_vocab, pa
 
 __all__ = ["PLAN_JSON_VERSION", "PlanError", "Plan", "make_plan", "plan_json", "render_plan", "plan_fits",
            "plan_verdict", "predicted_ooms", "one_rank_fits", "serial_refusal", "SERIAL_MOE_DISPATCHERS",
-           "ROUGH_TIME_MODEL"]
+           "ROUGH_TIME_MODEL", "second_pass_captures"]
 
 # 2: microbatches (the micro-batch fold's record, or null); 3: memory by prism's estimate; 4: capture;
 # 5: the target's cap (memory.target, memory.per_rank_held), verdict and predicted_oom; 6: no capture.stops_at,
 # capture.not_captured (a serial run captures every class past a predicted OOM)
-PLAN_JSON_VERSION = 6
+# 7: capture.second_pass (serial: the captures SECOND_PASS_RULE takes again, counted in time.seconds), time.captures
+PLAN_JSON_VERSION = 7
 # per class (memory.classes, memory.per_rank: the most of a live rank), Megatron's formula under memory.megatron
 GiB = 1 << 30
 #: Host memory of one live rank's process besides its GPU state (Python, torch, Megatron, the
@@ -352,11 +353,12 @@ def _auto_serial_moe(layout: TargetLayout, fold: FoldPlan, memory: dict[str, Any
 def make_plan(script: Any, script_args: list[str], world_size: int, devices: list[str], gpus_per_node: int = 8,
               device_gib: float | None = None, host_gib: float | None = None, swap: str = "auto",
               env: dict[str, str] | None = None, source: str = "", fold_depth: str = "auto",
-              capture: str = "together", target: Any = None) -> Plan:
+              capture: str = "together", target: Any = None, second_pass: str = "auto") -> Plan:
     """Parse the command with Megatron's parser, fold it (``fold_depth``: auto, replica or class), and
     cost the sandbox here, captured ``capture`` (together, or serial: one live rank at a time).
     ``target``: the target GPU (``memory.targets.TargetGPU`` or its ``as_dict()``) whose cap each rank's
-    allocator runs under, or None (no cap)."""
+    allocator runs under, or None (no cap). ``second_pass``: ``--prism-fold-second-pass`` (serial captures: the
+    captures taken again count in the expected time)."""
     args = parse_megatron_args(script, script_args, world_size, env)
     layout = layout_from_args(args, world_size, gpus_per_node)
     depth, depth_note = resolve_depth(layout, fold_depth)
@@ -389,10 +391,61 @@ def make_plan(script: Any, script_args: list[str], world_size: int, devices: lis
     plan.time = _time(fold, args, megatron.get("vocab") or padded_vocab(args), iterations, plan.devices)
     if capture == "serial":
         plan.capture = _serial(plan, args)
-        extra = ROUGH_TIME_MODEL["startup_s"] * (len(fold.live) - 1)  # every capture starts a job of its own
-        plan.time = {**plan.time, "seconds": plan.time["seconds"] + extra,
-                     "model": f"{plan.time['model']}; serial: {len(fold.live)} jobs started one after another"}
+        plan.capture["second_pass"] = _second_pass(fold, second_pass)
+        plan.time = _serial_time(plan.time, fold, plan.capture["second_pass"])
     return plan
+
+
+def second_pass_captures(fold: FoldPlan) -> list[int]:
+    """The serial captures (indices into ``fold.live``, capture order) whose pipeline stand-ins have no recorded
+    norm after the first pass: a live rank with a pipeline neighbour (the next or previous stage; around the
+    ring under VPP) whose class representative is captured after it, or is itself — a middle stage's first
+    gradient from the next stage (its own class) arrives before it has sent one of its own to scale by
+    (``nccl_prune.SECOND_PASS_RULE``). What the serial launcher finds by counting the stand-ins, foreseen."""
+    if not fold.coords or "pp" not in fold.axes:
+        return []
+    p = list(fold.axes).index("pp")
+    pp = fold.sizes[p]
+    if pp < 2:
+        return []
+    ring = bool(fold.layout.get("vpp"))
+    at = {tuple(c): r for r, c in enumerate(fold.coords)}
+    order = {r: i for i, r in enumerate(fold.live)}
+    again = []
+    for i, r in enumerate(fold.live):
+        c = list(fold.coords[r])
+        stages = [s for s in (c[p] - 1, c[p] + 1) if 0 <= s < pp or ring]
+        neighbours = (at[tuple(c[:p] + [s % pp] + c[p + 1:])] for s in stages)
+        if any(order.get(fold.rep[n], -1) >= i for n in neighbours):
+            again.append(i)
+    return again
+
+
+def _second_pass(fold: FoldPlan, mode: str) -> dict[str, Any]:
+    """The plan's foresight of SECOND_PASS_RULE: the captures it would take again and whether ``mode`` takes
+    them (the serial launcher's own decision, ``launcher.serial.second_pass``)."""
+    from prism_megatron.launcher.serial import second_pass
+
+    decided = second_pass(mode, fold.to_json())
+    again = second_pass_captures(fold)
+    return {"option": mode, "on": decided["on"], "why": decided["why"], "captures": again,
+            "taken": again if decided["on"] else []}
+
+
+def _serial_time(time: dict[str, Any], fold: FoldPlan, second: dict[str, Any]) -> dict[str, Any]:
+    """Serial captures start a job each, one after another, and the ones taken again repeat their live rank's
+    share of the start-up and compute."""
+    m = ROUGH_TIME_MODEL
+    n = len(fold.live)
+    again = len(second["taken"])
+    per_capture = m["startup_s"] + m["startup_per_rank_s"] + time["iterations"] * time["per_iteration_s"] / n
+    extra = m["startup_s"] * (n - 1) + again * per_capture
+    said = f"; serial: {n} jobs started one after another"
+    if again:
+        said += f", {again} captured again (second pass {second['why']})"
+    elif second["captures"]:
+        said += f" ({len(second['captures'])} not captured again: second pass off {second['why']})"
+    return {**time, "seconds": time["seconds"] + extra, "captures": n + again, "model": time["model"] + said}
 
 
 def plan_json(plan: Plan, microbatches: dict | None = None) -> dict[str, Any]:
@@ -500,8 +553,9 @@ def render_plan(plan: Plan, console: Any) -> None:
     if c["mode"] == "serial":
         console.print(f"memory, together: {verdict[m.get('fits')]}" + (f" — {m['why']}" if m.get("why") else ""))
         said = "[bold red]refused[/bold red]" if c.get("refused") else verdict[c["fits"]]
-        console.print(f"capture: serial, {c['captures']} capture(s) one after another, one live rank each: "
-                      f"{said} — {c['why']}")
+        again = len((c.get("second_pass") or {}).get("taken") or [])
+        console.print(f"capture: serial, {c['captures']} capture(s) one after another, one live rank each"
+                      f"{f', {again} of them captured again (second pass)' if again else ''}: {said} — {c['why']}")
     else:
         console.print(f"memory: {verdict[m.get('fits')]}" + (f" — {m['why']}" if m.get("why") else ""))
     for line in predicted_ooms(plan):
