@@ -148,6 +148,11 @@ def test_fitting_job_prediction_memory_and_verdict(tmp_path):
     assert classes["stage 1 of 2 (last)"]["max_reserved"] == by_rank[3]["max_reserved"]
     assert classes["stage 1 of 2 (last)"]["headroom"] == by_rank[3]["headroom"]
     assert classes["stage 0 of 2 (first)"]["headroom"] == CAP - by_rank[1]["max_reserved"]
+    # the peak's iteration: stage 0 holds its peak from iteration 1 on; stage 1 still grew in iteration 3, the
+    # last: a longer run may peak higher, and the terminal table says so
+    assert [(by_rank[r]["peak_iteration"], by_rank[r]["peak_rising"]) for r in range(4)] == [
+        (1, False), (1, False), (3, True), (3, True)]
+    assert [(c["peak_iteration"], c["peak_rising"]) for c in mem["classes"]] == [(1, False), (3, True)]
 
     assert rep["verdict"] == "fits: smallest headroom 320.0 MiB on H100 80GB (rank 3, stage 1 of 2 (last))"
     assert rep["target"] == {"gpu": "H100 80GB", "capacity_bytes": 80 * GIB, "usable_bytes": CAP,
@@ -220,7 +225,7 @@ def test_report_json_round_trip_and_reader_errors(tmp_path):
     paths = make_report(make_trace(tmp_path / "t"), tmp_path / "out")
     assert set(paths) == {"report", "html", "timeline"}
     rep = read_report(paths["report"])
-    assert rep["format"] == "prismreport" and rep["version"] == 4
+    assert rep["format"] == "prismreport" and rep["version"] == 5
     assert rep == json.loads(paths["report"].read_text())
     assert {(b["host_bound_s"], b["device_busy_s"]) for b in rep["prediction"]["breakdown"]} == {(None, None)}
     assert rep["prediction"]["host_bound"] is None  # a CPU trace: one clock, nothing to say
@@ -229,10 +234,19 @@ def test_report_json_round_trip_and_reader_errors(tmp_path):
     bad = tmp_path / "bad.json"
     write_report(rep, bad)
     doc = json.loads(bad.read_text())
+    doc["version"] = 6
+    bad.write_text(json.dumps(doc))
+    with pytest.raises(ReportFormatError, match=r"report .*bad.json: field 'version' is 6; this reader supports"):
+        read_report(bad)
+    for row in doc["memory"]["classes"]:  # v4 had no peak iteration: it reads as null; v5 must have it
+        del row["peak_iteration"], row["peak_rising"]
     doc["version"] = 5
     bad.write_text(json.dumps(doc))
-    with pytest.raises(ReportFormatError, match=r"report .*bad.json: field 'version' is 5; this reader supports"):
+    with pytest.raises(ReportFormatError, match=r"field 'memory.classes\[0\].peak_iteration' is missing"):
         read_report(bad)
+    doc["version"] = 4
+    bad.write_text(json.dumps(doc))
+    assert {(c["peak_iteration"], c["peak_rising"]) for c in read_report(bad)["memory"]["classes"]} == {(None, None)}
     doc["version"] = 3  # v3 had no device_busy_s nor host_bound: they read as null
     del doc["prediction"]["host_bound"]
     for b in doc["prediction"]["breakdown"]:
@@ -313,6 +327,7 @@ def test_terminal_summary(tmp_path):
     big = summary_text(build_report(make_trace(tmp_path / "big", world=40)), width=140)
     assert "median iteration per class" in big and "20-39" in big  # 40 ranks: per class, not per rank
     assert "predicted iteration 4" in big
+    assert "it. 3 rising" in big and "rising: stage 1 of 2 (last) reserved more in the last captured" in big
     # the trace of make_trace had rank 3 swapped twice each way (no bytes or seconds recorded)
     assert "state preservation during the capture: swaps: 2 out, 2 in, 0.0 GiB moved" in text
     assert "state preservation" not in summary_text(dict(build_report(make_trace(tmp_path / "n")), swap=None))

@@ -492,7 +492,7 @@ def _memory(marks: dict[str, dict[int, Any]], classes: dict[int, str], trace: Pr
         reserved = max(a["max_reserved"] for a in seen)
         ranks.append({"rank": r, "class": classes[r], "max_allocated": max(a["max_allocated"] for a in seen),
                       "max_reserved": reserved, "cap": cap, "headroom": None if cap is None else cap - reserved,
-                      "oom": r in marks["oom"] or r in exit5})
+                      "oom": r in marks["oom"] or r in exit5, **_peak_iteration(marks["memory"].get(r, []))})
     by_class: dict[str, list[dict]] = defaultdict(list)
     for entry in ranks:
         by_class[entry["class"]].append(entry)
@@ -503,8 +503,24 @@ def _memory(marks: dict[str, dict[int, Any]], classes: dict[int, str], trace: Pr
         out_classes.append({"class": name, "ranks": [m["rank"] for m in members],
                             "max_allocated": max(m["max_allocated"] for m in members),
                             "max_reserved": max(m["max_reserved"] for m in members),
-                            "headroom": min(rooms) if rooms else None})
+                            "headroom": min(rooms) if rooms else None,
+                            "peak_iteration": max((m["peak_iteration"] for m in members
+                                                   if m["peak_iteration"] is not None), default=None),
+                            "peak_rising": any(m["peak_rising"] for m in members)})
     return {"source": ", ".join(sorted(sources)) or None, "ranks": ranks, "classes": out_classes}
+
+
+def _peak_iteration(seen: list[dict[str, Any]]) -> dict[str, Any]:
+    """The iteration by whose end a rank's max reserved (what the verdict rests on) was reached, and whether it
+    still rose in the last iteration captured: then a longer run may peak higher (MoE routing that drifts,
+    growth the captured iterations did not see), and the report says so beside the class."""
+    by_iteration = sorted((a["iteration"], a["max_reserved"]) for a in seen if isinstance(a.get("iteration"), int))
+    if not by_iteration:
+        return {"peak_iteration": None, "peak_rising": False}
+    top = max(v for _, v in by_iteration)
+    first = next(i for i, v in by_iteration if v == top)
+    rising = len(by_iteration) >= 2 and first == by_iteration[-1][0] and top > by_iteration[-2][1]
+    return {"peak_iteration": first, "peak_rising": rising}
 
 
 def _oom_entry(rank: int, attrs: dict[str, Any], cls: str) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""PrismReport (version 4): the one place that says what ``report.json`` contains.
+"""PrismReport (version 5): the one place that says what ``report.json`` contains.
 
 A report is read later by people and programs that never saw the trace (dashboards, a comparison
 of two runs), so like PrismTrace it is versioned and a reader refuses what it does not understand,
@@ -17,12 +17,13 @@ from typing import Any, NamedTuple
 from prism_megatron.trace.writer import atomic_write_text
 
 FORMAT = "prismreport"
-VERSION = 4
+VERSION = 5
 #: Versions this code can read; a reader rejects anything else rather than guessing. Version 1 lacks
 #: breakdown[].host_bound_s; reading it gives null there. Versions 1 and 2 lack ``fold``: null. Versions
 #: 1 to 3 lack breakdown[].device_busy_s, prediction.host_bound and fold.classes[].host_bound_s and
-#: .device_busy_s: null (not measured, as in a trace without GPU times).
-SUPPORTED_VERSIONS: tuple[int, ...] = (1, 2, 3, 4)
+#: .device_busy_s: null (not measured, as in a trace without GPU times). Versions 1 to 4 lack
+#: memory.ranks[]/classes[].peak_iteration and .peak_rising: null.
+SUPPORTED_VERSIONS: tuple[int, ...] = (1, 2, 3, 4, 5)
 REPORT_FILE = "report.json"
 
 
@@ -59,6 +60,7 @@ NUM = (int, float)
 OPT_NUM = (int, float, NULL)
 OPT_INT = (int, NULL)
 OPT_STR = (str, NULL)
+OPT_BOOL = (bool, NULL)
 
 JOB = Obj({
     "world_size": (int,),
@@ -125,6 +127,10 @@ MEMORY_RANK = Obj({
     "cap": OPT_INT,
     "headroom": OPT_INT,
     "oom": (bool,),
+    # v5: the iteration by whose end max_reserved was reached (null: no iteration marks); whether it still rose
+    # in the last captured iteration (a longer run may peak higher)
+    "peak_iteration": OPT_INT,
+    "peak_rising": OPT_BOOL,
 })
 MEMORY_CLASS = Obj({
     "class": (str,),
@@ -132,6 +138,8 @@ MEMORY_CLASS = Obj({
     "max_allocated": (int,),
     "max_reserved": (int,),
     "headroom": OPT_INT,  # the smallest of its ranks
+    "peak_iteration": OPT_INT,  # v5: the latest of its ranks'
+    "peak_rising": OPT_BOOL,  # v5: any of its ranks'
 })
 #: Optional in a class row (no version bump): fits, OOM or "within the TE-substitution margin"
 #: (report.margin), null where no cap was set.
@@ -250,7 +258,7 @@ def check_report(report: Any, path: str | Path) -> None:
                                                          f"{supported}")
     if version < 3:
         report.setdefault("fold", None)
-    if version < 4:
+    if version < 5:
         _null_missing(report, version)
     _check(report, REPORT, path, "")
     if "substitutions" in report:
@@ -258,7 +266,15 @@ def check_report(report: Any, path: str | Path) -> None:
 
 
 def _null_missing(report: dict[str, Any], version: int) -> None:
-    """Give a report of a version before 4 the fields it lacks, as null (what was not measured then)."""
+    """Give a report of a version before 5 the fields it lacks, as null (what was not measured then)."""
+    memory = report.get("memory")
+    if isinstance(memory, dict):
+        for row in [*(memory.get("ranks") or []), *(memory.get("classes") or [])]:
+            if isinstance(row, dict):
+                row.setdefault("peak_iteration", None)
+                row.setdefault("peak_rising", None)
+    if version == 4:
+        return
     pred = report.get("prediction")
     if isinstance(pred, dict):
         pred.setdefault("host_bound", None)

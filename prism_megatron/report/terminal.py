@@ -86,15 +86,21 @@ def _memory(report: dict[str, Any]) -> Table | None:
     if not mem["classes"]:
         return None
     t = Table(title=f"memory per class ({mem['source'] or 'unknown source'})", title_justify="left")
-    for col in ("class", "ranks", "max allocated", "max reserved", "headroom", "verdict"):
+    for col in ("class", "ranks", "max allocated", "max reserved", "peak by", "headroom", "verdict"):
         t.add_column(col, justify="left" if col in ("class", "ranks", "verdict") else "right")
     oom_ranks = {e["rank"] for e in mem["ranks"] if e["oom"]}
     for c in mem["classes"]:
         room, said = c["headroom"], c.get("verdict")  # verdict: absent in reports written before it
         style = "yellow" if said == WITHIN_MARGIN else "red" if (room is not None and room < 0) or oom_ranks & set(
             c["ranks"]) else ""
+        at = "-" if c["peak_iteration"] is None else f"it. {c['peak_iteration']}"
+        at += " rising" if c["peak_rising"] else ""
         t.add_row(c["class"], _ranks_cell(c["ranks"]), fmt_bytes(c["max_allocated"]), fmt_bytes(c["max_reserved"]),
-                  fmt_bytes(room), said or "-", style=style)
+                  at, fmt_bytes(room), said or "-", style=style)
+    rising = [c["class"] for c in mem["classes"] if c["peak_rising"]]
+    if rising:
+        t.caption = (f"rising: {', '.join(rising)} reserved more in the last captured iteration than before it; a "
+                     "longer run may peak higher (--train-iters)")
     return t
 
 
