@@ -244,6 +244,7 @@ def test_job_over_budget_swaps_and_keeps_results(tmp_path):
                             str(tmp_path / f"trace-{mode}"), str(PROGRAMS / "ring.py"), "2"],
                            capture_output=True, text=True, timeout=180, env=env)
         assert p.returncode == 0, p.stderr
+        assert "marked a training iteration" not in p.stderr  # ring.py marks them: admitted by its peaks
         outs[mode] = [torch.load(out / f"rank-{r}.pt") for r in range(8)]
     for a, b in zip(outs["none"], outs["budget"], strict=True):
         assert torch.equal(a, b)
@@ -343,6 +344,43 @@ def test_a_rank_waits_for_its_non_daemon_threads_as_python_does(tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert (tmp_path / "late-0").read_text() == "ran" and (tmp_path / "late-1").read_text() == "ran"
     assert p.returncode == 1 and "rank 1 exited with code 3" in p.stderr, p.stderr
+
+
+UNMARKED = """
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+x = torch.ones(4)
+for _ in range(3):
+    dist.all_reduce(x)
+"""
+
+
+def test_swaps_of_a_program_that_marks_no_iteration_end_with_what_to_do(tmp_path):
+    """4 ranks of 20 GiB on a 61 GiB device: any 3 fit, but a program that marks no iteration gives admission
+    no peak to go by, so every turn reserves the device and swaps the others out; the job's end says why
+    and what to do (a program that marks its iterations is admitted by its peaks: no such line, above)."""
+    import os
+    import subprocess
+    import sys
+
+    from prism_megatron.trace import read_trace
+
+    script = tmp_path / "unmarked.py"
+    script.write_text(UNMARKED)
+    env = dict(os.environ, PRISM_FOOTPRINT_BYTES=str(20 * GIB))
+    p = subprocess.run([sys.executable, "-m", "prism_megatron", "launch", "-w", "4", "--slots-per-device", "2",
+                        "--swap", "budget", "--device-memory", "61", "--log-ranks", "none",
+                        "--trace-dir", str(tmp_path / "trace"), str(script)],
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert p.returncode == 0, p.stderr
+    job = read_trace(tmp_path / "trace").manifest["job"]
+    swaps = sum(s["swaps_out"] for s in job["swap"].values())
+    assert swaps > 0 and job["admission"]["own"] == job["admission"]["class"] == 0
+    assert (f"prism: {swaps} swap(s) out: no rank marked a training iteration, so each of the "
+            f"{job['admission']['bound']} turns was admitted with room") in p.stderr
+    assert "or run with --swap none where the ranks fit the device together" in p.stderr
 
 
 def test_nvml_figures_replace_a_blocked_ranks_report_and_later_reports_move_them():

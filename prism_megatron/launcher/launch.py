@@ -278,6 +278,8 @@ class _Job:
             while self.control.poll(600):
                 msg = self.control.recv()
                 if msg["t"] == P.WRITTEN:
+                    if msg.get("note"):
+                        _say(msg["note"])
                     return msg["path"], msg.get("error")
                 if msg["t"] == P.FATAL and msg["kind"] == "internal":  # the write itself failed in the coordinator
                     return None, msg["report"].strip().splitlines()[-1]

@@ -512,7 +512,7 @@ class Coordinator:
                                             incomplete=incomplete))
             except Exception as e:  # noqa: BLE001 - a full disk, a directory that is not a trace: said
                 error = f"{type(e).__name__}: {e}"
-        self._send_control({"t": P.WRITTEN, "path": path, "error": error})
+        self._send_control({"t": P.WRITTEN, "path": path, "error": error, "note": self.governor.unmarked_swaps_note()})
         self.finished = True
 
 

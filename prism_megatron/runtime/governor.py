@@ -137,6 +137,21 @@ class MemoryGovernor:
             return {}
         return {str(r): vars(s) for m in self.memory for r, s in sorted(m.stats.items()) if s.swaps_out or s.swaps_in}
 
+    def unmarked_swaps_note(self) -> str | None:
+        """What to do, said at the job's end, where ranks were swapped but no turn was admitted by a measured
+        peak: the program marks no iterations, so admission never learns a peak and every turn reserves
+        the bound (the device, or the target's cap plus context), swapping the other ranks out for it."""
+        if self.memory is None or self.admissions["own"] or self.admissions["class"]:
+            return None
+        swaps = sum(s.swaps_out for m in self.memory for s in m.stats.values())
+        if not swaps:
+            return None
+        return (f"{swaps} swap(s) out: no rank marked a training iteration, so each of the "
+                f"{self.admissions['bound']} turns was admitted with room for the most a rank may need (the "
+                "device, or the target GPU's cap) and the blocked ranks were swapped out for it. Mark each "
+                "iteration (prism_megatron.trace.span('iteration'), as Megatron runs under prism do) to be "
+                "admitted by measured peaks, or run with --swap none where the ranks fit the device together")
+
     def admit(self, g: Grant) -> bool:
         """Make the granted rank's state resident (swapping others out); False: it waits for room."""
         if self.memory is None:

@@ -48,7 +48,7 @@ CONTROL = "control"  # {trace_dir, job}: hello of the launcher's control connect
 EXITED = "exited"  # {rank, code}: the launcher saw a rank's process end
 FINISH = "finish"  # {status, exit_codes, job, trace_dir, incomplete}: write the trace (incomplete: why) and stop
 FATAL = "fatal"  # {kind, report}: coordinator found a hang, a stall or a mismatch
-WRITTEN = "written"  # {path, error}: trace written (path), or why not (error)
+WRITTEN = "written"  # {path, error, note}: trace written (path), or why not (error); note: what to tell the user
 PROGRESS = "progress"  # {connected, finished}
 
 INLINE_LIMIT = 64 * 1024  # payloads up to this size travel inside the control message
