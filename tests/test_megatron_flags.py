@@ -162,6 +162,11 @@ def test_core_driver_rejects_what_it_cannot_honour(argv, message, core_driver_pa
     (["--recipe", "mini-dense-tp2pp2", "--prism-world-size", "8"], "differs from recipe"),
     (["--prism-slots-per-device", "two", "--recipe", "mini-dense-tp2pp2"], "slots-per-device: invalid int"),
     ([], "no script given"),
+    # a target recipe under the core driver: what to do first, then what the driver refused
+    (["--recipe", "llama3-70b-h100x64", "--prism-driver", "core"],
+     r"recipe llama3-70b-h100x64 needs Megatron-LM's training driver: set MEGATRON_LM_PATH .* "
+     r"--prism-driver training\. The core driver \(--prism-driver core\) refuses it: core driver: unknown flag\(s\) "
+     r"--swiglu --no-rope-fusion --rotary-base 500000$"),
 ])
 def test_bad_run_arguments_are_named(argv, message):
     with pytest.raises(RunError, match=message):

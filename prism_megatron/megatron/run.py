@@ -158,6 +158,21 @@ def _megatron_core_version() -> str | None:
         return None
 
 
+def _refuse_what_the_core_driver_cannot_run(recipe: str, args: list[str], why: str) -> None:
+    """A recipe whose flags the core driver does not run (a target recipe's SwiGLU, RoPE, ...) is refused before
+    anything starts, saying which driver runs it and how to get it, not with the driver's flag error later."""
+    from prism_megatron.megatron.driver.core_gpt import FlagError, parse_args
+    from prism_megatron.megatron.megatron_lm import ENV_VAR
+
+    try:
+        parse_args(args)
+    except FlagError as e:
+        refusal = str(e.code).split("; it accepts")[0]
+        raise RunError(f"recipe {recipe} needs Megatron-LM's training driver: set {ENV_VAR} to a Megatron-LM "
+                       "checkout at the tag matching megatron-core (bench/targets/setup.sh unpacks one) and run "
+                       f"with --prism-driver training. The core driver ({why}) refuses it: {refusal}") from None
+
+
 def parse_run_args(argv: list[str]) -> RunRequest:
     """Parse ``run``'s arguments (the recipe, if any, is loaded and validated here)."""
     lead: list[str] = []
@@ -178,6 +193,7 @@ def parse_run_args(argv: list[str]) -> RunRequest:
     namespace = add_prism_arguments(namespace).parse_args(prism_tokens)
     request = RunRequest(options=vars(namespace), script=script, script_args=script_args)
     recipe_name = request.options.get("prism_recipe")
+    core_why: str | None = None  # why a recipe runs on the core driver, where it does
     if recipe_name:
         from prism_megatron.recipe import load_recipe, render_args, render_env
 
@@ -195,6 +211,7 @@ def parse_run_args(argv: list[str]) -> RunRequest:
             name, request.script, why = select_driver(request.options.get("prism_driver") or "auto")
             request.env[DRIVER_ENV] = name
             request.driver_note = f"prism: driver {name} ({request.script.name}; {why})"
+            core_why = why if name == "core" else None
         request.script_args = render_args(recipe) + request.script_args
     if request.emulate and request.options.get("prism_attention") == "sdpa":
         from prism_megatron.patches.attention import ENV_VAR as ATTENTION_ENV
@@ -222,6 +239,8 @@ def parse_run_args(argv: list[str]) -> RunRequest:
             raise RunError(f"{where} asks for --transformer-impl transformer_engine, but the transformer-engine "
                            "package is not installed (an optional extra): install it, or use --transformer-impl "
                            "local where the job allows it")
+    if recipe_name and core_why is not None:
+        _refuse_what_the_core_driver_cannot_run(recipe_name, request.script_args, core_why)
     return request
 
 
