@@ -206,6 +206,8 @@ def parse_run_args(argv: list[str]) -> RunRequest:
             "rendered": "torch scaled_dot_product_attention (flash kernels, as Transformer Engine's fused attention)",
             "affects": "activation memory (no s x s attention probabilities kept per layer and micro-batch) and "
                        "attention time"})
+    if request.emulate and request.options.get("prism_experts") == "grouped":
+        _render_grouped_experts(request)
     if request.driver_note is None and request.options.get("prism_driver") in ("core", "training"):
         request.env[DRIVER_ENV] = request.options["prism_driver"]  # a script of one's own: only the rank setup
     if request.script is None:
@@ -223,6 +225,24 @@ def parse_run_args(argv: list[str]) -> RunRequest:
                            "package is not installed (an optional extra): install it, or use --transformer-impl "
                            "local where the job allows it")
     return request
+
+
+def _render_grouped_experts(request: RunRequest) -> None:
+    """--prism-experts grouped: the ranks install the seam, and the report's substitution for the target's
+    --moe-grouped-gemm (or a new one) says what renders the experts."""
+    from prism_megatron.patches.grouped_experts import ENV_VAR as EXPERTS_ENV
+
+    request.env[EXPERTS_ENV] = "grouped"
+    entry = {"setting": "--moe-grouped-gemm",
+             "published": "off: Megatron's SequentialMLP (one GEMM per local expert)",
+             "rendered": "torch grouped_mm over SequentialMLP's own expert weights (--prism-experts grouped)",
+             "affects": "expert compute time (one grouped GEMM per linear, as TE's, instead of one GEMM per "
+                        "expert); for a moment the E weight grads of a linear at once (SequentialMLP: one)"}
+    for i, s in enumerate(request.substitutions):
+        if s.get("setting") == "--moe-grouped-gemm":
+            request.substitutions[i] = dict(entry, published=s.get("published"))  # the recipe's target
+            return
+    request.substitutions.append(entry)
 
 
 def _take_recipe_target(request: RunRequest, recipe) -> None:
