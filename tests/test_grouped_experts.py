@@ -195,3 +195,38 @@ def test_padding_between_experts_is_refused_by_name(results):
     r = results["padded"]
     assert "refused" in r, r
     assert "uneven distances" in r["refused"] and "--prism-experts megatron" in r["refused"]
+
+
+def test_a_mini_moe_recipe_trains_the_same_with_grouped_experts(megatron_runs):
+    """mini-moe-ep2 (EP2: 2 local experts a rank; without biases, which the seam refuses) end to end: the
+    same losses and grad norms with --prism-experts grouped (fp32, to rounding)."""
+    loop = megatron_runs.run("mini-moe-ep2", "off", "--disable-bias-linear")
+    grouped = megatron_runs.run("mini-moe-ep2", "off", "--disable-bias-linear", "--prism-experts", "grouped")
+    assert loop["metrics"] and loop["metrics"].keys() == grouped["metrics"].keys()
+    for key, (losses, norm) in loop["metrics"].items():
+        other, other_norm = grouped["metrics"][key]
+        assert losses.keys() == other.keys(), key
+        for name, value in losses.items():
+            assert abs(other[name] - value) <= 1e-5 * max(1.0, abs(value)), (key, name, value, other[name])
+        if norm is not None:
+            assert abs(other_norm - norm) <= 1e-5 * max(1.0, abs(norm)), (key, norm, other_norm)
+
+
+def test_the_option_records_its_substitution():
+    from prism_megatron.megatron.run import parse_run_args
+
+    request = parse_run_args(["--recipe", "qwen3-30b-a3b-h100x16", "--prism-experts", "grouped"])
+    entries = [s for s in request.substitutions if s["setting"] == "--moe-grouped-gemm"]
+    assert len(entries) == 1 and "grouped_mm" in entries[0]["rendered"], request.substitutions
+    assert entries[0]["published"].startswith("on")  # the target's setting, as the recipe says it
+    assert request.env["PRISM_EXPERTS"] == "grouped"
+    plain = parse_run_args(["--recipe", "qwen3-30b-a3b-h100x16"])
+    assert "PRISM_EXPERTS" not in plain.env
+    assert [s for s in plain.substitutions if s["setting"] == "--moe-grouped-gemm"][0]["rendered"].startswith("off")
+
+
+def test_the_ranks_run_the_seam_and_refuse_expert_biases_by_name(megatron_runs):
+    """mini-moe-ep2 as shipped has expert biases: the ranks' seam (so it is installed there) refuses them."""
+    run = megatron_runs.run("mini-moe-ep2", "off", "--prism-experts", "grouped", check=False)
+    assert run["code"] != 0
+    assert "--prism-experts grouped does not take expert biases (local_experts.0.linear_fc1.bias)" in run["output"]
