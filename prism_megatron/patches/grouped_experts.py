@@ -85,6 +85,8 @@ def stacked_view(weights: list[Any], what: str) -> tuple[Any, list[int]]:
         raise _refuse(f"{what}: experts' weights {step} values apart (overlapping, or not 16-byte aligned "
                       "as grouped_mm needs)")
     base = weights[order[0]].detach()
+    if base.data_ptr() % 16:
+        raise _refuse(f"{what}: the first expert's weight not 16-byte aligned (grouped_mm needs it)")
     view = base.as_strided((len(weights), *shape), (step, *first.stride()), base.storage_offset())
     return view, order
 
@@ -101,10 +103,12 @@ class _GroupedLinear:
 
         class GroupedLinear(torch.autograd.Function):
             @staticmethod
-            def forward(ctx: Any, x: Any, offs: Any, what: str, *weights: Any) -> Any:
+            def forward(ctx: Any, x: Any, offs: Any, counts: list[int], what: str, *weights: Any) -> Any:
                 w3, order = stacked_view(list(weights), what)
                 ctx.save_for_backward(x, offs, *weights)
-                ctx.what, ctx.order = what, order
+                ctx.what, ctx.order, ctx.counts = what, order, counts
+                if x.size(0) == 0:  # no token for any local expert: grouped_mm takes no empty operand
+                    return x.new_empty((0, w3.size(1)))
                 return grouped_mm(x, w3.transpose(1, 2), offs=offs)
 
             @staticmethod
@@ -113,13 +117,21 @@ class _GroupedLinear:
                 w3, order = stacked_view(weights, ctx.what)
                 if order != ctx.order:
                     raise _refuse(f"{ctx.what}: experts' weights moved between forward and backward")
-                dy = dy.contiguous()
-                dx = grouped_mm(dy, w3, offs=offs) if ctx.needs_input_grad[0] else None
-                dw = grouped_mm(dy.t(), x, offs=offs)  # [E, out, in], group g = expert order[g]
+                dx = dw = None
+                if x.size(0) == 0:
+                    dx = x.new_zeros(x.shape) if ctx.needs_input_grad[0] else None
+                    dw = w3.new_zeros(w3.shape)
+                else:
+                    dy = dy.contiguous()
+                    dx = grouped_mm(dy, w3, offs=offs) if ctx.needs_input_grad[0] else None
+                    dw = grouped_mm(dy.t(), x, offs=offs)  # [E, out, in], group g = expert order[g]
+                    for g, count in enumerate(ctx.counts):
+                        if count == 0:  # an expert without tokens gets zeros (not every kernel writes them)
+                            dw[g].zero_()
                 grads: list[Any] = [None] * len(weights)
                 for g, e in enumerate(order):
                     grads[e] = dw[g]
-                return (dx, None, None, *grads)
+                return (dx, None, None, None, *grads)
 
         return GroupedLinear
 
@@ -211,6 +223,8 @@ def install() -> None:
     original_init = seam(cls, "__init__", CHECKED, ("num_local_experts", "config", "submodules"))
     original_forward = seam(cls, "forward", CHECKED, ("permuted_local_hidden_states", "tokens_per_expert",
                                                       "permuted_probs"))
+    mlp = seam("megatron.core.transformer.mlp", "MLP", CHECKED)
+    activation = seam(mlp, "forward", CHECKED, ("hidden_states", "per_token_scale"))
     linear = _GroupedLinear.build()
 
     @functools.wraps(original_init)
@@ -224,25 +238,30 @@ def install() -> None:
         if self.num_local_experts == 1:  # one GEMM per linear already
             return original_forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs)
         why = _refusal(self)
+        if why is None and type(self.local_experts[0]).forward is not activation:
+            why = f"experts of class {type(self.local_experts[0]).__name__} (only Megatron's MLP)"
+        x = permuted_local_hidden_states
+        if why is None and x.is_cuda and x.dtype != torch.bfloat16:
+            why = f"{x.dtype} experts on CUDA (torch's grouped_mm takes bfloat16 there)"
         if why is not None:
             raise _refuse(why)
         experts_ = list(self.local_experts)
-        fc1 = [x.linear_fc1.weight for x in experts_]
-        fc2 = [x.linear_fc2.weight for x in experts_]
+        fc1 = [m.linear_fc1.weight for m in experts_]
+        fc2 = [m.linear_fc2.weight for m in experts_]
         _, order = stacked_view(fc1, "linear_fc1")
         _, order2 = stacked_view(fc2, "linear_fc2")
         if order != order2:
             raise _refuse("fc1 and fc2 expert weights in different orders in their buffer")
         counts = tokens_per_expert.tolist()  # SequentialMLP splits by the same host list
-        x, probs = permuted_local_hidden_states, permuted_probs
+        probs = permuted_probs
         identity = order == sorted(order)
         if not identity:  # the weights lie in another expert order (DDP's reversed buffer): regroup tokens
             x, probs = _regroup(x, counts, order), _regroup(probs, counts, order)
         grouped = [counts[e] for e in order]
         offs = torch.tensor(grouped, dtype=torch.int64).cumsum(0).to(device=x.device, dtype=torch.int32)
-        h = linear.apply(x, offs, "linear_fc1", *fc1)
-        h, _ = type(experts_[0]).forward(_ActivationOnly(experts_[0]), h, probs)
-        y = linear.apply(h, offs, "linear_fc2", *fc2)
+        h = linear.apply(x, offs, grouped, "linear_fc1", *fc1)
+        h, _ = activation(_ActivationOnly(experts_[0]), h, probs)
+        y = linear.apply(h, offs, grouped, "linear_fc2", *fc2)
         if not identity:
             y = _regroup(y, grouped, sorted(range(len(order)), key=order.__getitem__))
         return y, None
