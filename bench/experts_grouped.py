@@ -10,7 +10,8 @@ experts, T routed tokens split unevenly over them (one expert gets none), wrappe
 same parameters, alternating rep by rep (the loop through SequentialMLP's own forward kept aside before
 the seam is installed). Per path: median host seconds per forward + backward (to the return of
 backward, no device sync: what the rank's host spends issuing it); on CUDA also the median wall with a
-sync after each rep and the device busy time (profiler, kernels summed) of one rep; the largest output
+sync after each rep and the device busy time (profiler, kernels summed) of one rep; the ATen calls of
+one rep (a dispatch mode: each a host dispatch, on a GPU mostly a kernel launch); the largest output
 and weight-gradient difference. Defaults: CPU, small shapes (host-bound as on the GPU);
 ``--device cuda`` defaults to one Qwen3-30B-A3B layer's experts on one EP16 rank (H 2048, F 768,
 8 local experts, 32768 routed tokens, bf16).
@@ -144,6 +145,22 @@ def main() -> None:
                 host[name].append(h)
                 wall[name].append(time.perf_counter() - w0)
             outs[name] = (out, dx, grads(m))
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Census(TorchDispatchMode):
+        """ATen calls issued (each one host dispatch; on a GPU, most of them a kernel launch)."""
+
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    calls = {}
+    for name, m in paths.items():
+        with Census() as census:
+            step(m)
+        calls[name] = census.calls
     busy = {}
     if gpu:
         from torch.profiler import ProfilerActivity, profile
@@ -163,10 +180,10 @@ def main() -> None:
     print(f"# one MoE layer's local experts: hidden {a.hidden}, expert ffn {a.ffn} (SwiGLU), {a.experts} local "
           f"experts, {a.tokens} tokens {counts}, {a.dtype}, DDP{' + distributed optimizer' if a.distopt else ''}; "
           f"{a.reps} reps each, alternating, medians")
-    cols = "host s / fwd+bwd" + ("   wall s (synced)   device busy s" if gpu else "")
+    cols = "host s / fwd+bwd   ATen calls" + ("   wall s (synced)   device busy s" if gpu else "")
     print(f"{'path':24s} {cols}")
     for name in paths:
-        line = f"{name:24s} {statistics.median(host[name]):16.6f}"
+        line = f"{name:24s} {statistics.median(host[name]):16.6f} {calls[name]:12d}"
         if gpu:
             line += f" {statistics.median(wall[name]):18.6f} {busy[name]:17.6f}"
         print(line)

@@ -2,35 +2,40 @@
 
 A target job that asks ``--moe-grouped-gemm`` trains its local experts with Transformer Engine's
 grouped GEMM (``TEGroupedMLP``); without TE, megatron-core trains them only with ``SequentialMLP``, a
-Python loop over the local experts (one fc1, activation and fc2 per expert). On the emulating GPU that
-loop is host-bound: its launch cost, not the GEMMs, sets the measured time. With ``--prism-experts
-grouped`` the same module computes fc1 -> activation -> fc2 of all its local experts with one
-``torch.nn.functional.grouped_mm`` per linear (and two per linear in the backward), over the parameters
-``SequentialMLP`` holds: each expert's own ``linear_fc1.weight`` / ``linear_fc2.weight``, so parameter
-count, names, optimizer state, DDP buffers and checkpoints are Megatron's.
+Python loop over the local experts (one fc1, activation and fc2 per expert), whose launch cost, not its
+GEMMs, sets the time a host-bound emulating GPU measures. With ``--prism-experts grouped`` the same
+module computes fc1 -> activation -> fc2 of all its local experts with one ``torch.nn.functional.
+grouped_mm`` per linear (two per linear in the backward) over the parameters ``SequentialMLP`` holds:
+each expert's own ``linear_fc1.weight`` / ``linear_fc2.weight``, so parameter count and names,
+optimizer state, DDP buffers and checkpoints are Megatron's.
 
 A grouped GEMM reads the experts' weights as one [E, out, in] tensor. That tensor is a strided *view*,
-never a copy: it exists only where the E weights lie in one storage at a uniform stride.
+never a copy: it exists only where a linear's E weights lie in one storage at a uniform stride.
 - At construction the seam places each linear's E expert weights in one [E, out, in] allocation (the
-  same values, the same bytes) and makes each parameter a view of its slice. Without the distributed
-  optimizer DDP leaves parameters where they are, so that layout holds.
+  same values and bytes; for a moment at construction, the linear's expert weights twice) and makes
+  each parameter a view of its slice. Without the distributed optimizer DDP leaves parameters where
+  they are, so that layout holds.
 - With the distributed optimizer DDP moves every parameter into its contiguous buffer in reverse order
-  (``param_and_grad_buffer``: ``params[::-1]``, each start padded to 64 values, each bucket's end to
-  lcm(DP, 128)): a linear's E weights are then uniformly strided in descending expert order wherever
-  the padding is the same between them (no bucket boundary that pads, sizes that are multiples of 64).
-  The grouped GEMM then runs over the experts in buffer order and the tokens are regrouped to match (a
-  row gather of the input and of the output, where ``SequentialMLP`` concatenates its outputs anyway).
-- Any other layout (a bucket boundary that pads between two experts, mixed storages) is refused at the
-  call that meets it, naming the linear and why; nothing falls back silently.
+  (``params[::-1]``, each start padded to 64 values, each bucket's end to lcm(DP, 128): 0.16's
+  ``_ParamAndGradBuffer``, 0.19's ``DistributedOptimizer._compute_per_buffer_param_layout``), so a
+  linear's E weights are uniformly strided in descending expert order unless a padded bucket end falls
+  between two of them. The grouped GEMM then runs over the experts in buffer order, the tokens
+  regrouped to match (a row gather of the input and of the output; ``SequentialMLP`` concatenates its
+  outputs anyway).
+- Any other layout (a padded bucket end between two experts, weights in separate storages) is refused
+  at the call that meets it, naming the linear and why. Nothing falls back silently.
 
-Weight gradients leave the backward as one grad per expert weight (views of one grouped result), so
-autograd's accumulation and Megatron's DDP hooks (``main_grad``, ``grad_added_to_main_grad``) see what
-``SequentialMLP`` gives them. The difference in memory: the E weight grads of a linear exist at once
-for a moment (``SequentialMLP`` makes one expert's at a time), (E - 1) expert weights per linear.
-The activation (and the router's per-token probabilities) is Megatron's own ``MLP.forward`` code applied
-to all local tokens at once (elementwise, so the same values). Refused at the first call, by name: expert
-biases, FP8/FP4, ``moe_apply_probs_on_input``, gradient-accumulation fusion, delayed weight-gradient
-compute, expert linears that communicate inside themselves. Checked against the supported releases
+Weight gradients leave the backward as one gradient per expert weight (views of one grouped result),
+so autograd's accumulation and Megatron's DDP hooks (``main_grad``, ``grad_added_to_main_grad``) see
+what ``SequentialMLP`` gives them; the memory difference is that a linear's E weight gradients exist
+at once for a moment where the loop makes one expert's at a time. An expert without tokens gets a zero
+gradient written explicitly (not every grouped kernel writes empty groups), a rank without any token
+skips the grouped calls. The activation (with the router's per-token probabilities) is Megatron's own
+``MLP.forward`` code run with identity linears over all local tokens at once (elementwise: the same
+values). Refused at the first call, by name: expert biases, FP8/FP4, ``moe_apply_probs_on_input``,
+gradient-accumulation fusion, delayed weight-gradient compute, CPU offloading, expert linears that
+communicate inside themselves, experts that are not Megatron's ``MLP``, and on CUDA any dtype but
+bfloat16 (torch's grouped_mm takes only that there). Checked against the supported releases
 (``megatron.versions``).
 """
 
