@@ -234,6 +234,8 @@ def test_the_option_records_its_substitution():
     assert len(entries) == 1 and "grouped_mm" in entries[0]["rendered"], request.substitutions
     assert entries[0]["published"].startswith("on")  # the target's setting, as the recipe says it
     assert request.env["PRISM_EXPERTS"] == "grouped"
+    mini = parse_run_args(["--recipe", "mini-moe-ep2", "--prism-experts", "grouped"])  # asks no grouped GEMM
+    assert [s["setting"] for s in mini.substitutions] == ["local experts (--prism-experts grouped)"]
     plain = parse_run_args(["--recipe", "qwen3-30b-a3b-h100x16"])
     assert "PRISM_EXPERTS" not in plain.env
     assert [s for s in plain.substitutions if s["setting"] == "--moe-grouped-gemm"][0]["rendered"].startswith("off")

@@ -233,15 +233,16 @@ def _render_grouped_experts(request: RunRequest) -> None:
     from prism_megatron.patches.grouped_experts import ENV_VAR as EXPERTS_ENV
 
     request.env[EXPERTS_ENV] = "grouped"
-    entry = {"setting": "--moe-grouped-gemm",
-             "published": "off: Megatron's SequentialMLP (one GEMM per local expert)",
-             "rendered": "torch grouped_mm over SequentialMLP's own expert weights (--prism-experts grouped)",
-             "affects": "expert compute time (one grouped GEMM per linear, as TE's, instead of one GEMM per "
-                        "expert); for a moment the E weight grads of a linear at once (SequentialMLP: one)"}
+    rendered = "torch grouped_mm over SequentialMLP's own expert weights (--prism-experts grouped)"
+    affects = ("expert compute time (one grouped GEMM per linear, as TE's, instead of one GEMM per expert); memory: a "
+               "linear's E expert weight grads alive at once for a moment (SequentialMLP: one at a time)")
     for i, s in enumerate(request.substitutions):
-        if s.get("setting") == "--moe-grouped-gemm":
-            request.substitutions[i] = dict(entry, published=s.get("published"))  # the recipe's target
+        if s.get("setting") == "--moe-grouped-gemm":  # the recipe's entry for the target's grouped GEMM
+            request.substitutions[i] = dict(s, rendered=rendered, affects=affects)
             return
+    entry = {"setting": "local experts (--prism-experts grouped)",
+             "published": "--moe-grouped-gemm off: Megatron's SequentialMLP, one fc1, activation and fc2 per local "
+                          "expert", "rendered": rendered, "affects": affects}
     request.substitutions.append(entry)
 
 
