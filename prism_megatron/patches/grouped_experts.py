@@ -189,6 +189,8 @@ def _refusal(module: Any) -> str | None:
                 return f"expert biases ({where}.bias)"
             if getattr(linear, "gradient_accumulation_fusion", False):
                 return f"gradient-accumulation fusion ({where})"
+            if getattr(linear, "gather_output", False) or not getattr(linear, "input_is_parallel", True):
+                return f"an expert linear that gathers or scatters across tensor-parallel ranks ({where})"
             if not getattr(linear, "explicit_expert_comm", False) and tp > 1:
                 return f"an expert linear that communicates inside itself ({where}, expert TP {tp})"
             if getattr(linear, "weight", None) is None:
