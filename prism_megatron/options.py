@@ -123,6 +123,15 @@ class RunOnlyOptions:
     runnable setting where the target runs TE and this machine lacks it. Causal self-attention only
     (anything else is refused at its first call, named)."""
 
+    experts: Literal["megatron", "grouped"] = "megatron"
+    """Local experts of an MoE layer without Transformer Engine (megatron-core's SequentialMLP, what prism
+    renders for --moe-grouped-gemm): 'megatron' runs Megatron's loop of one fc1, activation and fc2 per
+    local expert; 'grouped' computes the same values with one torch grouped_mm per linear over the same
+    parameters (viewed in place, never copied), as TE's grouped GEMM does: far fewer kernel launches where
+    the loop is host-bound. The default stays 'megatron' until 'grouped' is measured on a GPU. Weights that
+    no uniform stride can view (DDP bucket padding between two experts), expert biases and FP8 are refused
+    at the first call, named."""
+
     cluster: str | None = None
     """Cluster profile that costs communication in the prediction (prism-megatron cluster list);
     default: the recipe's target cluster, else free communication."""

@@ -70,6 +70,10 @@ def install_rendering_patches() -> None:
     mla_attention.install()  # the local core attention under multi-latent attention, as TE's takes it
     if os.environ.get(attention.ENV_VAR) == "sdpa":  # --prism-attention sdpa (megatron.run sets it)
         attention.install()
+    from prism_megatron.patches import grouped_experts
+
+    if os.environ.get(grouped_experts.ENV_VAR) == "grouped":  # --prism-experts grouped (megatron.run sets it)
+        grouped_experts.install()
 
 
 def rank_setup() -> None:

@@ -223,6 +223,8 @@ def parse_run_args(argv: list[str]) -> RunRequest:
             "rendered": "torch scaled_dot_product_attention (flash kernels, as Transformer Engine's fused attention)",
             "affects": "activation memory (no s x s attention probabilities kept per layer and micro-batch) and "
                        "attention time"})
+    if request.emulate and request.options.get("prism_experts") == "grouped":
+        _render_grouped_experts(request)
     if request.driver_note is None and request.options.get("prism_driver") in ("core", "training"):
         request.env[DRIVER_ENV] = request.options["prism_driver"]  # a script of one's own: only the rank setup
     if request.script is None:
@@ -242,6 +244,25 @@ def parse_run_args(argv: list[str]) -> RunRequest:
     if recipe_name and core_why is not None:
         _refuse_what_the_core_driver_cannot_run(recipe_name, request.script_args, core_why)
     return request
+
+
+def _render_grouped_experts(request: RunRequest) -> None:
+    """--prism-experts grouped: the ranks install the seam, and the report's substitution for the target's
+    --moe-grouped-gemm (or a new one) says what renders the experts."""
+    from prism_megatron.patches.grouped_experts import ENV_VAR as EXPERTS_ENV
+
+    request.env[EXPERTS_ENV] = "grouped"
+    rendered = "torch grouped_mm over SequentialMLP's own expert weights (--prism-experts grouped)"
+    affects = ("expert compute time (one grouped GEMM per linear, as TE's, instead of one GEMM per expert); memory: a "
+               "linear's E expert weight grads alive at once for a moment (SequentialMLP: one at a time)")
+    for i, s in enumerate(request.substitutions):
+        if s.get("setting") == "--moe-grouped-gemm":  # the recipe's entry for the target's grouped GEMM
+            request.substitutions[i] = dict(s, rendered=rendered, affects=affects)
+            return
+    entry = {"setting": "local experts (--prism-experts grouped)",
+             "published": "--moe-grouped-gemm off: Megatron's SequentialMLP, one fc1, activation and fc2 per local "
+                          "expert", "rendered": rendered, "affects": affects}
+    request.substitutions.append(entry)
 
 
 def _take_recipe_target(request: RunRequest, recipe) -> None:

@@ -1,0 +1,277 @@
+"""Seam: ``megatron.core.transformer.moe.experts.SequentialMLP`` - the local experts as grouped GEMMs.
+
+A target job that asks ``--moe-grouped-gemm`` trains its local experts with Transformer Engine's
+grouped GEMM (``TEGroupedMLP``); without TE, megatron-core trains them only with ``SequentialMLP``, a
+Python loop over the local experts (one fc1, activation and fc2 per expert), whose launch cost, not its
+GEMMs, sets the time a host-bound emulating GPU measures. With ``--prism-experts grouped`` the same
+module computes fc1 -> activation -> fc2 of all its local experts with one ``torch.nn.functional.
+grouped_mm`` per linear (two per linear in the backward) over the parameters ``SequentialMLP`` holds:
+each expert's own ``linear_fc1.weight`` / ``linear_fc2.weight``, so parameter count and names,
+optimizer state, DDP buffers and checkpoints are Megatron's.
+
+A grouped GEMM reads the experts' weights as one [E, out, in] tensor. That tensor is a strided *view*,
+never a copy: it exists only where a linear's E weights lie in one storage at a uniform stride.
+- At construction the seam places each linear's E expert weights in one [E, out, in] allocation (the
+  same values and bytes; for a moment at construction, the linear's expert weights twice) and makes
+  each parameter a view of its slice. Without the distributed optimizer DDP leaves parameters where
+  they are, so that layout holds.
+- With the distributed optimizer DDP moves every parameter into its contiguous buffer in reverse order
+  (``params[::-1]``, each start padded to 64 values, each bucket's end to lcm(DP, 128): 0.16's
+  ``_ParamAndGradBuffer``, 0.19's ``DistributedOptimizer._compute_per_buffer_param_layout``), so a
+  linear's E weights are uniformly strided in descending expert order unless a padded bucket end falls
+  between two of them. The grouped GEMM then runs over the experts in buffer order, the tokens
+  regrouped to match (a row gather of the input and of the output; ``SequentialMLP`` concatenates its
+  outputs anyway).
+- Any other layout (a padded bucket end between two experts, weights in separate storages) is refused
+  at the call that meets it, naming the linear and why. Nothing falls back silently.
+
+Weight gradients leave the backward as one gradient per expert weight (views of one grouped result),
+so autograd's accumulation and Megatron's DDP hooks (``main_grad``, ``grad_added_to_main_grad``) see
+what ``SequentialMLP`` gives them; the memory difference is that a linear's E weight gradients exist
+at once for a moment where the loop makes one expert's at a time. An expert without tokens gets a zero
+gradient written explicitly (not every grouped kernel writes empty groups), a rank without any token
+skips the grouped calls. The activation (with the router's per-token probabilities) is Megatron's own
+``MLP.forward`` code run with identity linears over all local tokens at once (elementwise: the same
+values). Refused at the first call, by name: expert biases, FP8/FP4, ``moe_apply_probs_on_input``,
+gradient-accumulation fusion, delayed weight-gradient compute, CPU offloading, expert linears that
+communicate inside themselves, experts that are not Megatron's ``MLP``, and on CUDA any dtype but
+bfloat16 (torch's grouped_mm takes only that there). Checked against the supported releases
+(``megatron.versions``).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from prism_megatron.megatron.versions import checked_versions
+from prism_megatron.patches import once, seam
+
+CHECKED = checked_versions()  # prism_megatron.megatron.versions: the supported table
+
+#: ``--prism-experts`` reaches the ranks as this variable ('grouped' installs the seam).
+ENV_VAR = "PRISM_EXPERTS"
+
+__all__ = ["CHECKED", "ENV_VAR", "UnsupportedExperts", "install", "stacked_view"]
+
+
+class UnsupportedExperts(RuntimeError):
+    """Local experts ``--prism-experts grouped`` cannot compute as Megatron's SequentialMLP would."""
+
+
+def _refuse(why: str) -> UnsupportedExperts:
+    return UnsupportedExperts(f"prism: --prism-experts grouped does not take {why}; run with "
+                              "--prism-experts megatron")
+
+
+def stacked_view(weights: list[Any], what: str) -> tuple[Any, list[int]]:
+    """The E weights as one [E, out, in] view of their common storage, in storage order, and that
+    order (``order[g]`` is the expert whose weight is group ``g``); :class:`UnsupportedExperts` naming
+    ``what`` and why where no uniform stride exists (a stacked copy would not be Megatron's memory)."""
+    first = weights[0]
+    shape, dtype, device = tuple(first.shape), first.dtype, first.device
+    for w in weights:
+        if tuple(w.shape) != shape or w.dtype != dtype or w.device != device:
+            raise _refuse(f"{what}: experts' weights of different shapes, dtypes or devices")
+        if not w.is_contiguous():
+            raise _refuse(f"{what}: a non-contiguous expert weight (strides {tuple(w.stride())})")
+        if w.untyped_storage().data_ptr() != first.untyped_storage().data_ptr():
+            raise _refuse(f"{what}: experts' weights in different storages (no uniform stride to view "
+                          "them as one [experts, out, in] tensor; a stacked copy would change memory)")
+    order = sorted(range(len(weights)), key=lambda e: weights[e].storage_offset())
+    offsets = [weights[e].storage_offset() for e in order]
+    steps = {b - a for a, b in zip(offsets[:-1], offsets[1:], strict=True)}
+    numel = first.numel()
+    if len(steps) > 1:
+        raise _refuse(f"{what}: experts' weights at uneven distances in their buffer ({sorted(steps)} "
+                      "values apart: DDP's bucket padding between them)")
+    step = steps.pop() if steps else numel
+    if step < numel or (step * first.element_size()) % 16:
+        raise _refuse(f"{what}: experts' weights {step} values apart (overlapping, or not 16-byte aligned "
+                      "as grouped_mm needs)")
+    base = weights[order[0]].detach()
+    if base.data_ptr() % 16:
+        raise _refuse(f"{what}: the first expert's weight not 16-byte aligned (grouped_mm needs it)")
+    view = base.as_strided((len(weights), *shape), (step, *first.stride()), base.storage_offset())
+    return view, order
+
+
+class _GroupedLinear:
+    """``y[g] = x[g] @ W[g]^T`` over token groups, as an autograd function of each expert's weight."""
+
+    fn: Any = None  # the torch.autograd.Function, built at install (torch is imported there)
+
+    @staticmethod
+    def build() -> Any:
+        import torch
+        from torch.nn.functional import grouped_mm
+
+        class GroupedLinear(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx: Any, x: Any, offs: Any, counts: list[int], what: str, *weights: Any) -> Any:
+                w3, order = stacked_view(list(weights), what)
+                ctx.save_for_backward(x, offs, *weights)
+                ctx.what, ctx.order, ctx.counts = what, order, counts
+                if x.size(0) == 0:  # no token for any local expert: grouped_mm takes no empty operand
+                    return x.new_empty((0, w3.size(1)))
+                return grouped_mm(x, w3.transpose(1, 2), offs=offs)
+
+            @staticmethod
+            def backward(ctx: Any, dy: Any) -> Any:
+                x, offs, *weights = ctx.saved_tensors
+                w3, order = stacked_view(weights, ctx.what)
+                if order != ctx.order:
+                    raise _refuse(f"{ctx.what}: experts' weights moved between forward and backward")
+                dx = dw = None
+                if x.size(0) == 0:
+                    dx = x.new_zeros(x.shape) if ctx.needs_input_grad[0] else None
+                    dw = w3.new_zeros(w3.shape)
+                else:
+                    dy = dy.contiguous()
+                    dx = grouped_mm(dy, w3, offs=offs) if ctx.needs_input_grad[0] else None
+                    dw = grouped_mm(dy.t(), x, offs=offs)  # [E, out, in], group g = expert order[g]
+                    for g, count in enumerate(ctx.counts):
+                        if count == 0:  # an expert without tokens gets zeros (not every kernel writes them)
+                            dw[g].zero_()
+                grads: list[Any] = [None] * len(weights)
+                for g, e in enumerate(order):
+                    grads[e] = dw[g]
+                return (dx, None, None, None, *grads)
+
+        return GroupedLinear
+
+
+class _Pass:
+    """Stands for a linear inside ``MLP.forward`` when only its activation code is wanted."""
+
+    module: Any = None
+
+    @classmethod
+    def get(cls) -> Any:
+        if cls.module is None:
+            import torch
+
+            class Pass(torch.nn.Module):  # megatron-core 0.19's apply_module() asks for a Module
+                def forward(self, x: Any) -> tuple[Any, None]:
+                    return x, None
+
+            cls.module = Pass()
+        return cls.module
+
+
+class _ActivationOnly:
+    """What ``MLP.forward`` reads of its module, with identity linears: runs only Megatron's activation."""
+
+    __slots__ = ("config", "activation_func", "linear_fc1", "linear_fc2")
+
+    def __init__(self, expert: Any) -> None:
+        self.config = expert.config
+        self.activation_func = expert.activation_func
+        self.linear_fc1 = self.linear_fc2 = _Pass.get()
+
+
+def _refusal(module: Any) -> str | None:
+    config = module.config
+    if getattr(config, "fp8", None) or getattr(config, "fp4", None):
+        return "FP8/FP4 experts"
+    if getattr(config, "moe_apply_probs_on_input", False):
+        return "moe_apply_probs_on_input"
+    if getattr(config, "delay_wgrad_compute", False):
+        return "delay_wgrad_compute (deferred expert weight gradients)"
+    if getattr(config, "cpu_offloading", False):
+        return "CPU offloading"
+    tp = module.tp_group.size() if module.tp_group is not None else 1
+    for e, expert in enumerate(module.local_experts):
+        for name in ("linear_fc1", "linear_fc2"):
+            linear = getattr(expert, name)
+            where = f"local_experts.{e}.{name}"
+            if getattr(linear, "bias", None) is not None:
+                return f"expert biases ({where}.bias)"
+            if getattr(linear, "gradient_accumulation_fusion", False):
+                return f"gradient-accumulation fusion ({where})"
+            if getattr(linear, "gather_output", False) or not getattr(linear, "input_is_parallel", True):
+                return f"an expert linear that gathers or scatters across tensor-parallel ranks ({where})"
+            if not getattr(linear, "explicit_expert_comm", False) and tp > 1:
+                return f"an expert linear that communicates inside itself ({where}, expert TP {tp})"
+            if getattr(linear, "weight", None) is None:
+                return f"an expert linear without its own weight ({where})"
+    return None
+
+
+def _regroup(t: Any, counts: list[int], order: list[int]) -> Any:
+    """``t``'s rows, grouped by expert in ``counts`` order, regrouped into ``order`` (autograd-tracked)."""
+    import torch
+
+    parts = torch.split(t, counts)
+    return torch.cat([parts[e] for e in order])
+
+
+def _home_weights(module: Any) -> None:
+    """Each linear's expert weights into one [E, out, in] allocation, each parameter a view of its slice."""
+    import torch
+
+    for name in ("linear_fc1", "linear_fc2"):
+        params = [getattr(expert, name).weight for expert in module.local_experts]
+        if any(p is None for p in params) or len({(tuple(p.shape), p.dtype, p.device) for p in params}) != 1:
+            continue  # refused at the first call, by name
+        home = torch.empty((len(params), *params[0].shape), dtype=params[0].dtype, device=params[0].device)
+        with torch.no_grad():
+            for e, p in enumerate(params):
+                home[e].copy_(p)
+                p.data = home[e]
+
+
+@once
+def install() -> None:
+    import torch
+    from megatron.core.transformer.moe import experts
+
+    cls = seam(experts, "SequentialMLP", CHECKED)
+    original_init = seam(cls, "__init__", CHECKED, ("num_local_experts", "config", "submodules"))
+    original_forward = seam(cls, "forward", CHECKED, ("permuted_local_hidden_states", "tokens_per_expert",
+                                                      "permuted_probs"))
+    mlp = seam("megatron.core.transformer.mlp", "MLP", CHECKED)
+    activation = seam(mlp, "forward", CHECKED, ("hidden_states", "per_token_scale"))
+    linear = _GroupedLinear.build()
+
+    @functools.wraps(original_init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original_init(self, *args, **kwargs)
+        if self.num_local_experts > 1:
+            _home_weights(self)
+
+    @functools.wraps(original_forward)
+    def forward(self: Any, permuted_local_hidden_states: Any, tokens_per_expert: Any, permuted_probs: Any) -> Any:
+        if self.num_local_experts == 1:  # one GEMM per linear already
+            return original_forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs)
+        why = _refusal(self)
+        if why is None and type(self.local_experts[0]).forward is not activation:
+            why = f"experts of class {type(self.local_experts[0]).__name__} (only Megatron's MLP)"
+        x = permuted_local_hidden_states
+        if why is None and x.is_cuda and x.dtype != torch.bfloat16:
+            why = f"{x.dtype} experts on CUDA (torch's grouped_mm takes bfloat16 there)"
+        if why is not None:
+            raise _refuse(why)
+        experts_ = list(self.local_experts)
+        fc1 = [m.linear_fc1.weight for m in experts_]
+        fc2 = [m.linear_fc2.weight for m in experts_]
+        _, order = stacked_view(fc1, "linear_fc1")
+        _, order2 = stacked_view(fc2, "linear_fc2")
+        if order != order2:
+            raise _refuse("fc1 and fc2 expert weights in different orders in their buffer")
+        counts = tokens_per_expert.tolist()  # SequentialMLP splits by the same host list
+        probs = permuted_probs
+        identity = order == sorted(order)
+        if not identity:  # the weights lie in another expert order (DDP's reversed buffer): regroup tokens
+            x, probs = _regroup(x, counts, order), _regroup(probs, counts, order)
+        grouped = [counts[e] for e in order]
+        offs = torch.tensor(grouped, dtype=torch.int64).cumsum(0).to(device=x.device, dtype=torch.int32)
+        h = linear.apply(x, offs, grouped, "linear_fc1", *fc1)
+        h, _ = activation(_ActivationOnly(experts_[0]), h, probs)
+        y = linear.apply(h, offs, grouped, "linear_fc2", *fc2)
+        if not identity:
+            y = _regroup(y, grouped, sorted(range(len(order)), key=order.__getitem__))
+        return y, None
+
+    cls.__init__ = __init__
+    cls.forward = forward
