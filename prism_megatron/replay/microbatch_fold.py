@@ -206,7 +206,7 @@ class _Expander:
                     "precede one: it has no place in the target's order of units")
 
         walk = walk_units(ev, start, end, stream=self.stream, where=self._where, stray=stray,
-                          unit_key=lambda walk, i, j: self._unit_key(b, walk, i),
+                          unit_key=lambda walk, i: self._unit_key(b, walk, i),
                           admit=lambda walk, key, i: self._admit(b, walk, key, i),
                           op_key=lambda walk, i, s: self._op_key(b, walk, i, s))
         b.order, b.ops = walk.order, walk.ops

@@ -337,9 +337,11 @@ def iteration_region(events: Sequence[Event], run: Sequence[tuple[object, bool, 
     widened back to the first forward's input receive and on to the last backward's input-gradient send
     (``receives_prev`` / ``sends_prev``: whether an event is such an op), across only computation, markers
     and waits. ``trailing_dp``: the end first moves past the data-parallel collectives that directly follow
-    the last unit (only computation and markers between), which then go with that unit: the micro-batch
-    fold replays it once, as Megatron issued them; :func:`restage` leaves them in place, after the stage's
-    schedule, as every stage issues them there."""
+    the last unit (only computation and markers between), which then go with it: the micro-batch fold keeps
+    them with that unit, which it replays once (on any stage: a first stage sends nothing after it).
+    :func:`restage` does not: it rebuilds middle stages, whose last backward is followed by its
+    input-gradient send, and a collective before that send leaves the send out of the region, which its
+    count of p2p ops refuses; collectives after the send stay after the stage's schedule."""
     start, end = run[0][2], run[-1][3] + 1
     while trailing_dp:
         j = end
@@ -379,14 +381,14 @@ class UnitWalk:
 
 
 def walk_units(events: Sequence[Event], start: int, end: int, *, stream: Callable[[int], str | None],
-               unit_key: Callable[[UnitWalk, int, int], object], where: Callable[[object], str],
+               unit_key: Callable[[UnitWalk, int], object], where: Callable[[object], str],
                stray: Callable[[int], str], admit: Callable[[UnitWalk, object, int], None] | None = None,
                op_key: Callable[[UnitWalk, int, str], object] | None = None) -> UnitWalk:
     """Cut ``events[start:end]`` (an :func:`iteration_region`) into units, pipeline p2p ops and the
     data-parallel collectives at unit boundaries (replay.microbatch_fold and :func:`restage` alike).
 
-    ``stream(i)``: op ``i``'s p2p stream, None for what is not a pipeline p2p op. ``unit_key(walk, i, j)``:
-    the key of the unit spanning ``i..j`` (a ScheduleError for one that does not fit), checked to hold no
+    ``stream(i)``: op ``i``'s p2p stream, None for what is not a pipeline p2p op. ``unit_key(walk, i)``:
+    the key of the unit that event ``i`` begins (a ScheduleError for one that does not fit), checked to hold no
     p2p op (``where(microbatch)`` names the rank in the error), then ``admit(walk, key, i)`` (which may
     refuse it). ``op_key(walk, i, stream)``: an op's key, by default (stream, its index in the stream).
     A collective that neither directly follows a unit (only computation and markers between) nor directly
@@ -399,7 +401,7 @@ def walk_units(events: Sequence[Event], start: int, end: int, *, stream: Callabl
         e = events[i]
         if type(e) is Mark and e.phase == "B" and e.name in UNITS:
             j = unit_end(events, i, where(None))
-            key = unit_key(walk, i, j)
+            key = unit_key(walk, i)
             for x in range(i, j + 1):
                 if stream(x) is not None:
                     raise ScheduleError(f"{where(e.attrs.get('microbatch'))} event {x}: a pipeline p2p op inside a "
@@ -505,7 +507,7 @@ class _Restager:
         block = _Block(run[0][0], start, end)
         chunks = self.fold.chunks if self.interleaved else 1
 
-        def unit_key(walk: UnitWalk, i: int, j: int) -> tuple[str, int, int]:  # (F | B, microbatch, chunk)
+        def unit_key(walk: UnitWalk, i: int) -> tuple[str, int, int]:  # (F | B, microbatch, chunk)
             e = ev[i]
             mb, chunk = e.attrs.get("microbatch"), e.attrs.get("chunk") or 0
             key = ("F" if e.name == "forward" else "B", mb, chunk)
