@@ -7,7 +7,7 @@ iteration. :func:`expand_microbatches` rebuilds each rank's iterations at M, bef
 - A rank's pipeline stage and PP are its place in the group of its pipeline p2p ops (Megatron
   builds that group in stage order); a rank without p2p ops is PP1.
 - Each training iteration's units (``forward``/``backward`` spans with their micro-batch) and
-  pipeline p2p ops are cut as replay.stage_schedule cuts them, on any stage: the k-th receive from
+  pipeline p2p ops are cut by replay.stage_schedule.walk_units, on any stage: the k-th receive from
   the previous stage is forward k's input, the k-th send to the next its output, the k-th receive
   from the next backward k's output gradient, the k-th send to the previous its input gradient (a
   first stage has no previous, a last no next). Compute and markers in the gaps go with the unit or
@@ -77,14 +77,17 @@ from .stage_schedule import (
     SEND_NEXT,
     SEND_PREV,
     UNIT_KINDS,
-    UNITS,
     ScheduleError,
     Step,
+    UnitWalk,
     interleaved_steps,
+    iteration_region,
+    iterations,
     one_f_one_b,
+    one_f_one_b_steps,
     schedule_table,
-    unit_end,
     unit_spans,
+    walk_units,
 )
 
 if TYPE_CHECKING:
@@ -173,9 +176,6 @@ class _Expander:
                             f"is not a neighbouring stage of stage {self.stage}: not a non-interleaved pipeline's")
 
     # --- reading ------------------------------------------------------------------------------
-    def _unit_end(self, i: int) -> int:
-        return unit_end(self.ev, i, self._where())
-
     def blocks(self) -> list[_Block]:
         ev = self.ev
         spans = unit_spans(ev, self._where(),
@@ -184,60 +184,83 @@ class _Expander:
             raise ScheduleError(f"{self._where()}: its trace has no scheduling units (forward/backward markers); its "
                                 "iterations cannot be given the target's micro-batches")
         out: list[_Block] = []
-        run: list[tuple] = []
-        for s in [*spans, None]:
-            if run and (s is None or (s[0], s[1]) != (run[0][0], run[0][1])):
-                if run[0][1] or not any(ev[a].name == "backward" for _, _, a, _ in run):
-                    raise ScheduleError(f"{self._where()}: iteration {run[0][0]!r} runs forward units only "
-                                        "(evaluation), captured with the folded micro-batch count: run with "
-                                        "--eval-iters 0 or --prism-fold-microbatches off")
-                out.append(self._block(run))
-                run = []
-            if s is not None:
-                run.append(s)
+        for run, trains in iterations(ev, spans):
+            if not trains:
+                raise ScheduleError(f"{self._where()}: iteration {run[0][0]!r} runs forward units only "
+                                    "(evaluation), captured with the folded micro-batch count: run with "
+                                    "--eval-iters 0 or --prism-fold-microbatches off")
+            out.append(self._block(run))
         return out
 
-    def _passable(self, k: int) -> bool:
-        e = self.ev[k]
-        return type(e) is not Comm and not (type(e) is Mark and e.name in (*UNITS, "iteration"))
-
-    def _attach(self, b: _Block, last: tuple | None, lead: list[int], i: int) -> list[int]:
-        """Op ``i``, a collective between the units, joins the unit ``last`` it follows (with the events
-        between): Megatron issues a data-parallel grad sync right after the backward that readies it; else
-        the unit it directly precedes, in that unit's lead: a param all-gather dispatched right before a
-        forward. Returns the lead that follows."""
-        e = self.ev[i]
-        if last is None or any(type(self.ev[x]) is Wait for x in lead):
-            if self._precedes_unit(i):  # a param all-gather the next unit's schedule step dispatches
-                return [*lead, i]
-            raise ScheduleError(f"{self._where()} event {i} ({e.kind} on group {e.group}) lies between the units of "
-                                f"iteration {b.iteration!r}, is not a pipeline p2p op and does not directly follow a "
-                                "unit nor precede one: it has no place in the target's order of units")
-        unit_lead, body = b.units[last]
-        b.units[last] = (unit_lead, range(body.start, i + 1))
-        return []
-
-    def _precedes_unit(self, i: int) -> bool:
-        """Whether only compute, markers and other data-parallel collectives lie between collective ``i`` and
-        the begin marker of a unit (Megatron dispatches a chunk's param all-gather right before a forward)."""
+    def _block(self, run: list[tuple]) -> _Block:
+        """An iteration's units and p2p ops (stage_schedule.walk_units), a data-parallel collective with the unit
+        it directly follows (Megatron issues a grad sync right after the backward that readies it) or in the
+        lead of the unit it directly precedes (a param all-gather dispatched right before a forward)."""
         ev = self.ev
-        j = i + 1
-        while j < len(ev) and type(ev[j]) is not Wait and (self._passable(j) or (type(ev[j]) is Comm
-                                                                                  and not ev[j].is_p2p)):
-            j += 1
-        return j < len(ev) and type(ev[j]) is Mark and ev[j].phase == "B" and ev[j].name in UNITS
+        start, end = iteration_region(ev, run, self._receives_prev, self._sends_prev, trailing_dp=True)
+        b = _Block(run[0][0], start, end)
 
-    def _trailing_dp(self, end: int) -> int:
-        """The end of an iteration's last unit past the collectives that directly follow it (see _attach)."""
-        ev = self.ev
-        while True:
-            j = end
-            while j < len(ev) and type(ev[j]) is not Wait and self._passable(j):
-                j += 1
-            if j < len(ev) and type(ev[j]) is Comm and not ev[j].is_p2p:
-                end = j + 1
-            else:
-                return end
+        def stray(i: int) -> str:
+            return (f"{self._where()} event {i} ({ev[i].kind} on group {ev[i].group}) lies between the units of "
+                    f"iteration {b.iteration!r}, is not a pipeline p2p op and does not directly follow a unit nor "
+                    "precede one: it has no place in the target's order of units")
+
+        walk = walk_units(ev, start, end, stream=self.stream, where=self._where, stray=stray,
+                          unit_key=lambda walk, i: self._unit_key(b, walk, i),
+                          admit=lambda walk, key, i: self._admit(b, walk, key, i),
+                          op_key=lambda walk, i, s: self._op_key(b, walk, i, s))
+        b.order, b.ops = walk.order, walk.ops
+        for key in walk.order:  # a unit's lead takes the collectives before it, its body those after it
+            lead, body = walk.units[key]
+            after = walk.after.get(key)
+            b.units[key] = ([*lead, *walk.before.get(key, ())], range(body.start, after[-1] + 1) if after else body)
+        self._check_block(b, walk)
+        return b
+
+    def _receives_prev(self, k: int) -> bool:
+        return self.stream(k) == RECV_PREV
+
+    def _sends_prev(self, k: int) -> bool:
+        return self.stream(k) == SEND_PREV
+
+    def _unit_key(self, b: _Block, walk: UnitWalk, i: int) -> tuple:
+        e, m_c = self.ev[i], self.mb.captured
+        mbn, chunk = e.attrs.get("microbatch"), e.attrs.get("chunk") or 0
+        key = ("F" if e.name == "forward" else "B", mbn)
+        if not isinstance(mbn, int) or chunk != 0 or key in walk.units or not 0 <= mbn < m_c:
+            raise ScheduleError(f"{self._where(mbn)} event {i}: {e.name} unit (chunk {chunk!r}) of iteration "
+                                f"{b.iteration!r} is not a non-interleaved unit of a captured micro-batch "
+                                f"0..{m_c - 1} seen once")
+        return key
+
+    def _admit(self, b: _Block, walk: UnitWalk, key: tuple, i: int) -> None:
+        """A unit whose key fits (_unit_key) in its place: the interleaved schedule checks that place."""
+
+    def _op_key(self, b: _Block, walk: UnitWalk, i: int, stream: str) -> tuple[str, int]:
+        return stream, walk.counts[stream]
+
+    def _check_block(self, b: _Block, walk: UnitWalk) -> None:
+        """Every captured micro-batch's units and p2p ops, in the plan's 1F1B order for the stage."""
+        m_c, counts = self.mb.captured, walk.counts
+        n = sum(1 for kind, _ in b.order if kind == "F")
+        for kind in ("F", "B"):
+            missing = [x for x in range(m_c) if (kind, x) not in b.units]
+            if missing:
+                raise ScheduleError(f"{self._where(missing[0])}, iteration {b.iteration!r}: no "
+                                    f"{'forward' if kind == 'F' else 'backward'} unit; the fold captured {m_c} "
+                                    f"micro-batches per iteration (the trace shows {n} forwards)")
+        for s in _STREAMS:
+            want = m_c if s in self.streams else 0
+            if counts[s] != want:
+                raise ScheduleError(f"{self._where(min(counts[s], want))}, iteration {b.iteration!r}: {counts[s]} {s} "
+                                    f"p2p op(s) for {m_c} captured micro-batches; stage {self.stage} of {self.pp} has "
+                                    f"{want}: the ops do not attach to its units")
+        want_order = one_f_one_b(min(self.warmup, m_c), m_c)
+        if b.order != want_order:
+            at = next(x for x, (a, c) in enumerate(zip(b.order, want_order, strict=True)) if a != c)
+            raise ScheduleError(f"{self._where(b.order[at][1])}, iteration {b.iteration!r}: its units run in an order "
+                                f"that is not 1F1B for stage {self.stage} (warm-up {self.warmup}): unit {at} is "
+                                f"{b.order[at]}, the schedule's {want_order[at]}")
 
     def _unit_class(self, key: tuple) -> tuple:
         """Units alike but for the micro-batch: same kind (and chunk)."""
@@ -263,73 +286,6 @@ class _Expander:
                                     f"{kind} on group {group}, which the other units of its kind do not (a "
                                     f"data-parallel op Megatron issues in a first or last micro-batch), and the "
                                     f"target's order replays that unit {n} times: the op has no one place at M")
-
-    def _block(self, run: list[tuple]) -> _Block:
-        ev, m_c = self.ev, self.mb.captured
-        start, end = run[0][2], self._trailing_dp(run[-1][3] + 1)
-        k = start - 1
-        while k >= 0 and (self._passable(k) or self.stream(k) == RECV_PREV):
-            if self.stream(k) == RECV_PREV:
-                start = k
-            k -= 1
-        k = end
-        while k < len(ev) and (self._passable(k) or self.stream(k) == SEND_PREV):
-            if self.stream(k) == SEND_PREV:
-                end = k + 1
-            k += 1
-        b = _Block(run[0][0], start, end)
-        lead: list[int] = []
-        last: tuple[str, int] | None = None  # the unit that nothing but lead events follow yet
-        counts: dict[str, int] = defaultdict(int)
-        i = start
-        while i < end:
-            e = ev[i]
-            if type(e) is Mark and e.phase == "B" and e.name in UNITS:
-                j = self._unit_end(i)
-                mbn, chunk = e.attrs.get("microbatch"), e.attrs.get("chunk") or 0
-                key = ("F" if e.name == "forward" else "B", mbn)
-                if not isinstance(mbn, int) or chunk != 0 or key in b.units or not 0 <= mbn < m_c:
-                    raise ScheduleError(f"{self._where(mbn)} event {i}: {e.name} unit (chunk {chunk!r}) of iteration "
-                                        f"{b.iteration!r} is not a non-interleaved unit of a captured micro-batch "
-                                        f"0..{m_c - 1} seen once")
-                for x in range(i, j + 1):
-                    if self.stream(x) is not None:
-                        raise ScheduleError(f"{self._where(mbn)} event {x}: a pipeline p2p op inside a {e.name} unit")
-                b.units[key] = (lead, range(i, j + 1))
-                b.order.append(key)
-                lead, last = [], key
-                i = j + 1
-                continue
-            s = self.stream(i)
-            if s is not None:
-                b.ops[(s, counts[s])] = (lead, i)
-                counts[s] += 1
-                lead, last = [], None
-            elif type(e) is Comm:
-                lead = self._attach(b, last, lead, i)
-            else:
-                lead.append(i)
-            i += 1
-        n = sum(1 for kind, _ in b.order if kind == "F")
-        for kind in ("F", "B"):
-            missing = [x for x in range(m_c) if (kind, x) not in b.units]
-            if missing:
-                raise ScheduleError(f"{self._where(missing[0])}, iteration {b.iteration!r}: no "
-                                    f"{'forward' if kind == 'F' else 'backward'} unit; the fold captured {m_c} "
-                                    f"micro-batches per iteration (the trace shows {n} forwards)")
-        for s in _STREAMS:
-            want = m_c if s in self.streams else 0
-            if counts[s] != want:
-                raise ScheduleError(f"{self._where(min(counts[s], want))}, iteration {b.iteration!r}: {counts[s]} {s} "
-                                    f"p2p op(s) for {m_c} captured micro-batches; stage {self.stage} of {self.pp} has "
-                                    f"{want}: the ops do not attach to its units")
-        want_order = one_f_one_b(min(self.warmup, m_c), m_c)
-        if b.order != want_order:
-            at = next(x for x, (a, c) in enumerate(zip(b.order, want_order, strict=True)) if a != c)
-            raise ScheduleError(f"{self._where(b.order[at][1])}, iteration {b.iteration!r}: its units run in an order "
-                                f"that is not 1F1B for stage {self.stage} (warm-up {self.warmup}): unit {at} is "
-                                f"{b.order[at]}, the schedule's {want_order[at]}")
-        return b
 
     # --- writing ------------------------------------------------------------------------------
     def run(self) -> list[Event]:
@@ -442,50 +398,38 @@ class _Expander:
         """The target micro-batch of an instance (a unit's or a p2p op's key) whose markers say one."""
         return inst[1]  # type: ignore[index]
 
+    def _steps(self) -> list[Step]:
+        """The stage's units and p2p calls at M, with Megatron's waits on them: 1F1B's, each call waited at its
+        end, on the streams the stage has."""
+        m = self.mb.target
+        return [s if s[0] in UNIT_KINDS else (s[0], tuple(op for op in s[1] if op[0] in self.streams))
+                for s in one_f_one_b_steps(min(self.warmup, m), m)]
+
+    def _unit_source(self, step: Step) -> tuple:
+        """The captured unit that target unit ``step`` replays."""
+        return step[0], self.mb.source(step[1])
+
+    def _op_source(self, op: tuple[str, int]) -> tuple[str, int]:
+        """The captured p2p op that target op ``op`` replays."""
+        return op[0], self.mb.source(op[1])
+
     def _region(self, b: _Block) -> list[Slot | _CallWait]:
-        """The iteration at M: the stage's 1F1B order of (copied) units and p2p calls."""
-        ev, m = self.ev, self.mb.target
-        w = min(self.warmup, m)
-        source = self.mb.source
+        """The iteration at M: the stage's units and p2p calls at M (_steps), from the captured ones."""
+        ev = self.ev
         out: list[Slot | _CallWait] = []
-
-        def call(*ops: tuple[str, int]) -> None:
-            wait = _CallWait()
-            for stream, k in ops:
-                if stream not in self.streams:
-                    continue
-                lead, i = b.ops[(stream, source(k))]
-                inst = (stream, k)
-                out.extend((x, inst) for x in lead)
-                out.append((i, inst))
-                if ev[i].async_op:
-                    wait.refs.append((i, inst))
-            out.append(wait)
-
-        def unit(kind: str, k: int) -> None:
-            lead, body = b.units[(kind, source(k))]
-            inst = (kind, k)
-            out.extend((x, inst) for x in lead)
-            out.extend((x, inst) for x in body)
-
-        for i in range(w):  # warm-up
-            call((RECV_PREV, i))
-            unit("F", i)
-            call((SEND_NEXT, i))
-        if m > w:
-            call((RECV_PREV, w))
-        for i in range(m - w):  # steady 1F1B
-            unit("F", w + i)
-            call((SEND_NEXT, w + i), (RECV_NEXT, i))  # send_forward_recv_backward
-            unit("B", i)
-            if i == m - w - 1:
-                call((SEND_PREV, i))  # send_backward
+        for step in self._steps():
+            if step[0] in UNIT_KINDS:
+                lead, body = b.units[self._unit_source(step)]
+                out.extend((x, step) for x in lead)
+                out.extend((x, step) for x in body)
+            elif step[0] == "call":
+                for op in step[1]:
+                    lead, i = b.ops[self._op_source(op)]
+                    out.extend((x, op) for x in lead)
+                    out.append((i, op))
             else:
-                call((SEND_PREV, i), (RECV_PREV, w + i + 1))  # send_backward_recv_forward
-        for i in range(m - w, m):  # cool-down
-            call((RECV_NEXT, i))
-            unit("B", i)
-            call((SEND_PREV, i))
+                refs = [(b.ops[self._op_source(op)][1], op) for op in step[1]]
+                out.append(_CallWait([r for r in refs if ev[r[0]].async_op]))
         return out
 
 
@@ -558,6 +502,9 @@ class _Interleaved(_Expander):
         self.steps_c = interleaved_steps(self.pp, self.stage, mb.chunks, mb.group, mb.captured, self.warmup,
                                          mb.overlap_p2p, mb.wait_sends)
         self.steps_t, self.unit_src, self.op_src = interleaved_alignment(self.pp, self.stage, mb)
+        #: the captured iteration's units and p2p ops in the order interleaved_steps gives them
+        self.want = [(s[0], s[1]) if s[0] in UNIT_KINDS else op for s in self.steps_c if s[0] != "wait"
+                     for op in ((s,) if s[0] in UNIT_KINDS else s[1])]
 
     def _where(self, microbatch: int | None = None) -> str:
         stage = getattr(self, "stage", None)  # not yet known while the rank's place is found
@@ -572,68 +519,50 @@ class _Interleaved(_Expander):
         e = self.ev[k]
         return type(e) is Comm and e.is_p2p and e.kind == kind and e.peer == peer
 
-    def _block(self, run: list[tuple]) -> _Block:
-        ev, m_c, chunks = self.ev, self.mb.captured, self.mb.chunks
-        start, end = run[0][2], self._trailing_dp(run[-1][3] + 1)
-        k = start - 1  # the first forward's input receive precedes it
-        while k >= 0 and (self._passable(k) or self._is(k, "recv", self.prev)):
-            if self._is(k, "recv", self.prev):
-                start = k
-            k -= 1
-        k = end  # the last backward's input-gradient send follows it
-        while k < len(ev) and (self._passable(k) or self._is(k, "send", self.prev)):
-            if self._is(k, "send", self.prev):
-                end = k + 1
-            k += 1
-        b = _Block(run[0][0], start, end)
-        want = [(s[0], s[1]) if s[0] in UNIT_KINDS else op for s in self.steps_c if s[0] != "wait"
-                for op in ((s,) if s[0] in UNIT_KINDS else s[1])]
-        lead: list[int] = []
-        last: Step | None = None
-        i, n = start, 0
-        while i < end:
-            e = ev[i]
-            got = None
-            if type(e) is Mark and e.phase == "B" and e.name in UNITS:
-                j = self._unit_end(i)
-                mbn, chunk = e.attrs.get("microbatch"), e.attrs.get("chunk") or 0
-                got = self.vid.get(("F" if e.name == "forward" else "B", mbn, chunk))
-                if got is None:
-                    raise ScheduleError(f"{self._where(mbn)} event {i}: {e.name} unit of chunk {chunk!r}, iteration "
-                                        f"{b.iteration!r}, is not a unit of a captured micro-batch 0..{m_c - 1} in "
-                                        f"chunks 0..{chunks - 1}")
-                for x in range(i, j + 1):
-                    if self.stream(x) is not None:
-                        raise ScheduleError(f"{self._where(mbn)} event {x}: a pipeline p2p op inside a {e.name} unit")
-                key = ("F" if e.name == "forward" else "B", got)
-                if n >= len(want) or want[n] != key:
-                    expect = want[n] if n < len(want) else "the iteration's end"
-                    raise ScheduleError(f"{self._where(mbn)}, iteration {b.iteration!r}: its {e.name} unit of chunk "
-                                        f"{chunk} stands where Megatron's interleaved schedule at {m_c} micro-batches "
-                                        f"(warm-up {self.warmup}) has {expect}")
-                b.units[key] = (lead, range(i, j + 1))
-                b.order.append(key)
-                lead, n, i, last = [], n + 1, j + 1, key
-                continue
-            if self.stream(i) is not None:
-                op = want[n] if n < len(want) else None
-                if op is None or op[0] in UNIT_KINDS or not self._is(
-                        i, "recv" if op[0] in (RECV_PREV, RECV_NEXT) else "send",
-                        self.prev if op[0] in (RECV_PREV, SEND_PREV) else self.next):
-                    raise ScheduleError(f"{self._where()} event {i} ({e.kind} with rank {e.peer}), iteration "
-                                        f"{b.iteration!r}: stands where Megatron's interleaved schedule at {m_c} "
-                                        f"micro-batches (warm-up {self.warmup}) has {op or 'the iteration end'}")
-                b.ops[op] = (lead, i)
-                lead, n, last = [], n + 1, None
-            elif type(e) is Comm:
-                lead = self._attach(b, last, lead, i)
-            else:
-                lead.append(i)
-            i += 1
+    def _receives_prev(self, k: int) -> bool:
+        return self._is(k, "recv", self.prev)
+
+    def _sends_prev(self, k: int) -> bool:
+        return self._is(k, "send", self.prev)
+
+    def _unit_key(self, b: _Block, walk: UnitWalk, i: int) -> tuple:
+        e, m_c, chunks = self.ev[i], self.mb.captured, self.mb.chunks
+        mbn, chunk = e.attrs.get("microbatch"), e.attrs.get("chunk") or 0
+        got = self.vid.get(("F" if e.name == "forward" else "B", mbn, chunk))
+        if got is None:
+            raise ScheduleError(f"{self._where(mbn)} event {i}: {e.name} unit of chunk {chunk!r}, iteration "
+                                f"{b.iteration!r}, is not a unit of a captured micro-batch 0..{m_c - 1} in "
+                                f"chunks 0..{chunks - 1}")
+        return "F" if e.name == "forward" else "B", got
+
+    def _admit(self, b: _Block, walk: UnitWalk, key: tuple, i: int) -> None:
+        """The unit is the next step of the captured interleaved_steps."""
+        e, want, n = self.ev[i], self.want, walk.steps
+        mbn, chunk = e.attrs.get("microbatch"), e.attrs.get("chunk") or 0
+        if n >= len(want) or want[n] != key:
+            expect = want[n] if n < len(want) else "the iteration's end"
+            raise ScheduleError(f"{self._where(mbn)}, iteration {b.iteration!r}: its {e.name} unit of chunk "
+                                f"{chunk} stands where Megatron's interleaved schedule at {self.mb.captured} "
+                                f"micro-batches (warm-up {self.warmup}) has {expect}")
+
+    def _op_key(self, b: _Block, walk: UnitWalk, i: int, stream: str) -> tuple[str, int]:
+        """The next step of the captured interleaved_steps, which must be an op of this kind and peer."""
+        e, want, n = self.ev[i], self.want, walk.steps
+        op = want[n] if n < len(want) else None
+        if op is None or op[0] in UNIT_KINDS or not self._is(
+                i, "recv" if op[0] in (RECV_PREV, RECV_NEXT) else "send",
+                self.prev if op[0] in (RECV_PREV, SEND_PREV) else self.next):
+            raise ScheduleError(f"{self._where()} event {i} ({e.kind} with rank {e.peer}), iteration "
+                                f"{b.iteration!r}: stands where Megatron's interleaved schedule at {self.mb.captured} "
+                                f"micro-batches (warm-up {self.warmup}) has {op or 'the iteration end'}")
+        return op
+
+    def _check_block(self, b: _Block, walk: UnitWalk) -> None:
+        n, want = walk.steps, self.want
         if n != len(want):
             raise ScheduleError(f"{self._where()}, iteration {b.iteration!r}: {n} units and p2p ops where Megatron's "
-                                f"interleaved schedule at {m_c} micro-batches has {len(want)}; next: {want[n]}")
-        return b
+                                f"interleaved schedule at {self.mb.captured} micro-batches has {len(want)}; next: "
+                                f"{want[n]}")
 
     def _unit_class(self, key: tuple) -> tuple:
         return (key[0], self.table_c[key[1]][1])
@@ -642,21 +571,11 @@ class _Interleaved(_Expander):
         kind, k = inst  # type: ignore[misc]
         return self.table_t[k][0] if kind in UNIT_KINDS else None
 
-    def _region(self, b: _Block) -> list[Slot | _CallWait]:
-        """The iteration at M: the stage's interleaved steps at M, from the captured units and ops."""
-        ev = self.ev
-        out: list[Slot | _CallWait] = []
-        for step in self.steps_t:
-            if step[0] in UNIT_KINDS:
-                lead, body = b.units[self.unit_src[step]]
-                out.extend((x, step) for x in lead)
-                out.extend((x, step) for x in body)
-            elif step[0] == "call":
-                for op in step[1]:
-                    lead, i = b.ops[self.op_src[op]]
-                    out.extend((x, op) for x in lead)
-                    out.append((i, op))
-            else:
-                refs = [(b.ops[self.op_src[op]][1], op) for op in step[1]]
-                out.append(_CallWait([r for r in refs if ev[r[0]].async_op]))
-        return out
+    def _steps(self) -> list[Step]:
+        return self.steps_t
+
+    def _unit_source(self, step: Step) -> tuple:
+        return self.unit_src[step]
+
+    def _op_source(self, op: tuple[str, int]) -> tuple[str, int]:
+        return self.op_src[op]

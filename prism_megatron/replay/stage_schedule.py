@@ -39,13 +39,13 @@ before the unit that needs it, a send when the next one of its direction is post
 the representative's, whose positions belong to its own order.
 
 Data-parallel collectives issued within the schedule (``--overlap-grad-reduce --overlap-param-gather``
-with the distributed optimizer) go with units as replay.microbatch_fold attaches them: one inside a unit
-is copied with it (a 1F1B chunk's param gathers from the forward pre-hook in its first forward, the
-pre-hook's waits); one directly following a unit (only compute and markers between) is that unit's, as is
-one directly preceding a unit (only compute, markers and such collectives before its begin marker). Under
-the interleaved schedule their place depends on the stage: with Megatron-LM's aligned grad sync
-(``backward_step_helper_postprocess``) chunk c's grad sync follows backward last(c) + p on stage p, and
-with its aligned param gather (``forward_step_helper_preprocess``, ``param_sync_func``) chunk c + 1's
+with the distributed optimizer) go with units as :func:`walk_units` attaches them (the micro-batch fold's
+too): one inside a unit is copied with it (a 1F1B chunk's param gathers from the forward pre-hook in its
+first forward, the pre-hook's waits); one directly following a unit (only compute and markers between) is
+that unit's, as is one directly preceding a unit (only compute, markers and such collectives before its
+begin marker). Under the interleaved schedule their place depends on the stage: with Megatron-LM's aligned
+grad sync (``backward_step_helper_postprocess``) chunk c's grad sync follows backward last(c) + p on stage p,
+and with its aligned param gather (``forward_step_helper_preprocess``, ``param_sync_func``) chunk c + 1's
 gather precedes forward first(c) - p, so stage p's program moves them by p - q virtual microbatches from
 q's places (the microbatch group >= PP keeps each within the schedule; the chunks a stage syncs after the
 schedule are the same on every middle stage: chunk 0's). Non-interleaved 1F1B issues none between units
@@ -60,7 +60,7 @@ trace whose program is not the one the plan names is an error, never a silent re
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -262,11 +262,179 @@ def interleaved_steps(stages: int, stage: int, chunks: int, group: int, microbat
 def one_f_one_b(warmup: int, microbatches: int) -> list[tuple[str, int]]:
     """The order of units of a non-interleaved 1F1B stage with ``warmup`` warm-up forwards (already
     capped at ``microbatches``, as Megatron's schedule caps it): ("F" | "B", microbatch)."""
+    return [s for s in one_f_one_b_steps(warmup, microbatches) if s[0] in UNIT_KINDS]
+
+
+def one_f_one_b_steps(warmup: int, microbatches: int) -> list[Step]:
+    """:func:`one_f_one_b`'s units with the p2p calls Megatron's non-interleaved schedule makes between
+    them, as :data:`Step` s (ops indexed by microbatch): ``recv_forward``, ``send_forward``,
+    ``send_forward_recv_backward``, ``send_backward_recv_forward``, ``recv_backward``, ``send_backward``,
+    each waited at its end. Every stream is named; a first or last stage posts only its own."""
     w, m = warmup, microbatches
-    out = [("F", i) for i in range(w)]
-    for i in range(m - w):
-        out += [("F", w + i), ("B", i)]
-    return out + [("B", m - w + i) for i in range(w)]
+    out: list[Step] = []
+
+    def call(*ops: tuple[str, int]) -> None:
+        out.extend((("call", ops), ("wait", ops)))
+
+    for i in range(w):  # warm-up
+        call((RECV_PREV, i))
+        out.append(("F", i))
+        call((SEND_NEXT, i))
+    if m > w:
+        call((RECV_PREV, w))
+    for i in range(m - w):  # steady 1F1B
+        out.append(("F", w + i))
+        call((SEND_NEXT, w + i), (RECV_NEXT, i))  # send_forward_recv_backward
+        out.append(("B", i))
+        if i == m - w - 1:
+            call((SEND_PREV, i))  # send_backward
+        else:
+            call((SEND_PREV, i), (RECV_PREV, w + i + 1))  # send_backward_recv_forward
+    for i in range(m - w, m):  # cool-down
+        call((RECV_NEXT, i))
+        out.append(("B", i))
+        call((SEND_PREV, i))
+    return out
+
+
+def passable(events: Sequence[Event], k: int, waits: bool = True) -> bool:
+    """Whether event ``k`` may lie between a unit and the ops that go with it: computation or a marker
+    other than a unit's or an iteration's, or (``waits``) a wait."""
+    e = events[k]
+    return (type(e) is not Comm and (waits or type(e) is not Wait)
+            and not (type(e) is Mark and e.name in (*UNITS, "iteration")))
+
+
+def precedes_unit(events: Sequence[Event], i: int) -> bool:
+    """Whether only computation, markers and other data-parallel collectives lie between collective ``i``
+    and a unit's begin marker (Megatron dispatches a chunk's param all-gather right before a forward)."""
+    j = i + 1
+    while j < len(events) and (passable(events, j, waits=False)
+                               or (type(events[j]) is Comm and not events[j].is_p2p)):
+        j += 1
+    return j < len(events) and type(events[j]) is Mark and events[j].phase == "B" and events[j].name in UNITS
+
+
+def iterations(events: Sequence[Event], spans: Sequence[tuple[object, bool, int, int]]
+               ) -> list[tuple[list[tuple[object, bool, int, int]], bool]]:
+    """:func:`unit_spans` grouped into iterations (consecutive units of one iteration and eval flag), each
+    with whether it trains (not evaluation, with backward units)."""
+    out = []
+    run: list[tuple[object, bool, int, int]] = []
+    for s in [*spans, None]:
+        if run and (s is None or (s[0], s[1]) != (run[0][0], run[0][1])):
+            out.append((run, not run[0][1] and any(events[a].name == "backward" for _, _, a, _ in run)))
+            run = []
+        if s is not None:
+            run.append(s)
+    return out
+
+
+def iteration_region(events: Sequence[Event], run: Sequence[tuple[object, bool, int, int]],
+                     receives_prev: Callable[[int], bool], sends_prev: Callable[[int], bool],
+                     trailing_dp: bool) -> tuple[int, int]:
+    """[start, end) of the events an iteration's units ``run`` (of :func:`iterations`) rebuild: its units,
+    widened back to the first forward's input receive and on to the last backward's input-gradient send
+    (``receives_prev`` / ``sends_prev``: whether an event is such an op), across only computation, markers
+    and waits. ``trailing_dp``: the end first moves past the data-parallel collectives that directly follow
+    the last unit (only computation and markers between), which then go with it: the micro-batch fold keeps
+    them with that unit, which it replays once (on any stage: a first stage sends nothing after it).
+    :func:`restage` does not: it rebuilds middle stages, whose last backward is followed by its
+    input-gradient send, and a collective before that send leaves the send out of the region, which its
+    count of p2p ops refuses; collectives after the send stay after the stage's schedule."""
+    start, end = run[0][2], run[-1][3] + 1
+    while trailing_dp:
+        j = end
+        while j < len(events) and passable(events, j, waits=False):
+            j += 1
+        if not (j < len(events) and type(events[j]) is Comm and not events[j].is_p2p):
+            break
+        end = j + 1
+    k = start - 1  # the first forward's input receive precedes it
+    while k >= 0 and (passable(events, k) or receives_prev(k)):
+        if receives_prev(k):
+            start = k
+        k -= 1
+    k = end  # the last backward's input-gradient send follows it
+    while k < len(events) and (passable(events, k) or sends_prev(k)):
+        if sends_prev(k):
+            end = k + 1
+        k += 1
+    return start, end
+
+
+@dataclass
+class UnitWalk:
+    """An iteration's scheduling units and pipeline p2p ops as :func:`walk_units` cuts them (indices into
+    the rank's events; units and ops keyed as the caller keys them)."""
+
+    order: list = field(default_factory=list)  # the units' keys in the trace's order
+    #: unit -> (lead, body): the computation and markers since the previous unit or op, and its span
+    units: dict = field(default_factory=dict)
+    ops: dict = field(default_factory=dict)  # op -> (lead, its index)
+    #: data-parallel collectives (with the events between) directly preceding a unit after its lead (a param
+    #: gather), directly following it (a grad sync), by unit
+    before: dict = field(default_factory=dict)
+    after: dict = field(default_factory=dict)
+    counts: dict = field(default_factory=lambda: defaultdict(int))  # p2p ops by stream
+    steps: int = 0  # units and ops so far
+
+
+def walk_units(events: Sequence[Event], start: int, end: int, *, stream: Callable[[int], str | None],
+               unit_key: Callable[[UnitWalk, int], object], where: Callable[[object], str],
+               stray: Callable[[int], str], admit: Callable[[UnitWalk, object, int], None] | None = None,
+               op_key: Callable[[UnitWalk, int, str], object] | None = None) -> UnitWalk:
+    """Cut ``events[start:end]`` (an :func:`iteration_region`) into units, pipeline p2p ops and the
+    data-parallel collectives at unit boundaries (replay.microbatch_fold and :func:`restage` alike).
+
+    ``stream(i)``: op ``i``'s p2p stream, None for what is not a pipeline p2p op. ``unit_key(walk, i)``:
+    the key of the unit that event ``i`` begins (a ScheduleError for one that does not fit), checked to hold no
+    p2p op (``where(microbatch)`` names the rank in the error), then ``admit(walk, key, i)`` (which may
+    refuse it). ``op_key(walk, i, stream)``: an op's key, by default (stream, its index in the stream).
+    A collective that neither directly follows a unit (only computation and markers between) nor directly
+    precedes one (:func:`precedes_unit`) is a ScheduleError saying ``stray(i)``."""
+    walk = UnitWalk()
+    lead: list[int] = []
+    last = None  # the unit that nothing but compute and markers follow yet
+    i = start
+    while i < end:
+        e = events[i]
+        if type(e) is Mark and e.phase == "B" and e.name in UNITS:
+            j = unit_end(events, i, where(None))
+            key = unit_key(walk, i)
+            for x in range(i, j + 1):
+                if stream(x) is not None:
+                    raise ScheduleError(f"{where(e.attrs.get('microbatch'))} event {x}: a pipeline p2p op inside a "
+                                        f"{e.name} unit")
+            if admit is not None:
+                admit(walk, key, i)
+            dp = next((x for x, y in enumerate(lead) if type(events[y]) is Comm), len(lead))
+            if dp < len(lead):  # data-parallel collectives directly preceding the unit
+                walk.before[key] = lead[dp:]
+            walk.units[key] = (lead[:dp], range(i, j + 1))
+            walk.order.append(key)
+            walk.steps += 1
+            lead, last = [], key
+            i = j + 1
+            continue
+        s = stream(i)
+        if s is not None:
+            walk.ops[op_key(walk, i, s) if op_key is not None else (s, walk.counts[s])] = (lead, i)
+            walk.counts[s] += 1
+            walk.steps += 1
+            lead, last = [], None
+        elif type(e) is Comm:
+            if last is not None and not any(type(events[x]) is Wait for x in lead):
+                walk.after.setdefault(last, []).extend([*lead, i])  # Megatron's grad sync after a backward
+                lead = []
+            elif precedes_unit(events, i):  # a param all-gather the next unit's schedule step dispatches
+                lead.append(i)
+            else:
+                raise ScheduleError(stray(i))
+        else:
+            lead.append(i)
+        i += 1
+    return walk
 
 
 @dataclass(eq=False)
@@ -321,9 +489,6 @@ class _Restager:
                             "with a rank that is not a neighbouring stage: not a 1F1B pipeline's")
 
     # --- reading the representative ---------------------------------------------------------------
-    def _unit_end(self, i: int) -> int:
-        return unit_end(self.ev, i, self._where())
-
     def blocks(self) -> list[_Block]:
         """The iterations to rebuild: consecutive training units of one iteration."""
         ev = self.ev
@@ -333,87 +498,35 @@ class _Restager:
                                 "which Megatron's schedules emit); a folded pipeline stage's own order of units "
                                 "cannot be rebuilt without them, so this program's middle pipeline stages cannot be "
                                 "folded (fold at replica depth, or capture every stage)")
-        out: list[_Block] = []
-        run: list[tuple] = []
-        for s in [*spans, None]:
-            if run and (s is None or (s[0], s[1]) != (run[0][0], run[0][1])):
-                if not run[0][1] and any(ev[a].name == "backward" for _, _, a, _ in run):
-                    out.append(self._block(run))
-                run = []
-            if s is not None:
-                run.append(s)
-        return out
+        return [self._block(run) for run, trains in iterations(ev, spans) if trains]
 
     def _block(self, run: list[tuple]) -> _Block:
         ev = self.ev
-        start, end = run[0][2], run[-1][3] + 1
-
-        def passable(k: int) -> bool:  # what may lie between the iteration's edge units and their p2p ops
-            e = ev[k]
-            return type(e) is not Comm and not (type(e) is Mark and e.name in (*UNITS, "iteration"))
-
-        k = start - 1  # the first forward's input receive precedes it
-        while k >= 0 and (passable(k) or self.stream(k) == RECV_PREV):
-            if self.stream(k) == RECV_PREV:
-                start = k
-            k -= 1
-        k = end  # the last backward's input-gradient send follows it
-        while k < len(ev) and (passable(k) or self.stream(k) == SEND_PREV):
-            if self.stream(k) == SEND_PREV:
-                end = k + 1
-            k += 1
+        start, end = iteration_region(ev, run, lambda k: self.stream(k) == RECV_PREV,
+                                      lambda k: self.stream(k) == SEND_PREV, trailing_dp=False)
         block = _Block(run[0][0], start, end)
         chunks = self.fold.chunks if self.interleaved else 1
-        lead: list[int] = []
-        counts: dict[str, int] = defaultdict(int)
-        raw: list[tuple[str, int, int]] = []  # the units' (F | B, microbatch, chunk) in the trace's order
-        units: dict[tuple[str, int, int], tuple[list[int], range]] = {}
-        after: dict[tuple[str, int, int], list[int]] = {}
-        before: dict[tuple[str, int, int], list[int]] = {}
-        last: tuple[str, int, int] | None = None  # the unit that nothing but compute and markers follow yet
-        i = start
-        while i < end:
+
+        def unit_key(walk: UnitWalk, i: int) -> tuple[str, int, int]:  # (F | B, microbatch, chunk)
             e = ev[i]
-            if type(e) is Mark and e.phase == "B" and e.name in UNITS:
-                j = self._unit_end(i)
-                mb, chunk = e.attrs.get("microbatch"), e.attrs.get("chunk") or 0
-                key = ("F" if e.name == "forward" else "B", mb, chunk)
-                if (not isinstance(mb, int) or not isinstance(chunk, int) or not 0 <= chunk < chunks
-                        or key in units):
-                    what = f"an interleaved unit (each microbatch once per chunk 0..{chunks - 1})" \
-                        if self.interleaved else "a non-interleaved 1F1B unit (each microbatch once, chunk 0)"
-                    raise ScheduleError(f"{self._where()} event {i}: {e.name} unit of microbatch {mb!r}, chunk "
-                                        f"{chunk!r}, iteration {block.iteration!r}: not {what}")
-                for b in range(i, j + 1):
-                    if self.stream(b) is not None:
-                        raise ScheduleError(f"{self._where()} event {b}: a pipeline p2p op inside a {e.name} unit")
-                dp = next((x for x, y in enumerate(lead) if type(ev[y]) is Comm), len(lead))
-                if dp < len(lead):  # data-parallel collectives directly preceding the unit
-                    before[key] = lead[dp:]
-                units[key] = (lead[:dp], range(i, j + 1))
-                raw.append(key)
-                lead, last = [], key
-                i = j + 1
-                continue
-            s = self.stream(i)
-            if s is not None:
-                block.ops[(s, counts[s])] = (lead, i)
-                counts[s] += 1
-                lead, last = [], None
-            elif type(e) is Comm:
-                if last is not None and not any(type(ev[x]) is Wait for x in lead):
-                    after.setdefault(last, []).extend([*lead, i])
-                    lead = []
-                elif self._precedes_unit(i):
-                    lead.append(i)
-                else:
-                    raise ScheduleError(f"{self._where()} event {i} ({e.kind} on group {e.group}) lies between "
-                                        f"scheduling units of iteration {block.iteration!r}, is not a pipeline p2p "
-                                        "op and neither directly follows nor directly precedes a unit: it has no "
-                                        "place in another stage's order of units")
-            else:
-                lead.append(i)
-            i += 1
+            mb, chunk = e.attrs.get("microbatch"), e.attrs.get("chunk") or 0
+            key = ("F" if e.name == "forward" else "B", mb, chunk)
+            if not isinstance(mb, int) or not isinstance(chunk, int) or not 0 <= chunk < chunks or key in walk.units:
+                what = f"an interleaved unit (each microbatch once per chunk 0..{chunks - 1})" \
+                    if self.interleaved else "a non-interleaved 1F1B unit (each microbatch once, chunk 0)"
+                raise ScheduleError(f"{self._where()} event {i}: {e.name} unit of microbatch {mb!r}, chunk "
+                                    f"{chunk!r}, iteration {block.iteration!r}: not {what}")
+            return key
+
+        def stray(i: int) -> str:
+            return (f"{self._where()} event {i} ({ev[i].kind} on group {ev[i].group}) lies between scheduling units "
+                    f"of iteration {block.iteration!r}, is not a pipeline p2p op and neither directly follows nor "
+                    "directly precedes a unit: it has no place in another stage's order of units")
+
+        walk = walk_units(ev, start, end, stream=self.stream, unit_key=unit_key, where=lambda _: self._where(),
+                          stray=stray)
+        raw, counts = walk.order, walk.counts  # the units' (F | B, microbatch, chunk) in the trace's order
+        block.ops = walk.ops
         n = sum(1 for kind, _, _ in raw if kind == "F")
         m = n // chunks
         table = schedule_table(m, chunks, self.fold.group) if self.interleaved and m else [(x, 0) for x in range(m)]
@@ -425,12 +538,12 @@ class _Restager:
             raise ScheduleError(f"{self._where()}, iteration {block.iteration!r}: its units {raw[:8]}... "
                                 f"are not {what}")
         for key in raw:
-            block.units[(key[0], vid[key])] = units[key]
+            block.units[(key[0], vid[key])] = walk.units[key]
             block.order.append((key[0], vid[key]))
-            if key in after:
-                block.after[(key[0], vid[key])] = after[key]
-            if key in before:
-                block.before[(key[0], vid[key])] = before[key]
+            if key in walk.after:
+                block.after[(key[0], vid[key])] = walk.after[key]
+            if key in walk.before:
+                block.before[(key[0], vid[key])] = walk.before[key]
         block.microbatches = m
         for s in (RECV_PREV, SEND_NEXT, RECV_NEXT, SEND_PREV):
             if counts[s] != n:
@@ -447,19 +560,6 @@ class _Restager:
                                 f"(warm-up {self.fold.warmup[self.stage]}): "
                                 f"unit {at} is {block.order[at]}, the schedule's {want[at]}")
         return block
-
-    def _passable(self, k: int) -> bool:
-        e = self.ev[k]
-        return type(e) not in (Comm, Wait) and not (type(e) is Mark and e.name in (*UNITS, "iteration"))
-
-    def _precedes_unit(self, i: int) -> bool:
-        """Whether only compute, markers and other data-parallel collectives lie between collective ``i`` and
-        a unit's begin marker."""
-        ev = self.ev
-        j = i + 1
-        while j < len(ev) and (self._passable(j) or (type(ev[j]) is Comm and not ev[j].is_p2p)):
-            j += 1
-        return j < len(ev) and type(ev[j]) is Mark and ev[j].phase == "B" and ev[j].name in UNITS
 
     # --- writing stage p ------------------------------------------------------------------------
     def program(self, stage: int, blocks: list[_Block]) -> list[Event]:
@@ -578,9 +678,6 @@ class _Restager:
     def _region(self, b: _Block, stage: int, prompt: set[int], call_of: dict[int, _WaitOn]) -> list[int | _WaitOn]:
         """Stage ``stage``'s calls and units of block ``b`` (see the module docstring)."""
         ev = self.ev
-        m = sum(1 for kind, _ in b.order if kind == "F")
-        w = min(self.fold.warmup[stage], m)
-        out: list[int | _WaitOn] = []
         before, after = self._dp_shift(b, stage)
         if self.interleaved:
             if stage in (0, self.stages - 1):
@@ -588,64 +685,30 @@ class _Restager:
                                     "interleaved p2p calls differ from a middle stage's; it cannot be folded")
             steps = interleaved_steps(self.stages, stage, self.fold.chunks, self.fold.group, b.microbatches,
                                       self.fold.warmup[stage], self.fold.overlap_p2p, self.fold.wait_sends)
-            for step in steps:
-                if step[0] in UNIT_KINDS:
-                    lead, body = b.units[step]
-                    out.extend(lead)
-                    out.extend(before.get(step, ()))
-                    out.extend(body)
-                    out.extend(after.get(step, ()))
-                elif step[0] == "call":
-                    wait = _WaitOn([])
-                    for key in step[1]:
-                        lead, i = b.ops[key]
-                        out.extend(lead)
-                        out.append(i)
-                        call_of[i] = wait
-                        if ev[i].async_op and (self.fold.overlap_p2p or i in prompt):
-                            wait.refs.append(i)
-                    if not self.fold.overlap_p2p:
-                        out.append(wait)  # waited at the call's end, as the trace waited it
-                elif self.fold.overlap_p2p:  # Megatron's own wait on ops posted earlier
-                    out.append(_WaitOn([b.ops[key][1] for key in step[1] if ev[b.ops[key][1]].async_op]))
-            return out
-
-        def call(*ops: tuple[str, int]) -> None:
-            wait = _WaitOn([])
-            for key in ops:
-                lead, i = b.ops[key]
+        else:
+            m = sum(1 for kind, _ in b.order if kind == "F")
+            steps = one_f_one_b_steps(min(self.fold.warmup[stage], m), m)
+        out: list[int | _WaitOn] = []
+        for step in steps:
+            if step[0] in UNIT_KINDS:
+                lead, body = b.units[step]
                 out.extend(lead)
-                out.append(i)
-                call_of[i] = wait
-                if ev[i].async_op and i in prompt:
-                    wait.refs.append(i)
-            out.append(wait)
-
-        def unit(key: tuple[str, int]) -> None:
-            lead, body = b.units[key]
-            out.extend(lead)
-            out.extend(before.get(key, ()))
-            out.extend(body)
-            out.extend(after.get(key, ()))
-
-        for i in range(w):  # warm-up
-            call((RECV_PREV, i))
-            unit(("F", i))
-            call((SEND_NEXT, i))
-        if m > w:
-            call((RECV_PREV, w))
-        for i in range(m - w):  # steady 1F1B
-            unit(("F", w + i))
-            call((SEND_NEXT, w + i), (RECV_NEXT, i))  # send_forward_recv_backward
-            unit(("B", i))
-            if i == m - w - 1:
-                call((SEND_PREV, i))  # send_backward
-            else:
-                call((SEND_PREV, i), (RECV_PREV, w + i + 1))  # send_backward_recv_forward
-        for i in range(m - w, m):  # cool-down
-            call((RECV_NEXT, i))
-            unit(("B", i))
-            call((SEND_PREV, i))
+                out.extend(before.get(step, ()))
+                out.extend(body)
+                out.extend(after.get(step, ()))
+            elif step[0] == "call":
+                wait = _WaitOn([])
+                for key in step[1]:
+                    lead, i = b.ops[key]
+                    out.extend(lead)
+                    out.append(i)
+                    call_of[i] = wait
+                    if ev[i].async_op and (self.explicit_waits or i in prompt):
+                        wait.refs.append(i)
+                if not self.explicit_waits:
+                    out.append(wait)  # waited at the call's end, as the trace waited it
+            elif self.explicit_waits:  # Megatron's own wait on ops posted earlier
+                out.append(_WaitOn([b.ops[key][1] for key in step[1] if ev[b.ops[key][1]].async_op]))
         return out
 
 
