@@ -46,7 +46,7 @@ def test_a_capture_plan_keeps_one_live_rank_and_every_ranks_class_representative
     assert fold.live == (4,) and set(fold.rep) == {4} and [c.name for c in fold.classes] == ["last"]
     assert fold.capture_mode == "serial" and fold.capture["rules"] == {"collectives": "self_mirror", "p2p": "standin"}
     assert fold.capture["part"] == {"rank": 4, "index": 1, "of": 2, "sandbox": [0, 4], "class_rep": plan["rep"],
-                                       "answers": [], "p2p_answers": []}
+                                       "answers": [], "p2p_answers": [], "reduction_answers": []}
     assert fold.depth == "class" and fold.schedule == "1f1b"  # the rest of the plan as captured together
     with pytest.raises(ValueError, match="rank 1 is not a live rank of the fold"):
         capture_plan(plan, 1, 0)
@@ -506,7 +506,7 @@ def test_a_broadcast_from_another_class_is_answered_from_the_capture_that_rooted
     world4 = _group(0, "world", list(range(8)), last)
     got, problem = last.broadcast_answer(world4, 3, 0, _bcast_out("int64", 3))
     assert problem is None and torch.equal(got, flags)
-    last.count(world4, "broadcast", 0, False, recorded=got is not None)
+    last.count(world4, "broadcast", 0, False, recorded=(0,))
     assert last.contributions.to_json()["broadcast"]["recorded"] == 1
     got, problem = last.broadcast_answer(world4, 4, 0, _bcast_out("int64", 3))  # no recording of seq 4
     assert got is None and "integer values steer the program" in problem and "class's live rank 0" in problem

@@ -259,6 +259,19 @@ class Fold:
                            f"without a recorded norm ({why})")
         return "; ".join(out)
 
+    def unrecorded_reductions(self) -> str:
+        """A serial run's merged trace: which captures answered small reductions over another class's members by
+        self mirror for want of a recording (``nccl_prune.RECORDED_REDUCTION_RULE``), as the report says it; ""
+        where none did, or the trace does not say."""
+        captures = self.capture.get("captures") or []
+        which = [(i + 1, c["reductions_unrecorded"]) for i, c in enumerate(captures) if c.get("reductions_unrecorded")]
+        if not which:
+            return ""
+        said = ", ".join(f"{i} ({n})" for i, n in which)
+        return (f"capture{'s' if len(which) > 1 else ''} {said} answered reductions over another class's members by "
+                "self mirror, no capture having recorded that class's inputs (their grad norms count their own "
+                "stage for it)")
+
     def contribution_counts(self) -> dict[str, int]:
         """Virtual contributions by way, summed over op kinds: the first four CONTRIBUTION_WAYS always, a serial
         capture's (self_mirror, standin) where it made any."""
@@ -456,9 +469,10 @@ def _capture(doc: dict, live: list[int], w: int, path: str | Path, trace_version
         reason = c.get("incomplete")
         if c["complete"] == (reason is not None) or (reason is not None and not (isinstance(reason, str) and reason)):
             raise _error(path, f"{key}.incomplete", f"is {reason!r}: null for a complete capture, else why not")
-        n = c.get("standins_unrecorded", 0)
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise _error(path, f"{key}.standins_unrecorded", f"is {n!r}, expected an integer >= 0")
+        for count in ("standins_unrecorded", "reductions_unrecorded"):
+            n = c.get(count, 0)
+            if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+                raise _error(path, f"{key}.{count}", f"is {n!r}, expected an integer >= 0")
         if c.get("second_pass", "taken") not in SECOND_PASS_STATES:
             raise _error(path, f"{key}.second_pass", f"is {c['second_pass']!r}, expected one of "
                                                      f"{', '.join(SECOND_PASS_STATES)}")
