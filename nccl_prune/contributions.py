@@ -74,23 +74,26 @@ RECORD_MAX_BYTES = 1 << 16
 RECORDED_KINDS = frozenset({"all_reduce", "reduce", "reduce_scatter", "reduce_scatter_list"})
 
 RECORDED_REDUCTION_RULE = f"""\
-In a serial capture of live rank L, a reduction (all_reduce, coalesced too, reduce, reduce_scatter: RECORDED_KINDS)
-of at most RECORD_MAX_BYTES ({RECORD_MAX_BYTES} bytes, all inputs together) over a group with members of another
-class (answered by self mirror otherwise: SELF_MIRROR_RULE) takes from each such virtual member what its class's
-live rank R contributed to the same op in R's own capture: the same group (name, member ranks, incarnation) and
-the same sequence number within it, which every member of a group shares. Each capture records its own inputs to
-such reductions (``record``: L's, as the live rank of its class); a later capture (or, taken again, an earlier
-one: SECOND_PASS_RULE) answers from them, counted *recorded*; members of L's own class keep their mirror. So a
-first stage's grad norm (Megatron sums squared norms over the model-parallel group, TP x PP members) sums every
-stage's share as a capture together does, once the stage's capture has run, instead of counting its own stage
-once per pipeline stage; num-zeros counts and found-inf flags likewise. Where no capture recorded it (R is
-captured later and the capture is not taken again) the member keeps self mirror and the op is counted
-unrecorded. A recording whose tensors differ in number, dtype or size from L's inputs is refused: the captures do
-not run the same program. Gathers keep self mirror: their result is each member's value side by side, read for
-logging and consistency checks, and an object gather's sizes follow the values, so another capture's recording
-need not fit this capture's shapes; all_to_all pieces are addressed by A2A_RULE within a class; a broadcast's
-root has its own rule (recorded bytes). Larger reductions (gradients) keep self mirror: a size check is all they
-cost."""
+In a serial capture of live rank L, a reduction (all_reduce, coalesced too, reduce, reduce_scatter:
+RECORDED_KINDS) of at most RECORD_MAX_BYTES ({RECORD_MAX_BYTES} bytes, all inputs together) over a group with
+members of another class (answered by self mirror otherwise: SELF_MIRROR_RULE) takes from each such virtual
+member what its class's live rank R contributed to the same op in R's own capture: the same group (name, member
+ranks, incarnation) and the same sequence number within it, which every member of a group shares. Each capture
+records its own inputs to such reductions, L's as the live rank of its class, marked *derived* where the capture
+had given a stand-in without a recording before (STANDIN_RULE (3), (4): a first stage's gradients under a unit
+fallback are off by the fallback's scale, so a grad norm built from them is further off than self mirror); a
+later capture (or, taken again, an earlier one: SECOND_PASS_RULE) answers from a recording that is not derived,
+counted *recorded*; members of L's own class keep their mirror. So a first stage's grad norm (Megatron sums
+squared norms over the model-parallel group, TP x PP members) sums every stage's share as a capture together
+does, once the stage's capture has run, instead of counting its own stage once per pipeline stage; num-zeros
+counts and found-inf flags likewise. Where no capture recorded it, or only a derived recording exists (R is
+captured later, or fell back, and the capture is not taken again), the member keeps self mirror and the op is
+counted unrecorded. A recording whose tensors differ in number, dtype or size from L's inputs is refused: the
+captures do not run the same program. Gathers keep self mirror: their result is each member's value side by
+side, read for logging and consistency checks, and an object gather's sizes follow the values, so another
+capture's recording need not fit this capture's shapes; all_to_all pieces are addressed by A2A_RULE within a
+class; a broadcast's root has its own rule (recorded bytes). Larger reductions (gradients) keep self mirror: a
+size check is all they cost."""
 
 A2A_RULE = """\
 A live member l receives from a virtual member v the piece that v's mirror m sends to l's counterpart:

@@ -153,7 +153,7 @@ class RunOnlyOptions:
 
     fold_second_pass: Literal["auto", "on", "off"] = "auto"
     """A serial capture whose pipeline stand-ins had no recorded norm (their senders are captured later) is
-    captured again after the first pass (nccl_prune.SECOND_PASS_RULE; up to 2k-1 captures for k live ranks):
+    captured again after the first pass (nccl_prune.SECOND_PASS_RULE; up to 3k-2 captures for k live ranks):
     'on' always, 'off' never, 'auto' only where the fold has MoE layers. The stand-ins' norms steer values
     (grad norm, clipping, losses); only through MoE routing do they change shapes, time or memory. What was
     skipped is printed, recorded in the merged trace and said in the report. Serial captures only."""

@@ -27,6 +27,7 @@ on it (Megatron's tied-embedding initialisation: ``patches.serial_embedding``).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import shutil
 import time
@@ -130,9 +131,12 @@ def capture_serially(cfg: LaunchConfig, launch: Callable[[LaunchConfig], int],
     unrecorded: dict[int, int] = {}  # capture index -> its stand-ins given the unit fallback
     unrecorded_reductions: dict[int, int] = {}  # capture index -> its reductions without another class's recording
     failed = 0  # the number (from 1) of the capture that failed
+    latest: dict[int, int] = {}  # capture index -> when its latest take ran (0, 1, ...)
+    takes = itertools.count()
 
     def run(i: int, rank: int, again: bool) -> None:
         nonlocal code, failed
+        latest[i] = next(takes)
         part = root / f"capture-{i}-rank-{rank}"
         cls = plan["classes"][plan["class_of"][rank]]["name"]
         if again:
@@ -197,11 +201,23 @@ def capture_serially(cfg: LaunchConfig, launch: Callable[[LaunchConfig], int],
             said = [f"{unrecorded[i]} stand-in(s) had neither a recorded norm nor the rank's own scale"] \
                 if unrecorded.get(i) else []
             if unrecorded_reductions.get(i):
-                said.append(f"{unrecorded_reductions[i]} reduction(s) had no recording of another class's "
-                            "contribution (nccl_prune.RECORDED_REDUCTION_RULE)")
+                said.append(f"{unrecorded_reductions[i]} reduction(s) had no recording of another class's inputs")
             say(f"serial capture {i + 1}/{len(live)}: {' and '.join(said)} (their senders are captured later): "
                 "capturing it again with the later captures' recordings (nccl_prune.SECOND_PASS_RULE; second pass "
                 f"on {decided['why']})")
+            run(i, live[i], again=True)
+            captures[i]["second_pass"] = "taken"
+    # ... and a capture whose latest take still answered reductions without another class's recording (the
+    # classes it lacked were captured before their own second take) once more, first stage first, where a
+    # capture of another class was taken after it
+    for i in range(len(live)):
+        if code != 0 or not decided["on"]:
+            break
+        if unrecorded_reductions.get(i) and i not in ooms and any(
+                latest.get(j, -1) > latest[i] and captures[j]["trace"] is not None for j in range(len(live))):
+            say(f"serial capture {i + 1}/{len(live)}: {unrecorded_reductions[i]} reduction(s) had no recording of "
+                "another class's inputs that the other captures' latest takes made: capturing it again with them "
+                f"(nccl_prune.SECOND_PASS_RULE; second pass on {decided['why']})")
             run(i, live[i], again=True)
             captures[i]["second_pass"] = "taken"
     if skipped:

@@ -91,7 +91,8 @@ class Folding:
         # (group key, seq) -> (dtype, bytes): earlier captures' broadcasts; this capture's, for later ones
         self.answers = _read_broadcasts(part.get("answers", []) if part else [], "capture.part.answers")
         self.recorded: list[dict[str, Any]] = []
-        # (group key, seq, rank) -> (kind, [(dtype, bytes)]): earlier captures' reductions (RECORDED_REDUCTION_RULE)
+        # (group key, seq, rank) -> (kind, [(dtype, bytes)], derived): earlier captures' reductions
+        # (RECORDED_REDUCTION_RULE)
         self.reduction_answers = _read_reductions(part.get("reduction_answers", []) if part else [],
                                                   "capture.part.reduction_answers")
         self.reductions: list[dict[str, Any]] = []  # this capture's, for later ones
@@ -134,11 +135,12 @@ class Folding:
             return {}, None
         key = self._key[g.id]
         self.reductions.append({"group": [key[0], list(key[1]), key[2]], "seq": seq, "rank": self.capture_rank,
-                                "kind": kind, "tensors": [[dtype_name(t.dtype), _b64(t)] for t in ins]})
+                                "kind": kind, "tensors": [[dtype_name(t.dtype), _b64(t)] for t in ins],
+                                "derived": self.passthrough.derived})
         recordings = {}
         for r in set(others.values()):
             got = self.reduction_answers.get((key, seq, r))
-            if got is None:
+            if got is None or got[2]:  # none, or derived: made after its capture's stand-ins fell back
                 continue
             if got[0] != kind:
                 return {}, (f"rank {r}'s capture recorded a {got[0]} as op #{seq} of this group, this capture issues a "
@@ -289,15 +291,15 @@ def _read_broadcasts(items: Any, field: str) -> dict[tuple, tuple[str, bytes]]:
     return _read_entries(items, field, "recorded broadcast", entry)
 
 
-def _read_reductions(items: Any, field: str) -> dict[tuple, tuple[str, list[tuple[str, bytes]]]]:
-    """Recorded reductions (``Folding.reduction``'s entries) by (group key, seq, rank); a later entry replaces
-    an earlier one (a capture taken again)."""
-    def entry(e: dict) -> tuple[tuple, tuple[str, list[tuple[str, bytes]]]]:
+def _read_reductions(items: Any, field: str) -> dict[tuple, tuple[str, list[tuple[str, bytes]], bool]]:
+    """Recorded reductions (``Folding.reduction``'s entries) by (group key, seq, rank): (kind, [(dtype, bytes)],
+    derived); a later entry replaces an earlier one (a capture taken again)."""
+    def entry(e: dict) -> tuple[tuple, tuple[str, list[tuple[str, bytes]], bool]]:
         tensors = []
         for dt, data in e["tensors"]:
             dtype_from_name(dt)
             tensors.append((str(dt), base64.b64decode(data, validate=True)))
-        return (_group_key(e), int(e["seq"]), int(e["rank"])), (str(e["kind"]), tensors)
+        return (_group_key(e), int(e["seq"]), int(e["rank"])), (str(e["kind"]), tensors, bool(e["derived"]))
 
     return _read_entries(items, field, "recorded reduction", entry)
 
