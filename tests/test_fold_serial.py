@@ -422,12 +422,15 @@ def _skeleton(trace) -> dict[int, list[tuple]]:
 def test_a_pipeline_captured_serially_issues_the_ops_of_the_capture_together(tmp_path):
     """fold_pipeline.py, 4 stages, stage 2 folded onto stage 1: captured together (0, 1 and 3 as processes) and
     serially (one at a time; each other stage's receives answered by stand-ins): the same ops with the
-    same per-group sequence numbers, rank by rank."""
+    same per-group sequence numbers, rank by rank. Its small reductions over the pipeline group (norms: a
+    grad-norm-like sum of squares, a count, a found-inf flag) give every capture's final take what the capture
+    together gives (RECORDED_REDUCTION_RULE), where self mirror would count each stage's own share 4 times."""
     fold = {**make_fold([0, 1, 1, 3], 8).to_json(), "layout": {"moe_layers": 0}}  # dense: auto would skip it
     base = dict(script=PROGRAMS / "fold_pipeline.py", world_size=4, hang_timeout=60, fold=fold)
-    assert launch(LaunchConfig(**base, script_args=[str(tmp_path / "r1"), "3"], trace_dir=tmp_path / "together")) == 0
+    cfg = LaunchConfig(**base, script_args=[str(tmp_path / "r1"), "3", "norms"], trace_dir=tmp_path / "together")
+    assert launch(cfg) == 0
     said: list[str] = []
-    cfg = LaunchConfig(**base, script_args=[str(tmp_path / "r2"), "3"], trace_dir=tmp_path / "serial")
+    cfg = LaunchConfig(**base, script_args=[str(tmp_path / "r2"), "3", "norms"], trace_dir=tmp_path / "serial")
     assert capture_serially(cfg, launch, say=said.append, second="on") == 0
     together, serial = read_trace(tmp_path / "together"), read_trace(tmp_path / "serial")
     assert serial.fold.live == together.fold.live == (0, 1, 3) and serial.fold.rep == together.fold.rep
@@ -454,17 +457,27 @@ def test_a_pipeline_captured_serially_issues_the_ops_of_the_capture_together(tmp
         assert norm(got[3]["fwd"][i]) == pytest.approx(norm(got[1]["fwd"][i] + 2000.0), rel=1e-5)
         assert norm(got[1]["bwd"][i]) == pytest.approx(norm(2 * got[3]["fwd"][i] + 40000.0), rel=1e-5)
         assert norm(got[0]["bwd"][i]) == pytest.approx(norm(got[1]["bwd"][i] + 20000.0), rel=1e-5)
+    # the reductions: together, stage 2 mirrors stage 1 (1.5 (1 + 2 * 4 + 16), 1 + 2 * 2 + 4, max 1); serially
+    # each capture's final take the same, every member of another class answered from its recording
+    want = torch.tensor([1.5 * (1 + 2 * 4 + 16), 1 + 2 * 2 + 4, 1.0], dtype=torch.float64)
+    assert all(torch.equal(torch.load(tmp_path / "r1" / f"rank-{r}.pt")["norms"], want) for r in (0, 1, 3))
+    assert {r: g["norms"].tolist() for r, g in got.items()} == dict.fromkeys((0, 1, 3), want.tolist())
+    ways = serial.fold.contributions["all_reduce"]  # 3 ops per capture: 3 + 2 + 3 members of other classes
+    assert ways["recorded"] == 3 * (3 + 2 + 3) and ways["self_mirror"] == 0, ways
     # SECOND_PASS_RULE: stages 0 and 1 had backward stand-ins without a recording in the first pass (their
-    # senders are captured later): captured again, latest first; their second traces are the ones merged
+    # senders are captured later): captured again, latest first; their second traces are the ones merged. The
+    # first pass recorded stages 0 and 1's reductions after those stand-ins (derived: not used), so stages 1
+    # and 3 are taken once more after that, first stage first, with the second takes' recordings
     assert [s.split(":")[0] for s in said if s.startswith("serial capture ") and "again:" in s] == [
-        "serial capture 2/3 again", "serial capture 1/3 again"]
+        "serial capture 2/3 again", "serial capture 1/3 again", "serial capture 2/3 again", "serial capture 3/3 again"]
     assert "merged 3 of 3 capture(s), 3 complete" in said[-1]
-    # the merged trace records it: captures 1, 2 taken again, every merged capture's stand-ins recorded
+    # the merged trace records it: captures 1, 2, 3 taken again, every merged capture's stand-ins and reductions
+    # recorded
     record = serial.fold.capture
     assert record["second_pass"] == {"option": "on", "on": True, "why": "by --prism-fold-second-pass on", "moe": False}
-    assert [(c["second_pass"] if "second_pass" in c else None, c["standins_unrecorded"]) for c in record["captures"]] \
-        == [("taken", 0), ("taken", 0), (None, 0)]
-    assert serial.fold.unrecorded_standins() == ""
+    assert [(c.get("second_pass"), c["standins_unrecorded"], c["reductions_unrecorded"])
+            for c in record["captures"]] == [("taken", 0, 0), ("taken", 0, 0), ("taken", 0, 0)]
+    assert serial.fold.unrecorded_standins() == serial.fold.unrecorded_reductions() == ""
 
 
 def test_a_capture_that_fails_stops_the_run_and_the_merged_trace_says_which(tmp_path):
