@@ -12,11 +12,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from nccl_prune import STANDIN_RULE, Contributions, PruneError, plan_group, route_recv, standin_values
+from nccl_prune import RECORD_MAX_BYTES, STANDIN_RULE, Contributions, PruneError, plan_group, route_recv, standin_values
 from prism_megatron.launcher.exit_codes import BAD_INPUT, OOM, RANK_FAILED
 from prism_megatron.launcher.launch import LaunchConfig, launch
 from prism_megatron.launcher.serial import capture_plan, capture_serially, captures_dir
 from prism_megatron.report.units import fmt_bytes
+from prism_megatron.runtime import local_fold
 from prism_megatron.runtime import protocol as P
 from prism_megatron.runtime.folding import Folding
 from prism_megatron.runtime.groups import Group
@@ -531,6 +532,67 @@ def test_a_broadcast_from_another_class_is_answered_from_the_capture_that_rooted
     assert got is None and "captured after this one" in problem
     with pytest.raises(ValueError, match=r"capture.part.answers\[0\]' is not a recorded broadcast"):
         Folding(capture_plan(plan, 4, 1, [{"group": ["world"], "seq": 3}]))
+
+
+def test_a_small_reduction_over_another_class_is_answered_from_that_class_s_capture():
+    """RECORDED_REDUCTION_RULE in the coordinator: the model-parallel group [0, 1, 4, 5] of TP2·PP2·DP2. Rank 0's
+    capture records its grad-norm square (nothing to answer from yet: counted unrecorded); rank 4's capture answers
+    ranks 0 and 1 from it (recorded), rank 5 by mirror; a derived recording (made after a stand-in without a
+    norm) is not used; a recording that does not fit is refused by name; larger or non-reducing ops are left."""
+    plan = _class_plan()
+    first = Folding(capture_plan(plan, 0, 0))
+    mp = _group(0, "mp", [0, 1, 4, 5], first)
+    tp = _group(1, "tp", [0, 1], first)
+    sq = [torch.tensor([0.25])]
+    assert first.reduction(mp, 7, "all_reduce", sq) == ({}, None) and first.reductions_unrecorded == 1
+    assert first.reduction(tp, 7, "all_reduce", sq) == ({}, None)  # one class: neither recorded nor counted
+    assert first.reduction(mp, 8, "all_gather", sq) == ({}, None)  # a gather: self mirror
+    assert first.reduction(mp, 9, "all_reduce", [torch.zeros(RECORD_MAX_BYTES // 4 + 1)]) == ({}, None)  # too big
+    first.passthrough._derived[True] = True  # a backward stand-in fell back: what follows is derived
+    first.reduction(mp, 10, "all_reduce", sq)
+    part = first.to_json()["capture"]["part"]
+    assert [(r["seq"], r["rank"], r["kind"], r["derived"]) for r in part["reductions"]] == [
+        (7, 0, "all_reduce", False), (10, 0, "all_reduce", True)]
+    assert part["reductions_unrecorded"] == 2
+    last = Folding(capture_plan(plan, 4, 1, reduction_answers=part["reductions"]))
+    mp4 = _group(0, "mp", [0, 1, 4, 5], last)
+    got, problem = last.reduction(mp4, 7, "all_reduce", [torch.tensor([1.0])])
+    assert problem is None and set(got) == {0, 1} and all(torch.equal(got[q][0], sq[0]) for q in got)
+    last.count(mp4, "all_reduce", None, False, recorded=tuple(sorted(got)))
+    assert last.contributions.to_json()["all_reduce"] == {"mirror": 1, "recorded": 2, "keep": 0, "passthrough": 0,
+                                                          "self_mirror": 0}
+    assert last.reduction(mp4, 10, "all_reduce", [torch.tensor([1.0])]) == ({}, None)  # derived: self mirror
+    assert last.reductions_unrecorded == 1
+    _, problem = last.reduction(mp4, 7, "all_reduce", [torch.tensor([1.0, 2.0])])
+    assert "do not run the same program" in problem and "rank 0" in problem
+    _, problem = last.reduction(mp4, 7, "reduce", [torch.tensor([1.0])])
+    assert "recorded op #7 of this group as all_reduce, this capture issues reduce" in problem
+    # the rank leaves such an op to the coordinator (local_fold), and the coordinator refuses one answered there
+    lone = local_fold.lone_plan([0, 1, 4, 5], [4] * 8, 2)
+    assert local_fold.records(lone, plan["rep"]) and not local_fold.records(lone, None)
+    one = [torch.tensor([1.0])]
+    assert not local_fold.answerable(lone, "all_reduce", one, [torch.empty(1)], {}, records=True)
+    assert local_fold.answerable(lone, "all_reduce", one, [torch.empty(1)], {}, records=False)
+    big = [torch.zeros(RECORD_MAX_BYTES // 4 + 1)]
+    assert local_fold.answerable(lone, "all_reduce", big, [torch.empty_like(big[0])], {}, records=True)
+    msg = {"kind": "all_reduce", "ins": [(("i", b"\0" * 4), "float32", [1])]}
+    assert "RECORDED_REDUCTION_RULE" in last.answered_in_rank(mp4, msg)
+    with pytest.raises(ValueError, match=r"capture.part.reduction_answers\[0\]' is not a recorded reduction"):
+        Folding(capture_plan(plan, 4, 1, reduction_answers=[{"group": ["mp", [0], 0], "seq": 1}]))
+
+
+def test_a_merged_trace_says_which_captures_kept_reductions_without_a_recording(tmp_path):
+    plan = _class_plan()
+    captures = [{"rank": 0, "trace": "a", "complete": True, "incomplete": None, "reductions_unrecorded": 3},
+                {"rank": 4, "trace": "b", "complete": True, "incomplete": None, "reductions_unrecorded": 0}]
+    merged = {**plan, "capture": {"mode": "serial", "rules": {"collectives": "self_mirror", "p2p": "standin"},
+                                  "captures": captures}}
+    fold = parse_fold(merged, 8, "t")
+    assert fold.unrecorded_reductions().startswith("capture 1 (3) answered reductions over another class's members "
+                                                   "by self mirror")
+    captures[1]["reductions_unrecorded"] = -1
+    with pytest.raises(TraceFormatError, match=r"capture.captures\[1\].reductions_unrecorded' is -1"):
+        parse_fold(merged, 8, "t")
 
 
 def test_a_capture_whose_rank_ran_no_iteration_fails_the_serial_run_by_name(tmp_path):

@@ -143,7 +143,7 @@ class Folding:
             if got is None or got[2]:  # none, or derived: made after its capture's stand-ins fell back
                 continue
             if got[0] != kind:
-                return {}, (f"rank {r}'s capture recorded a {got[0]} as op #{seq} of this group, this capture issues a "
+                return {}, (f"rank {r}'s capture recorded op #{seq} of this group as {got[0]}, this capture issues "
                             f"{kind}: the captures do not run the same program (RECORDED_REDUCTION_RULE)")
             recordings[r] = [torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype_from_name(dt)) if raw
                              else torch.empty(0, dtype=dtype_from_name(dt)) for dt, raw in got[1]]
