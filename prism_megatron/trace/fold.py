@@ -269,8 +269,8 @@ class Fold:
             return ""
         said = ", ".join(f"{i} ({n})" for i, n in which)
         return (f"capture{'s' if len(which) > 1 else ''} {said} answered reductions over another class's members by "
-                "self mirror, no capture having recorded that class's inputs (their grad norms count their own "
-                "stage for it)")
+                "self mirror, that class's inputs unrecorded (captured later, or recorded after stand-ins without a "
+                "norm): the grad norms they log count their own stage for it")
 
     def contribution_counts(self) -> dict[str, int]:
         """Virtual contributions by way, summed over op kinds: the first four CONTRIBUTION_WAYS always, a serial
