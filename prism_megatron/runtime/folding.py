@@ -55,12 +55,12 @@ __all__ = ["RECORDED_BROADCAST_RULE", "RECORD_MAX_BYTES", "Folding", "untranslat
 RECORDED_BROADCAST_RULE = """\
 In a serial capture of live rank L, a broadcast whose root's class has its live rank R elsewhere is not
 answered by self mirror: the root sends what R sends, a value the receivers may branch on. Each capture
-records the broadcasts (up to nccl_prune's RECORD_MAX_BYTES: values a program branches on are small) whose root
-is its live rank or a member of its class, on a group with members of another class; a later capture answers
-that broadcast (the same group, by name, members and incarnation, and the same sequence number) with the
-recorded bytes. Captures run first stage
-first, so a broadcast from the first stage is answered in every later capture. Without a recording an
-integer or bool broadcast is refused by name; a floating-point one is answered by self mirror (data, not a decision)."""
+records the broadcasts (up to nccl_prune's RECORD_MAX_BYTES: values a program branches on are small) whose
+root is its live rank or a member of its class, on a group with members of another class; a later capture
+answers that broadcast (the same group, by name, members and incarnation, and the same sequence number) with
+the recorded bytes. Captures run first stage first, so a broadcast from the first stage is answered in every
+later capture. Without a recording an integer or bool broadcast is refused by name; a floating-point one is
+answered by self mirror (data, not a decision)."""
 
 
 class Folding:
