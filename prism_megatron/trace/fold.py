@@ -47,8 +47,10 @@ CAPTURE_MODES: tuple[str, ...] = ("together", "serial")
 SERIAL_RULES: dict[str, str] = {"collectives": "self_mirror", "p2p": "standin"}
 #: A serial run's merged trace may say what its stand-ins lacked (traces before these fields say nothing; read
 #: as unknown): per capture, ``standins_unrecorded`` (its receives whose stand-in had no recorded norm: a derived
-#: recording's or the unit fallback, nccl_prune.STANDIN_RULE (3), (4)) and ``second_pass`` ("taken": captured
-#: again, its second trace merged; "skipped": it needed one and ``--prism-fold-second-pass`` took none), and
+#: recording's or the unit fallback, nccl_prune.STANDIN_RULE (3), (4)), ``reductions_unrecorded`` (its small
+#: reductions over another class's members answered by self mirror for want of a usable recording of that
+#: class's inputs, nccl_prune.RECORDED_REDUCTION_RULE) and ``second_pass`` ("taken": captured again, its latest
+#: trace merged; "skipped": it needed one and ``--prism-fold-second-pass`` took none), and
 #: ``capture.second_pass``: the option's decision, {"option", "on": taken where needed, "why", "moe": whether
 #: the fold has MoE layers, null where the plan did not say} (launcher.serial.second_pass).
 SECOND_PASS_STATES: tuple[str, ...] = ("taken", "skipped")
