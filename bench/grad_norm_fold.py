@@ -8,6 +8,7 @@ ranks each report their own capture's value; a rank captured twice, its last cap
 
     python bench/grad_norm_fold.py
     python bench/grad_norm_fold.py --recipe mini-dense-pp2vpp2
+    python bench/grad_norm_fold.py --ways "class together" "class serial" "class serial, second pass on"
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ WAYS = {
     "replica": ["--prism-fold", "on", "--prism-fold-depth", "replica"],
     "class together": ["--prism-fold", "on", "--prism-fold-depth", "class"],
     "class serial": ["--prism-fold", "on", "--prism-fold-depth", "class", "--prism-fold-capture", "serial"],
+    "class serial, second pass on": ["--prism-fold", "on", "--prism-fold-depth", "class", "--prism-fold-capture",
+                                     "serial", "--prism-fold-second-pass", "on"],
 }
 
 

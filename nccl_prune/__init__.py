@@ -7,7 +7,19 @@ once per op kind what a virtual member contributes; ``host.execute`` runs a fold
 members. Knows collectives and ranks, not Megatron.
 """
 
-from nccl_prune.contributions import KINDS, SELF_MIRROR_RULE, Contributions, check_p2p, virtual_contributions
+from nccl_prune.contributions import (
+    KINDS,
+    RECORD_MAX_BYTES,
+    RECORDED_KINDS,
+    RECORDED_REDUCTION_RULE,
+    SELF_MIRROR_RULE,
+    Contributions,
+    check_p2p,
+    other_classes,
+    recordable,
+    recorded_inputs,
+    virtual_contributions,
+)
 from nccl_prune.host import execute, is_in_place_all_gather
 from nccl_prune.passthrough import (
     PASSTHROUGH_RULE,
@@ -21,6 +33,8 @@ from nccl_prune.passthrough import (
 )
 from nccl_prune.plan import GroupPlan, PruneError, plan_group
 
-__all__ = ["KINDS", "PASSTHROUGH_RULE", "SECOND_PASS_RULE", "SELF_MIRROR_RULE", "STANDIN_RULE", "Contributions",
-           "GroupPlan", "PruneError", "Route", "check_p2p", "execute", "is_in_place_all_gather", "plan_group",
-           "recorded_stream", "route_recv", "route_send", "standin_values", "virtual_contributions"]
+__all__ = ["KINDS", "PASSTHROUGH_RULE", "RECORDED_KINDS", "RECORDED_REDUCTION_RULE", "RECORD_MAX_BYTES",
+           "SECOND_PASS_RULE", "SELF_MIRROR_RULE", "STANDIN_RULE", "Contributions", "GroupPlan", "PruneError", "Route",
+           "check_p2p", "execute", "is_in_place_all_gather", "other_classes", "plan_group", "recordable",
+           "recorded_inputs", "recorded_stream", "route_recv", "route_send", "standin_values",
+           "virtual_contributions"]

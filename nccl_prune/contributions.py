@@ -8,7 +8,8 @@ Four ways a virtual member takes part:
   value of the run, never a zero.
 - *recorded*: it contributes a value recorded elsewhere (a calibration run, a prior full capture), for
   small inputs a program branches on where the mirror's value is not the one wanted. The caller
-  supplies them per virtual position; they take the member's place verbatim.
+  supplies them per virtual position; they take the member's place verbatim. In a serial capture a small
+  reduction over another class's members takes that class's recording (``RECORDED_REDUCTION_RULE``).
 - *keep*: for an in-place all_gather (the input is the member's own chunk of the output, as the
   distributed optimizer's parameter all-gather does), a virtual member's chunk of a live member's
   output keeps what that buffer holds. The mirror's chunk would be its own shard: other parameters,
@@ -32,10 +33,14 @@ member receives from a virtual one.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from nccl_prune.plan import GroupPlan, PruneError
+from nccl_prune.plan import GroupPlan, PruneError, _show
+
+if TYPE_CHECKING:
+    import torch
 
 MIRROR, RECORDED, KEEP, PASSTHROUGH = "mirror", "recorded", "keep", "passthrough"
 SELF_MIRROR, STANDIN = "self_mirror", "standin"
@@ -56,7 +61,39 @@ broadcast from such a root sends L's buffer as it stands, unless the caller answ
 recorded bytes (a broadcast's root sends values its receivers branch on: prism records them in the
 capture of the root's class and answers later captures from it, counted recorded). Members of L's own
 class are never self mirrored: a MoE live rank's expert-parallel peers at class depth are of its class, so
-its count exchange and token all-to-alls are answered by the translated mirror (A2A_RULE) as together."""
+its count exchange and token all-to-alls are answered by the translated mirror (A2A_RULE) as together.
+Small reductions over members of another class are answered from that class's recording where an earlier
+capture made one (RECORDED_REDUCTION_RULE)."""
+
+#: the largest reduction (all its input tensors together, in bytes) a serial capture records for later captures
+#: and answers from a recording (RECORDED_REDUCTION_RULE): what a program reads of a reduction over other classes
+#: is a few elements (a grad norm, a count of zeros, a found-inf flag, a loss); 64 KiB is the size up to which a
+#: payload rides inside the runtime's control message, so recording one costs no transfer the op does not make
+RECORD_MAX_BYTES = 1 << 16
+#: the reductions RECORDED_REDUCTION_RULE answers: every member's input enters the result a live member reads
+RECORDED_KINDS = frozenset({"all_reduce", "reduce", "reduce_scatter", "reduce_scatter_list"})
+
+RECORDED_REDUCTION_RULE = f"""\
+In a serial capture of live rank L, a reduction (all_reduce, coalesced too, reduce, reduce_scatter:
+RECORDED_KINDS) of at most RECORD_MAX_BYTES ({RECORD_MAX_BYTES} bytes, all inputs together) over a group with
+members of another class (answered by self mirror otherwise: SELF_MIRROR_RULE) takes from each such virtual
+member what its class's live rank R contributed to the same op in R's own capture: the same group (name, member
+ranks, incarnation) and the same sequence number within it, which every member of a group shares. Each capture
+records its own inputs to such reductions, L's as the live rank of its class, marked *derived* where the capture
+had given a stand-in without a recording before (STANDIN_RULE (3), (4): a first stage's gradients under a unit
+fallback are off by the fallback's scale, so a grad norm built from them is further off than self mirror); a
+later capture (or, taken again, an earlier one: SECOND_PASS_RULE) answers from a recording that is not derived,
+counted *recorded*; members of L's own class keep their mirror. So a first stage's grad norm (Megatron sums
+squared norms over the model-parallel group, TP x PP members) sums every stage's share as a capture together
+does, once the stage's capture has run, instead of counting its own stage once per pipeline stage; num-zeros
+counts and found-inf flags likewise. Where no capture recorded it, or only a derived recording exists (R is
+captured later, or fell back, and the capture is not taken again), the member keeps self mirror and the op is
+counted unrecorded. A recording whose tensors differ in number, dtype or size from L's inputs is refused: the
+captures do not run the same program. Gathers keep self mirror: their result is each member's value side by
+side, read for logging and consistency checks, and an object gather's sizes follow the values, so another
+capture's recording need not fit this capture's shapes; all_to_all pieces are addressed by A2A_RULE within a
+class; a broadcast's root has its own rule (recorded bytes). Larger reductions (gradients) keep self mirror: a
+size check is all they cost."""
 
 A2A_RULE = """\
 A live member l receives from a virtual member v the piece that v's mirror m sends to l's counterpart:
@@ -134,6 +171,41 @@ def how(plan: GroupPlan, pos: int, *, recorded: Collection[int] = (), keep: bool
     if keep:
         return KEEP
     return SELF_MIRROR if pos in self_mirror else MIRROR
+
+
+def recordable(kind: str, nbytes: int) -> bool:
+    """Whether op ``kind`` with ``nbytes`` of input (all tensors) falls under RECORDED_REDUCTION_RULE (O(1))."""
+    return kind in RECORDED_KINDS and nbytes <= RECORD_MAX_BYTES
+
+
+def other_classes(plan: GroupPlan, class_rep: Sequence[int]) -> dict[int, int]:
+    """A serial capture's group: each virtual position whose class's live rank is not its mirror (answered by
+    self mirror, SELF_MIRROR_RULE) -> that class's live rank (``class_rep``: every rank's, as captured
+    together). Empty where every member is of the capture's class. O(group size), once per group."""
+    return {q: int(class_rep[plan.ranks[q]]) for q in plan.virtual_positions
+            if class_rep[plan.ranks[q]] != plan.ranks[plan.mirror[q]]}
+
+
+def recorded_inputs(plan: GroupPlan, others: Mapping[int, int],
+                    recordings: Mapping[int, Sequence[torch.Tensor]],
+                    like: Sequence[torch.Tensor]) -> dict[int, list[torch.Tensor]]:
+    """RECORDED_REDUCTION_RULE: the inputs each other-class virtual position (``others``, from ``other_classes``)
+    contributes — the recording of its class's live rank (``recordings[R]``) — for the positions whose class has
+    one; the rest keep self mirror. ``like``: the live member's inputs, whose number, dtypes and sizes a recording
+    must have (else PruneError naming the group, the rank and both)."""
+    out: dict[int, list[torch.Tensor]] = {}
+    for q, r in others.items():
+        rec = recordings.get(r)
+        if rec is None:
+            continue
+        want = [(t.dtype, t.numel()) for t in like]
+        got = [(t.dtype, t.numel()) for t in rec]
+        if got != want:
+            raise PruneError(f"the reduction rank {r} contributed on group {_show(plan.ranks)}, as its capture "
+                             f"recorded it, has tensors (dtype, elements) {got}; this capture's are {want}: the "
+                             f"captures do not run the same program (RECORDED_REDUCTION_RULE)")
+        out[q] = list(rec)
+    return out
 
 
 def virtual_contributions(kind: str, plan: GroupPlan, *, root: int | None = None, in_place: bool = False,

@@ -60,17 +60,21 @@ global rank; together it is a p2p between live ranks) is answered the same way: 
 its direction the op label's (without a label that names one: refused), its send is dropped. An integer
 tensor (a shape exchange: values that steer the program) gets no stand-in: refused."""
 SECOND_PASS_RULE = """\
-A serial capture that gave a stand-in a derived recording's norm or the unit fallback (STANDIN_RULE (3),
-(4)) is captured again after the first pass, latest first, with every recording made so far (the second
-pass's own included), and the captures merged are the latest of each live rank. A pipeline without
-wrap-around then has every stand-in recorded: the last stage's forward receives were recorded by the first
-pass, each earlier stage's backward receives by the stage after it, captured again before it. In an
-interleaved pipeline the last capture of the first pass takes its wrap-around gradients at its own scale.
-The norms steer values (the grad norm, gradient clipping, losses); shapes, the op sequence, time and memory
-follow them only through MoE routing (tokens per expert follow activation values). So the launcher's option
-(--prism-fold-second-pass) takes the second pass always (on), never (off), or only for a fold with MoE layers
-(auto, the default; also where the plan does not say), and a capture that needed one and was not taken again
-is named as such in the launcher's output, the merged trace and the report."""
+A serial capture that gave a stand-in a derived recording's norm or the unit fallback (STANDIN_RULE (3), (4)),
+or answered a small reduction's member of another class by self mirror for want of a recording
+(RECORDED_REDUCTION_RULE), is captured again after the first pass, latest first, with every recording made so
+far (the second pass's own included), and the captures merged are the latest of each live rank. A pipeline
+without wrap-around then has every stand-in recorded: the last stage's forward receives were recorded by the
+first pass, each earlier stage's backward receives by the stage after it, captured again before it. In an
+interleaved pipeline the last capture of the first pass takes its wrap-around gradients at its own scale. A
+capture whose latest take still found no usable recording for a reduction (the classes it lacked were taken
+again after it) is taken once more after that, first stage first, where another capture was taken after it: at
+most 3k-2 captures for k live ranks. The norms and the reductions steer values (the grad norm, gradient
+clipping, losses); shapes, the op sequence, time and memory follow them only through MoE routing (tokens per
+expert follow activation values). So the launcher's option (--prism-fold-second-pass) takes the second pass
+always (on), never (off), or only for a fold with MoE layers (auto, the default; also where the plan does not
+say), and a capture that needed one and was not taken again is named as such in the launcher's output, the
+merged trace and the report."""
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,9 @@ class CollectiveCall:
     #: chunks are kept), a broadcast's at the mirror of a virtual root (the data that root sends)
     current: list[list[Any]] | None = None
     in_place: bool = False  # an all_gather whose input is the member's own chunk of its output
+    #: inputs of virtual positions taken from a recording instead of the mirror (a serial capture's reduction
+    #: over another class's members: nccl_prune.RECORDED_REDUCTION_RULE)
+    recorded: dict[int, list[Any]] | None = None
 
 
 @dataclass(frozen=True)
@@ -74,8 +77,8 @@ class OpKind:
         """The live members' outputs (live-position order) of an op on a folded group, answered by
         ``nccl_prune.host`` from the live members' inputs: each virtual member mirrors its
         representative (its contribution weighted, never materialised) or, in an in-place all_gather,
-        keeps what the live member's output holds. Values this kind marks ``recorded`` have no
-        recording during a capture, so the mirror answers for them (counted as mirrored)."""
+        keeps what the live member's output holds; ``call.recorded`` replaces a virtual member's mirror with
+        its recorded inputs."""
         import torch
 
         from nccl_prune.host import execute
@@ -96,7 +99,7 @@ class OpKind:
             inputs = {p: x or current[p] for p, x in inputs.items()}
         res = execute(self.name, plan, inputs, op=call.redop, factor=call.factor, root=call.root,
                       in_splits=splits, in_place=call.in_place, current=current if call.in_place else None,
-                      out=out)
+                      recorded=call.recorded, out=out)
         return [res[p] for p in live]
 
     def local(self, ins: list[Any], outs: list[Any], redop: str | None, factor: float | None) -> None:

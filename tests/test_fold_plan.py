@@ -559,23 +559,6 @@ def test_plan_says_what_micro_batch_folding_will_run_and_plans_that_command(pars
     assert result.exit_code != 0 and "below the minimum 5" in result.output
 
 
-@pytest.mark.parametrize("layout, depth, again", [
-    # class depth, stages first | middle (stages 1, 2: rank of stage 1 live) | last: the first stage's backward
-    # comes from the middle (captured later), the middle's from its own class before it has sent one
-    (TargetLayout(world_size=64, tp=2, pp=4, num_layers=8), "class", [0, 1]),
-    (TargetLayout(world_size=64, tp=2, pp=4, vpp=2, num_layers=16), "class", [0, 1]),  # ring: last from first
-    (TargetLayout(world_size=16, tp=2, pp=2, num_layers=4), "class", [0]),
-    (TargetLayout(world_size=16, tp=2, pp=2, num_layers=4), "replica", [0, 1]),  # stage 0's two TP ranks
-    (TargetLayout(world_size=16, tp=2, num_layers=4), "class", []),  # no pipeline, no stand-ins
-])
-def test_the_plan_foresees_the_captures_a_serial_second_pass_takes(layout, depth, again):
-    from prism_megatron.megatron.plan import second_pass_captures
-
-    fold = build_fold_plan(layout, depth)
-    assert second_pass_captures(fold) == again, (fold.live, fold.rep)
-    assert second_pass_captures(FoldPlan.from_json(json.loads(json.dumps(fold.to_json())))) == again
-
-
 def test_plan_counts_the_second_pass_in_the_serial_captures_and_the_time():
     base = ["plan", "--json", "--prism-world-size", "8", "--devices", "cpu", "--prism-fold-depth", "class",
             "--prism-fold-capture", "serial"]
@@ -586,7 +569,8 @@ def test_plan_counts_the_second_pass_in_the_serial_captures_and_the_time():
         assert r.exit_code == 0, r.output
         out[mode] = json.loads(r.stdout)
     off, on = out["off"], out["on"]
-    assert off["capture"]["second_pass"]["captures"] == on["capture"]["second_pass"]["captures"] == [0, 1]
-    assert off["capture"]["second_pass"]["taken"] == [] and on["capture"]["second_pass"]["taken"] == [0, 1]
-    assert (off["time"]["captures"], on["time"]["captures"]) == (3, 5)
-    assert on["time"]["seconds"] > off["time"]["seconds"] and "2 captured again" in on["time"]["model"]
+    # 3 live ranks (first, middle, last): the second pass may add 2 x 2 captures, counted only where taken
+    assert off["capture"]["second_pass"]["at_most"] == on["capture"]["second_pass"]["at_most"] == 4
+    assert (off["capture"]["second_pass"]["counted"], on["capture"]["second_pass"]["counted"]) == (0, 4)
+    assert (off["time"]["captures"], on["time"]["captures"]) == (3, 7)
+    assert on["time"]["seconds"] > off["time"]["seconds"] and "up to 4 more for the second pass" in on["time"]["model"]

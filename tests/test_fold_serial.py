@@ -12,11 +12,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from nccl_prune import STANDIN_RULE, Contributions, PruneError, plan_group, route_recv, standin_values
+from nccl_prune import RECORD_MAX_BYTES, STANDIN_RULE, Contributions, PruneError, plan_group, route_recv, standin_values
 from prism_megatron.launcher.exit_codes import BAD_INPUT, OOM, RANK_FAILED
 from prism_megatron.launcher.launch import LaunchConfig, launch
 from prism_megatron.launcher.serial import capture_plan, capture_serially, captures_dir
 from prism_megatron.report.units import fmt_bytes
+from prism_megatron.runtime import local_fold
 from prism_megatron.runtime import protocol as P
 from prism_megatron.runtime.folding import Folding
 from prism_megatron.runtime.groups import Group
@@ -46,7 +47,7 @@ def test_a_capture_plan_keeps_one_live_rank_and_every_ranks_class_representative
     assert fold.live == (4,) and set(fold.rep) == {4} and [c.name for c in fold.classes] == ["last"]
     assert fold.capture_mode == "serial" and fold.capture["rules"] == {"collectives": "self_mirror", "p2p": "standin"}
     assert fold.capture["part"] == {"rank": 4, "index": 1, "of": 2, "sandbox": [0, 4], "class_rep": plan["rep"],
-                                       "answers": [], "p2p_answers": []}
+                                       "answers": [], "p2p_answers": [], "reduction_answers": []}
     assert fold.depth == "class" and fold.schedule == "1f1b"  # the rest of the plan as captured together
     with pytest.raises(ValueError, match="rank 1 is not a live rank of the fold"):
         capture_plan(plan, 1, 0)
@@ -422,12 +423,15 @@ def _skeleton(trace) -> dict[int, list[tuple]]:
 def test_a_pipeline_captured_serially_issues_the_ops_of_the_capture_together(tmp_path):
     """fold_pipeline.py, 4 stages, stage 2 folded onto stage 1: captured together (0, 1 and 3 as processes) and
     serially (one at a time; each other stage's receives answered by stand-ins): the same ops with the
-    same per-group sequence numbers, rank by rank."""
+    same per-group sequence numbers, rank by rank. Its small reductions over the pipeline group (norms: a
+    grad-norm-like sum of squares, a count, a found-inf flag) give every capture's final take what the capture
+    together gives (RECORDED_REDUCTION_RULE), where self mirror would count each stage's own share 4 times."""
     fold = {**make_fold([0, 1, 1, 3], 8).to_json(), "layout": {"moe_layers": 0}}  # dense: auto would skip it
     base = dict(script=PROGRAMS / "fold_pipeline.py", world_size=4, hang_timeout=60, fold=fold)
-    assert launch(LaunchConfig(**base, script_args=[str(tmp_path / "r1"), "3"], trace_dir=tmp_path / "together")) == 0
+    cfg = LaunchConfig(**base, script_args=[str(tmp_path / "r1"), "3", "norms"], trace_dir=tmp_path / "together")
+    assert launch(cfg) == 0
     said: list[str] = []
-    cfg = LaunchConfig(**base, script_args=[str(tmp_path / "r2"), "3"], trace_dir=tmp_path / "serial")
+    cfg = LaunchConfig(**base, script_args=[str(tmp_path / "r2"), "3", "norms"], trace_dir=tmp_path / "serial")
     assert capture_serially(cfg, launch, say=said.append, second="on") == 0
     together, serial = read_trace(tmp_path / "together"), read_trace(tmp_path / "serial")
     assert serial.fold.live == together.fold.live == (0, 1, 3) and serial.fold.rep == together.fold.rep
@@ -454,17 +458,27 @@ def test_a_pipeline_captured_serially_issues_the_ops_of_the_capture_together(tmp
         assert norm(got[3]["fwd"][i]) == pytest.approx(norm(got[1]["fwd"][i] + 2000.0), rel=1e-5)
         assert norm(got[1]["bwd"][i]) == pytest.approx(norm(2 * got[3]["fwd"][i] + 40000.0), rel=1e-5)
         assert norm(got[0]["bwd"][i]) == pytest.approx(norm(got[1]["bwd"][i] + 20000.0), rel=1e-5)
+    # the reductions: together, stage 2 mirrors stage 1 (1.5 (1 + 2 * 4 + 16), 1 + 2 * 2 + 4, max 1); serially
+    # each capture's final take the same, every member of another class answered from its recording
+    want = torch.tensor([1.5 * (1 + 2 * 4 + 16), 1 + 2 * 2 + 4, 1.0], dtype=torch.float64)
+    assert all(torch.equal(torch.load(tmp_path / "r1" / f"rank-{r}.pt")["norms"], want) for r in (0, 1, 3))
+    assert {r: g["norms"].tolist() for r, g in got.items()} == dict.fromkeys((0, 1, 3), want.tolist())
+    ways = serial.fold.contributions["all_reduce"]  # 3 ops per capture: 3 + 2 + 3 members of other classes
+    assert ways["recorded"] == 3 * (3 + 2 + 3) and ways["self_mirror"] == 0, ways
     # SECOND_PASS_RULE: stages 0 and 1 had backward stand-ins without a recording in the first pass (their
-    # senders are captured later): captured again, latest first; their second traces are the ones merged
+    # senders are captured later): captured again, latest first; their second traces are the ones merged. The
+    # first pass recorded stages 0 and 1's reductions after those stand-ins (derived: not used), so stages 1
+    # and 3 are taken once more after that, first stage first, with the second takes' recordings
     assert [s.split(":")[0] for s in said if s.startswith("serial capture ") and "again:" in s] == [
-        "serial capture 2/3 again", "serial capture 1/3 again"]
+        "serial capture 2/3 again", "serial capture 1/3 again", "serial capture 2/3 again", "serial capture 3/3 again"]
     assert "merged 3 of 3 capture(s), 3 complete" in said[-1]
-    # the merged trace records it: captures 1, 2 taken again, every merged capture's stand-ins recorded
+    # the merged trace records it: captures 1, 2, 3 taken again, every merged capture's stand-ins and reductions
+    # recorded
     record = serial.fold.capture
     assert record["second_pass"] == {"option": "on", "on": True, "why": "by --prism-fold-second-pass on", "moe": False}
-    assert [(c["second_pass"] if "second_pass" in c else None, c["standins_unrecorded"]) for c in record["captures"]] \
-        == [("taken", 0), ("taken", 0), (None, 0)]
-    assert serial.fold.unrecorded_standins() == ""
+    assert [(c.get("second_pass"), c["standins_unrecorded"], c["reductions_unrecorded"])
+            for c in record["captures"]] == [("taken", 0, 0), ("taken", 0, 0), ("taken", 0, 0)]
+    assert serial.fold.unrecorded_standins() == serial.fold.unrecorded_reductions() == ""
 
 
 def test_a_capture_that_fails_stops_the_run_and_the_merged_trace_says_which(tmp_path):
@@ -506,7 +520,7 @@ def test_a_broadcast_from_another_class_is_answered_from_the_capture_that_rooted
     world4 = _group(0, "world", list(range(8)), last)
     got, problem = last.broadcast_answer(world4, 3, 0, _bcast_out("int64", 3))
     assert problem is None and torch.equal(got, flags)
-    last.count(world4, "broadcast", 0, False, recorded=got is not None)
+    last.count(world4, "broadcast", 0, False, recorded=(0,))
     assert last.contributions.to_json()["broadcast"]["recorded"] == 1
     got, problem = last.broadcast_answer(world4, 4, 0, _bcast_out("int64", 3))  # no recording of seq 4
     assert got is None and "integer values steer the program" in problem and "class's live rank 0" in problem
@@ -518,6 +532,67 @@ def test_a_broadcast_from_another_class_is_answered_from_the_capture_that_rooted
     assert got is None and "captured after this one" in problem
     with pytest.raises(ValueError, match=r"capture.part.answers\[0\]' is not a recorded broadcast"):
         Folding(capture_plan(plan, 4, 1, [{"group": ["world"], "seq": 3}]))
+
+
+def test_a_small_reduction_over_another_class_is_answered_from_that_class_s_capture():
+    """RECORDED_REDUCTION_RULE in the coordinator: the model-parallel group [0, 1, 4, 5] of TP2·PP2·DP2. Rank 0's
+    capture records its grad-norm square (nothing to answer from yet: counted unrecorded); rank 4's capture answers
+    ranks 0 and 1 from it (recorded), rank 5 by mirror; a derived recording (made after a stand-in without a
+    norm) is not used; a recording that does not fit is refused by name; larger or non-reducing ops are left."""
+    plan = _class_plan()
+    first = Folding(capture_plan(plan, 0, 0))
+    mp = _group(0, "mp", [0, 1, 4, 5], first)
+    tp = _group(1, "tp", [0, 1], first)
+    sq = [torch.tensor([0.25])]
+    assert first.reduction(mp, 7, "all_reduce", sq) == ({}, None) and first.reductions_unrecorded == 1
+    assert first.reduction(tp, 7, "all_reduce", sq) == ({}, None)  # one class: neither recorded nor counted
+    assert first.reduction(mp, 8, "all_gather", sq) == ({}, None)  # a gather: self mirror
+    assert first.reduction(mp, 9, "all_reduce", [torch.zeros(RECORD_MAX_BYTES // 4 + 1)]) == ({}, None)  # too big
+    first.passthrough._derived[True] = True  # a backward stand-in fell back: what follows is derived
+    first.reduction(mp, 10, "all_reduce", sq)
+    part = first.to_json()["capture"]["part"]
+    assert [(r["seq"], r["rank"], r["kind"], r["derived"]) for r in part["reductions"]] == [
+        (7, 0, "all_reduce", False), (10, 0, "all_reduce", True)]
+    assert part["reductions_unrecorded"] == 2
+    last = Folding(capture_plan(plan, 4, 1, reduction_answers=part["reductions"]))
+    mp4 = _group(0, "mp", [0, 1, 4, 5], last)
+    got, problem = last.reduction(mp4, 7, "all_reduce", [torch.tensor([1.0])])
+    assert problem is None and set(got) == {0, 1} and all(torch.equal(got[q][0], sq[0]) for q in got)
+    last.count(mp4, "all_reduce", None, False, recorded=tuple(sorted(got)))
+    assert last.contributions.to_json()["all_reduce"] == {"mirror": 1, "recorded": 2, "keep": 0, "passthrough": 0,
+                                                          "self_mirror": 0}
+    assert last.reduction(mp4, 10, "all_reduce", [torch.tensor([1.0])]) == ({}, None)  # derived: self mirror
+    assert last.reductions_unrecorded == 1
+    _, problem = last.reduction(mp4, 7, "all_reduce", [torch.tensor([1.0, 2.0])])
+    assert "do not run the same program" in problem and "rank 0" in problem
+    _, problem = last.reduction(mp4, 7, "reduce", [torch.tensor([1.0])])
+    assert "recorded op #7 of this group as all_reduce, this capture issues reduce" in problem
+    # the rank leaves such an op to the coordinator (local_fold), and the coordinator refuses one answered there
+    lone = local_fold.lone_plan([0, 1, 4, 5], [4] * 8, 2)
+    assert local_fold.records(lone, plan["rep"]) and not local_fold.records(lone, None)
+    one = [torch.tensor([1.0])]
+    assert not local_fold.answerable(lone, "all_reduce", one, [torch.empty(1)], {}, records=True)
+    assert local_fold.answerable(lone, "all_reduce", one, [torch.empty(1)], {}, records=False)
+    big = [torch.zeros(RECORD_MAX_BYTES // 4 + 1)]
+    assert local_fold.answerable(lone, "all_reduce", big, [torch.empty_like(big[0])], {}, records=True)
+    msg = {"kind": "all_reduce", "ins": [(("i", b"\0" * 4), "float32", [1])]}
+    assert "RECORDED_REDUCTION_RULE" in last.answered_in_rank(mp4, msg)
+    with pytest.raises(ValueError, match=r"capture.part.reduction_answers\[0\]' is not a recorded reduction"):
+        Folding(capture_plan(plan, 4, 1, reduction_answers=[{"group": ["mp", [0], 0], "seq": 1}]))
+
+
+def test_a_merged_trace_says_which_captures_kept_reductions_without_a_recording(tmp_path):
+    plan = _class_plan()
+    captures = [{"rank": 0, "trace": "a", "complete": True, "incomplete": None, "reductions_unrecorded": 3},
+                {"rank": 4, "trace": "b", "complete": True, "incomplete": None, "reductions_unrecorded": 0}]
+    merged = {**plan, "capture": {"mode": "serial", "rules": {"collectives": "self_mirror", "p2p": "standin"},
+                                  "captures": captures}}
+    fold = parse_fold(merged, 8, "t")
+    assert fold.unrecorded_reductions().startswith("capture 1 (3) answered reductions over another class's members "
+                                                   "by self mirror")
+    captures[1]["reductions_unrecorded"] = -1
+    with pytest.raises(TraceFormatError, match=r"capture.captures\[1\].reductions_unrecorded' is -1"):
+        parse_fold(merged, 8, "t")
 
 
 def test_a_capture_whose_rank_ran_no_iteration_fails_the_serial_run_by_name(tmp_path):

@@ -9,7 +9,19 @@ import random
 import pytest
 import torch
 
-from nccl_prune import Contributions, PruneError, check_p2p, execute, is_in_place_all_gather, plan_group
+from nccl_prune import (
+    RECORD_MAX_BYTES,
+    RECORDED_KINDS,
+    Contributions,
+    PruneError,
+    check_p2p,
+    execute,
+    is_in_place_all_gather,
+    other_classes,
+    plan_group,
+    recordable,
+    recorded_inputs,
+)
 from nccl_prune.contributions import KINDS, virtual_contributions
 from prism_megatron.runtime import collectives as C
 from tests.nccl_prune_cases import (
@@ -379,6 +391,38 @@ def test_recorded_inputs_replace_the_mirror():
         execute("all_reduce", plan, x, op="sum", recorded={0: x[0]})
     with pytest.raises(ValueError, match="unknown field"):
         Contributions.from_json({"all_reduce": {"mirrored": 1}})
+
+
+def test_a_serial_captures_reduction_takes_each_other_class_s_recording_as_together():
+    """RECORDED_REDUCTION_RULE: the model-parallel group of TP2·PP2 (ranks 0, 1 stage 0; 4, 5 stage 1), classes
+    live on 0 and 4. Serial capture of rank 4 (every rep 4): 0 and 1 are of rank 0's class (recorded), 5 of its
+    own (mirror). A grad norm's squares summed: what the fold together sums, not rank 4's square four times."""
+    class_rep = [0, 0, 0, 0, 4, 4, 4, 4]
+    plan = plan_group([0, 1, 4, 5], [4] * 8)
+    others = other_classes(plan, class_rep)
+    assert others == {0: 0, 1: 0}  # position -> its class's live rank; position 3 (rank 5) is rank 4's class
+    assert other_classes(plan_group([4, 5], [4] * 8), class_rep) == {}  # a TP group: one class
+    mine = [torch.tensor([0.25], dtype=torch.float32), torch.tensor([3], dtype=torch.int64)]  # squares, zeros
+    theirs = [torch.tensor([4.0]), torch.tensor([7])]
+    rec = recorded_inputs(plan, others, {0: theirs}, mine)
+    assert rec == {0: theirs, 1: theirs}
+    got = execute("all_reduce", plan, {2: mine}, op="sum", recorded=rec)[2]
+    together = execute("all_reduce", plan_group([0, 1, 4, 5], class_rep), {0: theirs, 2: mine}, op="sum")[0]
+    assert [t.tolist() for t in got] == [t.tolist() for t in together] == [[8.5], [20]]
+    assert [t.tolist() for t in execute("all_reduce", plan, {2: mine}, op="sum")[2]] == [[1.0], [12]]  # self mirror
+    assert recorded_inputs(plan, others, {}, mine) == {}  # no recording: self mirror, the caller counts it
+    with pytest.raises(PruneError, match=r"rank 0 contributed .* \[\(torch.float32, 2\), .*do not run the same"):
+        recorded_inputs(plan, others, {0: [torch.zeros(2), theirs[1]]}, mine)
+    with pytest.raises(PruneError, match="captures do not run the same program"):
+        recorded_inputs(plan, others, {0: [theirs[0].double(), theirs[1]]}, mine)
+    c = Contributions()
+    c.add("all_reduce", plan, recorded=rec)
+    assert c.to_json()["all_reduce"] == {"mirror": 1, "recorded": 2, "keep": 0, "passthrough": 0}
+    # the bound: all inputs together, reductions only (a gather's result is each member's own value)
+    assert recordable("all_reduce", RECORD_MAX_BYTES) and not recordable("all_reduce", RECORD_MAX_BYTES + 1)
+    assert all(recordable(k, 8) for k in ("reduce", "reduce_scatter", "reduce_scatter_list"))
+    assert not any(recordable(k, 8) for k in ("all_gather", "all_gather_list", "broadcast", "all_to_all", "barrier"))
+    assert RECORDED_KINDS <= {k for k, v in KINDS.items() if v.reducing}
 
 
 def test_every_kind_has_a_rule_and_bad_kinds_are_refused():

@@ -142,7 +142,9 @@ def run_rank(cfg: LaunchConfig, rank: int, address: tuple[str, int], authkey: by
         from prism_megatron.trace import markers
 
         client = RankClient(address, authkey, rank, cfg.world_size, f"{segment_prefix}-r{rank}")
-        install(client, rep=cfg.fold["rep"] if cfg.fold is not None else None, untranslate=untranslation(cfg.fold))
+        part = ((cfg.fold or {}).get("capture") or {}).get("part") or {}
+        install(client, rep=cfg.fold["rep"] if cfg.fold is not None else None, untranslate=untranslation(cfg.fold),
+                class_rep=part.get("class_rep"))
         probe = None
         if cfg.tracks_memory:
             from prism_megatron.memory import MemoryProbe

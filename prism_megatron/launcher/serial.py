@@ -16,7 +16,8 @@ merged trace (``trace.merge``) says which. A capture whose rank ran out of memor
 (exit code ``OOM``) did not fail: its OOM is the prediction for its class, so the later captures run and the
 merged trace holds every class, each with its peak or its failing allocation (``OOM_CONTINUES_RULE``).
 Captures run in the fold's live-rank order (first stage first); a capture whose stand-ins had no recorded
-norm (their senders are captured later) is captured again after them, latest first
+norm, or whose small reductions over other classes found no recording of their inputs
+(``nccl_prune.RECORDED_REDUCTION_RULE``; their senders are captured later) is captured again after them, latest first
 (``nccl_prune.SECOND_PASS_RULE``), and its second trace is the one merged, where ``--prism-fold-second-pass``
 takes it (:func:`second_pass`: under auto only for a fold with MoE layers); what was skipped is said and recorded.
 A capture's ranks see ``CAPTURE_ENV``: rules the program side keeps for a capture of one live rank install
@@ -26,6 +27,7 @@ on it (Megatron's tied-embedding initialisation: ``patches.serial_embedding``).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import shutil
 import time
@@ -76,13 +78,16 @@ def second_pass(mode: str, plan: dict[str, Any]) -> dict[str, Any]:
 
 def capture_plan(plan: dict[str, Any], rank: int, index: int,
                  answers: list[dict[str, Any]] | None = None,
-                 p2p_answers: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+                 p2p_answers: list[dict[str, Any]] | None = None,
+                 reduction_answers: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """The plan of capture ``index`` of a serial run: live rank ``rank`` alone, every rank's rep ``rank``,
     one class (``rank``'s) standing for all; ``capture.part`` keeps the fold's sandbox and each rank's
     class representative (``class_rep``), by which the coordinator tells mirror from self mirror,
     ``answers``: the broadcasts earlier captures recorded (``capture.part.broadcasts`` of their traces), and
     ``p2p_answers``: the norms of the p2p messages they sent to virtual neighbours (``capture.part.p2p_norms``),
-    which scale this capture's stand-ins (``nccl_prune.STANDIN_RULE``)."""
+    which scale this capture's stand-ins (``nccl_prune.STANDIN_RULE``), and ``reduction_answers``: their live
+    ranks' inputs to small reductions over other classes (``capture.part.reductions``), which answer this
+    capture's members of those classes (``nccl_prune.RECORDED_REDUCTION_RULE``)."""
     live = [int(x) for x in plan["live"]]
     if rank not in live:
         raise ValueError(f"rank {rank} is not a live rank of the fold (live: {live})")
@@ -94,7 +99,8 @@ def capture_plan(plan: dict[str, Any], rank: int, index: int,
                capture={"mode": "serial", "rules": dict(SERIAL_RULES),
                         "part": {"rank": rank, "index": index, "of": len(live), "sandbox": live,
                                  "class_rep": [int(x) for x in plan["rep"]], "answers": list(answers or []),
-                                 "p2p_answers": list(p2p_answers or [])}})
+                                 "p2p_answers": list(p2p_answers or []),
+                                 "reduction_answers": list(reduction_answers or [])}})
     return out
 
 
@@ -121,11 +127,16 @@ def capture_serially(cfg: LaunchConfig, launch: Callable[[LaunchConfig], int],
     root.mkdir(parents=True, exist_ok=True)
     code, ooms, captures, walls, answers, iterations = 0, [], [], [], [], {}
     norms: dict[tuple, dict[str, Any]] = {}  # (group, src, dst) -> the latest recording of that p2p stream
+    reductions: dict[tuple, dict[str, Any]] = {}  # (group, seq, rank) -> the latest recording of that reduction
     unrecorded: dict[int, int] = {}  # capture index -> its stand-ins given the unit fallback
+    unrecorded_reductions: dict[int, int] = {}  # capture index -> its reductions without another class's recording
     failed = 0  # the number (from 1) of the capture that failed
+    latest: dict[int, int] = {}  # capture index -> when its latest take ran (0, 1, ...)
+    takes = itertools.count()
 
     def run(i: int, rank: int, again: bool) -> None:
         nonlocal code, failed
+        latest[i] = next(takes)
         part = root / f"capture-{i}-rank-{rank}"
         cls = plan["classes"][plan["class_of"][rank]]["name"]
         if again:
@@ -134,7 +145,8 @@ def capture_serially(cfg: LaunchConfig, launch: Callable[[LaunchConfig], int],
             f"only process; every other rank is virtual (self mirror, stand-ins); trace {part}")
         t0 = time.perf_counter()
         # no live prediction: one capture's trace is not the job's graph (the merged trace is)
-        code = launch(dataclasses.replace(cfg, fold=capture_plan(plan, rank, i, answers, list(norms.values())),
+        code = launch(dataclasses.replace(cfg, fold=capture_plan(plan, rank, i, answers, list(norms.values()),
+                                                                 list(reductions.values())),
                                           trace_dir=part, predictor=None))
         (again_walls if again else walls).append(time.perf_counter() - t0)
         written = (part / "manifest.json").exists()
@@ -146,7 +158,10 @@ def capture_serially(cfg: LaunchConfig, launch: Callable[[LaunchConfig], int],
             answers.extend(got.get("broadcasts") or [])
             for e in got.get("p2p_norms") or []:
                 norms[(json.dumps(e["group"]), e["src"], e["dst"])] = e
+            for e in got.get("reductions") or []:
+                reductions[(json.dumps(e["group"]), e["seq"], e["rank"])] = e
             unrecorded[i] = int(got.get("standins_unrecorded") or 0)
+            unrecorded_reductions[i] = int(got.get("reductions_unrecorded") or 0)
             iterations[i] = _iterations(part)
         if code != 0 and reason is None:
             reason = f"exited with code {code}"
@@ -177,15 +192,32 @@ def capture_serially(cfg: LaunchConfig, launch: Callable[[LaunchConfig], int],
     for i in reversed(range(len(live))):
         if code != 0:
             break
-        if unrecorded.get(i) and i not in ooms and any(
+        if (unrecorded.get(i) or unrecorded_reductions.get(i)) and i not in ooms and any(
                 captures[j]["trace"] is not None for j in range(i + 1, len(live))):
             if not decided["on"]:
                 skipped.append(i)
                 captures[i]["second_pass"] = "skipped"
                 continue
-            say(f"serial capture {i + 1}/{len(live)}: {unrecorded[i]} stand-in(s) had neither a recorded norm nor "
-                "the rank's own scale (their senders are captured later): capturing it again with the later "
-                f"captures' recordings (nccl_prune.SECOND_PASS_RULE; second pass on {decided['why']})")
+            said = [f"{unrecorded[i]} stand-in(s) had neither a recorded norm nor the rank's own scale"] \
+                if unrecorded.get(i) else []
+            if unrecorded_reductions.get(i):
+                said.append(f"{unrecorded_reductions[i]} reduction(s) had no recording of another class's inputs")
+            say(f"serial capture {i + 1}/{len(live)}: {' and '.join(said)} (their senders are captured later): "
+                "capturing it again with the later captures' recordings (nccl_prune.SECOND_PASS_RULE; second pass "
+                f"on {decided['why']})")
+            run(i, live[i], again=True)
+            captures[i]["second_pass"] = "taken"
+    # ... and a capture whose latest take still answered reductions without another class's recording (the
+    # classes it lacked were captured before their own second take) once more, first stage first, where a
+    # capture of another class was taken after it
+    for i in range(len(live)):
+        if code != 0 or not decided["on"]:
+            break
+        if unrecorded_reductions.get(i) and i not in ooms and any(
+                latest.get(j, -1) > latest[i] and captures[j]["trace"] is not None for j in range(len(live))):
+            say(f"serial capture {i + 1}/{len(live)}: {unrecorded_reductions[i]} reduction(s) had no recording of "
+                "another class's inputs that the other captures' latest takes made: capturing it again with them "
+                f"(nccl_prune.SECOND_PASS_RULE; second pass on {decided['why']})")
             run(i, live[i], again=True)
             captures[i]["second_pass"] = "taken"
     if skipped:

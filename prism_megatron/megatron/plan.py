@@ -34,12 +34,13 @@ from prism_megatron.megatron.megatron_args import ESTIMATE_KEY, padded_vocab, pa
 
 __all__ = ["PLAN_JSON_VERSION", "PlanError", "Plan", "make_plan", "plan_json", "render_plan", "plan_fits",
            "plan_verdict", "predicted_ooms", "one_rank_fits", "serial_refusal", "SERIAL_MOE_DISPATCHERS",
-           "ROUGH_TIME_MODEL", "second_pass_captures"]
+           "ROUGH_TIME_MODEL", "second_pass_bound"]
 
 # 2: microbatches (the micro-batch fold's record, or null); 3: memory by prism's estimate; 4: capture;
 # 5: the target's cap (memory.target, memory.per_rank_held), verdict and predicted_oom; 6: no capture.stops_at,
 # capture.not_captured (a serial run captures every class past a predicted OOM)
-# 7: capture.second_pass (serial: the captures SECOND_PASS_RULE takes again, counted in time.seconds), time.captures
+# 7: capture.second_pass (serial: at_most, the captures SECOND_PASS_RULE may add; counted, those in time.seconds),
+# time.captures
 PLAN_JSON_VERSION = 7
 # per class (memory.classes, memory.per_rank: the most of a live rank), Megatron's formula under memory.megatron
 GiB = 1 << 30
@@ -396,55 +397,39 @@ def make_plan(script: Any, script_args: list[str], world_size: int, devices: lis
     return plan
 
 
-def second_pass_captures(fold: FoldPlan) -> list[int]:
-    """The serial captures (indices into ``fold.live``, capture order) whose pipeline stand-ins have no recorded
-    norm after the first pass: a live rank with a pipeline neighbour (the next or previous stage; around the
-    ring under VPP) whose class representative is captured after it, or is itself — a middle stage's first
-    gradient from the next stage (its own class) arrives before it has sent one of its own to scale by
-    (``nccl_prune.SECOND_PASS_RULE``). What the serial launcher finds by counting the stand-ins, foreseen."""
-    if not fold.coords or "pp" not in fold.axes:
-        return []
-    p = list(fold.axes).index("pp")
-    pp = fold.sizes[p]
-    if pp < 2:
-        return []
-    ring = bool(fold.layout.get("vpp"))
-    at = {tuple(c): r for r, c in enumerate(fold.coords)}
-    order = {r: i for i, r in enumerate(fold.live)}
-    again = []
-    for i, r in enumerate(fold.live):
-        c = list(fold.coords[r])
-        stages = [s for s in (c[p] - 1, c[p] + 1) if 0 <= s < pp or ring]
-        neighbours = (at[tuple(c[:p] + [s % pp] + c[p + 1:])] for s in stages)
-        if any(order.get(fold.rep[n], -1) >= i for n in neighbours):
-            again.append(i)
-    return again
+def second_pass_bound(fold: FoldPlan) -> int:
+    """How many captures SECOND_PASS_RULE may add to a serial run of ``fold``'s k live ranks: at most k-1 taken
+    again latest first (every capture but the last: pipeline stand-ins sent by later captures, reductions over
+    another class's members) and k-1 once more first stage first (reductions whose recordings the first sweep
+    made later): 2(k-1). The launcher decides from what each capture recorded; the plan can only bound it.
+    Megatron's grad-norm reduction spans every live rank's class, so any k > 1 may need them."""
+    return 2 * (len(fold.live) - 1)
 
 
 def _second_pass(fold: FoldPlan, mode: str) -> dict[str, Any]:
-    """The plan's foresight of SECOND_PASS_RULE: the captures it would take again and whether ``mode`` takes
-    them (the serial launcher's own decision, ``launcher.serial.second_pass``)."""
+    """The plan's foresight of SECOND_PASS_RULE: the captures it may add and whether ``mode`` takes them (the
+    serial launcher's own decision, ``launcher.serial.second_pass``)."""
     from prism_megatron.launcher.serial import second_pass
 
     decided = second_pass(mode, fold.to_json())
-    again = second_pass_captures(fold)
-    return {"option": mode, "on": decided["on"], "why": decided["why"], "captures": again,
-            "taken": again if decided["on"] else []}
+    bound = second_pass_bound(fold)
+    return {"option": mode, "on": decided["on"], "why": decided["why"], "at_most": bound,
+            "counted": bound if decided["on"] else 0}
 
 
 def _serial_time(time: dict[str, Any], fold: FoldPlan, second: dict[str, Any]) -> dict[str, Any]:
-    """Serial captures start a job each, one after another, and the ones taken again repeat their live rank's
-    share of the start-up and compute."""
+    """Serial captures start a job each, one after another; the ones the second pass may add repeat their live
+    rank's share of the start-up and compute (counted at its bound: the rough model errs long)."""
     m = ROUGH_TIME_MODEL
     n = len(fold.live)
-    again = len(second["taken"])
+    again = second["counted"]
     per_capture = m["startup_s"] + m["startup_per_rank_s"] + time["iterations"] * time["per_iteration_s"] / n
     extra = m["startup_s"] * (n - 1) + again * per_capture
     said = f"; serial: {n} jobs started one after another"
     if again:
-        said += f", {again} captured again (second pass {second['why']})"
-    elif second["captures"]:
-        said += f" ({len(second['captures'])} not captured again: second pass off {second['why']})"
+        said += f", up to {again} more for the second pass ({second['why']})"
+    elif second["at_most"]:
+        said += f" (second pass off {second['why']})"
     return {**time, "seconds": time["seconds"] + extra, "captures": n + again, "model": time["model"] + said}
 
 
@@ -553,9 +538,9 @@ def render_plan(plan: Plan, console: Any) -> None:
     if c["mode"] == "serial":
         console.print(f"memory, together: {verdict[m.get('fits')]}" + (f" — {m['why']}" if m.get("why") else ""))
         said = "[bold red]refused[/bold red]" if c.get("refused") else verdict[c["fits"]]
-        again = len((c.get("second_pass") or {}).get("taken") or [])
+        again = (c.get("second_pass") or {}).get("counted") or 0
         console.print(f"capture: serial, {c['captures']} capture(s) one after another, one live rank each"
-                      f"{f', {again} of them captured again (second pass)' if again else ''}: {said} — {c['why']}")
+                      f"{f', up to {again} more (second pass)' if again else ''}: {said} — {c['why']}")
     else:
         console.print(f"memory: {verdict[m.get('fits')]}" + (f" — {m['why']}" if m.get("why") else ""))
     for line in predicted_ooms(plan):

@@ -156,11 +156,12 @@ def provenance(cluster: str | None, gpu_timed: bool = False, calibrated: bool = 
     n, w = len(fold.live), fold.world_size
     ways = fold.contribution_counts()
     made = ", ".join(f"{way} {ways[way]}" for way in ways)
-    kept = fold.unrecorded_standins() if fold.capture_mode == "serial" else ""
+    kept = "; ".join(x for x in (fold.unrecorded_standins(), fold.unrecorded_reductions()) if x) \
+        if fold.capture_mode == "serial" else ""
     serial = ("" if fold.capture_mode != "serial" else
               f" captured serially, one at a time ({n} captures; in each, the other live ranks were virtual: "
-              "collectives answered by self mirror, receives from a virtual pipeline neighbour by seeded stand-ins"
-              + (f"; {kept}" if kept else "") + ")")
+              "collectives answered by self mirror, small reductions from the other classes' recorded inputs, "
+              "receives from a virtual pipeline neighbour by seeded stand-ins" + (f"; {kept}" if kept else "") + ")")
     return (f"{base}; {n} of {w} ranks ran for real (ranks {rank_ranges(fold.live)}){serial}, the other {w - n} are "
             f"virtual: each mirrors its class's sandbox rank (compute, and op inputs: {made}), its collectives "
             f"costed for the full groups on {gpus_per_node or fold.gpus_per_node} GPUs per node; "

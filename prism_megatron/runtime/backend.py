@@ -92,7 +92,8 @@ class PrismProcessGroup(dist.ProcessGroup):
 
     def __init__(self, client: RankClient, rank: int, size: int, ranks: list[int], name: str,
                  requested_backend: str, timeout: timedelta | None = None, world: bool = False,
-                 rep: list[int] | None = None, untranslate: Callable[[int, int], int] | None = None) -> None:
+                 rep: list[int] | None = None, untranslate: Callable[[int, int], int] | None = None,
+                 class_rep: list[int] | None = None) -> None:
         super().__init__(rank, size)
         self._client = client
         self._ranks = ranks
@@ -101,6 +102,8 @@ class PrismProcessGroup(dist.ProcessGroup):
         self._rep = rep if rep is not None and any(rep[r] != r for r in ranks) else None
         # a folded group whose only live member is this rank: its collectives are answered here (local_fold)
         self._lone = local_fold.lone_plan(ranks, self._rep, rank, untranslate)
+        # a serial capture's group with members of another class: its small reductions go to the coordinator
+        self._records = local_fold.records(self._lone, class_rep)
         # a group of one: the rank computes each op's result itself (RankClient.submit); fixed per group
         self._local = len(ranks) == 1 and not _STAGE_GROUPS_OF_ONE
         self._name = name
@@ -144,7 +147,7 @@ class PrismProcessGroup(dist.ProcessGroup):
             params["label"] = label
         if self._local and kind not in P2P_KINDS:
             params["local"] = True
-        elif self._lone is not None and local_fold.answerable(self._lone, kind, ins, outs, params):
+        elif self._lone is not None and local_fold.answerable(self._lone, kind, ins, outs, params, self._records):
             # a partial, not a closure over params (which would hold it: a cycle keeping the op's tensors
             # alive until the cyclic GC runs, and the rank's memory above the target's)
             params["answer"] = functools.partial(
@@ -435,7 +438,7 @@ def idle(seconds: float) -> None:
 
 
 def install(client: RankClient, rep: list[int] | None = None,
-            untranslate: Callable[[int, int], int] | None = None) -> None:
+            untranslate: Callable[[int, int], int] | None = None, class_rep: list[int] | None = None) -> None:
     """Make every process group of this process a prism group, whatever backend the program asks for.
 
     torch creates every group (init_process_group, new_group, new_subgroups) in
@@ -443,7 +446,8 @@ def install(client: RankClient, rep: list[int] | None = None,
     the program asked for, so `dist.get_backend()` answers what it would on the target job and
     code that branches on it takes the same path. ``rep``: a folded job's representative of every rank;
     ``untranslate``: its translation by coordinates (``folding.untranslation``), for the groups this rank
-    answers alone (runtime.local_fold).
+    answers alone (runtime.local_fold); ``class_rep``: a serial capture's class representative of every rank
+    (its small reductions over other classes are the coordinator's: nccl_prune.RECORDED_REDUCTION_RULE).
     """
     global _installed, _stands_for_last
     from torch.distributed import distributed_c10d as c10d
@@ -460,7 +464,7 @@ def install(client: RankClient, rep: list[int] | None = None,
         world = not ranks  # torch passes no ranks for the default group only (init_process_group)
         return PrismProcessGroup(client, opts.group_rank, opts.group_size, ranks or list(range(opts.group_size)),
                                  str(opts.group_id), requested[-1] if requested else BACKEND_NAME, opts.timeout, world,
-                                 rep=rep, untranslate=untranslate)
+                                 rep=rep, untranslate=untranslate, class_rep=class_rep)
 
     dist.Backend.register_backend(BACKEND_NAME, creator, extended_api=True, devices=["cpu", "cuda"])
     original = c10d._new_process_group_helper

@@ -435,7 +435,13 @@ class Coordinator:
                 if problem is not None:
                     return self._fatal("fold", f"rank {ms[0].rank}: collective #{seq} broadcast on group "
                                        f"{g.name!r} (ranks {fmt_ranks(g.ranks)}): {problem}")
-            self.fold.count(g, ms[0].kind, call.root, bool(first.get("in_place")), recorded=answer is not None)
+            elif len(ms) == 1 and self.fold.class_rep is not None:  # a serial capture: RECORDED_REDUCTION_RULE
+                call.recorded, problem = self.fold.reduction(g, seq, ms[0].kind, call.ins[0])
+                if problem is not None:
+                    return self._fatal("fold", f"rank {ms[0].rank}: collective #{seq} {ms[0].kind} on group "
+                                       f"{g.name!r} (ranks {fmt_ranks(g.ranks)}): {problem}")
+            recorded = (call.root,) if answer is not None else tuple(sorted(call.recorded or ()))
+            self.fold.count(g, ms[0].kind, call.root, bool(first.get("in_place")), recorded=recorded)
         try:
             outs = [[answer]] if answer is not None else op.run(call)
         except PruneError as e:

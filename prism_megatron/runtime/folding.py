@@ -18,7 +18,10 @@ do_train/do_valid/do_test flags from rank 0 reach a middle stage, which builds n
 way), so L's own buffer is not an answer. Each capture records the broadcasts its class roots
 (``capture.part.broadcasts``) and a later capture answers a root of that class from them
 (``capture.part.answers``, counted ``recorded``); an integer broadcast with no
-recording is refused by name.
+recording is refused by name. A small reduction over members of another class is answered likewise
+(``nccl_prune.RECORDED_REDUCTION_RULE``): each capture records its live rank's inputs to them
+(``capture.part.reductions``) and a later capture takes them for that class's members
+(``capture.part.reduction_answers``), counting the ops that found none (``reductions_unrecorded``).
 """
 
 from __future__ import annotations
@@ -31,25 +34,33 @@ from typing import Any
 
 import torch
 
-from nccl_prune import Contributions, PruneError, plan_group
+from nccl_prune import (
+    RECORD_MAX_BYTES,
+    Contributions,
+    PruneError,
+    other_classes,
+    plan_group,
+    recordable,
+    recorded_inputs,
+)
 from nccl_prune.contributions import virtual_contributions
 from prism_megatron.runtime.dataplane import DataPlane
 from prism_megatron.runtime.groups import Group
 from prism_megatron.runtime.matching import Member, desc_bytes
 from prism_megatron.runtime.passthrough import PassThrough
-from prism_megatron.runtime.protocol import dtype_from_name
+from prism_megatron.runtime.protocol import dtype_from_name, dtype_name
 
-#: the largest broadcast a capture records for later captures: values a program branches on are small
-RECORD_MAX_BYTES = 1 << 16
+__all__ = ["RECORDED_BROADCAST_RULE", "RECORD_MAX_BYTES", "Folding", "untranslation"]
 
 RECORDED_BROADCAST_RULE = """\
 In a serial capture of live rank L, a broadcast whose root's class has its live rank R elsewhere is not
 answered by self mirror: the root sends what R sends, a value the receivers may branch on. Each capture
-records the broadcasts (up to RECORD_MAX_BYTES) whose root is its live rank or a member of its class, on a
-group with members of another class; a later capture answers that broadcast (the same group, by name,
-members and incarnation, and the same sequence number) with the recorded bytes. Captures run first stage
-first, so a broadcast from the first stage is answered in every later capture. Without a recording an
-integer or bool broadcast is refused by name; a floating-point one is answered by self mirror (data, not a decision)."""
+records the broadcasts (up to nccl_prune's RECORD_MAX_BYTES: values a program branches on are small) whose
+root is its live rank or a member of its class, on a group with members of another class; a later capture
+answers that broadcast (the same group, by name, members and incarnation, and the same sequence number) with
+the recorded bytes. Captures run first stage first, so a broadcast from the first stage is answered in every
+later capture. Without a recording an integer or bool broadcast is refused by name; a floating-point one is
+answered by self mirror (data, not a decision)."""
 
 
 class Folding:
@@ -73,12 +84,19 @@ class Folding:
                                                          "capture.part.p2p_answers"),
                                        key=lambda g: self._key[g.id])
         self._self_mirror: dict[int, frozenset[int]] = {}  # group id -> positions answered by self mirror
+        self._others: dict[int, dict[int, int]] = {}  # group id -> those positions' classes' live ranks
         self._planned: set[int] = set()  # group ids folded already
         self._incarnations: dict[tuple, int] = {}
         self.capture_rank: int | None = int(part["rank"]) if part else None
         # (group key, seq) -> (dtype, bytes): earlier captures' broadcasts; this capture's, for later ones
         self.answers = _read_broadcasts(part.get("answers", []) if part else [], "capture.part.answers")
         self.recorded: list[dict[str, Any]] = []
+        # (group key, seq, rank) -> (kind, [(dtype, bytes)], derived): earlier captures' reductions
+        # (RECORDED_REDUCTION_RULE)
+        self.reduction_answers = _read_reductions(part.get("reduction_answers", []) if part else [],
+                                                  "capture.part.reduction_answers")
+        self.reductions: list[dict[str, Any]] = []  # this capture's, for later ones
+        self.reductions_unrecorded = 0  # reductions with a member of another class that found no recording
         # per (group, kind, root, in place): the counts one op adds (an op's count is O(group), once)
         self._per_op: dict[tuple, dict[str, int]] = {}
         self.untranslate = untranslation(plan)
@@ -102,9 +120,40 @@ class Folding:
             return f"process group {g.name!r} (ranks {g.ranks[:8]}) has no live member but was registered"
         g.fold = p if p.num_virtual else None  # no virtual member: exactly the unfolded path
         if self.class_rep is not None and g.fold is not None:
-            self._self_mirror[g.id] = frozenset(q for q in p.virtual_positions
-                                                if self.class_rep[p.ranks[q]] != p.ranks[p.mirror[q]])
+            self._others[g.id] = other_classes(p, self.class_rep)
+            self._self_mirror[g.id] = frozenset(self._others[g.id])
         return None
+
+    def reduction(self, g: Group, seq: int, kind: str, ins: list[torch.Tensor]) -> tuple[dict[int, list], str | None]:
+        """A serial capture's reduction ``seq`` on ``g`` whose one live member's inputs are ``ins`` (flat host
+        tensors): record them for later captures and return (recorded inputs by virtual position, None) for the
+        members of other classes that an earlier capture recorded (``nccl_prune.RECORDED_REDUCTION_RULE``);
+        ({}, None) for an op outside the rule (another kind, larger than RECORD_MAX_BYTES, no member of another
+        class: a size check); ({}, the problem) for a recording that does not fit."""
+        others = self._others.get(g.id)
+        if not others or not recordable(kind, sum(t.numel() * t.element_size() for t in ins)):
+            return {}, None
+        key = self._key[g.id]
+        self.reductions.append({"group": [key[0], list(key[1]), key[2]], "seq": seq, "rank": self.capture_rank,
+                                "kind": kind, "tensors": [[dtype_name(t.dtype), _b64(t)] for t in ins],
+                                "derived": self.passthrough.derived})
+        recordings = {}
+        for r in set(others.values()):
+            got = self.reduction_answers.get((key, seq, r))
+            if got is None or got[2]:  # none, or derived: made after its capture's stand-ins fell back
+                continue
+            if got[0] != kind:
+                return {}, (f"rank {r}'s capture recorded op #{seq} of this group as {got[0]}, this capture issues "
+                            f"{kind}: the captures do not run the same program (RECORDED_REDUCTION_RULE)")
+            recordings[r] = [torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype_from_name(dt)) if raw
+                             else torch.empty(0, dtype=dtype_from_name(dt)) for dt, raw in got[1]]
+        try:
+            recorded = recorded_inputs(g.fold, others, recordings, ins)
+        except PruneError as e:
+            return {}, str(e)
+        if len(recorded) < len(others):
+            self.reductions_unrecorded += 1
+        return recorded, None
 
     def broadcast_answer(self, g: Group, seq: int, root: int, out: tuple) -> tuple[torch.Tensor | None, str | None]:
         """A serial capture's answer to broadcast ``seq`` on ``g`` from group position ``root`` at the live
@@ -158,6 +207,9 @@ class Folding:
 
         kind, root = msg["kind"], msg.get("root")
         fold = g.fold
+        if self._others.get(g.id) and recordable(kind, sum(desc_bytes(d[0]) for d in msg["ins"])):
+            return ("a reduction answered in the rank, but it is small enough for a serial capture to record and "
+                    "answer from other classes' recordings (RECORDED_REDUCTION_RULE): the coordinator must see it")
         if len(fold.live_positions) != 1 or kind not in KINDS:
             return (f"answered in the rank, but the group has live members "
                     f"{[g.ranks[p] for p in fold.live_positions][:8]} and {kind} is answered in the rank only "
@@ -184,14 +236,15 @@ class Folding:
         for line in self.passthrough.leftovers():
             print(f"prism coordinator: pass-through: {line}", file=sys.stderr, flush=True)
 
-    def count(self, g: Group, kind: str, root: int | None, in_place: bool, recorded: bool = False) -> None:
+    def count(self, g: Group, kind: str, root: int | None, in_place: bool, recorded: tuple[int, ...] = ()) -> None:
         """Add one op's virtual contributions (cached per group and op shape: O(1) per op after the first);
-        ``recorded``: the root's contribution came from an earlier capture (``broadcast_answer``)."""
+        ``recorded``: the positions whose contributions came from an earlier capture (a broadcast's root,
+        ``broadcast_answer``; other classes' members of a reduction, ``reduction``)."""
         key = (g.id, kind, root, in_place, recorded)
         c = self._per_op.get(key)
         if c is None:
             c = self._per_op[key] = virtual_contributions(kind, g.fold, root=root, in_place=in_place,
-                                                          recorded=(root,) if recorded else (),
+                                                          recorded=recorded,
                                                           self_mirror=self._self_mirror.get(g.id, ()))
         self.contributions.add_counts(kind, c)
 
@@ -203,7 +256,9 @@ class Folding:
             pt = self.passthrough
             out["capture"] = {**capture, "part": {**capture["part"], "broadcasts": list(self.recorded),
                                                   "p2p_norms": pt.recordings(),
-                                                  "standins_unrecorded": pt.unrecorded}}
+                                                  "standins_unrecorded": pt.unrecorded,
+                                                  "reductions": list(self.reductions),
+                                                  "reductions_unrecorded": self.reductions_unrecorded}}
         return out
 
 
@@ -234,6 +289,24 @@ def _read_broadcasts(items: Any, field: str) -> dict[tuple, tuple[str, bytes]]:
         return (_group_key(e), int(e["seq"])), (e["dtype"], base64.b64decode(e["data"], validate=True))
 
     return _read_entries(items, field, "recorded broadcast", entry)
+
+
+def _read_reductions(items: Any, field: str) -> dict[tuple, tuple[str, list[tuple[str, bytes]], bool]]:
+    """Recorded reductions (``Folding.reduction``'s entries) by (group key, seq, rank): (kind, [(dtype, bytes)],
+    derived); a later entry replaces an earlier one (a capture taken again)."""
+    def entry(e: dict) -> tuple[tuple, tuple[str, list[tuple[str, bytes]], bool]]:
+        tensors = []
+        for dt, data in e["tensors"]:
+            dtype_from_name(dt)
+            tensors.append((str(dt), base64.b64decode(data, validate=True)))
+        return (_group_key(e), int(e["seq"]), int(e["rank"])), (str(e["kind"]), tensors, bool(e["derived"]))
+
+    return _read_entries(items, field, "recorded reduction", entry)
+
+
+def _b64(t: torch.Tensor) -> str:
+    """A host tensor's bytes, base64 (a recording in the plan's JSON)."""
+    return base64.b64encode(t.reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()).decode("ascii")
 
 
 def _read_norms(items: Any, field: str) -> dict[tuple, list[tuple[int, float, bool]]]:

@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from nccl_prune import GroupPlan, PruneError, plan_group
+from nccl_prune import GroupPlan, PruneError, other_classes, plan_group, recordable
 from nccl_prune.host import execute
 from prism_megatron.runtime import protocol as P
 from prism_megatron.runtime.staging import host_bytes, local_descs, nbytes
@@ -46,9 +46,12 @@ answered from a recording), and its tensors are contiguous with outputs of the i
 collective's sizes (an all_to_all exchanges bytes, as the coordinator does: its outputs hold the bytes of
 the pieces the rank receives by the fold's translation, A2A_RULE, with the rank's plan built as the
 coordinator's, coordinates included); not when an earlier op still pending writes memory its outputs
-cover. Everything else (reduce, gather, scatter; p2p; a group with two or more live members) goes through
-the coordinator. A MoE fold's count exchange is an all_gather whose rotation is the program's side
-(patches.moe_fold), so the token all_to_all needs only A2A_RULE's piece selection.
+cover; nor, in a serial capture, a reduction small enough to be recorded (nccl_prune.RECORDED_REDUCTION_RULE:
+at most RECORD_MAX_BYTES) on a group with members of another class: the coordinator records it and answers
+those members from their class's recording. Everything else (reduce, gather, scatter; p2p; a group with two
+or more live members) goes through the coordinator. A MoE fold's count exchange is an all_gather whose
+rotation is the program's side (patches.moe_fold), so the token all_to_all needs only A2A_RULE's piece
+selection.
 PRISM_FOLD_LOCAL=0 sends every op through the coordinator."""
 
 
@@ -70,10 +73,21 @@ def lone_plan(ranks: Sequence[int], rep: Sequence[int] | None, me: int,
     return plan
 
 
+def records(plan: GroupPlan | None, class_rep: Sequence[int] | None) -> bool:
+    """Whether a lone plan's group, in a serial capture (``class_rep``: every rank's class representative, as
+    captured together; None otherwise), has members of another class: its small reductions are the
+    coordinator's (``answerable``). Once per group."""
+    return plan is not None and class_rep is not None and bool(other_classes(plan, class_rep))
+
+
 def answerable(plan: GroupPlan, kind: str, ins: list[torch.Tensor], outs: list[torch.Tensor],
-               params: dict) -> bool:
-    """Whether op ``kind`` with these tensors is answered in the rank (``LOCAL_RULE``)."""
+               params: dict, records: bool = False) -> bool:
+    """Whether op ``kind`` with these tensors is answered in the rank (``LOCAL_RULE``). ``records``: a serial
+    capture's group with members of another class (``other_classes``), whose small reductions the coordinator
+    answers (a size check)."""
     if kind not in KINDS:
+        return False
+    if records and recordable(kind, sum(nbytes(t) for t in ins)):
         return False
     me, n = plan.live_positions[0], plan.size
     tensors = [*ins, *outs, *params.get("current", ())]

@@ -204,6 +204,12 @@ class PassThrough:
         if backward is not None and not derived:
             self._own.setdefault((backward, t.numel()), norm)
 
+    @property
+    def derived(self) -> bool:
+        """Whether this capture gave a stand-in without a recording of its own (STANDIN_RULE (3), (4)) so far:
+        what it computes from then on may carry the fallback's scale (a recording it makes is *derived*)."""
+        return any(self._derived.values())
+
     def recordings(self) -> list[dict]:
         """This capture's recorded norms as JSON (``capture.part.p2p_norms``): one entry per stream."""
         return [{"group": [k[0][0], list(k[0][1]), k[0][2]], "src": k[1], "dst": k[2],

@@ -47,8 +47,10 @@ CAPTURE_MODES: tuple[str, ...] = ("together", "serial")
 SERIAL_RULES: dict[str, str] = {"collectives": "self_mirror", "p2p": "standin"}
 #: A serial run's merged trace may say what its stand-ins lacked (traces before these fields say nothing; read
 #: as unknown): per capture, ``standins_unrecorded`` (its receives whose stand-in had no recorded norm: a derived
-#: recording's or the unit fallback, nccl_prune.STANDIN_RULE (3), (4)) and ``second_pass`` ("taken": captured
-#: again, its second trace merged; "skipped": it needed one and ``--prism-fold-second-pass`` took none), and
+#: recording's or the unit fallback, nccl_prune.STANDIN_RULE (3), (4)), ``reductions_unrecorded`` (its small
+#: reductions over another class's members answered by self mirror for want of a usable recording of that
+#: class's inputs, nccl_prune.RECORDED_REDUCTION_RULE) and ``second_pass`` ("taken": captured again, its latest
+#: trace merged; "skipped": it needed one and ``--prism-fold-second-pass`` took none), and
 #: ``capture.second_pass``: the option's decision, {"option", "on": taken where needed, "why", "moe": whether
 #: the fold has MoE layers, null where the plan did not say} (launcher.serial.second_pass).
 SECOND_PASS_STATES: tuple[str, ...] = ("taken", "skipped")
@@ -259,6 +261,19 @@ class Fold:
                            f"without a recorded norm ({why})")
         return "; ".join(out)
 
+    def unrecorded_reductions(self) -> str:
+        """A serial run's merged trace: which captures answered small reductions over another class's members by
+        self mirror for want of a recording (``nccl_prune.RECORDED_REDUCTION_RULE``), as the report says it; ""
+        where none did, or the trace does not say."""
+        captures = self.capture.get("captures") or []
+        which = [(i + 1, c["reductions_unrecorded"]) for i, c in enumerate(captures) if c.get("reductions_unrecorded")]
+        if not which:
+            return ""
+        said = ", ".join(f"{i} ({n})" for i, n in which)
+        return (f"capture{'s' if len(which) > 1 else ''} {said} answered reductions over another class's members by "
+                "self mirror, that class's inputs unrecorded (captured later, or recorded after stand-ins without a "
+                "norm): the grad norms they log count their own stage for it")
+
     def contribution_counts(self) -> dict[str, int]:
         """Virtual contributions by way, summed over op kinds: the first four CONTRIBUTION_WAYS always, a serial
         capture's (self_mirror, standin) where it made any."""
@@ -456,9 +471,10 @@ def _capture(doc: dict, live: list[int], w: int, path: str | Path, trace_version
         reason = c.get("incomplete")
         if c["complete"] == (reason is not None) or (reason is not None and not (isinstance(reason, str) and reason)):
             raise _error(path, f"{key}.incomplete", f"is {reason!r}: null for a complete capture, else why not")
-        n = c.get("standins_unrecorded", 0)
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise _error(path, f"{key}.standins_unrecorded", f"is {n!r}, expected an integer >= 0")
+        for count in ("standins_unrecorded", "reductions_unrecorded"):
+            n = c.get(count, 0)
+            if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+                raise _error(path, f"{key}.{count}", f"is {n!r}, expected an integer >= 0")
         if c.get("second_pass", "taken") not in SECOND_PASS_STATES:
             raise _error(path, f"{key}.second_pass", f"is {c['second_pass']!r}, expected one of "
                                                      f"{', '.join(SECOND_PASS_STATES)}")

@@ -50,8 +50,8 @@ def merge_captures(out: str | Path, plan: Mapping[str, Any], captures: Sequence[
     ``captures`` one entry per live rank, in capture order: {"rank", "trace": its trace directory (None:
     it wrote none), "incomplete": None, or why it did not complete, and optionally "second_pass": "taken" or
     "skipped"}; ``second_pass``: the run's decision on SECOND_PASS_RULE's second pass (``fold.SECOND_PASS_FIELDS``;
-    each capture's ``standins_unrecorded`` comes from its trace). Partial when a capture did not
-    complete (``incomplete`` names it); TraceFormatError when a capture's trace does not belong to this
+    each capture's ``standins_unrecorded`` and ``reductions_unrecorded`` come from its trace). Partial when a
+    capture did not complete (``incomplete`` names it); TraceFormatError when a capture's trace does not belong to this
     fold (another world size, another live rank)."""
     out = Path(out)
     base = Path(relative_to) if relative_to is not None else out.parent
@@ -78,8 +78,9 @@ def merge_captures(out: str | Path, plan: Mapping[str, Any], captures: Sequence[
         if t is None:
             continue
         part = t.fold.capture.get("part") or {}
-        if "standins_unrecorded" in part:
-            record[-1]["standins_unrecorded"] = int(part["standins_unrecorded"])
+        for key in ("standins_unrecorded", "reductions_unrecorded"):
+            if key in part:
+                record[-1][key] = int(part[key])
         remap, keys = {}, group_key(t)
         for g in sorted(t.manifest["groups"], key=lambda g: g["id"]):
             key = keys[g["id"]]

@@ -6,8 +6,11 @@ Stage s adds (s + 1) * 1000 going forward; the last stage turns its input x into
 tensor overwrites it at once (a pipeline reuses its buffers): what the receiver gets must be the
 value at the send. Each rank saves what it received, per micro-batch, to OUT_DIR/rank-R.pt.
 
-Usage: fold_pipeline.py OUT_DIR MICRO_BATCHES [mismatch]
+Usage: fold_pipeline.py OUT_DIR MICRO_BATCHES [mismatch|norms]
   mismatch: the last stage posts its forward receives transposed (same bytes, another shape).
+  norms: after the iteration, three small reductions over the pipeline group whose inputs differ by stage, as
+    Megatron's grad norm (a sum of squares, float64: 1.5 (s + 1)^2), num-zeros count (int64: s + 1) and found-inf
+    flag (max: 1 on the last stage) are; their results go to the saved file as "norms".
 """
 import sys
 import time
@@ -21,6 +24,7 @@ from prism_megatron.trace import span
 
 out_dir, M = Path(sys.argv[1]), int(sys.argv[2])
 mismatch = len(sys.argv) > 3 and sys.argv[3] == "mismatch"
+norms = len(sys.argv) > 3 and sys.argv[3] == "norms"
 dist.init_process_group("nccl")
 s, P = dist.get_rank(), dist.get_world_size()
 pp = dist.new_group(list(range(P)))
@@ -88,6 +92,15 @@ with span("iteration", iteration=0):
     for _ in range(warm):
         _, g = p2p(recv_next=not last)
         p2p(send_prev=None if first else backward(g))
+saved = {k: torch.stack(v) if v else torch.empty(0) for k, v in got.items()}
+if norms:
+    sq = torch.tensor([1.5 * (s + 1) ** 2], dtype=torch.float64)
+    count = torch.tensor([s + 1], dtype=torch.int64)
+    found_inf = torch.tensor([float(last)])
+    dist.all_reduce(sq, group=pp)
+    dist.all_reduce(count, group=pp)
+    dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=pp)
+    saved["norms"] = torch.cat([sq, count.double(), found_inf.double()])
 out_dir.mkdir(parents=True, exist_ok=True)
-torch.save({k: torch.stack(v) if v else torch.empty(0) for k, v in got.items()}, out_dir / f"rank-{s}.pt")
+torch.save(saved, out_dir / f"rank-{s}.pt")
 dist.destroy_process_group()
