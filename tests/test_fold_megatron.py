@@ -283,14 +283,16 @@ def test_fold_auto_captures_fully_what_fits(tmp_path):
 
 
 @MEGATRON
-def test_a_recipes_substitutions_go_into_the_trace_job():
+def test_a_recipes_substitutions_go_into_the_trace_job(tmp_path):
     import dataclasses
 
     from prism_megatron.launcher.launch import _Job
     from prism_megatron.megatron.run import launch_config, parse_run_args
     from prism_megatron.recipe import load_recipe
 
-    request = parse_run_args(["--recipe", "targets-llama3-8b-h100x8", "--prism-driver", "core"])
+    script = tmp_path / "pretrain_gpt.py"  # a target recipe runs Megatron-LM's script, not the core driver
+    script.write_text("")
+    request = parse_run_args(["--recipe", "targets-llama3-8b-h100x8", str(script)])
     want = [dataclasses.asdict(x) for x in load_recipe("targets-llama3-8b-h100x8").substitutions]
     assert want and _Job(launch_config(request)).job_meta()["substitutions"] == want
 

@@ -107,5 +107,5 @@ def test_run_records_the_profile_it_costs_with(tmp_path, monkeypatch):
                             (["--prism-cluster", "mine.yaml"], str(tmp_path / "mine.yaml")), ([], None)):
         cfg = launch_config(parse_run_args([*base, *flags, str(script)]))
         assert cfg.job_extra["cluster"] == recorded and cfg.predictor_options["cluster"] == (flags or [None])[-1]
-    recipe = launch_config(parse_run_args(["--recipe", "targets-llama3-70b-h100x64"]))
+    recipe = launch_config(parse_run_args(["--recipe", "targets-llama3-70b-h100x64", str(script)]))
     assert recipe.job_extra["cluster"] == PROFILE
