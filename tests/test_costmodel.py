@@ -240,6 +240,15 @@ def test_fit_recovers_alpha_and_bandwidth(test, n, hosts, root, name):
     assert fit.alpha == pytest.approx(alpha, rel=0.05)
 
 
+def _inter_node_fitted(log):
+    """A profile of 8 NICs per node whose inter-node figures are fit_main's fragment for LOG."""
+    fragment = yaml.safe_load(fit_main(log).split("profile fragment (inter_node):\n", 1)[1])
+    doc = _profile_dict(**{"inter_node.nics_per_node": _fig(8)})
+    doc["inter_node"].update(fragment["inter_node"])
+    doc["intra_node"]["bandwidth_GBps"] = _fig(450)
+    return parse_profile(yaml.safe_dump(doc), "fitted.yaml")
+
+
 def test_fit_main_prints_a_profile_fragment_that_validates(tmp_path):
     log = tmp_path / "ar.log"
     log.write_text(synthetic_log("all_reduce", 8, 1, 3e-6, 360e9))
@@ -255,11 +264,7 @@ def test_fit_main_prints_a_profile_fragment_that_validates(tmp_path):
     # across 2 nodes of 8: the group's bandwidth is 8 * nics * nic_bw / 8, so with one NIC per GPU
     # the fragment's NIC bandwidth reproduces the measured times through the cost model
     log.write_text(synthetic_log("all_reduce", 16, 2, 6e-6, 380e9))
-    fragment = yaml.safe_load(fit_main(log).split("profile fragment (inter_node):\n", 1)[1])
-    doc = _profile_dict(**{"inter_node.nics_per_node": _fig(8)})
-    doc["inter_node"].update(fragment["inter_node"])
-    doc["intra_node"]["bandwidth_GBps"] = _fig(450)
-    p = parse_profile(yaml.safe_dump(doc), "fitted.yaml")
+    p = _inter_node_fitted(log)
     assert p.nic_bandwidth_GBps.value == pytest.approx(380 / 8, rel=0.01)
     model = CollectiveCostModel(p)
     S = 1 << 30
@@ -422,11 +427,7 @@ def test_replay_charges_each_ep_all_to_all_its_cross_node_time():
 def test_fit_of_an_all_to_all_across_nodes_reproduces_it_through_the_cost_model(tmp_path):
     log = tmp_path / "a2a.log"
     log.write_text(synthetic_log("alltoall", 16, 2, 8e-6, 90e9))
-    fragment = yaml.safe_load(fit_main(log).split("profile fragment (inter_node):\n", 1)[1])
-    doc = _profile_dict(**{"inter_node.nics_per_node": _fig(8)})
-    doc["inter_node"].update(fragment["inter_node"])
-    doc["intra_node"]["bandwidth_GBps"] = _fig(450)
-    p = parse_profile(yaml.safe_dump(doc), "fitted.yaml")
+    p = _inter_node_fitted(log)
     assert p.nic_bandwidth_GBps.value == pytest.approx(90 * 8 / 15, rel=0.01)
     S = 1 << 30
     assert CollectiveCostModel(p).time("all_to_all", S, range(16)) == pytest.approx(

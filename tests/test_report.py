@@ -46,6 +46,15 @@ def _memory(rank, iteration, t, clock, max_allocated, max_reserved, cap=CAP):
                  source="cuda", cap=cap)
 
 
+def set_job(trace, field, value):
+    """Set the manifest's job.FIELD as a run writes it; returns the trace."""
+    manifest = trace / "manifest.json"
+    doc = json.loads(manifest.read_text())
+    doc["job"][field] = value
+    manifest.write_text(json.dumps(doc))
+    return trace
+
+
 def make_trace(path, world=4, oom_rank=None, target=True, memory=True, layout=True, ep_size=1):
     """A pp=2 job: ranks [0, world/2) are stage 0, the rest stage 1; rank r pairs with r + world/2.
 

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import shutil
 
 import pytest
 from click.testing import CliRunner
-from test_report import make_trace
+from test_report import make_trace, set_job
 
 from prism_megatron.calibration.profiles import PROFILES_DIR
 from prism_megatron.cli import main
@@ -18,21 +17,12 @@ from prism_megatron.trace import TraceFormatError, read_trace
 PROFILE = "h100-nvlink-ib400"
 
 
-def _record(trace, value):
-    """Set the manifest's job.cluster as a run writes it."""
-    manifest = trace / "manifest.json"
-    doc = json.loads(manifest.read_text())
-    doc["job"]["cluster"] = value
-    manifest.write_text(json.dumps(doc))
-    return trace
-
-
 def test_recorded_profile_is_the_default_and_flags_override_it(tmp_path):
     free = build_report(make_trace(tmp_path / "old"))["prediction"]  # written before the key: free, as always
     assert free["cluster"] is None and "communication free (no cluster profile)" in free["provenance"]
     assert read_trace(tmp_path / "old").cluster is None
 
-    trace = _record(make_trace(tmp_path / "t"), PROFILE)
+    trace = set_job(make_trace(tmp_path / "t"), "cluster", PROFILE)
     recorded = build_report(trace)["prediction"]
     given = build_report(make_trace(tmp_path / "g"), cluster=PROFILE)["prediction"]
     assert recorded["cluster"] == PROFILE and recorded["iteration_time_s"] == given["iteration_time_s"]
@@ -51,7 +41,7 @@ def test_recorded_profile_is_the_default_and_flags_override_it(tmp_path):
     overridden = build_report(trace, cluster=str(other))["prediction"]
     assert overridden["cluster"] == str(other) and "recorded in the trace" not in overridden["provenance"]
 
-    _record(trace, None)  # the run had no profile
+    set_job(trace, "cluster", None)  # the run had no profile
     assert build_report(trace)["prediction"]["iteration_time_s"] == free["iteration_time_s"]
 
 
@@ -59,7 +49,7 @@ def test_recorded_profile_file_is_read_from_anywhere_and_a_missing_one_is_named(
     profile = tmp_path / "site" / "mine.yaml"
     profile.parent.mkdir()
     shutil.copy(PROFILES_DIR / f"{PROFILE}.yaml", profile)
-    trace = _record(make_trace(tmp_path / "t"), str(profile))
+    trace = set_job(make_trace(tmp_path / "t"), "cluster", str(profile))
     monkeypatch.chdir(tmp_path / "site")
     ok = CliRunner().invoke(main, ["report", str(trace)])
     assert ok.exit_code == 0, ok.output
@@ -75,7 +65,7 @@ def test_recorded_profile_file_is_read_from_anywhere_and_a_missing_one_is_named(
 
 
 def test_replay_and_compare_default_to_the_recorded_profile(tmp_path):
-    trace = _record(make_trace(tmp_path / "t"), PROFILE)
+    trace = set_job(make_trace(tmp_path / "t"), "cluster", PROFILE)
     res = CliRunner().invoke(main, ["replay", str(trace)])
     assert res.exit_code == 0, res.output
     assert f"costed by cluster profile {PROFILE} (the run's, recorded in the trace)" in res.output
@@ -90,7 +80,7 @@ def test_replay_and_compare_default_to_the_recorded_profile(tmp_path):
 
 @pytest.mark.parametrize("value", [3, "", ["h100"]])
 def test_bad_recorded_profile_names_file_and_field(tmp_path, value):
-    trace = _record(make_trace(tmp_path / "t"), value)
+    trace = set_job(make_trace(tmp_path / "t"), "cluster", value)
     with pytest.raises(TraceFormatError, match=r"manifest.json: manifest field 'job.cluster' is"):
         read_trace(trace)
 

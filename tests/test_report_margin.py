@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import json
-
-from test_report import CAP, GIB, MIB, make_trace
+from test_report import CAP, GIB, MIB, make_trace, set_job
 
 from prism_megatron.report import build_report, summary_text
 from prism_megatron.report.margin import FITS, OOM, WITHIN_MARGIN, class_verdicts, te_substituted
@@ -45,20 +43,12 @@ def test_te_substituted_only_for_a_published_transformer_engine():
     assert not te_substituted([{**TE, "published": "local"}])
 
 
-def _with_substitutions(path, subs):
-    manifest = path / "manifest.json"
-    doc = json.loads(manifest.read_text())
-    doc["job"]["substitutions"] = subs
-    manifest.write_text(json.dumps(doc))
-    return path
-
-
 def test_report_marks_a_class_within_the_margin_only_under_a_te_substitution(tmp_path, monkeypatch):
     # the last stage peaks 320 MiB (7.8%) under its 4 GiB cap: outside the 5% margin, inside a 10% one
     plain = build_report(make_trace(tmp_path / "plain"))
     assert {c["class"]: c["verdict"] for c in plain["memory"]["classes"]} == {"stage 0 of 2 (first)": FITS,
                                                                                LAST: FITS}
-    te = build_report(_with_substitutions(make_trace(tmp_path / "te"), [TE]))
+    te = build_report(set_job(make_trace(tmp_path / "te"), "substitutions", [TE]))
     assert te["verdict"] == plain["verdict"]  # 320 MiB is outside the 5% margin of 4 GiB
     monkeypatch.setattr("prism_megatron.report.build.TE_SUBSTITUTION_MARGIN", (320 * MIB + 1) / CAP)
     wide = build_report(tmp_path / "te")
