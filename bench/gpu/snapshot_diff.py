@@ -1,59 +1,109 @@
-"""Where two runs' peak memory differs: live allocations at each run's peak, grouped by Python stack.
+"""Where two runs' peak memory differs: what is live at each run's peak, grouped by Python stack.
 
-Usage: python bench/gpu/snapshot_diff.py REAL.pickle EMULATED.pickle   (from bench/gpu/memory_diag.sh,
-which dumps ``torch.cuda.memory._dump_snapshot`` pickles via PRISM_MEMORY_SNAPSHOT). Prints both peaks,
-the program point of each and the stacks whose live bytes at the peak differ most — how the Work <->
-Future reference cycle (+80..176 MiB on TP2) was found.
+Usage: python bench/gpu/snapshot_diff.py A.pickle B.pickle [--names A,B]
+The pickles are ``torch.cuda.memory._dump_snapshot`` dumps, as ``PRISM_MEMORY_SNAPSHOT=PREFIX``
+writes them (``prism_megatron.memory.snapshot``: prism's drivers, so an emulated rank, a real process
+under torchrun, or a rank under Megatron's fake process group through ``bench/targets/fake_pg_peak.py``
+with ``--script driver``). Two peaks, each with the stacks whose bytes differ most between the runs:
+- allocated: the blocks live at the peak of allocated bytes (how the Work <-> Future reference cycle,
+  +80..176 MiB on TP2, was found);
+- reserved: the allocator's segments held at the peak of reserved bytes, each under the stack of the
+  allocation that made the allocator reserve it — where one run had to grow its cache and the other not.
+A history holds at most its recording's last events (``snapshot.MAX_ENTRIES``): a trace of that length
+may have lost its start, said below.
 """
 
 from __future__ import annotations
 
+import argparse
 import collections
 import pickle
 import sys
+from pathlib import Path
+
+_REPO = Path(__file__).resolve().parents[2]
+if str(_REPO) not in sys.path:
+    sys.path.insert(0, str(_REPO))
 
 MiB = 1 << 20
+KINDS = {  # peak kind -> (actions that add the event's bytes, actions that remove the block at its address)
+    "allocated": (("alloc",), ("free_requested",)),
+    "reserved": (("segment_alloc", "segment_map"), ("segment_free", "segment_unmap")),
+}
 
 
-def peak(path: str) -> tuple[int, int, dict, list]:
-    """(peak bytes, event index, live blocks at the peak by address, the device's trace)."""
+def load(path: str) -> list[dict]:
+    """The device trace of the one GPU the dump recorded."""
     with open(path, "rb") as f:
-        trace = next(t for t in pickle.load(f)["device_traces"] if t)
+        traces = [t for t in pickle.load(f)["device_traces"] if t]
+    if len(traces) != 1:
+        raise SystemExit(f"snapshot_diff: {path}: {len(traces)} devices with events, expected 1")
+    return traces[0]
+
+
+def peak(trace: list[dict], kind: str) -> tuple[int, int, dict[int, dict]]:
+    """(peak bytes, index of the event that reached it, the blocks live then by address)."""
+    adds, removes = KINDS[kind]
     live: dict[int, dict] = {}
     cur = best = best_i = 0
     best_live: dict[int, dict] = {}
     for i, e in enumerate(trace):
-        if e["action"] == "alloc":
+        if e["action"] in adds:
             live[e["addr"]] = e
             cur += e["size"]
             if cur > best:
                 best, best_i, best_live = cur, i, dict(live)
-        elif e["action"] == "free_requested" and e["addr"] in live:
+        elif e["action"] in removes and e["addr"] in live:
             cur -= live.pop(e["addr"])["size"]
-    return best, best_i, best_live, trace
+    return best, best_i, best_live
 
 
 def stack(e: dict, depth: int = 4) -> str:
     frames = [f"{f['filename'].split('/')[-1]}:{f['line']}:{f['name']}" for f in e.get("frames", [])
               if f["filename"].endswith(".py")]
-    return " < ".join(frames[:depth])
+    return " < ".join(frames[:depth]) or "(no Python frames)"
 
 
-def main(real: str, emulated: str) -> None:
-    by_stack = {}
-    for name, path in (("real", real), ("emulated", emulated)):
-        best, i, live, trace = peak(path)
-        print(f"{name}: peak {best / MiB:.2f} MiB at event {i} of {len(trace)} ({stack(trace[i])})")
+def compare(traces: dict[str, list[dict]], kind: str, rows: int = 12) -> str:
+    """Both runs' peak of ``kind`` and the stacks whose bytes at the peak differ most (second - first)."""
+    a, b = traces
+    out, by_stack = [f"== {kind}"], {}
+    for name, trace in traces.items():
+        best, i, live = peak(trace, kind)
+        where = stack(trace[i]) if trace else "-"
+        out.append(f"{name}: peak {best / MiB:.2f} MiB in {len(live)} block(s) at event {i} of {len(trace)} ({where})")
         totals: collections.Counter = collections.Counter()
         for e in live.values():
             totals[stack(e)] += e["size"]
         by_stack[name] = totals
-    keys = set(by_stack["real"]) | set(by_stack["emulated"])
-    rows = sorted(((by_stack["emulated"][k] - by_stack["real"][k], k) for k in keys), key=lambda r: -abs(r[0]))
-    for diff, k in rows[:12]:
-        print(f"{diff / MiB:+9.2f} MiB  real {by_stack['real'][k] / MiB:8.2f}  emulated "
-              f"{by_stack['emulated'][k] / MiB:8.2f}  {k[:200]}")
+    keys = set(by_stack[a]) | set(by_stack[b])
+    ranked = sorted(((by_stack[b][k] - by_stack[a][k], k) for k in keys), key=lambda r: (-abs(r[0]), r[1]))
+    for diff, k in ranked[:rows]:
+        if diff:
+            out.append(f"{diff / MiB:+10.2f} MiB  {a} {by_stack[a][k] / MiB:9.2f}  {b} {by_stack[b][k] / MiB:9.2f}  "
+                       f"{k[:200]}")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from prism_megatron.memory.snapshot import MAX_ENTRIES
+
+    ap = argparse.ArgumentParser(prog="snapshot_diff.py", description=__doc__.split("\n\n")[0])
+    ap.add_argument("first", help="a dump (e.g. the reference: real process or fake process group)")
+    ap.add_argument("second", help="a dump (e.g. prism's emulated rank)")
+    ap.add_argument("--names", default="first,second", help="the two runs' names in the output (default first,second)")
+    a = ap.parse_args(argv)
+    names = a.names.split(",")
+    if len(names) != 2 or len(set(names)) != 2:
+        raise SystemExit(f"snapshot_diff: --names {a.names!r}: expected two different names, comma-separated")
+    traces = {names[0]: load(a.first), names[1]: load(a.second)}
+    for name, trace in traces.items():
+        if len(trace) >= MAX_ENTRIES:
+            print(f"{name}: {len(trace)} events, the recording's limit: its start may be lost")
+    print(compare(traces, "allocated"))
+    print(compare(traces, "reserved"))
+    return 0
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    raise SystemExit(main())

@@ -430,15 +430,6 @@ def _router_state_hook(model: list[Any], finalize: Any) -> Any:
     return recorded
 
 
-def _snapshot_hook() -> Any:
-    """``PRISM_MEMORY_SNAPSHOT=PREFIX`` (diagnostics on a GPU): record allocations, dump PREFIX-rankR.pickle."""
-    prefix = os.environ.get("PRISM_MEMORY_SNAPSHOT")
-    if not prefix or cpu_mode.cpu_mode_active():
-        return lambda: None
-    torch.cuda.memory._record_memory_history(max_entries=400_000)
-    return lambda: torch.cuda.memory._dump_snapshot(f"{prefix}-rank{dist.get_rank()}.pickle")
-
-
 _ACCOUNTANT: Any = None  # PRISM_CPU_BYTE_ACCOUNTANT=1 on CPU: memory figures where no allocator exists
 
 
@@ -474,7 +465,9 @@ def train(args: argparse.Namespace) -> None:
     from prism_megatron.trace.markers import span
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    dump_snapshot = _snapshot_hook()
+    from prism_megatron.memory.snapshot import start_from_env
+
+    dump_snapshot = start_from_env()
     config = _transformer_config(args)
     model = build_model(args, config)
     optimizer = get_megatron_optimizer(OptimizerConfig(

@@ -12,7 +12,8 @@ numerics contract compares prism against. Without apex it adds ``--no-persist-la
 torch LayerNorm Megatron falls back to refuses the persistent kernel flag, on by default). On gloo
 (not under prism) async p2p sends get a private copy of their buffer (``patches.gloo_p2p``).
 With ``PRISM_MEGATRON_METRICS=FILE`` each rank appends its per-iteration loss and grad norm (full
-precision, JSON lines) to ``FILE``.
+precision, JSON lines) to ``FILE``; with ``PRISM_MEMORY_SNAPSHOT=PREFIX`` each rank on a GPU dumps its
+allocator's history to PREFIX-rankR.pickle (``memory.snapshot``).
 """
 
 from __future__ import annotations
@@ -198,4 +199,10 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from prism_megatron.memory.snapshot import start_from_env
+
+    dump_snapshot = start_from_env()  # PRISM_MEMORY_SNAPSHOT: the allocator's history, also of a run that fails
+    try:
+        main()
+    finally:
+        dump_snapshot()

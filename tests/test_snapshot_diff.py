@@ -1,0 +1,73 @@
+"""bench/gpu/snapshot_diff.py on synthetic allocator histories, and the snapshot switch off the GPU."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+from bench_scripts import load_bench
+
+MiB = 1 << 20
+
+
+def _frames(*names):
+    return [{"filename": f"/x/{n}.py", "line": i + 1, "name": n} for i, n in enumerate(names)]
+
+
+def _dump(path, events):
+    path.write_bytes(pickle.dumps({"segments": [], "device_traces": [[], events]}))
+    return path
+
+
+def _history(extra_segment: bool):
+    """Two 20 MiB segments for the weights; optionally a third where the allocator could not reuse a freed
+    block (the run's reserved grows, its allocated does not)."""
+    w, a = _frames("weights", "build"), _frames("activation", "forward")
+    ev = [{"action": "segment_alloc", "addr": 0, "size": 20 * MiB, "frames": w},
+          {"action": "alloc", "addr": 0, "size": 20 * MiB, "frames": w},
+          {"action": "segment_alloc", "addr": 100 * MiB, "size": 20 * MiB, "frames": a},
+          {"action": "alloc", "addr": 100 * MiB, "size": 8 * MiB, "frames": a},
+          {"action": "free_requested", "addr": 100 * MiB, "size": 8 * MiB, "frames": a},
+          {"action": "free_completed", "addr": 100 * MiB, "size": 8 * MiB, "frames": a}]
+    if extra_segment:
+        ev.append({"action": "segment_alloc", "addr": 200 * MiB, "size": 20 * MiB, "frames": a})
+        addr = 200 * MiB
+    else:
+        addr = 100 * MiB
+    ev += [{"action": "alloc", "addr": addr, "size": 8 * MiB, "frames": a},
+           {"action": "free_requested", "addr": addr, "size": 8 * MiB, "frames": a}]
+    return ev
+
+
+def test_reserved_peaks_differ_where_one_run_grew_its_cache_and_allocated_peaks_agree(tmp_path, capsys):
+    sd = load_bench("gpu/snapshot_diff.py")
+    first = _dump(tmp_path / "a.pickle", _history(extra_segment=False))
+    second = _dump(tmp_path / "b.pickle", _history(extra_segment=True))
+    assert sd.main([str(first), str(second), "--names", "fakepg,prism"]) == 0
+    out = capsys.readouterr().out
+    allocated, reserved = out.split("== reserved")
+    assert "fakepg: peak 28.00 MiB in 2 block(s)" in allocated and "prism: peak 28.00 MiB in 2 block(s)" in allocated
+    assert "MiB  fakepg" not in allocated  # the same blocks under the same stacks: no difference row
+    assert "fakepg: peak 40.00 MiB in 2 block(s)" in reserved and "prism: peak 60.00 MiB in 3 block(s)" in reserved
+    grew = "+20.00 MiB  fakepg     20.00  prism     40.00  activation.py:1:activation < forward.py:2:forward"
+    assert grew in reserved
+
+
+def test_a_dump_of_several_devices_and_bad_names_are_refused(tmp_path):
+    sd = load_bench("gpu/snapshot_diff.py")
+    two = tmp_path / "two.pickle"
+    two.write_bytes(pickle.dumps({"device_traces": [_history(False), _history(False)]}))
+    one = _dump(tmp_path / "one.pickle", _history(False))
+    with pytest.raises(SystemExit, match=r"two.pickle: 2 devices with events, expected 1"):
+        sd.main([str(two), str(one)])
+    with pytest.raises(SystemExit, match=r"--names 'x,x'"):
+        sd.main([str(one), str(one), "--names", "x,x"])
+
+
+def test_the_snapshot_switch_records_nothing_without_a_gpu(tmp_path, monkeypatch):
+    from prism_megatron.memory import snapshot
+
+    monkeypatch.setenv(snapshot.ENV, str(tmp_path / "snap"))
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    assert snapshot.start_from_env()() is None
+    assert not list(tmp_path.iterdir())
