@@ -194,11 +194,11 @@ def recorded_inputs(plan: GroupPlan, others: Mapping[int, int],
     one; the rest keep self mirror. ``like``: the live member's inputs, whose number, dtypes and sizes a recording
     must have (else PruneError naming the group, the rank and both)."""
     out: dict[int, list[torch.Tensor]] = {}
+    want = [(t.dtype, t.numel()) for t in like]
     for q, r in others.items():
         rec = recordings.get(r)
         if rec is None:
             continue
-        want = [(t.dtype, t.numel()) for t in like]
         got = [(t.dtype, t.numel()) for t in rec]
         if got != want:
             raise PruneError(f"the reduction rank {r} contributed on group {_show(plan.ranks)}, as its capture "
