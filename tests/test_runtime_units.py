@@ -133,6 +133,62 @@ def test_reduce_into_an_output_equals_the_new_tensor_also_over_the_first_input(o
     assert all(torch.equal(x, c) for x, c in zip(xs[1:], copies[1:], strict=True))
 
 
+@pytest.mark.parametrize("kind", ["all_reduce", "broadcast"])
+def test_every_members_results_are_written_before_any_member_is_told(kind, tmp_path):
+    """A member told its op is done frees its staging memory and stages its next op there, while the
+    coordinator may still be copying a result out of it (an all-reduce is computed into the first
+    member's output; a broadcast's data is the root's input). Seen on one H200 under load: ranks 4-7 of
+    an 8-rank all-reduce got rank 0's next input. Here each member overwrites its staging the moment it
+    is told, and every member must still have read the right result."""
+    import os
+
+    from prism_megatron.runtime import protocol as P
+    from prism_megatron.runtime.coordinator import Coordinator
+    from prism_megatron.runtime.groups import Group
+    from prism_megatron.runtime.shm import Arena
+
+    n, numel = 4, P.INLINE_LIMIT  # 4 bytes an element: staged in shared memory, not inlined
+    coord = Coordinator(world_size=n, num_devices=1, slots_per_device=n, device_of=dict.fromkeys(range(n), 0),
+                        device_names=["cpu"], hang_timeout=60.0, authkey=b"k" * 16)
+    coord._progress = lambda: None
+    coord._op_completed = lambda rs, op_id: None
+    for r in range(n):
+        coord._dispatch(object(), {"t": P.HELLO, "rank": r, "pid": 1000 + r})
+    arenas = [Arena(f"prism-test-{os.getpid()}-{kind}-{r}") for r in range(n)]
+    views, members = {}, []
+    try:
+        for r in range(n):
+            seg, off, raw = arenas[r].alloc(numel * 4)
+            x = raw.view(torch.float32)
+            x.fill_(r + 1.0)
+            views[r] = x
+            desc = (("s", seg, off, numel * 4), "float32", [numel])
+            if kind == "all_reduce":
+                msg = {"id": 7, "kind": kind, "ins": [desc], "outs": [desc], "redop": "sum"}
+            else:  # root 0 sends its staged input; the others receive into theirs
+                msg = {"id": 7, "kind": kind, "ins": [desc] if r == 0 else [], "outs": [] if r == 0 else [desc],
+                       "root": 0}
+            assert coord.data.arrived(r, msg) is None
+            members.append(Member(r, r, msg))
+        read: dict[int, torch.Tensor] = {}
+
+        def told(rs, msg: dict) -> None:  # the rank copies its result out, then stages its next op there
+            assert msg["t"] == P.DONE
+            read[rs.rank] = views[rs.rank].clone()
+            views[rs.rank].fill_(-1.0)
+
+        coord._send = told
+        coord._run_collective(Group(id=1, name="g", ranks=list(range(n)), backend="gloo"), 0, members)
+        want = sum(range(1, n + 1)) if kind == "all_reduce" else 1.0
+        receivers = range(n) if kind == "all_reduce" else range(1, n)
+        assert sorted(read) == list(range(n))
+        assert {r: read[r].unique().tolist() for r in receivers} == {r: [want] for r in receivers}
+    finally:
+        coord.data.close()
+        for a in arenas:
+            a.close()
+
+
 def test_resident_first_policy_prefers_resident_and_never_starves():
     from collections import deque
 

@@ -401,7 +401,11 @@ class Coordinator:
 
     def _deliver(self, m: Member, outs: list[torch.Tensor | None], src: int = -1) -> None:
         """Write `outs` (flat tensors, one per output of m) and tell the rank."""
-        inline = self.data.write(m, outs)
+        self._tell(m, self.data.write(m, outs), src)
+
+    def _tell(self, m: Member, inline: list[bytes | None], src: int = -1) -> None:
+        """Tell member ``m`` its op is done (its results written). From then on the rank may free its staging
+        memory and stage its next op there."""
         rs = self.ranks[m.rank]
         self._send(rs, {"t": P.DONE, "id": m.msg["id"], "out": inline, "src": src})
         self._op_completed(rs, m.msg["id"])
@@ -450,8 +454,13 @@ class Coordinator:
         if g.fold is not None and ms[0].kind == "broadcast" and len(ms) == 1:  # kept for later captures
             sent = call.ins[0][0] if not first["outs"] else outs[0][0]
             self.fold.record_broadcast(g, seq, call.root, sent, (first["ins"] or first["outs"])[0][1])
-        for m, o in zip(ms, outs, strict=True):
-            self._deliver(m, [t.reshape(-1) if t is not None else None for t in o])
+        # every member's results are written before any member is told: a result may lie in a member's staging
+        # memory (an all-reduce is computed into the first member's output, broadcast data is the root's input),
+        # which that member reuses for its next op as soon as it is told
+        inline = [self.data.write(m, [t.reshape(-1) if t is not None else None for t in o])
+                  for m, o in zip(ms, outs, strict=True)]
+        for m, x in zip(ms, inline, strict=True):
+            self._tell(m, x)
 
     def _run_p2p(self, g: Group, send: Member, recv: Member) -> None:
         problem = check_p2p(send, recv)
