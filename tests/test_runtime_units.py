@@ -137,9 +137,8 @@ def test_reduce_into_an_output_equals_the_new_tensor_also_over_the_first_input(o
 def test_every_members_results_are_written_before_any_member_is_told(kind, tmp_path):
     """A member told its op is done frees its staging memory and stages its next op there, while the
     coordinator may still be copying a result out of it (an all-reduce is computed into the first
-    member's output; a broadcast's data is the root's input). Seen on one H200 under load: ranks 4-7 of
-    an 8-rank all-reduce got rank 0's next input. Here each member overwrites its staging the moment it
-    is told, and every member must still have read the right result."""
+    member's output; a broadcast's data is the root's input). Here each member overwrites its staging
+    the moment it is told, and every member must still have read the right result."""
     import os
 
     from prism_megatron.runtime import protocol as P
