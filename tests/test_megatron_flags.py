@@ -173,6 +173,25 @@ def test_bad_run_arguments_are_named(argv, message):
         parse_run_args(argv)
 
 
+def test_checking_a_recipe_leaves_the_launcher_out_of_cpu_mode():
+    """The launcher checks a recipe's flags with the core driver's parser. The driver itself switches its
+    process to CPU mode where there is no GPU; the check must not, or every later CUDA request of the
+    launcher (or of a test process) would silently land on the host."""
+    code = textwrap.dedent("""
+        from prism_megatron.megatron import cpu_mode
+        from prism_megatron.megatron.run import RunError, parse_run_args
+        parse_run_args(["--recipe", "mini-dense-tp2pp2", "--prism-driver", "core"])
+        try:
+            parse_run_args(["--recipe", "llama3-70b-h100x64", "--prism-driver", "core"])
+        except RunError:
+            print("refused")
+        print("cpu mode", cpu_mode.cpu_mode_active())
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["refused", "cpu", "mode", "False"], done.stdout
+
+
 @pytest.mark.skipif(importlib.util.find_spec("transformer_engine") is not None, reason="Transformer Engine installed")
 def test_transformer_engine_jobs_without_the_package_are_refused_before_any_rank_starts(tmp_path):
     """mini-dense-cp2 needs TE attention; without the package the ranks died of a NameError deep in

@@ -161,7 +161,7 @@ def _megatron_core_version() -> str | None:
 def _refuse_what_the_core_driver_cannot_run(recipe: str, args: list[str], why: str) -> None:
     """A recipe whose flags the core driver does not run (a target recipe's SwiGLU, RoPE, ...) is refused before
     anything starts, saying which driver runs it and how to get it, not with the driver's flag error later."""
-    from prism_megatron.megatron.driver.core_gpt import FlagError, parse_args
+    from prism_megatron.megatron.driver.core_flags import FlagError, parse_args
     from prism_megatron.megatron.megatron_lm import ENV_VAR
 
     try:
