@@ -31,7 +31,8 @@ setup(
         "megatron": [MEGATRON_CORE],
         "te": ["transformer-engine[pytorch]"],
         # setuptools >= 70.1 builds wheels itself (no `wheel` package): the packaging test builds one
-        "test": ["pytest>=8", "pytest-timeout>=2.3", "ruff>=0.6", "setuptools>=70.1", MEGATRON_CORE],
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "pytest-xdist>=3.6", "ruff>=0.6", "setuptools>=70.1",
+                 MEGATRON_CORE],
     },
     entry_points={"console_scripts": ["prism-megatron=prism_megatron.cli:main"]},
 )

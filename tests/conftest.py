@@ -80,6 +80,24 @@ def published_run(tmp_path_factory) -> dict:
     return {"proc": p, "dir": d}
 
 
+#: session fixtures that run jobs for the tests of several files: their tests share one pytest-xdist worker
+#: (each worker has its own session, so split they would run every job once per worker)
+SHARED_SESSION_FIXTURES = ("megatron_runs", "published_run")
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Two xdist workers (pytest.ini) take whole groups: a file, or every test that reads one of the shared
+    session fixtures. Those groups hold the longest jobs, so they are queued first (the scheduler hands groups
+    out in collection order); a file's module fixtures stay in one worker."""
+    def group(item) -> str:
+        shared = [f for f in SHARED_SESSION_FIXTURES if f in item.fixturenames]
+        return shared[0] if shared else item.nodeid.split("::")[0]
+
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(group(item)))
+    items.sort(key=lambda item: group(item) not in SHARED_SESSION_FIXTURES)  # stable: file order kept otherwise
+
+
 #: Megatron's parse of each command planned in this session (namespace or error), by command and environment
 _PARSES: dict[tuple, object] = {}
 
