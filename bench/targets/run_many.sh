@@ -30,6 +30,7 @@ for name in "${names[@]}"; do
   rc=$?
   case $rc in
     0) verdict="done" ;;
+    5) verdict="done: out of memory on the target (a prediction: the report names each failing allocation)" ;;
     3) verdict="skipped (plan's expected time exceeds the ${left} s left)"; status=1 ;;
     124|137) verdict="cut off at the time left (exit $rc)"; status=1 ;;
     *) verdict="failed (exit $rc)"; status=1 ;;
