@@ -140,8 +140,10 @@ class Overrun(AssertionError):
     pass
 
 
-def _run_schedule(seed: int, tmp_path: Path, admission: str = "peak") -> dict:
-    """One random job on one stand-in device; returns what happened. Raises Overrun if the device overran."""
+def _run_schedule(seed: int, tmp_path: Path, admission: str = "peak", estimates: bool = False) -> dict:
+    """One random job on one stand-in device; returns what happened. Raises Overrun if the device overran.
+    ``estimates``: the launcher gives the governor an estimate of each class's peak, off by -20 % to +50 %
+    (-20 % is what ESTIMATE_HEADROOM covers), as the room for a rank before anything of it is measured."""
     from prism_megatron.runtime.coordinator import Coordinator
 
     rng = random.Random(seed)
@@ -157,7 +159,9 @@ def _run_schedule(seed: int, tmp_path: Path, admission: str = "peak") -> dict:
     coord._progress = lambda: None
     gov = coord.governor
     gov.enable_swap(BudgetSwapper(capacity, dev), [capacity])
-    gov.configure_admission(classes, None)
+    est_rng = random.Random(seed + 10_000)  # its own stream: the schedule is the same with or without
+    gov.configure_admission(classes, None, {r: int(_peak_of(programs[r]) * est_rng.uniform(0.8, 1.5))
+                                            for r in range(n)} if estimates else None)
     if admission == "footprint":  # the rule this replaces: room for what the rank held when it last blocked
         mem = gov.memory[0]
         gov.need = lambda r: (mem.footprint.get(r, 0) if r in mem.resident or r in mem.swapped else 0, "")
@@ -222,14 +226,39 @@ def test_no_overrun_of_the_device_across_50_random_schedules(tmp_path):
     """Ranks that grow while they hold a slot (activations, the optimizer's state at the first step), in
     classes of alike ranks, 1-3 slots, a device that holds one rank but not all: admission by expected
     peak never lets the resident ranks overrun it, and every job ends."""
-    totals = {"own": 0, "class": 0, "bound": 0}
+    totals = {"own": 0, "class": 0, "estimate": 0, "bound": 0}
     swaps = 0
     for seed in range(50):
-        out = _run_schedule(seed, tmp_path)
+        out = _run_schedule(seed, tmp_path, estimates=seed % 2 == 1)
         swaps += out["swaps"]
         for k, v in out["admissions"].items():
             totals[k] += v
     assert swaps > 0 and all(totals.values()), (swaps, totals)  # every path of admission was taken
+
+
+def test_a_rank_nothing_is_measured_of_is_admitted_by_its_estimate_not_the_whole_device(tmp_path):
+    """Before iteration 1, a rank is admitted with room for prism's estimate of its class (times the
+    headroom, plus the context) instead of the whole device: ranks whose estimates fit the device together
+    stay resident through set-up (no swaps), where the device bound swaps at every turn."""
+    from prism_megatron.runtime.governor import ESTIMATE_HEADROOM
+    from prism_megatron.runtime.staging import CONTEXT_BYTES
+
+    with_est = without = 0
+    for seed in range(20):
+        without += _run_schedule(seed, tmp_path, estimates=False)["swaps"]
+        with_est += _run_schedule(seed, tmp_path, estimates=True)["swaps"]
+    assert with_est < without, (with_est, without)
+    from prism_megatron.runtime.coordinator import Coordinator
+
+    coord = Coordinator(world_size=2, num_devices=1, slots_per_device=1, device_of={0: 0, 1: 0},
+                        device_names=["cuda:0"], hang_timeout=60.0, authkey=b"k" * 16)
+    gov = coord.governor
+    gov.configure_admission({}, None, {0: 10 * GIB})
+    assert gov.unknown_bound(140 * GIB, 0) == int(10 * GIB * ESTIMATE_HEADROOM) + CONTEXT_BYTES
+    assert gov.unknown_bound(140 * GIB, 1) == 140 * GIB  # no estimate: the device
+    assert gov.unknown_bound(12 * GIB, 0) == 12 * GIB  # never more than the device
+    gov.configure_admission({}, 8 * GIB, {0: 100 * GIB})
+    assert gov.unknown_bound(140 * GIB, 0) == 8 * GIB + CONTEXT_BYTES  # nor more than the target's cap allows
 
 
 def test_the_same_schedules_overrun_when_ranks_are_admitted_by_their_last_footprint(tmp_path):

@@ -364,9 +364,11 @@ def test_run_passes_the_depth_to_the_fold_and_folds_moe_expert_peers_at_class_de
     # auto folds no deeper than needed: this replica fits (or cannot be costed), so replica depth
     request = parse_run_args(["--recipe", "mini-dense-tp2pp2dp4", "--prism-driver", "core"])
     said = []
-    fold = choose_fold("on", launch_config(request), request.env, say=said.append,
-                       depth=request.run_options().fold_depth)
+    cfg = launch_config(request)
+    fold = choose_fold("on", cfg, request.env, say=said.append, depth=request.run_options().fold_depth)
     assert fold["depth"] == "replica" and fold["live"] == [0, 1, 8, 9], fold["live"]
+    # the live ranks are admitted by prism's estimate of their class until they are measured
+    assert sorted(cfg.memory_estimates) == [0, 1, 8, 9] and min(cfg.memory_estimates.values()) > 0
     assert any("depth replica (auto: replica" in s for s in said), said
     request = parse_run_args(["--recipe", "mini-moe-ep4-tp1pp2", "--prism-driver", "core",
                               "--prism-fold-depth", "class"])
@@ -375,6 +377,25 @@ def test_run_passes_the_depth_to_the_fold_and_folds_moe_expert_peers_at_class_de
     fold = choose_fold("on", launch_config(request), request.env, say=said.append, depth="class")
     assert fold["live"] == [0, 4] and fold["expert_tokens"] == "translated mirror", fold["live"]
     assert any("translated mirror of ep 0's routing" in s for s in said), said
+
+
+def test_admission_estimates_give_each_running_rank_its_classs_estimate():
+    from prism_megatron.megatron.fold_mode import admission_estimates
+    from prism_megatron.megatron.plan import GiB, Plan, _memory
+
+    t = TargetLayout(world_size=16, tp=2, pp=4, num_layers=8)
+    estimate = {"source": "prism", "classes": {"first": {"total": 12 * GiB}, "middle": {"total": 10 * GiB},
+                                               "last": {"total": 8 * GiB}}}
+    fold = build_fold_plan(t, "replica")
+    plan = Plan(layout=t, fold=fold, iterations=1, devices=["cpu"], depth_note="replica (asked)",
+                memory=_memory(fold, estimate, ["cpu"], None, 1000.0, "auto", {"total": GiB}),
+                time={"seconds": 1.0, "iterations": 1, "model": "rough"})
+    every = admission_estimates(plan, range(16))
+    assert every[0] == every[1] == 12 * GiB and every[14] == every[15] == 8 * GiB  # stage 0 first, 3 last
+    assert set(every.values()) == {12 * GiB, 10 * GiB, 8 * GiB} and len(every) == 16
+    assert sorted(admission_estimates(plan, fold.live)) == sorted(fold.live)
+    plan.memory["classes"] = None  # no estimate: the governor falls back to the device
+    assert admission_estimates(plan, fold.live) == {}
 
 
 def test_plan_table_gives_each_class_its_live_memory_by_prisms_estimate():

@@ -20,11 +20,12 @@ def test_summary_names_the_jobs_swaps_and_how_turns_were_admitted():
     tool = _tool()
     swap = {"0": {"swaps_out": 3, "swaps_in": 2, "bytes_out": 3 << 30, "bytes_in": 2 << 30, "seconds": 1.5},
             "1": {"swaps_out": 1, "swaps_in": 1, "bytes_out": 1 << 30, "bytes_in": 1 << 30, "seconds": 0.5}}
-    lines = tool.summarize(_result(swap, {"own": 0, "class": 1, "bound": 9}), 2)
+    lines = tool.summarize(_result(swap, {"own": 0, "class": 1, "estimate": 2, "bound": 9}), 2)
     line = [ln for ln in lines if "swaps" in ln]
     assert len(line) == 1
     assert "swaps: 4 out, 3 in, 7.0 GiB moved" in line[0] and "rank 0" in line[0]
-    assert "no peak known 9" in line[0] and "class peak 1" in line[0]
+    assert "no peak or estimate known 9" in line[0] and "class peak 1" in line[0]
+    assert "prism's estimate, no peak known 2" in line[0]
 
 
 def test_no_swap_line_where_the_job_swapped_nothing():

@@ -41,6 +41,7 @@ import statistics
 import subprocess
 import sys
 import tarfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -141,12 +142,25 @@ def parse_log(text: str) -> dict[int, dict[str, Any]]:
 
 
 def _run(cmd: list[str], log: Path, env: dict[str, str], timeout: float) -> str:
+    """Run ``cmd`` with its output in ``log``, each line prefixed by the seconds since the start (where the
+    step's time goes: set-up, iterations, trace writing)."""
     log.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "w") as f:
-        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=timeout, cwd=log.parent)
+    t0 = time.monotonic()
+    with open(log, "w") as f, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+                                               cwd=log.parent, text=True, errors="replace") as proc:
+        timer = threading.Timer(timeout, proc.kill)
+        timer.start()
+        try:
+            for line in proc.stdout:
+                f.write(f"[{time.monotonic() - t0:7.1f}s] {line}")
+        finally:
+            timer.cancel()
+        code = proc.wait()
     text = log.read_text(errors="replace")
-    if proc.returncode:
-        raise RuntimeError(f"exit {proc.returncode}: {' '.join(cmd[:5])} ...\n{text[-2000:]}")
+    if time.monotonic() - t0 >= timeout:
+        raise subprocess.TimeoutExpired(cmd, timeout)
+    if code:
+        raise RuntimeError(f"exit {code}: {' '.join(cmd[:5])} ...\n{text[-2000:]}")
     return text
 
 

@@ -235,7 +235,8 @@ def summarize(res: dict, world: int, on_gpu: bool = False) -> list[str]:
         lines.append(f"    FAIL {tid} ranks {_ranks(e['ranks'])}: {e['cause']} -- {e['line']}")
     swapped = _swaps(res.get("swap") or {})
     if swapped:  # prism's cost, not the tests': on a GPU each swap is a process checkpoint or restore
-        names = {"own": "own peak", "class": "class peak", "bound": "bound, no peak known"}
+        names = {"own": "own peak", "class": "class peak", "estimate": "prism's estimate, no peak known",
+                 "bound": "bound, no peak or estimate known"}
         turns = ", ".join(f"{names.get(k, k)} {v}" for k, v in (res.get("admission") or {}).items())
         lines.append(f"    prism {swapped}" + (f"; slot turns admitted by {turns}" if turns else ""))
     unfinished = len(res["ranks"]) < world or any(d.get("exit", 0) is None for d in res["ranks"].values())

@@ -62,6 +62,9 @@ class LaunchConfig:
     # rank -> class label: a rank not yet through an iteration is admitted to a shared device by its class's
     # measured peak (runtime.peaks); ranks not named are each their own class
     memory_classes: dict[int, str] = field(default_factory=dict)
+    # rank -> prism's estimate of its class's peak (bytes; memory.estimate, from the fold plan): the room a
+    # rank is admitted with before anything of it or its class is measured (ranks not named: the device)
+    memory_estimates: dict[int, int] = field(default_factory=dict)
     # a folded run (Phase 2): the fold plan's JSON (``trace.fold`` reads it: world_size, live, rep,
     # gpus_per_node, classes, class_of). Only its live ranks are forked; every other rank is virtual and
     # the coordinator answers for it (nccl_prune). None: every rank runs.

@@ -88,6 +88,7 @@ def coordinator_config(cfg: LaunchConfig, prefix: str = "") -> CoordinatorConfig
         host_memory=cfg.host_memory,
         swap_policy=os.environ.get("PRISM_SWAP_POLICY", "resident-first"),
         memory_classes=dict(cfg.memory_classes), rank_cap=cfg.memory_cap,
+        memory_estimates=dict(cfg.memory_estimates),
         predictor=cfg.predictor, predictor_options=dict(cfg.predictor_options),
         live_trace=str(cfg.log_dir / "live-trace"),
         host=cfg.listen, launcher_pid=os.getpid(), segment_prefix=prefix, fold=cfg.fold,

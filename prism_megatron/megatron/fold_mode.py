@@ -32,13 +32,13 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from prism_megatron.megatron.fold import FoldDepthError, FoldError
 
-__all__ = ["FoldModeError", "choose_fold", "full_job_fits", "check_trace_classes", "class_lines",
+__all__ = ["FoldModeError", "admission_estimates", "choose_fold", "full_job_fits", "check_trace_classes", "class_lines",
            "op_sections"]
 
 
@@ -68,6 +68,22 @@ def full_job_fits(plan: Any, world_size: int, live_only: bool = False) -> tuple[
     why = (f"{ranks} ranks: {state / GiB:.2f} GiB state + {ranks} x {RANK_PROCESS_HOST_BYTES / GiB:.0f} GiB process "
            f"= {need / GiB:.1f} GiB against {have / GiB:.1f} GiB here ({source})")
     return need <= have, why
+
+
+def admission_estimates(plan: Any, ranks: Iterable[int]) -> dict[int, int]:
+    """Rank -> prism's estimate of its class's peak (bytes) for ``ranks`` (those that run): the room the
+    memory governor admits a rank with before anything of it or its class is measured. Empty where there
+    is no estimate."""
+    classes = plan.memory.get("classes")
+    if not classes:
+        return {}
+    fold = plan.fold
+    out = {}
+    for r in ranks:
+        total = classes[fold.classes[fold.class_of[r]].name].get("total")
+        if total:
+            out[r] = int(total)
+    return out
 
 
 def class_lines(fold: Any, limit: int = 12) -> list[str]:
@@ -106,6 +122,7 @@ def choose_fold(mode: str, cfg: Any, env: dict[str, str] | None = None,
             return None
         raise FoldModeError(f"--prism-fold {mode}: {e}") from None
     fold = plan.fold
+    cfg.memory_estimates = admission_estimates(plan, range(cfg.world_size))  # a full capture: every rank runs
     if mode == "auto":
         fits, why = full_job_fits(plan, cfg.world_size)
         if fits:
@@ -139,6 +156,7 @@ def choose_fold(mode: str, cfg: Any, env: dict[str, str] | None = None,
         f"({how}); depth {fold.depth} ({plan.depth_note}); classes:")
     for line in class_lines(fold):
         say(line)
+    cfg.memory_estimates = admission_estimates(plan, fold.live)
     return fold.to_json()
 
 

@@ -25,6 +25,7 @@ class CoordinatorConfig:
     swap_policy: str = "resident-first"
     memory_classes: dict[int, str] = field(default_factory=dict)  # rank -> class whose peaks admit it (runtime.peaks)
     rank_cap: int | None = None  # each rank's allocator cap in bytes (the target GPU's usable), if any
+    memory_estimates: dict[int, int] = field(default_factory=dict)  # rank -> prism's estimate of its class's peak
     predictor: str | None = None  # "module:function" answering live predictions
     predictor_options: dict = field(default_factory=dict)
     live_trace: str = ""
@@ -45,4 +46,5 @@ class CoordinatorConfig:
             raise ValueError(f"coordinator config: unknown field(s) {', '.join(sorted(unknown))}")
         data["device_of"] = {int(k): int(v) for k, v in data["device_of"].items()}
         data["memory_classes"] = {int(k): str(v) for k, v in data.get("memory_classes", {}).items()}
+        data["memory_estimates"] = {int(k): int(v) for k, v in data.get("memory_estimates", {}).items()}
         return cls(**data)

@@ -3,13 +3,15 @@ the rank's expected peak, swaps of blocked ranks when residents outgrow the devi
 their footprints), the verdict on a physical out-of-memory, and under --swap auto with GPU timing,
 each device's verdict on whether its ranks may time GPU segments.
 
-Admission reserves a rank's expected peak for its turn (runtime.peaks). Where nothing is known of
-the rank or its class yet, the bound is the whole device (it computes alone: every blocked rank is
-evicted first), or, where the rank's allocator is capped at the target GPU's usable memory, that cap
-plus the context: the allocator cannot go beyond it. A physical out-of-memory cannot be retried in
-place (PyTorch's allocator calls its out-of-memory observers only after it has emptied the rank's
-cache, and raises after them), so admission is what prevents it; one that happens anyway ends the
-job with a report of what each rank held and what would cure it.
+Admission reserves a rank's expected peak for its turn (runtime.peaks). Where nothing is measured of
+the rank or its class yet, the bound is prism's estimate of the rank's class (memory.estimate) with
+``ESTIMATE_HEADROOM`` and the context, where the launcher has one; otherwise the whole device (it
+computes alone: every blocked rank is evicted first); and never more than the target GPU's usable
+memory plus the context where the rank's allocator is capped there: the allocator cannot go beyond it.
+A physical out-of-memory cannot be retried in place (PyTorch's allocator calls its out-of-memory
+observers only after it has emptied the rank's cache, and raises after them), so admission is what
+prevents it; one that happens anyway ends the job with a report of what each rank held and what would
+cure it.
 """
 
 from __future__ import annotations
@@ -31,6 +33,11 @@ from prism_megatron.runtime.swap import Swapper
 # Added to a GPU rank's measured peak when admitting it: what neither its allocator report nor the last NVML
 # cross-check saw yet (kernels loaded lazily on first use grow the context). A judgement, not measured.
 ADMISSION_MARGIN = 512 << 20
+# Room for a rank nothing is measured of yet, per byte of prism's estimate of its class's peak: that estimate
+# came within 0.926-1.021 of the measured max allocated over 19 rank classes (bench/memory_estimate.py), and the
+# caching allocator reserves a few percent over what it allocates. 1.25 covers both with room to spare; a rank
+# that outgrows it anyway is measured from then on (its turns after are admitted by its own peak).
+ESTIMATE_HEADROOM = 1.25
 
 
 class SwapMode(StrEnum):
@@ -67,7 +74,9 @@ class MemoryGovernor:
         self.peaks = PeakTracker()  # its class_of: set by the coordinator (default: each rank its own class)
         self.margin = 0  # bytes added to every known expected peak (what the reports cannot see)
         self.rank_cap: int | None = None  # each rank's allocator cap (the target GPU's usable bytes), if any
-        self.admissions: dict[str, int] = {"own": 0, "class": 0, "bound": 0}  # how each turn's need was known
+        # how each turn's need was known: own or class peak, prism's estimate, or the bound (device or cap)
+        self.admissions: dict[str, int] = {"own": 0, "class": 0, "estimate": 0, "bound": 0}
+        self.estimates: dict[int, int] = {}  # rank -> prism's estimate of its class's peak (bytes), where known
         self._host_said = False
         self._ended_one: set[int] = set()  # ranks that ended an iteration
         self.host_need: str | None = None  # after iteration 1: whether swapped-out state fits the host budget
@@ -94,12 +103,15 @@ class MemoryGovernor:
             mem = self.memory
             self.slots.policy = ResidentFirstPolicy(lambda r: r in mem[self.slots.device_of(r)].resident)
 
-    def configure_admission(self, classes: dict, rank_cap: int | None) -> None:
+    def configure_admission(self, classes: dict, rank_cap: int | None, estimates: dict | None = None) -> None:
         """``classes``: rank -> class label (ranks not named are each their own class): a rank not yet
-        through an iteration is admitted by its class's peak. ``rank_cap``: each rank's allocator cap."""
+        through an iteration is admitted by its class's peak. ``rank_cap``: each rank's allocator cap.
+        ``estimates``: rank -> prism's estimate of its class's peak in bytes, the room for a rank before
+        anything of it or its class is measured (ranks not named: the device)."""
         labels = {int(r): c for r, c in classes.items()}
         self.peaks.class_of = lambda r: labels.get(r, f"rank {r} alone")
         self.rank_cap = int(rank_cap) if rank_cap else None
+        self.estimates = {int(r): int(b) for r, b in (estimates or {}).items() if b}
 
     # ---- GPU timing ------------------------------------------------------------------------------
     def hello(self, rs: RankState) -> None:
@@ -194,17 +206,22 @@ class MemoryGovernor:
         mem = self.memory[self.slots.device_of(rank)]
         expected, source = self.peaks.expected(rank, mem.reported.get(rank, 0) if rank not in mem.no_context else 0)
         if expected is None:
-            return self.unknown_bound(mem.capacity), ""
+            return self.unknown_bound(mem.capacity, rank), "estimate" if rank in self.estimates else ""
         return min(expected + mem.offset.get(rank, 0) + self.margin, mem.capacity), source
 
-    def unknown_bound(self, capacity: int) -> int:
-        """Room for a rank whose peak nothing tells yet: the device; or, with the allocator capped at
-        the target's usable bytes, that cap plus the context (what the caching allocator cannot pass)."""
-        if self.rank_cap is None:
-            return capacity
+    def unknown_bound(self, capacity: int, rank: int | None = None) -> int:
+        """Room for a rank whose peak nothing measured tells yet: prism's estimate of its class with
+        ``ESTIMATE_HEADROOM`` plus the context, where there is one; else the device; and with the allocator
+        capped at the target's usable bytes, never more than that cap plus the context (what the caching
+        allocator cannot pass)."""
         from prism_megatron.runtime.staging import CONTEXT_BYTES
 
-        return min(capacity, self.rank_cap + CONTEXT_BYTES + self.margin)
+        bound = capacity
+        if rank in self.estimates:
+            bound = min(bound, int(self.estimates[rank] * ESTIMATE_HEADROOM) + CONTEXT_BYTES + self.margin)
+        if self.rank_cap is not None:
+            bound = min(bound, self.rank_cap + CONTEXT_BYTES + self.margin)
+        return bound
 
     def _peak_so_far(self, rank: int) -> int:
         mem = self.memory[self.slots.device_of(rank)]
@@ -267,7 +284,7 @@ class MemoryGovernor:
             if measured:
                 sizes.append([self._peak_so_far(r) for r in ranks if r in self.ranks] or [0])
             else:
-                sizes.append([self.unknown_bound(mem.capacity)] * len(ranks))
+                sizes.append([self.unknown_bound(mem.capacity, r) for r in ranks])
         fits, message = swap_host_need(sizes, [m.capacity for m in self.memory], budget, measured=measured)
         lines = [message] + ([] if fits or not measured else [HOST_LIMIT_HINT])
         if measured:
@@ -296,7 +313,10 @@ class MemoryGovernor:
                                                                     for r, b in resident) or "none"))
             need, source = self.need(rank)
             expected = {"own": "its own peak at this point of the last iteration",
-                        "class": f"its class's ({cls}) peak"}.get(source, "the bound for a rank not yet measured")
+                        "class": f"its class's ({cls}) peak",
+                        "estimate": f"prism's estimate of its class x {ESTIMATE_HEADROOM} plus the context: "
+                                    "nothing of it was measured yet"}.get(source,
+                                                                          "the bound for a rank not yet measured")
             lines.append(f"admission had reserved {gib(mem.reserve.get(rank, need))} for this turn ({expected})")
         else:
             resident = [(r, 0) for r, _ in others]

@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> None:
             governor.enable_swap(swapper, caps, SwapPolicy(cfg.swap_policy),
                                  cfg.host_memory, gate_timing=swap == SwapMode.AUTO and governor.times_gpu,
                                  margin=0 if cfg.swapper == "budget" else ADMISSION_MARGIN)
-    governor.configure_admission(cfg.memory_classes, cfg.rank_cap)
+    governor.configure_admission(cfg.memory_classes, cfg.rank_cap, cfg.memory_estimates)
     notes += governor.say_host_need()
     if cfg.predictor:
         module, _, func = cfg.predictor.partition(":")
