@@ -528,7 +528,7 @@ def test_swap_auto_starts_gpu_timing_only_where_ranks_needed_no_swaps(tmp_path, 
     rows = tr.gpu.to_pylist()
     assert verdict["on"] is timed
     if timed:
-        assert "peaks by iteration 1 add up to 120.0 of 141.0 GiB" in verdict["why"]
+        assert "peaks expected from iteration 1 add up to 120.0 of 141.0 GiB" in verdict["why"]
         swapped_after = [s for s in job["swap"].values() if s["swaps_out"]]  # all before the verdict
         assert "no swaps from here" in verdict["why"] and (not swapped_after or "swap(s) before" in verdict["why"])
         marks = [m for m in tr.marks.to_pylist() if m["name"] == "iteration" and m["phase"] == "E"]
@@ -543,3 +543,43 @@ def test_swap_auto_starts_gpu_timing_only_where_ranks_needed_no_swaps(tmp_path, 
     assert f"cpu: {verdict['why']}" in summarize(tr.path)
     notes = graph_from_trace(tr).notes
     assert any(n.startswith("cpu: GPU timing stays off") for n in notes) is not timed
+
+
+GROWS_AFTER_ITERATION_1 = (
+    "import torch, torch.distributed as dist\n"
+    "from prism_megatron.runtime import fake_device\n"
+    "from prism_megatron.trace import span\n"
+    "GIB = 2**30\n"
+    "dist.init_process_group('gloo')\n"
+    "x = torch.ones(4)\n"
+    "fake_device.alloc(10 * GIB)  # weights\n"
+    "dist.all_reduce(x)\n"
+    "for it in range(1, 5):\n"
+    "    with span('iteration', iteration=it):\n"
+    "        fake_device.alloc(30 * GIB)  # activations, while the rank holds its slot\n"
+    "        dist.all_reduce(x)\n"
+    "        fake_device.free(30 * GIB)\n"
+    "        if it == 1:\n"
+    "            fake_device.alloc(15 * GIB)  # the optimizer's state, made at the first step and kept\n"
+    "dist.all_reduce(x)\n"
+    "dist.destroy_process_group()\n")
+
+
+def test_swap_auto_pins_a_device_only_for_the_peaks_iteration_2_will_reach(tmp_path, monkeypatch):
+    """Two ranks of 10 GiB that reach 40 GiB in iteration 1 and keep 15 GiB of optimizer state from its end:
+    iteration 1's peaks (80 of 100 GiB) fit, iteration 2's (2 x 55) do not. The device must not be pinned
+    on iteration 1's figures (admission stops swapping there, and the second rank's activations would
+    overrun it): the verdict counts what each rank holds after iteration 1 plus what a turn of it rose, so
+    GPU timing stays off, the ranks keep swapping, and the job ends."""
+    from conftest import launch_source
+    from prism_megatron.runtime.fake_device import FakeDevice
+
+    _stand_in_profiler(monkeypatch)
+    FakeDevice.create(tmp_path / "device", 100 * 2**30, 2)
+    monkeypatch.setenv("PRISM_FAKE_DEVICE", str(tmp_path / "device"))
+    monkeypatch.delenv("PRISM_FOOTPRINT_BYTES", raising=False)
+    tr = launch_source(tmp_path, GROWS_AFTER_ITERATION_1, swap="budget-auto", device_memory_gib=100)
+    verdict = tr.manifest["job"]["gpu_timing_by_device"]["cpu"]
+    assert verdict["on"] is False and "GPU timing stays off" in verdict["why"], verdict
+    assert "expected from iteration 1 add up to 140.0 of 100.0 GiB" in verdict["why"]  # 2 x (40 + 30)
+    assert sum(s["swaps_out"] for s in tr.manifest["job"]["swap"].values()) > 0

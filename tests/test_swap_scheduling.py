@@ -188,7 +188,7 @@ def test_a_device_without_swaps_by_iteration_1_is_pinned_for_gpu_timing_and_swap
     mem, sw = _device(100, {r: 30 for r in range(3)})
     pids = {r: 1000 + r for r in range(4)}
     on, why = mem.timing_verdict()
-    assert on and mem.pinned and "peaks by iteration 1 add up to 90.0 of 100.0 GiB" in why
+    assert on and mem.pinned and "peaks expected from iteration 1 add up to 90.0 of 100.0 GiB" in why
     mem.report(0, 45 * GIB)  # grew past the device: profiled processes cannot be locked, so no victim
     mem.enforce([1, 2], pids, lambda r: r)
     assert mem.make_resident(3, 50 * GIB, [0, 1, 2], pids, lambda r: r)
@@ -196,8 +196,8 @@ def test_a_device_without_swaps_by_iteration_1_is_pinned_for_gpu_timing_and_swap
 
 
 @pytest.mark.parametrize(("capacity", "footprints", "why"), [
-    (100, {0: 40, 1: 40, 2: 40}, "peaks by iteration 1 add up to 120.0 of 100.0 GiB"),
-    (100, {0: 48, 1: 48}, "peaks by iteration 1 add up to 96.0 of 100.0 GiB, less than 5% left"),
+    (100, {0: 40, 1: 40, 2: 40}, "peaks expected from iteration 1 add up to 120.0 of 100.0 GiB"),
+    (100, {0: 48, 1: 48}, "peaks expected from iteration 1 add up to 96.0 of 100.0 GiB, less than 5% left"),
 ])
 def test_a_device_whose_peaks_do_not_fit_with_headroom_keeps_swapping_without_gpu_timing(capacity, footprints, why):
     mem, sw = _device(capacity, footprints)

@@ -135,7 +135,7 @@ class MemoryGovernor:
             self._timing_ended.add(device)
         if waits or device not in self._timing_ended:
             return
-        peaks = {r: self._peak_so_far(r) for r in self.ranks if self.slots.device_of(r) == device}
+        peaks = {r: self._expected_next_iteration(r) for r in self.ranks if self.slots.device_of(r) == device}
         on, why = self.memory[device].timing_verdict(peaks)
         self.timing[device] = {"on": on, "why": why}
         print(f"prism: {self.device_names[device]}: {why}", file=sys.stderr, flush=True)
@@ -222,6 +222,19 @@ class MemoryGovernor:
         if self.rank_cap is not None:
             bound = min(bound, self.rank_cap + CONTEXT_BYTES + self.margin)
         return bound
+
+    def _expected_next_iteration(self, rank: int) -> int:
+        """Device bytes ``rank`` may reach in its next iteration (runtime.peaks: its latest iteration's peak,
+        or what it holds now plus the most a turn of it rose), within its allocator's cap: what a device
+        pinned for GPU timing, where admission no longer swaps, must hold for it."""
+        from prism_megatron.runtime.staging import CONTEXT_BYTES
+
+        mem = self.memory[self.slots.device_of(rank)]
+        held = mem.reported.get(rank, 0) if rank not in mem.no_context else 0
+        peak = max(self.peaks.next_iteration_peak(rank, held), self.peaks.peak_so_far(rank))
+        if self.rank_cap is not None:
+            peak = min(peak, self.rank_cap + CONTEXT_BYTES)
+        return peak + mem.offset.get(rank, 0)
 
     def _peak_so_far(self, rank: int) -> int:
         mem = self.memory[self.slots.device_of(rank)]

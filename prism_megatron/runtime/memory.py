@@ -198,24 +198,24 @@ class DeviceMemory:
 
     def timing_verdict(self, peaks: dict[int, int] | None = None) -> tuple[bool, str]:
         """Once every rank of the device ended iteration 1: may GPU timing start here? Yes when the
-        ranks' peaks (``peaks``: rank -> the most it held so far, device bytes; default what they hold)
-        together leave `TIMING_HEADROOM` of the device for later growth (the caching allocator reaches
-        its peak in the first iteration, optimizer state included): they can all stay resident, so the
-        device is pinned (no swaps from here; ranks swapped out are restored as they get a slot). No
-        keeps swapping possible and the compute on one clock. Swaps before the verdict do not matter:
-        the profiler starts only after it."""
+        ranks' peaks (``peaks``: rank -> what it may reach in iteration 2 by iteration 1, device bytes:
+        the governor's expectation, which counts state made at iteration 1's end, the optimizer's, as
+        held through iteration 2's turns; default what they hold) together leave `TIMING_HEADROOM` of the
+        device: they can all stay resident, so the device is pinned (no swaps from here; ranks swapped
+        out are restored as they get a slot). No keeps swapping possible and the compute on one clock.
+        Swaps before the verdict do not matter: the profiler starts only after it."""
         held = {r: self.footprint.get(r, 0) for r in self.resident}  # not reserves: those are bounds
         total = sum(held.values()) if peaks is None else sum(max(v, held.get(r, 0)) for r, v in peaks.items())
         swaps = sum(s.swaps_out for s in self.stats.values())
         held = f"{total / 2**30:.1f} of {self.capacity / 2**30:.1f} GiB"
         if total > (1 - TIMING_HEADROOM) * self.capacity:
-            return False, (f"GPU timing stays off: the ranks' peaks by iteration 1 add up to {held}, less than "
-                           f"{TIMING_HEADROOM:.0%} left for growth, so swaps may be needed; compute is replayed "
-                           "on one clock")
+            return False, (f"GPU timing stays off: the ranks' peaks expected from iteration 1 add up to {held}, "
+                           f"less than {TIMING_HEADROOM:.0%} left for growth, so swaps may be needed; compute is "
+                           "replayed on one clock")
         self.pinned = True
         before = f" ({swaps} swap(s) before)" if swaps else ""
-        return True, (f"GPU timing on: the ranks' peaks by iteration 1 add up to {held}; all stay resident, no "
-                      f"swaps from here{before}")
+        return True, (f"GPU timing on: the ranks' peaks expected from iteration 1 add up to {held}; all stay "
+                      f"resident, no swaps from here{before}")
 
     def _victim(self, rank: int) -> bool:
         """Resident and holding GPU state of its own (it reported bytes): a checkpoint would free something."""

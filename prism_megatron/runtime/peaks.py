@@ -101,6 +101,18 @@ class PeakTracker:
             return self._complete[c], "class"
         return None, ""
 
+    def next_iteration_peak(self, rank: int, held: int) -> int:
+        """What ``rank``, holding ``held`` bytes now, may reach in its next iteration by its latest one: that
+        iteration's peak, or what it holds now plus the most a turn of it rose, whichever is more (state
+        made at an iteration's end, the optimizer's, is held through the next one's turns). 0 if nothing
+        is known of it."""
+        own = self._own.get(rank, {})
+        latest = max((k[0] for k in own), default=0)
+        turns = [t for k, t in own.items() if k[0] == latest]
+        if not turns:
+            return 0
+        return max(max(t[0] for t in turns), held + max(t[1] for t in turns))
+
     def peak_so_far(self, rank: int) -> int:
         """The most ``rank`` reported in the turns kept (its last two iterations); 0 if none."""
         return max((t[0] for t in self._own.get(rank, {}).values()), default=0)
