@@ -11,7 +11,9 @@ without activation recompute, micro-batch 1 to 8) it runs, on GPU 0, in the orde
 - ``emuW`` (W = 1, 2, 4, 8): ``prism-megatron run --prism-emulate --prism-world-size W --prism-devices 0``
   of the same job with W times the global batch (each rank the same micro-batches), replayed with
   free communication; ``emuW-keep`` / ``emuW-teardown`` set ``TEARDOWN_CUPTI`` to 0 / 1 in the
-  ranks, ``emuW-off`` runs with ``--prism-gpu-timing off`` (one clock);
+  ranks, ``emuW-off`` runs with ``--prism-gpu-timing off`` (one clock), ``emuW-prof`` runs the launcher
+  under cProfile (``trace-NN-emuW-prof.launcher.prof`` beside the trace: where its set-up time goes;
+  the ranks fork from it with the profiler on, so that step's prediction is shown but not scored);
 - ``probe``: ``one_gpu_probe.py``, a real run whose iteration phases test the bias candidates (the
   profiler left attached, extra synchronisation at collectives, the device time under the profiler).
 
@@ -178,7 +180,7 @@ def step(kind: str, config: Config, work: Path, iters: int, index: int, timeout:
               "--global-batch-size", str(config.gbs)], work / f"{name}.log",
              _env(**_single(_port()), PROBE_OUT=str(probe_out)), timeout)
         return {"kind": kind, "rows": json.loads(probe_out.read_text())}
-    m = re.fullmatch(r"emu(\d+)(?:-(keep|teardown|off|spin))?", kind)
+    m = re.fullmatch(r"emu(\d+)(?:-(keep|teardown|off|spin|prof))?", kind)
     if not m:
         raise ValueError(f"unknown step {kind!r}")
     world, variant = int(m.group(1)), m.group(2) or ""
@@ -187,8 +189,9 @@ def step(kind: str, config: Config, work: Path, iters: int, index: int, timeout:
     extra = {"keep": {"TEARDOWN_CUPTI": "0"}, "teardown": {"TEARDOWN_CUPTI": "1"},
              # each rank on a core of its own, spinning 3 ms for its grant: its core stays awake, as a real rank's
              "spin": {"PRISM_PIN_CORES": "1", "PRISM_SPIN_GRANT_US": "3000"}}.get(variant, {})
-    cmd = [PY, "-m", "prism_megatron", "run", "--prism-emulate", "--prism-world-size", str(world), "--prism-devices",
-           "0", "--prism-trace-dir", str(trace), "--prism-report", "off",
+    prof = ["-m", "cProfile", "-o", f"{trace}.launcher.prof"] if variant == "prof" else []
+    cmd = [PY, *prof, "-m", "prism_megatron", "run", "--prism-emulate", "--prism-world-size", str(world),
+           "--prism-devices", "0", "--prism-trace-dir", str(trace), "--prism-report", "off",
            *(["--prism-gpu-timing", "off"] if variant == "off" else []),
            str(DRIVER_SCRIPT), *flags, "--global-batch-size", str(config.gbs * world)]
     text = _run(cmd, work / f"{name}.log", _env(**extra), timeout)
@@ -249,7 +252,8 @@ def analyse_config(steps: list[dict[str, Any]], root: Path) -> dict[str, Any]:
         em["live_median_ms"] = statistics.median(live) if live else None
         pred = _measured(em.get("begin_end_ms", {}))
         em["predicted_ms"] = statistics.median(pred) if pred else None
-        if em["predicted_ms"] and row.get("real_ms"):
+        # a profiled launcher's ranks fork with its profiler: their times are no measurement
+        if em["predicted_ms"] and row.get("real_ms") and s.get("variant") != "prof":
             em["error_pct"] = (em["predicted_ms"] / row["real_ms"] - 1) * 100
         row["emulations"][s["kind"] + ("" if s["kind"] not in row["emulations"] else f"#{len(row['emulations'])}")] = em
     probes = [s for s in steps if s.get("kind") == "probe" and "rows" in s]
