@@ -368,3 +368,33 @@ def test_hang_detector_counts_only_blocked_ranks_and_waits_for_every_rank_to_con
     assert d.stalled(ranks, 2, awaiting_room=False) >= 0.0
     ranks[1].state = RankStatus.QUEUED  # granted a slot, waiting for device memory no one can free
     assert d.stalled(ranks, 2, awaiting_room=False) is None and d.stalled(ranks, 2, awaiting_room=True) >= 0.0
+
+
+def test_result_copies_bypass_the_programs_torch_modes():
+    """Writing results (client._write) goes past the program's Python torch modes (CPU mode, byte
+    accountant): through them each copy costs ~10x, times one result per member of a large all-gather."""
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from prism_megatron.runtime.client import _runtime_copies
+
+    seen: list[str] = []
+
+    class Function(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            seen.append("function")
+            return func(*args, **(kwargs or {}))
+
+    class Dispatch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append("dispatch")
+            return func(*args, **(kwargs or {}))
+
+    out, raw = torch.zeros(4), torch.ones(4)
+    with Function(), Dispatch():
+        with _runtime_copies():
+            out.copy_(raw.view(torch.uint8).view(out.dtype).view(out.shape))
+        assert seen == []
+        out.add_(1)  # the modes are back once the copies are done
+    assert {"function", "dispatch"} <= set(seen)
+    assert out.tolist() == [2.0] * 4

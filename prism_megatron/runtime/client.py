@@ -13,12 +13,14 @@ import itertools
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from multiprocessing.connection import Client, Connection
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from prism_megatron.memory.accountant import untracked
 from prism_megatron.ops import op_kind
@@ -28,6 +30,16 @@ from prism_megatron.runtime.gpu_timing import GpuSegmentTimer
 from prism_megatron.runtime.shm import Arena
 from prism_megatron.runtime.staging import cuda_pin, footprint_and_peak, local_descs, overlaps, span, stage, typed
 from prism_megatron.runtime.work import OpToken, PrismCommError, PrismWork
+
+
+@contextmanager
+def _runtime_copies() -> Iterator[None]:
+    """The runtime's own copies of results into the program's tensors: untracked, and past the program's
+    Python torch modes (prism's CPU mode, the byte accountant), which would cost ~10x each copy's own
+    time; an all-gather writes one result per group member (Megatron's ``all_gather_object`` over a
+    folded 8,192-rank world: 8,192 per call)."""
+    with untracked(), torch._C.DisableTorchFunction(), _disable_current_modes():
+        yield
 
 
 @dataclass
@@ -443,7 +455,7 @@ class RankClient:
         t0 = time.perf_counter()
         msg = p.msg
         try:
-            with torch.no_grad(), untracked():  # the runtime's buffers, now on the program's thread
+            with torch.no_grad(), _runtime_copies():  # the runtime's buffers, now on the program's thread
                 for t, desc, data in zip(p.outs, p.out_descs, msg["out"], strict=True):
                     if desc[0] == "l":  # written at submit (a group of one)
                         continue
