@@ -35,8 +35,9 @@ from prism_megatron.runtime.swap import Swapper
 ADMISSION_MARGIN = 512 << 20
 # Room for a rank nothing is measured of yet, per byte of prism's estimate of its class's peak: that estimate
 # came within 0.926-1.021 of the measured max allocated over 19 rank classes (bench/memory_estimate.py), and the
-# caching allocator reserves a few percent over what it allocates. 1.25 covers both with room to spare; a rank
-# that outgrows it anyway is measured from then on (its turns after are admitted by its own peak).
+# caching allocator reserves a few percent over what it allocates. 1.25 covers both with room to spare. A rank
+# that outgrew it while the other residents filled the rest of the device would end the job in the physical
+# out-of-memory report (which names this reservation), not crash it.
 ESTIMATE_HEADROOM = 1.25
 
 
