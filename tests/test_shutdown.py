@@ -17,7 +17,7 @@ import pytest
 from conftest import PROGRAMS, launch_source, prism
 from prism_megatron.launcher.config import LaunchConfig, LaunchError
 from prism_megatron.launcher.preflight import RANK_FOOTPRINT, check_host_memory, lock_trace_dir
-from prism_megatron.runtime.shm import shm_dir
+from prism_megatron.runtime.shm import SHM_DIR_ENV, shm_dir
 from prism_megatron.trace import read_trace
 
 
@@ -98,7 +98,10 @@ def test_killed_launcher_leaves_nothing(tmp_path):
     assert "launcher" in read_trace(tmp_path / "trace").incomplete
 
 
-def test_stale_segments_of_dead_jobs_are_swept(tmp_path):
+def test_stale_segments_of_dead_jobs_are_swept(tmp_path, monkeypatch):
+    # a directory of its own: a job that other tests launch meanwhile sweeps /dev/shm too, and would say so
+    monkeypatch.setenv(SHM_DIR_ENV, str(tmp_path / "shm"))
+    (tmp_path / "shm").mkdir()
     dead = subprocess.Popen(["true"])
     dead.wait()
     stale = shm_dir() / f"prism-{dead.pid}-0badcafe-r0-0"

@@ -27,8 +27,15 @@ import torch
 ALIGN = 64
 
 
+SHM_DIR_ENV = "PRISM_SHM_DIR"
+
+
 def shm_dir() -> Path:
-    """Where segments live: /dev/shm when present (tmpfs), else the temp dir."""
+    """Where segments live: $PRISM_SHM_DIR where set (a container whose /dev/shm is small, as Docker's
+    64 MB default is; one job's segments kept apart from other jobs'), else /dev/shm when present
+    (tmpfs), else the temp dir."""
+    if os.environ.get(SHM_DIR_ENV):
+        return Path(os.environ[SHM_DIR_ENV])
     d = Path("/dev/shm")
     return d if d.is_dir() and os.access(d, os.W_OK) else Path(tempfile.gettempdir())
 
