@@ -105,7 +105,8 @@ def choose_fold(mode: str, cfg: Any, env: dict[str, str] | None = None,
     depth``, or None (every rank runs). ``capture`` serial: the sandbox must fit one live rank at a time
     (``one_rank_fits``), not all together.
 
-    The Megatron args are the ranks' own command line (``cfg.script_args``) parsed by Megatron's parser."""
+    The Megatron args are the ranks' own command line (``cfg.script_args``) parsed by Megatron's parser.
+    Sets ``cfg.memory_estimates`` for the ranks that will run (``admission_estimates``)."""
     from prism_megatron.megatron.megatron_args import ArgsError
     from prism_megatron.megatron.plan import make_plan
 

@@ -35,9 +35,9 @@ from prism_megatron.runtime.work import OpToken, PrismCommError, PrismWork
 @contextmanager
 def _runtime_copies() -> Iterator[None]:
     """The runtime's own copies of results into the program's tensors: untracked, and past the program's
-    Python torch modes (prism's CPU mode, the byte accountant), which would cost ~10x each copy's own
-    time; an all-gather writes one result per group member (Megatron's ``all_gather_object`` over a
-    folded 8,192-rank world: 8,192 per call)."""
+    Python torch modes (prism's CPU mode, the byte accountant), which cost many times a small copy's own
+    time; an all-gather writes one result per group member (Megatron's world-wide ``all_gather_object``
+    at thousands of ranks)."""
     with untracked(), torch._C.DisableTorchFunction(), _disable_current_modes():
         yield
 

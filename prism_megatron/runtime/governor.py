@@ -33,11 +33,11 @@ from prism_megatron.runtime.swap import Swapper
 # Added to a GPU rank's measured peak when admitting it: what neither its allocator report nor the last NVML
 # cross-check saw yet (kernels loaded lazily on first use grow the context). A judgement, not measured.
 ADMISSION_MARGIN = 512 << 20
-# Room for a rank nothing is measured of yet, per byte of prism's estimate of its class's peak: that estimate
-# came within 0.926-1.021 of the measured max allocated over 19 rank classes (bench/memory_estimate.py), and the
-# caching allocator reserves a few percent over what it allocates. 1.25 covers both with room to spare. A rank
-# that outgrew it while the other residents filled the rest of the device would end the job in the physical
-# out-of-memory report (which names this reservation), not crash it.
+# Room for a rank nothing is measured of yet, per byte of prism's estimate of its class's peak: the estimate
+# misses measured max allocated by a few percent either way (docs/measurements.md, bench/memory_estimate.py), and
+# the caching allocator reserves a few percent over what it allocates; this covers both with room to spare. A
+# rank that outgrew it while the other residents filled the rest of the device would end the job in the
+# physical out-of-memory report (which names this reservation), not crash it.
 ESTIMATE_HEADROOM = 1.25
 
 
@@ -207,7 +207,7 @@ class MemoryGovernor:
         mem = self.memory[self.slots.device_of(rank)]
         expected, source = self.peaks.expected(rank, mem.reported.get(rank, 0) if rank not in mem.no_context else 0)
         if expected is None:
-            return self.unknown_bound(mem.capacity, rank), "estimate" if rank in self.estimates else ""
+            return self._bound(mem.capacity, rank)
         return min(expected + mem.offset.get(rank, 0) + self.margin, mem.capacity), source
 
     def unknown_bound(self, capacity: int, rank: int | None = None) -> int:
@@ -215,27 +215,39 @@ class MemoryGovernor:
         ``ESTIMATE_HEADROOM`` plus the context, where there is one; else the device; and with the allocator
         capped at the target's usable bytes, never more than that cap plus the context (what the caching
         allocator cannot pass)."""
+        return self._bound(capacity, rank)[0]
+
+    def _bound(self, capacity: int, rank: int | None) -> tuple[int, str]:
+        """``unknown_bound`` and where it comes from: 'estimate' where the estimate is what bounds it, ''
+        where the device or the cap does."""
+        cap = self._cap_room()
+        bound = capacity if cap is None else min(capacity, cap + self.margin)
+        if rank in self.estimates:
+            from prism_megatron.runtime.staging import CONTEXT_BYTES
+
+            room = int(self.estimates[rank] * ESTIMATE_HEADROOM) + CONTEXT_BYTES + self.margin
+            if room < bound:
+                return room, "estimate"
+        return bound, ""
+
+    def _cap_room(self) -> int | None:
+        """The most a rank's process can hold on its device with its allocator capped (the cap plus the
+        context), or None where it is not capped."""
+        if self.rank_cap is None:
+            return None
         from prism_megatron.runtime.staging import CONTEXT_BYTES
 
-        bound = capacity
-        if rank in self.estimates:
-            bound = min(bound, int(self.estimates[rank] * ESTIMATE_HEADROOM) + CONTEXT_BYTES + self.margin)
-        if self.rank_cap is not None:
-            bound = min(bound, self.rank_cap + CONTEXT_BYTES + self.margin)
-        return bound
+        return self.rank_cap + CONTEXT_BYTES
 
     def _expected_next_iteration(self, rank: int) -> int:
         """Device bytes ``rank`` may reach in its next iteration (runtime.peaks: its latest iteration's peak,
         or what it holds now plus the most a turn of it rose), within its allocator's cap: what a device
         pinned for GPU timing, where admission no longer swaps, must hold for it."""
-        from prism_megatron.runtime.staging import CONTEXT_BYTES
-
         mem = self.memory[self.slots.device_of(rank)]
         held = mem.reported.get(rank, 0) if rank not in mem.no_context else 0
         peak = max(self.peaks.next_iteration_peak(rank, held), self.peaks.peak_so_far(rank))
-        if self.rank_cap is not None:
-            peak = min(peak, self.rank_cap + CONTEXT_BYTES)
-        return peak + mem.offset.get(rank, 0)
+        cap = self._cap_room()
+        return (peak if cap is None else min(peak, cap)) + mem.offset.get(rank, 0)
 
     def _peak_so_far(self, rank: int) -> int:
         mem = self.memory[self.slots.device_of(rank)]
