@@ -127,6 +127,26 @@ def _busy(events: Any) -> tuple[float, int]:
     return _union([(a.start, a.end) for a in device]) / 1e9, len(device)
 
 
+def _gaps(events: Any, least_ms: float = 0.5) -> list[dict]:
+    """The device's idle stretches of at least ``least_ms`` in a profiled iteration: where each begins
+    (ms after the iteration's first device activity), how long, and the activities either side (names
+    cut to 60 characters): where the real run's idle time sits, to set beside the emulation's waits."""
+    from prism_megatron.runtime.gpu_timing import activities
+
+    device = sorted((a for a in activities(events) if a.device), key=lambda a: a.start)
+    if not device:
+        return []
+    out, end, before, t0 = [], device[0].end, device[0].name, device[0].start
+    for a in device[1:]:
+        if (a.start - end) / 1e6 >= least_ms:
+            out.append({"at_ms": round((end - t0) / 1e6, 3), "idle_ms": round((a.start - end) / 1e6, 3),
+                        "after": before[:60], "before": a.name[:60]})
+        if a.end > end:
+            end, before = a.end, a.name
+    out.append({"span_ms": round((end - t0) / 1e6, 3)})
+    return out
+
+
 def main() -> None:
     from prism_megatron.megatron.megatron_lm import ensure_megatron_training
 
@@ -167,7 +187,8 @@ def main() -> None:
             last_stop[0] = os.environ["TEARDOWN_CUPTI"] = "1" if phase.endswith("teardown") else "0"  # read at stop
             prof.stop()
             busy, n = _busy(prof.profiler.kineto_results.events())
-            row.update(device_busy_ms=busy * 1e3, device_activities=n)
+            row.update(device_busy_ms=busy * 1e3, device_activities=n,
+                       idle_gaps=_gaps(prof.profiler.kineto_results.events()))
         rows.append(row)
         out.write_text(json.dumps(rows, indent=1))
         print(f"probe: {json.dumps(row)}", flush=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import os
 from dataclasses import dataclass, field
@@ -278,11 +279,10 @@ class LaunchConfig:
         return "budget" if self.swap.startswith("budget") else "cuda"
 
 
-def _check_gpus(devices: list[str]) -> list[int]:
-    """Ask a child process (never this one: it must fork before CUDA starts) which GPUs exist.
-
-    Returns each named device's total memory in bytes.
-    """
+@functools.lru_cache(maxsize=4)
+def _gpu_totals_seen(visible: str | None) -> tuple[int, ...]:
+    """Every CUDA device's total memory (bytes) as a child process sees them with ``visible`` as
+    CUDA_VISIBLE_DEVICES; asked once per process (a child importing torch takes seconds)."""
     import json
     import subprocess
     import sys
@@ -290,7 +290,15 @@ def _check_gpus(devices: list[str]) -> list[int]:
     code = ("import json, torch; n = torch.cuda.device_count() if torch.cuda.is_available() else 0; "
             "print(json.dumps([torch.cuda.get_device_properties(i).total_memory for i in range(n)]))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    totals = json.loads(out.stdout.strip() or "[]")
+    return tuple(json.loads(out.stdout.strip() or "[]"))
+
+
+def _check_gpus(devices: list[str]) -> list[int]:
+    """Ask a child process (never this one: it must fork before CUDA starts) which GPUs exist.
+
+    Returns each named device's total memory in bytes.
+    """
+    totals = _gpu_totals_seen(os.environ.get("CUDA_VISIBLE_DEVICES"))
     bad = [d for d in devices if int(d) >= len(totals)]
     if bad:
         raise LaunchError(f"--devices {','.join(devices)}: this machine has {len(totals)} CUDA device(s); "

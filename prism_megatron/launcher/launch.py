@@ -98,6 +98,7 @@ def coordinator_config(cfg: LaunchConfig, prefix: str = "") -> CoordinatorConfig
 class _Job:
     def __init__(self, cfg: LaunchConfig) -> None:
         self.cfg = cfg
+        self.cuda_check: _CudaImportCheck | None = None
         self.job_id = secrets.token_hex(4)
         self.prefix = job_prefix(os.getpid(), self.job_id)
         self.authkey = secrets.token_bytes(16)
@@ -146,7 +147,7 @@ class _Job:
         import torch  # the template: imported once, shared by every rank
 
         preload = self.cfg.preload
-        if preload and self.cfg.on_gpu and _initializes_cuda(preload):
+        if preload and self.cfg.on_gpu and self.cuda_check is not None and self.cuda_check.result():
             # CUDA cannot be used in a child forked after it started (megatron-core 0.19.2's imports
             # start it): each rank imports those modules itself instead
             _say(f"--preload {','.join(preload)} starts CUDA when imported; ranks import it after the fork")
@@ -333,13 +334,29 @@ def _keep_snapshots(log_dir: Path, trace_dir: Path) -> None:
         shutil.copy2(f, trace_dir / f.name)
 
 
-def _initializes_cuda(modules: list[str]) -> bool:
-    """Whether importing `modules` starts CUDA, asked of a throwaway interpreter (never this one)."""
-    code = ("import importlib, sys, torch\n"
-            f"for m in {modules!r}: importlib.import_module(m)\n"
-            "print(torch.cuda.is_initialized())")
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
-    return p.returncode != 0 or p.stdout.strip().endswith("True")
+class _CudaImportCheck:
+    """Whether importing `modules` starts CUDA, asked of a throwaway interpreter (never this one), started
+    at once so that its imports (seconds for Megatron's) overlap the launcher's own set-up."""
+
+    def __init__(self, modules: list[str]) -> None:
+        code = ("import importlib, sys, torch\n"
+                f"for m in {modules!r}: importlib.import_module(m)\n"
+                "print(torch.cuda.is_initialized())")
+        self._p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                                   stderr=subprocess.DEVNULL, text=True)
+
+    def stop(self) -> None:
+        self._p.kill()
+        self._p.communicate()
+
+    def result(self) -> bool:
+        try:
+            out, _ = self._p.communicate(timeout=600)
+        except subprocess.TimeoutExpired:
+            self._p.kill()
+            self._p.communicate()
+            return True  # not known: the safe answer (ranks import the modules after the fork)
+        return self._p.returncode != 0 or out.strip().endswith("True")
 
 
 def _cores() -> int:
@@ -365,11 +382,18 @@ def launch(cfg: LaunchConfig) -> int:
     from prism_megatron.launcher import preflight
 
     fork_safe_cuda_checks()
-    cfg.validate()
+    cuda_check = _CudaImportCheck(list(cfg.preload)) if cfg.preload and cfg.on_gpu else None
+    try:
+        cfg.validate()
+    except BaseException:
+        if cuda_check is not None:
+            cuda_check.stop()
+        raise
     if not cfg.on_gpu:
         preflight.check_host_memory(cfg)
     preflight.check_trace_destination(cfg)
     job = _Job(cfg)
+    job.cuda_check = cuda_check
     try:
         cfg.log_dir.mkdir(parents=True, exist_ok=True)
         job.lock_fd = preflight.lock_trace_dir(cfg.log_dir)

@@ -1,0 +1,89 @@
+"""Host memory for in-process swaps: one region per job that every rank's swapped state goes to.
+
+The coordinator creates the region (an anonymous shared-memory file, `memfd_create`: not bounded by
+/dev/shm's size, and freed when the coordinator ends, however it ends) and hands out extents of it;
+a rank maps it through ``/proc/<coordinator>/fd/<fd>`` and copies its GPU segments into the extent it
+was given. Pages touched once stay, so a later swap into them runs at the link's speed rather than at
+the host's first-touch speed (docs/measurements.md, "In-process swaps"), and the region never holds
+more than the host budget allows.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+from dataclasses import dataclass, field
+
+
+class SwapSpaceError(RuntimeError):
+    """The region cannot be made or mapped; the message says what to do."""
+
+
+@dataclass
+class SwapSpace:
+    """The coordinator's side: the region and which of its extents are taken (first fit)."""
+
+    capacity: int
+    fd: int = -1
+    taken: dict[int, int] = field(default_factory=dict)  # base -> size
+
+    def __post_init__(self) -> None:
+        if self.fd < 0:
+            try:
+                self.fd = os.memfd_create("prism-swap", 0)
+                os.ftruncate(self.fd, self.capacity)
+            except (AttributeError, OSError) as e:
+                raise SwapSpaceError(f"no host region for in-process swaps ({e}); run with --swap checkpoint "
+                                     "or --swap none") from None
+
+    @property
+    def path_for_ranks(self) -> str:
+        return f"/proc/{os.getpid()}/fd/{self.fd}"
+
+    def free(self) -> int:
+        return self.capacity - sum(self.taken.values())
+
+    def take(self, nbytes: int) -> int | None:
+        """An extent of ``nbytes`` (its base offset), or None when no gap is that large."""
+        at = 0
+        for base in sorted(self.taken):
+            if base - at >= nbytes:
+                break
+            at = max(at, base + self.taken[base])
+        else:
+            if self.capacity - at < nbytes:
+                return None
+        self.taken[at] = nbytes
+        return at
+
+    def give(self, base: int) -> None:
+        self.taken.pop(base, None)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+class HostRegion:
+    """A rank's mapping of the job's region."""
+
+    def __init__(self, path: str) -> None:
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except OSError as e:
+            raise SwapSpaceError(f"the job's swap region {path}: {e.strerror}") from None
+        try:
+            size = os.fstat(fd).st_size
+            self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        self.size = size
+        self.base_address = ctypes.addressof(ctypes.c_char.from_buffer(self._mm))
+
+    def address(self, offset: int, nbytes: int) -> int:
+        if offset < 0 or offset + nbytes > self.size:
+            raise SwapSpaceError(f"extent [{offset}, {offset + nbytes}) is outside the swap region "
+                                 f"({self.size} bytes)")
+        return self.base_address + offset

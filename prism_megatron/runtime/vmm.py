@@ -1,0 +1,231 @@
+"""A rank's GPU state made movable from inside its own process: CUDA virtual memory under the allocator.
+
+PyTorch's caching allocator gets its segments from `VmmSegments` (a custom allocator of a `MemPool` that
+every stream of the process allocates to), which reserves an address range per segment and maps
+physical memory at it (`cuMemCreate`/`cuMemMap`). To swap the rank out, each segment's bytes are copied
+to host memory and its physical memory is released; the address range stays reserved, so a swap in maps
+new physical memory at the same addresses and copies the bytes back. Every tensor, the allocator's own
+free lists and cached blocks stay valid: the caching allocator sees nothing, and decides exactly what it
+decides without prism (same requests, same segment sizes). Unlike the driver's process checkpoint, the
+process keeps its CUDA context (and the profiler may run in it), and the copies run at the link's speed
+into host memory that is reused from one swap to the next (runtime.swap_space).
+
+Where routing every stream to a pool makes the caching allocator differ from its default pool:
+while a pool takes allocations the allocator counts a capture as under way, so (1) a block freed
+with uses on other streams (``record_stream``) is not reused until the routing ends, and (2) an
+allocation that fails frees only the pool's cached blocks that size-match before it raises, not
+every cached block. Neither happens in a job whose work runs on one stream and whose ranks stay
+clear of the device's limit; `bench/gpu/vmm_swap_probe.py` compares both allocators' figures.
+
+Only the rank's own process may call `swap_out`/`swap_in`, with no GPU work of its own in flight (the
+rank is blocked in the coordinator).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+_ALLOC_FN = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p)
+_FREE_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p)
+
+
+class VmmError(RuntimeError):
+    """A CUDA virtual-memory call failed; the message names the call and the driver's error."""
+
+
+class VmmNoRoom(VmmError):
+    """Physical memory for a swap in is not there (the rank stays swapped out, nothing is lost)."""
+
+
+@dataclass
+class _Segment:
+    size: int  # bytes the caching allocator asked for (the mapping may be rounded up to the granularity)
+    mapped: int  # bytes reserved and mapped
+    handle: Any = None  # physical allocation, None while swapped out
+
+
+@dataclass
+class SwapTimes:
+    """One swap's figures (bytes, seconds) for the report."""
+
+    nbytes: int = 0
+    copy_s: float = 0.0
+    map_s: float = 0.0
+
+
+@dataclass
+class VmmSegments:
+    """The segment source of one device's caching allocator, in one process."""
+
+    device: int
+    segments: dict[int, _Segment] = field(default_factory=dict)  # address -> segment
+    swapped: bool = False
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __post_init__(self) -> None:
+        from cuda.bindings import driver
+
+        self._d = driver
+        self._check(driver.cuInit(0), "cuInit")
+        prop = driver.CUmemAllocationProp()
+        prop.type = driver.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+        prop.location.type = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        prop.location.id = self.device
+        self._prop = prop
+        access = driver.CUmemAccessDesc()
+        access.location.type = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        access.location.id = self.device
+        access.flags = driver.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        self._access = access
+        self.granularity = int(self._check(driver.cuMemGetAllocationGranularity(
+            prop, driver.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM),
+            "cuMemGetAllocationGranularity"))
+        self.failed: str | None = None  # the last allocation's failure, for the OOM message
+        # the callbacks must outlive every segment: the allocator calls them until the process ends
+        self._c_alloc = _ALLOC_FN(self._alloc)
+        self._c_free = _FREE_FN(self._free)
+
+    # ---- the caching allocator's side ------------------------------------------------------------
+    def _check(self, result: Any, what: str) -> Any:
+        err = result[0] if isinstance(result, tuple) else result
+        if int(err) != 0:
+            name = getattr(err, "name", str(err))
+            cls = VmmNoRoom if "OUT_OF_MEMORY" in name else VmmError
+            raise cls(f"{what} failed: {name}")
+        if isinstance(result, tuple):
+            return result[1] if len(result) == 2 else result[1:]
+        return None
+
+    def _map(self, addr: int, mapped: int) -> Any:
+        d = self._d
+        handle = self._check(d.cuMemCreate(mapped, self._prop, 0), f"cuMemCreate({mapped})")
+        try:
+            self._check(d.cuMemMap(addr, mapped, 0, handle, 0), "cuMemMap")
+        except VmmError:
+            d.cuMemRelease(handle)
+            raise
+        try:
+            self._check(d.cuMemSetAccess(addr, mapped, [self._access], 1), "cuMemSetAccess")
+        except VmmError:
+            d.cuMemUnmap(addr, mapped)
+            d.cuMemRelease(handle)
+            raise
+        return handle
+
+    def _unmap(self, addr: int, seg: _Segment) -> None:
+        self._check(self._d.cuMemUnmap(addr, seg.mapped), "cuMemUnmap")
+        self._check(self._d.cuMemRelease(seg.handle), "cuMemRelease")
+        seg.handle = None
+
+    def _alloc(self, size: int, device: int, stream: int) -> int:
+        """cudaMalloc's place: 0 tells the caching allocator the device is out of memory (it then frees
+        cached blocks and retries, or raises its OutOfMemoryError, as with cudaMalloc)."""
+        d = self._d
+        mapped = -(-size // self.granularity) * self.granularity
+        try:
+            with self._lock:
+                if self.swapped:
+                    raise VmmError("an allocation while the rank's state is swapped out")
+                addr = int(self._check(d.cuMemAddressReserve(mapped, 0, 0, 0), "cuMemAddressReserve"))
+                try:
+                    handle = self._map(addr, mapped)
+                except VmmError:
+                    d.cuMemAddressFree(addr, mapped)
+                    raise
+                self.segments[addr] = _Segment(size, mapped, handle)
+            self.failed = None
+            return addr
+        except VmmError as e:
+            self.failed = str(e)
+            return 0
+
+    def _free(self, ptr: int, size: int, device: int, stream: int) -> None:
+        try:
+            with self._lock:
+                seg = self.segments.pop(int(ptr), None)
+                if seg is None:
+                    return
+                if seg.handle is not None:
+                    self._unmap(int(ptr), seg)
+                self._d.cuMemAddressFree(int(ptr), seg.mapped)
+        except Exception:  # noqa: BLE001 - a callback from C must not raise (interpreter shutdown)
+            pass
+
+    def install(self) -> Any:
+        """Route every allocation of this process on ``device`` (every stream, every thread) to a pool
+        whose segments come from here. Call before the program allocates on the device. Returns the
+        pool (keep it alive)."""
+        import torch
+
+        allocator = torch._C._cuda_customAllocator(ctypes.cast(self._c_alloc, ctypes.c_void_p).value,
+                                                   ctypes.cast(self._c_free, ctypes.c_void_p).value)
+        pool = torch.cuda.MemPool(allocator=allocator)
+        torch._C._cuda_beginAllocateToPool(self.device, pool.id)
+        return pool
+
+    # ---- swaps -----------------------------------------------------------------------------------
+    def resident_bytes(self) -> int:
+        """Bytes mapped for the allocator's segments (0 while swapped out)."""
+        return 0 if self.swapped else sum(s.mapped for s in self.segments.values())
+
+    def mapped_bytes(self) -> int:
+        """Bytes the segments take on the device when resident (what a swap moves)."""
+        return sum(s.mapped for s in self.segments.values())
+
+    def swap_out(self, host_address: int, nbytes: int) -> SwapTimes:
+        """Copy every segment, one after another, to host memory at ``host_address`` (``nbytes`` there)
+        and release its physical memory."""
+        import torch
+
+        t = SwapTimes()
+        torch.cuda.synchronize()
+        with self._lock:
+            if self.swapped:
+                return t
+            need = self.mapped_bytes()
+            if need > nbytes:
+                raise VmmError(f"the rank's segments take {need} bytes; the host extent has {nbytes}")
+            at = host_address
+            for addr, seg in self.segments.items():
+                t0 = time.perf_counter()
+                self._check(self._d.cuMemcpyDtoH(at, addr, seg.mapped), "cuMemcpyDtoH")
+                t1 = time.perf_counter()
+                self._unmap(addr, seg)
+                t.copy_s += t1 - t0
+                t.map_s += time.perf_counter() - t1
+                t.nbytes += seg.mapped
+                at += seg.mapped
+            self.swapped = True
+        return t
+
+    def swap_in(self, host_address: int) -> SwapTimes:
+        """Map physical memory at every segment's addresses again and copy its bytes back from
+        ``host_address``. Raises `VmmNoRoom`, with every segment left out, when the device lacks room."""
+        t = SwapTimes()
+        with self._lock:
+            if not self.swapped:
+                return t
+            done = []
+            t0 = time.perf_counter()
+            try:
+                for addr, seg in self.segments.items():
+                    seg.handle = self._map(addr, seg.mapped)
+                    done.append((addr, seg))
+            except VmmError:
+                for addr, seg in done:
+                    self._unmap(addr, seg)
+                raise
+            t.map_s = time.perf_counter() - t0
+            at = host_address
+            for addr, seg in self.segments.items():
+                t0 = time.perf_counter()
+                self._check(self._d.cuMemcpyHtoD(addr, at, seg.mapped), "cuMemcpyHtoD")
+                t.copy_s += time.perf_counter() - t0
+                t.nbytes += seg.mapped
+                at += seg.mapped
+            self.swapped = False
+        return t
