@@ -54,11 +54,13 @@ class JobOptions:
     threads_per_rank: int = 1
     """torch threads per emulated rank."""
 
-    swap: Literal["auto", "none", "checkpoint", "budget", "budget-auto"] = "auto"
-    """Move blocked ranks' GPU state to host memory when a device is full (checkpoint: CUDA process
-    checkpoint, which excludes GPU timing; auto: swaps until every rank ended iteration 1, then a device
-    that needed none is timed and swaps no more). budget, budget-auto: the same with a stand-in that
-    enforces the device memory without a GPU (tests)."""
+    swap: Literal["auto", "none", "inprocess", "checkpoint", "budget", "budget-auto", "budget-inprocess"] = "auto"
+    """Move blocked ranks' GPU state to host memory when a device is full (inprocess: each rank moves its
+    allocator's segments itself, GPU timing stays on; checkpoint: CUDA process checkpoint, which excludes
+    GPU timing; auto: inprocess where this torch and cuda-bindings offer it, else checkpoint until every
+    rank ended iteration 1, after which a device that needed no swap is timed and swaps no more).
+    budget, budget-auto, budget-inprocess: checkpoint, auto's checkpoint and inprocess with a stand-in
+    that enforces the device memory without a GPU (tests)."""
 
     device_memory: float | None = None
     """GiB per device that ranks' state may take (default: the GPU's total)."""

@@ -311,14 +311,21 @@ def _launch(tmp_path: Path, script: str, world: int, capacity_gib: float, swap: 
                           capture_output=True, text=True, timeout=180, env=env)
 
 
-def test_ranks_that_grow_in_their_turn_are_swapped_before_they_overrun(tmp_path):
+@pytest.mark.parametrize("swap", ["budget", "budget-inprocess"])
+def test_ranks_that_grow_in_their_turn_are_swapped_before_they_overrun(tmp_path, swap):
     """4 ranks of 10 GiB that grow by 30 GiB in each iteration's turn, 2 slots on a 60 GiB stand-in
-    device: the rank's measured peak is reserved before it runs, so blocked ranks are swapped out first."""
+    device: the rank's measured peak is reserved before it runs, so blocked ranks are swapped out first;
+    whether the coordinator moves them (the driver's checkpoint's stand-in) or they move themselves into
+    the job's host region when asked (in-process swaps' stand-in, which checks its extent was its own)."""
+    import torch
+
     from prism_megatron.trace import read_trace
 
-    p = _launch(tmp_path, GROWS, 4, 60, WEIGHTS=10 * GIB, GROW=30 * GIB, ITERS=3)
+    p = _launch(tmp_path, GROWS, 4, 60, swap=swap, WEIGHTS=10 * GIB, GROW=30 * GIB, ITERS=3)
     assert p.returncode == 0, p.stderr
+    assert [torch.load(tmp_path / f"rank-{r}.pt").tolist() for r in range(4)] == [[4.0 ** 5] * 4] * 4
     job = read_trace(tmp_path / "trace").manifest["job"]
+    assert job["swapper"] == {"budget": "budget", "budget-inprocess": "inprocess"}[swap]
     assert sum(s["swaps_out"] for s in job["swap"].values()) > 0
     assert job["admission"]["own"] > 0 and job["admission"]["bound"] > 0
     assert "swapped-out state needs" in job["host_memory_need"]

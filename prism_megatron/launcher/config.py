@@ -45,6 +45,8 @@ class LaunchConfig:
     device_memory: list[int] = field(default_factory=list)  # resolved by validate(), bytes per device
     host_memory_gib: float | None = _J.host_memory  # host RAM checkpointed GPU state may take; default: 90%
     host_memory: int | None = None  # resolved by validate(), bytes (None: not limited)
+    # the coordinator's host region for in-process swaps (runtime.swap_space), where swaps may happen
+    swap_region: str | None = None
     target_gpu: dict | None = None  # TargetGPU.as_dict(): each rank's allocator is capped at its 'usable'
     expected_iterations: int | None = None  # per rank, for the progress estimate (Megatron's --train-iters)
     progress_every: float = 10.0  # seconds between progress lines
@@ -114,11 +116,11 @@ class LaunchConfig:
 
     @property
     def times_gpu(self) -> bool:
-        """GPU timing is off under `--swap checkpoint`: the driver refuses to lock a process that the
-        CUDA profiler has run in (CUDA_ERROR_NOT_SUPPORTED; bench/gpu/swap_bench.py's lock probes).
-        Under `auto` the coordinator lets a device's ranks start it once they are known not to need
-        swaps (runtime.memory.timing_verdict)."""
-        if self.swap_mode == "checkpoint":
+        """GPU timing is off while the driver's checkpoint swaps (`--swap checkpoint`): it refuses to lock a
+        process that the CUDA profiler has run in (CUDA_ERROR_NOT_SUPPORTED; bench/gpu/swap_bench.py's
+        lock probes). Under `auto` with that swapper the coordinator lets a device's ranks start it once
+        they are known not to need swaps (runtime.memory.timing_verdict). In-process swaps leave it be."""
+        if self.swap_mode == "checkpoint" and not self.swaps_in_process:
             return False
         return self.on_gpu if self.gpu_timing is None else self.gpu_timing and self.on_gpu
 
@@ -243,14 +245,18 @@ class LaunchConfig:
             raise LaunchError(f"--device-memory must be a positive number of GiB, got {self.device_memory_gib!r}")
         if self.host_memory_gib is not None and not self.host_memory_gib > 0:
             raise LaunchError(f"--host-memory must be a positive number of GiB, got {self.host_memory_gib!r}")
-        if self.swap == "checkpoint" and not self.on_gpu:
-            raise LaunchError("--swap checkpoint needs GPU --devices: CPU ranks have no device state to swap")
+        if self.swap in ("checkpoint", "inprocess") and not self.on_gpu:
+            raise LaunchError(f"--swap {self.swap} needs GPU --devices: CPU ranks have no device state to swap")
+        if self.swap == "inprocess" and not inprocess_available():
+            raise LaunchError("--swap inprocess needs torch's MemPool with a custom allocator (torch 2.6 or "
+                              "later, a CUDA build) and the cuda-bindings package (cuda.bindings.driver); "
+                              "use --swap checkpoint or --swap none")
         if self.swap == "checkpoint" and self.gpu_timing:
             raise LaunchError("--swap checkpoint and GPU timing exclude each other: the CUDA driver cannot "
                               "checkpoint a process the CUDA profiler has run in (CUDA_ERROR_NOT_SUPPORTED); "
                               "drop the GPU timing option (it is then off, and compute is replayed on one clock) "
                               "or use --swap none")
-        if self.swapper == "budget" and self.device_memory_gib is None:
+        if self.swapper.startswith("budget") and self.device_memory_gib is None:
             raise LaunchError(f"--swap {self.swap} needs --device-memory GiB")
         totals = _check_gpus(self.devices) if self.on_gpu else []
         if self.device_memory_gib is not None:
@@ -259,24 +265,52 @@ class LaunchConfig:
             self.device_memory = totals or [0] * len(self.devices)
         if self.host_memory_gib is not None:
             self.host_memory = int(self.host_memory_gib * 2**30)
-        elif self.swap_mode != "none" and self.swapper == "cuda":
+        elif self.swap_mode != "none" and self.swapper in ("cuda", "inprocess"):
             self.host_memory = int(0.9 * _available_host_memory())
         return self
 
     @property
     def swap_mode(self) -> str:
-        """none, checkpoint or auto (swap when a device's ranks outgrow it; CPU ranks have nothing to swap,
-        so auto is none there unless the stand-in swapper plays the device)."""
-        if self.swap == "budget":
+        """The coordinator's runtime.governor.SwapMode: none, checkpoint (swap blocked ranks out whenever a
+        device's ranks outgrow it) or auto (so until iteration 1 ends, then GPU timing or swaps: the
+        driver's checkpoint and the CUDA profiler exclude each other). CPU ranks have nothing to swap, so
+        auto is none there unless a stand-in plays the device."""
+        if self.swap in ("budget", "budget-inprocess", "inprocess", "checkpoint"):
             return "checkpoint"
-        if self.swap == "budget-auto" or (self.swap == "auto" and self.on_gpu):
+        if self.swap == "budget-auto":
             return "auto"
-        return "none" if self.swap == "auto" else self.swap
+        if self.swap == "auto" and self.on_gpu:
+            return "checkpoint" if self.swapper == "inprocess" else "auto"
+        return "none"
 
     @property
     def swapper(self) -> str:
-        """cuda (the driver's process checkpoint API) or budget (the stand-in)."""
-        return "budget" if self.swap.startswith("budget") else "cuda"
+        """inprocess (the rank moves its allocator's segments, runtime.vmm), cuda (the driver's process
+        checkpoint API), or a stand-in of either (budget-inprocess, budget). auto takes inprocess where
+        this torch and cuda-bindings offer it."""
+        if self.swap.startswith("budget"):
+            return "budget-inprocess" if self.swap == "budget-inprocess" else "budget"
+        if self.swap == "inprocess" or (self.swap == "auto" and self.on_gpu and inprocess_available()):
+            return "inprocess"
+        return "cuda"
+
+    @property
+    def swaps_in_process(self) -> bool:
+        return self.swapper in ("inprocess", "budget-inprocess")
+
+
+def inprocess_available() -> bool:
+    """Whether in-process swaps (runtime.vmm) can run here; asked without starting CUDA."""
+    import importlib.util
+
+    import torch
+
+    try:
+        bindings = importlib.util.find_spec("cuda.bindings") is not None
+    except (ImportError, ValueError):
+        bindings = False
+    return (bindings and torch.version.cuda is not None and hasattr(torch.cuda, "MemPool")
+            and all(hasattr(torch._C, n) for n in ("_cuda_customAllocator", "_cuda_beginAllocateToPool")))
 
 
 @functools.lru_cache(maxsize=4)

@@ -136,6 +136,7 @@ class _Job:
             raise _StartFailed(f"the prism coordinator failed to start ({_how(self.coord.returncode)}); "
                                f"see {cfg.log_dir / 'coordinator.log'}")
         info = json.loads(line)
+        cfg.swap_region = info.get("swap_region")
         for note in info.get("notes", []):
             _say(note)
         address = (info["address"][0], int(info["address"][1]))
@@ -470,7 +471,10 @@ def _notes(cfg: LaunchConfig) -> None:
         _say(f"{cfg.slots_per_device} slot(s) x {cfg.threads_per_rank} thread(s) use all {cores} cores: the "
              "coordinator shares them with computing ranks, which inflates measured compute "
              "(bench/accuracy: +4% to +56% with 2 slots on 2 cores); leave a core free for timing runs")
-    if cfg.on_gpu and cfg.swap_mode == "checkpoint":
+    if cfg.on_gpu and cfg.swap_mode != "none" and cfg.swapper == "inprocess":
+        _say(f"--swap {cfg.swap}: a blocked rank moves its GPU state to host memory itself when its device fills "
+             "up (runtime.vmm); GPU timing runs throughout")
+    elif cfg.on_gpu and cfg.swap_mode == "checkpoint":
         _say("--swap checkpoint: GPU timing is off (the driver cannot checkpoint a process the CUDA profiler "
              "ran in), so each compute segment is replayed on one clock, host and device not separated")
     elif cfg.swap_mode == "auto" and _ranks_time_gpu(cfg):

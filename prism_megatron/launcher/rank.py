@@ -58,6 +58,10 @@ def rank_env(cfg: LaunchConfig, rank: int, store_port: int) -> dict[str, str]:
         env["PRISM_GPU_TIMING"] = "1"
     if cfg.page_locks:
         env["PRISM_PAGE_LOCK"] = "1"
+    if cfg.swap_region is not None:
+        from prism_megatron.runtime.client import SWAP_REGION_ENV
+
+        env[SWAP_REGION_ENV] = cfg.swap_region
     if cfg.fold is not None and (cfg.fold.get("capture") or {}).get("mode") == "serial":
         from prism_megatron.launcher.serial import CAPTURE_ENV
 
@@ -141,7 +145,9 @@ def run_rank(cfg: LaunchConfig, rank: int, address: tuple[str, int], authkey: by
         from prism_megatron.runtime.folding import untranslation
         from prism_megatron.trace import markers
 
+        segments = _swappable_segments(cfg, rank, torch)
         client = RankClient(address, authkey, rank, cfg.world_size, f"{segment_prefix}-r{rank}")
+        client.segments = segments
         part = ((cfg.fold or {}).get("capture") or {}).get("part") or {}
         install(client, rep=cfg.fold["rep"] if cfg.fold is not None else None, untranslate=untranslation(cfg.fold),
                 class_rep=part.get("class_rep"))
@@ -249,6 +255,22 @@ def _is_oom(error: BaseException) -> bool:
             return True
         seen = seen.__cause__ or seen.__context__
     return False
+
+
+def _swappable_segments(cfg: LaunchConfig, rank: int, torch):
+    """Where swaps may happen in process, what this rank's swaps move: its GPU's allocator segments, from
+    here on in a pool of CUDA virtual memory (runtime.vmm), or the stand-in device's bytes; else None."""
+    if cfg.swap_region is None:
+        return None
+    if cfg.swapper == "budget-inprocess":
+        from prism_megatron.runtime.fake_device import StandInSegments
+
+        return StandInSegments(rank)
+    from prism_megatron.runtime.vmm import VmmSegments
+
+    segments = VmmSegments(0)
+    segments.pool = segments.install()  # before the program allocates on the device
+    return segments
 
 
 def _map_local_devices(torch) -> None:

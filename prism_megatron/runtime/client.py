@@ -31,6 +31,8 @@ from prism_megatron.runtime.shm import Arena
 from prism_megatron.runtime.staging import cuda_pin, footprint_and_peak, local_descs, overlaps, span, stage, typed
 from prism_megatron.runtime.work import OpToken, PrismCommError, PrismWork
 
+SWAP_REGION_ENV = "PRISM_SWAP_REGION"  # the job's host region for in-process swaps (runtime.swap_space)
+
 
 @contextmanager
 def _runtime_copies() -> Iterator[None]:
@@ -84,6 +86,11 @@ class RankClient:
         # where a capture's wall goes beyond compute (trace.summary)
         self.runtime_s = {"stage": 0.0, "results": 0.0, "gpu_timer": 0.0}
         self.arena = Arena(segment_prefix)
+        # in-process swaps (runtime.vmm, or the stand-in's): what moves, the job's host region once mapped,
+        # and results that arrived while the rank's state was out, written once it is back
+        self.segments: Any = None
+        self._region: Any = None
+        self._held_writes: list[_Pending] = []
         # page-locked staging (--staging auto on GPUs, set by the launcher): registered at the first op on
         # CUDA tensors, on the rank's own thread (runtime.shm)
         self._pin_pending = os.environ.get("PRISM_PAGE_LOCK") == "1"
@@ -418,6 +425,8 @@ class RankClient:
             elif t == P.TIMING:
                 if self._gpu is not None:
                     self._gpu.permit(msg["on"], msg["why"])
+            elif t == P.SWAP:
+                self._send({"t": P.SWAPPED, "op": msg["op"], **self._swap(msg)})
             elif t == P.ERROR:
                 p = self._pop(msg["id"])
                 if p is not None:  # a process group's timeout raises what gloo raises: a RuntimeError
@@ -446,10 +455,39 @@ class RankClient:
                 del self._pending[msg["id"]]
         if p.profiled is not None:  # on this thread, as a backend's worker ends its event (is_async)
             torch._C._autograd._record_function_with_args_exit(p.profiled)
-        if eager:
+        if eager and self.segments is not None and self.segments.swapped:
+            self._held_writes.append(p)  # its output tensors are not on the device now
+        elif eager:
             self._write(p)
         else:
             p.work._op.arrived.set()
+
+    def _swap(self, msg: dict) -> dict:
+        """Receiver, the rank blocked: move its GPU state as the coordinator asks (P.SWAP)."""
+        from prism_megatron.runtime.swap_space import HostRegion
+        from prism_megatron.runtime.vmm import VmmNoRoom
+
+        t0 = time.perf_counter()
+        try:
+            if self.segments is None:
+                raise RuntimeError("this rank was started without in-process swaps")
+            if msg["op"] == "size":
+                return {"ok": True, "bytes": self.segments.mapped_bytes(), "seconds": 0.0}
+            if self._region is None:
+                self._region = HostRegion(os.environ[SWAP_REGION_ENV])
+            at = self._region.address(msg["offset"], msg["nbytes"])
+            if msg["op"] == "out":
+                moved = self.segments.swap_out(at, msg["nbytes"]).nbytes
+            else:
+                moved = self.segments.swap_in(at).nbytes
+                held, self._held_writes = self._held_writes, []
+                for p in held:
+                    self._write(p)
+            return {"ok": True, "bytes": moved, "seconds": time.perf_counter() - t0}
+        except VmmNoRoom as e:
+            return {"ok": False, "no_room": True, "error": str(e), "seconds": time.perf_counter() - t0}
+        except Exception as e:  # noqa: BLE001 - the coordinator reports it and ends the job
+            return {"ok": False, "error": f"{type(e).__name__}: {e}", "seconds": time.perf_counter() - t0}
 
     def _write(self, p: _Pending) -> None:
         t0 = time.perf_counter()

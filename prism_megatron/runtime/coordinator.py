@@ -75,6 +75,7 @@ class Coordinator:
         self.watch = LauncherWatch()
         self._finish_received = False
         self._deadlines: list[tuple[float, int, int]] = []  # (time, rank, op id): process-group timeouts
+        self._deferred: dict[Connection, list[dict]] = {}  # what ranks sent while the loop awaited a swap
 
     def write_trace(self, path: Path, job: dict, exit_codes: dict, incomplete: str | None = None) -> Path:
         from prism_megatron.runtime.trace_export import write_bare_trace
@@ -92,6 +93,8 @@ class Coordinator:
         accept_sock = self.listener._listener._socket  # readable when a rank connects
         self.selector.register(accept_sock, selectors.EVENT_READ, None)
         while not self.finished:
+            for conn in [c for c, held in self._deferred.items() if held]:
+                self._drain(conn, waiting=False)
             for key, _ in self.selector.select(timeout=0.2):
                 conn = key.data
                 if conn is None:
@@ -137,14 +140,21 @@ class Coordinator:
                 print(f"prism coordinator: could not write the partial trace to {self.trace_dir}: {e}",
                       file=sys.stderr, flush=True)
 
-    def _drain(self, conn: Connection) -> None:
-        """Handle every message already waiting on `conn`."""
+    def _drain(self, conn: Connection, waiting: bool = True) -> None:
+        """Handle every message already waiting on `conn` (first those kept while a swap was awaited;
+        ``waiting``: the connection has something to read)."""
         while conn in self.conns and not self.finished:
-            try:
-                msg = conn.recv()
-            except (EOFError, OSError):
-                self._lost(conn)
+            held = self._deferred.get(conn)
+            if held:
+                msg = held.pop(0)
+            elif not waiting:
                 return
+            else:
+                try:
+                    msg = conn.recv()
+                except (EOFError, OSError):
+                    self._lost(conn)
+                    return
             self.hang.progress()
             try:
                 self._dispatch(conn, msg)
@@ -154,12 +164,36 @@ class Coordinator:
                 rank = getattr(self.conns.get(conn), "rank", "?")
                 self._fatal("internal", f"prism coordinator: error while handling {msg.get('t')!r} from rank "
                             f"{rank}:\n{traceback.format_exc()}")
+            if self._deferred.get(conn):
+                continue
             try:
-                if not conn.poll(0):
+                if not waiting or not conn.poll(0):
                     return
             except (EOFError, OSError):
                 self._lost(conn)
                 return
+
+    def exchange(self, rank: int, msg: dict, timeout: float = 3600.0) -> dict:
+        """Send ``msg`` to a blocked rank and return its answer (P.SWAPPED: an in-process swap, whose
+        swapper calls this from the loop); what else the rank sends meanwhile is kept, in order, for
+        the loop. A rank that dies or stays silent for ``timeout`` seconds answers a failure."""
+        rs = self.ranks[rank]
+        held = self._deferred.setdefault(rs.conn, [])
+        try:
+            rs.conn.send(msg)
+            deadline = time.monotonic() + timeout
+            while True:
+                if not rs.conn.poll(max(0.0, min(1.0, deadline - time.monotonic()))):
+                    if time.monotonic() >= deadline:
+                        return {"ok": False, "error": f"no answer in {timeout:.0f} s"}
+                    continue
+                reply = rs.conn.recv()
+                if reply.get("t") == P.SWAPPED:
+                    self.hang.progress()  # the loop stood still while the rank moved its state
+                    return reply
+                held.append(reply)
+        except (EOFError, OSError) as e:
+            return {"ok": False, "error": f"its connection closed ({e or type(e).__name__})"}
 
     def _accept(self) -> None:
         try:

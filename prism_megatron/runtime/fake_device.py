@@ -152,3 +152,45 @@ def shared() -> FakeDevice:
         if _DEVICE is None:
             raise RuntimeError(f"{ENV} is not set: no stand-in device to allocate from")
     return _DEVICE
+
+
+_MARK = struct.Struct("<qq")  # rank, bytes: what a stand-in swap writes at the start of its host extent
+
+
+class StandInSegments:
+    """In-process swaps on the stand-in device (runtime.vmm's interface, for CPU tests): the rank's bytes
+    there move out and back in, and a marker in its host extent checks that nobody wrote over it."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.swapped = False
+
+    def mapped_bytes(self) -> int:
+        return shared().held(self.rank)
+
+    def swap_out(self, host_address: int, nbytes: int):
+        import ctypes
+
+        from prism_megatron.runtime.vmm import SwapTimes, VmmError
+
+        held = shared().held(self.rank)
+        if held > nbytes:
+            raise VmmError(f"the rank's segments take {held} bytes; the host extent has {nbytes}")
+        if nbytes >= _MARK.size:
+            ctypes.memmove(host_address, _MARK.pack(self.rank, held), _MARK.size)
+        shared().swap_out(self.rank)
+        self.swapped = True
+        return SwapTimes(nbytes=held)
+
+    def swap_in(self, host_address: int):
+        import ctypes
+
+        from prism_megatron.runtime.vmm import SwapTimes, VmmError, VmmNoRoom
+
+        held = shared().held(self.rank)
+        if held >= _MARK.size and _MARK.unpack(ctypes.string_at(host_address, _MARK.size)) != (self.rank, held):
+            raise VmmError(f"rank {self.rank}: its host extent was written over while it was swapped out")
+        if not shared().swap_in(self.rank):
+            raise VmmNoRoom(f"rank {self.rank}: {held} bytes do not fit the stand-in device beside its residents")
+        self.swapped = False
+        return SwapTimes(nbytes=held)

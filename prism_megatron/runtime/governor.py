@@ -296,6 +296,17 @@ class MemoryGovernor:
                 self._host_said = True
                 self.say_host_need(measured=True)
 
+    def swaps_possible(self) -> bool:
+        """Whether any device's ranks may together outgrow it, by the bounds for ranks not yet measured
+        (each rank's cap, or the device): False means no swap can ever be needed."""
+        if self.memory is None:
+            return False
+        for d, mem in enumerate(self.memory):
+            ranks = [r for r in range(self.world_size) if self.slots.device_of(r) == d]
+            if len(ranks) > 1 and sum(self.unknown_bound(mem.capacity, r) for r in ranks) > mem.capacity:
+                return True
+        return False
+
     def say_host_need(self, measured: bool = False) -> list[str]:
         """Whether the job's swapped-out state fits the host budget (lines to say): at start from
         bounds (each rank up to the bound for a rank not measured), after iteration 1 from the ranks'

@@ -70,15 +70,26 @@ class DeviceMemory:
     offset: dict[int, int] = field(default_factory=dict)  # NVML minus that report at the last cross-check
     reserve: dict[int, int] = field(default_factory=dict)  # computing ranks: room held for their turn's peak
     swapped: set[int] = field(default_factory=set)  # ranks whose state is checkpointed to host memory
+    left: dict[int, int] = field(default_factory=dict)  # swapped-out ranks: device bytes they still hold
     reported_turn: set[int] = field(default_factory=set)  # computing ranks that reported since admission
 
     def charge(self, rank: int) -> int:
-        """What ``rank`` counts against the device: what it holds, or its reserve while it computes."""
+        """What ``rank`` counts against the device: what it holds, or its reserve while it computes (a
+        swapped-out rank: what the swap left, runtime.swap)."""
+        if rank in self.swapped:
+            return self.left.get(rank, 0)
         held = self.footprint.get(rank, 0) if rank in self.resident else 0
         return max(held, self.reserve.get(rank, 0))
 
+    def _charged(self) -> set[int]:
+        return self.resident | set(self.reserve) | self.swapped
+
     def used(self) -> int:
-        return sum(self.charge(r) for r in self.resident | set(self.reserve))
+        return sum(self.charge(r) for r in self._charged())
+
+    def _frees(self, rank: int) -> int:
+        """What swapping ``rank`` out is expected to free."""
+        return self.charge(rank) - self.swapper.residual(rank, self.footprint.get(rank, 0))
 
     def report(self, rank: int, nbytes: int) -> None:
         """A rank's measured footprint (allocator reserved + context), sent as it blocks: it ran, so it
@@ -94,6 +105,7 @@ class DeviceMemory:
             return
         self.no_context.discard(rank)
         self.swapped.discard(rank)
+        self.left.pop(rank, None)
         self.reported[rank] = nbytes
         self.footprint[rank] = max(nbytes + self.offset.get(rank, 0), 0)
         self.resident.add(rank)
@@ -125,6 +137,9 @@ class DeviceMemory:
         """The rank's process ended: its memory is free."""
         self.resident.discard(rank)
         self.swapped.discard(rank)
+        self.left.pop(rank, None)
+        if hasattr(self.swapper, "forget"):
+            self.swapper.forget(rank)
         self.reserve.pop(rank, None)
         self.reported_turn.discard(rank)
         self.footprint.pop(rank, None)
@@ -158,7 +173,7 @@ class DeviceMemory:
         if self.pinned:  # no swaps here: ranks share the device as under --swap none (their peaks fit)
             return self._restore(rank, pids) if rank in self.swapped else True
         need = max(need, self.footprint.get(rank, 0) if rank in self.resident or rank in self.swapped else 0)
-        others = sum(self.charge(r) for r in self.resident | set(self.reserve) if r != rank)
+        others = sum(self.charge(r) for r in self._charged() if r != rank)
         order = sorted((r for r in evictable if self._victim(r) and r != rank), key=completes_last, reverse=True)
         free, host_free = self.capacity - others, self._host_room()
         victims = []
@@ -168,7 +183,7 @@ class DeviceMemory:
             if self.footprint.get(r, 0) > host_free:  # its state would not fit in host memory
                 continue
             victims.append(r)
-            free += self.charge(r)
+            free += self._frees(r)
             host_free -= self.footprint.get(r, 0)
         if free < need:
             return False
@@ -191,6 +206,7 @@ class DeviceMemory:
         s.bytes_in += self.footprint.get(rank, 0)
         s.seconds += dt
         self.swapped.discard(rank)
+        self.left.pop(rank, None)
         self.resident.add(rank)
         if self.host is not None:
             self.host.held.pop(rank, None)
@@ -233,5 +249,6 @@ class DeviceMemory:
         self.resident.discard(rank)
         self.reserve.pop(rank, None)
         self.swapped.add(rank)
+        self.left[rank] = self.swapper.residual(rank, self.footprint.get(rank, 0))
         if self.host is not None:
             self.host.held[rank] = self.footprint.get(rank, 0)

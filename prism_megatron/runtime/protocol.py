@@ -33,6 +33,7 @@ PREDICT = "predict"  # {iteration, mem, peak}: the rank waits for the predicted 
 GPUTIME = "gputime"  # {rows}: host/device times of closed compute segments (runtime.gpu_timing)
 RELEASE = "release"  # the rank gives its slot back while it idles (RankClient.idle); ACQUIRE asks again
 DEVICE_OOM = "device_oom"  # {held, requested, free}: the physical device was full; answered by VERDICT
+SWAPPED = "swapped"  # {op, ok, bytes, seconds, error, no_room}: the answer to SWAP, from the rank's receiver
 
 # coordinator -> rank
 DONE = "done"  # {id, out: [bytes|None], src}
@@ -42,6 +43,8 @@ PREDICTED = "predicted"  # {iteration, seconds | None, note}: answer to PREDICT 
 ABORT = "abort"  # {message}: the job is ending; every pending op fails
 TIMING = "timing"  # {on, why}: whether the rank's GPU timer may start (--swap auto gates it per device)
 VERDICT = "verdict"  # {report}: answer to DEVICE_OOM, once the launcher has the report
+SWAP = "swap"  # {op: size | out | in, offset, nbytes}: move the blocked rank's GPU state (runtime.vmm) to or
+#   from the job's host region (runtime.swap_space); answered by SWAPPED
 
 # launcher <-> coordinator
 CONTROL = "control"  # {trace_dir, job}: hello of the launcher's control connection

@@ -22,7 +22,9 @@ from prism_megatron.runtime.coordinator import Coordinator
 from prism_megatron.runtime.fake_device import FakeDevice
 from prism_megatron.runtime.governor import ADMISSION_MARGIN, SwapMode, SwapPolicy
 from prism_megatron.runtime.nvml import FootprintCheck, NvmlUnavailable, nvml_process_memory
-from prism_megatron.runtime.swap import BudgetSwapper, CudaCheckpointSwapper, SwapUnavailable
+from prism_megatron.runtime.staging import CONTEXT_BYTES
+from prism_megatron.runtime.swap import BudgetSwapper, CudaCheckpointSwapper, InProcessSwapper, SwapUnavailable
+from prism_megatron.runtime.swap_space import SwapSpace, SwapSpaceError
 
 
 def _die_with_launcher(launcher_pid: int) -> None:
@@ -71,18 +73,25 @@ def main(argv: list[str] | None = None) -> None:
     governor = coord.governor
     governor.times_gpu = cfg.gpu_timing
     notes = []  # said by the launcher
+    swapper = None
     swap = SwapMode(cfg.swap)
     if swap != SwapMode.NONE:
         caps = list(cfg.device_memory)
         try:
-            swapper = (BudgetSwapper(caps[0], FakeDevice.from_env()) if cfg.swapper == "budget"
-                       else CudaCheckpointSwapper())
-        except SwapUnavailable as e:
+            if cfg.swapper in ("inprocess", "budget-inprocess"):
+                stand_in = cfg.swapper == "budget-inprocess"
+                space = SwapSpace(cfg.host_memory or sum(caps) * max(1, coord.n_live))  # sparse: pages as used
+                swapper = InProcessSwapper(space, coord.exchange, context=0 if stand_in else CONTEXT_BYTES)
+            elif cfg.swapper == "budget":
+                swapper = BudgetSwapper(caps[0], FakeDevice.from_env())
+            else:
+                swapper = CudaCheckpointSwapper()
+        except (SwapUnavailable, SwapSpaceError) as e:
             if swap != SwapMode.AUTO:
                 raise
             swapper = None
             notes.append(f"--swap auto: ranks share each GPU without swaps ({e})")
-        if swapper is not None and cfg.swapper != "budget":
+        if swapper is not None and not cfg.swapper.startswith("budget"):
             try:
                 governor.footprint_check = FootprintCheck(nvml_process_memory())
             except NvmlUnavailable as e:
@@ -91,9 +100,12 @@ def main(argv: list[str] | None = None) -> None:
         if swapper is not None:
             governor.enable_swap(swapper, caps, SwapPolicy(cfg.swap_policy),
                                  cfg.host_memory, gate_timing=swap == SwapMode.AUTO and governor.times_gpu,
-                                 margin=0 if cfg.swapper == "budget" else ADMISSION_MARGIN)
+                                 margin=0 if cfg.swapper.startswith("budget") else ADMISSION_MARGIN)
     governor.configure_admission(cfg.memory_classes, cfg.rank_cap, cfg.memory_estimates)
     notes += governor.say_host_need()
+    # ranks move their own state only where a swap may happen: elsewhere their allocator stays as it is
+    region = (swapper.space.path_for_ranks if isinstance(swapper, InProcessSwapper) and governor.swaps_possible()
+              else None)
     if cfg.predictor:
         module, _, func = cfg.predictor.partition(":")
         coord.predictor.set(getattr(importlib.import_module(module), func), Path(cfg.live_trace),
@@ -103,7 +115,8 @@ def main(argv: list[str] | None = None) -> None:
     listen = _listening_socket(cfg.host)  # torch's own binds every interface
     store = TCPStore(cfg.host, listen.getsockname()[1], cfg.world_size, is_master=True,
                      wait_for_workers=False, multi_tenant=False, master_listen_fd=listen.fileno())
-    print(json.dumps({"address": list(coord.address), "store_port": store.port, "notes": notes}), flush=True)
+    print(json.dumps({"address": list(coord.address), "store_port": store.port, "notes": notes,
+                      "swap_region": region}), flush=True)
     coord.serve()
     del store
 

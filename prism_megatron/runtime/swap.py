@@ -1,19 +1,26 @@
 """State preservation: move a blocked rank's GPU state to host memory and back.
 
-A swapper acts on a whole process. `CudaCheckpointSwapper` uses the CUDA driver's process
-checkpoint API (its speeds on a GPU: docs/measurements.md); it requires that the
-process holds no live NCCL communicator and no CUDA IPC memory, which Phase 1 guarantees since all
-communication goes through the coordinator. `BudgetSwapper` is a stand-in that enforces a memory
-budget without a GPU, for tests of the scheduling logic.
+`InProcessSwapper` asks the rank itself (P.SWAP, answered by its receiver thread): the rank copies the
+caching allocator's segments to its extent of the job's host region and releases their physical
+memory (runtime.vmm, runtime.swap_space); its CUDA context stays, so the CUDA profiler may run in it.
+`CudaCheckpointSwapper` acts on a whole process through the CUDA driver's process checkpoint API,
+which needs nothing of the rank but copies at the host's first-touch speed and excludes the profiler
+(speeds of both on a GPU: docs/measurements.md); it requires that the process holds no live NCCL
+communicator and no CUDA IPC memory, which Phase 1 guarantees since all communication goes through
+the coordinator. `BudgetSwapper` is a stand-in for the latter that enforces a memory budget without
+a GPU, for tests of the scheduling logic (the former's stand-in is on the rank's side:
+runtime.fake_device.StandInSegments).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from prism_megatron.runtime.fake_device import FakeDevice
+    from prism_megatron.runtime.swap_space import SwapSpace
 
 
 class SwapNoRoom(RuntimeError):
@@ -30,6 +37,74 @@ class Swapper(Protocol):
     def checkpoint(self, rank: int, pid: int) -> None: ...
 
     def restore(self, rank: int, pid: int) -> None: ...
+
+    def residual(self, rank: int, footprint: int) -> int:
+        """Device bytes a swapped-out rank still holds, of its ``footprint``."""
+        ...
+
+
+class InProcessSwapper:
+    """The rank moves its own state (runtime.vmm) to an extent of the job's host region.
+
+    ``exchange(rank, message)`` sends a P.SWAP to the blocked rank and returns its P.SWAPPED answer
+    (the coordinator's, which keeps the rank's other messages for later).
+    """
+
+    name = "inprocess"
+
+    def __init__(self, space: SwapSpace, exchange: Callable[[int, dict], dict], context: int = 0) -> None:
+        self.space = space
+        self._exchange = exchange
+        self.context = context  # what a rank is expected to keep on the device before its first swap
+        self.extent: dict[int, tuple[int, int]] = {}  # swapped-out rank -> (offset, bytes) in the region
+        self.moved: dict[int, int] = {}  # swapped-out rank -> bytes its swap moved
+        self.kept: dict[int, int] = {}  # rank -> device bytes its last swap out left
+
+    def _ask(self, rank: int, op: str, offset: int = 0, nbytes: int = 0) -> dict:
+        from prism_megatron.runtime import protocol as P
+
+        reply = self._exchange(rank, {"t": P.SWAP, "op": op, "offset": offset, "nbytes": nbytes})
+        if not reply.get("ok"):
+            if reply.get("no_room"):
+                raise SwapNoRoom(f"rank {rank}: {reply.get('error')}")
+            raise RuntimeError(f"rank {rank}: in-process swap {op} failed: {reply.get('error')}")
+        return reply
+
+    def checkpoint(self, rank: int, pid: int) -> None:
+        nbytes = int(self._ask(rank, "size")["bytes"])
+        offset = self.space.take(nbytes)
+        if offset is None:
+            raise RuntimeError(f"rank {rank}: no {nbytes} bytes free in the job's host region "
+                               f"({self.space.free()} of {self.space.capacity} free)")
+        try:
+            reply = self._ask(rank, "out", offset, nbytes)
+        except BaseException:
+            self.space.give(offset)
+            raise
+        self.extent[rank] = (offset, nbytes)
+        self.moved[rank] = int(reply["bytes"])
+
+    def restore(self, rank: int, pid: int) -> None:
+        offset, nbytes = self.extent[rank]
+        self._ask(rank, "in", offset, nbytes)
+        self.space.give(offset)
+        del self.extent[rank]
+        self.moved.pop(rank, None)
+
+    def residual(self, rank: int, footprint: int) -> int:
+        """The CUDA context and what the allocator took before its pool (runtime.vmm) stay: right after
+        a swap out, what it did not move; before, what the rank's last one left (its context, first)."""
+        if rank in self.moved:
+            self.kept[rank] = max(footprint - self.moved[rank], 0)
+        return self.kept.get(rank, min(self.context, footprint))
+
+    def forget(self, rank: int) -> None:
+        """The rank ended: its extent is free."""
+        ext = self.extent.pop(rank, None)
+        if ext is not None:
+            self.space.give(ext[0])
+        self.moved.pop(rank, None)
+        self.kept.pop(rank, None)
 
 
 class BudgetSwapper:
@@ -65,6 +140,9 @@ class BudgetSwapper:
                              f"device beside its residents ({self.device.used()} of {self.device.capacity} bytes)")
         self.used[rank] = need
         self.log.append(("in", rank))
+
+    def residual(self, rank: int, footprint: int) -> int:
+        return 0
 
 
 class CudaCheckpointSwapper:
@@ -108,6 +186,10 @@ class CudaCheckpointSwapper:
         d = self._d
         self._check(d.cuCheckpointProcessRestore(pid, None), "cuCheckpointProcessRestore", rank)
         self._check(d.cuCheckpointProcessUnlock(pid, None), "cuCheckpointProcessUnlock", rank)
+
+    def residual(self, rank: int, footprint: int) -> int:
+        """The driver moves the whole process, its context too."""
+        return 0
 
 
 def timed(fn, *args) -> float:

@@ -44,6 +44,7 @@ def write_bare_trace(path: Path, job: dict, exit_codes: dict, *, world_size: int
     job = dict(job)  # the launcher's, with what only the coordinator knows
     if governor.memory is not None:
         job["swap"] = governor.swap_stats()
+        job["swapper"] = governor.memory[0].swapper.name  # who moved the state: runtime.swap
         job["admission"] = dict(governor.admissions)  # turns admitted by own peak, class peak, or the bound
         if governor.host_need is not None:
             job["host_memory_need"] = governor.host_need

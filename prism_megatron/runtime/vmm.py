@@ -64,6 +64,7 @@ class VmmSegments:
     device: int
     segments: dict[int, _Segment] = field(default_factory=dict)  # address -> segment
     swapped: bool = False
+    pool: Any = None  # the MemPool install() made (kept alive with the segments)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
