@@ -135,6 +135,7 @@ def run_rank(cfg: LaunchConfig, rank: int, address: tuple[str, int], authkey: by
         import faulthandler
 
         faulthandler.register(signal.SIGUSR1, file=log, all_threads=True)  # stacks on demand (hang reports)
+        faulthandler.enable(file=log, all_threads=True)  # and where a fatal signal (SIGSEGV, SIGABRT) struck
         import torch
 
         torch.set_num_threads(cfg.threads_per_rank)
