@@ -68,7 +68,12 @@ class VmmSegments:
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
+        import torch
         from cuda.bindings import driver
+
+        # torch's CUDA first: in a rank forked from a launcher that imported torch, torch's lazy init
+        # after cuda-bindings' cuInit crashed (SIGSEGV in torch.cuda._lazy_init, H200)
+        torch.cuda.init()
 
         self._d = driver
         self._check(driver.cuInit(0), "cuInit")
