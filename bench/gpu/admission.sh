@@ -54,7 +54,7 @@ PY
   rm -f "$out/$entry.metrics"
   t0=$(date +%s)
   PRISM_MEGATRON_METRICS="$out/$entry.metrics" timeout ${RUN_TIMEOUT:-3000} python3 -m prism_megatron run \
-    --prism-emulate --prism-world-size 2 --prism-devices 0 --prism-driver core --prism-swap $mode $extra \
+    --prism-emulate --prism-world-size 2 --prism-devices 0 --prism-driver core --prism-swap $mode $extra --prism-fold off \
     --prism-report off --prism-trace-dir /tmp/admission-$entry $script $flags > "$out/$entry.log" 2>&1
   echo "== --prism-swap $mode $extra: exit $? in $(( $(date +%s) - t0 )) s"
   grep -E "iteration +[0-9]+/" "$out/$entry.log" | sed -E 's/.*(iteration +[0-9]+).*(lm loss: [^|]*).*(grad norm: [^|]*).*/\1 \2 \3/'
