@@ -1,0 +1,189 @@
+"""In-process swaps (runtime.swap.InProcessSwapper, runtime.swap_space, the rank's P.SWAP handling) without a
+GPU: the host region's extents, what a swapped-out rank still holds on its device, the coordinator's wait
+for the rank's answer, and the rank's side with the stand-in segments. The GPU side (runtime.vmm) is
+measured by bench/gpu/vmm_swap_probe.py; the whole path end to end by tests/test_admission.py."""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from multiprocessing import Pipe
+
+import pytest
+
+from prism_megatron.launcher import config as launch_config
+from prism_megatron.launcher.config import LaunchConfig, LaunchError
+from prism_megatron.runtime import protocol as P
+from prism_megatron.runtime.memory import DeviceMemory, HostBudget
+from prism_megatron.runtime.swap import InProcessSwapper, SwapNoRoom
+from prism_megatron.runtime.swap_space import HostRegion, SwapSpace, SwapSpaceError
+
+GIB = 2**30
+
+
+def test_the_host_region_hands_out_disjoint_extents_first_fit_and_takes_them_back():
+    space = SwapSpace(100)
+    a, b = space.take(40), space.take(40)
+    assert (a, b, space.take(30)) == (0, 40, None)  # 20 left, in one gap
+    space.give(a)
+    assert space.take(30) == 0 and space.take(20) == 80 and space.take(10) == 30  # the gaps, lowest first
+    assert space.free() == 0 and space.take(1) is None
+    spans = sorted((base, base + n) for base, n in space.taken.items())
+    assert all(e <= s for (_, e), (s, _) in zip(spans, spans[1:], strict=False))
+    space.close()
+
+
+def test_a_rank_maps_the_coordinators_region_and_sees_what_was_written_there():
+    space = SwapSpace(1 << 20)
+    writer, reader = HostRegion(space.path_for_ranks), HostRegion(space.path_for_ranks)
+    ctypes.memmove(writer.address(4096, 5), b"prism", 5)
+    assert ctypes.string_at(reader.address(4096, 5), 5) == b"prism"  # one region, shared
+    with pytest.raises(SwapSpaceError, match=r"extent \[1048570, 1048580\) is outside the swap region"):
+        reader.address((1 << 20) - 6, 10)
+    with pytest.raises(SwapSpaceError, match="the job's swap region /nonexistent/fd/3"):
+        HostRegion("/nonexistent/fd/3")
+    space.close()
+
+
+class _Rank:
+    """A rank's answers to P.SWAP, as its receiver gives them: moves ``moves`` bytes of ``holds``."""
+
+    def __init__(self, moves: int, fits: bool = True) -> None:
+        self.moves, self.fits, self.asked = moves, fits, []
+
+    def __call__(self, rank: int, msg: dict) -> dict:
+        assert msg["t"] == P.SWAP
+        self.asked.append((rank, msg["op"], msg["offset"], msg["nbytes"]))
+        if msg["op"] == "in" and not self.fits:
+            return {"ok": False, "no_room": True, "error": "cuMemCreate failed: CUDA_ERROR_OUT_OF_MEMORY"}
+        return {"ok": True, "bytes": self.moves}
+
+
+def test_a_swapped_out_rank_keeps_its_context_on_the_device_and_it_counts():
+    """An in-process swap moves the allocator's segments; the CUDA context stays. Before a rank's first swap
+    the device expects it to keep the context estimate; after, what its swap left."""
+    rank_side = _Rank(moves=30 * GIB)
+    sw = InProcessSwapper(SwapSpace(200 * GIB), rank_side, context=GIB)
+    mem = DeviceMemory(100 * GIB, sw, host=HostBudget(200 * GIB))
+    pids = {0: 1000, 1: 1001}
+    mem.report(0, 32 * GIB)  # 30 GiB of segments + 2 GiB outside them
+    mem.report(1, 60 * GIB)
+    assert mem.make_resident(1, 69 * GIB, [0], pids, lambda r: r)  # 32 + 69 > 100: rank 0 goes out
+    assert [a[:2] for a in rank_side.asked] == [(0, "size"), (0, "out")]
+    assert mem.swapped == {0} and mem.left[0] == 2 * GIB and mem.used() == 2 * GIB + 69 * GIB
+    assert sw.extent[0] == (0, 30 * GIB)
+    # 99 GiB for rank 1 would fit a device without rank 0's 2 GiB, but not this one
+    mem.released(1)
+    mem.report(1, 80 * GIB)
+    assert not mem.make_resident(1, 99 * GIB, [], pids, lambda r: r)
+    assert mem.make_resident(0, 32 * GIB, [1], pids, lambda r: r)  # rank 1 (80) out, rank 0 back
+    assert mem.swapped == {1} and 0 in mem.resident and 0 not in sw.extent
+    assert [a[:2] for a in rank_side.asked][-3:] == [(1, "size"), (1, "out"), (0, "in")]
+    assert mem.left == {1: 50 * GIB}  # it moved 30 of its 80 GiB
+
+
+def test_a_restore_without_room_leaves_the_rank_out_and_its_extent_taken():
+    rank_side = _Rank(moves=10 * GIB, fits=False)
+    sw = InProcessSwapper(SwapSpace(50 * GIB), rank_side)
+    sw.checkpoint(3, 1003)
+    with pytest.raises(SwapNoRoom, match="rank 3: cuMemCreate failed: CUDA_ERROR_OUT_OF_MEMORY"):
+        sw.restore(3, 1003)
+    assert 3 in sw.extent and sw.space.free() == 40 * GIB
+    sw.forget(3)  # the rank ended
+    assert sw.space.free() == 50 * GIB
+
+
+def test_a_failed_swap_out_gives_its_extent_back_and_says_which_rank():
+    def refuse(rank: int, msg: dict) -> dict:
+        return {"ok": True, "bytes": GIB} if msg["op"] == "size" else {"ok": False, "error": "VmmError: boom"}
+
+    sw = InProcessSwapper(SwapSpace(4 * GIB), refuse)
+    with pytest.raises(RuntimeError, match="rank 2: in-process swap out failed: VmmError: boom"):
+        sw.checkpoint(2, 1002)
+    assert sw.space.free() == 4 * GIB and not sw.extent
+
+
+def test_the_coordinator_waits_for_the_swap_answer_and_keeps_what_else_the_rank_sent_in_order():
+    from prism_megatron.runtime.coordinator import Coordinator
+
+    coord = Coordinator(world_size=1, num_devices=1, slots_per_device=1, device_of={0: 0},
+                        device_names=["cuda:0"], hang_timeout=60.0, authkey=b"k" * 16)
+    ours, theirs = Pipe()
+    coord._dispatch(ours, {"t": P.HELLO, "rank": 0, "pid": 1000})
+
+    def rank() -> None:
+        msg = theirs.recv()
+        theirs.send({"t": P.MARK, "name": "a"})
+        theirs.send({"t": P.MARK, "name": "b"})
+        theirs.send({"t": P.SWAPPED, "op": msg["op"], "ok": True, "bytes": 7})
+
+    t = threading.Thread(target=rank)
+    t.start()
+    assert coord.exchange(0, {"t": P.SWAP, "op": "size", "offset": 0, "nbytes": 0})["bytes"] == 7
+    t.join()
+    assert [m["name"] for m in coord._deferred[ours]] == ["a", "b"]
+    seen = []
+    coord._dispatch = lambda conn, msg: seen.append(msg["name"])
+    coord.conns[ours] = coord.ranks[0]
+    coord._drain(ours, waiting=False)
+    assert seen == ["a", "b"] and coord._deferred[ours] == []
+    theirs.close()
+    assert "connection closed" in coord.exchange(0, {"t": P.SWAP, "op": "size", "offset": 0, "nbytes": 0})["error"]
+
+
+def test_swap_modes_resolve_to_who_moves_the_state_and_whether_gpu_timing_runs(tmp_path, monkeypatch):
+    script = tmp_path / "s.py"
+    script.write_text("")
+    gpu = dict(script=script, world_size=2, trace_dir=tmp_path / "t", devices=["0"])
+    monkeypatch.setattr(launch_config, "inprocess_available", lambda: True)
+    auto = LaunchConfig(**gpu)
+    assert (auto.swap_mode, auto.swapper, auto.times_gpu) == ("checkpoint", "inprocess", True)
+    explicit = LaunchConfig(**gpu, swap="inprocess")
+    assert (explicit.swap_mode, explicit.swapper, explicit.times_gpu) == ("checkpoint", "inprocess", True)
+    driver = LaunchConfig(**gpu, swap="checkpoint")
+    assert (driver.swap_mode, driver.swapper, driver.times_gpu) == ("checkpoint", "cuda", False)
+    monkeypatch.setattr(launch_config, "inprocess_available", lambda: False)
+    assert (LaunchConfig(**gpu).swap_mode, LaunchConfig(**gpu).swapper) == ("auto", "cuda")
+    with pytest.raises(LaunchError, match="--swap inprocess needs torch's MemPool .* use --swap checkpoint"):
+        LaunchConfig(**gpu, swap="inprocess").validate()
+    with pytest.raises(LaunchError, match="--swap inprocess needs GPU --devices"):
+        LaunchConfig(script=script, world_size=2, trace_dir=tmp_path / "t", swap="inprocess").validate()
+    stand_in = LaunchConfig(script=script, world_size=2, trace_dir=tmp_path / "t", swap="budget-inprocess",
+                            device_memory_gib=10).validate()
+    assert (stand_in.swap_mode, stand_in.swapper, stand_in.host_memory) == ("checkpoint", "budget-inprocess", None)
+
+
+def test_results_that_arrive_while_the_rank_is_out_are_written_once_it_is_back(tmp_path, monkeypatch):
+    """The receiver writes an async op's results into the program's tensors as they arrive; while the
+    rank's state is swapped out those tensors' memory is not mapped, so the write waits for the swap in."""
+    from prism_megatron.runtime import client as client_mod
+    from prism_megatron.runtime.fake_device import ENV, FakeDevice
+
+    FakeDevice.create(tmp_path / "dev", 10 * GIB, 1)
+    monkeypatch.setenv(ENV, str(tmp_path / "dev"))
+    space = SwapSpace(GIB)
+    monkeypatch.setenv(client_mod.SWAP_REGION_ENV, space.path_for_ranks)
+    from prism_megatron.runtime import fake_device
+
+    monkeypatch.setattr(fake_device, "_DEVICE", None)
+    monkeypatch.setenv("RANK", "0")
+    fake_device.alloc(GIB // 2)
+    c = client_mod.RankClient.__new__(client_mod.RankClient)
+    c.rank, c.segments, c._region, c._held_writes = 0, fake_device.StandInSegments(0), None, []
+    c._pending, c._pending_lock = {}, threading.Lock()
+    written = []
+    c._write = lambda p: written.append(p)
+    p = client_mod._Pending(work=None, outs=[], out_descs=[], eager=True)
+    c._pending[5] = p
+    assert c._swap({"op": "size"})["bytes"] == GIB // 2
+    assert c._swap({"op": "out", "offset": 0, "nbytes": GIB // 2})["ok"]
+    c._complete({"id": 5, "out": []})
+    assert written == [] and c._held_writes == [p]
+    assert c._swap({"op": "in", "offset": 0, "nbytes": GIB // 2}) == {"ok": True, "bytes": GIB // 2,
+                                                                       "seconds": pytest.approx(0, abs=5)}
+    assert written == [p] and c._held_writes == []
+    # an extent another rank wrote over is found out at the swap in
+    assert c._swap({"op": "out", "offset": 0, "nbytes": GIB // 2})["ok"]
+    ctypes.memmove(c._region.address(0, 16), b"\0" * 16, 16)
+    answer = c._swap({"op": "in", "offset": 0, "nbytes": GIB // 2})
+    assert not answer["ok"] and "written over while it was swapped out" in answer["error"]
