@@ -145,7 +145,8 @@ def test_stand_in_refuses_restore_without_room():
 
 
 @pytest.mark.parametrize(("kw", "msg"), [
-    ({"swap": "sometimes"}, "--swap must be auto, none, inprocess, checkpoint, budget, budget-auto or budget-inprocess, got 'sometimes'"),
+    ({"swap": "sometimes"},
+     "--swap must be auto, none, inprocess, checkpoint, budget, budget-auto or budget-inprocess, got 'sometimes'"),
     ({"swap": "checkpoint"}, "--swap checkpoint needs GPU --devices"),
     ({"swap": "budget"}, "--swap budget needs --device-memory GiB"),
     ({"device_memory_gib": -2.0}, "--device-memory must be a positive number of GiB, got -2.0"),

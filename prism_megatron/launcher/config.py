@@ -299,6 +299,7 @@ class LaunchConfig:
         return self.swapper in ("inprocess", "budget-inprocess")
 
 
+@functools.lru_cache(maxsize=1)
 def inprocess_available() -> bool:
     """Whether in-process swaps (runtime.vmm) can run here; asked without starting CUDA."""
     import importlib.util
