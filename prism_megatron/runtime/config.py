@@ -18,7 +18,8 @@ class CoordinatorConfig:
     hang_timeout: float
     threads: int = 1  # torch threads of the coordinator process
     swap: str = "none"  # none, checkpoint or auto (the launcher's swap_mode)
-    swapper: str = "cuda"  # cuda (the driver's process checkpoint) or budget (the stand-in)
+    swapper: str = "cuda"  # inprocess (runtime.vmm), cuda (the driver's process checkpoint), or their stand-ins
+    #   budget-inprocess and budget
     gpu_timing: bool = False
     device_memory: list[int] = field(default_factory=list)  # bytes per device
     host_memory: int | None = None  # bytes swapped-out state may take (None: not limited)
