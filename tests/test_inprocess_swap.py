@@ -187,3 +187,20 @@ def test_results_that_arrive_while_the_rank_is_out_are_written_once_it_is_back(t
     ctypes.memmove(c._region.address(0, 16), b"\0" * 16, 16)
     answer = c._swap({"op": "in", "offset": 0, "nbytes": GIB // 2})
     assert not answer["ok"] and "written over while it was swapped out" in answer["error"]
+
+
+def test_prefaulting_gives_the_region_pages_without_touching_what_ranks_wrote():
+    import os
+
+    space = SwapSpace(64 << 20)
+    rank = HostRegion(space.path_for_ranks)
+    ctypes.memmove(rank.address(8 << 20, 6), b"stays!", 6)  # a swap under way
+    t = space.prefault(48 << 20, chunk=4 << 20)
+    t.join(30)
+    done, why = t.result
+    if why is not None:  # a kernel older than 5.14 has no MADV_POPULATE_WRITE: it says so and stops
+        assert done == 0 and why == os.strerror(22)
+    else:
+        assert done == 48 << 20 and os.fstat(space.fd).st_blocks * 512 >= 48 << 20  # the pages are there
+    assert ctypes.string_at(rank.address(8 << 20, 6), 6) == b"stays!"
+    space.close()

@@ -72,6 +72,7 @@ class Coordinator:
         self.job, self.trace_dir = {}, None
         self._held: dict | None = None  # a FATAL raised before the launcher's CONTROL was read: sent with it
         self.segment_prefix = ""  # the job's shared-memory segments, removed if the launcher dies
+        self.prefault = None  # the thread giving the host region for in-process swaps its pages (runtime.swap_space)
         self.watch = LauncherWatch()
         self._finish_received = False
         self._deadlines: list[tuple[float, int, int]] = []  # (time, rank, op id): process-group timeouts

@@ -22,7 +22,7 @@ from enum import StrEnum
 
 from prism_megatron.runtime import protocol as P
 from prism_megatron.runtime.groups import GroupTable
-from prism_megatron.runtime.hostplan import HOST_LIMIT_HINT, swap_host_need
+from prism_megatron.runtime.hostplan import HOST_LIMIT_HINT, swap_host_need, swapped_out_bounds
 from prism_megatron.runtime.memory import DeviceMemory, HostBudget
 from prism_megatron.runtime.nvml import FootprintCheck
 from prism_megatron.runtime.peaks import PeakTracker
@@ -296,16 +296,14 @@ class MemoryGovernor:
                 self._host_said = True
                 self.say_host_need(measured=True)
 
-    def swaps_possible(self) -> bool:
-        """Whether any device's ranks may together outgrow it, by the bounds for ranks not yet measured
-        (each rank's cap, or the device): False means no swap can ever be needed."""
+    def swap_out_bound(self) -> int:
+        """The most bytes of the ranks' state out at once, by the bounds for ranks not yet measured (prism's
+        estimate with its headroom, each rank's cap, or the device): 0 means no swap is expected."""
         if self.memory is None:
-            return False
-        for d, mem in enumerate(self.memory):
-            ranks = [r for r in range(self.world_size) if self.slots.device_of(r) == d]
-            if len(ranks) > 1 and sum(self.unknown_bound(mem.capacity, r) for r in ranks) > mem.capacity:
-                return True
-        return False
+            return 0
+        sizes = [[self.unknown_bound(mem.capacity, r) for r in range(self.world_size) if self.slots.device_of(r) == d]
+                 or [0] for d, mem in enumerate(self.memory)]
+        return swapped_out_bounds(sizes, [m.capacity for m in self.memory])[1]
 
     def say_host_need(self, measured: bool = False) -> list[str]:
         """Whether the job's swapped-out state fits the host budget (lines to say): at start from

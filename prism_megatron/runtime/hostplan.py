@@ -1,7 +1,7 @@
 """Host memory for swapped-out GPU state: does this job's fit the host budget, and what limits it.
 
 Ranks that share a device beyond its capacity keep the state of those not resident in host RAM
-(the CUDA driver's process checkpoint), bounded by the host budget (``--host-memory``, by default
+(runtime.swap), bounded by the host budget (``--host-memory``, by default
 90% of the RAM available at start). Per device, with each rank's state at its peak: at least what
 does not fit on the device is out at any time, and at most everything but one rank (a rank whose
 peak is not known yet computes alone). `plan` and the coordinator (at start from bounds, after
@@ -18,6 +18,18 @@ HOST_LIMIT_HINT = ("swapped-out state may not fit host memory: --host-memory set
                    "ends with a report naming the host budget")
 
 
+def swapped_out_bounds(footprints: Sequence[Sequence[int]], capacities: Sequence[int]) -> tuple[int, int]:
+    """(least, most) bytes of the ranks' state out at once over every device (see the module)."""
+    least = most = 0
+    for sizes, cap in zip(footprints, capacities, strict=True):
+        if any(s < 0 for s in sizes) or cap <= 0:
+            raise ValueError(f"swap_host_need: negative footprint or non-positive capacity ({list(sizes)}, {cap})")
+        total = sum(sizes)
+        least += max(0, total - cap)
+        most += total - min(sizes) if total > cap else 0
+    return least, most
+
+
 def swap_host_need(footprints: Sequence[Sequence[int]], capacities: Sequence[int] | int,
                    host_budget: int | None, measured: bool = True) -> tuple[bool, str]:
     """Whether swapped-out state fits ``host_budget`` bytes (None: not limited), and a message.
@@ -31,13 +43,7 @@ def swap_host_need(footprints: Sequence[Sequence[int]], capacities: Sequence[int
         capacities = [capacities] * len(footprints)
     if len(capacities) != len(footprints):
         raise ValueError(f"swap_host_need: {len(footprints)} devices' footprints but {len(capacities)} capacities")
-    least = most = 0
-    for sizes, cap in zip(footprints, capacities, strict=True):
-        if any(s < 0 for s in sizes) or cap <= 0:
-            raise ValueError(f"swap_host_need: negative footprint or non-positive capacity ({list(sizes)}, {cap})")
-        total = sum(sizes)
-        least += max(0, total - cap)
-        most += total - min(sizes) if total > cap else 0
+    least, most = swapped_out_bounds(footprints, capacities)
     gib = lambda b: f"{b / 2**30:.1f} GiB"  # noqa: E731
     if not measured:  # bounds: only the most means something
         if most == 0:

@@ -104,8 +104,13 @@ def main(argv: list[str] | None = None) -> None:
     governor.configure_admission(cfg.memory_classes, cfg.rank_cap, cfg.memory_estimates)
     notes += governor.say_host_need()
     # ranks move their own state only where a swap may happen: elsewhere their allocator stays as it is
-    region = (swapper.space.path_for_ranks if isinstance(swapper, InProcessSwapper) and governor.swaps_possible()
-              else None)
+    region = None
+    if isinstance(swapper, InProcessSwapper) and (expected := governor.swap_out_bound()) > 0:
+        region = swapper.space.path_for_ranks
+        if not cfg.swapper.startswith("budget"):
+            coord.prefault = swapper.space.prefault(expected)
+            notes.append(f"host memory for swaps: {min(expected, swapper.space.capacity) / 2**30:.1f} GiB made "
+                         "ready in the background (the host's first touch is slower than the copies)")
     if cfg.predictor:
         module, _, func = cfg.predictor.partition(":")
         coord.predictor.set(getattr(importlib.import_module(module), func), Path(cfg.live_trace),
