@@ -15,7 +15,7 @@
 # Defaults are the job: 24 layers, hidden 1536, micro-batch 8, global batch 32, bf16, seq 4096
 # (one rank holds ~96 GiB after iteration 1, so two never fit together: each swap moves ~96 GiB at the
 # checkpoint API's ~2.3 GB/s, ~45 s, and a run takes tens of minutes). Smaller shapes through LAYERS,
-# HIDDEN, HEADS, SEQ, MBS, GBS, ITERS. Run from the repo root with .whl carried:
+# HIDDEN, HEADS, SEQ, MBS, GBS, ITERS; HOST_GIB sets --prism-host-memory. Run from the repo root with .whl carried:
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
 #   bash bench/gpu/admission.sh      # MODES="auto checkpoint auto-low checkpoint-low" DEVICE_GIB=auto
 #   LAYERS=8 HIDDEN=1024 HEADS=8 SEQ=512 MODES="auto checkpoint-low" bash bench/gpu/admission.sh
@@ -52,6 +52,7 @@ PY
     echo "device declared: $device_gib GiB (1.5 x the largest rank's peak in run $last)"
   fi
   extra=""; [ "$entry" != "$mode" ] && extra="--prism-device-memory $device_gib"
+  [ -n "${HOST_GIB:-}" ] && extra="$extra --prism-host-memory $HOST_GIB"
   rm -f "$out/$entry.metrics"
   t0=$(date +%s)
   PRISM_MEGATRON_METRICS="$out/$entry.metrics" timeout ${RUN_TIMEOUT:-3000} python3 -m prism_megatron run \
