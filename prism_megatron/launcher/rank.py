@@ -146,7 +146,7 @@ def run_rank(cfg: LaunchConfig, rank: int, address: tuple[str, int], authkey: by
         from prism_megatron.runtime.folding import untranslation
         from prism_megatron.trace import markers
 
-        segments = _swappable_segments(cfg, rank, torch)
+        segments = _swappable_segments(cfg, rank)
         client = RankClient(address, authkey, rank, cfg.world_size, f"{segment_prefix}-r{rank}")
         client.segments = segments
         part = ((cfg.fold or {}).get("capture") or {}).get("part") or {}
@@ -258,7 +258,7 @@ def _is_oom(error: BaseException) -> bool:
     return False
 
 
-def _swappable_segments(cfg: LaunchConfig, rank: int, torch):
+def _swappable_segments(cfg: LaunchConfig, rank: int):
     """Where swaps may happen in process, what this rank's swaps move: its GPU's allocator segments, from
     here on in a pool of CUDA virtual memory (runtime.vmm), or the stand-in device's bytes; else None."""
     if cfg.swap_region is None:
