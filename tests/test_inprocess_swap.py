@@ -179,8 +179,8 @@ def test_results_that_arrive_while_the_rank_is_out_are_written_once_it_is_back(t
     assert c._swap({"op": "out", "offset": 0, "nbytes": GIB // 2})["ok"]
     c._complete({"id": 5, "out": []})
     assert written == [] and c._held_writes == [p]
-    assert c._swap({"op": "in", "offset": 0, "nbytes": GIB // 2}) == {"ok": True, "bytes": GIB // 2,
-                                                                       "seconds": pytest.approx(0, abs=5)}
+    assert c._swap({"op": "in", "offset": 0, "nbytes": GIB // 2}) == {
+        "ok": True, "bytes": GIB // 2, "copied": GIB // 2, "seconds": pytest.approx(0, abs=5)}
     assert written == [p] and c._held_writes == []
     # an extent another rank wrote over is found out at the swap in
     assert c._swap({"op": "out", "offset": 0, "nbytes": GIB // 2})["ok"]
@@ -204,3 +204,16 @@ def test_prefaulting_gives_the_region_pages_without_touching_what_ranks_wrote():
         assert done == 48 << 20 and os.fstat(space.fd).st_blocks * 512 >= 48 << 20  # the pages are there
     assert ctypes.string_at(rank.address(8 << 20, 6), 6) == b"stays!"
     space.close()
+
+
+def test_a_swap_copies_only_the_blocks_the_allocator_has_in_use():
+    from prism_megatron.runtime.vmm import in_use
+
+    snapshot = [{"address": 4096, "blocks": [
+        {"address": 4096 + 1024, "size": 512, "state": "active_allocated"},  # out of order on purpose
+        {"address": 4096, "size": 1024, "state": "inactive"},
+        {"address": 4096 + 1536, "size": 256, "state": "active_pending_free"},  # another stream may still use it
+        {"address": 4096 + 1792, "size": 256, "state": "inactive"},
+        {"address": 4096 + 2048, "size": 2048, "state": "active_allocated"}]},
+        {"address": 1 << 30, "blocks": [{"address": 1 << 30, "size": 4096, "state": "inactive"}]}]
+    assert in_use(snapshot) == {4096: [(1024, 768), (2048, 2048)], 1 << 30: []}

@@ -477,13 +477,13 @@ class RankClient:
                 self._region = HostRegion(os.environ[SWAP_REGION_ENV])
             at = self._region.address(msg["offset"], msg["nbytes"])
             if msg["op"] == "out":
-                moved = self.segments.swap_out(at, msg["nbytes"]).nbytes
+                done = self.segments.swap_out(at, msg["nbytes"])
             else:
-                moved = self.segments.swap_in(at).nbytes
+                done = self.segments.swap_in(at)
                 held, self._held_writes = self._held_writes, []
                 for p in held:
                     self._write(p)
-            return {"ok": True, "bytes": moved, "seconds": time.perf_counter() - t0}
+            return {"ok": True, "bytes": done.nbytes, "copied": done.copied, "seconds": time.perf_counter() - t0}
         except VmmNoRoom as e:
             return {"ok": False, "no_room": True, "error": str(e), "seconds": time.perf_counter() - t0}
         except Exception as e:  # noqa: BLE001 - the coordinator reports it and ends the job

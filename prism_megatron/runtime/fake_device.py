@@ -180,7 +180,7 @@ class StandInSegments:
             ctypes.memmove(host_address, _MARK.pack(self.rank, held), _MARK.size)
         shared().swap_out(self.rank)
         self.swapped = True
-        return SwapTimes(nbytes=held)
+        return SwapTimes(nbytes=held, copied=held)
 
     def swap_in(self, host_address: int):
         import ctypes
@@ -193,4 +193,4 @@ class StandInSegments:
         if not shared().swap_in(self.rank):
             raise VmmNoRoom(f"rank {self.rank}: {held} bytes do not fit the stand-in device beside its residents")
         self.swapped = False
-        return SwapTimes(nbytes=held)
+        return SwapTimes(nbytes=held, copied=held)

@@ -59,6 +59,7 @@ class InProcessSwapper:
         self.extent: dict[int, tuple[int, int]] = {}  # swapped-out rank -> (offset, bytes) in the region
         self.moved: dict[int, int] = {}  # swapped-out rank -> bytes its swap moved
         self.kept: dict[int, int] = {}  # rank -> device bytes its last swap out left
+        self.copied: dict[int, int] = {}  # rank -> bytes its swaps copied, out and in (blocks in use only)
 
     def _ask(self, rank: int, op: str, offset: int = 0, nbytes: int = 0) -> dict:
         from prism_megatron.runtime import protocol as P
@@ -83,10 +84,12 @@ class InProcessSwapper:
             raise
         self.extent[rank] = (offset, nbytes)
         self.moved[rank] = int(reply["bytes"])
+        self.copied[rank] = self.copied.get(rank, 0) + int(reply.get("copied", 0))
 
     def restore(self, rank: int, pid: int) -> None:
         offset, nbytes = self.extent[rank]
-        self._ask(rank, "in", offset, nbytes)
+        reply = self._ask(rank, "in", offset, nbytes)
+        self.copied[rank] = self.copied.get(rank, 0) + int(reply.get("copied", 0))
         self.space.give(offset)
         del self.extent[rank]
         self.moved.pop(rank, None)

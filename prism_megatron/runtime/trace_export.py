@@ -44,7 +44,10 @@ def write_bare_trace(path: Path, job: dict, exit_codes: dict, *, world_size: int
     job = dict(job)  # the launcher's, with what only the coordinator knows
     if governor.memory is not None:
         job["swap"] = governor.swap_stats()
-        job["swapper"] = governor.memory[0].swapper.name  # who moved the state: runtime.swap
+        swapper = governor.memory[0].swapper
+        job["swapper"] = swapper.name  # who moved the state: runtime.swap
+        if getattr(swapper, "copied", None):  # in-process swaps copy only the blocks in use
+            job["swap_copied"] = {str(r): b for r, b in sorted(swapper.copied.items())}
         job["admission"] = dict(governor.admissions)  # turns admitted by own peak, class peak, or the bound
         if governor.host_need is not None:
             job["host_memory_need"] = governor.host_need

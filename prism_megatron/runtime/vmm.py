@@ -46,13 +46,15 @@ class _Segment:
     size: int  # bytes the caching allocator asked for (the mapping may be rounded up to the granularity)
     mapped: int  # bytes reserved and mapped
     handle: Any = None  # physical allocation, None while swapped out
+    live: list[tuple[int, int]] = field(default_factory=list)  # (offset, bytes) copied out: its blocks in use
 
 
 @dataclass
 class SwapTimes:
     """One swap's figures (bytes, seconds) for the report."""
 
-    nbytes: int = 0
+    nbytes: int = 0  # device bytes released (out) or mapped again (in)
+    copied: int = 0  # bytes copied: the blocks in use; the allocator's free cached blocks are not
     copy_s: float = 0.0
     map_s: float = 0.0
 
@@ -183,8 +185,9 @@ class VmmSegments:
         return sum(s.mapped for s in self.segments.values())
 
     def swap_out(self, host_address: int, nbytes: int) -> SwapTimes:
-        """Copy every segment, one after another, to host memory at ``host_address`` (``nbytes`` there)
-        and release its physical memory."""
+        """Copy every segment's blocks in use (the allocator's snapshot; its free cached blocks hold
+        nothing a program may read) to host memory at ``host_address`` (``nbytes`` there, each segment
+        at its offset in the rank's segments laid end to end) and release its physical memory."""
         import torch
 
         t = SwapTimes()
@@ -195,10 +198,14 @@ class VmmSegments:
             need = self.mapped_bytes()
             if need > nbytes:
                 raise VmmError(f"the rank's segments take {need} bytes; the host extent has {nbytes}")
+            live = in_use(torch.cuda.memory_snapshot())
             at = host_address
             for addr, seg in self.segments.items():
                 t0 = time.perf_counter()
-                self._check(self._d.cuMemcpyDtoH(at, addr, seg.mapped), "cuMemcpyDtoH")
+                seg.live = live.get(addr, [(0, seg.mapped)])
+                for off, n in seg.live:
+                    self._check(self._d.cuMemcpyDtoH(at + off, addr + off, n), "cuMemcpyDtoH")
+                    t.copied += n
                 t1 = time.perf_counter()
                 self._unmap(addr, seg)
                 t.copy_s += t1 - t0
@@ -229,9 +236,30 @@ class VmmSegments:
             at = host_address
             for addr, seg in self.segments.items():
                 t0 = time.perf_counter()
-                self._check(self._d.cuMemcpyHtoD(addr, at, seg.mapped), "cuMemcpyHtoD")
+                for off, n in seg.live:
+                    self._check(self._d.cuMemcpyHtoD(addr + off, at + off, n), "cuMemcpyHtoD")
+                    t.copied += n
                 t.copy_s += time.perf_counter() - t0
                 t.nbytes += seg.mapped
                 at += seg.mapped
             self.swapped = False
         return t
+
+
+def in_use(snapshot: list[dict]) -> dict[int, list[tuple[int, int]]]:
+    """Per segment address, the (offset, bytes) ranges of its blocks that are not free (allocated, or
+    freed but awaiting another stream's use), adjacent ones merged: what a swap must keep. From
+    ``torch.cuda.memory_snapshot()``'s segments."""
+    out: dict[int, list[tuple[int, int]]] = {}
+    for seg in snapshot:
+        base, ranges = int(seg["address"]), []
+        for b in sorted(seg.get("blocks", []), key=lambda b: int(b["address"])):
+            if b.get("state") == "inactive":
+                continue
+            off, n = int(b["address"]) - base, int(b["size"])
+            if ranges and ranges[-1][0] + ranges[-1][1] == off:
+                ranges[-1] = (ranges[-1][0], ranges[-1][1] + n)
+            else:
+                ranges.append((off, n))
+        out[base] = ranges
+    return out
