@@ -61,14 +61,14 @@ def test_bad_choices_are_refused_naming_every_accepted_value(tmp_path):
     script = tmp_path / "s.py"
     script.write_text("")
     swaps = dict((o.name, o) for o in options_of(JobOptions))["swap"].choices
-    assert len(swaps) == 5
+    assert len(swaps) == 7
     listed = ", ".join(swaps[:-1]) + f" or {swaps[-1]}"
     with pytest.raises(LaunchError, match=f"--swap must be {listed}, got 'sometimes'"):
         LaunchConfig(script, swap="sometimes").validate()
-    with pytest.raises(RunError, match="invalid choice: 'sometimes'.*'budget-auto'"):
+    with pytest.raises(RunError, match="invalid choice: 'sometimes'.*'budget-inprocess'"):
         parse_run_args(["--prism-emulate", "--prism-world-size", "2", str(script), "--prism-swap", "sometimes"])
     result = CliRunner().invoke(launch_cmd, ["-w", "2", "--swap", "sometimes", str(script)])
-    assert result.exit_code == 2 and "budget-auto" in result.output
+    assert result.exit_code == 2 and "budget-inprocess" in result.output
 
 
 def test_an_option_without_help_is_refused():
