@@ -326,6 +326,11 @@ def test_ranks_that_grow_in_their_turn_are_swapped_before_they_overrun(tmp_path,
     assert [torch.load(tmp_path / f"rank-{r}.pt").tolist() for r in range(4)] == [[4.0 ** 5] * 4] * 4
     job = read_trace(tmp_path / "trace").manifest["job"]
     assert job["swapper"] == {"budget": "budget", "budget-inprocess": "inprocess"}[swap]
+    if swap == "budget-inprocess":  # the stand-in copies what its rank holds, out and in
+        from prism_megatron.trace.summary import summarize
+
+        assert sum(job["swap_copied"].values()) == sum(s["bytes_out"] + s["bytes_in"] for s in job["swap"].values())
+        assert "swaps (inprocess: " in summarize(tmp_path / "trace")
     assert sum(s["swaps_out"] for s in job["swap"].values()) > 0
     assert job["admission"]["own"] > 0 and job["admission"]["bound"] > 0
     assert "swapped-out state needs" in job["host_memory_need"]
