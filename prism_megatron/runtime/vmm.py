@@ -24,6 +24,7 @@ rank is blocked in the coordinator).
 from __future__ import annotations
 
 import ctypes
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -92,7 +93,6 @@ class VmmSegments:
         self.granularity = int(self._check(driver.cuMemGetAllocationGranularity(
             prop, driver.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM),
             "cuMemGetAllocationGranularity"))
-        self.failed: str | None = None  # the last allocation's failure, for the OOM message
         # the callbacks must outlive every segment: the allocator calls them until the process ends
         self._c_alloc = _ALLOC_FN(self._alloc)
         self._c_free = _FREE_FN(self._free)
@@ -130,8 +130,10 @@ class VmmSegments:
         seg.handle = None
 
     def _alloc(self, size: int, device: int, stream: int) -> int:
-        """cudaMalloc's place: 0 tells the caching allocator the device is out of memory (it then frees
-        cached blocks and retries, or raises its OutOfMemoryError, as with cudaMalloc)."""
+        """cudaMalloc's place: 0 tells the caching allocator the device is out of memory (it frees what it
+        may, see the module, and retries, or raises its OutOfMemoryError, as after cudaMalloc). A failure
+        other than the driver's out-of-memory goes to the rank's log first: the OutOfMemoryError that
+        follows would not name it."""
         d = self._d
         mapped = -(-size // self.granularity) * self.granularity
         try:
@@ -145,10 +147,12 @@ class VmmSegments:
                     d.cuMemAddressFree(addr, mapped)
                     raise
                 self.segments[addr] = _Segment(size, mapped, handle)
-            self.failed = None
             return addr
-        except VmmError as e:
-            self.failed = str(e)
+        except VmmNoRoom:
+            return 0
+        except Exception as e:  # noqa: BLE001 - a callback from C must not raise
+            print(f"prism: allocating a {size}-byte segment failed: {type(e).__name__}: {e}", file=sys.stderr,
+                  flush=True)
             return 0
 
     def _free(self, ptr: int, size: int, device: int, stream: int) -> None:
