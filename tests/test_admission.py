@@ -296,7 +296,7 @@ torch.save(x, f"{OUT}/rank-{r}.pt")
 
 
 def _launch(tmp_path: Path, script: str, world: int, capacity_gib: float, swap: str = "budget", slots: int = 2,
-            **subst) -> subprocess.CompletedProcess:
+            args: tuple[str, ...] = (), **subst) -> subprocess.CompletedProcess:
     src = script
     for k, v in {"OUT": repr(str(tmp_path)), **subst}.items():
         src = src.replace(k, str(v))
@@ -307,7 +307,7 @@ def _launch(tmp_path: Path, script: str, world: int, capacity_gib: float, swap: 
     env.pop("PRISM_FOOTPRINT_BYTES", None)
     return subprocess.run([sys.executable, "-m", "prism_megatron", "launch", "-w", str(world), "--slots-per-device",
                            str(slots), "--swap", swap, "--device-memory", str(capacity_gib), "--hang-timeout", "30",
-                           "--log-ranks", "none", "--trace-dir", str(tmp_path / "trace"), str(path)],
+                           "--log-ranks", "none", "--trace-dir", str(tmp_path / "trace"), *args, str(path)],
                           capture_output=True, text=True, timeout=180, env=env)
 
 
@@ -458,3 +458,30 @@ def test_a_job_ended_by_a_memory_failure_keeps_its_trace_marked_incomplete(tmp_p
         assert job["end"] == {"status": status, "complete": False, "report": f"{status}-report.txt"}
     else:
         assert "end" not in job
+
+
+REGION = """
+import os
+import torch.distributed as dist
+from prism_megatron.runtime import fake_device
+
+dist.init_process_group("gloo")
+fake_device.alloc(WEIGHTS)
+dist.barrier()
+open(f"{OUT}/region-{dist.get_rank()}", "w").write(os.environ.get("PRISM_SWAP_REGION", "none"))
+"""
+
+
+@pytest.mark.parametrize(("capacity", "swaps"), [(100, False), (15, True)])
+def test_ranks_get_the_host_region_only_where_a_swap_may_be_needed(tmp_path, capacity, swaps):
+    """In-process swaps change how a rank's allocator gets its segments: a job whose ranks fit their device
+    whatever they hold (here: each capped at a 12 GiB target) is left as it is (no region, no pool); one
+    whose ranks may not fit gets the region."""
+    p = _launch(tmp_path, REGION, 2, capacity, swap="budget-inprocess", args=("--target-gpu", "12"),
+                WEIGHTS=10 * GIB)
+    assert p.returncode == 0, p.stderr
+    seen = {(tmp_path / f"region-{r}").read_text() for r in range(2)}
+    if swaps:
+        assert len(seen) == 1 and seen.pop().startswith("/proc/")
+    else:
+        assert seen == {"none"} and "the ranks fit their devices whatever they hold" in p.stderr

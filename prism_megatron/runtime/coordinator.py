@@ -190,7 +190,8 @@ class Coordinator:
                     continue
                 reply = rs.conn.recv()
                 if reply.get("t") == P.SWAPPED:
-                    self.hang.progress()  # the loop stood still while the rank moved its state
+                    if reply.get("ok"):  # the loop stood still while the rank moved its state; a refusal
+                        self.hang.progress()  # (no room yet) is no progress: retried, it must not hide a stall
                     return reply
                 held.append(reply)
         except (EOFError, OSError) as e:

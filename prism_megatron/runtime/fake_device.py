@@ -106,6 +106,11 @@ class FakeDevice:
     def held(self, rank: int) -> int:
         return self._row(rank)[0]
 
+    def release(self, rank: int) -> None:
+        """The rank's process ended: nothing of it stays on the device."""
+        with self._locked():
+            self._set(rank, 0, 0, 1)
+
     def swap_out(self, rank: int) -> None:
         with self._locked():
             held, peak, _ = self._row(rank)
@@ -145,12 +150,17 @@ _DEVICE: FakeDevice | None = None
 
 
 def shared() -> FakeDevice:
-    """This process's handle on the stand-in device named by PRISM_FAKE_DEVICE (opened once)."""
+    """This process's handle on the stand-in device named by PRISM_FAKE_DEVICE (opened once). What this rank
+    holds there is freed when its process exits, as a GPU frees an exited process's memory."""
     global _DEVICE
     if _DEVICE is None:
         _DEVICE = FakeDevice.from_env()
         if _DEVICE is None:
             raise RuntimeError(f"{ENV} is not set: no stand-in device to allocate from")
+        if "RANK" in os.environ:
+            import atexit
+
+            atexit.register(_DEVICE.release, int(os.environ["RANK"]))
     return _DEVICE
 
 
