@@ -96,7 +96,7 @@ class MemoryGovernor:
         self.margin = margin
         self.timing_gated = gate_timing
         if gate_timing:
-            for r in self.slots._device_of or range(self.world_size):  # the ranks that run (live, when folded)
+            for r in self._running():
                 self._timing_waits.setdefault(self.slots.device_of(r), set()).add(r)
         host = HostBudget(host_capacity) if host_capacity is not None else None
         self.memory = [DeviceMemory(c, swapper, host=host) for c in capacities]
@@ -296,12 +296,16 @@ class MemoryGovernor:
                 self._host_said = True
                 self.say_host_need(measured=True)
 
+    def _running(self):
+        """The ranks that run: the live ones of a folded job (their rank numbers), else 0 .. world_size - 1."""
+        return self.slots._device_of or range(self.world_size)
+
     def swap_out_bound(self) -> int:
         """The most bytes of the ranks' state out at once, by the bounds for ranks not yet measured (prism's
         estimate with its headroom, each rank's cap, or the device): 0 means no swap is expected."""
         if self.memory is None:
             return 0
-        sizes = [[self.unknown_bound(mem.capacity, r) for r in range(self.world_size) if self.slots.device_of(r) == d]
+        sizes = [[self.unknown_bound(mem.capacity, r) for r in self._running() if self.slots.device_of(r) == d]
                  or [0] for d, mem in enumerate(self.memory)]
         return swapped_out_bounds(sizes, [m.capacity for m in self.memory])[1]
 
@@ -315,7 +319,7 @@ class MemoryGovernor:
         budget = host.capacity if host is not None else None
         sizes = []
         for d, mem in enumerate(self.memory):
-            ranks = [r for r in range(self.world_size) if self.slots.device_of(r) == d]
+            ranks = [r for r in self._running() if self.slots.device_of(r) == d]
             if measured:
                 sizes.append([self._peak_so_far(r) for r in ranks if r in self.ranks] or [0])
             else:
