@@ -75,7 +75,7 @@ class VmmSegments:
         from cuda.bindings import driver
 
         # torch's CUDA first: in a rank forked from a launcher that imported torch, torch's lazy init
-        # after cuda-bindings' cuInit crashed (SIGSEGV in torch.cuda._lazy_init, H200)
+        # after cuda-bindings' cuInit crashed (SIGSEGV in torch.cuda._lazy_init)
         torch.cuda.init()
 
         self._d = driver
@@ -180,10 +180,6 @@ class VmmSegments:
         return pool
 
     # ---- swaps -----------------------------------------------------------------------------------
-    def resident_bytes(self) -> int:
-        """Bytes mapped for the allocator's segments (0 while swapped out)."""
-        return 0 if self.swapped else sum(s.mapped for s in self.segments.values())
-
     def mapped_bytes(self) -> int:
         """Bytes the segments take on the device when resident (what a swap moves)."""
         return sum(s.mapped for s in self.segments.values())
