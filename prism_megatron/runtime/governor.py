@@ -203,11 +203,13 @@ class MemoryGovernor:
 
     def need(self, rank: int) -> tuple[int, str]:
         """Device bytes to hold for ``rank``'s next turn, and where the figure comes from ('own', 'class'
-        or '' for the bound: the device, or the allocator cap plus context)."""
+        or '' for the bound: the device, or the allocator cap plus context; never more than the device can
+        give the rank with the others out, DeviceMemory.most_for)."""
         mem = self.memory[self.slots.device_of(rank)]
         expected, source = self.peaks.expected(rank, mem.reported.get(rank, 0) if rank not in mem.no_context else 0)
         if expected is None:
-            return self._bound(mem.capacity, rank)
+            room, source = self._bound(mem.capacity, rank)
+            return min(room, mem.most_for(rank)), source
         return min(expected + mem.offset.get(rank, 0) + self.margin, mem.capacity), source
 
     def unknown_bound(self, capacity: int, rank: int | None = None) -> int:

@@ -87,6 +87,14 @@ class DeviceMemory:
     def used(self) -> int:
         return sum(self.charge(r) for r in self._charged())
 
+    def most_for(self, rank: int) -> int:
+        """The most ``rank`` can hold here with every other rank swapped out: the device less what the
+        others keep when out (an in-process swap leaves the CUDA context, runtime.swap). A bound for a rank
+        nothing is measured of is never more, or no eviction could ever make room for it."""
+        return self.capacity - sum(self.left.get(r, 0) if r in self.swapped
+                                   else self.swapper.residual(r, self.footprint.get(r, 0))
+                                   for r in self._charged() if r != rank)
+
     def _frees(self, rank: int) -> int:
         """What swapping ``rank`` out is expected to free."""
         return self.charge(rank) - self.swapper.residual(rank, self.footprint.get(rank, 0))
