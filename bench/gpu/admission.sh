@@ -12,9 +12,10 @@
 # room was known (own peak / class peak / bound), the host-memory need, the GPU-timing verdict, and the
 # capture wall against the physical limit (trace show). A run that ran out of device memory prints its
 # report instead (device-oom-report.txt).
-# Defaults are the issue's job: 24 layers, hidden 1536, micro-batch 8, global batch 32, bf16, seq 4096
-# (one rank holds ~96 GiB after iteration 1, so two never fit together: each swap moves ~96 GiB at the
-# checkpoint API's ~2.3 GB/s, ~45 s, and a run takes tens of minutes). Smaller shapes through LAYERS,
+# Defaults are the issue's job: 24 layers, hidden 1536, micro-batch 8, global batch 32, bf16, seq 2048
+# (one rank holds ~96 GiB after iteration 1, prism's estimate 98.4 GiB, so two never fit together; at seq
+# 4096 one rank alone would need ~313 GiB). Each swap moves up to ~96 GiB: ~45 s at the checkpoint API's
+# ~2.3 GB/s, seconds in-process (docs/measurements.md, "In-process swaps"). Smaller shapes through LAYERS,
 # HIDDEN, HEADS, SEQ, MBS, GBS, ITERS; HOST_GIB sets --prism-host-memory. Run from the repo root with .whl carried:
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
 #   bash bench/gpu/admission.sh      # MODES="auto checkpoint auto-low checkpoint-low" DEVICE_GIB=auto
@@ -28,7 +29,7 @@ export PYTHONPYCACHEPREFIX=${PYTHONPYCACHEPREFIX:-/tmp/prism-pycache}  # each pr
 python3 -c "import torch, megatron.core as m; print('torch', torch.__version__, 'megatron-core', m.__version__)"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 script=prism_megatron/megatron/driver/core_gpt.py
-seq=${SEQ:-4096}
+seq=${SEQ:-2048}
 flags="--num-layers ${LAYERS:-24} --hidden-size ${HIDDEN:-1536} --num-attention-heads ${HEADS:-12}
   --seq-length $seq --max-position-embeddings $seq --tokenizer-type NullTokenizer --vocab-size 32000 --mock-data
   --micro-batch-size ${MBS:-8} --global-batch-size ${GBS:-32} --train-iters ${ITERS:-3} --bf16 --lr 0.0001
