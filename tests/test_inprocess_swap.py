@@ -48,7 +48,7 @@ def test_a_rank_maps_the_coordinators_region_and_sees_what_was_written_there():
 class _Rank:
     """A rank's answers to P.SWAP, as its receiver gives them: moves ``moves`` bytes of ``holds``."""
 
-    def __init__(self, moves: int, fits: bool = True) -> None:
+    def __init__(self, moves: int | dict[int, int], fits: bool = True) -> None:
         self.moves, self.fits, self.asked = moves, fits, []
 
     def __call__(self, rank: int, msg: dict) -> dict:
@@ -56,7 +56,7 @@ class _Rank:
         self.asked.append((rank, msg["op"], msg["offset"], msg["nbytes"]))
         if msg["op"] == "in" and not self.fits:
             return {"ok": False, "no_room": True, "error": "cuMemCreate failed: CUDA_ERROR_OUT_OF_MEMORY"}
-        return {"ok": True, "bytes": self.moves}
+        return {"ok": True, "bytes": self.moves[rank] if isinstance(self.moves, dict) else self.moves}
 
 
 def test_a_swapped_out_rank_keeps_its_context_on_the_device_and_it_counts():
@@ -80,6 +80,24 @@ def test_a_swapped_out_rank_keeps_its_context_on_the_device_and_it_counts():
     assert mem.swapped == {1} and 0 in mem.resident and 0 not in sw.extent
     assert [a[:2] for a in rank_side.asked][-3:] == [(1, "size"), (1, "out"), (0, "in")]
     assert mem.left == {1: 50 * GIB}  # it moved 30 of its 80 GiB
+
+
+def test_host_memory_is_budgeted_by_the_blocks_a_swap_copies_not_by_what_the_rank_holds():
+    """A rank blocked after its backward holds ~97 GiB of segments, mostly free cached blocks; its swap copies
+    the 20 GiB in use. The host budget (100 GiB, 8 of them held by the other rank, which is out) must be
+    judged by those 20, or the rank that is out waits forever for a device nobody may leave."""
+    rank_side = _Rank(moves={0: 20 * GIB, 1: 8 * GIB})
+    sw = InProcessSwapper(SwapSpace(100 * GIB), rank_side, context=GIB)
+    mem = DeviceMemory(140 * GIB, sw, host=HostBudget(100 * GIB))
+    pids = {0: 1000, 1: 1001}
+    mem.report(1, 9 * GIB)
+    mem.swap_out(1, pids[1])
+    mem.report(0, 97 * GIB)
+    assert mem.host.held == {1: 8 * GIB}  # its extent, not its 9 GiB on the device
+    assert mem.make_resident(1, 95 * GIB, [0], pids, lambda r: r)
+    assert mem.swapped == {0} and mem.host.held == {0: 20 * GIB} and 1 in mem.resident
+    assert [a[:2] for a in rank_side.asked] == [(1, "size"), (1, "out"), (0, "size"), (0, "out"), (1, "in")]
+    assert sw.extent[0][1] == 20 * GIB
 
 
 def test_a_restore_without_room_leaves_the_rank_out_and_its_extent_taken():

@@ -472,7 +472,7 @@ class RankClient:
             if self.segments is None:
                 raise RuntimeError("this rank was started without in-process swaps")
             if msg["op"] == "size":
-                return {"ok": True, "bytes": self.segments.mapped_bytes(), "seconds": 0.0}
+                return {"ok": True, "bytes": self.segments.host_bytes(), "seconds": time.perf_counter() - t0}
             if self._region is None:
                 self._region = HostRegion(os.environ[SWAP_REGION_ENV])
             at = self._region.address(msg["offset"], msg["nbytes"])

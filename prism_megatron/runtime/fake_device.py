@@ -175,8 +175,8 @@ class StandInSegments:
         self.rank = rank
         self.swapped = False
 
-    def mapped_bytes(self) -> int:
-        return shared().held(self.rank)
+    def host_bytes(self) -> int:
+        return 0 if self.swapped else shared().held(self.rank)
 
     def swap_out(self, host_address: int, nbytes: int):
         import ctypes

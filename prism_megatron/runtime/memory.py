@@ -138,7 +138,7 @@ class DeviceMemory:
         for r in order:
             if self.used() <= self.capacity:
                 return
-            if self._host_room() >= self.footprint.get(r, 0):
+            if self._host_room() >= self._host_need(r):
                 self._out(r, pids[r])
 
     def forget(self, rank: int) -> None:
@@ -188,11 +188,12 @@ class DeviceMemory:
         for r in order:
             if free >= need:
                 break
-            if self.footprint.get(r, 0) > host_free:  # its state would not fit in host memory
+            host = self._host_need(r)
+            if host > host_free:  # its state would not fit in host memory
                 continue
             victims.append(r)
             free += self._frees(r)
-            host_free -= self.footprint.get(r, 0)
+            host_free -= host
         if free < need:
             return False
         for r in victims:
@@ -248,6 +249,11 @@ class DeviceMemory:
     def _host_room(self) -> float:
         return self.host.free() if self.host is not None else float("inf")
 
+    def _host_need(self, rank: int) -> int:
+        """Host bytes a swap out of ``rank`` takes (asked of the swapper only where host memory is limited)."""
+        footprint = self.footprint.get(rank, 0)
+        return self.swapper.host_bytes(rank, footprint) if self.host is not None else footprint
+
     def _out(self, rank: int, pid: int) -> None:
         dt = timed(self.swapper.checkpoint, rank, pid)
         s = self.stats[rank]
@@ -259,4 +265,4 @@ class DeviceMemory:
         self.swapped.add(rank)
         self.left[rank] = self.swapper.residual(rank, self.footprint.get(rank, 0))
         if self.host is not None:
-            self.host.held[rank] = self.footprint.get(rank, 0)
+            self.host.held[rank] = self.swapper.host_bytes(rank, self.footprint.get(rank, 0))

@@ -42,6 +42,11 @@ class Swapper(Protocol):
         """Device bytes a swapped-out rank still holds, of its ``footprint``."""
         ...
 
+    def host_bytes(self, rank: int, footprint: int) -> int:
+        """Host bytes ``rank``'s state takes when out: what it holds there, or what a swap out would take
+        now (of its ``footprint`` on the device)."""
+        ...
+
 
 class InProcessSwapper:
     """The rank moves its own state (runtime.vmm) to an extent of the job's host region.
@@ -60,6 +65,7 @@ class InProcessSwapper:
         self.moved: dict[int, int] = {}  # swapped-out rank -> bytes its swap moved
         self.kept: dict[int, int] = {}  # rank -> device bytes its last swap out left
         self.copied: dict[int, int] = {}  # rank -> bytes its swaps copied, out and in (blocks in use only)
+        self._sized: dict[int, int] = {}  # rank -> its answer to "size", for the swap out that follows
 
     def _ask(self, rank: int, op: str, offset: int = 0, nbytes: int = 0) -> dict:
         from prism_megatron.runtime import protocol as P
@@ -71,8 +77,18 @@ class InProcessSwapper:
             raise RuntimeError(f"rank {rank}: in-process swap {op} failed: {reply.get('error')}")
         return reply
 
+    def host_bytes(self, rank: int, footprint: int) -> int:
+        """The rank's extent when out; else what its swap out would copy now, asked of the (blocked) rank:
+        its allocator's blocks in use, often far below what it holds (free cached blocks are not copied)."""
+        if rank in self.extent:
+            return self.extent[rank][1]
+        self._sized[rank] = int(self._ask(rank, "size")["bytes"])
+        return self._sized[rank]
+
     def checkpoint(self, rank: int, pid: int) -> None:
-        nbytes = int(self._ask(rank, "size")["bytes"])
+        nbytes = self._sized.pop(rank, None)
+        if nbytes is None:
+            nbytes = int(self._ask(rank, "size")["bytes"])
         offset = self.space.take(nbytes)
         if offset is None:
             raise RuntimeError(f"rank {rank}: no {nbytes} bytes free in the job's host region "
@@ -108,6 +124,7 @@ class InProcessSwapper:
             self.space.give(ext[0])
         self.moved.pop(rank, None)
         self.kept.pop(rank, None)
+        self._sized.pop(rank, None)
 
 
 class BudgetSwapper:
@@ -146,6 +163,9 @@ class BudgetSwapper:
 
     def residual(self, rank: int, footprint: int) -> int:
         return 0
+
+    def host_bytes(self, rank: int, footprint: int) -> int:
+        return footprint
 
 
 class CudaCheckpointSwapper:
@@ -193,6 +213,9 @@ class CudaCheckpointSwapper:
     def residual(self, rank: int, footprint: int) -> int:
         """The driver moves the whole process, its context too."""
         return 0
+
+    def host_bytes(self, rank: int, footprint: int) -> int:
+        return footprint
 
 
 def timed(fn, *args) -> float:

@@ -181,13 +181,28 @@ class VmmSegments:
 
     # ---- swaps -----------------------------------------------------------------------------------
     def mapped_bytes(self) -> int:
-        """Bytes the segments take on the device when resident (what a swap moves)."""
+        """Bytes the segments take on the device when resident (what a swap releases)."""
         return sum(s.mapped for s in self.segments.values())
+
+    def _live(self) -> dict[int, list[tuple[int, int]]]:
+        import torch
+
+        live = in_use(torch.cuda.memory_snapshot())
+        return {addr: live.get(addr, [(0, seg.mapped)]) for addr, seg in self.segments.items()}
+
+    def host_bytes(self) -> int:
+        """Host bytes a swap out copies now: the blocks in use, packed end to end (the caller blocks, so
+        the figure holds for its swap out)."""
+        import torch
+
+        torch.cuda.synchronize()
+        with self._lock:
+            return 0 if self.swapped else sum(n for ranges in self._live().values() for _, n in ranges)
 
     def swap_out(self, host_address: int, nbytes: int) -> SwapTimes:
         """Copy every segment's blocks in use (the allocator's snapshot; its free cached blocks hold
-        nothing a program may read) to host memory at ``host_address`` (``nbytes`` there, each segment
-        at its offset in the rank's segments laid end to end) and release its physical memory."""
+        nothing a program may read) to host memory at ``host_address``, packed end to end in segment
+        order (``nbytes`` there), and release the segments' physical memory."""
         import torch
 
         t = SwapTimes()
@@ -195,29 +210,30 @@ class VmmSegments:
         with self._lock:
             if self.swapped:
                 return t
-            need = self.mapped_bytes()
+            live = self._live()
+            need = sum(n for ranges in live.values() for _, n in ranges)
             if need > nbytes:
-                raise VmmError(f"the rank's segments take {need} bytes; the host extent has {nbytes}")
-            live = in_use(torch.cuda.memory_snapshot())
+                raise VmmError(f"the rank's blocks in use take {need} bytes; the host extent has {nbytes}")
             at = host_address
             for addr, seg in self.segments.items():
                 t0 = time.perf_counter()
-                seg.live = live.get(addr, [(0, seg.mapped)])
+                seg.live = live[addr]
                 for off, n in seg.live:
-                    self._check(self._d.cuMemcpyDtoH(at + off, addr + off, n), "cuMemcpyDtoH")
+                    self._check(self._d.cuMemcpyDtoH(at, addr + off, n), "cuMemcpyDtoH")
+                    at += n
                     t.copied += n
                 t1 = time.perf_counter()
                 self._unmap(addr, seg)
                 t.copy_s += t1 - t0
                 t.map_s += time.perf_counter() - t1
                 t.nbytes += seg.mapped
-                at += seg.mapped
             self.swapped = True
         return t
 
     def swap_in(self, host_address: int) -> SwapTimes:
-        """Map physical memory at every segment's addresses again and copy its bytes back from
-        ``host_address``. Raises `VmmNoRoom`, with every segment left out, when the device lacks room."""
+        """Map physical memory at every segment's addresses again and copy its blocks back from
+        ``host_address`` (as ``swap_out`` packed them). Raises `VmmNoRoom`, with every segment left out,
+        when the device lacks room."""
         t = SwapTimes()
         with self._lock:
             if not self.swapped:
@@ -237,11 +253,11 @@ class VmmSegments:
             for addr, seg in self.segments.items():
                 t0 = time.perf_counter()
                 for off, n in seg.live:
-                    self._check(self._d.cuMemcpyHtoD(addr + off, at + off, n), "cuMemcpyHtoD")
+                    self._check(self._d.cuMemcpyHtoD(addr + off, at, n), "cuMemcpyHtoD")
+                    at += n
                     t.copied += n
                 t.copy_s += time.perf_counter() - t0
                 t.nbytes += seg.mapped
-                at += seg.mapped
             self.swapped = False
         return t
 
