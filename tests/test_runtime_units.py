@@ -236,6 +236,21 @@ def test_coordinator_takes_only_the_cores_no_rank_computes_on(tmp_path):
     assert coordinator_threads(cfg(["0", "1"], 1), cores=32) == 8  # a GPU host: capped
 
 
+def test_the_cuda_import_check_is_started_once_per_process_and_answered_once(monkeypatch):
+    """The run command starts the check before it parses Megatron's args, so both children run at once; each
+    launch of the process (a serial capture launches several) then reads the same answer."""
+    from prism_megatron.launcher import launch as launch_mod
+
+    monkeypatch.setattr(launch_mod, "_import_checks", {})
+    check = launch_mod.start_cuda_import_check(["json"])
+    assert launch_mod.start_cuda_import_check(["json"]) is check
+    assert check.result() is False  # importing json starts no CUDA (nor can torch here: no GPU)
+    check._p = None  # answered: never asked of the child again
+    assert check.result() is False
+    other = launch_mod.start_cuda_import_check(["prism_megatron.no_such_module"])
+    assert other is not check and other.result() is True  # an import that fails: not known, the safe answer
+
+
 def test_pinned_staging_registers_every_segment_and_unregisters_it_before_unmapping(tmp_path, monkeypatch):
     """Arena.pin_with (PRISM_PINNED_STAGING on a GPU) registers the segments there are and every one
     made later, each exactly once; a dropped or closed segment is unregistered while still mapped."""

@@ -13,7 +13,6 @@ out=${OUT:-/tmp/prism-gpu}/fold-class
 mkdir -p "$out"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH} CUDA_DEVICE_MAX_CONNECTIONS=1 WANDB_MODE=disabled
-export PYTHONPYCACHEPREFIX=${PYTHONPYCACHEPREFIX:-/tmp/prism-pycache}  # each process of a run reuses the bytecode the first compiled
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, megatron.core as m; print('torch', torch.__version__, 'megatron-core', m.__version__)"
 script=prism_megatron/megatron/driver/core_gpt.py

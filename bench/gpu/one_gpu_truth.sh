@@ -9,7 +9,6 @@
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH} CUDA_DEVICE_MAX_CONNECTIONS=1 WANDB_MODE=disabled
-export PYTHONPYCACHEPREFIX=${PYTHONPYCACHEPREFIX:-/tmp/prism-pycache}  # each process of a run reuses the bytecode the first compiled
 out=${OUT:-/tmp/prism-gpu}
 mkdir -p "$out"
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader

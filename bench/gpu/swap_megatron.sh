@@ -21,7 +21,6 @@ out=${OUT:-/tmp/prism-gpu}/swap-megatron
 mkdir -p "$out"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH} CUDA_DEVICE_MAX_CONNECTIONS=1 WANDB_MODE=disabled
-export PYTHONPYCACHEPREFIX=${PYTHONPYCACHEPREFIX:-/tmp/prism-pycache}  # each process of a run reuses the bytecode the first compiled
 script=prism_megatron/megatron/driver/pretrain_gpt_mini.py
 flags="--num-layers 8 --hidden-size 1024 --num-attention-heads 16 --seq-length 1024 --max-position-embeddings 1024
   --tokenizer-type NullTokenizer --vocab-size 32000 --mock-data --micro-batch-size 2 --global-batch-size 16

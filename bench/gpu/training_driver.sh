@@ -11,7 +11,6 @@ out=${OUT:-/tmp/prism-gpu}/training-driver
 mkdir -p "$out"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH} CUDA_DEVICE_MAX_CONNECTIONS=1 WANDB_MODE=disabled
-export PYTHONPYCACHEPREFIX=${PYTHONPYCACHEPREFIX:-/tmp/prism-pycache}  # each process of a run reuses the bytecode the first compiled
 python3 -c "import torch, megatron.core as m; print('torch', torch.__version__, 'megatron-core', m.__version__)"
 script=prism_megatron/megatron/driver/pretrain_gpt_mini.py
 flags="--num-layers 4 --hidden-size 256 --num-attention-heads 4 --seq-length 128 --max-position-embeddings 128

@@ -13,6 +13,7 @@ coordinator does the rest; a later job sweeps any shared memory left.
 
 from __future__ import annotations
 
+import atexit
 import importlib
 import ipaddress
 import json
@@ -337,7 +338,7 @@ def _keep_snapshots(log_dir: Path, trace_dir: Path) -> None:
 
 class _CudaImportCheck:
     """Whether importing `modules` starts CUDA, asked of a throwaway interpreter (never this one), started
-    at once so that its imports (seconds for Megatron's) overlap the launcher's own set-up."""
+    early so that its imports (seconds for Megatron's) overlap other work; asked once per process."""
 
     def __init__(self, modules: list[str]) -> None:
         code = ("import importlib, sys, torch\n"
@@ -345,19 +346,37 @@ class _CudaImportCheck:
                 "print(torch.cuda.is_initialized())")
         self._p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
                                    stderr=subprocess.DEVNULL, text=True)
+        self._answer: bool | None = None
 
     def stop(self) -> None:
-        self._p.kill()
-        self._p.communicate()
-
-    def result(self) -> bool:
-        try:
-            out, _ = self._p.communicate(timeout=600)
-        except subprocess.TimeoutExpired:
+        if self._answer is None and self._p.poll() is None:
             self._p.kill()
             self._p.communicate()
-            return True  # not known: the safe answer (ranks import the modules after the fork)
-        return self._p.returncode != 0 or out.strip().endswith("True")
+
+    def result(self) -> bool:
+        if self._answer is None:
+            try:
+                out, _ = self._p.communicate(timeout=600)
+            except subprocess.TimeoutExpired:
+                self._p.kill()
+                self._p.communicate()
+                return True  # not known: the safe answer (ranks import the modules after the fork)
+            self._answer = self._p.returncode != 0 or out.strip().endswith("True")
+        return self._answer
+
+
+_import_checks: dict[tuple[str, ...], _CudaImportCheck] = {}
+
+
+def start_cuda_import_check(modules: list[str]) -> _CudaImportCheck:
+    """The check for ``modules``, started at the first call in this process: a caller with work of its own
+    before the launch (the run command parses Megatron's args in a child, tens of seconds on a cold host)
+    starts it first so that both children run at once, and every launch of the process reads one answer."""
+    key = tuple(modules)
+    if key not in _import_checks:
+        _import_checks[key] = _CudaImportCheck(list(key))
+        atexit.register(_import_checks[key].stop)  # a run that ends before its launch leaves no child behind
+    return _import_checks[key]
 
 
 def _cores() -> int:
@@ -383,13 +402,8 @@ def launch(cfg: LaunchConfig) -> int:
     from prism_megatron.launcher import preflight
 
     fork_safe_cuda_checks()
-    cuda_check = _CudaImportCheck(list(cfg.preload)) if cfg.preload and cfg.on_gpu else None
-    try:
-        cfg.validate()
-    except BaseException:
-        if cuda_check is not None:
-            cuda_check.stop()
-        raise
+    cuda_check = start_cuda_import_check(cfg.preload) if cfg.preload and cfg.on_gpu else None
+    cfg.validate()
     if not cfg.on_gpu:
         preflight.check_host_memory(cfg)
     preflight.check_trace_destination(cfg)

@@ -381,6 +381,10 @@ def run(request: RunRequest) -> int:
     from prism_megatron.launcher.launch import launch
 
     cfg = launch_config(request)
+    if cfg.preload and cfg.on_gpu:  # its child runs beside the parsing children of the fold and micro-batch plans
+        from prism_megatron.launcher.launch import start_cuda_import_check
+
+        start_cuda_import_check(cfg.preload)
     after = request.run_options()
     if after.fold_microbatches != "off":
         from prism_megatron.launcher.exit_codes import BAD_INPUT
