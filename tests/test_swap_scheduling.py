@@ -277,6 +277,10 @@ def test_too_little_host_memory_for_swapped_state_ends_in_a_report_that_says_so(
     report = (tmp_path / "trace.logs" / "hang-report.txt").read_text()
     assert "waiting for device memory" in report
     assert "host memory for checkpointed GPU state: 0.0 of 50.0 GiB held" in report
+    import re
+
+    stays = re.findall(r"rank (\d) stays: its swap out needs 60.0 GiB of host memory, 50.0 GiB are left", report)
+    assert stays, report  # the blocked residents the budget keeps in, each named
 
 
 DIES_SWAPPED_OUT = """

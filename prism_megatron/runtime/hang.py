@@ -182,7 +182,7 @@ def format_hang_report(ranks: dict[int, RankState], groups: GroupTable, governor
         lines += ["", "Incomplete operations:", *incomplete]
     if governor.awaiting_room:
         mem = governor.memory
-        lines += ["", "Granted a slot but waiting for device memory (no blocked rank left to swap out):"]
+        lines += ["", "Granted a slot but waiting for device memory (no blocked rank left that a swap out may move):"]
         for g in governor.awaiting_room:
             m = mem[g.device]
             need, source = governor.need(g.rank)
@@ -190,6 +190,9 @@ def format_hang_report(ranks: dict[int, RankState], groups: GroupTable, governor
             lines.append(f"  rank {g.rank}: needs {need / 2**30:.1f} GiB ({why}) on "
                          f"{governor.device_names[g.device]}; {m.used() / 2**30:.1f} of {m.capacity / 2**30:.1f} GiB "
                          f"resident ({_fmt_ranks(sorted(m.resident))})")
+            for r, host_bytes in m.kept_in(governor._evictable(g.device, exclude=g.rank)):
+                lines.append(f"    rank {r} stays: its swap out needs {host_bytes / 2**30:.1f} GiB of host memory, "
+                             f"{m.host.free() / 2**30:.1f} GiB are left")
         host = mem[0].host
         if host is not None:
             lines.append(f"  host memory for checkpointed GPU state: {(host.capacity - host.free()) / 2**30:.1f} of "

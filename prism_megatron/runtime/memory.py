@@ -72,6 +72,7 @@ class DeviceMemory:
     swapped: set[int] = field(default_factory=set)  # ranks whose state is checkpointed to host memory
     left: dict[int, int] = field(default_factory=dict)  # swapped-out ranks: device bytes they still hold
     reported_turn: set[int] = field(default_factory=set)  # computing ranks that reported since admission
+    host_need_seen: dict[int, int] = field(default_factory=dict)  # rank -> host bytes its last swap-out plan needed
 
     def charge(self, rank: int) -> int:
         """What ``rank`` counts against the device: what it holds, or its reserve while it computes (a
@@ -250,9 +251,22 @@ class DeviceMemory:
         return self.host.free() if self.host is not None else float("inf")
 
     def _host_need(self, rank: int) -> int:
-        """Host bytes a swap out of ``rank`` takes (asked of the swapper only where host memory is limited)."""
+        """Host bytes a swap out of ``rank`` takes (asked of the swapper only where host memory is limited;
+        kept in ``host_need_seen`` for the hang report)."""
         footprint = self.footprint.get(rank, 0)
-        return self.swapper.host_bytes(rank, footprint) if self.host is not None else footprint
+        if self.host is None:
+            return footprint
+        self.host_need_seen[rank] = self.swapper.host_bytes(rank, footprint)
+        return self.host_need_seen[rank]
+
+    def kept_in(self, evictable: list[int]) -> list[tuple[int, int]]:
+        """The blocked residents no swap out may move for lack of host memory: (rank, host bytes it needs),
+        by the latest figures asked."""
+        if self.host is None:
+            return []
+        free = self.host.free()
+        return [(r, self.host_need_seen.get(r, self.footprint.get(r, 0))) for r in evictable if self._victim(r)
+                and self.host_need_seen.get(r, self.footprint.get(r, 0)) > free]
 
     def _out(self, rank: int, pid: int) -> None:
         dt = timed(self.swapper.checkpoint, rank, pid)
