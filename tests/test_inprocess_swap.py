@@ -69,7 +69,7 @@ def test_a_swapped_out_rank_keeps_its_context_on_the_device_and_it_counts():
     mem.report(0, 32 * GIB)  # 30 GiB of segments + 2 GiB outside them
     mem.report(1, 60 * GIB)
     assert mem.make_resident(1, 69 * GIB, [0], pids, lambda r: r)  # 32 + 69 > 100: rank 0 goes out
-    assert [a[:2] for a in rank_side.asked] == [(0, "size"), (0, "out")]
+    assert [a[:2] for a in rank_side.asked] == [(0, "size"), (0, "size"), (0, "out")]  # the host budget's, the swap's
     assert mem.swapped == {0} and mem.left[0] == 2 * GIB and mem.used() == 2 * GIB + 69 * GIB
     assert sw.extent[0] == (0, 30 * GIB)
     # 99 GiB for rank 1 would fit a device without rank 0's 2 GiB, but not this one
@@ -78,7 +78,7 @@ def test_a_swapped_out_rank_keeps_its_context_on_the_device_and_it_counts():
     assert not mem.make_resident(1, 99 * GIB, [], pids, lambda r: r)
     assert mem.make_resident(0, 32 * GIB, [1], pids, lambda r: r)  # rank 1 (80) out, rank 0 back
     assert mem.swapped == {1} and 0 in mem.resident and 0 not in sw.extent
-    assert [a[:2] for a in rank_side.asked][-3:] == [(1, "size"), (1, "out"), (0, "in")]
+    assert [a[:2] for a in rank_side.asked][-4:] == [(1, "size"), (1, "size"), (1, "out"), (0, "in")]
     assert mem.left == {1: 50 * GIB}  # it moved 30 of its 80 GiB
 
 
@@ -96,7 +96,8 @@ def test_host_memory_is_budgeted_by_the_blocks_a_swap_copies_not_by_what_the_ran
     assert mem.host.held == {1: 8 * GIB}  # its extent, not its 9 GiB on the device
     assert mem.make_resident(1, 95 * GIB, [0], pids, lambda r: r)
     assert mem.swapped == {0} and mem.host.held == {0: 20 * GIB} and 1 in mem.resident
-    assert [a[:2] for a in rank_side.asked] == [(1, "size"), (1, "out"), (0, "size"), (0, "out"), (1, "in")]
+    asked = [a[:2] for a in rank_side.asked]
+    assert asked == [(1, "size"), (1, "out"), (0, "size"), (0, "size"), (0, "out"), (1, "in")]
     assert sw.extent[0][1] == 20 * GIB
 
 

@@ -65,7 +65,6 @@ class InProcessSwapper:
         self.moved: dict[int, int] = {}  # swapped-out rank -> bytes its swap moved
         self.kept: dict[int, int] = {}  # rank -> device bytes its last swap out left
         self.copied: dict[int, int] = {}  # rank -> bytes its swaps copied, out and in (blocks in use only)
-        self._sized: dict[int, int] = {}  # rank -> its answer to "size", for the swap out that follows
 
     def _ask(self, rank: int, op: str, offset: int = 0, nbytes: int = 0) -> dict:
         from prism_megatron.runtime import protocol as P
@@ -82,13 +81,10 @@ class InProcessSwapper:
         its allocator's blocks in use, often far below what it holds (free cached blocks are not copied)."""
         if rank in self.extent:
             return self.extent[rank][1]
-        self._sized[rank] = int(self._ask(rank, "size")["bytes"])
-        return self._sized[rank]
+        return int(self._ask(rank, "size")["bytes"])
 
     def checkpoint(self, rank: int, pid: int) -> None:
-        nbytes = self._sized.pop(rank, None)
-        if nbytes is None:
-            nbytes = int(self._ask(rank, "size")["bytes"])
+        nbytes = int(self._ask(rank, "size")["bytes"])  # asked again: a figure from an earlier turn may be stale
         offset = self.space.take(nbytes)
         if offset is None:
             raise RuntimeError(f"rank {rank}: no {nbytes} bytes free in the job's host region "
@@ -124,7 +120,6 @@ class InProcessSwapper:
             self.space.give(ext[0])
         self.moved.pop(rank, None)
         self.kept.pop(rank, None)
-        self._sized.pop(rank, None)
 
 
 class BudgetSwapper:
