@@ -331,6 +331,10 @@ def test_ranks_that_grow_in_their_turn_are_swapped_before_they_overrun(tmp_path,
 
         assert sum(job["swap_copied"].values()) == sum(s["bytes_out"] + s["bytes_in"] for s in job["swap"].values())
         assert "swaps (inprocess: " in summarize(tmp_path / "trace")
+        assert set(job["swap_split"]) == set(job["swap_copied"])  # each rank that swapped: copying and mapping
+        for r, split in job["swap_split"].items():
+            assert 0 < split["copy_s"] + split["map_s"] <= job["swap"][r]["seconds"]
+        assert " s copying, " in summarize(tmp_path / "trace")
     assert sum(s["swaps_out"] for s in job["swap"].values()) > 0
     assert job["admission"]["own"] > 0 and job["admission"]["bound"] > 0
     assert "swapped-out state needs" in job["host_memory_need"]

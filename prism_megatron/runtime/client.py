@@ -483,7 +483,8 @@ class RankClient:
                 held, self._held_writes = self._held_writes, []
                 for p in held:
                     self._write(p)
-            return {"ok": True, "bytes": done.nbytes, "copied": done.copied, "seconds": time.perf_counter() - t0}
+            return {"ok": True, "bytes": done.nbytes, "copied": done.copied, "copy_s": done.copy_s,
+                    "map_s": done.map_s, "seconds": time.perf_counter() - t0}
         except VmmNoRoom as e:
             return {"ok": False, "no_room": True, "error": str(e), "seconds": time.perf_counter() - t0}
         except Exception as e:  # noqa: BLE001 - the coordinator reports it and ends the job

@@ -17,6 +17,7 @@ import fcntl
 import mmap
 import os
 import struct
+import time
 from pathlib import Path
 
 import torch
@@ -183,24 +184,28 @@ class StandInSegments:
 
         from prism_megatron.runtime.vmm import SwapTimes, VmmError
 
+        t0 = time.perf_counter()
         held = shared().held(self.rank)
         if held > nbytes:
             raise VmmError(f"the rank's segments take {held} bytes; the host extent has {nbytes}")
         if nbytes >= _MARK.size:
             ctypes.memmove(host_address, _MARK.pack(self.rank, held), _MARK.size)
+        t1 = time.perf_counter()
         shared().swap_out(self.rank)
         self.swapped = True
-        return SwapTimes(nbytes=held, copied=held)
+        return SwapTimes(nbytes=held, copied=held, copy_s=t1 - t0, map_s=time.perf_counter() - t1)
 
     def swap_in(self, host_address: int):
         import ctypes
 
         from prism_megatron.runtime.vmm import SwapTimes, VmmError, VmmNoRoom
 
+        t0 = time.perf_counter()
         held = shared().held(self.rank)
         if held >= _MARK.size and _MARK.unpack(ctypes.string_at(host_address, _MARK.size)) != (self.rank, held):
             raise VmmError(f"rank {self.rank}: its host extent was written over while it was swapped out")
+        t1 = time.perf_counter()
         if not shared().swap_in(self.rank):
             raise VmmNoRoom(f"rank {self.rank}: {held} bytes do not fit the stand-in device beside its residents")
         self.swapped = False
-        return SwapTimes(nbytes=held, copied=held)
+        return SwapTimes(nbytes=held, copied=held, copy_s=t1 - t0, map_s=time.perf_counter() - t1)

@@ -65,6 +65,7 @@ class InProcessSwapper:
         self.moved: dict[int, int] = {}  # swapped-out rank -> bytes its swap moved
         self.kept: dict[int, int] = {}  # rank -> device bytes its last swap out left
         self.copied: dict[int, int] = {}  # rank -> bytes its swaps copied, out and in (blocks in use only)
+        self.split: dict[int, list[float]] = {}  # rank -> seconds its swaps spent [copying, mapping and unmapping]
 
     def _ask(self, rank: int, op: str, offset: int = 0, nbytes: int = 0) -> dict:
         from prism_megatron.runtime import protocol as P
@@ -96,12 +97,18 @@ class InProcessSwapper:
             raise
         self.extent[rank] = (offset, nbytes)
         self.moved[rank] = int(reply["bytes"])
+        self._count(rank, reply)
+
+    def _count(self, rank: int, reply: dict) -> None:
         self.copied[rank] = self.copied.get(rank, 0) + int(reply.get("copied", 0))
+        split = self.split.setdefault(rank, [0.0, 0.0])
+        split[0] += float(reply.get("copy_s", 0.0))
+        split[1] += float(reply.get("map_s", 0.0))
 
     def restore(self, rank: int, pid: int) -> None:
         offset, nbytes = self.extent[rank]
         reply = self._ask(rank, "in", offset, nbytes)
-        self.copied[rank] = self.copied.get(rank, 0) + int(reply.get("copied", 0))
+        self._count(rank, reply)
         self.space.give(offset)
         del self.extent[rank]
         self.moved.pop(rank, None)

@@ -48,6 +48,7 @@ def write_bare_trace(path: Path, job: dict, exit_codes: dict, *, world_size: int
         job["swapper"] = swapper.name  # who moved the state: runtime.swap
         if getattr(swapper, "copied", None):  # in-process swaps copy only the blocks in use
             job["swap_copied"] = {str(r): b for r, b in sorted(swapper.copied.items())}
+            job["swap_split"] = {str(r): {"copy_s": c, "map_s": m} for r, (c, m) in sorted(swapper.split.items())}
         job["admission"] = dict(governor.admissions)  # turns admitted by own peak, class peak, or the bound
         if governor.host_need is not None:
             job["host_memory_need"] = governor.host_need

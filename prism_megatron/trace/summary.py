@@ -88,16 +88,24 @@ def slot_time(trace) -> list[tuple[int, float, float, float]]:
     return rows
 
 
-def swap_summary(swap: dict, swapper: str | None = None, copied: dict | None = None) -> str | None:
+def swap_summary(swap: dict, swapper: str | None = None, copied: dict | None = None,
+                 split: dict | None = None) -> str | None:
     """One line on state preservation (the manifest's job.swap: per rank swaps, bytes, seconds; job.swapper
-    and, for in-process swaps, job.swap_copied: the bytes of blocks in use actually copied)."""
+    and, for in-process swaps, job.swap_copied: the bytes of blocks in use actually copied, and job.swap_split:
+    the seconds spent copying and mapping)."""
     stats = [s for s in swap.values() if isinstance(s, dict)]
     if not stats:
         return None
     out, into = sum(s.get("swaps_out", 0) for s in stats), sum(s.get("swaps_in", 0) for s in stats)
     moved = sum(s.get("bytes_out", 0) + s.get("bytes_in", 0) for s in stats)
     busiest = max(swap, key=lambda r: swap[r].get("seconds", 0.0) if isinstance(swap[r], dict) else 0.0)
-    how = f" ({swapper}: {sum(copied.values()) / 2**30:.1f} GiB copied, the blocks in use)" if copied else ""
+    how = ""
+    if copied:
+        spent = ""
+        if split:
+            spent = (f"; {sum(x.get('copy_s', 0.0) for x in split.values()):.1f} s copying, "
+                     f"{sum(x.get('map_s', 0.0) for x in split.values()):.1f} s mapping")
+        how = f" ({swapper}: {sum(copied.values()) / 2**30:.1f} GiB copied, the blocks in use{spent})"
     return (f"swaps{how}: {out} out, {into} in, {moved / 2**30:.1f} GiB moved, "
             f"{sum(s.get('seconds', 0.0) for s in stats):.1f} s swapping (most: rank {busiest}, "
             f"{swap[busiest].get('seconds', 0.0):.1f} s)")
@@ -106,7 +114,7 @@ def swap_summary(swap: dict, swapper: str | None = None, copied: dict | None = N
 def _device_lines(job: dict) -> list[str]:
     """What the run did with the devices: swaps, GPU timing verdicts, staging memory, the NVML check."""
     lines: list[str] = []
-    swapped = swap_summary(job.get("swap") or {}, job.get("swapper"), job.get("swap_copied"))
+    swapped = swap_summary(job.get("swap") or {}, job.get("swapper"), job.get("swap_copied"), job.get("swap_split"))
     if swapped:
         lines.append(f"  {swapped}")
     for device, verdict in (job.get("gpu_timing_by_device") or {}).items():
