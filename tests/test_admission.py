@@ -341,6 +341,40 @@ def test_ranks_that_grow_in_their_turn_are_swapped_before_they_overrun(tmp_path,
     assert "swapped-out state may need up to" in p.stderr  # said at start, from bounds
 
 
+GROWS_MORE = GROWS.replace("""        fake_device.alloc(GROW)  # activations: the rank grows while it holds its slot
+        dist.all_reduce(x)
+        fake_device.free(GROW)""", """        fake_device.alloc(GROW * (it + 1))  # more than in any iteration before
+        fake_device.free(GROW * (it + 1))
+        dist.all_reduce(x)""")
+
+
+@pytest.mark.parametrize("swap", ["budget", "budget-inprocess"])
+def test_a_rank_that_outgrows_its_reservation_waits_while_blocked_ranks_are_swapped_out(tmp_path, swap):
+    """Each iteration grows a rank by more than the last (10, 20, 30 GiB over 5 GiB of weights, freed before it
+    blocks), so in iteration 3 admission expects 25 GiB and the rank reaches 35 with the other rank's 5 GiB
+    resident on a 38 GiB device: the device is full mid-turn. With in-process swaps the allocation waits, the
+    blocked rank is swapped out, and the allocation is tried again (the job ends as it would on GPUs of their
+    own); the driver's checkpoint cannot retry an allocation in place, so there the job ends with the physical
+    out-of-memory report."""
+    import torch
+
+    from prism_megatron.trace import read_trace
+    from prism_megatron.trace.summary import summarize
+
+    p = _launch(tmp_path, GROWS_MORE, 2, 38, swap=swap, slots=1, WEIGHTS=5 * GIB, GROW=10 * GIB, ITERS=3)
+    job = read_trace(tmp_path / "trace").manifest["job"]
+    if swap == "budget":
+        assert p.returncode == 6, p.stderr
+        report = (tmp_path / "trace.logs" / "device-oom-report.txt").read_text()
+        assert "cannot be retried in place with this swapper" in report and "--prism-swap inprocess" in report
+        return
+    assert p.returncode == 0, p.stderr
+    assert [torch.load(tmp_path / f"rank-{r}.pt").tolist() for r in range(2)] == [[2.0 ** 5] * 4] * 2
+    full = job["full_device_allocations"]
+    assert full["retried"] >= 1 and full["failed"] == 0, full
+    assert f"{full['retried']} retried after swapping blocked ranks out, 0 failed" in summarize(tmp_path / "trace")
+
+
 def test_a_physical_oom_under_shared_slots_without_swaps_ends_in_a_report_and_an_incomplete_trace(tmp_path):
     """Without swapping (--swap none plays the device too), two ranks that grow together overrun the
     stand-in device: the rank's out-of-memory is the physical device's, the job ends with a report that

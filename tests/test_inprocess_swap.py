@@ -188,7 +188,7 @@ def test_results_that_arrive_while_the_rank_is_out_are_written_once_it_is_back(t
     monkeypatch.setenv("RANK", "0")
     fake_device.alloc(GIB // 2)
     c = client_mod.RankClient.__new__(client_mod.RankClient)
-    c.rank, c.segments, c._region, c._held_writes = 0, fake_device.StandInSegments(0), None, []
+    c.rank, c.segments, c._region, c._held_writes, c._awaiting_room = 0, fake_device.StandInSegments(0), None, [], False
     c._pending, c._pending_lock = {}, threading.Lock()
     written = []
     c._write = lambda p: written.append(p)
@@ -199,7 +199,8 @@ def test_results_that_arrive_while_the_rank_is_out_are_written_once_it_is_back(t
     c._complete({"id": 5, "out": []})
     assert written == [] and c._held_writes == [p]
     assert c._swap({"op": "in", "offset": 0, "nbytes": GIB // 2}) == {
-        "ok": True, "bytes": GIB // 2, "copied": GIB // 2, "seconds": pytest.approx(0, abs=5)}
+        "ok": True, "bytes": GIB // 2, "copied": GIB // 2, "seconds": pytest.approx(0, abs=5),
+        "copy_s": pytest.approx(0, abs=5), "map_s": pytest.approx(0, abs=5)}
     assert written == [p] and c._held_writes == []
     # an extent another rank wrote over is found out at the swap in
     assert c._swap({"op": "out", "offset": 0, "nbytes": GIB // 2})["ok"]

@@ -149,6 +149,8 @@ def run_rank(cfg: LaunchConfig, rank: int, address: tuple[str, int], authkey: by
         segments = _swappable_segments(cfg, rank)
         client = RankClient(address, authkey, rank, cfg.world_size, f"{segment_prefix}-r{rank}")
         client.segments = segments
+        if segments is not None:  # a full device: other ranks swapped out, the allocation retried
+            segments.on_no_room = client.ask_room
         part = ((cfg.fold or {}).get("capture") or {}).get("part") or {}
         install(client, rep=cfg.fold["rep"] if cfg.fold is not None else None, untranslate=untranslation(cfg.fold),
                 class_rep=part.get("class_rep"))

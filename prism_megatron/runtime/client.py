@@ -91,6 +91,12 @@ class RankClient:
         self.segments: Any = None
         self._region: Any = None
         self._held_writes: list[_Pending] = []
+        # an allocation waiting for the coordinator to make room (ask_room): one at a time; results that
+        # arrive meanwhile wait too (the waiting thread may hold the allocator's lock)
+        self._room_lock = threading.Lock()
+        self._room_event = threading.Event()
+        self._room_answer: dict | None = None
+        self._awaiting_room = False
         # page-locked staging (--staging auto on GPUs, set by the launcher): registered at the first op on
         # CUDA tensors, on the rank's own thread (runtime.shm)
         self._pin_pending = os.environ.get("PRISM_PAGE_LOCK") == "1"
@@ -371,6 +377,28 @@ class RankClient:
         if resume:
             self._resume()
 
+    def ask_room(self, nbytes: int, free: int) -> bool:
+        """An allocation of ``nbytes`` found the device full, ``free`` bytes left (runtime.vmm's hook, or the
+        stand-in's): ask the coordinator to swap blocked ranks out for it. True: room was made, retry; False:
+        none could be, the allocation fails (and the physical out-of-memory report says why). Never from the
+        receiver thread, which must stay free to hear the answer."""
+        if threading.current_thread() is self._receiver or self._fatal is not None:
+            return False
+        with self._room_lock:
+            self._room_answer = None
+            self._room_event.clear()
+            self._awaiting_room = True
+            try:
+                self._send({"t": P.ROOM, "nbytes": int(nbytes), "free": int(free)})
+                while not self._room_event.wait(1.0):
+                    if self._fatal is not None:
+                        return False
+            except OSError:
+                return False
+            finally:
+                self._awaiting_room = False
+            return bool(self._room_answer and self._room_answer.get("ok"))
+
     def device_oom(self, figures: dict) -> str:
         """The physical device ran out of memory in this rank (``figures``: held, requested, free bytes):
         tell the coordinator, which ends the job, and return its report of what happened."""
@@ -427,6 +455,10 @@ class RankClient:
                     self._gpu.permit(msg["on"], msg["why"])
             elif t == P.SWAP:
                 self._send({"t": P.SWAPPED, "op": msg["op"], **self._swap(msg)})
+            elif t == P.ROOM_MADE:
+                self._room_answer = msg
+                self._room_event.set()
+                self._write_held()  # after the waiting allocation may go on: it holds the allocator's lock
             elif t == P.ERROR:
                 p = self._pop(msg["id"])
                 if p is not None:  # a process group's timeout raises what gloo raises: a RuntimeError
@@ -455,8 +487,8 @@ class RankClient:
                 del self._pending[msg["id"]]
         if p.profiled is not None:  # on this thread, as a backend's worker ends its event (is_async)
             torch._C._autograd._record_function_with_args_exit(p.profiled)
-        if eager and self.segments is not None and self.segments.swapped:
-            self._held_writes.append(p)  # its output tensors are not on the device now
+        if eager and self.segments is not None and (self.segments.swapped or self._awaiting_room):
+            self._held_writes.append(p)  # its output tensors are not on the device now, or may not be written yet
         elif eager:
             self._write(p)
         else:
@@ -480,15 +512,19 @@ class RankClient:
                 done = self.segments.swap_out(at, msg["nbytes"])
             else:
                 done = self.segments.swap_in(at)
-                held, self._held_writes = self._held_writes, []
-                for p in held:
-                    self._write(p)
+                self._write_held()
             return {"ok": True, "bytes": done.nbytes, "copied": done.copied, "copy_s": done.copy_s,
                     "map_s": done.map_s, "seconds": time.perf_counter() - t0}
         except VmmNoRoom as e:
             return {"ok": False, "no_room": True, "error": str(e), "seconds": time.perf_counter() - t0}
         except Exception as e:  # noqa: BLE001 - the coordinator reports it and ends the job
             return {"ok": False, "error": f"{type(e).__name__}: {e}", "seconds": time.perf_counter() - t0}
+
+    def _write_held(self) -> None:
+        """Receiver: write the results held back while the rank was out or an allocation awaited room."""
+        held, self._held_writes = self._held_writes, []
+        for p in held:
+            self._write(p)
 
     def _write(self, p: _Pending) -> None:
         t0 = time.perf_counter()

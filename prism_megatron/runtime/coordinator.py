@@ -289,6 +289,9 @@ class Coordinator:
                 pass
         elif t == P.FINISH:
             self._on_finish(msg)
+        elif t == P.ROOM:  # the rank's allocation waits: blocked ranks go out, or it fails
+            short = max(int(msg["nbytes"]) - int(msg.get("free", 0)), 1)
+            self._send(rs, {"t": P.ROOM_MADE, "ok": self.governor.make_room(rs.rank, short)})
         elif t == P.DEVICE_OOM:  # the rank waits for the verdict, so the launcher has the report first
             report = self.governor.physical_oom(rs.rank, msg)
             self._fatal("device-oom", report)

@@ -139,8 +139,17 @@ class _Lock:
 
 
 def alloc(nbytes: int) -> None:
-    """For test programs: this rank (RANK) allocates ``nbytes`` on the stand-in device."""
-    shared().alloc(int(os.environ["RANK"]), nbytes)
+    """For test programs: this rank (RANK) allocates ``nbytes`` on the stand-in device. Where the device is
+    full and the rank's swaps are in process (`StandInSegments`), other ranks are swapped out for it and the
+    allocation tried again, as runtime.vmm does on a GPU."""
+    while True:
+        try:
+            shared().alloc(int(os.environ["RANK"]), nbytes)
+            return
+        except DeviceFull as e:
+            hook = _IN_PROCESS.on_no_room if _IN_PROCESS is not None else None
+            if hook is None or not hook(nbytes, e.figures["free"]):
+                raise
 
 
 def free(nbytes: int) -> None:
@@ -148,6 +157,7 @@ def free(nbytes: int) -> None:
 
 
 _DEVICE: FakeDevice | None = None
+_IN_PROCESS: StandInSegments | None = None  # this rank's, where its swaps are in process
 
 
 def shared() -> FakeDevice:
@@ -173,8 +183,11 @@ class StandInSegments:
     there move out and back in, and a marker in its host extent checks that nobody wrote over it."""
 
     def __init__(self, rank: int) -> None:
+        global _IN_PROCESS
         self.rank = rank
         self.swapped = False
+        self.on_no_room = None  # as runtime.vmm.VmmSegments.on_no_room: used by alloc()
+        _IN_PROCESS = self
 
     def host_bytes(self) -> int:
         return 0 if self.swapped else shared().held(self.rank)

@@ -28,7 +28,7 @@ from prism_megatron.runtime.nvml import FootprintCheck
 from prism_megatron.runtime.peaks import PeakTracker
 from prism_megatron.runtime.ranks import RankState, RankStatus
 from prism_megatron.runtime.slots import Grant, ResidentFirstPolicy, SlotScheduler
-from prism_megatron.runtime.swap import Swapper
+from prism_megatron.runtime.swap import InProcessSwapper, Swapper
 
 # Added to a GPU rank's measured peak when admitting it: what neither its allocator report nor the last NVML
 # cross-check saw yet (kernels loaded lazily on first use grow the context). A judgement, not measured.
@@ -77,6 +77,8 @@ class MemoryGovernor:
         self.rank_cap: int | None = None  # each rank's allocator cap (the target GPU's usable bytes), if any
         # how each turn's need was known: own or class peak, prism's estimate, or the bound (device or cap)
         self.admissions: dict[str, int] = {"own": 0, "class": 0, "estimate": 0, "bound": 0}
+        # allocations that found the device full mid-turn: retried after swaps (True), or failed (False)
+        self.retried: dict[bool, int] = {True: 0, False: 0}
         self.estimates: dict[int, int] = {}  # rank -> prism's estimate of its class's peak (bytes), where known
         self._host_said = False
         self._ended_one: set[int] = set()  # ranks that ended an iteration
@@ -200,6 +202,24 @@ class MemoryGovernor:
             self.peaks.turn_began(rank, mem.reported.get(rank, 0) if rank not in mem.no_context else 0)
             self.admissions[source or "bound"] += 1
         return ok
+
+    def make_room(self, rank: int, nbytes: int) -> bool:
+        """A computing rank's allocation found its device physically full, ``nbytes`` short (it grew past
+        what admission expected, or the figures were short): swap blocked ranks out for it, as on its own
+        GPU it would have had the room. False: no blocked rank could go; the allocation fails, and the
+        rank's physical out-of-memory report says why."""
+        if self.memory is None:
+            return False
+        d = self.slots.device_of(rank)
+        pids = {r: rs.pid for r, rs in self.ranks.items()}
+        try:
+            made = self.memory[d].make_room(rank, nbytes, self._evictable(d, exclude=rank), pids,
+                                            self._completes_last)
+        except Exception as e:  # a failing swap is the job's end, with what to do
+            self._fatal("swap", f"prism: swapping on {self.device_names[d]} failed: {e}")
+            return False
+        self.retried[made] += 1
+        return made
 
     def need(self, rank: int) -> tuple[int, str]:
         """Device bytes to hold for ``rank``'s next turn, and where the figure comes from ('own', 'class'
@@ -369,11 +389,18 @@ class MemoryGovernor:
         elif self.memory is None:
             lines.append("the other ranks on this device hold the rest (no swapping: --swap none). What to do: "
                          "--prism-swap checkpoint (or auto), fewer slots per device, or more devices")
+        elif isinstance(self.memory[d].swapper, InProcessSwapper):
+            lines.append("the allocation waited for room, but no blocked rank could be swapped out for it: the "
+                         "others were computing, or their state would not fit the host budget. What to do: fewer "
+                         "slots per device (--prism-slots-per-device 1), or more host memory for swaps "
+                         "(--prism-host-memory)")
         else:
             lines.append("evicting the other ranks would have made room, but an allocation cannot be retried in "
-                         "place: the rank grew past what admission reserved for it. What to do: run again (the "
-                         "peaks are measured the same way), fewer slots per device (--prism-slots-per-device 1), "
-                         "or declare the device smaller (--prism-device-memory) to leave more headroom")
+                         "place with this swapper: the rank grew past what admission reserved for it. What to do: "
+                         "--prism-swap inprocess (the allocation waits while blocked ranks are swapped out), run "
+                         "again (the peaks are measured the same way), fewer slots per device "
+                         "(--prism-slots-per-device 1), or declare the device smaller (--prism-device-memory) to "
+                         "leave more headroom")
         return "\n".join(lines)
 
     def check_footprints(self) -> None:

@@ -206,6 +206,33 @@ class DeviceMemory:
         self.reported_turn.discard(rank)
         return True
 
+    def make_room(self, rank: int, nbytes: int, evictable: list[int], pids: dict[int, int],
+                  completes_last: Callable[[int], float]) -> bool:
+        """``rank`` computes and its allocation found the device full, ``nbytes`` short: swap out blocked
+        residents (those that wait longest first, within the host budget) until what they free covers it,
+        and let the rank count as holding all that is left. False, changing nothing, where they cannot
+        free that much (or the device is pinned: no swaps there)."""
+        if self.pinned:
+            return False
+        order = sorted((r for r in evictable if self._victim(r) and r != rank), key=completes_last, reverse=True)
+        freed, host_free, victims = 0, self._host_room(), []
+        for r in order:
+            if freed >= nbytes:
+                break
+            host = self._host_need(r)
+            if host > host_free:
+                continue
+            victims.append(r)
+            freed += self._frees(r)
+            host_free -= host
+        if not victims or freed < nbytes:
+            return False
+        for r in victims:
+            self._out(r, pids[r])
+        others = sum(self.charge(r) for r in self._charged() if r != rank)
+        self.reserve[rank] = max(self.reserve.get(rank, 0), self.capacity - others)
+        return True
+
     def _restore(self, rank: int, pids: dict[int, int]) -> bool:
         try:
             dt = timed(self.swapper.restore, rank, pids[rank])

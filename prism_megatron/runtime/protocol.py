@@ -34,6 +34,8 @@ GPUTIME = "gputime"  # {rows}: host/device times of closed compute segments (run
 RELEASE = "release"  # the rank gives its slot back while it idles (RankClient.idle); ACQUIRE asks again
 DEVICE_OOM = "device_oom"  # {held, requested, free}: the physical device was full; answered by VERDICT
 SWAPPED = "swapped"  # {op, ok, bytes, seconds, error, no_room}: the answer to SWAP, from the rank's receiver
+ROOM = "room"  # {nbytes, free}: an allocation of the computing rank found its device full, free bytes left
+#   (runtime.vmm); answered by ROOM_MADE
 
 # coordinator -> rank
 DONE = "done"  # {id, out: [bytes|None], src}
@@ -45,6 +47,7 @@ TIMING = "timing"  # {on, why}: whether the rank's GPU timer may start (--swap a
 VERDICT = "verdict"  # {report}: answer to DEVICE_OOM, once the launcher has the report
 SWAP = "swap"  # {op: size | out | in, offset, nbytes}: move the blocked rank's GPU state (runtime.vmm) to or
 #   from the job's host region (runtime.swap_space); answered by SWAPPED
+ROOM_MADE = "room_made"  # {ok, why}: blocked ranks were swapped out for a ROOM (ok: retry the allocation)
 
 # launcher <-> coordinator
 CONTROL = "control"  # {trace_dir, job}: hello of the launcher's control connection

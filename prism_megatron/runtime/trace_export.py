@@ -50,6 +50,8 @@ def write_bare_trace(path: Path, job: dict, exit_codes: dict, *, world_size: int
             job["swap_copied"] = {str(r): b for r, b in sorted(swapper.copied.items())}
             job["swap_split"] = {str(r): {"copy_s": c, "map_s": m} for r, (c, m) in sorted(swapper.split.items())}
         job["admission"] = dict(governor.admissions)  # turns admitted by own peak, class peak, or the bound
+        if any(governor.retried.values()):  # allocations that found the device full mid-turn
+            job["full_device_allocations"] = {"retried": governor.retried[True], "failed": governor.retried[False]}
         if governor.host_need is not None:
             job["host_memory_need"] = governor.host_need
     if governor.timing_gated:

@@ -27,6 +27,7 @@ import ctypes
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,6 +69,10 @@ class VmmSegments:
     segments: dict[int, _Segment] = field(default_factory=dict)  # address -> segment
     swapped: bool = False
     pool: Any = None  # the MemPool install() made (kept alive with the segments)
+    # asked when the device is full for a new segment (its bytes, the driver's free bytes): True once other
+    # ranks' state made room (runtime.client.RankClient.ask_room), so the allocation is tried again, as a
+    # GPU of the rank's own would have had the room
+    on_no_room: Callable[[int, int], bool] | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
@@ -130,30 +135,41 @@ class VmmSegments:
         seg.handle = None
 
     def _alloc(self, size: int, device: int, stream: int) -> int:
-        """cudaMalloc's place: 0 tells the caching allocator the device is out of memory (it frees what it
-        may, see the module, and retries, or raises its OutOfMemoryError, as after cudaMalloc). A failure
-        other than the driver's out-of-memory goes to the rank's log first: the OutOfMemoryError that
-        follows would not name it."""
-        d = self._d
+        """cudaMalloc's place. Where the device is full, the rank's own GPU would not be: ``on_no_room`` has
+        other ranks swapped out and the segment is tried again, the caching allocator seeing nothing of it.
+        0 tells the allocator the device is out of memory (it frees what it may, see the module, and
+        retries, or raises its OutOfMemoryError, as after cudaMalloc). A failure other than the driver's
+        out-of-memory goes to the rank's log first: the OutOfMemoryError that follows would not name it."""
         mapped = -(-size // self.granularity) * self.granularity
         try:
-            with self._lock:
-                if self.swapped:
-                    raise VmmError("an allocation while the rank's state is swapped out")
-                addr = int(self._check(d.cuMemAddressReserve(mapped, 0, 0, 0), "cuMemAddressReserve"))
+            while True:
                 try:
-                    handle = self._map(addr, mapped)
-                except VmmError:
-                    d.cuMemAddressFree(addr, mapped)
-                    raise
-                self.segments[addr] = _Segment(size, mapped, handle)
-            return addr
-        except VmmNoRoom:
-            return 0
+                    return self._new_segment(size, mapped)
+                except VmmNoRoom:
+                    if self.on_no_room is None or not self.on_no_room(mapped, self._device_free()):
+                        return 0
         except Exception as e:  # noqa: BLE001 - a callback from C must not raise
             print(f"prism: allocating a {size}-byte segment failed: {type(e).__name__}: {e}", file=sys.stderr,
                   flush=True)
             return 0
+
+    def _device_free(self) -> int:
+        free, _total = self._check(self._d.cuMemGetInfo(), "cuMemGetInfo")
+        return int(free)
+
+    def _new_segment(self, size: int, mapped: int) -> int:
+        d = self._d
+        with self._lock:
+            if self.swapped:
+                raise VmmError("an allocation while the rank's state is swapped out")
+            addr = int(self._check(d.cuMemAddressReserve(mapped, 0, 0, 0), "cuMemAddressReserve"))
+            try:
+                handle = self._map(addr, mapped)
+            except VmmError:
+                d.cuMemAddressFree(addr, mapped)
+                raise
+            self.segments[addr] = _Segment(size, mapped, handle)
+        return addr
 
     def _free(self, ptr: int, size: int, device: int, stream: int) -> None:
         try:

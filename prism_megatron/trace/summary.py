@@ -117,6 +117,10 @@ def _device_lines(job: dict) -> list[str]:
     swapped = swap_summary(job.get("swap") or {}, job.get("swapper"), job.get("swap_copied"), job.get("swap_split"))
     if swapped:
         lines.append(f"  {swapped}")
+    full = job.get("full_device_allocations") or {}
+    if full:
+        lines.append(f"  allocations that found the device full mid-turn: {full.get('retried', 0)} retried after "
+                     f"swapping blocked ranks out, {full.get('failed', 0)} failed (no blocked rank could go)")
     for device, verdict in (job.get("gpu_timing_by_device") or {}).items():
         lines.append(f"  {device}: {verdict.get('why', '')}")
     staging = job.get("staging_by_device") or {}
