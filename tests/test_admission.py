@@ -375,6 +375,24 @@ def test_a_rank_that_outgrows_its_reservation_waits_while_blocked_ranks_are_swap
     assert f"{full['retried']} retried after swapping blocked ranks out, 0 failed" in summarize(tmp_path / "trace")
 
 
+def test_swapped_state_whose_host_extents_fragment_is_compacted_not_refused(tmp_path):
+    """Ranks blocked holding 15, 25 and 35 GiB in turn swap out to first-fit extents of a 76 GiB host region;
+    the 35 GiB one finds 51 GiB free but no gap that large. The region is compacted (the other rank's extent
+    slides down with its bytes, which the stand-in checks at its swap in), and the job ends."""
+    import torch
+
+    from prism_megatron.trace import read_trace
+
+    grows_held = GROWS.replace("fake_device.alloc(GROW)", "fake_device.alloc(GROW * (it + 1))").replace(
+        "fake_device.free(GROW)", "fake_device.free(GROW * (it + 1))")
+    p = _launch(tmp_path, grows_held, 2, 38, swap="budget-inprocess", slots=1, WEIGHTS=5 * GIB, GROW=10 * GIB,
+                ITERS=3)
+    assert p.returncode == 0, p.stderr
+    assert [torch.load(tmp_path / f"rank-{r}.pt").tolist() for r in range(2)] == [[2.0 ** 5] * 4] * 2
+    compacted = read_trace(tmp_path / "trace").manifest["job"]["swap_region_compacted"]
+    assert len(compacted) >= 1 and compacted[0]["bytes"] > 0
+
+
 def test_a_physical_oom_under_shared_slots_without_swaps_ends_in_a_report_and_an_incomplete_trace(tmp_path):
     """Without swapping (--swap none plays the device too), two ranks that grow together overrun the
     stand-in device: the rank's out-of-memory is the physical device's, the job ends with a report that

@@ -33,6 +33,40 @@ def test_the_host_region_hands_out_disjoint_extents_first_fit_and_takes_them_bac
     space.close()
 
 
+def test_a_region_whose_gaps_add_up_but_none_fits_is_compacted_and_the_swapped_state_moves_with_it():
+    """First fit leaves gaps: ranks swapped out at 0 and 40 of 100, the one at 0 back in, 60 free but no gap of
+    50. The swap out that needs 50 slides the other extent down, its bytes with it, and takes what is left;
+    the rank whose extent moved is swapped in from where its bytes are now."""
+    rank_side = _Rank(moves={0: 40, 1: 40, 2: 50})
+    space = SwapSpace(100)
+    sw = InProcessSwapper(space, rank_side)
+    view = HostRegion(space.path_for_ranks)
+    sw.checkpoint(0, 1000)
+    sw.checkpoint(1, 1001)
+    assert sw.extent == {0: (0, 40), 1: (40, 40)}
+    ctypes.memmove(view.address(40, 40), b"r1" * 20, 40)  # rank 1's state
+    sw.restore(0, 1000)
+    assert space.take(50) is None and space.free() == 60  # no gap of 50: [0, 40) and [80, 100)
+    sw.checkpoint(2, 1002)
+    assert sw.extent == {1: (0, 40), 2: (40, 50)}
+    assert ctypes.string_at(view.address(0, 40), 40) == b"r1" * 20  # moved with its extent
+    assert sw.compacted and sw.compacted[0][0] == 40
+    sw.restore(1, 1001)
+    assert rank_side.asked[-1] == (1, "in", 0, 40)  # from where its bytes are now
+    space.close()
+    import os
+
+    big = SwapSpace(64 * GIB)  # sparse: a stand-in's extents of GiBs hold a marker each; compacting copies that
+    a, b = big.take(20 * GIB), big.take(20 * GIB)
+    rank = HostRegion(big.path_for_ranks)  # kept: its mapping lives as long as the object
+    ctypes.memmove(rank.address(b, 4), b"mark", 4)
+    big.give(a)
+    assert big.compact() == {b: 0} and big.taken == {0: 20 * GIB}
+    assert ctypes.string_at(rank.address(0, 4), 4) == b"mark"
+    assert os.fstat(big.fd).st_blocks * 512 < 64 << 20  # pages for the marker, not the 20 GiB
+    big.close()
+
+
 def test_a_rank_maps_the_coordinators_region_and_sees_what_was_written_there():
     space = SwapSpace(1 << 20)
     writer, reader = HostRegion(space.path_for_ranks), HostRegion(space.path_for_ranks)

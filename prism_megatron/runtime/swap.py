@@ -66,6 +66,7 @@ class InProcessSwapper:
         self.kept: dict[int, int] = {}  # rank -> device bytes its last swap out left
         self.copied: dict[int, int] = {}  # rank -> bytes its swaps copied, out and in (blocks in use only)
         self.split: dict[int, list[float]] = {}  # rank -> seconds its swaps spent [copying, mapping and unmapping]
+        self.compacted: list[tuple[int, float]] = []  # the region compacted: (bytes moved, seconds), each time
 
     def _ask(self, rank: int, op: str, offset: int = 0, nbytes: int = 0) -> dict:
         from prism_megatron.runtime import protocol as P
@@ -87,6 +88,12 @@ class InProcessSwapper:
     def checkpoint(self, rank: int, pid: int) -> None:
         nbytes = int(self._ask(rank, "size")["bytes"])  # asked again: a figure from an earlier turn may be stale
         offset = self.space.take(nbytes)
+        if offset is None and self.space.free() >= nbytes:  # enough in all, no gap large enough
+            t0 = time.perf_counter()
+            moved = self.space.compact()
+            self.extent = {r: (moved.get(o, o), n) for r, (o, n) in self.extent.items()}
+            self.compacted.append((sum(self.space.taken[b] for b in moved.values()), time.perf_counter() - t0))
+            offset = self.space.take(nbytes)
         if offset is None:
             raise RuntimeError(f"rank {rank}: no {nbytes} bytes free in the job's host region "
                                f"({self.space.free()} of {self.space.capacity} free)")

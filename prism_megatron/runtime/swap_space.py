@@ -65,6 +65,32 @@ class SwapSpace:
     def give(self, base: int) -> None:
         self.taken.pop(base, None)
 
+    def compact(self) -> dict[int, int]:
+        """Slide every taken extent down to the lowest offsets, in order, with its bytes: the gaps first fit
+        leaves may add up to an extent without one being large enough. Only while no rank copies (the
+        coordinator's own thread, between swaps). Returns old base -> new base of the extents that moved."""
+        mm = mmap.mmap(self.fd, self.capacity, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        try:
+            base = ctypes.addressof(ctypes.c_char.from_buffer(mm))
+            at, moved = 0, {}
+            for old in sorted(self.taken):
+                n = self.taken[old]
+                if old != at:
+                    # downwards, what holds data only (a stand-in rank writes a marker into a sparse extent):
+                    # what it overwrites has moved already
+                    for start, end in _data_ranges(self.fd, old, old + n):
+                        ctypes.memmove(base + start - (old - at), base + start, end - start)
+                    moved[old] = at
+                at += n
+            self.taken = {moved.get(b, b): n for b, n in self.taken.items()}
+            del base
+        finally:
+            try:
+                mm.close()
+            except BufferError:  # a ctypes view still alive: the mapping goes with the object
+                pass
+        return moved
+
     def prefault(self, nbytes: int, chunk: int = 256 << 20) -> threading.Thread:
         """Give the region's first ``nbytes`` their pages now, in a background thread, without writing them
         (``MADV_POPULATE_WRITE``, Linux 5.14+): the first swaps then copy at the link's speed, not at the
@@ -98,6 +124,21 @@ class SwapSpace:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+
+def _data_ranges(fd: int, start: int, end: int):
+    """The ranges of [start, end) of a file that hold data, not holes (SEEK_DATA / SEEK_HOLE)."""
+    at = start
+    while at < end:
+        try:
+            data = os.lseek(fd, at, os.SEEK_DATA)
+        except OSError:  # ENXIO: no data from here on
+            return
+        if data >= end:
+            return
+        hole = min(os.lseek(fd, data, os.SEEK_HOLE), end)
+        yield data, hole
+        at = hole
 
 
 class HostRegion:

@@ -117,6 +117,11 @@ def _device_lines(job: dict) -> list[str]:
     swapped = swap_summary(job.get("swap") or {}, job.get("swapper"), job.get("swap_copied"), job.get("swap_split"))
     if swapped:
         lines.append(f"  {swapped}")
+    compacted = job.get("swap_region_compacted") or []
+    if compacted:
+        lines.append(f"  host region for swaps compacted {len(compacted)} time(s): "
+                     f"{sum(c['bytes'] for c in compacted) / 2**30:.1f} GiB moved in "
+                     f"{sum(c['seconds'] for c in compacted):.1f} s (first fit left no gap large enough)")
     full = job.get("full_device_allocations") or {}
     if full:
         lines.append(f"  allocations that found the device full mid-turn: {full.get('retried', 0)} retried after "
