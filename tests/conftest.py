@@ -56,6 +56,28 @@ def launch_source(tmp_path: Path, source: str, world_size: int = 2, slots_per_de
     return read_trace(trace)
 
 
+
+def two_ranks_asking_for_one_device(swapper, capacity: int, host_capacity: int):
+    """A coordinator (no sockets) whose ranks 0 and 1 share one device of ``capacity`` bytes with ``swapper``,
+    both said hello and asked for its one slot: rank 0 holds it. Returns (coordinator, the ranks granted in
+    order, each rank's connection stand-in, the device's memory)."""
+    from prism_megatron.runtime import protocol as P
+    from prism_megatron.runtime.coordinator import Coordinator
+
+    coord = Coordinator(world_size=2, num_devices=1, slots_per_device=1, device_of={0: 0, 1: 0},
+                        device_names=["cuda:0"], hang_timeout=60.0, authkey=b"k" * 16)
+    granted: list[int] = []
+    coord._send = lambda rs, msg: granted.append(rs.rank) if msg["t"] == P.GRANT else None
+    coord._progress = lambda: None
+    coord.governor.enable_swap(swapper, [capacity], host_capacity=host_capacity)
+    conns = [object(), object()]
+    for r in range(2):
+        coord._dispatch(conns[r], {"t": P.HELLO, "rank": r, "pid": 1000 + r})
+    coord._dispatch(conns[0], {"t": P.ACQUIRE})
+    coord._dispatch(conns[1], {"t": P.ACQUIRE})
+    return coord, granted, conns, coord.governor.memory[0]
+
+
 @pytest.fixture(scope="session")
 def megatron_runs(tmp_path_factory):
     """Megatron captures shared by the files that read them: each distinct command runs once (megatron_runs.py)."""

@@ -433,20 +433,10 @@ def test_a_rank_that_gives_its_slot_back_without_an_op_reports_what_it_holds(kin
     """Idling and waiting for a prediction give the slot back too: the report that comes with them ends
     the turn, so what the rank holds counts, not the room held for it (with a host budget smaller than the
     device, a rank counted at its reserve could never be swapped out, and the others would wait forever)."""
-    from prism_megatron.runtime.coordinator import Coordinator
+    from conftest import two_ranks_asking_for_one_device
 
-    coord = Coordinator(world_size=2, num_devices=1, slots_per_device=1, device_of={0: 0, 1: 0},
-                        device_names=["cuda:0"], hang_timeout=60.0, authkey=b"k" * 16)
-    granted = []
-    coord._send = lambda rs, msg: granted.append(rs.rank) if msg["t"] == P.GRANT else None
-    coord._progress = lambda: None
-    coord.governor.enable_swap(BudgetSwapper(100 * GIB), [100 * GIB], host_capacity=50 * GIB)
-    conns = [object(), object()]
-    for r in range(2):
-        coord._dispatch(conns[r], {"t": P.HELLO, "rank": r, "pid": 1000 + r})
-    coord._dispatch(conns[0], {"t": P.ACQUIRE})
-    coord._dispatch(conns[1], {"t": P.ACQUIRE})
-    mem = coord.governor.memory[0]
+    coord, granted, conns, mem = two_ranks_asking_for_one_device(BudgetSwapper(100 * GIB), 100 * GIB,
+                                                                 host_capacity=50 * GIB)
     assert granted == [0] and mem.reserve == {0: 100 * GIB}  # nothing known of it: the whole device
     coord._dispatch(conns[0], {"t": kind, "iteration": 1, "clk": 0.0, "mem": 10 * GIB, "peak": 12 * GIB})
     assert mem.footprint[0] == 10 * GIB and 0 not in mem.reserve

@@ -277,22 +277,10 @@ def test_a_rank_nothing_is_measured_of_gets_the_device_less_the_contexts_the_oth
     """The bound for a rank not yet measured is the device; with in-process swaps every other rank keeps its
     context when out, so the whole device can never be free: the bound is what eviction can give, or the
     rank would wait for room forever (a hang with the other rank queued and evictable)."""
-    from prism_megatron.runtime.coordinator import Coordinator
+    from conftest import two_ranks_asking_for_one_device
 
-    coord = Coordinator(world_size=2, num_devices=1, slots_per_device=1, device_of={0: 0, 1: 0},
-                        device_names=["cuda:0"], hang_timeout=60.0, authkey=b"k" * 16)
-    granted = []
-    coord._send = lambda rs, msg: granted.append(rs.rank) if msg["t"] == P.GRANT else None
-    coord._progress = lambda: None
-    rank_side = _Rank(moves=9 * GIB)
-    sw = InProcessSwapper(SwapSpace(100 * GIB), rank_side, context=GIB)
-    coord.governor.enable_swap(sw, [100 * GIB], host_capacity=100 * GIB)
-    conns = [object(), object()]
-    for r in range(2):
-        coord._dispatch(conns[r], {"t": P.HELLO, "rank": r, "pid": 1000 + r})
-    coord._dispatch(conns[0], {"t": P.ACQUIRE})
-    coord._dispatch(conns[1], {"t": P.ACQUIRE})
-    mem = coord.governor.memory[0]
+    sw = InProcessSwapper(SwapSpace(100 * GIB), _Rank(moves=9 * GIB), context=GIB)
+    coord, granted, conns, mem = two_ranks_asking_for_one_device(sw, 100 * GIB, host_capacity=100 * GIB)
     assert granted == [0] and mem.reserve == {0: 100 * GIB}  # nothing else holds the device yet
     coord._dispatch(conns[0], {"t": P.RELEASE, "iteration": 1, "clk": 0.0, "mem": 10 * GIB, "peak": 12 * GIB})
     assert granted == [0, 1], "rank 1 must get the device less rank 0's context, not wait for all of it"
