@@ -56,7 +56,6 @@ def launch_source(tmp_path: Path, source: str, world_size: int = 2, slots_per_de
     return read_trace(trace)
 
 
-
 def two_ranks_asking_for_one_device(swapper, capacity: int, host_capacity: int):
     """A coordinator (no sockets) whose ranks 0 and 1 share one device of ``capacity`` bytes with ``swapper``,
     both said hello and asked for its one slot: rank 0 holds it. Returns (coordinator, the ranks granted in
