@@ -63,6 +63,9 @@ PY
   grep -E "prism: (swapped-out|.*GPU timing|.*report written|the trace so far)" "$out/$entry.log" | head -5
   cat /tmp/admission-$entry.logs/device-oom-report.txt 2>/dev/null
   cp /tmp/admission-$entry.logs/coordinator.log "$out/$entry.coordinator.log" 2>/dev/null
+  # the trace itself (ops, segments' GPU times), for the predictions under swaps; the rank logs beside it
+  tar czf "$out/$entry.trace.tar.gz" -C /tmp admission-$entry admission-$entry.logs/rank-0.log \
+    admission-$entry.logs/rank-1.log 2>/dev/null
   [ -f /tmp/admission-$entry/manifest.json ] && last=$entry
   python3 - "$entry" <<'PY'
 import sys
