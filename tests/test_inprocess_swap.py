@@ -286,3 +286,23 @@ def test_a_rank_nothing_is_measured_of_gets_the_device_less_the_contexts_the_oth
     assert granted == [0, 1], "rank 1 must get the device less rank 0's context, not wait for all of it"
     assert mem.swapped == {0} and mem.left == {0: GIB} and mem.reserve == {1: 99 * GIB}
     assert mem.used() <= mem.capacity
+
+
+def test_room_is_made_mid_turn_only_for_the_rank_in_its_turn_and_only_by_swapping_blocked_ranks_out():
+    """P.ROOM: the running rank, 2 GiB short, gets the queued rank (5 GiB, 4 of them its blocks in use) swapped
+    out and is told to retry; the same question from a rank not in its turn (another of its threads while it
+    waits) is refused and moves nobody."""
+    from conftest import two_ranks_asking_for_one_device
+
+    sw = InProcessSwapper(SwapSpace(100 * GIB), _Rank(moves=4 * GIB), context=GIB)
+    coord, granted, conns, mem = two_ranks_asking_for_one_device(sw, 100 * GIB, host_capacity=100 * GIB)
+    mem.report(1, 5 * GIB)
+    answers = []
+    coord._send = lambda rs, msg: answers.append((rs.rank, msg))
+    coord._dispatch(conns[1], {"t": P.ROOM, "nbytes": GIB, "free": 0})
+    assert answers == [(1, {"t": P.ROOM_MADE, "ok": False})] and not mem.swapped
+    coord._dispatch(conns[0], {"t": P.ROOM, "nbytes": 3 * GIB, "free": GIB})
+    assert answers[-1] == (0, {"t": P.ROOM_MADE, "ok": True}) and mem.swapped == {1} and mem.left == {1: GIB}
+    coord._dispatch(conns[0], {"t": P.ROOM, "nbytes": 3 * GIB, "free": GIB})  # nobody left to swap out
+    assert answers[-1] == (0, {"t": P.ROOM_MADE, "ok": False})
+    assert coord.governor.retried == {True: 1, False: 1}  # the refused thread's question counts for nothing

@@ -208,8 +208,8 @@ class MemoryGovernor:
         what admission expected, or the figures were short): swap blocked ranks out for it, as on its own
         GPU it would have had the room. False: no blocked rank could go; the allocation fails, and the
         rank's physical out-of-memory report says why."""
-        if self.memory is None:
-            return False
+        if self.memory is None or self.ranks[rank].state != RankStatus.RUNNING:
+            return False  # only a rank in its turn has room reserved to widen (another thread's, blocked: none)
         d = self.slots.device_of(rank)
         pids = {r: rs.pid for r, rs in self.ranks.items()}
         try:
