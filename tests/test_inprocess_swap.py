@@ -306,3 +306,46 @@ def test_room_is_made_mid_turn_only_for_the_rank_in_its_turn_and_only_by_swappin
     coord._dispatch(conns[0], {"t": P.ROOM, "nbytes": 3 * GIB, "free": GIB})  # nobody left to swap out
     assert answers[-1] == (0, {"t": P.ROOM_MADE, "ok": False})
     assert coord.governor.retried == {True: 1, False: 1}  # the refused thread's question counts for nothing
+
+
+def test_an_allocation_waiting_for_room_stops_the_ranks_compute_clock_and_holds_results_back(monkeypatch):
+    """While the coordinator swaps other ranks out for it, the waiting allocation's rank is not computing: its
+    clock stops (else the swaps would count as its compute and inflate the prediction), and a result that
+    arrives meanwhile is written only after the answer."""
+    import time
+
+    from prism_megatron.runtime import client as client_mod
+
+    c = client_mod.RankClient.__new__(client_mod.RankClient)
+    c._receiver, c._fatal, c._gpu, c._clock = threading.current_thread(), None, None, 0.0
+    c._room_lock, c._room_event, c._room_answer, c._awaiting_room = threading.Lock(), threading.Event(), None, False
+    c.segments, c._held_writes, c._pending, c._pending_lock = None, [], {}, threading.Lock()
+    assert not c.ask_room(GIB, 0)  # never from the receiver thread: it must stay free for the answer
+    c._receiver = object()
+    written, asked = [], []
+    c._write = lambda p: written.append(p)
+
+    class Segments:
+        swapped = False
+
+    c.segments = Segments()
+    p = client_mod._Pending(work=None, outs=[], out_descs=[], eager=True)
+    c._pending[7] = p
+
+    def coordinator(msg):  # answers from another thread after the swaps: 0.3 s
+        asked.append(msg)
+
+        def answer():
+            c._complete({"id": 7, "out": []})
+            assert written == []  # held while the allocation waits
+            c._room_answer = {"t": P.ROOM_MADE, "ok": True}
+            c._room_event.set()
+            c._write_held()
+
+        threading.Timer(0.3, answer).start()
+
+    c._send = coordinator
+    c._running_since = time.perf_counter()
+    assert c.ask_room(3 * GIB, GIB)
+    assert asked == [{"t": P.ROOM, "nbytes": 3 * GIB, "free": GIB}] and written == [p]
+    assert c._clock < 0.2 and c._running_since is not None  # the 0.3 s wait is not compute; the clock runs again

@@ -388,6 +388,9 @@ class RankClient:
             self._room_answer = None
             self._room_event.clear()
             self._awaiting_room = True
+            computing = self._running_since is not None
+            if computing:  # the other ranks' swaps are not this rank's compute
+                self._pause()
             try:
                 self._send({"t": P.ROOM, "nbytes": int(nbytes), "free": int(free)})
                 while not self._room_event.wait(1.0):
@@ -397,6 +400,8 @@ class RankClient:
                 return False
             finally:
                 self._awaiting_room = False
+                if computing:
+                    self._resume()
             return bool(self._room_answer and self._room_answer.get("ok"))
 
     def device_oom(self, figures: dict) -> str:
