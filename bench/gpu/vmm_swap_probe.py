@@ -10,7 +10,8 @@ Part 2 (edges): where a routed pool may differ from the default one (a block fre
 another stream; an allocation that fits only once every cached block is freed), each allocator in a
 fresh process. Part 3 (speed): GIB of tensors in the pool, swapped out to and in from the job's host
 region (runtime.swap_space) fresh, touched, first touched by 8 threads, page-locked; NVML's view of
-the process between; the data checked after each.
+the process between; the data checked after each; then a second process page-locks the same pages
+(what page-locking the region in every rank would do) and copies from them.
 Writes DIR/vmm-swap-probe.json and prints a table.
 """
 
@@ -172,7 +173,42 @@ def speed(gib: float) -> list[dict]:
                      "nvml_before": before, "nvml_swapped": between, "nvml_after": _nvml_used(pid),
                      "data_ok": ok, "segments": len(segs.segments)})
         print(json.dumps(rows[-1]), flush=True)
+    rows.append(_second_process_pins(space.path_for_ranks, extents[2], size))
+    print(json.dumps(rows[-1]), flush=True)
     return rows
+
+
+_PIN_CHILD = """
+import ctypes, json, sys, time, torch
+from prism_megatron.runtime.swap_space import HostRegion
+region = HostRegion(sys.argv[1])
+addr, n = region.address(int(sys.argv[2]), int(sys.argv[3])), int(sys.argv[3])
+torch.cuda.init()
+t0 = time.perf_counter()
+rc = int(torch.cuda.cudart().cudaHostRegister(addr, n, 0))
+reg = time.perf_counter() - t0
+dev = torch.empty(n // 2, dtype=torch.uint8, device="cuda")
+host = (ctypes.c_uint8 * (n // 2)).from_address(addr)
+t0 = time.perf_counter()
+dev.copy_(torch.frombuffer(host, dtype=torch.uint8), non_blocking=False)
+torch.cuda.synchronize()
+h2d = time.perf_counter() - t0
+print(json.dumps({"register_rc": rc, "register_s": reg, "h2d_bytes": n // 2, "h2d_s": h2d}))
+"""
+
+
+def _second_process_pins(path: str, offset: int, size: int) -> dict:
+    """A second process registers the extent this one holds page-locked (two ranks' mappings of one region's
+    pages, as page-locking the job's host region per rank would do) and copies half of it to its GPU."""
+    p = subprocess.run([sys.executable, "-c", _PIN_CHILD, path, str(offset), str(size)], capture_output=True,
+                       text=True, timeout=300)
+    line = p.stdout.strip().splitlines()[-1:] or ["{}"]
+    try:
+        out = json.loads(line[0])
+    except json.JSONDecodeError:
+        out = {}
+    return {"host": "second process pins the same pages", "rc": p.returncode, **out,
+            **({"stderr": p.stderr[-1500:]} if p.returncode else {})}
 
 
 def main() -> None:
@@ -205,6 +241,11 @@ def main() -> None:
     for k in ("cross_stream_reserved_growth", "alloc_after_full_release_fits", "reserved_before_cap"):
         print(f"{k:30} default {d.get(k)}  pool {q.get(k)}")
     for r in result.get("speed", []) if isinstance(result.get("speed"), list) else []:
+        if "bytes" not in r:  # the second process's registration
+            gbs = r.get("h2d_bytes", 0) / 1e9 / max(r.get("h2d_s", 0.0), 1e-9)
+            print(f"{r['host']}: rc {r['rc']}, cudaHostRegister rc {r.get('register_rc')} in "
+                  f"{r.get('register_s', 0.0):.2f} s, then {gbs:.2f} GB/s host to device")
+            continue
         gb = r["bytes"] / 1e9
         print(f"{r['host']:26} {gb:6.1f} GB  out {gb / max(r['out_copy_s'], 1e-9):6.2f} GB/s "
               f"(copy {r['out_copy_s']:.2f} s, unmap {r['out_unmap_s']:.2f} s, touch {r['touch_s']:.2f} s, "
