@@ -350,3 +350,17 @@ def test_an_allocation_waiting_for_room_stops_the_ranks_compute_clock_and_holds_
     assert asked == [{"t": P.ROOM, "nbytes": 3 * GIB, "free": GIB}] and written == [p]
     assert c._running_since is not None  # computing again
     assert c._pause() < 0.2  # the 0.3 s wait is not on the rank's compute clock
+
+
+def test_a_rank_whose_measured_peak_is_at_the_devices_edge_is_admitted_with_what_eviction_can_give():
+    """A rank measured at 99.8 GiB (plus the admission margin) on a 100 GiB device where the other rank, out,
+    keeps 1 GiB of context: admission holds the 99 GiB eviction can give instead of waiting forever for more."""
+    from conftest import two_ranks_asking_for_one_device
+
+    sw = InProcessSwapper(SwapSpace(100 * GIB), _Rank(moves=9 * GIB), context=GIB)
+    coord, granted, conns, mem = two_ranks_asking_for_one_device(sw, 100 * GIB, host_capacity=100 * GIB)
+    expected = coord.governor.peaks.expected
+    coord.governor.peaks.expected = lambda r, held: (int(99.8 * GIB), "own") if r == 1 else expected(r, held)
+    coord._dispatch(conns[0], {"t": P.RELEASE, "iteration": 1, "clk": 0.0, "mem": 10 * GIB, "peak": 12 * GIB})
+    assert granted == [0, 1] and mem.swapped == {0} and mem.reserve == {1: 99 * GIB}
+    assert coord.governor.need(1) == (99 * GIB, "own")

@@ -223,14 +223,18 @@ class MemoryGovernor:
 
     def need(self, rank: int) -> tuple[int, str]:
         """Device bytes to hold for ``rank``'s next turn, and where the figure comes from ('own', 'class'
-        or '' for the bound: the device, or the allocator cap plus context; never more than the device can
-        give the rank with the others out, DeviceMemory.most_for)."""
+        or '' for the bound: the device, or the allocator cap plus context). Never more than the device can
+        give the rank with the others out (DeviceMemory.most_for: an in-process swap leaves each its
+        context), or the rank would wait for room forever; a rank at the device's edge that reaches past
+        its reservation waits mid-turn while the others go out (make_room), or ends in the physical
+        out-of-memory report."""
         mem = self.memory[self.slots.device_of(rank)]
         expected, source = self.peaks.expected(rank, mem.reported.get(rank, 0) if rank not in mem.no_context else 0)
         if expected is None:
             room, source = self._bound(mem.capacity, rank)
-            return min(room, mem.most_for(rank)), source
-        return min(expected + mem.offset.get(rank, 0) + self.margin, mem.capacity), source
+        else:
+            room = expected + mem.offset.get(rank, 0) + self.margin
+        return min(room, mem.capacity, mem.most_for(rank)), source
 
     def unknown_bound(self, capacity: int, rank: int | None = None) -> int:
         """Room for a rank whose peak nothing measured tells yet: prism's estimate of its class with
