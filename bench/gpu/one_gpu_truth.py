@@ -68,6 +68,7 @@ class Config:
     flags: tuple[str, ...]
     gbs: int
     note: str
+    default: bool = True  # run when --configs is not given
 
 
 def _flags(layers: int, hidden: int, heads: int, seq: int, mbs: int, ffn: int | None = None, *, bf16: bool = True,
@@ -112,6 +113,10 @@ CONFIGS = {c.name: c for c in (
            "strongly device-bound: h4096 seq2048, 2 micro-batches (~0.3 s of device time per iteration)"),
     Config("moe-bf16-mbs4-h2048", _flags(4, 2048, 16, 2048, 4, experts=8, moe_ffn=5632), 8,
            "MoE 8 local experts top-2, strongly device-bound: h2048 seq2048, 2 micro-batches"),
+    # issue 18's job as one replica (~96 GiB): what its swapped runs predicted (bench/gpu/admission.sh) against
+    # the real run and the emulation without swaps; only W = 1 fits the H200, so only by name
+    Config("dense-bf16-mbs8-24l", _flags(24, 1536, 12, 2048, 8), 16,
+           "issue 18's shape: 24 layers h1536 seq2048, 2 micro-batches (~96 GiB)", default=False),
 )}
 DEFAULT_STEPS = ("real", "emu1", "real", "emu2", "real")
 
@@ -371,7 +376,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path("one-gpu-truth"))
     p.add_argument("--work", type=Path, default=Path("/tmp/one-gpu-truth"),
                    help="traces and logs (packed into OUT/traces.tar.gz at the end)")
-    p.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated config names")
+    p.add_argument("--configs", default=",".join(c.name for c in CONFIGS.values() if c.default),
+                   help="comma-separated config names")
     p.add_argument("--plan", default="", help="'config:step,step,...;config:...' (steps: real, probe, "
                    "emuW[-keep|-teardown|-off|-spin])")
     p.add_argument("--iters", type=int, default=8, help=f"iterations per run ({WARMUP} of them warm-up)")
