@@ -183,19 +183,9 @@ class DeviceMemory:
             return self._restore(rank, pids) if rank in self.swapped else True
         need = max(need, self.footprint.get(rank, 0) if rank in self.resident or rank in self.swapped else 0)
         others = sum(self.charge(r) for r in self._charged() if r != rank)
-        order = sorted((r for r in evictable if self._victim(r) and r != rank), key=completes_last, reverse=True)
-        free, host_free = self.capacity - others, self._host_room()
-        victims = []
-        for r in order:
-            if free >= need:
-                break
-            host = self._host_need(r)
-            if host > host_free:  # its state would not fit in host memory
-                continue
-            victims.append(r)
-            free += self._frees(r)
-            host_free -= host
-        if free < need:
+        short = need - (self.capacity - others)
+        victims, freed = self._victims(rank, short, evictable, completes_last)
+        if freed < short:
             return False
         for r in victims:
             self._out(r, pids[r])
@@ -214,17 +204,7 @@ class DeviceMemory:
         free that much (or the device is pinned: no swaps there)."""
         if self.pinned:
             return False
-        order = sorted((r for r in evictable if self._victim(r) and r != rank), key=completes_last, reverse=True)
-        freed, host_free, victims = 0, self._host_room(), []
-        for r in order:
-            if freed >= nbytes:
-                break
-            host = self._host_need(r)
-            if host > host_free:
-                continue
-            victims.append(r)
-            freed += self._frees(r)
-            host_free -= host
+        victims, freed = self._victims(rank, nbytes, evictable, completes_last)
         if not victims or freed < nbytes:
             return False
         for r in victims:
@@ -232,6 +212,23 @@ class DeviceMemory:
         others = sum(self.charge(r) for r in self._charged() if r != rank)
         self.reserve[rank] = max(self.reserve.get(rank, 0), self.capacity - others)
         return True
+
+    def _victims(self, rank: int, short: int, evictable: list[int],
+                 completes_last: Callable[[int], float]) -> tuple[list[int], int]:
+        """Blocked residents to swap out for ``rank`` until they free ``short`` bytes (those that wait longest
+        first, each only if its state fits what is left of the host budget), and what they free."""
+        order = sorted((r for r in evictable if self._victim(r) and r != rank), key=completes_last, reverse=True)
+        freed, host_free, victims = 0, self._host_room(), []
+        for r in order:
+            if freed >= short:
+                break
+            host = self._host_need(r)
+            if host > host_free:  # its state would not fit in host memory
+                continue
+            victims.append(r)
+            freed += self._frees(r)
+            host_free -= host
+        return victims, freed
 
     def _restore(self, rank: int, pids: dict[int, int]) -> bool:
         try:
@@ -291,9 +288,8 @@ class DeviceMemory:
         by the latest figures asked."""
         if self.host is None:
             return []
-        free = self.host.free()
-        return [(r, self.host_need_seen.get(r, self.footprint.get(r, 0))) for r in evictable if self._victim(r)
-                and self.host_need_seen.get(r, self.footprint.get(r, 0)) > free]
+        seen = {r: self.host_need_seen.get(r, self.footprint.get(r, 0)) for r in evictable if self._victim(r)}
+        return [(r, n) for r, n in seen.items() if n > self.host.free()]
 
     def _out(self, rank: int, pid: int) -> None:
         dt = timed(self.swapper.checkpoint, rank, pid)
