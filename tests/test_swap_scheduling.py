@@ -100,6 +100,38 @@ def test_swap_outs_stay_within_the_host_memory_budget():
     assert mem.resident == {1, 2, 3} and mem.host.held == {}  # its host memory is free again
 
 
+def test_a_swapped_out_rank_that_fits_comes_back_first_so_its_host_memory_takes_the_victims_state():
+    """Issue 18's shape under checkpoint swaps (H200, host budget 100 GiB): rank 0 was out with 7.6 GiB of
+    state in host memory, rank 1 resident with 96.7 GiB, blocked; rank 0's turn needs 95.6 GiB. Rank 1's state
+    fits the budget only once rank 0's is back on the device, which its 7.6 GiB fit as it is: restore first,
+    then evict. Before, the job hung with "rank 1 stays: its swap out needs 96.7 GiB, 92.4 GiB are left"."""
+    mib = 2**20
+    mem, sw = _device(140, {})
+    for r, f in ((0, 7782), (1, 99021)):  # 7.6 and 96.7 GiB
+        mem.report(r, f * mib)
+    mem.host = HostBudget(100 * GIB)
+    pids = {0: 1, 1: 2}
+    mem.swap_out(0, pids[0])
+    assert mem.host.held == {0: 7782 * mib}
+    assert mem.make_resident(0, 97894 * mib, [1], pids, lambda r: r)  # 95.6 GiB
+    assert sw.log[-2:] == [("in", 0), ("out", 1)]
+    assert mem.host.held == {1: 99021 * mib} and mem.resident == {0}
+    assert mem.used() <= mem.capacity
+    # where its state does not fit the device as it is, the victims go first, within the budget as it stands
+    mem2, sw2 = _device(100, {0: 50, 1: 60})
+    mem2.host = HostBudget(120 * GIB)
+    mem2.swap_out(0, pids[0])
+    assert mem2.make_resident(0, 50 * GIB, [1], pids, lambda r: r)
+    assert sw2.log[-2:] == [("out", 1), ("in", 0)]
+    # and a budget too small for the victim even with the rank's host memory back is refused, nothing moved
+    mem3, sw3 = _device(140, {0: 8, 1: 100})
+    mem3.host = HostBudget(95 * GIB)
+    mem3.swap_out(0, pids[0])
+    moved = list(sw3.log)
+    assert not mem3.make_resident(0, 60 * GIB, [1], pids, lambda r: r)
+    assert sw3.log == moved and mem3.swapped == {0} and mem3.resident == {1}
+
+
 def test_a_rank_without_cuda_state_is_never_evicted_and_is_admitted_with_room_for_its_need():
     """A rank blocked before its first CUDA call reports 0 bytes; the driver refuses to lock such a
     process (CUDA_ERROR_NOT_INITIALIZED on the H200, the stand-in likewise). It must not be picked as a victim,

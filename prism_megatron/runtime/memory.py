@@ -185,11 +185,21 @@ class DeviceMemory:
         others = sum(self.charge(r) for r in self._charged() if r != rank)
         short = need - (self.capacity - others)
         victims, freed = self._victims(rank, short, evictable, completes_last)
+        # Where the host budget keeps the victims in, a swapped-out rank whose state fits the device as it is
+        # comes back first: its host memory is then free for theirs (otherwise a rank out with a little state
+        # can keep the one resident rank, whose state needs nearly all the budget, from ever going out).
+        first = (freed < short and rank in self.swapped and self.host is not None
+                 and self.footprint.get(rank, 0) <= self.capacity - others)
+        if first:
+            victims, freed = self._victims(rank, short, evictable, completes_last,
+                                           host_extra=self.host.held.get(rank, 0))
         if freed < short:
+            return False
+        self.stats.setdefault(rank, SwapStats())
+        if first and not self._restore(rank, pids):
             return False
         for r in victims:
             self._out(r, pids[r])
-        self.stats.setdefault(rank, SwapStats())
         if rank in self.swapped and not self._restore(rank, pids):
             return False
         self.reserve[rank] = need
@@ -214,11 +224,12 @@ class DeviceMemory:
         return True
 
     def _victims(self, rank: int, short: int, evictable: list[int],
-                 completes_last: Callable[[int], float]) -> tuple[list[int], int]:
+                 completes_last: Callable[[int], float], host_extra: int = 0) -> tuple[list[int], int]:
         """Blocked residents to swap out for ``rank`` until they free ``short`` bytes (those that wait longest
-        first, each only if its state fits what is left of the host budget), and what they free."""
+        first, each only if its state fits what is left of the host budget, ``host_extra`` more where ``rank``
+        comes back first), and what they free."""
         order = sorted((r for r in evictable if self._victim(r) and r != rank), key=completes_last, reverse=True)
-        freed, host_free, victims = 0, self._host_room(), []
+        freed, host_free, victims = 0, self._host_room() + host_extra, []
         for r in order:
             if freed >= short:
                 break
