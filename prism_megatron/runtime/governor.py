@@ -350,7 +350,8 @@ class MemoryGovernor:
                 sizes.append([self._peak_so_far(r) for r in ranks if r in self.ranks] or [0])
             else:
                 sizes.append([self.unknown_bound(mem.capacity, r) for r in ranks])
-        fits, message = swap_host_need(sizes, [m.capacity for m in self.memory], budget, measured=measured)
+        fits, message = swap_host_need(sizes, [m.capacity for m in self.memory], budget, measured=measured,
+                                       whole_state=self.memory[0].swapper.whole_state)
         lines = [message] + ([] if fits or not measured else [HOST_LIMIT_HINT])
         if measured:
             self.host_need = message

@@ -33,6 +33,7 @@ class SwapUnavailable(RuntimeError):
 
 class Swapper(Protocol):
     name: str
+    whole_state: bool  # a swap moves all the rank holds on the device, not only the blocks in use
 
     def checkpoint(self, rank: int, pid: int) -> None: ...
 
@@ -56,6 +57,7 @@ class InProcessSwapper:
     """
 
     name = "inprocess"
+    whole_state = False
 
     def __init__(self, space: SwapSpace, exchange: Callable[[int, dict], dict], context: int = 0) -> None:
         self.space = space
@@ -144,6 +146,7 @@ class BudgetSwapper:
     """
 
     name = "budget"
+    whole_state = True
 
     def __init__(self, capacity: int, device: FakeDevice | None = None) -> None:
         self.capacity = capacity
@@ -181,6 +184,7 @@ class CudaCheckpointSwapper:
     """`cuCheckpointProcess{Lock,Checkpoint,Restore,Unlock}` through `cuda.bindings.driver`."""
 
     name = "checkpoint"
+    whole_state = True
 
     def __init__(self, lock_timeout_ms: int = 0) -> None:
         try:
