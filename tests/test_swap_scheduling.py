@@ -130,6 +130,18 @@ def test_a_swapped_out_rank_that_fits_comes_back_first_so_its_host_memory_takes_
     moved = list(sw3.log)
     assert not mem3.make_resident(0, 60 * GIB, [1], pids, lambda r: r)
     assert sw3.log == moved and mem3.swapped == {0} and mem3.resident == {1}
+    assert mem3.held_out(0) is None  # its 8 GiB fit beside rank 1: it is kept out by the budget alone
+    # the H200 run's second hang: rank 1 out with 96.6 GiB in host memory, rank 0 resident with 96.7 GiB
+    mem4, _ = _device(140, {})
+    for r, f in ((1, 98918), (0, 99021)):
+        mem4.report(r, f * mib)
+    mem4.host = HostBudget(100 * GIB)
+    mem4.swap_out(1, pids[1])
+    assert not mem4.make_resident(1, 98918 * mib, [0], pids, lambda r: r)
+    why = mem4.held_out(1)
+    assert "rank 1 is out, its state taking 96.6 GiB of host memory" in why and "cannot come back first" in why
+    assert "--swap inprocess copies only the blocks in use" in why
+    assert mem4.kept_in([0]) == [(0, 99021 * mib)]
 
 
 def test_a_rank_without_cuda_state_is_never_evicted_and_is_admitted_with_room_for_its_need():

@@ -190,9 +190,12 @@ def format_hang_report(ranks: dict[int, RankState], groups: GroupTable, governor
             lines.append(f"  rank {g.rank}: needs {need / 2**30:.1f} GiB ({why}) on "
                          f"{governor.device_names[g.device]}; {m.used() / 2**30:.1f} of {m.capacity / 2**30:.1f} GiB "
                          f"resident ({_fmt_ranks(sorted(m.resident))})")
-            for r, host_bytes in m.kept_in(governor._evictable(g.device, exclude=g.rank)):
+            kept = m.kept_in(governor._evictable(g.device, exclude=g.rank))
+            for r, host_bytes in kept:
                 lines.append(f"    rank {r} stays: its swap out needs {host_bytes / 2**30:.1f} GiB of host memory, "
                              f"{m.host.free() / 2**30:.1f} GiB are left")
+            if kept and (why := m.held_out(g.rank)):
+                lines.append(f"    {why}")
         host = mem[0].host
         if host is not None:
             lines.append(f"  host memory for checkpointed GPU state: {(host.capacity - host.free()) / 2**30:.1f} of "

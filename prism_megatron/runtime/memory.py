@@ -302,6 +302,24 @@ class DeviceMemory:
         seen = {r: self.host_need_seen.get(r, self.footprint.get(r, 0)) for r in evictable if self._victim(r)}
         return [(r, n) for r, n in seen.items() if n > self.host.free()]
 
+    def held_out(self, rank: int) -> str | None:
+        """Why a swapped-out ``rank`` that waits for room keeps its host memory (for the hang report), or
+        None: it is not out, or holds none, or could come back first (make_resident)."""
+        if self.host is None or rank not in self.swapped or not self.host.held.get(rank):
+            return None
+        free = self.capacity - sum(self.charge(r) for r in self._charged() if r != rank)
+        state = self.footprint.get(rank, 0)
+        if state <= free:
+            return None
+        gib = lambda b: f"{b / 2**30:.1f} GiB"  # noqa: E731
+        line = (f"rank {rank} is out, its state taking {gib(self.host.held[rank])} of host memory until it comes "
+                f"back, and it cannot come back first ({gib(state)} beside the residents' {gib(self.capacity - free)} "
+                f"do not fit {gib(self.capacity)}): a switch needs its state and theirs in host memory at once")
+        if self.swapper.whole_state:
+            line += ("; the checkpoint API moves all a rank holds on the device, --swap inprocess copies only the "
+                     "blocks in use")
+        return line
+
     def _out(self, rank: int, pid: int) -> None:
         dt = timed(self.swapper.checkpoint, rank, pid)
         s = self.stats[rank]
