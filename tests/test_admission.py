@@ -102,8 +102,40 @@ def test_a_switch_between_two_ranks_that_never_fit_together_holds_both_states_in
     # whole ranks: for a rank of 50 coming in to 130 GiB beside 50, 50 and 20, 40 must leave: a rank of 50
     fits, msg = swap_host_need([[50 * GIB, 50 * GIB, 50 * GIB, 20 * GIB]], 130 * GIB, 95 * GIB)
     assert not fits and "needs 100.0 GiB to 170.0 GiB" in msg
+    # a rank larger than the device alone (refused elsewhere): the others all out beside it, no error here
+    assert "needs 160.0 GiB to 160.0 GiB" in swap_host_need([[150 * GIB, 10 * GIB]], 140 * GIB, 100 * GIB)[1]
     with pytest.raises(ValueError, match="2 devices' footprints but 1 capacities"):
         swap_host_need([[1], [1]], [5], None)
+
+
+def test_at_start_the_host_need_is_judged_by_prisms_estimates_where_every_rank_has_one():
+    """Issue 18's shape: two ranks estimated at 98.4 GiB each on one H200. Before anything is measured the
+    bound (the device) says only "may need up to"; with prism's estimates the start already says that a
+    switch under checkpoint swaps needs both states in host memory, more than a 100 GiB budget (the H200
+    run learned it by hanging after 274 s)."""
+    from prism_megatron.runtime.governor import ESTIMATE_HEADROOM, MemoryGovernor
+    from prism_megatron.runtime.groups import GroupTable
+    from prism_megatron.runtime.slots import SlotScheduler
+    from prism_megatron.runtime.staging import CONTEXT_BYTES
+
+    def governor(estimates: dict[int, int], whole: bool) -> MemoryGovernor:
+        g = MemoryGovernor(2, {}, SlotScheduler(1, 1), GroupTable(), ["cuda:0"], lambda *a: None, lambda *a: None)
+        swapper = BudgetSwapper(140 * GIB)
+        swapper.whole_state = whole
+        g.enable_swap(swapper, [140 * GIB], host_capacity=100 * GIB)
+        g.configure_admission({}, None, estimates)
+        return g
+
+    est = int(98.4 * GIB)
+    lines = governor({0: est, 1: est}, whole=True).say_host_need()
+    bound = 2 * (int(est * ESTIMATE_HEADROOM) + CONTEXT_BYTES) / GIB  # each rank's room before it is measured
+    assert f"may need up to {bound:.1f} GiB" in lines[0] and "judged again after iteration 1" in lines[0]
+    need = 2 * (est + CONTEXT_BYTES) / GIB
+    assert f"needs {need:.1f} GiB to {need:.1f} GiB of host memory (from prism's memory estimates)" in lines[1]
+    assert "less than the least a switch holds" in lines[1] and "--swap inprocess" in lines[2]
+    lines = governor({0: est, 1: est}, whole=False).say_host_need()
+    assert "in-process swaps copy only the blocks in use" in lines[1] and len(lines) == 2
+    assert len(governor({0: est}, whole=True).say_host_need()) == 1  # rank 1 has no estimate: the bound alone
 
 
 # ---- random schedules through the coordinator --------------------------------------------------------

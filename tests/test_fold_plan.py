@@ -266,6 +266,22 @@ def test_memory_refusal_says_what_would_fit():
     assert none["fits"] is None and "no vocabulary" in none["why"]
 
 
+def test_the_plan_says_what_a_swap_switch_holds_in_host_memory():
+    """4 live ranks of 60 GiB on one 140 GiB device: 100 GiB spill, which 146 GiB of host memory hold. But under the
+    checkpoint API a rank coming in is still out while two whole ranks leave for it: 180 GiB at once, so the plan
+    says it does not fit; in-process swaps copy only the blocks in use, so there it is judged swap by swap."""
+    plan = build_fold_plan(TargetLayout(world_size=16, tp=2, pp=2, num_layers=4), "replica")
+    estimate = {"source": "prism", "classes": {"first": {"total": 60 * GiB}, "last": {"total": 60 * GiB}}}
+    ck = _memory(plan, estimate, ["0"], 140.0, 150.0, "checkpoint")
+    assert ck["fits"] is False
+    assert "needs 180.0 GiB to 240.0 GiB of host memory (from prism's memory estimates)" in ck["why"]
+    assert "less than the least a switch holds" in ck["swap_host"]
+    inproc = _memory(plan, estimate, ["0"], 140.0, 150.0, "inprocess")
+    assert inproc["fits"] is True and "judged swap by swap" in inproc["swap_host"]
+    assert _memory(plan, estimate, ["0"], 140.0, 300.0, "checkpoint")["fits"] is True
+    assert "swap_host" not in _memory(plan, estimate, ["0", "1"], 140.0, 150.0, "checkpoint")  # no spill, no swaps
+
+
 def test_a_rank_over_the_target_cap_runs_to_its_oom_verdict_where_the_cap_is_below_the_device():
     """A class whose estimate exceeds the emulating device but also the target's cap is stopped at the cap by the
     allocator (memory.probe): it holds at most the cap here, so the plan runs it to a predicted OOM instead of

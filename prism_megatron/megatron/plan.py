@@ -41,7 +41,8 @@ __all__ = ["PLAN_JSON_VERSION", "PlanError", "Plan", "make_plan", "plan_json", "
 # capture.not_captured (a serial run captures every class past a predicted OOM)
 # 7: capture.second_pass (serial: at_most, the captures SECOND_PASS_RULE may add; counted, those in time.seconds),
 # time.captures
-PLAN_JSON_VERSION = 7
+# 8: memory.swap_host (swaps: what a switch holds in host memory against the budget, runtime.hostplan)
+PLAN_JSON_VERSION = 8
 # per class (memory.classes, memory.per_rank: the most of a live rank), Megatron's formula under memory.megatron
 GiB = 1 << 30
 #: Host memory of one live rank's process besides its GPU state (Python, torch, Megatron, the
@@ -169,6 +170,16 @@ def _memory(fold: FoldPlan, estimate: dict[str, Any], devices: list[str], device
     need_host = n * RANK_PROCESS_HOST_BYTES + spill
     fits = per_rank <= per_device and spill <= max(0, swap_room)
     out.update(gpu_needed=gpu_need, devices_total=gpu_have, per_device=per_device, host_needed=need_host, fits=fits)
+    if swap != "none" and spill > 0:  # swaps: what a switch holds in host memory (runtime.hostplan)
+        from prism_megatron.runtime.hostplan import swap_host_need
+
+        live = sorted(fold.live)
+        sizes = [[held[r] for i, r in enumerate(live) if i % len(devices) == d] or [0] for d in range(len(devices))]
+        host_fits, out["swap_host"] = swap_host_need(sizes, per_device, max(0, swap_room),
+                                                     whole_state=_whole_state_swaps(swap),
+                                                     basis="prism's memory estimates")
+        if not host_fits and per_rank <= per_device:
+            out.update(fits=False, why=out["swap_host"])
     if per_rank > per_device:
         if cap is not None and need[heaviest] > cap:  # over the cap, and the cap is over the device
             out["why"] = (f"a sandbox rank of class {heavy_class} needs {need[heaviest] / GiB:.1f} GiB (prism's "
@@ -188,6 +199,14 @@ def _memory(fold: FoldPlan, estimate: dict[str, Any], devices: list[str], device
                       f"{'' if swap != 'none' else ' (swap is off)'}: use at least {devices_needed} device(s) of "
                       f"{per_device / GiB:.0f} GiB (--prism-devices)")
     return out
+
+
+def _whole_state_swaps(swap: str) -> bool:
+    """Whether ``--prism-swap swap`` moves all a rank holds on the device (the checkpoint API and its stand-in),
+    not only the blocks in use (in-process swaps, what ``auto`` takes where they can run)."""
+    from prism_megatron.launcher.config import inprocess_available
+
+    return swap in ("checkpoint", "budget", "budget-auto") or (swap == "auto" and not inprocess_available())
 
 
 def _time(fold: FoldPlan, args: Any, vocab: int | None, iterations: int | None, devices: list[str]) -> dict[str, Any]:
@@ -532,6 +551,8 @@ def render_plan(plan: Plan, console: Any) -> None:
         mem.add_row("GPU, sandbox", _gib(m.get("gpu_needed")), _gib(m.get("devices_total")))
     mem.add_row("host RAM", _gib(m.get("host_needed")), _gib(m.get("host_available")))
     console.print(mem)
+    if m.get("swap_host"):
+        console.print(f"swaps: {m['swap_host']}")
     verdict = {True: "[bold green]fits[/bold green]", False: "[bold red]does not fit[/bold red]",
                None: "[bold yellow]not checked[/bold yellow]"}
     c = plan.capture

@@ -350,14 +350,27 @@ class MemoryGovernor:
                 sizes.append([self._peak_so_far(r) for r in ranks if r in self.ranks] or [0])
             else:
                 sizes.append([self.unknown_bound(mem.capacity, r) for r in ranks])
-        fits, message = swap_host_need(sizes, [m.capacity for m in self.memory], budget, measured=measured,
-                                       whole_state=self.memory[0].swapper.whole_state)
+        caps, whole = [m.capacity for m in self.memory], self.memory[0].swapper.whole_state
+        fits, message = swap_host_need(sizes, caps, budget, measured=measured, whole_state=whole)
         lines = [message] + ([] if fits or not measured else [HOST_LIMIT_HINT])
+        if not measured and (expected := self._estimated_peaks()) is not None:  # a prediction, before any bound
+            fits, message = swap_host_need(expected, caps, budget, whole_state=whole, basis="prism's memory estimates")
+            lines += [message] + ([] if fits else [HOST_LIMIT_HINT])
         if measured:
             self.host_need = message
             for line in lines:
                 print(f"prism: {line}", file=sys.stderr, flush=True)
         return lines
+
+    def _estimated_peaks(self) -> list[list[int]] | None:
+        """Per device, each running rank's peak by prism's estimate of its class plus the context, or None
+        where some rank has no estimate."""
+        from prism_megatron.runtime.staging import CONTEXT_BYTES
+
+        if any(r not in self.estimates for r in self._running()):
+            return None
+        return [[self.estimates[r] + CONTEXT_BYTES for r in self._running() if self.slots.device_of(r) == d] or [0]
+                for d in range(len(self.memory))]
 
     def physical_oom(self, rank: int, msg: dict) -> str:
         """A rank found its device full while under its own cap: the report that ends the job, saying

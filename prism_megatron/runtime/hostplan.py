@@ -26,13 +26,14 @@ EXACT_SUBSETS = 16  # ranks per device up to which whole-rank subsets are enumer
 
 def _least_subset_sum(sizes: Sequence[int], at_least: int) -> int:
     """The smallest sum of whole entries of ``sizes`` that reaches ``at_least`` (``at_least`` itself where
-    there are too many to enumerate: still a lower bound)."""
+    there are too many to enumerate: still a lower bound; all of them where none does, a rank larger than
+    the device alone, which the caller refuses on its own terms)."""
     if len(sizes) >= EXACT_SUBSETS:
         return at_least
     sums = {0}
     for s in sizes:
         sums |= {x + s for x in sums}
-    return min(x for x in sums if x >= at_least)
+    return min((x for x in sums if x >= at_least), default=sum(sizes))
 
 
 def swapped_out_bounds(footprints: Sequence[Sequence[int]], capacities: Sequence[int]) -> tuple[int, int]:
@@ -52,13 +53,15 @@ def swapped_out_bounds(footprints: Sequence[Sequence[int]], capacities: Sequence
 
 
 def swap_host_need(footprints: Sequence[Sequence[int]], capacities: Sequence[int] | int,
-                   host_budget: int | None, measured: bool = True, whole_state: bool = True) -> tuple[bool, str]:
+                   host_budget: int | None, measured: bool = True, whole_state: bool = True,
+                   basis: str = "peaks measured by iteration 1") -> tuple[bool, str]:
     """Whether swapped-out state fits ``host_budget`` bytes (None: not limited), and a message.
 
     ``footprints``: per device, each rank's peak (bytes); ``capacities``: each device's bytes (one
     figure for all). ``measured``: the footprints are measured peaks; otherwise bounds, of which only
     the most that may be out means something. ``whole_state``: a swap moves all a rank holds on the
     device (the checkpoint API); otherwise only the blocks in use, fewer bytes, known as it happens.
+    ``basis``: where peaks that are not bounds come from, for the message (measured, or prism's estimates).
     Returns (fits, message); with measured peaks, fits is False only when even the least a switch holds
     exceeds the budget, and never where swaps copy only the blocks in use.
     """
@@ -77,7 +80,7 @@ def swap_host_need(footprints: Sequence[Sequence[int]], capacities: Sequence[int
         if host_budget >= most:
             return True, f"{need}: fits the host budget of {gib(host_budget)}"
         return False, f"{need}, more than the host budget of {gib(host_budget)} (judged again after iteration 1)"
-    what = "peaks measured by iteration 1"
+    what = basis
     if least == most == 0:
         return True, f"every rank's state fits its device by {what}: no swaps, no host memory needed"
     need = f"swapped-out state needs {gib(least)} to {gib(most)} of host memory (from {what})"
