@@ -35,11 +35,14 @@ def _until(table: pa.Table, column: str, cut: dict[int, float]) -> pa.Table:
 
 
 def timed_iterations(trace) -> dict[int, bool] | None:
-    """Per iteration (1, 2, ... in order), whether every rank's has measured host/GPU times (None: a
-    trace of ranks on CPUs, which has none). What the report's per-iteration basis and the live note say.
+    """Per iteration (1, 2, ... in order), whether every rank's has measured host/GPU times over all its
+    compute (None: a trace of ranks on CPUs, which has none). What the report's per-iteration basis and
+    the live note say.
 
     On a GPU an iteration's times normally arrive at its own end (runtime.gpu_timing); set-up and the
-    first iterations, and the first profiled one where it waits for the next, are on one clock.
+    first iterations, and the first profiled one where it waits for the next, are on one clock. An
+    iteration whose rows cover only part of its compute (segments lost) is not timed either: the replay
+    runs the rest on one clock (replay.gpu_segments), where every op the host waits for is exposed.
     """
     if not trace.gpu.num_rows and not any(str(r.get("device", "")).startswith("cuda")
                                           for r in trace.manifest.get("ranks", [])):
@@ -48,15 +51,25 @@ def timed_iterations(trace) -> dict[int, bool] | None:
     for m in trace.marks.filter(pc.equal(trace.marks["name"], "iteration")).to_pylist():
         clocks.setdefault(m["rank"], []).append(m["compute_clock"])
     windows = {r: [(c[i] - 1e-9, c[i + 1] + 1e-9) for i in range(0, len(c) - 1, 2)] for r, c in clocks.items()}
-    timed: dict[int, set[int]] = {}  # one pass over the rows: this runs in the coordinator, between iterations
+    covered: dict[tuple[int, int], float] = {}  # one pass over the rows: this runs in the coordinator
     for rank, start, end in zip(trace.gpu["rank"].to_pylist(), trace.gpu["clock_start"].to_pylist(),
                                 trace.gpu["clock_end"].to_pylist(), strict=True):
         for k, (a, b) in enumerate(windows.get(rank, ())):
             if a <= start and end <= b:
-                timed.setdefault(k + 1, set()).add(rank)
+                covered[rank, k + 1] = covered.get((rank, k + 1), 0.0) + end - start
                 break
+
+    def whole(rank: int, k: int) -> bool:
+        a, b = windows[rank][k - 1]
+        return (rank, k) in covered and covered[rank, k] >= (b - a) * (1 - COVERED) - 2e-9
+
     count = min((len(w) for w in windows.values()), default=0)
-    return {k: timed.get(k, set()) == set(windows) for k in range(1, count + 1)}
+    return {k: all(whole(r, k) for r in windows) for k in range(1, count + 1)}
+
+
+#: Share of an iteration's compute clock its rows may leave uncovered and the iteration still count as timed
+#: (the clocks are running sums: their rounding, not lost segments).
+COVERED = 1e-3
 
 
 def basis(timed: bool | None) -> str:
@@ -64,7 +77,7 @@ def basis(timed: bool | None) -> str:
     if timed is None:
         return "compute on one clock (no GPU timing)"
     return ("host and GPU time measured (host: median over like iterations so far and like ranks)" if timed
-            else "one clock (no host and GPU time measured for this iteration, or not yet)")
+            else "one clock (no host and GPU time measured for all of this iteration, or not yet)")
 
 
 def predict_iteration(trace_dir: str | Path, iteration: int, cluster: str | None = None) -> tuple[float | None, str]:
