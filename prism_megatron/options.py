@@ -91,8 +91,9 @@ class JobOptions:
     runs on this host); 0.0.0.0 (every interface) or a host address only for ranks on other hosts."""
 
     staging: Literal["auto", "pageable"] = "auto"
-    """GPU ranks' staging memory for collectives: 'auto' page-locks it (faster copies between the GPU
-    and the coordinator); 'pageable' does not."""
+    """GPU ranks' staging memory for collectives, and the host region in-process swaps copy through: 'auto'
+    page-locks them (faster copies between the GPU and the coordinator or the region; the region in 1 GiB
+    granules as a rank's swaps first reach them, held until the rank ends); 'pageable' does not."""
 
 
 @dataclass

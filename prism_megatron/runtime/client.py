@@ -100,6 +100,7 @@ class RankClient:
         # page-locked staging (--staging auto on GPUs, set by the launcher): registered at the first op on
         # CUDA tensors, on the rank's own thread (runtime.shm)
         self._pin_pending = os.environ.get("PRISM_PAGE_LOCK") == "1"
+        self._pin_swaps = self._pin_pending  # and the host region its swaps copy through, as they reach it
         self._send({"t": P.HELLO, "rank": rank, "world_size": world_size, "pid": os.getpid()})
         self._receiver = threading.Thread(target=self._receive_loop, name="prism-receiver", daemon=True)
         self._receiver.start()
@@ -513,13 +514,22 @@ class RankClient:
             if self._region is None:
                 self._region = HostRegion(os.environ[SWAP_REGION_ENV])
             at = self._region.address(msg["offset"], msg["nbytes"])
+            pinned = {}
+            if self._pin_swaps:
+                from prism_megatron.runtime.staging import cuda_pin
+
+                failed = self._region.pin_error
+                register = lambda a, n: cuda_pin(a, n, "the swap region")  # noqa: E731
+                pinned["pin_s"] = self._region.pin(msg["offset"], msg["nbytes"], register)
+                if failed is None and self._region.pin_error is not None:  # said once
+                    pinned["pin_error"] = self._region.pin_error
             if msg["op"] == "out":
                 done = self.segments.swap_out(at, msg["nbytes"])
             else:
                 done = self.segments.swap_in(at)
                 self._write_held()
             return {"ok": True, "bytes": done.nbytes, "copied": done.copied, "copy_s": done.copy_s,
-                    "map_s": done.map_s, "seconds": time.perf_counter() - t0}
+                    "map_s": done.map_s, **pinned, "seconds": time.perf_counter() - t0}
         except VmmNoRoom as e:
             return {"ok": False, "no_room": True, "error": str(e), "seconds": time.perf_counter() - t0}
         except Exception as e:  # noqa: BLE001 - the coordinator reports it and ends the job

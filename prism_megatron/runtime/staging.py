@@ -87,12 +87,12 @@ def local_descs(tensors: list[torch.Tensor]) -> list[tuple]:
     return [(("l", nbytes(t)), P.dtype_name(t.dtype), list(t.shape)) for t in tensors]
 
 
-def cuda_pin(address: int, nbytes: int) -> Callable[[], None]:
+def cuda_pin(address: int, nbytes: int, what: str = "staging memory") -> Callable[[], None]:
     """Page-lock host memory for the copy engine (cudaHostRegister, portable); returns the undo."""
     cudart = torch.cuda.cudart()
     err = int(cudart.cudaHostRegister(address, nbytes, 1))
     if err != 0:
-        raise RuntimeError(f"cudaHostRegister of {nbytes} bytes of staging memory failed (cudaError {err}); "
+        raise RuntimeError(f"cudaHostRegister of {nbytes} bytes of {what} failed (cudaError {err}); "
                            "run with --staging pageable (--prism-staging pageable)")
     return lambda: cudart.cudaHostUnregister(address)
 

@@ -14,6 +14,7 @@ runtime.fake_device.StandInSegments).
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
@@ -67,7 +68,9 @@ class InProcessSwapper:
         self.moved: dict[int, int] = {}  # swapped-out rank -> bytes its swap moved
         self.kept: dict[int, int] = {}  # rank -> device bytes its last swap out left
         self.copied: dict[int, int] = {}  # rank -> bytes its swaps copied, out and in (blocks in use only)
-        self.split: dict[int, list[float]] = {}  # rank -> seconds its swaps spent [copying, mapping and unmapping]
+        # rank -> seconds its swaps spent [copying, mapping and unmapping, page-locking the region]
+        self.split: dict[int, list[float]] = {}
+        self.pin_error: str | None = None  # why a rank could not page-lock the region (its copies pageable)
         self.compacted: list[tuple[int, float]] = []  # the region compacted: (bytes moved, seconds), each time
 
     def _ask(self, rank: int, op: str, offset: int = 0, nbytes: int = 0) -> dict:
@@ -110,9 +113,14 @@ class InProcessSwapper:
 
     def _count(self, rank: int, reply: dict) -> None:
         self.copied[rank] = self.copied.get(rank, 0) + int(reply.get("copied", 0))
-        split = self.split.setdefault(rank, [0.0, 0.0])
+        split = self.split.setdefault(rank, [0.0, 0.0, 0.0])
         split[0] += float(reply.get("copy_s", 0.0))
         split[1] += float(reply.get("map_s", 0.0))
+        split[2] += float(reply.get("pin_s", 0.0))
+        if reply.get("pin_error") and self.pin_error is None:
+            self.pin_error = f"rank {rank}: {reply['pin_error']}"
+            print(f"prism: the swap region is not page-locked ({self.pin_error}); in-process swaps copy through "
+                  "pageable memory, slower", file=sys.stderr, flush=True)
 
     def restore(self, rank: int, pid: int) -> None:
         offset, nbytes = self.extent[rank]

@@ -16,6 +16,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 _MADV_POPULATE_WRITE = 23  # linux/mman.h
@@ -141,6 +142,11 @@ def _data_ranges(fd: int, start: int, end: int):
         at = hole
 
 
+#: Granule of a rank's page-locking of the region: registered once per process as its swaps first reach
+#: it (one range may be registered only once in a process; every rank's fall on the same granules).
+PIN_CHUNK = 1 << 30
+
+
 class HostRegion:
     """A rank's mapping of the job's region."""
 
@@ -156,6 +162,29 @@ class HostRegion:
             os.close(fd)
         self.size = size
         self.base_address = ctypes.addressof(ctypes.c_char.from_buffer(self._mm))
+        self.pinned: set[int] = set()  # PIN_CHUNK granules this process page-locked
+        self.pin_error: str | None = None  # why page-locking failed here (it is not tried again)
+
+    def pin(self, offset: int, nbytes: int, register: Callable[[int, int], object]) -> float:
+        """Page-lock the granules of [offset, offset + nbytes) not locked yet by this process, through
+        ``register(address, bytes)`` (cudaHostRegister): copies from and to locked pages run at the copy
+        engine's speed, pageable ones at the CPU's (docs/measurements.md, "In-process swaps"). Returns the
+        seconds it took. A failure is kept in ``pin_error`` and ends the locking: copies stay correct,
+        only slower, and the caller says so."""
+        t0 = time.perf_counter()
+        if self.pin_error is not None or nbytes <= 0:
+            return 0.0
+        for g in range(offset // PIN_CHUNK, (offset + nbytes - 1) // PIN_CHUNK + 1):
+            if g in self.pinned:
+                continue
+            start = g * PIN_CHUNK
+            try:
+                register(self.base_address + start, min(PIN_CHUNK, self.size - start))
+            except RuntimeError as e:
+                self.pin_error = str(e)
+                break
+            self.pinned.add(g)
+        return time.perf_counter() - t0
 
     def address(self, offset: int, nbytes: int) -> int:
         if offset < 0 or offset + nbytes > self.size:

@@ -48,7 +48,10 @@ def write_bare_trace(path: Path, job: dict, exit_codes: dict, *, world_size: int
         job["swapper"] = swapper.name  # who moved the state: runtime.swap
         if getattr(swapper, "copied", None):  # in-process swaps copy only the blocks in use
             job["swap_copied"] = {str(r): b for r, b in sorted(swapper.copied.items())}
-            job["swap_split"] = {str(r): {"copy_s": c, "map_s": m} for r, (c, m) in sorted(swapper.split.items())}
+            job["swap_split"] = {str(r): {"copy_s": c, "map_s": m, "pin_s": pin}
+                                 for r, (c, m, pin) in sorted(swapper.split.items())}
+            if swapper.pin_error is not None:
+                job["swap_page_lock_error"] = swapper.pin_error
         if getattr(swapper, "compacted", None):  # the host region's extents slid together to fit one more
             job["swap_region_compacted"] = [{"bytes": b, "seconds": t} for b, t in swapper.compacted]
         job["admission"] = dict(governor.admissions)  # turns admitted by own peak, class peak, or the bound

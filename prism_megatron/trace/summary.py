@@ -92,7 +92,7 @@ def swap_summary(swap: dict, swapper: str | None = None, copied: dict | None = N
                  split: dict | None = None) -> str | None:
     """One line on state preservation (the manifest's job.swap: per rank swaps, bytes, seconds; job.swapper
     and, for in-process swaps, job.swap_copied: the bytes of blocks in use actually copied, and job.swap_split:
-    the seconds spent copying and mapping)."""
+    the seconds spent copying, mapping and page-locking the host region)."""
     stats = [s for s in swap.values() if isinstance(s, dict)]
     if not stats:
         return None
@@ -103,8 +103,10 @@ def swap_summary(swap: dict, swapper: str | None = None, copied: dict | None = N
     if copied:
         spent = ""
         if split:
+            pin = sum(x.get("pin_s", 0.0) for x in split.values())
             spent = (f"; {sum(x.get('copy_s', 0.0) for x in split.values()):.1f} s copying, "
-                     f"{sum(x.get('map_s', 0.0) for x in split.values()):.1f} s mapping")
+                     f"{sum(x.get('map_s', 0.0) for x in split.values()):.1f} s mapping"
+                     + (f", {pin:.1f} s page-locking" if pin else ""))
         how = f" ({swapper}: {sum(copied.values()) / 2**30:.1f} GiB copied, the blocks in use{spent})"
     return (f"swaps{how}: {out} out, {into} in, {moved / 2**30:.1f} GiB moved, "
             f"{sum(s.get('seconds', 0.0) for s in stats):.1f} s swapping (most: rank {busiest}, "
@@ -117,6 +119,8 @@ def _device_lines(job: dict) -> list[str]:
     swapped = swap_summary(job.get("swap") or {}, job.get("swapper"), job.get("swap_copied"), job.get("swap_split"))
     if swapped:
         lines.append(f"  {swapped}")
+    if job.get("swap_page_lock_error"):
+        lines.append(f"  swap region not page-locked, copies pageable: {job['swap_page_lock_error']}")
     compacted = job.get("swap_region_compacted") or []
     if compacted:
         lines.append(f"  host region for swaps compacted {len(compacted)} time(s): "
