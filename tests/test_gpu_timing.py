@@ -444,12 +444,12 @@ def test_segment_rows_travel_from_ranks_to_the_trace_and_replay(tmp_path, monkey
     assert len(times) == 5 and all(0.03 <= t < 1.0 for t in times[1:])  # three 10 ms loops of host time
 
 
-def test_report_headline_is_over_timed_iterations_and_says_per_iteration_what_it_rests_on(tmp_path):
-    """Iteration 1 (set-up, allocator and autotuning warm-up) has no GPU rows: it is one-clock wall time,
-    listed with its basis but left out of the headline median, which is of the iterations measured on
-    two clocks; the live note of an iteration says the same basis as the report's entry for it."""
-    from prism_megatron.report.build import build_report
-    from prism_megatron.report.live import predict_iteration
+_BOUNDS = ((0.0, 2.0), (2.0, 2.5), (2.5, 3.0), (3.0, 3.5))  # compute clock of each iteration; an op in each
+
+
+def _four_iterations(path, gpu: list[dict]):
+    """A one-rank GPU trace of four iterations on the compute clocks ``_BOUNDS``, an all-reduce in each, with
+    ``gpu`` rows."""
     from prism_megatron.trace import write_trace
 
     manifest = {"world_size": 1, "groups": [{"id": 0, "name": "w", "ranks": [0], "backend": "nccl"}],
@@ -458,13 +458,22 @@ def test_report_headline_is_over_timed_iterations_and_says_per_iteration_what_it
             "dtype": "torch.float32", "shapes": [[1]], "reduce_op": "sum", "async_op": False, "t_issue": t,
             "t_complete": t, "compute_before": c, "label": ""}
            for i, (t, c) in enumerate(((1.0, 1.0), (2.25, 1.25), (2.75, 0.5), (3.25, 0.5)))]
-    bounds = ((0.0, 2.0), (2.0, 2.5), (2.5, 3.0), (3.0, 3.5))  # compute clock of each iteration; an op in each
     marks = [{"rank": 0, "name": "iteration", "phase": ph, "t": c, "compute_clock": c,
               "attrs": {"iteration": k + 1} if ph == "B" else {}}
-             for k, (b, e) in enumerate(bounds) for ph, c in (("B", b), ("E", e))]
+             for k, (b, e) in enumerate(_BOUNDS) for ph, c in (("B", b), ("E", e))]
+    return write_trace(path, manifest, ops, marks=marks, gpu=gpu)
+
+
+def test_report_headline_is_over_timed_iterations_and_says_per_iteration_what_it_rests_on(tmp_path):
+    """Iteration 1 (set-up, allocator and autotuning warm-up) has no GPU rows: it is one-clock wall time,
+    listed with its basis but left out of the headline median, which is of the iterations measured on
+    two clocks; the live note of an iteration says the same basis as the report's entry for it."""
+    from prism_megatron.report.build import build_report
+    from prism_megatron.report.live import predict_iteration
+
     gpu = [{"rank": 0, "clock_start": a, "clock_end": z, "cpu": 0.05, "gpu": g / 2, "syncs": []}
-           for (b, e), g in zip(bounds[1:], (0.3, 0.4, 0.2), strict=True) for a, z in ((b, b + 0.25), (b + 0.25, e))]
-    path = write_trace(tmp_path / "t", manifest, ops, marks=marks, gpu=gpu)
+           for (b, e), g in zip(_BOUNDS[1:], (0.3, 0.4, 0.2), strict=True) for a, z in ((b, b + 0.25), (b + 0.25, e))]
+    path = _four_iterations(tmp_path / "t", gpu)
     pred = build_report(path)["prediction"]
     assert pred["iteration_times_s"] == [pytest.approx(2.0), pytest.approx(0.3), pytest.approx(0.4),
                                          pytest.approx(0.2)]
@@ -484,21 +493,11 @@ def test_an_iteration_whose_rows_cover_part_of_its_compute_is_not_timed(tmp_path
     with the one-clock basis and left out of the headline, like one without rows."""
     from prism_megatron.report.build import build_report
     from prism_megatron.report.live import timed_iterations
-    from prism_megatron.trace import read_trace, write_trace
+    from prism_megatron.trace import read_trace
 
-    manifest = {"world_size": 1, "groups": [{"id": 0, "name": "w", "ranks": [0], "backend": "nccl"}],
-                "ranks": [{"rank": 0, "exit_code": 0, "device": "cuda:0"}]}
-    ops = [{"rank": 0, "index": i, "kind": "all_reduce", "group": 0, "seq": i, "peer": -1, "root": -1, "bytes": 4,
-            "dtype": "torch.float32", "shapes": [[1]], "reduce_op": "sum", "async_op": False, "t_issue": t,
-            "t_complete": t, "compute_before": c, "label": ""}
-           for i, (t, c) in enumerate(((1.0, 1.0), (2.25, 1.25), (2.75, 0.5), (3.25, 0.5)))]
-    bounds = ((0.0, 2.0), (2.0, 2.5), (2.5, 3.0), (3.0, 3.5))
-    marks = [{"rank": 0, "name": "iteration", "phase": ph, "t": c, "compute_clock": c,
-              "attrs": {"iteration": k + 1} if ph == "B" else {}}
-             for k, (b, e) in enumerate(bounds) for ph, c in (("B", b), ("E", e))]
     halves = [(2.0, 2.25), (2.25, 2.5), (2.5, 2.75), (3.0, 3.25), (3.25, 3.5)]  # iteration 3's second half lost
     gpu = [{"rank": 0, "clock_start": a, "clock_end": z, "cpu": 0.05, "gpu": 0.1, "syncs": []} for a, z in halves]
-    path = write_trace(tmp_path / "t", manifest, ops, marks=marks, gpu=gpu)
+    path = _four_iterations(tmp_path / "t", gpu)
     assert timed_iterations(read_trace(path)) == {1: False, 2: True, 3: False, 4: True}
     pred = build_report(path)["prediction"]
     assert pred["iteration_bases"][2].startswith("one clock")
