@@ -280,6 +280,11 @@ def test_the_plan_says_what_a_swap_switch_holds_in_host_memory():
     assert inproc["fits"] is True and "judged swap by swap" in inproc["swap_host"]
     assert _memory(plan, estimate, ["0"], 140.0, 300.0, "checkpoint")["fits"] is True
     assert "swap_host" not in _memory(plan, estimate, ["0", "1"], 140.0, 150.0, "checkpoint")  # no spill, no swaps
+    # on two 100 GiB devices, as the launcher places them (contiguous blocks): the first stage's ranks 0, 1 (80 GiB
+    # each) on one, never together, a switch holding both; the last stage's 8, 9 (40 each) fit the other
+    uneven = {"source": "prism", "classes": {"first": {"total": 80 * GiB}, "last": {"total": 40 * GiB}}}
+    two = _memory(plan, uneven, ["0", "1"], 100.0, 300.0, "checkpoint")
+    assert "needs 160.0 GiB to 160.0 GiB" in two["swap_host"]  # placed 0, 8 | 1, 9 it would be 120 on each
 
 
 def test_a_rank_over_the_target_cap_runs_to_its_oom_verdict_where_the_cap_is_below_the_device():

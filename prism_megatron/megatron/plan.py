@@ -173,8 +173,9 @@ def _memory(fold: FoldPlan, estimate: dict[str, Any], devices: list[str], device
     if swap != "none" and spill > 0:  # swaps: what a switch holds in host memory (runtime.hostplan)
         from prism_megatron.runtime.hostplan import swap_host_need
 
-        live = sorted(fold.live)
-        sizes = [[held[r] for i, r in enumerate(live) if i % len(devices) == d] or [0] for d in range(len(devices))]
+        live = sorted(fold.live)  # on devices in contiguous blocks, as the launcher places them (device_of)
+        sizes = [[held[r] for i, r in enumerate(live) if i * len(devices) // len(live) == d] or [0]
+                 for d in range(len(devices))]
         host_fits, out["swap_host"] = swap_host_need(sizes, per_device, max(0, swap_room),
                                                      whole_state=_whole_state_swaps(swap),
                                                      basis="prism's memory estimates")
