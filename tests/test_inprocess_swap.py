@@ -255,13 +255,13 @@ def test_a_rank_page_locks_the_region_granules_its_swaps_reach_once_and_says_why
     from prism_megatron.runtime.swap_space import PIN_CHUNK
     from prism_megatron.trace.summary import _device_lines
 
-    space = SwapSpace(3 * PIN_CHUNK + PIN_CHUNK // 2)  # sparse: no pages are made
+    space = SwapSpace(3 * PIN_CHUNK + PIN_CHUNK // 2 - 100)  # sparse: no pages are made; not whole pages
     region = HostRegion(space.path_for_ranks)
     calls = []
     region.pin(PIN_CHUNK - 10, 20, lambda a, n: calls.append((a - region.base_address, n)))
     region.pin(PIN_CHUNK, PIN_CHUNK, lambda a, n: calls.append((a - region.base_address, n)))  # granule 1: done
     region.pin(3 * PIN_CHUNK + 5, 10, lambda a, n: calls.append((a - region.base_address, n)))
-    assert calls == [(0, PIN_CHUNK), (PIN_CHUNK, PIN_CHUNK), (3 * PIN_CHUNK, PIN_CHUNK // 2)]  # last one partial
+    assert calls == [(0, PIN_CHUNK), (PIN_CHUNK, PIN_CHUNK), (3 * PIN_CHUNK, PIN_CHUNK // 2)]  # last: to its page end
 
     def refuse(a: int, n: int, what: str = "") -> None:
         raise RuntimeError("cudaHostRegister of 1073741824 bytes of the swap region failed (cudaError 1)")

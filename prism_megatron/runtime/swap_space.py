@@ -178,8 +178,9 @@ class HostRegion:
             if g in self.pinned:
                 continue
             start = g * PIN_CHUNK
+            mapped = -(-self.size // mmap.PAGESIZE) * mmap.PAGESIZE  # whole pages: the region's last one too
             try:
-                register(self.base_address + start, min(PIN_CHUNK, self.size - start))
+                register(self.base_address + start, min(PIN_CHUNK, mapped - start))
             except RuntimeError as e:
                 self.pin_error = str(e)
                 break
