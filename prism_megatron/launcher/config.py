@@ -285,18 +285,26 @@ class LaunchConfig:
 
     @property
     def swapper(self) -> str:
-        """inprocess (the rank moves its allocator's segments, runtime.vmm), cuda (the driver's process
-        checkpoint API), or a stand-in of either (budget-inprocess, budget). auto takes inprocess where
-        this torch and cuda-bindings offer it."""
-        if self.swap.startswith("budget"):
-            return "budget-inprocess" if self.swap == "budget-inprocess" else "budget"
-        if self.swap == "inprocess" or (self.swap == "auto" and self.on_gpu and inprocess_available()):
-            return "inprocess"
-        return "cuda"
+        return swapper_for(self.swap, self.on_gpu)
 
     @property
     def swaps_in_process(self) -> bool:
-        return self.swapper in ("inprocess", "budget-inprocess")
+        return self.swapper in IN_PROCESS_SWAPPERS
+
+
+#: Swappers whose ranks move only their allocator's blocks in use; the others move all a rank holds.
+IN_PROCESS_SWAPPERS = ("inprocess", "budget-inprocess")
+
+
+def swapper_for(swap: str, on_gpu: bool) -> str:
+    """Who moves ranks' state under ``--swap swap``: inprocess (the rank moves its allocator's segments,
+    runtime.vmm), cuda (the driver's process checkpoint API), or a stand-in of either (budget-inprocess,
+    budget). auto takes inprocess where this torch and cuda-bindings offer it."""
+    if swap.startswith("budget"):
+        return "budget-inprocess" if swap == "budget-inprocess" else "budget"
+    if swap == "inprocess" or (swap == "auto" and on_gpu and inprocess_available()):
+        return "inprocess"
+    return "cuda"
 
 
 @functools.lru_cache(maxsize=1)

@@ -171,13 +171,14 @@ def _memory(fold: FoldPlan, estimate: dict[str, Any], devices: list[str], device
     fits = per_rank <= per_device and spill <= max(0, swap_room)
     out.update(gpu_needed=gpu_need, devices_total=gpu_have, per_device=per_device, host_needed=need_host, fits=fits)
     if swap != "none" and spill > 0:  # swaps: what a switch holds in host memory (runtime.hostplan)
+        from prism_megatron.launcher.config import IN_PROCESS_SWAPPERS, swapper_for
         from prism_megatron.runtime.hostplan import swap_host_need
 
         live = sorted(fold.live)  # on devices in contiguous blocks, as the launcher places them (device_of)
         sizes = [[held[r] for i, r in enumerate(live) if i * len(devices) // len(live) == d] or [0]
                  for d in range(len(devices))]
         host_fits, out["swap_host"] = swap_host_need(sizes, per_device, max(0, swap_room),
-                                                     whole_state=_whole_state_swaps(swap),
+                                                     whole_state=swapper_for(swap, True) not in IN_PROCESS_SWAPPERS,
                                                      basis="prism's memory estimates")
         if not host_fits and per_rank <= per_device:
             out.update(fits=False, why=out["swap_host"])
@@ -200,14 +201,6 @@ def _memory(fold: FoldPlan, estimate: dict[str, Any], devices: list[str], device
                       f"{'' if swap != 'none' else ' (swap is off)'}: use at least {devices_needed} device(s) of "
                       f"{per_device / GiB:.0f} GiB (--prism-devices)")
     return out
-
-
-def _whole_state_swaps(swap: str) -> bool:
-    """Whether ``--prism-swap swap`` moves all a rank holds on the device (the checkpoint API and its stand-in),
-    not only the blocks in use (in-process swaps, what ``auto`` takes where they can run)."""
-    from prism_megatron.launcher.config import inprocess_available
-
-    return swap in ("checkpoint", "budget", "budget-auto") or (swap == "auto" and not inprocess_available())
 
 
 def _time(fold: FoldPlan, args: Any, vocab: int | None, iterations: int | None, devices: list[str]) -> dict[str, Any]:

@@ -34,6 +34,11 @@ def _until(table: pa.Table, column: str, cut: dict[int, float]) -> pa.Table:
     return table.filter(pa.array(keep, pa.bool_()))
 
 
+#: Share of an iteration's compute clock its rows may leave uncovered and the iteration still count as timed
+#: (the clocks are running sums: their rounding, not lost segments).
+COVERED = 1e-3
+
+
 def timed_iterations(trace) -> dict[int, bool] | None:
     """Per iteration (1, 2, ... in order), whether every rank's has measured host/GPU times over all its
     compute (None: a trace of ranks on CPUs, which has none). What the report's per-iteration basis and
@@ -65,11 +70,6 @@ def timed_iterations(trace) -> dict[int, bool] | None:
 
     count = min((len(w) for w in windows.values()), default=0)
     return {k: all(whole(r, k) for r in windows) for k in range(1, count + 1)}
-
-
-#: Share of an iteration's compute clock its rows may leave uncovered and the iteration still count as timed
-#: (the clocks are running sums: their rounding, not lost segments).
-COVERED = 1e-3
 
 
 def basis(timed: bool | None) -> str:

@@ -9,6 +9,7 @@ which ops it waits for, and resumes only when the coordinator grants a slot agai
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import threading
@@ -516,10 +517,10 @@ class RankClient:
             at = self._region.address(msg["offset"], msg["nbytes"])
             pinned = {}
             if self._pin_swaps:
-                from prism_megatron.runtime.staging import cuda_pin
+                from prism_megatron.runtime import staging
 
                 failed = self._region.pin_error
-                register = lambda a, n: cuda_pin(a, n, "the swap region")  # noqa: E731
+                register = functools.partial(staging.cuda_pin, what="the swap region")
                 pinned["pin_s"] = self._region.pin(msg["offset"], msg["nbytes"], register)
                 if failed is None and self._region.pin_error is not None:  # said once
                     pinned["pin_error"] = self._region.pin_error

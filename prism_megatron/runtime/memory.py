@@ -88,6 +88,15 @@ class DeviceMemory:
     def used(self) -> int:
         return sum(self.charge(r) for r in self._charged())
 
+    def _others(self, rank: int) -> int:
+        """What every rank but ``rank`` counts against the device now."""
+        return sum(self.charge(r) for r in self._charged() if r != rank)
+
+    def _fits_back(self, rank: int) -> bool:
+        """A swapped-out ``rank``'s state fits the device beside what the others count now (it may come back
+        before anyone goes out)."""
+        return self.footprint.get(rank, 0) <= self.capacity - self._others(rank)
+
     def most_for(self, rank: int) -> int:
         """The most ``rank`` can hold here with every other rank swapped out: the device less what the
         others keep when out (an in-process swap leaves the CUDA context, runtime.swap). A bound for a rank
@@ -182,14 +191,12 @@ class DeviceMemory:
         if self.pinned:  # no swaps here: ranks share the device as under --swap none (their peaks fit)
             return self._restore(rank, pids) if rank in self.swapped else True
         need = max(need, self.footprint.get(rank, 0) if rank in self.resident or rank in self.swapped else 0)
-        others = sum(self.charge(r) for r in self._charged() if r != rank)
-        short = need - (self.capacity - others)
+        short = need - (self.capacity - self._others(rank))
         victims, freed = self._victims(rank, short, evictable, completes_last)
         # Where the host budget keeps the victims in, a swapped-out rank whose state fits the device as it is
         # comes back first: its host memory is then free for theirs (otherwise a rank out with a little state
         # can keep the one resident rank, whose state needs nearly all the budget, from ever going out).
-        first = (freed < short and rank in self.swapped and self.host is not None
-                 and self.footprint.get(rank, 0) <= self.capacity - others)
+        first = freed < short and rank in self.swapped and self.host is not None and self._fits_back(rank)
         if first:
             victims, freed = self._victims(rank, short, evictable, completes_last,
                                            host_extra=self.host.held.get(rank, 0))
@@ -219,8 +226,7 @@ class DeviceMemory:
             return False
         for r in victims:
             self._out(r, pids[r])
-        others = sum(self.charge(r) for r in self._charged() if r != rank)
-        self.reserve[rank] = max(self.reserve.get(rank, 0), self.capacity - others)
+        self.reserve[rank] = max(self.reserve.get(rank, 0), self.capacity - self._others(rank))
         return True
 
     def _victims(self, rank: int, short: int, evictable: list[int],
@@ -305,16 +311,13 @@ class DeviceMemory:
     def held_out(self, rank: int) -> str | None:
         """Why a swapped-out ``rank`` that waits for room keeps its host memory (for the hang report), or
         None: it is not out, or holds none, or could come back first (make_resident)."""
-        if self.host is None or rank not in self.swapped or not self.host.held.get(rank):
-            return None
-        free = self.capacity - sum(self.charge(r) for r in self._charged() if r != rank)
-        state = self.footprint.get(rank, 0)
-        if state <= free:
+        if self.host is None or rank not in self.swapped or not self.host.held.get(rank) or self._fits_back(rank):
             return None
         gib = lambda b: f"{b / 2**30:.1f} GiB"  # noqa: E731
         line = (f"rank {rank} is out, its state taking {gib(self.host.held[rank])} of host memory until it comes "
-                f"back, and it cannot come back first ({gib(state)} beside the residents' {gib(self.capacity - free)} "
-                f"do not fit {gib(self.capacity)}): a switch needs its state and theirs in host memory at once")
+                f"back, and it cannot come back first ({gib(self.footprint.get(rank, 0))} beside the residents' "
+                f"{gib(self._others(rank))} do not fit {gib(self.capacity)}): a switch needs its state and theirs in "
+                "host memory at once")
         if self.swapper.whole_state:
             line += ("; the checkpoint API moves all a rank holds on the device, --swap inprocess copies only the "
                      "blocks in use")

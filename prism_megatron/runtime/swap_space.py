@@ -174,11 +174,11 @@ class HostRegion:
         t0 = time.perf_counter()
         if self.pin_error is not None or nbytes <= 0:
             return 0.0
+        mapped = -(-self.size // mmap.PAGESIZE) * mmap.PAGESIZE  # whole pages: the region's last one too
         for g in range(offset // PIN_CHUNK, (offset + nbytes - 1) // PIN_CHUNK + 1):
             if g in self.pinned:
                 continue
             start = g * PIN_CHUNK
-            mapped = -(-self.size // mmap.PAGESIZE) * mmap.PAGESIZE  # whole pages: the region's last one too
             try:
                 register(self.base_address + start, min(PIN_CHUNK, mapped - start))
             except RuntimeError as e:
