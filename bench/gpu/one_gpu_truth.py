@@ -15,7 +15,12 @@ without activation recompute, micro-batch 1 to 8) it runs, on GPU 0, in the orde
   under cProfile (``trace-NN-emuW-prof.launcher.prof`` beside the trace: where its set-up time goes;
   the ranks fork from it with the profiler on, so that step's prediction is shown but not scored);
 - ``probe``: ``one_gpu_probe.py``, a real run whose iteration phases test the bias candidates (the
-  profiler left attached, extra synchronisation at collectives, the device time under the profiler).
+  profiler left attached, extra synchronisation at collectives, the device time under the profiler);
+- any step with ``+gc`` (``real+gc``, ``emu1+gc``): the same with every garbage collection of every process
+  logged (``gc_census/sitecustomize.py``); the table gives the collector's milliseconds per measured iteration.
+
+A config named ``NAME+manual-gc`` is NAME with Megatron's ``--manual-gc`` (the collector off during
+training, as NVIDIA's performance recipes run): a row of its own, with its own real runs.
 
 Real runs are repeated between the emulations (``real,emu1,real,emu2,real``: the drift of the machine
 falls on both sides); a real run's own spread is the spread of its repeats' medians. Iterations 1-2
@@ -58,6 +63,7 @@ HERE = Path(__file__).resolve().parent
 PY = sys.executable
 WARMUP = 2
 TRUTH_SPREAD = 1.0  # percent: a config whose real repeats spread less is ground truth for the mean error
+_PREFIX = re.compile(r"^\[\s*([0-9.]+)s\] ")
 _ITER = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([0-9.]+)(?: \(([^|]*)\))? \|"
                    r"(?:.*?lm loss: ([0-9.E+-]+))?")
 
@@ -119,6 +125,17 @@ CONFIGS = {c.name: c for c in (
            "issue 18's shape: 24 layers h1536 seq2048, 2 micro-batches (~96 GiB)", default=False),
 )}
 DEFAULT_STEPS = ("real", "emu1", "real", "emu2", "real")
+VARIANTS = {"manual-gc": ("--manual-gc",)}  # config-name suffix -> Megatron flags added
+
+
+def config_of(name: str) -> Config:
+    """``NAME`` or ``NAME+VARIANT``: a config of CONFIGS, with the variant's flags added."""
+    base, _, variant = name.partition("+")
+    if base not in CONFIGS or (variant and variant not in VARIANTS):
+        raise SystemExit(f"no config {name!r}; configs: {', '.join(CONFIGS)}, each optionally "
+                         f"+{' / +'.join(VARIANTS)}")
+    c = CONFIGS[base]
+    return c if not variant else Config(name, c.flags + VARIANTS[variant], c.gbs, f"{c.note}; {variant}", False)
 
 
 # ----------------------------------------------------------------------------- running
@@ -141,10 +158,36 @@ def _single(port: int) -> dict[str, str]:
 
 
 def parse_log(text: str) -> dict[int, dict[str, Any]]:
-    """Megatron's iteration lines: {iteration: {"ms", "note" (prism's, if any), "loss"}}."""
+    """Megatron's iteration lines: {iteration: {"ms", "note" (prism's, if any), "loss", "at" (seconds since
+    the step began, where the log carries it)}}."""
     out = {}
-    for m in _ITER.finditer(text):
-        out[int(m.group(1))] = {"ms": float(m.group(2)), "note": m.group(3), "loss": m.group(4)}
+    for line in text.splitlines():
+        m = _ITER.search(line)
+        if m:
+            at = _PREFIX.match(line)
+            out[int(m.group(1))] = {"ms": float(m.group(2)), "note": m.group(3), "loss": m.group(4),
+                                    "at": float(at.group(1)) if at else None}
+    return out
+
+
+def gc_census(directory: Path, t0: float, iterations: dict[Any, dict[str, Any]]) -> dict[str, Any]:
+    """Per process of a ``+gc`` step: the collector's milliseconds and collections (all, and generation 2)
+    per measured iteration, between the warm-up's last log line and the run's last (the log's times)."""
+    ends = sorted((int(k), v["at"]) for k, v in iterations.items() if v.get("at") is not None)
+    ends = [(k, t) for k, t in ends if k >= WARMUP]
+    if len(ends) < 2:
+        return {}
+    lo, hi, n = t0 + ends[0][1], t0 + ends[-1][1], len(ends) - 1
+    out = {}
+    for f in sorted(directory.glob("gc-*.txt")):
+        lines = f.read_text().splitlines()
+        events = [tuple(float(x) for x in ln.split()) for ln in lines[1:] if ln and not ln.startswith("#")]
+        inside = [e for e in events if lo <= e[0] < hi]
+        out[f.stem] = {"command": lines[0][2:] if lines else "",
+                       "ms_per_iteration": sum(e[1] for e in inside) * 1e3 / n,
+                       "collections_per_iteration": len(inside) / n,
+                       "gen2_per_iteration": sum(1 for e in inside if e[2] == 2) / n,
+                       "gen2_ms_each": [round(e[1] * 1e3, 2) for e in inside if e[2] == 2][:20]}
     return out
 
 
@@ -159,7 +202,7 @@ def _run(cmd: list[str], log: Path, env: dict[str, str], timeout: float) -> str:
         timer.start()
         try:
             for line in proc.stdout:
-                f.write(f"[{time.monotonic() - t0:7.1f}s] {line}")
+                f.write(f"[{time.monotonic() - t0:9.3f}s] {line}")
         finally:
             timer.cancel()
         code = proc.wait()
@@ -175,10 +218,21 @@ def step(kind: str, config: Config, work: Path, iters: int, index: int, timeout:
     """Run one step of the plan; returns what it measured."""
     flags = [*config.flags, "--train-iters", str(iters)]
     name = f"{index:02d}-{kind}"
+    kind, census = (kind[:-3], True) if kind.endswith("+gc") else (kind, False)
+    gc_dir = work / f"{name}.gc"
+    gc_env = {"GC_CENSUS_DIR": str(gc_dir), "PYTHONPATH": f"{HERE / 'gc_census'}:{os.environ.get('PYTHONPATH', '')}"}
+    t0 = time.monotonic()
+
+    def counted(result: dict[str, Any]) -> dict[str, Any]:
+        if census:
+            result["kind"] += "+gc"
+            result["gc"] = gc_census(gc_dir, t0, result["iterations"])
+        return result
+
     if kind == "real":
         text = _run([PY, str(DRIVER_SCRIPT), *flags, "--global-batch-size", str(config.gbs)], work / f"{name}.log",
-                    _env(**_single(_port())), timeout)
-        return {"kind": kind, "iterations": parse_log(text)}
+                    _env(**_single(_port()), **(gc_env if census else {})), timeout)
+        return counted({"kind": kind, "iterations": parse_log(text)})
     if kind == "probe":
         probe_out = work / f"{name}.json"
         _run([PY, str(HERE / "one_gpu_probe.py"), *config.flags, "--train-iters", str(PROBE_ITERATIONS),
@@ -199,9 +253,9 @@ def step(kind: str, config: Config, work: Path, iters: int, index: int, timeout:
            "--prism-devices", "0", "--prism-trace-dir", str(trace), "--prism-report", "off",
            *(["--prism-gpu-timing", "off"] if variant == "off" else []),
            str(DRIVER_SCRIPT), *flags, "--global-batch-size", str(config.gbs * world)]
-    text = _run(cmd, work / f"{name}.log", _env(**extra), timeout)
-    return {"kind": kind, "world": world, "variant": variant, "iterations": parse_log(text),
-            "trace": str(trace.relative_to(work.parent))}  # relative to the --work directory
+    text = _run(cmd, work / f"{name}.log", _env(**extra, **(gc_env if census else {})), timeout)
+    return counted({"kind": kind, "world": world, "variant": variant, "iterations": parse_log(text),
+                    "trace": str(trace.relative_to(work.parent))})  # relative to the --work directory
 
 
 # ----------------------------------------------------------------------------- analysis
@@ -225,15 +279,15 @@ def replay_times(trace: Path, **graph_kw: Any) -> dict[str, dict[int, float]]:
 
 def analyse_config(steps: list[dict[str, Any]], root: Path) -> dict[str, Any]:
     """One config's row: real repeats, each emulation's prediction and live values, the probe."""
-    reals = [{k: v["ms"] for k, v in s["iterations"].items()} for s in steps if s.get("kind") == "real"
-             and "iterations" in s]
+    reals = [{k: v["ms"] for k, v in s["iterations"].items()} for s in steps
+             if s.get("kind") in ("real", "real+gc") and "iterations" in s]
     medians = [statistics.median(_measured(r)) for r in reals if _measured(r)]
     row: dict[str, Any] = {"real_medians_ms": medians}
     if medians:
         pooled = statistics.median([t for r in reals for t in _measured(r)])
         row["real_ms"] = pooled
         row["real_spread_pct"] = (max(medians) - min(medians)) / pooled * 100 if len(medians) > 1 else None
-        row["real_losses"] = {k: v["loss"] for k, v in next(s for s in steps if s.get("kind") == "real")
+        row["real_losses"] = {k: v["loss"] for k, v in next(s for s in steps if s.get("kind") in ("real", "real+gc"))
                               ["iterations"].items()}
     row["emulations"] = {}
     for s in steps:
@@ -261,6 +315,7 @@ def analyse_config(steps: list[dict[str, Any]], root: Path) -> dict[str, Any]:
         if em["predicted_ms"] and row.get("real_ms") and s.get("variant") != "prof":
             em["error_pct"] = (em["predicted_ms"] / row["real_ms"] - 1) * 100
         row["emulations"][s["kind"] + ("" if s["kind"] not in row["emulations"] else f"#{len(row['emulations'])}")] = em
+    row["gc"] = [(s["kind"], s["gc"]) for s in steps if s.get("gc")]
     probes = [s for s in steps if s.get("kind") == "probe" and "rows" in s]
     if probes:
         row["probe"] = summarise_probe(probes[0]["rows"])
@@ -331,6 +386,12 @@ def table(report: dict[str, Any]) -> str:
                      + (f" @{v['sm_clock_mhz']:.0f} MHz" if "sm_clock_mhz" in v else "")
                      for p, v in row["probe"].items()]
             lines.append(f"{'':32} probe (train_step ms, median per phase): " + ", ".join(parts))
+        for kind, census in row.get("gc") or []:
+            busiest = sorted(census.values(), key=lambda c: -c["ms_per_iteration"])[:2]
+            lines.append(f"{'':32} {kind} garbage collection per iteration: " + "; ".join(
+                f"{c['ms_per_iteration']:.1f} ms in {c['collections_per_iteration']:.0f} "
+                f"({c['gen2_per_iteration']:.1f} full, {c['gen2_ms_each'][:4]} ms) [{c['command'][-40:]}]"
+                for c in busiest))
         if row.get("error"):
             lines.append(f"{'':32} FAILED: {row['error'][:300]}")
     mae = sum(abs(e[2]) for e in errors) / len(errors) if errors else None
@@ -365,8 +426,7 @@ def parse_plan(plan: str, configs: list[str]) -> dict[str, list[str]]:
     for part in plan.split(";"):
         name, _, steps = part.partition(":")
         name = name.strip()
-        if name not in CONFIGS:
-            raise SystemExit(f"--plan: no config {name!r}; configs: {', '.join(CONFIGS)}")
+        config_of(name)
         out[name] = [s.strip() for s in steps.split(",") if s.strip()] or list(DEFAULT_STEPS)
     return out
 
@@ -397,9 +457,8 @@ def main(argv: list[str] | None = None) -> int:
         (args.analyse / "one-gpu-truth-analysed.json").write_text(json.dumps(report, indent=1))
         return 0
     configs = [c for c in args.configs.split(",") if c]
-    unknown = [c for c in configs if c not in CONFIGS]
-    if unknown:
-        p.error(f"--configs: unknown {unknown}; configs: {', '.join(CONFIGS)}")
+    for c in configs:
+        config_of(c)
     plan = parse_plan(args.plan, configs)
     out = args.out
     work = args.work
@@ -408,8 +467,8 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     deadline = time.monotonic() + args.budget
     report: dict[str, Any] = {"iters": args.iters, "warmup": WARMUP, "plan": plan, "steps": {},
-                              "configs": {c: {"flags": list(CONFIGS[c].flags), "gbs": CONFIGS[c].gbs,
-                                              "note": CONFIGS[c].note} for c in plan}}
+                              "configs": {c: {"flags": list(config_of(c).flags), "gbs": config_of(c).gbs,
+                                              "note": config_of(c).note} for c in plan}}
     # interleave configs step by step? no: a config's steps run together, so its real runs and emulations
     # see the same state of the machine; the configs run in the plan's order
     for name, steps in plan.items():
@@ -420,7 +479,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             t0 = time.monotonic()
             try:
-                result = step(kind, CONFIGS[name], work / name, args.iters, i, args.timeout)
+                result = step(kind, config_of(name), work / name, args.iters, i, args.timeout)
             except (RuntimeError, subprocess.TimeoutExpired, ValueError) as e:
                 result = {"kind": kind, "error": str(e)[-1500:]}
             result["seconds"] = time.monotonic() - t0
