@@ -315,6 +315,21 @@ def test_gpu_ranks_page_lock_staging_swaps_or_not_unless_staging_is_pageable(tmp
     assert told(LaunchConfig(**base).validate()) == ([False, False], None)
 
 
+def test_ranks_compile_in_process_unless_the_users_environment_sets_inductors_workers(tmp_path, monkeypatch):
+    """An inductor worker pool per rank would start during the iterations the capture measures, W times over
+    (docs/measurements.md, "Inductor's compile pool"); a value the user set reaches the ranks unchanged."""
+    from prism_megatron.launcher.config import LaunchConfig
+    from prism_megatron.launcher.rank import COMPILE_THREADS_ENV, rank_env
+
+    script = tmp_path / "s.py"
+    script.write_text("")
+    cfg = LaunchConfig(script=script, world_size=2, trace_dir=tmp_path / "t").validate()
+    monkeypatch.delenv(COMPILE_THREADS_ENV, raising=False)
+    assert [rank_env(cfg, r, 1)[COMPILE_THREADS_ENV] for r in range(2)] == ["1", "1"]
+    monkeypatch.setenv(COMPILE_THREADS_ENV, "8")
+    assert COMPILE_THREADS_ENV not in rank_env(cfg, 0, 1)
+
+
 def test_every_op_kind_is_costed_and_has_a_virtual_rule():
     """The op registry is the one list of kinds: the cost model costs each, Phase 2 knows what a
     virtual member of each contributes (nccl_prune's rules, for exactly these kinds), and the backend's,

@@ -7,7 +7,11 @@ configuration (dense and MoE with local experts, device- and host-bound, bf16 an
 without activation recompute, micro-batch 1 to 8) it runs, on GPU 0, in the order of the plan:
 
 - ``real``: the training driver (``pretrain_gpt_mini.py``, Megatron's ``pretrain``) as one plain
-  process, no prism; its truth is Megatron's own ``elapsed time per iteration (ms)``;
+  process, no prism; its truth is Megatron's own ``elapsed time per iteration (ms)`` at steady state: it
+  runs ``--real-extra`` iterations more than the emulations and its last ``--iters`` minus the warm-up are
+  measured, after the start-up of inductor's compile workers (docs/measurements.md, "Inductor's compile
+  pool"); ``real-threads1`` runs with ``TORCHINDUCTOR_COMPILE_THREADS=1`` as prism's ranks do, ``--iters``
+  iterations, no pool at all;
 - ``emuW`` (W = 1, 2, 4, 8): ``prism-megatron run --prism-emulate --prism-world-size W --prism-devices 0``
   of the same job with W times the global batch (each rank the same micro-batches), replayed with
   free communication; ``emuW-keep`` / ``emuW-teardown`` set ``TEARDOWN_CUPTI`` to 0 / 1 in the
@@ -214,7 +218,8 @@ def _run(cmd: list[str], log: Path, env: dict[str, str], timeout: float) -> str:
     return text
 
 
-def step(kind: str, config: Config, work: Path, iters: int, index: int, timeout: float) -> dict[str, Any]:
+def step(kind: str, config: Config, work: Path, iters: int, index: int, timeout: float,
+         real_extra: int = 0) -> dict[str, Any]:
     """Run one step of the plan; returns what it measured."""
     flags = [*config.flags, "--train-iters", str(iters)]
     name = f"{index:02d}-{kind}"
@@ -229,10 +234,13 @@ def step(kind: str, config: Config, work: Path, iters: int, index: int, timeout:
             result["gc"] = gc_census(gc_dir, t0, result["iterations"])
         return result
 
-    if kind == "real":
-        text = _run([PY, str(DRIVER_SCRIPT), *flags, "--global-batch-size", str(config.gbs)], work / f"{name}.log",
-                    _env(**_single(_port()), **(gc_env if census else {})), timeout)
-        return counted({"kind": kind, "iterations": parse_log(text)})
+    if kind in ("real", "real-threads1"):
+        extra = real_extra if kind == "real" else 0
+        threads = {"TORCHINDUCTOR_COMPILE_THREADS": "1"} if kind == "real-threads1" else {}
+        text = _run([PY, str(DRIVER_SCRIPT), *config.flags, "--train-iters", str(iters + extra),
+                     "--global-batch-size", str(config.gbs)], work / f"{name}.log",
+                    _env(**_single(_port()), **threads, **(gc_env if census else {})), timeout)
+        return counted({"kind": kind, "iterations": parse_log(text), "measured_from": WARMUP + extra + 1})
     if kind == "probe":
         probe_out = work / f"{name}.json"
         _run([PY, str(HERE / "one_gpu_probe.py"), *config.flags, "--train-iters", str(PROBE_ITERATIONS),
@@ -259,9 +267,9 @@ def step(kind: str, config: Config, work: Path, iters: int, index: int, timeout:
 
 
 # ----------------------------------------------------------------------------- analysis
-def _measured(values: dict[int, float]) -> list[float]:
-    """The values of iterations after the warm-up ones (keys are strings once read back from JSON)."""
-    return [v for k, v in sorted((int(k), v) for k, v in values.items()) if k > WARMUP]
+def _measured(values: dict[int, float], first: int = WARMUP + 1) -> list[float]:
+    """The values of iterations from ``first`` on (after the warm-up; keys are strings once read back from JSON)."""
+    return [v for k, v in sorted((int(k), v) for k, v in values.items()) if k >= first]
 
 
 def replay_times(trace: Path, **graph_kw: Any) -> dict[str, dict[int, float]]:
@@ -279,15 +287,15 @@ def replay_times(trace: Path, **graph_kw: Any) -> dict[str, dict[int, float]]:
 
 def analyse_config(steps: list[dict[str, Any]], root: Path) -> dict[str, Any]:
     """One config's row: real repeats, each emulation's prediction and live values, the probe."""
-    reals = [{k: v["ms"] for k, v in s["iterations"].items()} for s in steps
-             if s.get("kind") in ("real", "real+gc") and "iterations" in s]
-    medians = [statistics.median(_measured(r)) for r in reals if _measured(r)]
+    reals = [({k: v["ms"] for k, v in s["iterations"].items()}, s.get("measured_from", WARMUP + 1)) for s in steps
+             if s.get("kind", "").startswith("real") and "iterations" in s]
+    medians = [statistics.median(_measured(*r)) for r in reals if _measured(*r)]
     row: dict[str, Any] = {"real_medians_ms": medians}
     if medians:
-        pooled = statistics.median([t for r in reals for t in _measured(r)])
+        pooled = statistics.median([t for r in reals for t in _measured(*r)])
         row["real_ms"] = pooled
         row["real_spread_pct"] = (max(medians) - min(medians)) / pooled * 100 if len(medians) > 1 else None
-        row["real_losses"] = {k: v["loss"] for k, v in next(s for s in steps if s.get("kind") in ("real", "real+gc"))
+        row["real_losses"] = {k: v["loss"] for k, v in next(s for s in steps if s.get("kind", "").startswith("real"))
                               ["iterations"].items()}
     row["emulations"] = {}
     for s in steps:
@@ -441,6 +449,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--plan", default="", help="'config:step,step,...;config:...' (steps: real, probe, "
                    "emuW[-keep|-teardown|-off|-spin])")
     p.add_argument("--iters", type=int, default=8, help=f"iterations per run ({WARMUP} of them warm-up)")
+    p.add_argument("--real-extra", type=int, default=30,
+                   help="iterations a real run makes beyond --iters before the ones measured (steady state)")
     p.add_argument("--budget", type=float, default=480.0, help="seconds after which no step starts")
     p.add_argument("--timeout", type=float, default=150.0, help="seconds one step may take")
     p.add_argument("--analyse", type=Path, default=None, help="rebuild the table of a brought-back OUT")
@@ -479,7 +489,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             t0 = time.monotonic()
             try:
-                result = step(kind, config_of(name), work / name, args.iters, i, args.timeout)
+                result = step(kind, config_of(name), work / name, args.iters, i, args.timeout, args.real_extra)
             except (RuntimeError, subprocess.TimeoutExpired, ValueError) as e:
                 result = {"kind": kind, "error": str(e)[-1500:]}
             result["seconds"] = time.monotonic() - t0

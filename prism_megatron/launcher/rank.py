@@ -32,8 +32,17 @@ def _die_with_parent() -> None:
         pass
 
 
+#: Inductor's compile workers: one rank compiles in its own process unless the user's environment says otherwise.
+#: By default each process that first runs ``torch.compile`` (Megatron's fused bias-dropout-add, for one) starts a
+#: pool of as many workers as the machine has cores, and their start-up keeps those cores busy for seconds
+#: (docs/measurements.md, "Inductor's compile pool"): the real job's first iterations are slower while it lasts,
+#: its later ones are not. The iterations an emulation measures fall inside that start-up, and W ranks on one
+#: machine would start W pools; compiling in-process makes the same kernels with neither.
+COMPILE_THREADS_ENV = "TORCHINDUCTOR_COMPILE_THREADS"
+
+
 def rank_env(cfg: LaunchConfig, rank: int, store_port: int) -> dict[str, str]:
-    """The environment torchrun gives a rank of the target job."""
+    """The environment torchrun gives a rank of the target job, and what prism's capture needs of it."""
     local_ws = min(cfg.gpus_per_node, cfg.world_size)
     env = {
         "RANK": str(rank),
@@ -52,6 +61,8 @@ def rank_env(cfg: LaunchConfig, rank: int, store_port: int) -> dict[str, str]:
         "OMP_NUM_THREADS": str(cfg.threads_per_rank),
         "PRISM_EMULATED": "1",
     }
+    if COMPILE_THREADS_ENV not in os.environ:
+        env[COMPILE_THREADS_ENV] = "1"
     if cfg.on_gpu:
         env["CUDA_VISIBLE_DEVICES"] = cfg.devices[cfg.device_of(rank)]
     if cfg.times_gpu:
