@@ -330,6 +330,21 @@ def test_ranks_compile_in_process_unless_the_users_environment_sets_inductors_wo
     assert COMPILE_THREADS_ENV not in rank_env(cfg, 0, 1)
 
 
+def test_a_rank_forked_after_inductors_config_was_imported_still_gets_its_workers_number(monkeypatch):
+    """The template may import inductor's config before the fork (Megatron does): its number of workers was
+    read then, so the rank sets it again from its own environment (a pool started on the H200 otherwise)."""
+    import sys
+    import types
+
+    from prism_megatron.launcher.rank import COMPILE_THREADS_ENV, _compile_threads_from_env
+
+    config = types.SimpleNamespace(compile_threads=16)
+    monkeypatch.setitem(sys.modules, "torch._inductor.config", config)
+    monkeypatch.setenv(COMPILE_THREADS_ENV, "1")
+    _compile_threads_from_env()
+    assert config.compile_threads == 1
+
+
 def test_every_op_kind_is_costed_and_has_a_virtual_rule():
     """The op registry is the one list of kinds: the cost model costs each, Phase 2 knows what a
     virtual member of each contributes (nccl_prune's rules, for exactly these kinds), and the backend's,

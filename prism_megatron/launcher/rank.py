@@ -80,6 +80,14 @@ def rank_env(cfg: LaunchConfig, rank: int, store_port: int) -> dict[str, str]:
     return env
 
 
+def _compile_threads_from_env() -> None:
+    """Inductor reads its workers' number when its config is imported: where the template imported it before
+    the fork, the rank's environment has to be told to it again."""
+    config = sys.modules.get("torch._inductor.config")
+    if config is not None and os.environ.get(COMPILE_THREADS_ENV, "").isdigit():
+        config.compile_threads = int(os.environ[COMPILE_THREADS_ENV])
+
+
 def _siblings(cpu: int) -> frozenset[int]:
     """The logical CPUs that share ``cpu``'s physical core (itself alone where the kernel does not say)."""
     try:
@@ -150,6 +158,7 @@ def run_rank(cfg: LaunchConfig, rank: int, address: tuple[str, int], authkey: by
         import torch
 
         torch.set_num_threads(cfg.threads_per_rank)
+        _compile_threads_from_env()
         if cfg.on_gpu:
             _map_local_devices(torch)
         from prism_megatron.runtime.backend import install
