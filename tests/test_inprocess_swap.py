@@ -285,6 +285,9 @@ def test_a_rank_page_locks_the_region_granules_its_swaps_reach_once_and_says_why
     out = c._swap({"op": "out", "offset": 0, "nbytes": GIB // 2})
     assert out["ok"] and out["pin_s"] >= 0 and "pin_error" not in out and locked == ["the swap region"]
     assert c._swap({"op": "in", "offset": 0, "nbytes": GIB // 2})["ok"] and len(locked) == 1  # granule 0 held
+    # each granule is a registration of its own, and the driver refuses a copy across two (H200:
+    # CUDA_ERROR_INVALID_VALUE): the copies are cut at the granules
+    assert c.segments.grains == [(c._region.base_address, PIN_CHUNK)] * 2
     monkeypatch.setattr(staging, "cuda_pin", refuse)
     answers = [c._swap({"op": op, "offset": 2 * PIN_CHUNK, "nbytes": GIB // 2}) for op in ("out", "in")]
     assert all(a["ok"] for a in answers), answers
@@ -317,6 +320,19 @@ def test_prefaulting_gives_the_region_pages_without_touching_what_ranks_wrote():
         assert done == 48 << 20 and os.fstat(space.fd).st_blocks * 512 >= 48 << 20  # the pages are there
     assert ctypes.string_at(rank.address(8 << 20, 6), 6) == b"stays!"
     space.close()
+
+
+def test_no_copy_spans_two_page_locked_granules():
+    from prism_megatron.runtime.vmm import pieces
+
+    base, size = 1000, 100
+    assert pieces(1050, 30, (base, size)) == [(0, 30)]
+    assert pieces(1050, 120, (base, size)) == [(0, 50), (50, 70)]
+    assert pieces(1100, 250, (base, size)) == [(0, 100), (100, 100), (200, 50)]
+    assert pieces(1050, 120, None) == [(0, 120)]
+    parts = pieces(1234, 5678, (base, 512))
+    assert sum(n for _, n in parts) == 5678 and all(
+        (1234 + off - base) // 512 == (1234 + off + n - 1 - base) // 512 for off, n in parts)
 
 
 def test_a_swap_copies_only_the_blocks_the_allocator_has_in_use():

@@ -187,16 +187,18 @@ class StandInSegments:
         self.rank = rank
         self.swapped = False
         self.on_no_room = None  # as runtime.vmm.VmmSegments.on_no_room: used by alloc()
+        self.grains: list[tuple[int, int] | None] = []  # each swap's page-locking grain, as the rank gave it
         _IN_PROCESS = self
 
     def host_bytes(self) -> int:
         return 0 if self.swapped else shared().held(self.rank)
 
-    def swap_out(self, host_address: int, nbytes: int):
+    def swap_out(self, host_address: int, nbytes: int, grain: tuple[int, int] | None = None):
         import ctypes
 
         from prism_megatron.runtime.vmm import SwapTimes, VmmError
 
+        self.grains.append(grain)
         t0 = time.perf_counter()
         held = shared().held(self.rank)
         if held > nbytes:
@@ -208,11 +210,12 @@ class StandInSegments:
         self.swapped = True
         return SwapTimes(nbytes=held, copied=held, copy_s=t1 - t0, map_s=time.perf_counter() - t1)
 
-    def swap_in(self, host_address: int):
+    def swap_in(self, host_address: int, grain: tuple[int, int] | None = None):
         import ctypes
 
         from prism_megatron.runtime.vmm import SwapTimes, VmmError, VmmNoRoom
 
+        self.grains.append(grain)
         t0 = time.perf_counter()
         held = shared().held(self.rank)
         if held >= _MARK.size and _MARK.unpack(ctypes.string_at(host_address, _MARK.size)) != (self.rank, held):

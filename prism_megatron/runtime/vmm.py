@@ -215,10 +215,12 @@ class VmmSegments:
         with self._lock:
             return 0 if self.swapped else sum(n for ranges in self._live().values() for _, n in ranges)
 
-    def swap_out(self, host_address: int, nbytes: int) -> SwapTimes:
+    def swap_out(self, host_address: int, nbytes: int, grain: tuple[int, int] | None = None) -> SwapTimes:
         """Copy every segment's blocks in use (the allocator's snapshot; its free cached blocks hold
         nothing a program may read) to host memory at ``host_address``, packed end to end in segment
-        order (``nbytes`` there), and release the segments' physical memory."""
+        order (``nbytes`` there), and release the segments' physical memory. ``grain`` (base, bytes): the
+        host memory is page-locked in separate registrations of that size from base, and no copy may span
+        two (the driver refuses it: CUDA_ERROR_INVALID_VALUE)."""
         import torch
 
         t = SwapTimes()
@@ -235,7 +237,8 @@ class VmmSegments:
                 t0 = time.perf_counter()
                 seg.live = live[addr]
                 for off, n in seg.live:
-                    self._check(self._d.cuMemcpyDtoH(at, addr + off, n), "cuMemcpyDtoH")
+                    for skip, part in pieces(at, n, grain):
+                        self._check(self._d.cuMemcpyDtoH(at + skip, addr + off + skip, part), "cuMemcpyDtoH")
                     at += n
                     t.copied += n
                 t1 = time.perf_counter()
@@ -246,10 +249,10 @@ class VmmSegments:
             self.swapped = True
         return t
 
-    def swap_in(self, host_address: int) -> SwapTimes:
+    def swap_in(self, host_address: int, grain: tuple[int, int] | None = None) -> SwapTimes:
         """Map physical memory at every segment's addresses again and copy its blocks back from
-        ``host_address`` (as ``swap_out`` packed them). Raises `VmmNoRoom`, with every segment left out,
-        when the device lacks room."""
+        ``host_address`` (as ``swap_out`` packed them, ``grain`` as there). Raises `VmmNoRoom`, with every
+        segment left out, when the device lacks room."""
         t = SwapTimes()
         with self._lock:
             if not self.swapped:
@@ -269,13 +272,29 @@ class VmmSegments:
             for addr, seg in self.segments.items():
                 t0 = time.perf_counter()
                 for off, n in seg.live:
-                    self._check(self._d.cuMemcpyHtoD(addr + off, at, n), "cuMemcpyHtoD")
+                    for skip, part in pieces(at, n, grain):
+                        self._check(self._d.cuMemcpyHtoD(addr + off + skip, at + skip, part), "cuMemcpyHtoD")
                     at += n
                     t.copied += n
                 t.copy_s += time.perf_counter() - t0
                 t.nbytes += seg.mapped
             self.swapped = False
         return t
+
+
+def pieces(host_address: int, nbytes: int, grain: tuple[int, int] | None) -> list[tuple[int, int]]:
+    """(offset, bytes) parts of a copy of ``nbytes`` at ``host_address`` that each stay inside one grain
+    (base + k * size, of ``grain`` = (base, size)); the whole copy where there is no grain."""
+    if grain is None or nbytes <= 0:
+        return [(0, nbytes)]
+    base, size = grain
+    out, done = [], 0
+    while done < nbytes:
+        room = size - (host_address + done - base) % size
+        part = min(room, nbytes - done)
+        out.append((done, part))
+        done += part
+    return out
 
 
 def in_use(snapshot: list[dict]) -> dict[int, list[tuple[int, int]]]:
