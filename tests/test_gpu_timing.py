@@ -336,6 +336,30 @@ def test_plain_host_time_is_solved_through_the_segment_model_not_by_subtracting_
     assert solve_scale(SegmentTiming(0.0, 0.1, cpu=0.0, gpu=1e-3), 1e-3) == 0.0
 
 
+def test_a_segment_after_a_marker_waits_for_the_device_work_the_one_before_left_and_that_is_not_host_time():
+    """The H200's one-GPU truth (dense h4096, bench/gpu/results/*one-gpu-truth*run10*): the last backward is
+    issued in 14 ms and queues 80 ms of device work; its end is a marker (no runtime wait), so the next
+    segment, Megatron's gradient check, starts with ~66 ms of it still queued and its sync waits for that.
+    Its plain time (~69 ms) is mostly that wait: solved as if the queue were empty it became 69 ms of host
+    time and the replay idled the device 40 ms (+15 % on the iteration). After an op the runtime has
+    waited for the device, so the next segment does start empty."""
+    from prism_megatron.runtime.gpu_timing import Closed, SegmentTiming, pair
+
+    backward = SegmentTiming(0.0, 0.014, cpu=14e-3, gpu=80e-3)
+    check = SegmentTiming(0.014, 0.020, cpu=3e-3, gpu=1e-3, syncs=[(1e-3, 1e-3)], waited=60e-3)
+    plain_check_ms = (66 + 1 + 2) * 1e-3  # waits for the backward's tail and its own kernel, then 2 ms
+    after_marker = [Closed(0.1, False, 14e-3, 14e-3, synced=False), Closed(0.2, False, 70e-3, plain_check_ms)]
+    _, rows = pair([backward, check], after_marker)
+    assert rows[0].cpu == pytest.approx(14e-3)
+    assert rows[1].cpu == pytest.approx(3e-3, rel=0.02)  # its own host time, not the wait
+    after_op = [Closed(0.1, False, 95e-3, 14e-3, synced=True), Closed(0.2, False, 3e-3, 3e-3)]
+    _, rows = pair([backward, check], after_op)
+    assert rows[1].cpu == pytest.approx(3e-3, rel=0.02)
+    # the same plain time after an op is the host's own: nothing queued before it to wait for
+    _, rows = pair([backward, check], [after_op[0], Closed(0.2, False, 70e-3, plain_check_ms)])
+    assert rows[1].cpu > 60e-3
+
+
 def test_a_profiler_that_does_not_start_turns_timing_off_with_a_message(monkeypatch, capsys):
     import torch.profiler
 

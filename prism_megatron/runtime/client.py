@@ -130,7 +130,7 @@ class RankClient:
         self._clock += segment
         self._running_since = None
         if self._gpu is not None:
-            self._gpu.closed(self._clock, segment, host)
+            self._gpu.closed(self._clock, segment, host, synced=sync)
         return self._clock
 
     def _resume(self) -> None:

@@ -65,12 +65,15 @@ class SegmentTiming:
 class Closed:
     """A segment as the client saw it: its end on the rank's compute clock, whether markers were
     launched around it (profiled, CUDA started), its length on that clock, and its host time (the
-    length without the runtime's wait for the device at its end), in seconds."""
+    length without the runtime's wait for the device at its end), in seconds; ``synced``: the runtime
+    waited for the device at its end (an op on device tensors), so the next one starts on an empty queue
+    (after a marker it starts with what the device still has to do)."""
 
     clock_end: float
     marked: bool
     duration: float
     host: float = 0.0
+    synced: bool = True
 
 
 def _union(intervals: list[tuple[int, int]]) -> int:
@@ -170,13 +173,18 @@ def pair(profiled: list[SegmentTiming], plain: list[Closed]) -> tuple[list[Segme
     segment k of the plain iteration gets the device time and waits of segment k of the profiled one
     (Megatron repeats an iteration's ops). Both iterations get those figures; the plain host time is
     the profiled one scaled so that the replay's model of the segment ends when the plain segment did
-    (:func:`solve_scale`). None when the iterations do not have the same number of segments.
+    (:func:`solve_scale`), the device still busy at its start with what the segments since the runtime's
+    last wait for it left queued (a wait inside the segment waited for that too: Megatron's gradient
+    check after the last backward). None when the iterations do not have the same number of segments.
     """
     if len(profiled) != len(plain) or not plain:
         return None
     out_p, out_u = [], []
+    backlog = 0.0
     for p, u in zip(profiled, plain, strict=True):
-        scale = solve_scale(p, u.host)
+        scale = solve_scale(p, u.host, backlog)
+        end, device_end = run_segment(p, scale, backlog)
+        backlog = 0.0 if u.synced else max(device_end - end, 0.0)
         host = p.cpu * scale
         syncs = [(off * scale, before) for off, before in p.syncs]
         out_p.append(SegmentTiming(p.clock_start, p.clock_end, host, p.gpu, syncs))
@@ -184,20 +192,26 @@ def pair(profiled: list[SegmentTiming], plain: list[Closed]) -> tuple[list[Segme
     return out_p, out_u
 
 
-def host_end(seg: SegmentTiming, scale: float) -> float:
-    """When the host ends ``seg`` (its host time and wait offsets times ``scale``) in the replay's
-    model: the segment starts on an empty device queue (the runtime synchronised before it), the
-    device runs its work as it is issued, the host waits at each sync until the device has done the
-    work queued before it (replay.engine: Compute and CpuSync)."""
+def run_segment(seg: SegmentTiming, scale: float, backlog: float = 0.0) -> tuple[float, float]:
+    """When the host ends ``seg`` (its host time and wait offsets times ``scale``) and when the device
+    has done its work, in the replay's model: the device busy with ``backlog`` seconds of earlier work
+    at the segment's start, it runs the segment's work as it is issued, the host waits at each sync
+    until the device has done the work queued before it (replay.engine: Compute and CpuSync)."""
     *waited, last = segment_pieces(seg.cpu, seg.gpu, seg.syncs)
-    clock = stream = 0.0
+    clock, stream = 0.0, backlog
     for c, g in waited:
         stream = max(stream + g, clock + c * scale)
         clock = max(clock + c * scale, stream)
-    return clock + last[0] * scale
+    end = clock + last[0] * scale
+    return end, max(stream + last[1], end)
 
 
-def solve_scale(seg: SegmentTiming, plain_host: float) -> float:
+def host_end(seg: SegmentTiming, scale: float, backlog: float = 0.0) -> float:
+    """When the host ends ``seg`` in the model of :func:`run_segment`."""
+    return run_segment(seg, scale, backlog)[0]
+
+
+def solve_scale(seg: SegmentTiming, plain_host: float, backlog: float = 0.0) -> float:
     """The factor on ``seg``'s profiled host time that makes :func:`host_end` equal the host time the
     same segment took without the profiler, in which the host waited for the device a different while
     (it issues faster, so more work is queued at each sync; device-bound segments wait much longer).
@@ -209,14 +223,14 @@ def solve_scale(seg: SegmentTiming, plain_host: float) -> float:
     """
     if seg.cpu <= 0:
         return 0.0
-    if host_end(seg, 0.0) >= plain_host:
+    if host_end(seg, 0.0, backlog) >= plain_host:
         return max(plain_host - seg.waited, 0.0) / seg.cpu
     lo, hi = 0.0, 1.0
-    while host_end(seg, hi) < plain_host:
+    while host_end(seg, hi, backlog) < plain_host:
         hi *= 2
     for _ in range(50):  # host_end is non-decreasing in the scale
         mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if host_end(seg, mid) < plain_host else (lo, mid)
+        lo, hi = (mid, hi) if host_end(seg, mid, backlog) < plain_host else (lo, mid)
     return hi
 
 
@@ -302,8 +316,8 @@ class GpuSegmentTimer:
 
             torch.cuda._sleep(1)
 
-    def closed(self, clock_end: float, duration: float, host: float) -> None:
-        self._closed.append(Closed(clock_end, self._open, duration, host))
+    def closed(self, clock_end: float, duration: float, host: float, synced: bool = True) -> None:
+        self._closed.append(Closed(clock_end, self._open, duration, host, synced))
         self._open = False
 
     def flush(self, final: bool = False) -> list[SegmentTiming]:
