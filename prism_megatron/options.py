@@ -51,8 +51,9 @@ class JobOptions:
     """Ranks whose output reaches the terminal: '0,last', '0-3', 'all' or 'none' (Megatron prints its
     iteration lines on the last rank)."""
 
-    threads_per_rank: int = 1
-    """torch threads per emulated rank."""
+    threads_per_rank: int | None = None
+    """torch threads per emulated rank; default: what torchrun gives the target's ranks (OMP_NUM_THREADS where
+    it is set, else 1 where a node runs more than one rank, else every core of this machine)."""
 
     swap: Literal["auto", "none", "inprocess", "checkpoint", "budget", "budget-auto", "budget-inprocess"] = "auto"
     """Move blocked ranks' GPU state to host memory when a device is full (inprocess: each rank moves its

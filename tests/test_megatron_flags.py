@@ -278,7 +278,7 @@ def test_flags_parse_through_megatrons_parser(tmp_path):
     assert result["args"] == {
         "prism_emulate": True, "prism_world_size": 4, "prism_devices": "0,1", "prism_slots_per_device": 2,
         "prism_trace_dir": "tr", "prism_hang_timeout": 30.0, "prism_log_ranks": "last",
-        "prism_gpus_per_node": 8, "prism_threads_per_rank": 1, "prism_recipe": None, "prism_driver": "auto",
+        "prism_gpus_per_node": 8, "prism_threads_per_rank": None, "prism_recipe": None, "prism_driver": "auto",
         "prism_target_gpu": None, "prism_target_context": None, "prism_track_memory": "auto",
         "prism_report": "on", "prism_cluster": None, "prism_anchor_fake_pg": False, "prism_gpu_timing": "auto",
         "prism_calibrate": "off", "prism_calibrate_ranks_per_device": 2, "prism_swap": "auto", "prism_staging": "auto",

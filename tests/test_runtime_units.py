@@ -330,6 +330,34 @@ def test_ranks_compile_in_process_unless_the_users_environment_sets_inductors_wo
     assert COMPILE_THREADS_ENV not in rank_env(cfg, 0, 1)
 
 
+def test_ranks_get_the_torch_threads_torchrun_would_give_the_targets_ranks(tmp_path, monkeypatch):
+    """torchrun sets OMP_NUM_THREADS=1 only where it starts several processes per node and the variable is
+    unset; one rank per node keeps torch's default, every core: a one-rank emulation given one thread took
+    its data loading's host time on one core while the real process had them all."""
+    import os
+
+    from prism_megatron.launcher.config import LaunchConfig, LaunchError, torchrun_threads
+    from prism_megatron.launcher.rank import rank_env
+
+    script = tmp_path / "s.py"
+    script.write_text("")
+
+    def threads(world: int, per_node: int = 8, given: int | None = None) -> int:
+        cfg = LaunchConfig(script=script, world_size=world, trace_dir=tmp_path / "t", gpus_per_node=per_node,
+                           threads_per_rank=given).validate()
+        assert rank_env(cfg, 0, 1)["OMP_NUM_THREADS"] == str(cfg.threads_per_rank)
+        return cfg.threads_per_rank
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    cores = len(os.sched_getaffinity(0))
+    assert (threads(8), threads(2), threads(1), threads(4, per_node=1)) == (1, 1, cores, cores)
+    assert threads(8, given=3) == 3  # --threads-per-rank wins
+    monkeypatch.setenv("OMP_NUM_THREADS", "6")
+    assert threads(8) == 6 and threads(1) == 6 and torchrun_threads(8) == 6
+    with pytest.raises(LaunchError, match=r"--threads-per-rank must be a positive integer, got 0"):
+        threads(8, given=0)
+
+
 def test_a_rank_forked_after_inductors_config_was_imported_still_gets_its_workers_number(monkeypatch):
     """The template may import inductor's config before the fork (Megatron does): its number of workers was
     read then, so the rank sets it again from its own environment (a pool started on the H200 otherwise)."""

@@ -18,6 +18,18 @@ class LaunchError(ValueError):
     """Bad launch input; the message names the option and the value."""
 
 
+def torchrun_threads(local_world_size: int) -> int:
+    """The torch threads a rank of the target job has: torchrun passes OMP_NUM_THREADS on where it is set and
+    sets it to 1 where it starts more than one process per node; a job of one process per node keeps torch's
+    default, every core (here: this machine's, which the emulation's one rank per node has to itself)."""
+    given = os.environ.get("OMP_NUM_THREADS", "")
+    if given.isdigit() and int(given) > 0:
+        return int(given)
+    if local_world_size > 1:
+        return 1
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 @dataclass
 class LaunchConfig:
     """A launch, resolved and validated: what the launcher, the coordinator and the ranks are given.
@@ -35,7 +47,7 @@ class LaunchConfig:
     trace_dir: Path = Path(_J.trace_dir)
     gpus_per_node: int = _J.gpus_per_node
     log_ranks: list[int] | None = None  # ranks whose output goes to the terminal; None: the options' default
-    threads_per_rank: int = _J.threads_per_rank
+    threads_per_rank: int | None = _J.threads_per_rank  # None: torchrun's rule (torchrun_threads), set by validate()
     preload: list[str] = field(default_factory=list)  # modules the template imports before forking
     rank_setup: list[str] = field(default_factory=list)  # "module:function" run in each rank before the script
     # JobOptions.swap's choices; budget and budget-auto are checkpoint and auto with a stand-in swapper that
@@ -194,7 +206,9 @@ class LaunchConfig:
             raise LaunchError(f"--hang-timeout must be a positive number of seconds, got {self.hang_timeout!r}")
         if self.gpus_per_node < 1:
             raise LaunchError(f"--gpus-per-node must be a positive integer, got {self.gpus_per_node!r}")
-        if self.threads_per_rank < 1:
+        if self.threads_per_rank is None:
+            self.threads_per_rank = torchrun_threads(min(self.gpus_per_node, self.world_size))
+        if not isinstance(self.threads_per_rank, int) or self.threads_per_rank < 1:
             raise LaunchError(f"--threads-per-rank must be a positive integer, got {self.threads_per_rank!r}")
         if not self.script.is_file():
             raise LaunchError(f"script {str(self.script)!r} does not exist or is not a file")
