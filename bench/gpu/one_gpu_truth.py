@@ -24,7 +24,9 @@ without activation recompute, micro-batch 1 to 8) it runs, on GPU 0, in the orde
   logged (``gc_census/sitecustomize.py``); the table gives the collector's milliseconds per measured iteration.
 
 A config named ``NAME+manual-gc`` is NAME with Megatron's ``--manual-gc`` (the collector off during
-training, as NVIDIA's performance recipes run): a row of its own, with its own real runs.
+training, as NVIDIA's performance recipes run), ``NAME+omp1`` NAME with ``OMP_NUM_THREADS=1`` for the real
+runs and the emulations (what torchrun gives each rank of a job of several GPUs per node; an emulation of
+one rank otherwise gets every core, as the real single process has): a row of its own, with its own real runs.
 
 Real runs are repeated between the emulations (``real,emu1,real,emu2,real``: the drift of the machine
 falls on both sides); a real run's own spread is the spread of its repeats' medians. Iterations 1-2
@@ -79,6 +81,7 @@ class Config:
     gbs: int
     note: str
     default: bool = True  # run when --configs is not given
+    env: tuple[tuple[str, str], ...] = ()  # set for its real runs and emulations alike
 
 
 def _flags(layers: int, hidden: int, heads: int, seq: int, mbs: int, ffn: int | None = None, *, bf16: bool = True,
@@ -129,7 +132,8 @@ CONFIGS = {c.name: c for c in (
            "issue 18's shape: 24 layers h1536 seq2048, 2 micro-batches (~96 GiB)", default=False),
 )}
 DEFAULT_STEPS = ("real", "emu1", "real", "emu2", "real")
-VARIANTS = {"manual-gc": ("--manual-gc",)}  # config-name suffix -> Megatron flags added
+#: config-name suffix -> (Megatron flags added, environment of its runs)
+VARIANTS = {"manual-gc": (("--manual-gc",), ()), "omp1": ((), (("OMP_NUM_THREADS", "1"),))}
 
 
 def config_of(name: str) -> Config:
@@ -139,7 +143,10 @@ def config_of(name: str) -> Config:
         raise SystemExit(f"no config {name!r}; configs: {', '.join(CONFIGS)}, each optionally "
                          f"+{' / +'.join(VARIANTS)}")
     c = CONFIGS[base]
-    return c if not variant else Config(name, c.flags + VARIANTS[variant], c.gbs, f"{c.note}; {variant}", False)
+    if not variant:
+        return c
+    flags, env = VARIANTS[variant]
+    return Config(name, c.flags + flags, c.gbs, f"{c.note}; {variant}", False, c.env + env)
 
 
 # ----------------------------------------------------------------------------- running
@@ -225,7 +232,8 @@ def step(kind: str, config: Config, work: Path, iters: int, index: int, timeout:
     name = f"{index:02d}-{kind}"
     kind, census = (kind[:-3], True) if kind.endswith("+gc") else (kind, False)
     gc_dir = work / f"{name}.gc"
-    gc_env = {"GC_CENSUS_DIR": str(gc_dir), "PYTHONPATH": f"{HERE / 'gc_census'}:{os.environ.get('PYTHONPATH', '')}"}
+    run_env = {"GC_CENSUS_DIR": str(gc_dir), "PYTHONPATH": f"{HERE / 'gc_census'}:{os.environ.get('PYTHONPATH', '')}",
+              **dict(config.env)} if census else dict(config.env)
     t0 = time.monotonic()
 
     def counted(result: dict[str, Any]) -> dict[str, Any]:
@@ -239,7 +247,7 @@ def step(kind: str, config: Config, work: Path, iters: int, index: int, timeout:
         threads = {"TORCHINDUCTOR_COMPILE_THREADS": "1"} if kind == "real-threads1" else {}
         text = _run([PY, str(DRIVER_SCRIPT), *config.flags, "--train-iters", str(iters + extra),
                      "--global-batch-size", str(config.gbs)], work / f"{name}.log",
-                    _env(**_single(_port()), **threads, **(gc_env if census else {})), timeout)
+                    _env(**_single(_port()), **threads, **run_env), timeout)
         return counted({"kind": kind, "iterations": parse_log(text), "measured_from": WARMUP + extra + 1})
     if kind == "probe":
         probe_out = work / f"{name}.json"
@@ -261,7 +269,7 @@ def step(kind: str, config: Config, work: Path, iters: int, index: int, timeout:
            "--prism-devices", "0", "--prism-trace-dir", str(trace), "--prism-report", "off",
            *(["--prism-gpu-timing", "off"] if variant == "off" else []),
            str(DRIVER_SCRIPT), *flags, "--global-batch-size", str(config.gbs * world)]
-    text = _run(cmd, work / f"{name}.log", _env(**extra, **(gc_env if census else {})), timeout)
+    text = _run(cmd, work / f"{name}.log", _env(**extra, **run_env), timeout)
     return counted({"kind": kind, "world": world, "variant": variant, "iterations": parse_log(text),
                     "trace": str(trace.relative_to(work.parent))})  # relative to the --work directory
 
