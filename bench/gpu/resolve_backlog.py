@@ -15,6 +15,7 @@ Prints per trace the replay's median iteration (iterations after the first two) 
 
 from __future__ import annotations
 
+import json
 import statistics
 import sys
 from collections import defaultdict
@@ -40,8 +41,6 @@ def resolved(trace) -> pa.Table:
     by_rank = defaultdict(list)
     for i, r in enumerate(rows):
         by_rank[r["rank"]].append(i)
-    import json
-
     for rank, idx in by_rank.items():
         backlog = 0.0
         for i in sorted(idx, key=lambda i: rows[i]["clock_end"]):
