@@ -355,6 +355,9 @@ class MemoryGovernor:
         lines = [message] + ([] if fits or not measured else [HOST_LIMIT_HINT])
         if not measured and (expected := self._estimated_peaks()) is not None:  # a prediction, before any bound
             fits, message = swap_host_need(expected, caps, budget, whole_state=whole, basis="prism's memory estimates")
+            if swapped_out_bounds(expected, caps)[1] == 0 < swapped_out_bounds(sizes, caps)[1]:
+                message += (f" once peaks are measured; until then each rank is admitted with room for its estimate "
+                            f"x {ESTIMATE_HEADROOM}, more than its device holds for all, so the first turns may swap")
             lines += [message] + ([] if fits else [HOST_LIMIT_HINT])
         if measured:
             self.host_need = message
