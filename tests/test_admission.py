@@ -137,7 +137,7 @@ def test_at_start_the_host_need_is_judged_by_prisms_estimates_where_every_rank_h
     assert "in-process swaps copy only the blocks in use" in lines[1] and len(lines) == 2
     assert len(governor({0: est}, whole=True).say_host_need()) == 1  # rank 1 has no estimate: the bound alone
     # two ranks of ~60 GiB on one H200: their estimates fit together, their admission rooms do not (run 12,
-    # ~55 GiB each, said "no swaps" and swapped 3 times before iteration 2)
+    # 62.4 GiB each by the estimate, said "no swaps" and swapped 3 times before iteration 2)
     lines = governor({0: 60 * GIB, 1: 60 * GIB}, whole=False).say_host_need()
     assert "fits its device by prism's memory estimates: no swaps, no host memory needed once peaks are " \
         "measured" in lines[1] and f"estimate x {ESTIMATE_HEADROOM}" in lines[1] and "may swap" in lines[1]
