@@ -280,20 +280,28 @@ def _measured(values: dict[int, float], first: int = WARMUP + 1) -> list[float]:
     return [v for k, v in sorted((int(k), v) for k, v in values.items()) if k >= first]
 
 
-def replay_times(trace: Path, **graph_kw: Any) -> dict[str, dict[int, float]]:
+def replay_times(trace: Path, resolve: bool = False, **graph_kw: Any) -> dict[str, dict[int, float]]:
     """Per-iteration predicted seconds of a trace, communication free: ``begin_end`` (the replay's
-    iteration, first begin to last end) and ``end_end`` (last end to the next last end)."""
+    iteration, first begin to last end) and ``end_end`` (last end to the next last end). ``resolve``: its
+    plain host times solved again with the device backlog (resolve_backlog.py: traces captured before it)."""
+    from dataclasses import replace
+
     from prism_megatron.replay import graph_from_trace, replay, zero_cost
     from prism_megatron.trace import read_trace
 
-    result = replay(graph_from_trace(read_trace(trace), **graph_kw), zero_cost)
+    tr = read_trace(trace)
+    if resolve:
+        from resolve_backlog import resolved  # bench/gpu/resolve_backlog.py
+
+        tr = replace(tr, gpu=resolved(tr))
+    result = replay(graph_from_trace(tr, **graph_kw), zero_cost)
     be = {it.number: it.time for it in result.iterations()}
     ends = {it.number: it.end for it in result.iterations()}
     ee = {n: ends[n] - ends[n - 1] for n in ends if n - 1 in ends}
     return {"begin_end": be, "end_end": ee}
 
 
-def analyse_config(steps: list[dict[str, Any]], root: Path) -> dict[str, Any]:
+def analyse_config(steps: list[dict[str, Any]], root: Path, resolve: bool = False) -> dict[str, Any]:
     """One config's row: real repeats, each emulation's prediction and live values, the probe."""
     reals = [({k: v["ms"] for k, v in s["iterations"].items()}, s.get("measured_from", WARMUP + 1)) for s in steps
              if s.get("kind", "").startswith("real") and "iterations" in s]
@@ -317,7 +325,7 @@ def analyse_config(steps: list[dict[str, Any]], root: Path) -> dict[str, Any]:
             try:
                 variants = (("", {}), ("one_clock_", {"gpu_times": False}), ("own_host_", {"typical_host": False}))
                 for label, kw in variants:
-                    times = replay_times(trace, **kw)
+                    times = replay_times(trace, resolve, **kw)
                     for key, per in times.items():
                         em[f"{label}{key}_ms"] = {k: v * 1e3 for k, v in per.items()}
                 em["host_device"] = host_device(trace)
@@ -424,11 +432,11 @@ def _f(x: float | None, fmt: str) -> str:
     return "-" if x is None else format(x, fmt)
 
 
-def analyse(report: dict[str, Any], root: Path) -> str:
+def analyse(report: dict[str, Any], root: Path, resolve: bool = False) -> str:
     report["rows"] = {}
     for name, steps in report["steps"].items():
         try:
-            report["rows"][name] = analyse_config(steps, root)
+            report["rows"][name] = analyse_config(steps, root, resolve)
         except Exception as e:  # noqa: BLE001
             report["rows"][name] = {"error": f"{type(e).__name__}: {e}"}
     return table(report)
@@ -462,6 +470,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget", type=float, default=480.0, help="seconds after which no step starts")
     p.add_argument("--timeout", type=float, default=150.0, help="seconds one step may take")
     p.add_argument("--analyse", type=Path, default=None, help="rebuild the table of a brought-back OUT")
+    p.add_argument("--resolve-backlog", action="store_true",
+                   help="with --analyse: solve the traces' plain host times again with the device backlog")
     args = p.parse_args(argv)
     if args.analyse is not None:
         path = args.analyse / "one-gpu-truth.json"
@@ -470,7 +480,7 @@ def main(argv: list[str] | None = None) -> int:
         if not work.exists() and (args.analyse / "traces.tar.gz").exists():
             with tarfile.open(args.analyse / "traces.tar.gz") as tar:
                 tar.extractall(args.analyse, filter="data")
-        text = analyse(report, work)
+        text = analyse(report, work, args.resolve_backlog)
         print(text)
         (args.analyse / "one-gpu-truth-analysed.json").write_text(json.dumps(report, indent=1))
         return 0
