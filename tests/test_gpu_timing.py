@@ -337,7 +337,7 @@ def test_plain_host_time_is_solved_through_the_segment_model_not_by_subtracting_
 
 
 def test_a_segment_after_a_marker_waits_for_the_device_work_the_one_before_left_and_that_is_not_host_time():
-    """The H200's one-GPU truth (dense h4096, bench/gpu/results/*one-gpu-truth*run10*): the last backward is
+    """The H200's one-GPU truth (dense h4096, bench/gpu/results/*one-gpu-truth*run12*): the last backward is
     issued in 14 ms and queues 80 ms of device work; its end is a marker (no runtime wait), so the next
     segment, Megatron's gradient check, starts with ~66 ms of it still queued and its sync waits for that.
     Its plain time (~69 ms) is mostly that wait: solved as if the queue were empty it became 69 ms of host

@@ -18,6 +18,17 @@ class LaunchError(ValueError):
     """Bad launch input; the message names the option and the value."""
 
 
+def cores() -> int:
+    """The CPUs this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def block_of(index: int, count: int, blocks: int) -> int:
+    """The block that item ``index`` of ``count`` falls in when they are cut into ``blocks`` contiguous ones
+    (ranks onto devices: neighbours, a TP group, share one)."""
+    return index * blocks // count
+
+
 def torchrun_threads(local_world_size: int) -> int:
     """The torch threads a rank of the target job has: torchrun passes OMP_NUM_THREADS on where it is set and
     sets it to 1 where it starts more than one process per node; a job of one process per node keeps torch's
@@ -25,9 +36,7 @@ def torchrun_threads(local_world_size: int) -> int:
     given = os.environ.get("OMP_NUM_THREADS", "")
     if given.isdigit() and int(given) > 0:
         return int(given)
-    if local_world_size > 1:
-        return 1
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return 1 if local_world_size > 1 else cores()
 
 
 @dataclass
@@ -176,11 +185,11 @@ class LaunchConfig:
         if rank in self.rank_devices:
             return self.rank_devices[rank]
         if self.fold is None:
-            return rank * len(self.devices) // self.world_size
+            return block_of(rank, self.world_size, len(self.devices))
         import bisect
 
         live = self.fold["live"]
-        return bisect.bisect_left(live, rank) * len(self.devices) // len(live)
+        return block_of(bisect.bisect_left(live, rank), len(live), len(self.devices))
 
     def script_for(self, rank: int) -> tuple[Path, list[str]]:
         """The program `rank` runs and its arguments: `rank_scripts` or else `script`."""

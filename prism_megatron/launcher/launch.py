@@ -28,7 +28,7 @@ from multiprocessing.connection import Client
 from pathlib import Path
 
 from prism_megatron.launcher import fork_safe_cuda_checks
-from prism_megatron.launcher.config import LaunchConfig, LaunchError
+from prism_megatron.launcher.config import LaunchConfig, LaunchError, cores
 from prism_megatron.launcher.exit_codes import BAD_INPUT
 from prism_megatron.launcher.exit_codes import DEVICE_OOM as EXIT_DEVICE_OOM
 from prism_megatron.launcher.exit_codes import HANG as EXIT_HANG
@@ -83,7 +83,7 @@ def coordinator_config(cfg: LaunchConfig, prefix: str = "") -> CoordinatorConfig
         slots_per_device=cfg.slots_per_device,
         device_of={r: cfg.device_of(r) for r in cfg.live_ranks},
         hang_timeout=cfg.hang_timeout,
-        threads=coordinator_threads(cfg, _cores()),
+        threads=coordinator_threads(cfg, cores()),
         swap=cfg.swap_mode, swapper=cfg.swapper, gpu_timing=_ranks_time_gpu(cfg),
         device_memory=list(cfg.device_memory),
         host_memory=cfg.host_memory,
@@ -379,10 +379,6 @@ def start_cuda_import_check(modules: list[str]) -> _CudaImportCheck:
     return _import_checks[key]
 
 
-def _cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-
-
 def coordinator_threads(cfg: LaunchConfig, cores: int) -> int:
     """Threads for the coordinator's reductions and copies: the cores no computing rank can use (one
     left for the launcher and the ranks' runtime threads), at most 8 (memory bandwidth saturates).
@@ -480,9 +476,9 @@ def _end(job: _Job, code: int) -> int:
 
 
 def _notes(cfg: LaunchConfig) -> None:
-    cores = _cores()
-    if not cfg.on_gpu and cfg.slots_per_device * cfg.threads_per_rank >= cores:
-        _say(f"{cfg.slots_per_device} slot(s) x {cfg.threads_per_rank} thread(s) use all {cores} cores: the "
+    n = cores()
+    if not cfg.on_gpu and cfg.slots_per_device * cfg.threads_per_rank >= n:
+        _say(f"{cfg.slots_per_device} slot(s) x {cfg.threads_per_rank} thread(s) use all {n} cores: the "
              "coordinator shares them with computing ranks, which inflates measured compute "
              "(bench/accuracy: +4% to +56% with 2 slots on 2 cores); leave a core free for timing runs")
     if cfg.on_gpu and cfg.swap_mode != "none" and cfg.swapper == "inprocess":

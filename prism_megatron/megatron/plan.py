@@ -17,7 +17,6 @@ sequence-parallel activations unsharded. The time is a stated rough model, not a
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -171,11 +170,11 @@ def _memory(fold: FoldPlan, estimate: dict[str, Any], devices: list[str], device
     fits = per_rank <= per_device and spill <= max(0, swap_room)
     out.update(gpu_needed=gpu_need, devices_total=gpu_have, per_device=per_device, host_needed=need_host, fits=fits)
     if swap != "none" and spill > 0:  # swaps: what a switch holds in host memory (runtime.hostplan)
-        from prism_megatron.launcher.config import IN_PROCESS_SWAPPERS, swapper_for
+        from prism_megatron.launcher.config import IN_PROCESS_SWAPPERS, block_of, swapper_for
         from prism_megatron.runtime.hostplan import swap_host_need
 
-        live = sorted(fold.live)  # on devices in contiguous blocks, as the launcher places them (device_of)
-        sizes = [[held[r] for i, r in enumerate(live) if i * len(devices) // len(live) == d] or [0]
+        live = sorted(fold.live)  # on devices as the launcher places them (LaunchConfig.device_of)
+        sizes = [[held[r] for i, r in enumerate(live) if block_of(i, len(live), len(devices)) == d] or [0]
                  for d in range(len(devices))]
         host_fits, out["swap_host"] = swap_host_need(sizes, per_device, max(0, swap_room),
                                                      whole_state=swapper_for(swap, True) not in IN_PROCESS_SWAPPERS,
@@ -215,8 +214,10 @@ def _time(fold: FoldPlan, args: Any, vocab: int | None, iterations: int | None, 
     except (AttributeError, TypeError, ZeroDivisionError):
         flops = None
     if devices == ["cpu"]:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        rate, where = m["cpu_flops_per_core"] * cores, f"{cores} CPU core(s)"
+        from prism_megatron.launcher.config import cores
+
+        n_cores = cores()
+        rate, where = m["cpu_flops_per_core"] * n_cores, f"{n_cores} CPU core(s)"
     else:
         rate, where = m["gpu_flops"] * len(devices), f"{len(devices)} GPU(s)"
     compute = (flops or 0.0) / rate

@@ -503,7 +503,7 @@ class RankClient:
 
     def _swap(self, msg: dict) -> dict:
         """Receiver, the rank blocked: move its GPU state as the coordinator asks (P.SWAP)."""
-        from prism_megatron.runtime.swap_space import PIN_CHUNK, HostRegion
+        from prism_megatron.runtime.swap_space import HostRegion
         from prism_megatron.runtime.vmm import VmmNoRoom
 
         t0 = time.perf_counter()
@@ -524,11 +524,10 @@ class RankClient:
                 pinned["pin_s"] = self._region.pin(msg["offset"], msg["nbytes"], register)
                 if failed is None and self._region.pin_error is not None:  # said once
                     pinned["pin_error"] = self._region.pin_error
-            grain = (self._region.base_address, PIN_CHUNK) if self._region.pinned else None
             if msg["op"] == "out":
-                done = self.segments.swap_out(at, msg["nbytes"], grain)
+                done = self.segments.swap_out(at, msg["nbytes"], self._region.grain)
             else:
-                done = self.segments.swap_in(at, grain)
+                done = self.segments.swap_in(at, self._region.grain)
                 self._write_held()
             return {"ok": True, "bytes": done.nbytes, "copied": done.copied, "copy_s": done.copy_s,
                     "map_s": done.map_s, **pinned, "seconds": time.perf_counter() - t0}

@@ -187,6 +187,12 @@ class HostRegion:
             self.pinned.add(g)
         return time.perf_counter() - t0
 
+    @property
+    def grain(self) -> tuple[int, int] | None:
+        """(base address, bytes) of the separate registrations this process page-locked the region in, or None
+        where it locked none: no copy may span two (the driver refuses it; runtime.vmm.pieces cuts them)."""
+        return (self.base_address, PIN_CHUNK) if self.pinned else None
+
     def address(self, offset: int, nbytes: int) -> int:
         if offset < 0 or offset + nbytes > self.size:
             raise SwapSpaceError(f"extent [{offset}, {offset + nbytes}) is outside the swap region "
