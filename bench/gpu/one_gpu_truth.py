@@ -226,9 +226,9 @@ def _run(cmd: list[str], log: Path, env: dict[str, str], timeout: float) -> str:
 
 
 def step(kind: str, config: Config, work: Path, iters: int, index: int, timeout: float,
-         real_extra: int = 0) -> dict[str, Any]:
+         real_extra: int = 0, emu_extra: int = 0) -> dict[str, Any]:
     """Run one step of the plan; returns what it measured."""
-    flags = [*config.flags, "--train-iters", str(iters)]
+    flags = [*config.flags, "--train-iters", str(iters + emu_extra)]
     name = f"{index:02d}-{kind}"
     kind, census = (kind[:-3], True) if kind.endswith("+gc") else (kind, False)
     gc_dir = work / f"{name}.gc"
@@ -271,6 +271,7 @@ def step(kind: str, config: Config, work: Path, iters: int, index: int, timeout:
            str(DRIVER_SCRIPT), *flags, "--global-batch-size", str(config.gbs * world)]
     text = _run(cmd, work / f"{name}.log", _env(**extra, **run_env), timeout)
     return counted({"kind": kind, "world": world, "variant": variant, "iterations": parse_log(text),
+                    "measured_from": WARMUP + emu_extra + 1,
                     "trace": str(trace.relative_to(work.parent))})  # relative to the --work directory
 
 
@@ -328,12 +329,14 @@ def analyse_config(steps: list[dict[str, Any]], root: Path, resolve: bool = Fals
                     times = replay_times(trace, resolve, **kw)
                     for key, per in times.items():
                         em[f"{label}{key}_ms"] = {k: v * 1e3 for k, v in per.items()}
-                em["host_device"] = host_device(trace)
+                em["host_device"] = host_device(trace, s.get("measured_from", WARMUP + 1))
             except Exception as e:  # noqa: BLE001 - one broken trace must not hide the others
                 em["error"] = f"{type(e).__name__}: {e}"
-        live = _measured(em["live_ms"])
+        first = s.get("measured_from", WARMUP + 1)
+        em["measured_from"] = first
+        live = _measured(em["live_ms"], first)
         em["live_median_ms"] = statistics.median(live) if live else None
-        pred = _measured(em.get("begin_end_ms", {}))
+        pred = _measured(em.get("begin_end_ms", {}), first)
         em["predicted_ms"] = statistics.median(pred) if pred else None
         # a profiled launcher's ranks fork with its profiler: their times are no measurement
         if em["predicted_ms"] and row.get("real_ms") and s.get("variant") != "prof":
@@ -362,8 +365,8 @@ def summarise_probe(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def host_device(trace: Path) -> dict[str, float]:
-    """Rank 0's median over measured iterations of compute clock, measured host and device time (ms)."""
+def host_device(trace: Path, since: int = WARMUP + 1) -> dict[str, float]:
+    """Rank 0's median over measured iterations (``since`` on) of compute clock, measured host and device time (ms)."""
     from prism_megatron.trace import read_trace
 
     tr = read_trace(trace)
@@ -371,7 +374,7 @@ def host_device(trace: Path) -> dict[str, float]:
     bounds = [m["compute_clock"] for m in marks]
     rows = [g for g in tr.gpu.to_pylist() if g["rank"] == 0]
     clocks, hosts, devices = [], [], []
-    for a, b in list(zip(bounds[0::2], bounds[1::2], strict=False))[WARMUP:]:
+    for a, b in list(zip(bounds[0::2], bounds[1::2], strict=False))[since - 1:]:
         mine = [g for g in rows if a - 1e-9 < g["clock_end"] <= b + 1e-9]
         clocks.append(b - a)
         hosts.append(sum(g["cpu"] for g in mine))
@@ -392,8 +395,9 @@ def table(report: dict[str, Any]) -> str:
         first = True
         for kind, em in (row.get("emulations") or {"-": {}}).items():
             hd = em.get("host_device") or {}
-            one = _measured(em.get("one_clock_begin_end_ms", {}))
-            ee = _measured(em.get("end_end_ms", {}))
+            since = em.get("measured_from", WARMUP + 1)
+            one = _measured(em.get("one_clock_begin_end_ms", {}), since)
+            ee = _measured(em.get("end_end_ms", {}), since)
             lines.append(
                 f"{name if first else '':32} {_f(real if first else None, '.1f'):>8} "
                 f"{_f(spread if first else None, '.1f'):>7}  {kind:14} {_f(em.get('predicted_ms'), '.1f'):>8} "
@@ -467,6 +471,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=8, help=f"iterations per run ({WARMUP} of them warm-up)")
     p.add_argument("--real-extra", type=int, default=30,
                    help="iterations a real run makes beyond --iters before the ones measured (steady state)")
+    p.add_argument("--emu-extra", type=int, default=0,
+                   help="iterations an emulation makes beyond --iters before the ones measured (the same steady "
+                   "state as the real runs' when equal to --real-extra)")
     p.add_argument("--budget", type=float, default=480.0, help="seconds after which no step starts")
     p.add_argument("--timeout", type=float, default=150.0, help="seconds one step may take")
     p.add_argument("--analyse", type=Path, default=None, help="rebuild the table of a brought-back OUT")
@@ -507,7 +514,8 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             t0 = time.monotonic()
             try:
-                result = step(kind, config_of(name), work / name, args.iters, i, args.timeout, args.real_extra)
+                result = step(kind, config_of(name), work / name, args.iters, i, args.timeout, args.real_extra,
+                              args.emu_extra)
             except (RuntimeError, subprocess.TimeoutExpired, ValueError) as e:
                 result = {"kind": kind, "error": str(e)[-1500:]}
             result["seconds"] = time.monotonic() - t0
