@@ -24,7 +24,7 @@ without activation recompute, micro-batch 1 to 8) it runs, on GPU 0, in the orde
   logged (``gc_census/sitecustomize.py``); the table gives the collector's milliseconds per measured iteration.
 
 A config named ``NAME+manual-gc`` is NAME with Megatron's ``--manual-gc`` (the collector off during
-training, as NVIDIA's performance recipes run), ``NAME+omp1`` NAME with ``OMP_NUM_THREADS=1`` for the real
+training, as NVIDIA's performance recipes run), ``NAME+ompN`` NAME with ``OMP_NUM_THREADS=N`` for the real
 runs and the emulations (what torchrun gives each rank of a job of several GPUs per node; an emulation of
 one rank otherwise gets every core, as the real single process has): a row of its own, with its own real runs.
 
@@ -133,19 +133,26 @@ CONFIGS = {c.name: c for c in (
 )}
 DEFAULT_STEPS = ("real", "emu1", "real", "emu2", "real")
 #: config-name suffix -> (Megatron flags added, environment of its runs)
-VARIANTS = {"manual-gc": (("--manual-gc",), ()), "omp1": ((), (("OMP_NUM_THREADS", "1"),))}
+VARIANTS = {"manual-gc": (("--manual-gc",), ())}
+_OMP = re.compile(r"omp([1-9][0-9]*)")
+
+
+def _variant(name: str) -> tuple[tuple[str, ...], tuple[tuple[str, str], ...]] | None:
+    """A variant's (Megatron flags, environment), None for an unknown one; ``ompN``: OMP_NUM_THREADS=N."""
+    m = _OMP.fullmatch(name)
+    return ((), (("OMP_NUM_THREADS", m.group(1)),)) if m else VARIANTS.get(name)
 
 
 def config_of(name: str) -> Config:
     """``NAME`` or ``NAME+VARIANT``: a config of CONFIGS, with the variant's flags added."""
     base, _, variant = name.partition("+")
-    if base not in CONFIGS or (variant and variant not in VARIANTS):
+    if base not in CONFIGS or (variant and _variant(variant) is None):
         raise SystemExit(f"no config {name!r}; configs: {', '.join(CONFIGS)}, each optionally "
-                         f"+{' / +'.join(VARIANTS)}")
+                         f"+{' / +'.join(VARIANTS)} / +ompN")
     c = CONFIGS[base]
     if not variant:
         return c
-    flags, env = VARIANTS[variant]
+    flags, env = _variant(variant)
     return Config(name, c.flags + flags, c.gbs, f"{c.note}; {variant}", False, c.env + env)
 
 
