@@ -53,7 +53,8 @@ class JobOptions:
 
     threads_per_rank: int | None = None
     """torch threads per emulated rank; default: what torchrun gives the target's ranks (OMP_NUM_THREADS where
-    it is set, else 1 where a node runs more than one rank, else every core of this machine)."""
+    it is set, else 1 where a node runs more than one rank, else every core of this machine), leaving one core
+    beside the ranks computing at once to prism's coordinator and launcher."""
 
     swap: Literal["auto", "none", "inprocess", "checkpoint", "budget", "budget-auto", "budget-inprocess"] = "auto"
     """Move blocked ranks' GPU state to host memory when a device is full (inprocess: each rank moves its

@@ -333,10 +333,11 @@ def test_ranks_compile_in_process_unless_the_users_environment_sets_inductors_wo
 def test_ranks_get_the_torch_threads_torchrun_would_give_the_targets_ranks(tmp_path, monkeypatch):
     """torchrun sets OMP_NUM_THREADS=1 only where it starts several processes per node and the variable is
     unset; one rank per node keeps torch's default, every core: a one-rank emulation given one thread took
-    its data loading's host time on one core while the real process had them all."""
+    its data loading's host time on one core while the real process had them all. The emulated rank leaves
+    one core to prism's processes."""
     import os
 
-    from prism_megatron.launcher.config import LaunchConfig, LaunchError, torchrun_threads
+    from prism_megatron.launcher.config import LaunchConfig, LaunchError, rank_threads, torchrun_threads
     from prism_megatron.launcher.rank import rank_env
 
     script = tmp_path / "s.py"
@@ -350,12 +351,40 @@ def test_ranks_get_the_torch_threads_torchrun_would_give_the_targets_ranks(tmp_p
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     cores = len(os.sched_getaffinity(0))
-    assert (threads(8), threads(2), threads(1), threads(4, per_node=1)) == (1, 1, cores, cores)
+    left = max(1, cores - 1)
+    assert (threads(8), threads(2), threads(1), threads(4, per_node=1)) == (1, 1, left, left)
+    assert torchrun_threads(1) == cores
     assert threads(8, given=3) == 3  # --threads-per-rank wins
+    assert threads(1, given=cores) == cores  # even over the core left free
     monkeypatch.setenv("OMP_NUM_THREADS", "6")
-    assert threads(8) == 6 and threads(1) == 6 and torchrun_threads(8) == 6
+    assert threads(8) == min(6, left) and torchrun_threads(8) == 6
+    # one core beside the ranks computing at once, never below one thread
+    assert (rank_threads(16, 1, 16), rank_threads(16, 2, 16), rank_threads(16, 4, 16), rank_threads(1, 1, 16),
+            rank_threads(16, 1, 1), rank_threads(16, 16, 16)) == (15, 7, 3, 1, 1, 1)
     with pytest.raises(LaunchError, match=r"--threads-per-rank must be a positive integer, got 0"):
         threads(8, given=0)
+
+
+def test_a_rank_given_fewer_threads_than_the_targets_is_told_so(tmp_path, monkeypatch, capsys):
+    """The core left to prism is a difference from the target's rank: the start says it and how to override."""
+    import os
+
+    from prism_megatron.launcher import launch
+    from prism_megatron.launcher.config import LaunchConfig
+
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("one core: the rank keeps its one thread")
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    script = tmp_path / "s.py"
+    script.write_text("")
+    cfg = LaunchConfig(script=script, world_size=1, trace_dir=tmp_path / "t").validate()
+    launch._notes(cfg)
+    err = capsys.readouterr().err
+    cores = len(os.sched_getaffinity(0))
+    assert f"each rank gets {cores - 1} torch thread(s) where the target's has {cores}" in err
+    assert "--threads-per-rank overrides" in err
+    launch._notes(LaunchConfig(script=script, world_size=1, trace_dir=tmp_path / "t", threads_per_rank=1).validate())
+    assert "torch thread(s) where the target's" not in capsys.readouterr().err
 
 
 def test_a_rank_forked_after_inductors_config_was_imported_still_gets_its_workers_number(monkeypatch):

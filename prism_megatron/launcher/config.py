@@ -39,6 +39,16 @@ def torchrun_threads(local_world_size: int) -> int:
     return 1 if local_world_size > 1 else cores()
 
 
+def rank_threads(target: int, computing: int, available: int | None = None) -> int:
+    """The torch threads an emulated rank gets by default: the target rank's (``target``), but no more than
+    leaves one core beside the ``computing`` ranks for prism's own processes (coordinator, launcher, the
+    ranks' runtime threads). A real rank of one process per node has its cores to itself; an emulated one
+    whose intra-op threads fill every core has one of them preempted whenever the coordinator answers, and
+    a parallel region waits for its slowest thread (docs/measurements.md, "A rank's threads and prism's")."""
+    n = cores() if available is None else available
+    return max(1, min(target, (n - 1) // max(computing, 1)))
+
+
 @dataclass
 class LaunchConfig:
     """A launch, resolved and validated: what the launcher, the coordinator and the ranks are given.
@@ -56,7 +66,8 @@ class LaunchConfig:
     trace_dir: Path = Path(_J.trace_dir)
     gpus_per_node: int = _J.gpus_per_node
     log_ranks: list[int] | None = None  # ranks whose output goes to the terminal; None: the options' default
-    threads_per_rank: int | None = _J.threads_per_rank  # None: torchrun's rule (torchrun_threads), set by validate()
+    threads_per_rank: int | None = _J.threads_per_rank  # None: torchrun's rule (rank_threads), set by validate()
+    target_threads: int | None = None  # the target rank's threads where validate() chose threads_per_rank
     preload: list[str] = field(default_factory=list)  # modules the template imports before forking
     rank_setup: list[str] = field(default_factory=list)  # "module:function" run in each rank before the script
     # JobOptions.swap's choices; budget and budget-auto are checkpoint and auto with a stand-in swapper that
@@ -216,7 +227,8 @@ class LaunchConfig:
         if self.gpus_per_node < 1:
             raise LaunchError(f"--gpus-per-node must be a positive integer, got {self.gpus_per_node!r}")
         if self.threads_per_rank is None:
-            self.threads_per_rank = torchrun_threads(min(self.gpus_per_node, self.world_size))
+            self.target_threads = torchrun_threads(min(self.gpus_per_node, self.world_size))
+            self.threads_per_rank = rank_threads(self.target_threads, len(self.devices) * self.slots_per_device)
         if not isinstance(self.threads_per_rank, int) or self.threads_per_rank < 1:
             raise LaunchError(f"--threads-per-rank must be a positive integer, got {self.threads_per_rank!r}")
         if not self.script.is_file():

@@ -477,6 +477,10 @@ def _end(job: _Job, code: int) -> int:
 
 def _notes(cfg: LaunchConfig) -> None:
     n = cores()
+    if cfg.target_threads is not None and cfg.threads_per_rank < cfg.target_threads:
+        _say(f"each rank gets {cfg.threads_per_rank} torch thread(s) where the target's has {cfg.target_threads}: "
+             "one core is left to prism's coordinator and launcher (a rank's parallel regions stall on a "
+             "preempted thread); --threads-per-rank overrides")
     if not cfg.on_gpu and cfg.slots_per_device * cfg.threads_per_rank >= n:
         _say(f"{cfg.slots_per_device} slot(s) x {cfg.threads_per_rank} thread(s) use all {n} cores: the "
              "coordinator shares them with computing ranks, which inflates measured compute "
