@@ -15,7 +15,9 @@ without activation recompute, micro-batch 1 to 8) it runs, on GPU 0, in the orde
 - ``emuW`` (W = 1, 2, 4, 8): ``prism-megatron run --prism-emulate --prism-world-size W --prism-devices 0``
   of the same job with W times the global batch (each rank the same micro-batches), replayed with
   free communication; ``emuW-keep`` / ``emuW-teardown`` set ``TEARDOWN_CUPTI`` to 0 / 1 in the
-  ranks, ``emuW-off`` runs with ``--prism-gpu-timing off`` (one clock), ``emuW-prof`` runs the launcher
+  ranks, ``emuW-off`` runs with ``--prism-gpu-timing off`` (one clock), ``emuW-fold`` with ``--prism-fold on``
+  (one live replica stands for the W: Phase 2's answer, which ``auto`` gives only where the W do not fit
+  the machine), ``emuW-prof`` runs the launcher
   under cProfile (``trace-NN-emuW-prof.launcher.prof`` beside the trace: where its set-up time goes;
   the ranks fork from it with the profiler on, so that step's prediction is shown but not scored);
 - ``probe``: ``one_gpu_probe.py``, a real run whose iteration phases test the bias candidates (the
@@ -262,7 +264,7 @@ def step(kind: str, config: Config, work: Path, iters: int, index: int, timeout:
               "--global-batch-size", str(config.gbs)], work / f"{name}.log",
              _env(**_single(_port()), PROBE_OUT=str(probe_out)), timeout)
         return {"kind": kind, "rows": json.loads(probe_out.read_text())}
-    m = re.fullmatch(r"emu(\d+)(?:-(keep|teardown|off|spin|prof))?", kind)
+    m = re.fullmatch(r"emu(\d+)(?:-(keep|teardown|off|spin|prof|fold))?", kind)
     if not m:
         raise ValueError(f"unknown step {kind!r}")
     world, variant = int(m.group(1)), m.group(2) or ""
@@ -275,6 +277,7 @@ def step(kind: str, config: Config, work: Path, iters: int, index: int, timeout:
     cmd = [PY, *prof, "-m", "prism_megatron", "run", "--prism-emulate", "--prism-world-size", str(world),
            "--prism-devices", "0", "--prism-trace-dir", str(trace), "--prism-report", "off",
            *(["--prism-gpu-timing", "off"] if variant == "off" else []),
+           *(["--prism-fold", "on"] if variant == "fold" else []),
            str(DRIVER_SCRIPT), *flags, "--global-batch-size", str(config.gbs * world)]
     text = _run(cmd, work / f"{name}.log", _env(**extra, **run_env), timeout)
     return counted({"kind": kind, "world": world, "variant": variant, "iterations": parse_log(text),
@@ -474,7 +477,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--configs", default=",".join(c.name for c in CONFIGS.values() if c.default),
                    help="comma-separated config names")
     p.add_argument("--plan", default="", help="'config:step,step,...;config:...' (steps: real, probe, "
-                   "emuW[-keep|-teardown|-off|-spin])")
+                   "emuW[-keep|-teardown|-off|-spin|-fold])")
     p.add_argument("--iters", type=int, default=8, help=f"iterations per run ({WARMUP} of them warm-up)")
     p.add_argument("--real-extra", type=int, default=30,
                    help="iterations a real run makes beyond --iters before the ones measured (steady state)")
