@@ -444,3 +444,29 @@ def test_replay_does_not_import_runtime_or_megatron():
             "print(bad); sys.exit(1 if bad else 0)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_an_iterations_time_is_the_loops_period_as_megatron_times_it():
+    """Megatron's ``elapsed time per iteration`` runs from one log point to the next: what the loop does
+    between two train steps (its logging) belongs to the iteration, an evaluation does not (Megatron stops
+    the timer for it). The first iteration has no iteration before: begin to end."""
+    gb = GraphBuilder()
+    gb.group(0, [0, 1])
+    for r in (0, 1):
+        for n in (1, 2, 3):
+            gb.mark(r, "iteration", "B", iteration=n)
+            gb.compute(r, 1.0 + 0.5 * r)  # rank 1 ends each step last
+            gb.collective(r, "all_reduce", 0, 1024)
+            gb.mark(r, "iteration", "E", iteration=n)
+            gb.compute(r, 0.1)  # the loop between steps: logging
+            if n == 2:
+                gb.mark(r, "evaluate", "B", iteration=n)
+                gb.compute(r, 3.0)
+                gb.mark(r, "evaluate", "E", iteration=n)
+    result = replay(gb.build())  # communication free
+    its = {it.number: it for it in result.iterations()}
+    assert its[1].time == pytest.approx(1.5)  # begin to the last rank's end
+    assert its[2].time == pytest.approx(0.1 + 1.5)  # the logging after iteration 1, then the step
+    assert its[3].time == pytest.approx(0.1 + 1.5)  # the 3 s of evaluation left out
+    assert its[3].window == pytest.approx((its[2].end, its[3].end))
+    assert result.iteration_times() == pytest.approx([1.5, 1.6, 1.6])

@@ -27,13 +27,16 @@ without activation recompute, micro-batch 1 to 8) it runs, on GPU 0, in the orde
 
 A config named ``NAME+manual-gc`` is NAME with Megatron's ``--manual-gc`` (the collector off during
 training, as NVIDIA's performance recipes run), ``NAME+ompN`` NAME with ``OMP_NUM_THREADS=N`` for the real
-runs and the emulations (what torchrun gives each rank of a job of several GPUs per node; an emulation of
-one rank otherwise gets every core, as the real single process has): a row of its own, with its own real runs.
+runs and the emulations (``omp1``: what torchrun gives each rank of a job of several GPUs per node; an
+emulation of one rank otherwise gets every core but one, the real single process every core): a row of its
+own, with its own real runs.
 
 Real runs are repeated between the emulations (``real,emu1,real,emu2,real``: the drift of the machine
 falls on both sides); a real run's own spread is the spread of its repeats' medians. Iterations 1-2
-are warm-up on both sides. The predicted iteration is the replay's (first rank's ``iteration`` begin to
-last rank's end); Megatron's log line under prism shows the live prediction, also kept.
+are warm-up on both sides. The predicted iteration is the replay's (the loop's period, as Megatron times
+it: from the last rank's end of the iteration before to its end; ``step`` in the table is the train step
+alone, first rank's begin to last rank's end); Megatron's log line under prism shows the live prediction,
+also kept.
 
 Writes ``OUT/one-gpu-truth.json`` (every run's per-iteration figures, rewritten after each step), the
 table to ``OUT/one-gpu-truth.txt`` and the traces and logs to ``OUT/traces.tar.gz`` (the --work
@@ -292,9 +295,10 @@ def _measured(values: dict[int, float], first: int = WARMUP + 1) -> list[float]:
 
 
 def replay_times(trace: Path, resolve: bool = False, **graph_kw: Any) -> dict[str, dict[int, float]]:
-    """Per-iteration predicted seconds of a trace, communication free: ``begin_end`` (the replay's
-    iteration, first begin to last end) and ``end_end`` (last end to the next last end). ``resolve``: its
-    plain host times solved again with the device backlog (resolve_backlog.py: traces captured before it)."""
+    """Per-iteration predicted seconds of a trace, communication free: ``period`` (the prediction: the
+    replay's iteration time, the loop's period as Megatron times it) and ``step`` (the train step alone,
+    first rank's begin to last rank's end). ``resolve``: its plain host times solved again with the device
+    backlog (resolve_backlog.py: traces captured before it)."""
     from dataclasses import replace
 
     from prism_megatron.replay import graph_from_trace, replay, zero_cost
@@ -305,11 +309,8 @@ def replay_times(trace: Path, resolve: bool = False, **graph_kw: Any) -> dict[st
         from resolve_backlog import resolved  # bench/gpu/resolve_backlog.py
 
         tr = replace(tr, gpu=resolved(tr))
-    result = replay(graph_from_trace(tr, **graph_kw), zero_cost)
-    be = {it.number: it.time for it in result.iterations()}
-    ends = {it.number: it.end for it in result.iterations()}
-    ee = {n: ends[n] - ends[n - 1] for n in ends if n - 1 in ends}
-    return {"begin_end": be, "end_end": ee}
+    its = replay(graph_from_trace(tr, **graph_kw), zero_cost).iterations()
+    return {"period": {it.number: it.time for it in its}, "step": {it.number: it.end - it.start for it in its}}
 
 
 def analyse_config(steps: list[dict[str, Any]], root: Path, resolve: bool = False) -> dict[str, Any]:
@@ -346,7 +347,7 @@ def analyse_config(steps: list[dict[str, Any]], root: Path, resolve: bool = Fals
         em["measured_from"] = first
         live = _measured(em["live_ms"], first)
         em["live_median_ms"] = statistics.median(live) if live else None
-        pred = _measured(em.get("begin_end_ms", {}), first)
+        pred = _measured(em.get("period_ms", {}), first)
         em["predicted_ms"] = statistics.median(pred) if pred else None
         # a profiled launcher's ranks fork with its profiler: their times are no measurement
         if em["predicted_ms"] and row.get("real_ms") and s.get("variant") != "prof":
@@ -398,7 +399,7 @@ def host_device(trace: Path, since: int = WARMUP + 1) -> dict[str, float]:
 def table(report: dict[str, Any]) -> str:
     """The text table: per config the real median and spread, per emulation the prediction and error."""
     lines = [f"{'config':32} {'real ms':>8} {'spread':>7}  {'emulation':14} {'pred ms':>8} {'err %':>7} "
-             f"{'live ms':>8} {'E-to-E':>8} {'1-clock':>8} {'host':>7} {'device':>7}"]
+             f"{'live ms':>8} {'step':>8} {'1-clock':>8} {'host':>7} {'device':>7}"]
     errors, others = [], []
     for name, row in report["rows"].items():
         real, spread = row.get("real_ms"), row.get("real_spread_pct")
@@ -406,8 +407,8 @@ def table(report: dict[str, Any]) -> str:
         for kind, em in (row.get("emulations") or {"-": {}}).items():
             hd = em.get("host_device") or {}
             since = em.get("measured_from", WARMUP + 1)
-            one = _measured(em.get("one_clock_begin_end_ms", {}), since)
-            ee = _measured(em.get("end_end_ms", {}), since)
+            one = _measured(em.get("one_clock_period_ms", {}), since)
+            ee = _measured(em.get("step_ms", {}), since)
             lines.append(
                 f"{name if first else '':32} {_f(real if first else None, '.1f'):>8} "
                 f"{_f(spread if first else None, '.1f'):>7}  {kind:14} {_f(em.get('predicted_ms'), '.1f'):>8} "

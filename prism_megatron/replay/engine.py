@@ -163,15 +163,28 @@ class MarkTime:
 
 @dataclass(frozen=True)
 class Iteration:
-    """One training iteration: from the first rank's begin to the last rank's end."""
+    """One training iteration: from the first rank's begin to the last rank's end.
+
+    Its time is the training loop's period, as Megatron's ``elapsed time per iteration`` times it: from
+    the last rank's end of the iteration before (what the loop does between two steps, its logging
+    among it, is the iteration's too; an evaluation between them is not, Megatron stops that timer for
+    it), or from the begin where no iteration came before.
+    """
 
     number: int
     start: float
     end: float
+    since: float | None = None  # the iteration before's end, where there is one
+    excluded: float = 0.0  # evaluation between that end and this iteration's begin
 
     @property
     def time(self) -> float:
-        return self.end - self.start
+        return self.end - (self.start if self.since is None else self.since) - self.excluded
+
+    @property
+    def window(self) -> tuple[float, float]:
+        """The span its time covers (an evaluation inside it included)."""
+        return (self.start if self.since is None else self.since), self.end
 
 
 @dataclass(frozen=True)
@@ -234,7 +247,28 @@ class ReplayResult:
             for k, (b, e) in enumerate(zip(bs, ends.get(rank, []), strict=False)):
                 number = b.attrs.get(name, b.attrs.get("number", k))
                 spans[number if isinstance(number, int) else k].append((b.t, e.t))
-        return [Iteration(n, min(s for s, _ in v), max(e for _, e in v)) for n, v in sorted(spans.items())]
+        bounds = {n: (min(s for s, _ in v), max(e for _, e in v)) for n, v in spans.items()}
+        pauses = self._spans("evaluate")
+        out = []
+        for n, (start, end) in sorted(bounds.items()):
+            since = bounds[n - 1][1] if n - 1 in bounds and bounds[n - 1][1] <= end else None
+            excluded = 0.0 if since is None else sum(
+                min(e, start) - max(b, since) for b, e in pauses if b < start and e > since)
+            out.append(Iteration(n, start, end, since, max(excluded, 0.0)))
+        return out
+
+    def _spans(self, name: str) -> list[tuple[float, float]]:
+        """Each ``name`` span over the ranks (first begin to last end, the k-th of every rank together)."""
+        begins: dict[int, list[float]] = defaultdict(list)
+        ends: dict[int, list[float]] = defaultdict(list)
+        for m in self.marks:
+            if m.name == name and m.phase in ("B", "E"):
+                (begins if m.phase == "B" else ends)[m.rank].append(m.t)
+        together: dict[int, list[tuple[float, float]]] = defaultdict(list)
+        for rank, bs in begins.items():
+            for k, (b, e) in enumerate(zip(bs, ends.get(rank, []), strict=False)):
+                together[k].append((b, e))
+        return [(min(b for b, _ in v), max(e for _, e in v)) for _, v in sorted(together.items())]
 
     def iteration_times(self) -> list[float]:
         """Per-iteration predicted times, or [makespan] when there are no iteration markers."""

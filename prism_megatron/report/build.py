@@ -304,13 +304,14 @@ def _headline(result: ReplayResult, timed: dict[int, bool] | None) -> list:
 
 
 def _window(result: ReplayResult, timed: dict[int, bool] | None = None) -> tuple[int | None, float, float]:
-    """The median iteration (number, start, end); the whole run when there are no iteration marks."""
+    """The median iteration (number, and the span its time covers); the whole run when there are no
+    iteration marks."""
     its = _headline(result, timed)
     if not its:
         return None, 0.0, result.makespan
     median = statistics.median_low(it.time for it in its)
     it = next(it for it in its if it.time == median)
-    return it.number, it.start, it.end
+    return it.number, *it.window
 
 
 def _prediction(result: ReplayResult, costing: Costing, classes: dict[int, str],
