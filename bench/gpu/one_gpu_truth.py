@@ -8,10 +8,11 @@ without activation recompute, micro-batch 1 to 8) it runs, on GPU 0, in the orde
 
 - ``real``: the training driver (``pretrain_gpt_mini.py``, Megatron's ``pretrain``) as one plain
   process, no prism; its truth is Megatron's own ``elapsed time per iteration (ms)`` at steady state: it
-  runs ``--real-extra`` iterations more than the emulations and its last ``--iters`` minus the warm-up are
+  runs ``--real-extra`` iterations more than ``--iters`` and its last ``--iters`` minus the warm-up are
   measured, after the start-up of inductor's compile workers (docs/measurements.md, "Inductor's compile
-  pool"); ``real-threads1`` runs with ``TORCHINDUCTOR_COMPILE_THREADS=1`` as prism's ranks do, ``--iters``
-  iterations, no pool at all;
+  pool"); the emulations run ``--emu-extra`` more (default the same) and are measured over the same
+  iterations, past a start-up transient of their own; ``real-threads1`` runs with
+  ``TORCHINDUCTOR_COMPILE_THREADS=1`` as prism's ranks do, ``--iters`` iterations, no pool at all;
 - ``emuW`` (W = 1, 2, 4, 8): ``prism-megatron run --prism-emulate --prism-world-size W --prism-devices 0``
   of the same job with W times the global batch (each rank the same micro-batches), replayed with
   free communication; ``emuW-keep`` / ``emuW-teardown`` set ``TEARDOWN_CUPTI`` to 0 / 1 in the
@@ -482,9 +483,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=8, help=f"iterations per run ({WARMUP} of them warm-up)")
     p.add_argument("--real-extra", type=int, default=30,
                    help="iterations a real run makes beyond --iters before the ones measured (steady state)")
-    p.add_argument("--emu-extra", type=int, default=0,
-                   help="iterations an emulation makes beyond --iters before the ones measured (the same steady "
-                   "state as the real runs' when equal to --real-extra)")
+    p.add_argument("--emu-extra", type=int, default=None,
+                   help="iterations an emulation makes beyond --iters before the ones measured (default: "
+                   "--real-extra, so both sides are measured over the same iterations; emulations have a "
+                   "start-up transient too)")
     p.add_argument("--budget", type=float, default=480.0, help="seconds after which no step starts")
     p.add_argument("--timeout", type=float, default=150.0, help="seconds one step may take")
     p.add_argument("--analyse", type=Path, default=None, help="rebuild the table of a brought-back OUT")
@@ -526,7 +528,7 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.monotonic()
             try:
                 result = step(kind, config_of(name), work / name, args.iters, i, args.timeout, args.real_extra,
-                              args.emu_extra)
+                              args.real_extra if args.emu_extra is None else args.emu_extra)
             except (RuntimeError, subprocess.TimeoutExpired, ValueError) as e:
                 result = {"kind": kind, "error": str(e)[-1500:]}
             result["seconds"] = time.monotonic() - t0
