@@ -25,7 +25,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from prism_megatron.replay import graph_from_trace, replay, zero_cost
-from prism_megatron.runtime.gpu_timing import SegmentTiming, host_end, run_segment, solve_scale
+from prism_megatron.runtime.gpu_timing import SegmentTiming, host_end, solve_segment
 from prism_megatron.trace import read_trace
 
 WARMUP = 2
@@ -48,11 +48,9 @@ def resolved(trace) -> pa.Table:
             syncs = r["syncs"] if isinstance(r["syncs"], list) else json.loads(r["syncs"])
             seg = SegmentTiming(r["clock_start"], r["clock_end"], r["cpu"], r["gpu"], [tuple(s) for s in syncs])
             plain = host_end(seg, 1.0)  # what the old solve matched
-            scale = solve_scale(seg, plain, backlog)
-            end, device_end = run_segment(seg, scale, backlog)
+            scale, left = solve_segment(seg, plain, backlog)
             rows[i] = dict(r, cpu=seg.cpu * scale, syncs=json.dumps([[o * scale, b] for o, b in seg.syncs]))
-            at_marker = round(r["clock_end"], 9) in marks[rank]
-            backlog = max(device_end - end, 0.0) if at_marker else 0.0
+            backlog = left if round(r["clock_end"], 9) in marks[rank] else 0.0  # a marker: no runtime wait
     return pa.Table.from_pylist(rows, schema=trace.gpu.schema)
 
 

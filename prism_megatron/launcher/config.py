@@ -44,7 +44,7 @@ def rank_threads(target: int, computing: int, available: int | None = None) -> i
     leaves one core beside the ``computing`` ranks for prism's own processes (coordinator, launcher, the
     ranks' runtime threads). A real rank of one process per node has its cores to itself; an emulated one
     whose intra-op threads fill every core has one of them preempted whenever the coordinator answers, and
-    a parallel region waits for its slowest thread (docs/measurements.md, "A rank's threads and prism's")."""
+    a parallel region waits for its slowest thread (docs/measurements.md, "Both sides at steady state")."""
     n = cores() if available is None else available
     return max(1, min(target, (n - 1) // max(computing, 1)))
 

@@ -179,7 +179,8 @@ class Iteration:
 
     @property
     def time(self) -> float:
-        return self.end - (self.start if self.since is None else self.since) - self.excluded
+        t0, t1 = self.window
+        return t1 - t0 - self.excluded
 
     @property
     def window(self) -> tuple[float, float]:
@@ -237,38 +238,33 @@ class ReplayResult:
 
     def iterations(self, name: str = "iteration") -> list[Iteration]:
         """Iterations from B/E markers called ``name``; [] when the graph has none."""
+
+        def number(begin: MarkTime, k: int) -> int:
+            n = begin.attrs.get(name, begin.attrs.get("number", k))
+            return n if isinstance(n, int) else k
+
+        bounds = self._spans(name, number)
+        pauses = self._spans("evaluate", lambda b, k: k).values()
+        out = []
+        for n, (start, end) in sorted(bounds.items()):
+            since = bounds[n - 1][1] if n - 1 in bounds and bounds[n - 1][1] <= end else None
+            excluded = 0.0 if since is None else sum(max(min(e, start) - max(b, since), 0.0) for b, e in pauses)
+            out.append(Iteration(n, start, end, since, excluded))
+        return out
+
+    def _spans(self, name: str, key: Callable[[MarkTime, int], int]) -> dict[int, tuple[float, float]]:
+        """The ``name`` spans over the ranks, first begin to last end, each rank's k-th span (begin ``b``)
+        joined to the others' of the same ``key(b, k)``."""
         begins: dict[int, list[MarkTime]] = defaultdict(list)
         ends: dict[int, list[MarkTime]] = defaultdict(list)
         for m in self.marks:
             if m.name == name and m.phase in ("B", "E"):
                 (begins if m.phase == "B" else ends)[m.rank].append(m)
-        spans: dict[int, list[tuple[float, float]]] = defaultdict(list)
-        for rank, bs in begins.items():
-            for k, (b, e) in enumerate(zip(bs, ends.get(rank, []), strict=False)):
-                number = b.attrs.get(name, b.attrs.get("number", k))
-                spans[number if isinstance(number, int) else k].append((b.t, e.t))
-        bounds = {n: (min(s for s, _ in v), max(e for _, e in v)) for n, v in spans.items()}
-        pauses = self._spans("evaluate")
-        out = []
-        for n, (start, end) in sorted(bounds.items()):
-            since = bounds[n - 1][1] if n - 1 in bounds and bounds[n - 1][1] <= end else None
-            excluded = 0.0 if since is None else sum(
-                min(e, start) - max(b, since) for b, e in pauses if b < start and e > since)
-            out.append(Iteration(n, start, end, since, max(excluded, 0.0)))
-        return out
-
-    def _spans(self, name: str) -> list[tuple[float, float]]:
-        """Each ``name`` span over the ranks (first begin to last end, the k-th of every rank together)."""
-        begins: dict[int, list[float]] = defaultdict(list)
-        ends: dict[int, list[float]] = defaultdict(list)
-        for m in self.marks:
-            if m.name == name and m.phase in ("B", "E"):
-                (begins if m.phase == "B" else ends)[m.rank].append(m.t)
         together: dict[int, list[tuple[float, float]]] = defaultdict(list)
         for rank, bs in begins.items():
             for k, (b, e) in enumerate(zip(bs, ends.get(rank, []), strict=False)):
-                together[k].append((b, e))
-        return [(min(b for b, _ in v), max(e for _, e in v)) for _, v in sorted(together.items())]
+                together[key(b, k)].append((b.t, e.t))
+        return {k: (min(b for b, _ in v), max(e for _, e in v)) for k, v in together.items()}
 
     def iteration_times(self) -> list[float]:
         """Per-iteration predicted times, or [makespan] when there are no iteration markers."""

@@ -182,9 +182,8 @@ def pair(profiled: list[SegmentTiming], plain: list[Closed]) -> tuple[list[Segme
     out_p, out_u = [], []
     backlog = 0.0
     for p, u in zip(profiled, plain, strict=True):
-        scale = solve_scale(p, u.host, backlog)
-        end, device_end = run_segment(p, scale, backlog)
-        backlog = 0.0 if u.synced else max(device_end - end, 0.0)
+        scale, left = solve_segment(p, u.host, backlog)
+        backlog = 0.0 if u.synced else left
         host = p.cpu * scale
         syncs = [(off * scale, before) for off, before in p.syncs]
         out_p.append(SegmentTiming(p.clock_start, p.clock_end, host, p.gpu, syncs))
@@ -209,6 +208,14 @@ def run_segment(seg: SegmentTiming, scale: float, backlog: float = 0.0) -> tuple
 def host_end(seg: SegmentTiming, scale: float, backlog: float = 0.0) -> float:
     """When the host ends ``seg`` in the model of :func:`run_segment`."""
     return run_segment(seg, scale, backlog)[0]
+
+
+def solve_segment(seg: SegmentTiming, plain_host: float, backlog: float = 0.0) -> tuple[float, float]:
+    """:func:`solve_scale`'s factor for ``seg``, and the device work the segment leaves queued when its host
+    ends (the next segment's backlog where the runtime does not wait for the device between them)."""
+    scale = solve_scale(seg, plain_host, backlog)
+    end, device_end = run_segment(seg, scale, backlog)
+    return scale, max(device_end - end, 0.0)
 
 
 def solve_scale(seg: SegmentTiming, plain_host: float, backlog: float = 0.0) -> float:
