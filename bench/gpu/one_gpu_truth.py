@@ -41,8 +41,9 @@ also kept.
 
 Writes ``OUT/one-gpu-truth.json`` (every run's per-iteration figures, rewritten after each step), the
 table to ``OUT/one-gpu-truth.txt`` and the traces and logs to ``OUT/traces.tar.gz`` (the --work
-directory). ``--analyse DIR`` rebuilds the table from a brought-back ``DIR`` (its traces.tar.gz
-unpacked to DIR/work) on any machine.
+directory). ``--analyse RUN [RUN ...]`` rebuilds the table on any machine from brought-back OUT
+directories or committed results (``bench/gpu/results/*one-gpu-truth*.json``, traces beside them):
+several runs make one table and one mean error, each emulation scored against its own call's real runs.
 
   python bench/gpu/one_gpu_truth.py --out OUT [--configs a,b] [--plan 'a:real,emu1,...;b:...']
         [--iters N] [--budget S]                     (bench/gpu/one_gpu_truth.sh sets up a GPU machine)
@@ -399,7 +400,8 @@ def host_device(trace: Path, since: int = WARMUP + 1) -> dict[str, float]:
 
 def table(report: dict[str, Any]) -> str:
     """The text table: per config the real median and spread, per emulation the prediction and error."""
-    lines = [f"{'config':32} {'real ms':>8} {'spread':>7}  {'emulation':14} {'pred ms':>8} {'err %':>7} "
+    w = max([32, *(len(n) for n in report["rows"])])
+    lines = [f"{'config':{w}} {'real ms':>8} {'spread':>7}  {'emulation':14} {'pred ms':>8} {'err %':>7} "
              f"{'live ms':>8} {'step':>8} {'1-clock':>8} {'host':>7} {'device':>7}"]
     errors, others = [], []
     for name, row in report["rows"].items():
@@ -411,7 +413,7 @@ def table(report: dict[str, Any]) -> str:
             one = _measured(em.get("one_clock_period_ms", {}), since)
             ee = _measured(em.get("step_ms", {}), since)
             lines.append(
-                f"{name if first else '':32} {_f(real if first else None, '.1f'):>8} "
+                f"{name if first else '':{w}} {_f(real if first else None, '.1f'):>8} "
                 f"{_f(spread if first else None, '.1f'):>7}  {kind:14} {_f(em.get('predicted_ms'), '.1f'):>8} "
                 f"{_f(em.get('error_pct'), '+.1f'):>7} {_f(em.get('live_median_ms'), '.1f'):>8} "
                 f"{_f(statistics.median(ee) if ee else None, '.1f'):>8} "
@@ -425,15 +427,15 @@ def table(report: dict[str, Any]) -> str:
             parts = [f"{p} {v['wall_ms']:.1f}" + (f" (busy {v['device_busy_ms']:.1f})" if "device_busy_ms" in v else "")
                      + (f" @{v['sm_clock_mhz']:.0f} MHz" if "sm_clock_mhz" in v else "")
                      for p, v in row["probe"].items()]
-            lines.append(f"{'':32} probe (train_step ms, median per phase): " + ", ".join(parts))
+            lines.append(f"{'':{w}} probe (train_step ms, median per phase): " + ", ".join(parts))
         for kind, census in row.get("gc") or []:
             busiest = sorted(census.values(), key=lambda c: -c["ms_per_iteration"])[:2]
-            lines.append(f"{'':32} {kind} garbage collection per iteration: " + "; ".join(
+            lines.append(f"{'':{w}} {kind} garbage collection per iteration: " + "; ".join(
                 f"{c['ms_per_iteration']:.1f} ms in {c['collections_per_iteration']:.0f} "
                 f"({c['gen2_per_iteration']:.1f} full, {c['gen2_ms_each'][:4]} ms) [{c['command'][-40:]}]"
                 for c in busiest))
         if row.get("error"):
-            lines.append(f"{'':32} FAILED: {row['error'][:300]}")
+            lines.append(f"{'':{w}} FAILED: {row['error'][:300]}")
     mae = sum(abs(e[2]) for e in errors) / len(errors) if errors else None
     lines.append("")
     lines.append(f"mean absolute error over configs whose real repeats spread < {TRUTH_SPREAD} % "
@@ -456,6 +458,49 @@ def analyse(report: dict[str, Any], root: Path, resolve: bool = False) -> str:
         except Exception as e:  # noqa: BLE001
             report["rows"][name] = {"error": f"{type(e).__name__}: {e}"}
     return table(report)
+
+
+def _open_run(run: Path, scratch: Path) -> tuple[dict[str, Any], Path]:
+    """(report, root of its traces) of a brought-back OUT directory or of a committed ``NAME.json`` whose
+    traces are packed in ``NAME-traces.tar.gz`` beside it (unpacked into ``scratch``)."""
+    if run.is_dir():
+        path, packed, root = run / "one-gpu-truth.json", run / "traces.tar.gz", run
+    else:
+        path, packed, root = run, run.with_name(f"{run.stem}-traces.tar.gz"), scratch
+    if not path.is_file():
+        raise SystemExit(f"--analyse {run}: no {path.name} (an OUT directory or a result .json)")
+    try:
+        report = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise SystemExit(f"--analyse {path}: not JSON ({e})") from None
+    missing = [k for k in ("steps", "configs") if k not in report]
+    if missing:
+        raise SystemExit(f"--analyse {path}: no field {missing[0]!r} (not a one_gpu_truth.py result)")
+    if not (root / "work").exists() and packed.exists():
+        with tarfile.open(packed) as tar:
+            tar.extractall(root, filter="data")
+    return report, root / "work"
+
+
+def analyse_runs(runs: list[Path], resolve: bool = False) -> str:
+    """The table of one or more runs (device calls). Each config's emulations are scored against the real
+    runs of the same call only (the machine's speed drifts between calls); several runs give one table,
+    each row named after its run, and one mean absolute error over all of them."""
+    import tempfile
+
+    merged: dict[str, Any] = {"steps": {}, "rows": {}}
+    with tempfile.TemporaryDirectory() as scratch:
+        for i, run in enumerate(runs):
+            report, work = _open_run(run, Path(scratch) / str(i))
+            text = analyse(report, work, resolve)
+            if len(runs) == 1:
+                if run.is_dir():
+                    (run / "one-gpu-truth-analysed.json").write_text(json.dumps(report, indent=1))
+                return text
+            label = (run.name if run.is_dir() else run.stem).rsplit("-", 1)[-1]
+            for name, row in report["rows"].items():
+                merged["rows"][f"{name} [{label}]"] = row
+    return table(merged)
 
 
 # ----------------------------------------------------------------------------- main
@@ -489,20 +534,14 @@ def main(argv: list[str] | None = None) -> int:
                    "start-up transient too)")
     p.add_argument("--budget", type=float, default=480.0, help="seconds after which no step starts")
     p.add_argument("--timeout", type=float, default=150.0, help="seconds one step may take")
-    p.add_argument("--analyse", type=Path, default=None, help="rebuild the table of a brought-back OUT")
+    p.add_argument("--analyse", type=Path, nargs="+", default=None, metavar="RUN",
+                   help="rebuild the table of brought-back runs: an OUT directory, or a committed result .json "
+                   "(its traces in NAME-traces.tar.gz beside it); several: one table, one mean error over all")
     p.add_argument("--resolve-backlog", action="store_true",
                    help="with --analyse: solve the traces' plain host times again with the device backlog")
     args = p.parse_args(argv)
     if args.analyse is not None:
-        path = args.analyse / "one-gpu-truth.json"
-        report = json.loads(path.read_text())
-        work = args.analyse / "work"
-        if not work.exists() and (args.analyse / "traces.tar.gz").exists():
-            with tarfile.open(args.analyse / "traces.tar.gz") as tar:
-                tar.extractall(args.analyse, filter="data")
-        text = analyse(report, work, args.resolve_backlog)
-        print(text)
-        (args.analyse / "one-gpu-truth-analysed.json").write_text(json.dumps(report, indent=1))
+        print(analyse_runs(args.analyse, args.resolve_backlog))
         return 0
     configs = [c for c in args.configs.split(",") if c]
     for c in configs:
