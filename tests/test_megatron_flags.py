@@ -237,6 +237,47 @@ def test_cli_help_and_recipe_show():
     assert out.returncode == 2 and "no-such-recipe" in out.stderr
 
 
+_SAVE = textwrap.dedent("""
+    import functools, json
+    from prism_megatron.megatron.megatron_lm import ensure_megatron_training
+    ensure_megatron_training()
+    import megatron.training.training as training
+    from prism_megatron.trace import markers
+    seen, calls = [], []
+
+    @functools.wraps(training.save_checkpoint_and_time)  # the seam checks the real one's parameters
+    def saving(*args, **kwargs):
+        calls.append(list(seen))
+
+    training.save_checkpoint_and_time = saving
+    from prism_megatron.patches import training_loop
+    training_loop.install()
+
+    class Sink:
+        def record_mark(self, name, phase, attrs):
+            seen.append([name, phase])
+
+    markers.set_sink(Sink())
+    training.save_checkpoint_and_time(5, None, None)
+    print(json.dumps({"seen": seen, "calls": calls}))
+""")
+
+
+def test_a_checkpoint_save_is_a_span_the_iteration_time_leaves_out(tmp_path):
+    """Megatron stops its iteration timer inside ``save_checkpoint_and_time``; the trace must say where a
+    save ran (the replay leaves ``TIMER_PAUSES`` out of an iteration's time) on the installed release."""
+    from prism_megatron.megatron.megatron_lm import training_available
+    from prism_megatron.trace.markers import CHECKPOINT_SAVE, TIMER_PAUSES
+
+    if not training_available():
+        pytest.skip("megatron.training not importable (a Megatron-LM checkout or megatron-core 0.17+)")
+    out = subprocess.run([sys.executable, "-c", _SAVE], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got == {"seen": [[CHECKPOINT_SAVE, "B"], [CHECKPOINT_SAVE, "E"]], "calls": [[[CHECKPOINT_SAVE, "B"]]]}
+    assert CHECKPOINT_SAVE in TIMER_PAUSES
+
+
 # ----------------------------------------------------------------------------- Megatron's parser
 _PARSE = textwrap.dedent("""
     import json, sys

@@ -448,8 +448,8 @@ def test_replay_does_not_import_runtime_or_megatron():
 
 def test_an_iterations_time_is_the_loops_period_as_megatron_times_it():
     """Megatron's ``elapsed time per iteration`` runs from one log point to the next: what the loop does
-    between two train steps (its logging) belongs to the iteration, an evaluation does not (Megatron stops
-    the timer for it). The first iteration has no iteration before: begin to end."""
+    between two train steps (its logging) belongs to the iteration, an evaluation or a checkpoint save does
+    not (Megatron stops the timer for them). The first iteration has no iteration before: begin to end."""
     gb = GraphBuilder()
     gb.group(0, [0, 1])
     for r in (0, 1):
@@ -459,6 +459,10 @@ def test_an_iterations_time_is_the_loops_period_as_megatron_times_it():
             gb.collective(r, "all_reduce", 0, 1024)
             gb.mark(r, "iteration", "E", iteration=n)
             gb.compute(r, 0.1)  # the loop between steps: logging
+            if n == 1:
+                gb.mark(r, "checkpoint_save", "B", iteration=n)
+                gb.compute(r, 2.0)
+                gb.mark(r, "checkpoint_save", "E", iteration=n)
             if n == 2:
                 gb.mark(r, "evaluate", "B", iteration=n)
                 gb.compute(r, 3.0)
@@ -466,7 +470,7 @@ def test_an_iterations_time_is_the_loops_period_as_megatron_times_it():
     result = replay(gb.build())  # communication free
     its = {it.number: it for it in result.iterations()}
     assert its[1].time == pytest.approx(1.5)  # begin to the last rank's end
-    assert its[2].time == pytest.approx(0.1 + 1.5)  # the logging after iteration 1, then the step
+    assert its[2].time == pytest.approx(0.1 + 1.5)  # the logging after iteration 1, then the step; the save out
     assert its[3].time == pytest.approx(0.1 + 1.5)  # the 3 s of evaluation left out
     assert its[3].window == pytest.approx((its[2].end, its[3].end))
     assert result.iteration_times() == pytest.approx([1.5, 1.6, 1.6])

@@ -4,7 +4,9 @@
 brackets each iteration with a ``span("iteration", iteration=N)`` (N as Megatron logs it, from
 1) and tells the schedule hooks which iteration their units belong to. ``evaluate`` (called by
 ``evaluate_and_print_results`` through the same module) becomes a span ``evaluate`` whose forward
-units carry ``eval=True``, so they are not mistaken for the iteration's training units.
+units carry ``eval=True``, so they are not mistaken for the iteration's training units;
+``save_checkpoint_and_time`` a span ``checkpoint_save``. Megatron's iteration timer stops for both,
+so the replay leaves them out of the iteration's time (``trace.markers.TIMER_PAUSES``).
 On the last rank (Megatron's logger), each logged iteration then waits for its predicted time
 (``runtime.live``), which ``print_rank_last`` (looked up in the same module) puts into the
 ``elapsed time per iteration (ms)`` field, saying it is predicted. With ``--log-interval`` above 1
@@ -21,7 +23,7 @@ from typing import Any
 from prism_megatron.megatron.versions import checked_versions
 from prism_megatron.patches import once, schedules, seam
 from prism_megatron.runtime.backend import stands_for_last_rank
-from prism_megatron.trace.markers import span
+from prism_megatron.trace.markers import CHECKPOINT_SAVE, EVALUATE, span
 
 CHECKED = checked_versions()  # prism_megatron.megatron.versions: the supported table
 
@@ -105,10 +107,17 @@ def install() -> None:
     def evaluate(*args: Any, **kwargs: Any) -> Any:
         schedules.STATE.evaluating = True
         try:
-            with span("evaluate", iteration=schedules.STATE.iteration):
+            with span(EVALUATE, iteration=schedules.STATE.iteration):
                 return original_evaluate(*args, **kwargs)
         finally:
             schedules.STATE.evaluating = False
+
+    original_save = seam(training, "save_checkpoint_and_time", CHECKED, ("iteration", "model", "optimizer"))
+
+    @functools.wraps(original_save)
+    def save_checkpoint_and_time(*args: Any, **kwargs: Any) -> Any:
+        with span(CHECKPOINT_SAVE, iteration=schedules.STATE.iteration):
+            return original_save(*args, **kwargs)
 
     original_print = seam(training, "print_rank_last", CHECKED)
 
@@ -122,4 +131,5 @@ def install() -> None:
 
     training.train_step = train_step
     training.evaluate = evaluate
+    training.save_checkpoint_and_time = save_checkpoint_and_time
     training.print_rank_last = print_rank_last

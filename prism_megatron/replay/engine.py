@@ -56,6 +56,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from prism_megatron.trace.markers import TIMER_PAUSES
+
 from .graph import P2P_KINDS, Comm, Compute, CpuSync, Event, Graph, GraphError, Mark, Wait
 
 #: Label of the compute segments in which a two-clock rank's stream waited for its host to issue work.
@@ -167,15 +169,16 @@ class Iteration:
 
     Its time is the training loop's period, as Megatron's ``elapsed time per iteration`` times it: from
     the last rank's end of the iteration before (what the loop does between two steps, its logging
-    among it, is the iteration's too; an evaluation between them is not, Megatron stops that timer for
-    it), or from the begin where no iteration came before.
+    among it, is the iteration's too; an evaluation or a checkpoint save between them is not, Megatron
+    stops that timer for them: ``trace.markers.TIMER_PAUSES``), or from the begin where no iteration
+    came before.
     """
 
     number: int
     start: float
     end: float
     since: float | None = None  # the iteration before's end, where there is one
-    excluded: float = 0.0  # evaluation between that end and this iteration's begin
+    excluded: float = 0.0  # evaluation and checkpoint saves between that end and this iteration's begin
 
     @property
     def time(self) -> float:
@@ -184,7 +187,7 @@ class Iteration:
 
     @property
     def window(self) -> tuple[float, float]:
-        """The span its time covers (an evaluation inside it included)."""
+        """The span its time covers (an evaluation or a save inside it included)."""
         return (self.start if self.since is None else self.since), self.end
 
 
@@ -244,7 +247,7 @@ class ReplayResult:
             return n if isinstance(n, int) else k
 
         bounds = self._spans(name, number)
-        pauses = self._spans("evaluate", lambda b, k: k).values()
+        pauses = [s for pause in TIMER_PAUSES for s in self._spans(pause, lambda b, k: k).values()]
         out = []
         for n, (start, end) in sorted(bounds.items()):
             since = bounds[n - 1][1] if n - 1 in bounds and bounds[n - 1][1] <= end else None

@@ -19,6 +19,13 @@ class MarkSink(Protocol):
     def record_mark(self, name: str, phase: str, attrs: dict[str, Any]) -> None: ...
 
 
+#: Spans of Megatron's training loop that its iteration timer (``interval-time``, which the logged
+#: ``elapsed time per iteration`` reads) stops for: an evaluation, a checkpoint save. Recorded by
+#: ``patches.training_loop``; the replay leaves them out of the iteration they fall in.
+EVALUATE = "evaluate"
+CHECKPOINT_SAVE = "checkpoint_save"
+TIMER_PAUSES = (EVALUATE, CHECKPOINT_SAVE)
+
 _sink: MarkSink | None = None
 
 
