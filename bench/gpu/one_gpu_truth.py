@@ -18,7 +18,7 @@ without activation recompute, micro-batch 1 to 8) it runs, on GPU 0, in the orde
   free communication; ``emuW-keep`` / ``emuW-teardown`` set ``TEARDOWN_CUPTI`` to 0 / 1 in the
   ranks, ``emuW-off`` runs with ``--prism-gpu-timing off`` (one clock), ``emuW-fold`` with ``--prism-fold on``
   (one live replica stands for the W: Phase 2's answer, which ``auto`` gives only where the W do not fit
-  the machine), ``emuW-prof`` runs the launcher
+  the machine; scored with the plain ``emuW``, the other variants are diagnoses), ``emuW-prof`` runs the launcher
   under cProfile (``trace-NN-emuW-prof.launcher.prof`` beside the trace: where its set-up time goes;
   the ranks fork from it with the profiler on, so that step's prediction is shown but not scored);
 - ``probe``: ``one_gpu_probe.py``, a real run whose iteration phases test the bias candidates (the
@@ -420,7 +420,7 @@ def table(report: dict[str, Any]) -> str:
                 f"{_f(statistics.median(one) if one else None, '.1f'):>8} {_f(hd.get('host_ms'), '.0f'):>7} "
                 f"{_f(hd.get('device_ms'), '.0f'):>7}")
             first = False
-            if em.get("error_pct") is not None and re.fullmatch(r"emu\d+", kind):
+            if em.get("error_pct") is not None and re.fullmatch(r"emu\d+(-fold)?", kind):
                 (errors if spread is not None and spread < TRUTH_SPREAD else others).append(
                     (name, kind, em["error_pct"], spread))
         if row.get("probe"):
