@@ -128,11 +128,12 @@ CONFIGS = {c.name: c for c in (
     Config("moe-fp32-mbs1-host", _flags(8, 512, 8, 1024, 1, bf16=False, experts=8, moe_ffn=1024), 8,
            "MoE fp32 host-bound, 8 micro-batches"),
     # the H200 machine's host speed moves by several percent within minutes, so a real run's repeats spread
-    # below 1 % only where the device time hides the host's: these two keep host time a small share of it
+    # below 1 % only where the device time hides the host's: h4096 keeps host time a small share of it; the MoE
+    # one was meant to, but its local experts' loop in Python makes it host-bound on an H200 (docs/measurements.md)
     Config("dense-bf16-mbs4-h4096", _flags(4, 4096, 32, 2048, 4), 8,
            "strongly device-bound: h4096 seq2048, 2 micro-batches (~0.3 s of device time per iteration)"),
     Config("moe-bf16-mbs4-h2048", _flags(4, 2048, 16, 2048, 4, experts=8, moe_ffn=5632), 8,
-           "MoE 8 local experts top-2, strongly device-bound: h2048 seq2048, 2 micro-batches"),
+           "MoE 8 local experts top-2, h2048 seq2048, 2 micro-batches (host-bound on an H200)"),
     # issue 18's job as one replica (~96 GiB): what its swapped runs predicted (bench/gpu/admission.sh) against
     # the real run and the emulation without swaps; only W = 1 fits the H200, so only by name
     Config("dense-bf16-mbs8-24l", _flags(24, 1536, 12, 2048, 8), 16,
