@@ -28,13 +28,26 @@ def test_class_verdicts_within_the_margin_either_side_of_the_cap():
                   ("no cap", GIB, None, False))
     oom = [{"class": "near oom", "requested": 3 * GIB, "reserved": cap - GIB},  # needs cap + 2 GiB: 2.5%
            {"class": "far oom", "requested": 9 * GIB, "reserved": cap - GIB}]   # needs cap + 8 GiB: 10%
-    plain = class_verdicts(mem, oom, None)
+    estimates = {"near oom": cap + GIB, "far oom": cap + GIB}  # below what the failing allocations show
+    plain = class_verdicts(mem, oom, None, estimates)
     assert plain == {"near fit": FITS, "far fit": FITS, "near oom": OOM, "far oom": OOM, "no cap": None}
-    assert class_verdicts(mem, oom, 0.05) == {"near fit": WITHIN_MARGIN, "far fit": FITS, "near oom": WITHIN_MARGIN,
-                                              "far oom": OOM, "no cap": None}
+    assert class_verdicts(mem, oom, 0.05, estimates) == {
+        "near fit": WITHIN_MARGIN, "far fit": FITS, "near oom": WITHIN_MARGIN, "far oom": OOM, "no cap": None}
     # an OOM whose request size is unknown cannot be placed within a margin
     unknown = [{"class": "near oom", "requested": None, "reserved": cap - GIB}]
-    assert class_verdicts(mem, unknown, 0.05)["near oom"] == OOM
+    assert class_verdicts(mem, unknown, 0.05, estimates)["near oom"] == OOM
+
+
+def test_an_oom_class_is_weighed_by_its_estimate_not_only_by_its_failing_allocation():
+    """A capture under the cap stops at its first failing request: 2 GiB over the cap is the least the class
+    needs. Where prism's estimate says it needs far more, it is plainly OOM, not within the margin; without
+    an estimate its need is unknown, so no margin can be claimed."""
+    cap = 80 * GIB
+    mem = _memory(("oom", cap - GIB, cap, True))
+    oom = [{"class": "oom", "requested": 3 * GIB, "reserved": cap - GIB}]
+    assert class_verdicts(mem, oom, 0.05, {"oom": int(cap * 1.6)})["oom"] == OOM
+    assert class_verdicts(mem, oom, 0.05, {"oom": int(cap * 1.03)})["oom"] == WITHIN_MARGIN
+    assert class_verdicts(mem, oom, 0.05)["oom"] == OOM
 
 
 def test_te_substituted_only_for_a_published_transformer_engine():
@@ -58,3 +71,24 @@ def test_report_marks_a_class_within_the_margin_only_under_a_te_substitution(tmp
     assert WITHIN_MARGIN in summary_text(wide)
     unsubstituted = build_report(tmp_path / "plain")  # no TE substitution recorded: no margin, however wide
     assert WITHIN_MARGIN not in unsubstituted["verdict"] and unsubstituted["memory"]["classes"][1]["verdict"] == FITS
+
+
+def test_report_weighs_an_oom_class_by_the_estimate_its_trace_recorded(tmp_path):
+    """A run records prism's estimate per rank (job.memory_estimates); the report gives it in the OOM class's
+    row and after the verdict line; a malformed record is refused, naming the field."""
+    import pytest
+
+    from prism_megatron.trace import TraceFormatError
+
+    trace = set_job(make_trace(tmp_path / "t", oom_rank=3), "substitutions", [TE])
+    bare = build_report(trace)  # no estimate recorded: the failing allocation alone (12.5 % over the cap)
+    assert {c["class"]: c["verdict"] for c in bare["memory"]["classes"]}[LAST] == OOM
+    assert "estimate" not in bare["verdict"]
+    set_job(trace, "memory_estimates", {"3": int(CAP * 1.6), "0": GIB})
+    rep = build_report(trace)
+    row = {c["class"]: c for c in rep["memory"]["classes"]}[LAST]
+    assert row["verdict"] == OOM and row["estimate"] == int(CAP * 1.6)
+    assert rep["verdict"].endswith(f"prism's estimate gives the class's need: {LAST} 6.4 GiB")
+    set_job(trace, "memory_estimates", {"3": "lots"})
+    with pytest.raises(TraceFormatError, match="job.memory_estimates"):
+        build_report(trace)

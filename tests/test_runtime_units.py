@@ -315,6 +315,20 @@ def test_gpu_ranks_page_lock_staging_swaps_or_not_unless_staging_is_pageable(tmp
     assert told(LaunchConfig(**base).validate()) == ([False, False], None)
 
 
+def test_the_trace_records_prisms_memory_estimate_of_each_rank_that_runs(tmp_path):
+    """The report weighs a class that ran out of memory under the cap by prism's estimate of its peak
+    (report.margin): the run must write it into the trace's job, rank by rank, as JSON keys."""
+    from prism_megatron.launcher.config import LaunchConfig
+    from prism_megatron.launcher.launch import _Job
+
+    script = tmp_path / "s.py"
+    script.write_text("")
+    cfg = LaunchConfig(script=script, world_size=4, trace_dir=tmp_path / "t").validate()
+    assert "memory_estimates" not in _Job(cfg).job_meta()  # none computed: nothing recorded
+    cfg.memory_estimates = {2: 7 * 2**30, 0: 5 * 2**30}
+    assert _Job(cfg).job_meta()["memory_estimates"] == {"0": 5 * 2**30, "2": 7 * 2**30}
+
+
 def test_ranks_compile_in_process_unless_the_users_environment_sets_inductors_workers(tmp_path, monkeypatch):
     """An inductor worker pool per rank would start during the iterations the capture measures, W times over
     (docs/measurements.md, "Inductor's compile pool"); a value the user set reaches the ranks unchanged."""

@@ -302,6 +302,9 @@ class _Job:
                 **({"rank_scripts": {str(r): [str(p), *a] for r, (p, a) in sorted(cfg.rank_scripts.items())}}
                    if cfg.rank_scripts else {}),
                 **({"target_gpu": cfg.target_gpu} if cfg.target_gpu is not None else {}),
+                # what the report weighs a class that ran out of memory under the cap by (report.margin)
+                **({"memory_estimates": {str(r): int(b) for r, b in sorted(cfg.memory_estimates.items())}}
+                   if cfg.memory_estimates else {}),
                 **cfg.job_extra,
                 **({"staging_by_device": {f"cuda:{d}": "page-locked" if cfg.page_locks else "pageable"
                                           for d in cfg.devices}} if cfg.on_gpu else {})}

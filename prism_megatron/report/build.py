@@ -34,7 +34,7 @@ from prism_megatron.trace.microbatches import MicrobatchFold
 from .classify import UNKNOWN, class_order, rank_class
 from .costing import Costing, choose_costing
 from .live import basis, timed_iterations
-from .margin import TE_SUBSTITUTION_MARGIN, WITHIN_MARGIN, class_verdicts, te_substituted
+from .margin import TE_SUBSTITUTION_MARGIN, WITHIN_MARGIN, class_estimates, class_verdicts, te_substituted
 from .schema import FORMAT, VERSION
 from .units import fmt_bytes, rank_ranges
 
@@ -111,21 +111,42 @@ def assemble(trace_dir: str | Path, cluster: str | None = None,
     subs = _substitutions(job.get("substitutions"), trace.path / "manifest.json")
     if subs is not None:
         report["substitutions"] = subs
-    _mark_margin(report)
+    _mark_margin(report, _estimates(job.get("memory_estimates"), trace.path / "manifest.json"))
     return report, result
 
 
-def _mark_margin(report: dict[str, Any]) -> None:
+def _mark_margin(report: dict[str, Any], estimates: dict[int, int]) -> None:
     """Each memory class's verdict; where the run substituted Transformer Engine, those within the margin
-    (report.margin) are named so, in the class rows and after the verdict line (whose prefix stays)."""
+    (report.margin) are named so, in the class rows and after the verdict line (whose prefix stays). A
+    class that ran out of memory is weighed by prism's estimate of its peak (``estimates``: rank -> bytes,
+    the trace's ``job.memory_estimates``), given in its row and after the verdict line."""
     margin = TE_SUBSTITUTION_MARGIN if te_substituted(report.get("substitutions")) else None
-    verdicts = class_verdicts(report["memory"], report["oom"], margin)
+    by_class = class_estimates(report["memory"], estimates)
+    verdicts = class_verdicts(report["memory"], report["oom"], margin, by_class)
+    dead = {e["class"] for e in report["oom"]} | {r["class"] for r in report["memory"]["ranks"] if r["oom"]}
     for c in report["memory"]["classes"]:
         c["verdict"] = verdicts[c["class"]]
+        if c["class"] in by_class:
+            c["estimate"] = by_class[c["class"]]
     near = [name for name, v in verdicts.items() if v == WITHIN_MARGIN]
     if near:
         report["verdict"] += (f"; within the TE-substitution margin (peak within {margin:.0%} of the cap, "
                               f"local spec rendered for Transformer Engine): {', '.join(near)}")
+    weighed = [f"{name} {fmt_bytes(by_class[name])}" for name in sorted(dead) if name in by_class]
+    if weighed:
+        report["verdict"] += ("; an OOM capture stops at its failing allocation, so prism's estimate gives the "
+                              f"class's need: {', '.join(weighed)}")
+
+
+def _estimates(value: Any, where: Path) -> dict[int, int]:
+    """The trace's ``job.memory_estimates`` (rank -> prism's estimate of its class's peak, bytes); {} where
+    it recorded none."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or not all(
+            isinstance(k, str) and k.isdigit() and type(v) is int and v >= 0 for k, v in value.items()):
+        raise TraceFormatError(where, "field 'job.memory_estimates'", "is not a map of rank -> bytes (int >= 0)")
+    return {int(k): v for k, v in value.items()}
 
 
 def _substitutions(subs: Any, where: Path) -> list[dict[str, str]] | None:

@@ -6,13 +6,20 @@ own kernels keep somewhat different activations and workspaces. So where the rec
 substitution, a class whose peak lies within ``TE_SUBSTITUTION_MARGIN`` of the target's cap (either
 side) is not called fits or OOM but "within the TE-substitution margin": the rendered program's bytes
 cannot decide it. The margin and its basis: docs/features.md.
+
+A class that ran out of memory under the cap stopped at its failing allocation, so what it reserved plus
+what it asked for is the least it needed, not its peak: a class that needs 130 GiB fails its first request
+past 76 GiB just as one that needs 77 GiB does. Its need is therefore the larger of that and prism's own
+estimate of the class's peak (``memory.estimate``, recorded in the trace's ``job.memory_estimates``);
+without an estimate the need is unknown beyond the failing allocation and the class is plain OOM.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["TE_SUBSTITUTION_MARGIN", "FITS", "OOM", "WITHIN_MARGIN", "te_substituted", "class_verdicts"]
+__all__ = ["TE_SUBSTITUTION_MARGIN", "FITS", "OOM", "WITHIN_MARGIN", "te_substituted", "class_verdicts",
+           "class_estimates"]
 
 #: fraction of the target GPU's cap: |cap - peak| <= margin x cap is within the margin (docs/features.md)
 TE_SUBSTITUTION_MARGIN = 0.05
@@ -25,10 +32,13 @@ def te_substituted(substitutions: list[dict[str, str]] | None) -> bool:
                and "transformer_engine" not in s["rendered"] for s in substitutions or ())
 
 
-def class_verdicts(memory: dict[str, Any], oom: list[dict[str, Any]], margin: float | None) -> dict[str, str | None]:
-    """Class -> its verdict (None where no cap was set). A class's peak is its worst rank's: what it
-    reserved, or, where it ran out of memory, what it reserved plus what it asked for (the least it
-    needed; unknown where the allocation's size is). ``margin`` None: plain fits/OOM."""
+def class_verdicts(memory: dict[str, Any], oom: list[dict[str, Any]], margin: float | None,
+                   estimates: dict[str, int] | None = None) -> dict[str, str | None]:
+    """Class -> its verdict (None where no cap was set). A class's need is its worst rank's: what it
+    reserved, or, where it ran out of memory, the larger of what it reserved plus what it asked for (the
+    least it needed) and ``estimates[class]`` (prism's estimate of its peak; no estimate: the need is
+    unknown, the class plain OOM). ``margin`` None: plain fits/OOM."""
+    estimates = estimates or {}
     caps: dict[str, int] = {}
     for r in memory["ranks"]:
         if r["cap"] is not None:
@@ -40,6 +50,9 @@ def class_verdicts(memory: dict[str, Any], oom: list[dict[str, Any]], margin: fl
         asked = None if e["requested"] is None else e["reserved"] + e["requested"]
         have = need.get(e["class"])
         need[e["class"]] = None if asked is None else max(asked, have or 0)
+    for name in dead:
+        estimate = estimates.get(name)
+        need[name] = None if estimate is None or need.get(name) is None else max(need[name], estimate)
     out: dict[str, str | None] = {}
     for c in memory["classes"]:
         name, cap = c["class"], caps.get(c["class"])
@@ -50,4 +63,14 @@ def class_verdicts(memory: dict[str, Any], oom: list[dict[str, Any]], margin: fl
         plain = OOM if name in dead or (peak is not None and peak > cap) else FITS
         near = margin is not None and peak is not None and abs(cap - peak) <= margin * cap
         out[name] = WITHIN_MARGIN if near else plain
+    return out
+
+
+def class_estimates(memory: dict[str, Any], by_rank: dict[int, int]) -> dict[str, int]:
+    """Class -> prism's estimate of its peak from ``by_rank`` (rank -> bytes, the ranks that ran: the trace's
+    ``job.memory_estimates``); the largest of a class's ranks."""
+    out: dict[str, int] = {}
+    for r in memory["ranks"]:
+        if r["rank"] in by_rank:
+            out[r["class"]] = max(out.get(r["class"], 0), by_rank[r["rank"]])
     return out
