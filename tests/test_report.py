@@ -425,3 +425,18 @@ def test_untimed_differences_name_what_differs_beyond_times(tmp_path):
     assert untimed_differences(a, same) == []
     assert untimed_differences(a, read_trace(make_trace(tmp_path / "m", memory=False))) == ["marks"]
     assert untimed_differences(a, read_trace(make_trace(tmp_path / "w", world=6))) == ["ops", "marks", "groups"]
+
+
+def test_a_stopped_runs_report_predicts_from_the_iterations_every_rank_ended(tmp_path):
+    """A run stopped mid-iteration (SIGTERM from a time limit) leaves collectives some ranks never reached:
+    the replay of the whole trace deadlocks, so the report replays the iterations every rank ended and says
+    so; a complete trace that deadlocks still says why it has no prediction."""
+    trace = make_trace(tmp_path / "t", oom_rank=3)  # rank 3 stops in iteration 2
+    assert "deadlock" in build_report(trace)["prediction_error"]  # complete: a real deadlock
+    manifest = trace / "manifest.json"
+    doc = json.loads(manifest.read_text())
+    doc.update(complete=False, incomplete="ended by SIGTERM")
+    manifest.write_text(json.dumps(doc))
+    rep = build_report(trace)
+    assert rep["prediction_error"] is None and len(rep["prediction"]["iteration_times_s"]) == 1
+    assert any("stopped mid-iteration (ended by SIGTERM): iterations 1-1" in n for n in rep["prediction"]["notes"])

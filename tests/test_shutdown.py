@@ -277,3 +277,20 @@ def test_coordinator_of_a_large_job_starts(tmp_path):
     finally:
         job.cleanup()
     assert job.coord.returncode is not None
+
+
+def test_a_stopped_run_still_writes_its_report(tmp_path):
+    """``run`` stopped by a time limit (SIGTERM) keeps its trace so far and makes the report of it: what was
+    captured before the stop is what the user paid for."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OUT=str(tmp_path), WANDB_MODE="disabled")
+    p = subprocess.Popen(
+        [sys.executable, "-m", "prism_megatron", "run", "--prism-emulate", "--prism-world-size", "3",
+         "--prism-fold", "off", "--prism-trace-dir", str(tmp_path / "trace"), str(PROGRAMS / "blocks_with_child.py")],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_default_signals)
+    _children(tmp_path, 3)
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 128 + signal.SIGTERM, err
+    assert "the run was stopped (exit 143); the report covers what it captured" in err, err
+    assert (tmp_path / "trace" / "report.json").exists(), err
+    assert "SIGTERM" in read_trace(tmp_path / "trace").incomplete

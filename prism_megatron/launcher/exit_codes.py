@@ -10,3 +10,11 @@ OOM = 5
 #: The physical device ran out of memory (ranks share it; not a prediction): the report says what each rank
 #: held and what to do, and the trace so far is written, marked incomplete.
 DEVICE_OOM = 6
+
+
+def interrupted(code: int) -> bool:
+    """Whether ``code`` is a job ended by SIGINT, SIGTERM or SIGHUP (128 + N: a user, a scheduler or a time
+    limit stopped it): its trace so far is written, marked incomplete, and the report is still made of it."""
+    import signal
+
+    return code - 128 in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)

@@ -459,7 +459,13 @@ def run(request: RunRequest) -> int:
             from prism_megatron.launcher.exit_codes import BAD_INPUT
 
             return BAD_INPUT
+    from prism_megatron.launcher.exit_codes import interrupted
+
+    stopped = interrupted(code) and (cfg.trace_dir / "manifest.json").exists()
     written = code in (0, OOM) and (cfg.trace_dir / "manifest.json").exists()
+    if stopped and after.report == "on":  # what was captured before the stop is not lost: its report
+        print(f"prism: the run was stopped (exit {code}); the report covers what it captured", file=sys.stderr,
+              flush=True)
     if written and after.anchor_fake_pg:
         from prism_megatron.megatron.anchors import run_fake_pg_anchor
 
@@ -468,7 +474,7 @@ def run(request: RunRequest) -> int:
     calibrated = None
     if written and code == 0 and after.calibrate == "on":
         calibrated = _calibrate(cfg, after)
-    if after.report == "on" and written:
+    if after.report == "on" and (written or stopped):
         from prism_megatron.report.publish import publish
 
         config = {"recipe": after.recipe, "script": str(request.script),

@@ -301,9 +301,33 @@ def _replay(trace: PrismTrace, cluster: str | None) -> tuple[ReplayResult | None
         return None, f"{e.reason()}; the memory figures are each capture's own (an incomplete one's " \
                      "until it stopped)"
     except GraphError as e:  # DeadlockError included: typically a job that died mid-iteration
+        whole = _whole_iterations_of_a_stopped_run(trace, cost)
+        if whole is not None:
+            return whole, None
         lines = str(e).splitlines()  # a deadlock names every stuck rank: thousands of lines at scale
         more = f"\n  ... and {len(lines) - MAX_ERROR_LINES} more line(s)" if len(lines) > MAX_ERROR_LINES else ""
         return None, "the replay failed: " + "\n".join(lines[:MAX_ERROR_LINES]) + more
+
+
+def _whole_iterations_of_a_stopped_run(trace: PrismTrace, cost: Any) -> ReplayResult | None:
+    """A run that stopped mid-iteration (its trace incomplete) leaves collectives some ranks never reached,
+    which no replay can finish: replay the iterations every rank ended instead, saying so in the graph's
+    notes. None where the trace is complete, or no iteration was ended by every rank, or that fails too."""
+    from .live import until_iteration, whole_iterations
+
+    if trace.incomplete is None or trace.fold is not None and trace.fold.capture_mode == "serial":
+        return None
+    n = whole_iterations(trace)
+    part = until_iteration(trace, n) if n else None
+    if part is None:
+        return None
+    try:
+        result = replay(graph_from_trace(part), cost)
+    except GraphError:
+        return None
+    result.graph.notes.append(f"the run stopped mid-iteration ({trace.incomplete}): iterations 1-{n}, the ones "
+                              "every rank ended, are replayed")
+    return result
 
 
 def _replay_calibrated(path: str | Path) -> tuple[ReplayResult | None, str | None]:

@@ -80,16 +80,34 @@ def basis(timed: bool | None) -> str:
             else "one clock (no host and GPU time measured for all of this iteration, or not yet)")
 
 
+def until_iteration(trace, iteration: int):
+    """``trace`` with each rank's records cut at its ``iteration``-th iteration end (whole iterations only:
+    every collective of them has all its members), or None where no rank has ended it."""
+    cut = _cut_times(trace.marks, iteration)
+    if not cut:
+        return None
+    return replace(trace, ops=_until(trace.ops, "t_issue", cut), marks=_until(trace.marks, "t", cut),
+                   slots=_until(trace.slots, "t_grant", cut))
+
+
+def whole_iterations(trace) -> int:
+    """How many iterations every rank of ``trace`` ended (0: none, or no iteration marks)."""
+    ends: dict[int, int] = {}
+    for m in trace.marks.filter(pc.and_(pc.equal(trace.marks["name"], "iteration"),
+                                        pc.equal(trace.marks["phase"], "E"))).to_pylist():
+        ends[m["rank"]] = ends.get(m["rank"], 0) + 1
+    ranks = {r["rank"] for r in trace.manifest.get("ranks", [])} or set(ends)
+    return min((ends.get(r, 0) for r in ranks), default=0)
+
+
 def predict_iteration(trace_dir: str | Path, iteration: int, cluster: str | None = None) -> tuple[float | None, str]:
     """(predicted seconds of ``iteration`` or None, a note with the provenance or why not)."""
     from prism_megatron.replay import graph_from_trace, replay
 
     trace = read_trace(trace_dir)
-    cut = _cut_times(trace.marks, iteration)
-    if not cut:
+    part = until_iteration(trace, iteration)
+    if part is None:
         return None, f"no rank has ended iteration {iteration}"
-    part = replace(trace, ops=_until(trace.ops, "t_issue", cut), marks=_until(trace.marks, "t", cut),
-                   slots=_until(trace.slots, "t_grant", cut))
     from .build import cost_model
 
     result = replay(graph_from_trace(part), cost_model(cluster, trace.fold))
