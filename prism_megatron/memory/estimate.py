@@ -101,6 +101,14 @@ class Job:
     attention: str  # one of ATTENTIONS
     device: str  # 'cuda' or 'cpu'
     bias_gelu: bool = False  # Megatron's bias-GeLU function (bias_activation_fusion, GeLU MLP)
+    moe_act_fused: bool = False  # experts' weighted SwiGLU function (bias_activation_fusion with --swiglu)
+    mla: bool = False  # --multi-latent-attention (MLASelfAttention) instead of the QKV attention
+    q_lora: int | None = None  # MLA: query down-projection rank (None: one query projection)
+    kv_lora: int = 0
+    qk_head: int = 0  # MLA: query/key channels per head without and with RoPE (qk_head + qk_pos), values'
+    qk_pos: int = 0
+    v_head: int = 0
+    qk_norm: bool = False  # --qk-layernorm (MLA: norms of the compressed query and key/value)
 
     @property
     def half(self) -> bool:
@@ -162,6 +170,7 @@ def job_from_args(args: Any, world_size: int, vocab: int, device: str, attention
     grad_fp32 = _get(args, "accumulate_allreduce_grads_in_fp32", None)
     grad_fp32 = bool(_get(args, "bf16", False)) if grad_fp32 is None else bool(grad_fp32)
     modules = _get(args, "recompute_modules", ["core_attn"])
+    mla = bool(_get(args, "multi_latent_attention", False))
     pos = _get(args, "position_embedding_type", "learned_absolute")
     return Job(
         hidden=h, ffn=ffn, heads=heads, groups=int(_get(args, "num_query_groups", heads)) if gqa else heads,
@@ -181,15 +190,27 @@ def job_from_args(args: Any, world_size: int, vocab: int, device: str, attention
         moment_bytes=moments, recompute=_get(args, "recompute_granularity"),
         recompute_method=_get(args, "recompute_method"), recompute_layers=_get(args, "recompute_num_layers"),
         recompute_modules=tuple(modules), attention=attention, device=device,
-        bias_gelu=bool(_get(args, "bias_gelu_fusion", True)) and not _get(args, "swiglu", False) and not experts)
+        bias_gelu=bool(_get(args, "bias_gelu_fusion", True)) and not _get(args, "swiglu", False) and not experts,
+        # megatron.training.argument_utils: bias_activation_fusion = bias_swiglu_fusion under --swiglu
+        moe_act_fused=bool(experts) and bool(_get(args, "swiglu", False))
+        and bool(_get(args, "bias_swiglu_fusion", True)),
+        # Megatron-LM's argument defaults (q_lora_rank None, kv_lora_rank 32, head dims 128/64/128)
+        mla=mla, q_lora=int(args.q_lora_rank) if mla and _get(args, "q_lora_rank") else None,
+        kv_lora=int(_get(args, "kv_lora_rank", 32)) if mla else 0,
+        qk_head=int(_get(args, "qk_head_dim", 128)) if mla else 0,
+        qk_pos=int(_get(args, "qk_pos_emb_head_dim", 64)) if mla else 0,
+        v_head=int(_get(args, "v_head_dim", 128)) if mla else 0, qk_norm=bool(_get(args, "qk_layernorm", False)))
 
 
 # ----------------------------------------------------------------------------- parameters
 def _layer_params(j: Job, moe: bool) -> tuple[int, int]:
     """(dense, expert) parameters of one layer on one rank (Megatron's local/TE layer, TP/EP/ETP shards)."""
     h, b = j.hidden, int(j.bias)
-    qkv = (j.heads + 2 * j.groups) * j.kv
-    attn = h * qkv // j.tp + b * qkv // j.tp + j.heads * j.kv * h // j.tp + b * h + 2 * j.norm_params * h
+    if j.mla:
+        attn = _mla_params(j) + b * h + 2 * j.norm_params * h
+    else:
+        qkv = (j.heads + 2 * j.groups) * j.kv
+        attn = h * qkv // j.tp + b * qkv // j.tp + j.heads * j.kv * h // j.tp + b * h + 2 * j.norm_params * h
     if not moe:
         fc1 = j.ffn * (2 if j.gated else 1)
         return attn + h * fc1 // j.tp + b * fc1 // j.tp + j.ffn * h // j.tp + b * h, 0
@@ -204,12 +225,34 @@ def _layer_params(j: Job, moe: bool) -> tuple[int, int]:
     return attn + router + shared, expert
 
 
+def _mla_params(j: Job) -> int:
+    """MLASelfAttention's weights (multi_latent_attention.py; its linears have no bias but linear_proj's):
+    down projections h x q_lora and h x (kv_lora + qk_pos) - ColumnParallelLinear in the local spec
+    (TP-sharded), TELinear 'duplicated' in TE's -, up projections q_lora x n(qk_head + qk_pos) and
+    kv_lora x n(qk_head + v_head), the output projection n·v_head x h, and with --qk-layernorm the
+    norms of the compressed query and key/value."""
+    h, n, down_tp = j.hidden, j.heads, 1 if j.attention == "fused" else j.tp
+    qk = j.qk_head + j.qk_pos
+    if j.q_lora is None:
+        q = h * n * qk // j.tp
+    else:
+        q = h * j.q_lora // down_tp + j.q_lora * n * qk // j.tp + (j.norm_params * j.q_lora if j.qk_norm else 0)
+    kv = h * (j.kv_lora + j.qk_pos) // down_tp + j.kv_lora * n * (j.qk_head + j.v_head) // j.tp
+    kv += j.norm_params * j.kv_lora if j.qk_norm else 0
+    return q + kv + n * j.v_head * h // j.tp
+
+
 def _largest_param(j: Job, chunks: list[list[str]]) -> int:
     """Elements of a rank's largest single parameter tensor (what a tensor-by-tensor optimizer step
     allocates its temporaries for): the embedding or output layer, else a layer's QKV or fc1 weight."""
     h = j.hidden
     items = {x for c in chunks for x in c}
-    out = (j.heads + 2 * j.groups) * j.kv * h // j.tp
+    if j.mla:
+        qk = j.qk_head + j.qk_pos
+        out = max((j.q_lora or h) * j.heads * qk, j.kv_lora * j.heads * (j.qk_head + j.v_head),
+                  j.heads * j.v_head * h) // j.tp
+    else:
+        out = (j.heads + 2 * j.groups) * j.kv * h // j.tp
     out = max(out, h * j.ffn * (2 if j.gated else 1) // j.tp)
     if "moe" in items:
         out = max(out, h * j.moe_ffn * (2 if j.gated else 1) // j.etp)
@@ -279,6 +322,49 @@ def _s2_backward_extra(j: Job) -> int:
     return peak - saved
 
 
+def _selective(j: Job) -> frozenset[str]:
+    """The modules ``--recompute-granularity selective`` recomputes (none under other granularities)."""
+    return frozenset(j.recompute_modules) if j.recompute == "selective" else frozenset()
+
+
+def _qkv_kept(j: Job) -> int:
+    """Elements per token of the query, key and value the core attention keeps (its inputs)."""
+    if j.mla:  # MLA: q and k of qk_head + qk_pos channels per head, v of v_head
+        return j.heads // j.tp * (2 * (j.qk_head + j.qk_pos) + j.v_head)
+    # local/sdpa: q, k, v per query head once GQA is expanded
+    heads = 3 * j.heads if j.attention in ("local", "sdpa") else j.heads + 2 * j.groups
+    return heads // j.tp * j.kv
+
+
+def _mla_kept(j: Job, tokens: int, sp_tokens: int, up_recompute: bool) -> int:
+    """What MLASelfAttention (multi_latent_attention.py) keeps between its input linear's input and the
+    core attention's q/k/v. The local spec's down projections are ColumnParallelLinear: their outputs come
+    back over all the sequence and gathered over TP (``gather_from_tensor_model_parallel_region``); under
+    --sequence-parallel the compressed query goes back to s/TP as a slice (mappings._split_along_first_dim:
+    ``.contiguous()`` of a first-dim slice is a view), which keeps the whole gathered storage; the
+    compressed key/value is a last-dim split, copied. TE's spec has duplicated down projections of s/TP."""
+    d = j.dtype
+    stats = sp_tokens * 2 * FP32
+    down = tokens if j.attention != "fused" else sp_tokens  # rows of the down projections' outputs
+    out = 0
+    if j.q_lora is not None:
+        out += down * j.q_lora * d  # q_compressed's storage (q_layernorm's, else linear_q_up_proj's, input)
+        if j.qk_norm:
+            out += stats + sp_tokens * j.q_lora * d  # q_layernorm's stats and output (linear_q_up_proj's input)
+    kv_all = down * (j.kv_lora + j.qk_pos) * d  # kv_combined's storage
+    if j.sp and down != sp_tokens:
+        out += sp_tokens * j.kv_lora * d  # kv_compressed scattered to s/TP: a copy
+        # up-projection recompute: CheckpointWithoutOutput saves its inputs, k_pos_emb a view of kv_combined
+        out += kv_all if up_recompute else 0
+    else:
+        out += kv_all  # kv_compressed a view of kv_combined (kv_layernorm's, else linear_kv_up_proj's, input)
+        if j.sp and up_recompute:  # TE: k_pos_emb gathered over the sequence, saved by the checkpoint
+            out += tokens * j.qk_pos * d
+    if j.qk_norm:
+        out += stats + sp_tokens * j.kv_lora * d  # kv_layernorm's stats and output (linear_kv_up_proj's input)
+    return out
+
+
 def _layer(j: Job, moe: bool, recompute_full: bool) -> int:
     """Bytes one layer keeps for backward per micro-batch on one rank (module docstring)."""
     d = j.dtype
@@ -290,36 +376,60 @@ def _layer(j: Job, moe: bool, recompute_full: bool) -> int:
     stats = sp_tokens * 2 * FP32  # a norm's mean and rstd (fp32)
     hm = _mask_bytes(j, j.hidden_dropout)
     heads_tp = j.heads // j.tp
+    modules = _selective(j)
+    # "layernorm" (transformer_layer.py): both norms' outputs are discarded (CheckpointWithoutOutput)
+    norm_out = 0 if "layernorm" in modules else sp_tokens * h * d
     # input norm: input + stats; QKV linear's input (sharded under SP: Megatron saves its pre-gather input)
-    out = sp_tokens * h * d + stats + sp_tokens * h * d
-    # QKV output kept by the attention (local/sdpa: q, k, v per query head once GQA is expanded)
-    qkv_heads = 3 * heads_tp if j.attention in ("local", "sdpa") else (j.heads + 2 * j.groups) // j.tp
-    out += tokens * qkv_heads * j.kv * d
-    selective = j.recompute == "selective" and "core_attn" in j.recompute_modules
-    if j.attention == "local" and not selective:
+    out = sp_tokens * h * d + stats + norm_out
+    # "mla_up_proj": the up projections run under CheckpointWithoutOutput, whose outputs (q, k, v) are freed
+    # once the core attention has run (discard_output_and_register_recompute)
+    up_recompute = j.mla and "mla_up_proj" in modules
+    if j.mla:
+        out += _mla_kept(j, tokens, sp_tokens, up_recompute)
+    if not up_recompute:
+        out += tokens * _qkv_kept(j) * d
+    v_dim = j.v_head if j.mla else j.kv
+    if j.attention == "local" and "core_attn" not in modules:
         out += j.mbs * heads_tp * (j.seq // j.cp) * j.seq * _s2_saved(j)
     elif j.attention in ("sdpa", "fused"):
         out += tokens * heads_tp * FP32  # softmax statistics (log-sum-exp per query row)
-        if j.attention == "sdpa":
-            out += tokens * heads_tp * j.kv * d  # SDPA's own output, kept beside the reshaped copy below
-    out += tokens * heads_tp * j.kv * d  # output projection's input (the attention's context)
+        if j.attention == "sdpa" and j.mbs > 1:
+            # SDPA's output is laid out [b, s, n, d]: with b = 1 the [s, b, n·d] context is a view of it
+            out += tokens * heads_tp * v_dim * d
+    out += tokens * heads_tp * v_dim * d  # output projection's input (the attention's context)
     out += sp_tokens * h * hm  # bias-dropout-add's mask
-    out += sp_tokens * h * d + stats + sp_tokens * h * d  # pre-MLP norm: input + stats; fc1's input
+    out += sp_tokens * h * d + stats + norm_out  # pre-MLP norm: input + stats; fc1's input
     if not moe:
-        fc1 = j.ffn * (2 if j.gated else 1) // j.tp
-        out += tokens * (fc1 + j.ffn // j.tp) * d  # activation's input (fc1 out + bias), fc2's input
-    else:
+        # "mlp" checkpoints dense layers' MLP only (transformer_layer.py: ``if not self.is_moe_layer``)
+        if "mlp" not in modules:
+            fc1 = j.ffn * (2 if j.gated else 1) // j.tp
+            out += tokens * (fc1 + j.ffn // j.tp) * d  # activation's input (fc1 out + bias), fc2's input
+    elif "moe" not in modules:  # "moe": the whole MoE layer checkpointed, keeping its input (counted above)
         routed = _routed_tokens(j, sp_tokens)
-        fc1 = j.moe_ffn * (2 if j.gated else 1) // j.etp
-        # router: logits and probabilities (fp32) per token and expert; dispatched tokens (fc1's input),
-        # activation input and output, fc2's output (weighted by the routing probabilities)
+        # router: logits and probabilities (fp32) per token and expert; per routed token the dispatched
+        # token (fc1's input, kept once: the dispatcher's permutes and all-to-alls keep indices only), the
+        # activation's tensors and the routing probability. "moe_act" acts in TEGroupedMLP only, not in
+        # the local spec's SequentialMLP.
         out += sp_tokens * j.experts * 2 * FP32
-        out += routed * (h + fc1 + j.moe_ffn // j.etp + h) * d
-        if j.shared_ffn:
+        out += routed * ((h + _expert_act_kept(j)) * d + FP32)
+        if j.shared_ffn and "shared_experts" not in modules:  # "shared_experts": checkpointed
             sfc1 = j.shared_ffn * (2 if j.gated else 1) // j.tp
             out += tokens * (sfc1 + j.shared_ffn // j.tp) * d
     out += sp_tokens * h * hm  # MLP bias-dropout-add's mask
     return out
+
+
+def _expert_act_kept(j: Job) -> int:
+    """Elements per routed token an expert keeps from fc1's output to fc2's input. SequentialMLP passes
+    the routing probabilities to MLP.forward as ``per_token_scale``, applied on the activation's output
+    (the dispatcher's unpermute gets none): fc2's output is not kept. Fused (weighted_bias_swiglu_impl):
+    its input (fc1's output) and fc2's input. Unfused: the activation's input, SwiGLU's silu output (kept
+    by the product), the activation's output (kept by the scaling product) and its cast (fc2's input)."""
+    f = j.moe_ffn // j.etp
+    fc1 = f * (2 if j.gated else 1)
+    if j.moe_act_fused:
+        return fc1 + f
+    return fc1 + (f if j.gated else 0) + 2 * f
 
 
 def _routed_tokens(j: Job, tokens: int) -> int:
@@ -375,12 +485,16 @@ def _layer_transient(j: Job, chunk: list[str]) -> int:
     heads_tp = j.heads // j.tp
     grads = 2 * tokens * h * d  # the hidden gradient in and out of the layer
     att = 0
-    selective = j.recompute == "selective" and "core_attn" in j.recompute_modules
+    modules = _selective(j)
     if j.attention == "local":
         s2 = j.mbs * heads_tp * (j.seq // j.cp) * j.seq
-        att = s2 * _s2_backward_extra(j) + (s2 * _s2_saved(j) if selective else 0)
+        att = s2 * _s2_backward_extra(j) + (s2 * _s2_saved(j) if "core_attn" in modules else 0)
+    if j.mla and "mla_up_proj" in modules:  # q, k, v rebuilt for the core attention's backward
+        att += tokens * _qkv_kept(j) * d
     mlp = _mlp_backward_units(j) * tokens * (j.ffn // j.tp) * d
     layers = [x for x in chunk if x in ("dense", "moe", "mtp")]
+    if "mlp" in modules and "dense" in layers:  # a dense MLP's activations rebuilt for its backward
+        mlp += tokens * (j.ffn * (2 if j.gated else 1) + j.ffn) // j.tp * d
     full = any(_recomputed(j, len(layers)))
     remat = _layer(j, "moe" in layers, False) if full else 0  # one layer's activations rebuilt in backward
     return grads + max(att, mlp) + remat
