@@ -73,7 +73,9 @@ def test_unfused_attention_is_counted_and_sdpa_drops_it():
     assert local["first"]["in_flight"] == [4] and local["last"]["in_flight"] == [1]
     probabilities = 1 * (32 // 2) * 4096 * 4096 * (4 + 1 + 2)  # per layer and micro-batch
     per_mb = local["first"]["per_microbatch"][0] - sdpa["first"]["per_microbatch"][0]
-    assert 8 * probabilities * 0.9 < per_mb <= 8 * probabilities  # sdpa keeps its output and statistics
+    # sdpa keeps its statistics (its output is the context, a view at micro-batch 1); the unfused path also
+    # reads the s x s boolean mask once per chunk
+    assert 8 * probabilities * 0.9 < per_mb <= 8 * probabilities + 4096 * 4096
     assert sdpa["first"]["total"] < 40 * GiB
 
 
@@ -102,3 +104,58 @@ def test_in_flight_micro_batches_follow_the_schedule():
     # micro-batch before chunk 1's backward frees the earlier ones; held by bytes
     assert in_flight_units(4, 2, 4, [10, 1]) == [4, 1]
     assert in_flight_units(4, 2, 4, [1, 10]) == [3, 2]
+
+
+def _mla_args(**over) -> argparse.Namespace:
+    """A DeepSeek-V3-shaped MoE layer (MLA, SwiGLU experts, TP2 SP, EP64 ETP1) on the local spec with SDPA."""
+    base = dict(num_layers=4, hidden_size=7168, ffn_hidden_size=18432, num_attention_heads=128, seq_length=4096,
+                max_position_embeddings=4096, micro_batch_size=1, global_batch_size=64, bf16=True,
+                tensor_model_parallel_size=2, pipeline_model_parallel_size=1, sequence_parallel=True,
+                expert_model_parallel_size=64, expert_tensor_parallel_size=1, transformer_impl="local",
+                hidden_dropout=0.0, attention_dropout=0.0, swiglu=True, normalization="RMSNorm",
+                add_bias_linear=False, num_experts=256, moe_router_topk=8, moe_ffn_hidden_size=2048,
+                moe_shared_expert_intermediate_size=2048, multi_latent_attention=True, q_lora_rank=1536,
+                kv_lora_rank=512, qk_head_dim=128, qk_pos_emb_head_dim=64, v_head_dim=128, qk_layernorm=True,
+                kv_channels=128, position_embedding_type="rope")
+    return argparse.Namespace(**(base | over))
+
+
+def _per_layer(args: argparse.Namespace, kind: str = "moe") -> int:
+    job = job_from_args(args, 128, 129280, "cuda", "sdpa")
+    return class_estimate(job, [[kind]], 0)["per_microbatch"][0]
+
+
+def test_mla_params_are_the_latent_projections():
+    """MLASelfAttention's weights (the local spec's down projections are TP-sharded ColumnParallelLinear),
+    not a QKV projection of heads x kv_channels."""
+    from prism_megatron.memory.estimate import _layer_params
+
+    job = job_from_args(_mla_args(), 128, 129280, "cuda", "sdpa")
+    dense, _ = _layer_params(job, False)
+    h, n = 7168, 128
+    attn = (h * 1536 + 1536 * n * 192 + h * 576 + 512 * n * 256 + n * 128 * h) // 2 + 1536 + 512 + 2 * h
+    assert dense == attn + 3 * h * 18432 // 2
+
+
+def test_mla_up_proj_recompute_frees_q_k_v():
+    """"mla_up_proj" (CheckpointWithoutOutput) frees q, k, v after the core attention and keeps its inputs,
+    k_pos_emb a view of the gathered kv_combined [s, kv_lora + qk_pos]."""
+    plain = _per_layer(_mla_args())
+    up = _per_layer(_mla_args(recompute_granularity="selective", recompute_modules=["mla_up_proj"]))
+    qkv = 4096 * 64 * (192 + 192 + 128) * 2
+    assert plain - up == qkv - 4096 * 576 * 2
+
+
+def test_mlp_recompute_acts_on_dense_layers_only():
+    """"mlp" checkpoints a dense layer's MLP (transformer_layer.py: ``if not self.is_moe_layer``)."""
+    sel = dict(recompute_granularity="selective", recompute_modules=["mlp"])
+    assert _per_layer(_mla_args(**sel), "moe") == _per_layer(_mla_args(), "moe")
+    dense = _per_layer(_mla_args(), "dense") - _per_layer(_mla_args(**sel), "dense")
+    assert dense == 4096 * (2 * 18432 + 18432) // 2 * 2  # fc1's output and the activation's, TP-sharded
+
+
+def test_experts_keep_no_fc2_output():
+    """Per routed token an expert keeps the dispatched token, fc1's output (the weighted SwiGLU's input),
+    fc2's input and the routing probability: the probabilities are applied inside the activation."""
+    per_token = _per_layer(_mla_args(moe_router_topk=2)) - _per_layer(_mla_args(moe_router_topk=1))
+    assert per_token == 2048 * ((7168 + 2 * 2048 + 2048) * 2 + 4)  # 2048 tokens per rank under SP

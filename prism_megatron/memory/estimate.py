@@ -8,20 +8,25 @@ keeps for the backward pass. A fit gate on that formula passes ranks that run ou
 module counts, per rank class (pipeline role and its layers from the fold plan; TP/CP/EP/ETP shards,
 VPP chunks), what the ranks prism launches hold at their peak:
 
-- *static*: weights (params dtype), the DDP gradient buffer (fp32 where gradients reduce in fp32,
-  as bf16 training does), the optimizer's state (Adam: fp32 main params under bf16/fp16, two
+- *static*: weights (params dtype; MLA's latent projections), the DDP gradient buffer (fp32 where
+  gradients reduce in fp32, as bf16 training does), the optimizer's state (Adam: fp32 main params under bf16/fp16, two
   moments; precision-aware dtypes where given; sharded over DP by the distributed optimizer, expert
   params over expert DP), and buffers kept across micro-batches (the unfused attention's score
   buffer, the sequence-parallel all-gather buffer).
 - *activations*: the tensors autograd keeps per layer and micro-batch, counted tensor by tensor for
   Megatron's local layer spec (``_layer``: norms' inputs, linear layers' inputs, the QKV output, the
   MLP's activation input and output, dropout masks; sharded by ``--sequence-parallel`` where Megatron
-  shards them), the attention actually run (``local``: fp32 softmax output, dropout mask and output,
-  b·n/t·s² each; ``sdpa``/``fused``: output and softmax statistics only), recompute (full: a layer's
-  input; selective core_attn: no s² terms), MoE (tokens routed to this rank: tokens x top-k, capped
-  by the capacity factor), the embedding (dropout mask, token ids) on the first stage and the loss's
-  fp32 logits (vocab/TP) on the last; times the micro-batches (VPP: micro-batch chunks) in flight
-  under the schedule (1F1B warm-up per stage; the interleaved schedule's order).
+  shards them), multi-latent attention (``_mla_kept``: the latent down projections' outputs, their
+  norms, q/k/v of qk_head + qk_pos and v_head channels), the attention actually run (``local``: fp32
+  softmax output, dropout mask and output, b·n/t·s² each; ``sdpa``/``fused``: output and softmax
+  statistics only), recompute (full: a layer's input; selective: core_attn drops the s² terms,
+  mla_up_proj q/k/v, mlp a dense layer's MLP, moe the MoE layer, shared_experts the shared expert,
+  layernorm the norms' outputs), MoE (tokens routed to this rank: tokens x top-k, capped by the
+  capacity factor; per routed token what SequentialMLP keeps, the routing probabilities applied in
+  the activation), the embedding (dropout mask, token ids) on the first stage and the loss's fp32
+  logits (vocab/TP) on the last; times the micro-batches (VPP: micro-batch chunks) in flight under the
+  schedule (1F1B warm-up per stage; the interleaved schedule's order). Chunk outputs are not counted:
+  the schedules free them once sent (``deallocate_output_tensor``).
 - *transient*: the largest working set on top of that at the peak: the backward of one layer's
   attention (the s² gradients in flight), the loss's logits gradient and output-layer weight
   gradient on the last stage, or the optimizer step's temporaries (torch's foreach Adam on a GPU:
@@ -32,9 +37,10 @@ optimizer step). Where the device is a CPU (prism's CPU mode), dropout keeps a m
 dtype (torch's CPU kernel) where a GPU keeps bool, and Adam runs tensor by tensor.
 
 What is not counted: the caching allocator's rounding and fragmentation (reserved > allocated), the
-CUDA context, NCCL buffers, small tensors (biases' gradients in flight, scalars), and activation
-terms of modules the local spec does not build (MLA, MTP layers are counted as dense layers). The
-bench (``bench/memory_estimate.py``) prints estimate vs measured per case.
+CUDA context, NCCL buffers, small tensors (biases' gradients in flight, scalars, RoPE tables), torch
+kernels that keep more than their inputs (a norm is counted as its input and statistics), and MTP
+layers (counted as dense layers). The bench (``bench/memory_estimate.py``) prints estimate vs
+measured per case.
 """
 
 from __future__ import annotations
