@@ -159,3 +159,13 @@ def test_experts_keep_no_fc2_output():
     fc2's input and the routing probability: the probabilities are applied inside the activation."""
     per_token = _per_layer(_mla_args(moe_router_topk=2)) - _per_layer(_mla_args(moe_router_topk=1))
     assert per_token == 2048 * ((7168 + 2 * 2048 + 2048) * 2 + 4)  # 2048 tokens per rank under SP
+
+
+def test_qk_layernorm_keeps_the_whole_qkv_output():
+    """--qk-layernorm without MLA (Qwen3): the query and key norms normalise torch.split views of linear_qkv's
+    output, so what they save keeps all of it, besides their per-head statistics (attention.py)."""
+    gqa = dict(multi_latent_attention=False, group_query_attention=True, num_query_groups=8, num_attention_heads=64,
+               hidden_size=4096, kv_channels=128, tensor_model_parallel_size=2)
+    with_norm = _per_layer(_mla_args(**gqa, qk_layernorm=True))
+    assert with_norm - _per_layer(_mla_args(**gqa, qk_layernorm=False)) == (
+        4096 * (64 + 16) // 2 * 128 * 2 + 4096 * (64 + 8) // 2 * 2 * 4)

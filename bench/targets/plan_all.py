@@ -44,14 +44,15 @@ def plan(name: str, checkout: Path, device_gib: float, host_gib: float, options:
         return {"error": (p.stderr.strip().splitlines() or ["no output"])[-1]}
 
 
-PLAN_VERSION = 6  # the plan JSON this table reads (prism_megatron.megatron.plan.PLAN_JSON_VERSION)
+PLAN_VERSION = 6  # the oldest plan JSON with every field this table reads (later ones only add fields)
 
 
 def row(name: str, d: dict) -> list[str]:
     if "error" in d:
         return [name, "-", "-", "-", "-", "-", "-", f"error: {d['error']}"]
-    if d.get("version") != PLAN_VERSION:
-        raise SystemExit(f"plan of {name}: field version {d.get('version')!r} is not {PLAN_VERSION}, which this reads")
+    if not isinstance(d.get("version"), int) or d["version"] < PLAN_VERSION:
+        raise SystemExit(f"plan of {name}: field version {d.get('version')!r} is older than {PLAN_VERSION}, the first "
+                         "this reads")
     m, fold = d["memory"], d.get("fold") or {}
     live = fold.get("live") or []
     formula = m.get("megatron") or {}

@@ -16,7 +16,8 @@ VPP chunks), what the ranks prism launches hold at their peak:
 - *activations*: the tensors autograd keeps per layer and micro-batch, counted tensor by tensor for
   Megatron's local layer spec (``_layer``: norms' inputs, linear layers' inputs, the QKV output, the
   MLP's activation input and output, dropout masks; sharded by ``--sequence-parallel`` where Megatron
-  shards them), multi-latent attention (``_mla_kept``: the latent down projections' outputs, their
+  shards them), the query and key norms (``--qk-layernorm``: linear_qkv's output, whose views they
+  normalise), multi-latent attention (``_mla_kept``: the latent down projections' outputs, their
   norms, q/k/v of qk_head + qk_pos and v_head channels), the attention actually run (``local``: fp32
   softmax output, dropout mask and output, b·n/t·s² each; ``sdpa``/``fused``: output and softmax
   statistics only), recompute (full: a layer's input; selective: core_attn drops the s² terms,
@@ -394,6 +395,11 @@ def _layer(j: Job, moe: bool, recompute_full: bool) -> int:
         out += _mla_kept(j, tokens, sp_tokens, up_recompute)
     if not up_recompute:
         out += tokens * _qkv_kept(j) * d
+    if j.qk_norm and not j.mla:
+        # --qk-layernorm (attention.py, get_query_key_value_tensors): the query and key norms take torch.split
+        # views of linear_qkv's output, so the inputs they save keep all of it; and their statistics per head
+        groups = (j.heads + 2 * j.groups) // j.tp
+        out += tokens * groups * j.kv * d + tokens * (j.heads + j.groups) // j.tp * 2 * FP32
     v_dim = j.v_head if j.mla else j.kv
     if j.attention == "local" and "core_attn" not in modules:
         out += j.mbs * heads_tp * (j.seq // j.cp) * j.seq * _s2_saved(j)
