@@ -440,3 +440,6 @@ def test_a_stopped_runs_report_predicts_from_the_iterations_every_rank_ended(tmp
     rep = build_report(trace)
     assert rep["prediction_error"] is None and len(rep["prediction"]["iteration_times_s"]) == 1
     assert any("stopped mid-iteration (ended by SIGTERM): iterations 1-1" in n for n in rep["prediction"]["notes"])
+    doc.update(incomplete="rank 3 ran out of memory under the target's cap (predicted OOM)")
+    manifest.write_text(json.dumps(doc))
+    assert build_report(trace)["prediction"] is None  # a job that failed is not predicted from its first iterations

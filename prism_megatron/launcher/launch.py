@@ -40,6 +40,7 @@ from prism_megatron.runtime import protocol as P
 from prism_megatron.runtime.config import CoordinatorConfig
 from prism_megatron.runtime.reaper import kill_rank
 from prism_megatron.runtime.shm import job_prefix, remove_job_segments, sweep_stale_segments
+from prism_megatron.trace.schema import stopped_reason
 
 
 def _exec_rank(cfg: LaunchConfig, rank: int, address: tuple[str, int], authkey: bytes, store_port: int,
@@ -435,10 +436,10 @@ def launch(cfg: LaunchConfig) -> int:
         job.fork_ranks(address, store_port)
         code = job.watch()
     except KeyboardInterrupt:
-        code, job.why = 128 + signal.SIGINT, "interrupted (SIGINT)"
+        code, job.why = 128 + signal.SIGINT, stopped_reason(signal.SIGINT.name)
         _say(f"{job.why}; ending the job")
     except _Signalled as e:
-        code, job.why = 128 + e.signum, f"ended by {e}"
+        code, job.why = 128 + e.signum, stopped_reason(signal.Signals(e.signum).name)
         _say(f"{job.why}; ending the job")
     except _StartFailed as e:
         code, job.why = EXIT_RANK_FAILED, str(e)

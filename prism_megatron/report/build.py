@@ -30,6 +30,7 @@ from prism_megatron.replay import (
 from prism_megatron.trace import PrismTrace, TraceFormatError, read_trace
 from prism_megatron.trace.fold import Fold
 from prism_megatron.trace.microbatches import MicrobatchFold
+from prism_megatron.trace.schema import stopped_by_signal
 
 from .classify import UNKNOWN, class_order, rank_class
 from .costing import Costing, choose_costing
@@ -310,13 +311,14 @@ def _replay(trace: PrismTrace, cluster: str | None) -> tuple[ReplayResult | None
 
 
 def _whole_iterations_of_a_stopped_run(trace: PrismTrace, cost: Any) -> ReplayResult | None:
-    """A run that stopped mid-iteration (its trace incomplete) leaves collectives some ranks never reached,
-    which no replay can finish: replay the iterations every rank ended instead, saying so in the graph's
-    notes. None where the trace is complete, or no iteration was ended by every rank, or that fails too."""
+    """A run stopped from outside mid-iteration (a signal: its trace incomplete) leaves collectives some
+    ranks never reached, which no replay can finish: replay the iterations every rank ended instead, saying
+    so in the graph's notes. None for any other trace, where no iteration was ended by every rank, or where
+    that fails too."""
     from .live import until_iteration, whole_iterations
 
-    if trace.incomplete is None or trace.fold is not None and trace.fold.capture_mode == "serial":
-        return None
+    if not stopped_by_signal(trace.incomplete) or trace.fold is not None and trace.fold.capture_mode == "serial":
+        return None  # a job that failed (a rank's OOM, a crash) is not predicted from what it did before
     n = whole_iterations(trace)
     part = until_iteration(trace, n) if n else None
     if part is None:

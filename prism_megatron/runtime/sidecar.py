@@ -25,6 +25,7 @@ from prism_megatron.runtime.nvml import FootprintCheck, NvmlUnavailable, nvml_pr
 from prism_megatron.runtime.staging import CONTEXT_BYTES
 from prism_megatron.runtime.swap import BudgetSwapper, CudaCheckpointSwapper, InProcessSwapper, SwapUnavailable
 from prism_megatron.runtime.swap_space import SwapSpace, SwapSpaceError
+from prism_megatron.trace.schema import stopped_reason
 
 
 def _die_with_launcher(launcher_pid: int) -> None:
@@ -64,7 +65,7 @@ def main(argv: list[str] | None = None) -> None:
     coord.watch.launcher_pid, coord.segment_prefix = launcher_pid, cfg.segment_prefix
 
     def on_signal(signum: int, _frame) -> None:
-        coord.watch.signalled(f"ended by {signal.Signals(signum).name}" + (
+        coord.watch.signalled(stopped_reason(signal.Signals(signum).name) + (
             " (the launcher died)" if launcher_pid and os.getppid() != launcher_pid else ""))
 
     signal.signal(signal.SIGTERM, on_signal)  # the parent-death signal, or a stop of every process of the job

@@ -368,6 +368,20 @@ def check_manifest(manifest: Any, path: str | Path) -> None:
             raise TraceFormatError(path, field, f"is {fname!r}, expected a plain file name inside the trace")
 
 
+#: Signals that stop a job from outside: a user's Ctrl-C, a scheduler's or a time limit's SIGTERM, a hangup.
+STOP_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP")
+
+
+def stopped_reason(signal_name: str) -> str:
+    """The 'incomplete' reason of a job a signal stopped (the launcher and the coordinator write it so)."""
+    return f"ended by {signal_name}"
+
+
+def stopped_by_signal(reason: str | None) -> bool:
+    """Whether an 'incomplete' reason is a stop from outside (``STOP_SIGNALS``), not a failure of the job."""
+    return reason is not None and any(reason.startswith(stopped_reason(s)) for s in STOP_SIGNALS)
+
+
 def incomplete_reason(manifest: dict) -> str | None:
     """Why the trace's record of its run is partial (v4 'incomplete'), or None for a run that ended normally."""
     return manifest.get("incomplete") if manifest.get("complete") is False else None
