@@ -13,8 +13,11 @@ DEVICE_OOM = 6
 
 
 def interrupted(code: int) -> bool:
-    """Whether ``code`` is a job ended by SIGINT, SIGTERM or SIGHUP (128 + N: a user, a scheduler or a time
-    limit stopped it): its trace so far is written, marked incomplete, and the report is still made of it."""
+    """Whether ``code`` is a job ended by a stop signal (128 + N, N in ``trace.schema.STOP_SIGNALS``: a user, a
+    scheduler or a time limit stopped it): its trace so far is written, marked incomplete, and the report is
+    still made of it."""
     import signal
 
-    return code - 128 in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    from prism_megatron.trace.schema import STOP_SIGNALS
+
+    return code - 128 in {signal.Signals[name] for name in STOP_SIGNALS}

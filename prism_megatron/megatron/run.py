@@ -461,8 +461,8 @@ def run(request: RunRequest) -> int:
             return BAD_INPUT
     from prism_megatron.launcher.exit_codes import interrupted
 
-    stopped = interrupted(code) and (cfg.trace_dir / "manifest.json").exists()
-    written = code in (0, OOM) and (cfg.trace_dir / "manifest.json").exists()
+    traced = (cfg.trace_dir / "manifest.json").exists()
+    stopped, written = traced and interrupted(code), traced and code in (0, OOM)
     if stopped and after.report == "on":  # what was captured before the stop is not lost: its report
         print(f"prism: the run was stopped (exit {code}); the report covers what it captured", file=sys.stderr,
               flush=True)

@@ -35,7 +35,7 @@ from prism_megatron.trace.schema import stopped_by_signal
 from .classify import UNKNOWN, class_order, rank_class
 from .costing import Costing, choose_costing
 from .live import basis, timed_iterations
-from .margin import TE_SUBSTITUTION_MARGIN, WITHIN_MARGIN, class_estimates, class_verdicts, te_substituted
+from .margin import TE_SUBSTITUTION_MARGIN, WITHIN_MARGIN, class_estimates, class_verdicts, oom_classes, te_substituted
 from .schema import FORMAT, VERSION
 from .units import fmt_bytes, rank_ranges
 
@@ -124,7 +124,7 @@ def _mark_margin(report: dict[str, Any], estimates: dict[int, int]) -> None:
     margin = TE_SUBSTITUTION_MARGIN if te_substituted(report.get("substitutions")) else None
     by_class = class_estimates(report["memory"], estimates)
     verdicts = class_verdicts(report["memory"], report["oom"], margin, by_class)
-    dead = {e["class"] for e in report["oom"]} | {r["class"] for r in report["memory"]["ranks"] if r["oom"]}
+    dead = oom_classes(report["memory"], report["oom"])
     for c in report["memory"]["classes"]:
         c["verdict"] = verdicts[c["class"]]
         if c["class"] in by_class:

@@ -20,12 +20,17 @@ import pyarrow.compute as pc
 from prism_megatron.trace import read_trace
 
 
-def _cut_times(marks: pa.Table, iteration: int) -> dict[int, float]:
-    """Per rank, the time of its ``iteration``-th iteration end."""
+def _iteration_ends(marks: pa.Table) -> dict[int, list[float]]:
+    """Per rank, the times of its ``iteration`` ends, in order."""
     ends: dict[int, list[float]] = {}
     for m in marks.filter(pc.and_(pc.equal(marks["name"], "iteration"), pc.equal(marks["phase"], "E"))).to_pylist():
         ends.setdefault(m["rank"], []).append(m["t"])
-    return {r: sorted(ts)[iteration - 1] for r, ts in ends.items() if len(ts) >= iteration}
+    return {r: sorted(ts) for r, ts in ends.items()}
+
+
+def _cut_times(marks: pa.Table, iteration: int) -> dict[int, float]:
+    """Per rank, the time of its ``iteration``-th iteration end."""
+    return {r: ts[iteration - 1] for r, ts in _iteration_ends(marks).items() if len(ts) >= iteration}
 
 
 def _until(table: pa.Table, column: str, cut: dict[int, float]) -> pa.Table:
@@ -92,12 +97,9 @@ def until_iteration(trace, iteration: int):
 
 def whole_iterations(trace) -> int:
     """How many iterations every rank of ``trace`` ended (0: none, or no iteration marks)."""
-    ends: dict[int, int] = {}
-    for m in trace.marks.filter(pc.and_(pc.equal(trace.marks["name"], "iteration"),
-                                        pc.equal(trace.marks["phase"], "E"))).to_pylist():
-        ends[m["rank"]] = ends.get(m["rank"], 0) + 1
+    ends = _iteration_ends(trace.marks)
     ranks = {r["rank"] for r in trace.manifest.get("ranks", [])} or set(ends)
-    return min((ends.get(r, 0) for r in ranks), default=0)
+    return min((len(ends.get(r, ())) for r in ranks), default=0)
 
 
 def predict_iteration(trace_dir: str | Path, iteration: int, cluster: str | None = None) -> tuple[float | None, str]:

@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = ["TE_SUBSTITUTION_MARGIN", "FITS", "OOM", "WITHIN_MARGIN", "te_substituted", "class_verdicts",
-           "class_estimates"]
+           "class_estimates", "oom_classes"]
 
 #: fraction of the target GPU's cap: |cap - peak| <= margin x cap is within the margin (docs/features.md)
 TE_SUBSTITUTION_MARGIN = 0.05
@@ -44,9 +44,8 @@ def class_verdicts(memory: dict[str, Any], oom: list[dict[str, Any]], margin: fl
         if r["cap"] is not None:
             caps[r["class"]] = max(caps.get(r["class"], 0), r["cap"])
     need: dict[str, int | None] = {c["class"]: c["max_reserved"] for c in memory["classes"]}
-    dead: set[str] = {r["class"] for r in memory["ranks"] if r["oom"]}
+    dead = oom_classes(memory, oom)
     for e in oom:
-        dead.add(e["class"])
         asked = None if e["requested"] is None else e["reserved"] + e["requested"]
         have = need.get(e["class"])
         need[e["class"]] = None if asked is None else max(asked, have or 0)
@@ -64,6 +63,11 @@ def class_verdicts(memory: dict[str, Any], oom: list[dict[str, Any]], margin: fl
         near = margin is not None and peak is not None and abs(cap - peak) <= margin * cap
         out[name] = WITHIN_MARGIN if near else plain
     return out
+
+
+def oom_classes(memory: dict[str, Any], oom: list[dict[str, Any]]) -> set[str]:
+    """The classes a rank of which ran out of memory under the cap."""
+    return {r["class"] for r in memory["ranks"] if r["oom"]} | {e["class"] for e in oom}
 
 
 def class_estimates(memory: dict[str, Any], by_rank: dict[int, int]) -> dict[str, int]:
