@@ -374,6 +374,22 @@ def test_class_depth_gives_a_folded_middle_stage_its_own_1f1b_schedule(megatron_
         assert len(live) == 2 and live == pytest.approx(report, abs=0.051), run["trace"]
 
 
+@MEGATRON
+def test_a_folded_training_loop_logs_the_prediction_where_its_virtual_last_rank_would(megatron_runs):
+    """Megatron-LM's training loop (--prism-driver training) folded at replica depth, TP2·PP2·DP2: the job's
+    last rank (7) is virtual and live rank 5 prints Megatron's iteration lines for it. Each line carries the
+    predicted time, the report's, not the emulation's wall time."""
+    from prism_megatron.megatron.megatron_lm import training_available
+    from prism_megatron.trace import read_trace
+
+    if not training_available():
+        pytest.skip("the training driver is Megatron-LM's trainer's (megatron.training not found)")
+    run = megatron_runs.run("mini-dense-tp2pp2dp2", "on", driver="training", memory=False)
+    assert read_trace(run["trace"]).fold.live == (0, 1, 4, 5)
+    live, report = _live_and_report_ms(run, "h100-nvlink-ib400")
+    assert len(live) == 3 and live == pytest.approx(report, abs=0.051), run["output"][-3000:]
+
+
 @pytest.mark.parametrize("overlap", [pytest.param(True, id="overlap-p2p", marks=HEAVY),
                                      pytest.param(False, id="batched-p2p")])
 def test_class_depth_gives_a_folded_middle_stage_its_own_interleaved_schedule(megatron_runs, overlap):

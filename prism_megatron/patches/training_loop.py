@@ -22,7 +22,7 @@ from typing import Any
 
 from prism_megatron.megatron.versions import checked_versions
 from prism_megatron.patches import once, schedules, seam
-from prism_megatron.runtime.backend import stands_for_last_rank
+from prism_megatron.runtime.backend import logs_as_last_rank, stands_for_last_rank
 from prism_megatron.trace.markers import CHECKPOINT_SAVE, EVALUATE, span
 
 CHECKED = checked_versions()  # prism_megatron.megatron.versions: the supported table
@@ -50,13 +50,13 @@ _ELAPSED = re.compile(r"iteration\s+(\d+)/.*?elapsed time per iteration \(ms\): 
 
 
 def _ask_prediction(iteration: int) -> None:
-    """On the rank that prints Megatron's log (the last), where it will log: the predicted time."""
-    import torch.distributed as dist
+    """On the rank that prints Megatron's log (the last, or in a fold the live rank standing for it), where
+    it will log: the predicted time."""
     from megatron.training import get_args
 
     from prism_megatron.runtime.live import predicted_iteration_time
 
-    if dist.get_rank() == dist.get_world_size() - 1 and iteration % get_args().log_interval == 0:
+    if logs_as_last_rank() and iteration % get_args().log_interval == 0:
         answer = predicted_iteration_time(iteration)
         if answer is not None:
             _PREDICTED[iteration] = answer

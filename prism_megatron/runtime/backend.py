@@ -424,6 +424,14 @@ def stands_for_last_rank() -> bool:
     return _stands_for_last
 
 
+def logs_as_last_rank() -> bool:
+    """Whether this process logs as the job's last rank (Megatron's iteration lines, and the live
+    prediction they carry): it is the last rank, or stands for it (``stands_for_last_rank``)."""
+    import torch.distributed as dist
+
+    return _stands_for_last or (dist.is_initialized() and dist.get_rank() == dist.get_world_size() - 1)
+
+
 def idle(seconds: float) -> None:
     """Let ``seconds`` pass without holding a compute slot (RankClient.idle); a plain sleep outside prism.
 

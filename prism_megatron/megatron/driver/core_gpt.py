@@ -319,11 +319,9 @@ def train(args: argparse.Namespace) -> None:
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    from prism_megatron.memory.snapshot import start_from_env
     from prism_megatron.patches import schedules
     from prism_megatron.trace.markers import span
-
-    rank, world = dist.get_rank(), dist.get_world_size()
-    from prism_megatron.memory.snapshot import start_from_env
 
     dump_snapshot = start_from_env()
     config = _transformer_config(args)
@@ -393,9 +391,9 @@ def train(args: argparse.Namespace) -> None:
         _report_memory(iteration)
         if record is not None:
             record(iteration, loss, norm)
-        from prism_megatron.runtime.backend import stands_for_last_rank
+        from prism_megatron.runtime.backend import logs_as_last_rank
 
-        if (rank == world - 1 or stands_for_last_rank()) and iteration % args.log_interval == 0:
+        if logs_as_last_rank() and iteration % args.log_interval == 0:
             elapsed = (time.perf_counter() - start) * 1000.0
             from prism_megatron.runtime.live import format_predicted_ms, predicted_iteration_time
 
