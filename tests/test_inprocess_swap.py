@@ -322,6 +322,71 @@ def test_prefaulting_gives_the_region_pages_without_touching_what_ranks_wrote():
     space.close()
 
 
+def _readied(space: SwapSpace, nbytes: int) -> None:
+    """The region's first ``nbytes`` given pages by the prefault thread (skips where the kernel cannot)."""
+    t = space.prefault(nbytes, chunk=1 << 20)
+    t.join(30)
+    if t.result[1] is not None:
+        pytest.skip(f"no MADV_POPULATE_WRITE here (Linux < 5.14): {t.result[1]}")
+    assert space.resident() >= nbytes
+
+
+def test_trimming_gives_back_readied_pages_of_granules_no_extent_was_given(monkeypatch):
+    """Pages readied beyond the need go back to the host, whole granules at a time, except the granules an
+    extent ever covered (a rank may have page-locked them) and what ranks wrote; the prefault goes no
+    further, whether trim comes after it or while it runs."""
+    from prism_megatron.runtime import swap_space
+
+    monkeypatch.setattr(swap_space, "PIN_CHUNK", 4 << 20)
+    space = SwapSpace(64 << 20)
+    rank = HostRegion(space.path_for_ranks)
+    at = space.take(6 << 20)  # granules 0 and 1
+    ctypes.memmove(rank.address(at + (5 << 20), 6), b"stays!", 6)
+    _readied(space, 48 << 20)
+    space.give(at)  # back in the free list, but a rank may still hold its granules page-locked
+    assert space.trim(2 << 20) == 40 << 20  # granules 2-11 (readied) go; 12-15 had no pages
+    assert space.resident() == 8 << 20
+    assert ctypes.string_at(rank.address(at + (5 << 20), 6), 6) == b"stays!"
+    space.close()
+
+    space = SwapSpace(64 << 20)
+    t = space.prefault(64 << 20, chunk=1 << 20)
+    space.trim(0)
+    t.join(30)
+    assert space.resident() == 0 and space.take(1 << 20) == 0  # the region still serves swaps
+    space.close()
+
+
+def test_measured_peaks_that_need_no_swap_give_the_readied_host_region_back(monkeypatch, capsys):
+    """Two ranks on one device readied the host region for their bounds (prism's estimates with headroom);
+    once every rank's iteration-1 peak is in and the two fit the device together, its pages go back to the
+    host: held through the run, they crowded the ranks' own host memory (a one-GPU-truth run slowed ~10x
+    per iteration once 112 GiB of a 128 GiB host were readied for swaps that never came)."""
+    from prism_megatron.runtime import swap_space
+    from prism_megatron.runtime.governor import MemoryGovernor
+    from prism_megatron.runtime.groups import GroupTable
+    from prism_megatron.runtime.ranks import RankState
+    from prism_megatron.runtime.slots import SlotScheduler
+
+    monkeypatch.setattr(swap_space, "PIN_CHUNK", 4 << 20)
+    ranks = {r: RankState(r, None) for r in (0, 1)}
+    g = MemoryGovernor(2, ranks, SlotScheduler(1, 1), GroupTable(), ["cuda:0"], lambda *a: None, lambda *a: None)
+    space = SwapSpace(64 << 20)
+    g.enable_swap(InProcessSwapper(space, lambda r, m: {}), [140 * GIB], host_capacity=64 << 20)
+    _readied(space, 32 << 20)
+    for r, peak in ((0, 60 * GIB), (1, 70 * GIB)):
+        g.mark(r, {"name": "iteration", "phase": "B"})
+        g.note(ranks[r], {"mem": peak, "peak": peak})
+    g.mark(0, {"name": "iteration", "phase": "E"})
+    assert space.resident() >= 32 << 20  # rank 1's peak is not in yet
+    g.mark(1, {"name": "iteration", "phase": "E"})
+    assert space.resident() == 0
+    err = capsys.readouterr().err
+    assert "host region for swaps: 32 MiB of readied pages given back (the peaks measured by iteration 1 swap " \
+        "out at most 0 MiB at once)" in err
+    space.close()
+
+
 def test_no_copy_spans_two_page_locked_granules():
     from prism_megatron.runtime.vmm import pieces
 

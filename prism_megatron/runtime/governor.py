@@ -321,6 +321,7 @@ class MemoryGovernor:
             if len(self._ended_one) == self.world_size:  # every rank's peaks of iteration 1 are in
                 self._host_said = True
                 self.say_host_need(measured=True)
+                self._trim_host_region()
 
     def _running(self):
         """The ranks that run: the live ones of a folded job (their rank numbers), else 0 .. world_size - 1."""
@@ -343,13 +344,9 @@ class MemoryGovernor:
             return []
         host = self.memory[0].host
         budget = host.capacity if host is not None else None
-        sizes = []
-        for d, mem in enumerate(self.memory):
-            ranks = [r for r in self._running() if self.slots.device_of(r) == d]
-            if measured:
-                sizes.append([self._peak_so_far(r) for r in ranks if r in self.ranks] or [0])
-            else:
-                sizes.append([self.unknown_bound(mem.capacity, r) for r in ranks])
+        sizes = self._measured_peaks() if measured else [
+            [self.unknown_bound(mem.capacity, r) for r in self._running() if self.slots.device_of(r) == d]
+            for d, mem in enumerate(self.memory)]
         caps, whole = [m.capacity for m in self.memory], self.memory[0].swapper.whole_state
         fits, message = swap_host_need(sizes, caps, budget, measured=measured, whole_state=whole)
         lines = [message] + ([] if fits or not measured else [HOST_LIMIT_HINT])
@@ -364,6 +361,31 @@ class MemoryGovernor:
             for line in lines:
                 print(f"prism: {line}", file=sys.stderr, flush=True)
         return lines
+
+    def _measured_peaks(self) -> list[list[int]]:
+        """Per device, the peak so far of each running rank that has one."""
+        return [[self._peak_so_far(r) for r in self._running() if self.slots.device_of(r) == d and r in self.ranks]
+                or [0] for d in range(len(self.memory))]
+
+    def _trim_host_region(self) -> None:
+        """With iteration 1's peaks measured, the host region's readied pages beyond the most state those peaks
+        swap out at once go back to the host (runtime.swap_space.SwapSpace.trim): readied for the bounds of
+        ranks not yet measured, they would otherwise crowd the ranks' own host memory for the whole run."""
+        from prism_megatron.runtime.swap_space import SwapSpaceError
+
+        space = getattr(self.memory[0].swapper, "space", None)
+        if space is None:
+            return
+        most = swapped_out_bounds(self._measured_peaks(), [m.capacity for m in self.memory])[1]
+        try:
+            freed = space.trim(most)
+        except SwapSpaceError as e:
+            print(f"prism: {e}", file=sys.stderr, flush=True)
+            return
+        if freed:
+            print(f"prism: host region for swaps: {freed / 2**20:,.0f} MiB of readied pages given back (the peaks "
+                  f"measured by iteration 1 swap out at most {most / 2**20:,.0f} MiB at once)", file=sys.stderr,
+                  flush=True)
 
     def _estimated_peaks(self) -> list[list[int]] | None:
         """Per device, each running rank's peak by prism's estimate of its class plus the context, or None

@@ -111,7 +111,8 @@ def main(argv: list[str] | None = None) -> None:
         if not cfg.swapper.startswith("budget"):
             coord.prefault = swapper.space.prefault(expected)
             notes.append(f"host memory for swaps: {min(expected, swapper.space.capacity) / 2**30:.1f} GiB made "
-                         "ready in the background (the host's first touch is slower than the copies)")
+                         "ready in the background (the host's first touch is slower than the copies; what the peaks "
+                         "measured by iteration 1 do not need goes back then)")
     if cfg.predictor:
         module, _, func = cfg.predictor.partition(":")
         coord.predictor.set(getattr(importlib.import_module(module), func), Path(cfg.live_trace),

@@ -5,7 +5,8 @@ The coordinator creates the region (an anonymous shared-memory file, `memfd_crea
 a rank maps it through ``/proc/<coordinator>/fd/<fd>`` and copies its GPU segments into the extent it
 was given. Pages touched once stay, so a later swap into them runs at the link's speed rather than at
 the host's first-touch speed (docs/measurements.md, "In-process swaps"), and the region never holds
-more than the host budget allows.
+more than the host budget allows. The pages are readied for the bound of ranks not yet measured; what
+the measured peaks do not need goes back to the host (``trim``): held, it crowds the ranks' own memory.
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ class SwapSpace:
     capacity: int
     fd: int = -1
     taken: dict[int, int] = field(default_factory=dict)  # base -> size
+    given: set[int] = field(default_factory=set)  # PIN_CHUNK granules an extent ever covered (ranks may lock them)
+    _prefault_end: int = field(default=0, init=False)  # how far the prefault thread goes (trim lowers it)
+    _prefault_lock: threading.Lock = field(default_factory=threading.Lock, init=False)
 
     def __post_init__(self) -> None:
         if self.fd < 0:
@@ -61,7 +65,11 @@ class SwapSpace:
             if self.capacity - at < nbytes:
                 return None
         self.taken[at] = nbytes
+        self._give(at, nbytes)
         return at
+
+    def _give(self, base: int, nbytes: int) -> None:
+        self.given.update(range(base // PIN_CHUNK, (base + max(nbytes, 1) - 1) // PIN_CHUNK + 1))
 
     def give(self, base: int) -> None:
         self.taken.pop(base, None)
@@ -84,6 +92,8 @@ class SwapSpace:
                     moved[old] = at
                 at += n
             self.taken = {moved.get(b, b): n for b, n in self.taken.items()}
+            for b, n in self.taken.items():
+                self._give(b, n)
             del base
         finally:
             try:
@@ -100,16 +110,19 @@ class SwapSpace:
         mm = mmap.mmap(self.fd, self.capacity, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         base = ctypes.addressof(ctypes.c_char.from_buffer(mm))
         libc = ctypes.CDLL(None, use_errno=True)
-        end = min(nbytes, self.capacity)
+        self._prefault_end = min(nbytes, self.capacity)
 
         def run() -> None:
             t0, done, why = time.perf_counter(), 0, None
-            while done < end:
-                n = min(chunk, end - done)
-                if libc.madvise(ctypes.c_void_p(base + done), ctypes.c_size_t(n), _MADV_POPULATE_WRITE) != 0:
-                    why = os.strerror(ctypes.get_errno())
-                    break
-                done += n
+            while True:
+                with self._prefault_lock:  # trim waits for this chunk, then the thread sees its new end
+                    if done >= self._prefault_end:
+                        break
+                    n = min(chunk, self._prefault_end - done)
+                    if libc.madvise(ctypes.c_void_p(base + done), ctypes.c_size_t(n), _MADV_POPULATE_WRITE) != 0:
+                        why = os.strerror(ctypes.get_errno())
+                        break
+                    done += n
             t.result = (done, why)
             print(f"prism coordinator: host region for swaps: {done / 2**30:.1f} GiB of pages ready in "
                   f"{time.perf_counter() - t0:.1f} s" + (f"; stopped there: madvise: {why}" if why else ""),
@@ -121,10 +134,41 @@ class SwapSpace:
         t.start()
         return t
 
+    def resident(self) -> int:
+        """Bytes of the region that have pages (host RAM it holds)."""
+        return os.fstat(self.fd).st_blocks * 512
+
+    def trim(self, nbytes: int) -> int:
+        """Ready no pages past the first ``nbytes`` and give back those already there, for when measured peaks
+        need less host room than the bound the region was readied for: the pages held beyond the need are
+        the ranks' and the page cache's, and a full host slows every rank. Only whole granules no extent ever
+        covered go (a rank page-locks the granules its swaps reach: a locked page must stay where it is).
+        Returns the bytes given back."""
+        with self._prefault_lock:
+            self._prefault_end = min(self._prefault_end, max(nbytes, 0))
+            before = self.resident()
+            for g in range(-(-max(nbytes, 0) // PIN_CHUNK), -(-self.capacity // PIN_CHUNK)):
+                if g not in self.given:
+                    start = g * PIN_CHUNK
+                    _punch_hole(self.fd, start, min(PIN_CHUNK, self.capacity - start))
+            return max(before - self.resident(), 0)
+
     def close(self) -> None:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+
+_FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 1, 2  # linux/falloc.h
+
+
+def _punch_hole(fd: int, start: int, nbytes: int) -> None:
+    """Free the pages of [start, start + nbytes) of a file (they read as zeros after), its size kept."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+    if libc.fallocate(fd, _FALLOC_FL_KEEP_SIZE | _FALLOC_FL_PUNCH_HOLE, start, nbytes) != 0:
+        raise SwapSpaceError(f"cannot give back host pages of the swap region: fallocate: "
+                             f"{os.strerror(ctypes.get_errno())}")
 
 
 def _data_ranges(fd: int, start: int, end: int):
