@@ -6,6 +6,7 @@ measured by bench/gpu/vmm_swap_probe.py; the whole path end to end by tests/test
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 from multiprocessing import Pipe
 
@@ -354,6 +355,25 @@ def test_trimming_gives_back_readied_pages_of_granules_no_extent_was_given(monke
     space.trim(0)
     t.join(30)
     assert space.resident() == 0 and space.take(1 << 20) == 0  # the region still serves swaps
+    space.close()
+
+
+def test_readying_the_region_leaves_host_memory_to_the_ranks(monkeypatch, capsys):
+    """The prefault stops where the host would have less available than it leaves to the ranks, and says so;
+    the region still serves swaps past that point."""
+    from prism_megatron.runtime import hostplan
+
+    space = SwapSpace(64 << 20)
+    monkeypatch.setattr(hostplan, "available_host_memory", lambda: (40 << 20) - space.resident())
+    t = space.prefault(48 << 20, chunk=4 << 20, keep_free=24 << 20)
+    t.join(30)
+    done, why = t.result
+    if done == 0 and why == os.strerror(22):
+        pytest.skip("no MADV_POPULATE_WRITE here (Linux < 5.14)")
+    assert done == 16 << 20 == space.resident()  # at 24 MiB available, one more chunk would leave 20
+    assert "stopped there: the host had 24 MiB available, and the readying leaves 24 MiB to the ranks" in \
+        capsys.readouterr().err
+    assert space.take(32 << 20) == 0
     space.close()
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from prism_megatron.options import JobOptions, option
+from prism_megatron.runtime.hostplan import available_host_memory
 
 _J = JobOptions  # the options' defaults: LaunchConfig built in code defaults as the front ends do
 
@@ -301,7 +302,7 @@ class LaunchConfig:
         if self.host_memory_gib is not None:
             self.host_memory = int(self.host_memory_gib * 2**30)
         elif self.swap_mode != "none" and self.swapper in ("cuda", "inprocess"):
-            self.host_memory = int(0.9 * _available_host_memory())
+            self.host_memory = int(0.9 * available_host_memory())
         return self
 
     @property
@@ -410,15 +411,3 @@ def parse_ranks(text: str, world_size: int) -> list[int]:
                 raise LaunchError(
                     f"--log-ranks: {part!r} is not a rank, a range a-b, 'last', 'all' or 'none'") from None
     return out
-
-
-def _available_host_memory() -> int:
-    """Bytes of host RAM available now (Linux ``MemAvailable``); checkpointed GPU state must fit in it."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")

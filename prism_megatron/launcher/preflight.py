@@ -13,7 +13,8 @@ import os
 import shutil
 from pathlib import Path
 
-from prism_megatron.launcher.config import LaunchConfig, LaunchError, _available_host_memory
+from prism_megatron.launcher.config import LaunchConfig, LaunchError
+from prism_megatron.runtime.hostplan import available_host_memory
 
 #: Host memory (PSS) of one running CPU rank: torch imported, the program's first collectives done; an
 #: idle rank forked from the template shares most of its pages, a running one does not (measured by
@@ -81,7 +82,7 @@ def lock_trace_dir(log_dir: Path) -> int:
 def check_host_memory(cfg: LaunchConfig, available: int | None = None) -> None:
     """Refuse a job whose running ranks (a folded job's live ones) cannot fit in the host's available
     memory (a host that runs out kills the job without a word), saying what would fit."""
-    available = _available_host_memory() if available is None else available
+    available = available_host_memory() if available is None else available
     running = len(cfg.live_ranks)
     need = running * RANK_FOOTPRINT + SIDECAR_FOOTPRINT
     if need <= available:

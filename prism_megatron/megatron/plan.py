@@ -78,9 +78,9 @@ class Plan:
 
 
 def _host_available() -> int:
-    from prism_megatron.launcher.config import _available_host_memory
+    from prism_megatron.runtime.hostplan import available_host_memory
 
-    return _available_host_memory()
+    return available_host_memory()
 
 
 def _gpu_totals(devices: list[str]) -> list[int]:

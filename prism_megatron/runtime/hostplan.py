@@ -12,6 +12,7 @@ copies only the blocks in use (in-process swaps) these figures, from footprints,
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 HOST_LIMIT_HINT = ("swapped-out state may not fit host memory: --host-memory sets the budget (default 90% of the "
@@ -19,6 +20,18 @@ HOST_LIMIT_HINT = ("swapped-out state may not fit host memory: --host-memory set
                    "or a host with more RAM lower the need; --swap inprocess copies only the blocks in use, far fewer "
                    "bytes where the allocator caches much. Swaps that do not fit wait, and a job that cannot go on "
                    "ends with a report naming the host budget")
+
+
+def available_host_memory() -> int:
+    """Bytes of host RAM available now (Linux ``MemAvailable``): what swapped-out GPU state may take."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
 EXACT_SUBSETS = 16  # ranks per device up to which whole-rank subsets are enumerated (2**15 sums per rank)

@@ -21,6 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 _MADV_POPULATE_WRITE = 23  # linux/mman.h
+#: Share of the host's RAM the prefault leaves available (SwapSpace.prefault)
+PREFAULT_KEEPS_FREE = 0.10
 
 
 class SwapSpaceError(RuntimeError):
@@ -102,30 +104,42 @@ class SwapSpace:
                 pass
         return moved
 
-    def prefault(self, nbytes: int, chunk: int = 256 << 20) -> threading.Thread:
+    def prefault(self, nbytes: int, chunk: int = 256 << 20, keep_free: int | None = None) -> threading.Thread:
         """Give the region's first ``nbytes`` their pages now, in a background thread, without writing them
         (``MADV_POPULATE_WRITE``, Linux 5.14+): the first swaps then copy at the link's speed, not at the
-        host's first-touch speed. Safe beside swaps under way (a present page is left as it is). The thread's
-        ``result`` says how far it got, and why it stopped early."""
+        host's first-touch speed. Safe beside swaps under way (a present page is left as it is). It stops
+        where the host would have less than ``keep_free`` bytes available (default ``PREFAULT_KEEPS_FREE`` of
+        its RAM): the ranks' own memory grows after the budget was taken, and a host short of memory slows
+        every rank; a swap past that point still finds its pages, at first-touch speed. The thread's
+        ``result`` is (bytes readied, why it stopped early: madvise's error or the host's memory, or None)."""
+        from prism_megatron.runtime.hostplan import available_host_memory
+
         mm = mmap.mmap(self.fd, self.capacity, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         base = ctypes.addressof(ctypes.c_char.from_buffer(mm))
         libc = ctypes.CDLL(None, use_errno=True)
         self._prefault_end = min(nbytes, self.capacity)
+        if keep_free is None:
+            keep_free = int(PREFAULT_KEEPS_FREE * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
         def run() -> None:
-            t0, done, why = time.perf_counter(), 0, None
+            t0, done, why, said = time.perf_counter(), 0, None, None
             while True:
                 with self._prefault_lock:  # trim waits for this chunk, then the thread sees its new end
                     if done >= self._prefault_end:
                         break
                     n = min(chunk, self._prefault_end - done)
+                    if (available := available_host_memory()) - n < keep_free:
+                        why = said = (f"the host had {available / 2**20:,.0f} MiB available, and the readying "
+                                      f"leaves {keep_free / 2**20:,.0f} MiB to the ranks")
+                        break
                     if libc.madvise(ctypes.c_void_p(base + done), ctypes.c_size_t(n), _MADV_POPULATE_WRITE) != 0:
                         why = os.strerror(ctypes.get_errno())
+                        said = f"madvise: {why}"
                         break
                     done += n
             t.result = (done, why)
             print(f"prism coordinator: host region for swaps: {done / 2**30:.1f} GiB of pages ready in "
-                  f"{time.perf_counter() - t0:.1f} s" + (f"; stopped there: madvise: {why}" if why else ""),
+                  f"{time.perf_counter() - t0:.1f} s" + (f"; stopped there: {said}" if said else ""),
                   file=sys.stderr, flush=True)
 
         t = threading.Thread(target=run, name="prism-swap-prefault", daemon=True)
