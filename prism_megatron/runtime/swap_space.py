@@ -71,7 +71,7 @@ class SwapSpace:
         return at
 
     def _give(self, base: int, nbytes: int) -> None:
-        self.given.update(range(base // PIN_CHUNK, (base + max(nbytes, 1) - 1) // PIN_CHUNK + 1))
+        self.given.update(granules(base, max(nbytes, 1)))
 
     def give(self, base: int) -> None:
         self.taken.pop(base, None)
@@ -205,6 +205,11 @@ def _data_ranges(fd: int, start: int, end: int):
 PIN_CHUNK = 1 << 30
 
 
+def granules(offset: int, nbytes: int) -> range:
+    """The PIN_CHUNK granules [offset, offset + nbytes) reaches: those a rank's swap into it page-locks."""
+    return range(offset // PIN_CHUNK, (offset + nbytes - 1) // PIN_CHUNK + 1)
+
+
 class HostRegion:
     """A rank's mapping of the job's region."""
 
@@ -233,7 +238,7 @@ class HostRegion:
         if self.pin_error is not None or nbytes <= 0:
             return 0.0
         mapped = -(-self.size // mmap.PAGESIZE) * mmap.PAGESIZE  # whole pages: the region's last one too
-        for g in range(offset // PIN_CHUNK, (offset + nbytes - 1) // PIN_CHUNK + 1):
+        for g in granules(offset, nbytes):
             if g in self.pinned:
                 continue
             start = g * PIN_CHUNK
