@@ -173,6 +173,14 @@ class RunOnlyOptions:
     (grad norm, clipping, losses); only through MoE routing do they change shapes, time or memory. What was
     skipped is printed, recorded in the merged trace and said in the report. Serial captures only."""
 
+    fold_resume: bool = False
+    """Resume a serial capture: a capture whose trace an earlier run of this same job left complete (or ended
+    by its class's predicted OOM) beside --prism-trace-dir (TRACE.captures) is reused instead of run again, and
+    only the others run; a run cut short (a time limit, a crash in a later capture) loses none of its finished
+    captures. Reused only where that capture was given the same capture plan and the same command (the
+    Megatron script by name, its flags but where the trace and logs go) on the same GPU model, CPU model,
+    Python, torch and megatron-core; each capture says whether it was reused, or why not. Serial captures only."""
+
     fold_microbatches: str = "off"
     """Micro-batch folding: 'N' runs N of the target's M micro-batches per iteration (its global batch run as
     N x micro batch x DP) and the replay gives every rank the target's M, copies of steady units standing

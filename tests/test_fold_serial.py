@@ -5,6 +5,8 @@ the trace's v6 record, and a generic pipeline captured both ways (same ops, same
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import re
 from pathlib import Path
 from types import SimpleNamespace
@@ -441,8 +443,9 @@ def test_a_pipeline_captured_serially_issues_the_ops_of_the_capture_together(tmp
     # and stage (stage 0 backward, stage 1 forward and backward, stage 3 forward), none passed through
     recv = serial.fold.contributions["recv"]
     assert recv["standin"] == 4 * 3 and recv["passthrough"] == 0
+    # each capture's latest take is merged (all are taken again below: capture 2 twice)
     assert [c["trace"] for c in serial.fold.capture["captures"]] == [
-        f"serial.captures/capture-{i}-rank-{r}" for i, r in enumerate((0, 1, 3))]
+        f"serial.captures/capture-{i}-rank-{r}-take-{n}" for i, r, n in ((0, 0, 2), (1, 1, 3), (2, 3, 2))]
     for c in serial.fold.capture["captures"]:
         assert read_trace(tmp_path / c["trace"]).fold.live == (c["rank"],)
     assert any("serial capture 2/3: rank 1" in s for s in said) and captures_dir(tmp_path / "serial").is_dir()
@@ -780,3 +783,122 @@ def test_a_crash_in_a_capture_under_a_cap_still_stops_the_run(tmp_path):
     assert [(c["complete"], c["incomplete"]) for c in t.fold.capture["captures"]][1] == (
         False, "not run: capture 1 failed first")
     assert any("serial capture 1/2 (rank 0) failed" in s and "later captures are not run" in s for s in said), said
+
+
+# ---- --prism-fold-resume: a serial run cut short is resumed without its finished captures ---------------------
+def test_a_resumed_serial_run_captures_only_what_the_earlier_run_left_unfinished(tmp_path):
+    """fold_pipeline.py captured serially, cut before its third capture (as a time limit cuts it); resumed, only
+    the third runs, given the recordings the reused two made (its stand-ins are those of a run from scratch,
+    value for value), and the merged trace is that of a run from scratch, each reused capture marked."""
+    fold = {**make_fold([0, 1, 1, 3], 8).to_json(), "layout": {"moe_layers": 0}}
+    base = dict(script=PROGRAMS / "fold_pipeline.py", world_size=4, hang_timeout=60, fold=fold)
+
+    def cut(cfg: LaunchConfig) -> int:  # the third capture never starts: the run is stopped first
+        return 143 if cfg.fold["capture"]["part"]["index"] == 2 else launch(cfg)
+
+    cfg = LaunchConfig(**base, script_args=[str(tmp_path / "r"), "3", "norms"], trace_dir=tmp_path / "serial")
+    said: list[str] = []
+    assert capture_serially(cfg, cut, say=said.append, second="off") == 143
+    assert read_trace(tmp_path / "serial").incomplete.startswith("capture 3 of 3 (rank 3): exited with code 143")
+    first_run = json.loads((tmp_path / "serial.captures" / "capture-0-rank-0" / "manifest.json").read_text())["job"]
+
+    launched: list[int] = []
+
+    def counted(cfg: LaunchConfig) -> int:
+        launched.append(cfg.fold["capture"]["part"]["index"])
+        return launch(cfg)
+
+    # the same command, but for where its trace goes and how long a hang may last (RESUME_IGNORES)
+    again = LaunchConfig(**{**base, "hang_timeout": 90}, script_args=[str(tmp_path / "r"), "3", "norms"],
+                         trace_dir=tmp_path / "serial")
+    said = []
+    assert capture_serially(again, counted, say=said.append, second="off", resume=True) == 0
+    assert launched == [2], said
+    for i, r in ((0, 0), (1, 1)):
+        left = f"reused the trace an earlier run of this job left in {tmp_path}/serial.captures/capture-{i}-rank-{r} ("
+        assert any(s.startswith(f"serial capture {i + 1}/3: rank {r} (class ") and left in s for s in said), said
+    assert "reused from an earlier run: capture(s) 1, 2" in said[-1] and "3 complete" in said[-1]
+    resumed = read_trace(tmp_path / "serial")
+    assert resumed.incomplete is None
+    record = resumed.fold.capture["captures"]
+    assert [c.get("reused") for c in record] == [True, True, None]
+    assert record[0]["job"]["job_id"] == first_run["job_id"] != record[2]["job"]["job_id"]
+
+    scratch = LaunchConfig(**base, script_args=[str(tmp_path / "s"), "3", "norms"], trace_dir=tmp_path / "scratch")
+    assert capture_serially(scratch, launch, say=[].append, second="off") == 0
+    assert _skeleton(resumed) == _skeleton(read_trace(tmp_path / "scratch"))
+    got, want = torch.load(tmp_path / "r" / "rank-3.pt"), torch.load(tmp_path / "s" / "rank-3.pt")
+    assert all(torch.equal(a, b) for a, b in zip(got["fwd"], want["fwd"], strict=True)) and len(got["fwd"]) == 3
+    assert torch.equal(got["norms"], want["norms"])
+
+
+def _resume_run(tmp_path: Path, args: list[str], resume: bool, outcome: dict[int, str] | None = None,
+                **changes) -> tuple[list[int], list[str], int]:
+    """A fake serial run of _class_plan whose captures write the job record a launch writes; ``outcome``: capture
+    index -> "oom" (its rank's predicted OOM) or "incomplete". Returns the captures launched, what was said and
+    the exit code."""
+    from prism_megatron.launcher.launch import job_record
+
+    launched: list[int] = []
+
+    def fake_launch(cfg: LaunchConfig) -> int:
+        part = cfg.fold["capture"]["part"]
+        rank, how = part["rank"], (outcome or {}).get(part["index"])
+        launched.append(part["index"])
+        marks = [{"rank": rank, "name": "iteration", "phase": p, "t": 0.1, "compute_clock": 0.0, "attrs": {}}
+                 for p in ("B", "E")]
+        code = OOM if how == "oom" else 0
+        manifest = {"world_size": 8, "job": {**job_record(cfg), "job_id": "j", "wall_time_s": 2.5,
+                                             "fold": {**cfg.fold, "contributions": {}}},
+                    "groups": [{"id": 0, "name": "0", "ranks": list(range(8)), "backend": "nccl"}],
+                    "ranks": [{"rank": rank, "exit_code": code, "device": "cpu"}]}
+        write_trace(cfg.trace_dir, manifest, ops=[_op(rank, 0, "all_reduce", 0, 0)], marks=marks,
+                    incomplete={"oom": "rank ran out of memory under the target's cap (predicted OOM)",
+                                "incomplete": "ended by SIGTERM"}.get(how))
+        return code
+
+    said: list[str] = []
+    cfg = LaunchConfig(script=PROGRAMS / "fold_pipeline.py", world_size=8, fold=_class_plan(), script_args=args,
+                       trace_dir=tmp_path / "serial", **changes).validate()
+    code = capture_serially(cfg, fake_launch, say=said.append, second="off", resume=resume)
+    return launched, said, code
+
+
+def test_resume_reuses_only_a_finished_capture_of_the_same_job_and_says_why_not(tmp_path):
+    args = ["a", "--prism-trace-dir", "T1", "--lr", "1"]
+    assert _resume_run(tmp_path, args, False, {1: "oom"})[0] == [0, 1]
+    # where the trace goes is not what runs; a predicted OOM is its class's verdict: both reused, the OOM kept
+    launched, said, code = _resume_run(tmp_path, ["a", "--prism-trace-dir=T2", "--lr", "1", "--prism-fold-resume"],
+                                       True)
+    assert (launched, code) == ([], OOM), said
+    assert any("serial capture 2/2 (rank 4, class last) ran out of memory under the target's cap" in s for s in said)
+    # another flag value: another job, captured again, the difference named
+    launched, said, _ = _resume_run(tmp_path, ["a", "--prism-trace-dir", "T1", "--lr", "2"], True)
+    assert launched == [0, 1]
+    assert any(s.startswith("serial capture 1/2: rank 0 (class first): the trace in ") and s.endswith(
+        "is not reused: its job's 'args' differs ([\"a\", \"--lr\", \"1\"] there, [\"a\", \"--lr\", \"2\"] here)")
+        for s in said), said
+    # without --prism-fold-resume nothing is reused; a capture that did not finish is taken again under it
+    assert _resume_run(tmp_path, args, False, {1: "incomplete"})[0] == [0, 1]
+    launched, said, _ = _resume_run(tmp_path, args, True)
+    assert launched == [1] and any("is not reused: it did not complete (ended by SIGTERM)" in s for s in said), said
+    # another machine or software (here: the slots per device a capture ran with) is not the same capture
+    launched, said, _ = _resume_run(tmp_path, args, True, slots_per_device=2)
+    assert launched == [0, 1] and any("its job's 'slots_per_device' differs (1 there, 2 here)" in s for s in said)
+
+
+def test_a_take_of_a_capture_reads_as_the_same_only_with_the_same_recordings_it_was_given(tmp_path):
+    """The plan a capture is given includes the recordings of the captures before it: a trace made with other
+    recordings (another take) is not that capture's."""
+    from prism_megatron.launcher.serial import resumable
+
+    _resume_run(tmp_path, ["a"], False)
+    cfg = LaunchConfig(script=PROGRAMS / "fold_pipeline.py", world_size=8, script_args=["a"]).validate()
+    part = tmp_path / "serial.captures" / "capture-1-rank-4"
+    same = dataclasses.replace(cfg, fold=capture_plan(_class_plan(), 4, 1), trace_dir=part)
+    assert resumable(part, same) == (0, 2.5)
+    answer = {"group": ["0", [0, 4], 0], "seq": 0, "src": 0, "dst": 4, "norm": 3.0}
+    other = dataclasses.replace(same, fold=capture_plan(_class_plan(), 4, 1, p2p_answers=[answer]))
+    assert resumable(part, other) == "its capture plan's 'capture' differs (given other recordings, or another fold)"
+    (part / "manifest.json").write_text("{")
+    assert resumable(part, same).startswith(f"{part / 'manifest.json'} cannot be read as a capture's manifest (")

@@ -10,7 +10,11 @@
 # env: ARCHIVE (.peer-cache/megatron-lm-core_v0.19.0.tar.gz), DEVICES (0), TIMEOUT (s, 480), OUT (/tmp/prism-gpu);
 #   KEEP_TRACE=1: also write the trace (rank logs left out) as OUT/target-NAME/trace.tar.gz for offline analysis;
 #   BUDGET (s left when it starts, unset: no limit): skip the run (exit 3) when the plan's expected emulation time times SLACK
-#   (2.5: the Llama-3-70B run took 2.5x the plan's figure) exceeds it, and cap TIMEOUT at it (run_many.sh sets it).
+#   (2.5: the Llama-3-70B run took 2.5x the plan's figure) exceeds it, and cap TIMEOUT at it (run_many.sh sets it);
+#   PLAN=0: no plan first (without BUDGET it only prints);
+#   KEEP_CAPTURES=1: also write the serial captures' traces (rank logs left out) as OUT/target-NAME/captures.tar.gz;
+#   CAPTURES=FILE: such an archive from an earlier call of the same command: unpacked beside the trace and the run
+#   resumed (--prism-fold-resume reuses each capture it finished on the same machine and software, runs the rest).
 # Writes OUT/target-NAME/{run.log,memory.txt,summary.txt} and the report beside the trace (report.json).
 set -uo pipefail
 [ $# -ge 1 ] || { echo "usage: $0 NAME [flags]" >&2; exit 2; }
@@ -19,7 +23,12 @@ started=$(date +%s)
 . "$(dirname "$0")/setup.sh"
 flags=(--recipe "targets-$name" --prism-devices "${DEVICES:-0}" --prism-driver training --prism-fold on
        --prism-fold-capture serial --prism-attention sdpa --prism-fold-microbatches auto "$@")
-python3 -m prism_megatron plan "${flags[@]}" 2>&1 | grep -v -i "warn" | tee "$out/plan.txt"
+if [ -n "${CAPTURES:-}" ]; then  # an earlier call's finished captures: resumed
+  tar -xzf "$CAPTURES" -C "$work" || { echo "cannot unpack $CAPTURES" >&2; rm -rf "$work"; exit 2; }
+  flags+=(--prism-fold-resume)
+fi
+[ "${PLAN:-1}" = 0 ] && [ -z "${BUDGET:-}" ] || \
+  python3 -m prism_megatron plan "${flags[@]}" 2>&1 | grep -v -i "warn" | tee "$out/plan.txt"
 timeout=${TIMEOUT:-480}
 if [ -n "${BUDGET:-}" ]; then  # run_many.sh: BUDGET s were left at the start; skip a run the plan expects to outlast them
   left=$(( BUDGET - ($(date +%s) - started) ))
@@ -53,10 +62,12 @@ rc=$?
 kill "$sampler" 2>/dev/null
 { echo "== $name: exit $rc in $(( $(date +%s) - t0 )) s (flags: ${flags[*]})"
   cat "$out/memory.txt"
-  grep -E "^prism: (serial capture|micro-batches|fold|done|report)|iteration +[0-9]+/" "$out/run.log" | cut -c1-240
+  grep -E "^prism: (serial capture|micro-batches|fold|done|report)|iteration +[0-9]+/" "$out/run.log" | cut -c1-300
   sed -n '/^prism-megatron report of/,$p' "$out/run.log"  # the run's own report (its cluster profile costs comm)
 } | tee "$out/summary.txt"
 cp "$work/trace/report.json" "$out/" 2>/dev/null
 [ "${KEEP_TRACE:-0}" = 1 ] && tar -czf "$out/trace.tar.gz" -C "$work" --exclude='*.logs' trace
+[ "${KEEP_CAPTURES:-0}" = 1 ] && [ -d "$work/trace.captures" ] && \
+  tar -czf "$out/captures.tar.gz" -C "$work" --exclude='*.logs' trace.captures
 rm -rf "$work"
 exit "$rc"

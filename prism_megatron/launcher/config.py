@@ -76,6 +76,7 @@ class LaunchConfig:
     swap: str = _J.swap
     device_memory_gib: float | None = _J.device_memory  # capacity per device; default: the GPU's total memory
     device_memory: list[int] = field(default_factory=list)  # resolved by validate(), bytes per device
+    device_names: list[str] = field(default_factory=list)  # resolved by validate(): each GPU's name (none on CPU)
     host_memory_gib: float | None = _J.host_memory  # host RAM checkpointed GPU state may take; default: 90%
     host_memory: int | None = None  # resolved by validate(), bytes (None: not limited)
     # the coordinator's host region for in-process swaps (runtime.swap_space), where swaps may happen
@@ -295,6 +296,7 @@ class LaunchConfig:
         if self.swapper.startswith("budget") and self.device_memory_gib is None:
             raise LaunchError(f"--swap {self.swap} needs --device-memory GiB")
         totals = _check_gpus(self.devices) if self.on_gpu else []
+        self.device_names = _gpu_names(self.devices) if self.on_gpu else []
         if self.device_memory_gib is not None:
             self.device_memory = [int(self.device_memory_gib * 2**30)] * len(self.devices)
         else:
@@ -359,17 +361,18 @@ def inprocess_available() -> bool:
 
 
 @functools.lru_cache(maxsize=4)
-def _gpu_totals_seen(visible: str | None) -> tuple[int, ...]:
-    """Every CUDA device's total memory (bytes) as a child process sees them with ``visible`` as
+def _gpus_seen(visible: str | None) -> tuple[tuple[int, str], ...]:
+    """Every CUDA device's (total memory in bytes, name) as a child process sees them with ``visible`` as
     CUDA_VISIBLE_DEVICES; asked once per process (a child importing torch takes seconds)."""
     import json
     import subprocess
     import sys
 
     code = ("import json, torch; n = torch.cuda.device_count() if torch.cuda.is_available() else 0; "
-            "print(json.dumps([torch.cuda.get_device_properties(i).total_memory for i in range(n)]))")
+            "print(json.dumps([[torch.cuda.get_device_properties(i).total_memory, torch.cuda.get_device_name(i)] "
+            "for i in range(n)]))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    return tuple(json.loads(out.stdout.strip() or "[]"))
+    return tuple((int(t), str(n)) for t, n in json.loads(out.stdout.strip() or "[]"))
 
 
 def _check_gpus(devices: list[str]) -> list[int]:
@@ -377,12 +380,33 @@ def _check_gpus(devices: list[str]) -> list[int]:
 
     Returns each named device's total memory in bytes.
     """
-    totals = _gpu_totals_seen(os.environ.get("CUDA_VISIBLE_DEVICES"))
-    bad = [d for d in devices if int(d) >= len(totals)]
+    seen = _gpus_seen(os.environ.get("CUDA_VISIBLE_DEVICES"))
+    bad = [d for d in devices if int(d) >= len(seen)]
     if bad:
-        raise LaunchError(f"--devices {','.join(devices)}: this machine has {len(totals)} CUDA device(s); "
+        raise LaunchError(f"--devices {','.join(devices)}: this machine has {len(seen)} CUDA device(s); "
                           f"no device {','.join(bad)}")
-    return [totals[int(d)] for d in devices]
+    return [seen[int(d)][0] for d in devices]
+
+
+def _gpu_names(devices: list[str]) -> list[str]:
+    """Each named device's name (``_check_gpus`` checked they exist)."""
+    seen = _gpus_seen(os.environ.get("CUDA_VISIBLE_DEVICES"))
+    return [seen[int(d)][1] for d in devices]
+
+
+def cpu_model() -> str:
+    """This machine's CPU model as the OS names it (Linux: /proc/cpuinfo's "model name"), else the platform's
+    word for it: host-bound compute is timed on it."""
+    import platform
+
+    try:
+        for line in Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace").splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and value.strip():
+                return value.strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
 
 
 def parse_devices(text: str) -> list[str]:

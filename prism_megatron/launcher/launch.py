@@ -28,7 +28,7 @@ from multiprocessing.connection import Client
 from pathlib import Path
 
 from prism_megatron.launcher import fork_safe_cuda_checks
-from prism_megatron.launcher.config import LaunchConfig, LaunchError, cores
+from prism_megatron.launcher.config import LaunchConfig, LaunchError, cores, cpu_model
 from prism_megatron.launcher.exit_codes import BAD_INPUT
 from prism_megatron.launcher.exit_codes import DEVICE_OOM as EXIT_DEVICE_OOM
 from prism_megatron.launcher.exit_codes import HANG as EXIT_HANG
@@ -294,21 +294,7 @@ class _Job:
             return None, f"the coordinator ended while writing it ({_how(self.coord.returncode)})"
 
     def job_meta(self) -> dict:
-        cfg = self.cfg
-        return {"script": str(cfg.script), "args": cfg.script_args, "argv": [str(cfg.script), *cfg.script_args],
-                "world_size": cfg.world_size,
-                "devices": cfg.devices, "slots_per_device": cfg.slots_per_device,
-                "gpus_per_node": cfg.gpus_per_node, "job_id": self.job_id,
-                "wall_time_s": time.perf_counter() - self.t0,
-                **({"rank_scripts": {str(r): [str(p), *a] for r, (p, a) in sorted(cfg.rank_scripts.items())}}
-                   if cfg.rank_scripts else {}),
-                **({"target_gpu": cfg.target_gpu} if cfg.target_gpu is not None else {}),
-                # what the report weighs a class that ran out of memory under the cap by (report.margin)
-                **({"memory_estimates": {str(r): int(b) for r, b in sorted(cfg.memory_estimates.items())}}
-                   if cfg.memory_estimates else {}),
-                **cfg.job_extra,
-                **({"staging_by_device": {f"cuda:{d}": "page-locked" if cfg.page_locks else "pageable"
-                                          for d in cfg.devices}} if cfg.on_gpu else {})}
+        return {**job_record(self.cfg), "job_id": self.job_id, "wall_time_s": time.perf_counter() - self.t0}
 
     def cleanup(self) -> None:
         """Leave nothing behind: ranks and the processes they started, coordinator, shared-memory segments."""
@@ -330,6 +316,28 @@ class _Job:
                 self.coord.kill()
                 self.coord.wait()
         remove_job_segments(self.prefix)
+
+
+def job_record(cfg: LaunchConfig) -> dict:
+    """The trace's ``job``: what ``cfg`` runs and where (the run's own id and wall time are added to it), and
+    what this machine and software are, since the trace's times and peaks are theirs."""
+    from importlib import metadata
+
+    return {"script": str(cfg.script), "args": cfg.script_args, "argv": [str(cfg.script), *cfg.script_args],
+            "world_size": cfg.world_size,
+            "devices": cfg.devices, "slots_per_device": cfg.slots_per_device,
+            "gpus_per_node": cfg.gpus_per_node,
+            "machine": {"gpus": list(cfg.device_names), "cpu": cpu_model(), "cores": cores()},
+            "stack": {"python": sys.version.split()[0], "torch": metadata.version("torch")},
+            **({"rank_scripts": {str(r): [str(p), *a] for r, (p, a) in sorted(cfg.rank_scripts.items())}}
+               if cfg.rank_scripts else {}),
+            **({"target_gpu": cfg.target_gpu} if cfg.target_gpu is not None else {}),
+            # what the report weighs a class that ran out of memory under the cap by (report.margin)
+            **({"memory_estimates": {str(r): int(b) for r, b in sorted(cfg.memory_estimates.items())}}
+               if cfg.memory_estimates else {}),
+            **cfg.job_extra,
+            **({"staging_by_device": {f"cuda:{d}": "page-locked" if cfg.page_locks else "pageable"
+                                      for d in cfg.devices}} if cfg.on_gpu else {})}
 
 
 def _keep_snapshots(log_dir: Path, trace_dir: Path) -> None:

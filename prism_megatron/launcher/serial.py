@@ -21,7 +21,9 @@ norm, or whose small reductions over other classes found no recording of their i
 (``nccl_prune.SECOND_PASS_RULE``), and its second trace is the one merged, where ``--prism-fold-second-pass``
 takes it (:func:`second_pass`: under auto only for a fold with MoE layers); what was skipped is said and recorded.
 A capture's ranks see ``CAPTURE_ENV``: rules the program side keeps for a capture of one live rank install
-on it (Megatron's tied-embedding initialisation: ``patches.serial_embedding``).
+on it (Megatron's tied-embedding initialisation: ``patches.serial_embedding``). Take 1 of capture I writes
+``capture-I-rank-L``, a later take N ``capture-I-rank-L-take-N`` (:func:`take_dir`), so that a run resumed under
+``--prism-fold-resume`` finds every take an earlier run finished (``RESUME_RULE``).
 """
 
 from __future__ import annotations
@@ -37,11 +39,11 @@ from typing import Any
 
 from prism_megatron.launcher.config import LaunchConfig
 from prism_megatron.launcher.exit_codes import OOM, RANK_FAILED
-from prism_megatron.options import RunOnlyOptions, option
+from prism_megatron.options import JobOptions, RunOnlyOptions, option
 from prism_megatron.trace.fold import SERIAL_RULES, second_pass_skipped
 
-__all__ = ["CAPTURE_ENV", "OOM_CONTINUES_RULE", "capture_plan", "captures_dir", "capture_serially", "merged_line",
-           "second_pass"]
+__all__ = ["CAPTURE_ENV", "OOM_CONTINUES_RULE", "RESUME_IGNORES", "RESUME_RULE", "capture_plan", "captures_dir",
+           "capture_serially", "merged_line", "resumable", "second_pass", "take_dir"]
 
 #: set to "serial" in the ranks of a serial capture (``rank.rank_env``): program-side rules that only a capture
 #: of one live rank needs install on it (e.g. ``patches.serial_embedding``)
@@ -54,6 +56,92 @@ from it are the broadcasts it recorded (RECORDED_BROADCAST_RULE), kept up to its
 absent, and a later capture that needs it is refused by name as for any missing recording. Any other failure
 (a crash, a refusal, a hang, the physical device's OOM, no trace written) stops the run as before. The run
 exits as a run together with a predicted OOM does (OOM), unless a capture failed (its code)."""
+
+
+RESUME_RULE = """\
+Under --prism-fold-resume a serial run reuses the trace an earlier run left for a take of a capture (its place:
+take_dir) instead of capturing it again, where that trace
+- completed, or ended with its live rank's predicted OOM under the target's cap (its class's verdict), and
+- was made by the same capture: its fold record is the capture plan this run gives it (the fold's, the capture's
+  index, and the recordings of the earlier captures it is given), and its job record is this capture's (the script
+  by file name, its flags but those in RESUME_IGNORES, world size, devices, target GPU, micro-batch fold,
+  substitutions, cluster) on the same machine and software (GPU and CPU models, cores, Python, torch,
+  megatron-core).
+What it recorded for later captures is read from it as from a capture just run, so each later capture is given
+what it would have been given. Any other trace there is captured again, and the run says why (the first
+difference); the merged trace marks each reused capture (``reused``) and keeps its run's id and wall time."""
+
+#: Options that say where a run writes, listens or what it prints, not what its ranks compute: a resumed capture's
+#: command may differ from the earlier run's in these (RESUME_RULE).
+RESUME_IGNORES: tuple[tuple[type, str], ...] = (
+    (JobOptions, "trace_dir"), (JobOptions, "listen"), (JobOptions, "hang_timeout"), (JobOptions, "log_ranks"),
+    (RunOnlyOptions, "fold_resume"), (RunOnlyOptions, "report"))
+
+
+def take_dir(root: Path, index: int, rank: int, take: int) -> Path:
+    """Where take ``take`` (from 1) of capture ``index`` (of live rank ``rank``) writes its trace, under ``root``
+    (:func:`captures_dir`)."""
+    return root / (f"capture-{index}-rank-{rank}" + (f"-take-{take}" if take > 1 else ""))
+
+
+def _command(args: list[str]) -> list[str]:
+    """A rank's command line without the RESUME_IGNORES flags (and their values)."""
+    ignored = {option(cls, name) for cls, name in RESUME_IGNORES}
+    flags = {o.prism_flag: not o.is_switch for o in ignored}
+    out, i = [], 0
+    while i < len(args):
+        name = args[i].partition("=")[0]
+        if name in flags:
+            i += 2 if flags[name] and "=" not in args[i] else 1
+            continue
+        out.append(args[i])
+        i += 1
+    return out
+
+
+def _normal(value: Any) -> Any:
+    """``value`` as its JSON reads back (tuples as lists, keys as strings): what a trace holds."""
+    return json.loads(json.dumps(value))
+
+
+def resumable(trace: Path, cfg: LaunchConfig) -> tuple[int, float] | str:
+    """Whether the trace at ``trace`` is the take that ``cfg`` (one capture's launch) would make (RESUME_RULE):
+    (its exit code: 0, or OOM for a predicted OOM; its wall time in s), else why not."""
+    from prism_megatron.launcher.launch import job_record
+    from prism_megatron.runtime.folding import RECORDED_PART_KEYS
+
+    path = trace / "manifest.json"
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+        job = dict(manifest["job"])
+        live = int(cfg.fold["capture"]["part"]["rank"])
+        codes = {int(r["rank"]): r.get("exit_code") for r in manifest["ranks"]}
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"{path} cannot be read as a capture's manifest ({type(e).__name__}: {e})"
+    if manifest.get("complete") is not True:
+        if codes.get(live) != OOM:
+            return f"it did not complete ({manifest.get('incomplete')})"
+    want = _normal(job_record(cfg))
+    have = _normal(job)
+    want["script"], have["script"] = Path(want["script"]).name, Path(str(have.get("script"))).name
+    want["args"], have["args"] = _command(want["args"]), _command(list(have.get("args") or []))
+    for key in sorted(set(want) - {"argv"}):
+        if have.get(key) != want[key]:
+            return f"its job's {key!r} differs ({_short(have.get(key))} there, {_short(want[key])} here)"
+    fold = {k: v for k, v in (have.get("fold") or {}).items() if k != "contributions"}
+    capture = dict(fold.get("capture") or {})
+    capture["part"] = {k: v for k, v in (capture.get("part") or {}).items() if k not in RECORDED_PART_KEYS}
+    fold["capture"] = capture
+    planned = _normal(cfg.fold)
+    for key in sorted(set(planned) | set(fold)):
+        if fold.get(key) != planned.get(key):
+            return f"its capture plan's {key!r} differs (given other recordings, or another fold)"
+    return (OOM if manifest.get("complete") is not True else 0), float(job.get("wall_time_s") or 0.0)
+
+
+def _short(value: Any, limit: int = 120) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def second_pass(mode: str, plan: dict[str, Any]) -> dict[str, Any]:
@@ -111,11 +199,12 @@ def captures_dir(trace_dir: Path) -> Path:
 
 def capture_serially(cfg: LaunchConfig, launch: Callable[[LaunchConfig], int],
                      say: Callable[[str], None] = print,
-                     second: str = option(RunOnlyOptions, "fold_second_pass").default) -> int:
+                     second: str = option(RunOnlyOptions, "fold_second_pass").default,
+                     resume: bool = False) -> int:
     """Capture ``cfg``'s fold one live rank at a time with ``launch``, then merge the captures at
     ``cfg.trace_dir``; returns the first failing capture's exit code, else OOM where a capture ran out of
     memory under the target's cap (``OOM_CONTINUES_RULE``), else 0. ``second``: ``--prism-fold-second-pass``
-    (:func:`second_pass`)."""
+    (:func:`second_pass`); ``resume``: ``--prism-fold-resume`` (``RESUME_RULE``)."""
     from prism_megatron.trace.merge import merge_captures
 
     plan = cfg.fold
@@ -133,22 +222,36 @@ def capture_serially(cfg: LaunchConfig, launch: Callable[[LaunchConfig], int],
     failed = 0  # the number (from 1) of the capture that failed
     latest: dict[int, int] = {}  # capture index -> when its latest take ran (0, 1, ...)
     takes = itertools.count()
+    taken: dict[int, int] = {}  # capture index -> its takes so far
 
     def run(i: int, rank: int, again: bool) -> None:
         nonlocal code, failed
         latest[i] = next(takes)
-        part = root / f"capture-{i}-rank-{rank}"
+        taken[i] = taken.get(i, 0) + 1
+        part = take_dir(root, i, rank, taken[i])
         cls = plan["classes"][plan["class_of"][rank]]["name"]
-        if again:
-            shutil.rmtree(part, ignore_errors=True)
-        say(f"serial capture {i + 1}/{len(live)}{' again' if again else ''}: rank {rank} (class {cls}) is the "
-            f"only process; every other rank is virtual (self mirror, stand-ins); trace {part}")
-        t0 = time.perf_counter()
+        head = f"serial capture {i + 1}/{len(live)}{' again' if again else ''}: rank {rank} (class {cls})"
         # no live prediction: one capture's trace is not the job's graph (the merged trace is)
-        code = launch(dataclasses.replace(cfg, fold=capture_plan(plan, rank, i, answers, list(norms.values()),
-                                                                 list(reductions.values())),
-                                          trace_dir=part, predictor=None))
-        (again_walls if again else walls).append(time.perf_counter() - t0)
+        one = dataclasses.replace(cfg, fold=capture_plan(plan, rank, i, answers, list(norms.values()),
+                                                         list(reductions.values())),
+                                  trace_dir=part, predictor=None)
+        kept = resumable(part, one) if resume and (part / "manifest.json").exists() else None
+        if isinstance(kept, tuple):
+            code, wall = kept
+            say(f"{head}: reused the trace an earlier run of this job left in {part} ({wall:.1f} s then; "
+                "--prism-fold-resume)")
+            reused.add(i)
+        else:
+            if kept is not None:
+                say(f"{head}: the trace in {part} is not reused: {kept}")
+            if again or kept is not None:
+                shutil.rmtree(part, ignore_errors=True)
+            say(f"{head} is the only process; every other rank is virtual (self mirror, stand-ins); trace {part}")
+            t0 = time.perf_counter()
+            code = launch(one)
+            wall = time.perf_counter() - t0
+            reused.discard(i)
+        (again_walls if again else walls).append(wall)
         written = (part / "manifest.json").exists()
         reason = None
         if written:
@@ -174,13 +277,15 @@ def capture_serially(cfg: LaunchConfig, launch: Callable[[LaunchConfig], int],
         elif code != 0:
             failed = i + 1
             say(f"serial capture {i + 1}/{len(live)} (rank {rank}) failed: {reason}; later captures are not run")
-        entry = {"rank": rank, "trace": part if written else None, "incomplete": reason}
+        entry = {"rank": rank, "trace": part if written else None, "incomplete": reason,
+                 **({"reused": True} if i in reused else {})}
         if again:
             captures[i] = entry
         else:
             captures.append(entry)
 
     again_walls: list[float] = []
+    reused: set[int] = set()  # the captures whose latest take is an earlier run's (RESUME_RULE)
     for i, rank in enumerate(live):
         if code != 0:
             captures.append({"rank": rank, "trace": None, "incomplete": f"not run: capture {failed} failed first"})
@@ -248,6 +353,8 @@ def merged_line(captures: list[dict[str, Any]], trace_dir: Path, walls: list[flo
     bad = [f"capture {i + 1} (rank {c['rank']}) {'incomplete' if c['trace'] is not None else 'not merged'}: "
            f"{c['incomplete'] or 'no trace written'}"
            for i, c in enumerate(captures) if c["trace"] is None or c["incomplete"] is not None]
+    reused = [str(i + 1) for i, c in enumerate(captures) if c.get("reused")]
+    said += f"; reused from an earlier run: capture(s) {', '.join(reused)}" if reused else ""
     return (f"serial capture: merged {merged} of {len(captures)} capture(s), {complete} complete, into {trace_dir} "
             f"(wall s per capture: {said})" + (f"; {'; '.join(bad)}" if bad else ""))
 

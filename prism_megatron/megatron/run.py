@@ -322,7 +322,8 @@ def launch_config(request: RunRequest):
         script_args += cpu_defaults(script_args)
     cluster = request.run_options().cluster
     # the trace records the profile the run costs communication with: its report, remade later, predicts the same
-    extra: dict = {CLUSTER_KEY: None if cluster is None else profile_reference(cluster)}
+    extra: dict = {CLUSTER_KEY: None if cluster is None else profile_reference(cluster),
+                   "megatron_core": installed_megatron_core()}
     if request.substitutions:
         extra["substitutions"] = request.substitutions
     return LaunchConfig.from_options(
@@ -332,6 +333,17 @@ def launch_config(request: RunRequest):
         memory_classes=stage_classes(request.script_args, job.world_size),
         job_extra=extra,
     )
+
+
+def installed_megatron_core() -> str | None:
+    """The installed megatron-core's version (None: none installed, e.g. only a checkout on the path): what the
+    ranks ran, recorded with the trace."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("megatron-core")
+    except metadata.PackageNotFoundError:
+        return None
 
 
 def stage_classes(args: list[str], world_size: int | None) -> dict[int, str]:
@@ -438,6 +450,9 @@ def run(request: RunRequest) -> int:
     if not serial and after.fold_second_pass != "auto":
         print(f"prism: --prism-fold-second-pass {after.fold_second_pass}: only a serial capture "
               "(--prism-fold-capture serial) takes a second pass; ignored", file=sys.stderr, flush=True)
+    if not serial and after.fold_resume:
+        print("prism: --prism-fold-resume: only a serial capture (--prism-fold-capture serial) is resumed; every "
+              "rank runs", file=sys.stderr, flush=True)
     if serial and cfg.fold is None:
         print("prism: --prism-fold-capture serial: the run is not folded (every rank runs), so it is captured "
               "together", file=sys.stderr, flush=True)
@@ -446,7 +461,7 @@ def run(request: RunRequest) -> int:
         from prism_megatron.launcher.serial import capture_serially
 
         code = capture_serially(cfg, launch, say=lambda m: print(f"prism: {m}", file=sys.stderr, flush=True),
-                                second=after.fold_second_pass)
+                                second=after.fold_second_pass, resume=after.fold_resume)
     else:
         code = launch(cfg)
     if cfg.fold is not None and code == 0 and (cfg.trace_dir / "manifest.json").exists():

@@ -50,7 +50,12 @@ from prism_megatron.runtime.matching import Member, desc_bytes
 from prism_megatron.runtime.passthrough import PassThrough
 from prism_megatron.runtime.protocol import dtype_from_name, dtype_name
 
-__all__ = ["RECORDED_BROADCAST_RULE", "RECORD_MAX_BYTES", "Folding", "untranslation"]
+__all__ = ["RECORDED_BROADCAST_RULE", "RECORDED_PART_KEYS", "RECORD_MAX_BYTES", "Folding", "untranslation"]
+
+#: What a serial capture adds to its plan's ``capture.part`` in its trace (:meth:`Folding.to_json`): what it recorded
+#: for later captures and what it lacked; the rest of ``job.fold`` is the plan it was given.
+RECORDED_PART_KEYS: tuple[str, ...] = ("broadcasts", "p2p_norms", "standins_unrecorded", "reductions",
+                                       "reductions_unrecorded")
 
 RECORDED_BROADCAST_RULE = """\
 In a serial capture of live rank L, a broadcast whose root's class has its live rank R elsewhere is not
@@ -254,11 +259,10 @@ class Folding:
         if self.class_rep is not None:  # a serial capture: what it recorded for later captures
             capture = out["capture"]
             pt = self.passthrough
-            out["capture"] = {**capture, "part": {**capture["part"], "broadcasts": list(self.recorded),
-                                                  "p2p_norms": pt.recordings(),
-                                                  "standins_unrecorded": pt.unrecorded,
-                                                  "reductions": list(self.reductions),
-                                                  "reductions_unrecorded": self.reductions_unrecorded}}
+            recorded = (list(self.recorded), pt.recordings(), pt.unrecorded, list(self.reductions),
+                        self.reductions_unrecorded)
+            out["capture"] = {**capture, "part": {**capture["part"], **dict(zip(RECORDED_PART_KEYS, recorded,
+                                                                                strict=True))}}
         return out
 
 

@@ -52,7 +52,9 @@ SERIAL_RULES: dict[str, str] = {"collectives": "self_mirror", "p2p": "standin"}
 #: class's inputs, nccl_prune.RECORDED_REDUCTION_RULE) and ``second_pass`` ("taken": captured again, its latest
 #: trace merged; "skipped": it needed one and ``--prism-fold-second-pass`` took none), and
 #: ``capture.second_pass``: the option's decision, {"option", "on": taken where needed, "why", "moe": whether
-#: the fold has MoE layers, null where the plan did not say} (launcher.serial.second_pass).
+#: the fold has MoE layers, null where the plan did not say} (launcher.serial.second_pass). ``reused`` (optional,
+#: true) marks a capture whose trace an earlier run of the same job left (``--prism-fold-resume``; its record's
+#: ``job`` says which run: launcher.serial.RESUME_RULE).
 SECOND_PASS_STATES: tuple[str, ...] = ("taken", "skipped")
 SECOND_PASS_FIELDS: tuple[str, ...] = ("option", "on", "why", "moe")
 #: The pipeline schedules a version-2 plan's optional ``schedule.name`` can name: Megatron's
@@ -475,6 +477,8 @@ def _capture(doc: dict, live: list[int], w: int, path: str | Path, trace_version
             n = c.get(count, 0)
             if isinstance(n, bool) or not isinstance(n, int) or n < 0:
                 raise _error(path, f"{key}.{count}", f"is {n!r}, expected an integer >= 0")
+        if c.get("reused", True) is not True:
+            raise _error(path, f"{key}.reused", f"is {c['reused']!r}, expected true (absent: captured by this run)")
         if c.get("second_pass", "taken") not in SECOND_PASS_STATES:
             raise _error(path, f"{key}.second_pass", f"is {c['second_pass']!r}, expected one of "
                                                      f"{', '.join(SECOND_PASS_STATES)}")

@@ -49,10 +49,11 @@ def merge_captures(out: str | Path, plan: Mapping[str, Any], captures: Sequence[
     """Write the merged trace of a serial run at ``out``: ``plan`` the fold's JSON as captured together,
     ``captures`` one entry per live rank, in capture order: {"rank", "trace": its trace directory (None:
     it wrote none), "incomplete": None, or why it did not complete, and optionally "second_pass": "taken" or
-    "skipped"}; ``second_pass``: the run's decision on SECOND_PASS_RULE's second pass (``fold.SECOND_PASS_FIELDS``;
-    each capture's ``standins_unrecorded`` and ``reductions_unrecorded`` come from its trace). Partial when a
-    capture did not complete (``incomplete`` names it); TraceFormatError when a capture's trace does not belong to this
-    fold (another world size, another live rank)."""
+    "skipped" and "reused": True (an earlier run's trace, ``--prism-fold-resume``)}; ``second_pass``: the run's
+    decision on SECOND_PASS_RULE's second pass (``fold.SECOND_PASS_FIELDS``; each capture's
+    ``standins_unrecorded`` and ``reductions_unrecorded`` come from its trace). Partial when a capture did not
+    complete (``incomplete`` names it); TraceFormatError when a capture's trace does not belong to this fold
+    (another world size, another live rank)."""
     out = Path(out)
     base = Path(relative_to) if relative_to is not None else out.parent
     traces: list[tuple[Mapping[str, Any], PrismTrace | None]] = []
@@ -75,6 +76,8 @@ def merge_captures(out: str | Path, plan: Mapping[str, Any], captures: Sequence[
                        "complete": reason is None, "incomplete": reason})
         if c.get("second_pass") is not None:
             record[-1]["second_pass"] = c["second_pass"]
+        if c.get("reused"):
+            record[-1]["reused"] = True
         if t is None:
             continue
         part = t.fold.capture.get("part") or {}
