@@ -823,6 +823,10 @@ def test_a_resumed_serial_run_captures_only_what_the_earlier_run_left_unfinished
     record = resumed.fold.capture["captures"]
     assert [c.get("reused") for c in record] == [True, True, None]
     assert record[0]["job"]["job_id"] == first_run["job_id"] != record[2]["job"]["job_id"]
+    from prism_megatron.report.build import provenance
+
+    assert ("; captures 1, 2 reused from an earlier run of the same job on the same machine and software "
+            "(--prism-fold-resume))") in provenance(None, fold=resumed.fold)
 
     scratch = LaunchConfig(**base, script_args=[str(tmp_path / "s"), "3", "norms"], trace_dir=tmp_path / "scratch")
     assert capture_serially(scratch, launch, say=[].append, second="off") == 0

@@ -178,8 +178,8 @@ def provenance(cluster: str | None, gpu_timed: bool = False, calibrated: bool = 
     n, w = len(fold.live), fold.world_size
     ways = fold.contribution_counts()
     made = ", ".join(f"{way} {ways[way]}" for way in ways)
-    kept = "; ".join(x for x in (fold.unrecorded_standins(), fold.unrecorded_reductions()) if x) \
-        if fold.capture_mode == "serial" else ""
+    kept = "; ".join(x for x in (fold.unrecorded_standins(), fold.unrecorded_reductions(), fold.reused_captures())
+                     if x) if fold.capture_mode == "serial" else ""
     serial = ("" if fold.capture_mode != "serial" else
               f" captured serially, one at a time ({n} captures; in each, the other live ranks were virtual: "
               "collectives answered by self mirror, small reductions from the other classes' recorded inputs, "

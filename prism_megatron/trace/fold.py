@@ -263,6 +263,15 @@ class Fold:
                            f"without a recorded norm ({why})")
         return "; ".join(out)
 
+    def reused_captures(self) -> str:
+        """A serial run's merged trace: which captures an earlier run of the same job made (``--prism-fold-resume``),
+        as the report says it; "" where none."""
+        which = [str(i + 1) for i, c in enumerate(self.capture.get("captures") or []) if c.get("reused")]
+        if not which:
+            return ""
+        return (f"capture{'s' if len(which) > 1 else ''} {', '.join(which)} reused from an earlier run of the same "
+                "job on the same machine and software (--prism-fold-resume)")
+
     def unrecorded_reductions(self) -> str:
         """A serial run's merged trace: which captures answered small reductions over another class's members by
         self mirror for want of a recording (``nccl_prune.RECORDED_REDUCTION_RULE``), as the report says it; ""
