@@ -443,3 +443,44 @@ def test_a_stopped_runs_report_predicts_from_the_iterations_every_rank_ended(tmp
     doc.update(incomplete="rank 3 ran out of memory under the target's cap (predicted OOM)")
     manifest.write_text(json.dumps(doc))
     assert build_report(trace)["prediction"] is None  # a job that failed is not predicted from its first iterations
+
+
+def test_the_pages_timeline_merges_a_kinds_contiguous_segments_whatever_their_boundaries():
+    """Segments whose boundaries are no round numbers (every real replay's) merge like round ones: a rank's run of
+    compute units is one bar, not one per unit (DeepSeek-V3's page held ~140k segments per rank before)."""
+    from types import SimpleNamespace
+
+    from prism_megatron.replay.engine import Segment
+    from prism_megatron.report.build import _timeline
+
+    cuts = [0.0, 1 / 3, 2 / 3, 1.0, 7 / 6, 4 / 3]
+    kinds = ["compute", "compute", "bubble", "compute", "compute"]
+    segs = [Segment(0, k, a, b) for k, a, b in zip(kinds, cuts, cuts[1:], strict=False)]
+    segs.insert(2, Segment(0, "comm", 0.5, 0.6, "all_reduce"))  # in flight beside the compute: not drawn
+    result = SimpleNamespace(graph=SimpleNamespace(ranks=[0]), segments={0: segs})
+    rows = _timeline(result, {0: "only"}, 1, 0.0, 4 / 3)["rows"]
+    assert rows == [{"rank": 0, "class": "only", "segments": [["compute", 0.0, 0.666666667],
+                                                              ["bubble", 0.666666667, 1.0],
+                                                              ["compute", 1.0, 1.333333333]]}]
+
+
+def test_the_chrome_timeline_keeps_one_slice_for_an_activity_that_goes_on():
+    """Contiguous slices of one activity (unlabelled compute units, whose boundaries are no round numbers) are one
+    slice on the rank's activity thread; another kind or label, or a gap, starts a new one; comm keeps every op."""
+    from types import SimpleNamespace
+
+    from prism_megatron.replay.engine import Segment
+    from prism_megatron.replay.export import ACTIVITY_TID, to_chrome
+
+    segs = [Segment(0, "compute", 0.0, 1 / 3), Segment(0, "compute", 1 / 3, 2 / 3),
+            Segment(0, "comm", 0.5, 0.6, "all_reduce"), Segment(0, "comm", 0.6, 0.7, "all_reduce"),
+            Segment(0, "exposed_comm", 2 / 3, 0.7), Segment(0, "compute", 0.7, 0.8, "optimizer"),
+            Segment(0, "compute", 0.8, 0.9), Segment(0, "compute", 1.0, 1.1)]
+    result = SimpleNamespace(graph=SimpleNamespace(ranks=[0], source="t"), segments={0: segs}, marks=[],
+                             critical_path=[], makespan=1.1, iteration_times=lambda: [1.1])
+    xs = [e for e in to_chrome(result)["traceEvents"] if e["ph"] == "X"]
+    activity = [(e["name"], e["ts"], round(e["ts"] + e["dur"], 3)) for e in xs if e["tid"] == ACTIVITY_TID]
+    assert activity == [("compute", 0.0, 666666.667), ("exposed_comm", 666666.667, 700000.0),
+                        ("optimizer", 700000.0, 800000.0), ("compute", 800000.0, 900000.0),
+                        ("compute", 1000000.0, 1100000.0)]
+    assert sum(e["cat"] == "comm" for e in xs) == 2

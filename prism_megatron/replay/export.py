@@ -1,9 +1,10 @@
 """Export a predicted timeline as Chrome trace-event JSON (chrome://tracing, Perfetto).
 
 One process per rank (pid = rank): thread 0 shows what the rank does (compute, exposed_comm,
-bubble — these never overlap), thread 1 the scheduling-unit markers as nested B/E spans, and
-threads 2, 3... the communication ops in flight (several lanes because async ops overlap and
-viewers require the slices of one thread to nest). One more process shows the critical path.
+bubble — these never overlap; contiguous slices of one activity are one slice), thread 1 the
+scheduling-unit markers as nested B/E spans, and threads 2, 3... the communication ops in flight
+(several lanes because async ops overlap and viewers require the slices of one thread to nest).
+One more process shows the critical path.
 """
 
 from __future__ import annotations
@@ -48,10 +49,19 @@ def to_chrome(result: ReplayResult, provenance: dict[str, Any] | None = None) ->
         events.append({"ph": "M", "name": "process_sort_index", "pid": rank, "args": {"sort_index": rank}})
         names = {ACTIVITY_TID: "activity", MARKS_TID: "markers"}
         segs = result.segments.get(rank, [])
+        last: tuple[dict[str, Any], float] | None = None  # the latest activity slice and where it ends, unrounded
         for s in segs:
             if s.kind != "comm" and s.duration > 0:
-                events.append({"ph": "X", "pid": rank, "tid": ACTIVITY_TID, "name": s.label or s.kind,
-                               "cat": s.kind, "ts": _us(s.start), "dur": _us(s.end) - _us(s.start)})
+                name = s.label or s.kind
+                if last is not None and last[0]["name"] == name and last[0]["cat"] == s.kind \
+                        and abs(last[1] - s.start) < 1e-12:  # the same activity going on: one slice, as drawn
+                    last[0]["dur"] = _us(s.end) - last[0]["ts"]
+                    last = (last[0], s.end)
+                else:
+                    event = {"ph": "X", "pid": rank, "tid": ACTIVITY_TID, "name": name, "cat": s.kind,
+                             "ts": _us(s.start), "dur": _us(s.end) - _us(s.start)}
+                    events.append(event)
+                    last = (event, s.end)
         comms = sorted((s for s in segs if s.kind == "comm"), key=lambda s: (s.start, -s.end))
         for s, lane in zip(comms, _lanes(comms), strict=True):
             names[COMM_TID + lane] = "comm" if lane == 0 else f"comm +{lane}"

@@ -480,14 +480,16 @@ def _timeline(result: ReplayResult, classes: dict[int, str], number: int | None,
     rows = []
     for r in shown:
         segs: list[list[Any]] = []
+        last = 0.0  # where segs[-1] ends, unrounded: a rounded end never equals the next start
         for s in result.segments.get(r, ()):
             start, end = max(s.start, t0) - t0, min(s.end, t1) - t0
             if s.kind == "comm" or end <= start:
                 continue
-            if segs and segs[-1][0] == s.kind and abs(segs[-1][2] - start) < 1e-12:
+            if segs and segs[-1][0] == s.kind and abs(last - start) < 1e-12:
                 segs[-1][2] = round(end, 9)
             else:
                 segs.append([s.kind, round(start, 9), round(end, 9)])
+            last = end
         rows.append({"rank": r, "class": classes.get(r, UNKNOWN), "segments": segs})
     return {"iteration": number, "start_s": t0, "end_s": t1, "note": note, "rows": rows}
 
