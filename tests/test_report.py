@@ -447,7 +447,7 @@ def test_a_stopped_runs_report_predicts_from_the_iterations_every_rank_ended(tmp
 
 def test_the_pages_timeline_merges_a_kinds_contiguous_segments_whatever_their_boundaries():
     """Segments whose boundaries are no round numbers (every real replay's) merge like round ones: a rank's run of
-    compute units is one bar, not one per unit (DeepSeek-V3's page held ~140k segments per rank before)."""
+    compute units is one bar, not one per unit."""
     from types import SimpleNamespace
 
     from prism_megatron.replay.engine import Segment

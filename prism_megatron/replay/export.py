@@ -10,10 +10,12 @@ One more process shows the critical path.
 from __future__ import annotations
 
 import json
+import math
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from .engine import ReplayResult
+from .engine import ReplayResult, Segment
 
 ACTIVITY_TID = 0
 MARKS_TID = 1
@@ -40,6 +42,24 @@ def _lanes(segments: list[Any]) -> list[int]:
     return out
 
 
+def activity_runs(segments: Iterable[Segment], key: Callable[[Segment], Any], lo: float = -math.inf,
+                  hi: float = math.inf) -> list[tuple[Any, float, float]]:
+    """A rank's activity (its segments but comm, which overlap it) clipped to [lo, hi], as (key, start, end) runs:
+    contiguous segments of one ``key`` are one run (the same activity going on, as a timeline draws it); compared
+    unrounded, since a rounded end never equals the next start."""
+    out: list[list[Any]] = []
+    for s in segments:
+        start, end = max(s.start, lo), min(s.end, hi)
+        if s.kind == "comm" or end <= start:
+            continue
+        k = key(s)
+        if out and out[-1][0] == k and abs(out[-1][2] - start) < 1e-12:
+            out[-1][2] = end
+        else:
+            out.append([k, start, end])
+    return [(k, a, b) for k, a, b in out]
+
+
 def to_chrome(result: ReplayResult, provenance: dict[str, Any] | None = None) -> dict[str, Any]:
     """The trace-event JSON object of a replay result."""
     events: list[dict[str, Any]] = []
@@ -49,19 +69,9 @@ def to_chrome(result: ReplayResult, provenance: dict[str, Any] | None = None) ->
         events.append({"ph": "M", "name": "process_sort_index", "pid": rank, "args": {"sort_index": rank}})
         names = {ACTIVITY_TID: "activity", MARKS_TID: "markers"}
         segs = result.segments.get(rank, [])
-        last: tuple[dict[str, Any], float] | None = None  # the latest activity slice and where it ends, unrounded
-        for s in segs:
-            if s.kind != "comm" and s.duration > 0:
-                name = s.label or s.kind
-                if last is not None and last[0]["name"] == name and last[0]["cat"] == s.kind \
-                        and abs(last[1] - s.start) < 1e-12:  # the same activity going on: one slice, as drawn
-                    last[0]["dur"] = _us(s.end) - last[0]["ts"]
-                    last = (last[0], s.end)
-                else:
-                    event = {"ph": "X", "pid": rank, "tid": ACTIVITY_TID, "name": name, "cat": s.kind,
-                             "ts": _us(s.start), "dur": _us(s.end) - _us(s.start)}
-                    events.append(event)
-                    last = (event, s.end)
+        for (name, kind), start, end in activity_runs(segs, lambda s: (s.label or s.kind, s.kind)):
+            events.append({"ph": "X", "pid": rank, "tid": ACTIVITY_TID, "name": name, "cat": kind,
+                           "ts": _us(start), "dur": _us(end) - _us(start)})
         comms = sorted((s for s in segs if s.kind == "comm"), key=lambda s: (s.start, -s.end))
         for s, lane in zip(comms, _lanes(comms), strict=True):
             names[COMM_TID + lane] = "comm" if lane == 0 else f"comm +{lane}"

@@ -27,6 +27,7 @@ from prism_megatron.replay import (
     replay,
     zero_cost,
 )
+from prism_megatron.replay.export import activity_runs
 from prism_megatron.trace import PrismTrace, TraceFormatError, read_trace
 from prism_megatron.trace.fold import Fold
 from prism_megatron.trace.microbatches import MicrobatchFold
@@ -479,17 +480,8 @@ def _timeline(result: ReplayResult, classes: dict[int, str], number: int | None,
         note = f"{len(shown)} of {len(ranks)} ranks: the first of each class and evenly spaced others, by class"
     rows = []
     for r in shown:
-        segs: list[list[Any]] = []
-        last = 0.0  # where segs[-1] ends, unrounded: a rounded end never equals the next start
-        for s in result.segments.get(r, ()):
-            start, end = max(s.start, t0) - t0, min(s.end, t1) - t0
-            if s.kind == "comm" or end <= start:
-                continue
-            if segs and segs[-1][0] == s.kind and abs(last - start) < 1e-12:
-                segs[-1][2] = round(end, 9)
-            else:
-                segs.append([s.kind, round(start, 9), round(end, 9)])
-            last = end
+        segs = [[kind, round(start - t0, 9), round(end - t0, 9)]
+                for kind, start, end in activity_runs(result.segments.get(r, ()), lambda s: s.kind, t0, t1)]
         rows.append({"rank": r, "class": classes.get(r, UNKNOWN), "segments": segs})
     return {"iteration": number, "start_s": t0, "end_s": t1, "note": note, "rows": rows}
 
