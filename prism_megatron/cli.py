@@ -11,7 +11,7 @@ import click
 
 from prism_megatron.launcher import fork_safe_cuda_checks
 from prism_megatron.launcher.config import LaunchConfig, LaunchError, parse_devices
-from prism_megatron.options import JobOptions, LaunchOnlyOptions, Option, options_of
+from prism_megatron.options import JobOptions, LaunchOnlyOptions, Option, RunOnlyOptions, option, options_of
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -308,13 +308,16 @@ def calibrate_cmd(bare_trace: Path, out_dir: Path, devices: str, ranks_per_devic
               "free).")
 @click.option("--out", "out_dir", type=click.Path(path_type=Path), default=None,
               help="Directory for report.json, report.html and timeline.json (default: TRACE_DIR).")
-def report_cmd(trace_dir: Path, cluster: str | None, out_dir: Path | None) -> None:
+@click.option("--timeline", type=click.Choice(option(RunOnlyOptions, "timeline").choices),
+              default=option(RunOnlyOptions, "timeline").default, show_default=True,
+              help=option(RunOnlyOptions, "timeline").help)
+def report_cmd(trace_dir: Path, cluster: str | None, out_dir: Path | None, timeline: str) -> None:
     """Report on a trace: OOM or fit per rank class, predicted iteration time, timeline (HTML + JSON)."""
     from prism_megatron.report import ReportFormatError, make_report, print_summary, read_report
     from prism_megatron.trace import TraceFormatError
 
     try:
-        paths = make_report(trace_dir, out_dir, cluster)
+        paths = make_report(trace_dir, out_dir, cluster, timeline=timeline)
         report = read_report(paths["report"])
     except (TraceFormatError, ReportFormatError, ValueError, OSError) as e:
         raise click.ClickException(str(e)) from None

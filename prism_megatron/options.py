@@ -204,6 +204,12 @@ class RunOnlyOptions:
     report: Literal["on", "off"] = "on"
     """After the run: the report (terminal, report.json/html, timeline) and W&B."""
 
+    timeline: Literal["iteration", "all"] = "iteration"
+    """What the report's Perfetto timeline (timeline.json) holds: 'iteration' the iteration the headline time
+    is the median of (every rank's whole train step in it, and the loop's time before it that the iteration's
+    time counts), 'all' every replayed iteration (at a thousand ranks, hundreds of MB: more than a browser
+    may open)."""
+
     anchor_fake_pg: bool = False
     """After the run, also run one rank per class alone under Megatron's --fake-process-group and show
     its peak memory beside ours in the report."""

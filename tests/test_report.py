@@ -484,3 +484,57 @@ def test_the_chrome_timeline_keeps_one_slice_for_an_activity_that_goes_on():
                         ("optimizer", 700000.0, 800000.0), ("compute", 800000.0, 900000.0),
                         ("compute", 1000000.0, 1100000.0)]
     assert sum(e["cat"] == "comm" for e in xs) == 2
+
+
+def test_the_timeline_holds_the_headline_iteration_unless_every_one_is_asked_for(tmp_path):
+    """timeline.json holds the iteration the headline time is the median of (every rank's whole step in it, and the
+    loop's time before it that the iteration's time counts): slices clipped to that window, marker spans only where
+    both their ends are inside it; 'all' holds every iteration; anything else is refused, named."""
+    from prism_megatron.replay.engine import MarkTime
+    from prism_megatron.replay.export import _marks_within
+
+    trace = make_trace(tmp_path / "t")
+    one = make_report(trace, tmp_path / "one")
+    number = read_report(one["report"])["prediction"]["timeline"]["iteration"]
+    doc = json.loads(one["timeline"].read_text())
+    lo, hi = doc["otherData"]["window_s"]
+    assert doc["otherData"]["iteration"] == number
+    xs = [e for e in doc["traceEvents"] if e["ph"] == "X"]
+    assert xs and all(lo * 1e6 - 1e-3 <= e["ts"] and e["ts"] + e["dur"] <= hi * 1e6 + 1e-3 for e in xs)
+    its = [e for e in doc["traceEvents"] if e.get("name") == "iteration" and e["ph"] in "BE"]
+    assert {e["args"]["iteration"] for e in its if e["ph"] == "B"} == {number}
+    assert sorted(e["pid"] for e in its if e["ph"] == "B") == sorted(e["pid"] for e in its if e["ph"] == "E") == \
+        [0, 1, 2, 3]
+
+    every = json.loads(make_report(trace, tmp_path / "all", timeline="all")["timeline"].read_text())
+    assert "window_s" not in every["otherData"]
+    assert {e["args"]["iteration"] for e in every["traceEvents"] if e.get("name") == "iteration" and e["ph"] == "B"} \
+        == {1, 2, 3}
+    assert len([e for e in every["traceEvents"] if e["ph"] == "X"]) > len(xs)
+    with pytest.raises(ValueError, match="timeline 'median': one of iteration, all"):
+        make_report(trace, tmp_path / "bad", timeline="median")
+
+    marks = [MarkTime(0, "it", "B", 0.0), MarkTime(0, "unit", "B", 0.5), MarkTime(0, "unit", "E", 1.5),
+             MarkTime(0, "unit", "B", 1.5), MarkTime(0, "unit", "E", 1.5), MarkTime(0, "x", "i", 1.7),
+             MarkTime(0, "it", "E", 2.0), MarkTime(1, "unit", "B", 1.8), MarkTime(1, "unit", "E", 2.5)]
+    kept = _marks_within(marks, 1.0, 2.1)  # spans cut by either edge go with both their ends
+    assert [(m.rank, m.name, m.phase, m.t) for m in kept] == [(0, "unit", "B", 1.5), (0, "unit", "E", 1.5),
+                                                              (0, "x", "i", 1.7)]
+
+
+def test_the_page_draws_runs_of_segments_narrower_than_a_pixel_as_one_rect_each_with_every_kinds_share():
+    """A row of 10,000 alternating 1 us segments over 10 ms (an MoE layer's waits) draws as about a rect per pixel,
+    each coloured by its main kind and saying every kind's share; a segment a pixel wide is drawn as it is."""
+    from prism_megatron.report.html import drawn_segments
+
+    tiny = [["compute" if i % 4 else "bubble", i * 1e-6, (i + 1) * 1e-6] for i in range(10_000)]
+    wide = ["exposed_comm", 0.01, 0.02]
+    drawn = drawn_segments([*tiny, wide], pixel_s=19.5e-6)  # about 1,000 pixels over 20 ms
+    assert drawn[-1] == ("exposed_comm", 0.01, 0.02, "exposed communication 10.0 ms (at 10.0 ms)")
+    groups = drawn[:-1]
+    assert len(groups) == 500
+    assert all(kind == "compute" for kind, *_ in groups)
+    assert groups[0][3] == "20 segments in 20.0 µs (at 0): compute 75%, bubble (waiting) 25%"
+    assert groups[0][1] == 0.0 and abs(groups[-1][2] - 0.01) < 1e-12
+    assert all(abs(a[2] - b[1]) < 1e-12 for a, b in zip(groups, groups[1:], strict=False))  # nothing left out
+    assert drawn_segments([wide], 1e-5) == [drawn[-1]]

@@ -496,7 +496,8 @@ def run(request: RunRequest) -> int:
                   "flags": request.script_args,
                   "prism": {k: v for k, v in request.options.items() if v is not None}}
         publish(cfg.trace_dir, cluster=after.cluster, config=config,
-                wandb_project=os.environ.get("WANDB_PROJECT", "prism-megatron"), calibrated=calibrated)
+                wandb_project=os.environ.get("WANDB_PROJECT", "prism-megatron"), calibrated=calibrated,
+                timeline=after.timeline)
     return code
 
 

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from prism_megatron.options import RunOnlyOptions, option
 from prism_megatron.trace.writer import atomic_write_text
 
 from .build import assemble, build_report, verdict
@@ -18,8 +20,12 @@ from .html import render_html
 from .schema import FORMAT, REPORT_FILE, VERSION, ReportFormatError, read_report, write_report
 from .terminal import print_summary, summary_text
 
+if TYPE_CHECKING:
+    from prism_megatron.replay.engine import ReplayResult
+
 HTML_FILE = "report.html"
 TIMELINE_FILE = "timeline.json"
+TIMELINE_SPANS = option(RunOnlyOptions, "timeline").choices
 
 __all__ = [
     "FORMAT",
@@ -38,15 +44,19 @@ __all__ = [
 
 
 def make_report(trace_dir: str | Path, out_dir: str | Path | None = None,
-                cluster: str | None = None, calibrated: str | Path | None = None) -> dict[str, Path]:
+                cluster: str | None = None, calibrated: str | Path | None = None,
+                timeline: str = "iteration") -> dict[str, Path]:
     """Write report.json, report.html and timeline.json into ``out_dir`` (default: the trace dir).
 
     Returns {"report", "html", "timeline"} -> path; "timeline" is absent when the replay failed
     (there is no predicted timeline then; the report says why, and an older timeline.json there is
-    removed). Each file is written atomically.
+    removed). ``timeline``: 'iteration' (the headline's median iteration) or 'all' (RunOnlyOptions.timeline).
+    Each file is written atomically.
     """
     from prism_megatron.replay.export import to_chrome
 
+    if timeline not in TIMELINE_SPANS:
+        raise ValueError(f"timeline {timeline!r}: one of {', '.join(TIMELINE_SPANS)}")
     report, result = assemble(trace_dir, cluster, calibrated)
     out = Path(trace_dir if out_dir is None else out_dir)
     paths = {"report": write_report(report, out / REPORT_FILE),
@@ -54,7 +64,17 @@ def make_report(trace_dir: str | Path, out_dir: str | Path | None = None,
     if result is not None:
         meta = {"trace": str(trace_dir), "cluster": report["prediction"]["cluster"],
                 "provenance": report["prediction"]["provenance"]}
-        paths["timeline"] = atomic_write_text(out / TIMELINE_FILE, json.dumps(to_chrome(result, meta)) + "\n")
+        number = report["prediction"]["timeline"]["iteration"] if timeline == "iteration" else None
+        window = timeline_window(result, number)
+        paths["timeline"] = atomic_write_text(out / TIMELINE_FILE,
+                                              json.dumps(to_chrome(result, meta, window, number)) + "\n")
     else:
         (out / TIMELINE_FILE).unlink(missing_ok=True)  # an older run's timeline would contradict the report
     return paths
+
+
+def timeline_window(result: ReplayResult, number: int | None) -> tuple[float, float] | None:
+    """Iteration ``number``'s span for the timeline: from its first rank's begin, or the iteration before's end
+    where that is earlier (the loop's time its figure counts), to its last rank's end; None (all) without it."""
+    it = next((it for it in result.iterations() if it.number == number), None) if number is not None else None
+    return None if it is None else (min(it.start, it.window[0]), it.end)

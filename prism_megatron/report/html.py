@@ -88,13 +88,51 @@ def timeline_svg(timeline: dict[str, Any]) -> str:
         if row_h >= 14 or i % 2 == 0 or row["class"] != (rows[i - 1]["class"] if i else None):
             out.append(f'<text x="4" y="{y + row_h * 0.72:.1f}">rank {row["rank"]}</text>'
                        f'<text x="70" y="{y + row_h * 0.72:.1f}" style="fill:#6b7280">{_e(row["class"])}</text>')
-        for kind, s, e in row["segments"]:
+        for kind, s, e, tip in drawn_segments(row["segments"], span / plot_w):
             w = max(x(e) - x(s), 0.4)
-            tip = f"rank {row['rank']}: {LABELS.get(kind, kind)} {fmt_seconds(e - s)} (at {fmt_seconds(s)})"
             out.append(f'<rect x="{x(s):.2f}" y="{y + 1}" width="{w:.2f}" height="{row_h - 2}" '
-                       f'fill="{COLOURS.get(kind, "#9ca3af")}"><title>{_e(tip)}</title></rect>')
+                       f'fill="{COLOURS.get(kind, "#9ca3af")}"><title>rank {row["rank"]}: {_e(tip)}</title></rect>')
     out.append("</svg>")
     return "".join(out)
+
+
+def drawn_segments(segments: list[list[Any]], pixel_s: float) -> list[tuple[str, float, float, str]]:
+    """A row's segments as drawn, (kind, start, end, tooltip): a segment a pixel wide or more as it is; runs of
+    narrower ones (an MoE layer's many short waits) as one rect per pixel or so, coloured by the kind that takes
+    most of its time, its tooltip giving every kind's share: a pixel cannot show more, and a rect per segment
+    would cost a thousand-rank job's page hundreds of thousands of rects."""
+    out: list[tuple[str, float, float, str]] = []
+    group: list[list[Any]] = []
+
+    def flush() -> None:
+        if len(group) == 1:
+            kind, s, e = group[0]
+            out.append((kind, s, e, f"{LABELS.get(kind, kind)} {fmt_seconds(e - s)} (at {fmt_seconds(s)})"))
+        elif group:
+            share: dict[str, float] = {}
+            for kind, s, e in group:
+                share[kind] = share.get(kind, 0.0) + e - s
+            busy = sum(share.values()) or 1.0
+            top = max(share, key=lambda k: (share[k], k))
+            parts = ", ".join(f"{LABELS.get(k, k)} {v / busy:.0%}"
+                              for k, v in sorted(share.items(), key=lambda kv: -kv[1]))
+            s0, e0 = group[0][1], group[-1][2]
+            out.append((top, s0, e0, f"{len(group)} segments in {fmt_seconds(e0 - s0)} (at {fmt_seconds(s0)}): "
+                        f"{parts}"))
+        group.clear()
+
+    for seg in segments:
+        kind, s, e = seg
+        if e - s >= pixel_s:
+            flush()
+            group.append(seg)
+            flush()
+            continue
+        group.append(seg)
+        if group[-1][2] - group[0][1] >= pixel_s:
+            flush()
+    flush()
+    return out
 
 
 def _memory_bars(memory: dict[str, Any]) -> list[dict[str, Any]]:

@@ -27,13 +27,15 @@ def megatron_wandb_run(trace_dir: Path) -> dict | None:
 
 
 def publish(trace_dir: Path, *, cluster: str | None, config: dict[str, Any], wandb_project: str,
-            wandb_mode: str | None = None, calibrated: Path | None = None) -> dict[str, Any]:
+            wandb_mode: str | None = None, calibrated: Path | None = None,
+            timeline: str = "iteration") -> dict[str, Any]:
     """Write and print the report, log it to W&B; returns {"paths", "report", "wandb": [LoggedRun...]}.
 
-    ``calibrated``: a calibrated graph of the trace; the prediction then comes from it."""
+    ``calibrated``: a calibrated graph of the trace; the prediction then comes from it. ``timeline``: what
+    timeline.json holds (RunOnlyOptions.timeline)."""
     from prism_megatron.report import make_report, print_summary, read_report
 
-    paths = make_report(trace_dir, cluster=cluster, calibrated=calibrated)
+    paths = make_report(trace_dir, cluster=cluster, calibrated=calibrated, timeline=timeline)
     report = read_report(paths["report"])
     print_summary(report)
     for kind, path in paths.items():
