@@ -75,7 +75,7 @@ difference); the merged trace marks each reused capture (``reused``) and keeps i
 #: command may differ from the earlier run's in these (RESUME_RULE).
 RESUME_IGNORES: tuple[tuple[type, str], ...] = (
     (JobOptions, "trace_dir"), (JobOptions, "listen"), (JobOptions, "hang_timeout"), (JobOptions, "log_ranks"),
-    (RunOnlyOptions, "fold_resume"), (RunOnlyOptions, "report"))
+    (RunOnlyOptions, "fold_resume"), (RunOnlyOptions, "report"), (RunOnlyOptions, "timeline"))
 
 
 def take_dir(root: Path, index: int, rank: int, take: int) -> Path:
