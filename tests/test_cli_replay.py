@@ -50,3 +50,28 @@ def test_cluster_commands(tmp_path):
     assert missing.returncode == 1 and "nope.log' does not exist" in missing.stderr
     bad = prism("replay", str(tmp_path), "--cluster", "no-such-cluster", cwd=tmp_path)
     assert bad.returncode == 1 and "Traceback" not in bad.stderr
+
+
+def test_each_rank_profiles_its_script_where_asked_and_says_where(tmp_path):
+    """PRISM_PROFILE_RANKS=PREFIX: every rank writes PREFIX-rankR.prof of its script (the program's own functions and
+    the runtime's collectives in it), and says so; unset, nothing is written."""
+    import os
+    import pstats
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {**os.environ, "PRISM_PROFILE_RANKS": str(tmp_path / "prof" / "p")}
+    p = subprocess.run([sys.executable, "-m", "prism_megatron", "launch", "-w", "2", "--trace-dir", str(tmp_path / "t"),
+                        "--log-ranks", "all", str(PROGRAMS / "ring.py"), "2"], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    for rank in (0, 1):
+        out = tmp_path / "prof" / f"p-rank{rank}.prof"
+        assert f"prism: rank {rank}: profile in {out}" in p.stderr
+        functions = {(Path(file).name, name) for file, _, name in pstats.Stats(str(out)).stats}
+        assert ("ring.py", "<module>") in functions
+        assert any(file == "backend.py" for file, _ in functions), sorted(functions)[:20]
+    q = prism("launch", "-w", "2", "--trace-dir", str(tmp_path / "t2"), "--log-ranks", "none",
+              str(PROGRAMS / "ring.py"), "1", cwd=tmp_path, timeout=120)
+    assert q.returncode == 0 and "profile in" not in q.stderr

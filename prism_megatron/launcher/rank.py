@@ -40,6 +40,11 @@ def _die_with_parent() -> None:
 #: machine would start W pools; compiling in-process makes the same kernels with neither.
 COMPILE_THREADS_ENV = "TORCHINDUCTOR_COMPILE_THREADS"
 
+#: ``PRISM_PROFILE_RANKS=PREFIX``: each rank runs its script under cProfile and writes PREFIX-rankR.prof (also when
+#: the script fails): where an emulated rank's time goes between its compute (the runtime's ops, GPU timing, the
+#: coordinator's answers), which no trace segment times.
+PROFILE_ENV = "PRISM_PROFILE_RANKS"
+
 
 def rank_env(cfg: LaunchConfig, rank: int, store_port: int) -> dict[str, str]:
     """The environment torchrun gives a rank of the target job, and what prism's capture needs of it."""
@@ -220,6 +225,25 @@ def _join_program_threads() -> None:
 
 
 def _run_script(cfg: LaunchConfig, rank: int, probe=None, client=None) -> int:
+    prefix = os.environ.get(PROFILE_ENV)
+    if not prefix:
+        return _run_script_plain(cfg, rank, probe, client)
+    import cProfile
+
+    profile = cProfile.Profile()
+    try:
+        return profile.runcall(_run_script_plain, cfg, rank, probe, client)
+    finally:
+        out = f"{prefix}-rank{rank}.prof"
+        try:
+            Path(out).parent.mkdir(parents=True, exist_ok=True)
+            profile.dump_stats(out)
+            print(f"prism: rank {rank}: profile in {out}", file=sys.stderr, flush=True)
+        except OSError as e:
+            print(f"prism: rank {rank}: cannot write its profile {out!r}: {e}", file=sys.stderr, flush=True)
+
+
+def _run_script_plain(cfg: LaunchConfig, rank: int, probe=None, client=None) -> int:
     path, args = cfg.script_for(rank)
     script = str(Path(path).resolve())
     sys.argv = [script, *args]
