@@ -344,6 +344,36 @@ def test_ranks_compile_in_process_unless_the_users_environment_sets_inductors_wo
     assert COMPILE_THREADS_ENV not in rank_env(cfg, 0, 1)
 
 
+def test_gpu_timed_ranks_detach_cupti_after_each_profiled_iteration_unless_told_or_graphs_are_captured(
+        tmp_path, monkeypatch):
+    """CUPTI left attached after a profiled iteration slows the plain iteration's kernel launches, whose host time the
+    prediction takes (docs/measurements.md, "CUPTI left attached"): a GPU-timed rank gets TEARDOWN_CUPTI=1, unless
+    the environment says otherwise (the user's word, torch's for inductor's CUDA graphs) or the job captures CUDA
+    graphs (re-attaching CUPTI after a teardown crashes them); a rank that is not GPU-timed gets nothing."""
+    from prism_megatron.launcher.config import LaunchConfig
+    from prism_megatron.launcher.rank import rank_env
+    from prism_megatron.runtime.gpu_timing import CUPTI_TEARDOWN_ENV, cupti_teardown_env
+
+    monkeypatch.delenv(CUPTI_TEARDOWN_ENV, raising=False)
+    script = tmp_path / "s.py"
+    script.write_text("")
+
+    def told(args: list[str], **kw) -> str | None:
+        cfg = LaunchConfig(script=script, script_args=args, world_size=2, trace_dir=tmp_path / "t", **kw)
+        return rank_env(cfg, 1, 1).get(CUPTI_TEARDOWN_ENV)
+
+    assert told(["--lr", "1"], devices=["0"]) == "1"
+    assert told(["--lr", "1"], devices=["0"], gpu_timing=False) is None
+    assert told(["--lr", "1"]) is None  # a CPU rank
+    for graphs in (["--enable-cuda-graph"], ["--cuda-graph-impl", "local"], ["--cuda-graph-impl=transformer_engine"],
+                   ["--external-cuda-graph"]):
+        assert told(["--lr", "1", *graphs], devices=["0"]) is None, graphs
+    assert told(["--cuda-graph-impl", "none"], devices=["0"]) == "1"
+    monkeypatch.setenv(CUPTI_TEARDOWN_ENV, "0")
+    assert told(["--lr", "1"], devices=["0"]) is None  # the rank inherits the user's "0"
+    assert cupti_teardown_env(["--cuda-graph-impl"], {}) == {}  # a flag without its value: graphs assumed
+
+
 def test_ranks_get_the_torch_threads_torchrun_would_give_the_targets_ranks(tmp_path, monkeypatch):
     """torchrun sets OMP_NUM_THREADS=1 only where it starts several processes per node and the variable is
     unset; one rank per node keeps torch's default, every core: a one-rank emulation given one thread took

@@ -12,7 +12,8 @@ without activation recompute, micro-batch 1 to 8) it runs, on GPU 0, in the orde
   measured, after the start-up of inductor's compile workers (docs/measurements.md, "Inductor's compile
   pool"); the emulations run ``--emu-extra`` more (default the same) and are measured over the same
   iterations, past a start-up transient of their own; ``real-threads1`` runs with
-  ``TORCHINDUCTOR_COMPILE_THREADS=1`` as prism's ranks do, ``--iters`` iterations, no pool at all;
+  ``TORCHINDUCTOR_COMPILE_THREADS=1`` as prism's ranks do, no pool at all, so it is steady from iteration 3
+  and is measured over the emulations' iterations (``--emu-extra`` more than ``--iters``);
 - ``emuW`` (W = 1, 2, 4, 8): ``prism-megatron run --prism-emulate --prism-world-size W --prism-devices 0``
   of the same job with W times the global batch (each rank the same micro-batches), replayed with
   free communication; ``emuW-keep`` / ``emuW-teardown`` set ``TEARDOWN_CUPTI`` to 0 / 1 in the
@@ -33,7 +34,9 @@ emulation of one rank otherwise gets every core but one, the real single process
 own, with its own real runs.
 
 Real runs are repeated between the emulations (``real,emu1,real,emu2,real``: the drift of the machine
-falls on both sides); a real run's own spread is the spread of its repeats' medians. Iterations 1-2
+falls on both sides); a real run's own spread is the spread of its repeats' medians, its drift how far its
+measured iterations move (the median of their second half against their first: an MoE job speeds up as its
+routing settles); a config is ground truth where both are below 1 %. Iterations 1-2
 are warm-up on both sides. The predicted iteration is the replay's (the loop's period, as Megatron times
 it: from the last rank's end of the iteration before to its end; ``step`` in the table is the train step
 alone, first rank's begin to last rank's end); Megatron's log line under prism shows the live prediction,
@@ -75,7 +78,7 @@ from one_gpu_probe import ITERATIONS as PROBE_ITERATIONS  # noqa: E402 - bench/g
 HERE = Path(__file__).resolve().parent
 PY = sys.executable
 WARMUP = 2
-TRUTH_SPREAD = 1.0  # percent: a config whose real repeats spread less is ground truth for the mean error
+TRUTH_SPREAD = 1.0  # percent: a config whose real repeats spread and drift less is ground truth (mean error)
 _PREFIX = re.compile(r"^\[\s*([0-9.]+)s\] ")
 _ITER = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([0-9.]+)(?: \(([^|]*)\))? \|"
                    r"(?:.*?lm loss: ([0-9.E+-]+))?")
@@ -258,7 +261,7 @@ def step(kind: str, config: Config, work: Path, iters: int, index: int, timeout:
         return result
 
     if kind in ("real", "real-threads1"):
-        extra = real_extra if kind == "real" else 0
+        extra = real_extra if kind == "real" else emu_extra  # no pool: the emulations' iterations
         threads = {"TORCHINDUCTOR_COMPILE_THREADS": "1"} if kind == "real-threads1" else {}
         text = _run([PY, str(DRIVER_SCRIPT), *config.flags, "--train-iters", str(iters + extra),
                      "--global-batch-size", str(config.gbs)], work / f"{name}.log",
@@ -297,6 +300,14 @@ def _measured(values: dict[int, float], first: int = WARMUP + 1) -> list[float]:
     return [v for k, v in sorted((int(k), v) for k, v in values.items()) if k >= first]
 
 
+def _drift(values: list[float]) -> float:
+    """How far a run's measured iterations move: the median of their second half less that of their first (ms,
+    absolute). An MoE job's iterations speed up as its routing settles, so its steady state may lie past the
+    measured window; set against iterations of the emulation that are not the same ones, it is no ground truth."""
+    half = len(values) // 2
+    return abs(statistics.median(values[-half:]) - statistics.median(values[:half]))
+
+
 def replay_times(trace: Path, resolve: bool = False, **graph_kw: Any) -> dict[str, dict[int, float]]:
     """Per-iteration predicted seconds of a trace, communication free: ``period`` (the prediction: the
     replay's iteration time, the loop's period as Megatron times it) and ``step`` (the train step alone,
@@ -326,6 +337,9 @@ def analyse_config(steps: list[dict[str, Any]], root: Path, resolve: bool = Fals
         pooled = statistics.median([t for r in reals for t in _measured(*r)])
         row["real_ms"] = pooled
         row["real_spread_pct"] = (max(medians) - min(medians)) / pooled * 100 if len(medians) > 1 else None
+        row["real_drift_pct"] = max((_drift(_measured(*r)) for r in reals if len(_measured(*r)) >= 4), default=None)
+        if row["real_drift_pct"] is not None:
+            row["real_drift_pct"] *= 100 / pooled
         row["real_losses"] = {k: v["loss"] for k, v in next(s for s in steps if s.get("kind", "").startswith("real"))
                               ["iterations"].items()}
     row["emulations"] = {}
@@ -402,11 +416,11 @@ def host_device(trace: Path, since: int = WARMUP + 1) -> dict[str, float]:
 def table(report: dict[str, Any]) -> str:
     """The text table: per config the real median and spread, per emulation the prediction and error."""
     w = max([32, *(len(n) for n in report["rows"])])
-    lines = [f"{'config':{w}} {'real ms':>8} {'spread':>7}  {'emulation':14} {'pred ms':>8} {'err %':>7} "
+    lines = [f"{'config':{w}} {'real ms':>8} {'spread':>7} {'drift':>6}  {'emulation':14} {'pred ms':>8} {'err %':>7} "
              f"{'live ms':>8} {'step':>8} {'1-clock':>8} {'host':>7} {'device':>7}"]
     errors, others = [], []
     for name, row in report["rows"].items():
-        real, spread = row.get("real_ms"), row.get("real_spread_pct")
+        real, spread, drift = row.get("real_ms"), row.get("real_spread_pct"), row.get("real_drift_pct")
         first = True
         for kind, em in (row.get("emulations") or {"-": {}}).items():
             hd = em.get("host_device") or {}
@@ -415,15 +429,16 @@ def table(report: dict[str, Any]) -> str:
             ee = _measured(em.get("step_ms", {}), since)
             lines.append(
                 f"{name if first else '':{w}} {_f(real if first else None, '.1f'):>8} "
-                f"{_f(spread if first else None, '.1f'):>7}  {kind:14} {_f(em.get('predicted_ms'), '.1f'):>8} "
+                f"{_f(spread if first else None, '.1f'):>7} {_f(drift if first else None, '.1f'):>6}  {kind:14} "
+                f"{_f(em.get('predicted_ms'), '.1f'):>8} "
                 f"{_f(em.get('error_pct'), '+.1f'):>7} {_f(em.get('live_median_ms'), '.1f'):>8} "
                 f"{_f(statistics.median(ee) if ee else None, '.1f'):>8} "
                 f"{_f(statistics.median(one) if one else None, '.1f'):>8} {_f(hd.get('host_ms'), '.0f'):>7} "
                 f"{_f(hd.get('device_ms'), '.0f'):>7}")
             first = False
             if em.get("error_pct") is not None and re.fullmatch(r"emu\d+(-fold)?", kind):
-                (errors if spread is not None and spread < TRUTH_SPREAD else others).append(
-                    (name, kind, em["error_pct"], spread))
+                truth = spread is not None and spread < TRUTH_SPREAD and (drift or 0.0) < TRUTH_SPREAD
+                (errors if truth else others).append((name, kind, em["error_pct"], spread, drift))
         if row.get("probe"):
             parts = [f"{p} {v['wall_ms']:.1f}" + (f" (busy {v['device_busy_ms']:.1f})" if "device_busy_ms" in v else "")
                      + (f" @{v['sm_clock_mhz']:.0f} MHz" if "sm_clock_mhz" in v else "")
@@ -439,10 +454,11 @@ def table(report: dict[str, Any]) -> str:
             lines.append(f"{'':{w}} FAILED: {row['error'][:300]}")
     mae = sum(abs(e[2]) for e in errors) / len(errors) if errors else None
     lines.append("")
-    lines.append(f"mean absolute error over configs whose real repeats spread < {TRUTH_SPREAD} % "
+    lines.append(f"mean absolute error over configs whose real repeats spread and drift < {TRUTH_SPREAD} % "
                  f"({len(errors)} emulations): {_f(mae, '.2f')} %")
-    for name, kind, err, spread in others:
-        lines.append(f"  not ground truth (spread {_f(spread, '.1f')} %): {name} {kind} error {err:+.1f} %")
+    for name, kind, err, spread, drift in others:
+        lines.append(f"  not ground truth (spread {_f(spread, '.1f')} %, drift {_f(drift, '.1f')} %): {name} {kind} "
+                     f"error {err:+.1f} %")
     report["mean_abs_error_pct"] = mae
     return "\n".join(lines)
 

@@ -71,7 +71,10 @@ def rank_env(cfg: LaunchConfig, rank: int, store_port: int) -> dict[str, str]:
     if cfg.on_gpu:
         env["CUDA_VISIBLE_DEVICES"] = cfg.devices[cfg.device_of(rank)]
     if cfg.times_gpu:
+        from prism_megatron.runtime.gpu_timing import cupti_teardown_env
+
         env["PRISM_GPU_TIMING"] = "1"
+        env.update(cupti_teardown_env(cfg.script_for(rank)[1], dict(os.environ)))
     if cfg.page_locks:
         env["PRISM_PAGE_LOCK"] = "1"
     if cfg.swap_region is not None:

@@ -26,6 +26,32 @@ from prism_megatron.trace.schema import segment_pieces
 
 #: Name fragment of the marker kernel (``torch.cuda._sleep``); programs do not launch it.
 MARKER = "spin_kernel"
+#: Kineto's switch: "1" detaches CUPTI when a profiler session ends (read at each end; unset keeps it attached). Left
+#: attached, its callbacks stay on every later kernel launch, so the plain iterations whose host time the prediction
+#: takes issue their work slower than the program does without a profiler: a host-bound job is predicted too slow
+#: (docs/measurements.md, "CUPTI left attached").
+CUPTI_TEARDOWN_ENV = "TEARDOWN_CUPTI"
+#: Megatron flags that capture CUDA graphs: a graph and CUPTI's re-attachment after a teardown crash (torch's own
+#: guard sets TEARDOWN_CUPTI=0 for inductor's graphs), so those jobs keep CUPTI attached.
+CUDA_GRAPH_FLAGS = ("--enable-cuda-graph", "--external-cuda-graph", "--cuda-graph-impl")
+
+
+def cupti_teardown_env(args: list[str], environ: dict[str, str]) -> dict[str, str]:
+    """What a GPU-timed rank's environment gets so that CUPTI detaches after each profiled iteration: nothing where
+    the environment already says (the user's word, or torch's for CUDA graphs) or the job captures CUDA graphs."""
+    if CUPTI_TEARDOWN_ENV in environ:
+        return {}
+    for i, a in enumerate(args):
+        flag, _, value = a.partition("=")
+        if flag in CUDA_GRAPH_FLAGS:
+            if flag == "--cuda-graph-impl":
+                value = value or (args[i + 1] if i + 1 < len(args) else "")
+                if value == "none":
+                    continue
+            return {}
+    return {CUPTI_TEARDOWN_ENV: "1"}
+
+
 #: Host calls that block until the device has finished work.
 SYNC_CALLS = frozenset({
     "cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize", "cudaMemcpy", "cudaFree",
