@@ -402,3 +402,57 @@ def test_the_coordinator_counts_an_answer_in_the_rank_and_refuses_one_outside_th
     small = [(("i", b"\0" * 8), "int64", [1])]
     assert "RECORDED_BROADCAST_RULE" in folding.answered_in_rank(
         lone, {"kind": "broadcast", "root": 0, "ins": small, "outs": []})
+
+
+def test_a_collective_answered_in_the_rank_completes_there_without_waiting_for_the_coordinator(tmp_path):
+    """local_fold.SETTLED_RULE: a synchronous op the rank answered is sent marked settled, without asking to block,
+    its Work complete (its ``after`` run) before submit returns, and a wait on it needs no word from the
+    coordinator; an op the rank did not answer still blocks for its grant. The coordinator here grants the first
+    slot and nothing after it."""
+    import secrets
+    import threading
+    import time
+    from multiprocessing.connection import Listener
+
+    from prism_megatron.runtime import protocol as P
+    from prism_megatron.runtime.client import RankClient
+
+    key = secrets.token_bytes(16)
+    listener = Listener(("127.0.0.1", 0), authkey=key)
+    got: list[dict] = []
+
+    def coordinator() -> None:
+        conn = listener.accept()
+        while True:
+            try:
+                msg = conn.recv()
+            except (EOFError, OSError):
+                return
+            got.append(msg)
+            if msg["t"] == P.ACQUIRE:
+                conn.send({"t": P.GRANT})
+
+    threading.Thread(target=coordinator, daemon=True).start()
+    client = RankClient(listener.address, key, 0, 4, f"prism-test-{secrets.token_hex(4)}")
+    client.acquire()
+    x, ran = torch.arange(4.0), []
+    work = client.submit(0, "all_reduce", [x], [x], inplace=True, answer=lambda: x.mul_(4),
+                         after=lambda: ran.append(True), async_op=False, redop="sum")
+    assert work.is_completed() and ran == [True] and x.tolist() == [0.0, 4.0, 8.0, 12.0]
+    done = threading.Event()
+    threading.Thread(target=lambda: (work.wait(), done.set()), daemon=True).start()
+    assert done.wait(10), "the wait on a settled op waited for the coordinator"
+
+    def ops(n: int) -> list[dict]:
+        deadline = time.monotonic() + 10
+        while sum(m["t"] == P.OP for m in got) < n and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return [m for m in got if m["t"] == P.OP]
+
+    first = ops(1)
+    assert len(first) == 1 and first[0]["settled"] and first[0]["local"] and "block" not in first[0]
+    y = torch.ones(2)
+    client.submit(0, "all_reduce", [y], [y], inplace=True, async_op=False, redop="sum")  # the coordinator's
+    assert [m.get("block") for m in ops(2)] == [None, True]
+    client._conn.close()
+    listener.close()

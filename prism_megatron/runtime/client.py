@@ -202,12 +202,13 @@ class RankClient:
         work = PrismWork(self, op_id, outs if result is None else result)
         work._after = after
         t0 = time.perf_counter()
+        settled = False  # its results are written here and now: the rank goes on without the coordinator's word
         with untracked():  # staging copies are the runtime's, not the program's memory
             if answer is not None and not self._writers_of([*outs, *(current or ())]):
                 # its inputs' descriptors first: the answer may overwrite them (an in-place all_reduce)
                 regions, (in_descs, out_descs) = [], local_fold.descs(ins, outs)
                 answer()
-                params["local"], current = True, None
+                params["local"], current, settled = True, None, True
             elif params.get("local"):
                 regions, in_descs, out_descs = [], local_descs(ins), local_descs(outs)
                 # a group of one: done where the tensors are, with nothing staged through host memory
@@ -220,11 +221,23 @@ class RankClient:
                 regions += more
                 params["cur"] = cur_descs
         self.runtime_s["stage"] += time.perf_counter() - t0
-        with self._pending_lock:
-            self._pending[op_id] = _Pending(work, outs, [d[0] for d in out_descs], regions,
-                                            spans=[span(t) for t in outs], profiled=profiled)
+        if settled:  # local_fold.SETTLED_RULE
+            params["settled"] = True
+        else:
+            with self._pending_lock:
+                self._pending[op_id] = _Pending(work, outs, [d[0] for d in out_descs], regions,
+                                                spans=[span(t) for t in outs], profiled=profiled)
         msg = {"t": P.OP, "id": op_id, "g": group, "kind": kind, "ins": in_descs, "outs": out_descs,
                "drops": self.arena.take_dropped(), "clk": clock, **params}
+        if settled:
+            if params.get("async_op") is False:
+                work._op.waited = True  # waited at issue, as a synchronous op is (the trace's wait is the op)
+            self._send(msg)
+            if profiled is not None:
+                torch._C._autograd._record_function_with_args_exit(profiled)
+            work._finish()
+            self._resume()
+            return work
         if params.get("async_op") is False:
             # torch waits on a synchronous op right away: block in the same message (one round trip less
             # per op); the grant is owed until someone waits for it (see _settle)

@@ -461,6 +461,8 @@ class Coordinator:
             if g.fold is not None and (problem := self.fold.answered_in_rank(g, ms[0].msg)) is not None:
                 return self._fatal("fold", f"rank {ms[0].rank}: collective #{seq} {ms[0].kind} on group "
                                    f"{g.name!r} (ranks {fmt_ranks(g.ranks)}): {problem}")
+            if ms[0].msg.get("settled"):  # the rank went on (local_fold.SETTLED_RULE): nothing to tell it
+                return self.recorder.completed(self.ranks[ms[0].rank], ms[0].msg["id"])
             return self._deliver(ms[0], [None] * len(ms[0].msg["outs"]))
         first = ms[0].msg
         call = CollectiveCall(

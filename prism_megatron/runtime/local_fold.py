@@ -7,9 +7,9 @@ serial capture), nothing of another process enters the answer: the rank runs ``e
 own tensors (``into=``: results written into its output buffers, no temporary of their size) instead of
 staging them through host memory to the coordinator and back. Same function, same arithmetic: the
 results are bitwise the coordinator's. The coordinator still gets the op (kind, group, sizes, dtypes,
-the small inputs the trace keeps; outputs ``("l", n)``) and completes it, so matching, the trace's
-events and their timing rules, and the contribution counts (``Folding.count``) are those of the
-coordinator path (``LOCAL_RULE``).
+the small inputs the trace keeps; outputs ``("l", n)``) and records its completion, so matching, the
+trace's events and their timing rules, and the contribution counts (``Folding.count``) are those of the
+coordinator path (``LOCAL_RULE``); the rank does not wait for it (``SETTLED_RULE``).
 """
 
 from __future__ import annotations
@@ -53,6 +53,14 @@ or more live members) goes through the coordinator. A MoE fold's count exchange 
 rotation is the program's side (patches.moe_fold), so the token all_to_all needs only A2A_RULE's piece
 selection.
 PRISM_FOLD_LOCAL=0 sends every op through the coordinator."""
+
+SETTLED_RULE = """\
+A collective answered in the rank is settled there: its Work completes as soon as its results are written
+(a synchronous op is waited at its issue, as on the coordinator path), and the rank sends the op (marked
+``settled``) and goes on computing without waiting for the coordinator's word or giving its slot back. The
+coordinator records it and its completion as it records any op, and checks it as before (answered_in_rank);
+a problem it finds ends the job at the rank's next call into the runtime. A round trip per op is what this
+saves: a serial capture of a large MoE rank answers thousands of collectives per iteration in the rank."""
 
 
 def lone_plan(ranks: Sequence[int], rep: Sequence[int] | None, me: int,
