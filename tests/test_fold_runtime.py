@@ -3,7 +3,9 @@ coordinator answers for the virtual ones (nccl_prune), and the results equal a f
 data-parallel replica computes the same; the trace records the fold; what a fold cannot answer is a
 clear error."""
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -404,21 +406,16 @@ def test_the_coordinator_counts_an_answer_in_the_rank_and_refuses_one_outside_th
         lone, {"kind": "broadcast", "root": 0, "ins": small, "outs": []})
 
 
-def test_a_collective_answered_in_the_rank_completes_there_without_waiting_for_the_coordinator(tmp_path):
-    """local_fold.SETTLED_RULE: a synchronous op the rank answered is sent marked settled, without asking to block,
-    its Work complete (its ``after`` run) before submit returns, and a wait on it needs no word from the
-    coordinator; an op the rank did not answer still blocks for its grant. The coordinator here grants the first
-    slot and nothing after it."""
-    import secrets
+def _granting_once() -> tuple[Any, list[dict], Callable[[int], list[dict]]]:
+    """A coordinator that grants the first slot and nothing after it: (its listener, every message it got, a
+    function waiting for the first n ops it got)."""
     import threading
     import time
     from multiprocessing.connection import Listener
 
     from prism_megatron.runtime import protocol as P
-    from prism_megatron.runtime.client import RankClient
 
-    key = secrets.token_bytes(16)
-    listener = Listener(("127.0.0.1", 0), authkey=key)
+    listener = Listener(("127.0.0.1", 0), authkey=b"prism-settled-test")
     got: list[dict] = []
 
     def coordinator() -> None:
@@ -432,9 +429,35 @@ def test_a_collective_answered_in_the_rank_completes_there_without_waiting_for_t
             if msg["t"] == P.ACQUIRE:
                 conn.send({"t": P.GRANT})
 
+    def ops(n: int) -> list[dict]:
+        deadline = time.monotonic() + 10
+        while sum(m["t"] == P.OP for m in got) < n and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return [m for m in got if m["t"] == P.OP]
+
     threading.Thread(target=coordinator, daemon=True).start()
-    client = RankClient(listener.address, key, 0, 4, f"prism-test-{secrets.token_hex(4)}")
+    return listener, got, ops
+
+
+def _client(listener: Any, world: int) -> Any:
+    import secrets
+
+    from prism_megatron.runtime.client import RankClient
+
+    client = RankClient(listener.address, b"prism-settled-test", 0, world, f"prism-test-{secrets.token_hex(4)}")
     client.acquire()
+    return client
+
+
+def test_a_collective_answered_in_the_rank_completes_there_without_waiting_for_the_coordinator():
+    """local_fold.SETTLED_RULE: a synchronous op the rank answered is sent marked settled, without asking to block,
+    its Work complete (its ``after`` run) before submit returns, and a wait on it needs no word from the
+    coordinator; an op the rank did not answer still blocks for its grant. The coordinator here grants the first
+    slot and nothing after it."""
+    import threading
+
+    listener, _, ops = _granting_once()
+    client = _client(listener, 4)
     x, ran = torch.arange(4.0), []
     work = client.submit(0, "all_reduce", [x], [x], inplace=True, answer=lambda: x.mul_(4),
                          after=lambda: ran.append(True), async_op=False, redop="sum")
@@ -442,17 +465,40 @@ def test_a_collective_answered_in_the_rank_completes_there_without_waiting_for_t
     done = threading.Event()
     threading.Thread(target=lambda: (work.wait(), done.set()), daemon=True).start()
     assert done.wait(10), "the wait on a settled op waited for the coordinator"
-
-    def ops(n: int) -> list[dict]:
-        deadline = time.monotonic() + 10
-        while sum(m["t"] == P.OP for m in got) < n and time.monotonic() < deadline:
-            time.sleep(0.01)
-        return [m for m in got if m["t"] == P.OP]
-
     first = ops(1)
     assert len(first) == 1 and first[0]["settled"] and first[0]["local"] and "block" not in first[0]
     y = torch.ones(2)
     client.submit(0, "all_reduce", [y], [y], inplace=True, async_op=False, redop="sum")  # the coordinator's
     assert [m.get("block") for m in ops(2)] == [None, True]
+    client._conn.close()
+    listener.close()
+
+
+def test_an_op_of_a_group_of_one_is_settled_in_the_rank_unless_an_earlier_op_still_writes_its_outputs():
+    """SETTLED_RULE for groups of one (OpKind.local): a synchronous and an asynchronous all_reduce complete at
+    their issue, marked settled, none asking to block; an all_reduce whose tensor an earlier async op of another
+    group still has to write is not settled: it completes through the coordinator (which here answers nothing)."""
+    import threading
+
+    listener, _, ops = _granting_once()
+    client = _client(listener, 2)
+    x, works = torch.arange(3.0), []
+
+    def issue() -> None:  # a synchronous op waiting for a grant would wait for ever here
+        works.append(client.submit(0, "all_reduce", [x], [x], inplace=True, async_op=False, redop="sum", local=True))
+        works.append(client.submit(0, "all_reduce", [x], [x], inplace=True, async_op=True, redop="sum", local=True))
+
+    issuer = threading.Thread(target=issue, daemon=True)
+    issuer.start()
+    issuer.join(10)
+    assert len(works) == 2, "a synchronous op of a group of one waited for the coordinator"
+    assert all(w.is_completed() for w in works) and x.tolist() == [0.0, 1.0, 2.0]
+    assert [(m["settled"], m.get("block")) for m in ops(2)] == [(True, None), (True, None)]
+    y = torch.ones(2)
+    pending = client.submit(1, "all_reduce", [y], [y], inplace=True, async_op=True, redop="sum")  # the coordinator's
+    assert not pending.is_completed()
+    z = torch.full((2,), 7.0)
+    blocked = client.submit(0, "all_gather", [z], [y], async_op=True, local=True)  # y: the pending op's output
+    assert not blocked.is_completed() and "settled" not in ops(4)[3]
     client._conn.close()
     listener.close()

@@ -5,17 +5,21 @@ and its host time in the plain iterations between (``runtime.gpu_timing``); the 
 good as those plain iterations are like the real job's. This runs the job for real (one process, no
 prism) and changes one thing per phase of iterations (Megatron's numbering, from 1):
 
-- ``plain``: nothing (the profiler never ran yet): the reference;
+- ``plain``: nothing (the profiler never ran yet): the reference; again as ``plain-again`` later (drift);
 - ``synced``: ``torch.cuda.synchronize()`` before every collective, as the emulation's data plane does;
-- ``prof-keep`` / ``after-keep``: a profiled iteration, then three plain ones, with kineto's default
-  (CUPTI stays attached after the profiler stops);
-- ``prof-teardown`` / ``after-teardown``: the same with ``TEARDOWN_CUPTI=1`` (kineto detaches CUPTI
-  at the stop); the two blocks alternate twice, so that a drift of the machine falls on both.
+- ``history``: the CUDA allocator's history recorded as an emulated GPU rank records it
+  (``memory.probe.HISTORY``: every allocation and free, no tracebacks);
+- ``blocked``: synchronised, then the thread asleep ``BLOCK_S`` at every collective, as an emulated rank
+  waits for the coordinator's grant at a synchronous op (its core idles, its caches go to others);
+- ``prof-teardown`` / ``after-teardown``: a profiled iteration with ``TEARDOWN_CUPTI=1`` (kineto detaches
+  CUPTI at the stop, as prism's GPU-timed ranks do), then three plain ones: the plain iterations whose host
+  time an emulated rank measures come after such a session.
 
 Per iteration it writes the wall time of ``train_step`` (device synchronised before and after, the
-profiler started and stopped outside it), the mean SM clock over it (NVML) and, for profiled ones, the
-device busy time (union of kernels and copies) and the number of device activities, to ``$PROBE_OUT``
-(JSON).
+profiler started and stopped outside it), the time the probe's own additions took in it (its syncs and
+sleeps: ``added_ms``; the wall less them is what an emulated rank's clock would measure), the mean SM clock
+over it (NVML) and, for profiled ones, the device busy time (union of kernels and copies) and the number of
+device activities, to ``$PROBE_OUT`` (JSON).
 
   RANK=0 WORLD_SIZE=1 ... python bench/gpu/one_gpu_probe.py TRAINING-DRIVER-FLAGS...
 """
@@ -34,9 +38,11 @@ from typing import Any
 from prism_megatron.megatron.driver import DRIVER_SCRIPT
 
 #: (first iteration, phase) in order; a phase lasts until the next one begins
-PHASES = ((1, "warmup"), (3, "plain"), (6, "synced"), (8, "prof-keep"), (12, "prof-teardown"), (16, "prof-keep"),
-          (20, "prof-teardown"))
-ITERATIONS = 23
+PHASES = ((1, "warmup"), (3, "plain"), (6, "synced"), (9, "history"), (12, "blocked"), (15, "plain-again"),
+          (18, "prof-teardown"), (22, "prof-teardown"))
+ITERATIONS = 25
+#: how long a ``blocked`` collective sleeps (an emulated rank's round trip to the coordinator is of this order)
+BLOCK_S = 0.0005
 _COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
                 "_reduce_scatter_base", "_all_gather_base", "broadcast", "all_to_all", "all_to_all_single",
                 "barrier", "reduce")
@@ -55,14 +61,20 @@ def phase_of(iteration: int) -> tuple[str, bool]:
 
 
 class _Syncing:
-    """Collectives that first finish the device's queued work (the emulation's data plane does)."""
+    """Collectives that first finish the device's queued work (the emulation's data plane does), and with
+    ``sleep`` then wait that long asleep (an emulated rank blocked for its grant); ``added`` sums the seconds."""
 
     def __init__(self) -> None:
+        import threading
+
         import torch
         import torch.distributed as dist
 
         self.on = False
+        self.sleep = 0.0
         self.count = 0
+        self.added = 0.0
+        self._asleep = threading.Event()  # never set: a timed futex wait, as threading.Event.wait(timeout) is
         for name in _COLLECTIVES:
             original = getattr(dist, name, None)
             if original is None:
@@ -73,7 +85,11 @@ class _Syncing:
         @functools.wraps(original)
         def call(*args: Any, **kwargs: Any) -> Any:
             if self.on:
+                t0 = time.perf_counter()
                 torch.cuda.synchronize()
+                if self.sleep:
+                    self._asleep.wait(self.sleep)
+                self.added += time.perf_counter() - t0
                 self.count += 1
             return original(*args, **kwargs)
         return call
@@ -149,6 +165,7 @@ def _gaps(events: Any, least_ms: float = 0.5) -> list[dict]:
 
 def main() -> None:
     from prism_megatron.megatron.megatron_lm import ensure_megatron_training
+    from prism_megatron.memory.probe import HISTORY
 
     ensure_megatron_training()  # as the driver does: stand-ins for the trainer's unused imports
     import megatron.training.training as training
@@ -161,13 +178,18 @@ def main() -> None:
     clocks = _Clocks()
     original = training.train_step
     last_stop = ["1"]
+    recording = [False]
 
     @functools.wraps(original)
     def train_step(*args: Any, **kwargs: Any) -> Any:
         iteration = int(kwargs.get("iteration", len(rows))) + 1
         phase, profiled = phase_of(iteration)
-        syncing.on = phase == "synced"
-        before = syncing.count
+        syncing.on = phase in ("synced", "blocked")
+        syncing.sleep = BLOCK_S if phase == "blocked" else 0.0
+        if (phase == "history") != recording[0]:  # the allocator's history on for this phase only
+            recording[0] = phase == "history"
+            torch.cuda.memory._record_memory_history(**(HISTORY if recording[0] else {"enabled": None}))
+        before, added = syncing.count, syncing.added
         prof = None
         if profiled:
             # at the start as at the last stop: "1" after a teardown lets kineto re-initialise CUPTI; "1"
@@ -182,7 +204,7 @@ def main() -> None:
         torch.cuda.synchronize()
         wall = time.perf_counter() - t0
         row = {"iteration": iteration, "phase": phase, "wall_ms": wall * 1e3, "syncs_added": syncing.count - before,
-               "sm_clock_mhz": clocks.stop()}
+               "added_ms": (syncing.added - added) * 1e3, "sm_clock_mhz": clocks.stop()}
         if prof is not None:
             last_stop[0] = os.environ["TEARDOWN_CUPTI"] = "1" if phase.endswith("teardown") else "0"  # read at stop
             prof.stop()

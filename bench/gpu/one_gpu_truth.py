@@ -22,8 +22,9 @@ without activation recompute, micro-batch 1 to 8) it runs, on GPU 0, in the orde
   the machine; scored with the plain ``emuW``, the other variants are diagnoses), ``emuW-prof`` runs the launcher
   under cProfile (``trace-NN-emuW-prof.launcher.prof`` beside the trace: where its set-up time goes;
   the ranks fork from it with the profiler on, so that step's prediction is shown but not scored);
-- ``probe``: ``one_gpu_probe.py``, a real run whose iteration phases test the bias candidates (the
-  profiler left attached, extra synchronisation at collectives, the device time under the profiler);
+- ``probe``: ``one_gpu_probe.py``, a real run (no compile pool) whose iteration phases test the bias
+  candidates (synchronisation at collectives, the allocator's history, sleeping at collectives, the plain
+  iterations after a profiled one);
 - any step with ``+gc`` (``real+gc``, ``emu1+gc``): the same with every garbage collection of every process
   logged (``gc_census/sitecustomize.py``); the table gives the collector's milliseconds per measured iteration.
 
@@ -271,7 +272,8 @@ def step(kind: str, config: Config, work: Path, iters: int, index: int, timeout:
         probe_out = work / f"{name}.json"
         _run([PY, str(HERE / "one_gpu_probe.py"), *config.flags, "--train-iters", str(PROBE_ITERATIONS),
               "--global-batch-size", str(config.gbs)], work / f"{name}.log",
-             _env(**_single(_port()), PROBE_OUT=str(probe_out)), timeout)
+             _env(**_single(_port()), PROBE_OUT=str(probe_out), TORCHINDUCTOR_COMPILE_THREADS="1", **run_env),
+             timeout)  # no compile pool: its start-up slows the first ~25 s, the whole probe (as real-threads1)
         return {"kind": kind, "rows": json.loads(probe_out.read_text())}
     m = re.fullmatch(r"emu(\d+)(?:-(keep|teardown|off|spin|prof|fold))?", kind)
     if not m:
@@ -390,12 +392,15 @@ def analyse_config(steps: list[dict[str, Any]], root: Path, resolve: bool = Fals
 
 
 def summarise_probe(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Median wall per phase (ms), and device busy / wall of the profiled iterations."""
+    """Median wall per phase (ms), the wall less the probe's own syncs and sleeps where it added some, and device
+    busy / wall of the profiled iterations."""
     phases: dict[str, list[dict[str, Any]]] = {}
     for r in rows:
         phases.setdefault(r["phase"], []).append(r)
     out = {p: {"wall_ms": statistics.median(r["wall_ms"] for r in rs), "n": len(rs)} for p, rs in phases.items()}
     for p, rs in phases.items():  # a profile that recorded no device work is lost, not an idle device
+        if any(r.get("added_ms") for r in rs):
+            out[p]["host_ms"] = statistics.median(r["wall_ms"] - r["added_ms"] for r in rs)
         busy = [r["device_busy_ms"] for r in rs if r.get("device_activities")]
         if busy:
             out[p]["device_busy_ms"] = statistics.median(busy)
@@ -455,7 +460,8 @@ def table(report: dict[str, Any]) -> str:
                     why = f"spread {_f(spread, '.1f')} %, drift {_f(drift, '.1f')} %"
                 (others if why else errors).append((name, kind, em["error_pct"], why))
         if row.get("probe"):
-            parts = [f"{p} {v['wall_ms']:.1f}" + (f" (busy {v['device_busy_ms']:.1f})" if "device_busy_ms" in v else "")
+            parts = [f"{p} {v['wall_ms']:.1f}" + (f" (less its waits {v['host_ms']:.1f})" if "host_ms" in v else "")
+                     + (f" (busy {v['device_busy_ms']:.1f})" if "device_busy_ms" in v else "")
                      + (f" @{v['sm_clock_mhz']:.0f} MHz" if "sm_clock_mhz" in v else "")
                      for p, v in row["probe"].items()]
             lines.append(f"{'':{w}} probe (train_step ms, median per phase): " + ", ".join(parts))

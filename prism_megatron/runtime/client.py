@@ -214,6 +214,7 @@ class RankClient:
                 # a group of one: done where the tensors are, with nothing staged through host memory
                 # (Megatron all-reduces gradients over data-parallel groups of one)
                 op_kind(kind).local(ins, outs, params.get("redop"), params.get("factor"))
+                settled = not self._writers_of(outs)  # else an earlier op's results land later: it waits for them
             else:
                 regions, in_descs, out_descs = self._stage(ins, outs, inplace)
             if current is not None:
