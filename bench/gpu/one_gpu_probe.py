@@ -3,9 +3,10 @@
 The emulation measures each compute segment's device time in iterations run under the CUDA profiler
 and its host time in the plain iterations between (``runtime.gpu_timing``); the prediction is only as
 good as those plain iterations are like the real job's. This runs the job for real (one process, no
-prism) and changes one thing per phase of iterations (Megatron's numbering, from 1):
+prism) and changes one thing per phase of iterations (Megatron's numbering, from 1); the first four take turns
+(``CYCLE``), the profiled ones come last:
 
-- ``plain``: nothing (the profiler never ran yet): the reference; again as ``plain-again`` later (drift);
+- ``plain``: nothing (the profiler never ran yet): the reference;
 - ``synced``: ``torch.cuda.synchronize()`` before every collective, as the emulation's data plane does;
 - ``history``: the CUDA allocator's history recorded as an emulated GPU rank records it
   (``memory.probe.HISTORY``: every allocation and free, no tracebacks);
@@ -37,10 +38,17 @@ from typing import Any
 
 from prism_megatron.megatron.driver import DRIVER_SCRIPT
 
-#: (first iteration, phase) in order; a phase lasts until the next one begins
-PHASES = ((1, "warmup"), (3, "plain"), (6, "synced"), (9, "history"), (12, "blocked"), (15, "plain-again"),
-          (18, "prof-teardown"), (22, "prof-teardown"))
-ITERATIONS = 25
+#: the phases that change nothing lasting, taken in turn ROUNDS times, ROUND_ITERATIONS iterations each: a host whose
+#: speed drifts within the run (the H200 machine's did by 10 % in a minute) falls on each of them alike
+CYCLE = ("plain", "synced", "blocked", "history")
+ROUNDS, ROUND_ITERATIONS = 3, 2
+#: (first iteration, phase) in order; a phase lasts until the next one begins. The profiled ones come last: a profiler
+#: session may leave the process changed (CUPTI attached, or the device's idle time gone: docs/measurements.md)
+PHASES = ((1, "warmup"),
+          *((3 + ROUND_ITERATIONS * i, CYCLE[i % len(CYCLE)]) for i in range(ROUNDS * len(CYCLE))),
+          (3 + ROUND_ITERATIONS * ROUNDS * len(CYCLE), "prof-teardown"),
+          (7 + ROUND_ITERATIONS * ROUNDS * len(CYCLE), "prof-teardown"))
+ITERATIONS = PHASES[-1][0] + 3
 #: how long a ``blocked`` collective sleeps (an emulated rank's round trip to the coordinator is of this order)
 BLOCK_S = 0.0005
 _COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",

@@ -6,7 +6,8 @@
 # call cut off midway still returns what finished. Run from the repo root, set up as for run_target.sh:
 #   bash bench/targets/run_many.sh 560 llama3-8b-h100x8 llama31-405b-h100x512 [...] [-- more flags]
 # TOTAL (first argument, s) should leave the device call's own limit room for the start and the transfers.
-# env: as run_target.sh (ARCHIVE, DEVICES, TIMEOUT per target, OUT, SLACK); MIN_LEFT (s, 60): stop below it.
+# env: as run_target.sh (ARCHIVE, DEVICES, TIMEOUT per target, OUT, SLACK, PLAN=0: no plan per target, so none is
+# skipped for its expected time, each is cut at what is left); MIN_LEFT (s, 60): stop below it.
 set -uo pipefail
 [ $# -ge 2 ] || { echo "usage: $0 TOTAL_SECONDS NAME [NAME ...] [-- flags for every target]" >&2; exit 2; }
 total=$1; shift

@@ -11,7 +11,8 @@
 #   KEEP_TRACE=1: also write the trace (rank logs left out) as OUT/target-NAME/trace.tar.gz for offline analysis;
 #   BUDGET (s left when it starts, unset: no limit): skip the run (exit 3) when the plan's expected emulation time times SLACK
 #   (2.5: the Llama-3-70B run took 2.5x the plan's figure) exceeds it, and cap TIMEOUT at it (run_many.sh sets it);
-#   PLAN=0: no plan first (without BUDGET it only prints);
+#   PLAN=0: no plan first (it takes ~45 s on the H200 machine); with BUDGET the run then starts whatever its expected
+#   time and is cut at what is left;
 #   KEEP_CAPTURES=1: also write the serial captures' traces (rank logs left out) as OUT/target-NAME/captures.tar.gz;
 #   CAPTURES=FILE: such an archive from an earlier call of the same command: unpacked beside the trace and the run
 #   resumed (--prism-fold-resume reuses each capture it finished on the same machine and software, runs the rest).
@@ -27,10 +28,12 @@ if [ -n "${CAPTURES:-}" ]; then  # an earlier call's finished captures: resumed
   tar -xzf "$CAPTURES" -C "$work" || { echo "cannot unpack $CAPTURES" >&2; rm -rf "$work"; exit 2; }
   flags+=(--prism-fold-resume)
 fi
-[ "${PLAN:-1}" = 0 ] && [ -z "${BUDGET:-}" ] || \
-  python3 -m prism_megatron plan "${flags[@]}" 2>&1 | grep -v -i "warn" | tee "$out/plan.txt"
+[ "${PLAN:-1}" = 0 ] || python3 -m prism_megatron plan "${flags[@]}" 2>&1 | grep -v -i "warn" | tee "$out/plan.txt"
 timeout=${TIMEOUT:-480}
-if [ -n "${BUDGET:-}" ]; then  # run_many.sh: BUDGET s were left at the start; skip a run the plan expects to outlast them
+if [ -n "${BUDGET:-}" ] && [ "${PLAN:-1}" = 0 ]; then  # no plan to ask: the run is cut at what is left
+  left=$(( BUDGET - ($(date +%s) - started) ))
+  [ "$left" -lt "$timeout" ] && timeout=$left
+elif [ -n "${BUDGET:-}" ]; then  # run_many.sh: BUDGET s were left at the start; skip a run the plan expects to outlast them
   left=$(( BUDGET - ($(date +%s) - started) ))
   minutes=$(sed -n 's/^expected emulation time: ~\([0-9.]*\) min.*/\1/p' "$out/plan.txt" | head -1)
   [ -n "$minutes" ] || { echo "== $name: the plan failed (no expected time)" | tee "$out/summary.txt"; rm -rf "$work"; exit 2; }
