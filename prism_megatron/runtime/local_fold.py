@@ -56,15 +56,16 @@ PRISM_FOLD_LOCAL=0 sends every op through the coordinator."""
 
 SETTLED_RULE = """\
 A collective answered in the rank (a folded group's whose only live member it is, or any of a group of one,
-OpKind.local) is settled there: its Work completes as soon as its results are written
-(a synchronous op is waited at its issue, as on the coordinator path), and the rank sends the op (marked
-``settled``) and goes on computing without waiting for the coordinator's word or giving its slot back. The
-coordinator records it and its completion as it records any op, and checks it as before (answered_in_rank);
-a problem it finds ends the job at the rank's next call into the runtime. A round trip per op is what this
-saves: a serial capture of a large MoE rank answers thousands of collectives per iteration in the rank, and a
-job of one rank per data-parallel group does all its gradient and data reductions on groups of one. Where an
-earlier op still pending writes the outputs, the op is not settled: it completes after that one, through the
-coordinator."""
+OpKind.local) is settled there: its Work completes as soon as its results are written (a synchronous op is
+waited at its issue, as on the coordinator path), and the rank sends the op (marked ``settled``) and goes on
+computing without waiting for the coordinator's word or giving its slot back. The coordinator records it and
+its completion as it records any op, and checks it as before (answered_in_rank); a problem it finds ends the
+job at the rank's next call into the runtime. A round trip per op is what this saves, and a sleep: a thread
+woken from one issues the work after it slower, and the rank's clock would take that for the program's
+(docs/measurements.md, "Settled collectives on the GPU"). A serial capture of a large MoE rank answers
+thousands of collectives per iteration in the rank, and a job of one rank per data-parallel group does all its
+gradient and data reductions on groups of one. Where an earlier op still pending writes the outputs, the op is
+not settled: it completes after that one, through the coordinator."""
 
 
 def lone_plan(ranks: Sequence[int], rep: Sequence[int] | None, me: int,
