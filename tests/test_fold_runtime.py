@@ -406,9 +406,9 @@ def test_the_coordinator_counts_an_answer_in_the_rank_and_refuses_one_outside_th
         lone, {"kind": "broadcast", "root": 0, "ins": small, "outs": []})
 
 
-def _granting_once() -> tuple[Any, list[dict], Callable[[int], list[dict]]]:
-    """A coordinator that grants the first slot and nothing after it: (its listener, every message it got, a
-    function waiting for the first n ops it got)."""
+def _granting_once() -> tuple[Any, Callable[[int], list[dict]]]:
+    """A coordinator that grants the first slot and nothing after it: (its listener, a function waiting for the
+    first n ops it got)."""
     import threading
     import time
     from multiprocessing.connection import Listener
@@ -436,7 +436,7 @@ def _granting_once() -> tuple[Any, list[dict], Callable[[int], list[dict]]]:
         return [m for m in got if m["t"] == P.OP]
 
     threading.Thread(target=coordinator, daemon=True).start()
-    return listener, got, ops
+    return listener, ops
 
 
 def _client(listener: Any, world: int) -> Any:
@@ -456,7 +456,7 @@ def test_a_collective_answered_in_the_rank_completes_there_without_waiting_for_t
     slot and nothing after it."""
     import threading
 
-    listener, _, ops = _granting_once()
+    listener, ops = _granting_once()
     client = _client(listener, 4)
     x, ran = torch.arange(4.0), []
     work = client.submit(0, "all_reduce", [x], [x], inplace=True, answer=lambda: x.mul_(4),
@@ -476,11 +476,11 @@ def test_a_collective_answered_in_the_rank_completes_there_without_waiting_for_t
 
 def test_an_op_of_a_group_of_one_is_settled_in_the_rank_unless_an_earlier_op_still_writes_its_outputs():
     """SETTLED_RULE for groups of one (OpKind.local): a synchronous and an asynchronous all_reduce complete at
-    their issue, marked settled, none asking to block; an all_reduce whose tensor an earlier async op of another
-    group still has to write is not settled: it completes through the coordinator (which here answers nothing)."""
+    their issue, marked settled, none asking to block; an op whose output an earlier async op of another group
+    still has to write is not settled: it completes through the coordinator (which here answers nothing)."""
     import threading
 
-    listener, _, ops = _granting_once()
+    listener, ops = _granting_once()
     client = _client(listener, 2)
     x, works = torch.arange(3.0), []
 

@@ -30,19 +30,18 @@ if [ -n "${CAPTURES:-}" ]; then  # an earlier call's finished captures: resumed
 fi
 [ "${PLAN:-1}" = 0 ] || python3 -m prism_megatron plan "${flags[@]}" 2>&1 | grep -v -i "warn" | tee "$out/plan.txt"
 timeout=${TIMEOUT:-480}
-if [ -n "${BUDGET:-}" ] && [ "${PLAN:-1}" = 0 ]; then  # no plan to ask: the run is cut at what is left
+if [ -n "${BUDGET:-}" ]; then  # run_many.sh: BUDGET s were left at the start; the run is cut at what is left
   left=$(( BUDGET - ($(date +%s) - started) ))
-  [ "$left" -lt "$timeout" ] && timeout=$left
-elif [ -n "${BUDGET:-}" ]; then  # run_many.sh: BUDGET s were left at the start; skip a run the plan expects to outlast them
-  left=$(( BUDGET - ($(date +%s) - started) ))
-  minutes=$(sed -n 's/^expected emulation time: ~\([0-9.]*\) min.*/\1/p' "$out/plan.txt" | head -1)
-  [ -n "$minutes" ] || { echo "== $name: the plan failed (no expected time)" | tee "$out/summary.txt"; rm -rf "$work"; exit 2; }
-  need=$(awk -v m="$minutes" -v k="${SLACK:-2.5}" 'BEGIN {printf "%d", m * 60 * k + 0.5}')
-  if [ "$need" -gt "$left" ]; then
-    echo "== $name: skipped: the plan expects $minutes min (x${SLACK:-2.5} = $need s), $left s left" \
-      | tee "$out/summary.txt"
-    rm -rf "$work"
-    exit 3
+  if [ "${PLAN:-1}" != 0 ]; then  # and skipped where the plan expects it to outlast them
+    minutes=$(sed -n 's/^expected emulation time: ~\([0-9.]*\) min.*/\1/p' "$out/plan.txt" | head -1)
+    [ -n "$minutes" ] || { echo "== $name: the plan failed (no expected time)" | tee "$out/summary.txt"; rm -rf "$work"; exit 2; }
+    need=$(awk -v m="$minutes" -v k="${SLACK:-2.5}" 'BEGIN {printf "%d", m * 60 * k + 0.5}')
+    if [ "$need" -gt "$left" ]; then
+      echo "== $name: skipped: the plan expects $minutes min (x${SLACK:-2.5} = $need s), $left s left" \
+        | tee "$out/summary.txt"
+      rm -rf "$work"
+      exit 3
+    fi
   fi
   [ "$left" -lt "$timeout" ] && timeout=$left
 fi
