@@ -16,7 +16,8 @@
 #   KEEP_CAPTURES=1: also write the serial captures' traces (rank logs left out) as OUT/target-NAME/captures.tar.gz;
 #   CAPTURES=FILE: such an archive from an earlier call of the same command: unpacked beside the trace and the run
 #   resumed (--prism-fold-resume reuses each capture it finished on the same machine and software, runs the rest).
-# Writes OUT/target-NAME/{run.log,memory.txt,summary.txt} and the report beside the trace (report.json).
+# Writes OUT/target-NAME/{run.log,memory.txt,summary.txt} and the report beside the trace (report.json); where a
+# second pass took a class again, second_pass.txt (bench/targets/second_pass_effect.py: what each take changed).
 set -uo pipefail
 [ $# -ge 1 ] || { echo "usage: $0 NAME [flags]" >&2; exit 2; }
 name=$1; shift
@@ -68,6 +69,9 @@ kill "$sampler" 2>/dev/null
   sed -n '/^prism-megatron report of/,$p' "$out/run.log"  # the run's own report (its cluster profile costs comm)
 } | tee "$out/summary.txt"
 cp "$work/trace/report.json" "$out/" 2>/dev/null
+if compgen -G "$work/trace.captures/capture-*-take-*" > /dev/null; then  # a second pass ran: what it changed
+  python3 "$(dirname "$0")/second_pass_effect.py" "$work/trace.captures" > "$out/second_pass.txt" 2>&1
+fi
 [ "${KEEP_TRACE:-0}" = 1 ] && tar -czf "$out/trace.tar.gz" -C "$work" --exclude='*.logs' trace
 [ "${KEEP_CAPTURES:-0}" = 1 ] && [ -d "$work/trace.captures" ] && \
   tar -czf "$out/captures.tar.gz" -C "$work" --exclude='*.logs' trace.captures
