@@ -70,7 +70,8 @@ kill "$sampler" 2>/dev/null
 } | tee "$out/summary.txt"
 cp "$work/trace/report.json" "$out/" 2>/dev/null
 if compgen -G "$work/trace.captures/capture-*-take-*" > /dev/null; then  # a second pass ran: what it changed
-  python3 "$(dirname "$0")/second_pass_effect.py" "$work/trace.captures" > "$out/second_pass.txt" 2>&1
+  python3 "$(dirname "$0")/second_pass_effect.py" "$work/trace.captures" 2>&1 | tee "$out/second_pass.txt" \
+    | tee -a "$out/summary.txt"
 fi
 [ "${KEEP_TRACE:-0}" = 1 ] && tar -czf "$out/trace.tar.gz" -C "$work" --exclude='*.logs' trace
 [ "${KEEP_CAPTURES:-0}" = 1 ] && [ -d "$work/trace.captures" ] && \
