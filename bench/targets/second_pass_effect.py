@@ -99,11 +99,11 @@ def compare(a: Take, b: Take) -> dict[str, object]:
     if len(a.splits) != len(b.splits):
         row["routing"] = f"all-to-all counts differ ({len(a.splits)} vs {len(b.splits)}): not the same program"
     else:
-        differ = sum(x != y for x, y in zip(a.splits, b.splits))
+        differ = sum(x != y for x, y in zip(a.splits, b.splits, strict=True))
         moved = total = 0
-        for x, y in zip(a.splits, b.splits):
+        for x, y in zip(a.splits, b.splits, strict=True):
             fx, fy = _flat(x), _flat(y)
-            moved += sum(abs(p - q) for p, q in zip(fx, fy))
+            moved += sum(abs(p - q) for p, q in zip(fx, fy, strict=False))
             total += sum(fx)
         row["routing"] = (f"{differ} of {len(a.splits)} all-to-alls differ; {100 * moved / max(total, 1):.3f} % of "
                           "the bytes moved between destinations")
@@ -113,7 +113,7 @@ def compare(a: Take, b: Take) -> dict[str, object]:
     row["most received"] = ", ".join(f"it {i}: {100 * (y - x) / max(x, 1):+.2f} %" for i, x, y in most) or "-"
     comp = [(i, a.compute[i], b.compute[i]) for i in sorted(a.compute) if i in b.compute]
     row["compute"] = ", ".join(f"it {i}: {100 * (y - x) / max(x, 1e-9):+.1f} %" for i, x, y in comp) or "-"
-    same = sum(x == y for x, y in zip(a.reductions, b.reductions))
+    same = sum(x == y for x, y in zip(a.reductions, b.reductions, strict=False))
     row["reductions"] = f"{same} of {max(len(a.reductions), len(b.reductions))} recorded inputs equal"
     return row
 
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(f"{args.captures}: {sum(len(v) for v in found.values())} complete takes of {len(found)} captures")
     for index, ts in sorted(found.items()):
-        pairs = list(zip(ts, ts[1:])) + ([(ts[0], ts[-1])] if len(ts) > 2 else [])
+        pairs = list(zip(ts, ts[1:], strict=False)) + ([(ts[0], ts[-1])] if len(ts) > 2 else [])
         if not pairs:
             print(f"capture {index + 1} (rank {ts[0].rank}): one take")
         for a, b in pairs:
