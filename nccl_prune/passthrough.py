@@ -74,7 +74,10 @@ clipping, losses); shapes, the op sequence, time and memory follow them only thr
 expert follow activation values). So the launcher's option (--prism-fold-second-pass) takes the second pass
 always (on), never (off), or only for a fold with MoE layers (auto, the default; also where the plan does not
 say), and a capture that needed one and was not taken again is named as such in the launcher's output, the
-merged trace and the report."""
+merged trace and the report. Under auto the pass also stops at the first capture whose take again routed every
+token as its take before did (each all-to-all's split sizes equal, in order): the norms a take adds scale the
+gradients that carry them, and Adam's update is blind to a gradient's scale, so where they flipped no routing
+decision the takes left would change only the values logged."""
 
 
 @dataclass(frozen=True)

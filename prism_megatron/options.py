@@ -169,9 +169,10 @@ class RunOnlyOptions:
     """A serial capture whose pipeline stand-ins had no recorded norm, or whose small reductions over another
     class (grad norm) had no recording of its inputs (their senders are captured later), is captured again after
     the first pass (nccl_prune.SECOND_PASS_RULE; up to 3k-2 captures for k live ranks): 'on' always, 'off'
-    never, 'auto' only where the fold has MoE layers. The stand-ins' norms and those reductions steer values
-    (grad norm, clipping, losses); only through MoE routing do they change shapes, time or memory. What was
-    skipped is printed, recorded in the merged trace and said in the report. Serial captures only."""
+    never, 'auto' only where the fold has MoE layers, and only until a capture taken again routes every token as
+    its take before did. The stand-ins' norms and those reductions steer values (grad norm, clipping, losses);
+    only through MoE routing do they change shapes, time or memory. What was skipped is printed, recorded in
+    the merged trace and said in the report. Serial captures only."""
 
     fold_resume: bool = False
     """Resume a serial capture: a capture whose trace an earlier run of this same job left complete (or ended

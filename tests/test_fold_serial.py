@@ -695,6 +695,78 @@ def test_the_second_pass_is_taken_for_moe_and_where_the_plan_does_not_say_and_of
                          launch, second="sometimes")
 
 
+def _routed_run(tmp_path: Path, mode: str, splits_by_take: dict[int, str]) -> tuple[list[int], list[str], object]:
+    """A fake serial run of _class_plan with MoE layers: capture 1 (rank 0) gives 3 stand-ins no recording in its
+    first take, capture 2 (rank 4) 2 reductions no recording in its first; each take issues one all-to-all whose
+    split sizes are ``splits_by_take`` of its take number (the routing). Returns the capture indices launched, what
+    was said and the merged trace."""
+    plan = _class_plan() | {"layout": {"moe_layers": 2}}
+    launched: list[int] = []
+
+    def fake_launch(cfg: LaunchConfig) -> int:
+        part = cfg.fold["capture"]["part"]
+        rank, take = part["rank"], launched.count(part["index"]) + 1
+        launched.append(part["index"])
+        first = take == 1
+        fold = {**cfg.fold, "contributions": {}}
+        fold["capture"] = {**fold["capture"], "part": {**part, "standins_unrecorded": 3 if first and rank == 0 else 0,
+                                                       "reductions_unrecorded": 2 if first and rank == 4 else 0}}
+        manifest = {"world_size": 8, "job": {"fold": fold},
+                    "groups": [{"id": 0, "name": "0", "ranks": list(range(8)), "backend": "nccl"}],
+                    "ranks": [{"rank": rank, "exit_code": 0, "device": "cpu"}]}
+        marks = [{"rank": rank, "name": "iteration", "phase": p, "t": 0.1, "compute_clock": 0.0, "attrs": {}}
+                 for p in ("B", "E")]
+        ops = [_op(rank, 0, "all_reduce", 0, 0), {**_op(rank, 1, "all_to_all", 0, 1), "splits": splits_by_take[take]}]
+        write_trace(cfg.trace_dir, manifest, ops=ops, marks=marks)
+        return 0
+
+    said: list[str] = []
+    cfg = LaunchConfig(script=PROGRAMS / "fold_pipeline.py", world_size=8, fold=plan, trace_dir=tmp_path / mode)
+    assert capture_serially(cfg, fake_launch, say=said.append, second=mode) == 0
+    return launched, said, read_trace(tmp_path / mode)
+
+
+def test_auto_stops_the_second_pass_where_a_take_again_routed_every_token_alike_and_on_does_not(tmp_path):
+    """The first take again that routed as its take before did ends auto's second pass: the capture it would still
+    take (capture 2, for its reductions) is skipped, said and recorded, with why time and memory do not depend on
+    it; a take that routed differently, or --prism-fold-second-pass on, goes on to every take."""
+    from prism_megatron.report.build import provenance
+    from prism_megatron.trace.takes import routing_change
+
+    alike = {1: "[[64, 0], [32, 32]]", 2: "[[64, 0], [32, 32]]", 3: "[[64, 0], [32, 32]]"}
+    launched, said, t = _routed_run(tmp_path / "alike", "auto", alike)
+    assert launched == [0, 1, 0]  # capture 2 is not taken again for its reductions
+    assert any(s.startswith("serial capture 1/2: taken again, it routed every token as its take before did")
+               for s in said), said
+    why = "after capture 1, taken again, routed every token alike"
+    assert t.fold.capture["second_pass"] == {"option": "auto", "on": False, "why": why, "moe": True, "unchanged": 1}
+    assert [c.get("second_pass") for c in t.fold.capture["captures"]] == ["taken", "skipped"]
+    skipped = (f"second pass off {why}: the grad norms and losses they log are not the job's; time and memory do "
+               "not depend on them")
+    assert f"serial capture: capture(s) 2 not captured again: {skipped} (nccl_prune.SECOND_PASS_RULE)" in said, said
+    assert "capture 2 (2) answered reductions over another class's members by self mirror" in provenance(
+        None, fold=t.fold)
+    moved = {1: "[[64, 0], [32, 32]]", 2: "[[32, 32], [32, 32]]", 3: "[[32, 32], [32, 32]]"}
+    launched, said, t = _routed_run(tmp_path / "moved", "auto", moved)
+    assert launched == [0, 1, 0, 1]
+    assert "serial capture 1/2, taken again: 1 of 1 all-to-alls routed differently (the first: #1); the second " \
+           "pass goes on" in said, said
+    assert t.fold.capture["second_pass"]["on"] and "unchanged" not in t.fold.capture["second_pass"]
+    assert [c.get("second_pass") for c in t.fold.capture["captures"]] == ["taken", "taken"]
+    launched, said, t = _routed_run(tmp_path / "on", "on", alike)
+    assert launched == [0, 1, 0, 1] and not any("routed every token" in s for s in said)
+    # the comparison itself: a take that did not complete, or recorded no split sizes, cannot tell
+    root = tmp_path / "alike" / "auto.captures"
+    assert routing_change(root / "capture-0-rank-0", root / "capture-0-rank-0-take-2", 0) is None
+    assert routing_change(root / "capture-0-rank-0", root / "capture-1-rank-4", 0) == (
+        "no all-to-all recorded its split sizes: the routing cannot be compared")
+    # a merged record whose 'unchanged' names no capture is refused by name
+    bad = {**t.fold.capture["second_pass"], "unchanged": 3}
+    doc = {**t.fold.to_json(), "capture": {**t.fold.capture, "second_pass": bad}}
+    with pytest.raises(TraceFormatError, match=r"capture.second_pass.*optionally 'unchanged': a capture number"):
+        parse_fold(doc, 8, "t")
+
+
 def test_the_second_pass_option_is_refused_with_a_bad_value_and_old_traces_read_without_its_record(tmp_path):
     from prism_megatron.megatron.run import RunError, parse_run_args
 

@@ -41,6 +41,7 @@ from prism_megatron.launcher.config import LaunchConfig
 from prism_megatron.launcher.exit_codes import OOM, RANK_FAILED
 from prism_megatron.options import JobOptions, RunOnlyOptions, option
 from prism_megatron.trace.fold import SERIAL_RULES, second_pass_skipped
+from prism_megatron.trace.takes import routing_change
 
 __all__ = ["CAPTURE_ENV", "OOM_CONTINUES_RULE", "RESUME_IGNORES", "RESUME_RULE", "capture_plan", "captures_dir",
            "capture_serially", "merged_line", "resumable", "second_pass", "take_dir"]
@@ -150,7 +151,8 @@ def second_pass(mode: str, plan: dict[str, Any]) -> dict[str, Any]:
     does not say)}, said and recorded in the merged trace (``trace.fold.SECOND_PASS_FIELDS``). auto takes it
     for a fold with MoE layers (the plan's ``expert_tokens``, or its layout's ``moe_layers`` > 0: routing follows
     activation values, so the stand-ins' norms steer tokens per expert, hence time and memory), skips it for a
-    dense fold (``moe_layers`` 0: they steer values only) and takes it for a plan that does not say."""
+    dense fold (``moe_layers`` 0: they steer values only) and takes it for a plan that does not say; the run
+    stops it where a take again routed alike (:func:`_stop_if_routed_alike`)."""
     choices = option(RunOnlyOptions, "fold_second_pass").choices
     if mode not in choices:
         raise ValueError(f"--prism-fold-second-pass must be one of {', '.join(choices)}, got {mode!r}")
@@ -312,6 +314,7 @@ def capture_serially(cfg: LaunchConfig, launch: Callable[[LaunchConfig], int],
                 f"on {decided['why']})")
             run(i, live[i], again=True)
             captures[i]["second_pass"] = "taken"
+            decided = _stop_if_routed_alike(decided, i, live, root, taken, code, say)
     # ... and a capture whose latest take still answered reductions without another class's recording (the
     # classes it lacked were captured before their own second take) once more, first stage first, where a
     # capture of another class was taken after it
@@ -325,6 +328,13 @@ def capture_serially(cfg: LaunchConfig, launch: Callable[[LaunchConfig], int],
                 f"(nccl_prune.SECOND_PASS_RULE; second pass on {decided['why']})")
             run(i, live[i], again=True)
             captures[i]["second_pass"] = "taken"
+            decided = _stop_if_routed_alike(decided, i, live, root, taken, code, say)
+    for i in range(len(live)):  # where auto stopped the second pass, what it left
+        if captures[i].get("second_pass") is None and i not in ooms and i not in skipped and not decided["on"] \
+                and decided.get("unchanged") and (unrecorded.get(i) or unrecorded_reductions.get(i)) and any(
+                    captures[j]["trace"] is not None for j in range(len(live)) if j != i):
+            skipped.append(i)
+            captures[i]["second_pass"] = "skipped"
     if skipped:
         said = ", ".join(str(i + 1) for i in sorted(skipped))
         say(f"serial capture: capture(s) {said} not captured again: {second_pass_skipped(decided)} "
@@ -341,6 +351,26 @@ def capture_serially(cfg: LaunchConfig, launch: Callable[[LaunchConfig], int],
         merge_captures(cfg.trace_dir, plan, captures, second_pass=decided)
         say(merged_line(captures, cfg.trace_dir, walls, again_walls))
     return code or (OOM if ooms else 0)
+
+
+def _stop_if_routed_alike(decided: dict[str, Any], i: int, live: list[int], root: Path, taken: dict[int, int],
+                          code: int, say: Callable[[str], None]) -> dict[str, Any]:
+    """SECOND_PASS_RULE's stop under auto: where capture ``i``'s latest take routed every token as its take
+    before did (``trace.takes``), the second pass's recordings steered no token, so the takes it would still
+    add change only values logged: the decision turns off (``unchanged``: the capture that showed it) and the
+    rest are skipped, said and recorded. Unchanged otherwise, and under ``--prism-fold-second-pass on``."""
+    if decided["option"] != "auto" or not decided["on"] or code != 0 or taken.get(i, 0) < 2:
+        return decided
+    rank = live[i]
+    change = routing_change(take_dir(root, i, rank, taken[i] - 1), take_dir(root, i, rank, taken[i]), rank)
+    if change is not None:
+        say(f"serial capture {i + 1}/{len(live)}, taken again: {change}; the second pass goes on")
+        return decided
+    say(f"serial capture {i + 1}/{len(live)}: taken again, it routed every token as its take before did: the "
+        "recordings the second pass adds steer no token, so the captures it would still take again are not "
+        "(nccl_prune.SECOND_PASS_RULE; --prism-fold-second-pass on takes them)")
+    return {**decided, "on": False, "why": f"after capture {i + 1}, taken again, routed every token alike",
+            "unchanged": i + 1}
 
 
 def merged_line(captures: list[dict[str, Any]], trace_dir: Path, walls: list[float],

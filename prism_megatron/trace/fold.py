@@ -52,11 +52,13 @@ SERIAL_RULES: dict[str, str] = {"collectives": "self_mirror", "p2p": "standin"}
 #: class's inputs, nccl_prune.RECORDED_REDUCTION_RULE) and ``second_pass`` ("taken": captured again, its latest
 #: trace merged; "skipped": it needed one and ``--prism-fold-second-pass`` took none), and
 #: ``capture.second_pass``: the option's decision, {"option", "on": taken where needed, "why", "moe": whether
-#: the fold has MoE layers, null where the plan did not say} (launcher.serial.second_pass). ``reused`` (optional,
+#: the fold has MoE layers, null where the plan did not say}, and where auto stopped it, ``unchanged``: the capture
+#: (from 1) whose take again routed every token as the take before it (launcher.serial). ``reused`` (optional,
 #: true) marks a capture whose trace an earlier run of the same job left (``--prism-fold-resume``; its record's
 #: ``job`` says which run: launcher.serial.RESUME_RULE).
 SECOND_PASS_STATES: tuple[str, ...] = ("taken", "skipped")
 SECOND_PASS_FIELDS: tuple[str, ...] = ("option", "on", "why", "moe")
+SECOND_PASS_OPTIONAL: tuple[str, ...] = ("unchanged",)
 #: The pipeline schedules a version-2 plan's optional ``schedule.name`` can name: Megatron's
 #: ``forward_backward_no_pipelining``, non-interleaved 1F1B and interleaved 1F1B. For "1f1b" the plan
 #: gives ``schedule.warmup``: per pipeline rank (pp coordinate), Megatron's count of warm-up forwards
@@ -77,11 +79,12 @@ Coord = tuple[int, ...]
 def second_pass_skipped(decision: dict[str, Any]) -> str:
     """What skipping the second pass (``capture.second_pass`` with "on" false) leaves in a capture's stand-ins,
     in the words the launcher's line and the report say it: the stand-ins' norms steer values (grad norm,
-    clipping, losses) and, through MoE routing only, tokens per expert, hence time and memory."""
+    clipping, losses) and, through MoE routing only, tokens per expert, hence time and memory; where a capture
+    taken again routed every token alike (``unchanged``), they steered none."""
     consequence = {False: "; time and memory do not depend on them",
                    True: "; nor, through MoE routing, are their tokens per expert, hence time and memory"}
-    return (f"second pass off {decision['why']}: the grad norms and losses they log are not the job's"
-            + consequence.get(decision.get("moe"), ""))
+    said = consequence[False] if decision.get("unchanged") else consequence.get(decision.get("moe"), "")
+    return f"second pass off {decision['why']}: the grad norms and losses they log are not the job's{said}"
 
 
 class IncompleteCapture(NamedTuple):
@@ -493,16 +496,23 @@ def _capture(doc: dict, live: list[int], w: int, path: str | Path, trace_version
                                                      f"{', '.join(SECOND_PASS_STATES)}")
         seen.append(c["rank"])
     decision = value.get("second_pass")
-    if decision is not None and (not isinstance(decision, dict) or set(decision) != set(SECOND_PASS_FIELDS)
+    if decision is not None and (not isinstance(decision, dict) or not set(SECOND_PASS_FIELDS) <= set(decision)
+                                 or not set(decision) <= set(SECOND_PASS_FIELDS + SECOND_PASS_OPTIONAL)
+                                 or not _unchanged_ok(decision.get("unchanged", 1), len(live))
                                  or not isinstance(decision["on"], bool) or not isinstance(decision["why"], str)
                                  or not isinstance(decision["option"], str)
                                  or not (decision["moe"] is None or isinstance(decision["moe"], bool))):
         raise _error(path, "capture.second_pass", f"is {decision!r}: expected {{{', '.join(SECOND_PASS_FIELDS)}}} "
-                                                  "with a boolean 'on', a string 'why' and 'moe' true, false or null")
+                                                  "with a boolean 'on', a string 'why' and 'moe' true, false or null, "
+                                                  "and optionally 'unchanged': a capture number")
     if sorted(seen) != live:
         raise _error(path, "capture.captures", f"lists ranks {seen}; a serial run captures each live rank once "
                                                f"({live})")
     return dict(value)
+
+
+def _unchanged_ok(n: Any, captures: int) -> bool:
+    return isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= captures
 
 
 def _schedule(doc: dict, axes: tuple[str, ...], sizes: tuple[int, ...],
