@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -625,33 +626,41 @@ def test_a_capture_whose_rank_ran_no_iteration_fails_the_serial_run_by_name(tmp_
 
 
 # ---- --prism-fold-second-pass: the second pass where the stand-ins' norms change what prism predicts -----------
-def _second_pass_run(tmp_path: Path, moe_layers: int | None, mode: str,
-                     last: int = 0) -> tuple[list[int], list[str], object]:
-    """A fake serial run of _class_plan (its layout's moe_layers, None: the plan does not say): capture 1 (rank 0)
-    gives 3 stand-ins no recording in its first pass, none in a second; capture 2 (rank 4) ``last``. Returns the
-    capture indices launched, what was said and the merged trace."""
-    plan = _class_plan() | ({} if moe_layers is None else {"layout": {"moe_layers": moe_layers}})
+def _fake_serial_run(tmp_path: Path, plan: dict, mode: str, part: Callable[[int, int], dict],
+                     ops: Callable[[int, int], list[dict]]) -> tuple[list[int], list[str], object]:
+    """A fake serial run of ``plan`` under ``--prism-fold-second-pass mode``: each take of capture I (rank L) records
+    ``part(L, take)`` in its trace's capture part (its unrecorded counts) and issues ``ops(L, take)``, over one
+    iteration. Returns the capture indices launched, what was said and the merged trace."""
     launched: list[int] = []
 
     def fake_launch(cfg: LaunchConfig) -> int:
-        part = cfg.fold["capture"]["part"]
-        rank = part["rank"]
-        unrecorded = (3 if part["index"] not in launched else 0) if part["index"] == 0 else last
-        launched.append(part["index"])
+        own = cfg.fold["capture"]["part"]
+        rank, take = own["rank"], launched.count(own["index"]) + 1
+        launched.append(own["index"])
         marks = [{"rank": rank, "name": "iteration", "phase": p, "t": 0.1, "compute_clock": 0.0, "attrs": {}}
                  for p in ("B", "E")]
         fold = {**cfg.fold, "contributions": {}}
-        fold["capture"] = {**fold["capture"], "part": {**part, "standins_unrecorded": unrecorded}}
+        fold["capture"] = {**fold["capture"], "part": {**own, **part(rank, take)}}
         manifest = {"world_size": 8, "job": {"fold": fold},
                     "groups": [{"id": 0, "name": "0", "ranks": list(range(8)), "backend": "nccl"}],
                     "ranks": [{"rank": rank, "exit_code": 0, "device": "cpu"}]}
-        write_trace(cfg.trace_dir, manifest, ops=[_op(rank, 0, "all_reduce", 0, 0)], marks=marks)
+        write_trace(cfg.trace_dir, manifest, ops=ops(rank, take), marks=marks)
         return 0
 
     said: list[str] = []
     cfg = LaunchConfig(script=PROGRAMS / "fold_pipeline.py", world_size=8, fold=plan, trace_dir=tmp_path / mode)
     assert capture_serially(cfg, fake_launch, say=said.append, second=mode) == 0
     return launched, said, read_trace(tmp_path / mode)
+
+
+def _second_pass_run(tmp_path: Path, moe_layers: int | None, mode: str,
+                     last: int = 0) -> tuple[list[int], list[str], object]:
+    """_class_plan (its layout's moe_layers, None: the plan does not say): capture 1 (rank 0) gives 3 stand-ins no
+    recording in its first take, none in a second; capture 2 (rank 4) ``last``."""
+    plan = _class_plan() | ({} if moe_layers is None else {"layout": {"moe_layers": moe_layers}})
+    return _fake_serial_run(tmp_path, plan, mode,
+                            lambda rank, take: {"standins_unrecorded": (3 if take == 1 else 0) if rank == 0 else last},
+                            lambda rank, take: [_op(rank, 0, "all_reduce", 0, 0)])
 
 
 def test_auto_skips_the_second_pass_for_a_dense_fold_and_says_so_in_the_line_trace_and_report(tmp_path):
@@ -696,34 +705,15 @@ def test_the_second_pass_is_taken_for_moe_and_where_the_plan_does_not_say_and_of
 
 
 def _routed_run(tmp_path: Path, mode: str, splits_by_take: dict[int, str]) -> tuple[list[int], list[str], object]:
-    """A fake serial run of _class_plan with MoE layers: capture 1 (rank 0) gives 3 stand-ins no recording in its
-    first take, capture 2 (rank 4) 2 reductions no recording in its first; each take issues one all-to-all whose
-    split sizes are ``splits_by_take`` of its take number (the routing). Returns the capture indices launched, what
-    was said and the merged trace."""
-    plan = _class_plan() | {"layout": {"moe_layers": 2}}
-    launched: list[int] = []
-
-    def fake_launch(cfg: LaunchConfig) -> int:
-        part = cfg.fold["capture"]["part"]
-        rank, take = part["rank"], launched.count(part["index"]) + 1
-        launched.append(part["index"])
-        first = take == 1
-        fold = {**cfg.fold, "contributions": {}}
-        fold["capture"] = {**fold["capture"], "part": {**part, "standins_unrecorded": 3 if first and rank == 0 else 0,
-                                                       "reductions_unrecorded": 2 if first and rank == 4 else 0}}
-        manifest = {"world_size": 8, "job": {"fold": fold},
-                    "groups": [{"id": 0, "name": "0", "ranks": list(range(8)), "backend": "nccl"}],
-                    "ranks": [{"rank": rank, "exit_code": 0, "device": "cpu"}]}
-        marks = [{"rank": rank, "name": "iteration", "phase": p, "t": 0.1, "compute_clock": 0.0, "attrs": {}}
-                 for p in ("B", "E")]
-        ops = [_op(rank, 0, "all_reduce", 0, 0), {**_op(rank, 1, "all_to_all", 0, 1), "splits": splits_by_take[take]}]
-        write_trace(cfg.trace_dir, manifest, ops=ops, marks=marks)
-        return 0
-
-    said: list[str] = []
-    cfg = LaunchConfig(script=PROGRAMS / "fold_pipeline.py", world_size=8, fold=plan, trace_dir=tmp_path / mode)
-    assert capture_serially(cfg, fake_launch, say=said.append, second=mode) == 0
-    return launched, said, read_trace(tmp_path / mode)
+    """_class_plan with MoE layers: capture 1 (rank 0) gives 3 stand-ins no recording in its first take, capture 2
+    (rank 4) 2 reductions no recording in its first; each take issues one all-to-all whose split sizes are
+    ``splits_by_take`` of its take number (the routing)."""
+    return _fake_serial_run(
+        tmp_path, _class_plan() | {"layout": {"moe_layers": 2}}, mode,
+        lambda rank, take: {"standins_unrecorded": 3 if take == 1 and rank == 0 else 0,
+                            "reductions_unrecorded": 2 if take == 1 and rank == 4 else 0},
+        lambda rank, take: [_op(rank, 0, "all_reduce", 0, 0),
+                            {**_op(rank, 1, "all_to_all", 0, 1), "splits": splits_by_take[take]}])
 
 
 def test_auto_stops_the_second_pass_where_a_take_again_routed_every_token_alike_and_on_does_not(tmp_path):
