@@ -317,24 +317,23 @@ def capture_serially(cfg: LaunchConfig, launch: Callable[[LaunchConfig], int],
             decided = _stop_if_routed_alike(decided, i, live, root, taken, code, say)
     # ... and a capture whose latest take still answered reductions without another class's recording (the
     # classes it lacked were captured before their own second take) once more, first stage first, where a
-    # capture of another class was taken after it
+    # capture of another class was taken after it (skipped where the pass is off or stopped)
     for i in range(len(live)):
-        if code != 0 or not decided["on"]:
+        if code != 0:
             break
         if unrecorded_reductions.get(i) and i not in ooms and any(
                 latest.get(j, -1) > latest[i] and captures[j]["trace"] is not None for j in range(len(live))):
+            if not decided["on"]:
+                if captures[i].get("second_pass") is None:
+                    skipped.append(i)
+                    captures[i]["second_pass"] = "skipped"
+                continue
             say(f"serial capture {i + 1}/{len(live)}: {unrecorded_reductions[i]} reduction(s) had no recording of "
                 "another class's inputs that the other captures' latest takes made: capturing it again with them "
                 f"(nccl_prune.SECOND_PASS_RULE; second pass on {decided['why']})")
             run(i, live[i], again=True)
             captures[i]["second_pass"] = "taken"
             decided = _stop_if_routed_alike(decided, i, live, root, taken, code, say)
-    for i in range(len(live)):  # where auto stopped the second pass, what it left
-        if captures[i].get("second_pass") is None and i not in ooms and i not in skipped and not decided["on"] \
-                and decided.get("unchanged") and (unrecorded.get(i) or unrecorded_reductions.get(i)) and any(
-                    captures[j]["trace"] is not None for j in range(len(live)) if j != i):
-            skipped.append(i)
-            captures[i]["second_pass"] = "skipped"
     if skipped:
         said = ", ".join(str(i + 1) for i in sorted(skipped))
         say(f"serial capture: capture(s) {said} not captured again: {second_pass_skipped(decided)} "
