@@ -16,7 +16,8 @@
 #   KEEP_CAPTURES=1: also write the serial captures' traces (rank logs left out) as OUT/target-NAME/captures.tar.gz;
 #   CAPTURES=FILE: such an archive from an earlier call of the same command: unpacked beside the trace and the run
 #   resumed (--prism-fold-resume reuses each capture it finished on the same machine and software, runs the rest).
-# Writes OUT/target-NAME/{run.log,memory.txt,summary.txt} and the report beside the trace (report.json); where a
+# Writes OUT/target-NAME/{run.log,memory.txt,summary.txt}, the report beside the trace (report.json) and, where
+# wandb is installed, its offline run (wandb.tar.gz, sync it with `wandb sync`); where a
 # second pass took a class again, second_pass.txt (bench/targets/second_pass_effect.py: what each take changed).
 set -uo pipefail
 [ $# -ge 1 ] || { echo "usage: $0 NAME [flags]" >&2; exit 2; }
@@ -72,6 +73,9 @@ cp "$work/trace/report.json" "$out/" 2>/dev/null
 if compgen -G "$work/trace.captures/capture-*-take-*" > /dev/null; then  # a second pass ran: what it changed
   python3 "$(dirname "$0")/second_pass_effect.py" "$work/trace.captures" 2>&1 | tee "$out/second_pass.txt" \
     | tee -a "$out/summary.txt"
+fi
+if [ -d "$work/wandb" ]; then  # the offline W&B run(s) the report wrote, less files over 4 MiB (a timeline's copy)
+  (cd "$work" && find wandb -type f -size -4M -print0 | tar -czf "$out/wandb.tar.gz" --null -T -)
 fi
 [ "${KEEP_TRACE:-0}" = 1 ] && tar -czf "$out/trace.tar.gz" -C "$work" --exclude='*.logs' trace
 [ "${KEEP_CAPTURES:-0}" = 1 ] && [ -d "$work/trace.captures" ] && \
