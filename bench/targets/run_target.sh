@@ -7,7 +7,7 @@
 # Megatron-LM archive made by `bench/peer/run_peer_suite.py --pack` carried (Megatron-LM's training loop):
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
 #   bash bench/targets/run_target.sh llama3-70b-h100x64 [more prism or Megatron flags]
-# env: ARCHIVE (.peer-cache/megatron-lm-core_v0.19.0.tar.gz), DEVICES (0), TIMEOUT (s, 480), OUT (/tmp/prism-gpu);
+# env: ARCHIVE (.peer-cache/megatron-lm-core_v0.19.0.tar.gz), DEVICES (0), TIMEOUT (s, 480; BUDGET where set), OUT (/tmp/prism-gpu);
 #   KEEP_TRACE=1: also write the trace (rank logs left out) as OUT/target-NAME/trace.tar.gz for offline analysis;
 #   BUDGET (s left when it starts, unset: no limit): skip the run (exit 3) when the plan's expected emulation time times SLACK
 #   (2.5: the Llama-3-70B run took 2.5x the plan's figure) exceeds it, and cap TIMEOUT at it (run_many.sh sets it);
@@ -31,7 +31,7 @@ if [ -n "${CAPTURES:-}" ]; then  # an earlier call's finished captures: resumed
   flags+=(--prism-fold-resume)
 fi
 [ "${PLAN:-1}" = 0 ] || python3 -m prism_megatron plan "${flags[@]}" 2>&1 | grep -v -i "warn" | tee "$out/plan.txt"
-timeout=${TIMEOUT:-480}
+timeout=${TIMEOUT:-${BUDGET:-480}}  # run_many.sh: its BUDGET, not 480 s, unless TIMEOUT says otherwise
 if [ -n "${BUDGET:-}" ]; then  # run_many.sh: BUDGET s were left at the start; the run is cut at what is left
   left=$(( BUDGET - ($(date +%s) - started) ))
   if [ "${PLAN:-1}" != 0 ]; then  # and skipped where the plan expects it to outlast them
