@@ -317,7 +317,8 @@ def report_cmd(trace_dir: Path, cluster: str | None, out_dir: Path | None, timel
     from prism_megatron.trace import TraceFormatError
 
     try:
-        paths = make_report(trace_dir, out_dir, cluster, timeline=timeline)
+        paths = make_report(trace_dir, out_dir, cluster, timeline=timeline,
+                            say=lambda m: click.echo(f"report: {m}", err=True))
         report = read_report(paths["report"])
     except (TraceFormatError, ReportFormatError, ValueError, OSError) as e:
         raise click.ClickException(str(e)) from None

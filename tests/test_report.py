@@ -230,11 +230,21 @@ def test_bad_memory_mark_names_file_and_field(tmp_path):
 # ------------------------------------------------------------------------------------------ files
 
 
+def test_make_report_says_what_each_step_took_as_it_ends(tmp_path):
+    """A thousand-rank job's replay takes minutes: the run says when it starts and what each step took."""
+    said: list[str] = []
+    paths = make_report(make_trace(tmp_path / "t"), tmp_path / "out", say=said.append)
+    assert [re.sub(r"[0-9.]+ (s|MiB)", r"N \1", m) for m in said] == [
+        f"replaying the trace and building the report of {tmp_path / 't'}", "replayed and built in N s",
+        "report.json and report.html written in N s", "timeline.json (N MiB) written in N s"]
+    assert set(paths) == {"report", "html", "timeline"}
+
+
 def test_report_json_round_trip_and_reader_errors(tmp_path):
     paths = make_report(make_trace(tmp_path / "t"), tmp_path / "out")
     assert set(paths) == {"report", "html", "timeline"}
     rep = read_report(paths["report"])
-    assert rep["format"] == "prismreport" and rep["version"] == 5
+    assert rep["format"] == "prismreport" and rep["version"] == 6
     assert rep == json.loads(paths["report"].read_text())
     assert {(b["host_bound_s"], b["device_busy_s"]) for b in rep["prediction"]["breakdown"]} == {(None, None)}
     assert rep["prediction"]["host_bound"] is None  # a CPU trace: one clock, nothing to say
@@ -243,9 +253,9 @@ def test_report_json_round_trip_and_reader_errors(tmp_path):
     bad = tmp_path / "bad.json"
     write_report(rep, bad)
     doc = json.loads(bad.read_text())
-    doc["version"] = 6
+    doc["version"] = 7
     bad.write_text(json.dumps(doc))
-    with pytest.raises(ReportFormatError, match=r"report .*bad.json: field 'version' is 6; this reader supports"):
+    with pytest.raises(ReportFormatError, match=r"report .*bad.json: field 'version' is 7; this reader supports"):
         read_report(bad)
     for row in doc["memory"]["classes"]:  # v4 had no peak iteration: it reads as null; v5 must have it
         del row["peak_iteration"], row["peak_rising"]
@@ -462,6 +472,46 @@ def test_the_pages_timeline_merges_a_kinds_contiguous_segments_whatever_their_bo
     assert rows == [{"rank": 0, "class": "only", "segments": [["compute", 0.0, 0.666666667],
                                                               ["bubble", 0.666666667, 1.0],
                                                               ["compute", 1.0, 1.333333333]]}]
+
+
+def test_the_reports_timeline_merges_runs_narrower_than_its_resolution_keeping_each_kinds_share(tmp_path):
+    """A row of 20,000 alternating short runs (an MoE layer's waits) is kept as about a step each, each
+    with its runs' count and every kind's seconds, nothing lost; a run a step wide stays as it is. A v6 reader
+    takes such entries; it refuses one of another length, and a v5 report may not have them."""
+    from types import SimpleNamespace
+
+    from prism_megatron.replay.engine import Segment
+    from prism_megatron.report.build import TIMELINE_STEPS, _timeline
+    from prism_megatron.report.runs import parts
+
+    segs = [Segment(0, "compute" if i % 4 else "bubble", i * 1e-6, (i + 1) * 1e-6) for i in range(40_000)]
+    segs.append(Segment(0, "exposed_comm", 0.04, 0.08))
+    result = SimpleNamespace(graph=SimpleNamespace(ranks=[0]), segments={0: segs})
+    entries = _timeline(result, {0: "only"}, 1, 0.0, 0.08)["rows"][0]["segments"]
+    assert entries[-1] == ["exposed_comm", 0.04, 0.08]
+    merged = [parts(e) for e in entries[:-1]]
+    steps = TIMELINE_STEPS / 2  # the runs fill half the window: one entry per step or two
+    assert steps / 2 <= len(merged) <= steps
+    assert sum(n for *_, n, _ in merged) == 20_000  # a bubble, then one run of three compute units
+    assert abs(sum(share.get("bubble", 0.0) for *_, share in merged) - 0.01) < 1e-9
+    assert {kind for kind, *_ in merged} == {"compute"}
+    assert all(abs(a[2] - b[1]) < 1e-12 for a, b in zip(merged, merged[1:], strict=False))  # contiguous
+
+    rep = read_report(make_report(make_trace(tmp_path / "t"), tmp_path / "out")["report"])
+    row = rep["prediction"]["timeline"]["rows"][0]
+    row["segments"] = entries
+    path = tmp_path / "merged.json"
+    path.write_text(json.dumps(rep))
+    assert read_report(path)["prediction"]["timeline"]["rows"][0]["segments"][0] == entries[0]
+    rep["version"] = 5
+    path.write_text(json.dumps(rep))
+    with pytest.raises(ReportFormatError, match=r"field 'prediction.timeline.rows\[0\].segments\[0\]' has 4 items"):
+        read_report(path)
+    rep["version"] = 6
+    row["segments"] = [["compute", 0.0, 1.0, {"segments": 2}]]
+    path.write_text(json.dumps(rep))
+    with pytest.raises(ReportFormatError, match=r"segments\[0\]\[3\].share_s' is missing"):
+        read_report(path)
 
 
 def test_the_chrome_timeline_keeps_one_slice_for_an_activity_that_goes_on():

@@ -8,6 +8,8 @@ neither the runtime nor Megatron.
 from __future__ import annotations
 
 import json
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -45,29 +47,39 @@ __all__ = [
 
 def make_report(trace_dir: str | Path, out_dir: str | Path | None = None,
                 cluster: str | None = None, calibrated: str | Path | None = None,
-                timeline: str = "iteration") -> dict[str, Path]:
+                timeline: str = "iteration", say: Callable[[str], None] | None = None) -> dict[str, Path]:
     """Write report.json, report.html and timeline.json into ``out_dir`` (default: the trace dir).
 
     Returns {"report", "html", "timeline"} -> path; "timeline" is absent when the replay failed
     (there is no predicted timeline then; the report says why, and an older timeline.json there is
     removed). ``timeline``: 'iteration' (the headline's median iteration) or 'all' (RunOnlyOptions.timeline).
-    Each file is written atomically.
+    Each file is written atomically. ``say``: told what each step took as it ends (a thousand-rank job's replay
+    takes minutes).
     """
     from prism_megatron.replay.export import to_chrome
 
     if timeline not in TIMELINE_SPANS:
         raise ValueError(f"timeline {timeline!r}: one of {', '.join(TIMELINE_SPANS)}")
+    tell = say or (lambda _: None)
+    started = time.monotonic()
+    tell(f"replaying the trace and building the report of {trace_dir}")
     report, result = assemble(trace_dir, cluster, calibrated)
+    tell(f"replayed and built in {time.monotonic() - started:.1f} s")
     out = Path(trace_dir if out_dir is None else out_dir)
+    step = time.monotonic()
     paths = {"report": write_report(report, out / REPORT_FILE),
              "html": atomic_write_text(out / HTML_FILE, render_html(report))}
+    tell(f"{REPORT_FILE} and {HTML_FILE} written in {time.monotonic() - step:.1f} s")
     if result is not None:
+        step = time.monotonic()
         meta = {"trace": str(trace_dir), "cluster": report["prediction"]["cluster"],
                 "provenance": report["prediction"]["provenance"]}
         number = report["prediction"]["timeline"]["iteration"] if timeline == "iteration" else None
         window = timeline_window(result, number)
         paths["timeline"] = atomic_write_text(out / TIMELINE_FILE,
                                               json.dumps(to_chrome(result, meta, window, number)) + "\n")
+        size = paths["timeline"].stat().st_size / 2**20
+        tell(f"{TIMELINE_FILE} ({size:.0f} MiB) written in {time.monotonic() - step:.1f} s")
     else:
         (out / TIMELINE_FILE).unlink(missing_ok=True)  # an older run's timeline would contradict the report
     return paths

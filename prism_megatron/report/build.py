@@ -37,6 +37,7 @@ from .classify import UNKNOWN, class_order, rank_class
 from .costing import Costing, choose_costing
 from .live import basis, timed_iterations
 from .margin import TE_SUBSTITUTION_MARGIN, WITHIN_MARGIN, class_estimates, class_verdicts, oom_classes, te_substituted
+from .runs import merge_narrow
 from .schema import FORMAT, VERSION
 from .units import fmt_bytes, rank_ranges
 
@@ -44,6 +45,8 @@ from .units import fmt_bytes, rank_ranges
 OOM_EXIT_CODE = 5
 #: The HTML timeline shows every rank up to this many, else a sample (one row per rank is unreadable).
 MAX_TIMELINE_ROWS = 64
+#: The report's timeline resolves a window into about this many steps per row (the page is ~1,000 pixels wide).
+TIMELINE_STEPS = 2048
 MAX_PATH_STEPS = 12
 MAX_ERROR_LINES = 8
 _MARKS = ("layout", "workload", "memory", "oom", "megatron_estimate")
@@ -465,7 +468,8 @@ def _critical_path(result: ReplayResult, t0: float, t1: float) -> dict[str, Any]
 
 def _timeline(result: ReplayResult, classes: dict[int, str], number: int | None,
               t0: float, t1: float) -> dict[str, Any]:
-    """What the HTML page draws: per shown rank, its activity in the window, merged runs of a kind."""
+    """What the HTML page draws: per shown rank, its activity in the window, merged runs of a kind, runs narrower
+    than 1/TIMELINE_STEPS of the window merged (``runs.merge_narrow``; timeline.json keeps every one)."""
     ranks = result.graph.ranks
     if len(ranks) <= MAX_TIMELINE_ROWS:
         shown, note = ranks, ""
@@ -479,10 +483,11 @@ def _timeline(result: ReplayResult, classes: dict[int, str], number: int | None,
         shown = sorted(picked, key=lambda r: (class_order(classes.get(r, UNKNOWN)), r))
         note = f"{len(shown)} of {len(ranks)} ranks: the first of each class and evenly spaced others, by class"
     rows = []
+    width = (t1 - t0) / TIMELINE_STEPS
     for r in shown:
         segs = [[kind, round(start - t0, 9), round(end - t0, 9)]
                 for kind, start, end in activity_runs(result.segments.get(r, ()), lambda s: s.kind, t0, t1)]
-        rows.append({"rank": r, "class": classes.get(r, UNKNOWN), "segments": segs})
+        rows.append({"rank": r, "class": classes.get(r, UNKNOWN), "segments": merge_narrow(segs, width, digits=9)})
     return {"iteration": number, "start_s": t0, "end_s": t1, "note": note, "rows": rows}
 
 

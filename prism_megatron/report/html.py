@@ -13,6 +13,7 @@ import re
 from html import escape
 from typing import Any
 
+from .runs import merge_narrow, parts
 from .terminal import anchor_lines, class_time_columns, host_bound_line
 from .units import GIB, fmt_bytes, fmt_rate, fmt_seconds, rank_ranges
 
@@ -99,39 +100,18 @@ def timeline_svg(timeline: dict[str, Any]) -> str:
 def drawn_segments(segments: list[list[Any]], pixel_s: float) -> list[tuple[str, float, float, str]]:
     """A row's segments as drawn, (kind, start, end, tooltip): a segment a pixel wide or more as it is; runs of
     narrower ones (an MoE layer's many short waits) as one rect per pixel or so, coloured by the kind that takes
-    most of its time, its tooltip giving every kind's share: a pixel cannot show more, and a rect per segment
-    would cost a thousand-rank job's page hundreds of thousands of rects."""
+    most of its time, its tooltip giving every kind's share (``runs.merge_narrow``): a pixel cannot show more,
+    and a rect per segment would cost a thousand-rank job's page hundreds of thousands of rects."""
     out: list[tuple[str, float, float, str]] = []
-    group: list[list[Any]] = []
-
-    def flush() -> None:
-        if len(group) == 1:
-            kind, s, e = group[0]
+    for entry in merge_narrow(segments, pixel_s):
+        kind, s, e, count, share = parts(entry)
+        if count == 1:
             out.append((kind, s, e, f"{LABELS.get(kind, kind)} {fmt_seconds(e - s)} (at {fmt_seconds(s)})"))
-        elif group:
-            share: dict[str, float] = {}
-            for kind, s, e in group:
-                share[kind] = share.get(kind, 0.0) + e - s
-            busy = sum(share.values()) or 1.0
-            top = max(share, key=lambda k: (share[k], k))
-            parts = ", ".join(f"{LABELS.get(k, k)} {v / busy:.0%}"
-                              for k, v in sorted(share.items(), key=lambda kv: -kv[1]))
-            s0, e0 = group[0][1], group[-1][2]
-            out.append((top, s0, e0, f"{len(group)} segments in {fmt_seconds(e0 - s0)} (at {fmt_seconds(s0)}): "
-                        f"{parts}"))
-        group.clear()
-
-    for seg in segments:
-        kind, s, e = seg
-        if e - s >= pixel_s:
-            flush()
-            group.append(seg)
-            flush()
             continue
-        group.append(seg)
-        if group[-1][2] - group[0][1] >= pixel_s:
-            flush()
-    flush()
+        busy = sum(share.values()) or 1.0
+        shares = ", ".join(f"{LABELS.get(k, k)} {v / busy:.0%}"
+                           for k, v in sorted(share.items(), key=lambda kv: -kv[1]))
+        out.append((kind, s, e, f"{count} segments in {fmt_seconds(e - s)} (at {fmt_seconds(s)}): {shares}"))
     return out
 
 

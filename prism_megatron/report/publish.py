@@ -35,7 +35,8 @@ def publish(trace_dir: Path, *, cluster: str | None, config: dict[str, Any], wan
     timeline.json holds (RunOnlyOptions.timeline)."""
     from prism_megatron.report import make_report, print_summary, read_report
 
-    paths = make_report(trace_dir, cluster=cluster, calibrated=calibrated, timeline=timeline)
+    paths = make_report(trace_dir, cluster=cluster, calibrated=calibrated, timeline=timeline,
+                        say=lambda m: print(f"prism: report: {m}", file=sys.stderr, flush=True))
     report = read_report(paths["report"])
     print_summary(report)
     for kind, path in paths.items():

@@ -1,4 +1,4 @@
-"""PrismReport (version 5): the one place that says what ``report.json`` contains.
+"""PrismReport (version 6): the one place that says what ``report.json`` contains.
 
 A report is read later by people and programs that never saw the trace (dashboards, a comparison
 of two runs), so like PrismTrace it is versioned and a reader refuses what it does not understand,
@@ -17,13 +17,14 @@ from typing import Any, NamedTuple
 from prism_megatron.trace.writer import atomic_write_text
 
 FORMAT = "prismreport"
-VERSION = 5
+VERSION = 6
 #: Versions this code can read; a reader rejects anything else rather than guessing. Version 1 lacks
 #: breakdown[].host_bound_s; reading it gives null there. Versions 1 and 2 lack ``fold``: null. Versions
 #: 1 to 3 lack breakdown[].device_busy_s, prediction.host_bound and fold.classes[].host_bound_s and
 #: .device_busy_s: null (not measured, as in a trace without GPU times). Versions 1 to 4 lack
-#: memory.ranks[]/classes[].peak_iteration and .peak_rising: null.
-SUPPORTED_VERSIONS: tuple[int, ...] = (1, 2, 3, 4, 5)
+#: memory.ranks[]/classes[].peak_iteration and .peak_rising: null. Versions 1 to 5 have no merged timeline
+#: segments (each segment is one run); version 6's are read the same way (``runs.parts``).
+SUPPORTED_VERSIONS: tuple[int, ...] = (1, 2, 3, 4, 5, 6)
 REPORT_FILE = "report.json"
 
 
@@ -96,7 +97,8 @@ CRITICAL_PATH = Obj({
     "by_kind_s": (dict,),  # kind -> seconds on the path within the window
 })
 #: The median iteration's timeline for the HTML page: segments [kind, start, end], seconds from
-#: the window start; kind is compute, exposed_comm or bubble.
+#: the window start; kind is compute, exposed_comm or bubble. From v6, a run of segments narrower than the
+#: timeline's resolution is one [kind, start, end, {"segments": n, "share_s": {kind: seconds}}] (``runs``).
 TIMELINE_ROW = Obj({"rank": (int,), "class": (str,), "segments": ListOf((list,))})
 TIMELINE = Obj({
     "iteration": OPT_INT,
@@ -261,8 +263,25 @@ def check_report(report: Any, path: str | Path) -> None:
     if version < 5:
         _null_missing(report, version)
     _check(report, REPORT, path, "")
+    if report["prediction"] is not None:
+        _check_segments(report["prediction"]["timeline"]["rows"], version, path)
     if "substitutions" in report:
         _check(report["substitutions"], ListOf(SUBSTITUTION), path, "substitutions")
+
+
+def _check_segments(rows: list[dict[str, Any]], version: int, path: str | Path) -> None:
+    """Each timeline segment is [kind, start, end], or from v6 that and {"segments": n, "share_s": {kind: s}}."""
+    merged = Obj({"segments": (int,), "share_s": (dict,)})
+    for i, row in enumerate(rows):
+        for j, seg in enumerate(row["segments"]):
+            field = f"prediction.timeline.rows[{i}].segments[{j}]"
+            if len(seg) not in ((3, 4) if version >= 6 else (3,)):
+                raise ReportFormatError(path, f"field '{field}'", f"has {len(seg)} items, expected [kind, start, end]"
+                                        + (" and the merged runs' counts" if version >= 6 else ""))
+            for k, spec in enumerate(((str,), NUM, NUM)):
+                _check(seg[k], spec, path, f"{field}[{k}]")
+            if len(seg) == 4:
+                _check(seg[3], merged, path, f"{field}[3]")
 
 
 def _null_missing(report: dict[str, Any], version: int) -> None:
