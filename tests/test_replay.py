@@ -474,3 +474,69 @@ def test_an_iterations_time_is_the_loops_period_as_megatron_times_it():
     assert its[3].time == pytest.approx(0.1 + 1.5)  # the 3 s of evaluation left out
     assert its[3].window == pytest.approx((its[2].end, its[3].end))
     assert result.iteration_times() == pytest.approx([1.5, 1.6, 1.6])
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_a_window_of_a_replays_segments_keeps_every_one_that_overlaps_it_in_order(seed):
+    """``ReplayResult.within``: every segment overlapping the window, a long one begun well before it included, in
+    the rank's order; a window's breakdown is the one over every segment; segments out of start order are all kept."""
+    import random
+    from dataclasses import astuple
+    from types import SimpleNamespace
+
+    from prism_megatron.replay.engine import ReplayResult, Segment
+
+    rng = random.Random(seed)
+    segs = []
+    for _ in range(400):
+        start = rng.uniform(0.0, 100.0)
+        long = rng.random() < 0.02
+        kind = rng.choice(["compute", "bubble", "exposed_comm", "comm"])
+        segs.append(Segment(0, kind, start, start + rng.uniform(0.0, 30.0 if long else 0.5)))
+    segs.sort(key=lambda s: (s.start, s.kind == "comm"))
+    result = ReplayResult(SimpleNamespace(ranks=[0]), 130.0, {0: 130.0}, {0: segs}, {}, [], [])
+    for _ in range(50):
+        t0 = rng.uniform(0.0, 110.0)
+        t1 = t0 + rng.uniform(0.0, 20.0)
+        kept = result.within(0, t0, t1)
+        overlapping = [s for s in segs if s.end > t0 and s.start < t1]
+        assert [s for s in kept if s.end > t0 and s.start < t1] == overlapping
+        assert len(kept) < len(segs) or t1 - t0 > 50
+        full = ReplayResult(SimpleNamespace(ranks=[0]), 130.0, {0: 130.0}, {0: list(reversed(segs))}, {}, [], [])
+        assert full.within(0, t0, t1) == list(reversed(segs))  # not in start order: every segment
+        assert astuple(result.breakdown(0, t0, t1)) == pytest.approx(astuple(full.breakdown(0, t0, t1)))
+
+
+def test_the_cyclic_collector_is_paused_while_a_graph_replays_and_back_after_it_even_when_it_fails():
+    """A replay's millions of objects would make each full collection re-traverse them all
+    (replay.collector): the collector is off while the graph replays, on again after, a failed replay included;
+    a caller that had it off keeps it off."""
+    import gc
+
+    gb = GraphBuilder()
+    gb.group(0, [0, 1], "pair")
+    for r in (0, 1):
+        gb.compute(r, 1.0)
+        gb.collective(r, "all_reduce", 0, 8)
+    seen = []
+
+    def cost(spec):
+        seen.append(gc.isenabled())
+        return 0.5
+
+    assert gc.isenabled()
+    replay(gb.build(), cost)
+    assert seen == [False] and gc.isenabled()
+
+    def failing(spec):
+        raise RuntimeError("cost")
+
+    with pytest.raises(RuntimeError, match="cost"):
+        replay(gb.build(), failing)
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        replay(gb.build(), cost)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

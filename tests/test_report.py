@@ -460,14 +460,14 @@ def test_the_pages_timeline_merges_a_kinds_contiguous_segments_whatever_their_bo
     compute units is one bar, not one per unit."""
     from types import SimpleNamespace
 
-    from prism_megatron.replay.engine import Segment
+    from prism_megatron.replay.engine import ReplayResult, Segment
     from prism_megatron.report.build import _timeline
 
     cuts = [0.0, 1 / 3, 2 / 3, 1.0, 7 / 6, 4 / 3]
     kinds = ["compute", "compute", "bubble", "compute", "compute"]
     segs = [Segment(0, k, a, b) for k, a, b in zip(kinds, cuts, cuts[1:], strict=False)]
     segs.insert(2, Segment(0, "comm", 0.5, 0.6, "all_reduce"))  # in flight beside the compute: not drawn
-    result = SimpleNamespace(graph=SimpleNamespace(ranks=[0]), segments={0: segs})
+    result = ReplayResult(SimpleNamespace(ranks=[0]), 0.0, {}, {0: segs}, {}, [], [])
     rows = _timeline(result, {0: "only"}, 1, 0.0, 4 / 3)["rows"]
     assert rows == [{"rank": 0, "class": "only", "segments": [["compute", 0.0, 0.666666667],
                                                               ["bubble", 0.666666667, 1.0],
@@ -480,13 +480,13 @@ def test_the_reports_timeline_merges_runs_narrower_than_its_resolution_keeping_e
     takes such entries; it refuses one of another length, and a v5 report may not have them."""
     from types import SimpleNamespace
 
-    from prism_megatron.replay.engine import Segment
+    from prism_megatron.replay.engine import ReplayResult, Segment
     from prism_megatron.report.build import TIMELINE_STEPS, _timeline
     from prism_megatron.report.runs import parts
 
     segs = [Segment(0, "compute" if i % 4 else "bubble", i * 1e-6, (i + 1) * 1e-6) for i in range(40_000)]
     segs.append(Segment(0, "exposed_comm", 0.04, 0.08))
-    result = SimpleNamespace(graph=SimpleNamespace(ranks=[0]), segments={0: segs})
+    result = ReplayResult(SimpleNamespace(ranks=[0]), 0.0, {}, {0: segs}, {}, [], [])
     entries = _timeline(result, {0: "only"}, 1, 0.0, 0.08)["rows"][0]["segments"]
     assert entries[-1] == ["exposed_comm", 0.04, 0.08]
     merged = [parts(e) for e in entries[:-1]]

@@ -50,6 +50,7 @@ hidden first; exact for one op, an upper bound on what free communication would 
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections import defaultdict
 from collections.abc import Callable
@@ -58,6 +59,7 @@ from typing import Any
 
 from prism_megatron.trace.markers import TIMER_PAUSES
 
+from .collector import paused
 from .graph import P2P_KINDS, Comm, Compute, CpuSync, Event, Graph, GraphError, Mark, Wait
 
 #: Label of the compute segments in which a two-clock rank's stream waited for its host to issue work.
@@ -223,12 +225,30 @@ class ReplayResult:
     #: how the job was replayed (a folded graph: which method, replay.folded); "" for every rank of a
     #: graph that is not folded
     method: str = ""
+    #: per rank: its segments' starts and the longest one's duration, or None where they are not in start order
+    _index: dict[int, tuple[list[float], float] | None] = field(default_factory=dict, init=False, repr=False,
+                                                                  compare=False)
+
+    def within(self, rank: int, t0: float, t1: float) -> list[Segment]:
+        """The rank's segments that may overlap [t0, t1], in their order: a window of a long replay without a
+        pass over every segment (a thousand-rank job's replay holds millions); callers clip them to it."""
+        segs = self.segments.get(rank, [])
+        if rank not in self._index:
+            starts = [s.start for s in segs]
+            ordered = all(a <= b for a, b in zip(starts, starts[1:], strict=False))
+            self._index[rank] = (starts, max((s.end - s.start for s in segs), default=0.0)) if ordered else None
+        index = self._index[rank]
+        if index is None:
+            return segs
+        starts, longest = index
+        return segs[bisect.bisect_left(starts, t0 - longest):bisect.bisect_right(starts, t1)]
 
     def breakdown(self, rank: int, t0: float = 0.0, t1: float | None = None) -> Breakdown:
         """Per-rank compute / exposed comm / bubble / comm within [t0, t1] (default: whole run)."""
         t1 = self.makespan if t1 is None else t1
         sums: dict[str, float] = defaultdict(float)
-        for seg in self.segments.get(rank, ()):
+        segs = self.within(rank, t0, t1)
+        for seg in segs:
             overlap = min(seg.end, t1) - max(seg.start, t0)
             if overlap > 0:
                 sums[seg.kind] += overlap
@@ -236,7 +256,7 @@ class ReplayResult:
                     sums[HOST_WAIT] += overlap
         covered = sums["compute"] + sums["exposed_comm"] + sums["bubble"]
         idle = max((t1 - t0) - covered, 0.0)  # before the rank's first event / after its last
-        comm = _union_length([(s.start, s.end) for s in self.segments.get(rank, ()) if s.kind == "comm"], t0, t1)
+        comm = _union_length([(s.start, s.end) for s in segs if s.kind == "comm"], t0, t1)
         return Breakdown(sums["compute"], sums["exposed_comm"], sums["bubble"] + idle, comm, sums[HOST_WAIT])
 
     def iterations(self, name: str = "iteration") -> list[Iteration]:
@@ -676,6 +696,7 @@ class _Replay:
         return path
 
 
+@paused()
 def replay(graph: Graph, cost: CostFn = zero_cost, *, serialize_group_collectives: bool = True,
            fold_method: str = "auto") -> ReplayResult:
     """Replay ``graph`` with communication costed by ``cost``; raise DeadlockError on a deadlock.

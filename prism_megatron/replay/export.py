@@ -94,7 +94,7 @@ def to_chrome(result: ReplayResult, provenance: dict[str, Any] | None = None,
         events.append({"ph": "M", "name": "process_name", "pid": rank, "args": {"name": f"rank {rank}"}})
         events.append({"ph": "M", "name": "process_sort_index", "pid": rank, "args": {"sort_index": rank}})
         names = {ACTIVITY_TID: "activity", MARKS_TID: "markers"}
-        segs = result.segments.get(rank, [])
+        segs = result.segments.get(rank, []) if window is None else result.within(rank, lo, hi)
         for (name, kind), start, end in activity_runs(segs, lambda s: (s.label or s.kind, s.kind), lo, hi):
             events.append({"ph": "X", "pid": rank, "tid": ACTIVITY_TID, "name": name, "cat": kind,
                            "ts": _us(start), "dur": _us(end) - _us(start)})

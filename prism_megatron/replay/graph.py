@@ -31,6 +31,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from .collector import paused
+
 if TYPE_CHECKING:
     from ..trace.fold import Fold, IncompleteCapture
 
@@ -427,6 +429,7 @@ def _iteration_ops(ops: list[dict[str, Any]], marks: list[dict[str, Any]],
     return {k: out.get(k, []) for k in range(1, len(ends))}
 
 
+@paused()
 def graph_from_trace(trace: Any, gpu_times: bool = True, typical_host: bool = True,
                      like_ranks: bool = True) -> Graph:
     """Build the graph of a PrismTrace (``prism_megatron.trace.read_trace(dir)``).

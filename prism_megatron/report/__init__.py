@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from prism_megatron.options import RunOnlyOptions, option
+from prism_megatron.replay.collector import paused
 from prism_megatron.trace.writer import atomic_write_text
 
 from .build import assemble, build_report, verdict
@@ -56,11 +57,16 @@ def make_report(trace_dir: str | Path, out_dir: str | Path | None = None,
     Each file is written atomically. ``say``: told what each step took as it ends (a thousand-rank job's replay
     takes minutes).
     """
-    from prism_megatron.replay.export import to_chrome
-
     if timeline not in TIMELINE_SPANS:
         raise ValueError(f"timeline {timeline!r}: one of {', '.join(TIMELINE_SPANS)}")
-    tell = say or (lambda _: None)
+    with paused():
+        return _make_report(trace_dir, out_dir, cluster, calibrated, timeline, say or (lambda _: None))
+
+
+def _make_report(trace_dir: str | Path, out_dir: str | Path | None, cluster: str | None,
+                 calibrated: str | Path | None, timeline: str, tell: Callable[[str], None]) -> dict[str, Path]:
+    from prism_megatron.replay.export import to_chrome
+
     started = time.monotonic()
     tell(f"replaying the trace and building the report of {trace_dir}")
     report, result = assemble(trace_dir, cluster, calibrated)

@@ -486,7 +486,7 @@ def _timeline(result: ReplayResult, classes: dict[int, str], number: int | None,
     width = (t1 - t0) / TIMELINE_STEPS
     for r in shown:
         segs = [[kind, round(start - t0, 9), round(end - t0, 9)]
-                for kind, start, end in activity_runs(result.segments.get(r, ()), lambda s: s.kind, t0, t1)]
+                for kind, start, end in activity_runs(result.within(r, t0, t1), lambda s: s.kind, t0, t1)]
         rows.append({"rank": r, "class": classes.get(r, UNKNOWN), "segments": merge_narrow(segs, width, digits=9)})
     return {"iteration": number, "start_s": t0, "end_s": t1, "note": note, "rows": rows}
 
