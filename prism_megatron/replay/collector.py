@@ -1,10 +1,9 @@
 """Python's cyclic garbage collector paused while a replay builds and walks its graph.
 
 A thousand-rank job's replay allocates millions of long-lived objects (events, ops, segments) that form
-no garbage cycles: each of the collector's full passes re-traverses all of them, and at that count they
-cost more than the replay (DeepSeek-V3's report on 1,024 ranks: 146 s with the collector, 90 s without;
-docs/measurements.md). Reference counting still frees everything; cycles made meanwhile are collected
-once the collector runs again.
+no garbage cycles: each of the collector's full passes re-traverses all of them, about a fifth of such a
+job's report step (docs/measurements.md, "The report step"). Reference counting still frees everything;
+cycles made meanwhile are collected once the collector runs again.
 """
 
 from __future__ import annotations
