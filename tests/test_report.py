@@ -234,9 +234,9 @@ def test_make_report_says_what_each_step_took_as_it_ends(tmp_path):
     """A thousand-rank job's replay takes minutes: the run says when it starts and what each step took."""
     said: list[str] = []
     paths = make_report(make_trace(tmp_path / "t"), tmp_path / "out", say=said.append)
-    assert [re.sub(r"[0-9.]+ (s|MiB)", r"N \1", m) for m in said] == [
+    assert [re.sub(r"[0-9.]+ (s|KiB)", r"N \1", m) for m in said] == [
         f"replaying the trace and building the report of {tmp_path / 't'}", "replayed and built in N s",
-        "report.json and report.html written in N s", "timeline.json (N MiB) written in N s"]
+        "report.json and report.html written in N s", "timeline.json (N KiB) written in N s"]
     assert set(paths) == {"report", "html", "timeline"}
 
 

@@ -22,6 +22,7 @@ from .classify import rank_class
 from .html import render_html
 from .schema import FORMAT, REPORT_FILE, VERSION, ReportFormatError, read_report, write_report
 from .terminal import print_summary, summary_text
+from .units import fmt_bytes
 
 if TYPE_CHECKING:
     from prism_megatron.replay.engine import ReplayResult
@@ -84,8 +85,8 @@ def _make_report(trace_dir: str | Path, out_dir: str | Path | None, cluster: str
         window = timeline_window(result, number)
         paths["timeline"] = atomic_write_text(out / TIMELINE_FILE,
                                               json.dumps(to_chrome(result, meta, window, number)) + "\n")
-        size = paths["timeline"].stat().st_size / 2**20
-        tell(f"{TIMELINE_FILE} ({size:.0f} MiB) written in {time.monotonic() - step:.1f} s")
+        size = fmt_bytes(paths["timeline"].stat().st_size)
+        tell(f"{TIMELINE_FILE} ({size}) written in {time.monotonic() - step:.1f} s")
     else:
         (out / TIMELINE_FILE).unlink(missing_ok=True)  # an older run's timeline would contradict the report
     return paths
