@@ -1,7 +1,7 @@
 """Python's cyclic garbage collector paused while a replay builds and walks its graph.
 
 A thousand-rank job's replay allocates millions of long-lived objects (events, ops, segments) that form
-no garbage cycles: each of the collector's full passes re-traverses all of them, about a fifth of such a
+no garbage cycles: each of the collector's full passes re-traverses all of them, a large share of such a
 job's report step (docs/measurements.md, "The report step"). Reference counting still frees everything;
 cycles made meanwhile are collected once the collector runs again.
 """

@@ -14,10 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-__all__ = ["MERGED", "merge_narrow", "parts"]
-
-#: The keys of a merged entry's fourth element.
-MERGED = ("segments", "share_s")
+__all__ = ["merge_narrow", "parts"]
 
 
 def parts(entry: Sequence[Any]) -> tuple[str, float, float, int, dict[str, float]]:

@@ -100,6 +100,8 @@ CRITICAL_PATH = Obj({
 #: the window start; kind is compute, exposed_comm or bubble. From v6, a run of segments narrower than the
 #: timeline's resolution is one [kind, start, end, {"segments": n, "share_s": {kind: seconds}}] (``runs``).
 TIMELINE_ROW = Obj({"rank": (int,), "class": (str,), "segments": ListOf((list,))})
+#: A merged segment's fourth item (v6): how many runs it merged, and the seconds of each kind among them.
+MERGED_RUNS = Obj({"segments": (int,), "share_s": (dict,)})
 TIMELINE = Obj({
     "iteration": OPT_INT,
     "start_s": NUM,
@@ -271,7 +273,6 @@ def check_report(report: Any, path: str | Path) -> None:
 
 def _check_segments(rows: list[dict[str, Any]], version: int, path: str | Path) -> None:
     """Each timeline segment is [kind, start, end], or from v6 that and {"segments": n, "share_s": {kind: s}}."""
-    merged = Obj({"segments": (int,), "share_s": (dict,)})
     for i, row in enumerate(rows):
         for j, seg in enumerate(row["segments"]):
             field = f"prediction.timeline.rows[{i}].segments[{j}]"
@@ -281,7 +282,7 @@ def _check_segments(rows: list[dict[str, Any]], version: int, path: str | Path) 
             for k, spec in enumerate(((str,), NUM, NUM)):
                 _check(seg[k], spec, path, f"{field}[{k}]")
             if len(seg) == 4:
-                _check(seg[3], merged, path, f"{field}[3]")
+                _check(seg[3], MERGED_RUNS, path, f"{field}[3]")
 
 
 def _null_missing(report: dict[str, Any], version: int) -> None:
