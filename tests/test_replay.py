@@ -540,3 +540,14 @@ def test_the_cyclic_collector_is_paused_while_a_graph_replays_and_back_after_it_
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_a_comms_cheap_copy_is_dataclasses_replace_and_leaves_the_original_alone():
+    from dataclasses import replace
+
+    op = Comm("send", 3, 7, peer=5, nbytes=1024, dtype="bfloat16", async_op=True, label="fwd")
+    moved = op.but(seq=9, group=4, peer=6)
+    assert moved == replace(op, seq=9, group=4, peer=6) and hash(moved) == hash(replace(op, seq=9, group=4, peer=6))
+    assert (op.seq, op.group, op.peer) == (7, 3, 5) and moved.is_p2p and moved.label == "fwd"
+    with pytest.raises(AttributeError):  # still frozen
+        moved.seq = 1

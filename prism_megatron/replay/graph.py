@@ -112,6 +112,13 @@ class Comm:
     def is_p2p(self) -> bool:
         return self.kind in P2P_KINDS
 
+    def but(self, **changes: Any) -> Comm:
+        """A copy with ``changes`` (values of the fields' types): ``dataclasses.replace`` without the frozen
+        class's per-field ``__setattr__``, for the schedules' rewrites, which make millions of copies."""
+        copy = object.__new__(Comm)
+        copy.__dict__.update(self.__dict__, **changes)
+        return copy
+
 
 @dataclass(frozen=True)
 class Wait:

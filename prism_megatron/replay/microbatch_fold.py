@@ -67,7 +67,7 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from .graph import Comm, Event, Graph, Group, Mark, Wait
@@ -381,7 +381,7 @@ class _Expander:
                     seq = first[key] + taken[key]
                     taken[key] += 1
                     if seq != e.seq:
-                        e = replace(e, seq=seq)
+                        e = e.but(seq=seq)
             elif type(e) is Mark and inst is not None and isinstance(e.attrs.get("microbatch"), int):
                 target = self._microbatch(inst)
                 if target is not None and e.attrs["microbatch"] != target:

@@ -466,6 +466,7 @@ class _Restager:
                  source: str) -> None:
         self.ev, self.fold, self.rep, self.source = events, fold, rep, source
         self.group_members = group_members
+        self._other_stages: dict[int, list[int]] = {}  # group -> the stages of its members but this one's
         self.pp_axis = fold.axes.index("pp")
         self.stages = fold.sizes[self.pp_axis]
         self.stage = fold.coords[rep][self.pp_axis]
@@ -618,7 +619,7 @@ class _Restager:
                 taken[key] += 1
                 if seq != e.seq:
                     self._check_moves(s, e, stage)
-                    e = Comm(e.kind, e.group, seq, e.peer, e.root, e.nbytes, e.dtype, e.async_op, e.label)
+                    e = e.but(seq=seq)
             out.append(e)
         return out
 
@@ -642,8 +643,11 @@ class _Restager:
 
     def _check_moves(self, i: int, e: Comm, stage: int) -> None:
         """An op whose sequence number changes must be on a group of lockstep peers (they move alike)."""
-        members = self.group_members[e.group]
-        others = sorted({self.fold.coords[x][self.pp_axis] for x in members} - {self.stage})
+        others = self._other_stages.get(e.group)
+        if others is None:  # per group, not per op: a thousand-rank job's rewrite checks millions of ops
+            members = self.group_members[e.group]
+            others = self._other_stages[e.group] = sorted({self.fold.coords[x][self.pp_axis] for x in members}
+                                                          - {self.stage})
         if e.is_p2p or others:
             raise ScheduleError(f"{self._where()} event {i} ({e.kind} on group {e.group}) moves in stage {stage}'s "
                                 f"order of units, but the group has members on other stages {others[:8]} "

@@ -196,7 +196,8 @@ class _Synthesis:
                                                             f"not in group {gid} {self._name(gid)}"))
             elif moved and root >= 0:
                 root = translate(offset, root)
-            out.append(Comm(ev.kind, gid, ev.seq, peer, root, ev.nbytes, ev.dtype, ev.async_op, ev.label))
+            same = gid == ev.group and peer == ev.peer and root == ev.root  # then shared, as frozen
+            out.append(ev if same else ev.but(group=gid, peer=peer, root=root))
         return out
 
 
