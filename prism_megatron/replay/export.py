@@ -11,12 +11,13 @@ end would draw as never ending), the critical path clipped.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from ..trace.chrome import chrome_json
+from ..trace.writer import atomic_write_text
 from .engine import ReplayResult, Segment
 
 ACTIVITY_TID = 0
@@ -129,8 +130,5 @@ def to_chrome(result: ReplayResult, provenance: dict[str, Any] | None = None,
 
 
 def write_chrome(result: ReplayResult, path: str | Path, provenance: dict[str, Any] | None = None) -> Path:
-    """Write the predicted timeline to ``path`` (JSON); return the path."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(to_chrome(result, provenance)) + "\n", encoding="utf-8")
-    return path
+    """Write the predicted timeline to ``path`` (JSON) atomically; return the path."""
+    return atomic_write_text(path, chrome_json(to_chrome(result, provenance)))

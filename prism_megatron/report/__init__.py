@@ -7,7 +7,6 @@ neither the runtime nor Megatron.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -15,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from prism_megatron.options import RunOnlyOptions, option
 from prism_megatron.replay.collector import paused
+from prism_megatron.trace.chrome import chrome_json
 from prism_megatron.trace.writer import atomic_write_text
 
 from .build import assemble, build_report, verdict
@@ -84,7 +84,7 @@ def _make_report(trace_dir: str | Path, out_dir: str | Path | None, cluster: str
         number = report["prediction"]["timeline"]["iteration"] if timeline == "iteration" else None
         window = timeline_window(result, number)
         paths["timeline"] = atomic_write_text(out / TIMELINE_FILE,
-                                              json.dumps(to_chrome(result, meta, window, number)) + "\n")
+                                              chrome_json(to_chrome(result, meta, window, number)))
         size = fmt_bytes(paths["timeline"].stat().st_size)
         tell(f"{TIMELINE_FILE} ({size}) written in {time.monotonic() - step:.1f} s")
     else:

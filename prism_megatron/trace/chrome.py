@@ -251,8 +251,14 @@ def to_chrome(trace: PrismTrace) -> dict[str, Any]:
     }
 
 
+def chrome_json(obj: dict[str, Any]) -> str:
+    """Trace-event JSON as Perfetto and chrome://tracing read it, without the spaces ``json.dumps`` puts after
+    its separators by default (a thousand-rank job's timeline is hundreds of MB)."""
+    return json.dumps(obj, separators=(",", ":")) + "\n"
+
+
 def write_chrome(trace: PrismTrace | str | Path, out_path: str | Path) -> Path:
     """Write ``to_chrome(trace)`` to ``out_path`` atomically; ``trace`` may also be a trace path."""
     if not isinstance(trace, PrismTrace):
         trace = read_trace(trace)
-    return atomic_write_text(out_path, json.dumps(to_chrome(trace), separators=(",", ":")))
+    return atomic_write_text(out_path, chrome_json(to_chrome(trace)))
