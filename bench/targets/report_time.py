@@ -37,7 +37,7 @@ HERE = Path(__file__).resolve().parents[2]
 def run(mode: str, tree: Path, trace: Path, out: Path) -> tuple[float, list[str], int]:
     """(wall s, the steps said, peak resident KiB) of one report of ``trace`` by ``tree``'s code in a fresh
     process."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), *filter(None, [os.environ.get("PYTHONPATH")])])}
     t0 = time.monotonic()
     done = subprocess.run([sys.executable, "-c", CHILD, mode, str(trace), str(out)], capture_output=True, text=True,
                           env=env, cwd=tree)

@@ -129,6 +129,7 @@ def to_chrome(result: ReplayResult, provenance: dict[str, Any] | None = None,
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": meta}
 
 
-def write_chrome(result: ReplayResult, path: str | Path, provenance: dict[str, Any] | None = None) -> Path:
-    """Write the predicted timeline to ``path`` (JSON) atomically; return the path."""
-    return atomic_write_text(path, chrome_json(to_chrome(result, provenance)))
+def write_chrome(result: ReplayResult, path: str | Path, provenance: dict[str, Any] | None = None,
+                 window: tuple[float, float] | None = None, iteration: int | None = None) -> Path:
+    """Write the predicted timeline (``to_chrome``'s, its arguments) to ``path`` atomically; return the path."""
+    return atomic_write_text(path, chrome_json(to_chrome(result, provenance, window, iteration)))

@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING
 
 from prism_megatron.options import RunOnlyOptions, option
 from prism_megatron.replay.collector import paused
-from prism_megatron.trace.chrome import chrome_json
 from prism_megatron.trace.writer import atomic_write_text
 
 from .build import assemble, build_report, verdict
@@ -66,7 +65,7 @@ def make_report(trace_dir: str | Path, out_dir: str | Path | None = None,
 
 def _make_report(trace_dir: str | Path, out_dir: str | Path | None, cluster: str | None,
                  calibrated: str | Path | None, timeline: str, tell: Callable[[str], None]) -> dict[str, Path]:
-    from prism_megatron.replay.export import to_chrome
+    from prism_megatron.replay.export import write_chrome
 
     started = time.monotonic()
     tell(f"replaying the trace and building the report of {trace_dir}")
@@ -83,8 +82,7 @@ def _make_report(trace_dir: str | Path, out_dir: str | Path | None, cluster: str
                 "provenance": report["prediction"]["provenance"]}
         number = report["prediction"]["timeline"]["iteration"] if timeline == "iteration" else None
         window = timeline_window(result, number)
-        paths["timeline"] = atomic_write_text(out / TIMELINE_FILE,
-                                              chrome_json(to_chrome(result, meta, window, number)))
+        paths["timeline"] = write_chrome(result, out / TIMELINE_FILE, meta, window, number)
         size = fmt_bytes(paths["timeline"].stat().st_size)
         tell(f"{TIMELINE_FILE} ({size}) written in {time.monotonic() - step:.1f} s")
     else:
