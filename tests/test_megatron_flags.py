@@ -278,6 +278,27 @@ def test_a_checkpoint_save_is_a_span_the_iteration_time_leaves_out(tmp_path):
     assert CHECKPOINT_SAVE in TIMER_PAUSES
 
 
+def test_the_logged_line_says_what_emulating_that_iteration_took_not_megatrons_interval_mean():
+    """megatron-core 0.19 logs iteration 1 without resetting its timer, so its iteration-2 figure is the mean of
+    the first two (and with --log-interval N every figure is an interval's mean): beside the prediction the
+    line gives the logged iteration's own emulation time, measured around its train_step."""
+    from prism_megatron.patches import training_loop
+
+    line = (" [2026-12-04 18:14:47.481303] iteration        2/       3 | consumed samples:         3072 | "
+            "elapsed time per iteration (ms): 34327.4 | learning rate: 1.000000E-04 |")
+    assert training_loop._with_prediction(line) == line  # nothing asked for iteration 2: Megatron's line as it is
+    training_loop._PREDICTED[2] = (1.25, "host and GPU time measured")
+    training_loop._EMULATED_S[2] = 17.2
+    shown = training_loop._with_prediction(line)
+    assert "elapsed time per iteration (ms): 1250.0 (predicted, host and GPU time measured; emulation took " \
+           "17200.0) | learning rate" in shown, shown
+    assert 2 not in training_loop._PREDICTED and 2 not in training_loop._EMULATED_S  # used once
+    training_loop._PREDICTED[2] = (None, "no predictor in this run")
+    training_loop._EMULATED_S[2] = 17.2
+    assert "(ms): 17200.0 (emulation wall time, not a prediction: no predictor in this run) |" in \
+           training_loop._with_prediction(line)
+
+
 # ----------------------------------------------------------------------------- Megatron's parser
 _PARSE = textwrap.dedent("""
     import json, sys

@@ -9,8 +9,10 @@ units carry ``eval=True``, so they are not mistaken for the iteration's training
 so the replay leaves them out of the iteration's time (``trace.markers.TIMER_PAUSES``).
 On the last rank (Megatron's logger), each logged iteration then waits for its predicted time
 (``runtime.live``), which ``print_rank_last`` (looked up in the same module) puts into the
-``elapsed time per iteration (ms)`` field, saying it is predicted. With ``--log-interval`` above 1
-Megatron's figure is the interval's mean; the predicted one is the logged iteration's.
+``elapsed time per iteration (ms)`` field, saying it is predicted, beside what emulating that iteration took
+(the rank's own ``train_step``). Megatron's own figure is not that: with ``--log-interval`` above 1 it is
+the interval's mean, and megatron-core 0.19 logs the first iteration without resetting its timer, so
+its second figure is the mean of the first two.
 Checked against the supported releases (``megatron.versions``).
 """
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import re
+import time
 from typing import Any
 
 from prism_megatron.megatron.versions import checked_versions
@@ -46,12 +49,13 @@ def _mark_wandb_run() -> None:
 
 
 _PREDICTED: dict[int, tuple] = {}  # iteration -> (seconds | None, note), on the last rank
+_EMULATED_S: dict[int, float] = {}  # iteration -> its train_step's wall time here, on the last rank
 _ELAPSED = re.compile(r"iteration\s+(\d+)/.*?elapsed time per iteration \(ms\): ([0-9.]+)")
 
 
-def _ask_prediction(iteration: int) -> None:
+def _ask_prediction(iteration: int, emulated_s: float) -> None:
     """On the rank that prints Megatron's log (the last, or in a fold the live rank standing for it), where
-    it will log: the predicted time."""
+    it will log: the predicted time, and what emulating the iteration took."""
     from megatron.training import get_args
 
     from prism_megatron.runtime.live import predicted_iteration_time
@@ -60,6 +64,7 @@ def _ask_prediction(iteration: int) -> None:
         answer = predicted_iteration_time(iteration)
         if answer is not None:
             _PREDICTED[iteration] = answer
+            _EMULATED_S[iteration] = emulated_s
 
 
 def _with_prediction(message: str) -> str:
@@ -69,7 +74,8 @@ def _with_prediction(message: str) -> str:
     m = _ELAPSED.search(message)
     if m is None or int(m.group(1)) not in _PREDICTED:
         return message
-    shown = format_predicted_ms(_PREDICTED.pop(int(m.group(1))), float(m.group(2)))
+    iteration = int(m.group(1))
+    shown = format_predicted_ms(_PREDICTED.pop(iteration), _EMULATED_S.pop(iteration) * 1000)
     return message[:m.start(2)] + shown + message[m.end(2):]
 
 
@@ -96,9 +102,10 @@ def install() -> None:
         passed = kwargs.get("iteration")
         iteration = passed + 1 if isinstance(passed, int) else schedules.STATE.iteration + 1
         schedules.STATE.begin_iteration(iteration)
+        started = time.perf_counter()
         with span("iteration", iteration=iteration):
             result = original(*args, **kwargs)
-        _ask_prediction(iteration)
+        _ask_prediction(iteration, time.perf_counter() - started)
         return result
 
     original_evaluate = seam(training, "evaluate", CHECKED, ("forward_step_func", "data_iterator", "model"))
