@@ -133,6 +133,7 @@ def plan_cmd(args: tuple[str, ...]) -> None:
                          o["prism_host_memory"], o["prism_swap"], env=request.env,
                          source=o.get("prism_recipe") or str(request.script), fold_depth=o["prism_fold_depth"],
                          capture=o["prism_fold_capture"], second_pass=o["prism_fold_second_pass"],
+                         microbatches=microbatches,
                          target=(resolve_target(o["prism_target_gpu"], o.get("prism_target_context"))
                                  if o.get("prism_target_gpu") is not None else None))
     except (RunError, RecipeError, LaunchError, MicrobatchModeError, TargetError) as e:

@@ -33,7 +33,7 @@ from megatron.core.parallel_state import RankGenerator  # noqa: E402
 
 from prism_megatron.cli import main  # noqa: E402
 from prism_megatron.megatron.driver import CORE_DRIVER_SCRIPT  # noqa: E402
-from prism_megatron.megatron.plan import PLAN_JSON_VERSION, GiB, _memory  # noqa: E402
+from prism_megatron.megatron.plan import PLAN_JSON_VERSION, REPORT_TIME_MODEL, GiB, _memory  # noqa: E402
 
 
 def _dense(layout: TargetLayout) -> RankGenerator:
@@ -576,7 +576,16 @@ def test_plan_says_what_micro_batch_folding_will_run_and_plans_that_command(pars
     assert out["microbatches"]["target"] == 16 and out["microbatches"]["captured"] == 5
     folded_flops = out["time"]["sandbox_flops_per_iteration"]
     result = CliRunner().invoke(main, [*base, "--", str(CORE_DRIVER_SCRIPT), *big])
-    assert json.loads(result.stdout)["time"]["sandbox_flops_per_iteration"] == pytest.approx(folded_flops * 16 / 5)
+    unfolded = json.loads(result.stdout)["time"]
+    assert unfolded["sandbox_flops_per_iteration"] == pytest.approx(folded_flops * 16 / 5)
+    # the report step replays the target's 16 micro-batches either way: 2 iterations x 16 x 8 dense TP2 layers on
+    # each of the replica's 8 live ranks (2 per stage of 4)
+    per_layer = REPORT_TIME_MODEL["attention_ops"][("mha", True)] + REPORT_TIME_MODEL["mlp_ops"][("dense", True)]
+    for t in (out["time"], unfolded):
+        assert t["report_ops"] == round(2 * 16 * 8 * per_layer * 8 / 4), t
+        assert t["report_s"] == pytest.approx(t["report_ops"] * REPORT_TIME_MODEL["s_per_op"], rel=1e-3)
+        assert "then the report: " in t["model"] and "(16 micro-batches)" in t["model"]
+    assert out["time"]["seconds"] > out["time"]["report_s"] > 0
     result = CliRunner().invoke(main, [*base, "--prism-fold-microbatches", "4", "--", str(CORE_DRIVER_SCRIPT), *big])
     assert result.exit_code != 0 and "below the minimum 5" in result.output
 

@@ -12,7 +12,7 @@
 #   MEGATRON_LM_PATH=DIR_WITH_megatron/training PYTHON=python3 bash bench/targets/smoke_cpu.sh [NAME ...]
 # env: PYTHON (python3), TIMEOUT (s per target run, 360), ITERS (train iterations, 2), OUT (/tmp/prism-smoke),
 #   SUMMARY_ONLY (1: run nothing, print the blocks of the runs already in OUT).
-# Prints one summary block per target; writes OUT/smoke-NAME/{plan.txt,run.log,exit.txt,overrides.txt} and the trace.
+# Prints one summary block per target; writes OUT/smoke-NAME/{plan.txt,run.log,exit.txt,overrides.txt,flags.txt} and the trace.
 set -uo pipefail
 : "${MEGATRON_LM_PATH:?set MEGATRON_LM_PATH to a Megatron-LM checkout (the directory holding megatron/training)}"
 py=${PYTHON:-python3}
@@ -89,6 +89,7 @@ for name in "${targets[@]}"; do
            --prism-fold-depth "$(depth "$name")" --prism-fold-capture serial --prism-attention sdpa
            --prism-fold-microbatches auto "${common[@]}" "${own[@]}")
     echo "${common[*]} ${own[*]}" > "$out/overrides.txt"
+    echo "${flags[*]}" > "$out/flags.txt"  # the whole command's flags (report_step_model.py plans them again)
     "$py" -m prism_megatron plan "${flags[@]}" > "$out/plan.txt" 2>&1
     plan_rc=$?
     t0=$(date +%s)

@@ -33,7 +33,7 @@ from prism_megatron.megatron.megatron_args import ESTIMATE_KEY, padded_vocab, pa
 
 __all__ = ["PLAN_JSON_VERSION", "PlanError", "Plan", "make_plan", "plan_json", "render_plan", "plan_fits",
            "plan_verdict", "predicted_ooms", "one_rank_fits", "serial_refusal", "SERIAL_MOE_DISPATCHERS",
-           "ROUGH_TIME_MODEL", "second_pass_bound"]
+           "ROUGH_TIME_MODEL", "REPORT_TIME_MODEL", "second_pass_bound"]
 
 # 2: microbatches (the micro-batch fold's record, or null); 3: memory by prism's estimate; 4: capture;
 # 5: the target's cap (memory.target, memory.per_rank_held), verdict and predicted_oom; 6: no capture.stops_at,
@@ -41,7 +41,8 @@ __all__ = ["PLAN_JSON_VERSION", "PlanError", "Plan", "make_plan", "plan_json", "
 # 7: capture.second_pass (serial: at_most, the captures SECOND_PASS_RULE may add; counted, those in time.seconds),
 # time.captures
 # 8: memory.swap_host (swaps: what a switch holds in host memory against the budget, runtime.hostplan)
-PLAN_JSON_VERSION = 8
+# 9: time.report_s, time.report_ops (the report step after the captures, counted in time.seconds)
+PLAN_JSON_VERSION = 9
 # per class (memory.classes, memory.per_rank: the most of a live rank), Megatron's formula under memory.megatron
 GiB = 1 << 30
 #: Host memory of one live rank's process besides its GPU state (Python, torch, Megatron, the
@@ -56,6 +57,16 @@ ROUGH_TIME_MODEL = {
     "cpu_flops_per_core": 20e9,  # fp32 torch matmuls on one core, sustained
     "gpu_flops": 150e12,  # one H200-class GPU on small emulated shapes, sustained
     "overhead_per_rank_iteration_s": 0.1,  # coordinator turns and slot switches per rank and iteration
+}
+#: The report step after the captures: the replay walks every op of the target's micro-batches on the ranks it
+#: replays, then the report and its timeline are written; its time goes with that op count. Ops per layer and
+#: micro-batch on one rank (forward and backward) by sublayer kind and whether TP > 1 (with sequence parallelism;
+#: shared experts add a TP-split MLP's), and the step's seconds per op, counted in the target recipes' shrunk
+#: traces (bench/targets/results/cpu-2026-12-05-report-step-model.txt).
+REPORT_TIME_MODEL = {
+    "s_per_op": 50e-6,
+    "attention_ops": {("mha", False): 0.25, ("mha", True): 6.0, ("mla", False): 0.25, ("mla", True): 19.0},
+    "mlp_ops": {("dense", False): 0.25, ("dense", True): 6.0, ("moe", False): 7.5, ("moe", True): 8.5},
 }
 
 
@@ -229,6 +240,28 @@ def _time(fold: FoldPlan, args: Any, vocab: int | None, iterations: int | None, 
                       f"{m['overhead_per_rank_iteration_s']} s per rank; easily off by 3x")}
 
 
+def _report_time(time: dict[str, Any], t: TargetLayout, fold: FoldPlan, args: Any,
+                 microbatches: dict | None) -> dict[str, Any]:
+    """``time`` with the report step added: the ops the replay walks (the target's micro-batches on every rank
+    it replays: one pipeline, or the live ranks, for a fold; every rank otherwise) at the model's seconds per op."""
+    from prism_megatron.megatron.fold import _moe_pattern
+
+    m = REPORT_TIME_MODEL
+    target = (microbatches or {}).get("target")
+    mbs = int(target) if target else int(args.global_batch_size) // (int(args.micro_batch_size) * t.dp)
+    split = t.tp > 1
+    attention = m["attention_ops"][("mla" if getattr(args, "multi_latent_attention", False) else "mha", split)]
+    shared = m["mlp_ops"][("dense", split)] if getattr(args, "moe_shared_expert_intermediate_size", None) else 0.0
+    per_microbatch = sum(attention + (m["mlp_ops"][("moe", split)] + shared if moe else m["mlp_ops"][("dense", split)])
+                         for moe in _moe_pattern(t))  # every layer of the model: one pipeline
+    replayed = max(len(fold.live), t.pp) if len(fold.live) < t.world_size else t.world_size
+    ops = time["iterations"] * mbs * per_microbatch * replayed / t.pp
+    seconds = ops * m["s_per_op"]
+    return {**time, "seconds": time["seconds"] + seconds, "report_s": seconds, "report_ops": round(ops),
+            "model": time["model"] + f"; then the report: ~{ops / 1e6:.2g} M ops replayed at "
+                                     f"{m['s_per_op'] * 1e6:.0f} us each ({mbs} micro-batches)"}
+
+
 def one_rank_fits(plan: Plan) -> tuple[bool | None, str]:
     """Whether the sandbox's most loaded rank alone fits here (a serial capture runs one live rank at a
     time): its state (prism's estimate for its class) within one device, or on CPU with its process within
@@ -368,12 +401,14 @@ def _auto_serial_moe(layout: TargetLayout, fold: FoldPlan, memory: dict[str, Any
 def make_plan(script: Any, script_args: list[str], world_size: int, devices: list[str], gpus_per_node: int = 8,
               device_gib: float | None = None, host_gib: float | None = None, swap: str = "auto",
               env: dict[str, str] | None = None, source: str = "", fold_depth: str = "auto",
-              capture: str = "together", target: Any = None, second_pass: str = "auto") -> Plan:
+              capture: str = "together", target: Any = None, second_pass: str = "auto",
+              microbatches: dict | None = None) -> Plan:
     """Parse the command with Megatron's parser, fold it (``fold_depth``: auto, replica or class), and
     cost the sandbox here, captured ``capture`` (together, or serial: one live rank at a time).
     ``target``: the target GPU (``memory.targets.TargetGPU`` or its ``as_dict()``) whose cap each rank's
     allocator runs under, or None (no cap). ``second_pass``: ``--prism-fold-second-pass`` (serial captures: the
-    captures taken again count in the expected time)."""
+    captures taken again count in the expected time). ``microbatches``: the micro-batch fold's record for the
+    command (``choose_microbatches``), whose target count the report step replays."""
     args = parse_megatron_args(script, script_args, world_size, env)
     layout = layout_from_args(args, world_size, gpus_per_node)
     depth, depth_note = resolve_depth(layout, fold_depth)
@@ -408,6 +443,7 @@ def make_plan(script: Any, script_args: list[str], world_size: int, devices: lis
         plan.capture = _serial(plan, args)
         plan.capture["second_pass"] = _second_pass(fold, second_pass)
         plan.time = _serial_time(plan.time, fold, plan.capture["second_pass"])
+    plan.time = _report_time(plan.time, layout, fold, args, microbatches)
     return plan
 
 
