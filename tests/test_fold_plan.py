@@ -444,12 +444,17 @@ def test_plan_of_a_moe_target_captured_serially_folds_expert_peers_at_class_dept
     out = json.loads(roomy.stdout)
     assert out["fold_depth"].startswith("auto: replica for a MoE layout (one model replica fits here together")
     assert len(out["fold"]["live"]) == 16 and out["capture"]["refused"] is True and out["fits"] is False
+    # the report step: 3 iterations x 8 micro-batches (GBS 256 over DP32) x 8 MoE layers at TP1, on each replayed
+    # rank: the replica's 16 live ranks (8 per stage of 2) here, one pipeline of 2 at class depth below
+    per_layer = REPORT_TIME_MODEL["attention_ops"][("mha", False)] + REPORT_TIME_MODEL["mlp_ops"][("moe", False)]
+    assert out["time"]["report_ops"] == round(3 * 8 * 8 * per_layer * 16 / 2), out["time"]
     small = CliRunner().invoke(main, [*base, "--prism-device-memory", "4", *args])
     assert small.exit_code == 0, small.output
     out = json.loads(small.stdout)
     assert out["fold_depth"].startswith("auto: class for a MoE layout captured serially (one model replica does not "
                                         "fit here: the sandbox's 16 ranks need")
     assert out["fold"]["live"] == [0, 32] and out["fold"]["expert_tokens"] == "translated mirror"
+    assert out["time"]["report_ops"] == round(3 * 8 * 8 * per_layer), out["time"]
     capture = out["capture"]
     assert capture["captures"] == 2 and capture["fits"] is True and "refused" not in capture, capture
     need = out["memory"]["classes"]["first"]["total"] / 2**30  # prism's estimate of the largest class
