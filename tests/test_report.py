@@ -240,6 +240,24 @@ def test_make_report_says_what_each_step_took_as_it_ends(tmp_path):
     assert set(paths) == {"report", "html", "timeline"}
 
 
+def test_the_report_step_bench_reads_the_steps_a_run_says(tmp_path):
+    """bench/targets/report_step_model.py sums the step's three timed lines as a run prints them (publish's
+    ``prism: report:`` prefix on make_report's words), and says so when the run did not reach its report."""
+    from tests.bench_scripts import load_bench
+
+    bench = load_bench("targets/report_step_model.py")
+    said: list[str] = []
+    make_report(make_trace(tmp_path / "t"), tmp_path / "out", say=said.append)
+    run = tmp_path / "run"
+    run.mkdir()
+    lines = "".join(f"prism: report: {m}\n" for m in said)
+    (run / "run.log").write_text("prism: capture: 1/1 ranks finished\n" + lines)
+    times = [float(x) for m in said[1:] for x in re.findall(r"in ([0-9.]+) s$", m)]
+    assert len(times) == 3 and bench.measured(run) == pytest.approx(sum(times))
+    (run / "run.log").write_text("".join(f"prism: report: {m}\n" for m in said[:2]))  # cut before the files
+    assert bench.measured(run) is None
+
+
 def test_report_json_round_trip_and_reader_errors(tmp_path):
     paths = make_report(make_trace(tmp_path / "t"), tmp_path / "out")
     assert set(paths) == {"report", "html", "timeline"}
