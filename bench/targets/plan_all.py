@@ -68,8 +68,14 @@ def row(name: str, d: dict) -> list[str]:
     return [name, d["layout"], depth, f"{len(live)} of {fold.get('world_size', '?')}",
             f"{gib(m.get('per_rank'))} ({m.get('per_rank_class') or '-'})",
             f"{gib(formula.get('total'))} = {gib(formula.get('weight_and_optimizer'))} + "
-            f"{gib(formula.get('activation'))}", f"{d['time']['seconds'] / 60:.0f} min",
+            f"{gib(formula.get('activation'))}", _minutes(d["time"]),
             fits + (f": {why}" if capture["mode"] == "serial" or not verdict else "")]
+
+
+def _minutes(time: dict) -> str:
+    """The plan's expected emulation time, and the report step's part of it (plan JSON 9 on)."""
+    report = time.get("report_s")
+    return f"{time['seconds'] / 60:.1f} min" + (f" ({report:.0f} s report)" if report is not None else "")
 
 
 def main() -> None:
