@@ -287,14 +287,12 @@ def test_the_logged_line_says_what_emulating_that_iteration_took_not_megatrons_i
     line = (" [2026-12-04 18:14:47.481303] iteration        2/       3 | consumed samples:         3072 | "
             "elapsed time per iteration (ms): 34327.4 | learning rate: 1.000000E-04 |")
     assert training_loop._with_prediction(line) == line  # nothing asked for iteration 2: Megatron's line as it is
-    training_loop._PREDICTED[2] = (1.25, "host and GPU time measured")
-    training_loop._EMULATED_S[2] = 17.2
+    training_loop._PREDICTED[2] = ((1.25, "host and GPU time measured"), 17.2)
     shown = training_loop._with_prediction(line)
     assert "elapsed time per iteration (ms): 1250.0 (predicted, host and GPU time measured; emulation took " \
            "17200.0) | learning rate" in shown, shown
-    assert 2 not in training_loop._PREDICTED and 2 not in training_loop._EMULATED_S  # used once
-    training_loop._PREDICTED[2] = (None, "no predictor in this run")
-    training_loop._EMULATED_S[2] = 17.2
+    assert 2 not in training_loop._PREDICTED  # used once
+    training_loop._PREDICTED[2] = ((None, "no predictor in this run"), 17.2)
     assert "(ms): 17200.0 (emulation wall time, not a prediction: no predictor in this run) |" in \
            training_loop._with_prediction(line)
 

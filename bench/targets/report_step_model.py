@@ -36,21 +36,19 @@ def measured(run_dir: Path) -> float | None:
 
 def trace_ops_per_layer(run_dir: Path) -> list[float]:
     """Each live rank's ops in the trace per iteration, captured micro-batch and layer of its stage."""
-    import pyarrow.parquet as pq
+    from prism_megatron.trace import read_trace
 
-    trace = run_dir / "trace"
-    job = json.loads((trace / "manifest.json").read_text())["job"]
-    args = job["args"]
+    trace = read_trace(run_dir / "trace")
+    args = trace.manifest["job"]["args"]
 
     def arg(name: str, default: int) -> int:
         return int(args[args.index(name) + 1]) if name in args else default
 
     layers, pp = arg("--num-layers", 1), arg("--pipeline-model-parallel-size", 1)
-    tp = arg("--tensor-model-parallel-size", 1)
-    dp = job["world_size"] // (tp * pp * arg("--context-parallel-size", 1))
-    captured = (job.get("microbatches") or {}).get("captured") or \
-        arg("--global-batch-size", 1) // (arg("--micro-batch-size", 1) * dp)
-    ranks = pq.read_table(trace / "ops.parquet", columns=["rank"]).column("rank").value_counts().to_pylist()
+    dp = trace.world_size // (arg("--tensor-model-parallel-size", 1) * pp * arg("--context-parallel-size", 1))
+    captured = (trace.microbatches.captured if trace.microbatches is not None
+                else arg("--global-batch-size", 1) // (arg("--micro-batch-size", 1) * dp))
+    ranks = trace.ops.column("rank").value_counts().to_pylist()
     return [r["counts"] / arg("--train-iters", 1) / captured / (layers / pp) for r in ranks]
 
 

@@ -62,7 +62,7 @@ ROUGH_TIME_MODEL = {
 #: replays, then the report and its timeline are written; its time goes with that op count. Ops per layer and
 #: micro-batch on one rank (forward and backward) by sublayer kind and whether TP > 1 (with sequence parallelism;
 #: shared experts add a TP-split MLP's), and the step's seconds per op, counted in the target recipes' shrunk
-#: traces (bench/targets/results/cpu-2026-12-05-report-step-model.txt).
+#: traces by bench/targets/report_step_model.py (docs/measurements.md).
 REPORT_TIME_MODEL = {
     "s_per_op": 50e-6,
     "attention_ops": {("mha", False): 0.25, ("mha", True): 6.0, ("mla", False): 0.25, ("mla", True): 19.0},
@@ -248,18 +248,18 @@ def _report_time(time: dict[str, Any], t: TargetLayout, fold: FoldPlan, args: An
 
     m = REPORT_TIME_MODEL
     target = (microbatches or {}).get("target")
-    mbs = int(target) if target else int(args.global_batch_size) // (int(args.micro_batch_size) * t.dp)
+    count = int(target) if target else int(args.global_batch_size) // (int(args.micro_batch_size) * t.dp)
     split = t.tp > 1
     attention = m["attention_ops"][("mla" if getattr(args, "multi_latent_attention", False) else "mha", split)]
     shared = m["mlp_ops"][("dense", split)] if getattr(args, "moe_shared_expert_intermediate_size", None) else 0.0
     per_microbatch = sum(attention + (m["mlp_ops"][("moe", split)] + shared if moe else m["mlp_ops"][("dense", split)])
                          for moe in _moe_pattern(t))  # every layer of the model: one pipeline
-    replayed = max(len(fold.live), t.pp) if len(fold.live) < t.world_size else t.world_size
-    ops = time["iterations"] * mbs * per_microbatch * replayed / t.pp
+    replayed = max(len(fold.live), t.pp)  # an unfolded run's live ranks are every rank
+    ops = time["iterations"] * count * per_microbatch * replayed / t.pp
     seconds = ops * m["s_per_op"]
     return {**time, "seconds": time["seconds"] + seconds, "report_s": seconds, "report_ops": round(ops),
             "model": time["model"] + f"; then the report: ~{ops / 1e6:.2g} M ops replayed at "
-                                     f"{m['s_per_op'] * 1e6:.0f} us each ({mbs} micro-batches)"}
+                                     f"{m['s_per_op'] * 1e6:.0f} us each ({count} micro-batches)"}
 
 
 def one_rank_fits(plan: Plan) -> tuple[bool | None, str]:

@@ -48,8 +48,9 @@ def _mark_wandb_run() -> None:
     mark("wandb_run", id=run.id, project=run.project, entity=run.entity or None, dir=str(root))
 
 
-_PREDICTED: dict[int, tuple] = {}  # iteration -> (seconds | None, note), on the last rank
-_EMULATED_S: dict[int, float] = {}  # iteration -> its train_step's wall time here, on the last rank
+#: on the last rank, per logged iteration: the prediction ``(seconds | None, note)`` and the iteration's train_step
+#: wall time here
+_PREDICTED: dict[int, tuple[tuple, float]] = {}
 _ELAPSED = re.compile(r"iteration\s+(\d+)/.*?elapsed time per iteration \(ms\): ([0-9.]+)")
 
 
@@ -63,8 +64,7 @@ def _ask_prediction(iteration: int, emulated_s: float) -> None:
     if logs_as_last_rank() and iteration % get_args().log_interval == 0:
         answer = predicted_iteration_time(iteration)
         if answer is not None:
-            _PREDICTED[iteration] = answer
-            _EMULATED_S[iteration] = emulated_s
+            _PREDICTED[iteration] = (answer, emulated_s)
 
 
 def _with_prediction(message: str) -> str:
@@ -74,8 +74,8 @@ def _with_prediction(message: str) -> str:
     m = _ELAPSED.search(message)
     if m is None or int(m.group(1)) not in _PREDICTED:
         return message
-    iteration = int(m.group(1))
-    shown = format_predicted_ms(_PREDICTED.pop(iteration), _EMULATED_S.pop(iteration) * 1000)
+    answer, emulated_s = _PREDICTED.pop(int(m.group(1)))
+    shown = format_predicted_ms(answer, emulated_s * 1000)
     return message[:m.start(2)] + shown + message[m.end(2):]
 
 
