@@ -6,22 +6,38 @@ with Megatron-LM's ``megatron.training.arguments`` (``parse_args`` + ``validate_
 ``parse_and_validate_args``), as rank 0 of ``WORLD_SIZE`` ranks would. Parsing runs in a child
 process: the core driver switches on CPU mode when imported, and Megatron-LM's parser keeps global
 state and needs the stand-ins of ``megatron_lm``; none of that may touch the caller.
+
+The child serves every command line of one script: planning a run parses its command and then the
+micro-batch fold's rewrite of it, and importing Megatron is nearly all of a parse's seconds. Before each
+parse it takes the request's environment and resets Megatron's global variables, so each parse is what a
+fresh interpreter would give (``tests/test_megatron_args.py``); a change in what decides its imports
+(``IMPORT_VARS``) starts another child, and an idle one exits (``IDLE_S``).
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
+import contextlib
+import io
 import json
 import os
+import select
 import subprocess
 import sys
+import tempfile
+import time
+import traceback
 from pathlib import Path
 
-__all__ = ["ArgsError", "parse_megatron_args", "padded_vocab", "ESTIMATE_KEY"]
+__all__ = ["ArgsError", "parse_megatron_args", "close_parser", "padded_vocab", "ESTIMATE_KEY", "IDLE_S", "IMPORT_VARS"]
 
 #: key of the parsed args that holds Megatron's theoretical memory of the most loaded shard
 #: (``workload.megatron_estimate``, computed in the child where megatron.training is imported)
 ESTIMATE_KEY = "prism_megatron_estimate"
+
+#: seconds a parsing child waits for the next command line before it exits (it holds Megatron imported)
+IDLE_S = 60.0
 
 _MARK = "PRISM-MEGATRON-ARGS "
 
@@ -30,18 +46,113 @@ class ArgsError(ValueError):
     """Megatron's parser refused the command; the message carries its words."""
 
 
+#: environment variables that decide what the child imports (which Megatron, which devices): a child is
+#: replaced when one changes; every other variable is the request's own, set in the child before it parses
+IMPORT_VARS = ("PYTHONPATH", "MEGATRON_LM_PATH", "PRISM_MEGATRON_LM", "CUDA_VISIBLE_DEVICES")
+
+
+def _child_key(script: Path, env: dict[str, str]) -> tuple:
+    return (sys.executable, str(script), *(env.get(name) for name in IMPORT_VARS))
+
+
+class _Parser:
+    """One serving child: a request per line (the command line and the environment to parse it under, as
+    JSON), one ``_MARK`` reply line out."""
+
+    def __init__(self, script: Path, env: dict[str, str]) -> None:
+        self.key = _child_key(script, env)
+        self.script = Path(script)
+        self.log = tempfile.TemporaryFile()  # the child's own stderr (imports' warnings), read back on a crash
+        self.proc = subprocess.Popen([sys.executable, "-W", "ignore", "-m", __name__, "--serve", str(script)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, env=env)
+        self.pending = b""
+        self.parsed: dict[tuple, dict] = {}
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def parse(self, script_args: list[str], env: dict[str, str], timeout: float) -> dict:
+        """The child's reply for ``script_args`` under ``env``: ``{"args": ...}`` or ``{"error": ...}``; raises
+        BrokenPipeError or EOFError where the child was gone before it replied."""
+        key = (tuple(script_args), tuple(sorted(env.items())))
+        if key not in self.parsed:
+            request = {"argv": list(script_args), "env": env}
+            self.proc.stdin.write((json.dumps(request) + "\n").encode())
+            self.proc.stdin.flush()
+            self.parsed[key] = self._reply(time.monotonic() + timeout, timeout)
+        return self.parsed[key]
+
+    def _reply(self, deadline: float, timeout: float) -> dict:
+        fd = self.proc.stdout.fileno()
+        while True:
+            while b"\n" in self.pending:
+                line, self.pending = self.pending.split(b"\n", 1)
+                text = line.decode(errors="replace")
+                if text.startswith(_MARK):
+                    return json.loads(text[len(_MARK):])
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self.close()
+                raise ArgsError(f"Megatron's parser did not answer within {timeout:g} s for {self.script.name}")
+            ready, _, _ = select.select([fd], [], [], left)
+            if ready:
+                chunk = os.read(fd, 1 << 16)
+                if not chunk:
+                    raise EOFError
+                self.pending += chunk
+
+    def stderr_tail(self, lines: int = 6) -> str:
+        self.log.seek(0)
+        return "\n".join(self.log.read().decode(errors="replace").strip().splitlines()[-lines:])
+
+    def close(self) -> None:
+        if self.alive():
+            with contextlib.suppress(OSError):
+                self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+_PARSER: _Parser | None = None  # the one live child: another script or IMPORT_VARS value replaces it
+
+
+def close_parser() -> None:
+    """End the parsing child, if any (a run calls it once planned: the child holds Megatron's imports)."""
+    global _PARSER
+    if _PARSER is not None:
+        _PARSER.close()
+        _PARSER = None
+
+
+atexit.register(close_parser)
+
+
 def parse_megatron_args(script: Path, script_args: list[str], world_size: int,
                         env: dict[str, str] | None = None, timeout: float = 300.0) -> argparse.Namespace:
     """Megatron's parsed args for ``script script_args`` at ``world_size`` ranks (values that are not
     JSON, such as dtypes, come back as their ``repr``)."""
+    global _PARSER
     child_env = {**os.environ, **(env or {}), "WORLD_SIZE": str(world_size), "RANK": "0", "LOCAL_RANK": "0"}
-    cmd = [sys.executable, "-W", "ignore", "-m", __name__, str(script), str(world_size), *script_args]
-    out = subprocess.run(cmd, capture_output=True, text=True, env=child_env, timeout=timeout)
-    line = next((x for x in reversed(out.stdout.splitlines()) if x.startswith(_MARK)), None)
-    if out.returncode != 0 or line is None:
-        tail = "\n".join((out.stderr.strip() or out.stdout.strip()).splitlines()[-6:])
-        raise ArgsError(f"Megatron's parser refused the command for {Path(script).name}: {tail}")
-    return argparse.Namespace(**json.loads(line[len(_MARK):]))
+    key = _child_key(Path(script), child_env)
+    for attempt in (1, 2):  # a second child where the first had gone idle (or died) before it replied
+        if _PARSER is None or _PARSER.key != key or not _PARSER.alive():
+            close_parser()
+            _PARSER = _Parser(Path(script), child_env)
+        try:
+            reply = _PARSER.parse(list(script_args), child_env, timeout)
+            break
+        except (BrokenPipeError, EOFError):
+            tail = _PARSER.stderr_tail()
+            close_parser()
+            if attempt == 2:
+                raise ArgsError(f"Megatron's parser ended without an answer for {Path(script).name}: {tail}") from None
+    if "error" in reply:
+        raise ArgsError(f"Megatron's parser refused the command for {Path(script).name}: {reply['error']}")
+    return argparse.Namespace(**reply["args"])
 
 
 def _parse_here(script: Path, argv: list[str]) -> argparse.Namespace:
@@ -50,9 +161,12 @@ def _parse_here(script: Path, argv: list[str]) -> argparse.Namespace:
     if script.resolve() == CORE_DRIVER_SCRIPT:
         import importlib.util
 
-        spec = importlib.util.spec_from_file_location("prism_core_gpt", CORE_DRIVER_SCRIPT)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+        module = sys.modules.get("prism_core_gpt")
+        if module is None:  # imported once per child: it switches on CPU mode
+            spec = importlib.util.spec_from_file_location("prism_core_gpt", CORE_DRIVER_SCRIPT)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            sys.modules["prism_core_gpt"] = module
         return module.parse_args(argv)
     from prism_megatron.megatron import cpu_mode
     from prism_megatron.megatron.flags import add_prism_arguments
@@ -105,19 +219,63 @@ def _estimate(args: argparse.Namespace, world: int) -> dict:
     return megatron_estimate(args, vocab, data_parallel_size=dp, num_microbatches=micro) | {"vocab": vocab}
 
 
-def _main(argv: list[str]) -> int:
-    script, world, rest = Path(argv[0]), int(argv[1]), argv[2:]
-    os.environ["WORLD_SIZE"] = str(world)
+def _reset_megatron() -> None:
+    """Megatron-LM's global variables unset, as in a fresh interpreter (0.19's parser sets them)."""
+    gv = sys.modules.get("megatron.training.global_vars")
+    if gv is None:
+        return
+    if hasattr(gv, "unset_global_variables"):  # it unsets the micro-batch calculator too
+        gv.unset_global_variables()
+    elif hasattr(gv, "destroy_global_vars"):
+        gv.destroy_global_vars()
+
+
+def _answer(script: Path, argv: list[str]) -> dict:
+    """One parse, its printing kept from stdout (the replies' channel): ``{"args": ...}`` or ``{"error": ...}``
+    (the last lines of what the parser said on stderr, or of the exception)."""
+    printed, said = io.StringIO(), io.StringIO()
+    _reset_megatron()
     try:
-        args = _parse_here(script, rest)
+        with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(said):
+            args = _parse_here(script, argv)
+            out = vars(args)
+            out[ESTIMATE_KEY] = _estimate(args, int(os.environ["WORLD_SIZE"]))
+        return {"args": json.loads(json.dumps(out, default=repr))}
     except AssertionError as e:  # validate_args' checks
-        print(f"validate_args: {e}", file=sys.stderr)
-        return 2
-    out = vars(args)
-    out[ESTIMATE_KEY] = _estimate(args, world)
-    print(_MARK + json.dumps(out, default=repr), flush=True)
-    return 0
+        why = f"validate_args: {e}"
+    except SystemExit as e:  # argparse: its usage and error are what it printed; the core driver's FlagError says it
+        why = "\n".join(filter(None, [said.getvalue() or printed.getvalue(),
+                                       e.code if isinstance(e.code, str) else ""]))
+    except Exception:  # noqa: BLE001 - any other refusal comes back with its traceback's last lines
+        why = traceback.format_exc()
+    return {"error": "\n".join(why.strip().splitlines()[-6:])}
+
+
+def _set_environ(env: dict[str, str]) -> None:
+    """This process's environment made the request's, exactly (a fresh child's)."""
+    for name in [n for n in os.environ if n not in env]:
+        del os.environ[name]
+    os.environ.update(env)
+
+
+def _serve(script: Path) -> int:
+    """Answer each command line read from stdin until EOF, or until idle ``IDLE_S``."""
+    replies = sys.stdout
+    while True:
+        ready, _, _ = select.select([sys.stdin], [], [], IDLE_S)
+        if not ready:
+            return 0
+        line = sys.stdin.readline()
+        if not line:
+            return 0
+        request = json.loads(line)
+        _set_environ(request["env"])
+        reply = _answer(script, request["argv"])
+        replies.write(_MARK + json.dumps(reply) + "\n")
+        replies.flush()
 
 
 if __name__ == "__main__":
-    sys.exit(_main(sys.argv[1:]))
+    if len(sys.argv) != 3 or sys.argv[1] != "--serve":
+        sys.exit(f"usage: python -m {__spec__.name} --serve SCRIPT (command lines as JSON lists on stdin)")
+    sys.exit(_serve(Path(sys.argv[2])))

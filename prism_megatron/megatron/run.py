@@ -431,6 +431,9 @@ def run(request: RunRequest) -> int:
             from prism_megatron.patches.moe_fold import ENV_VAR as EXPERT_TOKENS_ENV
 
             os.environ[EXPERT_TOKENS_ENV] = cfg.fold["expert_tokens"]
+    from prism_megatron.megatron.megatron_args import close_parser
+
+    close_parser()  # planned: the parsing child's Megatron imports are not the ranks' to share memory with
     from prism_megatron.patches.tp_fold_embedding import ENV_VAR as TP_MIRROR_ENV
 
     tp = tp_mirrored(cfg.fold, after.fold_capture)
