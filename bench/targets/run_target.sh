@@ -16,7 +16,8 @@
 #   KEEP_CAPTURES=1: also write the serial captures' traces (rank logs left out) as OUT/target-NAME/captures.tar.gz;
 #   CAPTURES=FILE: such an archive from an earlier call of the same command: unpacked beside the trace and the run
 #   resumed (--prism-fold-resume reuses each capture it finished on the same machine and software, runs the rest).
-# Writes OUT/target-NAME/{run.log,memory.txt,summary.txt}, the report beside the trace (report.json) and, where
+# Writes OUT/target-NAME/{run.log,times.txt,memory.txt,summary.txt} (times.txt: prism's lines with the seconds since
+# the run began, stamp_lines.py), the report beside the trace (report.json) and, where
 # wandb is installed, its offline run (wandb.tar.gz, sync it with `wandb sync`); where a
 # second pass took a class again, second_pass.txt (bench/targets/second_pass_effect.py: what each take changed).
 set -uo pipefail
@@ -61,8 +62,8 @@ sample() {  # peak GPU memory used (MiB) and host memory used (MiB), once a seco
 sample & sampler=$!
 t0=$(date +%s)
 timeout "$timeout" python3 -m prism_megatron run "${flags[@]}" --prism-emulate \
-  --prism-trace-dir "$work/trace" > "$out/run.log" 2>&1
-rc=$?
+  --prism-trace-dir "$work/trace" 2>&1 | python3 -u "$(dirname "$0")/stamp_lines.py" "$out/times.txt" > "$out/run.log"
+rc=${PIPESTATUS[0]}
 kill "$sampler" 2>/dev/null
 { echo "== $name: exit $rc in $(( $(date +%s) - t0 )) s (flags: ${flags[*]})"
   cat "$out/memory.txt"

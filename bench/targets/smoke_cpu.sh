@@ -12,7 +12,8 @@
 #   MEGATRON_LM_PATH=DIR_WITH_megatron/training PYTHON=python3 bash bench/targets/smoke_cpu.sh [NAME ...]
 # env: PYTHON (python3), TIMEOUT (s per target run, 360), ITERS (train iterations, 2), OUT (/tmp/prism-smoke),
 #   SUMMARY_ONLY (1: run nothing, print the blocks of the runs already in OUT).
-# Prints one summary block per target; writes OUT/smoke-NAME/{plan.txt,run.log,exit.txt,overrides.txt,flags.txt} and the trace.
+# Prints one summary block per target; writes OUT/smoke-NAME/{plan.txt,run.log,times.txt,exit.txt,overrides.txt,flags.txt}
+# and the trace (times.txt: prism's lines with the seconds since the run began, stamp_lines.py).
 set -uo pipefail
 : "${MEGATRON_LM_PATH:?set MEGATRON_LM_PATH to a Megatron-LM checkout (the directory holding megatron/training)}"
 py=${PYTHON:-python3}
@@ -94,8 +95,8 @@ for name in "${targets[@]}"; do
     plan_rc=$?
     t0=$(date +%s)
     timeout "${TIMEOUT:-360}" "$py" -m prism_megatron run "${flags[@]}" --prism-emulate \
-      --prism-trace-dir "$out/trace" > "$out/run.log" 2>&1
-    rc=$?
+      --prism-trace-dir "$out/trace" 2>&1 | "$py" -u "$(dirname "$0")/stamp_lines.py" "$out/times.txt" > "$out/run.log"
+    rc=${PIPESTATUS[0]}
     echo "$rc $(( $(date +%s) - t0 )) $plan_rc" > "$out/exit.txt"
   fi
   summarize "$name" || failed=$((failed + 1))
