@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def on_a_free_port(start: Callable[[int], subprocess.CompletedProcess], tries: int = 3) -> subprocess.CompletedProcess:
+    """``start(port)`` on a port free when picked; again on another where another process bound it first (a
+    port is picked, then bound by the started program: tests running side by side can take it in between)."""
+    for _ in range(tries - 1):
+        done = start(free_port())
+        if done.returncode == 0 or not any("EADDRINUSE" in out or "Address already in use" in out
+                                           for out in (done.stdout or "", done.stderr or "")):
+            return done
+    return start(free_port())
+
+
 def prism(*args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
     """`python -m prism_megatron ARGS` in `cwd`; returns the completed process (text output)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -29,9 +41,9 @@ def prism(*args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedPr
 def torchrun(nproc: int, script: Path, *args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
     """The same program under real gloo: `nproc` processes started by torchrun."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-                           f"--master-port={free_port()}", str(script), *args], cwd=cwd, capture_output=True,
-                          text=True, timeout=timeout, env=env)
+    return on_a_free_port(lambda port: subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={port}",
+         str(script), *args], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env))
 
 
 @pytest.fixture

@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 from megatron_runs import read_metrics
 
-from conftest import free_port
+from conftest import on_a_free_port
 from prism_megatron.megatron import cpu_mode
 from prism_megatron.megatron.driver import CORE_DRIVER_SCRIPT, DRIVER_SCRIPT
 from prism_megatron.megatron.megatron_lm import find_megatron_lm, training_available
@@ -85,10 +85,17 @@ class _Runs:
             out.mkdir()
             env = dict(os.environ, PRISM_MEGATRON_METRICS=str(out / "metrics.jsonl"), PYTHONUNBUFFERED="1",
                        OMP_NUM_THREADS="1") | render_env(recipe)
-            cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={recipe.world_size}",
-                   f"--master-port={free_port()}", str(SCRIPTS[driver]), *render_args(recipe), *extra]
-            t0 = time.perf_counter()
-            proc = subprocess.run(cmd, cwd=out, capture_output=True, text=True, timeout=300, env=env)
+
+            def start(port: int) -> subprocess.CompletedProcess:
+                nonlocal t0
+                t0 = time.perf_counter()
+                return subprocess.run([sys.executable, "-m", "torch.distributed.run",
+                                       f"--nproc-per-node={recipe.world_size}", f"--master-port={port}",
+                                       str(SCRIPTS[driver]), *render_args(recipe), *extra],
+                                      cwd=out, capture_output=True, text=True, timeout=300, env=env)
+
+            t0 = 0.0
+            proc = on_a_free_port(start)
             wall = time.perf_counter() - t0
             assert proc.returncode == 0, f"torchrun failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
             self.done[key] = {"metrics": read_metrics(out / "metrics.jsonl"), "wall": wall}
