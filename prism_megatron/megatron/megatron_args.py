@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import contextlib
+import copy
 import io
 import json
 import os
@@ -106,14 +107,13 @@ class _Parser:
         return "\n".join(self.log.read().decode(errors="replace").strip().splitlines()[-lines:])
 
     def close(self) -> None:
+        """Kill it: it holds nothing to write, and a graceful exit tears down torch and Megatron for ~1 s."""
         if self.alive():
+            self.proc.kill()
+        self.proc.wait()
+        for pipe in (self.proc.stdin, self.proc.stdout):
             with contextlib.suppress(OSError):
-                self.proc.stdin.close()
-            try:
-                self.proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+                pipe.close()
         self.log.close()
 
 
@@ -138,7 +138,7 @@ def parse_megatron_args(script: Path, script_args: list[str], world_size: int,
     global _PARSER
     child_env = {**os.environ, **(env or {}), "WORLD_SIZE": str(world_size), "RANK": "0", "LOCAL_RANK": "0"}
     key = _child_key(Path(script), child_env)
-    for attempt in (1, 2):  # a second child where the first had gone idle (or died) before it replied
+    for attempt in (1, 2):  # a second child where the first went idle (exit 0) as the request came
         if _PARSER is None or _PARSER.key != key or not _PARSER.alive():
             close_parser()
             _PARSER = _Parser(Path(script), child_env)
@@ -146,13 +146,17 @@ def parse_megatron_args(script: Path, script_args: list[str], world_size: int,
             reply = _PARSER.parse(list(script_args), child_env, timeout)
             break
         except (BrokenPipeError, EOFError):
+            try:
+                idle = _PARSER.proc.wait(timeout=10) == 0
+            except subprocess.TimeoutExpired:
+                idle = False
             tail = _PARSER.stderr_tail()
             close_parser()
-            if attempt == 2:
+            if attempt == 2 or not idle:
                 raise ArgsError(f"Megatron's parser ended without an answer for {Path(script).name}: {tail}") from None
     if "error" in reply:
         raise ArgsError(f"Megatron's parser refused the command for {Path(script).name}: {reply['error']}")
-    return argparse.Namespace(**reply["args"])
+    return argparse.Namespace(**copy.deepcopy(reply["args"]))  # a caller's changes stay out of the next parse
 
 
 def _parse_here(script: Path, argv: list[str]) -> argparse.Namespace:
