@@ -7,7 +7,6 @@ import importlib.util
 import json
 import logging
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -18,6 +17,7 @@ import pytest
 import torch
 from torch.overrides import _get_current_function_mode_stack
 
+from conftest import free_port
 from prism_megatron.megatron import cpu_cuda_stubs, cpu_mode
 from prism_megatron.megatron.cpu_mode import (
     cpu_mode_active,
@@ -523,15 +523,9 @@ def _train_gpt(rank: int, world_size: int, port: int, tp: int, sp: bool, moe: bo
     )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_ranks(world_size: int, tp: int = 1, sp: bool = False, moe: bool = False) -> list[dict]:
     """Each rank in its own interpreter, so torch.distributed/megatron state cannot leak."""
-    port = _free_port()
+    port = free_port()
     env = dict(
         os.environ,
         OMP_NUM_THREADS="1",

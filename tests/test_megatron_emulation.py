@@ -85,17 +85,11 @@ class _Runs:
             out.mkdir()
             env = dict(os.environ, PRISM_MEGATRON_METRICS=str(out / "metrics.jsonl"), PYTHONUNBUFFERED="1",
                        OMP_NUM_THREADS="1") | render_env(recipe)
-
-            def start(port: int) -> subprocess.CompletedProcess:
-                nonlocal t0
-                t0 = time.perf_counter()
-                return subprocess.run([sys.executable, "-m", "torch.distributed.run",
-                                       f"--nproc-per-node={recipe.world_size}", f"--master-port={port}",
-                                       str(SCRIPTS[driver]), *render_args(recipe), *extra],
-                                      cwd=out, capture_output=True, text=True, timeout=300, env=env)
-
-            t0 = 0.0
-            proc = on_a_free_port(start)
+            t0 = time.perf_counter()
+            proc = on_a_free_port(lambda port: subprocess.run(
+                [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={recipe.world_size}",
+                 f"--master-port={port}", str(SCRIPTS[driver]), *render_args(recipe), *extra],
+                cwd=out, capture_output=True, text=True, timeout=300, env=env))
             wall = time.perf_counter() - t0
             assert proc.returncode == 0, f"torchrun failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
             self.done[key] = {"metrics": read_metrics(out / "metrics.jsonl"), "wall": wall}
