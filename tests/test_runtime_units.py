@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -249,6 +251,25 @@ def test_the_cuda_import_check_is_started_once_per_process_and_answered_once(mon
     assert check.result() is False
     other = launch_mod.start_cuda_import_check(["prism_megatron.no_such_module"])
     assert other is not check and other.result() is True  # an import that fails: not known, the safe answer
+    assert other.why.startswith("not known: the check's import failed (exited with code 1: ModuleNotFoundError")
+
+
+def test_the_cuda_import_check_names_the_line_that_started_cuda(tmp_path, monkeypatch):
+    """Ranks import a preload that starts CUDA after the fork, seconds each capture: the note names the import
+    to blame. No GPU here: the module asks for CUDA (torch.cuda's init, which refuses on this build) and then
+    marks it started, as a GPU's init would."""
+    from prism_megatron.launcher import launch as launch_mod
+
+    (tmp_path / "asks_for_cuda.py").write_text(
+        "import torch\n\n\ndef probe():\n    try:\n        torch.cuda.current_device()\n"
+        "    except (AssertionError, RuntimeError):\n        pass\n\n\nprobe()\ntorch.cuda._initialized = True\n")
+    (tmp_path / "quiet.py").write_text("import torch\n")
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    monkeypatch.setattr(launch_mod, "_import_checks", {})
+    check = launch_mod.start_cuda_import_check(["quiet", "asks_for_cuda"])
+    assert check.result() is True
+    assert check.why == f"started by {tmp_path / 'asks_for_cuda.py'}:6 (probe) < {tmp_path / 'asks_for_cuda.py'}:11 (<module>)"
+    assert launch_mod.start_cuda_import_check(["quiet"]).result() is False
 
 
 def test_pinned_staging_registers_every_segment_and_unregisters_it_before_unmapping(tmp_path, monkeypatch):

@@ -153,7 +153,8 @@ class _Job:
         if preload and self.cfg.on_gpu and self.cuda_check is not None and self.cuda_check.result():
             # CUDA cannot be used in a child forked after it started (megatron-core 0.19.2's imports
             # start it): each rank imports those modules itself instead
-            _say(f"--preload {','.join(preload)} starts CUDA when imported; ranks import it after the fork")
+            _say(f"--preload {','.join(preload)} starts CUDA when imported ({self.cuda_check.why}); "
+                 "ranks import it after the fork")
             preload = []
         for mod in preload:
             importlib.import_module(mod)
@@ -348,17 +349,38 @@ def _keep_snapshots(log_dir: Path, trace_dir: Path) -> None:
         shutil.copy2(f, trace_dir / f.name)
 
 
+#: Run by the check's interpreter: imports the modules with torch.cuda._lazy_init watched (every reference
+#: torch keeps; C++ looks it up on torch.cuda at each call), then prints whether CUDA started and the first
+#: call's frames outside torch and importlib: which import started it.
+_CHECK_CODE = """
+import importlib, json, sys, traceback, torch, torch.cuda
+first, real = [], torch.cuda._lazy_init
+def watched():
+    if not first:
+        first.append([f"{f.filename}:{f.lineno} ({f.name})" for f in traceback.extract_stack()[:-1]
+                      if "/torch/" not in f.filename and "importlib" not in f.filename and f.filename != "<string>"])
+    return real()
+for name, mod in list(sys.modules.items()):
+    if name.startswith("torch.cuda") and getattr(mod, "_lazy_init", None) is real:
+        mod._lazy_init = watched
+for m in json.loads(sys.argv[1]):
+    importlib.import_module(m)
+print(json.dumps({"initialized": torch.cuda.is_initialized(), "first": first[0][-3:] if first else None}))
+"""
+
+
 class _CudaImportCheck:
     """Whether importing `modules` starts CUDA, asked of a throwaway interpreter (never this one), started
-    early so that its imports (seconds for Megatron's) overlap other work; asked once per process."""
+    early so that its imports (seconds for Megatron's) overlap other work; asked once per process. Ranks
+    import such modules after the fork, seconds each, so the answer says why: where CUDA started, or
+    that the import failed (not known: the safe answer)."""
 
     def __init__(self, modules: list[str]) -> None:
-        code = ("import importlib, sys, torch\n"
-                f"for m in {modules!r}: importlib.import_module(m)\n"
-                "print(torch.cuda.is_initialized())")
-        self._p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
-                                   stderr=subprocess.DEVNULL, text=True)
+        self.modules = modules
+        self._p = subprocess.Popen([sys.executable, "-c", _CHECK_CODE, json.dumps(modules)],
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self._answer: bool | None = None
+        self.why = ""
 
     def stop(self) -> None:
         if self._answer is None and self._p.poll() is None:
@@ -368,13 +390,27 @@ class _CudaImportCheck:
     def result(self) -> bool:
         if self._answer is None:
             try:
-                out, _ = self._p.communicate(timeout=600)
+                out, err = self._p.communicate(timeout=600)
             except subprocess.TimeoutExpired:
                 self._p.kill()
                 self._p.communicate()
-                return True  # not known: the safe answer (ranks import the modules after the fork)
-            self._answer = self._p.returncode != 0 or out.strip().endswith("True")
+                self._answer, self.why = True, "not known: the check took over 600 s"
+                return True
+            self._answer, self.why = self._read(out, err)
         return self._answer
+
+    def _read(self, out: str, err: str) -> tuple[bool, str]:
+        try:
+            answer = json.loads(out.strip().splitlines()[-1]) if self._p.returncode == 0 else None
+        except (IndexError, ValueError):
+            answer = None
+        if not isinstance(answer, dict):
+            tail = [line for line in err.strip().splitlines() if line.strip()][-1:] or ["no message"]
+            return True, f"not known: the check's import failed ({_how(self._p.returncode)}: {tail[0][:300]})"
+        if not answer.get("initialized"):
+            return False, ""
+        where = answer.get("first")
+        return True, ("started by " + " < ".join(reversed(where))) if where else "started outside torch.cuda's init"
 
 
 _import_checks: dict[tuple[str, ...], _CudaImportCheck] = {}
