@@ -268,7 +268,8 @@ def test_the_cuda_import_check_names_the_line_that_started_cuda(tmp_path, monkey
     monkeypatch.setattr(launch_mod, "_import_checks", {})
     check = launch_mod.start_cuda_import_check(["quiet", "asks_for_cuda"])
     assert check.result() is True
-    assert check.why == f"started by {tmp_path / 'asks_for_cuda.py'}:6 (probe) < {tmp_path / 'asks_for_cuda.py'}:11 (<module>)"
+    module = tmp_path / "asks_for_cuda.py"
+    assert check.why == f"started by {module}:6 (probe) < {module}:11 (<module>)"
     assert launch_mod.start_cuda_import_check(["quiet"]).result() is False
 
 
