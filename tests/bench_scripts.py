@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -10,9 +11,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def load_bench(relpath: str) -> ModuleType:
-    """``bench/<relpath>`` executed as a fresh module named after its file."""
+    """``bench/<relpath>`` executed as a fresh module named after its file (listed in ``sys.modules`` while it
+    runs, as an import would: dataclasses look their module up there)."""
     path = ROOT / "bench" / relpath
-    spec = importlib.util.spec_from_file_location(path.stem, path)
+    spec = importlib.util.spec_from_file_location(f"bench_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    sys.modules[spec.name] = module
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        del sys.modules[spec.name]
     return module

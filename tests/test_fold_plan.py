@@ -33,7 +33,13 @@ from megatron.core.parallel_state import RankGenerator  # noqa: E402
 
 from prism_megatron.cli import main  # noqa: E402
 from prism_megatron.megatron.driver import CORE_DRIVER_SCRIPT  # noqa: E402
-from prism_megatron.megatron.plan import PLAN_JSON_VERSION, REPORT_TIME_MODEL, GiB, _memory  # noqa: E402
+from prism_megatron.megatron.plan import (  # noqa: E402
+    PLAN_JSON_VERSION,
+    REPORT_TIME_MODEL,
+    SERIAL_GPU_TIME_MODEL,
+    GiB,
+    _memory,
+)
 
 
 def _dense(layout: TargetLayout) -> RankGenerator:
@@ -415,6 +421,14 @@ def test_plan_cli_takes_the_target_gpu_and_runs_a_rank_over_its_cap_to_the_oom_v
     assert out["version"] == PLAN_JSON_VERSION and out["fits"] is True and out["verdict"] == "runs (to an OOM verdict)"
     assert out["memory"]["per_rank_held"] == out["memory"]["target"]["cap"] < out["memory"]["per_rank"]
     assert out["predicted_oom"] and out["predicted_oom"][0].startswith("rank class first: predicted OOM on ")
+    # a class that runs out of memory ends its capture in its first iterations, and the report replays nothing
+    t, g = out["time"], SERIAL_GPU_TIME_MODEL
+    over = set(out["memory"]["target"]["oom"])
+    names = [out["fold"]["classes"][out["fold"]["class_of"][r]]["name"] for r in out["fold"]["live"]]
+    per_iteration = t["sandbox_flops_per_iteration"] / len(names) / g["dense_flops"]
+    assert t["captures_s"] == [pytest.approx(g["capture_s"] + (g["oom_iterations"] if name in over else 3)
+                                             * per_iteration, abs=0.1) for name in names]
+    assert t["report_s"] == 0 and t["seconds"] == pytest.approx(g["run_s"] + sum(t["captures_s"]), abs=0.5)
     over = CliRunner().invoke(main, [*base, "--prism-device-memory", device, "--prism-target-gpu", f"{need * 0.9:.4f}",
                                      "--prism-target-context", "0", *args])
     assert over.exit_code != 0 and "that cap is above the" in over.output
@@ -457,6 +471,14 @@ def test_plan_of_a_moe_target_captured_serially_folds_expert_peers_at_class_dept
     assert out["time"]["report_ops"] == round(3 * 8 * 8 * per_layer), out["time"]
     capture = out["capture"]
     assert capture["captures"] == 2 and capture["fits"] is True and "refused" not in capture, capture
+    # the time on a GPU: the run's own cost, then each capture's and its live rank's 3 iterations at the MoE rate;
+    # auto's second pass may take the first capture again (at most 2(k-1) = 2), its stop expects one take
+    t, g = out["time"], SERIAL_GPU_TIME_MODEL
+    assert capture["second_pass"]["at_most"] == 2 and capture["second_pass"]["counted"] == 1 and t["captures"] == 3
+    each = g["capture_s"] + 3 * t["sandbox_flops_per_iteration"] / 2 / g["moe_flops"]
+    assert t["captures_s"] == [pytest.approx(each, abs=0.1)] * 3 and t["run_s"] == g["run_s"]
+    assert t["seconds"] == pytest.approx(g["run_s"] + 3 * each + t["report_s"], abs=0.2)
+    assert "1 more expected for the second pass (for a fold with MoE layers; at most 2)" in t["model"]
     need = out["memory"]["classes"]["first"]["total"] / 2**30  # prism's estimate of the largest class
     assert 1.5 < need < 4.0 and out["memory"]["per_rank_class"] == "first"
     assert capture["why"].startswith(f"one live rank needs {need:.1f} GiB against 4.0 GiB of one device")
@@ -609,4 +631,6 @@ def test_plan_counts_the_second_pass_in_the_serial_captures_and_the_time():
     assert off["capture"]["second_pass"]["at_most"] == on["capture"]["second_pass"]["at_most"] == 4
     assert (off["capture"]["second_pass"]["counted"], on["capture"]["second_pass"]["counted"]) == (0, 4)
     assert (off["time"]["captures"], on["time"]["captures"]) == (3, 7)
-    assert on["time"]["seconds"] > off["time"]["seconds"] and "up to 4 more for the second pass" in on["time"]["model"]
+    assert on["time"]["seconds"] > off["time"]["seconds"]
+    assert "4 more expected for the second pass (by --prism-fold-second-pass on; at most 4)" in on["time"]["model"]
+    assert len(on["time"]["captures_s"]) == 7 and on["time"]["run_s"] == 0  # CPU: the rough model, no run cost

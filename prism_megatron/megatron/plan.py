@@ -33,7 +33,7 @@ from prism_megatron.megatron.megatron_args import ESTIMATE_KEY, padded_vocab, pa
 
 __all__ = ["PLAN_JSON_VERSION", "PlanError", "Plan", "make_plan", "plan_json", "render_plan", "plan_fits",
            "plan_verdict", "predicted_ooms", "one_rank_fits", "serial_refusal", "SERIAL_MOE_DISPATCHERS",
-           "ROUGH_TIME_MODEL", "REPORT_TIME_MODEL", "second_pass_bound"]
+           "ROUGH_TIME_MODEL", "REPORT_TIME_MODEL", "SERIAL_GPU_TIME_MODEL", "second_pass_bound"]
 
 # 2: microbatches (the micro-batch fold's record, or null); 3: memory by prism's estimate; 4: capture;
 # 5: the target's cap (memory.target, memory.per_rank_held), verdict and predicted_oom; 6: no capture.stops_at,
@@ -42,7 +42,10 @@ __all__ = ["PLAN_JSON_VERSION", "PlanError", "Plan", "make_plan", "plan_json", "
 # time.captures
 # 8: memory.swap_host (swaps: what a switch holds in host memory against the budget, runtime.hostplan)
 # 9: time.report_s, time.report_ops (the report step after the captures, counted in time.seconds)
-PLAN_JSON_VERSION = 9
+# 10: serial: time.captures_s (each capture's expected seconds, in order, the takes again last) and time.run_s
+# (the run's own cost besides them); capture.second_pass.counted is the takes again expected (auto: its stop),
+# at_most their bound; time.report_s is 0 where a class is predicted to run out of memory (no replay)
+PLAN_JSON_VERSION = 10
 # per class (memory.classes, memory.per_rank: the most of a live rank), Megatron's formula under memory.megatron
 GiB = 1 << 30
 #: Host memory of one live rank's process besides its GPU state (Python, torch, Megatron, the
@@ -58,6 +61,21 @@ ROUGH_TIME_MODEL = {
     "gpu_flops": 150e12,  # one H200-class GPU on small emulated shapes, sustained
     "overhead_per_rank_iteration_s": 0.1,  # coordinator turns and slot switches per rank and iteration
 }
+#: Serial captures on a GPU: the run's own cost (interpreters, planning, the merge), then per capture its own
+#: cost (its coordinator and rank starting, Megatron's set-up, the model's build, the exit) and its live rank's
+#: iterations at a sustained model FLOP/s (a MoE rank runs the local spec's SequentialMLP, host-bound); a capture
+#: predicted to run out of memory under the target's cap ends in its first iterations. Each constant is read off
+#: the target recipes' runs on one H200 by bench/targets/capture_time_model.py (docs/measurements.md).
+SERIAL_GPU_TIME_MODEL = {
+    "run_s": 49.0,
+    "capture_s": 18.0,
+    "dense_flops": 210e12,
+    "moe_flops": 59e12,
+    "oom_iterations": 0.17,  # the median; those that ran out in iteration 2 ran 0.9-3.1
+}
+#: The second pass's takes again the plan expects under auto, which stops at the first take that routed every
+#: token as its take before did (launcher.serial); --prism-fold-second-pass on counts its bound.
+SECOND_PASS_EXPECTED_TAKES = 1
 #: The report step after the captures: the replay walks every op of the target's micro-batches on the ranks it
 #: replays, then the report and its timeline are written; its time goes with that op count. Ops per layer and
 #: micro-batch on one rank (forward and backward) by sublayer kind and whether TP > 1 (with sequence parallelism;
@@ -241,9 +259,10 @@ def _time(fold: FoldPlan, args: Any, vocab: int | None, iterations: int | None, 
 
 
 def _report_time(time: dict[str, Any], t: TargetLayout, fold: FoldPlan, args: Any,
-                 microbatches: dict | None) -> dict[str, Any]:
+                 microbatches: dict | None, oom: bool = False) -> dict[str, Any]:
     """``time`` with the report step added: the ops the replay walks (the target's micro-batches on every rank
-    it replays: one pipeline, or the live ranks, for a fold; every rank otherwise) at the model's seconds per op."""
+    it replays: one pipeline, or the live ranks, for a fold; every rank otherwise) at the model's seconds per op.
+    ``oom``: a class is predicted to run out of memory, so the report replays nothing (no time prediction)."""
     from prism_megatron.megatron.fold import _moe_pattern
 
     m = REPORT_TIME_MODEL
@@ -255,8 +274,11 @@ def _report_time(time: dict[str, Any], t: TargetLayout, fold: FoldPlan, args: An
     per_microbatch = sum(attention + (m["mlp_ops"][("moe", split)] + shared if moe else m["mlp_ops"][("dense", split)])
                          for moe in _moe_pattern(t))  # every layer of the model: one pipeline
     replayed = max(len(fold.live), t.pp)  # an unfolded run's live ranks are every rank
-    ops = time["iterations"] * count * per_microbatch * replayed / t.pp
+    ops = 0.0 if oom else time["iterations"] * count * per_microbatch * replayed / t.pp
     seconds = ops * m["s_per_op"]
+    if oom:
+        return {**time, "report_s": 0.0, "report_ops": 0,
+                "model": time["model"] + "; then the report, which replays nothing where a class runs out of memory"}
     return {**time, "seconds": time["seconds"] + seconds, "report_s": seconds, "report_ops": round(ops),
             "model": time["model"] + f"; then the report: ~{ops / 1e6:.2g} M ops replayed at "
                                      f"{m['s_per_op'] * 1e6:.0f} us each ({count} micro-batches)"}
@@ -439,11 +461,13 @@ def make_plan(script: Any, script_args: list[str], world_size: int, devices: lis
                 depth_note=depth_note)
     plan.memory = memory
     plan.time = _time(fold, args, megatron.get("vocab") or padded_vocab(args), iterations, plan.devices)
+    ooms = set((memory.get("target") or {}).get("oom") or {})
     if capture == "serial":
         plan.capture = _serial(plan, args)
-        plan.capture["second_pass"] = _second_pass(fold, second_pass)
-        plan.time = _serial_time(plan.time, fold, plan.capture["second_pass"])
-    plan.time = _report_time(plan.time, layout, fold, args, microbatches)
+        plan.capture["second_pass"] = _second_pass(fold, second_pass, ooms)
+        plan.time = _serial_time(plan.time, fold, plan.capture["second_pass"], bool(layout.num_experts), ooms,
+                                 plan.devices != ["cpu"])
+    plan.time = _report_time(plan.time, layout, fold, args, microbatches, bool(ooms and plan_fits(plan)))
     return plan
 
 
@@ -456,31 +480,57 @@ def second_pass_bound(fold: FoldPlan) -> int:
     return 2 * (len(fold.live) - 1)
 
 
-def _second_pass(fold: FoldPlan, mode: str) -> dict[str, Any]:
+def _second_pass(fold: FoldPlan, mode: str, oom_classes: set[str]) -> dict[str, Any]:
     """The plan's foresight of SECOND_PASS_RULE: the captures it may add and whether ``mode`` takes them (the
-    serial launcher's own decision, ``launcher.serial.second_pass``)."""
+    serial launcher's own decision, ``launcher.serial.second_pass``); ``counted``: the takes again expected, only
+    of a capture before the last that runs to its end (one that runs out of memory is never taken again), under
+    auto at most ``SECOND_PASS_EXPECTED_TAKES`` (its stop)."""
     from prism_megatron.launcher.serial import second_pass
 
     decided = second_pass(mode, fold.to_json())
     bound = second_pass_bound(fold)
-    return {"option": mode, "on": decided["on"], "why": decided["why"], "at_most": bound,
-            "counted": bound if decided["on"] else 0}
+    names = [fold.classes[fold.class_of[r]].name for r in fold.live]
+    if not decided["on"] or not any(name not in oom_classes for name in names[:-1]):
+        counted = 0
+    else:
+        counted = bound if mode == "on" else min(bound, SECOND_PASS_EXPECTED_TAKES)
+    return {"option": mode, "on": decided["on"], "why": decided["why"], "at_most": bound, "counted": counted}
 
 
-def _serial_time(time: dict[str, Any], fold: FoldPlan, second: dict[str, Any]) -> dict[str, Any]:
-    """Serial captures start a job each, one after another; the ones the second pass may add repeat their live
-    rank's share of the start-up and compute (counted at its bound: the rough model errs long)."""
-    m = ROUGH_TIME_MODEL
+def _serial_time(time: dict[str, Any], fold: FoldPlan, second: dict[str, Any], moe: bool,
+                 oom_classes: set[str], on_gpu: bool) -> dict[str, Any]:
+    """Serial captures start a job each, one after another, each running its live rank's share of the
+    iterations (a class predicted to run out of memory ends in its first: ``oom_iterations``); the takes again
+    the second pass is expected to add repeat a capture that runs to its end. On a GPU the constants are
+    ``SERIAL_GPU_TIME_MODEL``'s, on CPU the rough model's."""
     n = len(fold.live)
+    iters = time["iterations"]
+    flops = (time["sandbox_flops_per_iteration"] or 0.0) / n
+    names = [fold.classes[fold.class_of[r]].name for r in fold.live]
+    if on_gpu:
+        g = SERIAL_GPU_TIME_MODEL
+        rate = g["moe_flops"] if moe else g["dense_flops"]
+        run_s, start, per_iter = g["run_s"], g["capture_s"], flops / rate
+        said = (f"serial on a GPU: {run_s:.0f} s a run + {start:.0f} s a capture, then each live rank's model FLOPs "
+                f"at {rate / 1e12:.0f} TFLOP/s ({'MoE' if moe else 'dense'}, fitted to the target recipes' runs on "
+                f"one H200); {n} capture(s) one after another")
+        oom_iters = g["oom_iterations"]
+    else:
+        m = ROUGH_TIME_MODEL
+        run_s, start, per_iter = 0.0, m["startup_s"] + m["startup_per_rank_s"], time["per_iteration_s"] / n
+        said = time["model"] + f"; serial: {n} jobs started one after another"
+        oom_iters = SERIAL_GPU_TIME_MODEL["oom_iterations"]
+    captures = [start + (oom_iters if name in oom_classes else iters) * per_iter for name in names]
     again = second["counted"]
-    per_capture = m["startup_s"] + m["startup_per_rank_s"] + time["iterations"] * time["per_iteration_s"] / n
-    extra = m["startup_s"] * (n - 1) + again * per_capture
-    said = f"; serial: {n} jobs started one after another"
     if again:
-        said += f", up to {again} more for the second pass ({second['why']})"
+        said += f", {again} more expected for the second pass ({second['why']}; at most {second['at_most']})"
     elif second["at_most"]:
-        said += f" (second pass off {second['why']})"
-    return {**time, "seconds": time["seconds"] + extra, "captures": n + again, "model": time["model"] + said}
+        said += f" (second pass off {second['why']})" if not second["on"] else " (no capture to take again)"
+    if oom_classes:
+        said += f"; {', '.join(sorted(oom_classes))} predicted to run out of memory in its first iterations"
+    captures += [start + iters * per_iter] * again
+    return {**time, "seconds": run_s + sum(captures), "run_s": run_s, "captures_s": [round(c, 1) for c in captures],
+            "captures": n + again, "model": said}
 
 
 def plan_json(plan: Plan, microbatches: dict | None = None) -> dict[str, Any]:
@@ -590,9 +640,11 @@ def render_plan(plan: Plan, console: Any) -> None:
     if c["mode"] == "serial":
         console.print(f"memory, together: {verdict[m.get('fits')]}" + (f" — {m['why']}" if m.get("why") else ""))
         said = "[bold red]refused[/bold red]" if c.get("refused") else verdict[c["fits"]]
-        again = (c.get("second_pass") or {}).get("counted") or 0
-        console.print(f"capture: serial, {c['captures']} capture(s) one after another, one live rank each"
-                      f"{f', up to {again} more (second pass)' if again else ''}: {said} — {c['why']}")
+        sp = c.get("second_pass") or {}
+        more = (f", up to {sp['at_most']} more (second pass; {sp['counted']} expected)" if sp.get("on") and
+                sp.get("at_most") else "")
+        console.print(f"capture: serial, {c['captures']} capture(s) one after another, one live rank each{more}: "
+                      f"{said} — {c['why']}")
     else:
         console.print(f"memory: {verdict[m.get('fits')]}" + (f" — {m['why']}" if m.get("why") else ""))
     for line in predicted_ooms(plan):
