@@ -100,7 +100,7 @@ def test_rank_that_exits_early_leaves_others_hung(tmp_path):
         (["-w", "4", "--slots-per-device", "0"], "--slots-per-device must be a positive integer, got 0"),
         (["-w", "4", "--hang-timeout", "-1"], "--hang-timeout must be a positive number of seconds, got -1.0"),
         (["-w", "4", "--log-ranks", "9"], "--log-ranks: rank 9 is outside 0..3"),
-        (["-w", "4", "--trace-dir", "/proc/nope/trace"], "cannot write in '/proc/nope'"),
+        (["-w", "4", "--trace-dir", "/proc/nope/trace"], "cannot create '/proc/nope' (No such file or directory)"),
     ],
 )
 def test_bad_input_is_one_clear_error(tmp_path, monkeypatch, args, message):
@@ -113,6 +113,20 @@ def test_bad_input_is_one_clear_error(tmp_path, monkeypatch, args, message):
     result = CliRunner().invoke(main, ["launch", *args, str(PROGRAMS / "ring.py")])
     assert result.exit_code == 2, result.output
     assert message in result.output, result.output
+
+
+def test_a_trace_dir_whose_parents_are_missing_is_made_there(tmp_path):
+    """A run's --trace-dir under directories not yet made: they are made (the launcher writes there), checked before
+    the run plans anything; a file in the way is one clear error."""
+    from prism_megatron.launcher.config import LaunchConfig, LaunchError
+
+    cfg = LaunchConfig(script=PROGRAMS / "ring.py", world_size=2, trace_dir=tmp_path / "a" / "b" / "trace")
+    cfg.check_trace_dir()
+    assert (tmp_path / "a" / "b").is_dir() and not (tmp_path / "a" / "b" / "trace").exists()
+    (tmp_path / "file").write_text("")
+    blocked = LaunchConfig(script=PROGRAMS / "ring.py", world_size=2, trace_dir=tmp_path / "file" / "sub" / "t")
+    with pytest.raises(LaunchError, match=r"/file' is a file, not a directory"):
+        blocked.check_trace_dir()
 
 
 def test_missing_script(tmp_path):

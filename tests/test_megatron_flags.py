@@ -237,6 +237,19 @@ def test_cli_help_and_recipe_show():
     assert out.returncode == 2 and "no-such-recipe" in out.stderr
 
 
+def test_a_run_whose_trace_dir_cannot_be_made_is_refused_before_it_plans(tmp_path):
+    """The destination is checked before Megatron's parser runs for the micro-batch and fold plans (tens of
+    seconds on a GPU machine): one clear error, no plan line printed."""
+    (tmp_path / "file").write_text("")
+    out = subprocess.run([sys.executable, "-m", "prism_megatron", "run", "--recipe", "mini-dense-tp2pp2",
+                          "--prism-emulate", "--prism-fold-microbatches", "auto",
+                          "--prism-trace-dir", str(tmp_path / "file" / "trace")],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert f"{str(tmp_path / 'file')!r} is a file, not a directory" in out.stderr, out.stderr
+    assert "micro-batches" not in out.stderr
+
+
 _SAVE = textwrap.dedent("""
     import functools, json
     from prism_megatron.megatron.megatron_lm import ensure_megatron_training

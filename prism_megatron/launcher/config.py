@@ -208,6 +208,24 @@ class LaunchConfig:
         """The program `rank` runs and its arguments: `rank_scripts` or else `script`."""
         return self.rank_scripts.get(rank, (self.script, self.script_args))
 
+    def check_trace_dir(self) -> None:
+        """The trace directory can be made where asked: it is a directory or absent, and its parent is a
+        directory this process may write in, made here where missing (as ``mkdir -p``; the launcher would make
+        it). Cheap, so a run checks it before its planning, not minutes later at the launch."""
+        if self.trace_dir.exists() and not self.trace_dir.is_dir():
+            raise LaunchError(f"--trace-dir {str(self.trace_dir)!r} exists and is not a directory")
+        parent = self.trace_dir.resolve().parent
+        blocking = next((p for p in (parent, *parent.parents) if p.exists() and not p.is_dir()), None)
+        if blocking is not None:
+            raise LaunchError(f"--trace-dir {str(self.trace_dir)!r}: {str(blocking)!r} is a file, not a directory")
+        try:
+            parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise LaunchError(f"--trace-dir {str(self.trace_dir)!r}: cannot create {str(parent)!r} "
+                              f"({e.strerror or e})") from None
+        if not os.access(parent, os.W_OK | os.X_OK):
+            raise LaunchError(f"--trace-dir {str(self.trace_dir)!r}: cannot write in {str(parent)!r} (read-only)")
+
     def validate(self) -> LaunchConfig:
         if not isinstance(self.world_size, int) or self.world_size < 1:
             raise LaunchError(f"--world-size must be a positive integer, got {self.world_size!r}")
@@ -263,11 +281,7 @@ class LaunchConfig:
                 raise LaunchError("a folded launch takes no per-rank scripts or devices (calibration's slice runs "
                                   "are not folded)")
             self.gpus_per_node = int(self.fold["gpus_per_node"])
-        parent = self.trace_dir.resolve().parent
-        if self.trace_dir.exists() and not self.trace_dir.is_dir():
-            raise LaunchError(f"--trace-dir {str(self.trace_dir)!r} exists and is not a directory")
-        if not parent.is_dir() or not os.access(parent, os.W_OK):
-            raise LaunchError(f"--trace-dir {str(self.trace_dir)!r}: cannot write in {str(parent)!r}")
+        self.check_trace_dir()
         try:
             ipaddress.ip_address(self.listen)
         except ValueError:

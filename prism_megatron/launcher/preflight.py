@@ -40,9 +40,9 @@ def check_trace_destination(cfg: LaunchConfig) -> None:
     if logs.exists() and not logs.is_dir():
         raise LaunchError(f"the log directory {str(logs)!r} (TRACE_DIR.logs) exists and is not a directory; "
                           "move it away or give another --trace-dir")
-    for d in (trace.resolve().parent, logs if logs.is_dir() else None):
-        if d is not None and not os.access(d, os.W_OK | os.X_OK):
-            raise LaunchError(f"--trace-dir {str(trace)!r}: cannot write in {str(d)!r} (read-only)")
+    cfg.check_trace_dir()
+    if logs.is_dir() and not os.access(logs, os.W_OK | os.X_OK):
+        raise LaunchError(f"--trace-dir {str(trace)!r}: cannot write in {str(logs)!r} (read-only)")
     need = max(TRACE_BYTES_MIN, len(cfg.live_ranks) * TRACE_BYTES_PER_RANK)
     free = shutil.disk_usage(trace.resolve().parent).free
     if free < need:
