@@ -13,12 +13,12 @@ import json
 import sys
 import time
 
-from prism_megatron.megatron.fold import TargetLayout, _import_megatron, build_fold_plan
+from prism_megatron.megatron.fold import TargetLayout, build_fold_plan, import_megatron
 
 
 def main(worlds: list[int]) -> None:
     t0 = time.perf_counter()
-    _import_megatron()
+    import_megatron()
     print(f"megatron-core import: {time.perf_counter() - t0:.2f} s")
     print(f"{'layout':<44} {'depth':<8} {'build s':>8} {'live':>6} {'classes':>8} {'JSON MiB':>9}")
     for world in worlds:

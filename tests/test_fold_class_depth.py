@@ -20,14 +20,14 @@ from prism_megatron.megatron.fold import (
     FoldPlan,
     FoldPlanFormatError,
     TargetLayout,
-    _import_megatron,
     build_fold_plan,
+    import_megatron,
 )
 
 pytestmark = pytest.mark.megatron  # runs megatron-core: CI also runs it on the second stack (.ci/run)
 
 try:
-    _import_megatron()
+    import_megatron()
 except ImportError:
     pytest.skip("megatron-core is not importable", allow_module_level=True)
 

@@ -16,15 +16,15 @@ from prism_megatron.megatron.fold import (
     FoldPlan,
     FoldPlanFormatError,
     TargetLayout,
-    _import_megatron,
     build_fold_plan,
     check_class_members,
+    import_megatron,
 )
 
 pytestmark = pytest.mark.megatron  # runs megatron-core: CI also runs it on the second stack (.ci/run)
 
 try:
-    _import_megatron()  # megatron-core 0.19 without triton: imported as the fold imports it
+    import_megatron()  # megatron-core 0.19 without triton: imported as the fold imports it
 except ImportError:
     pytest.skip("megatron-core is not importable", allow_module_level=True)
 

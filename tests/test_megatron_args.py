@@ -93,3 +93,26 @@ def test_each_parse_sees_its_own_world_size_and_environment(script, monkeypatch)
         assert _child_pid() != pid
     finally:
         close_parser()
+
+
+def test_commands_asked_ahead_are_answered_each_its_own_in_any_order():
+    """A run asks for its command's parse at its start (``ask_megatron_args``) and reads it after its own imports;
+    the child answers in the order asked, and each read gets its own command's args, a repeated ask no second
+    parse, whichever is read first."""
+    close_parser()
+    try:
+        megatron_args.ask_megatron_args(CORE_DRIVER_SCRIPT, BASE, 8)
+        rewritten = BASE + ["--global-batch-size", "16"]
+        megatron_args.ask_megatron_args(CORE_DRIVER_SCRIPT, rewritten, 8)
+        megatron_args.ask_megatron_args(CORE_DRIVER_SCRIPT, BASE, 8)
+        pid = _child_pid()
+        assert len(megatron_args._PARSER.asked) == 2
+        second = parse(CORE_DRIVER_SCRIPT, rewritten, 8)  # read first, though asked second
+        first = parse(CORE_DRIVER_SCRIPT, BASE, 8)
+        assert _child_pid() == pid and megatron_args._PARSER.asked == []
+        close_parser()
+        fresh = parse(CORE_DRIVER_SCRIPT, BASE, 8)
+    finally:
+        close_parser()
+    assert (first.global_batch_size, second.global_batch_size) == (64, 16)
+    assert vars(first) == vars(fresh)

@@ -61,7 +61,8 @@ from typing import Any
 
 __all__ = ["FOLD_PLAN_VERSION", "FOLD_PLAN_VERSIONS", "FOLD_DEPTHS", "AXES", "AXES_EXPERT", "SCHEDULES", "FoldError",
            "FoldDepthError", "FoldPlanFormatError", "TargetLayout", "RankClass", "FoldPlan", "layout_from_args",
-           "resolve_depth", "build_fold_plan", "check_class_members", "stage_signatures", "pipeline_schedule"]
+           "resolve_depth", "build_fold_plan", "check_class_members", "stage_signatures", "pipeline_schedule",
+           "import_megatron"]
 
 FOLD_PLAN_VERSION = 2  # what build_fold_plan writes
 # what FoldPlan.from_json reads; a version-1 plan has no depth or coords: replica depth, shift = r - rep[r]
@@ -227,7 +228,7 @@ def validate_layout(layout: TargetLayout) -> None:
 
 
 # ----------------------------------------------------------------------------- Megatron's rank order
-def _import_megatron() -> None:
+def import_megatron() -> None:
     """Import the megatron-core modules the fold reads. megatron-core 0.19 imports triton at module
     level (MoE paged stash) though nothing here launches a kernel: where triton is not installed,
     cpu_cuda_stubs' inert triton is present only while importing, so torch's own triton probes never
@@ -811,7 +812,7 @@ def build_fold_plan(layout: TargetLayout, depth: str = "auto",
 
     validate_layout(layout)
     depth, _why = resolve_depth(layout, depth)
-    _import_megatron()
+    import_megatron()
     say = progress or (lambda _m: None)
     t, world = layout, layout.world_size
     say("stage signatures (Megatron's layer split)")

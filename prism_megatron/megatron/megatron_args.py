@@ -31,7 +31,8 @@ import time
 import traceback
 from pathlib import Path
 
-__all__ = ["ArgsError", "parse_megatron_args", "close_parser", "padded_vocab", "ESTIMATE_KEY", "IDLE_S", "IMPORT_VARS"]
+__all__ = ["ArgsError", "ask_megatron_args", "parse_megatron_args", "close_parser", "padded_vocab", "ESTIMATE_KEY",
+           "IDLE_S", "IMPORT_VARS"]
 
 #: key of the parsed args that holds Megatron's theoretical memory of the most loaded shard
 #: (``workload.megatron_estimate``, computed in the child where megatron.training is imported)
@@ -68,19 +69,29 @@ class _Parser:
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, env=env)
         self.pending = b""
         self.parsed: dict[tuple, dict] = {}
+        self.asked: list[tuple] = []  # requests sent and not yet answered, in the order the child answers them
 
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def parse(self, script_args: list[str], env: dict[str, str], timeout: float) -> dict:
-        """The child's reply for ``script_args`` under ``env``: ``{"args": ...}`` or ``{"error": ...}``; raises
-        BrokenPipeError or EOFError where the child was gone before it replied."""
+    def ask(self, script_args: list[str], env: dict[str, str]) -> tuple:
+        """Send the request for ``script_args`` under ``env`` unless it was sent or answered; its key."""
         key = (tuple(script_args), tuple(sorted(env.items())))
-        if key not in self.parsed:
+        if key not in self.parsed and key not in self.asked:
             request = {"argv": list(script_args), "env": env}
             self.proc.stdin.write((json.dumps(request) + "\n").encode())
             self.proc.stdin.flush()
-            self.parsed[key] = self._reply(time.monotonic() + timeout, timeout)
+            self.asked.append(key)
+        return key
+
+    def parse(self, script_args: list[str], env: dict[str, str], timeout: float) -> dict:
+        """The child's reply for ``script_args`` under ``env``: ``{"args": ...}`` or ``{"error": ...}``; raises
+        BrokenPipeError or EOFError where the child was gone before it replied."""
+        key = self.ask(script_args, env)
+        deadline = time.monotonic() + timeout
+        while key not in self.parsed:  # replies come in the order asked: an earlier request's first
+            self.parsed[self.asked[0]] = self._reply(deadline, timeout)
+            self.asked.pop(0)
         return self.parsed[key]
 
     def _reply(self, deadline: float, timeout: float) -> dict:
@@ -131,26 +142,44 @@ def close_parser() -> None:
 atexit.register(close_parser)
 
 
+def _child_env(world_size: int, env: dict[str, str] | None) -> dict[str, str]:
+    return {**os.environ, **(env or {}), "WORLD_SIZE": str(world_size), "RANK": "0", "LOCAL_RANK": "0"}
+
+
+def _serving(script: Path, child_env: dict[str, str]) -> _Parser:
+    """The live child for ``script`` under ``child_env``'s IMPORT_VARS, started where there is none."""
+    global _PARSER
+    if _PARSER is None or _PARSER.key != _child_key(script, child_env) or not _PARSER.alive():
+        close_parser()
+        _PARSER = _Parser(script, child_env)
+    return _PARSER
+
+
+def ask_megatron_args(script: Path, script_args: list[str], world_size: int, env: dict[str, str] | None = None) -> None:
+    """Start parsing ``script script_args`` now and return at once: the child imports Megatron and parses while
+    the caller does other work (a run imports the fold's Megatron modules meanwhile); ``parse_megatron_args`` of
+    the same command under the same environment then reads its answer. A failure to ask is left to that call."""
+    child_env = _child_env(world_size, env)
+    with contextlib.suppress(OSError):
+        _serving(Path(script), child_env).ask(list(script_args), child_env)
+
+
 def parse_megatron_args(script: Path, script_args: list[str], world_size: int,
                         env: dict[str, str] | None = None, timeout: float = 300.0) -> argparse.Namespace:
     """Megatron's parsed args for ``script script_args`` at ``world_size`` ranks (values that are not
     JSON, such as dtypes, come back as their ``repr``)."""
-    global _PARSER
-    child_env = {**os.environ, **(env or {}), "WORLD_SIZE": str(world_size), "RANK": "0", "LOCAL_RANK": "0"}
-    key = _child_key(Path(script), child_env)
+    child_env = _child_env(world_size, env)
     for attempt in (1, 2):  # a second child where the first went idle (exit 0) as the request came
-        if _PARSER is None or _PARSER.key != key or not _PARSER.alive():
-            close_parser()
-            _PARSER = _Parser(Path(script), child_env)
+        parser = _serving(Path(script), child_env)
         try:
-            reply = _PARSER.parse(list(script_args), child_env, timeout)
+            reply = parser.parse(list(script_args), child_env, timeout)
             break
         except (BrokenPipeError, EOFError):
             try:
-                idle = _PARSER.proc.wait(timeout=10) == 0
+                idle = parser.proc.wait(timeout=10) == 0
             except subprocess.TimeoutExpired:
                 idle = False
-            tail = _PARSER.stderr_tail()
+            tail = parser.stderr_tail()
             close_parser()
             if attempt == 2 or not idle:
                 raise ArgsError(f"Megatron's parser ended without an answer for {Path(script).name}: {tail}") from None
@@ -263,15 +292,18 @@ def _set_environ(env: dict[str, str]) -> None:
 
 
 def _serve(script: Path) -> int:
-    """Answer each command line read from stdin until EOF, or until idle ``IDLE_S``."""
-    replies = sys.stdout
+    """Answer each command line read from stdin until EOF, or until idle ``IDLE_S``. Read unbuffered by this
+    loop: requests asked ahead arrive together, and a buffered reader would hold the second while select
+    waits on the pipe for it."""
+    replies, fd, pending = sys.stdout, sys.stdin.fileno(), b""
     while True:
-        ready, _, _ = select.select([sys.stdin], [], [], IDLE_S)
-        if not ready:
-            return 0
-        line = sys.stdin.readline()
-        if not line:
-            return 0
+        while b"\n" not in pending:
+            ready, _, _ = select.select([fd], [], [], IDLE_S)
+            chunk = os.read(fd, 1 << 16) if ready else b""
+            if not chunk:
+                return 0
+            pending += chunk
+        line, pending = pending.split(b"\n", 1)
         request = json.loads(line)
         _set_environ(request["env"])
         reply = _answer(script, request["argv"])

@@ -399,6 +399,15 @@ def run(request: RunRequest) -> int:
 
         start_cuda_import_check(cfg.preload)
     after = request.run_options()
+    if after.fold_microbatches != "off" or after.fold != "off":
+        # Megatron's parser child imports Megatron and parses the command while this process imports the
+        # modules the fold plan reads (seconds each; the plans below then find both done)
+        from prism_megatron.megatron.fold import import_megatron
+        from prism_megatron.megatron.megatron_args import ask_megatron_args
+
+        ask_megatron_args(cfg.script, list(cfg.script_args), cfg.world_size, request.env)
+        if after.fold != "off":
+            import_megatron()
     if after.fold_microbatches != "off":
         from prism_megatron.launcher.exit_codes import BAD_INPUT
         from prism_megatron.megatron.microbatch_mode import MicrobatchModeError, choose_microbatches
