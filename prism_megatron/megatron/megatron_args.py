@@ -11,7 +11,8 @@ The child serves every command line of one script: planning a run parses its com
 micro-batch fold's rewrite of it, and importing Megatron is nearly all of a parse's seconds. Before each
 parse it takes the request's environment and resets Megatron's global variables, so each parse is what a
 fresh interpreter would give (``tests/test_megatron_args.py``); a change in what decides its imports
-(``IMPORT_VARS``) starts another child, and an idle one exits (``IDLE_S``).
+(``IMPORT_VARS``) starts another child, and an idle one exits (``IDLE_S``). A run asks for its command's
+parse as it starts (``ask_megatron_args``) and imports the fold's Megatron modules while the child works.
 """
 
 from __future__ import annotations
