@@ -105,7 +105,7 @@ def plan_cmd(args: tuple[str, ...]) -> None:
     from prism_megatron.megatron.fold import FoldError
     from prism_megatron.megatron.megatron_args import ArgsError
     from prism_megatron.megatron.microbatch_mode import MicrobatchModeError, choose_microbatches
-    from prism_megatron.megatron.plan import make_plan, plan_fits, plan_json, render_plan
+    from prism_megatron.megatron.plan import make_plan, plan_fits, plan_json, render_plan, start_planning
     from prism_megatron.megatron.run import RunError, parse_run_args
     from prism_megatron.memory.targets import TargetError, resolve_target
     from prism_megatron.recipe import RecipeError
@@ -125,6 +125,7 @@ def plan_cmd(args: tuple[str, ...]) -> None:
         if o.get("prism_world_size") is None:
             raise RunError("plan needs --prism-world-size W (the target job's number of ranks) or --recipe")
         said: list[str] = []  # micro-batch folding: the plan is of the command the ranks will run
+        start_planning(request.script, request.script_args, int(o["prism_world_size"]), request.env)
         script_args, microbatches = choose_microbatches(
             o["prism_fold_microbatches"], request.script, request.script_args, int(o["prism_world_size"]),
             o["prism_gpus_per_node"], env=request.env, say=said.append)

@@ -147,13 +147,20 @@ def parse_each_command_once(monkeypatch):
 
     from prism_megatron.megatron import megatron_args, plan
 
-    real = megatron_args.parse_megatron_args
+    real, real_ask = megatron_args.parse_megatron_args, megatron_args.ask_megatron_args
 
-    def once(script, script_args, world_size, env=None, **kw):
+    def _key(script, script_args, world_size, env, kw) -> tuple:
         child = {**os.environ, **(env or {})}  # the parser's environment (megatron_args)
         child.pop("PYTEST_CURRENT_TEST", None)
-        key = (str(script), tuple(script_args), world_size, tuple(sorted(child.items())), tuple(sorted(kw.items())),
-               sys.executable)
+        return (str(script), tuple(script_args), world_size, tuple(sorted(child.items())), tuple(sorted(kw.items())),
+                sys.executable)
+
+    def ask(script, script_args, world_size, env=None):  # a parse given again is not asked of a child
+        if _key(script, script_args, world_size, env, {}) not in _PARSES:
+            real_ask(script, script_args, world_size, env)
+
+    def once(script, script_args, world_size, env=None, **kw):
+        key = _key(script, script_args, world_size, env, kw)
         if key not in _PARSES:
             try:
                 _PARSES[key] = real(script, script_args, world_size, env, **kw)
@@ -164,5 +171,6 @@ def parse_each_command_once(monkeypatch):
         return argparse.Namespace(**vars(_PARSES[key]))
 
     monkeypatch.setattr(plan, "parse_megatron_args", once)  # imported by name when plan is imported
+    monkeypatch.setattr(plan, "ask_megatron_args", ask)
     monkeypatch.setattr(megatron_args, "parse_megatron_args", once)  # microbatch_mode imports it when it parses
     return _PARSES

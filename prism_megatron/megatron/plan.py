@@ -26,12 +26,14 @@ from prism_megatron.megatron.fold import (
     FoldPlan,
     TargetLayout,
     build_fold_plan,
+    import_megatron,
     layout_from_args,
     resolve_depth,
 )
-from prism_megatron.megatron.megatron_args import ESTIMATE_KEY, padded_vocab, parse_megatron_args
+from prism_megatron.megatron.megatron_args import ESTIMATE_KEY, ask_megatron_args, padded_vocab, parse_megatron_args
 
-__all__ = ["PLAN_JSON_VERSION", "PlanError", "Plan", "make_plan", "plan_json", "render_plan", "plan_fits",
+__all__ = ["PLAN_JSON_VERSION", "PlanError", "Plan", "start_planning", "make_plan", "plan_json", "render_plan",
+           "plan_fits",
            "plan_verdict", "predicted_ooms", "one_rank_fits", "serial_refusal", "SERIAL_MOE_DISPATCHERS",
            "ROUGH_TIME_MODEL", "REPORT_TIME_MODEL", "SERIAL_GPU_TIME_MODEL", "second_pass_bound"]
 
@@ -418,6 +420,20 @@ def _auto_serial_moe(layout: TargetLayout, fold: FoldPlan, memory: dict[str, Any
     return "class", (f"auto: class for a MoE layout captured serially (one model replica does not fit here: "
                      f"{memory.get('why')}; a serial capture answers expert peers at class depth by the "
                      f"{EXPERT_TOKENS} of each capture's live rank)"), deep, deep_memory
+
+
+def start_planning(script: Any, script_args: list[str], world_size: int, env: dict[str, str] | None = None,
+                   fold: bool = True) -> None:
+    """Start the two slow parts of planning ``script script_args`` side by side: Megatron's parse of the command,
+    asked of the parsing child (which imports Megatron), and, for a fold (``fold``), the Megatron modules the
+    fold plan reads, imported here meanwhile (seconds each); the plans then find both done. A failure is left to
+    the step that needs it, which says it as before."""
+    import contextlib
+
+    ask_megatron_args(script, list(script_args), world_size, env)
+    if fold:
+        with contextlib.suppress(ImportError):
+            import_megatron()
 
 
 def make_plan(script: Any, script_args: list[str], world_size: int, devices: list[str], gpus_per_node: int = 8,

@@ -17,7 +17,6 @@ Without ``--prism-emulate`` nothing is patched: the script runs in this process 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import runpy
 import sys
@@ -401,15 +400,9 @@ def run(request: RunRequest) -> int:
         start_cuda_import_check(cfg.preload)
     after = request.run_options()
     if after.fold_microbatches != "off" or after.fold != "off":
-        # Megatron's parser child imports Megatron and parses the command while this process imports the
-        # modules the fold plan reads (seconds each; the plans below then find both done)
-        from prism_megatron.megatron.fold import import_megatron
-        from prism_megatron.megatron.megatron_args import ask_megatron_args
+        from prism_megatron.megatron.plan import start_planning
 
-        ask_megatron_args(cfg.script, list(cfg.script_args), cfg.world_size, request.env)
-        if after.fold != "off":
-            with contextlib.suppress(ImportError):  # said where the fold plan imports them, as before
-                import_megatron()
+        start_planning(cfg.script, cfg.script_args, cfg.world_size, request.env, fold=after.fold != "off")
     if after.fold_microbatches != "off":
         from prism_megatron.launcher.exit_codes import BAD_INPUT
         from prism_megatron.megatron.microbatch_mode import MicrobatchModeError, choose_microbatches
