@@ -543,7 +543,8 @@ def _serial_time(time: dict[str, Any], fold: FoldPlan, second: dict[str, Any], m
     elif second["at_most"]:
         said += f" (second pass off {second['why']})" if not second["on"] else " (no capture to take again)"
     if oom_classes:
-        said += f"; {', '.join(sorted(oom_classes))} predicted to run out of memory in its first iterations"
+        said += (f"; class(es) {', '.join(sorted(oom_classes))} predicted to run out of memory, each capture ending "
+                 "in its first iterations")
     captures += [start + iters * per_iter] * again
     return {**time, "seconds": run_s + sum(captures), "run_s": run_s, "captures_s": [round(c, 1) for c in captures],
             "captures": n + again, "model": said}
