@@ -33,8 +33,7 @@ from prism_megatron.megatron.fold import (
 from prism_megatron.megatron.megatron_args import ESTIMATE_KEY, ask_megatron_args, padded_vocab, parse_megatron_args
 
 __all__ = ["PLAN_JSON_VERSION", "PlanError", "Plan", "start_planning", "make_plan", "plan_json", "render_plan",
-           "plan_fits",
-           "plan_verdict", "predicted_ooms", "one_rank_fits", "serial_refusal", "SERIAL_MOE_DISPATCHERS",
+           "plan_fits", "plan_verdict", "predicted_ooms", "one_rank_fits", "serial_refusal", "SERIAL_MOE_DISPATCHERS",
            "ROUGH_TIME_MODEL", "REPORT_TIME_MODEL", "SERIAL_GPU_TIME_MODEL", "second_pass_bound"]
 
 # 2: microbatches (the micro-batch fold's record, or null); 3: memory by prism's estimate; 4: capture;
@@ -518,7 +517,7 @@ def _serial_time(time: dict[str, Any], fold: FoldPlan, second: dict[str, Any], m
     """Serial captures start a job each, one after another, each running its live rank's share of the
     iterations (a class predicted to run out of memory ends in its first: ``oom_iterations``); the takes again
     the second pass is expected to add repeat a capture that runs to its end. On a GPU the constants are
-    ``SERIAL_GPU_TIME_MODEL``'s, on CPU the rough model's."""
+    ``SERIAL_GPU_TIME_MODEL``'s, on CPU the rough model's (with the GPU's fraction of an iteration before an OOM)."""
     n = len(fold.live)
     iters = time["iterations"]
     flops = (time["sandbox_flops_per_iteration"] or 0.0) / n
