@@ -88,6 +88,11 @@ def is_moe(plan: dict) -> bool:
     return "·EP" in plan["layout"]
 
 
+def live_flops(plan: dict) -> float:
+    """One live rank's model FLOPs per iteration, as the plan counts them."""
+    return plan["time"]["sandbox_flops_per_iteration"] / len(plan["fold"]["live"])
+
+
 def geomean(xs: list[float]) -> float:
     return math.exp(statistics.fmean(math.log(x) for x in xs))
 
@@ -96,6 +101,7 @@ def derive(runs: list[Run], plans: dict[str, dict]) -> tuple[dict[str, float], l
     """The constants, each from the part of the walls it stands for; and how each was read."""
     done = [t for r in runs for t in r.takes if t.end == "done"]
     capture_own = [t.wall - sum(t.iterations) for t in done]  # the capture's start and end around its iterations
+    own = statistics.median(capture_own)
     # the rest of a run (neither a capture's wall nor the report) against its captures: run_s + gap x captures
     xs = [len(r.takes) for r in runs]
     ys = [r.wall - sum(t.wall for t in r.takes) - r.report for r in runs]
@@ -105,21 +111,17 @@ def derive(runs: list[Run], plans: dict[str, dict]) -> tuple[dict[str, float], l
     for r in runs:  # per recipe: its live rank's model FLOPs per iteration over its captures' mean iteration
         its = [s for t in r.takes if t.end == "done" for s in t.iterations]
         if its:
-            p = plans[r.name]
-            flops = p["time"]["sandbox_flops_per_iteration"] / len(p["fold"]["live"])
-            rates["moe" if is_moe(p) else "dense"].append(flops / statistics.fmean(its))
+            rates["moe" if is_moe(plans[r.name]) else "dense"].append(live_flops(plans[r.name]) / statistics.fmean(its))
     dense, moe = geomean(rates["dense"]), geomean(rates["moe"])
     oom_parts = []
-    capture_s = statistics.median(capture_own) + gap
     for r in runs:  # a capture that ran out: its wall past the capture's own cost, in its class's iterations
         p = plans[r.name]
-        flops = p["time"]["sandbox_flops_per_iteration"] / len(p["fold"]["live"])
-        per_it = flops / (moe if is_moe(p) else dense)
-        oom_parts += [max(0.0, t.wall - statistics.median(capture_own)) / per_it for t in r.takes if t.end == "oom"]
-    model = {"run_s": run_s, "capture_s": capture_s, "dense_flops": dense, "moe_flops": moe,
+        per_it = live_flops(p) / (moe if is_moe(p) else dense)
+        oom_parts += [max(0.0, t.wall - own) / per_it for t in r.takes if t.end == "oom"]
+    model = {"run_s": run_s, "capture_s": own + gap, "dense_flops": dense, "moe_flops": moe,
              "oom_iterations": statistics.median(oom_parts)}
     how = [f"captures that ran to the end: {len(done)}; each one's wall less its iterations: median "
-           f"{statistics.median(capture_own):.1f} s ({min(capture_own):.1f}-{max(capture_own):.1f})",
+           f"{own:.1f} s ({min(capture_own):.1f}-{max(capture_own):.1f})",
            f"a run's rest against its captures (least squares over {len(runs)} runs): {run_s:.1f} s + {gap:.1f} s "
            "per capture (the gap counted in capture_s)",
            "model FLOP/s of a live rank's iteration, per recipe: dense " +
@@ -135,9 +137,7 @@ def expected(plan: dict, model: dict[str, float]) -> float:
     structure (its captures' classes, predicted OOMs, takes again, report step): checked against the plan's
     figure with plan.py's constants, so it is the plan's sum and not another model."""
     t, fold = plan["time"], plan["fold"]
-    n = len(fold["live"])
-    rate = model["moe_flops"] if is_moe(plan) else model["dense_flops"]
-    per_it = t["sandbox_flops_per_iteration"] / n / rate
+    per_it = live_flops(plan) / (model["moe_flops"] if is_moe(plan) else model["dense_flops"])
     ooms = set((plan["memory"].get("target") or {}).get("oom") or {})
     names = [fold["classes"][fold["class_of"][r]]["name"] for r in fold["live"]]
     again = plan["capture"]["second_pass"]["counted"]

@@ -376,7 +376,6 @@ class _CudaImportCheck:
     that the import failed (not known: the safe answer)."""
 
     def __init__(self, modules: list[str]) -> None:
-        self.modules = modules
         self._p = subprocess.Popen([sys.executable, "-c", _CHECK_CODE, json.dumps(modules)],
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self._answer: bool | None = None

@@ -29,10 +29,9 @@ TRACE_BYTES_MIN = 32 * 2**20
 
 
 def check_trace_destination(cfg: LaunchConfig) -> None:
-    """The trace and its logs can be written where asked, and replace nothing but an older trace."""
+    """The trace and its logs can be written where asked, and replace nothing but an older trace (the directory
+    itself and its parent were checked by ``LaunchConfig.validate``: ``check_trace_dir``)."""
     trace, logs = cfg.trace_dir, cfg.log_dir
-    if trace.exists() and not trace.is_dir():
-        raise LaunchError(f"--trace-dir {str(trace)!r} exists and is not a directory")
     if trace.is_dir() and not _is_trace_or_empty(trace):
         shown = ", ".join(sorted(p.name for p in trace.iterdir())[:3])
         raise LaunchError(f"--trace-dir {str(trace)!r} holds other data ({shown}...), not a PrismTrace: "
@@ -40,7 +39,6 @@ def check_trace_destination(cfg: LaunchConfig) -> None:
     if logs.exists() and not logs.is_dir():
         raise LaunchError(f"the log directory {str(logs)!r} (TRACE_DIR.logs) exists and is not a directory; "
                           "move it away or give another --trace-dir")
-    cfg.check_trace_dir()
     if logs.is_dir() and not os.access(logs, os.W_OK | os.X_OK):
         raise LaunchError(f"--trace-dir {str(trace)!r}: cannot write in {str(logs)!r} (read-only)")
     need = max(TRACE_BYTES_MIN, len(cfg.live_ranks) * TRACE_BYTES_PER_RANK)

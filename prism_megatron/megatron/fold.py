@@ -451,6 +451,10 @@ class FoldPlan:
         i = bisect.bisect_left(self.live, rank)
         return i < len(self.live) and self.live[i] == rank
 
+    def class_name(self, rank: int) -> str:
+        """The name of ``rank``'s class (its pipeline-stage role: first, middle, last, only...)."""
+        return self.classes[self.class_of[rank]].name
+
     def shift(self, rank: int) -> int:
         """A version-1 plan's translation (``rank - rep[rank]``); a version-2 plan translates by coords."""
         return rank - self.rep[rank]

@@ -80,7 +80,7 @@ def admission_estimates(plan: Any, ranks: Iterable[int]) -> dict[int, int]:
     fold = plan.fold
     out = {}
     for r in ranks:
-        total = classes[fold.classes[fold.class_of[r]].name].get("total")
+        total = classes[fold.class_name(r)].get("total")
         if total:
             out[r] = int(total)
     return out

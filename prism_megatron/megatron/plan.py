@@ -16,6 +16,7 @@ sequence-parallel activations unsharded. The time is a stated rough model, not a
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -168,9 +169,9 @@ def _memory(fold: FoldPlan, estimate: dict[str, Any], devices: list[str], device
                    why=f"prism's memory estimate is unavailable: {estimate.get('error')}")
         return out
     out["classes"] = classes
-    need = {r: classes[fold.classes[fold.class_of[r]].name]["total"] for r in fold.live}
+    need = {r: classes[fold.class_name(r)]["total"] for r in fold.live}
     heaviest = max(fold.live, key=lambda r: need[r])
-    heavy_class = fold.classes[fold.class_of[heaviest]].name
+    heavy_class = fold.class_name(heaviest)
     out["per_rank"] = need[heaviest]
     out["per_rank_class"] = heavy_class
     cap = None
@@ -266,6 +267,9 @@ def _report_time(time: dict[str, Any], t: TargetLayout, fold: FoldPlan, args: An
     ``oom``: a class is predicted to run out of memory, so the report replays nothing (no time prediction)."""
     from prism_megatron.megatron.fold import _moe_pattern
 
+    if oom:
+        return {**time, "report_s": 0.0, "report_ops": 0,
+                "model": time["model"] + "; then the report, which replays nothing where a class runs out of memory"}
     m = REPORT_TIME_MODEL
     target = (microbatches or {}).get("target")
     count = int(target) if target else int(args.global_batch_size) // (int(args.micro_batch_size) * t.dp)
@@ -275,11 +279,8 @@ def _report_time(time: dict[str, Any], t: TargetLayout, fold: FoldPlan, args: An
     per_microbatch = sum(attention + (m["mlp_ops"][("moe", split)] + shared if moe else m["mlp_ops"][("dense", split)])
                          for moe in _moe_pattern(t))  # every layer of the model: one pipeline
     replayed = max(len(fold.live), t.pp)  # an unfolded run's live ranks are every rank
-    ops = 0.0 if oom else time["iterations"] * count * per_microbatch * replayed / t.pp
+    ops = time["iterations"] * count * per_microbatch * replayed / t.pp
     seconds = ops * m["s_per_op"]
-    if oom:
-        return {**time, "report_s": 0.0, "report_ops": 0,
-                "model": time["model"] + "; then the report, which replays nothing where a class runs out of memory"}
     return {**time, "seconds": time["seconds"] + seconds, "report_s": seconds, "report_ops": round(ops),
             "model": time["model"] + f"; then the report: ~{ops / 1e6:.2g} M ops replayed at "
                                      f"{m['s_per_op'] * 1e6:.0f} us each ({count} micro-batches)"}
@@ -376,7 +377,7 @@ def predicted_ooms(plan: Plan) -> list[str]:
              for name, total in target["oom"].items()]
     c = plan.capture
     if c["mode"] == "serial":  # launcher.serial.OOM_CONTINUES_RULE
-        order = [plan.fold.classes[plan.fold.class_of[r]].name for r in plan.fold.live]
+        order = [plan.fold.class_name(r) for r in plan.fold.live]
         over = [name for name in order if name in target["oom"]]
         lines.append(f"serial: every class is captured; a capture that reaches its OOM ({', '.join(over)}) ends "
                      "there and the later captures still run, so the report gives each class its verdict (fits, or "
@@ -427,8 +428,6 @@ def start_planning(script: Any, script_args: list[str], world_size: int, env: di
     asked of the parsing child (which imports Megatron), and, for a fold (``fold``), the Megatron modules the
     fold plan reads, imported here meanwhile (seconds each); the plans then find both done. A failure is left to
     the step that needs it, which says it as before."""
-    import contextlib
-
     ask_megatron_args(script, list(script_args), world_size, env)
     if fold:
         with contextlib.suppress(ImportError):
@@ -504,7 +503,7 @@ def _second_pass(fold: FoldPlan, mode: str, oom_classes: set[str]) -> dict[str, 
 
     decided = second_pass(mode, fold.to_json())
     bound = second_pass_bound(fold)
-    names = [fold.classes[fold.class_of[r]].name for r in fold.live]
+    names = [fold.class_name(r) for r in fold.live]
     if not decided["on"] or not any(name not in oom_classes for name in names[:-1]):
         counted = 0
     else:
@@ -521,7 +520,7 @@ def _serial_time(time: dict[str, Any], fold: FoldPlan, second: dict[str, Any], m
     n = len(fold.live)
     iters = time["iterations"]
     flops = (time["sandbox_flops_per_iteration"] or 0.0) / n
-    names = [fold.classes[fold.class_of[r]].name for r in fold.live]
+    names = [fold.class_name(r) for r in fold.live]
     if on_gpu:
         g = SERIAL_GPU_TIME_MODEL
         rate = g["moe_flops"] if moe else g["dense_flops"]
@@ -529,12 +528,11 @@ def _serial_time(time: dict[str, Any], fold: FoldPlan, second: dict[str, Any], m
         said = (f"serial on a GPU: {run_s:.0f} s a run + {start:.0f} s a capture, then each live rank's model FLOPs "
                 f"at {rate / 1e12:.0f} TFLOP/s ({'MoE' if moe else 'dense'}, fitted to the target recipes' runs on "
                 f"one H200); {n} capture(s) one after another")
-        oom_iters = g["oom_iterations"]
     else:
         m = ROUGH_TIME_MODEL
         run_s, start, per_iter = 0.0, m["startup_s"] + m["startup_per_rank_s"], time["per_iteration_s"] / n
         said = time["model"] + f"; serial: {n} jobs started one after another"
-        oom_iters = SERIAL_GPU_TIME_MODEL["oom_iterations"]
+    oom_iters = SERIAL_GPU_TIME_MODEL["oom_iterations"]
     captures = [start + (oom_iters if name in oom_classes else iters) * per_iter for name in names]
     again = second["counted"]
     if again:
