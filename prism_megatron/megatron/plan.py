@@ -73,7 +73,7 @@ SERIAL_GPU_TIME_MODEL = {
     "capture_s": 18.0,
     "dense_flops": 210e12,
     "moe_flops": 59e12,
-    "oom_iterations": 0.17,  # the median; those that ran out in iteration 2 ran 0.9-3.1
+    "oom_iterations": 0.17,  # the median: most run out in iteration 1, before its first step's optimizer state
 }
 #: The second pass's takes again the plan expects under auto, which stops at the first take that routed every
 #: token as its take before did (launcher.serial); --prism-fold-second-pass on counts its bound.
