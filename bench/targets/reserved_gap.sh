@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Where one rank's max reserved differs between Megatron's own --fake-process-group and prism (issue 20: Llama-3-70B's
+# first stage reserved 5.2 GiB more under the fake process group with max allocated equal to 512 B): both record the
+# CUDA allocator's history (PRISM_MEMORY_SNAPSHOT), then bench/gpu/snapshot_diff.py lists the stacks whose segments
+# one run reserved and the other did not, at each run's peak. Run from the repo root on the GPU machine, megatron-core
+# installed into /tmp/site by the caller:
+#   bash bench/targets/reserved_gap.sh llama3-70b-h100x64 [RANK (0)]
+# env: OUT (/tmp/prism-gpu), ITERS (2). Writes OUT/reserved-gap-NAME-rankR.txt (both runs' summaries and the diff);
+# the pickles (hundreds of MB) are removed once read.
+set -uo pipefail
+[ $# -ge 1 ] || { echo "usage: $0 NAME [RANK]" >&2; exit 2; }
+name=$1; rank=${2:-0}; iters=${ITERS:-2}
+export OUT=${OUT:-/tmp/prism-gpu}
+snap=$(mktemp -d)
+result=$OUT/reserved-gap-$name-rank$rank.txt
+{
+  echo "# $name rank $rank, $iters iterations each: the fake process group, then prism's serial capture"
+  PRISM_MEMORY_SNAPSHOT=$snap/fakepg SCRIPT=driver TIMEOUT=240 bash bench/targets/fake_pg_peak.sh "$name" \
+    --ranks "$rank" --iters "$iters" 2>&1 | grep -v -i warn | tail -8
+  PRISM_MEMORY_SNAPSHOT=$snap/prism PLAN=0 TIMEOUT=320 bash bench/targets/run_target.sh "$name" --train-iters "$iters" \
+    >/dev/null 2>&1
+  echo "prism: exit $? ($(head -1 "$OUT/target-$name/summary.txt" 2>/dev/null))"
+  ls -la "$snap"
+  python3 bench/gpu/snapshot_diff.py "$snap/fakepg-rank$rank.pickle" "$snap/prism-rank$rank.pickle" --names fakepg,prism
+} 2>&1 | tee "$result"
+rm -rf "$snap"
