@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 from conftest import PROGRAMS, prism
 from prism_megatron.trace import read_trace
@@ -192,3 +193,21 @@ open(r"{tmp_path}/rank-%d.txt" % dist.get_rank(), "w").write(repr(events))
     for r in range(2):
         assert (tmp_path / f"rank-{r}.txt").read_text() == repr(
             [("gloo:all_gather_into_tensor", [[3, 4]]), ("gloo:all_reduce", [[3, 4]])])
+
+
+def test_each_rank_says_where_its_start_up_went(tmp_path):
+    """One line per rank as its first iteration begins: the seconds since the launch, split into phases that add
+    up to them; the script's own set-up (here a 1.5 s sleep) lands in its phase."""
+    p = prism("launch", "-w", "2", "--trace-dir", str(tmp_path / "t"), "--log-ranks", "none",
+              str(PROGRAMS / "ring.py"), "2", "1.5", cwd=tmp_path, timeout=120)
+    assert p.returncode == 0, p.stderr
+    for r in range(2):
+        lines = [line for line in (tmp_path / "t.logs" / f"rank-{r}.log").read_text().splitlines()
+                 if "first iteration began" in line]
+        assert len(lines) == 1, lines
+        m = re.fullmatch(rf"prism: rank {r}: first iteration began ([0-9.]+) s after the launch: (.*)", lines[0])
+        assert m, lines[0]
+        phases = dict(re.fullmatch(r"(.+) ([0-9.]+) s", part).groups() for part in m[2].split(", "))
+        assert list(phases) == ["coordinator and fork", "rank set-up", "slot wait", "script"]
+        assert 1.5 <= float(phases["script"]) <= float(m[1])
+        assert abs(sum(float(s) for s in phases.values()) - float(m[1])) <= 0.25  # each rounded to 0.1 s

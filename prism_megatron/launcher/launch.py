@@ -44,12 +44,12 @@ from prism_megatron.trace.schema import stopped_reason
 
 
 def _exec_rank(cfg: LaunchConfig, rank: int, address: tuple[str, int], authkey: bytes, store_port: int,
-               prefix: str) -> None:
+               prefix: str, launched: float) -> None:
     """Replace the forked child by a fresh interpreter running the rank (PRISM_RANK_START=exec):
     tells whether running in a fork of the template changes a rank's speed (bench/gpu/host_diff.sh)."""
     import pickle
 
-    blob = pickle.dumps((cfg, rank, address, authkey, store_port, prefix, [])).hex()
+    blob = pickle.dumps((cfg, rank, address, authkey, store_port, prefix, [], launched)).hex()
     code = ("import pickle, sys; from prism_megatron.launcher.rank import run_rank; "
             "run_rank(*pickle.loads(bytes.fromhex(sys.argv[1])))")
     os.execv(sys.executable, [sys.executable, "-c", code, blob])
@@ -176,8 +176,8 @@ class _Job:
                                    "reached: run fewer ranks") from None
             if pid == 0:
                 if fresh:
-                    _exec_rank(self.cfg, r, address, self.authkey, store_port, self.prefix)
-                run_rank(self.cfg, r, address, self.authkey, store_port, self.prefix, close)
+                    _exec_rank(self.cfg, r, address, self.authkey, store_port, self.prefix, self.t0)
+                run_rank(self.cfg, r, address, self.authkey, store_port, self.prefix, close, self.t0)
             try:
                 os.setpgid(pid, pid)  # the rank leads its own group (it does so too: whoever runs first)
             except OSError:

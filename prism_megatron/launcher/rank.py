@@ -15,6 +15,7 @@ import runpy
 import signal
 import sys
 import threading
+import time
 import traceback
 from pathlib import Path
 
@@ -137,10 +138,37 @@ def _pin(cfg: LaunchConfig, rank: int) -> None:
         os.sched_setaffinity(0, {plan[live.index(rank)]})
 
 
+class StartUp:
+    """When a rank's start-up phases ended, said in one line as its first iteration begins: where the seconds
+    before a run's (or a serial capture's) first iteration go. ``time.perf_counter`` is one clock across the
+    fork, so the launcher's own start counts from its job's start."""
+
+    def __init__(self, rank: int, launched: float) -> None:
+        self.rank, self._last = rank, launched
+        self.phases: list[tuple[str, float]] = []
+        self.said = False
+
+    def end(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.phases.append((phase, now - self._last))
+        self._last = now
+
+    def line(self) -> str:
+        """The start-up as said: the phases, with the script's own set-up ended now (once)."""
+        self.said = True
+        self.end("script")
+        parts = ", ".join(f"{phase} {s:.1f} s" for phase, s in self.phases)
+        total = sum(s for _, s in self.phases)
+        return f"prism: rank {self.rank}: first iteration began {total:.1f} s after the launch: {parts}"
+
+
 def run_rank(cfg: LaunchConfig, rank: int, address: tuple[str, int], authkey: bytes, store_port: int,
-             segment_prefix: str, close_fds: list[int]) -> None:
-    """Never returns."""
+             segment_prefix: str, close_fds: list[int], launched: float | None = None) -> None:
+    """Never returns. ``launched``: the job's start (``time.perf_counter``), from which the rank's start-up
+    line counts."""
     code = 1
+    startup = StartUp(rank, time.perf_counter() if launched is None else launched)
+    startup.end("coordinator and fork")
     try:
         try:
             os.setpgid(0, 0)  # its own process group: ending the rank ends what it started (reaper.kill_rank)
@@ -187,11 +215,15 @@ def run_rank(cfg: LaunchConfig, rank: int, address: tuple[str, int], authkey: by
             from prism_megatron.memory import MemoryProbe
 
             probe = MemoryProbe(rank, cfg.on_gpu, cfg.memory_cap, cfg.log_dir)
-        markers.set_sink(_MarkSink(client, probe))
+        markers.set_sink(_MarkSink(client, probe, startup))
+        startup.end("rank set-up")
         client.acquire()
+        startup.end("slot wait")
         for spec in cfg.rank_setup:  # e.g. the Megatron integration's CPU mode and patches
             module, _, func = spec.partition(":")
             getattr(importlib.import_module(module), func)()
+        if cfg.rank_setup:
+            startup.end("patches and imports")
         if probe is not None:
             probe.install()  # after the setup: CPU mode decides where tensors live
             if probe.note:
@@ -344,13 +376,16 @@ def _map_local_devices(torch) -> None:
 class _MarkSink:
     """Routes `prism_megatron.trace.mark` calls to the coordinator, which timestamps them."""
 
-    def __init__(self, client, probe=None) -> None:
+    def __init__(self, client, probe=None, startup: StartUp | None = None) -> None:
         self._client = client
         self._probe = probe
+        self._startup = startup
         self._iteration: int | None = None
 
     def record_mark(self, name: str, phase: str, attrs: dict) -> None:
         self._client.mark(name, phase, attrs)
+        if name == "iteration" and phase == "B" and self._startup is not None and not self._startup.said:
+            print(self._startup.line(), file=sys.stderr, flush=True)
         if name == "iteration" and self._probe is not None:  # memory after every iteration
             if phase == "B":
                 self._iteration = attrs.get("iteration")
