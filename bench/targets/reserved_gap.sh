@@ -5,7 +5,7 @@
 # one run reserved and the other did not, at each run's peak. Run from the repo root on the GPU machine, megatron-core
 # installed into /tmp/site by the caller:
 #   bash bench/targets/reserved_gap.sh llama3-70b-h100x64 [RANK (0)]
-# env: OUT (/tmp/prism-gpu), ITERS (2). Writes OUT/reserved-gap-NAME-rankR.txt (both runs' summaries and the diff);
+# env: OUT (/tmp/prism-gpu), ITERS (2), PRISM_TIMEOUT (s, 200: prism's run may be cut once RANK's capture ended). Writes OUT/reserved-gap-NAME-rankR.txt (both runs' summaries and the diff);
 # the pickles (hundreds of MB) are removed once read.
 set -uo pipefail
 [ $# -ge 1 ] || { echo "usage: $0 NAME [RANK]" >&2; exit 2; }
@@ -17,7 +17,7 @@ result=$OUT/reserved-gap-$name-rank$rank.txt
   echo "# $name rank $rank, $iters iterations each: the fake process group, then prism's serial capture"
   PRISM_MEMORY_SNAPSHOT=$snap/fakepg SCRIPT=driver TIMEOUT=240 bash bench/targets/fake_pg_peak.sh "$name" \
     --ranks "$rank" --iters "$iters" 2>&1 | grep -v -i warn | tail -8
-  PRISM_MEMORY_SNAPSHOT=$snap/prism PLAN=0 TIMEOUT=320 bash bench/targets/run_target.sh "$name" --train-iters "$iters" \
+  PRISM_MEMORY_SNAPSHOT=$snap/prism PLAN=0 TIMEOUT=${PRISM_TIMEOUT:-200} bash bench/targets/run_target.sh "$name" --train-iters "$iters" \
     >/dev/null 2>&1
   echo "prism: exit $? ($(head -1 "$OUT/target-$name/summary.txt" 2>/dev/null))"
   ls -la "$snap"
