@@ -5,8 +5,9 @@
 # one run reserved and the other did not, at each run's peak. Run from the repo root on the GPU machine, megatron-core
 # installed into /tmp/site by the caller:
 #   bash bench/targets/reserved_gap.sh llama3-70b-h100x64 [RANK (0)]
-# env: OUT (/tmp/prism-gpu), ITERS (2), PRISM_TIMEOUT (s, 200: prism's run may be cut once RANK's capture ended). Writes OUT/reserved-gap-NAME-rankR.txt (both runs' summaries and the diff);
-# the pickles (hundreds of MB) are removed once read.
+# env: OUT (/tmp/prism-gpu), ITERS (2), PRISM_TIMEOUT (s, 200: prism's run may be cut once RANK's capture ended).
+# Writes OUT/reserved-gap-NAME-rankR.txt (both runs' summaries and the diff); the pickles (hundreds of MB) are
+# removed once read.
 set -uo pipefail
 [ $# -ge 1 ] || { echo "usage: $0 NAME [RANK]" >&2; exit 2; }
 name=$1; rank=${2:-0}; iters=${ITERS:-2}
