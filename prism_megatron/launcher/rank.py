@@ -146,7 +146,6 @@ class StartUp:
     def __init__(self, rank: int, launched: float) -> None:
         self.rank, self._last = rank, launched
         self.phases: list[tuple[str, float]] = []
-        self.said = False
 
     def end(self, phase: str) -> None:
         now = time.perf_counter()
@@ -154,8 +153,7 @@ class StartUp:
         self._last = now
 
     def line(self) -> str:
-        """The start-up as said: the phases, with the script's own set-up ended now (once)."""
-        self.said = True
+        """The start-up as said: the phases, with the script's own set-up ended now."""
         self.end("script")
         parts = ", ".join(f"{phase} {s:.1f} s" for phase, s in self.phases)
         total = sum(s for _, s in self.phases)
@@ -384,8 +382,9 @@ class _MarkSink:
 
     def record_mark(self, name: str, phase: str, attrs: dict) -> None:
         self._client.mark(name, phase, attrs)
-        if name == "iteration" and phase == "B" and self._startup is not None and not self._startup.said:
+        if name == "iteration" and phase == "B" and self._startup is not None:  # said once: the first iteration
             print(self._startup.line(), file=sys.stderr, flush=True)
+            self._startup = None
         if name == "iteration" and self._probe is not None:  # memory after every iteration
             if phase == "B":
                 self._iteration = attrs.get("iteration")
