@@ -144,7 +144,7 @@ def plan_cmd(args: tuple[str, ...]) -> None:
     if as_json:
         click.echo(json.dumps(plan_json(plan, microbatches), indent=1))
     else:
-        for line in said:
+        for line in [*request.notes, *said]:  # the recipe's choices first: the plan is of the options they set
             click.echo(line)
         render_plan(plan, Console(width=120, soft_wrap=True))
     if plan_fits(plan) is False:

@@ -47,6 +47,7 @@ from prism_megatron.recipe import (
     render_env,
     schema,
     show,
+    to_dict,
     validate,
 )
 from prism_megatron.recipe.load import name_of
@@ -165,7 +166,7 @@ def test_target_recipe_provenance_and_substitutions(name):
     recipe = load_recipe(name)
     p = recipe.parallel
     assert (recipe.world_size, p.tp, p.pp, p.vpp, p.cp, p.ep) == TARGETS[name]
-    assert recipe.version == 2 and recipe.sources
+    assert recipe.version == 3 and recipe.sources and recipe.emulation.chosen()
     assert all(re.fullmatch(r"[0-9a-f]{40}", s.commit) for s in recipe.sources)
     assert recipe.target.gpus_per_node == load_profile(recipe.target.cluster).node_size == 8
     assert resolve_target(recipe.target.gpu).capacity > 70 * 2**30
@@ -224,6 +225,70 @@ V2 = mutate(DENSE, {"version": 2})
 ])
 def test_v2_fields_rejected_with_field(changes, field, fragment):
     assert_problem(problems_of(mutate(V2, changes)), field, fragment)
+
+
+V3 = mutate(DENSE, {"version": 3})
+
+
+@pytest.mark.parametrize(("changes", "field", "fragment"), [
+    ({"version": 2, "emulation": {"attention": "sdpa"}}, "emulation", "needs version: 3"),
+    ({"emulation": {"attention": "flash"}}, "emulation.attention", "'flash' is not one of megatron, sdpa"),
+    ({"emulation": {"devices": "0"}}, "emulation.devices", "unknown key"),
+    ({"emulation": {"fold_capture": "serial", "fold": "off"}}, "emulation.fold_capture", "emulation.fold is off"),
+    ({"emulation": {"fold_microbatches": "some"}}, "emulation.fold_microbatches", "'some' is not auto, off or a"),
+    ({"emulation": {"fold_microbatches": 4}}, "emulation.fold_microbatches", "expected a string, got integer 4"),
+    ({"emulation": "serial"}, "emulation", "expected a mapping"),
+])
+def test_v3_emulation_rejected_with_field(changes, field, fragment):
+    assert_problem(problems_of(mutate(V3, changes)), field, fragment)
+
+
+def test_v3_emulation_accepted_and_written_back():
+    ok = validate_dict(mutate(V3, {"emulation": {"fold_microbatches": "4", "attention": "sdpa"}}))
+    assert ok.emulation.chosen() == {"attention": "sdpa", "fold_microbatches": "4"}  # declaration order
+    assert validate(ok) == ok
+    assert "emulation" not in to_dict(validate_dict(V2))  # an older version's file never carries it
+    assert validate_dict(V3).emulation.chosen() == {}
+
+
+def _parse_target(tmp_path, *flags):
+    from prism_megatron.megatron.run import parse_run_args
+
+    script = tmp_path / "pretrain_gpt.py"  # a target recipe runs Megatron-LM's script
+    script.write_text("")
+    return parse_run_args(["--recipe", "targets-llama3-70b-h100x64", *flags, str(script)])
+
+
+def test_run_takes_a_recipes_emulation_where_no_flag_gives_it(tmp_path):
+    from prism_megatron.patches.attention import ENV_VAR as ATTENTION_ENV
+
+    chosen = load_recipe("targets-llama3-70b-h100x64").emulation.chosen()
+    assert chosen == {"attention": "sdpa", "fold_capture": "serial", "fold_microbatches": "auto"}
+    request = _parse_target(tmp_path)
+    assert {k: request.options["prism_" + k] for k in chosen} == chosen
+    assert request.env[ATTENTION_ENV] == "sdpa"  # taken before the attention is rendered, with its substitution
+    assert any(s["setting"].startswith("core attention") for s in request.substitutions)
+    assert "prism: --prism-fold-capture serial (recipe targets-llama3-70b-h100x64's emulation.fold_capture)" \
+        in request.notes
+    flagged = _parse_target(tmp_path, "--prism-attention", "megatron", "--prism-fold-microbatches=off")
+    assert (flagged.options["prism_attention"], flagged.options["prism_fold_microbatches"]) == ("megatron", "off")
+    assert ATTENTION_ENV not in flagged.env and not any("emulation.attention" in n for n in flagged.notes)
+    assert flagged.options["prism_fold_capture"] == "serial"  # the choices no flag gave still hold
+
+
+@pytest.mark.parametrize(("flags", "dropped", "why"), [
+    (("--prism-fold", "off"), ["fold_capture"], "--prism-fold off runs every rank together"),
+    (("--prism-calibrate", "on"), ["fold_capture", "fold_microbatches"], "--prism-calibrate on re-runs"),
+])
+def test_a_recipes_emulation_yields_to_the_flags_that_rule_it_out(tmp_path, flags, dropped, why):
+    from prism_megatron.options import RunOnlyOptions, option
+
+    request = _parse_target(tmp_path, *flags)
+    for name in dropped:
+        assert request.options["prism_" + name] == option(RunOnlyOptions, name).default
+        assert any(n.startswith(f"prism: recipe targets-llama3-70b-h100x64's emulation.{name} ") and why in n
+                   for n in request.notes), request.notes
+    assert request.options["prism_attention"] == "sdpa"
 
 
 def test_v2_fields_accepted():
@@ -373,15 +438,15 @@ def test_unknown_keys_rejected_with_suggestion():
     assert_problem(err, "parallel.tensor_parallel", "unknown key")
 
 
-@pytest.mark.parametrize("version", [3, 0, "1", None, True])
+@pytest.mark.parametrize("version", [4, 0, "1", None, True])
 def test_wrong_version_names_supported(version):
     err = problems_of(mutate(DENSE, {"version": version}))
     assert err.fields() == ["version"]
-    assert "supported versions: 1, 2" in str(err)
+    assert "supported versions: 1, 2, 3" in str(err)
 
 
 def test_missing_version():
-    assert_problem(problems_of(mutate(DENSE, {"version": DELETE})), "version", "supported versions: 1, 2")
+    assert_problem(problems_of(mutate(DENSE, {"version": DELETE})), "version", "supported versions: 1, 2, 3")
 
 
 def test_all_violations_reported_together_naming_the_file():

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# One target recipe emulated end to end on one GPU (issue 20): class-depth fold captured serially (one
-# live rank at a time), fused attention in place of Transformer Engine's (--prism-attention sdpa),
-# micro-batches folded; then the report. Prints the plan, the run's own lines, the emulation's wall time
-# and the peak GPU and host memory in use, sampled every second while it ran.
+# One target recipe emulated end to end on one GPU (issue 20), as its recipe's emulation section has it:
+# folded and captured serially (one live rank at a time), fused attention in place of Transformer Engine's
+# (--prism-attention sdpa), micro-batches folded; then the report. Prints the plan, the run's own lines, the
+# emulation's wall time and the peak GPU and host memory in use, sampled every second while it ran.
 # Run from the repo root on the GPU machine, megatron-core installed into /tmp/site by the caller and the
 # Megatron-LM archive made by `bench/peer/run_peer_suite.py --pack` carried (Megatron-LM's training loop):
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
@@ -25,8 +25,9 @@ set -uo pipefail
 name=$1; shift
 started=$(date +%s)
 . "$(dirname "$0")/setup.sh"
-flags=(--recipe "targets-$name" --prism-devices "${DEVICES:-0}" --prism-driver training --prism-fold on
-       --prism-fold-capture serial --prism-attention sdpa --prism-fold-microbatches auto "$@")
+# The issue's command: the recipe's own emulation section chooses the rest (SDPA attention, serial capture,
+# micro-batches folded) and the run prints each choice; the fold is auto (the full job never fits one GPU).
+flags=(--recipe "targets-$name" --prism-devices "${DEVICES:-0}" --prism-driver training "$@")
 if [ -n "${CAPTURES:-}" ]; then  # an earlier call's finished captures: resumed
   tar -xzf "$CAPTURES" -C "$work" || { echo "cannot unpack $CAPTURES" >&2; rm -rf "$work"; exit 2; }
   flags+=(--prism-fold-resume)

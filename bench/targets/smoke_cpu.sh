@@ -86,9 +86,9 @@ for name in "${targets[@]}"; do
   if [ -z "${SUMMARY_ONLY:-}" ]; then  # SUMMARY_ONLY=1: print the blocks of runs already in OUT
     rm -rf "$out" && mkdir -p "$out"
     read -r -a own <<< "$(shrink "$name")" || { failed=$((failed + 1)); continue; }
+    # attention, serial capture and micro-batch fold: the recipe's emulation section, as on the GPU
     flags=(--recipe "targets-$name" --prism-devices cpu --prism-driver training --prism-fold on
-           --prism-fold-depth "$(depth "$name")" --prism-fold-capture serial --prism-attention sdpa
-           --prism-fold-microbatches auto "${common[@]}" "${own[@]}")
+           --prism-fold-depth "$(depth "$name")" "${common[@]}" "${own[@]}")
     echo "${common[*]} ${own[*]}" > "$out/overrides.txt"
     echo "${flags[*]}" > "$out/flags.txt"  # the whole command's flags (report_step_model.py plans them again)
     "$py" -m prism_megatron plan "${flags[@]}" > "$out/plan.txt" 2>&1

@@ -207,6 +207,7 @@ def parse_run_args(argv: list[str]) -> RunRequest:
         request.env = render_env(recipe)
         request.substitutions = [dict(vars(x)) for x in recipe.substitutions]
         _take_recipe_target(request, recipe)
+        _take_recipe_emulation(request, recipe, {t.partition("=")[0] for t in prism_tokens if t.startswith("--")})
         if request.script is None:
             name, request.script, why = select_driver(request.options.get("prism_driver") or "auto")
             request.env[DRIVER_ENV] = name
@@ -282,6 +283,28 @@ def _take_recipe_target(request: RunRequest, recipe) -> None:
             raise RunError(f"{recipe.source}: target.{key}: {e}") from None
         request.options[option] = value
         request.notes.append(f"prism: --{option.replace('_', '-')} {value} (recipe {recipe.name}'s target.{key})")
+
+
+def _take_recipe_emulation(request: RunRequest, recipe, given: set[str]) -> None:
+    """The recipe's ``emulation`` options where no flag in ``given`` sets them, each said as the recipe's. One the
+    flags given rule out yields to them, said: a serial capture under --prism-fold off (every rank runs together)
+    or --prism-calibrate on (slices re-run together), a micro-batch fold under --prism-calibrate on."""
+    o = request.options
+    for name, value in recipe.emulation.chosen().items():
+        flag = "--prism-" + name.replace("_", "-")
+        if flag in given:
+            continue
+        clash = None
+        if "--prism-calibrate" in given and o["prism_calibrate"] == "on" and (
+                (name == "fold_capture" and value == "serial") or (name == "fold_microbatches" and value != "off")):
+            clash = "--prism-calibrate on re-runs slices of the captured micro-batches together"
+        elif name == "fold_capture" and value == "serial" and "--prism-fold" in given and o["prism_fold"] == "off":
+            clash = "--prism-fold off runs every rank together"
+        if clash:
+            request.notes.append(f"prism: recipe {recipe.name}'s emulation.{name} {value} not taken: {clash}")
+            continue
+        o["prism_" + name] = value
+        request.notes.append(f"prism: {flag} {value} (recipe {recipe.name}'s emulation.{name})")
 
 
 def _run_in_process(request: RunRequest) -> int:

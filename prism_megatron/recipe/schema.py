@@ -1,4 +1,4 @@
-"""Recipe schema (versions 1 and 2): dataclasses, the reader of plain data, and the validation rules.
+"""Recipe schema (versions 1 to 3): dataclasses, the reader of plain data, and the validation rules.
 
 A recipe names a *target* Megatron job (model, parallel layout, batch, world size). It is
 checked here, before any process starts, against the rules megatron-core 0.16.1 and
@@ -14,6 +14,10 @@ the emulation machine cannot run, with what is rendered instead and which predic
 ``parallel.pipeline_layout`` / ``account_for_embedding_in_pipeline_split`` /
 ``account_for_loss_in_pipeline_split``. A version-1 file using any of them is rejected, naming the
 field, so a file never means something its version did not define.
+
+Version 3 adds ``emulation``: the prism options ``run --recipe`` and ``plan --recipe`` take for the recipe
+where no flag gives them (``EMULATION_OPTIONS``), so that a target recipe runs on one emulation machine as
+its own name says, without the flags its substitutions and size need spelled out each time.
 """
 
 from __future__ import annotations
@@ -24,7 +28,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_VERSIONS: tuple[int, ...] = (1, 2)
+from prism_megatron.options import RunOnlyOptions, option
+
+SUPPORTED_VERSIONS: tuple[int, ...] = (1, 2, 3)
 MODEL_KINDS = ("gpt",)
 PRECISIONS = ("fp32", "bf16", "fp16")
 OPTIMIZERS = ("adam", "sgd")
@@ -251,6 +257,34 @@ class SubstitutionSpec:
     affects: str = _f("str")  # which prediction it changes, and how
 
 
+def _emulation_field(name: str):
+    """A key of ``emulation``: the ``run`` option of that name, its choices checked where it has them."""
+    choices = option(RunOnlyOptions, name).choices
+    return _f("choice" if choices else "str", None, nullable=True, choices=choices or ())
+
+
+@dataclass(frozen=True, kw_only=True)
+class EmulationSpec:
+    """The ``--prism-*`` options ``run --recipe`` takes where the command line gives none (v3): how the job is
+    emulated (what stands in for what the emulation machine lacks, how far it folds), never where (devices,
+    memory) or what follows the run. Each is printed as the recipe's choice; a flag overrides it."""
+
+    attention: str | None = _emulation_field("attention")
+    experts: str | None = _emulation_field("experts")
+    fold: str | None = _emulation_field("fold")
+    fold_depth: str | None = _emulation_field("fold_depth")
+    fold_capture: str | None = _emulation_field("fold_capture")
+    fold_microbatches: str | None = _emulation_field("fold_microbatches")  # 'auto', 'off' or a count
+    fold_second_pass: str | None = _emulation_field("fold_second_pass")
+
+    def chosen(self) -> dict[str, str]:
+        """The options the recipe sets, by option name, in declaration order."""
+        return {name: getattr(self, name) for name in EMULATION_OPTIONS if getattr(self, name) is not None}
+
+
+EMULATION_OPTIONS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(EmulationSpec))
+
+
 @dataclass(frozen=True, kw_only=True)
 class Recipe:
     """A validated target job. Build one with :func:`from_dict` (or the loaders), not directly."""
@@ -266,6 +300,7 @@ class Recipe:
     extra_args: tuple[str, ...] = _f("str_list", ())
     sources: tuple[SourceSpec, ...] = _f("section_list", (), section=SourceSpec, since=2)
     substitutions: tuple[SubstitutionSpec, ...] = _f("section_list", (), section=SubstitutionSpec, since=2)
+    emulation: EmulationSpec = _f("section", EmulationSpec, section=EmulationSpec, since=3)
     # Where the recipe came from, for error messages; not a YAML key.
     source: str = field(default="<memory>", compare=False, metadata={"internal": True})
 
@@ -465,10 +500,10 @@ def to_dict(recipe: Recipe) -> dict[str, Any]:
     data = dataclasses.asdict(recipe)
     data.pop("source", None)
     data["extra_args"] = list(recipe.extra_args)
-    if recipe.version < 2:  # keys a version-1 file may not carry (all at their defaults there)
-        for f in dataclasses.fields(Recipe):
-            if f.metadata.get("since", 1) > recipe.version:
-                data.pop(f.name, None)
+    for f in dataclasses.fields(Recipe):  # keys an older version's file may not carry (at their defaults there)
+        if f.metadata.get("since", 1) > recipe.version:
+            data.pop(f.name, None)
+    if recipe.version < 2:
         for section, cls in (("parallel", ParallelSpec), ("training", TrainingSpec), ("target", TargetSpec)):
             for f in dataclasses.fields(cls):
                 if f.metadata.get("since", 1) > recipe.version:
@@ -723,3 +758,16 @@ def _check_rules(r: Recipe, reader: _Reader) -> None:
             if owner is not None:
                 err(f"extra_args[{i}]", f"{_flag_name(arg)!r} is set from the recipe ({owner}); "
                     "change that field instead")
+
+    # --- emulation (v3) ----------------------------------------------------------------------------
+    e = r.emulation if ok("emulation") else None
+    if e is not None and e.fold_microbatches is not None and ok("emulation.fold_microbatches"):
+        from prism_megatron.megatron.microbatch_mode import MicrobatchModeError, parse_value
+
+        try:
+            parse_value(e.fold_microbatches)
+        except MicrobatchModeError:
+            err("emulation.fold_microbatches", f"{e.fold_microbatches!r} is not auto, off or a number of "
+                "micro-batches >= 1 (quote a number in YAML)")
+    if e is not None and e.fold_capture == "serial" and e.fold == "off":
+        err("emulation.fold_capture", "serial captures a folded run one live rank at a time; emulation.fold is off")
