@@ -272,6 +272,19 @@ def test_memory_refusal_says_what_would_fit():
     assert none["fits"] is None and "no vocabulary" in none["why"]
 
 
+def test_a_plan_for_gpus_this_machine_lacks_says_how_to_plan_for_them(monkeypatch):
+    from prism_megatron.launcher import config
+    from prism_megatron.launcher.config import LaunchError
+
+    plan = build_fold_plan(TargetLayout(world_size=16, tp=2, pp=4, num_layers=8), "replica")
+    estimate = {"source": "prism", "classes": {c: {"total": 5 * GiB} for c in ("first", "middle", "last")}}
+    monkeypatch.setattr(config, "_gpus_seen", lambda visible: ())  # a machine without CUDA devices
+    with pytest.raises(LaunchError, match=r"no device 0; to plan for a machine that has them, give its device memory "
+                       r"\(--prism-device-memory GiB"):
+        _memory(plan, estimate, ["0"], None, 30.0, "none")
+    assert _memory(plan, estimate, ["0"], 80.0, 30.0, "none")["fits"] is True  # its memory given: planned
+
+
 def test_the_plan_says_what_a_swap_switch_holds_in_host_memory():
     """4 live ranks of 60 GiB on one 140 GiB device: 100 GiB spill, which 146 GiB of host memory hold. But under the
     checkpoint API a rank coming in is still out while two whole ranks leave for it: 180 GiB at once, so the plan

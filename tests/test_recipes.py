@@ -189,6 +189,9 @@ def test_target_show_lists_sources_and_substitutions():
     assert "parallel.pipeline_layout: published Et|(tt|)*30mL" in text
     assert "1024 GPUs" in text and "8 GPUs per node" in text and "not estimated" in text
     assert "recompute selective (mla_up_proj, mlp)" in text
+    assert re.search(r"emulation\s+--prism-attention sdpa --prism-fold-capture serial --prism-fold-microbatches auto",
+                     text)
+    assert "emulation " not in show("mini-dense-tp2pp2")  # a recipe that chooses none says nothing of it
     args = render_args(load_recipe("targets-deepseek-v3-h100x1024"))
     assert flag_values(args, "--pipeline-model-parallel-layout") == ["Et|(tt|)*30L"]
     assert "--num-virtual-stages-per-pipeline-rank" not in args

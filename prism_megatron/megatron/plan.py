@@ -115,9 +115,14 @@ def _host_available() -> int:
 
 
 def _gpu_totals(devices: list[str]) -> list[int]:
-    from prism_megatron.launcher.config import _check_gpus
+    """Each device's total memory; a device this machine lacks is refused with how to plan for it from here."""
+    from prism_megatron.launcher.config import LaunchError, _check_gpus
 
-    return _check_gpus(devices)
+    try:
+        return _check_gpus(devices)
+    except LaunchError as e:
+        raise LaunchError(f"{e}; to plan for a machine that has them, give its device memory "
+                          "(--prism-device-memory GiB, and --prism-host-memory GiB)") from None
 
 
 def _prism_estimate(args: Any, world_size: int, fold: FoldPlan, devices: list[str],

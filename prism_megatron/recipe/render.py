@@ -224,6 +224,10 @@ def summary(recipe: Recipe) -> str:
                    + (f", {recipe.target.gpus_per_node} GPUs per node" if recipe.target.gpus_per_node else "")),
         ("environment", " ".join(f"{k}={v}" for k, v in env.items()) or "-"),
     ]
+    chosen = recipe.emulation.chosen()
+    if chosen:  # what run and plan take where no flag gives it
+        rows.append(("emulation", " ".join(f"--prism-{k.replace('_', '-')} {v}" for k, v in chosen.items())
+                     + "  (unless a flag says otherwise)"))
     for i, src in enumerate(recipe.sources):
         rows.append(("sources" if i == 0 else "", f"{src.what}: {src.repository} {src.path}"
                      + (f" ({src.name})" if src.name else "") + f" @ {src.commit}"))
