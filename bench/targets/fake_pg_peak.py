@@ -50,11 +50,11 @@ FORMAT, VERSION = "prismfakepg", 1
 # ------------------------------------------------------------------------------------------------ argv
 
 def plan_flags(name: str, depth: str, devices: str = "cpu") -> list[str]:
-    """The prism flags run_target.sh runs a target with (its plan's live ranks are the defaults here);
-    ``devices`` as its --prism-devices (the fold depth ``auto`` picks depends on their memory)."""
+    """The prism flags run_target.sh runs a target with (its plan's live ranks are the defaults here), the
+    recipe's emulation section giving the rest (attention, serial capture, micro-batch fold); ``devices`` as its
+    --prism-devices (the fold depth ``auto`` picks depends on their memory)."""
     return ["--recipe", f"targets-{name}", "--prism-devices", devices, "--prism-driver", "training",
-            "--prism-fold", "on", "--prism-fold-depth", depth, "--prism-fold-capture", "serial",
-            "--prism-attention", "sdpa", "--prism-fold-microbatches", "auto"]
+            "--prism-fold", "on", "--prism-fold-depth", depth]
 
 
 def megatron_argv(name: str, *, depth: str = "auto", microbatches: str = "prism", iters: int | None = None,
