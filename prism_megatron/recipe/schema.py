@@ -16,8 +16,9 @@ the emulation machine cannot run, with what is rendered instead and which predic
 field, so a file never means something its version did not define.
 
 Version 3 adds ``emulation``: the prism options ``run --recipe`` and ``plan --recipe`` take for the recipe
-where no flag gives them (``EMULATION_OPTIONS``), so that a target recipe runs on one emulation machine as
-its own name says, without the flags its substitutions and size need spelled out each time.
+where no flag gives them (``EMULATION_OPTIONS``), so that ``run --recipe NAME --prism-devices 0`` alone
+emulates a target on one GPU (what stands in for Transformer Engine's attention, how it is captured) rather
+than every user having to know which flags it needs.
 """
 
 from __future__ import annotations
