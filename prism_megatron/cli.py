@@ -141,10 +141,11 @@ def plan_cmd(args: tuple[str, ...]) -> None:
         raise click.UsageError(str(e)) from None
     except (FoldError, ArgsError) as e:
         raise click.ClickException(str(e)) from None
+    said = [*request.notes, *said]  # the recipe's choices first: the plan is of the options they set
     if as_json:
-        click.echo(json.dumps(plan_json(plan, microbatches), indent=1))
+        click.echo(json.dumps(plan_json(plan, microbatches, said), indent=1))
     else:
-        for line in [*request.notes, *said]:  # the recipe's choices first: the plan is of the options they set
+        for line in said:
             click.echo(line)
         render_plan(plan, Console(width=120, soft_wrap=True))
     if plan_fits(plan) is False:

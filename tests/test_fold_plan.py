@@ -537,6 +537,23 @@ def test_plan_cli_mini_recipe_table(parse_each_command_once):
 
 
 @pytest.mark.heavy
+def test_plan_is_of_the_options_a_recipe_chose_and_says_them(tmp_path, parse_each_command_once):
+    import yaml
+
+    from prism_megatron.recipe import find_recipe
+
+    data = yaml.safe_load(find_recipe("mini-dense-tp2pp2dp4").read_text())
+    data.update(version=3, name="mini-chooses", emulation={"fold_depth": "class", "fold_capture": "serial"})
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(data))
+    result = CliRunner().invoke(main, ["plan", "--json", "--recipe", str(tmp_path / "r.yaml"), "--prism-fold-capture",
+                                       "together"])
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.stdout)
+    assert out["said"] == ["prism: --prism-fold-depth class (recipe mini-chooses's emulation.fold_depth)"]
+    assert out["fold"]["depth"] == "class" and out["capture"]["mode"] == "together"  # the flag over the recipe
+
+
+@pytest.mark.heavy
 def test_plan_cli_refuses_bad_layout():
     result = CliRunner().invoke(main, ["plan", "--prism-world-size", "12", "--", str(CORE_DRIVER_SCRIPT), *TINY_GPT])
     assert result.exit_code != 0

@@ -47,7 +47,8 @@ __all__ = ["PLAN_JSON_VERSION", "PlanError", "Plan", "start_planning", "make_pla
 # 10: serial: time.captures_s (each capture's expected seconds, in order, the takes again last) and time.run_s
 # (the run's own cost besides them); capture.second_pass.counted is the takes again expected (auto: its stop),
 # at_most their bound; time.report_s is 0 where a class is predicted to run out of memory (no replay)
-PLAN_JSON_VERSION = 10
+# 11: said (the lines the plan says before its table: the options a recipe chose, the micro-batch fold)
+PLAN_JSON_VERSION = 11
 # per class (memory.classes, memory.per_rank: the most of a live rank), Megatron's formula under memory.megatron
 GiB = 1 << 30
 #: Host memory of one live rank's process besides its GPU state (Python, torch, Megatron, the
@@ -552,10 +553,12 @@ def _serial_time(time: dict[str, Any], fold: FoldPlan, second: dict[str, Any], m
             "captures": n + again, "model": said}
 
 
-def plan_json(plan: Plan, microbatches: dict | None = None) -> dict[str, Any]:
+def plan_json(plan: Plan, microbatches: dict | None = None, said: list[str] | None = None) -> dict[str, Any]:
     """The plan for programs (``plan --json``); ``fold`` is ``FoldPlan.to_json()``, ``microbatches`` the
-    trace's ``job.microbatches`` record the run would write (None: every micro-batch runs)."""
-    return {"version": PLAN_JSON_VERSION, "source": plan.source, "layout": plan.layout.describe(),
+    trace's ``job.microbatches`` record the run would write (None: every micro-batch runs), ``said`` the lines the
+    plan says before its table (which options a recipe chose: the plan is of them)."""
+    return {"version": PLAN_JSON_VERSION, "said": list(said or []), "source": plan.source,
+            "layout": plan.layout.describe(),
             "devices": plan.devices, "iterations": plan.iterations, "memory": plan.memory, "time": plan.time,
             "fold_depth": plan.depth_note, "fold": plan.fold.to_json(), "microbatches": microbatches,
             "capture": plan.capture, "fits": plan_fits(plan), "verdict": plan_verdict(plan),
