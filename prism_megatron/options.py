@@ -114,7 +114,9 @@ class RunOnlyOptions:
     """Emulate the target job with prism (without it nothing is patched)."""
 
     recipe: str | None = None
-    """Recipe name or file (also --recipe); implies emulation."""
+    """Recipe name or file (also --recipe); implies emulation. Where no flag gives them, its target sets
+    --prism-target-gpu and --prism-cluster and its emulation section how the job is emulated (a target recipe's:
+    attention, serial capture, micro-batch fold); each is printed as the recipe's choice."""
 
     driver: Literal["auto", "core", "training"] = "auto"
     """GPT driver a recipe runs: 'training' (Megatron-LM's pretrain, needs megatron.training), 'core'
