@@ -285,22 +285,28 @@ def _take_recipe_target(request: RunRequest, recipe) -> None:
         request.notes.append(f"prism: --{option.replace('_', '-')} {value} (recipe {recipe.name}'s target.{key})")
 
 
+def ruled_out(name: str, value: str, options: dict) -> str | None:
+    """Why ``--prism-<name> value`` cannot run beside the other ``options`` (dest -> value), or None: what ``run``
+    refuses, and what a recipe's emulation choice yields to."""
+    if name == "fold_capture" and value == "serial":
+        if options["prism_fold"] == "off":
+            return "--prism-fold off runs every rank together"
+        if options["prism_calibrate"] == "on":
+            return "--prism-calibrate on re-runs slices of a capture together"
+    if name == "fold_microbatches" and value != "off" and options["prism_calibrate"] == "on":
+        return "--prism-calibrate on re-runs the captured micro-batches"
+    return None
+
+
 def _take_recipe_emulation(request: RunRequest, recipe, given: set[str]) -> None:
-    """The recipe's ``emulation`` options where no flag in ``given`` sets them, each said as the recipe's. One the
-    flags given rule out yields to them, said: a serial capture under --prism-fold off (every rank runs together)
-    or --prism-calibrate on (slices re-run together), a micro-batch fold under --prism-calibrate on."""
+    """The recipe's ``emulation`` options where no flag in ``given`` sets them, each said as the recipe's; one the
+    flags rule out (``ruled_out``) yields to them, said."""
     o = request.options
     for name, value in recipe.emulation.chosen().items():
         flag = "--prism-" + name.replace("_", "-")
         if flag in given:
             continue
-        clash = None
-        if "--prism-calibrate" in given and o["prism_calibrate"] == "on" and (
-                (name == "fold_capture" and value == "serial") or (name == "fold_microbatches" and value != "off")):
-            clash = "--prism-calibrate on re-runs slices of the captured micro-batches together"
-        elif name == "fold_capture" and value == "serial" and "--prism-fold" in given and o["prism_fold"] == "off":
-            clash = "--prism-fold off runs every rank together"
-        if clash:
+        if clash := ruled_out(name, value, o):
             request.notes.append(f"prism: recipe {recipe.name}'s emulation.{name} {value} not taken: {clash}")
             continue
         o["prism_" + name] = value
@@ -431,10 +437,9 @@ def run(request: RunRequest) -> int:
         from prism_megatron.megatron.microbatch_mode import MicrobatchModeError, choose_microbatches
 
         try:
-            if after.calibrate == "on":
-                raise MicrobatchModeError(f"--prism-fold-microbatches {after.fold_microbatches} with --prism-calibrate "
-                                          "on: not yet (calibration re-runs the captured micro-batches); run with "
-                                          "--prism-fold-microbatches off")
+            if why := ruled_out("fold_microbatches", after.fold_microbatches, request.options):
+                raise MicrobatchModeError(f"--prism-fold-microbatches {after.fold_microbatches}: not yet ({why}); run "
+                                          "with --prism-fold-microbatches off")
             cfg.script_args, record = choose_microbatches(
                 after.fold_microbatches, cfg.script, list(cfg.script_args), cfg.world_size, cfg.gpus_per_node,
                 request.env, say=lambda m: print(f"prism: {m}", file=sys.stderr, flush=True))
@@ -470,11 +475,9 @@ def run(request: RunRequest) -> int:
     else:  # never inherited from an earlier run in this process: it changes every TP embedding
         os.environ.pop(TP_MIRROR_ENV, None)
     serial = after.fold_capture == "serial"
-    if serial and (after.fold == "off" or after.calibrate == "on"):
+    if serial and (why := ruled_out("fold_capture", after.fold_capture, request.options)):
         from prism_megatron.launcher.exit_codes import BAD_INPUT
 
-        why = "--prism-fold off runs every rank together" if after.fold == "off" else \
-            "--prism-calibrate on re-runs slices of a capture together"
         print(f"prism: --prism-fold-capture serial captures a folded run one live rank at a time; {why}",
               file=sys.stderr, flush=True)
         return BAD_INPUT
