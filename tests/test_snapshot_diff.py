@@ -53,6 +53,26 @@ def test_reserved_peaks_differ_where_one_run_grew_its_cache_and_allocated_peaks_
     assert grew in reserved
 
 
+def test_each_run_says_its_segments_released_and_its_reserved_over_the_recording(tmp_path, capsys):
+    """A run that released its cache (a retry under its cap, or empty_cache) shows it: its released
+    segments, the failed allocation, and reserved bytes that fall in its curve."""
+    sd = load_bench("gpu/snapshot_diff.py")
+    a = _frames("activation", "forward")
+    released = _history(extra_segment=False) + [
+        {"action": "oom", "addr": 0, "size": 40 * MiB, "frames": a},
+        {"action": "segment_free", "addr": 100 * MiB, "size": 20 * MiB, "frames": a},
+        {"action": "segment_alloc", "addr": 300 * MiB, "size": 40 * MiB, "frames": a}]
+    first = _dump(tmp_path / "a.pickle", _history(extra_segment=True))
+    second = _dump(tmp_path / "b.pickle", released)
+    assert sd.main([str(first), str(second), "--names", "fakepg,prism"]) == 0
+    out = capsys.readouterr().out
+    assert "fakepg: segments reserved 3 (60 MiB), released 0 (0 MiB); failed allocations 0;" in out
+    assert "prism: segments reserved 3 (80 MiB), released 1 (20 MiB); failed allocations 1;" in out
+    curve = [int(x) for x in out.split("prism: segments")[1].split("recording: ")[1].splitlines()[0].split()]
+    assert len(curve) == 10 and curve[-1] == 60 and 20 in curve and max(curve) == 60
+    assert any(x > y for x, y in zip(curve, curve[1:], strict=False))  # it fell where the cache was released
+
+
 def test_a_dump_of_several_devices_and_bad_names_are_refused(tmp_path):
     sd = load_bench("gpu/snapshot_diff.py")
     two = tmp_path / "two.pickle"

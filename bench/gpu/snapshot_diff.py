@@ -8,7 +8,9 @@ with ``--script driver``). Two peaks, each with the stacks whose bytes differ mo
 - allocated: the blocks live at the peak of allocated bytes (how the Work <-> Future reference cycle,
   +80..176 MiB on TP2, was found);
 - reserved: the allocator's segments held at the peak of reserved bytes, each under the stack of the
-  allocation that made the allocator reserve it — where one run had to grow its cache and the other not.
+  allocation that made the allocator reserve it — where one run had to grow its cache and the other not;
+  before both, each run's segments reserved and released and its reserved bytes over the recording (a
+  run whose reserved fell released its cache: ``empty_cache``, or a retry under a full device or cap).
 A history holds at most its recording's last events (``snapshot.MAX_ENTRIES``): a trace of that length
 may have lost its start, said below.
 """
@@ -58,6 +60,35 @@ def peak(trace: list[dict], kind: str) -> tuple[int, int, dict[int, dict]]:
     return best, best_i, best_live
 
 
+def segments(trace: list[dict], points: int = 10) -> str:
+    """The allocator's own moves over the recording: segments reserved and released (a release is
+    ``empty_cache`` or the allocator freeing its cache to retry an allocation that found the device or
+    its cap full), allocations that failed, and the reserved bytes at ``points`` even steps of it."""
+    adds, removes = KINDS["reserved"]
+    live: dict[int, int] = {}
+    counts: collections.Counter = collections.Counter()
+    cur, curve = 0, []
+    marks = {max(0, round(len(trace) * k / points) - 1) for k in range(1, points + 1)}
+    for i, e in enumerate(trace):
+        if e["action"] in adds:
+            live[e["addr"]] = e["size"]
+            cur += e["size"]
+            counts["reserved"] += 1
+            counts["reserved_bytes"] += e["size"]
+        elif e["action"] in removes and e["addr"] in live:
+            size = live.pop(e["addr"])
+            cur -= size
+            counts["released"] += 1
+            counts["released_bytes"] += size
+        elif e["action"] == "oom":
+            counts["oom"] += 1
+        if i in marks:
+            curve.append(cur)
+    return (f"segments reserved {counts['reserved']} ({counts['reserved_bytes'] / MiB:.0f} MiB), released "
+            f"{counts['released']} ({counts['released_bytes'] / MiB:.0f} MiB); failed allocations {counts['oom']}; "
+            f"reserved MiB at each tenth of the recording: {' '.join(f'{c / MiB:.0f}' for c in curve)}")
+
+
 def stack(e: dict, depth: int = 4) -> str:
     frames = [f"{f['filename'].split('/')[-1]}:{f['line']}:{f['name']}" for f in e.get("frames", [])
               if f["filename"].endswith(".py")]
@@ -100,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, trace in traces.items():
         if len(trace) >= MAX_ENTRIES:
             print(f"{name}: {len(trace)} events, the recording's limit: its start may be lost")
+    for name, trace in traces.items():
+        print(f"{name}: {segments(trace)}")
     print(compare(traces, "allocated"))
     print(compare(traces, "reserved"))
     return 0
