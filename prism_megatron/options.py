@@ -135,9 +135,9 @@ class RunOnlyOptions:
     renders for --moe-grouped-gemm): 'megatron' runs Megatron's loop of one fc1, activation and fc2 per
     local expert; 'grouped' computes the same values with one torch grouped_mm per linear over the same
     parameters (viewed in place, never copied), as TE's grouped GEMM does: far fewer kernel launches where
-    the loop is host-bound. The default stays 'megatron' until 'grouped' is measured on a GPU. Weights that
-    no uniform stride can view (DDP bucket padding between two experts), expert biases and FP8 are refused
-    at the first call, named."""
+    the loop is host-bound. Weights that no uniform stride can view (DDP bucket padding between two
+    experts), expert biases and FP8 are refused at the first call, named: so 'megatron' is the default, and
+    a target recipe whose job runs grouped GEMM chooses 'grouped' in its emulation section."""
 
     cluster: str | None = None
     """Cluster profile that costs communication in the prediction (prism-megatron cluster list);

@@ -254,12 +254,12 @@ def test_v3_emulation_accepted_and_written_back():
     assert validate_dict(V3).emulation.chosen() == {}
 
 
-def _parse_target(tmp_path, *flags):
+def _parse_target(tmp_path, *flags, name="targets-llama3-70b-h100x64"):
     from prism_megatron.megatron.run import parse_run_args
 
     script = tmp_path / "pretrain_gpt.py"  # a target recipe runs Megatron-LM's script
     script.write_text("")
-    return parse_run_args(["--recipe", "targets-llama3-70b-h100x64", *flags, str(script)])
+    return parse_run_args(["--recipe", name, *flags, str(script)])
 
 
 def test_run_takes_a_recipes_emulation_where_no_flag_gives_it(tmp_path):
@@ -277,6 +277,23 @@ def test_run_takes_a_recipes_emulation_where_no_flag_gives_it(tmp_path):
     assert (flagged.options["prism_attention"], flagged.options["prism_fold_microbatches"]) == ("megatron", "off")
     assert ATTENTION_ENV not in flagged.env and not any("emulation.attention" in n for n in flagged.notes)
     assert flagged.options["prism_fold_capture"] == "serial"  # the choices no flag gave still hold
+
+
+def test_a_recipes_grouped_experts_render_its_grouped_gemm_and_yield_to_the_flag(tmp_path):
+    """A recipe's emulation.experts grouped installs the seam and rewrites the recipe's own substitution
+    for the target's --moe-grouped-gemm (the report names what rendered it); --prism-experts overrides it."""
+    from prism_megatron.patches.grouped_experts import ENV_VAR as EXPERTS_ENV
+
+    name = "targets-qwen3-30b-a3b-h100x16"
+    request = _parse_target(tmp_path, name=name)
+    assert request.options["prism_experts"] == "grouped" and request.env[EXPERTS_ENV] == "grouped"
+    assert f"prism: --prism-experts grouped (recipe {name}'s emulation.experts)" in request.notes
+    grouped_gemm = [s for s in request.substitutions if s["setting"] == "--moe-grouped-gemm"]
+    assert len(grouped_gemm) == 1 and grouped_gemm[0]["rendered"].startswith("torch grouped_mm")
+    flagged = _parse_target(tmp_path, "--prism-experts", "megatron", name=name)
+    assert flagged.options["prism_experts"] == "megatron" and EXPERTS_ENV not in flagged.env
+    sub = [s for s in flagged.substitutions if s["setting"] == "--moe-grouped-gemm"]
+    assert sub[0]["rendered"].startswith("off (one GEMM per local expert")  # the recipe's own entry
 
 
 @pytest.mark.parametrize(("flags", "dropped", "why"), [
