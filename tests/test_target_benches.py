@@ -52,6 +52,9 @@ prism: serial capture: merged 2 of 2 capture(s), 1 complete, into WORK/trace (wa
 again: 67.4); capture 2 (rank 32) incomplete: rank 32 ran out of memory under the target's cap (predicted OOM)
 prism: report: replayed and built in 0.5 s
 prism: report: report.json and report.html written in 0.25 s
+no prediction: class(es) last ran out of memory under the target's cap (the verdict names each)
+## the file's next section: another run's lines, stamped, are no take of this one
+    56.5  prism: serial capture: merged 1 of 1 capture(s), 0 complete, into WORK/trace (wall s per capture: 24.7)
 == qwen3-235b-ep32: exit 124 in 90 s (flags: ...)
 prism: serial capture 1/3: rank 0 (class first) is the only process; every other rank is virtual
 """
@@ -59,7 +62,8 @@ prism: serial capture 1/3: rank 0 (class first) is the only process; every other
 
 def test_the_capture_time_bench_reads_each_take_of_a_run_not_cut(tmp_path):
     """bench/targets/capture_time_model.py: each take's class, iterations, end and wall (the merged line names an
-    OOM too: it is the walls' line, not a take's end), the report's steps; a run cut by its time limit is left out."""
+    OOM too: it is the walls' line, not a take's end; so does the report's verdict line), the report's steps, up
+    to the file's next section; a run cut by its time limit is left out."""
     bench = load_bench("targets/capture_time_model.py")
     (tmp_path / "r.txt").write_text(SUMMARY)
     [run] = bench.read_runs(tmp_path / "r.txt")

@@ -59,6 +59,7 @@ def read_runs(path: Path) -> list[Run]:
     starts = [i for i, line in enumerate(lines) if EXIT.match(line)]
     for a, b in zip(starts, starts[1:] + [len(lines)], strict=True):
         m = EXIT.match(lines[a])
+        b = next((i for i in range(a + 1, b) if lines[i].startswith("## ")), b)  # the file's next section
         takes: list[Take] = []
         walls: list[float] | None = None
         report = 0.0
@@ -72,7 +73,7 @@ def read_runs(path: Path) -> list[Run]:
                     ([float(x) for x in w.group(2).split(",")] if w.group(2) else [])
             elif line.startswith("prism: done in") and takes:
                 takes[-1].end = "done"
-            elif "ran out of memory under the target's cap" in line and takes:
+            elif line.startswith("prism: ") and "ran out of memory under the target's cap" in line and takes:
                 takes[-1].end = "oom"
             elif r := REPORT.match(line):
                 report += float(r.group(1))
@@ -94,7 +95,8 @@ def live_flops(plan: dict) -> float:
 
 
 def geomean(xs: list[float]) -> float:
-    return math.exp(statistics.fmean(math.log(x) for x in xs))
+    """NaN for none: a set of runs without a finished capture of that kind says nothing of its rate."""
+    return math.exp(statistics.fmean(math.log(x) for x in xs)) if xs else math.nan
 
 
 def derive(runs: list[Run], plans: dict[str, dict]) -> tuple[dict[str, float], list[str]]:
@@ -178,7 +180,9 @@ def main() -> None:
         held.append(out / r.wall)
         print(f"{r.name:42s} {len(r.takes):5d} {r.wall:10.0f} {p['time']['seconds']:7.0f} {ratios[-1]:6.2f} "
               f"{held[-1]:8.2f}  {r.source}")
-    for what, xs in (("plan", ratios), ("held out", held)):
+    for what, xs in (("plan", ratios), ("held out", [x for x in held if not math.isnan(x)])):
+        if not xs:
+            continue
         print(f"# {what}: plan / measured {min(xs):.2f}-{max(xs):.2f}, mean |log ratio| "
               f"{statistics.fmean(abs(math.log(x)) for x in xs):.2f} ({len(xs)} runs)")
 
