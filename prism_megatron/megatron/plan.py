@@ -71,9 +71,9 @@ ROUGH_TIME_MODEL = {
 #: the target recipes' runs on one H200 by bench/targets/capture_time_model.py (docs/measurements.md).
 SERIAL_GPU_TIME_MODEL = {
     "run_s": 49.0,
-    "capture_s": 18.0,
-    "dense_flops": 210e12,
-    "moe_flops": 59e12,
+    "capture_s": 17.4,
+    "dense_flops": 218e12,
+    "moe_flops": 67e12,
     "oom_iterations": 0.17,  # the median: most run out in iteration 1, before its first step's optimizer state
 }
 #: The second pass's takes again the plan expects under auto, which stops at the first take that routed every
