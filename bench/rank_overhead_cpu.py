@@ -1,0 +1,93 @@
+"""What an emulated rank costs a host-bound job on CPU: the same Megatron job as a plain process and as a
+prism W = 1 emulation, alternating, side by side in one run (issue 21's bias hunt).
+
+A host-bound job on the GPU is predicted 9-21 % slow (docs/measurements.md, "One GPU"). Here there is no
+GPU timing, CUPTI or CUDA events: what differs between the two sides is the rank's runtime itself (patches,
+schedule hooks, markers, the coordinator's socket, the allocator's accounting). The shape is tiny (16 layers,
+hidden 64, sequence 128, micro-batch 1, 8 micro-batches, fp32, one thread), so Python and ATen dispatch
+dominate each iteration as the GPU's host does in the host-bound configs.
+
+    python bench/rank_overhead_cpu.py [--pairs 3] [--iters 14]
+
+Needs megatron-core and Megatron-LM (MEGATRON_LM_PATH) as the driver does. Prints each run's iterations
+after the warm-up, each side's median, and emulated / plain: the emulation's own wall ("emulation took") and
+its prediction (Megatron's logged value).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+DRIVER = REPO / "prism_megatron" / "megatron" / "driver" / "pretrain_gpt_mini.py"
+WARMUP = 3
+FLAGS = ("--num-layers 16 --hidden-size 64 --num-attention-heads 4 --ffn-hidden-size 256 --seq-length 128 "
+         "--max-position-embeddings 128 --micro-batch-size 1 --global-batch-size 8 --lr 0.0001 --seed 1234 "
+         "--tokenizer-type NullTokenizer --vocab-size 1000 --mock-data --transformer-impl local "
+         "--no-gradient-accumulation-fusion --no-persist-layer-norm --no-rope-fusion --log-interval 1 "
+         "--eval-iters 0 --eval-interval 1000 --num-workers 0").split()
+LINE = re.compile(r"iteration +(\d+)/ *\d+ \|.*?elapsed time per iteration \(ms\): ([\d.]+)"
+                  r"(?: \([^)]*?emulation took ([\d.]+)\))?")
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(kind: str, iters: int, work: Path) -> dict[str, list[float]]:
+    """One run; per measured iteration: Megatron's logged ms and, emulated, the emulation's own wall."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", WANDB_MODE="disabled")
+    flags = [*FLAGS, "--train-iters", str(iters)]
+    if kind == "plain":
+        env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(_port()))
+        cmd = [sys.executable, str(DRIVER), *flags]
+    else:
+        cmd = [sys.executable, "-m", "prism_megatron", "run", "--prism-emulate", "--prism-world-size", "1",
+               "--prism-devices", "cpu", "--prism-report", "off", "--prism-trace-dir", str(work / f"trace-{kind}"),
+               str(DRIVER), *flags]
+    out = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+    rows = [m.groups() for m in LINE.finditer(out.stdout + out.stderr)]
+    if out.returncode or not rows:
+        raise SystemExit(f"{kind}: exit {out.returncode}, {len(rows)} iteration lines:\n{out.stderr[-2000:]}")
+    kept = [r for r in rows if int(r[0]) > WARMUP]
+    return {"logged": [float(r[1]) for r in kept], "wall": [float(r[2] or r[1]) for r in kept]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--pairs", type=int, default=3, help="plain / emulated pairs, alternating (default 3)")
+    p.add_argument("--iters", type=int, default=14, help=f"iterations a run ({WARMUP} of them warm-up)")
+    a = p.parse_args(argv)
+    plain, wall, logged = [], [], []
+    with tempfile.TemporaryDirectory(prefix="rank-overhead-") as tmp:
+        for i in range(a.pairs):
+            for kind in ("plain", "emulated"):
+                r = run(kind, a.iters, Path(tmp) / str(i))
+                med = statistics.median(r["wall"])
+                print(f"{kind:8s} run {i + 1}: median {med:7.1f} ms  ({' '.join(f'{x:.0f}' for x in r['wall'])})",
+                      flush=True)
+                if kind == "plain":
+                    plain.append(med)
+                else:
+                    wall.append(med)
+                    logged.append(statistics.median(r["logged"]))
+    p_med, w_med, l_med = statistics.median(plain), statistics.median(wall), statistics.median(logged)
+    print(f"plain {p_med:.1f} ms (runs {min(plain):.1f}-{max(plain):.1f}); emulated wall {w_med:.1f} ms "
+          f"(runs {min(wall):.1f}-{max(wall):.1f}), ratio {w_med / p_med:.3f}; its prediction {l_med:.1f} ms, "
+          f"ratio {l_med / p_med:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
