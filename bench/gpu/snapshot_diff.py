@@ -10,7 +10,8 @@ with ``--script driver``). Two peaks, each with the stacks whose bytes differ mo
 - reserved: the allocator's segments held at the peak of reserved bytes, each under the stack of the
   allocation that made the allocator reserve it — where one run had to grow its cache and the other not;
   before both, each run's segments reserved and released and its reserved bytes over the recording (a
-  run whose reserved fell released its cache: ``empty_cache``, or a retry under a full device or cap).
+  run whose reserved fell released its cache: ``empty_cache``, or a retry under a full device or cap);
+- after both, every segment each run reserved over its recording by stack, released or not.
 A history holds at most its recording's last events (``snapshot.MAX_ENTRIES``): a trace of that length
 may have lost its start, said below.
 """
@@ -116,6 +117,28 @@ def compare(traces: dict[str, list[dict]], kind: str, rows: int = 12) -> str:
     return "\n".join(out)
 
 
+def reservations(traces: dict[str, list[dict]], rows: int = 12) -> str:
+    """Every segment each run reserved over its whole recording, by the stack of the allocation that made
+    it, released or not: where one run asked the device for memory the other did not (a staging buffer,
+    a collective's output), which the peaks alone do not show once such segments were reused."""
+    a, b = traces
+    totals = {}
+    for name, trace in traces.items():
+        c: collections.Counter = collections.Counter()
+        for e in trace:
+            if e["action"] in KINDS["reserved"][0]:
+                c[stack(e)] += e["size"]
+        totals[name] = c
+    out = ["== segments reserved over the recording (released or not)"]
+    keys = set(totals[a]) | set(totals[b])
+    ranked = sorted(((totals[b][k] - totals[a][k], k) for k in keys), key=lambda r: (-abs(r[0]), r[1]))
+    for diff, k in ranked[:rows]:
+        if diff:
+            out.append(f"{diff / MiB:+10.2f} MiB  {a} {totals[a][k] / MiB:9.2f}  {b} {totals[b][k] / MiB:9.2f}  "
+                       f"{k[:200]}")
+    return "\n".join(out)
+
+
 def main(argv: list[str] | None = None) -> int:
     from prism_megatron.memory.snapshot import MAX_ENTRIES
 
@@ -135,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name}: {segments(trace)}")
     print(compare(traces, "allocated"))
     print(compare(traces, "reserved"))
+    print(reservations(traces))
     return 0
 
 
