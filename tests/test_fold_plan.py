@@ -42,6 +42,18 @@ from prism_megatron.megatron.plan import (  # noqa: E402
 )
 
 
+def test_the_fold_imports_megatron_without_its_notes_on_the_terminal():
+    """The run's and the plan's own import of Megatron's modules (no Transformer Engine, no apex: the report
+    names each substitution) prints none of its import-time warnings, as the ranks' preload does not."""
+    import subprocess
+    import sys
+
+    code = "from prism_megatron.megatron.fold import import_megatron; import_megatron(); print('imported')"
+    out = subprocess.run([sys.executable, "-W", "always", "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "imported", out.stderr[-2000:]
+    assert "Warning" not in out.stderr, out.stderr[-2000:]
+
+
 def _dense(layout: TargetLayout) -> RankGenerator:
     return RankGenerator(tp=layout.tp, ep=1, dp=layout.dp, pp=layout.pp, cp=layout.cp, order=layout.order)
 

@@ -232,16 +232,24 @@ def import_megatron() -> None:
     """Import the megatron-core modules the fold reads. megatron-core 0.19 imports triton at module
     level (MoE paged stash) though nothing here launches a kernel: where triton is not installed,
     cpu_cuda_stubs' inert triton is present only while importing, so torch's own triton probes never
-    mistake it for an installed one afterwards."""
+    mistake it for an installed one afterwards. Their import-time notes (no Transformer Engine, no apex) are
+    kept off the terminal, as the template's preload keeps them: the report names each substitution."""
     import importlib
     import sys
+    import warnings
 
     names = ("megatron.core.parallel_state", "megatron.core.transformer.transformer_config",
              "megatron.core.transformer.transformer_block", "megatron.core.transformer.transformer_layer",
              "megatron.core.pipeline_parallel.schedules")
+
+    def import_all() -> None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for name in names:
+                importlib.import_module(name)
+
     try:
-        for name in names:
-            importlib.import_module(name)
+        import_all()
         return
     except ModuleNotFoundError as e:
         if (e.name or "").split(".")[0] != "triton" or "triton" in sys.modules:
@@ -251,8 +259,7 @@ def import_megatron() -> None:
     stub = make_triton_stub()
     sys.modules.update(stub)
     try:
-        for name in names:
-            importlib.import_module(name)
+        import_all()
     finally:
         for name, module in stub.items():
             if sys.modules.get(name) is module:
