@@ -262,7 +262,8 @@ def test_report_json_round_trip_and_reader_errors(tmp_path):
     paths = make_report(make_trace(tmp_path / "t"), tmp_path / "out")
     assert set(paths) == {"report", "html", "timeline"}
     rep = read_report(paths["report"])
-    assert rep["format"] == "prismreport" and rep["version"] == 6
+    assert rep["format"] == "prismreport" and rep["version"] == 7
+    assert rep["job"]["machine"] is None  # this synthetic trace recorded no machine
     assert rep == json.loads(paths["report"].read_text())
     assert {(b["host_bound_s"], b["device_busy_s"]) for b in rep["prediction"]["breakdown"]} == {(None, None)}
     assert rep["prediction"]["host_bound"] is None  # a CPU trace: one clock, nothing to say
@@ -271,10 +272,18 @@ def test_report_json_round_trip_and_reader_errors(tmp_path):
     bad = tmp_path / "bad.json"
     write_report(rep, bad)
     doc = json.loads(bad.read_text())
+    doc["version"] = 8
+    bad.write_text(json.dumps(doc))
+    with pytest.raises(ReportFormatError, match=r"report .*bad.json: field 'version' is 8; this reader supports"):
+        read_report(bad)
+    del doc["job"]["machine"]  # v6 had no machine: it reads as null; v7 must have it
     doc["version"] = 7
     bad.write_text(json.dumps(doc))
-    with pytest.raises(ReportFormatError, match=r"report .*bad.json: field 'version' is 7; this reader supports"):
+    with pytest.raises(ReportFormatError, match=r"field 'job.machine' is missing"):
         read_report(bad)
+    doc["version"] = 6
+    bad.write_text(json.dumps(doc))
+    assert read_report(bad)["job"]["machine"] is None
     for row in doc["memory"]["classes"]:  # v4 had no peak iteration: it reads as null; v5 must have it
         del row["peak_iteration"], row["peak_rising"]
     doc["version"] = 5

@@ -25,14 +25,17 @@ SEGMENTS = {0: ((0.8, 0.2), (0.1, 0.5)), 1: ((0.1, 0.9), (0.5, 0.1))}
 WARM = 0.5
 
 
-def _trace(tmp_path, gpu_rows: bool = True, fold: bool = False):
-    """A two-rank trace; ``fold``: both ranks are the sandbox of one class (of 2 ranks)."""
+def _trace(tmp_path, gpu_rows: bool = True, fold: bool = False, machine: dict | None = None, name: str = ""):
+    """A two-rank trace; ``fold``: both ranks are the sandbox of one class (of 2 ranks); ``machine``: the
+    emulating machine its job recorded."""
     manifest = {"world_size": 2,
                 "groups": [{"id": r, "name": f"own{r}", "ranks": [r], "backend": "nccl"} for r in (0, 1)],
                 "ranks": [{"rank": r, "exit_code": 0, "device": "cuda:0"} for r in (0, 1)]}
     if fold:
         plan = make_fold([0, 1], 8, [FoldClass("pair", "both ranks", 2, (0, 1))], [0, 0])
         manifest["job"] = {"fold": plan.to_json()}
+    if machine is not None:
+        manifest.setdefault("job", {})["machine"] = machine
     ops, marks, gpu = [], [], []
     for r, (a, b) in SEGMENTS.items():
         for it, (c0, seg) in enumerate(((0.0, WARM), (2 * WARM, 1.0))):
@@ -46,7 +49,7 @@ def _trace(tmp_path, gpu_rows: bool = True, fold: bool = False):
             if gpu_rows and it:
                 gpu += [{"rank": r, "clock_start": c0 + k, "clock_end": c0 + k + 1, "cpu": host, "gpu": dev,
                          "syncs": []} for k, (host, dev) in enumerate((a, b))]
-    return write_trace(tmp_path / ("f" if fold else "t"), manifest, ops, marks=marks, gpu=gpu or None)
+    return write_trace(tmp_path / (name or ("f" if fold else "t")), manifest, ops, marks=marks, gpu=gpu or None)
 
 
 def test_host_bound_and_device_busy_per_rank_and_headline(tmp_path):
@@ -98,3 +101,37 @@ def test_a_trace_without_gpu_times_says_nothing_of_it(tmp_path):
     assert "host-bound" not in render_html(report)
     assert not any("host_bound" in k or "device_busy" in k for k in report_summary(report))
     json.dumps(report)
+
+
+H200_HOST = {"gpus": ["NVIDIA H200"], "cpu": "Intel(R) Xeon(R) Platinum 8480C", "cores": 16}
+H100_HOST = {"gpus": ["NVIDIA H100 80GB HBM3"], "cpu": "AMD EPYC 9454 48-Core Processor", "cores": 16}
+
+
+def test_a_host_bound_headline_names_the_machine_whose_host_measured_it(tmp_path):
+    """46 % host-bound: the line says the host time is the emulating machine's, and which; the report keeps
+    the machine; a trace that recorded none says nothing of it."""
+    report = build_report(_trace(tmp_path, machine=H200_HOST), cluster=None)
+    assert report["job"]["machine"] == H200_HOST
+    text = summary_text(report, width=400)
+    assert ("the device was busy 700.0 ms (what the GPU alone needs: a floor, not a prediction); that host time is "
+            "this emulating machine's (Intel(R) Xeon(R) Platinum 8480C, 16 cores): another host moves it") in text
+    assert "another host moves it" in render_html(report)
+    assert read_report(write_report(report, tmp_path / "report.json"))["job"]["machine"] == H200_HOST
+    bare = build_report(_trace(tmp_path, name="bare"), cluster=None)
+    assert bare["job"]["machine"] is None and "another host moves it" not in summary_text(bare, width=400)
+
+
+def test_compare_says_when_host_bound_layouts_come_from_different_machines(tmp_path):
+    """Two host-bound reports of two emulating machines: their order may be the machines', said; of one
+    machine: nothing said."""
+    from prism_megatron.report.compare import comparison_text, layout_of
+
+    def row(label, machine):
+        return layout_of(build_report(_trace(tmp_path, machine=machine, name=label), cluster=None), label, label)
+
+    text = comparison_text([row("a", H200_HOST), row("b", H100_HOST)])
+    assert ("note: host-bound times here come from different or unrecorded emulating machines (a: Intel(R) Xeon(R) "
+            "Platinum 8480C, 16 cores; b: AMD EPYC 9454 48-Core Processor, 16 cores): a host-bound time is its "
+            "emulating host's, so the order may be the machines'") in text
+    assert "note: host-bound" not in comparison_text([row("c", H200_HOST), row("d", H200_HOST)])
+    assert "f: not recorded" in comparison_text([row("e", H200_HOST), row("f", None)])

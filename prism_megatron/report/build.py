@@ -98,6 +98,7 @@ def assemble(trace_dir: str | Path, cluster: str | None = None,
             "script": job["script"] if isinstance(job.get("script"), str) else None,
             "devices": job["devices"] if isinstance(job.get("devices"), (list, str)) else None,
             "slots_per_device": job["slots_per_device"] if type(job.get("slots_per_device")) is int else None,
+            "machine": _machine(job.get("machine")),
         },
         "target": target,
         "prediction": None if result is None else _prediction(result, costing, classes, marks["workload"],
@@ -577,6 +578,14 @@ def _oom_entry(rank: int, attrs: dict[str, Any], cls: str) -> dict[str, Any]:
     entry["message"] = str(attrs.get("message") or "")
     entry["snapshot"] = attrs["snapshot"] if isinstance(attrs.get("snapshot"), str) else None
     return entry
+
+
+def _machine(m: Any) -> dict[str, Any] | None:
+    """The emulating machine as the trace recorded it (``launch.job_record``), or None where it did not."""
+    if not isinstance(m, dict) or not isinstance(m.get("gpus"), list):
+        return None
+    return {"gpus": [str(g) for g in m["gpus"]], "cpu": m["cpu"] if isinstance(m.get("cpu"), str) else None,
+            "cores": m["cores"] if type(m.get("cores")) is int else None}
 
 
 def _target(gpu: Any) -> dict[str, Any]:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from .schema import REPORT_FILE, ReportFormatError, read_report
+from .terminal import HOST_BOUND_SAYS_MACHINE, host_bound_share, machine_name
 from .units import fmt_bytes, fmt_rate, fmt_seconds
 
 
@@ -127,6 +128,13 @@ def comparison_text(rows: list[Layout]) -> str:
                      "-" if r.tflops_per_gpu is None else f"{r.tflops_per_gpu:.1f}", mem))
     widths = [max(len(row[c]) for row in (head, *body)) for c in range(len(head))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in (head, *body)]
+    timed = [r for r in rows if r.iteration_time_s is not None]
+    machines = {r.label: machine_name(r.report) for r in timed}
+    if (any((host_bound_share(r.report) or 0) >= HOST_BOUND_SAYS_MACHINE for r in timed)
+            and (len(set(machines.values())) > 1 or None in machines.values())):
+        lines.append("note: host-bound times here come from different or unrecorded emulating machines ("
+                     + "; ".join(f"{k}: {v or 'not recorded'}" for k, v in machines.items())
+                     + "): a host-bound time is its emulating host's, so the order may be the machines'")
     for i, r in enumerate(rows, start=1):
         lines.append(f"{i}. {r.label}: {r.verdict}")
         for cls, h in r.headroom.items():

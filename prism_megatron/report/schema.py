@@ -17,14 +17,15 @@ from typing import Any, NamedTuple
 from prism_megatron.trace.writer import atomic_write_text
 
 FORMAT = "prismreport"
-VERSION = 6
+VERSION = 7
 #: Versions this code can read; a reader rejects anything else rather than guessing. Version 1 lacks
 #: breakdown[].host_bound_s; reading it gives null there. Versions 1 and 2 lack ``fold``: null. Versions
 #: 1 to 3 lack breakdown[].device_busy_s, prediction.host_bound and fold.classes[].host_bound_s and
 #: .device_busy_s: null (not measured, as in a trace without GPU times). Versions 1 to 4 lack
 #: memory.ranks[]/classes[].peak_iteration and .peak_rising: null. Versions 1 to 5 have no merged timeline
-#: segments (each segment is one run); version 6's are read the same way (``runs.parts``).
-SUPPORTED_VERSIONS: tuple[int, ...] = (1, 2, 3, 4, 5, 6)
+#: segments (each segment is one run); version 6's are read the same way (``runs.parts``). Versions 1 to 6 lack
+#: job.machine: null (the emulating machine not recorded).
+SUPPORTED_VERSIONS: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7)
 REPORT_FILE = "report.json"
 
 
@@ -63,12 +64,19 @@ OPT_INT = (int, NULL)
 OPT_STR = (str, NULL)
 OPT_BOOL = (bool, NULL)
 
+#: The machine the trace was measured on (manifest job 'machine'): a host-bound rank's time is its host's.
+MACHINE = Obj({
+    "gpus": ListOf((str,)),
+    "cpu": OPT_STR,
+    "cores": OPT_INT,
+}, nullable=True)
 JOB = Obj({
     "world_size": (int,),
     "argv": ListOf((str,), nullable=True),
     "script": OPT_STR,
     "devices": (list, str, NULL),
     "slots_per_device": OPT_INT,
+    "machine": MACHINE,
 })
 #: The GPU the job is sized for (manifest job 'target_gpu'); every field null when unknown.
 TARGET = Obj({
@@ -262,6 +270,8 @@ def check_report(report: Any, path: str | Path) -> None:
                                                          f"{supported}")
     if version < 3:
         report.setdefault("fold", None)
+    if version < 7 and isinstance(report.get("job"), dict):
+        report["job"].setdefault("machine", None)
     if version < 5:
         _null_missing(report, version)
     _check(report, REPORT, path, "")

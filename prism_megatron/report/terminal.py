@@ -35,15 +35,38 @@ def _verdict_style(verdict: str) -> str:
         ("OOM", "does not fit")) else "bold yellow"
 
 
+#: From this share of the headline compute host-bound on, the report says whose host measured it: the same
+#: target predicted 59 s and 124 s on two emulating machines where its rank was 64 % and 82 % host-bound.
+HOST_BOUND_SAYS_MACHINE = 0.10
+
+
+def host_bound_share(report: dict[str, Any]) -> float | None:
+    """The share of the headline compute the GPU waited for its host; None without GPU times."""
+    hb = (report.get("prediction") or {}).get("host_bound")
+    return hb["host_bound_s"] / hb["compute_s"] if hb and hb["compute_s"] > 0 else None
+
+
+def machine_name(report: dict[str, Any]) -> str | None:
+    """The emulating machine's CPU and cores as its trace recorded them, e.g. "AMD EPYC 9654, 16 cores"."""
+    m = (report.get("job") or {}).get("machine")
+    if not m or not m.get("cpu"):
+        return None
+    return m["cpu"] + (f", {m['cores']} cores" if m.get("cores") else "")
+
+
 def host_bound_line(report: dict[str, Any]) -> str | None:
     """The headline compute on two clocks, e.g. "compute host-bound: 80 % of 105 s (...); the device was busy
-    20.4 s (...)"; None without GPU times (or without a prediction)."""
-    hb = (report.get("prediction") or {}).get("host_bound")
-    if not hb or hb["compute_s"] <= 0:
+    20.4 s (...)", and where much of it is host-bound, whose host that is; None without GPU times (or without
+    a prediction)."""
+    share = host_bound_share(report)
+    if share is None:
         return None
-    return (f"compute host-bound: {100 * hb['host_bound_s'] / hb['compute_s']:.0f} % of {fmt_seconds(hb['compute_s'])} "
+    hb = report["prediction"]["host_bound"]
+    machine = machine_name(report) if share >= HOST_BOUND_SAYS_MACHINE else None
+    return (f"compute host-bound: {100 * share:.0f} % of {fmt_seconds(hb['compute_s'])} "
             f"(rank {hb['rank']}, {hb['class']}: the GPU waited for its host to issue work); the device was busy "
-            f"{fmt_seconds(hb['device_busy_s'])} (what the GPU alone needs: a floor, not a prediction)")
+            f"{fmt_seconds(hb['device_busy_s'])} (what the GPU alone needs: a floor, not a prediction)"
+            + (f"; that host time is this emulating machine's ({machine}): another host moves it" if machine else ""))
 
 
 def _prediction(report: dict[str, Any]) -> list[Any]:
