@@ -4,8 +4,7 @@
 # is skipped (run_target.sh exit 3) and a started one is cut at what is left. Each target's summary lands
 # in OUT/target-NAME/summary.txt as it finishes and its one-line verdict in OUT/run_many.txt, so a device
 # call cut off midway still returns what finished. Each target's folder is then packed as
-# OUT/target-NAME.tar.gz (a device call brings back a few files, not folders of them; a captures archive
-# stays where it is, for a resume on the same machine). Run from the repo root, set up as for run_target.sh:
+# OUT/target-NAME.tar.gz (run_target.sh's PACK=1). Run from the repo root, set up as for run_target.sh:
 #   bash bench/targets/run_many.sh 560 llama3-8b-h100x8 llama31-405b-h100x512 [...] [-- more flags]
 # TOTAL (first argument, s) should leave the device call's own limit room for the start and the transfers.
 # env: as run_target.sh (ARCHIVE, DEVICES, TIMEOUT per target, OUT, SLACK, PLAN=0: no plan per target, so none is
@@ -29,7 +28,7 @@ for name in "${names[@]}"; do
     continue
   fi
   start=$(date +%s)
-  BUDGET=$left bash "$here/run_target.sh" "$name" "$@"
+  PACK=1 BUDGET=$left bash "$here/run_target.sh" "$name" "$@"
   rc=$?
   case $rc in
     0) verdict="done" ;;
@@ -38,8 +37,6 @@ for name in "${names[@]}"; do
     124|137) verdict="cut off at the time left (exit $rc)"; status=1 ;;
     *) verdict="failed (exit $rc)"; status=1 ;;
   esac
-  tar -czf "$OUT/target-$name.tar.gz" -C "$OUT" --exclude=captures.tar.gz "target-$name" \
-    && find "$OUT/target-$name" -mindepth 1 -not -name captures.tar.gz -delete
   echo "== $name: $verdict in $(( $(date +%s) - start )) s; $(( total - ($(date +%s) - t0) )) s left" \
     | tee -a "$OUT/run_many.txt"
 done

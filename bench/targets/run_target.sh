@@ -15,7 +15,9 @@
 #   time and is cut at what is left;
 #   KEEP_CAPTURES=1: also write the serial captures' traces (rank logs left out) as OUT/target-NAME/captures.tar.gz;
 #   CAPTURES=FILE: such an archive from an earlier call of the same command: unpacked beside the trace and the run
-#   resumed (--prism-fold-resume reuses each capture it finished on the same machine and software, runs the rest).
+#   resumed (--prism-fold-resume reuses each capture it finished on the same machine and software, runs the rest);
+#   PACK=1: pack OUT/target-NAME as OUT/target-NAME.tar.gz at the end (a captures archive stays where it is, for a
+#   resume on the same machine): a device call brings back a few files, so two runs' folders do not all come back.
 # Writes OUT/target-NAME/{run.log,times.txt,memory.txt,summary.txt} (times.txt: prism's lines with the seconds since
 # the run began, stamp_lines.py), the report beside the trace (report.json) and, where
 # wandb is installed, its offline run (wandb.tar.gz, sync it with `wandb sync`); where a
@@ -25,6 +27,12 @@ set -uo pipefail
 name=$1; shift
 started=$(date +%s)
 . "$(dirname "$0")/setup.sh"
+pack() {  # PACK=1, however the script ends: a device call brings back a few files, not folders of them
+  [ "${PACK:-0}" = 1 ] && [ -d "$out" ] || return 0
+  tar -czf "$out.tar.gz" -C "$(dirname "$out")" --exclude=captures.tar.gz "$(basename "$out")" \
+    && find "$out" -mindepth 1 -not -name captures.tar.gz -delete
+}
+trap pack EXIT
 # The issue's command: the recipe's own emulation section chooses the rest (SDPA attention, serial capture,
 # micro-batches folded) and the run prints each choice; the fold is auto (the full job never fits one GPU).
 flags=(--recipe "targets-$name" --prism-devices "${DEVICES:-0}" --prism-driver training "$@")
