@@ -141,7 +141,8 @@ def read_run(run_dir: Path) -> OfflineRun:
 def sample_report() -> dict[str, Any]:
     return {
         "format": "prismreport", "version": 1, "created": "2026-01-01T00:00:00Z", "trace": "/traces/t1",
-        "job": {"world_size": 8, "argv": ["pretrain_gpt.py", "--tensor-model-parallel-size", "2"]},
+        "job": {"world_size": 8, "argv": ["pretrain_gpt.py", "--tensor-model-parallel-size", "2"],
+                "machine": {"gpus": ["NVIDIA H200"], "cpu": "Intel(R) Xeon(R) Platinum 8480C", "cores": 16}},
         "target": {"gpu": "H100-SXM-80GB", "capacity_bytes": 80 * GiB, "usable_bytes": 79 * GiB,
                    "context_bytes": GiB, "source": "table"},
         "prediction": {
@@ -232,6 +233,7 @@ def test_offline_run_holds_the_figures(tmp_path: Path, timeline: Path):
     assert run.config["recipe"] == CONFIG["recipe"]
     assert run.config["flags"] == CONFIG["flags"]
     assert run.config["target_gpu"] == "H100-SXM-80GB"
+    assert run.config["emulated_on"] == "Intel(R) Xeon(R) Platinum 8480C, 16 cores"  # a host-bound time is its host's
 
     [art] = run.artifacts
     assert art.type == "prism-timeline" and art.name == f"prism-timeline-{logged.run_id}"

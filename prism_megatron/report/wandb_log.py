@@ -338,8 +338,11 @@ def _init(mode: str, *, run_dir: Path, project: str | None, entity: str | None, 
 def _log(run: Any, report: dict[str, Any], *, timeline: Path | None, config: dict[str, Any], resumed: bool) -> None:
     import wandb
 
+    from .terminal import machine_name
+
     target = report.get("target") or {}
-    cfg = {**config, "target_gpu": target.get("gpu")}
+    # the emulating machine beside the target: a host-bound rank's time is its host's, so runs filter by it
+    cfg = {**config, "target_gpu": target.get("gpu"), "emulated_on": machine_name(report)}
     if resumed:
         run.config.update({"prism": cfg}, allow_val_change=True)
     else:
