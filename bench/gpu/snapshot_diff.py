@@ -98,7 +98,6 @@ def stack(e: dict, depth: int = 4) -> str:
 
 def compare(traces: dict[str, list[dict]], kind: str, rows: int = 12) -> str:
     """Both runs' peak of ``kind`` and the stacks whose bytes at the peak differ most (second - first)."""
-    a, b = traces
     out, by_stack = [f"== {kind}"], {}
     for name, trace in traces.items():
         best, i, live = peak(trace, kind)
@@ -108,20 +107,22 @@ def compare(traces: dict[str, list[dict]], kind: str, rows: int = 12) -> str:
         for e in live.values():
             totals[stack(e)] += e["size"]
         by_stack[name] = totals
+    return "\n".join(out + differences(by_stack, rows))
+
+
+def differences(by_stack: dict[str, collections.Counter], rows: int) -> list[str]:
+    """The stacks whose bytes differ most between the two runs (second - first), a line each."""
+    a, b = by_stack
     keys = set(by_stack[a]) | set(by_stack[b])
     ranked = sorted(((by_stack[b][k] - by_stack[a][k], k) for k in keys), key=lambda r: (-abs(r[0]), r[1]))
-    for diff, k in ranked[:rows]:
-        if diff:
-            out.append(f"{diff / MiB:+10.2f} MiB  {a} {by_stack[a][k] / MiB:9.2f}  {b} {by_stack[b][k] / MiB:9.2f}  "
-                       f"{k[:200]}")
-    return "\n".join(out)
+    return [f"{diff / MiB:+10.2f} MiB  {a} {by_stack[a][k] / MiB:9.2f}  {b} {by_stack[b][k] / MiB:9.2f}  {k[:200]}"
+            for diff, k in ranked[:rows] if diff]
 
 
 def reservations(traces: dict[str, list[dict]], rows: int = 12) -> str:
     """Every segment each run reserved over its whole recording, by the stack of the allocation that made
     it, released or not: where one run asked the device for memory the other did not (a staging buffer,
     a collective's output), which the peaks alone do not show once such segments were reused."""
-    a, b = traces
     totals = {}
     for name, trace in traces.items():
         c: collections.Counter = collections.Counter()
@@ -129,14 +130,7 @@ def reservations(traces: dict[str, list[dict]], rows: int = 12) -> str:
             if e["action"] in KINDS["reserved"][0]:
                 c[stack(e)] += e["size"]
         totals[name] = c
-    out = ["== segments reserved over the recording (released or not)"]
-    keys = set(totals[a]) | set(totals[b])
-    ranked = sorted(((totals[b][k] - totals[a][k], k) for k in keys), key=lambda r: (-abs(r[0]), r[1]))
-    for diff, k in ranked[:rows]:
-        if diff:
-            out.append(f"{diff / MiB:+10.2f} MiB  {a} {totals[a][k] / MiB:9.2f}  {b} {totals[b][k] / MiB:9.2f}  "
-                       f"{k[:200]}")
-    return "\n".join(out)
+    return "\n".join(["== segments reserved over the recording (released or not)", *differences(totals, rows)])
 
 
 def main(argv: list[str] | None = None) -> int:
