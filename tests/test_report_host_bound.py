@@ -114,7 +114,7 @@ def test_a_host_bound_headline_names_the_machine_whose_host_measured_it(tmp_path
     assert report["job"]["machine"] == H200_HOST
     text = summary_text(report, width=400)
     assert ("the device was busy 700.0 ms (what the GPU alone needs: a floor, not a prediction); that host time is "
-            "this emulating machine's (Intel(R) Xeon(R) Platinum 8480C, 16 cores): another host moves it") in text
+            "the emulating machine's (Intel(R) Xeon(R) Platinum 8480C, 16 cores): another host moves it") in text
     assert "another host moves it" in render_html(report)
     assert read_report(write_report(report, tmp_path / "report.json"))["job"]["machine"] == H200_HOST
     bare = build_report(_trace(tmp_path, name="bare"), cluster=None)

@@ -35,8 +35,8 @@ def _verdict_style(verdict: str) -> str:
         ("OOM", "does not fit")) else "bold yellow"
 
 
-#: From this share of the headline compute host-bound on, the report says whose host measured it: the same
-#: target predicted 59 s and 124 s on two emulating machines where its rank was 64 % and 82 % host-bound.
+#: From this share of the headline compute host-bound on, the report says whose host measured it: a host-bound
+#: rank's time moves with the emulating machine's host (docs/measurements.md, "Target recipes").
 HOST_BOUND_SAYS_MACHINE = 0.10
 
 
@@ -66,7 +66,7 @@ def host_bound_line(report: dict[str, Any]) -> str | None:
     return (f"compute host-bound: {100 * share:.0f} % of {fmt_seconds(hb['compute_s'])} "
             f"(rank {hb['rank']}, {hb['class']}: the GPU waited for its host to issue work); the device was busy "
             f"{fmt_seconds(hb['device_busy_s'])} (what the GPU alone needs: a floor, not a prediction)"
-            + (f"; that host time is this emulating machine's ({machine}): another host moves it" if machine else ""))
+            + (f"; that host time is the emulating machine's ({machine}): another host moves it" if machine else ""))
 
 
 def _prediction(report: dict[str, Any]) -> list[Any]:
