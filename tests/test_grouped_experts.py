@@ -231,14 +231,15 @@ def test_the_option_records_its_substitution(tmp_path):
 
     script = tmp_path / "pretrain_gpt.py"  # a target recipe runs Megatron-LM's script, not the core driver
     script.write_text("")
-    request = parse_run_args(["--recipe", "qwen3-30b-a3b-h100x16", "--prism-experts", "grouped", str(script)])
+    target = "qwen3-235b-a22b-h100x256-tp1pp8ep32"  # a target whose recipe keeps Megatron's loop
+    request = parse_run_args(["--recipe", target, "--prism-experts", "grouped", str(script)])
     entries = [s for s in request.substitutions if s["setting"] == "--moe-grouped-gemm"]
     assert len(entries) == 1 and "grouped_mm" in entries[0]["rendered"], request.substitutions
     assert entries[0]["published"].startswith("on")  # the target's setting, as the recipe says it
     assert request.env["PRISM_EXPERTS"] == "grouped"
     mini = parse_run_args(["--recipe", "mini-moe-ep2", "--prism-experts", "grouped"])  # asks no grouped GEMM
     assert [s["setting"] for s in mini.substitutions] == ["local experts (--prism-experts grouped)"]
-    plain = parse_run_args(["--recipe", "qwen3-30b-a3b-h100x16", str(script)])
+    plain = parse_run_args(["--recipe", target, str(script)])
     assert "PRISM_EXPERTS" not in plain.env
     assert [s for s in plain.substitutions if s["setting"] == "--moe-grouped-gemm"][0]["rendered"].startswith("off")
 
