@@ -142,6 +142,8 @@ def test_host_times_are_the_median_over_iterations_of_the_same_shape():
     assert typical_host_times(rows[:5], ends[:3])[1:5] == out[1:5]  # cut after iteration 3: the same
     odd = [*rows[:5], row(1.9, 2.0, 0.5), row(2.0, 2.1, 0.5), row(2.1, 2.2, 0.5)]  # iteration 4: 3 segments
     assert [r["cpu"] for r in typical_host_times(odd, ends)][1:8] == [0.1, 0.2, 0.2, 0.35, 0.5, 0.5, 0.5]
+    latest = typical_host_times(rows, ends, window=1)  # the pool cut to the latest: each keeps its own
+    assert [r["cpu"] for r in latest] == [r["cpu"] for r in rows]
 
 
 def test_host_times_are_pooled_over_ranks_that_issued_the_same_ops():

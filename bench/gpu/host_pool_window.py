@@ -15,35 +15,18 @@ it is replayed.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import tarfile
 import tempfile
-from collections import defaultdict
 from pathlib import Path
-from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))
 sys.path.insert(0, str(HERE))
 
 from prism_megatron.replay import gpu_segments  # noqa: E402
-
-
-def windowed(k: int):
-    """``typical_host_times`` with each pool cut to its latest ``k`` values (the product's rule otherwise)."""
-    def typical(rows: list[dict[str, Any]], iteration_ends: list[float]) -> list[dict[str, Any]]:
-        windows = gpu_segments._windows(rows, iteration_ends)
-        pools: dict[tuple[int, int], list[float]] = defaultdict(list)
-        out = [dict(r) for r in rows]
-        for _, idx in sorted(windows.items()):
-            for pos, i in enumerate(idx):
-                pool = pools[(len(idx), pos)]
-                pool.append(rows[i]["cpu"])
-                if len(pool) >= 2:
-                    gpu_segments._set_host(out[i], statistics.median(pool[-k:]))
-        return out
-    return typical
 
 
 def predicted(trace: Path, first: int) -> float:
@@ -73,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         for trace in traces:
             row = [predicted(trace, a.first)]
             for k in windows:
-                gpu_segments.typical_host_times = windowed(k)
+                gpu_segments.typical_host_times = functools.partial(product, window=k)
                 try:
                     row.append(predicted(trace, a.first))
                 finally:

@@ -52,7 +52,8 @@ def _pieces(row: dict[str, Any]) -> list[tuple[float, float] | None]:
     return [x for piece in waited for x in (piece, None)] + [last]
 
 
-def typical_host_times(rows: list[dict[str, Any]], iteration_ends: list[float]) -> list[dict[str, Any]]:
+def typical_host_times(rows: list[dict[str, Any]], iteration_ends: list[float],
+                       window: int | None = None) -> list[dict[str, Any]]:
     """``rows`` of one rank with each segment's host time (``cpu``, and its waits' host offsets in
     proportion) replaced by the median over the iterations of the same shape up to its own: iterations
     are the stretches of the rank's clock between ``iteration_ends`` (its iteration markers' compute
@@ -60,7 +61,8 @@ def typical_host_times(rows: list[dict[str, Any]], iteration_ends: list[float]) 
     pooled with segment k of the earlier ones. Only earlier iterations, so that an iteration's prediction
     is the same whether the trace ends with it (the live prediction in Megatron's log line) or goes on
     (the report). Rows before the first end (set-up and the first iteration) or after the last, and the
-    first iteration of each shape, keep their own time."""
+    first iteration of each shape, keep their own time. ``window``: pool only the latest that many
+    (bench/gpu/host_pool_window.py weighs it against every earlier one)."""
     windows = _windows(rows, iteration_ends)
     pools: dict[tuple[int, int], list[float]] = defaultdict(list)  # (shape, position) -> host times so far
     out = [dict(r) for r in rows]
@@ -70,7 +72,7 @@ def typical_host_times(rows: list[dict[str, Any]], iteration_ends: list[float]) 
             pool.append(rows[i]["cpu"])
             if len(pool) < 2:
                 continue
-            _set_host(out[i], statistics.median(pool))
+            _set_host(out[i], statistics.median(pool[-window:] if window else pool))
     return out
 
 
