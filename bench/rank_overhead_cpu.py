@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import socket
 import statistics
 import subprocess
 import sys
@@ -27,21 +26,19 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-DRIVER = REPO / "prism_megatron" / "megatron" / "driver" / "pretrain_gpt_mini.py"
-WARMUP = 3
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench" / "gpu"))
+from one_gpu_truth import _port, _single, parse_log  # noqa: E402 - the truth runs' own log reading
+
+from prism_megatron.megatron.driver import DRIVER_SCRIPT  # noqa: E402
+
 FLAGS = ("--num-layers 16 --hidden-size 64 --num-attention-heads 4 --ffn-hidden-size 256 --seq-length 128 "
          "--max-position-embeddings 128 --micro-batch-size 1 --global-batch-size 8 --lr 0.0001 --seed 1234 "
          "--tokenizer-type NullTokenizer --vocab-size 1000 --mock-data --transformer-impl local "
          "--no-gradient-accumulation-fusion --no-persist-layer-norm --no-rope-fusion --log-interval 1 "
          "--eval-iters 0 --eval-interval 1000 --num-workers 0").split()
-LINE = re.compile(r"iteration +(\d+)/ *\d+ \|.*?elapsed time per iteration \(ms\): ([\d.]+)"
-                  r"(?: \([^)]*?emulation took ([\d.]+)\))?")
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+WARMUP = 3  # iterations left out: the first ones build Megatron's caches on both sides
+TOOK = re.compile(r"emulation took ([\d.]+)")
 
 
 def run(kind: str, iters: int, work: Path) -> dict[str, list[float]]:
@@ -49,19 +46,20 @@ def run(kind: str, iters: int, work: Path) -> dict[str, list[float]]:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", WANDB_MODE="disabled")
     flags = [*FLAGS, "--train-iters", str(iters)]
     if kind == "plain":
-        env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(_port()))
-        cmd = [sys.executable, str(DRIVER), *flags]
+        env.update(_single(_port()))
+        cmd = [sys.executable, str(DRIVER_SCRIPT), *flags]
     else:
         cmd = [sys.executable, "-m", "prism_megatron", "run", "--prism-emulate", "--prism-world-size", "1",
                "--prism-devices", "cpu", "--prism-report", "off", "--prism-trace-dir", str(work / f"trace-{kind}"),
-               str(DRIVER), *flags]
+               str(DRIVER_SCRIPT), *flags]
     out = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
-    rows = [m.groups() for m in LINE.finditer(out.stdout + out.stderr)]
-    if out.returncode or not rows:
-        raise SystemExit(f"{kind}: exit {out.returncode}, {len(rows)} iteration lines:\n{out.stderr[-2000:]}")
-    kept = [r for r in rows if int(r[0]) > WARMUP]
-    return {"logged": [float(r[1]) for r in kept], "wall": [float(r[2] or r[1]) for r in kept]}
+    lines = parse_log(out.stdout + out.stderr)
+    if out.returncode or not lines:
+        raise SystemExit(f"{kind}: exit {out.returncode}, {len(lines)} iteration lines:\n{out.stderr[-2000:]}")
+    kept = [lines[i] for i in sorted(lines) if i > WARMUP]
+    walls = [TOOK.search(r["note"] or "") for r in kept]  # plain: Megatron's own figure is the wall
+    return {"logged": [r["ms"] for r in kept],
+            "wall": [float(w.group(1)) if w else r["ms"] for r, w in zip(kept, walls, strict=True)]}
 
 
 def main(argv: list[str] | None = None) -> int:
