@@ -137,7 +137,7 @@ class RunOnlyOptions:
     parameters (viewed in place, never copied), as TE's grouped GEMM does: far fewer kernel launches where
     the loop is host-bound. Weights that no uniform stride can view (DDP bucket padding between two
     experts), expert biases and FP8 are refused at the first call, named: so 'megatron' is the default, and
-    a target recipe whose job runs grouped GEMM chooses 'grouped' in its emulation section."""
+    a target recipe whose job runs grouped GEMM can choose 'grouped' in its emulation section."""
 
     cluster: str | None = None
     """Cluster profile that costs communication in the prediction (prism-megatron cluster list);
