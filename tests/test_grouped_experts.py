@@ -120,6 +120,31 @@ CHILD = textwrap.dedent("""
     ref_ddp = run(build(torch.float32, True, DISTOPT, states["fp32"]), torch.float32)
     ref_none = run(build(torch.float32, True, DISTOPT, states["fp32"]), torch.float32, [0] * E)
 
+    OVERLAP = dict(DISTOPT, overlap_grad_reduce=True, overlap_param_gather=True)
+
+    def overlap_run(m, iters=3):
+        # Megatron's order under --overlap-param-gather: each iteration after the first dispatches every
+        # bucket group's all-gather first (the interleaved schedule's param_sync_func), the forward's module
+        # pre-hooks wait on them. Counts the all-gathers still pending after each forward.
+        groups = m.bucket_groups + m.expert_parallel_bucket_groups
+        pending, error = [], None
+        try:
+            for it in range(iters):
+                m.zero_grad_buffer()
+                if it:
+                    m.start_param_sync()
+                x, probs, dy = inputs(torch.float32, T)
+                out, _ = m(x, torch.tensor(COUNTS), probs)
+                pending.append(sum(g.param_gather_handle is not None for g in groups))
+                out.backward(dy)
+                m.finish_grad_sync()
+        except AssertionError as e:
+            import traceback
+            error = traceback.format_exc(limit=-1)
+        return dict(pending=pending, error=error, groups=len(groups))
+
+    ref_overlap = overlap_run(build(torch.float32, True, OVERLAP, states["fp32"]))
+
     from prism_megatron.patches import grouped_experts
     grouped_experts.install()
     results = {}
@@ -130,6 +155,15 @@ CHILD = textwrap.dedent("""
     results["distopt"] = compare(ref_ddp, run(m, torch.float32)) | {"layout": layout(m)}
     m = build(torch.float32, True, DISTOPT, states["fp32"])
     results["no-tokens"] = compare(ref_none, run(m, torch.float32, [0] * E))
+    results["overlap"] = dict(loop=ref_overlap,
+                              grouped=overlap_run(build(torch.float32, True, OVERLAP, states["fp32"])))
+    m = build(torch.float32, True, state=states["fp32"])
+    m.local_experts[1].linear_fc2.register_forward_hook(lambda *a: None)
+    try:
+        run(m, torch.float32)
+        results["post-hook"] = {}
+    except grouped_experts.UnsupportedExperts as e:
+        results["post-hook"] = {"refused": str(e)}
     # weights of 64k values, not 128k, and a bucket of 3 experts: the bucket's end is padded by 64 values
     h, ffn = 48, 36  # inside the expert stack (DDP pads bucket ends to lcm(DP, 128) under the distributed optimizer)
     m = build(torch.float32, True, dict(DISTOPT, overlap_grad_reduce=True, bucket_size=3 * 3 * ffn * h), h=h, ffn=ffn)
@@ -205,6 +239,21 @@ def test_a_rank_without_tokens_gets_empty_outputs_and_zero_grads(results):
     assert r["shape"] == [0, 64] and r["grad_norm"] == 0.0 and r["dw"] == 0.0, r
 
 
+def test_overlapped_param_all_gathers_are_waited_on_as_the_loop_waits(results):
+    """--overlap-param-gather: the grouped GEMM never calls the expert modules, so the seam runs their
+    pre-hooks, where DDP waits on each all-gather; without that the experts' all-gathers stay pending and
+    the next iteration's dispatch asserts (seen on a TP2 PP8 VPP4 EP32 target)."""
+    loop, grouped = results["overlap"]["loop"], results["overlap"]["grouped"]
+    assert loop["error"] is None and loop["pending"] == [0, 0, 0], loop
+    assert grouped == loop, grouped
+
+
+def test_a_hook_the_grouped_gemm_cannot_run_is_refused_by_name(results):
+    r = results["post-hook"]
+    assert "refused" in r, r
+    assert "a forward or backward hook on local_experts.1.linear_fc2" in r["refused"], r
+
+
 def test_padding_between_experts_is_refused_by_name(results):
     r = results["padded"]
     assert "refused" in r, r
@@ -224,6 +273,31 @@ def test_a_mini_moe_recipe_trains_the_same_with_grouped_experts(megatron_runs):
             assert abs(other[name] - value) <= 1e-5 * max(1.0, abs(value)), (key, name, value, other[name])
         if norm is not None:
             assert abs(other_norm - norm) <= 1e-5 * max(1.0, abs(norm)), (key, norm, other_norm)
+
+
+def test_an_interleaved_moe_with_overlapped_param_gather_trains_the_same_with_grouped_experts(megatron_runs):
+    """Megatron-LM's trainer, TP1·PP2·VPP2·EP4 (expert DP 1), distributed optimizer with overlapped grad
+    reduce and param gather: the interleaved schedule dispatches every all-gather at an iteration's start,
+    so an all-gather the grouped experts never waited on fails the third iteration. Three iterations,
+    the loop's losses and grad norms."""
+    from prism_megatron.megatron.megatron_lm import training_available
+
+    if not training_available():
+        pytest.skip("the training driver is Megatron-LM's trainer's (megatron.training not found)")
+    flags = ("--disable-bias-linear", "--use-distributed-optimizer", "--overlap-grad-reduce",
+             "--overlap-param-gather", "--num-layers-per-virtual-pipeline-stage", "1")
+    loop = megatron_runs.run("mini-moe-ep4-tp1pp2", "off", *flags, driver="training", memory=False)
+    grouped = megatron_runs.run("mini-moe-ep4-tp1pp2", "off", *flags, "--prism-experts", "grouped",
+                                driver="training", memory=False)
+    assert loop["metrics"] and loop["metrics"].keys() == grouped["metrics"].keys()
+    for key, (losses, norm) in loop["metrics"].items():
+        other, other_norm = grouped["metrics"][key]
+        assert losses.keys() == other.keys(), key
+        for name, value in losses.items():
+            assert abs(other[name] - value) <= 1e-5 * max(1.0, abs(value)), (key, name, value, other[name])
+        if norm is not None:
+            assert abs(other_norm - norm) <= 1e-5 * max(1.0, abs(norm)), (key, norm, other_norm)
+    assert {iteration for _, iteration in grouped["metrics"]} == {1, 2, 3}
 
 
 def test_the_option_records_its_substitution(tmp_path):

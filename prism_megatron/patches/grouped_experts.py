@@ -25,6 +25,14 @@ never a copy: it exists only where a linear's E weights lie in one storage at a 
 - Any other layout (a padded bucket end between two experts, weights in separate storages) is refused
   at the call that meets it, naming the linear and why. Nothing falls back silently.
 
+The loop calls each expert and its linears as modules; the grouped GEMM does not, so the seam runs
+their forward pre-hooks itself (those of each expert and its ``linear_fc1`` before the grouped fc1,
+``linear_fc2``'s before fc2), as megatron-core 0.19's fused ``TEGroupedMLP`` does for its linears: DDP
+with ``--overlap-param-gather`` finishes each parameter's all-gather there, and without them the
+experts' all-gathers are never waited on (the next iteration's dispatch asserts) or never issued. A
+pre-hook that returns a value (it would change an input the grouped GEMM never hands the module) and
+a forward or backward hook after the call (the grouped GEMM cannot honour it) are refused by name.
+
 Weight gradients leave the backward as one gradient per expert weight (views of one grouped result),
 so autograd's accumulation and Megatron's DDP hooks (``main_grad``, ``grad_added_to_main_grad``) see
 what ``SequentialMLP`` gives them; the memory difference is that a linear's E weight gradients exist
@@ -198,6 +206,33 @@ def _refusal(module: Any) -> str | None:
     return None
 
 
+def _run_pre_hooks(modules: list[Any], where: str) -> None:
+    """The forward pre-hooks that calling each of ``modules`` would run (torch's global ones, then the
+    module's), in that order, given no input; :class:`UnsupportedExperts` where a hook returns a value."""
+    from torch.nn.modules import module as torch_module
+
+    for m in modules:
+        calls = [(hook, False) for hook in torch_module._global_forward_pre_hooks.values()]
+        calls += [(hook, key in m._forward_pre_hooks_with_kwargs) for key, hook in m._forward_pre_hooks.items()]
+        for hook, with_kwargs in calls:
+            if (hook(m, (), {}) if with_kwargs else hook(m, ())) is not None:
+                raise _refuse(f"a forward pre-hook that changes the input of {where} "
+                              f"({type(m).__name__}: the grouped GEMM never hands it one)")
+
+
+def _hook_refusal(module: Any) -> str | None:
+    """Hooks the loop would run after or around an expert's call, which the grouped GEMM cannot."""
+    from torch.nn.modules import module as torch_module
+
+    if torch_module._global_forward_hooks or torch_module._global_backward_hooks:
+        return "torch's global module forward or backward hooks"
+    for e, expert in enumerate(module.local_experts):
+        for name, m in expert.named_modules():
+            if m._forward_hooks or m._backward_hooks or m._backward_pre_hooks:
+                return f"a forward or backward hook on local_experts.{e}{'.' + name if name else ''}"
+    return None
+
+
 def _regroup(t: Any, counts: list[int], order: list[int]) -> Any:
     """``t``'s rows, grouped by expert in ``counts`` order, regrouped into ``order`` (autograd-tracked)."""
     import torch
@@ -244,7 +279,7 @@ def install() -> None:
     def forward(self: Any, permuted_local_hidden_states: Any, tokens_per_expert: Any, permuted_probs: Any) -> Any:
         if self.num_local_experts == 1:  # one GEMM per linear already
             return original_forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs)
-        why = _refusal(self)
+        why = _refusal(self) or _hook_refusal(self)
         if why is None and type(self.local_experts[0]).forward is not activation:
             why = f"experts of class {type(self.local_experts[0]).__name__} (only Megatron's MLP)"
         x = permuted_local_hidden_states
@@ -266,8 +301,11 @@ def install() -> None:
             x, probs = _regroup(x, counts, order), _regroup(probs, counts, order)
         grouped = [counts[e] for e in order]
         offs = torch.tensor(grouped, dtype=torch.int64).cumsum(0).to(device=x.device, dtype=torch.int32)
+        _run_pre_hooks([m for expert in experts_ for m in (expert, *expert.linear_fc1.modules())],
+                       "an expert or its linear_fc1")
         h = linear.apply(x, offs, grouped, "linear_fc1", *fc1)
         h, _ = activation(_ActivationOnly(experts_[0]), h, probs)
+        _run_pre_hooks([m for expert in experts_ for m in expert.linear_fc2.modules()], "an expert's linear_fc2")
         y = linear.apply(h, offs, grouped, "linear_fc2", *fc2)
         if not identity:
             y = _regroup(y, grouped, sorted(range(len(order)), key=order.__getitem__))
