@@ -305,7 +305,7 @@ def test_the_option_records_its_substitution(tmp_path):
 
     script = tmp_path / "pretrain_gpt.py"  # a target recipe runs Megatron-LM's script, not the core driver
     script.write_text("")
-    target = "qwen3-235b-a22b-h100x256-tp1pp8ep32"  # a target whose recipe keeps Megatron's loop
+    target = "deepseek-v3-h100x1024"  # a target whose recipe keeps Megatron's loop
     request = parse_run_args(["--recipe", target, "--prism-experts", "grouped", str(script)])
     entries = [s for s in request.substitutions if s["setting"] == "--moe-grouped-gemm"]
     assert len(entries) == 1 and "grouped_mm" in entries[0]["rendered"], request.substitutions
