@@ -214,8 +214,8 @@ class RunOnlyOptions:
     may open)."""
 
     anchor_fake_pg: bool = False
-    """After the run, also run one rank per class alone under Megatron's --fake-process-group and show
-    its peak memory beside ours in the report."""
+    """After the run, also run one rank per class alone under Megatron's --fake-process-group (the same
+    rendered program and micro-batches as prism's ranks) and show its peak memory beside ours in the report."""
 
 
 @dataclass(frozen=True)

@@ -50,11 +50,13 @@ def test_argv_is_prisms_own_plus_fake_process_group():
 
 
 def test_oom_is_reported_as_a_verdict(tmp_path):
+    from prism_megatron.megatron.fake_pg_child import OOM_EXIT
+
     tool = _tool()
     script = tmp_path / "oom.py"
     script.write_text("import torch\nraise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 2.00 GiB')\n")
     entry = tool.run_rank(script, [], {}, 8, 3, timeout=120)
-    assert entry["oom"] is True and entry["exit"] == tool.OOM_EXIT
+    assert entry["oom"] is True and entry["exit"] == OOM_EXIT
     assert entry["status"].startswith("OOM") and "Tried to allocate 2.00 GiB" in entry["error"]
     plain = tmp_path / "plain_oom.py"  # a C++ path raises CUDA's OOM as a plain RuntimeError
     plain.write_text("raise RuntimeError('CUDA out of memory. Tried to allocate 64.00 MiB')\n")

@@ -300,6 +300,21 @@ def test_an_interleaved_moe_with_overlapped_param_gather_trains_the_same_with_gr
     assert {iteration for _, iteration in grouped["metrics"]} == {1, 2, 3}
 
 
+def test_the_fake_process_group_anchor_runs_the_grouped_program(megatron_runs):
+    """--prism-anchor-fake-pg runs each class's rank alone with prism's rendering seams: with grouped experts
+    the anchor's model is the grouped one, and the file says which seams it ran with."""
+    run = megatron_runs.run("mini-moe-ep2", "off", "--disable-bias-linear", "--prism-experts", "grouped",
+                            "--prism-anchor-fake-pg")
+    anchor = json.loads((run["trace"] / "fake-pg-anchor.json").read_text())
+    assert anchor["ranks"], anchor
+    for entry in anchor["ranks"]:
+        assert "error" not in entry and entry["max_allocated"] > 0, entry
+        assert "experts grouped" in entry["rendered"], entry
+    plain = megatron_runs.run("mini-moe-ep2", "off", "--disable-bias-linear", "--prism-anchor-fake-pg")
+    for entry in json.loads((plain["trace"] / "fake-pg-anchor.json").read_text())["ranks"]:
+        assert "experts grouped" not in entry["rendered"], entry
+
+
 def test_the_option_records_its_substitution(tmp_path):
     from prism_megatron.megatron.run import parse_run_args
 

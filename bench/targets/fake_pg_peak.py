@@ -4,15 +4,13 @@ For recipe NAME and some global ranks (default: the live rank of each class in `
 --json``), run Megatron-LM's ``pretrain_gpt.py`` once per rank in a subprocess of its own, with the
 Megatron arguments prism's ranks receive for that recipe (``megatron.run.parse_run_args`` and, by
 default, ``microbatch_mode.choose_microbatches``: the same command line, not re-derived here) plus
-``--fake-process-group`` and WORLD_SIZE/RANK/LOCAL_RANK of the target. The child installs prism's
-rendering seams only (``emulate.install_rendering_patches``: torch norms under sequence parallelism,
-the MLA core attention, ``--prism-attention sdpa``), so its model is the program prism's ranks build;
-none of prism's runtime runs. Each child prints torch.cuda.max_memory_allocated/reserved when
-training ends, or the OOM (the failing allocation) when it runs out of device memory; Megatron's own
-``report_memory`` line is read too where it prints one (data-parallel rank 0 only). One change to
-Megatron's fake-process-group run: a rank that builds no dataset (a middle pipeline stage) trains, as
-rank 0's broadcast tells it to in the real job (the fake broadcast does nothing, so Megatron alone
-would skip its training; ``FAKE_PG_BROADCAST=off`` shows that).
+``--fake-process-group`` and WORLD_SIZE/RANK/LOCAL_RANK of the target, through prism's own child
+(``prism_megatron.megatron.fake_pg_child``, what ``--prism-anchor-fake-pg`` runs): prism's rendering seams
+only, so its model is the program prism's ranks build, and a rank that builds no dataset trains as rank 0's
+broadcast tells it to (``FAKE_PG_BROADCAST=off``: Megatron's own behaviour). Each child prints
+torch.cuda.max_memory_allocated/reserved when training ends, or the OOM (the failing allocation) when it
+runs out of device memory; Megatron's own ``report_memory`` line is read too where it prints one
+(data-parallel rank 0 only).
 
 Usage (repo root; MEGATRON_LM_PATH a Megatron-LM checkout at the installed core's tag):
   python bench/targets/fake_pg_peak.py llama3-8b-h100x8 [--ranks 0,3] [--prism-report OUT/report.json]
@@ -39,10 +37,8 @@ _REPO = Path(__file__).resolve().parents[2]
 if str(_REPO) not in sys.path:
     sys.path.insert(0, str(_REPO))
 
-MARK = "PRISM-FAKE-PG "  # the child's one result line (JSON after it)
-OOM_EXIT = 3  # the child ran out of device memory (its result line says where)
-CAP_ENV = "FAKE_PG_CAP_BYTES"  # set: the rank's allocator capped as prism caps an emulated rank (memory.probe)
-BROADCAST_ENV = "FAKE_PG_BROADCAST"  # off: ranks that build no dataset do not train (_train_as_broadcast)
+from prism_megatron.megatron.fake_pg_child import BROADCAST_ENV, CAP_ENV, MARK  # noqa: E402
+
 MiB = 1 << 20
 FORMAT, VERSION = "prismfakepg", 1
 
@@ -135,95 +131,6 @@ def resolve_script(choice: str | None) -> Path:
 
 # ------------------------------------------------------------------------------------------------ one rank
 
-def _train_as_broadcast() -> None:
-    """Every rank trains, as rank 0's broadcast tells it to in the real job.
-
-    Megatron decides ``args.do_train`` on the ranks that build a dataset and broadcasts it from rank 0;
-    a rank that builds none (a middle pipeline stage) takes the broadcast's value. Under the fake
-    process group the broadcast does nothing, so such a rank would skip training and report only its
-    weights and optimizer state. Set where rank 0 would have sent it (mock data: train_iters > 0).
-    ``FAKE_PG_BROADCAST=off``: Megatron's own behaviour."""
-    from megatron.training import training
-
-    from prism_megatron.patches import seam
-
-    original = seam(training, "build_train_valid_test_data_loaders", ("0.19.0",))
-
-    def loaders(*a, **k):
-        out = original(*a, **k)
-        args = training.get_args()
-        args.do_train = bool(args.do_train) or (args.train_iters or 0) > 0
-        return out
-
-    training.build_train_valid_test_data_loaders = loaders
-
-
-def _child(script: Path, argv: list[str]) -> int:
-    """In the rank's own process: the rendering seams, then the script as ``python SCRIPT ARGS``."""
-    import runpy
-
-    from prism_megatron.megatron import cpu_mode
-
-    if not cpu_mode.cpu_mode_active() and not cpu_mode._gpu_present():
-        cpu_mode.enable_cpu_mode()
-    from prism_megatron.megatron.emulate import install_rendering_patches
-    from prism_megatron.megatron.megatron_lm import ensure_megatron_training
-
-    ensure_megatron_training()
-    from prism_megatron.patches import dataset_helpers
-
-    dataset_helpers.install()  # the wheel's prebuilt dataset helpers (no `make` at start-up); no model change
-    if cpu_mode.cpu_mode_active():
-        from prism_megatron.patches import cpu_trainer
-
-        cpu_trainer.install()  # what prism's driver installs on CPU
-    install_rendering_patches()
-    if os.environ.get(BROADCAST_ENV) != "off":
-        _train_as_broadcast()
-    import torch
-
-    cap = int(os.environ.get(CAP_ENV) or 0)
-    if cap and torch.cuda.is_available() and not cpu_mode.cpu_mode_active():
-        total = torch.cuda.get_device_properties(0).total_memory
-        if cap > total:
-            raise SystemExit(f"fake_pg_peak: --cap {cap} B exceeds this GPU's {total} B")
-        torch.cuda.set_per_process_memory_fraction(cap / total, 0)
-    sys.argv = [str(script), *argv]
-    sys.path.insert(0, str(script.parent))  # pretrain_gpt.py imports gpt_builders, model_provider beside it
-    result: dict[str, Any] = {"oom": False}
-    code = 0
-    try:
-        runpy.run_path(str(script), run_name="__main__")
-    except torch.OutOfMemoryError as e:
-        result = {"oom": True, "error": " ".join(str(e).split())[:600]}
-        code = OOM_EXIT
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    except Exception as e:  # noqa: BLE001 - said below with the peaks reached so far, and the traceback
-        import traceback
-
-        traceback.print_exc()
-        said = " ".join(f"{type(e).__name__}: {e}".split())[:600]
-        oom = "out of memory" in said.lower()  # a CUDA OOM raised as a plain RuntimeError by a C++ path
-        result = {"oom": oom, "error": said}
-        code = OOM_EXIT if oom else 1
-    try:  # the iterations Megatron completed (its own count of samples consumed)
-        from megatron.training.global_vars import get_args
-
-        margs = get_args()
-        result.update(iterations=margs.consumed_train_samples // margs.global_batch_size,
-                      train_iters=margs.train_iters)
-    except Exception:  # noqa: BLE001 - no args: Megatron stopped before parsing; the status says so
-        result.update(iterations=None, train_iters=None)
-    gpu = torch.cuda.is_available() and not cpu_mode.cpu_mode_active()
-    result.update(device=torch.cuda.get_device_name() if gpu else "cpu",
-                  max_allocated=torch.cuda.max_memory_allocated() if gpu else None,
-                  max_reserved=torch.cuda.max_memory_reserved() if gpu else None,
-                  total=torch.cuda.get_device_properties(0).total_memory if gpu else None)
-    print(MARK + json.dumps(result), flush=True)
-    return code
-
-
 def run_rank(script: Path, argv: list[str], env: dict[str, str], world: int, rank: int, timeout: float,
              log: Path | None = None) -> dict[str, Any]:
     """One rank alone under Megatron's fake process group: its peaks, or its OOM, or why it has neither."""
@@ -232,7 +139,7 @@ def run_rank(script: Path, argv: list[str], env: dict[str, str], world: int, ran
     child_env = {**os.environ, **env, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": "0",
                  "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29599",
                  "PYTHONPATH": os.pathsep.join(filter(None, [str(_REPO), os.environ.get("PYTHONPATH")]))}
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", str(script), *argv]
+    cmd = [sys.executable, "-m", "prism_megatron.megatron.fake_pg_child", str(script), *argv]
     t0 = time.monotonic()
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, env=child_env, timeout=timeout)
@@ -298,8 +205,6 @@ def table(entries: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str]) -> int:
-    if argv and argv[0] == "--child":
-        return _child(Path(argv[1]), argv[2:])
     own, overrides = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
     ap = argparse.ArgumentParser(prog="fake_pg_peak.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("name", help="target recipe (recipes/targets/NAME.yaml, without 'targets-')")

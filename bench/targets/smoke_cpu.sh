@@ -11,7 +11,8 @@
 # Run from the repo root with a Python that has megatron-core installed (0.19.x: the GPU's version):
 #   MEGATRON_LM_PATH=DIR_WITH_megatron/training PYTHON=python3 bash bench/targets/smoke_cpu.sh [NAME ...]
 # env: PYTHON (python3), TIMEOUT (s per target run, 360), ITERS (train iterations, 2), OUT (/tmp/prism-smoke),
-#   SUMMARY_ONLY (1: run nothing, print the blocks of the runs already in OUT).
+#   SUMMARY_ONLY (1: run nothing, print the blocks of the runs already in OUT), FLAGS (more flags for every target,
+#   as run_target.sh takes them after the name: e.g. FLAGS='--prism-experts grouped' smokes a choice the recipe lacks).
 # Prints one summary block per target; writes OUT/smoke-NAME/{plan.txt,run.log,times.txt,exit.txt,overrides.txt,flags.txt}
 # and the trace (times.txt: prism's lines with the seconds since the run began, stamp_lines.py).
 set -uo pipefail
@@ -89,7 +90,9 @@ for name in "${targets[@]}"; do
     # attention, serial capture and micro-batch fold: the recipe's emulation section, as on the GPU
     flags=(--recipe "targets-$name" --prism-devices cpu --prism-driver training --prism-fold on
            --prism-fold-depth "$(depth "$name")" "${common[@]}" "${own[@]}")
-    echo "${common[*]} ${own[*]}" > "$out/overrides.txt"
+    read -r -a more <<< "${FLAGS:-}"
+    flags+=("${more[@]}")
+    echo "${common[*]} ${own[*]} ${more[*]}" > "$out/overrides.txt"
     echo "${flags[*]}" > "$out/flags.txt"  # the whole command's flags (report_step_model.py plans them again)
     "$py" -m prism_megatron plan "${flags[@]}" > "$out/plan.txt" 2>&1
     plan_rc=$?

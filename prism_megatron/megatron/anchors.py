@@ -3,9 +3,12 @@
 Megatron-LM can run one rank of the target job alone with a fake process group (RANK/WORLD_SIZE of
 the target, every collective skipped) and prints that rank's memory after iterations 1 and 2 on
 data-parallel rank 0 (``report_memory``). Users already have this tool, so the report shows its
-figure next to the emulated one (``--prism-anchor-fake-pg``): where they differ (MoE routing fed by
-all-to-alls that do nothing there, communication buffers), ours is the one measured with real data.
-On CPU the core driver prints the same line from a byte accountant (``PRISM_CPU_BYTE_ACCOUNTANT``).
+figure next to the emulated one (``--prism-anchor-fake-pg``) for each class's representative rank, run
+with the arguments prism's ranks ran (micro-batches as folded) and prism's rendering seams
+(``megatron.fake_pg_child``): the same program, so a difference is the emulation's, not a rendering's.
+Where they differ (MoE routing fed by all-to-alls that do nothing there, communication buffers), ours is
+the one measured with real data. On CPU the core driver prints the same line from a byte accountant
+(``PRISM_CPU_BYTE_ACCOUNTANT``).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from prism_megatron.megatron.fake_pg_child import MARK
 from prism_megatron.trace import read_trace
 from prism_megatron.trace.writer import atomic_write_text
 
@@ -70,16 +74,21 @@ def fake_pg_peak(script: Path, script_args: list[str], world: int, rank: int, *,
     env.pop("PRISM_MEGATRON_METRICS", None)
     if on_cpu:
         env["PRISM_CPU_BYTE_ACCOUNTANT"] = "1"
-    cmd = [sys.executable, str(script), *script_args, "--fake-process-group"]
+    cmd = [sys.executable, "-m", "prism_megatron.megatron.fake_pg_child", str(script), *script_args,
+           "--fake-process-group"]
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
         return {"rank": rank, "error": f"timed out after {timeout:.0f} s"}
-    figures = parse_memory_lines(p.stdout + p.stderr, rank)
+    out = p.stdout + p.stderr
+    line = next((x for x in reversed(out.splitlines()) if x.startswith(MARK)), None)
+    child = json.loads(line[len(MARK):]) if line is not None else {}
+    rendered = {"rendered": child["rendered"]} if "rendered" in child else {}
+    figures = parse_memory_lines(out, rank)
     if figures is None:
-        tail = (p.stderr or p.stdout).strip().splitlines()[-1:] or ["no output"]
-        return {"rank": rank, "error": f"no memory report (exit {p.returncode}): {tail[0][:300]}"}
-    return {"rank": rank, **figures}
+        tail = child.get("error") or ((p.stderr or p.stdout).strip().splitlines()[-1:] or ["no output"])[0]
+        return {"rank": rank, "error": f"no memory report (exit {p.returncode}): {tail[:300]}", **rendered}
+    return {"rank": rank, **figures, **rendered}
 
 
 def run_fake_pg_anchor(trace_dir: Path, script: Path, script_args: list[str], *, on_cpu: bool) -> Path:
@@ -93,6 +102,6 @@ def run_fake_pg_anchor(trace_dir: Path, script: Path, script_args: list[str], *,
         print(f"prism: fake-process-group anchor {i}/{len(reps)}: rank {rank} ({info['class']})", file=sys.stderr,
               flush=True)
         results.append({**fake_pg_peak(script, script_args, world, rank, on_cpu=on_cpu), "class": info["class"]})
-    doc = {"format": FORMAT, "version": VERSION, "source": "Megatron --fake-process-group, one rank alone",
-           "ranks": results}
+    doc = {"format": FORMAT, "version": VERSION,
+           "source": "Megatron --fake-process-group, one rank alone, with prism's rendering seams", "ranks": results}
     return atomic_write_text(trace_dir / ANCHOR_FILE, json.dumps(doc, indent=1) + "\n")

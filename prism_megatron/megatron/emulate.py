@@ -60,20 +60,24 @@ def install_patches(training: bool = True) -> None:
         serial_embedding.install()
 
 
-def install_rendering_patches() -> None:
+def install_rendering_patches() -> list[str]:
     """The seams that make the program a rank runs (the model's modules), not how it communicates:
-    what a rank run without prism (Megatron's ``--fake-process-group``, bench/targets/fake_pg_peak.py)
-    installs so that its model is the one prism's ranks build."""
+    what a rank run without prism (Megatron's ``--fake-process-group``: ``megatron.fake_pg_child``)
+    installs so that its model is the one prism's ranks build. Returns the names of those installed."""
     from prism_megatron.patches import attention, mla_attention, norm
 
     norm.install()  # the local spec's torch norms under --sequence-parallel, as TE's and apex's take it
     mla_attention.install()  # the local core attention under multi-latent attention, as TE's takes it
+    installed = ["norm", "mla_attention"]
     if os.environ.get(attention.ENV_VAR) == "sdpa":  # --prism-attention sdpa (megatron.run sets it)
         attention.install()
+        installed.append("attention sdpa")
     from prism_megatron.patches import grouped_experts
 
     if os.environ.get(grouped_experts.ENV_VAR) == "grouped":  # --prism-experts grouped (megatron.run sets it)
         grouped_experts.install()
+        installed.append("experts grouped")
+    return installed
 
 
 def rank_setup() -> None:

@@ -518,7 +518,7 @@ def run(request: RunRequest) -> int:
     if written and after.anchor_fake_pg:
         from prism_megatron.megatron.anchors import run_fake_pg_anchor
 
-        args = list(request.script_args) + (cpu_defaults(request.script_args) if not cfg.on_gpu else [])
+        args = list(cfg.script_args) + (cpu_defaults(cfg.script_args) if not cfg.on_gpu else [])  # as the ranks ran
         run_fake_pg_anchor(cfg.trace_dir, request.script, args, on_cpu=not cfg.on_gpu)
     calibrated = None
     if written and code == 0 and after.calibrate == "on":
