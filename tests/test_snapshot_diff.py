@@ -76,6 +76,27 @@ def test_each_run_says_its_segments_released_and_its_reserved_over_the_recording
     assert "+20.00 MiB  fakepg     40.00  prism     60.00  activation.py:1:activation" in out
 
 
+def test_the_first_request_the_two_runs_do_not_share_is_named_with_the_segments_before_it(tmp_path, capsys):
+    """The same requests placed differently (one run reserved a third segment): no divergence of requests.
+    One request more (a staging buffer in one run): its index, the requests around it, the segments before."""
+    sd = load_bench("gpu/snapshot_diff.py")
+    first = _dump(tmp_path / "a.pickle", _history(extra_segment=False))
+    second = _dump(tmp_path / "b.pickle", _history(extra_segment=True))
+    assert sd.main([str(first), str(second), "--names", "fakepg,prism"]) == 0
+    assert "fakepg and prism: the same 5 requests" in capsys.readouterr().out
+    staged = _history(extra_segment=False)
+    s = _frames("stage", "collective")
+    staged[6:6] = [{"action": "alloc", "addr": 60 * MiB, "size": 2 * MiB, "frames": s, "stream": 7},
+                   {"action": "free_requested", "addr": 60 * MiB, "size": 2 * MiB, "frames": s, "stream": 7}]
+    second = _dump(tmp_path / "c.pickle", staged)
+    assert sd.main([str(first), str(second), "--names", "fakepg,prism"]) == 0
+    out = capsys.readouterr().out.split("== first divergence")[1]
+    assert "fakepg and prism agree on their first 3 requests (of 5 and 7)" in out
+    assert "prism: 2 segment(s), 40 MiB reserved before it" in out
+    assert "  >       3 alloc                2.00 MiB  stream 7  stage.py:1:stage < collective.py:2:collective" in out
+    assert "  >       3 alloc                8.00 MiB  stream 0  activation.py:1:activation" in out
+
+
 def test_a_dump_of_several_devices_and_bad_names_are_refused(tmp_path):
     sd = load_bench("gpu/snapshot_diff.py")
     two = tmp_path / "two.pickle"

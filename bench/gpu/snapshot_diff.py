@@ -11,7 +11,11 @@ with ``--script driver``). Two peaks, each with the stacks whose bytes differ mo
   allocation that made the allocator reserve it — where one run had to grow its cache and the other not;
   before both, each run's segments reserved and released and its reserved bytes over the recording (a
   run whose reserved fell released its cache: ``empty_cache``, or a retry under a full device or cap);
-- after both, every segment each run reserved over its recording by stack, released or not.
+- after both, every segment each run reserved over its recording by stack, released or not;
+- last, where the two runs' request sequences (each allocation and free asked of the allocator: its
+  size and stream, stacks aside since the runs' wrappers differ) first part, with the requests around it
+  and the segments each run had reserved by then: both run one program, so up to there a difference in
+  reserved bytes is the allocator's placement, not the requests.
 A history holds at most its recording's last events (``snapshot.MAX_ENTRIES``): a trace of that length
 may have lost its start, said below.
 """
@@ -133,6 +137,35 @@ def reservations(traces: dict[str, list[dict]], rows: int = 12) -> str:
     return "\n".join(["== segments reserved over the recording (released or not)", *differences(totals, rows)])
 
 
+REQUESTS = ("alloc", "free_requested")  # what the program asks of the allocator (the rest is the allocator's)
+
+
+def divergence(traces: dict[str, list[dict]], context: int = 3) -> str:
+    """Where the two runs' requests (action, size, stream) first differ, the requests around it in each, and
+    each run's segments reserved before it."""
+    (a, ta), (b, tb) = traces.items()
+    idx = {name: [i for i, e in enumerate(t) if e["action"] in REQUESTS] for name, t in traces.items()}
+    key = {name: [(t[i]["action"], t[i]["size"], t[i].get("stream", 0)) for i in idx[name]]
+           for name, t in traces.items()}
+    shared = min(len(key[a]), len(key[b]))  # the shorter run's requests (the rest of the longer differ)
+    n = next((i for i in range(shared) if key[a][i] != key[b][i]), shared)
+    out = ["== first divergence of the request sequences (allocations and frees: action, size, stream)"]
+    if n == len(key[a]) == len(key[b]):
+        return "\n".join(out + [f"{a} and {b}: the same {n} requests"])
+    out.append(f"{a} and {b} agree on their first {n} requests (of {len(key[a])} and {len(key[b])})")
+    for name, t in traces.items():
+        upto = idx[name][n] if n < len(idx[name]) else len(t)
+        reserved = [e["size"] for e in t[:upto] if e["action"] in KINDS["reserved"][0]]
+        out.append(f"{name}: {len(reserved)} segment(s), {sum(reserved) / MiB:.0f} MiB reserved before it; "
+                   f"requests {max(0, n - context)}-{n + context}:")
+        for j in range(max(0, n - context), min(len(idx[name]), n + context + 1)):
+            e = t[idx[name][j]]
+            mark = ">" if j == n else " "
+            out.append(f"  {mark} {j:7d} {e['action']:14s} {e['size'] / MiB:10.2f} MiB  stream {e.get('stream', 0)}  "
+                       f"{stack(e)[:160]}")
+    return "\n".join(out)
+
+
 def main(argv: list[str] | None = None) -> int:
     from prism_megatron.memory.snapshot import MAX_ENTRIES
 
@@ -153,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     print(compare(traces, "allocated"))
     print(compare(traces, "reserved"))
     print(reservations(traces))
+    print(divergence(traces))
     return 0
 
 
