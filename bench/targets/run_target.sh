@@ -18,7 +18,7 @@
 #   resumed (--prism-fold-resume reuses each capture it finished on the same machine and software, runs the rest);
 #   PACK=1: pack OUT/target-NAME as OUT/target-NAME.tar.gz at the end (a captures archive stays where it is, for a
 #   resume on the same machine): a device call brings back a few files, so two runs' folders do not all come back.
-# Writes OUT/target-NAME/{run.log,times.txt,memory.txt,summary.txt} (times.txt: prism's lines with the seconds since
+# Writes OUT/target-NAME/{run.log,times.txt,memory.txt,host_probe.txt,summary.txt} (times.txt: prism's lines with the seconds since
 # the run began, stamp_lines.py), the report beside the trace (report.json) and, where
 # wandb is installed, its offline run (wandb.tar.gz, sync it with `wandb sync`); where a
 # second pass took a class again, second_pass.txt (bench/targets/second_pass_effect.py: what each take changed).
@@ -68,6 +68,8 @@ sample() {  # peak GPU memory used (MiB) and host memory used (MiB), once a seco
     sleep 1
   done
 }
+# the host's own speed, recorded beside the prediction (a host-bound rank's time is its host's: host_probe.py)
+python3 "$(dirname "$0")/../gpu/host_probe.py" > "$out/host_probe.txt" 2>&1 || echo "host probe failed" >> "$out/host_probe.txt"
 sample & sampler=$!
 t0=$(date +%s)
 timeout "$timeout" python3 -m prism_megatron run "${flags[@]}" --prism-emulate \
@@ -75,7 +77,7 @@ timeout "$timeout" python3 -m prism_megatron run "${flags[@]}" --prism-emulate \
 rc=${PIPESTATUS[0]}
 kill "$sampler" 2>/dev/null
 { echo "== $name: exit $rc in $(( $(date +%s) - t0 )) s (flags: ${flags[*]})"
-  cat "$out/memory.txt"
+  cat "$out/memory.txt" "$out/host_probe.txt"
   grep -E "^prism: (serial capture|micro-batches|fold|done|report)|iteration +[0-9]+/" "$out/run.log" | cut -c1-300
   sed -n '/^prism-megatron report of/,$p' "$out/run.log"  # the run's own report (its cluster profile costs comm)
 } | tee "$out/summary.txt"
