@@ -18,22 +18,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
+_REPO = Path(__file__).resolve().parents[2]
+if str(_REPO) not in sys.path:
+    sys.path.insert(0, str(_REPO))
 
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
+from prism_megatron.launcher.config import cpu_model  # noqa: E402 - the name reports give the machine
 
 
 def _per_op_us(step: Callable[[], object], ops: int, repeats: int, sync: Callable[[], object] | None = None
@@ -61,7 +56,7 @@ def probe(ops: int, repeats: int) -> dict[str, object]:
     def empty() -> None:
         return None
 
-    out: dict[str, object] = {"cpu": _cpu_model(), "cores": os.cpu_count(), "torch": torch.__version__,
+    out: dict[str, object] = {"cpu": cpu_model(), "cores": os.cpu_count(), "torch": torch.__version__,
                               "ops": ops, "repeats": repeats, "threads": torch.get_num_threads()}
     out["python_us"] = _per_op_us(empty, ops, repeats)
     a, b, c = torch.ones(1), torch.ones(1), torch.empty(1)

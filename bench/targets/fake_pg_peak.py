@@ -37,7 +37,14 @@ _REPO = Path(__file__).resolve().parents[2]
 if str(_REPO) not in sys.path:
     sys.path.insert(0, str(_REPO))
 
-from prism_megatron.megatron.fake_pg_child import BROADCAST_ENV, CAP_ENV, MARK  # noqa: E402
+from prism_megatron.megatron.fake_pg_child import (  # noqa: E402
+    BROADCAST_ENV,
+    CAP_ENV,
+    MARK,
+    command,
+    rank_env,
+    read_result,
+)
 
 MiB = 1 << 20
 FORMAT, VERSION = "prismfakepg", 1
@@ -136,13 +143,11 @@ def run_rank(script: Path, argv: list[str], env: dict[str, str], world: int, ran
     """One rank alone under Megatron's fake process group: its peaks, or its OOM, or why it has neither."""
     from prism_megatron.megatron.anchors import parse_memory_lines
 
-    child_env = {**os.environ, **env, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": "0",
-                 "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29599",
+    child_env = {**os.environ, **env, **rank_env(world, rank),
                  "PYTHONPATH": os.pathsep.join(filter(None, [str(_REPO), os.environ.get("PYTHONPATH")]))}
-    cmd = [sys.executable, "-m", "prism_megatron.megatron.fake_pg_child", str(script), *argv]
     t0 = time.monotonic()
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, env=child_env, timeout=timeout)
+        p = subprocess.run(command(script, argv), capture_output=True, text=True, env=child_env, timeout=timeout)
         out, rc = p.stdout + p.stderr, p.returncode
     except subprocess.TimeoutExpired as e:
         out = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
@@ -151,9 +156,8 @@ def run_rank(script: Path, argv: list[str], env: dict[str, str], world: int, ran
     if log is not None:
         log.write_text(out)
     entry: dict[str, Any] = {"rank": rank, "exit": rc, "wall_s": wall, "oom": False}
-    line = next((x for x in reversed(out.splitlines()) if x.startswith(MARK)), None)
-    if line is not None:
-        entry.update(json.loads(line[len(MARK):]))
+    result = read_result(out)
+    entry.update(result or {})
     megatron = parse_memory_lines(out, rank)
     entry["megatron_report"] = megatron  # Megatron's own line (after its first iterations), DP rank 0 only
     if rc is None:
@@ -162,7 +166,7 @@ def run_rank(script: Path, argv: list[str], env: dict[str, str], world: int, ran
         entry["oom"] = True
         entry["status"] = "OOM: does not fit the device alone"
         entry.setdefault("error", next((x.strip()[:600] for x in out.splitlines() if "out of memory" in x), ""))
-    elif rc != 0 or line is None:
+    elif rc != 0 or result is None:
         tail = [x for x in out.splitlines() if x.strip() and not x.startswith(MARK)][-3:]
         entry["status"] = f"failed (exit {rc})"
         entry["error"] = entry.get("error") or " | ".join(tail)[:600] or "no output"

@@ -16,13 +16,12 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
-from prism_megatron.megatron.fake_pg_child import MARK
+from prism_megatron.megatron.fake_pg_child import command, rank_env, read_result
 from prism_megatron.trace import read_trace
 from prism_megatron.trace.writer import atomic_write_text
 
@@ -60,29 +59,20 @@ def representatives(trace_dir: Path) -> dict[int, dict[str, Any]]:
     return {rank: {"class": cls} for cls, rank in reps.items()}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def fake_pg_peak(script: Path, script_args: list[str], world: int, rank: int, *, on_cpu: bool,
                  timeout: float = 900.0) -> dict[str, Any]:
     """Run ``rank`` of the job alone with ``--fake-process-group``; its peak figures or why there are none."""
-    env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    env = {**os.environ, **rank_env(world, rank)}
     env.pop("PRISM_MEGATRON_METRICS", None)
     if on_cpu:
         env["PRISM_CPU_BYTE_ACCOUNTANT"] = "1"
-    cmd = [sys.executable, "-m", "prism_megatron.megatron.fake_pg_child", str(script), *script_args,
-           "--fake-process-group"]
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+        p = subprocess.run(command(script, [*script_args, "--fake-process-group"]), capture_output=True, text=True,
+                           timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
         return {"rank": rank, "error": f"timed out after {timeout:.0f} s"}
     out = p.stdout + p.stderr
-    line = next((x for x in reversed(out.splitlines()) if x.startswith(MARK)), None)
-    child = json.loads(line[len(MARK):]) if line is not None else {}
+    child = read_result(out) or {}
     rendered = {"rendered": child["rendered"]} if "rendered" in child else {}
     figures = parse_memory_lines(out, rank)
     if figures is None:

@@ -34,7 +34,30 @@ OOM_EXIT = 3  # the child ran out of device memory (its result line says where)
 CAP_ENV = "FAKE_PG_CAP_BYTES"  # set: the rank's allocator capped as prism caps an emulated rank (memory.probe)
 BROADCAST_ENV = "FAKE_PG_BROADCAST"  # off: ranks that build no dataset do not train (train_as_broadcast)
 
-__all__ = ["BROADCAST_ENV", "CAP_ENV", "MARK", "OOM_EXIT", "run_child", "train_as_broadcast"]
+__all__ = ["BROADCAST_ENV", "CAP_ENV", "MARK", "OOM_EXIT", "command", "rank_env", "read_result", "run_child",
+           "train_as_broadcast"]
+
+
+def command(script: Path, argv: list[str]) -> list[str]:
+    """The child's command line: ``script`` with ``argv`` (``--fake-process-group`` among them)."""
+    return [sys.executable, "-m", "prism_megatron.megatron.fake_pg_child", str(script), *argv]
+
+
+def rank_env(world: int, rank: int) -> dict[str, str]:
+    """The torchrun variables of ``rank`` of a ``world``-rank job, alone on this host (a free port)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+
+
+def read_result(output: str) -> dict[str, Any] | None:
+    """The child's result line in its output (the last), or None where it printed none."""
+    line = next((x for x in reversed(output.splitlines()) if x.startswith(MARK)), None)
+    return None if line is None else json.loads(line[len(MARK):])
 
 
 def train_as_broadcast() -> None:
