@@ -95,6 +95,29 @@ def test_the_first_request_the_two_runs_do_not_share_is_named_with_the_segments_
     assert "prism: 2 segment(s), 40 MiB reserved before it" in out
     assert "  >       3 alloc                2.00 MiB  stream 7  stage.py:1:stage < collective.py:2:collective" in out
     assert "  >       3 alloc                8.00 MiB  stream 0  activation.py:1:activation" in out
+    assert "+1 x      2.000 MiB =       +2.0 MiB  fakepg      0  prism      1  stage.py:1:stage" in _out(
+        sd, first, second, capsys).split("== allocations by size and stack")[1]
+
+
+def _out(sd, first, second, capsys) -> str:
+    assert sd.main([str(first), str(second), "--names", "fakepg,prism"]) == 0
+    return capsys.readouterr().out
+
+
+def test_a_small_request_only_one_run_makes_diverges_the_requests_but_not_the_large_pools(tmp_path, capsys):
+    """A scalar allocated in one run only (a NaN check's norm): the request sequences part there, the large
+    pool's (above 1 MiB, which alone places the large blocks) do not, and the extra allocation is counted."""
+    sd = load_bench("gpu/snapshot_diff.py")
+    first = _dump(tmp_path / "a.pickle", _history(extra_segment=False))
+    checked = _history(extra_segment=False)
+    n = _frames("norm", "check_grads")
+    checked[4:4] = [{"action": "alloc", "addr": 90 * MiB, "size": 512, "frames": n},
+                    {"action": "free_requested", "addr": 90 * MiB, "size": 512, "frames": n}]
+    out = _out(sd, first, _dump(tmp_path / "b.pickle", checked), capsys)
+    everything, large = out.split("== first divergence")[1:]
+    assert "fakepg and prism agree on their first 2 requests (of 5 and 7)" in everything
+    assert "requests above 1 MiB only" in large and "fakepg and prism: the same 5 requests" in large
+    assert "+1 x      0.000 MiB =       +0.0 MiB  fakepg      0  prism      1  norm.py:1:norm" in out
 
 
 def test_a_dump_of_several_devices_and_bad_names_are_refused(tmp_path):

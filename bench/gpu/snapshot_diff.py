@@ -140,16 +140,23 @@ def reservations(traces: dict[str, list[dict]], rows: int = 12) -> str:
 REQUESTS = ("alloc", "free_requested")  # what the program asks of the allocator (the rest is the allocator's)
 
 
-def divergence(traces: dict[str, list[dict]], context: int = 3) -> str:
+#: the caching allocator's small-request limit: requests up to it come from its small pool (2 MiB segments), which
+#: never shares a segment with the large pool's, so only larger requests place the large blocks
+SMALL_SIZE = 1 << 20
+
+
+def divergence(traces: dict[str, list[dict]], context: int = 3, min_size: int = 0) -> str:
     """Where the two runs' requests (action, size, stream) first differ, the requests around it in each, and
-    each run's segments reserved before it."""
+    each run's segments reserved before it; ``min_size``: only requests above it (the large pool's)."""
     (a, ta), (b, tb) = traces.items()
-    idx = {name: [i for i, e in enumerate(t) if e["action"] in REQUESTS] for name, t in traces.items()}
+    idx = {name: [i for i, e in enumerate(t) if e["action"] in REQUESTS and e["size"] > min_size]
+           for name, t in traces.items()}
     key = {name: [(t[i]["action"], t[i]["size"], t[i].get("stream", 0)) for i in idx[name]]
            for name, t in traces.items()}
     shared = min(len(key[a]), len(key[b]))  # the shorter run's requests (the rest of the longer differ)
     n = next((i for i in range(shared) if key[a][i] != key[b][i]), shared)
-    out = ["== first divergence of the request sequences (allocations and frees: action, size, stream)"]
+    pool = f", requests above {min_size / MiB:g} MiB only" if min_size else ""
+    out = [f"== first divergence of the request sequences (allocations and frees: action, size, stream{pool})"]
     if n == len(key[a]) == len(key[b]):
         return "\n".join(out + [f"{a} and {b}: the same {n} requests"])
     out.append(f"{a} and {b} agree on their first {n} requests (of {len(key[a])} and {len(key[b])})")
@@ -163,6 +170,25 @@ def divergence(traces: dict[str, list[dict]], context: int = 3) -> str:
             mark = ">" if j == n else " "
             out.append(f"  {mark} {j:7d} {e['action']:14s} {e['size'] / MiB:10.2f} MiB  stream {e.get('stream', 0)}  "
                        f"{stack(e)[:160]}")
+    return "\n".join(out)
+
+
+def extra_requests(traces: dict[str, list[dict]], rows: int = 12) -> str:
+    """Allocations one run asked for more often than the other, by size and stack (count and bytes, second -
+    first): a request only one program makes (a check, a staging buffer) shifts every placement after it."""
+    counts = {}
+    for name, trace in traces.items():
+        c: collections.Counter = collections.Counter()
+        for e in trace:
+            if e["action"] == "alloc":
+                c[(e["size"], stack(e))] += 1
+        counts[name] = c
+    a, b = counts
+    keys = set(counts[a]) | set(counts[b])
+    ranked = sorted(((counts[b][k] - counts[a][k], k) for k in keys), key=lambda r: (-abs(r[0] * r[1][0]), r[1]))
+    out = [f"== allocations by size and stack, counted in each run ({b} - {a})"]
+    out += [f"{n:+7d} x {size / MiB:10.3f} MiB = {n * size / MiB:+10.1f} MiB  {a} {counts[a][(size, k)]:6d}  "
+            f"{b} {counts[b][(size, k)]:6d}  {k[:160]}" for n, (size, k) in ranked[:rows] if n]
     return "\n".join(out)
 
 
@@ -186,7 +212,9 @@ def main(argv: list[str] | None = None) -> int:
     print(compare(traces, "allocated"))
     print(compare(traces, "reserved"))
     print(reservations(traces))
+    print(extra_requests(traces))
     print(divergence(traces))
+    print(divergence(traces, min_size=SMALL_SIZE))
     return 0
 
 

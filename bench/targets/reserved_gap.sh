@@ -5,7 +5,9 @@
 # one run reserved and the other did not, at each run's peak. Run from the repo root on the GPU machine, megatron-core
 # installed into /tmp/site by the caller:
 #   bash bench/targets/reserved_gap.sh llama3-70b-h100x64 [RANK (0)]
-# env: OUT (/tmp/prism-gpu), ITERS (2), PRISM_TIMEOUT (s, 200: prism's run may be cut once RANK's capture ended).
+# env: OUT (/tmp/prism-gpu), ITERS (2), PRISM_TIMEOUT (s, 200: prism's run may be cut once RANK's capture ended),
+# PRISM_FLAGS (more flags for prism's run only, e.g. --no-check-for-nan-in-loss-and-grad, which Megatron sets
+# itself under --fake-process-group), TAG (a suffix for the result file's name).
 # Writes OUT/reserved-gap-NAME-rankR.txt (both runs' summaries and the diff); the pickles (hundreds of MB) are
 # removed once read.
 set -uo pipefail
@@ -13,12 +15,12 @@ set -uo pipefail
 name=$1; rank=${2:-0}; iters=${ITERS:-2}
 export OUT=${OUT:-/tmp/prism-gpu}
 snap=$(mktemp -d)
-result=$OUT/reserved-gap-$name-rank$rank.txt
+result=$OUT/reserved-gap-$name-rank$rank${TAG:+-$TAG}.txt
 {
-  echo "# $name rank $rank, $iters iterations each: the fake process group, then prism's serial capture"
+  echo "# $name rank $rank, $iters iterations each: the fake process group, then prism's serial capture${PRISM_FLAGS:+ with $PRISM_FLAGS}"
   PRISM_MEMORY_SNAPSHOT=$snap/fakepg SCRIPT=driver TIMEOUT=240 bash bench/targets/fake_pg_peak.sh "$name" \
     --ranks "$rank" --iters "$iters" 2>&1 | grep -v -i warn | tail -8
-  PRISM_MEMORY_SNAPSHOT=$snap/prism PLAN=0 TIMEOUT=${PRISM_TIMEOUT:-200} bash bench/targets/run_target.sh "$name" --train-iters "$iters" \
+  PRISM_MEMORY_SNAPSHOT=$snap/prism PLAN=0 TIMEOUT=${PRISM_TIMEOUT:-200} bash bench/targets/run_target.sh "$name" --train-iters "$iters" ${PRISM_FLAGS:-} \
     >/dev/null 2>&1
   echo "prism: exit $? ($(head -1 "$OUT/target-$name/summary.txt" 2>/dev/null))"
   ls -la "$snap"
