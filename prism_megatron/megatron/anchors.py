@@ -5,7 +5,10 @@ the target, every collective skipped) and prints that rank's memory after iterat
 data-parallel rank 0 (``report_memory``). Users already have this tool, so the report shows its
 figure next to the emulated one (``--prism-anchor-fake-pg``) for each class's representative rank, run
 with the arguments prism's ranks ran (micro-batches as folded) and prism's rendering seams
-(``megatron.fake_pg_child``): the same program, so a difference is the emulation's, not a rendering's.
+(``megatron.fake_pg_child``): the same program, so a difference is the emulation's, not a rendering's,
+but for what Megatron itself changes under the flag: it turns ``check_for_nan_in_loss_and_grad`` off
+(megatron/training/arguments.py), where prism's ranks keep the job's setting, so the anchor lacks the NaN
+check's grad norm of each bucket (a scalar per bucket and iteration) and its host synchronisations.
 Where they differ (MoE routing fed by all-to-alls that do nothing there, communication buffers), ours is
 the one measured with real data. On CPU the core driver prints the same line from a byte accountant
 (``PRISM_CPU_BYTE_ACCOUNTANT``).

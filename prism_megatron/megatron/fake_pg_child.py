@@ -10,6 +10,8 @@ would be another program's (an unfused attention's s x s probabilities, the per-
 One change to Megatron's fake-process-group run: a rank that builds no dataset (a middle pipeline stage)
 trains, as rank 0's broadcast tells it to in the real job; the fake broadcast does nothing, so Megatron alone
 would skip its training and report only weights and optimizer state (``FAKE_PG_BROADCAST=off`` keeps that).
+Megatron's own change under the flag stays: it turns ``check_for_nan_in_loss_and_grad`` off (its receives
+return uninitialised buffers), where prism's ranks run the job's setting.
 
 The child prints one line, ``MARK`` and a JSON object: the seams it installed, the iterations Megatron
 completed, and on a GPU torch's max allocated / reserved bytes and the device (or the out-of-memory error at
