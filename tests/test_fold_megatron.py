@@ -295,8 +295,11 @@ def test_a_recipes_substitutions_go_into_the_trace_job(tmp_path):
     request = parse_run_args(["--recipe", "targets-llama3-8b-h100x8", str(script)])
     want = [dataclasses.asdict(x) for x in load_recipe("targets-llama3-8b-h100x8").substitutions]
     got = _Job(launch_config(request)).job_meta()["substitutions"]
-    assert want and got[:len(want)] == want  # then the attention the recipe's emulation renders
-    assert [s["setting"] for s in got[len(want):]] == ["core attention (--prism-attention sdpa)"]
+    assert want and got[:len(want)] == want  # then the attention the recipe's emulation renders, and the optimizer
+    # step Megatron falls back to here, without Transformer Engine or apex
+    assert [s["setting"] for s in got[len(want):]] == ["core attention (--prism-attention sdpa)",
+                                                       "optimizer step (Megatron's fallback without Transformer "
+                                                       "Engine or apex)"]
 
 
 @pytest.mark.heavy

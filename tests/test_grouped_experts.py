@@ -331,6 +331,31 @@ def test_the_option_records_its_substitution(tmp_path):
     assert [s for s in plain.substitutions if s["setting"] == "--moe-grouped-gemm"][0]["rendered"].startswith("off")
 
 
+def test_a_te_recipe_names_the_optimizer_step_megatron_falls_back_to_here(tmp_path, monkeypatch):
+    """A target recipe publishes Transformer Engine, whose FusedAdam and fused clip kernels Megatron uses; where
+    neither TE nor apex's optimizers are importable, Megatron runs torch's foreach Adam and its local clip: the
+    report's substitutions say so. Not for a recipe without a published TE stack, nor where a fused Adam is."""
+    import importlib.util
+
+    from prism_megatron.megatron.run import OPTIMIZER_FALLBACK, parse_run_args
+
+    fused = {"transformer_engine": None, "apex.optimizers": None}  # what the environment offers Megatron
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: fused[name] if name in fused else real(name, *a))
+    script = tmp_path / "pretrain_gpt.py"
+    script.write_text("")
+
+    def named(*args: str) -> list[dict]:
+        return [s for s in parse_run_args(list(args)).substitutions if s["setting"] == OPTIMIZER_FALLBACK["setting"]]
+
+    assert named("--recipe", "llama3-70b-h100x64", str(script)) == [OPTIMIZER_FALLBACK]
+    assert "foreach" in OPTIMIZER_FALLBACK["rendered"] and "FusedAdam" in OPTIMIZER_FALLBACK["published"]
+    assert named("--recipe", "mini-moe-ep2") == []  # a mini recipe publishes no TE stack
+    fused["apex.optimizers"] = object()
+    assert named("--recipe", "llama3-70b-h100x64", str(script)) == []
+
+
 def test_the_ranks_run_the_seam_and_refuse_expert_biases_by_name(megatron_runs):
     """mini-moe-ep2 as shipped has expert biases: the ranks' seam (so it is installed there) refuses them."""
     run = megatron_runs.run("mini-moe-ep2", "off", "--prism-experts", "grouped", check=False)

@@ -226,6 +226,8 @@ def parse_run_args(argv: list[str]) -> RunRequest:
                        "attention time"})
     if request.emulate and request.options.get("prism_experts") == "grouped":
         _render_grouped_experts(request)
+    if request.emulate and _publishes_te(request.substitutions) and not _fused_optimizer_here():
+        request.substitutions.append(dict(OPTIMIZER_FALLBACK))
     if request.driver_note is None and request.options.get("prism_driver") in ("core", "training"):
         request.env[DRIVER_ENV] = request.options["prism_driver"]  # a script of one's own: only the rank setup
     if request.script is None:
@@ -245,6 +247,38 @@ def parse_run_args(argv: list[str]) -> RunRequest:
     if recipe_name and core_why is not None:
         _refuse_what_the_core_driver_cannot_run(recipe_name, request.script_args, core_why)
     return request
+
+
+#: The optimizer step Megatron runs where neither Transformer Engine nor apex is importable (megatron/core/optimizer
+#: __init__.py and clip_grads.py): a target recipe's stack has TE, so its step is fused; here it is not.
+OPTIMIZER_FALLBACK = {
+    "setting": "optimizer step (Megatron's fallback without Transformer Engine or apex)",
+    "published": "Transformer Engine's FusedAdam, multi_tensor_scale and multi_tensor_l2norm (fused kernels, in place)",
+    "rendered": "torch's Adam/AdamW (foreach: one fp32 temporary per updated parameter during the step), Megatron's "
+                "local_multi_tensor_scale (a temporary per gradient when the grad norm is clipped) and local l2 norm "
+                "(a host synchronisation per gradient)",
+    "affects": "memory during the optimizer step (the peak where the step sets it; which cached blocks the next "
+               "iteration's allocations find) and the step's time"}
+
+
+def _publishes_te(substitutions: list[dict[str, str]]) -> bool:
+    """Whether a recipe's substitutions say its target runs Transformer Engine's model (rendered otherwise here)."""
+    return any(s.get("setting") == "model.transformer_impl" and "transformer_engine" in s.get("published", "")
+               for s in substitutions)
+
+
+def _fused_optimizer_here() -> bool:
+    """Whether Megatron's optimizer finds a fused Adam in this environment: Transformer Engine's, else apex's,
+    the two it imports before falling back to torch's (PyPI's ``apex`` is another package: no optimizers)."""
+    import importlib.util
+
+    for name in ("transformer_engine", "apex.optimizers"):
+        try:
+            if importlib.util.find_spec(name) is not None:
+                return True
+        except (ImportError, ValueError):
+            continue
+    return False
 
 
 def _render_grouped_experts(request: RunRequest) -> None:
