@@ -139,6 +139,14 @@ class RunOnlyOptions:
     experts), expert biases and FP8 are refused at the first call, named: so 'megatron' is the default, and
     a target recipe whose job runs grouped GEMM can choose 'grouped' in its emulation section."""
 
+    optimizer: Literal["megatron", "fused"] = "megatron"
+    """Optimizer step where neither Transformer Engine nor apex is importable: 'megatron' runs Megatron's
+    fallback (torch's foreach Adam/AdamW, one fp32 temporary per updated parameter during the step; a temporary
+    per gradient when the grad norm is clipped; a host synchronisation per gradient in the norm); 'fused' runs
+    torch's fused Adam/AdamW and in-place foreach clip, copies and norm, as TE's FusedAdam and fused kernels do
+    on the target's stack: the same update, without those temporaries. Adam only (Megatron's other optimizers
+    are left as it builds them); where a fused Adam is importable, Megatron's own is kept."""
+
     cluster: str | None = None
     """Cluster profile that costs communication in the prediction (prism-megatron cluster list);
     default: the recipe's target cluster, else free communication."""

@@ -77,6 +77,11 @@ def install_rendering_patches() -> list[str]:
     if os.environ.get(grouped_experts.ENV_VAR) == "grouped":  # --prism-experts grouped (megatron.run sets it)
         grouped_experts.install()
         installed.append("experts grouped")
+    from prism_megatron.patches import fused_optimizer
+
+    if os.environ.get(fused_optimizer.ENV_VAR) == "fused":  # --prism-optimizer fused (megatron.run sets it)
+        fused_optimizer.install()
+        installed.append("optimizer fused")
     return installed
 
 

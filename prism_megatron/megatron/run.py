@@ -226,8 +226,8 @@ def parse_run_args(argv: list[str]) -> RunRequest:
                        "attention time"})
     if request.emulate and request.options.get("prism_experts") == "grouped":
         _render_grouped_experts(request)
-    if request.emulate and _publishes_te(request.substitutions) and not _fused_optimizer_here():
-        request.substitutions.append(dict(OPTIMIZER_FALLBACK))
+    if request.emulate:
+        _name_the_optimizer_step(request)
     if request.driver_note is None and request.options.get("prism_driver") in ("core", "training"):
         request.env[DRIVER_ENV] = request.options["prism_driver"]  # a script of one's own: only the rank setup
     if request.script is None:
@@ -259,6 +259,36 @@ OPTIMIZER_FALLBACK = {
                 "(a host synchronisation per gradient)",
     "affects": "memory during the optimizer step (the peak where the step sets it; which cached blocks the next "
                "iteration's allocations find) and the step's time"}
+
+
+#: What ``--prism-optimizer fused`` renders the step with (``patches.fused_optimizer``).
+OPTIMIZER_FUSED = ("torch's fused Adam/AdamW (one multi-tensor kernel, in place) and in-place foreach clip, copies "
+                   "and norm (--prism-optimizer fused)")
+
+
+def _name_the_optimizer_step(request: RunRequest) -> None:
+    """A recipe that publishes Transformer Engine, run where no fused Adam is importable, records the step
+    Megatron falls back to (``OPTIMIZER_FALLBACK``), or under ``--prism-optimizer fused`` what renders the
+    target's; the ranks install that seam. Where a fused Adam is importable Megatron runs it: nothing to say."""
+    if _fused_optimizer_here():
+        return
+    fused = request.options.get("prism_optimizer") == "fused"
+    if fused:
+        from prism_megatron.patches.fused_optimizer import ENV_VAR as OPTIMIZER_ENV
+
+        request.env[OPTIMIZER_ENV] = "fused"
+    if _publishes_te(request.substitutions):
+        entry = dict(OPTIMIZER_FALLBACK)
+        if fused:
+            entry.update(rendered=OPTIMIZER_FUSED, affects="the step's time (torch's kernels, not TE's); its memory "
+                         "as the target's: no temporary per parameter or gradient")
+        request.substitutions.append(entry)
+    elif fused:
+        request.substitutions.append({
+            "setting": "optimizer step (--prism-optimizer fused)",
+            "published": "Megatron's fallback without Transformer Engine or apex: torch's foreach Adam/AdamW, local "
+                         "clip and l2 norm", "rendered": OPTIMIZER_FUSED,
+            "affects": "memory during the optimizer step (no temporary per parameter or gradient) and its time"})
 
 
 def _publishes_te(substitutions: list[dict[str, str]]) -> bool:

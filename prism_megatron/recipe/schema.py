@@ -272,6 +272,7 @@ class EmulationSpec:
 
     attention: str | None = _emulation_field("attention")
     experts: str | None = _emulation_field("experts")
+    optimizer: str | None = _emulation_field("optimizer")
     fold: str | None = _emulation_field("fold")
     fold_depth: str | None = _emulation_field("fold_depth")
     fold_capture: str | None = _emulation_field("fold_capture")
