@@ -3,9 +3,8 @@
 ``python -m prism_megatron.megatron.fake_pg_child SCRIPT ARGS...`` (RANK / WORLD_SIZE of the target in the
 environment, ``--fake-process-group`` among ARGS) runs SCRIPT as ``python SCRIPT ARGS`` after installing
 prism's rendering seams only (``emulate.install_rendering_patches``: torch norms under sequence parallelism,
-the MLA core attention, ``--prism-attention sdpa``, ``--prism-experts grouped``, ``--prism-optimizer fused``, as the
-environment asks),
-so that its model is the one prism's ranks ran; none of prism's runtime runs. Without them Megatron's figure
+the MLA core attention, ``--prism-attention sdpa``, ``--prism-experts grouped``, ``--prism-optimizer fused``,
+as the environment asks), so that its model is the one prism's ranks ran; none of prism's runtime runs. Without them Megatron's figure
 would be another program's (an unfused attention's s x s probabilities, the per-expert loop's memory).
 
 One change to Megatron's fake-process-group run: a rank that builds no dataset (a middle pipeline stage)
