@@ -4,8 +4,9 @@
 environment, ``--fake-process-group`` among ARGS) runs SCRIPT as ``python SCRIPT ARGS`` after installing
 prism's rendering seams only (``emulate.install_rendering_patches``: torch norms under sequence parallelism,
 the MLA core attention, ``--prism-attention sdpa``, ``--prism-experts grouped``, ``--prism-optimizer fused``,
-as the environment asks), so that its model is the one prism's ranks ran; none of prism's runtime runs. Without them Megatron's figure
-would be another program's (an unfused attention's s x s probabilities, the per-expert loop's memory).
+as the environment asks), so that its model is the one prism's ranks ran; none of prism's runtime runs.
+Without them Megatron's figure would be another program's (an unfused attention's s x s probabilities, the
+per-expert loop's memory).
 
 One change to Megatron's fake-process-group run: a rank that builds no dataset (a middle pipeline stage)
 trains, as rank 0's broadcast tells it to in the real job; the fake broadcast does nothing, so Megatron alone
