@@ -352,8 +352,14 @@ def test_a_te_recipe_names_the_optimizer_step_megatron_falls_back_to_here(tmp_pa
     assert named("--recipe", "llama3-70b-h100x64", str(script)) == [OPTIMIZER_FALLBACK]
     assert "foreach" in OPTIMIZER_FALLBACK["rendered"] and "FusedAdam" in OPTIMIZER_FALLBACK["published"]
     assert named("--recipe", "mini-moe-ep2") == []  # a mini recipe publishes no TE stack
+    rendered = parse_run_args(["--recipe", "llama3-70b-h100x64", "--prism-optimizer", "fused", str(script)])
+    assert rendered.env["PRISM_OPTIMIZER"] == "fused"
+    entry, = [s for s in rendered.substitutions if s["setting"] == OPTIMIZER_FALLBACK["setting"]]
+    assert entry["published"] == OPTIMIZER_FALLBACK["published"] and "--prism-optimizer fused" in entry["rendered"]
     fused["apex.optimizers"] = object()
     assert named("--recipe", "llama3-70b-h100x64", str(script)) == []
+    kept = parse_run_args(["--recipe", "llama3-70b-h100x64", "--prism-optimizer", "fused", str(script)])
+    assert "PRISM_OPTIMIZER" not in kept.env and any("--prism-optimizer fused not needed" in n for n in kept.notes)
 
 
 def test_the_ranks_run_the_seam_and_refuse_expert_biases_by_name(megatron_runs):

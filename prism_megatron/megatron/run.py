@@ -270,9 +270,12 @@ def _name_the_optimizer_step(request: RunRequest) -> None:
     """A recipe that publishes Transformer Engine, run where no fused Adam is importable, records the step
     Megatron falls back to (``OPTIMIZER_FALLBACK``), or under ``--prism-optimizer fused`` what renders the
     target's; the ranks install that seam. Where a fused Adam is importable Megatron runs it: nothing to say."""
-    if _fused_optimizer_here():
-        return
     fused = request.options.get("prism_optimizer") == "fused"
+    if _fused_optimizer_here():
+        if fused:
+            request.notes.append("prism: --prism-optimizer fused not needed: a fused Adam (Transformer Engine's or "
+                                 "apex's) is importable here, so Megatron's own fused step runs")
+        return
     if fused:
         from prism_megatron.patches.fused_optimizer import ENV_VAR as OPTIMIZER_ENV
 
