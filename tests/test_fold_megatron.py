@@ -516,10 +516,10 @@ def test_a_serial_captures_grad_norm_sums_every_stage_as_together(megatron_runs)
     capture's own stage four times (first 2.48, last 1.25 against 1.71 together in iteration 1). What is left
     against the capture together is the stand-ins' (seeded directions, not the neighbour's): 15-23 % above it on
     megatron-core 0.16.1 and 0.19.2 alike (bench/grad_norm_fold.py prints the figures), bounded here by a third."""
-    import base64
     import struct
 
     from prism_megatron.launcher.serial import captures_dir, take_dir
+    from prism_megatron.runtime.folding import _read_reductions
     from prism_megatron.trace import read_trace
 
     together = megatron_runs.run("mini-dense-tp2pp2dp2", "on", depth="class")
@@ -537,10 +537,10 @@ def test_a_serial_captures_grad_norm_sums_every_stage_as_together(megatron_runs)
         model-parallel group (0, 1, 4, 5), as its trace recorded it for later captures."""
         manifest = json.loads((take_dir(captures_dir(serial["trace"]), index, rank, take) / "manifest.json")
                               .read_text())
-        out = []
-        for e in manifest["job"]["fold"]["capture"]["part"]["reductions"]:
-            if e["group"][1] == [0, 1, 4, 5] and e["rank"] == rank and [t[0] for t in e["tensors"]] == ["float32"]:
-                out.extend(struct.unpack("<f", base64.b64decode(e["tensors"][0][1])))
+        recorded = _read_reductions(manifest["job"]["fold"]["capture"]["part"]["reductions"], "reductions")
+        out = [struct.unpack("<f", tensors[0][1])[0] for (group, _, r), (_, tensors, _) in
+               sorted(recorded.items(), key=lambda kv: kv[0][1])
+               if group[1] == (0, 1, 4, 5) and r == rank and [dt for dt, _ in tensors] == ["float32"]]
         assert len(out) == 3, (index, take, out)
         return out
 

@@ -280,7 +280,9 @@ def _name_the_optimizer_step(request: RunRequest) -> None:
         from prism_megatron.patches.fused_optimizer import ENV_VAR as OPTIMIZER_ENV
 
         request.env[OPTIMIZER_ENV] = "fused"
-    if _publishes_te(request.substitutions):
+    from prism_megatron.recipe.schema import te_substituted
+
+    if te_substituted(request.substitutions):
         entry = dict(OPTIMIZER_FALLBACK)
         if fused:
             entry.update(rendered=OPTIMIZER_FUSED, affects="the step's time (torch's kernels, not TE's); its memory "
@@ -289,15 +291,9 @@ def _name_the_optimizer_step(request: RunRequest) -> None:
     elif fused:
         request.substitutions.append({
             "setting": "optimizer step (--prism-optimizer fused)",
-            "published": "Megatron's fallback without Transformer Engine or apex: torch's foreach Adam/AdamW, local "
-                         "clip and l2 norm", "rendered": OPTIMIZER_FUSED,
+            "published": f"Megatron's fallback without Transformer Engine or apex: {OPTIMIZER_FALLBACK['rendered']}",
+            "rendered": OPTIMIZER_FUSED,
             "affects": "memory during the optimizer step (no temporary per parameter or gradient) and its time"})
-
-
-def _publishes_te(substitutions: list[dict[str, str]]) -> bool:
-    """Whether a recipe's substitutions say its target runs Transformer Engine's model (rendered otherwise here)."""
-    return any(s.get("setting") == "model.transformer_impl" and "transformer_engine" in s.get("published", "")
-               for s in substitutions)
 
 
 def _fused_optimizer_here() -> bool:

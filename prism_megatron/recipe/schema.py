@@ -258,6 +258,13 @@ class SubstitutionSpec:
     affects: str = _f("str")  # which prediction it changes, and how
 
 
+def te_substituted(substitutions: list[dict[str, str]] | None) -> bool:
+    """Whether a run's substitutions (``SubstitutionSpec``'s as dicts) say it rendered a published Transformer
+    Engine model with another implementation."""
+    return any(s["setting"] == "model.transformer_impl" and "transformer_engine" in s["published"]
+               and "transformer_engine" not in s["rendered"] for s in substitutions or ())
+
+
 def _emulation_field(name: str):
     """A key of ``emulation``: the ``run`` option of that name, its choices checked where it has them."""
     choices = option(RunOnlyOptions, name).choices

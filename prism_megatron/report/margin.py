@@ -18,18 +18,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from prism_megatron.recipe.schema import te_substituted
+
 __all__ = ["TE_SUBSTITUTION_MARGIN", "FITS", "OOM", "WITHIN_MARGIN", "te_substituted", "class_verdicts",
            "class_estimates", "oom_classes"]
 
 #: fraction of the target GPU's cap: |cap - peak| <= margin x cap is within the margin (docs/features.md)
 TE_SUBSTITUTION_MARGIN = 0.05
 FITS, OOM, WITHIN_MARGIN = "fits", "OOM", "within the TE-substitution margin"
-
-
-def te_substituted(substitutions: list[dict[str, str]] | None) -> bool:
-    """Whether the run rendered a published Transformer Engine model with another implementation."""
-    return any(s["setting"] == "model.transformer_impl" and "transformer_engine" in s["published"]
-               and "transformer_engine" not in s["rendered"] for s in substitutions or ())
 
 
 def class_verdicts(memory: dict[str, Any], oom: list[dict[str, Any]], margin: float | None,
