@@ -318,7 +318,7 @@ def test_the_option_records_its_substitution(tmp_path):
 
     script = tmp_path / "pretrain_gpt.py"  # a target recipe runs Megatron-LM's script, not the core driver
     script.write_text("")
-    target = "deepseek-v3-h100x1024"  # a target whose recipe keeps Megatron's loop
+    target = "deepseek-v3-h100x1024"
     request = parse_run_args(["--recipe", target, "--prism-experts", "grouped", str(script)])
     entries = [s for s in request.substitutions if s["setting"] == "--moe-grouped-gemm"]
     assert len(entries) == 1 and "grouped_mm" in entries[0]["rendered"], request.substitutions
@@ -326,7 +326,7 @@ def test_the_option_records_its_substitution(tmp_path):
     assert request.env["PRISM_EXPERTS"] == "grouped"
     mini = parse_run_args(["--recipe", "mini-moe-ep2", "--prism-experts", "grouped"])  # asks no grouped GEMM
     assert [s["setting"] for s in mini.substitutions] == ["local experts (--prism-experts grouped)"]
-    plain = parse_run_args(["--recipe", target, str(script)])
+    plain = parse_run_args(["--recipe", target, "--prism-experts", "megatron", str(script)])  # Megatron's loop
     assert "PRISM_EXPERTS" not in plain.env
     assert [s for s in plain.substitutions if s["setting"] == "--moe-grouped-gemm"][0]["rendered"].startswith("off")
 
@@ -349,16 +349,18 @@ def test_a_te_recipe_names_the_optimizer_step_megatron_falls_back_to_here(tmp_pa
     def named(*args: str) -> list[dict]:
         return [s for s in parse_run_args(list(args)).substitutions if s["setting"] == OPTIMIZER_FALLBACK["setting"]]
 
-    assert named("--recipe", "llama3-70b-h100x64", str(script)) == [OPTIMIZER_FALLBACK]
+    target = ["--recipe", "llama3-70b-h100x64"]
+    assert named(*target, "--prism-optimizer", "megatron", str(script)) == [OPTIMIZER_FALLBACK]
     assert "foreach" in OPTIMIZER_FALLBACK["rendered"] and "FusedAdam" in OPTIMIZER_FALLBACK["published"]
     assert named("--recipe", "mini-moe-ep2") == []  # a mini recipe publishes no TE stack
-    rendered = parse_run_args(["--recipe", "llama3-70b-h100x64", "--prism-optimizer", "fused", str(script)])
-    assert rendered.env["PRISM_OPTIMIZER"] == "fused"
+    rendered = parse_run_args([*target, str(script)])  # the target recipes choose the fused step themselves
+    assert rendered.options["prism_optimizer"] == "fused" and rendered.env["PRISM_OPTIMIZER"] == "fused"
+    assert any("emulation.optimizer" in n for n in rendered.notes)
     entry, = [s for s in rendered.substitutions if s["setting"] == OPTIMIZER_FALLBACK["setting"]]
     assert entry["published"] == OPTIMIZER_FALLBACK["published"] and "--prism-optimizer fused" in entry["rendered"]
     fused["apex.optimizers"] = object()
-    assert named("--recipe", "llama3-70b-h100x64", str(script)) == []
-    kept = parse_run_args(["--recipe", "llama3-70b-h100x64", "--prism-optimizer", "fused", str(script)])
+    assert named(*target, "--prism-optimizer", "megatron", str(script)) == []
+    kept = parse_run_args([*target, "--prism-optimizer", "fused", str(script)])
     assert "PRISM_OPTIMIZER" not in kept.env and any("--prism-optimizer fused not needed" in n for n in kept.notes)
 
 

@@ -169,3 +169,40 @@ def test_qk_layernorm_keeps_the_whole_qkv_output():
     with_norm = _per_layer(_mla_args(**gqa, qk_layernorm=True))
     assert with_norm - _per_layer(_mla_args(**gqa, qk_layernorm=False)) == (
         4096 * (64 + 16) // 2 * 128 * 2 + 4096 * (64 + 8) // 2 * 2 * 4)
+
+
+def test_a_fused_step_keeps_no_temporary_per_parameter():
+    """torch's foreach Adam on a GPU holds an fp32 temporary per updated parameter during the step (Megatron's
+    fallback without TE); a fused step (TE's FusedAdam, or --prism-optimizer fused) updates in place. A
+    stage with little activation (one micro-batch, short sequences, no distributed optimizer) peaks in the
+    foreach step and at the backward with the fused one."""
+    from prism_megatron.megatron.fold import build_fold_plan, layout_from_args
+
+    args = _args(seq_length=256, max_position_embeddings=256)
+    fold = build_fold_plan(layout_from_args(args, 8), "class")
+    foreach = estimate_classes(job_from_args(args, 8, 32256, "cuda", "sdpa"), fold)["first"]
+    fused = estimate_classes(job_from_args(args, 8, 32256, "cuda", "sdpa", fused_step=True), fold)["first"]
+    assert foreach["optimizer_step"] == foreach["params"] * 4 > 0 and foreach["peak_at"] == "optimizer step"
+    assert fused["optimizer_step"] == 0 and fused["peak_at"] == "backward"
+    static = {k: fused[k] for k in ("weights", "grads", "optimizer", "buffers")}
+    assert static == {k: foreach[k] for k in static}  # only the step differs
+    assert fused["total"] == sum(static.values()) + fused["activations"] + fused["transient"] < foreach["total"]
+
+
+def test_the_plan_estimates_the_step_the_ranks_run(monkeypatch):
+    """The plan's estimate follows the ranks' environment: PRISM_OPTIMIZER=fused (a target recipe's choice, or
+    the flag) runs the fused step, as does a machine where TE's or apex's fused Adam is importable."""
+    from prism_megatron.megatron.fold import build_fold_plan, layout_from_args
+    from prism_megatron.megatron.plan import _prism_estimate
+    from prism_megatron.patches import fused_optimizer
+
+    args = _args(seq_length=256, max_position_embeddings=256, tokenizer_type="NullTokenizer", vocab_size=32000,
+                 make_vocab_size_divisible_by=128)
+    fold = build_fold_plan(layout_from_args(args, 8), "class")
+    monkeypatch.setattr(fused_optimizer, "fused_adam_importable", lambda: False)
+    fused = _prism_estimate(args, 8, fold, ["0"], {fused_optimizer.ENV_VAR: "fused"})
+    fallback = _prism_estimate(args, 8, fold, ["0"], {})
+    assert fused["fused_step"] is True and fallback["fused_step"] is False
+    assert fused["classes"]["first"]["total"] < fallback["classes"]["first"]["total"]
+    monkeypatch.setattr(fused_optimizer, "fused_adam_importable", lambda: True)
+    assert _prism_estimate(args, 8, fold, ["0"], {})["fused_step"] is True

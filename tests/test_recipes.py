@@ -189,8 +189,8 @@ def test_target_show_lists_sources_and_substitutions():
     assert "parallel.pipeline_layout: published Et|(tt|)*30mL" in text
     assert "1024 GPUs" in text and "8 GPUs per node" in text and "not estimated" in text
     assert "recompute selective (mla_up_proj, mlp)" in text
-    assert re.search(r"emulation\s+--prism-attention sdpa --prism-fold-capture serial --prism-fold-microbatches auto",
-                     text)
+    assert re.search(r"emulation\s+--prism-attention sdpa --prism-experts grouped --prism-optimizer fused "
+                     r"--prism-fold-capture serial --prism-fold-microbatches auto", text)
     assert "emulation " not in show("mini-dense-tp2pp2")  # a recipe that chooses none says nothing of it
     args = render_args(load_recipe("targets-deepseek-v3-h100x1024"))
     assert flag_values(args, "--pipeline-model-parallel-layout") == ["Et|(tt|)*30L"]
@@ -266,7 +266,7 @@ def test_run_takes_a_recipes_emulation_where_no_flag_gives_it(tmp_path):
     from prism_megatron.patches.attention import ENV_VAR as ATTENTION_ENV
 
     chosen = load_recipe("targets-llama3-70b-h100x64").emulation.chosen()
-    assert chosen == {"attention": "sdpa", "fold_capture": "serial", "fold_microbatches": "auto"}
+    assert chosen == {"attention": "sdpa", "optimizer": "fused", "fold_capture": "serial", "fold_microbatches": "auto"}
     request = _parse_target(tmp_path)
     assert {k: request.options["prism_" + k] for k in chosen} == chosen
     assert request.env[ATTENTION_ENV] == "sdpa"  # taken before the attention is rendered, with its substitution

@@ -120,6 +120,25 @@ def test_a_small_request_only_one_run_makes_diverges_the_requests_but_not_the_la
     assert "+1 x      0.000 MiB =       +0.0 MiB  fakepg      0  prism      1  norm.py:1:norm" in out
 
 
+def test_a_side_stream_compares_by_its_order_not_its_address(tmp_path, capsys):
+    """A side stream's id is its address in each process: the same program's requests on it agree across two
+    runs whose ids differ; a request moved from the default stream to a side stream does not."""
+    sd = load_bench("gpu/snapshot_diff.py")
+
+    def on(stream: int, moved: bool = False) -> list[dict]:
+        trace = _history(extra_segment=False)
+        for e in trace:
+            if e["action"] in ("alloc", "free_requested") and (e["size"] == 8 * MiB or (moved and e["size"] > 8 * MiB)):
+                e["stream"] = stream
+        return trace
+
+    first = _dump(tmp_path / "a.pickle", on(1040856704))
+    assert "fakepg and prism: the same 5 requests" in _out(sd, first, _dump(tmp_path / "b.pickle", on(599137152)),
+                                                            capsys)
+    out = _out(sd, first, _dump(tmp_path / "c.pickle", on(599137152, moved=True)), capsys)
+    assert "fakepg and prism agree on their first 0 requests (of 5 and 5)" in out
+
+
 def test_a_dump_of_several_devices_and_bad_names_are_refused(tmp_path):
     sd = load_bench("gpu/snapshot_diff.py")
     two = tmp_path / "two.pickle"

@@ -145,13 +145,23 @@ REQUESTS = ("alloc", "free_requested")  # what the program asks of the allocator
 SMALL_SIZE = 1 << 20
 
 
+def _stream_order(trace: list[dict]) -> dict[int, int]:
+    """Each stream of a run by the order it first appears (the default stream, 0, stays 0): a side stream's id is
+    its address in that process, so two runs of one program name the same stream differently."""
+    order = {0: 0}
+    for e in trace:
+        order.setdefault(e.get("stream", 0), len(order))
+    return order
+
+
 def divergence(traces: dict[str, list[dict]], context: int = 3, min_size: int = 0) -> str:
     """Where the two runs' requests (action, size, stream) first differ, the requests around it in each, and
-    each run's segments reserved before it; ``min_size``: only requests above it (the large pool's)."""
+    each run's segments reserved before it; ``min_size``: only requests above it (the large pool's). Streams
+    compare by the order each run first used them."""
     (a, ta), (b, tb) = traces.items()
     idx = {name: [i for i, e in enumerate(t) if e["action"] in REQUESTS and e["size"] > min_size]
            for name, t in traces.items()}
-    key = {name: [(t[i]["action"], t[i]["size"], t[i].get("stream", 0)) for i in idx[name]]
+    key = {name: [(t[i]["action"], t[i]["size"], _stream_order(t)[t[i].get("stream", 0)]) for i in idx[name]]
            for name, t in traces.items()}
     shared = min(len(key[a]), len(key[b]))  # the shorter run's requests (the rest of the longer differ)
     n = next((i for i in range(shared) if key[a][i] != key[b][i]), shared)

@@ -7,7 +7,9 @@
 #   bash bench/targets/reserved_gap.sh llama3-70b-h100x64 [RANK (0)]
 # env: OUT (/tmp/prism-gpu), ITERS (2), PRISM_TIMEOUT (s, 200: prism's run may be cut once RANK's capture ended),
 # PRISM_FLAGS (more flags for prism's run only, e.g. --no-check-for-nan-in-loss-and-grad, which Megatron sets
-# itself under --fake-process-group), TAG (a suffix for the result file's name).
+# itself under --fake-process-group), TAG (a suffix for the result file's name), FAKE_AGAIN (1: the fake process
+# group runs again after prism, its caches then warm like prism's, and the diffs compare it with its first run
+# and with prism: whether the fake's own reserved repeats, 72,030-74,310 MiB over three first runs).
 # Writes OUT/reserved-gap-NAME-rankR.txt (both runs' summaries and the diff); the pickles (hundreds of MB) are
 # removed once read.
 set -uo pipefail
@@ -25,5 +27,12 @@ result=$OUT/reserved-gap-$name-rank$rank${TAG:+-$TAG}.txt
   echo "prism: exit $? ($(head -1 "$OUT/target-$name/summary.txt" 2>/dev/null))"
   ls -la "$snap"
   python3 bench/gpu/snapshot_diff.py "$snap/fakepg-rank$rank.pickle" "$snap/prism-rank$rank.pickle" --names fakepg,prism
+  if [ "${FAKE_AGAIN:-0}" = 1 ]; then
+    echo "== the fake process group again, after prism"
+    PRISM_MEMORY_SNAPSHOT=$snap/fakepg2 SCRIPT=driver TIMEOUT=240 bash bench/targets/fake_pg_peak.sh "$name" \
+      --ranks "$rank" --iters "$iters" 2>&1 | grep -v -i warn | tail -8
+    python3 bench/gpu/snapshot_diff.py "$snap/fakepg-rank$rank.pickle" "$snap/fakepg2-rank$rank.pickle" --names fakepg,fakepg2
+    python3 bench/gpu/snapshot_diff.py "$snap/fakepg2-rank$rank.pickle" "$snap/prism-rank$rank.pickle" --names fakepg2,prism
+  fi
 } 2>&1 | tee "$result"
 rm -rf "$snap"

@@ -129,18 +129,21 @@ def _gpu_totals(devices: list[str]) -> list[int]:
 def _prism_estimate(args: Any, world_size: int, fold: FoldPlan, devices: list[str],
                     env: dict[str, str] | None) -> dict[str, Any]:
     """Prism's estimate per class of ``fold`` (``memory.estimate``) for the program the ranks run here
-    (the device kind, ``--prism-attention``), or why there is none."""
+    (the device kind, ``--prism-attention``, ``--prism-optimizer``), or why there is none."""
     from prism_megatron.memory.estimate import ESTIMATE_SOURCE, EstimateError, estimate_classes, job_from_args
     from prism_megatron.patches.attention import ENV_VAR as ATTENTION_ENV
+    from prism_megatron.patches.fused_optimizer import ENV_VAR as OPTIMIZER_ENV
+    from prism_megatron.patches.fused_optimizer import fused_adam_importable
 
     vocab = padded_vocab(args)
     if vocab is None:
         return {"error": "the padded vocabulary is known only once the tokenizer is built (not a NullTokenizer)"}
     sdpa = (env or {}).get(ATTENTION_ENV) == "sdpa" or getattr(args, "prism_attention", None) == "sdpa"
     try:
-        job = job_from_args(args, world_size, vocab, "cpu" if devices == ["cpu"] else "cuda", "sdpa" if sdpa else None)
+        job = job_from_args(args, world_size, vocab, "cpu" if devices == ["cpu"] else "cuda", "sdpa" if sdpa else None,
+                            fused_step=(env or {}).get(OPTIMIZER_ENV) == "fused" or fused_adam_importable())
         return {"source": ESTIMATE_SOURCE, "device": job.device, "attention": job.attention,
-                "classes": estimate_classes(job, fold)}
+                "fused_step": job.fused_step, "classes": estimate_classes(job, fold)}
     except EstimateError as e:
         return {"error": str(e)}
 

@@ -270,8 +270,10 @@ def _name_the_optimizer_step(request: RunRequest) -> None:
     """A recipe that publishes Transformer Engine, run where no fused Adam is importable, records the step
     Megatron falls back to (``OPTIMIZER_FALLBACK``), or under ``--prism-optimizer fused`` what renders the
     target's; the ranks install that seam. Where a fused Adam is importable Megatron runs it: nothing to say."""
+    from prism_megatron.patches.fused_optimizer import fused_adam_importable
+
     fused = request.options.get("prism_optimizer") == "fused"
-    if _fused_optimizer_here():
+    if fused_adam_importable():
         if fused:
             request.notes.append("prism: --prism-optimizer fused not needed: a fused Adam (Transformer Engine's or "
                                  "apex's) is importable here, so Megatron's own fused step runs")
@@ -294,20 +296,6 @@ def _name_the_optimizer_step(request: RunRequest) -> None:
             "published": f"Megatron's fallback without Transformer Engine or apex: {OPTIMIZER_FALLBACK['rendered']}",
             "rendered": OPTIMIZER_FUSED,
             "affects": "memory during the optimizer step (no temporary per parameter or gradient) and its time"})
-
-
-def _fused_optimizer_here() -> bool:
-    """Whether Megatron's optimizer finds a fused Adam in this environment: Transformer Engine's, else apex's,
-    the two it imports before falling back to torch's (PyPI's ``apex`` is another package: no optimizers)."""
-    import importlib.util
-
-    for name in ("transformer_engine", "apex.optimizers"):
-        try:
-            if importlib.util.find_spec(name) is not None:
-                return True
-        except (ImportError, ValueError):
-            continue
-    return False
 
 
 def _render_grouped_experts(request: RunRequest) -> None:

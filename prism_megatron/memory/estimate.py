@@ -31,7 +31,8 @@ VPP chunks), what the ranks prism launches hold at their peak:
 - *transient*: the largest working set on top of that at the peak: the backward of one layer's
   attention (the s² gradients in flight), the loss's logits gradient and output-layer weight
   gradient on the last stage, or the optimizer step's temporaries (torch's foreach Adam on a GPU:
-  one fp32 tensor per parameter it updates).
+  one fp32 tensor per parameter it updates; none for a fused step, TE's or ``--prism-optimizer fused``,
+  which updates in place).
 
 The peak is the larger of (static + activations in flight + layer/loss transient) and (static +
 optimizer step). Where the device is a CPU (prism's CPU mode), dropout keeps a mask of the input's
@@ -107,6 +108,7 @@ class Job:
     recompute_modules: tuple[str, ...]
     attention: str  # one of ATTENTIONS
     device: str  # 'cuda' or 'cpu'
+    fused_step: bool = False  # the optimizer step updates in place (a fused Adam): no temporaries
     bias_gelu: bool = False  # Megatron's bias-GeLU function (bias_activation_fusion, GeLU MLP)
     moe_act_fused: bool = False  # experts' weighted SwiGLU function (bias_activation_fusion with --swiglu)
     mla: bool = False  # --multi-latent-attention (MLASelfAttention) instead of the QKV attention
@@ -139,11 +141,13 @@ def _dtype_bytes(value: Any, default: int, flag: str) -> int:
     return _DTYPE_BYTES[key]
 
 
-def job_from_args(args: Any, world_size: int, vocab: int, device: str, attention: str | None = None) -> Job:
+def job_from_args(args: Any, world_size: int, vocab: int, device: str, attention: str | None = None,
+                  fused_step: bool = False) -> Job:
     """The job of Megatron's parsed ``args`` at ``world_size`` ranks, run on ``device`` ('cuda' or 'cpu').
 
     ``attention``: 'sdpa' where ``--prism-attention sdpa`` replaces the unfused attention; None reads
-    the implementation from ``--transformer-impl`` (local: unfused; transformer_engine: fused)."""
+    the implementation from ``--transformer-impl`` (local: unfused; transformer_engine: fused).
+    ``fused_step``: the ranks run a fused Adam (``--prism-optimizer fused``, or TE's where it is importable)."""
     if device not in ("cuda", "cpu"):
         raise EstimateError(f"device {device!r}: expected 'cuda' or 'cpu'")
     h, heads = int(args.hidden_size), int(args.num_attention_heads)
@@ -196,7 +200,7 @@ def job_from_args(args: Any, world_size: int, vocab: int, device: str, attention
         grad_bytes=FP32 if grad_fp32 or not half else 2, optimizer=optimizer, main_param_bytes=main,
         moment_bytes=moments, recompute=_get(args, "recompute_granularity"),
         recompute_method=_get(args, "recompute_method"), recompute_layers=_get(args, "recompute_num_layers"),
-        recompute_modules=tuple(modules), attention=attention, device=device,
+        recompute_modules=tuple(modules), attention=attention, device=device, fused_step=fused_step,
         bias_gelu=bool(_get(args, "bias_gelu_fusion", True)) and not _get(args, "swiglu", False) and not experts,
         # megatron.training.argument_utils: bias_activation_fusion = bias_swiglu_fusion under --swiglu
         moe_act_fused=bool(experts) and bool(_get(args, "swiglu", False))
@@ -586,7 +590,9 @@ def class_estimate(j: Job, chunks: list[list[str]], warmup: int, group: int | No
         # output layer's inputs) before any layer's backward: the layer's working set comes on top of less
         transient = max(transient - _loss_kept(j), _loss_transient(j))
     transient += tokens * j.hidden * j.dtype  # the stage's received gradient or activation (p2p)
-    if j.device == "cuda" and j.optimizer == "adam":  # foreach Adam: a temporary per updated parameter
+    if j.fused_step and j.optimizer == "adam":  # in place, one multi-tensor kernel
+        step = 0
+    elif j.device == "cuda" and j.optimizer == "adam":  # foreach Adam: a temporary per updated parameter
         step = (shard_dense + shard_expert) * FP32
     else:  # tensor by tensor: two temporaries of the largest parameter
         step = 2 * _largest_param(j, chunks) * FP32

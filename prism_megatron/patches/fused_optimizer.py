@@ -24,7 +24,21 @@ from prism_megatron.patches import once, seam
 CHECKED = checked_versions()  # prism_megatron.megatron.versions: the supported table
 ENV_VAR = "PRISM_OPTIMIZER"  # "fused": the ranks install this seam (megatron.run sets it)
 
-__all__ = ["ENV_VAR", "FusedTorchAdam", "install", "l2_norm", "scale"]
+__all__ = ["ENV_VAR", "FusedTorchAdam", "fused_adam_importable", "install", "l2_norm", "scale"]
+
+
+def fused_adam_importable() -> bool:
+    """Whether Megatron's optimizer finds a fused Adam in this environment: Transformer Engine's, else apex's,
+    the two it imports before falling back to torch's (PyPI's ``apex`` is another package: no optimizers)."""
+    import importlib.util
+
+    for name in ("transformer_engine", "apex.optimizers"):
+        try:
+            if importlib.util.find_spec(name) is not None:
+                return True
+        except (ImportError, ValueError):
+            continue
+    return False
 
 
 def FusedTorchAdam(params: Any, adam_w_mode: bool = True, **kwargs: Any) -> torch.optim.Optimizer:  # noqa: N802
