@@ -8,10 +8,13 @@ with the arguments prism's ranks ran (micro-batches as folded) and prism's rende
 (``megatron.fake_pg_child``): the same program, so a difference is the emulation's, not a rendering's,
 but for what Megatron itself changes under the flag: it turns ``check_for_nan_in_loss_and_grad`` off
 (megatron/training/arguments.py), where prism's ranks keep the job's setting, so the anchor lacks the NaN
-check's grad norm of each bucket (a scalar per bucket and iteration) and its host synchronisations.
-Where they differ (MoE routing fed by all-to-alls that do nothing there, communication buffers), ours is
-the one measured with real data. On CPU the core driver prints the same line from a byte accountant
-(``PRISM_CPU_BYTE_ACCOUNTANT``).
+check's grad norm of each bucket (a scalar per bucket and iteration) and its host synchronisations. And a
+receive there returns the uninitialised buffer it allocated, so a stage that receives gradients computes
+on garbage: where the grad norm comes out NaN it never clips (a NaN coefficient is not below 1) and its step
+is not the target's. So it anchors max allocated where the peak comes before the step, not max reserved,
+which also moves between runs of one command (docs/measurements.md, "Target recipes"). Where they differ (MoE routing
+fed by all-to-alls that do nothing there, communication buffers), ours is the one measured with real data.
+On CPU the core driver prints the same line from a byte accountant (``PRISM_CPU_BYTE_ACCOUNTANT``).
 """
 
 from __future__ import annotations
