@@ -161,7 +161,8 @@ def divergence(traces: dict[str, list[dict]], context: int = 3, min_size: int = 
     (a, ta), (b, tb) = traces.items()
     idx = {name: [i for i, e in enumerate(t) if e["action"] in REQUESTS and e["size"] > min_size]
            for name, t in traces.items()}
-    key = {name: [(t[i]["action"], t[i]["size"], _stream_order(t)[t[i].get("stream", 0)]) for i in idx[name]]
+    order = {name: _stream_order(t) for name, t in traces.items()}
+    key = {name: [(t[i]["action"], t[i]["size"], order[name][t[i].get("stream", 0)]) for i in idx[name]]
            for name, t in traces.items()}
     shared = min(len(key[a]), len(key[b]))  # the shorter run's requests (the rest of the longer differ)
     n = next((i for i in range(shared) if key[a][i] != key[b][i]), shared)
