@@ -66,6 +66,32 @@ def test_without_prediction_sorts_last_and_text_shows_each_class(layouts):
     assert "OOM" in text
 
 
+def test_an_oom_layout_shows_what_its_classes_need_not_their_headroom_at_the_failure(layouts, tmp_path):
+    """An OOM capture stops at its failing request: its class's headroom then (the cap less what was reserved)
+    is no margin. The table gives the worst class's shortfall, as the verdict does; the class lines too."""
+    rows = compare([layouts / "pp2dp2", layouts / "oom"])
+    oom = rows[1]
+    # rank 3 asked for 1 GiB with 3.5 GiB reserved under a 4 GiB cap: 512 MiB short
+    assert oom.shortfall == {"stage 1 of 2 (last)": GIB // 2}
+    assert 0 < oom.headroom["stage 1 of 2 (last)"] <= CAP - int(3.5 * GIB)
+    lines = comparison_text(rows).splitlines()
+    assert lines[2].endswith("OOM, needs up to 512.0 MiB more (stage 1 of 2 (last))")
+    assert "     stage 1 of 2 (last): out of memory, needs 512.0 MiB more than its cap" in lines
+    assert "     stage 0 of 2 (first): headroom" in "\n".join(lines)  # the class that ran on keeps its headroom
+    assert rows[0].shortfall == {} and "fits, min headroom" in lines[1]
+    # a request that would have fit the cap in total: fragmentation, said so
+    frag = dict(oom.report, oom=[dict(oom.report["oom"][0], requested=GIB // 4)])
+    text = comparison_text([layout_of(frag, "frag", "x")])
+    assert "OOM (stage 1 of 2 (last): fragmentation)" in text
+    assert "stage 1 of 2 (last): out of memory with 256.0 MiB of its cap free in total (fragmentation)" in text
+    # report files kept side by side in one folder are labelled by their own names
+    for name in ("pp2dp2", "oom"):
+        make_report(layouts / name, tmp_path / name, None)
+        (tmp_path / name / "report.json").rename(tmp_path / f"{name}-report.json")
+    assert [r.label for r in compare([tmp_path / "oom-report.json", tmp_path / "pp2dp2-report.json"])] == [
+        "pp2dp2-report", "oom-report"]
+
+
 def test_cli_compare(layouts):
     res = CliRunner().invoke(main, ["compare", str(layouts / "pp2dp4"), str(layouts / "pp2dp2"),
                                     "--cluster", "h100-nvlink-ib400"])

@@ -648,9 +648,8 @@ def verdict(memory: dict[str, Any], oom: list[dict[str, Any]], exit5: list[int],
     on = f" on {gpu}" if gpu else ""  # after the cap: the prefixes (OOM:, fits:) stay fixed for programs
     if oom:
         def shortfall(e: dict) -> float:
-            if e["requested"] is None or e["cap"] is None:
-                return float("-inf")
-            return e["reserved"] + e["requested"] - e["cap"]
+            short = oom_shortfall(e)
+            return float("-inf") if short is None else short
 
         worst: dict[str, dict] = {}  # per class its worst rank, the worst class first
         for e in sorted(oom, key=lambda e: (-shortfall(e), e["rank"])):
@@ -683,6 +682,15 @@ def verdict(memory: dict[str, Any], oom: list[dict[str, Any]], exit5: list[int],
         return (f"does not fit: rank {tight['rank']} ({tight['class']}) reserves {fmt_bytes(-tight['headroom'])} "
                 f"more than its cap{on}")
     return f"fits: smallest headroom {fmt_bytes(tight['headroom'])}{on} (rank {tight['rank']}, {tight['class']})"
+
+
+def oom_shortfall(e: dict[str, Any]) -> int | None:
+    """Bytes past the cap that an OOM entry's failing request would have reserved (its reserved plus the
+    request, less the cap); None where the entry recorded no request or no cap. Not positive: the cap had
+    room in total but no block was free for the request (fragmentation)."""
+    if e["requested"] is None or e["cap"] is None:
+        return None
+    return e["reserved"] + e["requested"] - e["cap"]
 
 
 def _oom_words(e: dict[str, Any], short: float, on: str) -> str:

@@ -31,6 +31,10 @@ class Layout:
     verdict: str
     #: class -> smallest headroom of its ranks (bytes; negative: over the cap; None: no cap known)
     headroom: dict[str, int | None] = field(default_factory=dict)
+    #: class -> bytes past its cap that its worst out-of-memory rank's failing request needed (the verdict's
+    #: figure); only classes that ran out of memory with a recorded request and cap. An OOM capture stops at
+    #: its failing allocation, so such a class's headroom is what it had then, not what it needs.
+    shortfall: dict[str, int] = field(default_factory=dict)
     #: settings the emulation could not run (setting, published, rendered, affects), from the report
     #: or the recipe named for the entry
     substitutions: tuple[dict[str, str], ...] = ()
@@ -74,14 +78,43 @@ def layout_of(report: dict[str, Any], label: str, source: str,
              or report["verdict"].startswith(("OOM", "does not fit"))),
         verdict=report["verdict"],
         headroom={c["class"]: c["headroom"] for c in report["memory"]["classes"]},
+        shortfall=_shortfalls(report["oom"]),
         substitutions=tuple(substitutions if substitutions is not None else report.get("substitutions") or ()),
         report=report,
     )
 
 
+def _shortfalls(oom: list[dict[str, Any]]) -> dict[str, int]:
+    """Class -> the largest shortfall of its OOM entries (``build.oom_shortfall``)."""
+    from .build import oom_shortfall
+
+    out: dict[str, int] = {}
+    for e in oom:
+        short = oom_shortfall(e)
+        if short is not None:
+            out[e["class"]] = max(short, out.get(e["class"], short))
+    return out
+
+
+def _memory_cell(r: Layout) -> str:
+    """The table's memory column: an OOM layout's worst shortfall (a headroom there is the failing capture's
+    moment, not a margin), else the smallest headroom."""
+    if r.oom:
+        if not r.shortfall:
+            return "OOM"
+        cls, short = max(r.shortfall.items(), key=lambda kv: kv[1])
+        if short <= 0:
+            return f"OOM ({cls}: fragmentation)"
+        return f"OOM, needs up to {fmt_bytes(short)} more ({cls})"
+    tight = [h for h in r.headroom.values() if h is not None]
+    return "fits" + (f", min headroom {fmt_bytes(min(tight))}" if tight else "")
+
+
 def _labels(paths: list[Path]) -> list[str]:
-    """Short distinct names: the trace directory's name (or the report's directory's)."""
-    names = [(p.parent if p.is_file() else p).resolve().name or str(p) for p in paths]
+    """Short distinct names: a report file's own name where it is not ``report.json`` (results kept side by
+    side in one folder), else its directory's, or the trace directory's."""
+    names = [p.stem if p.is_file() and p.name != REPORT_FILE
+             else (p.parent if p.is_file() else p).resolve().name or str(p) for p in paths]
     if len(set(names)) == len(names):
         return names
     return [str(p) for p in paths]  # two runs named alike: their paths tell them apart
@@ -121,8 +154,7 @@ def comparison_text(rows: list[Layout]) -> str:
     head = ("#", "layout", "GPUs", "iteration", "tokens/s/GPU", "model TFLOP/s/GPU", "memory")
     body = []
     for i, r in enumerate(rows, start=1):
-        tight = [h for h in r.headroom.values() if h is not None]
-        mem = ("OOM" if r.oom else "fits") + (f", min headroom {fmt_bytes(min(tight))}" if tight else "")
+        mem = _memory_cell(r)
         body.append((str(i), r.label, f"{r.world_size:,}", fmt_seconds(r.iteration_time_s),
                      fmt_rate(r.tokens_per_s_per_gpu, "tok/s"),
                      "-" if r.tflops_per_gpu is None else f"{r.tflops_per_gpu:.1f}", mem))
@@ -138,7 +170,14 @@ def comparison_text(rows: list[Layout]) -> str:
     for i, r in enumerate(rows, start=1):
         lines.append(f"{i}. {r.label}: {r.verdict}")
         for cls, h in r.headroom.items():
-            lines.append(f"     {cls}: headroom {fmt_bytes(h)}")
+            short = r.shortfall.get(cls)
+            if short is None:
+                lines.append(f"     {cls}: headroom {fmt_bytes(h)}")
+            elif short > 0:
+                lines.append(f"     {cls}: out of memory, needs {fmt_bytes(short)} more than its cap")
+            else:
+                lines.append(f"     {cls}: out of memory with {fmt_bytes(-short)} of its cap free in total "
+                             "(fragmentation)")
         for sub in r.substitutions:
             lines.append(f"     substituted {sub['setting']}: {sub['published']} -> {sub['rendered']} "
                          f"(affects {sub['affects']})")
