@@ -359,7 +359,8 @@ def test_bad_arguments_fail_before_a_run_starts(tmp_path: Path):
 
 
 def test_compare_logs_one_run_per_layout_in_a_group(tmp_path: Path):
-    from prism_megatron.report.compare import layout_of, log_comparison
+    from prism_megatron.report.compare import comparison_text, layout_of, log_comparison
+    from prism_megatron.report.units import fmt_bytes
 
     fast = layout_of(sample_report(), "tp2pp8", "a/report.json")
     slow_report = sample_report()
@@ -371,4 +372,8 @@ def test_compare_logs_one_run_per_layout_in_a_group(tmp_path: Path):
     assert [r.run.run_group for r in runs] == ["qwen3-235b", "qwen3-235b"]
     assert [r.run.display_name for r in runs] == ["tp2pp8", "tp1pp8"]
     assert [r.config["comparison_rank"] for r in runs] == [1, 2]
+    # the comparison's memory column, as the table prints it, sorts the group's table in W&B too
+    cls, short = next(iter(fast.shortfall.items()))
+    assert runs[0].config["memory"] == f"OOM, needs up to {fmt_bytes(short)} more ({cls})"
+    assert comparison_text([fast]).splitlines()[1].endswith(runs[0].config["memory"])
     assert runs[1].summary["prism/predicted_iteration_time_ms"] == pytest.approx(900.0)

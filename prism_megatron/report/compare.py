@@ -192,7 +192,7 @@ def log_comparison(rows: list[Layout], group: str, *, run_dir: Path, project: st
     out = []
     for rank, r in enumerate(rows, start=1):
         config = {"layout": r.label, "source": r.source, "world_size": r.world_size, "comparison_rank": rank,
-                  "comparison_group": group, "substitutions": list(r.substitutions)}
+                  "comparison_group": group, "memory": _memory_cell(r), "substitutions": list(r.substitutions)}
         out.append(log_report(r.report, timeline=None, config=config, run_dir=run_dir, project=project,
                               entity=entity, name=r.label, mode=mode, group=group))
     return out
