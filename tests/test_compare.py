@@ -6,7 +6,7 @@ import json
 
 import pytest
 from click.testing import CliRunner
-from test_report import CAP, GIB, make_trace
+from test_report import CAP, GIB, OOM_SITE, make_trace
 
 from prism_megatron.cli import main
 from prism_megatron.report import make_report
@@ -147,4 +147,20 @@ def test_report_reader_checks_substitutions(layouts, tmp_path):
     doc["substitutions"] = [{"setting": "x", "published": "y", "rendered": 3, "affects": "z"}]
     paths["report"].write_text(json.dumps(doc))
     with pytest.raises(ReportFormatError, match=r"substitutions\[0\]\.rendered"):
+        read_report(paths["report"])
+
+
+def test_report_reader_checks_an_oom_site_where_present(layouts, tmp_path):
+    """``oom[].where`` is optional (older reports lack it) but typed where present."""
+    from prism_megatron.report import ReportFormatError, read_report
+
+    paths = make_report(layouts / "oom", tmp_path / "out")
+    doc = json.loads(paths["report"].read_text())
+    assert doc["oom"][0]["where"] == OOM_SITE
+    del doc["oom"][0]["where"]
+    paths["report"].write_text(json.dumps(doc))
+    assert "where" not in read_report(paths["report"])["oom"][0]
+    doc["oom"][0]["where"] = ["a.py:1 (f)", 2]
+    paths["report"].write_text(json.dumps(doc))
+    with pytest.raises(ReportFormatError, match=r"oom\[0\]\.where\[1\]"):
         read_report(paths["report"])

@@ -816,9 +816,14 @@ def test_a_capture_that_runs_out_of_memory_is_its_class_verdict_and_the_later_ca
     assert peak[0]["oom"] and not peak[1]["oom"] and 2 * (64 << 10) <= peak[1]["max_reserved"] < cap
     short = oom["reserved"] + oom["requested"] - cap
     last = next(c for c in report["memory"]["classes"] if c["class"] == "like rank 1")
+    # the failing allocation's site: the script's own line, no frame of torch, the accountant or the launcher
+    line = 1 + (PROGRAMS / "fold_oom.py").read_text().splitlines().index(
+        "        kept.append(torch.ones((8 * MiB if r % 2 == 0 else 64 * 1024) // 4))")
+    assert oom["where"] == [f"fold_oom.py:{line} (<module>)"]
     assert report["verdict"] == (
         f"OOM: rank 0 (like rank 0) needs {fmt_bytes(short)} more than its {fmt_bytes(cap)} cap on 0.004 GiB (asked "
-        f"for 8.0 MiB with {fmt_bytes(oom['reserved'])} reserved); class(es) that fit: like rank 1 (peak reserved "
+        f"for 8.0 MiB at fold_oom.py:{line} (<module>) with {fmt_bytes(oom['reserved'])} reserved); class(es) that "
+        f"fit: like rank 1 (peak reserved "
         f"{fmt_bytes(last['max_reserved'])}, headroom {fmt_bytes(last['headroom'])})")
     assert report["prediction"] is None
     assert report["prediction_error"].startswith("class(es) like rank 0 ran out of memory under the target's cap "

@@ -72,6 +72,34 @@ def test_accountant_counts_backward_and_in_place_growth():
         assert acc.current == base + 4096
 
 
+def _model_forward() -> torch.Tensor:
+    return torch.ones(1 << 20)  # 4 MiB: the failing request
+
+
+def _train_step() -> torch.Tensor:
+    try:
+        return _model_forward()
+    except torch.OutOfMemoryError as e:
+        raise RuntimeError("step failed") from e  # as Megatron re-raises some errors
+
+
+def test_an_oom_site_is_the_programs_innermost_frames_not_torchs_or_prisms():
+    """The report's "asked for at": the OOM's own traceback (through a wrapping re-raise), the program's frames
+    outermost first, without the accountant's or torch's dispatch frames, paths from their import root."""
+    import inspect
+
+    from prism_megatron.memory.probe import allocation_site
+
+    with ByteAccountant(cap=1024):
+        with pytest.raises(RuntimeError) as info:
+            _train_step()
+    step_line = inspect.getsourcelines(_train_step)[1] + 2
+    forward_line = inspect.getsourcelines(_model_forward)[1] + 1
+    site = allocation_site(info.value)
+    assert site == [f"test_memory.py:{step_line} (_train_step)", f"test_memory.py:{forward_line} (_model_forward)"]
+    assert allocation_site(info.value, depth=1) == site[-1:]
+
+
 def test_accountant_raises_torch_oom_above_cap_and_keeps_peak_honest():
     with ByteAccountant(cap=10_000) as acc:
         keep = torch.zeros(2000)  # 8000 bytes
@@ -180,6 +208,9 @@ def test_budget_run_records_memory_and_an_oom_is_a_prediction(tmp_path):
         assert a["cap"] == cap2 and a["requested"] > 0
         assert a["allocated"] <= cap2 < a["allocated"] + a["requested"] or a["max_allocated"] <= cap2
         assert "prism CPU-mode budget: tried to allocate" in a["message"]
+        # where the program asked: Megatron's frames, shown from their import root (no machine's directories)
+        assert a["where"] and any(f.startswith("megatron/") for f in a["where"]), a["where"]
+        assert not any(f.startswith("/") or "torch/" in f for f in a["where"]), a["where"]
     exit_codes = {e["rank"]: e["exit_code"] for e in read_trace(trace2).manifest["ranks"]}
     assert any(exit_codes[r] == 5 for r, _ in ooms)
     assert read_trace(trace2).manifest["job"]["target_gpu"]["usable"] == cap2

@@ -24,6 +24,9 @@ from prism_megatron.trace import TraceFormatError, write_trace
 GIB = 1 << 30
 MIB = 1 << 20
 CAP = 4 * GIB
+#: the failing allocation's site an OOM mark records (``memory.probe.allocation_site``), outermost first
+OOM_SITE = ["megatron/core/transformer/transformer_layer.py:420 (forward)",
+            "megatron/core/transformer/mlp.py:150 (forward)"]
 # per iteration: stage 0 computes A, then sends to stage 1, which computes B[k]; an all_reduce ends it
 A = 1.0
 B = (2.0, 4.0, 3.0)  # iteration times with free communication: 3, 5, 4 -> median 4 (iteration 3)
@@ -80,7 +83,7 @@ def make_trace(path, world=4, oom_rank=None, target=True, memory=True, layout=Tr
                 marks.append(_mark(r, "oom", base + 0.5, clock, requested=GIB, allocated=3 * GIB,
                                    reserved=int(3.5 * GIB), max_allocated=3 * GIB, max_reserved=int(3.5 * GIB),
                                    cap=CAP, message="CUDA out of memory. Tried to allocate 1.00 GiB",
-                                   snapshot="oom-rank3.pickle"))
+                                   snapshot="oom-rank3.pickle", where=OOM_SITE))
                 break
             if stage == 0:
                 ops.append(_op(r, idx, "send", 1 + r, k - 1, base + A, A, peer=peer))
@@ -190,7 +193,10 @@ def test_oom_job_verdict_names_rank_and_class(tmp_path):
     assert oom == {"rank": 3, "class": "stage 1 of 2 (last)", "requested": GIB, "allocated": 3 * GIB,
                    "reserved": int(3.5 * GIB), "max_allocated": 3 * GIB, "max_reserved": int(3.5 * GIB),
                    "cap": CAP, "message": "CUDA out of memory. Tried to allocate 1.00 GiB",
-                   "snapshot": "oom-rank3.pickle"}
+                   "snapshot": "oom-rank3.pickle", "where": OOM_SITE}
+    # the verdict names the program's innermost frame of the failing request
+    assert ("(asked for 1.0 GiB at megatron/core/transformer/mlp.py:150 (forward) with 3.5 GiB reserved)"
+            in rep["verdict"])
     by_rank = {e["rank"]: e for e in rep["memory"]["ranks"]}
     assert by_rank[3]["oom"] and not by_rank[2]["oom"]
     # its iteration-1 memory mark (3.6875 GiB - 2 MiB) is larger than the OOM mark's 3.5 GiB
@@ -369,7 +375,8 @@ def test_terminal_summary(tmp_path):
     text = summary_text(build_report(make_trace(tmp_path / "t", oom_rank=3)), width=140)
     assert text.index("OOM: rank 3 (stage 1 of 2 (last))") < text.index("out of memory")
     assert "no prediction: the replay failed" in text
-    assert "stage 0 of 2 (first)" in text and "CUDA out of memory" in text
+    assert "stage 0 of 2 (first)" in text and "CUDA out of memory" not in text  # its figures are the columns
+    assert "megatron/core/transformer/mlp.py:150 (forward)" in text.split("asked for at")[1]
     big = summary_text(build_report(make_trace(tmp_path / "big", world=40)), width=140)
     assert "median iteration per class" in big and "20-39" in big  # 40 ranks: per class, not per rank
     assert "predicted iteration 4" in big

@@ -10,6 +10,8 @@ report reads; their attributes are documented in ``prism_megatron.report``'s con
 from __future__ import annotations
 
 import re
+import sys
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +24,13 @@ from prism_megatron.trace.markers import mark
 #: (sizes, addresses, the timeline PyTorch's memory viz draws), no stack traces (``context=None``).
 HISTORY: dict[str, Any] = {"enabled": "all", "context": None, "max_entries": 100_000}
 
+#: prism's package directory: its frames are machinery (the launcher, the CPU mode's device redirection, the
+#: byte accountant that raised), not an allocation's site, except those of ``_PROGRAM_PARTS``
+_PACKAGE = Path(__file__).resolve().parent.parent
+#: the parts of prism that are the program a rank runs: its patches render the target's kernels, its drivers
+#: are pretrain scripts
+_PROGRAM_PARTS = ("patches", "megatron/driver")
+
 _REQUESTED = re.compile(r"Tried to allocate ([0-9.]+) (bytes|KiB|MiB|GiB|TiB)")
 _UNIT = {"bytes": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
 
@@ -30,6 +39,43 @@ def requested_bytes(message: str) -> int | None:
     """The failing allocation's size from a CUDA OOM message ("Tried to allocate 20.00 MiB")."""
     m = _REQUESTED.search(message)
     return int(float(m.group(1)) * _UNIT[m.group(2)]) if m else None
+
+
+#: Frames kept in an OOM's allocation site: the innermost of the program's own, outermost first.
+SITE_FRAMES = 4
+
+
+def allocation_site(error: BaseException, depth: int = SITE_FRAMES) -> list[str]:
+    """Where the failing allocation was asked for: the innermost ``depth`` frames of the OOM's traceback
+    that are the program's ("megatron/core/tensor_parallel/layers.py:725 (backward)"), outermost first.
+
+    The allocator's history is recorded without stack traces (``HISTORY``), so the exception's own
+    traceback is the one free record of the site. Frames of torch itself, of the interpreter's script
+    runner and of prism's machinery (``_PACKAGE``) are dropped; prism's patches and drivers stay: they are
+    the program. Paths are shown from their import root (the ``sys.path`` entry
+    holding them), so a report names no machine's directories. Where Megatron re-raised the OOM, the
+    OOM's own traceback (its cause or context) is read.
+    """
+    seen: BaseException | None = error
+    while seen is not None and not isinstance(seen, torch.OutOfMemoryError):
+        seen = seen.__cause__ or seen.__context__
+    oom = seen or error
+    roots = sorted({str(Path(p).resolve()) for p in sys.path if p}, key=len, reverse=True)
+    torch_dir = str(Path(torch.__file__).resolve().parent)
+    program = [str(_PACKAGE / sub) for sub in _PROGRAM_PARTS]
+    site = []
+    for frame in traceback.extract_tb(oom.__traceback__):
+        if frame.filename.startswith("<frozen "):  # the interpreter's own (runpy running the script)
+            continue
+        path = str(Path(frame.filename).resolve())
+        if path.startswith(torch_dir + "/"):
+            continue
+        if path.startswith(str(_PACKAGE) + "/") and not any(path.startswith(p + "/") for p in program):
+            continue
+        root = next((r for r in roots if path.startswith(r + "/")), None)
+        shown = path[len(root) + 1:] if root else Path(path).name
+        site.append(f"{shown}:{frame.lineno} ({frame.name})")
+    return site[-depth:]
 
 
 class MemoryProbe:
@@ -97,7 +143,7 @@ class MemoryProbe:
         return None
 
     def out_of_memory(self, error: BaseException) -> dict[str, Any]:
-        """Record the OOM as a prediction: figures, failing size, a snapshot for PyTorch's memory viz."""
+        """Record the OOM as a prediction: figures, failing size and site, a snapshot for PyTorch's memory viz."""
         message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         snapshot = None
         if self.on_gpu and self.snapshot_dir is not None:
@@ -108,6 +154,7 @@ class MemoryProbe:
             except Exception as e:  # a missing snapshot must not hide the verdict
                 message += f" (memory snapshot failed: {e})"
         requested = requested_bytes(str(error)) if self.on_gpu else self.accountant.failed
-        attrs = {**self.stats(), "requested": requested, "message": message, "snapshot": snapshot}
+        attrs = {**self.stats(), "requested": requested, "message": message, "snapshot": snapshot,
+                 "where": allocation_site(error)}
         mark("oom", **attrs)
         return attrs

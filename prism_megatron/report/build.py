@@ -577,6 +577,8 @@ def _oom_entry(rank: int, attrs: dict[str, Any], cls: str) -> dict[str, Any]:
     entry.update({k: attrs.get(k) for k in ("requested", *_MEMORY_INTS, "cap")})
     entry["message"] = str(attrs.get("message") or "")
     entry["snapshot"] = attrs["snapshot"] if isinstance(attrs.get("snapshot"), str) else None
+    where = attrs.get("where")  # optional: traces written before the site was recorded lack it
+    entry["where"] = [str(f) for f in where] if isinstance(where, list) else []
     return entry
 
 
@@ -696,11 +698,12 @@ def oom_shortfall(e: dict[str, Any]) -> int | None:
 def _oom_words(e: dict[str, Any], short: float, on: str) -> str:
     """One rank's OOM in the verdict: "rank 3 (last) needs 512.0 MiB more than its 4.0 GiB cap (asked for ...)"."""
     who = f"rank {e['rank']} ({e['class']})"
+    at = f" at {e['where'][-1]}" if e.get("where") else ""  # the program's innermost frame
     if e["requested"] is not None and e["cap"] is not None:
         if short > 0:
             return (f"{who} needs {fmt_bytes(short)} more than its {fmt_bytes(e['cap'])} cap{on} "
-                    f"(asked for {fmt_bytes(e['requested'])} with {fmt_bytes(e['reserved'])} reserved)")
-        return (f"{who} could not get {fmt_bytes(e['requested'])} with {fmt_bytes(e['reserved'])} of its "
+                    f"(asked for {fmt_bytes(e['requested'])}{at} with {fmt_bytes(e['reserved'])} reserved)")
+        return (f"{who} could not get {fmt_bytes(e['requested'])}{at} with {fmt_bytes(e['reserved'])} of its "
                 f"{fmt_bytes(e['cap'])} cap{on} reserved (fragmentation)")
     message = e["message"].strip().splitlines()[0][:160] if e["message"].strip() else "no message"
     return f"{who} ran out of memory: {message}"

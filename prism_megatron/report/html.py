@@ -309,9 +309,11 @@ def render_html(report: dict[str, Any]) -> str:
         parts += [f'<p class="prov">{_e(line.plain)}</p>' for line in anchor_lines(report)]
     if report["oom"]:
         parts += ["<h2>Out of memory</h2>",
-                  _table(["rank", "class", "requested", "allocated", "reserved", "cap", "snapshot", "message"],
+                  _table(["rank", "class", "requested", "allocated", "reserved", "cap", "asked for at", "snapshot",
+                          "message"],
                          [[e["rank"], e["class"], fmt_bytes(e["requested"]), fmt_bytes(e["allocated"]),
-                           fmt_bytes(e["reserved"]), fmt_bytes(e["cap"]), e["snapshot"] or "-", e["message"]]
+                           fmt_bytes(e["reserved"]), fmt_bytes(e["cap"]),
+                           " <- ".join(reversed(e.get("where") or [])) or "-", e["snapshot"] or "-", e["message"]]
                           for e in report["oom"]], {0, 2, 3, 4, 5}, ["oom"] * len(report["oom"]))]
     if pred is not None and pred["critical_path"]["total_steps"]:
         parts += ["<h2>Critical path of the median iteration</h2>", _critical_path(pred["critical_path"])]

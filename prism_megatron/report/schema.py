@@ -168,6 +168,10 @@ OOM = Obj({
     "message": (str,),
     "snapshot": OPT_STR,  # file name relative to the trace dir
 })
+#: Optional in an OOM entry (no version bump: older readers ignore it): the failing allocation's site, the
+#: program's innermost frames "file:line (function)", outermost first (``memory.probe.allocation_site``);
+#: empty where the trace did not record it.
+OOM_WHERE = ListOf((str,))
 #: A rank class of a folded job (v3): the ranks it stands for, its live (sandbox) ranks, its peak
 #: memory and its mean time over its sandbox ranks in the median iteration (null: no figure); v4 adds
 #: host_bound_s and device_busy_s as in BREAKDOWN (null unless every sandbox rank had GPU times).
@@ -279,6 +283,9 @@ def check_report(report: Any, path: str | Path) -> None:
         _check_segments(report["prediction"]["timeline"]["rows"], version, path)
     if "substitutions" in report:
         _check(report["substitutions"], ListOf(SUBSTITUTION), path, "substitutions")
+    for i, e in enumerate(report["oom"]):
+        if "where" in e:
+            _check(e["where"], OOM_WHERE, path, f"oom[{i}].where")
 
 
 def _check_segments(rows: list[dict[str, Any]], version: int, path: str | Path) -> None:

@@ -131,13 +131,15 @@ def _oom(report: dict[str, Any]) -> Table | None:
     if not report["oom"]:
         return None
     t = Table(title="out of memory", title_justify="left", title_style="bold red")
-    for col in ("rank", "class", "requested", "reserved", "cap", "message"):
+    for col in ("rank", "class", "requested", "reserved", "cap", "asked for at"):
         t.add_column(col, justify="right" if col in ("rank", "requested", "reserved", "cap") else "left",
-                     no_wrap=col != "message")
+                     no_wrap=col != "asked for at", overflow="fold")
     for e in report["oom"][:10]:
+        # the site says where in the program; the message only repeats the figures beside it
+        where = e.get("where") or []
         msg = e["message"].strip().splitlines()[0] if e["message"].strip() else ""
         t.add_row(str(e["rank"]), e["class"], fmt_bytes(e["requested"]), fmt_bytes(e["reserved"]),
-                  fmt_bytes(e["cap"]), msg[:80])
+                  fmt_bytes(e["cap"]), where[-1] if where else msg[:80])
     if len(report["oom"]) > 10:
         t.caption = f"... and {len(report['oom']) - 10} more"
     return t
