@@ -356,6 +356,9 @@ def test_html_is_self_contained_with_svg(tmp_path):
     assert "&lt;b&gt;boom&lt;/b&gt;" in page and "<b>boom" not in page
     assert ">OOM</text>" in page and "No prediction because the job did not run to its end" in page
     assert "the replay failed" in page and ">1 rank</b><span>out of memory" in page
+    # the site, innermost first, in the OOM table
+    assert ("<td>megatron/core/transformer/mlp.py:150 (forward) &lt;- "
+            "megatron/core/transformer/transformer_layer.py:420 (forward)</td>") in page
 
 
 def test_timeline_json_is_trace_events(tmp_path):
