@@ -444,6 +444,7 @@ def test_report_imports_neither_runtime_nor_megatron(tmp_path):
 
 
 def test_megatron_formula_anchor_beside_the_measured_peak(tmp_path):
+    from prism_megatron.report.units import fmt_bytes
     from prism_megatron.trace import read_trace
 
     t = read_trace(make_trace(tmp_path / "t"))
@@ -462,6 +463,18 @@ def test_megatron_formula_anchor_beside_the_measured_peak(tmp_path):
     assert "Megatron's memory formula (most loaded shard): 3.0 GiB" in text and f"{expected:+.1f}%" in text
     assert "memory formula" in render_html(report)
     assert build_report(make_trace(tmp_path / "plain"))["anchors"]["megatron_formula"] is None
+
+    # the most loaded class ran out of memory: its peak stops at the failing allocation, so no difference
+    t = read_trace(make_trace(tmp_path / "oom", oom_rank=3))
+    marks = [*t.marks.to_pylist(), marks[-1]]
+    manifest = {k: t.manifest[k] for k in ("world_size", "groups", "ranks", "job")}
+    report = build_report(write_trace(tmp_path / "oom2", manifest, t.ops.to_pylist(), marks=marks))
+    top = report["anchors"]["measured_max_allocated"]
+    assert top["class"] == report["oom"][0]["class"]
+    text = summary_text(report, width=300)
+    assert (f"vs measured max allocated {fmt_bytes(top['bytes'])} ({top['class']}, up to its OOM: a floor of its "
+            "need, so no difference is given)") in text
+    assert "%)" not in text.split("Megatron's memory formula")[1].splitlines()[0]
 
 
 def test_untimed_differences_name_what_differs_beyond_times(tmp_path):

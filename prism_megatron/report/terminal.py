@@ -232,7 +232,11 @@ def anchor_lines(report: dict[str, Any]) -> list[Any]:
     line = (f"Megatron's memory formula (most loaded shard): {fmt_bytes(formula['total'])} "
             f"(weights+optimizer {fmt_bytes(formula['weight_and_optimizer'])}, activations "
             f"{fmt_bytes(formula['activation'])})")
-    if measured is not None:
+    if measured is not None and measured["class"] in {e["class"] for e in report["oom"]}:
+        # an OOM capture stops at its failing allocation: its peak is a floor of the class's need
+        line += (f" vs measured max allocated {fmt_bytes(measured['bytes'])} ({measured['class']}, up to its OOM: "
+                 "a floor of its need, so no difference is given)")
+    elif measured is not None:
         line += (f" vs measured max allocated {fmt_bytes(measured['bytes'])} ({measured['class']}, "
                  f"{100 * (formula['total'] - measured['bytes']) / measured['bytes']:+.1f}%)")
     return [Text(line), *_fake_pg_lines(anchors)]
