@@ -807,6 +807,13 @@ def test_a_capture_that_runs_out_of_memory_is_its_class_verdict_and_the_later_ca
     assert t.fold.contributions["broadcast"]["recorded"] == 1  # capture 2 was answered from it
     assert sum(1 for m in t.marks.to_pylist() if m["rank"] == 1 and m["name"] == "iteration" and m["phase"] == "E") == 2
 
+    # capture 2's coordinator was started while capture 1 ran; none waits once the captures are done
+    from prism_megatron.launcher import coordinator_ahead
+
+    logs = sorted((tmp_path / "serial.captures").glob("capture-*.logs"))
+    assert [("started ahead of its job" in (d / "coordinator.log").read_text()) for d in logs] == [False, True]
+    assert coordinator_ahead._spare is None and not coordinator_ahead._ahead
+
     report = build_report(tmp_path / "serial")
     cap = cfg.memory_cap
     [oom] = report["oom"]

@@ -14,6 +14,7 @@ coordinator does the rest; a later job sweeps any shared memory left.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import importlib
 import ipaddress
 import json
@@ -27,6 +28,7 @@ import time
 from multiprocessing.connection import Client
 from pathlib import Path
 
+from prism_megatron.launcher import coordinator_ahead as ahead
 from prism_megatron.launcher import fork_safe_cuda_checks
 from prism_megatron.launcher.config import LaunchConfig, LaunchError, cores, cpu_model
 from prism_megatron.launcher.exit_codes import BAD_INPUT
@@ -118,20 +120,18 @@ class _Job:
     def start_coordinator(self) -> tuple[tuple[str, int], int]:
         cfg = self.cfg
         conf = coordinator_config(cfg, self.prefix)
-        env = dict(os.environ, PRISM_AUTHKEY=self.authkey.hex())
-        log = open(cfg.log_dir / "coordinator.log", "wb")  # noqa: SIM115 - kept by the child
-        try:  # the config on stdin: a large job's (a rank map) exceeds what one argument may hold
-            self.coord = subprocess.Popen(
-                [sys.executable, "-m", "prism_megatron.runtime.sidecar", "-"],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env, text=True,
-                pass_fds=() if self.lock_fd is None else (self.lock_fd,),  # it may write the trace after us
-            )
-            self.coord.stdin.write(conf.to_json())
-            self.coord.stdin.close()
-        except OSError as e:
-            raise _StartFailed(f"could not start the prism coordinator: {e.strerror or e}") from None
-        finally:
-            log.close()
+        log_path = cfg.log_dir / "coordinator.log"
+        spare = ahead.take()  # one the launch before started for this one (a serial capture's next)
+        if spare is not None:
+            try:
+                ahead.adopt(spare, dataclasses.replace(conf, log_path=str(log_path)).to_json(), str(log_path),
+                            self.lock_fd)
+                self.coord, self.authkey = spare.proc, spare.authkey
+            except OSError:  # it died meanwhile: start one
+                ahead.abandon(spare)
+                spare = None
+        if spare is None:
+            self._start_coordinator_process(conf, log_path)
         line = self.coord.stdout.readline()
         if not line:
             self.coord.wait()
@@ -145,6 +145,21 @@ class _Job:
         self.control = Client(address, authkey=self.authkey)
         self.control.send({"t": P.CONTROL, "trace_dir": str(cfg.trace_dir.resolve()), "job": self.job_meta()})
         return address, int(info["store_port"])
+
+    def _start_coordinator_process(self, conf: CoordinatorConfig, log_path: Path) -> None:
+        env = dict(os.environ, PRISM_AUTHKEY=self.authkey.hex())
+        log = open(log_path, "wb")  # noqa: SIM115 - kept by the child
+        try:  # the config on stdin: a large job's (a rank map) exceeds what one argument may hold
+            self.coord = subprocess.Popen(
+                ahead.COMMAND, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env, text=True,
+                pass_fds=() if self.lock_fd is None else (self.lock_fd,),  # it may write the trace after us
+            )
+            self.coord.stdin.write(conf.to_json())
+            self.coord.stdin.close()
+        except OSError as e:
+            raise _StartFailed(f"could not start the prism coordinator: {e.strerror or e}") from None
+        finally:
+            log.close()
 
     def fork_ranks(self, address: tuple[str, int], store_port: int) -> None:
         import torch  # the template: imported once, shared by every rank
@@ -477,6 +492,7 @@ def launch(cfg: LaunchConfig) -> int:
              f"{','.join(cfg.devices)} ({cfg.slots_per_device} slot(s) per device); coordinator and TCPStore "
              f"listen on {cfg.listen} ({where}; --listen); logs in {cfg.log_dir}")
         job.fork_ranks(address, store_port)
+        ahead.start_next()  # after the fork: the ranks inherit none of its pipes
         code = job.watch()
     except KeyboardInterrupt:
         code, job.why = 128 + signal.SIGINT, stopped_reason(signal.SIGINT.name)

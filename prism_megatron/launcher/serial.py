@@ -206,7 +206,16 @@ def capture_serially(cfg: LaunchConfig, launch: Callable[[LaunchConfig], int],
     """Capture ``cfg``'s fold one live rank at a time with ``launch``, then merge the captures at
     ``cfg.trace_dir``; returns the first failing capture's exit code, else OOM where a capture ran out of
     memory under the target's cap (``OOM_CONTINUES_RULE``), else 0. ``second``: ``--prism-fold-second-pass``
-    (:func:`second_pass`); ``resume``: ``--prism-fold-resume`` (``RESUME_RULE``)."""
+    (:func:`second_pass`); ``resume``: ``--prism-fold-resume`` (``RESUME_RULE``). Each capture starts the
+    next one's coordinator while it runs (``launcher.coordinator_ahead``)."""
+    from prism_megatron.launcher.coordinator_ahead import coordinators_ahead
+
+    with coordinators_ahead():
+        return _capture_serially(cfg, launch, say, second, resume)
+
+
+def _capture_serially(cfg: LaunchConfig, launch: Callable[[LaunchConfig], int], say: Callable[[str], None],
+                      second: str, resume: bool) -> int:
     from prism_megatron.trace.merge import merge_captures
 
     plan = cfg.fold

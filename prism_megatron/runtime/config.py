@@ -6,6 +6,10 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 
+#: A coordinator started ahead of its job (``launcher.coordinator_ahead``) finds in this environment variable
+#: its end of the socket pair the job's trace-directory lock comes over.
+LOCK_SOCKET_ENV = "PRISM_LOCK_SOCKET"
+
 
 @dataclass(frozen=True)
 class CoordinatorConfig:
@@ -34,6 +38,7 @@ class CoordinatorConfig:
     launcher_pid: int = 0  # it ends the job itself if this process dies (0: no launcher to watch)
     segment_prefix: str = ""  # the job's shared-memory segments (runtime.shm.job_prefix), removed then
     fold: dict | None = None  # a folded job's plan (trace.fold's JSON): live ranks, rep of every rank
+    log_path: str | None = None  # started ahead of its job (launcher.coordinator_ahead): its stderr from now on
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))

@@ -12,12 +12,13 @@ import importlib
 import json
 import os
 import signal
+import socket
 import sys
 from pathlib import Path
 
 import torch
 
-from prism_megatron.runtime.config import CoordinatorConfig
+from prism_megatron.runtime.config import LOCK_SOCKET_ENV, CoordinatorConfig
 from prism_megatron.runtime.coordinator import Coordinator
 from prism_megatron.runtime.fake_device import FakeDevice
 from prism_megatron.runtime.governor import ADMISSION_MARGIN, SwapMode, SwapPolicy
@@ -38,6 +39,18 @@ def _die_with_launcher(launcher_pid: int) -> None:
         pass  # not Linux: the loop notices a new parent instead
 
 
+def _receive_lock() -> list[int]:
+    """A coordinator started ahead of its job gets the job's trace-directory lock over a socket pair
+    (``launcher.coordinator_ahead``); one started for its job inherits it instead. The descriptor shares the
+    launcher's lock, so the lock outlives the launcher while this process writes the trace."""
+    fd = os.environ.pop(LOCK_SOCKET_ENV, None)
+    if fd is None:
+        return []
+    with socket.socket(fileno=int(fd)) as s:
+        _, fds, _, _ = socket.recv_fds(s, 1, 1)
+    return fds
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry of the sidecar process: `python -m prism_megatron.runtime.coordinator CONFIG_JSON` (``-``: read
     it from stdin).
@@ -48,6 +61,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("config")
     text = ap.parse_args(argv).config
     cfg = CoordinatorConfig.from_json(sys.stdin.read() if text == "-" else text)
+    if cfg.log_path:  # started ahead of its job: what it says from now on goes to the job's log
+        fd = os.open(cfg.log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        os.dup2(fd, 2)
+        os.close(fd)
+        print("prism coordinator: started ahead of its job (its imports ran while the launch before it ran)",
+              file=sys.stderr, flush=True)
+    lock = _receive_lock()  # noqa: F841 - held open while this process lives
     launcher_pid = cfg.launcher_pid
     if launcher_pid:
         _die_with_launcher(launcher_pid)
