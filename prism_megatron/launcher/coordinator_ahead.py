@@ -90,7 +90,7 @@ def take() -> Spare | None:
     global _spare
     spare, _spare = _spare, None
     if spare is not None and spare.proc.poll() is not None:
-        _stop(spare)
+        abandon(spare)
         return None
     return spare
 
@@ -108,20 +108,16 @@ def adopt(spare: Spare, config_json: str, log_path: str, lock_fd: int | None) ->
     spare.close()
 
 
-def abandon(spare: Spare) -> None:
-    """Stop a coordinator whose adoption failed."""
-    _stop(spare)
-
-
 def discard() -> None:
     """Stop the waiting coordinator, if any."""
     global _spare
     spare, _spare = _spare, None
     if spare is not None:
-        _stop(spare)
+        abandon(spare)
 
 
-def _stop(spare: Spare) -> None:
+def abandon(spare: Spare) -> None:
+    """Stop a coordinator no launch will use (its adoption failed, it died waiting, or none came)."""
     if spare.proc.poll() is None:
         spare.proc.kill()
     spare.proc.wait()

@@ -327,14 +327,9 @@ def _physical_oom(error: BaseException, probe, rank: int) -> dict | None:
 
 def _is_oom(error: BaseException) -> bool:
     """torch's OOM, also when a caller wrapped it (Megatron re-raises some errors as RuntimeError)."""
-    import torch
+    from prism_megatron.memory.probe import oom_of
 
-    seen = error
-    while seen is not None:
-        if isinstance(seen, torch.OutOfMemoryError):
-            return True
-        seen = seen.__cause__ or seen.__context__
-    return False
+    return oom_of(error) is not None
 
 
 def _swappable_segments(cfg: LaunchConfig, rank: int):

@@ -45,6 +45,15 @@ def requested_bytes(message: str) -> int | None:
 SITE_FRAMES = 4
 
 
+def oom_of(error: BaseException) -> BaseException | None:
+    """torch's OOM behind ``error``: itself, or what a caller re-raised it as (Megatron wraps some errors in
+    RuntimeError); None if there is none."""
+    seen: BaseException | None = error
+    while seen is not None and not isinstance(seen, torch.OutOfMemoryError):
+        seen = seen.__cause__ or seen.__context__
+    return seen
+
+
 def allocation_site(error: BaseException, depth: int = SITE_FRAMES) -> list[str]:
     """Where the failing allocation was asked for: the innermost ``depth`` frames of the OOM's traceback
     that are the program's ("megatron/core/tensor_parallel/layers.py:725 (backward)"), outermost first.
@@ -56,10 +65,7 @@ def allocation_site(error: BaseException, depth: int = SITE_FRAMES) -> list[str]
     holding them), so a report names no machine's directories. Where Megatron re-raised the OOM, the
     OOM's own traceback (its cause or context) is read.
     """
-    seen: BaseException | None = error
-    while seen is not None and not isinstance(seen, torch.OutOfMemoryError):
-        seen = seen.__cause__ or seen.__context__
-    oom = seen or error
+    oom = oom_of(error) or error
     roots = sorted({str(Path(p).resolve()) for p in sys.path if p}, key=len, reverse=True)
     torch_dir = str(Path(torch.__file__).resolve().parent)
     program = [str(_PACKAGE / sub) for sub in _PROGRAM_PARTS]
