@@ -125,7 +125,8 @@ def plan_cmd(args: tuple[str, ...]) -> None:
         if o.get("prism_world_size") is None:
             raise RunError("plan needs --prism-world-size W (the target job's number of ranks) or --recipe")
         said: list[str] = []  # micro-batch folding: the plan is of the command the ranks will run
-        start_planning(request.script, request.script_args, int(o["prism_world_size"]), request.env)
+        start_planning(request.script, request.script_args, int(o["prism_world_size"]), request.env,
+                       gpus=parse_devices(o["prism_devices"]) != ["cpu"] and o["prism_device_memory"] is None)
         script_args, microbatches = choose_microbatches(
             o["prism_fold_microbatches"], request.script, request.script_args, int(o["prism_world_size"]),
             o["prism_gpus_per_node"], env=request.env, say=said.append)

@@ -51,3 +51,34 @@ def test_one_waits_only_inside_the_block_and_a_dead_one_is_replaced():
         second = coordinator_ahead._spare
         assert second is not first and second.proc.poll() is None
     assert coordinator_ahead._spare is None and second.proc.poll() is not None  # stopped on leaving the block
+
+
+def test_the_first_launch_adopts_the_coordinator_started_before_it_in_the_same_environment(tmp_path, monkeypatch):
+    """The run command starts its first launch's coordinator while it plans (``start_first``): the launch adopts
+    it (its log says so) where the environment is still the one it started in, bar what only the ranks read; a
+    variable changed since is a reason to stop it and start one for the launch."""
+    from pathlib import Path
+
+    from prism_megatron.launcher.launch import LaunchConfig, launch
+
+    programs = Path(__file__).parent / "programs"
+    monkeypatch.delenv(coordinator_ahead.EXPERT_TOKENS_ENV, raising=False)
+    coordinator_ahead.start_first()
+    spare = coordinator_ahead._spare
+    assert spare is not None and spare.proc.poll() is None
+    monkeypatch.setenv(coordinator_ahead.EXPERT_TOKENS_ENV, "translated")  # set once the fold is planned
+    assert coordinator_ahead.environ_changed(spare) == []
+    cfg = LaunchConfig(script=programs / "ring.py", world_size=2, trace_dir=tmp_path / "adopted")
+    assert launch(cfg) == 0
+    assert coordinator_ahead._spare is None
+    assert "started ahead of its job" in (cfg.log_dir / "coordinator.log").read_text()
+
+    coordinator_ahead.start_first()
+    stale = coordinator_ahead._spare
+    monkeypatch.setenv("PRISM_SPIN_GRANT_US", "7")  # a variable the coordinator's job may read
+    assert coordinator_ahead.environ_changed(stale) == ["PRISM_SPIN_GRANT_US"]
+    cfg = LaunchConfig(script=programs / "ring.py", world_size=2, trace_dir=tmp_path / "fresh")
+    assert launch(cfg) == 0
+    assert stale.proc.poll() is not None  # stopped, not adopted
+    assert "started ahead of its job" not in (cfg.log_dir / "coordinator.log").read_text()
+    assert coordinator_ahead._spare is None

@@ -676,3 +676,28 @@ def test_plan_counts_the_second_pass_in_the_serial_captures_and_the_time():
     assert on["time"]["seconds"] > off["time"]["seconds"]
     assert "4 more expected for the second pass (by --prism-fold-second-pass on; at most 4)" in on["time"]["model"]
     assert len(on["time"]["captures_s"]) == 7 and on["time"]["run_s"] == 0  # CPU: the rough model, no run cost
+
+
+def test_the_gpu_list_started_with_the_planning_is_the_one_the_plan_reads(monkeypatch):
+    """The run command starts the child that lists the GPUs (it imports torch and starts CUDA: seconds on a GPU
+    host) beside its parsing child; the plan's device-memory question then reads that child's answer instead of
+    starting another, and every later question reads the same answer."""
+    import os
+
+    from prism_megatron.launcher import config
+
+    monkeypatch.setattr(config, "_gpu_answers", {})
+    monkeypatch.setattr(config, "_gpu_queries", {})
+    started = []
+    real = config._query_child
+    monkeypatch.setattr(config, "_query_child", lambda: started.append(1) or real())
+    config.start_gpu_query()
+    config.start_gpu_query()  # one child per CUDA_VISIBLE_DEVICES
+    assert len(started) == 1
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    assert config._gpus_seen(visible) == ()  # this CPU machine has no CUDA device
+    assert len(started) == 1 and config._gpu_queries == {}
+    with pytest.raises(config.LaunchError, match="this machine has 0 CUDA device"):
+        config._check_gpus(["0"])
+    config.start_gpu_query()  # answered: nothing more to start
+    assert len(started) == 1

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import atexit
 import functools
 import ipaddress
+import json
 import os
+import subprocess
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -374,19 +378,47 @@ def inprocess_available() -> bool:
             and all(hasattr(torch._C, n) for n in ("_cuda_customAllocator", "_cuda_beginAllocateToPool")))
 
 
-@functools.lru_cache(maxsize=4)
+#: the code a child runs to list the CUDA devices it sees: (total memory in bytes, name) per device, as JSON
+_GPU_QUERY = ("import json, torch; n = torch.cuda.device_count() if torch.cuda.is_available() else 0; "
+              "print(json.dumps([[torch.cuda.get_device_properties(i).total_memory, torch.cuda.get_device_name(i)] "
+              "for i in range(n)]))")
+
+_gpu_queries: dict[str | None, subprocess.Popen] = {}  # CUDA_VISIBLE_DEVICES -> its query's child, started early
+_gpu_answers: dict[str | None, tuple[tuple[int, str], ...]] = {}  # CUDA_VISIBLE_DEVICES -> the devices it shows
+
+
+def _query_child() -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", _GPU_QUERY], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            text=True)
+
+
+def start_gpu_query() -> None:
+    """Start now the child that ``_gpus_seen`` reads for this CUDA_VISIBLE_DEVICES: it imports torch and starts
+    CUDA (seconds on a GPU host), so a caller with planning of its own to do (the run command) starts it first
+    and finds its answer ready where the plan asks for the device's memory."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible in _gpu_queries or visible in _gpu_answers:
+        return
+    _gpu_queries[visible] = child = _query_child()
+    atexit.register(lambda: child.poll() is None and child.kill())  # a run that ends before reading it
+
+
 def _gpus_seen(visible: str | None) -> tuple[tuple[int, str], ...]:
     """Every CUDA device's (total memory in bytes, name) as a child process sees them with ``visible`` as
-    CUDA_VISIBLE_DEVICES; asked once per process (a child importing torch takes seconds)."""
-    import json
-    import subprocess
-    import sys
-
-    code = ("import json, torch; n = torch.cuda.device_count() if torch.cuda.is_available() else 0; "
-            "print(json.dumps([[torch.cuda.get_device_properties(i).total_memory, torch.cuda.get_device_name(i)] "
-            "for i in range(n)]))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    return tuple((int(t), str(n)) for t, n in json.loads(out.stdout.strip() or "[]"))
+    CUDA_VISIBLE_DEVICES (this process's); asked once per process (a child importing torch takes seconds), of
+    the child ``start_gpu_query`` started where it did."""
+    if visible in _gpu_answers:
+        return _gpu_answers[visible]
+    child = _gpu_queries.pop(visible, None) or _query_child()
+    try:
+        out, _ = child.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.communicate()
+        raise LaunchError("listing this machine's CUDA devices (a child process importing torch) took over 120 s: "
+                          "the GPU or its driver does not answer") from None
+    _gpu_answers[visible] = tuple((int(t), str(n)) for t, n in json.loads(out.strip() or "[]"))
+    return _gpu_answers[visible]
 
 
 def _check_gpus(devices: list[str]) -> list[int]:

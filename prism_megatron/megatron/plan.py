@@ -432,12 +432,17 @@ def _auto_serial_moe(layout: TargetLayout, fold: FoldPlan, memory: dict[str, Any
 
 
 def start_planning(script: Any, script_args: list[str], world_size: int, env: dict[str, str] | None = None,
-                   fold: bool = True) -> None:
-    """Start the two slow parts of planning ``script script_args`` side by side: Megatron's parse of the command,
-    asked of the parsing child (which imports Megatron), and, for a fold (``fold``), the Megatron modules the
-    fold plan reads, imported here meanwhile (seconds each); the plans then find both done. A failure is left to
-    the step that needs it, which says it as before."""
+                   fold: bool = True, gpus: bool = False) -> None:
+    """Start the slow parts of planning ``script script_args`` side by side: Megatron's parse of the command,
+    asked of the parsing child (which imports Megatron), the list of this machine's GPUs where the plan will ask
+    for their memory (``gpus``; a child that imports torch and starts CUDA), and, for a fold (``fold``), the
+    Megatron modules the fold plan reads, imported here meanwhile (seconds each); the plans then find them done.
+    A failure is left to the step that needs it, which says it as before."""
     ask_megatron_args(script, list(script_args), world_size, env)
+    if gpus:
+        from prism_megatron.launcher.config import start_gpu_query
+
+        start_gpu_query()
     if fold:
         with contextlib.suppress(ImportError):
             import_megatron()

@@ -482,7 +482,11 @@ def run(request: RunRequest) -> int:
     if after.fold_microbatches != "off" or after.fold != "off":
         from prism_megatron.megatron.plan import start_planning
 
-        start_planning(cfg.script, cfg.script_args, cfg.world_size, request.env, fold=after.fold != "off")
+        start_planning(cfg.script, cfg.script_args, cfg.world_size, request.env, fold=after.fold != "off",
+                       gpus=cfg.on_gpu)
+        from prism_megatron.launcher.coordinator_ahead import start_first
+
+        start_first()  # its imports run beside the parsing child's; the first launch adopts it
     if after.fold_microbatches != "off":
         from prism_megatron.launcher.exit_codes import BAD_INPUT
         from prism_megatron.megatron.microbatch_mode import MicrobatchModeError, choose_microbatches

@@ -65,8 +65,8 @@ def main(argv: list[str] | None = None) -> None:
         fd = os.open(cfg.log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         os.dup2(fd, 2)
         os.close(fd)
-        print("prism coordinator: started ahead of its job (its imports ran while the launch before it ran)",
-              file=sys.stderr, flush=True)
+        print("prism coordinator: started ahead of its job (its imports ran while the run planned or the launch "
+              "before it ran)", file=sys.stderr, flush=True)
     lock = _receive_lock()  # noqa: F841 - held open while this process lives
     launcher_pid = cfg.launcher_pid
     if launcher_pid:
