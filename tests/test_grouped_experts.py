@@ -110,6 +110,13 @@ CHILD = textwrap.dedent("""
                              storage_numel=ws[0].untyped_storage().nbytes() // ws[0].element_size())
         return res
 
+    def ranges(m):
+        # each parameter's (start, end, bucket) in DDP's buffers, by name, and each buffer's bucket bounds
+        names = {p: n for n, p in m.module.named_parameters()}
+        bufs = list(m.buffers) + list(m.expert_parallel_buffers)
+        return dict(params={names[p]: list(r) for b in bufs for p, r in b.param_index_map.items()},
+                    buckets=[[list(x) for x in b.bucket_indices] for b in bufs])
+
     DISTOPT = dict(use_distributed_optimizer=True, overlap_grad_reduce=False, bucket_size=None)
     cases = {"fp32": (torch.float32, True), "fp32-unfused": (torch.float32, False), "bf16": (torch.bfloat16, True)}
     torch.manual_seed(0)
@@ -117,7 +124,14 @@ CHILD = textwrap.dedent("""
     states = {k: {n: t.clone() if torch.is_tensor(t) else t for n, t in m.state_dict().items()}
               for k, m in built.items()}
     refs = {k: run(built[k], dt) for k, (dt, _) in cases.items()}
-    ref_ddp = run(build(torch.float32, True, DISTOPT, states["fp32"]), torch.float32)
+    ref_ddp_model = build(torch.float32, True, DISTOPT, states["fp32"])
+    ref_ddp = run(ref_ddp_model, torch.float32)
+    ref_ranges, ref_layout = ranges(ref_ddp_model), layout(ref_ddp_model)
+    # two buckets that part a linear's experts at a boundary needing no padding (3 experts' fc1 + fc2 in the first)
+    BUCKETED = dict(DISTOPT, overlap_grad_reduce=True, bucket_size=3 * 3 * FFN * H)
+    ref_bucketed_model = build(torch.float32, True, BUCKETED, states["fp32"])
+    ref_bucketed = run(ref_bucketed_model, torch.float32)
+    ref_bucketed_ranges = ranges(ref_bucketed_model)
     ref_none = run(build(torch.float32, True, DISTOPT, states["fp32"]), torch.float32, [0] * E)
 
     OVERLAP = dict(DISTOPT, overlap_grad_reduce=True, overlap_param_gather=True)
@@ -152,7 +166,11 @@ CHILD = textwrap.dedent("""
         m = build(dt, fused, state=states[k])
         results[k] = compare(refs[k], run(m, dt)) | {"layout": layout(m)}
     m = build(torch.float32, True, DISTOPT, states["fp32"])
-    results["distopt"] = compare(ref_ddp, run(m, torch.float32)) | {"layout": layout(m)}
+    results["distopt"] = compare(ref_ddp, run(m, torch.float32)) | dict(
+        layout=layout(m), ranges=ranges(m), ref_ranges=ref_ranges, ref_layout=ref_layout)
+    m = build(torch.float32, True, BUCKETED, states["fp32"])
+    results["bucketed"] = compare(ref_bucketed, run(m, torch.float32)) | {"layout": layout(m), "ranges": ranges(m),
+                                                                          "ref_ranges": ref_bucketed_ranges}
     m = build(torch.float32, True, DISTOPT, states["fp32"])
     results["no-tokens"] = compare(ref_none, run(m, torch.float32, [0] * E))
     results["overlap"] = dict(loop=ref_overlap,
@@ -219,18 +237,46 @@ def test_activation_memory_is_the_loops(results):
         assert abs(peak - ref_peak) <= 2 * 4 * 4 + 4096, r  # plain module: each weight's .grad stays anyway
 
 
-def test_grads_land_in_main_grad_under_the_distributed_optimizers_reversed_buffer(results):
+def test_grads_land_in_main_grad_with_the_experts_ascending_in_the_distributed_optimizers_buffer(results):
+    """DDP lays its buffer out backwards, which left the experts in descending order and the grouped GEMM
+    regrouping the tokens (copies Transformer Engine never makes); the seam hands the layout each linear's
+    experts reversed in their own slots: ascending, every range and bucket bound as Megatron's without it,
+    only the experts of one linear trading slots."""
     r = results["distopt"]
-    offsets = r["layout"]["linear_fc1"]["offsets"]
-    assert offsets == sorted(offsets, reverse=True)  # DDP's buffer: the experts in reverse order
+    for name in ("linear_fc1", "linear_fc2"):
+        offsets = r["layout"][name]["offsets"]
+        assert offsets == sorted(offsets) and len(set(offsets)) == 4, (name, offsets)
+    ref, got = r["ref_ranges"], r["ranges"]
+    assert got["buckets"] == ref["buckets"]
+    assert sorted(got["params"].values()) == sorted(ref["params"].values())
+    for e in range(4):  # expert e holds the slot Megatron gave expert 3 - e
+        for name in ("linear_fc1", "linear_fc2"):
+            mine, megatrons = f"local_experts.{e}.{name}.weight", f"local_experts.{3 - e}.{name}.weight"
+            assert got["params"][mine] == ref["params"][megatrons], (mine, got["params"], ref["params"])
+    before = r["ref_layout"]["linear_fc1"]["offsets"]
+    assert before == sorted(before, reverse=True)  # Megatron's own layout: descending
     rel = 1e-5 * r["scale"]
     assert r["out"] <= rel and r["dx"] <= rel and r["dw"] <= rel, r
     assert r["empty_grad"] == 0.0
     # DDP frees each .grad into main_grad: the E weight grads of fc1 are alive at once for a moment (the loop
-    # has one), and the reversed order regroups the tokens in and out (T x H each, and the probabilities)
+    # has one); no token is regrouped (T x H each way, which the reversed order cost), and the loop's
+    # concatenation of its outputs is a copy the grouped GEMM does not make
     fc1, tokens = 2 * 40 * 64 * 4, 16 * 64 * 4
     ref_peak, peak = r["peak"]
-    assert 0 <= peak - ref_peak <= 3 * fc1 + 2 * tokens + 16 * 4 + 4096, r
+    assert -tokens - 4096 <= peak - ref_peak <= 3 * fc1 + 16 * 4 + 4096, (peak - ref_peak, r)
+
+
+def test_experts_of_one_linear_in_two_buckets_trade_slots_across_them(results):
+    """A bucket boundary between two experts of a linear that needs no padding (a uniform stride still views
+    them): the experts trade slots across it, the buffer's buckets are Megatron's, values and gradients the loop's."""
+    r = results["bucketed"]
+    ref, got = r["ref_ranges"], r["ranges"]
+    assert len(got["buckets"][0]) == 2 and got["buckets"] == ref["buckets"], got["buckets"]
+    buckets = {name: rng[2] for name, rng in got["params"].items()}
+    assert buckets["local_experts.3.linear_fc1.weight"] != buckets["local_experts.0.linear_fc1.weight"]
+    assert r["layout"]["linear_fc1"]["offsets"] == sorted(r["layout"]["linear_fc1"]["offsets"])
+    rel = 1e-5 * r["scale"]
+    assert r["out"] <= rel and r["dx"] <= rel and r["dw"] <= rel, r
 
 
 def test_a_rank_without_tokens_gets_empty_outputs_and_zero_grads(results):

@@ -306,7 +306,9 @@ def _render_grouped_experts(request: RunRequest) -> None:
     request.env[EXPERTS_ENV] = "grouped"
     rendered = "torch grouped_mm over SequentialMLP's own expert weights (--prism-experts grouped)"
     affects = ("expert compute time (one grouped GEMM per linear, as TE's, instead of one GEMM per expert); memory: a "
-               "linear's E expert weight grads alive at once for a moment (SequentialMLP: one at a time)")
+               "linear's E expert weight grads alive at once for a moment (SequentialMLP: one at a time); under the "
+               "distributed optimizer each linear's experts trade slots in DDP's buffer (ascending, so no token is "
+               "copied into their order; the same offsets and buckets)")
     for i, s in enumerate(request.substitutions):
         if s.get("setting") == "--moe-grouped-gemm":  # the recipe's entry for the target's grouped GEMM
             request.substitutions[i] = dict(s, rendered=rendered, affects=affects)

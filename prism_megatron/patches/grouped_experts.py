@@ -17,11 +17,17 @@ never a copy: it exists only where a linear's E weights lie in one storage at a 
   they are, so that layout holds.
 - With the distributed optimizer DDP moves every parameter into its contiguous buffer in reverse order
   (``params[::-1]``, each start padded to 64 values, each bucket's end to lcm(DP, 128): 0.16's
-  ``_ParamAndGradBuffer``, 0.19's ``DistributedOptimizer._compute_per_buffer_param_layout``), so a
-  linear's E weights are uniformly strided in descending expert order unless a padded bucket end falls
-  between two of them. The grouped GEMM then runs over the experts in buffer order, the tokens
-  regrouped to match (a row gather of the input and of the output; ``SequentialMLP`` concatenates its
-  outputs anyway).
+  ``_ParamAndGradBuffer``, 0.19's ``DistributedOptimizer._compute_per_buffer_param_layout``), which would
+  leave a linear's E weights in descending expert order, and the grouped GEMM would need the tokens
+  regrouped to match: a copy of the experts' input and of their output, and of their gradients in the
+  backward, that Transformer Engine's grouped GEMM never makes (on the 256-GPU Qwen3-235B layouts, 256 MiB
+  requests at the failing allocation of a class near the cap). So the seam hands that layout each linear's
+  expert weights in its own positions of the list in reverse expert order (:func:`ascending_experts`): they
+  land in ascending order, and since a linear's expert weights have one size, every offset, padding and
+  bucket boundary of the layout is Megatron's; only which expert occupies which of its linear's slots
+  differs. A layout that still leaves them in another order (another layout function) is run over the
+  experts in buffer order with the tokens regrouped, as said; a padded bucket end between two of them is
+  refused (below).
 - Any other layout (a padded bucket end between two experts, weights in separate storages) is refused
   at the call that meets it, naming the linear and why. Nothing falls back silently.
 
@@ -60,7 +66,10 @@ CHECKED = checked_versions()  # prism_megatron.megatron.versions: the supported 
 #: ``--prism-experts`` reaches the ranks as this variable ('grouped' installs the seam).
 ENV_VAR = "PRISM_EXPERTS"
 
-__all__ = ["CHECKED", "ENV_VAR", "UnsupportedExperts", "install", "stacked_view"]
+#: set on each expert weight the seam homes: (its linear's key, its expert's index), read by the layout seam
+SLOT_ATTR = "_prism_grouped_expert_slot"
+
+__all__ = ["CHECKED", "ENV_VAR", "SLOT_ATTR", "UnsupportedExperts", "ascending_experts", "install", "stacked_view"]
 
 
 class UnsupportedExperts(RuntimeError):
@@ -254,6 +263,64 @@ def _home_weights(module: Any) -> None:
             for e, p in enumerate(params):
                 home[e].copy_(p)
                 p.data = home[e]
+                setattr(p, SLOT_ATTR, (id(module), name, e))
+
+
+def ascending_experts(params: list[Any], param: Any = None) -> list[Any]:
+    """``params`` with each homed linear's expert weights (``SLOT_ATTR``) in the positions they hold, in
+    descending expert order: a layout that walks the list backwards lays them out ascending. Every other
+    item keeps its position; the list itself where none is homed. ``param``: the parameter of an item
+    (items may be (parameter, name) pairs)."""
+    param = param or (lambda item: item)
+    positions: dict[tuple, list[int]] = {}
+    for i, item in enumerate(params):
+        slot = getattr(param(item), SLOT_ATTR, None)
+        if slot is not None:
+            positions.setdefault(slot[:2], []).append(i)
+    if not positions:
+        return params
+    out = list(params)
+    for where in positions.values():
+        members = sorted((params[i] for i in where), key=lambda item: getattr(param(item), SLOT_ATTR)[2], reverse=True)
+        for i, item in zip(where, members, strict=True):
+            out[i] = item
+    return out
+
+
+def _install_layout() -> None:
+    """DDP's buffers under the distributed optimizer given ``ascending_experts`` of their parameters: the layout
+    (0.19 computes it before the buffer) and the buffer, which walks its list to assign buckets in layout order."""
+    import inspect
+
+    dopt = seam("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer", CHECKED)
+    if "_compute_per_buffer_param_layout" in vars(dopt):
+        compute = seam(dopt, "_compute_per_buffer_param_layout", CHECKED, ("params", "param_indices"))
+
+        @functools.wraps(compute)
+        def layout(params: list[Any], *args: Any, **kwargs: Any) -> Any:
+            return compute(ascending_experts(list(params)), *args, **kwargs)  # param_indices: read by parameter
+
+        dopt._compute_per_buffer_param_layout = staticmethod(layout)
+    buffer = seam("megatron.core.distributed.param_and_grad_buffer", "_ParamAndGradBuffer", CHECKED)
+    init = seam(buffer, "__init__", CHECKED, ("param_indices",))
+    signature = inspect.signature(init)
+    listed = "params_with_names" if "params_with_names" in signature.parameters else "params"  # 0.19 / 0.16
+    if listed not in signature.parameters:
+        seam(buffer, "__init__", CHECKED, ("params",))  # says the seam moved
+
+    @functools.wraps(init)
+    def __init__(*args: Any, **kwargs: Any) -> None:
+        bound = signature.bind(*args, **kwargs)
+        items = list(bound.arguments[listed])
+        param = (lambda item: item[0]) if listed == "params_with_names" else None
+        order = ascending_experts(items, param)
+        if order is not items:  # param_indices runs beside the list: the same permutation
+            index = dict(zip(map(id, items), bound.arguments["param_indices"], strict=True))
+            bound.arguments["param_indices"] = [index[id(item)] for item in order]
+            bound.arguments[listed] = order
+        init(*bound.args, **bound.kwargs)
+
+    buffer.__init__ = __init__
 
 
 @once
@@ -268,6 +335,7 @@ def install() -> None:
     mlp = seam("megatron.core.transformer.mlp", "MLP", CHECKED)
     activation = seam(mlp, "forward", CHECKED, ("hidden_states", "per_token_scale"))
     linear = _GroupedLinear.build()
+    _install_layout()
 
     @functools.wraps(original_init)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
