@@ -20,8 +20,8 @@ never a copy: it exists only where a linear's E weights lie in one storage at a 
   ``_ParamAndGradBuffer``, 0.19's ``DistributedOptimizer._compute_per_buffer_param_layout``), which would
   leave a linear's E weights in descending expert order, and the grouped GEMM would need the tokens
   regrouped to match: a copy of the experts' input and of their output, and of their gradients in the
-  backward, that Transformer Engine's grouped GEMM never makes (on the 256-GPU Qwen3-235B layouts, 256 MiB
-  requests at the failing allocation of a class near the cap). So the seam hands that layout each linear's
+  backward, that Transformer Engine's grouped GEMM never makes (a class near the cap would run out of memory
+  at an allocation the target does not have). So the seam hands that layout each linear's
   expert weights in its own positions of the list in reverse expert order (:func:`ascending_experts`): they
   land in ascending order, and since a linear's expert weights have one size, every offset, padding and
   bucket boundary of the layout is Megatron's; only which expert occupies which of its linear's slots
@@ -305,8 +305,8 @@ def _install_layout() -> None:
     init = seam(buffer, "__init__", CHECKED, ("param_indices",))
     signature = inspect.signature(init)
     listed = "params_with_names" if "params_with_names" in signature.parameters else "params"  # 0.19 / 0.16
-    if listed not in signature.parameters:
-        seam(buffer, "__init__", CHECKED, ("params",))  # says the seam moved
+    if listed not in signature.parameters:  # neither: seam() raises, naming the parameter lost
+        seam(buffer, "__init__", CHECKED, ("params",))
 
     @functools.wraps(init)
     def __init__(*args: Any, **kwargs: Any) -> None:
