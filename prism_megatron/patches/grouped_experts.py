@@ -304,9 +304,9 @@ def _install_layout() -> None:
     buffer = seam("megatron.core.distributed.param_and_grad_buffer", "_ParamAndGradBuffer", CHECKED)
     init = seam(buffer, "__init__", CHECKED, ("param_indices",))
     signature = inspect.signature(init)
-    listed = "params_with_names" if "params_with_names" in signature.parameters else "params"  # 0.19 / 0.16
-    if listed not in signature.parameters:  # neither: seam() raises, naming the parameter lost
-        seam(buffer, "__init__", CHECKED, ("params",))
+    listed = next((n for n in ("params_with_names", "params") if n in signature.parameters), None)  # 0.19, 0.16
+    if listed is None:
+        seam(buffer, "__init__", CHECKED, ("params_with_names",))  # raises SeamMoved, naming the list lost
 
     @functools.wraps(init)
     def __init__(*args: Any, **kwargs: Any) -> None:
