@@ -68,17 +68,31 @@ def test_without_prediction_sorts_last_and_text_shows_each_class(layouts):
 
 def test_an_oom_layout_shows_what_its_classes_need_not_their_headroom_at_the_failure(layouts, tmp_path):
     """An OOM capture stops at its failing request: its class's headroom then (the cap less what was reserved)
-    is no margin. The table gives the worst class's shortfall, as the verdict does; the class lines too."""
+    is no margin. Without prism's estimate of the class's peak the table gives how far past the cap its failing
+    request went (the least it needs); with one, the estimate where it is larger; the class lines too."""
     rows = compare([layouts / "pp2dp2", layouts / "oom"])
     oom = rows[1]
-    # rank 3 asked for 1 GiB with 3.5 GiB reserved under a 4 GiB cap: 512 MiB short
-    assert oom.shortfall == {"stage 1 of 2 (last)": GIB // 2}
-    assert 0 < oom.headroom["stage 1 of 2 (last)"] <= CAP - int(3.5 * GIB)
+    last = "stage 1 of 2 (last)"
+    # rank 3 asked for 1 GiB with 3.5 GiB reserved under a 4 GiB cap: 512 MiB past it
+    assert oom.excess == {last: GIB // 2} and oom.estimated == frozenset()
+    assert 0 < oom.headroom[last] <= CAP - int(3.5 * GIB)
     lines = comparison_text(rows).splitlines()
-    assert lines[2].endswith("OOM, needs up to 512.0 MiB more (stage 1 of 2 (last))")
-    assert "     stage 1 of 2 (last): out of memory, needs 512.0 MiB more than its cap" in lines
+    assert lines[2].endswith(f"OOM, failing request 512.0 MiB past the cap ({last})")
+    assert (f"     {last}: out of memory, its failing request 512.0 MiB past its cap (its capture stopped there: "
+            "the least it needs)") in lines
     assert "     stage 0 of 2 (first): headroom" in "\n".join(lines)  # the class that ran on keeps its headroom
-    assert rows[0].shortfall == {} and "fits, min headroom" in lines[1]
+    assert rows[0].excess == {} and "fits, min headroom" in lines[1]
+    # prism's estimate of the class's peak, past what the failing request reached: the estimate gives the need
+    def estimated(bytes_: int) -> dict:
+        classes = [dict(c, estimate=bytes_) if c["class"] == last else c for c in oom.report["memory"]["classes"]]
+        return dict(oom.report, memory=dict(oom.report["memory"], classes=classes))
+    big = layout_of(estimated(CAP + 3 * GIB), "big", "x")
+    assert big.excess == {last: 3 * GIB} and big.estimated == {last}
+    text = comparison_text([big])
+    assert f"OOM, needs ~3.0 GiB more ({last}, prism's estimate)" in text
+    assert f"{last}: out of memory, needs ~3.0 GiB more than its cap (prism's estimate of its peak" in text
+    small = layout_of(estimated(CAP - GIB), "small", "x")  # below the failing request: the request's figure stays
+    assert small.excess == {last: GIB // 2} and small.estimated == frozenset()
     # a request that would have fit the cap in total: fragmentation, said so
     frag = dict(oom.report, oom=[dict(oom.report["oom"][0], requested=GIB // 4)])
     text = comparison_text([layout_of(frag, "frag", "x")])

@@ -409,8 +409,9 @@ def test_the_report_of_a_serial_run_whose_classes_ran_out_of_memory_names_each_c
                                                      {"rank": 4, "trace": b, "incomplete": why.format(4)}])
     report = build_report(out)
     assert report["verdict"] == (
-        "OOM: rank 4 (last) needs 276.0 MiB more than its 1.0 GiB cap (asked for 300.0 MiB with 1000.0 MiB reserved); "
-        "rank 0 (first) needs 76.0 MiB more than its 1.0 GiB cap (asked for 200.0 MiB with 900.0 MiB reserved)")
+        "OOM: rank 4 (last) ran out of memory asking for 300.0 MiB with 1000.0 MiB allocated and 1000.0 MiB of its "
+        "1.0 GiB cap reserved; rank 0 (first) ran out of memory asking for 200.0 MiB with 900.0 MiB allocated and "
+        "900.0 MiB of its 1.0 GiB cap reserved")
     assert report["prediction"] is None and report["prediction_error"].startswith(
         "class(es) first, last ran out of memory under the target's cap (the verdict names each)")
 
@@ -821,16 +822,15 @@ def test_a_capture_that_runs_out_of_memory_is_its_class_verdict_and_the_later_ca
     assert oom["reserved"] < oom["requested"]  # the failed allocation is not counted as held
     peak = {e["rank"]: e for e in report["memory"]["ranks"]}
     assert peak[0]["oom"] and not peak[1]["oom"] and 2 * (64 << 10) <= peak[1]["max_reserved"] < cap
-    short = oom["reserved"] + oom["requested"] - cap
     last = next(c for c in report["memory"]["classes"] if c["class"] == "like rank 1")
     # the failing allocation's site: the script's own line, no frame of torch, the accountant or the launcher
     line = 1 + (PROGRAMS / "fold_oom.py").read_text().splitlines().index(
         "        kept.append(torch.ones((8 * MiB if r % 2 == 0 else 64 * 1024) // 4))")
     assert oom["where"] == [f"fold_oom.py:{line} (<module>)"]
     assert report["verdict"] == (
-        f"OOM: rank 0 (like rank 0) needs {fmt_bytes(short)} more than its {fmt_bytes(cap)} cap on 0.004 GiB (asked "
-        f"for 8.0 MiB at fold_oom.py:{line} (<module>) with {fmt_bytes(oom['reserved'])} reserved); class(es) that "
-        f"fit: like rank 1 (peak reserved "
+        f"OOM: rank 0 (like rank 0) ran out of memory on 0.004 GiB asking for 8.0 MiB at fold_oom.py:{line} "
+        f"(<module>) with {fmt_bytes(oom['allocated'])} allocated and {fmt_bytes(oom['reserved'])} of its "
+        f"{fmt_bytes(cap)} cap reserved; class(es) that fit: like rank 1 (peak reserved "
         f"{fmt_bytes(last['max_reserved'])}, headroom {fmt_bytes(last['headroom'])})")
     assert report["prediction"] is None
     assert report["prediction_error"].startswith("class(es) like rank 0 ran out of memory under the target's cap "

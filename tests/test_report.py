@@ -187,16 +187,16 @@ def test_oom_job_verdict_names_rank_and_class(tmp_path):
     # rank 3 stopped in iteration 2, the others wait forever in its all_reduce: no prediction, no crash
     assert rep["prediction"] is None
     assert "deadlock" in rep["prediction_error"]
-    assert rep["verdict"].startswith("OOM: rank 3 (stage 1 of 2 (last)) needs 512.0 MiB more than its 4.0 GiB cap")
+    # the verdict names the program's innermost frame of the failing request, and what was allocated then
+    assert rep["verdict"].startswith("OOM: rank 3 (stage 1 of 2 (last)) ran out of memory on H100 80GB asking for "
+                                     "1.0 GiB at megatron/core/transformer/mlp.py:150 (forward) with 3.0 GiB "
+                                     "allocated and 3.5 GiB of its 4.0 GiB cap reserved")
     assert "fit" not in rep["verdict"]  # the first stage's ranks ended with the job: not measured to its end
     [oom] = rep["oom"]
     assert oom == {"rank": 3, "class": "stage 1 of 2 (last)", "requested": GIB, "allocated": 3 * GIB,
                    "reserved": int(3.5 * GIB), "max_allocated": 3 * GIB, "max_reserved": int(3.5 * GIB),
                    "cap": CAP, "message": "CUDA out of memory. Tried to allocate 1.00 GiB",
                    "snapshot": "oom-rank3.pickle", "where": OOM_SITE}
-    # the verdict names the program's innermost frame of the failing request
-    assert ("(asked for 1.0 GiB at megatron/core/transformer/mlp.py:150 (forward) with 3.5 GiB reserved)"
-            in rep["verdict"])
     by_rank = {e["rank"]: e for e in rep["memory"]["ranks"]}
     assert by_rank[3]["oom"] and not by_rank[2]["oom"]
     # its iteration-1 memory mark (3.6875 GiB - 2 MiB) is larger than the OOM mark's 3.5 GiB

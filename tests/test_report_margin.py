@@ -36,6 +36,8 @@ def test_class_verdicts_within_the_margin_either_side_of_the_cap():
     # an OOM whose request size is unknown cannot be placed within a margin
     unknown = [{"class": "near oom", "requested": None, "reserved": cap - GIB}]
     assert class_verdicts(mem, unknown, 0.05, estimates)["near oom"] == OOM
+    # nor one without prism's estimate: its failing request shows only the least it needs
+    assert class_verdicts(mem, oom, 0.05, {"far oom": cap + GIB})["near oom"] == OOM
 
 
 def test_an_oom_class_is_weighed_by_its_estimate_not_only_by_its_failing_allocation():
@@ -88,7 +90,7 @@ def test_report_weighs_an_oom_class_by_the_estimate_its_trace_recorded(tmp_path)
     rep = build_report(trace)
     row = {c["class"]: c for c in rep["memory"]["classes"]}[LAST]
     assert row["verdict"] == OOM and row["estimate"] == int(CAP * 1.6)
-    assert rep["verdict"].endswith(f"prism's estimate gives the class's need: {LAST} 6.4 GiB")
+    assert rep["verdict"].endswith(f"prism's estimate gives the class's need: {LAST} 6.4 GiB (2.4 GiB past its cap)")
     set_job(trace, "memory_estimates", {"3": "lots"})
     with pytest.raises(TraceFormatError, match="job.memory_estimates"):
         build_report(trace)

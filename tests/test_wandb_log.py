@@ -373,7 +373,7 @@ def test_compare_logs_one_run_per_layout_in_a_group(tmp_path: Path):
     assert [r.run.display_name for r in runs] == ["tp2pp8", "tp1pp8"]
     assert [r.config["comparison_rank"] for r in runs] == [1, 2]
     # the comparison's memory column, as the table prints it, sorts the group's table in W&B too
-    cls, short = next(iter(fast.shortfall.items()))
-    assert runs[0].config["memory"] == f"OOM, needs up to {fmt_bytes(short)} more ({cls})"
+    cls, short = next(iter(fast.excess.items()))
+    assert runs[0].config["memory"] == f"OOM, failing request {fmt_bytes(short)} past the cap ({cls})"
     assert comparison_text([fast]).splitlines()[1].endswith(runs[0].config["memory"])
     assert runs[1].summary["prism/predicted_iteration_time_ms"] == pytest.approx(900.0)

@@ -36,7 +36,15 @@ from prism_megatron.trace.schema import stopped_by_signal
 from .classify import UNKNOWN, class_order, rank_class
 from .costing import Costing, choose_costing
 from .live import basis, timed_iterations
-from .margin import TE_SUBSTITUTION_MARGIN, WITHIN_MARGIN, class_estimates, class_verdicts, oom_classes, te_substituted
+from .margin import (
+    TE_SUBSTITUTION_MARGIN,
+    WITHIN_MARGIN,
+    class_caps,
+    class_estimates,
+    class_verdicts,
+    oom_classes,
+    te_substituted,
+)
 from .runs import merge_narrow
 from .schema import FORMAT, VERSION
 from .units import fmt_bytes, rank_ranges
@@ -138,10 +146,17 @@ def _mark_margin(report: dict[str, Any], estimates: dict[int, int]) -> None:
     if near:
         report["verdict"] += (f"; within the TE-substitution margin (peak within {margin:.0%} of the cap, "
                               f"local spec rendered for Transformer Engine): {', '.join(near)}")
-    weighed = [f"{name} {fmt_bytes(by_class[name])}" for name in sorted(dead) if name in by_class]
+    caps = class_caps(report["memory"])
+    weighed = [f"{name} {fmt_bytes(by_class[name])}" + _past(by_class[name], caps.get(name))
+               for name in sorted(dead) if name in by_class]
     if weighed:
         report["verdict"] += ("; an OOM capture stops at its failing allocation, so prism's estimate gives the "
                               f"class's need: {', '.join(weighed)}")
+
+
+def _past(need: int, cap: int | None) -> str:
+    """" (N past its cap)" where ``need`` exceeds ``cap``; "" otherwise."""
+    return f" ({fmt_bytes(need - cap)} past its cap)" if cap is not None and need > cap else ""
 
 
 def _estimates(value: Any, where: Path) -> dict[int, int]:
@@ -644,19 +659,18 @@ def _captured_in_full(fold: Fold | None) -> set[str]:
 
 def verdict(memory: dict[str, Any], oom: list[dict[str, Any]], exit5: list[int], classes: dict[int, str],
             gpu: str | None = None, complete: set[str] = frozenset()) -> str:
-    """One line: did it run out of memory (who, by how much: the worst rank first, then the worst of each other
+    """One line: did it run out of memory (who, at which request: the worst rank first, then the worst of each other
     class that did, then the ``complete`` classes, measured to the end, that fit), or does it fit (with what to
     spare)."""
     on = f" on {gpu}" if gpu else ""  # after the cap: the prefixes (OOM:, fits:) stay fixed for programs
     if oom:
-        def shortfall(e: dict) -> float:
-            short = oom_shortfall(e)
-            return float("-inf") if short is None else short
+        def held(e: dict) -> float:  # what the program held and asked for: allocated bytes repeat, reserved do not
+            return float("-inf") if e["requested"] is None else e["allocated"] + e["requested"]
 
         worst: dict[str, dict] = {}  # per class its worst rank, the worst class first
-        for e in sorted(oom, key=lambda e: (-shortfall(e), e["rank"])):
+        for e in sorted(oom, key=lambda e: (-held(e), e["rank"])):
             worst.setdefault(e["class"], e)
-        named = [_oom_words(e, shortfall(e), on) for e in worst.values()]
+        named = [_oom_words(e, on) for e in worst.values()]
         others = len({e["rank"] for e in oom} | set(exit5)) - len(worst)
         more = f"; {others} other rank(s) out of memory too" if others else ""
         dead = {e["class"] for e in oom} | {classes.get(r, UNKNOWN) for r in exit5}
@@ -686,24 +700,17 @@ def verdict(memory: dict[str, Any], oom: list[dict[str, Any]], exit5: list[int],
     return f"fits: smallest headroom {fmt_bytes(tight['headroom'])}{on} (rank {tight['rank']}, {tight['class']})"
 
 
-def oom_shortfall(e: dict[str, Any]) -> int | None:
-    """Bytes past the cap that an OOM entry's failing request would have reserved (its reserved plus the
-    request, less the cap); None where the entry recorded no request or no cap. Not positive: the cap had
-    room in total but no block was free for the request (fragmentation)."""
-    if e["requested"] is None or e["cap"] is None:
-        return None
-    return e["reserved"] + e["requested"] - e["cap"]
-
-
-def _oom_words(e: dict[str, Any], short: float, on: str) -> str:
-    """One rank's OOM in the verdict: "rank 3 (last) needs 512.0 MiB more than its 4.0 GiB cap (asked for ...)"."""
+def _oom_words(e: dict[str, Any], on: str) -> str:
+    """One rank's OOM in the verdict: "rank 3 (last) ran out of memory asking for 1.0 GiB at ... with 3.2 GiB
+    allocated and 3.5 GiB of its 4.0 GiB cap reserved". No "needs N more": the capture stopped at that request,
+    so what the class needs is not known from it (the verdict's tail gives prism's estimate), and its reserved
+    bytes, which such a figure would rest on, move between runs of one program where its allocated bytes do not
+    (docs/measurements.md)."""
     who = f"rank {e['rank']} ({e['class']})"
     at = f" at {e['where'][-1]}" if e.get("where") else ""  # the program's innermost frame
     if e["requested"] is not None and e["cap"] is not None:
-        if short > 0:
-            return (f"{who} needs {fmt_bytes(short)} more than its {fmt_bytes(e['cap'])} cap{on} "
-                    f"(asked for {fmt_bytes(e['requested'])}{at} with {fmt_bytes(e['reserved'])} reserved)")
-        return (f"{who} could not get {fmt_bytes(e['requested'])}{at} with {fmt_bytes(e['reserved'])} of its "
-                f"{fmt_bytes(e['cap'])} cap{on} reserved (fragmentation)")
+        return (f"{who} ran out of memory{on} asking for {fmt_bytes(e['requested'])}{at} with "
+                f"{fmt_bytes(e['allocated'])} allocated and {fmt_bytes(e['reserved'])} of its "
+                f"{fmt_bytes(e['cap'])} cap reserved")
     message = e["message"].strip().splitlines()[0][:160] if e["message"].strip() else "no message"
     return f"{who} ran out of memory: {message}"

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .margin import class_caps, class_needs, oom_classes
 from .schema import REPORT_FILE, ReportFormatError, read_report
 from .terminal import HOST_BOUND_SAYS_MACHINE, host_bound_share, machine_name
 from .units import fmt_bytes, fmt_rate, fmt_seconds
@@ -31,10 +32,13 @@ class Layout:
     verdict: str
     #: class -> smallest headroom of its ranks (bytes; negative: over the cap; None: no cap known)
     headroom: dict[str, int | None] = field(default_factory=dict)
-    #: class -> bytes past its cap that its worst out-of-memory rank's failing request needed (the verdict's
-    #: figure); only classes that ran out of memory with a recorded request and cap. An OOM capture stops at
-    #: its failing allocation, so such a class's headroom is what it had then, not what it needs.
-    shortfall: dict[str, int] = field(default_factory=dict)
+    #: class -> bytes by which a class that ran out of memory needs more than its cap (``margin.class_needs``:
+    #: prism's estimate of its peak where the report has one and it is the larger, else what its failing request
+    #: would have reserved); only such classes with a recorded request and cap. An OOM capture stops at its
+    #: failing allocation, so such a class's headroom is what it had then, not what it needs.
+    excess: dict[str, int] = field(default_factory=dict)
+    #: the classes of ``excess`` whose figure is prism's estimate
+    estimated: frozenset[str] = frozenset()
     #: settings the emulation could not run (setting, published, rendered, affects), from the report
     #: or the recipe named for the entry
     substitutions: tuple[dict[str, str], ...] = ()
@@ -78,34 +82,39 @@ def layout_of(report: dict[str, Any], label: str, source: str,
              or report["verdict"].startswith(("OOM", "does not fit"))),
         verdict=report["verdict"],
         headroom={c["class"]: c["headroom"] for c in report["memory"]["classes"]},
-        shortfall=_shortfalls(report["oom"]),
+        **_excess(report),
         substitutions=tuple(substitutions if substitutions is not None else report.get("substitutions") or ()),
         report=report,
     )
 
 
-def _shortfalls(oom: list[dict[str, Any]]) -> dict[str, int]:
-    """Class -> the largest shortfall of its OOM entries (``build.oom_shortfall``)."""
-    from .build import oom_shortfall
-
-    out: dict[str, int] = {}
-    for e in oom:
-        short = oom_shortfall(e)
-        if short is not None:
-            out[e["class"]] = max(short, out.get(e["class"], short))
-    return out
+def _excess(report: dict[str, Any]) -> dict[str, Any]:
+    """``excess`` and ``estimated`` of a report's Layout: its OOM classes' needs past their caps."""
+    memory, oom = report["memory"], report["oom"]
+    estimates = {c["class"]: c["estimate"] for c in memory["classes"] if c.get("estimate") is not None}
+    needs, caps = class_needs(memory, oom, estimates), class_caps(memory)
+    for e in oom:  # an entry's own cap, where its rank has no row
+        if e["cap"] is not None:
+            caps[e["class"]] = max(caps.get(e["class"], 0), e["cap"])
+    asked = {e["class"] for e in oom if e["requested"] is not None}
+    excess = {name: needs[name] - caps[name] for name in sorted(oom_classes(memory, oom) & asked)
+              if needs.get(name) is not None and name in caps}
+    estimated = frozenset(name for name in excess if estimates.get(name, -1) >= needs[name])
+    return {"excess": excess, "estimated": estimated}
 
 
 def _memory_cell(r: Layout) -> str:
-    """The table's memory column: an OOM layout's worst shortfall (a headroom there is the failing capture's
-    moment, not a margin), else the smallest headroom."""
+    """The table's memory column: an OOM layout's class that needs the most past its cap (a headroom there is
+    the failing capture's moment, not a margin), else the smallest headroom."""
     if r.oom:
-        if not r.shortfall:
+        if not r.excess:
             return "OOM"
-        cls, short = max(r.shortfall.items(), key=lambda kv: kv[1])
+        cls, short = max(r.excess.items(), key=lambda kv: kv[1])
         if short <= 0:
             return f"OOM ({cls}: fragmentation)"
-        return f"OOM, needs up to {fmt_bytes(short)} more ({cls})"
+        if cls in r.estimated:
+            return f"OOM, needs ~{fmt_bytes(short)} more ({cls}, prism's estimate)"
+        return f"OOM, failing request {fmt_bytes(short)} past the cap ({cls})"
     tight = [h for h in r.headroom.values() if h is not None]
     return "fits" + (f", min headroom {fmt_bytes(min(tight))}" if tight else "")
 
@@ -170,11 +179,15 @@ def comparison_text(rows: list[Layout]) -> str:
     for i, r in enumerate(rows, start=1):
         lines.append(f"{i}. {r.label}: {r.verdict}")
         for cls, h in r.headroom.items():
-            short = r.shortfall.get(cls)
+            short = r.excess.get(cls)
             if short is None:
                 lines.append(f"     {cls}: headroom {fmt_bytes(h)}")
+            elif short > 0 and cls in r.estimated:
+                lines.append(f"     {cls}: out of memory, needs ~{fmt_bytes(short)} more than its cap (prism's "
+                             "estimate of its peak: its capture stopped at its first failing request)")
             elif short > 0:
-                lines.append(f"     {cls}: out of memory, needs {fmt_bytes(short)} more than its cap")
+                lines.append(f"     {cls}: out of memory, its failing request {fmt_bytes(short)} past its cap (its "
+                             "capture stopped there: the least it needs)")
             else:
                 lines.append(f"     {cls}: out of memory with {fmt_bytes(-short)} of its cap free in total "
                              "(fragmentation)")

@@ -20,34 +20,50 @@ from typing import Any
 
 from prism_megatron.recipe.schema import te_substituted
 
-__all__ = ["TE_SUBSTITUTION_MARGIN", "FITS", "OOM", "WITHIN_MARGIN", "te_substituted", "class_verdicts",
-           "class_estimates", "oom_classes"]
+__all__ = ["TE_SUBSTITUTION_MARGIN", "FITS", "OOM", "WITHIN_MARGIN", "te_substituted", "class_needs", "class_caps",
+           "class_verdicts", "class_estimates", "oom_classes"]
 
 #: fraction of the target GPU's cap: |cap - peak| <= margin x cap is within the margin (docs/features.md)
 TE_SUBSTITUTION_MARGIN = 0.05
 FITS, OOM, WITHIN_MARGIN = "fits", "OOM", "within the TE-substitution margin"
 
 
-def class_verdicts(memory: dict[str, Any], oom: list[dict[str, Any]], margin: float | None,
-                   estimates: dict[str, int] | None = None) -> dict[str, str | None]:
-    """Class -> its verdict (None where no cap was set). A class's need is its worst rank's: what it
-    reserved, or, where it ran out of memory, the larger of what it reserved plus what it asked for (the
-    least it needed) and ``estimates[class]`` (prism's estimate of its peak; no estimate: the need is
-    unknown, the class plain OOM). ``margin`` None: plain fits/OOM."""
+def class_needs(memory: dict[str, Any], oom: list[dict[str, Any]],
+                estimates: dict[str, int] | None = None) -> dict[str, int | None]:
+    """Class -> what it needs (bytes): its worst rank's max reserved, or, where it ran out of memory, the
+    larger of what it reserved plus what it asked for (the least it needed: the capture stopped there) and
+    ``estimates[class]`` (prism's estimate of its peak). None where an OOM entry recorded no request."""
     estimates = estimates or {}
-    caps: dict[str, int] = {}
-    for r in memory["ranks"]:
-        if r["cap"] is not None:
-            caps[r["class"]] = max(caps.get(r["class"], 0), r["cap"])
     need: dict[str, int | None] = {c["class"]: c["max_reserved"] for c in memory["classes"]}
-    dead = oom_classes(memory, oom)
     for e in oom:
         asked = None if e["requested"] is None else e["reserved"] + e["requested"]
         have = need.get(e["class"])
         need[e["class"]] = None if asked is None else max(asked, have or 0)
-    for name in dead:
-        estimate = estimates.get(name)
-        need[name] = None if estimate is None or need.get(name) is None else max(need[name], estimate)
+    for name in oom_classes(memory, oom):
+        estimate, have = estimates.get(name), need.get(name)
+        if estimate is not None and have is not None:
+            need[name] = max(have, estimate)
+    return need
+
+
+def class_caps(memory: dict[str, Any]) -> dict[str, int]:
+    """Class -> the largest cap of its ranks (bytes); classes without a cap are left out."""
+    caps: dict[str, int] = {}
+    for r in memory["ranks"]:
+        if r["cap"] is not None:
+            caps[r["class"]] = max(caps.get(r["class"], 0), r["cap"])
+    return caps
+
+
+def class_verdicts(memory: dict[str, Any], oom: list[dict[str, Any]], margin: float | None,
+                   estimates: dict[str, int] | None = None) -> dict[str, str | None]:
+    """Class -> its verdict (None where no cap was set), judged on ``class_needs``: a class that ran out of
+    memory is OOM, or within ``margin`` (a fraction of the cap; None: plain fits/OOM) where its need is; one
+    without an estimate is plain OOM (its need is known only to pass its failing request)."""
+    estimates = estimates or {}
+    caps = class_caps(memory)
+    need = class_needs(memory, oom, estimates)
+    dead = oom_classes(memory, oom)
     out: dict[str, str | None] = {}
     for c in memory["classes"]:
         name, cap = c["class"], caps.get(c["class"])
@@ -56,7 +72,8 @@ def class_verdicts(memory: dict[str, Any], oom: list[dict[str, Any]], margin: fl
             continue
         peak = need.get(name)
         plain = OOM if name in dead or (peak is not None and peak > cap) else FITS
-        near = margin is not None and peak is not None and abs(cap - peak) <= margin * cap
+        known = name not in dead or name in estimates
+        near = margin is not None and known and peak is not None and abs(cap - peak) <= margin * cap
         out[name] = WITHIN_MARGIN if near else plain
     return out
 
