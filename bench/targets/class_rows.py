@@ -3,7 +3,9 @@
 Per class: its verdict, max allocated and max reserved (MiB; an OOM class's are its capture's up to the failing
 allocation), headroom, prism's estimate of its peak (GiB), and for a class that ran out of memory its worst rank's
 failing request, reserved + request - cap ("short"), what was allocated at the failure and the program's innermost
-frame there. Allocated bytes repeat between runs of one program; reserved bytes are the caching allocator's and do not.
+frame there; for a class that ran to its end, how far prism's estimate of its peak was from its max allocated
+(the estimate is what weighs a class that ran out). Allocated bytes repeat between runs of one program; reserved
+bytes are the caching allocator's and do not.
     python bench/targets/class_rows.py bench/targets/results/h100-2026-12-06-nocopy-*-report.json
 """
 
@@ -25,6 +27,8 @@ def class_rows(report: dict) -> list[str]:
         head = "-" if c["headroom"] is None else f"{c['headroom'] / MIB:8.1f}"
         line = (f"  {c['class']:9s} {c.get('verdict') or '-':5s} alloc {c['max_allocated'] / MIB:9.1f} "
                 f"res {c['max_reserved'] / MIB:9.1f} head {head} est {estimate}")
+        if c.get("estimate") is not None and not any(rank in ooms for rank in c["ranks"]) and c["max_allocated"]:
+            line += f" | est/alloc {100 * (c['estimate'] / c['max_allocated'] - 1):+.1f}%"  # ran to its end
         for rank in c["ranks"]:
             e = ooms.get(rank)
             if e and e["requested"] is not None and e["cap"] is not None:
