@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 
 import pytest
@@ -11,6 +12,8 @@ from test_report import CAP, GIB, OOM_SITE, make_trace
 from prism_megatron.cli import main
 from prism_megatron.report import make_report
 from prism_megatron.report.compare import compare, comparison_text, layout_of, load_report
+from prism_megatron.report.margin import WITHIN_MARGIN
+from prism_megatron.report.schema import ReportFormatError, read_report
 
 
 @pytest.fixture
@@ -93,6 +96,12 @@ def test_an_oom_layout_shows_what_its_classes_need_not_their_headroom_at_the_fai
     assert f"{last}: out of memory, needs ~3.0 GiB more than its cap (prism's estimate of its peak" in text
     small = layout_of(estimated(CAP - GIB), "small", "x")  # below the failing request: the request's figure stays
     assert small.excess == {last: GIB // 2} and small.estimated == frozenset()
+    # a class the report judged within the TE-substitution margin is said to be so beside its figure
+    near = estimated(CAP + 3 * GIB)
+    near["memory"]["classes"] = [dict(c, verdict=WITHIN_MARGIN) if c["class"] == last else c
+                                 for c in near["memory"]["classes"]]
+    assert (f"OOM, needs ~3.0 GiB more ({last}, prism's estimate; within the TE-substitution margin)"
+            in comparison_text([layout_of(near, "near", "x")]))
     # a request that would have fit the cap in total: fragmentation, said so
     frag = dict(oom.report, oom=[dict(oom.report["oom"][0], requested=GIB // 4)])
     text = comparison_text([layout_of(frag, "frag", "x")])
@@ -104,6 +113,16 @@ def test_an_oom_layout_shows_what_its_classes_need_not_their_headroom_at_the_fai
         (tmp_path / name / "report.json").rename(tmp_path / f"{name}-report.json")
     assert [r.label for r in compare([tmp_path / "oom-report.json", tmp_path / "pp2dp2-report.json"])] == [
         "pp2dp2-report", "oom-report"]
+    # a gzip-compressed copy (results kept beside the code) reads the same and is labelled alike
+    plain = tmp_path / "oom-report.json"
+    packed = tmp_path / "oom-packed-report.json.gz"
+    packed.write_bytes(gzip.compress(plain.read_bytes()))
+    [row] = compare([packed])
+    assert row.label == "oom-packed-report" and row.report == read_report(plain)
+    broken = tmp_path / "broken-report.json.gz"
+    broken.write_bytes(gzip.compress(plain.read_bytes())[:40])  # cut short
+    with pytest.raises(ReportFormatError, match="cannot be read"):
+        read_report(broken)
 
 
 def test_cli_compare(layouts):

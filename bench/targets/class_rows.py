@@ -6,7 +6,7 @@ failing request, reserved + request - cap ("short"), what was allocated at the f
 frame there; for a class that ran to its end, how far prism's estimate of its peak was from its max allocated
 (the estimate is what weighs a class that ran out). Allocated bytes repeat between runs of one program; reserved
 bytes are the caching allocator's and do not.
-    python bench/targets/class_rows.py bench/targets/results/h100-2026-12-06-nocopy-*-report.json
+    python bench/targets/class_rows.py bench/targets/results/h100-2026-12-06-nocopy-*-report.json*
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .margin import class_caps, class_needs, oom_classes
+from .margin import WITHIN_MARGIN, class_caps, class_needs, oom_classes
 from .schema import REPORT_FILE, ReportFormatError, read_report
 from .terminal import HOST_BOUND_SAYS_MACHINE, host_bound_share, machine_name
 from .units import fmt_bytes, fmt_rate, fmt_seconds
@@ -112,17 +112,23 @@ def _memory_cell(r: Layout) -> str:
         cls, short = max(r.excess.items(), key=lambda kv: kv[1])
         if short <= 0:
             return f"OOM ({cls}: fragmentation)"
+        near = "; within the TE-substitution margin" if _class_verdict(r, cls) == WITHIN_MARGIN else ""
         if cls in r.estimated:
-            return f"OOM, needs ~{fmt_bytes(short)} more ({cls}, prism's estimate)"
-        return f"OOM, failing request {fmt_bytes(short)} past the cap ({cls})"
+            return f"OOM, needs ~{fmt_bytes(short)} more ({cls}, prism's estimate{near})"
+        return f"OOM, failing request {fmt_bytes(short)} past the cap ({cls}{near})"
     tight = [h for h in r.headroom.values() if h is not None]
     return "fits" + (f", min headroom {fmt_bytes(min(tight))}" if tight else "")
+
+
+def _class_verdict(r: Layout, cls: str) -> str | None:
+    """The report's verdict of class ``cls`` (``memory.classes[].verdict``; None where it has none)."""
+    return next((c.get("verdict") for c in r.report.get("memory", {}).get("classes", ()) if c["class"] == cls), None)
 
 
 def _labels(paths: list[Path]) -> list[str]:
     """Short distinct names: a report file's own name where it is not ``report.json`` (results kept side by
     side in one folder), else its directory's, or the trace directory's."""
-    names = [p.stem if p.is_file() and p.name != REPORT_FILE
+    names = [p.name.removesuffix(".gz").removesuffix(".json") if p.is_file() and p.name != REPORT_FILE
              else (p.parent if p.is_file() else p).resolve().name or str(p) for p in paths]
     if len(set(names)) == len(names):
         return names

@@ -10,6 +10,7 @@ Sizes are bytes, times seconds. ``headroom`` is ``cap - max_reserved`` (negative
 
 from __future__ import annotations
 
+import gzip
 import json
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -27,6 +28,8 @@ VERSION = 7
 #: job.machine: null (the emulating machine not recorded).
 SUPPORTED_VERSIONS: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7)
 REPORT_FILE = "report.json"
+#: the first bytes of a gzip stream: how a compressed report is told from a plain one, whatever its name
+GZIP_MAGIC = b"\x1f\x8b"
 
 
 class ReportFormatError(ValueError):
@@ -328,15 +331,19 @@ def _null_missing(report: dict[str, Any], version: int) -> None:
 
 
 def read_report(path: str | Path) -> dict[str, Any]:
-    """Read and validate ``report.json`` (or the directory holding it)."""
+    """Read and validate ``report.json`` (or the directory holding it); a gzip-compressed copy reads the same
+    (results kept beside the code are compressed: a large job's report is mostly its timeline)."""
     path = Path(path)
     if path.is_dir():
         path = path / REPORT_FILE
     try:
-        text = path.read_text(encoding="utf-8")
+        data = path.read_bytes()
+        if data[:2] == GZIP_MAGIC:
+            data = gzip.decompress(data)
+        text = data.decode("utf-8")
     except FileNotFoundError:
         raise ReportFormatError(path, "file", "is missing") from None
-    except (OSError, UnicodeDecodeError) as e:
+    except (OSError, EOFError, UnicodeDecodeError) as e:
         raise ReportFormatError(path, "file", f"cannot be read: {e}") from e
     try:
         report = json.loads(text)
