@@ -376,7 +376,8 @@ def test_timeline_json_is_trace_events(tmp_path):
 
 def test_terminal_summary(tmp_path):
     text = summary_text(build_report(make_trace(tmp_path / "t", oom_rank=3)), width=140)
-    assert text.index("OOM: rank 3 (stage 1 of 2 (last))") < text.index("out of memory")
+    verdict_end = text.index("OOM: rank 3 (stage 1 of 2 (last))") + len("OOM: rank 3")
+    assert "\nout of memory" in text[verdict_end:]  # the verdict first, then the table of failing allocations
     assert "no prediction: the replay failed" in text
     assert "stage 0 of 2 (first)" in text and "CUDA out of memory" not in text  # its figures are the columns
     assert "megatron/core/transformer/mlp.py:150 (forward)" in text.split("asked for at")[1]
