@@ -92,10 +92,7 @@ def _excess(report: dict[str, Any]) -> dict[str, Any]:
     """``excess`` and ``estimated`` of a report's Layout: its OOM classes' needs past their caps."""
     memory, oom = report["memory"], report["oom"]
     estimates = {c["class"]: c["estimate"] for c in memory["classes"] if c.get("estimate") is not None}
-    needs, caps = class_needs(memory, oom, estimates), class_caps(memory)
-    for e in oom:  # an entry's own cap, where its rank has no row
-        if e["cap"] is not None:
-            caps[e["class"]] = max(caps.get(e["class"], 0), e["cap"])
+    needs, caps = class_needs(memory, oom, estimates), class_caps(memory, oom)
     asked = {e["class"] for e in oom if e["requested"] is not None}
     excess = {name: needs[name] - caps[name] for name in sorted(oom_classes(memory, oom) & asked)
               if needs.get(name) is not None and name in caps}
@@ -128,7 +125,7 @@ def _class_verdict(r: Layout, cls: str) -> str | None:
 def _labels(paths: list[Path]) -> list[str]:
     """Short distinct names: a report file's own name where it is not ``report.json`` (results kept side by
     side in one folder), else its directory's, or the trace directory's."""
-    names = [p.name.removesuffix(".gz").removesuffix(".json") if p.is_file() and p.name != REPORT_FILE
+    names = [Path(p.name.removesuffix(".gz")).stem if p.is_file() and p.name != REPORT_FILE
              else (p.parent if p.is_file() else p).resolve().name or str(p) for p in paths]
     if len(set(names)) == len(names):
         return names

@@ -16,6 +16,7 @@ without an estimate the need is unknown beyond the failing allocation and the cl
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from prism_megatron.recipe.schema import te_substituted
@@ -46,10 +47,11 @@ def class_needs(memory: dict[str, Any], oom: list[dict[str, Any]],
     return need
 
 
-def class_caps(memory: dict[str, Any]) -> dict[str, int]:
-    """Class -> the largest cap of its ranks (bytes); classes without a cap are left out."""
+def class_caps(memory: dict[str, Any], oom: Sequence[dict[str, Any]] = ()) -> dict[str, int]:
+    """Class -> the largest cap of its ranks and of its ``oom`` entries (an entry carries its rank's cap, where
+    that rank has no row), bytes; classes without a cap are left out."""
     caps: dict[str, int] = {}
-    for r in memory["ranks"]:
+    for r in (*memory["ranks"], *oom):
         if r["cap"] is not None:
             caps[r["class"]] = max(caps.get(r["class"], 0), r["cap"])
     return caps
