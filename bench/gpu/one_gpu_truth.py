@@ -138,6 +138,9 @@ CONFIGS = {c.name: c for c in (
            "strongly device-bound: h4096 seq2048, 2 micro-batches (~0.3 s of device time per iteration)"),
     Config("moe-bf16-mbs4-h2048", _flags(4, 2048, 16, 2048, 4, experts=8, moe_ffn=5632), 8,
            "MoE 8 local experts top-2, h2048 seq2048, 2 micro-batches (host-bound on an H200)"),
+    # an MoE job whose device time hides its experts' loop: experts of h4096 x 8192 run ~2,000 tokens each
+    Config("moe-bf16-mbs4-h4096", _flags(2, 4096, 32, 2048, 4, experts=8, moe_ffn=8192), 8,
+           "MoE 8 local experts top-2, device-bound: h4096 seq2048, 2 layers, 2 micro-batches"),
     # issue 18's job as one replica (~96 GiB): what its swapped runs predicted (bench/gpu/admission.sh) against
     # the real run and the emulation without swaps; only W = 1 fits the H200, so only by name
     Config("dense-bf16-mbs8-24l", _flags(24, 1536, 12, 2048, 8), 16,
