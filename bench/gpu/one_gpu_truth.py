@@ -605,13 +605,14 @@ def main(argv: list[str] | None = None) -> int:
             if time.monotonic() > deadline:
                 done.append({"kind": kind, "skipped": "budget"})
                 continue
-            t0 = time.monotonic()
+            t0, started = time.monotonic(), time.time()
             try:
                 result = step(kind, config_of(name), work / name, args.iters, i, args.timeout, args.real_extra,
                               args.real_extra if args.emu_extra is None else args.emu_extra)
             except (RuntimeError, subprocess.TimeoutExpired, ValueError) as e:
                 result = {"kind": kind, "error": str(e)[-1500:]}
             result["seconds"] = time.monotonic() - t0
+            result["started"] = started  # epoch seconds: where the step lies in host-cpus.csv and gpu-clocks.csv
             done.append(result)
             brief = result.get("error", "")[-300:] or " ".join(
                 f"{k}:{v['ms']:.0f}" for k, v in sorted(result.get("iterations", {}).items())) or \
