@@ -37,3 +37,18 @@ def test_a_bad_interval_is_refused_by_value(capsys, tmp_path):
     with pytest.raises(SystemExit):
         hs.main([str(tmp_path / "x.csv"), "--interval", "0"])
     assert "--interval 0.0: expected a positive number of seconds" in capsys.readouterr().err
+
+
+def test_one_gpu_truth_gives_each_step_the_mean_of_its_own_seconds(tmp_path):
+    truth = load_bench("gpu/one_gpu_truth.py")
+    csv = tmp_path / "host-cpus.csv"
+    csv.write_text("time,cpu,busy_pct,steal_pct,idle_pct,mhz\n"
+                   "100.0,all,10.0,0.0,90.0,\n100.0,0,50.0,5.0,45.0,\n"  # before the step: left out
+                   "101.0,all,20.0,1.0,79.0,\n101.0,0,90.0,9.0,1.0,\n"  # per-CPU rows: left out
+                   "102.0,all,40.0,3.0,57.0,\n"
+                   "104.0,all,80.0,0.0,20.0,\n")  # after the step: left out
+    samples = truth.host_cpus(csv)
+    assert samples == [(100.0, 10.0, 0.0), (101.0, 20.0, 1.0), (102.0, 40.0, 3.0), (104.0, 80.0, 0.0)]
+    assert truth.step_cpus({"kind": "real", "started": 100.0, "seconds": 2.5}, samples) == (30.0, 2.0)
+    assert truth.step_cpus({"kind": "real", "seconds": 2.5}, samples) is None  # recorded before steps had a start
+    assert truth.step_cpus({"kind": "real", "started": 200.0, "seconds": 2.5}, samples) is None

@@ -344,8 +344,10 @@ def replay_times(trace: Path, resolve: bool = False, **graph_kw: Any) -> dict[st
     return {"period": {it.number: it.time for it in its}, "step": {it.number: it.end - it.start for it in its}}
 
 
-def analyse_config(steps: list[dict[str, Any]], root: Path, resolve: bool = False) -> dict[str, Any]:
-    """One config's row: real repeats, each emulation's prediction and live values, the probe."""
+def analyse_config(steps: list[dict[str, Any]], root: Path, resolve: bool = False,
+                   samples: list[tuple[float, float, float]] | None = None) -> dict[str, Any]:
+    """One config's row: real repeats, each emulation's prediction and live values, the probe, and where the
+    host's CPUs were sampled, how busy and how stolen they were during each step."""
     reals = [({k: v["ms"] for k, v in s["iterations"].items()}, s.get("measured_from", WARMUP + 1)) for s in steps
              if s.get("kind", "").startswith("real") and "iterations" in s]
     medians = [statistics.median(_measured(*r)) for r in reals if _measured(*r)]
@@ -388,6 +390,8 @@ def analyse_config(steps: list[dict[str, Any]], root: Path, resolve: bool = Fals
             em["error_pct"] = (em["predicted_ms"] / row["real_ms"] - 1) * 100
         row["emulations"][s["kind"] + ("" if s["kind"] not in row["emulations"] else f"#{len(row['emulations'])}")] = em
     row["gc"] = [(s["kind"], s["gc"]) for s in steps if s.get("gc")]
+    if samples:
+        row["host_cpus"] = [(s["kind"], c) for s in steps if (c := step_cpus(s, samples)) is not None]
     probes = [s for s in steps if s.get("kind") == "probe" and "rows" in s]
     if probes:
         row["probe"] = summarise_probe(probes[0]["rows"])
@@ -411,6 +415,30 @@ def summarise_probe(rows: list[dict[str, Any]]) -> dict[str, Any]:
         if mhz:
             out[p]["sm_clock_mhz"] = statistics.median(mhz)
     return out
+
+
+def host_cpus(samples: Path) -> list[tuple[float, float, float]]:
+    """(epoch seconds, busy %, stolen %) of all the host's CPUs from ``host-cpus.csv`` (host_sampler.py)."""
+    out = []
+    with samples.open() as f:
+        next(f, None)
+        for line in f:
+            t, cpu, busy, steal, *_ = line.rstrip("\n").split(",")
+            if cpu == "all":
+                out.append((float(t), float(busy), float(steal)))
+    return out
+
+
+def step_cpus(step: dict[str, Any], samples: list[tuple[float, float, float]]) -> tuple[float, float] | None:
+    """Mean busy and stolen percent of the host's CPUs over a step's run (None: no samples, or a step without its
+    start time)."""
+    start = step.get("started")
+    if start is None or "seconds" not in step:
+        return None
+    inside = [(b, st) for t, b, st in samples if start < t <= start + step["seconds"]]
+    if not inside:
+        return None
+    return statistics.fmean(b for b, _ in inside), statistics.fmean(st for _, st in inside)
 
 
 def host_device(trace: Path, since: int = WARMUP + 1) -> dict[str, float]:
@@ -474,6 +502,9 @@ def table(report: dict[str, Any]) -> str:
                 f"{c['ms_per_iteration']:.1f} ms in {c['collections_per_iteration']:.0f} "
                 f"({c['gen2_per_iteration']:.1f} full, {c['gen2_ms_each'][:4]} ms) [{c['command'][-40:]}]"
                 for c in busiest))
+        if row.get("host_cpus"):
+            lines.append(f"{'':{w}} host CPUs per step, busy / stolen %: " + ", ".join(
+                f"{kind} {busy:.0f} / {steal:.1f}" for kind, (busy, steal) in row["host_cpus"]))
         if row.get("error"):
             lines.append(f"{'':{w}} FAILED: {row['error'][:300]}")
     mae = sum(abs(e[2]) for e in errors) / len(errors) if errors else None
@@ -490,24 +521,29 @@ def _f(x: float | None, fmt: str) -> str:
     return "-" if x is None else format(x, fmt)
 
 
-def analyse(report: dict[str, Any], root: Path, resolve: bool = False) -> str:
+def analyse(report: dict[str, Any], root: Path, resolve: bool = False, samples: Path | None = None) -> str:
+    """The table of one call's report (``root``: its traces; ``samples``: its host-cpus.csv, where kept)."""
     report["rows"] = {}
+    cpus = host_cpus(samples) if samples is not None and samples.is_file() else None
     for name, steps in report["steps"].items():
         try:
-            report["rows"][name] = analyse_config(steps, root, resolve)
+            report["rows"][name] = analyse_config(steps, root, resolve, cpus)
             report["rows"][name]["omp"] = dict(config_of(name).env).get("OMP_NUM_THREADS")
         except Exception as e:  # noqa: BLE001
             report["rows"][name] = {"error": f"{type(e).__name__}: {e}"}
     return table(report)
 
 
-def _open_run(run: Path, scratch: Path) -> tuple[dict[str, Any], Path]:
-    """(report, root of its traces) of a brought-back OUT directory or of a committed ``NAME.json`` whose
-    traces are packed in ``NAME-traces.tar.gz`` beside it (unpacked into ``scratch``)."""
+def _open_run(run: Path, scratch: Path) -> tuple[dict[str, Any], Path, Path]:
+    """(report, root of its traces, its host-cpus.csv) of a brought-back OUT directory or of a committed
+    ``NAME.json`` whose traces are packed in ``NAME-traces.tar.gz`` beside it (unpacked into ``scratch``) and
+    whose host samples are ``NAME-host-cpus.csv``."""
     if run.is_dir():
         path, packed, root = run / "one-gpu-truth.json", run / "traces.tar.gz", run
+        samples = run / "host-cpus.csv"
     else:
         path, packed, root = run, run.with_name(f"{run.stem}-traces.tar.gz"), scratch
+        samples = run.with_name(f"{run.stem}-host-cpus.csv")
     if not path.is_file():
         raise SystemExit(f"--analyse {run}: no {path.name} (an OUT directory or a result .json)")
     try:
@@ -520,7 +556,7 @@ def _open_run(run: Path, scratch: Path) -> tuple[dict[str, Any], Path]:
     if not (root / "work").exists() and packed.exists():
         with tarfile.open(packed) as tar:
             tar.extractall(root, filter="data")
-    return report, root / "work"
+    return report, root / "work", samples
 
 
 def analyse_runs(runs: list[Path], resolve: bool = False) -> str:
@@ -532,8 +568,8 @@ def analyse_runs(runs: list[Path], resolve: bool = False) -> str:
     merged: dict[str, Any] = {"steps": {}, "rows": {}}
     with tempfile.TemporaryDirectory() as scratch:
         for i, run in enumerate(runs):
-            report, work = _open_run(run, Path(scratch) / str(i))
-            text = analyse(report, work, resolve)
+            report, work, samples = _open_run(run, Path(scratch) / str(i))
+            text = analyse(report, work, resolve, samples)
             if len(runs) == 1:
                 if run.is_dir():
                     (run / "one-gpu-truth-analysed.json").write_text(json.dumps(report, indent=1))
@@ -619,7 +655,7 @@ def main(argv: list[str] | None = None) -> int:
                 " ".join(f"{r['iteration']}:{r['phase']}:{r['wall_ms']:.0f}" for r in result.get("rows", []))
             print(f"{name} {kind} ({result['seconds']:.0f} s): {brief}", flush=True)
             (out / "one-gpu-truth.json").write_text(json.dumps(report, indent=1))
-    text = analyse(report, work)
+    text = analyse(report, work, samples=out / "host-cpus.csv")
     print(text, flush=True)
     (out / "one-gpu-truth.json").write_text(json.dumps(report, indent=1))
     (out / "one-gpu-truth.txt").write_text(text + "\n")
