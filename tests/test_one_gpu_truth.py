@@ -1,0 +1,40 @@
+"""bench/gpu/one_gpu_truth.py's scoring: real repeats against an emulation, with and without its trace."""
+
+from __future__ import annotations
+
+from bench_scripts import load_bench
+
+
+def _iters(values: list[float]) -> dict[str, dict]:
+    return {str(i): {"ms": v, "note": None, "loss": "1.0", "at": float(i)} for i, v in enumerate(values, 1)}
+
+
+def test_an_emulation_without_its_trace_is_scored_by_its_live_prediction_and_marked(tmp_path):
+    truth = load_bench("gpu/one_gpu_truth.py")
+    warm = [900.0, 600.0]
+    report = {"steps": {"dense-bf16-mbs2": [
+        {"kind": "real-threads1", "iterations": _iters(warm + [200.0] * 8), "measured_from": 3},
+        {"kind": "emu1", "world": 1, "variant": "", "iterations": _iters(warm + [202.0] * 8), "measured_from": 3,
+         "trace": "dense-bf16-mbs2/trace-01-emu1"},
+        {"kind": "real-threads1", "iterations": _iters(warm + [200.0] * 8), "measured_from": 3},
+    ]}}
+    text = truth.analyse(report, tmp_path)  # no trace under tmp_path
+    em = report["rows"]["dense-bf16-mbs2"]["emulations"]["emu1"]
+    assert em["predicted_ms"] == 202.0 and em["predicted_from"] == "live"
+    assert abs(em["error_pct"] - 1.0) < 1e-9
+    assert "emu1*" in text and "traces not kept" in text
+    assert "(1 emulations): 1.00 %" in text  # two real repeats that agree: ground truth, scored
+
+
+def test_real_repeats_that_disagree_are_no_ground_truth(tmp_path):
+    truth = load_bench("gpu/one_gpu_truth.py")
+    warm = [900.0, 600.0]
+    report = {"steps": {"dense-bf16-mbs2": [
+        {"kind": "real-threads1", "iterations": _iters(warm + [200.0] * 8), "measured_from": 3},
+        {"kind": "emu1", "world": 1, "variant": "", "iterations": _iters(warm + [202.0] * 8), "measured_from": 3,
+         "trace": "dense-bf16-mbs2/trace-01-emu1"},
+        {"kind": "real-threads1", "iterations": _iters(warm + [210.0] * 8), "measured_from": 3},
+    ]}}
+    text = truth.analyse(report, tmp_path)
+    assert "(0 emulations)" in text
+    assert "not ground truth (spread" in text and "dense-bf16-mbs2 emu1 error" in text
