@@ -8,6 +8,11 @@ hidden 64, sequence 128, micro-batch 1, 8 micro-batches, fp32, one thread), so P
 dominate each iteration as the GPU's host does in the host-bound configs.
 
     python bench/rank_overhead_cpu.py [--pairs 3] [--iters 14]
+    python bench/rank_overhead_cpu.py --gc [--iters 14]
+
+``--gc``: instead, each side run twice, ``--iters`` and ``--iters`` + 16 iterations, with every garbage collection of
+every process logged (``bench/gpu/gc_census``); the difference is the collector's milliseconds and collections per
+steady iteration, the rank's (a forked rank logs into the process it was forked from) and the coordinator's apart.
 
 Needs megatron-core and Megatron-LM (MEGATRON_LM_PATH) as the driver does. Prints each run's iterations
 after the warm-up, each side's median, and emulated / plain: the emulation's own wall ("emulation took") and
@@ -41,9 +46,17 @@ WARMUP = 3  # iterations left out: the first ones build Megatron's caches on bot
 TOOK = re.compile(r"emulation took ([\d.]+)")
 
 
-def run(kind: str, iters: int, work: Path) -> dict[str, list[float]]:
-    """One run; per measured iteration: Megatron's logged ms and, emulated, the emulation's own wall."""
+GC_EXTRA = 16  # iterations the second run of a --gc side adds
+
+
+def run(kind: str, iters: int, work: Path, census: Path | None = None) -> dict[str, list[float]]:
+    """One run; per measured iteration: Megatron's logged ms and, emulated, the emulation's own wall.
+    ``census``: log every garbage collection of every process of the run there (gc_census)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", WANDB_MODE="disabled")
+    if census is not None:
+        env.update(GC_CENSUS_DIR=str(census),
+                   PYTHONPATH=os.pathsep.join(filter(None, [str(REPO / "bench" / "gpu" / "gc_census"),
+                                                            env.get("PYTHONPATH")])))
     flags = [*FLAGS, "--train-iters", str(iters)]
     if kind == "plain":
         env.update(_single(_port()))
@@ -62,11 +75,47 @@ def run(kind: str, iters: int, work: Path) -> dict[str, list[float]]:
             "wall": [float(w.group(1)) if w else r["ms"] for r, w in zip(kept, walls, strict=True)]}
 
 
+def collections(census: Path) -> dict[str, tuple[float, int]]:
+    """Per process role of a run's census: (collector milliseconds, collections); ``coordinator`` is the process
+    started as ``python -m -``, ``program`` every other (the plain process, or the launcher and the ranks it forked)."""
+    out: dict[str, tuple[float, int]] = {}
+    for f in sorted(census.glob("gc-*.txt")):
+        lines = f.read_text().splitlines()
+        role = "coordinator" if lines and lines[0].split()[1:3] == ["-m", "-"] else "program"
+        events = [ln.split() for ln in lines[1:] if ln and not ln.startswith("#")]
+        ms, n = out.get(role, (0.0, 0))
+        out[role] = (ms + sum(float(e[1]) for e in events) * 1e3, n + len(events))
+    return out
+
+
+def gc_per_iteration(iters: int, tmp: Path) -> None:
+    """Print each side's collector time and collections per steady iteration (two runs per side, see --gc)."""
+    for kind in ("plain", "emulated"):
+        short, long = (collections(_census_run(kind, n, tmp)) for n in (iters, iters + GC_EXTRA))
+        for role in sorted(long):
+            ms = (long[role][0] - short.get(role, (0.0, 0))[0]) / GC_EXTRA
+            n = (long[role][1] - short.get(role, (0.0, 0))[1]) / GC_EXTRA
+            print(f"{kind:8s} {role:11s} {ms:6.2f} ms in {n:4.1f} collections per iteration", flush=True)
+
+
+def _census_run(kind: str, iters: int, tmp: Path) -> Path:
+    census = tmp / f"gc-{kind}-{iters}"
+    run(kind, iters, tmp / f"{kind}-{iters}", census)
+    return census
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--pairs", type=int, default=3, help="plain / emulated pairs, alternating (default 3)")
     p.add_argument("--iters", type=int, default=14, help=f"iterations a run ({WARMUP} of them warm-up)")
+    p.add_argument("--gc", action="store_true", help="the collector per steady iteration on each side instead")
     a = p.parse_args(argv)
+    if a.pairs < 1 or a.iters <= WARMUP:
+        p.error(f"--pairs {a.pairs} --iters {a.iters}: expected at least 1 pair and more than {WARMUP} iterations")
+    if a.gc:
+        with tempfile.TemporaryDirectory(prefix="rank-overhead-gc-") as tmp:
+            gc_per_iteration(a.iters, Path(tmp))
+        return 0
     plain, wall, logged = [], [], []
     with tempfile.TemporaryDirectory(prefix="rank-overhead-") as tmp:
         for i in range(a.pairs):
