@@ -38,3 +38,18 @@ def test_real_repeats_that_disagree_are_no_ground_truth(tmp_path):
     text = truth.analyse(report, tmp_path)
     assert "(0 emulations)" in text
     assert "not ground truth (spread" in text and "dense-bf16-mbs2 emu1 error" in text
+
+
+def test_a_forked_real_run_is_listed_beside_the_real_runs_and_not_scored_as_one(tmp_path):
+    truth = load_bench("gpu/one_gpu_truth.py")
+    warm = [900.0, 600.0]
+    report = {"steps": {"dense-bf16-mbs2": [
+        {"kind": "real-threads1", "iterations": _iters(warm + [200.0] * 8), "measured_from": 3},
+        {"kind": "real-forked", "iterations": _iters(warm + [210.0] * 8), "measured_from": 3},
+        {"kind": "real-threads1", "iterations": _iters(warm + [200.0] * 8), "measured_from": 3},
+    ]}}
+    text = truth.analyse(report, tmp_path)
+    row = report["rows"]["dense-bf16-mbs2"]
+    assert row["real_medians_ms"] == [200.0, 200.0] and row["real_spread_pct"] == 0.0  # not pooled with the reals
+    assert row["forked"] == [210.0]
+    assert "real-forked (the driver forked from a template" in text and "210.0 ms (+5.0 % against real)" in text

@@ -22,6 +22,8 @@ without activation recompute, micro-batch 1 to 8) it runs, on GPU 0, in the orde
   the machine; scored with the plain ``emuW``, the other variants are diagnoses), ``emuW-prof`` runs the launcher
   under cProfile (``trace-NN-emuW-prof.launcher.prof`` beside the trace: where its set-up time goes;
   the ranks fork from it with the profiler on, so that step's prediction is shown but not scored);
+- ``real-forked``: ``real-threads1``'s run in a child forked from a process that imported torch and Megatron, as
+  an emulated rank is (``forked_driver.py``): a diagnosis, listed beside the real runs, not scored against;
 - ``probe``: ``one_gpu_probe.py``, a real run (no compile pool) whose iteration phases test the bias
   candidates (synchronisation at collectives, the allocator's history, sleeping at collectives, the plain
   iterations after a profiled one);
@@ -264,10 +266,11 @@ def step(kind: str, config: Config, work: Path, iters: int, index: int, timeout:
             result["gc"] = gc_census(gc_dir, t0, result["iterations"])
         return result
 
-    if kind in ("real", "real-threads1"):
+    if kind in ("real", "real-threads1", "real-forked"):
         extra = real_extra if kind == "real" else emu_extra  # no pool: the emulations' iterations
-        threads = {"TORCHINDUCTOR_COMPILE_THREADS": "1"} if kind == "real-threads1" else {}
-        text = _run([PY, str(DRIVER_SCRIPT), *config.flags, "--train-iters", str(iters + extra),
+        threads = {} if kind == "real" else {"TORCHINDUCTOR_COMPILE_THREADS": "1"}
+        forked = [str(HERE / "forked_driver.py")] if kind == "real-forked" else []
+        text = _run([PY, *forked, str(DRIVER_SCRIPT), *config.flags, "--train-iters", str(iters + extra),
                      "--global-batch-size", str(config.gbs)], work / f"{name}.log",
                     _env(**_single(_port()), **threads, **run_env), timeout)
         return counted({"kind": kind, "iterations": parse_log(text), "measured_from": WARMUP + extra + 1})
@@ -317,6 +320,12 @@ def unlike(world: int, omp: str | None) -> str | None:
     return None
 
 
+def is_truth(kind: str) -> bool:
+    """Whether a step is a real run the emulations are scored against (``real-forked`` is a diagnosis: the same
+    program forked as an emulated rank is)."""
+    return kind.split("+")[0] in ("real", "real-threads1")
+
+
 def _drift(values: list[float]) -> float:
     """How far a run's measured iterations move: the median of their second half less that of their first (ms,
     absolute). An MoE job's iterations speed up as its routing settles, so its steady state may lie past the
@@ -349,7 +358,7 @@ def analyse_config(steps: list[dict[str, Any]], root: Path, resolve: bool = Fals
     """One config's row: real repeats, each emulation's prediction and live values, the probe, and where the
     host's CPUs were sampled, how busy and how stolen they were during each step."""
     reals = [({k: v["ms"] for k, v in s["iterations"].items()}, s.get("measured_from", WARMUP + 1)) for s in steps
-             if s.get("kind", "").startswith("real") and "iterations" in s]
+             if is_truth(s.get("kind", "")) and "iterations" in s]
     medians = [statistics.median(_measured(*r)) for r in reals if _measured(*r)]
     row: dict[str, Any] = {"real_medians_ms": medians}
     if medians:
@@ -359,7 +368,7 @@ def analyse_config(steps: list[dict[str, Any]], root: Path, resolve: bool = Fals
         row["real_drift_pct"] = max((_drift(_measured(*r)) for r in reals if len(_measured(*r)) >= 4), default=None)
         if row["real_drift_pct"] is not None:
             row["real_drift_pct"] *= 100 / pooled
-        row["real_losses"] = {k: v["loss"] for k, v in next(s for s in steps if s.get("kind", "").startswith("real"))
+        row["real_losses"] = {k: v["loss"] for k, v in next(s for s in steps if is_truth(s.get("kind", "")))
                               ["iterations"].items()}
     row["emulations"] = {}
     for s in steps:
@@ -394,6 +403,9 @@ def analyse_config(steps: list[dict[str, Any]], root: Path, resolve: bool = Fals
             em["error_pct"] = (em["predicted_ms"] / row["real_ms"] - 1) * 100
         row["emulations"][s["kind"] + ("" if s["kind"] not in row["emulations"] else f"#{len(row['emulations'])}")] = em
     row["gc"] = [(s["kind"], s["gc"]) for s in steps if s.get("gc")]
+    row["forked"] = [statistics.median(m) for s in steps if s.get("kind", "").split("+")[0] == "real-forked"
+                     and "iterations" in s and (m := _measured({k: v["ms"] for k, v in s["iterations"].items()},
+                                                               s.get("measured_from", WARMUP + 1)))]
     if samples:
         row["host_cpus"] = [(s["kind"], c) for s in steps if (c := step_cpus(s, samples)) is not None]
     probes = [s for s in steps if s.get("kind") == "probe" and "rows" in s]
@@ -507,6 +519,10 @@ def table(report: dict[str, Any]) -> str:
                 f"{c['ms_per_iteration']:.1f} ms in {c['collections_per_iteration']:.0f} "
                 f"({c['gen2_per_iteration']:.1f} full, {c['gen2_ms_each'][:4]} ms) [{c['command'][-40:]}]"
                 for c in busiest))
+        if row.get("forked"):
+            lines.append(f"{'':{w}} real-forked (the driver forked from a template that imported torch and Megatron; "
+                         "not scored): " + ", ".join(f"{m:.1f} ms" + (f" ({(m / real - 1) * 100:+.1f} % against real)"
+                                                                      if real else "") for m in row["forked"]))
         if row.get("host_cpus"):
             lines.append(f"{'':{w}} host CPUs per step, busy / stolen %: " + ", ".join(
                 f"{kind} {busy:.0f} / {steal:.1f}" for kind, (busy, steal) in row["host_cpus"]))

@@ -1,0 +1,59 @@
+"""The training driver as a plain process would run it, but in a child forked from a process that imported torch and
+Megatron first, as prism's launcher template does (``prism_megatron.megatron.preload``, without its patches).
+
+An emulated rank's program ran ~5 % slower than the same program in a process of its own on host-bound configs, with
+GPU timing on or off (docs/measurements.md, runs 32-34). A forked rank's memory was laid out by another process (the
+template's imports, then copy-on-write pages); this tells whether that alone slows the program (``one_gpu_truth.py``'s
+``real-forked`` step, beside ``real-threads1``). No CUDA is started before the fork, as in the template.
+
+  python bench/gpu/forked_driver.py DRIVER_SCRIPT DRIVER-FLAGS...
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+
+import torch  # noqa: F401 - imported before the fork, as the template does
+
+from prism_megatron.megatron.megatron_lm import ensure_megatron_training
+
+ensure_megatron_training()
+# the modules the template imports (prism_megatron/megatron/preload.py)
+import megatron.core.datasets.gpt_dataset  # noqa: E402, F401
+import megatron.core.distributed  # noqa: E402, F401
+import megatron.core.models.gpt.gpt_layer_specs  # noqa: E402, F401
+import megatron.core.optimizer  # noqa: E402, F401
+import megatron.core.pipeline_parallel.schedules  # noqa: E402, F401
+import megatron.training.training  # noqa: E402, F401
+
+
+def main() -> int:
+    if len(sys.argv) < 2:
+        print("usage: forked_driver.py DRIVER_SCRIPT [FLAGS...]", file=sys.stderr)
+        return 2
+    driver, *flags = sys.argv[1:]
+    pid = os.fork()
+    if pid == 0:
+        code = 0
+        try:
+            sys.argv = [driver, *flags]
+            runpy.run_path(driver, run_name="__main__")
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        except BaseException:  # noqa: BLE001 - the child must not return into the parent's code
+            import traceback
+
+            traceback.print_exc()
+            code = 1
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
