@@ -637,3 +637,46 @@ def test_swap_auto_pins_a_device_only_for_the_peaks_iteration_2_will_reach(tmp_p
     assert verdict["on"] is False and "GPU timing stays off" in verdict["why"], verdict
     assert "expected from iteration 1 add up to 140.0 of 100.0 GiB" in verdict["why"]  # 2 x (40 + 30)
     assert sum(s["swaps_out"] for s in tr.manifest["job"]["swap"].values()) > 0
+
+
+def test_the_attribution_runs_with_the_collector_off_and_gives_it_back(monkeypatch):
+    """A profiled iteration's events become thousands of short-lived Python objects: no collection of the program's
+    heap may start among them (run 35: 26 collections an iteration in a timed rank); the collector is on again after,
+    also when reading the events fails, and stays off where the program turned it off (--manual-gc)."""
+    import gc
+
+    import torch
+
+    from prism_megatron.runtime import gpu_timing as gt
+
+    seen = []
+
+    def events():
+        seen.append(gc.isenabled())
+        return []
+
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    timer = gt.GpuSegmentTimer()
+    timer._profile = SimpleNamespace(stop=lambda: None, profiler=SimpleNamespace(
+        kineto_results=SimpleNamespace(events=events)))
+    assert gc.isenabled()
+    assert timer._attribute([gt.Closed(0.1, True, 0.1, 0.1)]) is None  # no marker kernels: lost, said
+    assert seen == [False] and gc.isenabled()
+
+    def broken():
+        raise RuntimeError("kineto")
+
+    timer._profile = SimpleNamespace(stop=lambda: None, profiler=SimpleNamespace(
+        kineto_results=SimpleNamespace(events=broken)))
+    with pytest.raises(RuntimeError, match="kineto"):
+        timer._attribute([])
+    assert gc.isenabled()
+
+    gc.disable()
+    try:
+        timer._profile = SimpleNamespace(stop=lambda: None, profiler=SimpleNamespace(
+            kineto_results=SimpleNamespace(events=events)))
+        assert timer._attribute([]) == []
+        assert seen == [False, False] and not gc.isenabled()  # the program's choice stands
+    finally:
+        gc.enable()
