@@ -680,3 +680,45 @@ def test_the_attribution_runs_with_the_collector_off_and_gives_it_back(monkeypat
         assert seen == [False, False] and not gc.isenabled()  # the program's choice stands
     finally:
         gc.enable()
+
+    # thousands of host-call events, each an Activity for a moment: not one collection among them
+    from torch.autograd import DeviceType
+
+    class Event:
+        def __init__(self, i: int) -> None:
+            self.i = i
+
+        def correlation_id(self) -> int:
+            return self.i + 1
+
+        def device_type(self):
+            return DeviceType.CPU
+
+        def name(self) -> str:
+            return "cudaLaunchKernel"
+
+        def start_thread_id(self) -> int:
+            return 1
+
+        def start_ns(self) -> int:
+            return self.i
+
+        def duration_ns(self) -> int:
+            return 1
+
+    many = [Event(i) for i in range(30_000)]
+    starts = []
+
+    def census(phase, info):
+        if phase == "start":
+            starts.append(info["generation"])
+
+    gc.callbacks.append(census)
+    try:
+        timer._profile = SimpleNamespace(stop=lambda: None, profiler=SimpleNamespace(
+            kineto_results=SimpleNamespace(events=lambda: many)))
+        assert timer._attribute([gt.Closed(0.1, True, 0.1, 0.1)]) is None
+        assert starts == []
+        assert len(gt.activities(many)) == 30_000 and starts  # the same work with the collector on collects
+    finally:
+        gc.callbacks.remove(census)
