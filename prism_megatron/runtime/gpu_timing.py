@@ -111,8 +111,8 @@ def collector_paused() -> Iterator[None]:
     program turned it off: Megatron's ``--manual-gc``). A profiled iteration's attribution turns thousands of
     profiler events into Python objects that are garbage a moment later; collected mid-way, they would cost the
     rank collections the program does not have, and those that survive one would count toward a full collection
-    of the program's whole heap later, wherever it lands (docs/measurements.md, run 35: 26 collections per
-    iteration in a GPU-timed rank, 0.8 in the real process)."""
+    of the program's whole heap later, wherever it lands (docs/measurements.md, "The collector: the rank's runtime,
+    not its program")."""
     if not gc.isenabled():
         yield
         return
@@ -425,11 +425,8 @@ class GpuSegmentTimer:
         self.stats["paired"] += len(both[0])
         return both[0]
 
+    @collector_paused()
     def _attribute(self, closed: list[Closed]) -> list[SegmentTiming] | None:
-        with collector_paused():
-            return self._attribute_events(closed)
-
-    def _attribute_events(self, closed: list[Closed]) -> list[SegmentTiming] | None:
         import torch
 
         if torch.cuda.is_initialized():
