@@ -33,7 +33,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench" / "gpu"))
-from one_gpu_truth import _port, _single, parse_log  # noqa: E402 - the truth runs' own log reading
+from one_gpu_truth import _port, _single, parse_log, read_census  # noqa: E402 - the truth runs' own readers
 
 from prism_megatron.megatron.driver import DRIVER_SCRIPT  # noqa: E402
 
@@ -80,11 +80,10 @@ def collections(census: Path) -> dict[str, tuple[float, int]]:
     started as ``python -m -``, ``program`` every other (the plain process, or the launcher and the ranks it forked)."""
     out: dict[str, tuple[float, int]] = {}
     for f in sorted(census.glob("gc-*.txt")):
-        lines = f.read_text().splitlines()
-        role = "coordinator" if lines and lines[0].split()[1:3] == ["-m", "-"] else "program"
-        events = [ln.split() for ln in lines[1:] if ln and not ln.startswith("#")]
+        command, events = read_census(f)
+        role = "coordinator" if command.split()[:2] == ["-m", "-"] else "program"
         ms, n = out.get(role, (0.0, 0))
-        out[role] = (ms + sum(float(e[1]) for e in events) * 1e3, n + len(events))
+        out[role] = (ms + sum(e[1] for e in events) * 1e3, n + len(events))
     return out
 
 

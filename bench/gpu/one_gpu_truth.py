@@ -58,6 +58,7 @@ several runs make one table and one mean error, each emulation scored against it
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import os
 import re
@@ -205,6 +206,13 @@ def parse_log(text: str) -> dict[int, dict[str, Any]]:
     return out
 
 
+def read_census(path: Path) -> tuple[str, list[tuple[float, ...]]]:
+    """A ``gc_census`` file: the process's command and its collections (start, seconds, generation, collected)."""
+    lines = path.read_text().splitlines()
+    events = [tuple(float(x) for x in ln.split()) for ln in lines[1:] if ln and not ln.startswith("#")]
+    return (lines[0][2:] if lines else ""), events
+
+
 def gc_census(directory: Path, t0: float, iterations: dict[Any, dict[str, Any]]) -> dict[str, Any]:
     """Per process of a ``+gc`` step: the collector's milliseconds and collections (all, and generation 2)
     per measured iteration, between the warm-up's last log line and the run's last (the log's times)."""
@@ -215,10 +223,9 @@ def gc_census(directory: Path, t0: float, iterations: dict[Any, dict[str, Any]])
     lo, hi, n = t0 + ends[0][1], t0 + ends[-1][1], len(ends) - 1
     out = {}
     for f in sorted(directory.glob("gc-*.txt")):
-        lines = f.read_text().splitlines()
-        events = [tuple(float(x) for x in ln.split()) for ln in lines[1:] if ln and not ln.startswith("#")]
+        command, events = read_census(f)
         inside = [e for e in events if lo <= e[0] < hi]
-        out[f.stem] = {"command": lines[0][2:] if lines else "",
+        out[f.stem] = {"command": command,
                        "ms_per_iteration": sum(e[1] for e in inside) * 1e3 / n,
                        "collections_per_iteration": len(inside) / n,
                        "gen2_per_iteration": sum(1 for e in inside if e[2] == 2) / n,
@@ -308,6 +315,11 @@ def _measured(values: dict[int, float], first: int = WARMUP + 1) -> list[float]:
     return [v for k, v in sorted((int(k), v) for k, v in values.items()) if k >= first]
 
 
+def step_ms(step: dict[str, Any]) -> list[float]:
+    """A step's logged milliseconds over its measured iterations."""
+    return _measured({k: v["ms"] for k, v in step["iterations"].items()}, step.get("measured_from", WARMUP + 1))
+
+
 def unlike(world: int, omp: str | None) -> str | None:
     """Why an emulation of ``world`` ranks is not the job its config's real runs ran, or None. torchrun gives each
     rank of a job of several processes per node one torch thread (OMP_NUM_THREADS=1; launcher.config.
@@ -357,15 +369,14 @@ def analyse_config(steps: list[dict[str, Any]], root: Path, resolve: bool = Fals
                    samples: list[tuple[float, float, float]] | None = None) -> dict[str, Any]:
     """One config's row: real repeats, each emulation's prediction and live values, the probe, and where the
     host's CPUs were sampled, how busy and how stolen they were during each step."""
-    reals = [({k: v["ms"] for k, v in s["iterations"].items()}, s.get("measured_from", WARMUP + 1)) for s in steps
-             if is_truth(s.get("kind", "")) and "iterations" in s]
-    medians = [statistics.median(_measured(*r)) for r in reals if _measured(*r)]
+    reals = [m for s in steps if is_truth(s.get("kind", "")) and "iterations" in s and (m := step_ms(s))]
+    medians = [statistics.median(r) for r in reals]
     row: dict[str, Any] = {"real_medians_ms": medians}
     if medians:
-        pooled = statistics.median([t for r in reals for t in _measured(*r)])
+        pooled = statistics.median([t for r in reals for t in r])
         row["real_ms"] = pooled
         row["real_spread_pct"] = (max(medians) - min(medians)) / pooled * 100 if len(medians) > 1 else None
-        row["real_drift_pct"] = max((_drift(_measured(*r)) for r in reals if len(_measured(*r)) >= 4), default=None)
+        row["real_drift_pct"] = max((_drift(r) for r in reals if len(r) >= 4), default=None)
         if row["real_drift_pct"] is not None:
             row["real_drift_pct"] *= 100 / pooled
         row["real_losses"] = {k: v["loss"] for k, v in next(s for s in steps if is_truth(s.get("kind", "")))
@@ -404,8 +415,7 @@ def analyse_config(steps: list[dict[str, Any]], root: Path, resolve: bool = Fals
         row["emulations"][s["kind"] + ("" if s["kind"] not in row["emulations"] else f"#{len(row['emulations'])}")] = em
     row["gc"] = [(s["kind"], s["gc"]) for s in steps if s.get("gc")]
     row["forked"] = [statistics.median(m) for s in steps if s.get("kind", "").split("+")[0] == "real-forked"
-                     and "iterations" in s and (m := _measured({k: v["ms"] for k, v in s["iterations"].items()},
-                                                               s.get("measured_from", WARMUP + 1)))]
+                     and "iterations" in s and (m := step_ms(s))]
     if samples:
         row["host_cpus"] = [(s["kind"], c) for s in steps if (c := step_cpus(s, samples)) is not None]
     probes = [s for s in steps if s.get("kind") == "probe" and "rows" in s]
@@ -435,14 +445,9 @@ def summarise_probe(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 def host_cpus(samples: Path) -> list[tuple[float, float, float]]:
     """(epoch seconds, busy %, stolen %) of all the host's CPUs from ``host-cpus.csv`` (host_sampler.py)."""
-    out = []
-    with samples.open() as f:
-        next(f, None)
-        for line in f:
-            t, cpu, busy, steal, *_ = line.rstrip("\n").split(",")
-            if cpu == "all":
-                out.append((float(t), float(busy), float(steal)))
-    return out
+    with samples.open(newline="") as f:
+        return [(float(r["time"]), float(r["busy_pct"]), float(r["steal_pct"])) for r in csv.DictReader(f)
+                if r["cpu"] == "all"]
 
 
 def step_cpus(step: dict[str, Any], samples: list[tuple[float, float, float]]) -> tuple[float, float] | None:
