@@ -11,22 +11,19 @@ template's imports, then copy-on-write pages); this tells whether that alone slo
 
 from __future__ import annotations
 
+import importlib
 import os
 import runpy
 import sys
 
 import torch  # noqa: F401 - imported before the fork, as the template does
 
+from prism_megatron.megatron.emulate import TEMPLATE_IMPORTS, TEMPLATE_TRAINING_IMPORTS
 from prism_megatron.megatron.megatron_lm import ensure_megatron_training
 
 ensure_megatron_training()
-# the modules the template imports (prism_megatron/megatron/preload.py)
-import megatron.core.datasets.gpt_dataset  # noqa: E402, F401
-import megatron.core.distributed  # noqa: E402, F401
-import megatron.core.models.gpt.gpt_layer_specs  # noqa: E402, F401
-import megatron.core.optimizer  # noqa: E402, F401
-import megatron.core.pipeline_parallel.schedules  # noqa: E402, F401
-import megatron.training.training  # noqa: E402, F401
+for module in (*TEMPLATE_IMPORTS, *TEMPLATE_TRAINING_IMPORTS):  # the driver runs Megatron-LM's trainer
+    importlib.import_module(module)
 
 
 def main() -> int:

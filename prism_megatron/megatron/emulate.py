@@ -7,7 +7,15 @@ import os
 from prism_megatron.megatron import cpu_mode
 from prism_megatron.megatron.megatron_lm import ensure_megatron_training, training_available
 
-__all__ = ["install_patches", "install_rendering_patches", "rank_setup", "uses_training"]
+__all__ = ["TEMPLATE_IMPORTS", "TEMPLATE_TRAINING_IMPORTS", "install_patches", "install_rendering_patches",
+           "rank_setup", "uses_training"]
+
+#: what the launcher's template imports before it forks the ranks (``megatron.preload``): forked ranks share these
+#: pages, so each starts in milliseconds; the trainer's only where the ranks run it (:func:`uses_training`)
+TEMPLATE_IMPORTS = ("megatron.core.datasets.gpt_dataset", "megatron.core.distributed",
+                    "megatron.core.models.gpt.gpt_layer_specs", "megatron.core.optimizer",
+                    "megatron.core.pipeline_parallel.schedules")
+TEMPLATE_TRAINING_IMPORTS = ("megatron.training", "megatron.training.training")
 
 
 def uses_training() -> bool:

@@ -8,6 +8,7 @@ enabled first - before Megatron's import-time code runs - and the forks inherit 
 
 from __future__ import annotations
 
+import importlib
 import warnings
 
 from prism_megatron.megatron import cpu_mode
@@ -17,20 +18,17 @@ with warnings.catch_warnings():  # import-time notes (no apex, no TE...) once, n
     warnings.simplefilter("ignore")
     if not cpu_mode.cpu_mode_active() and not cpu_mode._gpu_present():
         cpu_mode.enable_cpu_mode()
-    from prism_megatron.megatron.emulate import install_patches, uses_training
+    from prism_megatron.megatron.emulate import (
+        TEMPLATE_IMPORTS,
+        TEMPLATE_TRAINING_IMPORTS,
+        install_patches,
+        uses_training,
+    )
 
     _training = uses_training()  # False: the megatron.core-only driver; the trainer is never imported
     if _training:
         ensure_megatron_training()
-
-    import megatron.core.datasets.gpt_dataset  # noqa: F401
-    import megatron.core.distributed  # noqa: F401
-    import megatron.core.models.gpt.gpt_layer_specs  # noqa: F401
-    import megatron.core.optimizer  # noqa: F401
-    import megatron.core.pipeline_parallel.schedules  # noqa: F401
-
-    if _training:
-        import megatron.training  # noqa: F401
-        import megatron.training.training  # noqa: F401
+    for _module in (*TEMPLATE_IMPORTS, *(TEMPLATE_TRAINING_IMPORTS if _training else ())):
+        importlib.import_module(_module)
 
     install_patches(_training)
