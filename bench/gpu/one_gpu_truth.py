@@ -366,9 +366,11 @@ def replay_times(trace: Path, resolve: bool = False, **graph_kw: Any) -> dict[st
 
 
 def analyse_config(steps: list[dict[str, Any]], root: Path, resolve: bool = False,
-                   samples: list[tuple[float, float, float]] | None = None) -> dict[str, Any]:
+                   samples: list[tuple[float, float, float]] | None = None,
+                   threads: tuple[dict[int, dict[str, Any]], list] | None = None) -> dict[str, Any]:
     """One config's row: real repeats, each emulation's prediction and live values, the probe, and where the
-    host's CPUs were sampled, how busy and how stolen they were during each step."""
+    host's CPUs and the Python processes' threads were sampled, how busy and how stolen the CPUs were during each
+    step and what its busiest threads did per iteration."""
     reals = [m for s in steps if is_truth(s.get("kind", "")) and "iterations" in s and (m := step_ms(s))]
     medians = [statistics.median(r) for r in reals]
     row: dict[str, Any] = {"real_medians_ms": medians}
@@ -418,6 +420,8 @@ def analyse_config(steps: list[dict[str, Any]], root: Path, resolve: bool = Fals
                      and "iterations" in s and (m := step_ms(s))]
     if samples:
         row["host_cpus"] = [(s["kind"], c) for s in steps if (c := step_cpus(s, samples)) is not None]
+    if threads:
+        row["threads"] = [(s["kind"], t) for s in steps if (t := step_threads(s, threads)) is not None]
     probes = [s for s in steps if s.get("kind") == "probe" and "rows" in s]
     if probes:
         row["probe"] = summarise_probe(probes[0]["rows"])
@@ -460,6 +464,71 @@ def step_cpus(step: dict[str, Any], samples: list[tuple[float, float, float]]) -
     if not inside:
         return None
     return statistics.fmean(b for b, _ in inside), statistics.fmean(st for _, st in inside)
+
+
+def host_threads(path: Path) -> tuple[dict[int, dict[str, Any]], list[tuple[float, dict[tuple[int, int], list]]]]:
+    """``host-threads.jsonl`` (thread_sampler.py): {pid: its first-sight line} and, in time order, (epoch
+    seconds, {(pid, tid): [pid, tid, comm, on_cpu_ns, runqueue_ns, voluntary, involuntary, last_cpu]}) of the
+    threads whose counters moved."""
+    procs: dict[int, dict[str, Any]] = {}
+    samples = []
+    lines = path.read_text().splitlines()
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            d = json.loads(line)
+        except json.JSONDecodeError as e:
+            if n == len(lines):  # the sampler was killed mid-line
+                break
+            raise SystemExit(f"{path}:{n}: not JSON ({e})") from None
+        if "cmd" in d:
+            procs[d["pid"]] = d
+        else:
+            samples.append((d["t"], {(r[0], r[1]): r for r in d["threads"]}))
+    return procs, samples
+
+
+def step_threads(step: dict[str, Any], threads: tuple[dict[int, dict[str, Any]], list], top: int = 3
+                 ) -> dict[str, Any] | None:
+    """The busiest threads over a step's measured iterations (the warm-up's last log line to the run's last):
+    per thread its time on a CPU and runnable but waiting for one (ms per iteration, from the log lines' wall
+    time per iteration), its voluntary (it blocked) and involuntary (preempted) switches per iteration and the
+    CPUs it was seen on. None where the step has no log times or fewer than two samples fall in the window."""
+    procs, samples = threads
+    first = step.get("measured_from", WARMUP + 1) - 1
+    ats = sorted((int(k), v["at"]) for k, v in (step.get("iterations") or {}).items()
+                 if v.get("at") is not None and int(k) >= first)
+    if len(ats) < 2 or "started" not in step:
+        return None
+    lo, hi = step["started"] + ats[0][1], step["started"] + ats[-1][1]
+    wall_ms = (ats[-1][1] - ats[0][1]) * 1e3 / (ats[-1][0] - ats[0][0])
+    inside = [i for i, (t, _) in enumerate(samples) if lo <= t <= hi]
+    if len(inside) < 2:
+        return None
+    state: dict[tuple[int, int], list] = {}
+    for _, rows in samples[:inside[0] + 1]:
+        state.update(rows)
+    before = dict(state)
+    cpus: dict[tuple[int, int], set[int]] = {}
+    for _, rows in samples[inside[0] + 1:inside[-1] + 1]:
+        state.update(rows)
+        for key, r in rows.items():
+            cpus.setdefault(key, set()).add(r[7])
+    per_it = wall_ms / ((samples[inside[-1]][0] - samples[inside[0]][0]) * 1e3)  # count over the samples -> per it.
+    out = []
+    for key, r in state.items():
+        b = before.get(key, [*r[:3], 0, 0, 0, 0, r[7]])
+        on_ms = (r[3] - b[3]) / 1e6 * per_it
+        if on_ms <= 0:
+            continue
+        out.append({"pid": r[0], "tid": r[1], "comm": r[2], "main": r[0] == r[1],
+                    "cmd": procs.get(r[0], {}).get("cmd", "")[-60:],
+                    "on_cpu_ms": on_ms, "runqueue_ms": (r[4] - b[4]) / 1e6 * per_it if r[4] >= 0 else None,
+                    "voluntary": (r[5] - b[5]) * per_it, "involuntary": (r[6] - b[6]) * per_it,
+                    "cpus": sorted(cpus.get(key, {r[7]}))})
+    out.sort(key=lambda x: -x["on_cpu_ms"])
+    return {"wall_ms": wall_ms, "threads": out[:top]}
 
 
 def host_device(trace: Path, since: int = WARMUP + 1) -> dict[str, float]:
@@ -531,6 +600,11 @@ def table(report: dict[str, Any]) -> str:
         if row.get("host_cpus"):
             lines.append(f"{'':{w}} host CPUs per step, busy / stolen %: " + ", ".join(
                 f"{kind} {busy:.0f} / {steal:.1f}" for kind, (busy, steal) in row["host_cpus"]))
+        for kind, t in row.get("threads") or []:
+            lines.append(f"{'':{w}} {kind} threads, per iteration of {t['wall_ms']:.1f} ms wall: " + "; ".join(
+                f"{x['tid']}{' (main)' if x['main'] else ''} {x['comm']}: on a CPU {x['on_cpu_ms']:.1f} ms, "
+                f"runnable {_f(x['runqueue_ms'], '.1f')} ms, {x['voluntary']:.0f} blocked / "
+                f"{x['involuntary']:.0f} preempted, CPUs {','.join(map(str, x['cpus']))}" for x in t["threads"]))
         if row.get("error"):
             lines.append(f"{'':{w}} FAILED: {row['error'][:300]}")
     mae = sum(abs(e[2]) for e in errors) / len(errors) if errors else None
@@ -550,29 +624,32 @@ def _f(x: float | None, fmt: str) -> str:
     return "-" if x is None else format(x, fmt)
 
 
-def analyse(report: dict[str, Any], root: Path, resolve: bool = False, samples: Path | None = None) -> str:
-    """The table of one call's report (``root``: its traces; ``samples``: its host-cpus.csv, where kept)."""
+def analyse(report: dict[str, Any], root: Path, resolve: bool = False, samples: Path | None = None,
+            threads: Path | None = None) -> str:
+    """The table of one call's report (``root``: its traces; ``samples``: its host-cpus.csv, ``threads``: its
+    host-threads.jsonl, where kept)."""
     report["rows"] = {}
     cpus = host_cpus(samples) if samples is not None and samples.is_file() else None
+    tasks = host_threads(threads) if threads is not None and threads.is_file() else None
     for name, steps in report["steps"].items():
         try:
-            report["rows"][name] = analyse_config(steps, root, resolve, cpus)
+            report["rows"][name] = analyse_config(steps, root, resolve, cpus, tasks)
             report["rows"][name]["omp"] = dict(config_of(name).env).get("OMP_NUM_THREADS")
         except Exception as e:  # noqa: BLE001
             report["rows"][name] = {"error": f"{type(e).__name__}: {e}"}
     return table(report)
 
 
-def _open_run(run: Path, scratch: Path) -> tuple[dict[str, Any], Path, Path]:
-    """(report, root of its traces, its host-cpus.csv) of a brought-back OUT directory or of a committed
-    ``NAME.json`` whose traces are packed in ``NAME-traces.tar.gz`` beside it (unpacked into ``scratch``) and
-    whose host samples are ``NAME-host-cpus.csv``."""
+def _open_run(run: Path, scratch: Path) -> tuple[dict[str, Any], Path, Path, Path]:
+    """(report, root of its traces, its host-cpus.csv, its host-threads.jsonl) of a brought-back OUT directory or
+    of a committed ``NAME.json`` whose traces are packed in ``NAME-traces.tar.gz`` beside it (unpacked into
+    ``scratch``) and whose host samples are ``NAME-host-cpus.csv`` and ``NAME-host-threads.jsonl``."""
     if run.is_dir():
         path, packed, root = run / "one-gpu-truth.json", run / "traces.tar.gz", run
-        samples = run / "host-cpus.csv"
+        samples, threads = run / "host-cpus.csv", run / "host-threads.jsonl"
     else:
         path, packed, root = run, run.with_name(f"{run.stem}-traces.tar.gz"), scratch
-        samples = run.with_name(f"{run.stem}-host-cpus.csv")
+        samples, threads = run.with_name(f"{run.stem}-host-cpus.csv"), run.with_name(f"{run.stem}-host-threads.jsonl")
     if not path.is_file():
         raise SystemExit(f"--analyse {run}: no {path.name} (an OUT directory or a result .json)")
     try:
@@ -585,7 +662,7 @@ def _open_run(run: Path, scratch: Path) -> tuple[dict[str, Any], Path, Path]:
     if not (root / "work").exists() and packed.exists():
         with tarfile.open(packed) as tar:
             tar.extractall(root, filter="data")
-    return report, root / "work", samples
+    return report, root / "work", samples, threads
 
 
 def analyse_runs(runs: list[Path], resolve: bool = False) -> str:
@@ -597,8 +674,8 @@ def analyse_runs(runs: list[Path], resolve: bool = False) -> str:
     merged: dict[str, Any] = {"steps": {}, "rows": {}}
     with tempfile.TemporaryDirectory() as scratch:
         for i, run in enumerate(runs):
-            report, work, samples = _open_run(run, Path(scratch) / str(i))
-            text = analyse(report, work, resolve, samples)
+            report, work, samples, threads = _open_run(run, Path(scratch) / str(i))
+            text = analyse(report, work, resolve, samples, threads)
             if len(runs) == 1:
                 if run.is_dir():
                     (run / "one-gpu-truth-analysed.json").write_text(json.dumps(report, indent=1))
@@ -684,7 +761,7 @@ def main(argv: list[str] | None = None) -> int:
                 " ".join(f"{r['iteration']}:{r['phase']}:{r['wall_ms']:.0f}" for r in result.get("rows", []))
             print(f"{name} {kind} ({result['seconds']:.0f} s): {brief}", flush=True)
             (out / "one-gpu-truth.json").write_text(json.dumps(report, indent=1))
-    text = analyse(report, work, samples=out / "host-cpus.csv")
+    text = analyse(report, work, samples=out / "host-cpus.csv", threads=out / "host-threads.jsonl")
     print(text, flush=True)
     (out / "one-gpu-truth.json").write_text(json.dumps(report, indent=1))
     (out / "one-gpu-truth.txt").write_text(text + "\n")

@@ -8,7 +8,8 @@
 # Writes $OUT/one-gpu-truth.{json,txt} and $OUT/traces.tar.gz; BUDGET (seconds, default 420) stops new steps;
 # $OUT/gpu-clocks.csv: the GPU's SM and memory clocks, power, temperature and throttle reasons every 0.5 s, to set
 # beside the runs' timestamped iterations (a real run's iterations switch between two steady levels);
-# $OUT/host-cpus.csv: each second, how busy and how stolen this machine's CPUs were (bench/gpu/host_sampler.py).
+# $OUT/host-cpus.csv: each second, how busy and how stolen this machine's CPUs were (bench/gpu/host_sampler.py);
+# $OUT/host-threads.jsonl: each second, every Python thread's time on a CPU, runnable and its switches (thread_sampler.py).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH} CUDA_DEVICE_MAX_CONNECTIONS=1 WANDB_MODE=disabled
@@ -20,7 +21,8 @@ python3 -c "import torch, megatron.core as m; print('torch', torch.__version__, 
 nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active \
   --format=csv -lms 500 > "$out/gpu-clocks.csv" 2>/dev/null & sampler=$!
 python3 bench/gpu/host_sampler.py "$out/host-cpus.csv" & cpus=$!
+python3 bench/gpu/thread_sampler.py "$out/host-threads.jsonl" & threads=$!
 python3 bench/gpu/one_gpu_truth.py --out "$out" --budget "${BUDGET:-420}" "$@"
 rc=$?
-kill "$sampler" "$cpus" 2>/dev/null
+kill "$sampler" "$cpus" "$threads" 2>/dev/null
 exit "$rc"
