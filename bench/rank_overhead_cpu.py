@@ -8,7 +8,12 @@ hidden 64, sequence 128, micro-batch 1, 8 micro-batches, fp32, one thread), so P
 dominate each iteration as the GPU's host does in the host-bound configs.
 
     python bench/rank_overhead_cpu.py [--pairs 3] [--iters 14]
+    python bench/rank_overhead_cpu.py --threads [--pairs 3] [--iters 14]
     python bench/rank_overhead_cpu.py --gc [--iters 14]
+
+``--threads``: each run's busiest thread (the program's main thread) sampled every 0.25 s by
+``bench/gpu/thread_sampler.py``: its time on a CPU per measured iteration against the wall, so a side that computes
+longer (the code itself slower) is told from one that waits longer (preempted on this shared machine, or blocked).
 
 ``--gc``: instead, each side run twice, ``--iters`` and ``--iters`` + 16 iterations, with every garbage collection of
 every process logged (``bench/gpu/gc_census``); the difference is the collector's milliseconds and collections per
@@ -28,12 +33,22 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench" / "gpu"))
-from one_gpu_truth import _port, _single, parse_log, read_census  # noqa: E402 - the truth runs' own readers
+from one_gpu_truth import (  # noqa: E402 - the truth runs' own readers
+    _port,
+    _run,
+    _single,
+    host_threads,
+    parse_log,
+    read_census,
+    step_threads,
+)
 
 from prism_megatron.megatron.driver import DRIVER_SCRIPT  # noqa: E402
 
@@ -49,8 +64,9 @@ TOOK = re.compile(r"emulation took ([\d.]+)")
 GC_EXTRA = 16  # iterations the second run of a --gc side adds
 
 
-def run(kind: str, iters: int, work: Path, census: Path | None = None) -> dict[str, list[float]]:
-    """One run; per measured iteration: Megatron's logged ms and, emulated, the emulation's own wall.
+def run(kind: str, iters: int, work: Path, census: Path | None = None) -> dict[str, Any]:
+    """One run; per measured iteration: Megatron's logged ms and, emulated, the emulation's own wall; and the run
+    as a one_gpu_truth step (its start, its timestamped iterations) for ``step_threads``.
     ``census``: log every garbage collection of every process of the run there (gc_census)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", WANDB_MODE="disabled")
     if census is not None:
@@ -65,14 +81,18 @@ def run(kind: str, iters: int, work: Path, census: Path | None = None) -> dict[s
         cmd = [sys.executable, "-m", "prism_megatron", "run", "--prism-emulate", "--prism-world-size", "1",
                "--prism-devices", "cpu", "--prism-report", "off", "--prism-trace-dir", str(work / f"trace-{kind}"),
                str(DRIVER_SCRIPT), *flags]
-    out = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
-    lines = parse_log(out.stdout + out.stderr)
-    if out.returncode or not lines:
-        raise SystemExit(f"{kind}: exit {out.returncode}, {len(lines)} iteration lines:\n{out.stderr[-2000:]}")
+    started = time.time()
+    try:
+        lines = parse_log(_run(cmd, work / f"{kind}.log", env, 600))
+    except (RuntimeError, subprocess.TimeoutExpired) as e:
+        raise SystemExit(f"{kind}: {e}") from None
+    if not lines:
+        raise SystemExit(f"{kind}: no iteration lines in {work / f'{kind}.log'}")
     kept = [lines[i] for i in sorted(lines) if i > WARMUP]
     walls = [TOOK.search(r["note"] or "") for r in kept]  # plain: Megatron's own figure is the wall
     return {"logged": [r["ms"] for r in kept],
-            "wall": [float(w.group(1)) if w else r["ms"] for r, w in zip(kept, walls, strict=True)]}
+            "wall": [float(w.group(1)) if w else r["ms"] for r, w in zip(kept, walls, strict=True)],
+            "step": {"kind": kind, "started": started, "iterations": lines, "measured_from": WARMUP + 1}}
 
 
 def collections(census: Path) -> dict[str, tuple[float, int]]:
@@ -108,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pairs", type=int, default=3, help="plain / emulated pairs, alternating (default 3)")
     p.add_argument("--iters", type=int, default=14, help=f"iterations a run ({WARMUP} of them warm-up)")
     p.add_argument("--gc", action="store_true", help="the collector per steady iteration on each side instead")
+    p.add_argument("--threads", action="store_true",
+                   help="also each run's busiest thread: time on a CPU per iteration against the wall")
     a = p.parse_args(argv)
     if a.pairs < 1 or a.iters <= WARMUP:
         p.error(f"--pairs {a.pairs} --iters {a.iters}: expected at least 1 pair and more than {WARMUP} iterations")
@@ -116,22 +138,42 @@ def main(argv: list[str] | None = None) -> int:
             gc_per_iteration(a.iters, Path(tmp))
         return 0
     plain, wall, logged = [], [], []
+    on_cpu: dict[str, list[float]] = {"plain": [], "emulated": []}
     with tempfile.TemporaryDirectory(prefix="rank-overhead-") as tmp:
-        for i in range(a.pairs):
-            for kind in ("plain", "emulated"):
-                r = run(kind, a.iters, Path(tmp) / str(i))
-                med = statistics.median(r["wall"])
-                print(f"{kind:8s} run {i + 1}: median {med:7.1f} ms  ({' '.join(f'{x:.0f}' for x in r['wall'])})",
-                      flush=True)
-                if kind == "plain":
-                    plain.append(med)
-                else:
-                    wall.append(med)
-                    logged.append(statistics.median(r["logged"]))
+        sampler = subprocess.Popen([sys.executable, str(REPO / "bench" / "gpu" / "thread_sampler.py"),
+                                    str(Path(tmp) / "threads.jsonl"), "--interval", "0.25"]) if a.threads else None
+        try:
+            for i in range(a.pairs):
+                for kind in ("plain", "emulated"):
+                    r = run(kind, a.iters, Path(tmp) / str(i))
+                    med = statistics.median(r["wall"])
+                    line = f"{kind:8s} run {i + 1}: median {med:7.1f} ms  ({' '.join(f'{x:.0f}' for x in r['wall'])})"
+                    if sampler is not None:
+                        time.sleep(0.6)  # the sampler's next line holds the run's end
+                        busiest = step_threads(r["step"], host_threads(Path(tmp) / "threads.jsonl"), top=1)
+                        if busiest:
+                            t = busiest["threads"][0]
+                            on_cpu[kind].append(t["on_cpu_ms"])
+                            line += (f"; busiest thread {t['comm']}: on a CPU {t['on_cpu_ms']:.1f} ms of "
+                                     f"{busiest['wall_ms']:.1f} per iteration, runnable {t['runqueue_ms']:.1f}, "
+                                     f"{t['voluntary']:.0f} blocked / {t['involuntary']:.0f} preempted")
+                    print(line, flush=True)
+                    if kind == "plain":
+                        plain.append(med)
+                    else:
+                        wall.append(med)
+                        logged.append(statistics.median(r["logged"]))
+        finally:
+            if sampler is not None:
+                sampler.kill()
+                sampler.wait()
     p_med, w_med, l_med = statistics.median(plain), statistics.median(wall), statistics.median(logged)
     print(f"plain {p_med:.1f} ms (runs {min(plain):.1f}-{max(plain):.1f}); emulated wall {w_med:.1f} ms "
           f"(runs {min(wall):.1f}-{max(wall):.1f}), ratio {w_med / p_med:.3f}; its prediction {l_med:.1f} ms, "
           f"ratio {l_med / p_med:.3f}")
+    if on_cpu["plain"] and on_cpu["emulated"]:
+        cp, ce = statistics.median(on_cpu["plain"]), statistics.median(on_cpu["emulated"])
+        print(f"busiest thread on a CPU per iteration: plain {cp:.1f} ms, emulated {ce:.1f} ms, ratio {ce / cp:.3f}")
     return 0
 
 

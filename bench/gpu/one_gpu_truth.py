@@ -21,7 +21,8 @@ without activation recompute, micro-batch 1 to 8) it runs, on GPU 0, in the orde
   (one live replica stands for the W: Phase 2's answer, which ``auto`` gives only where the W do not fit
   the machine; scored with the plain ``emuW``, the other variants are diagnoses), ``emuW-prof`` runs the launcher
   under cProfile (``trace-NN-emuW-prof.launcher.prof`` beside the trace: where its set-up time goes;
-  the ranks fork from it with the profiler on, so that step's prediction is shown but not scored);
+  the ranks fork from it with the profiler on, so that step's prediction is shown but not scored), ``emuW-exec``
+  starts each rank as a fresh interpreter instead of a fork of the launcher's template (``PRISM_RANK_START=exec``);
 - ``real-forked``: ``real-threads1``'s run in a child forked from a process that imported torch and Megatron, as
   an emulated rank is (``forked_driver.py``): a diagnosis, listed beside the real runs, not scored against;
 - ``probe``: ``one_gpu_probe.py``, a real run (no compile pool) whose iteration phases test the bias
@@ -288,7 +289,7 @@ def step(kind: str, config: Config, work: Path, iters: int, index: int, timeout:
              _env(**_single(_port()), PROBE_OUT=str(probe_out), TORCHINDUCTOR_COMPILE_THREADS="1", **run_env),
              timeout)  # no compile pool: its start-up slows the first ~25 s, the whole probe (as real-threads1)
         return {"kind": kind, "rows": json.loads(probe_out.read_text())}
-    m = re.fullmatch(r"emu(\d+)(?:-(keep|teardown|off|spin|prof|fold))?", kind)
+    m = re.fullmatch(r"emu(\d+)(?:-(keep|teardown|off|spin|prof|fold|exec))?", kind)
     if not m:
         raise ValueError(f"unknown step {kind!r}")
     world, variant = int(m.group(1)), m.group(2) or ""
@@ -296,7 +297,8 @@ def step(kind: str, config: Config, work: Path, iters: int, index: int, timeout:
     shutil.rmtree(trace, ignore_errors=True)
     extra = {"keep": {"TEARDOWN_CUPTI": "0"}, "teardown": {"TEARDOWN_CUPTI": "1"},
              # each rank on a core of its own, spinning 3 ms for its grant: its core stays awake, as a real rank's
-             "spin": {"PRISM_PIN_CORES": "1", "PRISM_SPIN_GRANT_US": "3000"}}.get(variant, {})
+             "spin": {"PRISM_PIN_CORES": "1", "PRISM_SPIN_GRANT_US": "3000"},
+             "exec": {"PRISM_RANK_START": "exec"}}.get(variant, {})  # each rank a fresh interpreter, not a fork
     prof = ["-m", "cProfile", "-o", f"{trace}.launcher.prof"] if variant == "prof" else []
     cmd = [PY, *prof, "-m", "prism_megatron", "run", "--prism-emulate", "--prism-world-size", str(world),
            "--prism-devices", "0", "--prism-trace-dir", str(trace), "--prism-report", "off",
@@ -707,7 +709,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--configs", default=",".join(c.name for c in CONFIGS.values() if c.default),
                    help="comma-separated config names")
     p.add_argument("--plan", default="", help="'config:step,step,...;config:...' (steps: real, probe, "
-                   "emuW[-keep|-teardown|-off|-spin|-fold])")
+                   "emuW[-keep|-teardown|-off|-spin|-fold|-exec])")
     p.add_argument("--iters", type=int, default=8, help=f"iterations per run ({WARMUP} of them warm-up)")
     p.add_argument("--real-extra", type=int, default=30,
                    help="iterations a real run makes beyond --iters before the ones measured (steady state)")
