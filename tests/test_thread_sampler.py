@@ -25,6 +25,15 @@ def test_stat_and_status_are_read_whatever_the_thread_calls_itself():
     assert ts.parse_switches(STATUS) == (812, 9)
 
 
+def test_only_python_interpreters_are_sampled_not_shells_that_mention_one():
+    ts = load_bench("gpu/thread_sampler.py")
+    assert ts.is_python(["/usr/bin/python3.12", "-m", "prism_megatron"])
+    assert ts.is_python(["python", "x.py"])
+    assert not ts.is_python(["bash", "-c", "python3 x.py"])
+    assert not ts.is_python(["timeout", "600", "python3"])
+    assert not ts.is_python([])
+
+
 def test_the_sampler_sees_a_busy_python_thread_and_refuses_a_bad_interval(tmp_path, capsys):
     ts = load_bench("gpu/thread_sampler.py")
     with pytest.raises(SystemExit):

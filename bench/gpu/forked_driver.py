@@ -16,7 +16,11 @@ import os
 import runpy
 import sys
 
-import torch  # noqa: F401 - imported before the fork, as the template does
+# the launcher's own setting (prism_megatron.launcher): torch asks NVML, not CUDA, whether a GPU is there, so the
+# imports below start no CUDA and the fork can use it
+os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+
+import torch  # noqa: E402, F401 - imported before the fork, as the template does
 
 from prism_megatron.megatron.emulate import TEMPLATE_IMPORTS, TEMPLATE_TRAINING_IMPORTS
 from prism_megatron.megatron.megatron_lm import ensure_megatron_training

@@ -7,8 +7,8 @@ configurations, GPU timing on or off (docs/measurements.md, runs 32-34), and per
 code itself is slower there) or waits longer (blocked on a lock, the GIL or the device: more voluntary
 switches; or runnable behind another thread: run-queue time). The kernel keeps both per thread. Every
 ``--interval`` seconds this writes one JSON line: ``{"t": epoch, "threads": [[pid, tid, comm, on_cpu_ns,
-runqueue_ns, voluntary, involuntary, last_cpu], ...]}`` for each thread of a Python process (cmdline
-containing ``python``; not this one) whose counters moved since the last line; a process seen for the first
+runqueue_ns, voluntary, involuntary, last_cpu], ...]}`` for each thread of a Python process (its
+executable named ``python...``; not this one) whose counters moved since the last line; a process seen for the first
 time gets a line ``{"t", "pid", "ppid", "cmd"}`` first. Counters are cumulative (``/proc/PID/task/TID/
 schedstat`` and ``status``; where schedstat is missing, ``stat``'s utime + stime in clock ticks, and no
 run-queue time).
@@ -62,6 +62,11 @@ def read_thread(task: Path) -> tuple[str, int, int, int, int, int, int] | None:
     return comm, ppid, on_cpu_ns, runqueue_ns, vol, invol, cpu
 
 
+def is_python(argv: list[str]) -> bool:
+    """Whether a command line runs a Python interpreter (not a shell whose script mentions one)."""
+    return bool(argv) and Path(argv[0]).name.startswith("python")
+
+
 def python_pids(proc: Path = Path("/proc"), me: int | None = None) -> dict[int, str]:
     """{pid: command line} of the Python processes (not ``me``)."""
     me = os.getpid() if me is None else me
@@ -70,11 +75,11 @@ def python_pids(proc: Path = Path("/proc"), me: int | None = None) -> dict[int, 
         if not entry.name.isdigit() or int(entry.name) == me:
             continue
         try:
-            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+            argv = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
         except OSError:
             continue
-        if "python" in cmd:
-            out[int(entry.name)] = cmd
+        if is_python(argv):
+            out[int(entry.name)] = " ".join(a for a in argv if a)
     return out
 
 
