@@ -25,6 +25,9 @@ without activation recompute, micro-batch 1 to 8) it runs, on GPU 0, in the orde
   starts each rank as a fresh interpreter instead of a fork of the launcher's template (``PRISM_RANK_START=exec``);
 - ``real-forked``: ``real-threads1``'s run in a child forked from a process that imported torch and Megatron, as
   an emulated rank is (``forked_driver.py``): a diagnosis, listed beside the real runs, not scored against;
+  ``real-spans``: ``real-threads1``'s run with each micro-batch's forward and backward timed where a rank's trace
+  marks them (``spans_driver.py``): the table splits its iterations, and every emulation's, into forward, backward
+  and the rest (a diagnosis, not scored against);
 - ``probe``: ``one_gpu_probe.py``, a real run (no compile pool) whose iteration phases test the bias
   candidates (synchronisation at collectives, the allocator's history, sleeping at collectives, the plain
   iterations after a profiled one);
@@ -162,6 +165,12 @@ def _variant(name: str) -> tuple[tuple[str, ...], tuple[tuple[str, str], ...]] |
     return ((), (("OMP_NUM_THREADS", m.group(1)),)) if m else VARIANTS.get(name)
 
 
+def microbatches(config: Config) -> int:
+    """Micro-batches per iteration of one replica: the global batch over the micro-batch."""
+    flags = list(config.flags)
+    return config.gbs // int(flags[flags.index("--micro-batch-size") + 1])
+
+
 def config_of(name: str) -> Config:
     """``NAME`` or ``NAME+VARIANT``: a config of CONFIGS, with the variant's flags added."""
     base, _, variant = name.partition("+")
@@ -274,14 +283,19 @@ def step(kind: str, config: Config, work: Path, iters: int, index: int, timeout:
             result["gc"] = gc_census(gc_dir, t0, result["iterations"])
         return result
 
-    if kind in ("real", "real-threads1", "real-forked"):
+    if kind in ("real", "real-threads1", "real-forked", "real-spans"):
         extra = real_extra if kind == "real" else emu_extra  # no pool: the emulations' iterations
         threads = {} if kind == "real" else {"TORCHINDUCTOR_COMPILE_THREADS": "1"}
-        forked = [str(HERE / "forked_driver.py")] if kind == "real-forked" else []
-        text = _run([PY, *forked, str(DRIVER_SCRIPT), *config.flags, "--train-iters", str(iters + extra),
+        wrapper = {"real-forked": [str(HERE / "forked_driver.py")],
+                   "real-spans": [str(HERE / "spans_driver.py")]}.get(kind, [])
+        spans = work / f"{name}.spans.json"
+        text = _run([PY, *wrapper, str(DRIVER_SCRIPT), *config.flags, "--train-iters", str(iters + extra),
                      "--global-batch-size", str(config.gbs)], work / f"{name}.log",
-                    _env(**_single(_port()), **threads, **run_env), timeout)
-        return counted({"kind": kind, "iterations": parse_log(text), "measured_from": WARMUP + extra + 1})
+                    _env(**_single(_port()), **threads, **run_env, SPANS_OUT=str(spans)), timeout)
+        result = {"kind": kind, "iterations": parse_log(text), "measured_from": WARMUP + extra + 1}
+        if kind == "real-spans":
+            result["spans"] = json.loads(spans.read_text())
+        return counted(result)
     if kind == "probe":
         probe_out = work / f"{name}.json"
         _run([PY, str(HERE / "one_gpu_probe.py"), *config.flags, "--train-iters", str(PROBE_ITERATIONS),
@@ -369,10 +383,12 @@ def replay_times(trace: Path, resolve: bool = False, **graph_kw: Any) -> dict[st
 
 def analyse_config(steps: list[dict[str, Any]], root: Path, resolve: bool = False,
                    samples: list[tuple[float, float, float]] | None = None,
-                   threads: tuple[dict[int, dict[str, Any]], list] | None = None) -> dict[str, Any]:
+                   threads: tuple[dict[int, dict[str, Any]], list] | None = None,
+                   microbatches: int = 1) -> dict[str, Any]:
     """One config's row: real repeats, each emulation's prediction and live values, the probe, and where the
     host's CPUs and the Python processes' threads were sampled, how busy and how stolen the CPUs were during each
-    step and what its busiest threads did per iteration."""
+    step and what its busiest threads did per iteration; ``microbatches`` per iteration splits a ``real-spans``
+    run's spans into its iterations."""
     reals = [m for s in steps if is_truth(s.get("kind", "")) and "iterations" in s and (m := step_ms(s))]
     medians = [statistics.median(r) for r in reals]
     row: dict[str, Any] = {"real_medians_ms": medians}
@@ -401,6 +417,7 @@ def analyse_config(steps: list[dict[str, Any]], root: Path, resolve: bool = Fals
                     for key, per in times.items():
                         em[f"{label}{key}_ms"] = {k: v * 1e3 for k, v in per.items()}
                 em["host_device"] = host_device(trace, s.get("measured_from", WARMUP + 1))
+                em["spans"] = trace_spans(trace, s.get("measured_from", WARMUP + 1))
             except Exception as e:  # noqa: BLE001 - one broken trace must not hide the others
                 em["error"] = f"{type(e).__name__}: {e}"
         first = s.get("measured_from", WARMUP + 1)
@@ -418,6 +435,8 @@ def analyse_config(steps: list[dict[str, Any]], root: Path, resolve: bool = Fals
             em["error_pct"] = (em["predicted_ms"] / row["real_ms"] - 1) * 100
         row["emulations"][s["kind"] + ("" if s["kind"] not in row["emulations"] else f"#{len(row['emulations'])}")] = em
     row["gc"] = [(s["kind"], s["gc"]) for s in steps if s.get("gc")]
+    row["spans"] = [(s["kind"], sp) for s in steps if s.get("kind") == "real-spans" and "iterations" in s
+                    and (sp := real_spans(s, microbatches)) is not None]
     row["forked"] = [statistics.median(m) for s in steps if s.get("kind", "").split("+")[0] == "real-forked"
                      and "iterations" in s and (m := step_ms(s))]
     if samples:
@@ -553,6 +572,52 @@ def host_device(trace: Path, since: int = WARMUP + 1) -> dict[str, float]:
             "device_ms": statistics.median(devices) * 1e3}
 
 
+def _split(iteration_ms: list[float], forward: list[list[float]], backward: list[list[float]]) -> dict[str, float]:
+    """Medians over iterations of the forward spans' sum, the backward spans' sum and the rest of the iteration."""
+    return {"forward_ms": statistics.median(sum(f) for f in forward),
+            "backward_ms": statistics.median(sum(b) for b in backward),
+            "rest_ms": statistics.median(t - sum(f) - sum(b) for t, f, b in zip(iteration_ms, forward, backward,
+                                                                                  strict=True)),
+            "iterations": len(iteration_ms)}
+
+
+def real_spans(step: dict[str, Any], microbatches: int) -> dict[str, float] | None:
+    """A ``real-spans`` run's iteration split into its forward and backward spans (spans_driver.py) and the rest,
+    over its measured iterations: each iteration's spans are the next ``microbatches`` of each kind."""
+    forward = [d * 1e3 for name, _, d in step.get("spans") or [] if name == "forward"]
+    backward = [d * 1e3 for name, _, d in step.get("spans") or [] if name == "backward"]
+    its = sorted((int(k), v["ms"]) for k, v in step["iterations"].items() if int(k) >= step["measured_from"])
+    its = [(k, ms) for k, ms in its if k * microbatches <= min(len(forward), len(backward))]
+    if not its:
+        return None
+    cut = [slice((k - 1) * microbatches, k * microbatches) for k, _ in its]
+    return _split([ms for _, ms in its], [forward[c] for c in cut], [backward[c] for c in cut])
+
+
+def trace_spans(trace: Path, since: int = WARMUP + 1) -> dict[str, float] | None:
+    """Rank 0's iterations (compute clock) split as ``real_spans`` splits a real run's: the forward and backward
+    marks' compute-clock spans (the program's time, the runtime's own left out) and the rest."""
+    from prism_megatron.trace import read_trace
+
+    marks = [m for m in read_trace(trace).marks.to_pylist() if m["rank"] == 0]
+    its = [m for m in marks if m["name"] == "iteration"]
+    iteration_ms, forward, backward = [], [], []
+    for b, e in list(zip(its[0::2], its[1::2], strict=False))[since - 1:]:
+        inside = [m for m in marks if b["compute_clock"] <= m["compute_clock"] <= e["compute_clock"]
+                  and m["name"] in ("forward", "backward")]
+        spans: dict[str, list[float]] = {"forward": [], "backward": []}
+        begun: dict[str, float] = {}
+        for m in inside:
+            if m["phase"] == "B":
+                begun[m["name"]] = m["compute_clock"]
+            elif m["name"] in begun:
+                spans[m["name"]].append((m["compute_clock"] - begun.pop(m["name"])) * 1e3)
+        iteration_ms.append((e["compute_clock"] - b["compute_clock"]) * 1e3)
+        forward.append(spans["forward"])
+        backward.append(spans["backward"])
+    return _split(iteration_ms, forward, backward) if iteration_ms else None
+
+
 def table(report: dict[str, Any]) -> str:
     """The text table: per config the real median and spread, per emulation the prediction and error."""
     w = max([32, *(len(n) for n in report["rows"])])
@@ -595,6 +660,11 @@ def table(report: dict[str, Any]) -> str:
                 f"{c['ms_per_iteration']:.1f} ms in {c['collections_per_iteration']:.0f} "
                 f"({c['gen2_per_iteration']:.1f} full, {c['gen2_ms_each'][:4]} ms) [{c['command'][-40:]}]"
                 for c in busiest))
+        split = [(k, sp) for k, sp in row.get("spans") or []] + [
+            (k, em["spans"]) for k, em in (row.get("emulations") or {}).items() if em.get("spans")]
+        if split:
+            lines.append(f"{'':{w}} per iteration, forward / backward spans / the rest (ms, medians): " + ", ".join(
+                f"{k} {sp['forward_ms']:.1f} / {sp['backward_ms']:.1f} / {sp['rest_ms']:.1f}" for k, sp in split))
         if row.get("forked"):
             lines.append(f"{'':{w}} real-forked (the driver forked from a template that imported torch and Megatron; "
                          "not scored): " + ", ".join(f"{m:.1f} ms" + (f" ({(m / real - 1) * 100:+.1f} % against real)"
@@ -635,7 +705,7 @@ def analyse(report: dict[str, Any], root: Path, resolve: bool = False, samples: 
     tasks = host_threads(threads) if threads is not None and threads.is_file() else None
     for name, steps in report["steps"].items():
         try:
-            report["rows"][name] = analyse_config(steps, root, resolve, cpus, tasks)
+            report["rows"][name] = analyse_config(steps, root, resolve, cpus, tasks, microbatches(config_of(name)))
             report["rows"][name]["omp"] = dict(config_of(name).env).get("OMP_NUM_THREADS")
         except Exception as e:  # noqa: BLE001
             report["rows"][name] = {"error": f"{type(e).__name__}: {e}"}

@@ -1,0 +1,64 @@
+"""The training driver as a plain process runs it, with each micro-batch's forward and backward timed where an
+emulated rank's trace marks them (``prism_megatron.patches.schedules``: Megatron's ``forward_step`` and
+``backward_step``), so the real program's time splits as the rank's does.
+
+An emulated rank's iterations ran ~5 % longer than the real program's on host-bound configs, GPU timing on or off
+(docs/measurements.md, runs 32-34); the whole iteration cannot say whether the forward, the backward (the autograd
+engine's thread on a GPU) or what lies between them (the optimizer, the data, the loss) is slower in the rank. The
+spans are host wall time (the kernels they queue run on), as a one-clock rank's segments are. At exit it writes
+``$SPANS_OUT`` (JSON): ``[[name, seconds from the first span, duration in seconds], ...]`` in the order they began.
+
+  SPANS_OUT=spans.json python bench/gpu/spans_driver.py DRIVER_SCRIPT DRIVER-FLAGS...
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import runpy
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from prism_megatron.patches import schedules
+from prism_megatron.trace import markers
+
+
+class _Timed:
+    """A marker sink that keeps each span's start and duration (the two spans never nest)."""
+
+    def __init__(self) -> None:
+        self.spans: list[list[Any]] = []
+        self._open: dict[str, float] = {}
+        self._t0: float | None = None
+
+    def record_mark(self, name: str, phase: str, attrs: dict[str, Any]) -> None:
+        now = time.perf_counter()
+        if self._t0 is None:
+            self._t0 = now
+        if phase == "B":
+            self._open[name] = now
+        elif phase == "E" and name in self._open:
+            start = self._open.pop(name)
+            self.spans.append([name, start - self._t0, now - start])
+
+
+def main() -> int:
+    out = os.environ.get("SPANS_OUT")
+    if len(sys.argv) < 2 or not out:
+        print("usage: SPANS_OUT=FILE spans_driver.py DRIVER_SCRIPT [FLAGS...]", file=sys.stderr)
+        return 2
+    driver, *flags = sys.argv[1:]
+    sink = _Timed()
+    schedules.install()
+    markers.set_sink(sink)
+    atexit.register(lambda: Path(out).write_text(json.dumps(sink.spans)))  # also where the driver exits itself
+    sys.argv = [driver, *flags]
+    runpy.run_path(driver, run_name="__main__")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
