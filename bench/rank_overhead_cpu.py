@@ -21,12 +21,15 @@ steady iteration, the rank's (a forked rank logs into the process it was forked 
 
 Needs megatron-core and Megatron-LM (MEGATRON_LM_PATH) as the driver does. Prints each run's iterations
 after the warm-up, each side's median, and emulated / plain: the emulation's own wall ("emulation took") and
-its prediction (Megatron's logged value).
+its prediction (Megatron's logged value); and each run's program time per iteration split into its micro-batches'
+forward and backward spans and the rest (the plain side through ``bench/gpu/spans_driver.py``, the emulated from
+its trace's compute clock), with emulated / plain per part.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import statistics
@@ -47,7 +50,9 @@ from one_gpu_truth import (  # noqa: E402 - the truth runs' own readers
     host_threads,
     parse_log,
     read_census,
+    real_spans,
     step_threads,
+    trace_spans,
 )
 
 from prism_megatron.megatron.driver import DRIVER_SCRIPT  # noqa: E402
@@ -58,6 +63,7 @@ FLAGS = ("--num-layers 16 --hidden-size 64 --num-attention-heads 4 --ffn-hidden-
          "--no-gradient-accumulation-fusion --no-persist-layer-norm --no-rope-fusion --log-interval 1 "
          "--eval-iters 0 --eval-interval 1000 --num-workers 0").split()
 WARMUP = 3  # iterations left out: the first ones build Megatron's caches on both sides
+MICROBATCHES = 8  # per iteration: FLAGS' global batch over its micro-batch
 TOOK = re.compile(r"emulation took ([\d.]+)")
 
 
@@ -74,9 +80,10 @@ def run(kind: str, iters: int, work: Path, census: Path | None = None) -> dict[s
                    PYTHONPATH=os.pathsep.join(filter(None, [str(REPO / "bench" / "gpu" / "gc_census"),
                                                             env.get("PYTHONPATH")])))
     flags = [*FLAGS, "--train-iters", str(iters)]
+    spans = work / "plain.spans.json"
     if kind == "plain":
-        env.update(_single(_port()))
-        cmd = [sys.executable, str(DRIVER_SCRIPT), *flags]
+        env.update(_single(_port()), SPANS_OUT=str(spans))
+        cmd = [sys.executable, str(REPO / "bench" / "gpu" / "spans_driver.py"), str(DRIVER_SCRIPT), *flags]
     else:
         cmd = [sys.executable, "-m", "prism_megatron", "run", "--prism-emulate", "--prism-world-size", "1",
                "--prism-devices", "cpu", "--prism-report", "off", "--prism-trace-dir", str(work / f"trace-{kind}"),
@@ -92,7 +99,10 @@ def run(kind: str, iters: int, work: Path, census: Path | None = None) -> dict[s
     walls = [TOOK.search(r["note"] or "") for r in kept]  # plain: Megatron's own figure is the wall
     return {"logged": [r["ms"] for r in kept],
             "wall": [float(w.group(1)) if w else r["ms"] for r, w in zip(kept, walls, strict=True)],
-            "step": {"kind": kind, "started": started, "iterations": lines, "measured_from": WARMUP + 1}}
+            "step": {"kind": kind, "started": started, "iterations": lines, "measured_from": WARMUP + 1},
+            "split": real_spans({"iterations": lines, "measured_from": WARMUP + 1,
+                                 "spans": json.loads(spans.read_text())}, MICROBATCHES) if kind == "plain"
+            else trace_spans(work / f"trace-{kind}", WARMUP + 1)}
 
 
 def collections(census: Path) -> dict[str, tuple[float, int]]:
@@ -139,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     plain, wall, logged = [], [], []
     on_cpu: dict[str, list[float]] = {"plain": [], "emulated": []}
+    split: dict[str, list[dict[str, float]]] = {"plain": [], "emulated": []}
     with tempfile.TemporaryDirectory(prefix="rank-overhead-") as tmp:
         sampler = subprocess.Popen([sys.executable, str(REPO / "bench" / "gpu" / "thread_sampler.py"),
                                     str(Path(tmp) / "threads.jsonl"), "--interval", "0.25"]) if a.threads else None
@@ -148,6 +159,11 @@ def main(argv: list[str] | None = None) -> int:
                     r = run(kind, a.iters, Path(tmp) / str(i))
                     med = statistics.median(r["wall"])
                     line = f"{kind:8s} run {i + 1}: median {med:7.1f} ms  ({' '.join(f'{x:.0f}' for x in r['wall'])})"
+                    if r["split"]:
+                        sp = r["split"]
+                        split[kind].append(sp)
+                        line += (f"; program {sp['iteration_ms']:.1f} = forward {sp['forward_ms']:.1f} + backward "
+                                 f"{sp['backward_ms']:.1f} + the rest {sp['rest_ms']:.1f}")
                     if sampler is not None:
                         time.sleep(0.6)  # the sampler's next line holds the run's end
                         busiest = step_threads(r["step"], host_threads(Path(tmp) / "threads.jsonl"), top=1)
@@ -171,6 +187,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"plain {p_med:.1f} ms (runs {min(plain):.1f}-{max(plain):.1f}); emulated wall {w_med:.1f} ms "
           f"(runs {min(wall):.1f}-{max(wall):.1f}), ratio {w_med / p_med:.3f}; its prediction {l_med:.1f} ms, "
           f"ratio {l_med / p_med:.3f}")
+    if split["plain"] and split["emulated"]:
+        part = {k: {f: statistics.median(sp[f] for sp in v) for f in ("forward_ms", "backward_ms", "rest_ms")}
+                for k, v in split.items()}
+        print("emulated / plain, medians over the runs: " + ", ".join(
+            f"{f[:-3]} {part['emulated'][f] / part['plain'][f]:.3f}" for f in ("forward_ms", "backward_ms", "rest_ms")))
     if on_cpu["plain"] and on_cpu["emulated"]:
         cp, ce = statistics.median(on_cpu["plain"]), statistics.median(on_cpu["emulated"])
         print(f"busiest thread on a CPU per iteration: plain {cp:.1f} ms, emulated {ce:.1f} ms, ratio {ce / cp:.3f}")

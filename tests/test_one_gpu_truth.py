@@ -64,6 +64,7 @@ def test_a_real_spans_run_splits_each_measured_iteration_into_forward_backward_a
             "iterations": {str(k): {"ms": 10.0 * k} for k in (1, 2, 3, 4, 5)}}  # iteration 5 has no spans: left out
     got = truth.real_spans(step, 2)
     assert got["iterations"] == 2  # iterations 3 and 4
+    assert got["iteration_ms"] == pytest.approx(35.0)
     assert got["forward_ms"] == pytest.approx(7.0)  # medians of 2x3 and 2x4
     assert got["backward_ms"] == pytest.approx(14.0)
     assert got["rest_ms"] == pytest.approx(35 - 21)  # (30 - 18, 40 - 24): median 14

@@ -573,8 +573,8 @@ def host_device(trace: Path, since: int = WARMUP + 1) -> dict[str, float]:
 
 
 def _split(iteration_ms: list[float], forward: list[list[float]], backward: list[list[float]]) -> dict[str, float]:
-    """Medians over iterations of the forward spans' sum, the backward spans' sum and the rest of the iteration."""
-    return {"forward_ms": statistics.median(sum(f) for f in forward),
+    """Medians over iterations of the iteration, its forward spans' sum, its backward spans' sum and the rest."""
+    return {"iteration_ms": statistics.median(iteration_ms), "forward_ms": statistics.median(sum(f) for f in forward),
             "backward_ms": statistics.median(sum(b) for b in backward),
             "rest_ms": statistics.median(t - sum(f) - sum(b) for t, f, b in zip(iteration_ms, forward, backward,
                                                                                   strict=True)),
@@ -595,24 +595,33 @@ def real_spans(step: dict[str, Any], microbatches: int) -> dict[str, float] | No
 
 
 def trace_spans(trace: Path, since: int = WARMUP + 1) -> dict[str, float] | None:
-    """Rank 0's iterations (compute clock) split as ``real_spans`` splits a real run's: the forward and backward
-    marks' compute-clock spans (the program's time, the runtime's own left out) and the rest."""
+    """Rank 0's iterations split as ``real_spans`` splits a real run's, by its forward and backward marks: on the
+    compute clock (the program's time, the runtime's own left out, waits for the device in), or where the rank was
+    GPU-timed, in measured host time (its segments' ``cpu``: a profiled iteration's clock is no host time)."""
     from prism_megatron.trace import read_trace
 
-    marks = [m for m in read_trace(trace).marks.to_pylist() if m["rank"] == 0]
+    tr = read_trace(trace)
+    marks = [m for m in tr.marks.to_pylist() if m["rank"] == 0]
+    rows = [g for g in tr.gpu.to_pylist() if g["rank"] == 0]
     its = [m for m in marks if m["name"] == "iteration"]
+
+    def length(a: float, b: float) -> float:  # ms of the program between two clocks
+        if not rows:
+            return (b - a) * 1e3
+        return sum(g["cpu"] for g in rows if a - 1e-9 < g["clock_end"] <= b + 1e-9) * 1e3
+
     iteration_ms, forward, backward = [], [], []
     for b, e in list(zip(its[0::2], its[1::2], strict=False))[since - 1:]:
-        inside = [m for m in marks if b["compute_clock"] <= m["compute_clock"] <= e["compute_clock"]
-                  and m["name"] in ("forward", "backward")]
         spans: dict[str, list[float]] = {"forward": [], "backward": []}
         begun: dict[str, float] = {}
-        for m in inside:
+        for m in marks:
+            if m["name"] not in spans or not b["compute_clock"] <= m["compute_clock"] <= e["compute_clock"]:
+                continue
             if m["phase"] == "B":
                 begun[m["name"]] = m["compute_clock"]
             elif m["name"] in begun:
-                spans[m["name"]].append((m["compute_clock"] - begun.pop(m["name"])) * 1e3)
-        iteration_ms.append((e["compute_clock"] - b["compute_clock"]) * 1e3)
+                spans[m["name"]].append(length(begun.pop(m["name"]), m["compute_clock"]))
+        iteration_ms.append(length(b["compute_clock"], e["compute_clock"]))
         forward.append(spans["forward"])
         backward.append(spans["backward"])
     return _split(iteration_ms, forward, backward) if iteration_ms else None
@@ -663,8 +672,10 @@ def table(report: dict[str, Any]) -> str:
         split = [(k, sp) for k, sp in row.get("spans") or []] + [
             (k, em["spans"]) for k, em in (row.get("emulations") or {}).items() if em.get("spans")]
         if split:
-            lines.append(f"{'':{w}} per iteration, forward / backward spans / the rest (ms, medians): " + ", ".join(
-                f"{k} {sp['forward_ms']:.1f} / {sp['backward_ms']:.1f} / {sp['rest_ms']:.1f}" for k, sp in split))
+            lines.append(f"{'':{w}} per iteration = forward + backward spans + the rest (ms, medians; an emulation's "
+                         "on its compute clock, GPU-timed in host time): " + ", ".join(
+                             f"{k} {sp['iteration_ms']:.1f} = {sp['forward_ms']:.1f} + {sp['backward_ms']:.1f} + "
+                             f"{sp['rest_ms']:.1f}" for k, sp in split))
         if row.get("forked"):
             lines.append(f"{'':{w}} real-forked (the driver forked from a template that imported torch and Megatron; "
                          "not scored): " + ", ".join(f"{m:.1f} ms" + (f" ({(m / real - 1) * 100:+.1f} % against real)"
