@@ -789,8 +789,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="traces and logs (packed into OUT/traces.tar.gz at the end)")
     p.add_argument("--configs", default=",".join(c.name for c in CONFIGS.values() if c.default),
                    help="comma-separated config names")
-    p.add_argument("--plan", default="", help="'config:step,step,...;config:...' (steps: real, probe, "
-                   "emuW[-keep|-teardown|-off|-spin|-fold|-exec])")
+    p.add_argument("--plan", default="", help="'config:step,step,...;config:...' (steps: real, real-threads1, "
+                   "real-forked, real-spans, probe, emuW[-keep|-teardown|-off|-spin|-fold|-exec]; any +gc)")
     p.add_argument("--iters", type=int, default=8, help=f"iterations per run ({WARMUP} of them warm-up)")
     p.add_argument("--real-extra", type=int, default=30,
                    help="iterations a real run makes beyond --iters before the ones measured (steady state)")
