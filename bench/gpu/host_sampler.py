@@ -53,13 +53,19 @@ def mean_mhz(text: str) -> float | None:
     return sum(mhz) / len(mhz) if mhz else None
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="host_sampler.py", description=__doc__.split("\n\n")[0])
-    ap.add_argument("out", type=Path, help="the CSV to write")
-    ap.add_argument("--interval", type=float, default=1.0, help="seconds between rows (1.0)")
+def sampler_args(prog: str, doc: str, out_help: str, argv: list[str] | None) -> argparse.Namespace:
+    """A sampler's command line (this one's and thread_sampler.py's): the file to write and a positive interval."""
+    ap = argparse.ArgumentParser(prog=prog, description=doc.split("\n\n")[0])
+    ap.add_argument("out", type=Path, help=out_help)
+    ap.add_argument("--interval", type=float, default=1.0, help="seconds between samples (1.0)")
     a = ap.parse_args(argv)
     if a.interval <= 0:
         ap.error(f"--interval {a.interval}: expected a positive number of seconds")
+    return a
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = sampler_args("host_sampler.py", __doc__, "the CSV to write", argv)
     mine = sorted(str(c) for c in os.sched_getaffinity(0))
     stat, cpuinfo = Path("/proc/stat"), Path("/proc/cpuinfo")
     before = read_stat(stat.read_text())

@@ -18,12 +18,14 @@ run-queue time).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from host_sampler import sampler_args  # noqa: E402 - bench/gpu/host_sampler.py: the samplers' one command line
 
 _TICK_NS = 1e9 / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 1e7
 
@@ -84,12 +86,7 @@ def python_pids(proc: Path = Path("/proc"), me: int | None = None) -> dict[int, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="thread_sampler.py", description=__doc__.split("\n\n")[0])
-    ap.add_argument("out", type=Path, help="the JSON-lines file to write")
-    ap.add_argument("--interval", type=float, default=1.0, help="seconds between samples (1.0)")
-    a = ap.parse_args(argv)
-    if a.interval <= 0:
-        ap.error(f"--interval {a.interval}: expected a positive number of seconds")
+    a = sampler_args("thread_sampler.py", __doc__, "the JSON-lines file to write", argv)
     proc = Path("/proc")
     seen_pids: set[int] = set()
     last: dict[tuple[int, int], tuple] = {}
