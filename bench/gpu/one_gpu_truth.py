@@ -289,9 +289,10 @@ def step(kind: str, config: Config, work: Path, iters: int, index: int, timeout:
         wrapper = {"real-forked": [str(HERE / "forked_driver.py")],
                    "real-spans": [str(HERE / "spans_driver.py")]}.get(kind, [])
         spans = work / f"{name}.spans.json"
+        told = {"SPANS_OUT": str(spans)} if kind == "real-spans" else {}
         text = _run([PY, *wrapper, str(DRIVER_SCRIPT), *config.flags, "--train-iters", str(iters + extra),
                      "--global-batch-size", str(config.gbs)], work / f"{name}.log",
-                    _env(**_single(_port()), **threads, **run_env, SPANS_OUT=str(spans)), timeout)
+                    _env(**_single(_port()), **threads, **run_env, **told), timeout)
         result = {"kind": kind, "iterations": parse_log(text), "measured_from": WARMUP + extra + 1}
         if kind == "real-spans":
             result["spans"] = json.loads(spans.read_text())
