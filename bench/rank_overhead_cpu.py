@@ -51,6 +51,7 @@ from one_gpu_truth import (  # noqa: E402 - the truth runs' own readers
     parse_log,
     read_census,
     real_spans,
+    split_text,
     step_threads,
     trace_spans,
 )
@@ -133,6 +134,18 @@ def _census_run(kind: str, iters: int, tmp: Path) -> Path:
     return census
 
 
+def _busiest(step: dict[str, Any], threads: Path, on_cpu: list[float]) -> str:
+    """A run's busiest thread over its measured iterations, said; its CPU time per iteration added to ``on_cpu``."""
+    busiest = step_threads(step, host_threads(threads), top=1)
+    if not busiest:
+        return ""
+    t = busiest["threads"][0]
+    on_cpu.append(t["on_cpu_ms"])
+    return (f"; busiest thread {t['comm']}: on a CPU {t['on_cpu_ms']:.1f} ms of {busiest['wall_ms']:.1f} per "
+            f"iteration, runnable {t['runqueue_ms']:.1f}, {t['voluntary']:.0f} blocked / {t['involuntary']:.0f} "
+            "preempted")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--pairs", type=int, default=3, help="plain / emulated pairs, alternating (default 3)")
@@ -160,19 +173,11 @@ def main(argv: list[str] | None = None) -> int:
                     med = statistics.median(r["wall"])
                     line = f"{kind:8s} run {i + 1}: median {med:7.1f} ms  ({' '.join(f'{x:.0f}' for x in r['wall'])})"
                     if r["split"]:
-                        sp = r["split"]
-                        split[kind].append(sp)
-                        line += (f"; program {sp['iteration_ms']:.1f} = forward {sp['forward_ms']:.1f} + backward "
-                                 f"{sp['backward_ms']:.1f} + the rest {sp['rest_ms']:.1f}")
+                        split[kind].append(r["split"])
+                        line += f"; program = forward + backward + the rest: {split_text(r['split'])}"
                     if sampler is not None:
                         time.sleep(0.6)  # the sampler's next line holds the run's end
-                        busiest = step_threads(r["step"], host_threads(Path(tmp) / "threads.jsonl"), top=1)
-                        if busiest:
-                            t = busiest["threads"][0]
-                            on_cpu[kind].append(t["on_cpu_ms"])
-                            line += (f"; busiest thread {t['comm']}: on a CPU {t['on_cpu_ms']:.1f} ms of "
-                                     f"{busiest['wall_ms']:.1f} per iteration, runnable {t['runqueue_ms']:.1f}, "
-                                     f"{t['voluntary']:.0f} blocked / {t['involuntary']:.0f} preempted")
+                        line += _busiest(r["step"], Path(tmp) / "threads.jsonl", on_cpu[kind])
                     print(line, flush=True)
                     if kind == "plain":
                         plain.append(med)

@@ -16,14 +16,14 @@ import os
 import runpy
 import sys
 
-# the launcher's own setting (prism_megatron.launcher): torch asks NVML, not CUDA, whether a GPU is there, so the
-# imports below start no CUDA and the fork can use it
-os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+from prism_megatron.launcher import fork_safe_cuda_checks
+
+fork_safe_cuda_checks()  # as the launcher does: the imports below must start no CUDA, or the fork cannot use it
 
 import torch  # noqa: E402, F401 - imported before the fork, as the template does
 
-from prism_megatron.megatron.emulate import TEMPLATE_IMPORTS, TEMPLATE_TRAINING_IMPORTS
-from prism_megatron.megatron.megatron_lm import ensure_megatron_training
+from prism_megatron.megatron.emulate import TEMPLATE_IMPORTS, TEMPLATE_TRAINING_IMPORTS  # noqa: E402
+from prism_megatron.megatron.megatron_lm import ensure_megatron_training  # noqa: E402
 
 ensure_megatron_training()
 for module in (*TEMPLATE_IMPORTS, *TEMPLATE_TRAINING_IMPORTS):  # the driver runs Megatron-LM's trainer

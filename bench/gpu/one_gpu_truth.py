@@ -553,22 +553,34 @@ def step_threads(step: dict[str, Any], threads: tuple[dict[int, dict[str, Any]],
     return {"wall_ms": wall_ms, "threads": out[:top]}
 
 
-def host_device(trace: Path, since: int = WARMUP + 1) -> dict[str, float]:
-    """Rank 0's median over measured iterations (``since`` on) of compute clock, measured host and device time (ms)."""
+def _rank0(trace: Path, since: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[tuple[float, float]]]:
+    """Rank 0's marks, its GPU-timed segments and its measured iterations (``since`` on) as (begin, end) compute
+    clocks."""
     from prism_megatron.trace import read_trace
 
     tr = read_trace(trace)
-    marks = [m for m in tr.marks.to_pylist() if m["name"] == "iteration" and m["rank"] == 0]
-    bounds = [m["compute_clock"] for m in marks]
-    rows = [g for g in tr.gpu.to_pylist() if g["rank"] == 0]
+    marks = [m for m in tr.marks.to_pylist() if m["rank"] == 0]
+    bounds = [m["compute_clock"] for m in marks if m["name"] == "iteration"]
+    return marks, [g for g in tr.gpu.to_pylist() if g["rank"] == 0], \
+        list(zip(bounds[0::2], bounds[1::2], strict=False))[since - 1:]
+
+
+def _segments(rows: list[dict[str, Any]], a: float, b: float) -> list[dict[str, Any]]:
+    """The GPU-timed segments that end in the compute-clock stretch (a, b]."""
+    return [g for g in rows if a - 1e-9 < g["clock_end"] <= b + 1e-9]
+
+
+def host_device(trace: Path, since: int = WARMUP + 1) -> dict[str, float]:
+    """Rank 0's median over measured iterations (``since`` on) of compute clock, measured host and device time (ms)."""
+    _, rows, iterations = _rank0(trace, since)
+    if not iterations:
+        return {}
     clocks, hosts, devices = [], [], []
-    for a, b in list(zip(bounds[0::2], bounds[1::2], strict=False))[since - 1:]:
-        mine = [g for g in rows if a - 1e-9 < g["clock_end"] <= b + 1e-9]
+    for a, b in iterations:
+        mine = _segments(rows, a, b)
         clocks.append(b - a)
         hosts.append(sum(g["cpu"] for g in mine))
         devices.append(sum(g["gpu"] for g in mine))
-    if not clocks:
-        return {}
     return {"clock_ms": statistics.median(clocks) * 1e3, "host_ms": statistics.median(hosts) * 1e3,
             "device_ms": statistics.median(devices) * 1e3}
 
@@ -599,33 +611,31 @@ def trace_spans(trace: Path, since: int = WARMUP + 1) -> dict[str, float] | None
     """Rank 0's iterations split as ``real_spans`` splits a real run's, by its forward and backward marks: on the
     compute clock (the program's time, the runtime's own left out, waits for the device in), or where the rank was
     GPU-timed, in measured host time (its segments' ``cpu``: a profiled iteration's clock is no host time)."""
-    from prism_megatron.trace import read_trace
-
-    tr = read_trace(trace)
-    marks = [m for m in tr.marks.to_pylist() if m["rank"] == 0]
-    rows = [g for g in tr.gpu.to_pylist() if g["rank"] == 0]
-    its = [m for m in marks if m["name"] == "iteration"]
+    marks, rows, iterations = _rank0(trace, since)
 
     def length(a: float, b: float) -> float:  # ms of the program between two clocks
-        if not rows:
-            return (b - a) * 1e3
-        return sum(g["cpu"] for g in rows if a - 1e-9 < g["clock_end"] <= b + 1e-9) * 1e3
+        return sum(g["cpu"] for g in _segments(rows, a, b)) * 1e3 if rows else (b - a) * 1e3
 
     iteration_ms, forward, backward = [], [], []
-    for b, e in list(zip(its[0::2], its[1::2], strict=False))[since - 1:]:
+    for a, b in iterations:
         spans: dict[str, list[float]] = {"forward": [], "backward": []}
         begun: dict[str, float] = {}
         for m in marks:
-            if m["name"] not in spans or not b["compute_clock"] <= m["compute_clock"] <= e["compute_clock"]:
+            if m["name"] not in spans or not a <= m["compute_clock"] <= b:
                 continue
             if m["phase"] == "B":
                 begun[m["name"]] = m["compute_clock"]
             elif m["name"] in begun:
                 spans[m["name"]].append(length(begun.pop(m["name"]), m["compute_clock"]))
-        iteration_ms.append(length(b["compute_clock"], e["compute_clock"]))
+        iteration_ms.append(length(a, b))
         forward.append(spans["forward"])
         backward.append(spans["backward"])
     return _split(iteration_ms, forward, backward) if iteration_ms else None
+
+
+def split_text(sp: dict[str, float]) -> str:
+    """An iteration's split (``_split``) as "iteration = forward + backward + the rest" in ms."""
+    return f"{sp['iteration_ms']:.1f} = {sp['forward_ms']:.1f} + {sp['backward_ms']:.1f} + {sp['rest_ms']:.1f}"
 
 
 def table(report: dict[str, Any]) -> str:
@@ -675,8 +685,7 @@ def table(report: dict[str, Any]) -> str:
         if split:
             lines.append(f"{'':{w}} per iteration = forward + backward spans + the rest (ms, medians; an emulation's "
                          "on its compute clock, GPU-timed in host time): " + ", ".join(
-                             f"{k} {sp['iteration_ms']:.1f} = {sp['forward_ms']:.1f} + {sp['backward_ms']:.1f} + "
-                             f"{sp['rest_ms']:.1f}" for k, sp in split))
+                             f"{k} {split_text(sp)}" for k, sp in split))
         if row.get("forked"):
             lines.append(f"{'':{w}} real-forked (the driver forked from a template that imported torch and Megatron; "
                          "not scored): " + ", ".join(f"{m:.1f} ms" + (f" ({(m / real - 1) * 100:+.1f} % against real)"
