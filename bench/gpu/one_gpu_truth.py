@@ -32,7 +32,10 @@ without activation recompute, micro-batch 1 to 8) it runs, on GPU 0, in the orde
   candidates (synchronisation at collectives, the allocator's history, sleeping at collectives, the plain
   iterations after a profiled one);
 - any step with ``+gc`` (``real+gc``, ``emu1+gc``): the same with every garbage collection of every process
-  logged (``gc_census/sitecustomize.py``); the table gives the collector's milliseconds per measured iteration.
+  logged (``gc_census/sitecustomize.py``); the table gives the collector's milliseconds per measured iteration;
+  with ``+calls`` (``real-spans+calls``, ``emu1+calls``): every Python and C function called in each forward past
+  the warm-up, counted (``call_census/sitecustomize.py``; the step's times are a profiler's and not scored): the
+  table gives each emulation's calls per forward against the first counted real run's, and where they differ.
 
 A config named ``NAME+manual-gc`` is NAME with Megatron's ``--manual-gc`` (the collector off during
 training, as NVIDIA's performance recipes run), ``NAME+ompN`` NAME with ``OMP_NUM_THREADS=N`` for the real
@@ -223,6 +226,32 @@ def read_census(path: Path) -> tuple[str, list[tuple[float, ...]]]:
     return (lines[0][2:] if lines else ""), events
 
 
+def read_calls(directory: Path) -> dict[str, Any] | None:
+    """A ``+calls`` step's census (``call_census/sitecustomize.py``): the calls per forward of the process that ran
+    the program's forwards (the plain process, or the emulated rank; the launcher ran none), or None."""
+    files = [json.loads(f.read_text()) for f in sorted(directory.glob("calls-*.json"))]
+    counted = [f for f in files if f.get("forwards")]
+    if not counted:
+        return None
+    f = max(counted, key=lambda f: f["forwards"])
+    return {"forwards": f["forwards"], "per_forward": {k: v / f["forwards"] for k, v in f["calls"].items()}}
+
+
+def calls_text(real: dict[str, Any], emulated: dict[str, Any], top: int = 8) -> str:
+    """Calls per forward on each side (Python functions and C functions apart), and the functions whose counts
+    differ most, emulated less real."""
+    def totals(per: dict[str, float]) -> tuple[float, float]:
+        c = sum(v for k, v in per.items() if k.startswith("c "))
+        return sum(per.values()) - c, c
+
+    a, b = real["per_forward"], emulated["per_forward"]
+    (pa, ca), (pb, cb) = totals(a), totals(b)
+    diff = sorted(((b.get(k, 0.0) - a.get(k, 0.0), k) for k in set(a) | set(b)), key=lambda d: (-abs(d[0]), d[1]))
+    shown = ", ".join(f"{d:+.0f} {k}" for d, k in diff[:top] if abs(d) >= 0.5) or "none"
+    return (f"calls per forward: real {pa:.0f} Python + {ca:.0f} C, emulated {pb:.0f} + {cb:.0f}; "
+            f"most apart: {shown}")
+
+
 def gc_census(directory: Path, t0: float, iterations: dict[Any, dict[str, Any]]) -> dict[str, Any]:
     """Per process of a ``+gc`` step: the collector's milliseconds and collections (all, and generation 2)
     per measured iteration, between the warm-up's last log line and the run's last (the log's times)."""
@@ -271,16 +300,24 @@ def step(kind: str, config: Config, work: Path, iters: int, index: int, timeout:
     """Run one step of the plan; returns what it measured."""
     flags = [*config.flags, "--train-iters", str(iters + emu_extra)]
     name = f"{index:02d}-{kind}"
-    kind, census = (kind[:-3], True) if kind.endswith("+gc") else (kind, False)
-    gc_dir = work / f"{name}.gc"
-    run_env = {"GC_CENSUS_DIR": str(gc_dir), "PYTHONPATH": f"{HERE / 'gc_census'}:{os.environ.get('PYTHONPATH', '')}",
-              **dict(config.env)} if census else dict(config.env)
+    kind, census = kind.rsplit("+", 1) if kind.endswith(("+gc", "+calls")) else (kind, "")
+    gc_dir, calls_dir = work / f"{name}.gc", work / f"{name}.calls"
+    run_env = dict(config.env)
+    if census == "gc":
+        run_env.update(GC_CENSUS_DIR=str(gc_dir), PYTHONPATH=f"{HERE / 'gc_census'}:{os.environ.get('PYTHONPATH', '')}")
+    elif census == "calls":  # every forward past the warm-up: the real runs' and the emulations' alike
+        skipped = (WARMUP + (real_extra if kind == "real" else emu_extra)) * microbatches(config)
+        run_env.update(CALL_CENSUS_DIR=str(calls_dir), CALL_CENSUS_SKIP=str(skipped),
+                       PYTHONPATH=f"{HERE / 'call_census'}:{os.environ.get('PYTHONPATH', '')}")
     t0 = time.monotonic()
 
     def counted(result: dict[str, Any]) -> dict[str, Any]:
         if census:
-            result["kind"] += "+gc"
+            result["kind"] += f"+{census}"
+        if census == "gc":
             result["gc"] = gc_census(gc_dir, t0, result["iterations"])
+        elif census == "calls":
+            result["calls"] = read_calls(calls_dir)
         return result
 
     if kind in ("real", "real-threads1", "real-forked", "real-spans"):
@@ -351,8 +388,13 @@ def unlike(world: int, omp: str | None) -> str | None:
 
 def is_truth(kind: str) -> bool:
     """Whether a step is a real run the emulations are scored against (``real-forked`` is a diagnosis: the same
-    program forked as an emulated rank is)."""
-    return kind.split("+")[0] in ("real", "real-threads1")
+    program forked as an emulated rank is; a ``+calls`` step runs its forwards under a profiler)."""
+    return kind.split("+")[0] in ("real", "real-threads1") and not untimed(kind)
+
+
+def untimed(kind: str) -> bool:
+    """Whether a step's times say nothing: a ``+calls`` step counts its forwards' calls under ``sys.setprofile``."""
+    return kind.endswith("+calls")
 
 
 def _drift(values: list[float]) -> float:
@@ -404,7 +446,7 @@ def analyse_config(steps: list[dict[str, Any]], root: Path, resolve: bool = Fals
                               ["iterations"].items()}
     row["emulations"] = {}
     for s in steps:
-        if not str(s.get("kind", "")).startswith("emu") or "iterations" not in s:
+        if not str(s.get("kind", "")).startswith("emu") or "iterations" not in s or untimed(s["kind"]):
             continue
         em: dict[str, Any] = {"live_ms": {k: v["ms"] for k, v in s["iterations"].items()},
                               "live_notes": {k: v["note"] for k, v in s["iterations"].items()},
@@ -436,6 +478,7 @@ def analyse_config(steps: list[dict[str, Any]], root: Path, resolve: bool = Fals
             em["error_pct"] = (em["predicted_ms"] / row["real_ms"] - 1) * 100
         row["emulations"][s["kind"] + ("" if s["kind"] not in row["emulations"] else f"#{len(row['emulations'])}")] = em
     row["gc"] = [(s["kind"], s["gc"]) for s in steps if s.get("gc")]
+    row["calls"] = [(s["kind"], s["calls"]) for s in steps if s.get("calls")]
     row["spans"] = [(s["kind"], sp) for s in steps if s.get("kind") == "real-spans" and "iterations" in s
                     and (sp := real_spans(s, microbatches)) is not None]
     row["forked"] = [statistics.median(m) for s in steps if s.get("kind", "").split("+")[0] == "real-forked"
@@ -680,6 +723,12 @@ def table(report: dict[str, Any]) -> str:
                 f"{c['ms_per_iteration']:.1f} ms in {c['collections_per_iteration']:.0f} "
                 f"({c['gen2_per_iteration']:.1f} full, {c['gen2_ms_each'][:4]} ms) [{c['command'][-40:]}]"
                 for c in busiest))
+        counted = row.get("calls") or []
+        real_calls = next(((k, c) for k, c in counted if k.startswith("real")), None)
+        for kind, calls in counted:
+            if real_calls and kind.startswith("emu"):
+                lines.append(f"{'':{w}} {kind} against {real_calls[0]}, over {calls['forwards']} and "
+                             f"{real_calls[1]['forwards']} forwards: {calls_text(real_calls[1], calls)}")
         split = [(k, sp) for k, sp in row.get("spans") or []] + [
             (k, em["spans"]) for k, em in (row.get("emulations") or {}).items() if em.get("spans")]
         if split:
@@ -800,7 +849,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--configs", default=",".join(c.name for c in CONFIGS.values() if c.default),
                    help="comma-separated config names")
     p.add_argument("--plan", default="", help="'config:step,step,...;config:...' (steps: real, real-threads1, "
-                   "real-forked, real-spans, probe, emuW[-keep|-teardown|-off|-spin|-fold|-exec]; any +gc)")
+                   "real-forked, real-spans, probe, emuW[-keep|-teardown|-off|-spin|-fold|-exec]; any +gc or +calls)")
     p.add_argument("--iters", type=int, default=8, help=f"iterations per run ({WARMUP} of them warm-up)")
     p.add_argument("--real-extra", type=int, default=30,
                    help="iterations a real run makes beyond --iters before the ones measured (steady state)")
