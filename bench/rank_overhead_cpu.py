@@ -10,6 +10,7 @@ dominate each iteration as the GPU's host does in the host-bound configs.
     python bench/rank_overhead_cpu.py [--pairs 3] [--iters 14]
     python bench/rank_overhead_cpu.py --threads [--pairs 3] [--iters 14]
     python bench/rank_overhead_cpu.py --gc [--iters 14]
+    python bench/rank_overhead_cpu.py --calls [--iters 6]
 
 ``--threads``: each run's busiest thread (the program's main thread) sampled every 0.25 s by
 ``bench/gpu/thread_sampler.py``: its time on a CPU per measured iteration against the wall, so a side that computes
@@ -18,6 +19,9 @@ longer (the code itself slower) is told from one that waits longer (preempted on
 ``--gc``: instead, each side run twice, ``--iters`` and ``--iters`` + 16 iterations, with every garbage collection of
 every process logged (``bench/gpu/gc_census``); the difference is the collector's milliseconds and collections per
 steady iteration, the rank's (a forked rank logs into the process it was forked from) and the coordinator's apart.
+
+``--calls``: instead, each side run once with every Python and C function of each forward past the warm-up counted
+(``bench/gpu/call_census``): calls per forward on each side and the functions whose counts differ most.
 
 Needs megatron-core and Megatron-LM (MEGATRON_LM_PATH) as the driver does. Prints each run's iterations
 after the warm-up, each side's median, and emulated / plain: the emulation's own wall ("emulation took") and
@@ -47,8 +51,10 @@ from one_gpu_truth import (  # noqa: E402 - the truth runs' own readers
     _port,
     _run,
     _single,
+    calls_text,
     host_threads,
     parse_log,
+    read_calls,
     read_census,
     real_spans,
     split_text,
@@ -71,15 +77,18 @@ TOOK = re.compile(r"emulation took ([\d.]+)")
 GC_EXTRA = 16  # iterations the second run of a --gc side adds
 
 
-def run(kind: str, iters: int, work: Path, census: Path | None = None) -> dict[str, Any]:
+def run(kind: str, iters: int, work: Path, census: Path | None = None, calls: Path | None = None) -> dict[str, Any]:
     """One run; per measured iteration: Megatron's logged ms and, emulated, the emulation's own wall; and the run
     as a one_gpu_truth step (its start, its timestamped iterations) for ``step_threads``.
-    ``census``: log every garbage collection of every process of the run there (gc_census)."""
+    ``census``: log every garbage collection of every process of the run there (gc_census); ``calls``: count
+    every call of each forward past the warm-up there (call_census)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", WANDB_MODE="disabled")
-    if census is not None:
-        env.update(GC_CENSUS_DIR=str(census),
-                   PYTHONPATH=os.pathsep.join(filter(None, [str(REPO / "bench" / "gpu" / "gc_census"),
-                                                            env.get("PYTHONPATH")])))
+    wanted = ((census, "GC_CENSUS_DIR", "gc_census"), (calls, "CALL_CENSUS_DIR", "call_census"))
+    for directory, variable, module in wanted:
+        if directory is not None:
+            env.update({variable: str(directory), "CALL_CENSUS_SKIP": str(WARMUP * MICROBATCHES),
+                        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "bench" / "gpu" / module),
+                                                                    env.get("PYTHONPATH")]))})
     flags = [*FLAGS, "--train-iters", str(iters)]
     spans = work / "plain.spans.json"
     if kind == "plain":
@@ -151,11 +160,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pairs", type=int, default=3, help="plain / emulated pairs, alternating (default 3)")
     p.add_argument("--iters", type=int, default=14, help=f"iterations a run ({WARMUP} of them warm-up)")
     p.add_argument("--gc", action="store_true", help="the collector per steady iteration on each side instead")
+    p.add_argument("--calls", action="store_true", help="the calls of each forward on each side instead")
     p.add_argument("--threads", action="store_true",
                    help="also each run's busiest thread: time on a CPU per iteration against the wall")
     a = p.parse_args(argv)
     if a.pairs < 1 or a.iters <= WARMUP:
         p.error(f"--pairs {a.pairs} --iters {a.iters}: expected at least 1 pair and more than {WARMUP} iterations")
+    if a.calls:
+        with tempfile.TemporaryDirectory(prefix="rank-overhead-calls-") as tmp:
+            counted = {}
+            for kind in ("plain", "emulated"):
+                run(kind, a.iters, Path(tmp) / kind, calls=Path(tmp) / f"calls-{kind}")
+                counted[kind] = read_calls(Path(tmp) / f"calls-{kind}")
+                if counted[kind] is None:
+                    raise SystemExit(f"{kind}: no forward was counted (fewer than {a.iters - WARMUP} iterations ran?)")
+            print(f"over {counted['emulated']['forwards']} and {counted['plain']['forwards']} forwards: "
+                  + calls_text(counted["plain"], counted["emulated"], top=12))
+        return 0
     if a.gc:
         with tempfile.TemporaryDirectory(prefix="rank-overhead-gc-") as tmp:
             gc_per_iteration(a.iters, Path(tmp))

@@ -69,3 +69,70 @@ def test_a_real_spans_run_splits_each_measured_iteration_into_forward_backward_a
     assert got["backward_ms"] == pytest.approx(14.0)
     assert got["rest_ms"] == pytest.approx(35 - 21)  # (30 - 18, 40 - 24): median 14
     assert truth.real_spans({**step, "spans": spans[:8]}, 2) is None  # no measured iteration has its spans
+
+
+def test_counted_steps_are_neither_truth_nor_scored_and_their_calls_are_compared(tmp_path):
+    truth = load_bench("gpu/one_gpu_truth.py")
+    real = {"forwards": 8, "per_forward": {"a.py:1 f": 10.0, "c builtins.len": 4.0}}
+    emulated = {"forwards": 8, "per_forward": {"a.py:1 f": 10.0, "c builtins.len": 7.0, "b.py:3 g": 2.0}}
+    counted_real = {**_step("real-spans+calls", 900.0), "calls": real}  # times of a profiled run: far off
+    counted_emu = {**_step("emu1+calls", 950.0), "calls": emulated}
+    report = {"steps": {"dense-bf16-mbs2": [_step("real-threads1", 200.0), _step("emu1", 202.0),
+                                            _step("real-threads1", 200.0), counted_real, counted_emu]}}
+    text = truth.analyse(report, tmp_path)
+    row = report["rows"]["dense-bf16-mbs2"]
+    assert row["real_ms"] == 200.0 and row["real_spread_pct"] == 0.0  # the counted real run is no repeat
+    assert list(row["emulations"]) == ["emu1"]
+    assert "emu1+calls against real-spans+calls, over 8 and 8 forwards: calls per forward: real 10 Python + 4 C, " \
+           "emulated 12 + 7; most apart: +3 c builtins.len, +2 b.py:3 g" in text
+
+
+def test_the_call_census_counts_each_forward_past_the_skipped_ones_in_each_process(tmp_path):
+    """call_census/sitecustomize.py, as a +calls step loads it: a sink installed through ``set_sink`` is wrapped, the
+    first CALL_CENSUS_SKIP forwards are left out, a forked child counts its own forwards into a file of its own."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    program = """
+import os
+from prism_megatron.trace import markers
+
+class Sink:
+    def __init__(self):
+        self.marks = []
+    def record_mark(self, name, phase, attrs):
+        self.marks.append((name, phase))
+
+def body(n):
+    for _ in range(n):
+        len([])
+
+sink = Sink()
+markers.set_sink(sink)
+for i in range(3):
+    with markers.span("forward", iteration=i):
+        body(5)
+    with markers.span("backward", iteration=i):
+        body(100)
+assert [m for m in sink.marks if m[0] == "forward"] == [("forward", "B"), ("forward", "E")] * 3
+pid = os.fork()
+if pid == 0:
+    for i in range(4):
+        with markers.span("forward", iteration=i):
+            body(2)
+    os._exit(0)
+os.waitpid(pid, 0)
+"""
+    env = dict(os.environ, CALL_CENSUS_DIR=str(tmp_path), CALL_CENSUS_SKIP="1",
+               PYTHONPATH=os.pathsep.join([str(repo / "bench" / "gpu" / "call_census"), str(repo)]))
+    subprocess.run([sys.executable, "-c", program], env=env, check=True, timeout=60)
+    files = {json.loads(f.read_text())["forwards"]: json.loads(f.read_text()) for f in tmp_path.glob("calls-*.json")}
+    assert sorted(files) == [2, 3]  # the parent's 3 forwards less 1 skipped; the child's 4 less 1
+    assert files[2]["calls"]["<string>:11 body"] == 2 and files[2]["calls"]["c builtins.len"] == 10
+    assert files[3]["calls"]["c builtins.len"] == 6
+    truth = load_bench("gpu/one_gpu_truth.py")
+    assert truth.read_calls(tmp_path)["forwards"] == 3  # the process that ran the most forwards
