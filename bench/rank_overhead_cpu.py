@@ -21,7 +21,7 @@ every process logged (``bench/gpu/gc_census``); the difference is the collector'
 steady iteration, the rank's (a forked rank logs into the process it was forked from) and the coordinator's apart.
 
 ``--calls``: instead, each side run once with every Python and C function of each forward past the warm-up counted
-(``bench/gpu/call_census``): calls per forward on each side and the functions whose counts differ most.
+(``bench/gpu/forward_probe``): calls per forward on each side and the functions whose counts differ most.
 
 Needs megatron-core and Megatron-LM (MEGATRON_LM_PATH) as the driver does. Prints each run's iterations
 after the warm-up, each side's median, and emulated / plain: the emulation's own wall ("emulation took") and
@@ -54,8 +54,8 @@ from one_gpu_truth import (  # noqa: E402 - the truth runs' own readers
     calls_text,
     host_threads,
     parse_log,
-    read_calls,
     read_census,
+    read_probe,
     real_spans,
     split_text,
     step_threads,
@@ -81,12 +81,13 @@ def run(kind: str, iters: int, work: Path, census: Path | None = None, calls: Pa
     """One run; per measured iteration: Megatron's logged ms and, emulated, the emulation's own wall; and the run
     as a one_gpu_truth step (its start, its timestamped iterations) for ``step_threads``.
     ``census``: log every garbage collection of every process of the run there (gc_census); ``calls``: count
-    every call of each forward past the warm-up there (call_census)."""
+    every call of each forward past the warm-up there (forward_probe)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", WANDB_MODE="disabled")
-    wanted = ((census, "GC_CENSUS_DIR", "gc_census"), (calls, "CALL_CENSUS_DIR", "call_census"))
+    wanted = ((census, "GC_CENSUS_DIR", "gc_census"), (calls, "FORWARD_PROBE_DIR", "forward_probe"))
     for directory, variable, module in wanted:
         if directory is not None:
-            env.update({variable: str(directory), "CALL_CENSUS_SKIP": str(WARMUP * MICROBATCHES),
+            env.update({variable: str(directory), "FORWARD_PROBE": "calls",
+                        "FORWARD_PROBE_SKIP": str(WARMUP * MICROBATCHES),
                         "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "bench" / "gpu" / module),
                                                                     env.get("PYTHONPATH")]))})
     flags = [*FLAGS, "--train-iters", str(iters)]
@@ -171,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
             counted = {}
             for kind in ("plain", "emulated"):
                 run(kind, a.iters, Path(tmp) / kind, calls=Path(tmp) / f"calls-{kind}")
-                counted[kind] = read_calls(Path(tmp) / f"calls-{kind}")
+                counted[kind] = read_probe(Path(tmp) / f"calls-{kind}", "calls")
                 if counted[kind] is None:
                     raise SystemExit(f"{kind}: no forward was counted (fewer than {a.iters - WARMUP} iterations ran?)")
             print(f"over {counted['emulated']['forwards']} and {counted['plain']['forwards']} forwards: "

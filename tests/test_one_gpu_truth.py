@@ -88,8 +88,9 @@ def test_counted_steps_are_neither_truth_nor_scored_and_their_calls_are_compared
 
 
 def test_the_call_census_counts_each_forward_past_the_skipped_ones_in_each_process(tmp_path):
-    """call_census/sitecustomize.py, as a +calls step loads it: a sink installed through ``set_sink`` is wrapped, the
-    first CALL_CENSUS_SKIP forwards are left out, a forked child counts its own forwards into a file of its own."""
+    """forward_probe/sitecustomize.py, as a +calls step loads it: a sink installed through ``set_sink`` is wrapped,
+    the first FORWARD_PROBE_SKIP forwards are left out, a forked child counts its own forwards into a file of its
+    own."""
     import json
     import os
     import subprocess
@@ -127,12 +128,44 @@ if pid == 0:
     os._exit(0)
 os.waitpid(pid, 0)
 """
-    env = dict(os.environ, CALL_CENSUS_DIR=str(tmp_path), CALL_CENSUS_SKIP="1",
-               PYTHONPATH=os.pathsep.join([str(repo / "bench" / "gpu" / "call_census"), str(repo)]))
+    env = dict(os.environ, FORWARD_PROBE_DIR=str(tmp_path), FORWARD_PROBE="calls", FORWARD_PROBE_SKIP="1",
+               PYTHONPATH=os.pathsep.join([str(repo / "bench" / "gpu" / "forward_probe"), str(repo)]))
     subprocess.run([sys.executable, "-c", program], env=env, check=True, timeout=60)
     files = {json.loads(f.read_text())["forwards"]: json.loads(f.read_text()) for f in tmp_path.glob("calls-*.json")}
     assert sorted(files) == [2, 3]  # the parent's 3 forwards less 1 skipped; the child's 4 less 1
     assert files[2]["calls"]["<string>:11 body"] == 2 and files[2]["calls"]["c builtins.len"] == 10
     assert files[3]["calls"]["c builtins.len"] == 6
     truth = load_bench("gpu/one_gpu_truth.py")
-    assert truth.read_calls(tmp_path)["forwards"] == 3  # the process that ran the most forwards
+    assert truth.read_probe(tmp_path, "calls")["forwards"] == 3  # the process that ran the most forwards
+
+
+def test_the_canary_times_each_forward_past_the_skipped_ones(tmp_path):
+    """forward_probe/sitecustomize.py as a +canary step loads it: one value per probed forward for each measure this
+    machine has (no GPU here: no launches), read back by ``read_probe`` and said by ``canary_text``."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    program = """
+from prism_megatron.trace import markers
+
+class Sink:
+    def record_mark(self, name, phase, attrs):
+        pass
+
+markers.set_sink(Sink())
+for i in range(5):
+    with markers.span("forward", iteration=i):
+        pass
+"""
+    env = dict(os.environ, FORWARD_PROBE_DIR=str(tmp_path), FORWARD_PROBE="canary", FORWARD_PROBE_SKIP="2",
+               PYTHONPATH=os.pathsep.join([str(repo / "bench" / "gpu" / "forward_probe"), str(repo)]))
+    subprocess.run([sys.executable, "-c", program], env=env, check=True, timeout=120)
+    truth = load_bench("gpu/one_gpu_truth.py")
+    found = truth.read_probe(tmp_path, "canary")
+    assert found["forwards"] == 3
+    assert sorted(found["canary"]) == ["aten_cpu_us", "python_us"]
+    assert all(len(v) == 3 and all(x > 0 for x in v) for v in found["canary"].values())
+    assert truth.canary_text(found["canary"]).startswith("python ")

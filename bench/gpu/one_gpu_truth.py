@@ -34,8 +34,10 @@ without activation recompute, micro-batch 1 to 8) it runs, on GPU 0, in the orde
 - any step with ``+gc`` (``real+gc``, ``emu1+gc``): the same with every garbage collection of every process
   logged (``gc_census/sitecustomize.py``); the table gives the collector's milliseconds per measured iteration;
   with ``+calls`` (``real-spans+calls``, ``emu1+calls``): every Python and C function called in each forward past
-  the warm-up, counted (``call_census/sitecustomize.py``; the step's times are a profiler's and not scored): the
-  table gives each emulation's calls per forward against the first counted real run's, and where they differ.
+  the warm-up, counted (``forward_probe/sitecustomize.py``; the step's times are a profiler's and not scored): the
+  table gives each emulation's calls per forward against the first counted real run's, and where they differ;
+  with ``+canary``: at each forward's start, the host cost of a Python call, a CPU and a GPU op in that process
+  (not scored either).
 
 A config named ``NAME+manual-gc`` is NAME with Megatron's ``--manual-gc`` (the collector off during
 training, as NVIDIA's performance recipes run), ``NAME+ompN`` NAME with ``OMP_NUM_THREADS=N`` for the real
@@ -226,15 +228,24 @@ def read_census(path: Path) -> tuple[str, list[tuple[float, ...]]]:
     return (lines[0][2:] if lines else ""), events
 
 
-def read_calls(directory: Path) -> dict[str, Any] | None:
-    """A ``+calls`` step's census (``call_census/sitecustomize.py``): the calls per forward of the process that ran
-    the program's forwards (the plain process, or the emulated rank; the launcher ran none), or None."""
-    files = [json.loads(f.read_text()) for f in sorted(directory.glob("calls-*.json"))]
+def read_probe(directory: Path, mode: str) -> dict[str, Any] | None:
+    """A ``+calls`` or ``+canary`` step's findings (``forward_probe/sitecustomize.py``), from the process that ran the
+    program's forwards (the plain process, or the emulated rank; the launcher ran none), or None: ``forwards``
+    and, for calls, ``per_forward`` (calls per forward by function), for the canary, ``canary`` (each measure's
+    microseconds per call, one value per forward)."""
+    files = [json.loads(f.read_text()) for f in sorted(directory.glob(f"{mode}-*.json"))]
     counted = [f for f in files if f.get("forwards")]
     if not counted:
         return None
     f = max(counted, key=lambda f: f["forwards"])
+    if mode == "canary":
+        return {"forwards": f["forwards"], "canary": f["canary"]}
     return {"forwards": f["forwards"], "per_forward": {k: v / f["forwards"] for k, v in f["calls"].items()}}
+
+
+def canary_text(canary: dict[str, list[float]]) -> str:
+    """The canary's medians: "python 0.030, aten-cpu 1.02, cuda-launch 5.61 us"."""
+    return ", ".join(f"{k[:-3].replace('_', '-')} {statistics.median(v):.3f}" for k, v in canary.items() if v) + " us"
 
 
 def calls_text(real: dict[str, Any], emulated: dict[str, Any], top: int = 8) -> str:
@@ -300,15 +311,15 @@ def step(kind: str, config: Config, work: Path, iters: int, index: int, timeout:
     """Run one step of the plan; returns what it measured."""
     flags = [*config.flags, "--train-iters", str(iters + emu_extra)]
     name = f"{index:02d}-{kind}"
-    kind, census = kind.rsplit("+", 1) if kind.endswith(("+gc", "+calls")) else (kind, "")
-    gc_dir, calls_dir = work / f"{name}.gc", work / f"{name}.calls"
+    kind, census = kind.rsplit("+", 1) if kind.endswith(("+gc", "+calls", "+canary")) else (kind, "")
+    gc_dir, probe_dir = work / f"{name}.gc", work / f"{name}.{census}"
     run_env = dict(config.env)
     if census == "gc":
         run_env.update(GC_CENSUS_DIR=str(gc_dir), PYTHONPATH=f"{HERE / 'gc_census'}:{os.environ.get('PYTHONPATH', '')}")
-    elif census == "calls":  # every forward past the warm-up: the real runs' and the emulations' alike
+    elif census:  # every forward past the warm-up: the real runs' and the emulations' alike
         skipped = (WARMUP + (real_extra if kind == "real" else emu_extra)) * microbatches(config)
-        run_env.update(CALL_CENSUS_DIR=str(calls_dir), CALL_CENSUS_SKIP=str(skipped),
-                       PYTHONPATH=f"{HERE / 'call_census'}:{os.environ.get('PYTHONPATH', '')}")
+        run_env.update(FORWARD_PROBE=census, FORWARD_PROBE_DIR=str(probe_dir), FORWARD_PROBE_SKIP=str(skipped),
+                       PYTHONPATH=f"{HERE / 'forward_probe'}:{os.environ.get('PYTHONPATH', '')}")
     t0 = time.monotonic()
 
     def counted(result: dict[str, Any]) -> dict[str, Any]:
@@ -316,8 +327,8 @@ def step(kind: str, config: Config, work: Path, iters: int, index: int, timeout:
             result["kind"] += f"+{census}"
         if census == "gc":
             result["gc"] = gc_census(gc_dir, t0, result["iterations"])
-        elif census == "calls":
-            result["calls"] = read_calls(calls_dir)
+        elif census:
+            result[census] = read_probe(probe_dir, census)
         return result
 
     if kind in ("real", "real-threads1", "real-forked", "real-spans"):
@@ -393,8 +404,9 @@ def is_truth(kind: str) -> bool:
 
 
 def untimed(kind: str) -> bool:
-    """Whether a step's times say nothing: a ``+calls`` step counts its forwards' calls under ``sys.setprofile``."""
-    return kind.endswith("+calls")
+    """Whether a step's times say nothing: a ``+calls`` step counts its forwards' calls under ``sys.setprofile``, a
+    ``+canary`` one adds ~1.5 ms of probes to each."""
+    return kind.endswith(("+calls", "+canary"))
 
 
 def _drift(values: list[float]) -> float:
@@ -479,6 +491,7 @@ def analyse_config(steps: list[dict[str, Any]], root: Path, resolve: bool = Fals
         row["emulations"][s["kind"] + ("" if s["kind"] not in row["emulations"] else f"#{len(row['emulations'])}")] = em
     row["gc"] = [(s["kind"], s["gc"]) for s in steps if s.get("gc")]
     row["calls"] = [(s["kind"], s["calls"]) for s in steps if s.get("calls")]
+    row["canary"] = [(s["kind"], s["canary"]) for s in steps if s.get("canary")]
     row["spans"] = [(s["kind"], sp) for s in steps if s.get("kind") == "real-spans" and "iterations" in s
                     and (sp := real_spans(s, microbatches)) is not None]
     row["forked"] = [statistics.median(m) for s in steps if s.get("kind", "").split("+")[0] == "real-forked"
@@ -723,6 +736,10 @@ def table(report: dict[str, Any]) -> str:
                 f"{c['ms_per_iteration']:.1f} ms in {c['collections_per_iteration']:.0f} "
                 f"({c['gen2_per_iteration']:.1f} full, {c['gen2_ms_each'][:4]} ms) [{c['command'][-40:]}]"
                 for c in busiest))
+        sung = row.get("canary") or []
+        if sung:
+            lines.append(f"{'':{w}} canary at each forward's start, us per call (medians): " + "; ".join(
+                f"{kind} {canary_text(c['canary'])}" for kind, c in sung))
         counted = row.get("calls") or []
         real_calls = next(((k, c) for k, c in counted if k.startswith("real")), None)
         for kind, calls in counted:
@@ -849,7 +866,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--configs", default=",".join(c.name for c in CONFIGS.values() if c.default),
                    help="comma-separated config names")
     p.add_argument("--plan", default="", help="'config:step,step,...;config:...' (steps: real, real-threads1, "
-                   "real-forked, real-spans, probe, emuW[-keep|-teardown|-off|-spin|-fold|-exec]; any +gc or +calls)")
+                   "real-forked, real-spans, probe, emuW[-keep|-teardown|-off|-spin|-fold|-exec]; "
+                   "any +gc, +calls or +canary)")
     p.add_argument("--iters", type=int, default=8, help=f"iterations per run ({WARMUP} of them warm-up)")
     p.add_argument("--real-extra", type=int, default=30,
                    help="iterations a real run makes beyond --iters before the ones measured (steady state)")

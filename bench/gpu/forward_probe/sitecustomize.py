@@ -1,0 +1,143 @@
+"""Each forward of a process, counted or timed from inside (bench only).
+
+The rank's forward runs 12-29 % longer than the real program's on host-bound configs (docs/measurements.md,
+runs 36-41), and the hosts that measured it never held still long enough to say why. Two probes tell the
+candidates apart on any host, each run the same way in the real program and in the emulated rank:
+- ``FORWARD_PROBE=calls``: every Python and C function called inside each forward, counted under
+  ``sys.setprofile`` (exact: equal counts say the same code runs, extra ones name the code the rank adds);
+- ``FORWARD_PROBE=canary``: at each forward's start, the host cost of an empty Python call, a one-element ATen
+  add on the CPU and one on the GPU (``host_probe.py``'s three measures, a few hundred of each): how fast this
+  process's host issues work at the point the forward starts, so a rank on a slower machine is told from a rank
+  whose program does more.
+
+Put this directory first on ``PYTHONPATH`` with ``FORWARD_PROBE_DIR`` set (``one_gpu_truth.py``'s ``+calls`` and
+``+canary`` steps): every marker sink the process installs (``prism_megatron.trace.markers.set_sink``: the rank's
+runtime, the spans driver's recorder) is wrapped so that each ``forward`` span after the first
+``FORWARD_PROBE_SKIP`` (default 24: three iterations of eight micro-batches, the warm-up) is probed. After each
+such span ``$FORWARD_PROBE_DIR/MODE-PID.json`` holds ``{"command", "forwards", "calls": {"FILE:LINE NAME" or
+"c MODULE.NAME": count}}`` or ``{..., "canary": {"python_us": [...], "aten_cpu_us": [...], "cuda_launch_us":
+[...]}}`` (one value per forward), rewritten whole (a rank ends with ``os._exit``). The probes run on the main
+thread: the forward runs there. Shadows any other sitecustomize.
+"""
+
+import json
+import os
+import sys
+import time
+
+_DIR = os.environ.get("FORWARD_PROBE_DIR")
+_MODE = os.environ.get("FORWARD_PROBE", "calls")
+#: the canary's calls per measure at each forward: ~0.1 ms of Python, ~0.3 ms of ATen, ~1 ms of launches
+CANARY_OPS = {"python_us": 2000, "aten_cpu_us": 300, "cuda_launch_us": 150}
+
+
+def _short(path: str) -> str:
+    for cut in ("site-packages/", "dist-packages/", "/megatron/", "/prism_megatron/", "/torch/"):
+        i = path.rfind(cut)
+        if i >= 0:
+            return path[i + (0 if cut.startswith("/") else len(cut)):].lstrip("/")
+    return os.path.basename(path)
+
+
+def _empty() -> None:
+    return None
+
+
+class _Probe:
+    def __init__(self, skip: int) -> None:
+        self.skip = skip
+        self.pid = os.getpid()
+        self.seen = 0  # forward spans begun
+        self.counting = False
+        self.calls: dict[str, int] = {}
+        self.canary: dict[str, list[float]] = {k: [] for k in CANARY_OPS}
+        self.operands = None
+        self.forwards = 0
+
+    def profile(self, frame, event, arg) -> None:
+        if event == "call":
+            code = frame.f_code
+            key = f"{_short(code.co_filename)}:{code.co_firstlineno} {code.co_name}"
+        elif event == "c_call":
+            key = f"c {getattr(arg, '__module__', None) or type(getattr(arg, '__self__', None)).__name__}." \
+                  f"{getattr(arg, '__qualname__', getattr(arg, '__name__', '?'))}"
+        else:
+            return
+        self.calls[key] = self.calls.get(key, 0) + 1
+
+    def sing(self) -> None:
+        """The canary: each measure's microseconds per call, at this point of this process."""
+        import torch
+
+        if self.operands is None:
+            cpu = [torch.ones(1) for _ in range(3)]
+            gpu = [torch.ones(1, device="cuda") for _ in range(3)] if torch.cuda.is_available() else None
+            self.operands = (cpu, gpu)
+        (a, b, c), gpu = self.operands
+        steps = {"python_us": _empty, "aten_cpu_us": lambda: torch.add(a, b, out=c)}
+        if gpu is not None:
+            ga, gb, gc = gpu
+            steps["cuda_launch_us"] = lambda: torch.add(ga, gb, out=gc)
+        for key, step in steps.items():
+            n = CANARY_OPS[key]
+            t0 = time.perf_counter()
+            for _ in range(n):
+                step()
+            self.canary[key].append((time.perf_counter() - t0) / n * 1e6)
+
+    def begin(self) -> None:
+        if os.getpid() != self.pid:  # a forked child (a rank) probes afresh, into a file of its own
+            self.__init__(self.skip)
+        self.seen += 1
+        if self.seen <= self.skip:
+            return
+        self.counting = True
+        if _MODE == "canary":
+            self.sing()
+        else:
+            sys.setprofile(self.profile)
+
+    def end(self) -> None:
+        if not self.counting:
+            return
+        sys.setprofile(None)
+        self.counting = False
+        self.forwards += 1
+        found = {"canary": {k: v for k, v in self.canary.items() if v}} if _MODE == "canary" else {"calls": self.calls}
+        path = os.path.join(_DIR, f"{_MODE}-{self.pid}.json")
+        with open(path + ".tmp", "w") as f:
+            json.dump({"command": " ".join(sys.argv[:6]), "forwards": self.forwards, **found}, f)
+        os.replace(path + ".tmp", path)
+
+
+class _Wrapped:
+    """A marker sink whose forward spans the probe sees; everything passes through."""
+
+    def __init__(self, sink, probe: _Probe) -> None:
+        self.sink = sink
+        self.probe = probe
+
+    def record_mark(self, name, phase, attrs) -> None:
+        if name == "forward" and phase == "E":
+            self.probe.end()
+        self.sink.record_mark(name, phase, attrs)
+        if name == "forward" and phase == "B":
+            self.probe.begin()
+
+
+if _DIR:
+    if _MODE not in ("calls", "canary"):
+        raise SystemExit(f"FORWARD_PROBE={_MODE!r}: expected 'calls' or 'canary'")
+    os.makedirs(_DIR, exist_ok=True)
+    try:
+        from prism_megatron.trace import markers as _markers
+    except ImportError:
+        _markers = None
+    if _markers is not None:
+        _probe = _Probe(int(os.environ.get("FORWARD_PROBE_SKIP", "24")))
+        _original = _markers.set_sink
+
+        def set_sink(sink):
+            return _original(sink if sink is None or isinstance(sink, _Wrapped) else _Wrapped(sink, _probe))
+
+        _markers.set_sink = set_sink
