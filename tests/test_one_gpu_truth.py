@@ -169,3 +169,16 @@ for i in range(5):
     assert sorted(found["canary"]) == ["aten_cpu_us", "python_us"]
     assert all(len(v) == 3 and all(x > 0 for x in v) for v in found["canary"].values())
     assert truth.canary_text(found["canary"]).startswith("python ")
+
+
+def test_a_forward_body_is_its_longest_stretch_without_a_collective():
+    truth = load_bench("gpu/one_gpu_truth.py")
+    spans = [["forward", 0.0, 0.010], ["collective", 0.001, 0.0], ["collective", 0.002, 0.0],
+             ["collective", 0.009, 0.0], ["backward", 0.010, 0.020], ["collective", 0.025, 0.0],
+             ["forward", 0.030, 0.004], ["backward", 0.034, 0.008]]
+    bodies = truth._bodies(spans)
+    assert [round(b, 6) for b in bodies] == [7.0, 4.0]  # 2-9 ms; a forward without collectives: all of it
+    step = {"iterations": {"1": {"ms": 50.0}}, "measured_from": 1, "spans": spans}
+    split = truth.real_spans(step, 2)
+    assert round(split["body_ms"], 6) == 11.0 and round(split["forward_ms"], 6) == 14.0
+    assert "14.0 (body 11.0) + 28.0 + 8.0" in truth.split_text(split)

@@ -641,13 +641,30 @@ def host_device(trace: Path, since: int = WARMUP + 1) -> dict[str, float]:
             "device_ms": statistics.median(devices) * 1e3}
 
 
-def _split(iteration_ms: list[float], forward: list[list[float]], backward: list[list[float]]) -> dict[str, float]:
-    """Medians over iterations of the iteration, its forward spans' sum, its backward spans' sum and the rest."""
-    return {"iteration_ms": statistics.median(iteration_ms), "forward_ms": statistics.median(sum(f) for f in forward),
-            "backward_ms": statistics.median(sum(b) for b in backward),
-            "rest_ms": statistics.median(t - sum(f) - sum(b) for t, f, b in zip(iteration_ms, forward, backward,
-                                                                                  strict=True)),
-            "iterations": len(iteration_ms)}
+def _split(iteration_ms: list[float], forward: list[list[float]], backward: list[list[float]],
+           body: list[list[float]] | None = None) -> dict[str, float]:
+    """Medians over iterations of the iteration, its forward spans' sum, its backward spans' sum and the rest; with
+    ``body``, also the sum of its forwards' bodies (each forward's longest stretch without a collective)."""
+    out = {"iteration_ms": statistics.median(iteration_ms), "forward_ms": statistics.median(sum(f) for f in forward),
+           "backward_ms": statistics.median(sum(b) for b in backward),
+           "rest_ms": statistics.median(t - sum(f) - sum(b) for t, f, b in zip(iteration_ms, forward, backward,
+                                                                                 strict=True)),
+           "iterations": len(iteration_ms)}
+    if body and all(body):
+        out["body_ms"] = statistics.median(sum(b) for b in body)
+    return out
+
+
+def _bodies(spans: list[list[Any]]) -> list[float]:
+    """Each forward span's body (ms): its longest stretch between its begin, the collectives called inside it and its
+    end (spans_driver.py's ``collective`` entries; none: the whole forward)."""
+    calls = [t for name, t, _ in spans if name == "collective"]
+    out = []
+    for name, start, d in spans:
+        if name == "forward":
+            cuts = [start, *(t for t in calls if start <= t <= start + d), start + d]
+            out.append(max(b - a for a, b in zip(cuts, cuts[1:], strict=False)) * 1e3)
+    return out
 
 
 def real_spans(step: dict[str, Any], microbatches: int) -> dict[str, float] | None:
@@ -660,7 +677,10 @@ def real_spans(step: dict[str, Any], microbatches: int) -> dict[str, float] | No
     if not its:
         return None
     cut = [slice((k - 1) * microbatches, k * microbatches) for k, _ in its]
-    return _split([ms for _, ms in its], [forward[c] for c in cut], [backward[c] for c in cut])
+    timed = any(name == "collective" for name, _, _ in step.get("spans") or [])
+    body = _bodies(step["spans"]) if timed else None
+    return _split([ms for _, ms in its], [forward[c] for c in cut], [backward[c] for c in cut],
+                  [body[c] for c in cut] if body else None)
 
 
 def trace_spans(trace: Path, since: int = WARMUP + 1) -> dict[str, float] | None:
@@ -672,9 +692,10 @@ def trace_spans(trace: Path, since: int = WARMUP + 1) -> dict[str, float] | None
     def length(a: float, b: float) -> float:  # ms of the program between two clocks
         return sum(g["cpu"] for g in _segments(rows, a, b)) * 1e3 if rows else (b - a) * 1e3
 
-    iteration_ms, forward, backward = [], [], []
+    iteration_ms, forward, backward, body = [], [], [], []
     for a, b in iterations:
         spans: dict[str, list[float]] = {"forward": [], "backward": []}
+        bodies: list[float] = []
         begun: dict[str, float] = {}
         for m in marks:
             if m["name"] not in spans or not a <= m["compute_clock"] <= b:
@@ -682,16 +703,21 @@ def trace_spans(trace: Path, since: int = WARMUP + 1) -> dict[str, float] | None
             if m["phase"] == "B":
                 begun[m["name"]] = m["compute_clock"]
             elif m["name"] in begun:
-                spans[m["name"]].append(length(begun.pop(m["name"]), m["compute_clock"]))
+                start = begun.pop(m["name"])
+                spans[m["name"]].append(length(start, m["compute_clock"]))
+                if m["name"] == "forward" and rows:  # its body: its longest segment (no runtime call inside)
+                    bodies.append(max((g["cpu"] for g in _segments(rows, start, m["compute_clock"])), default=0) * 1e3)
         iteration_ms.append(length(a, b))
         forward.append(spans["forward"])
         backward.append(spans["backward"])
-    return _split(iteration_ms, forward, backward) if iteration_ms else None
+        body.append(bodies)
+    return _split(iteration_ms, forward, backward, body if rows else None) if iteration_ms else None
 
 
 def split_text(sp: dict[str, float]) -> str:
     """An iteration's split (``_split``) as "iteration = forward + backward + the rest" in ms."""
-    return f"{sp['iteration_ms']:.1f} = {sp['forward_ms']:.1f} + {sp['backward_ms']:.1f} + {sp['rest_ms']:.1f}"
+    body = f" (body {sp['body_ms']:.1f})" if "body_ms" in sp else ""
+    return f"{sp['iteration_ms']:.1f} = {sp['forward_ms']:.1f}{body} + {sp['backward_ms']:.1f} + {sp['rest_ms']:.1f}"
 
 
 def table(report: dict[str, Any]) -> str:

@@ -5,8 +5,11 @@ emulated rank's trace marks them (``prism_megatron.patches.schedules``: Megatron
 An emulated rank's iterations ran ~5 % longer than the real program's on host-bound configs, GPU timing on or off
 (docs/measurements.md, runs 32-34); the whole iteration cannot say whether the forward, the backward (the autograd
 engine's thread on a GPU) or what lies between them (the optimizer, the data, the loss) is slower in the rank. The
-spans are host wall time (the kernels they queue run on), as a one-clock rank's segments are. At exit it writes
-``$SPANS_OUT`` (JSON): ``[[name, seconds from the first span, duration in seconds], ...]`` in the order they began.
+spans are host wall time (the kernels they queue run on), as a one-clock rank's segments are. Each call of
+``torch.distributed.broadcast`` or ``all_reduce`` is kept too (``collective``, duration 0): where an emulated rank's
+trace cuts a forward into segments (the data's broadcasts before the model's body, the loss's all-reduces after it),
+so the body can be set against the rank's. At exit it writes ``$SPANS_OUT`` (JSON): ``[[name, seconds from the
+first span, duration in seconds], ...]`` in the order they began.
 
   SPANS_OUT=spans.json python bench/gpu/spans_driver.py DRIVER_SCRIPT DRIVER-FLAGS...
 """
@@ -44,6 +47,24 @@ class _Timed:
             start = self._open.pop(name)
             self.spans.append([name, start - self._t0, now - start])
 
+    def collective(self) -> None:
+        if self._t0 is not None:
+            self.spans.append(["collective", time.perf_counter() - self._t0, 0.0])
+
+
+def _time_collectives(sink: _Timed) -> None:
+    """Keep when each broadcast and all-reduce is called (the seams of an emulated rank's segments)."""
+    import torch.distributed as dist
+
+    for name in ("broadcast", "all_reduce"):
+        original = getattr(dist, name)
+
+        def timed(*args: Any, _original: Any = original, **kwargs: Any) -> Any:
+            sink.collective()
+            return _original(*args, **kwargs)
+
+        setattr(dist, name, timed)
+
 
 def main() -> int:
     out = os.environ.get("SPANS_OUT")
@@ -54,6 +75,7 @@ def main() -> int:
     sink = _Timed()
     schedules.install()
     markers.set_sink(sink)
+    _time_collectives(sink)
     atexit.register(lambda: Path(out).write_text(json.dumps(sink.spans)))  # also where the driver exits itself
     sys.argv = [driver, *flags]
     runpy.run_path(driver, run_name="__main__")
