@@ -6,7 +6,6 @@ import base64
 import json
 import math
 from collections.abc import Callable
-from dataclasses import asdict
 from pathlib import Path
 
 from prism_megatron.runtime.governor import MemoryGovernor
@@ -34,7 +33,9 @@ def write_bare_trace(path: Path, job: dict, exit_codes: dict, *, world_size: int
     ``incomplete``: why the run did not end normally."""
     ops = []
     for rec in recorder.ops:
-        row = {k: v for k, v in asdict(rec).items() if k in _OP_COLUMNS}
+        # the fields read directly: ``dataclasses.asdict`` deep-copies each record, and the live prediction writes
+        # every record so far at each iteration (docs/measurements.md, "The coordinator's live prediction")
+        row = {k: getattr(rec, k) for k in _OP_COLUMNS}
         # encoded here, once, rather than per op in the coordinator's loop
         row["splits"] = json.dumps(list(rec.splits)) if rec.splits else ""
         row["payload"] = json.dumps([base64.b64encode(b).decode("ascii") for b in rec.payload]) if rec.payload else ""
