@@ -4,7 +4,8 @@ The rank's forward runs 12-29 % longer than the real program's on host-bound con
 runs 36-41), and the hosts that measured it never held still long enough to say why. Two probes tell the
 candidates apart on any host, each run the same way in the real program and in the emulated rank:
 - ``FORWARD_PROBE=calls``: every Python and C function called inside each forward, counted under
-  ``sys.setprofile`` (exact: equal counts say the same code runs, extra ones name the code the rank adds);
+  ``sys.setprofile`` (counts, not times: the host's speed moves them only where the program branches on time;
+  equal counts say the same code runs, extra ones name the code the rank adds);
 - ``FORWARD_PROBE=canary``: at each forward's start, the host cost of an empty Python call, a one-element ATen
   add on the CPU and one on the GPU (``host_probe.py``'s three measures, a few hundred of each): how fast this
   process's host issues work at the point the forward starts, so a rank on a slower machine is told from a rank
