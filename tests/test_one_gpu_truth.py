@@ -182,3 +182,11 @@ def test_a_forward_body_is_its_longest_stretch_without_a_collective():
     split = truth.real_spans(step, 2)
     assert round(split["body_ms"], 6) == 11.0 and round(split["forward_ms"], 6) == 14.0
     assert "14.0 (body 11.0) + 28.0 + 8.0" in truth.split_text(split)
+
+
+def test_a_forward_probe_on_a_real_run_without_spans_is_refused_before_it_runs(tmp_path):
+    truth = load_bench("gpu/one_gpu_truth.py")
+    config = truth.config_of("dense-bf16-mbs2")
+    with pytest.raises(ValueError, match=r"'00-real-threads1\+calls'.*only real-spans"):
+        truth.step("real-threads1+calls", config, tmp_path, 4, 0, 10.0)
+    assert not any(tmp_path.iterdir())  # nothing ran

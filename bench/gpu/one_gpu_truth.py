@@ -312,6 +312,9 @@ def step(kind: str, config: Config, work: Path, iters: int, index: int, timeout:
     flags = [*config.flags, "--train-iters", str(iters + emu_extra)]
     name = f"{index:02d}-{kind}"
     kind, census = kind.rsplit("+", 1) if kind.endswith(("+gc", "+calls", "+canary")) else (kind, "")
+    if census in ("calls", "canary") and kind.startswith("real") and kind != "real-spans":
+        raise ValueError(f"step {name!r}: +{census} probes the forwards a marker sink sees; of the real runs only "
+                         "real-spans installs one")
     gc_dir, probe_dir = work / f"{name}.gc", work / f"{name}.{census}"
     run_env = dict(config.env)
     if census == "gc":
@@ -399,7 +402,7 @@ def unlike(world: int, omp: str | None) -> str | None:
 
 def is_truth(kind: str) -> bool:
     """Whether a step is a real run the emulations are scored against (``real-forked`` is a diagnosis: the same
-    program forked as an emulated rank is; a ``+calls`` step runs its forwards under a profiler)."""
+    program forked as an emulated rank is; a ``+calls`` or ``+canary`` step probes its forwards)."""
     return kind.split("+")[0] in ("real", "real-threads1") and not untimed(kind)
 
 
