@@ -31,7 +31,7 @@ sys.path.insert(0, str(REPO / "bench"))
 from rank_overhead_cpu import FLAGS  # noqa: E402 - the same tiny job
 
 from prism_megatron.megatron.driver import DRIVER_SCRIPT  # noqa: E402
-from prism_megatron.report.live import _cut_times, predict_iteration  # noqa: E402
+from prism_megatron.report.live import predict_iteration, until_iteration  # noqa: E402
 from prism_megatron.runtime.recorder import OpRecord  # noqa: E402
 from prism_megatron.runtime.trace_export import _OP_COLUMNS  # noqa: E402
 from prism_megatron.trace import read_trace  # noqa: E402
@@ -70,12 +70,10 @@ def main(argv: list[str] | None = None) -> int:
         capture(a.iters, trace)
         print(f"captured {a.iters} iterations in {time.perf_counter() - t0:.0f} s", flush=True)
         tr = read_trace(trace)
-        ops = tr.ops.to_pylist()
         names = {f.name for f in fields(OpRecord)}
         for k in at:
-            cut = _cut_times(tr.marks, k)
             so_far = [OpRecord(**{n: v for n, v in o.items() if n in names and n not in ("splits", "payload")})
-                      for o in ops if o["t_issue"] <= cut.get(o["rank"], float("inf"))]
+                      for o in until_iteration(tr, k).ops.to_pylist()]
             copied = _ms(lambda recs=so_far: [{c: v for c, v in asdict(r).items() if c in _OP_COLUMNS} for r in recs])
             direct = _ms(lambda recs=so_far: [{c: getattr(r, c) for c in _OP_COLUMNS} for r in recs])
             predicted = _ms(lambda k=k: predict_iteration(trace, k))

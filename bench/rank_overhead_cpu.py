@@ -52,6 +52,7 @@ from one_gpu_truth import (  # noqa: E402 - the truth runs' own readers
     _run,
     _single,
     calls_text,
+    census_env,
     host_threads,
     parse_log,
     read_census,
@@ -83,13 +84,10 @@ def run(kind: str, iters: int, work: Path, census: Path | None = None, calls: Pa
     ``census``: log every garbage collection of every process of the run there (gc_census); ``calls``: count
     every call of each forward past the warm-up there (forward_probe)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", WANDB_MODE="disabled")
-    wanted = ((census, "GC_CENSUS_DIR", "gc_census"), (calls, "FORWARD_PROBE_DIR", "forward_probe"))
-    for directory, variable, module in wanted:
-        if directory is not None:
-            env.update({variable: str(directory), "FORWARD_PROBE": "calls",
-                        "FORWARD_PROBE_SKIP": str(WARMUP * MICROBATCHES),
-                        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "bench" / "gpu" / module),
-                                                                    env.get("PYTHONPATH")]))})
+    if census is not None:
+        env.update(census_env("gc", census))
+    if calls is not None:
+        env.update(census_env("calls", calls, WARMUP * MICROBATCHES))
     flags = [*FLAGS, "--train-iters", str(iters)]
     spans = work / "plain.spans.json"
     if kind == "plain":

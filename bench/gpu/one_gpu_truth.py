@@ -228,6 +228,19 @@ def read_census(path: Path) -> tuple[str, list[tuple[float, ...]]]:
     return (lines[0][2:] if lines else ""), events
 
 
+def census_env(census: str, directory: Path, skip: int = 0) -> dict[str, str]:
+    """The environment that loads a census into every process of a run, writing into ``directory``: ``gc``
+    (``gc_census/``) or a forward probe, ``calls`` or ``canary`` (``forward_probe/``, its first ``skip`` forwards
+    left out)."""
+    if census == "gc":
+        module, env = "gc_census", {"GC_CENSUS_DIR": str(directory)}
+    else:
+        module, env = "forward_probe", {"FORWARD_PROBE": census, "FORWARD_PROBE_DIR": str(directory),
+                                        "FORWARD_PROBE_SKIP": str(skip)}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE / module), os.environ.get("PYTHONPATH")]))
+    return env
+
+
 def read_probe(directory: Path, mode: str) -> dict[str, Any] | None:
     """A ``+calls`` or ``+canary`` step's findings (``forward_probe/sitecustomize.py``), from the process that ran the
     program's forwards (the plain process, or the emulated rank; the launcher ran none), or None: ``forwards``
@@ -315,23 +328,19 @@ def step(kind: str, config: Config, work: Path, iters: int, index: int, timeout:
     if census in ("calls", "canary") and kind.startswith("real") and kind != "real-spans":
         raise ValueError(f"step {name!r}: +{census} probes the forwards a marker sink sees; of the real runs only "
                          "real-spans installs one")
-    gc_dir, probe_dir = work / f"{name}.gc", work / f"{name}.{census}"
-    run_env = dict(config.env)
-    if census == "gc":
-        run_env.update(GC_CENSUS_DIR=str(gc_dir), PYTHONPATH=f"{HERE / 'gc_census'}:{os.environ.get('PYTHONPATH', '')}")
-    elif census:  # every forward past the warm-up: the real runs' and the emulations' alike
-        skipped = (WARMUP + (real_extra if kind == "real" else emu_extra)) * microbatches(config)
-        run_env.update(FORWARD_PROBE=census, FORWARD_PROBE_DIR=str(probe_dir), FORWARD_PROBE_SKIP=str(skipped),
-                       PYTHONPATH=f"{HERE / 'forward_probe'}:{os.environ.get('PYTHONPATH', '')}")
+    census_dir = work / f"{name}.{census}"
+    # a forward probe leaves out the warm-up's forwards: real-spans and the emulations both run emu_extra more
+    run_env = {**dict(config.env), **(census_env(census, census_dir, (WARMUP + emu_extra) * microbatches(config))
+                                      if census else {})}
     t0 = time.monotonic()
 
     def counted(result: dict[str, Any]) -> dict[str, Any]:
         if census:
             result["kind"] += f"+{census}"
         if census == "gc":
-            result["gc"] = gc_census(gc_dir, t0, result["iterations"])
+            result["gc"] = gc_census(census_dir, t0, result["iterations"])
         elif census:
-            result[census] = read_probe(probe_dir, census)
+            result[census] = read_probe(census_dir, census)
         return result
 
     if kind in ("real", "real-threads1", "real-forked", "real-spans"):

@@ -33,8 +33,8 @@ def write_bare_trace(path: Path, job: dict, exit_codes: dict, *, world_size: int
     ``incomplete``: why the run did not end normally."""
     ops = []
     for rec in recorder.ops:
-        # the fields read directly: ``dataclasses.asdict`` deep-copies each record (~20x the cost), and the live
-        # prediction writes every record so far at each logged iteration
+        # the fields read directly: ``dataclasses.asdict`` deep-copies each record, and the live prediction
+        # writes every record so far at each logged iteration
         row = {k: getattr(rec, k) for k in _OP_COLUMNS}
         # encoded here, once, rather than per op in the coordinator's loop
         row["splits"] = json.dumps(list(rec.splits)) if rec.splits else ""
