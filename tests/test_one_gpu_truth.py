@@ -171,6 +171,56 @@ for i in range(5):
     assert truth.canary_text(found["canary"]).startswith("python ")
 
 
+def test_the_times_probe_finds_the_function_whose_own_time_grew(tmp_path):
+    """FORWARD_PROBE=times as a +times step loads it: each function's own time in each probed forward, a callee's
+    time taken out of its caller's; ``times_text`` names the function that grew between two sides."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    program = """
+import sys, time
+from prism_megatron.trace import markers
+
+class Sink:
+    def record_mark(self, name, phase, attrs):
+        pass
+
+def layer(nap):
+    time.sleep(nap)
+    return sum(range(100))
+
+markers.set_sink(Sink())
+for i in range(4):
+    with markers.span("forward", iteration=i):
+        layer(float(sys.argv[1]))
+"""
+    found = {}
+    for side, nap in (("real", "0.002"), ("emulated", "0.012")):
+        out = tmp_path / side
+        env = dict(os.environ, FORWARD_PROBE_DIR=str(out), FORWARD_PROBE="times", FORWARD_PROBE_SKIP="1",
+                   PYTHONPATH=os.pathsep.join([str(repo / "bench" / "gpu" / "forward_probe"), str(repo)]))
+        subprocess.run([sys.executable, "-c", program, nap], env=env, check=True, timeout=120)
+        found[side] = load_bench("gpu/one_gpu_truth.py").read_probe(out, "times")
+    truth = load_bench("gpu/one_gpu_truth.py")
+    real, emulated = found["real"], found["emulated"]
+    assert real["forwards"] == emulated["forwards"] == 3
+    slept = [f["self_us"]["c time.sleep"] for f in emulated["forward"]]
+    assert all(s >= 12_000 for s in slept)
+    assert all(us < 2_000 for f in emulated["forward"] for k, us in f["self_us"].items() if k.endswith(" layer"))
+    assert all(f["ms"] >= 12 and f["python_us"] > 0 for f in emulated["forward"])
+    for f in real["forward"] + emulated["forward"]:  # the host at full speed throughout, whatever this one did
+        f["python_us"] = 0.03
+    text = truth.times_text(real, emulated)
+    assert "real 3 of 3" in text and "emulated 3 of 3" in text
+    most = text.split("ms per forward: ")[1].split(", ")[0]
+    assert most.startswith("+1") and "c time.sleep" in most  # ~+10 ms, the first named
+    real["forward"][0]["python_us"] = 0.06  # a forward the host ran at half speed is left out
+    assert "real 2 of 3" in truth.times_text(real, emulated)
+
+
 def test_a_forward_body_is_its_longest_stretch_without_a_collective():
     truth = load_bench("gpu/one_gpu_truth.py")
     spans = [["forward", 0.0, 0.010], ["collective", 0.001, 0.0], ["collective", 0.002, 0.0],

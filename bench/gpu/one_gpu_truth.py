@@ -37,7 +37,9 @@ without activation recompute, micro-batch 1 to 8) it runs, on GPU 0, in the orde
   the warm-up, counted (``forward_probe/sitecustomize.py``; the step's times are a profiler's and not scored): the
   table gives each emulation's calls per forward against the first counted real run's, and where they differ;
   with ``+canary``: at each forward's start, the host cost of a Python call, a CPU and a GPU op in that process
-  (not scored either).
+  (not scored either); with ``+times``: the canary, then each function's own time in each forward under
+  ``sys.setprofile``: the table sets each emulation's against the first timed real run's, over the forwards whose
+  canary found the host at full speed on both sides (not scored).
 
 A config named ``NAME+manual-gc`` is NAME with Megatron's ``--manual-gc`` (the collector off during
 training, as NVIDIA's performance recipes run), ``NAME+ompN`` NAME with ``OMP_NUM_THREADS=N`` for the real
@@ -92,6 +94,10 @@ HERE = Path(__file__).resolve().parent
 PY = sys.executable
 WARMUP = 2
 TRUTH_SPREAD = 1.0  # percent: a config whose real repeats spread and drift less is ground truth (mean error)
+#: the forward probes (forward_probe/sitecustomize.py's modes) and, with the collector's (gc_census/), every census a
+#: step's ``+NAME`` may load
+FORWARD_PROBES = ("calls", "canary", "times")
+CENSUSES = ("gc", *FORWARD_PROBES)
 _PREFIX = re.compile(r"^\[\s*([0-9.]+)s\] ")
 _ITER = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([0-9.]+)(?: \(([^|]*)\))? \|"
                    r"(?:.*?lm loss: ([0-9.E+-]+))?")
@@ -230,8 +236,8 @@ def read_census(path: Path) -> tuple[str, list[tuple[float, ...]]]:
 
 def census_env(census: str, directory: Path, skip: int = 0) -> dict[str, str]:
     """The environment that loads a census into every process of a run, writing into ``directory``: ``gc``
-    (``gc_census/``) or a forward probe, ``calls`` or ``canary`` (``forward_probe/``, its first ``skip`` forwards
-    left out)."""
+    (``gc_census/``) or a forward probe, ``calls``, ``canary`` or ``times`` (``forward_probe/``, its first ``skip``
+    forwards left out)."""
     if census == "gc":
         module, env = "gc_census", {"GC_CENSUS_DIR": str(directory)}
     else:
@@ -242,10 +248,11 @@ def census_env(census: str, directory: Path, skip: int = 0) -> dict[str, str]:
 
 
 def read_probe(directory: Path, mode: str) -> dict[str, Any] | None:
-    """A ``+calls`` or ``+canary`` step's findings (``forward_probe/sitecustomize.py``), from the process that ran the
-    program's forwards (the plain process, or the emulated rank; the launcher ran none), or None: ``forwards``
-    and, for calls, ``per_forward`` (calls per forward by function), for the canary, ``canary`` (each measure's
-    microseconds per call, one value per forward)."""
+    """A forward probe's findings (``forward_probe/sitecustomize.py``), from the process that ran the program's
+    forwards (the plain process, or the emulated rank; the launcher ran none), or None: ``forwards`` and, for calls,
+    ``per_forward`` (calls per forward by function), for the canary, ``canary`` (each measure's microseconds per
+    call, one value per forward), for times, ``forward`` (per forward its canary's Python call, its profiled
+    length and each function's own microseconds)."""
     files = [json.loads(f.read_text()) for f in sorted(directory.glob(f"{mode}-*.json"))]
     counted = [f for f in files if f.get("forwards")]
     if not counted:
@@ -253,6 +260,8 @@ def read_probe(directory: Path, mode: str) -> dict[str, Any] | None:
     f = max(counted, key=lambda f: f["forwards"])
     if mode == "canary":
         return {"forwards": f["forwards"], "canary": f["canary"]}
+    if mode == "times":
+        return {"forwards": f["forwards"], "forward": f["forward"]}
     return {"forwards": f["forwards"], "per_forward": {k: v / f["forwards"] for k, v in f["calls"].items()}}
 
 
@@ -274,6 +283,38 @@ def calls_text(real: dict[str, Any], emulated: dict[str, Any], top: int = 8) -> 
     shown = ", ".join(f"{d:+.0f} {k}" for d, k in diff[:top] if abs(d) >= 0.5) or "none"
     return (f"calls per forward: real {pa:.0f} Python + {ca:.0f} C, emulated {pb:.0f} + {cb:.0f}; "
             f"most apart: {shown}")
+
+
+#: a forward whose canary's Python call took more than this times the least of both sides' ran on a slowed host
+FULL_SPEED = 1.15
+
+
+def times_text(real: dict[str, Any], emulated: dict[str, Any], top: int = 8) -> str:
+    """The forwards at full speed on each side (their canary's Python call within ``FULL_SPEED`` of the least
+    seen on either side): their median profiled length, and the functions whose own time per forward differs
+    most, emulated less real (the mean over those forwards; real's figure in brackets)."""
+    floor = min(f["python_us"] for f in real["forward"] + emulated["forward"])
+
+    def fast(side: dict[str, Any]) -> list[dict[str, Any]]:
+        return [f for f in side["forward"] if f["python_us"] <= floor * FULL_SPEED]
+
+    a, b = fast(real), fast(emulated)
+    if not a or not b:
+        return f"no forward at full speed on {'both sides' if not a and not b else 'one side'}"
+
+    def own(forwards: list[dict[str, Any]]) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for f in forwards:
+            for k, us in f["self_us"].items():
+                out[k] = out.get(k, 0.0) + us / 1e3 / len(forwards)
+        return out
+
+    oa, ob = own(a), own(b)
+    diff = sorted(((ob.get(k, 0.0) - oa.get(k, 0.0), k) for k in set(oa) | set(ob)), key=lambda d: (-abs(d[0]), d[1]))
+    shown = ", ".join(f"{d:+.2f} {k} ({oa.get(k, 0.0):.2f})" for d, k in diff[:top])
+    ma, mb = (statistics.median(f["ms"] for f in side) for side in (a, b))
+    return (f"forwards at full speed: real {len(a)} of {len(real['forward'])}, {ma:.1f} ms profiled; emulated "
+            f"{len(b)} of {len(emulated['forward'])}, {mb:.1f} ms; own time most apart, ms per forward: {shown}")
 
 
 def gc_census(directory: Path, t0: float, iterations: dict[Any, dict[str, Any]]) -> dict[str, Any]:
@@ -324,8 +365,8 @@ def step(kind: str, config: Config, work: Path, iters: int, index: int, timeout:
     """Run one step of the plan; returns what it measured."""
     flags = [*config.flags, "--train-iters", str(iters + emu_extra)]
     name = f"{index:02d}-{kind}"
-    kind, census = kind.rsplit("+", 1) if kind.endswith(("+gc", "+calls", "+canary")) else (kind, "")
-    if census in ("calls", "canary") and kind.startswith("real") and kind != "real-spans":
+    kind, census = kind.rsplit("+", 1) if kind.endswith(tuple(f"+{c}" for c in CENSUSES)) else (kind, "")
+    if census in FORWARD_PROBES and kind.startswith("real") and kind != "real-spans":
         raise ValueError(f"step {name!r}: +{census} probes the forwards a marker sink sees; of the real runs only "
                          "real-spans installs one")
     census_dir = work / f"{name}.{census}"
@@ -411,14 +452,14 @@ def unlike(world: int, omp: str | None) -> str | None:
 
 def is_truth(kind: str) -> bool:
     """Whether a step is a real run the emulations are scored against (``real-forked`` is a diagnosis: the same
-    program forked as an emulated rank is; a ``+calls`` or ``+canary`` step probes its forwards)."""
+    program forked as an emulated rank is; a ``+calls``, ``+canary`` or ``+times`` step probes its forwards)."""
     return kind.split("+")[0] in ("real", "real-threads1") and not untimed(kind)
 
 
 def untimed(kind: str) -> bool:
-    """Whether a step's times say nothing: a ``+calls`` step counts its forwards' calls under ``sys.setprofile``, a
-    ``+canary`` one adds ~1.5 ms of probes to each."""
-    return kind.endswith(("+calls", "+canary"))
+    """Whether a step's times say nothing: a ``+calls`` or ``+times`` step runs its forwards under
+    ``sys.setprofile``, a ``+canary`` one adds ~1.5 ms of probes to each."""
+    return kind.endswith(tuple(f"+{p}" for p in FORWARD_PROBES))
 
 
 def _drift(values: list[float]) -> float:
@@ -504,6 +545,7 @@ def analyse_config(steps: list[dict[str, Any]], root: Path, resolve: bool = Fals
     row["gc"] = [(s["kind"], s["gc"]) for s in steps if s.get("gc")]
     row["calls"] = [(s["kind"], s["calls"]) for s in steps if s.get("calls")]
     row["canary"] = [(s["kind"], s["canary"]) for s in steps if s.get("canary")]
+    row["times"] = [(s["kind"], s["times"]) for s in steps if s.get("times")]
     row["spans"] = [(s["kind"], sp) for s in steps if s.get("kind") == "real-spans" and "iterations" in s
                     and (sp := real_spans(s, microbatches)) is not None]
     row["forked"] = [statistics.median(m) for s in steps if s.get("kind", "").split("+")[0] == "real-forked"
@@ -784,6 +826,11 @@ def table(report: dict[str, Any]) -> str:
             if real_calls and kind.startswith("emu"):
                 lines.append(f"{'':{w}} {kind} against {real_calls[0]}, over {calls['forwards']} and "
                              f"{real_calls[1]['forwards']} forwards: {calls_text(real_calls[1], calls)}")
+        timed = row.get("times") or []
+        real_times = next(((k, t) for k, t in timed if k.startswith("real")), None)
+        for kind, times in timed:
+            if real_times and kind.startswith("emu"):
+                lines.append(f"{'':{w}} {kind} against {real_times[0]}: {times_text(real_times[1], times)}")
         split = [(k, sp) for k, sp in row.get("spans") or []] + [
             (k, em["spans"]) for k, em in (row.get("emulations") or {}).items() if em.get("spans")]
         if split:
@@ -905,7 +952,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="comma-separated config names")
     p.add_argument("--plan", default="", help="'config:step,step,...;config:...' (steps: real, real-threads1, "
                    "real-forked, real-spans, probe, emuW[-keep|-teardown|-off|-spin|-fold|-exec]; "
-                   "any +gc, +calls or +canary)")
+                   "any +gc, +calls, +canary or +times)")
     p.add_argument("--iters", type=int, default=8, help=f"iterations per run ({WARMUP} of them warm-up)")
     p.add_argument("--real-extra", type=int, default=30,
                    help="iterations a real run makes beyond --iters before the ones measured (steady state)")

@@ -9,16 +9,23 @@ candidates apart on any host, each run the same way in the real program and in t
 - ``FORWARD_PROBE=canary``: at each forward's start, the host cost of an empty Python call, a one-element ATen
   add on the CPU and one on the GPU (``host_probe.py``'s three measures, a few hundred of each): how fast this
   process's host issues work at the point the forward starts, so a rank on a slower machine is told from a rank
-  whose program does more.
+  whose program does more;
+- ``FORWARD_PROBE=times``: the canary, then each function's own time inside the forward under ``sys.setprofile``
+  (its time less that of the functions it called; a C function's is the ATen op or driver call it wraps): where
+  equal counts and an equal canary leave a forward slower, the functions whose own time grew. The profiler's cost
+  per call lands in every function alike on both sides; the canary marks the forwards the host ran at full speed.
 
-Put this directory first on ``PYTHONPATH`` with ``FORWARD_PROBE_DIR`` set (``one_gpu_truth.py``'s ``+calls`` and
-``+canary`` steps): every marker sink the process installs (``prism_megatron.trace.markers.set_sink``: the rank's
-runtime, the spans driver's recorder) is wrapped so that each ``forward`` span after the first
-``FORWARD_PROBE_SKIP`` (default 24: three iterations of eight micro-batches, the warm-up) is probed. After each
+Put this directory first on ``PYTHONPATH`` with ``FORWARD_PROBE_DIR`` set (``one_gpu_truth.py``'s ``+calls``,
+``+canary`` and ``+times`` steps): every marker sink the process installs
+(``prism_megatron.trace.markers.set_sink``: the rank's runtime, the spans driver's recorder) is wrapped so that
+each ``forward`` span after the first ``FORWARD_PROBE_SKIP`` (default 24: three iterations of eight
+micro-batches, the warm-up) is probed. After each
 such span ``$FORWARD_PROBE_DIR/MODE-PID.json`` holds ``{"command", "forwards", "calls": {"FILE:LINE NAME" or
 "c MODULE.NAME": count}}`` or ``{..., "canary": {"python_us": [...], "aten_cpu_us": [...], "cuda_launch_us":
-[...]}}`` (one value per forward), rewritten whole (a rank ends with ``os._exit``). The probes run on the main
-thread: the forward runs there. Shadows any other sitecustomize.
+[...]}}`` (one value per forward), or for times ``{..., "forward": [{"python_us": canary, "ms": the forward's
+profiled length, "self_us": {function: microseconds}}, ...]}`` (functions of 20 us or more), rewritten whole (a
+rank ends with ``os._exit``). The probes run on the main thread: the forward runs there. Shadows any other
+sitecustomize.
 """
 
 import json
@@ -30,6 +37,18 @@ _DIR = os.environ.get("FORWARD_PROBE_DIR")
 _MODE = os.environ.get("FORWARD_PROBE", "calls")
 #: the canary's calls per measure at each forward: ~0.1 ms of Python, ~0.3 ms of ATen, ~1 ms of launches
 CANARY_OPS = {"python_us": 2000, "aten_cpu_us": 300, "cuda_launch_us": 150}
+#: a function's own time in one forward below this is left out of the times file (microseconds)
+KEEP_US = 20
+MODES = ("calls", "canary", "times")
+
+
+def _key(frame, event: str, arg) -> str:
+    """A function's name in the files: "FILE:LINE NAME" for Python, "c MODULE.NAME" for C."""
+    if event == "call":
+        code = frame.f_code
+        return f"{_short(code.co_filename)}:{code.co_firstlineno} {code.co_name}"
+    return f"c {getattr(arg, '__module__', None) or type(getattr(arg, '__self__', None)).__name__}." \
+           f"{getattr(arg, '__qualname__', getattr(arg, '__name__', '?'))}"
 
 
 def _short(path: str) -> str:
@@ -54,17 +73,28 @@ class _Probe:
         self.canary: dict[str, list[float]] = {k: [] for k in CANARY_OPS}
         self.operands = None
         self.forwards = 0
+        self.stack: list[list] = []
+        self.own: dict[str, int] = {}
+        self.timings: list[dict] = []
+        self.began = 0
 
     def profile(self, frame, event, arg) -> None:
-        if event == "call":
-            code = frame.f_code
-            key = f"{_short(code.co_filename)}:{code.co_firstlineno} {code.co_name}"
-        elif event == "c_call":
-            key = f"c {getattr(arg, '__module__', None) or type(getattr(arg, '__self__', None)).__name__}." \
-                  f"{getattr(arg, '__qualname__', getattr(arg, '__name__', '?'))}"
-        else:
-            return
-        self.calls[key] = self.calls.get(key, 0) + 1
+        if event in ("call", "c_call"):
+            key = _key(frame, event, arg)
+            self.calls[key] = self.calls.get(key, 0) + 1
+
+    def timed(self, frame, event, arg) -> None:
+        """Each function's own time: a stack of [function, start, its callees' time]; a return with nothing on
+        the stack is of a frame begun before the probe (the marker's callers), not counted."""
+        now = time.perf_counter_ns()
+        if event in ("call", "c_call"):
+            self.stack.append([_key(frame, event, arg), now, 0])
+        elif self.stack:  # return, c_return, c_exception
+            key, start, inner = self.stack.pop()
+            took = now - start
+            self.own[key] = self.own.get(key, 0) + took - inner
+            if self.stack:
+                self.stack[-1][2] += took
 
     def sing(self) -> None:
         """The canary: each measure's microseconds per call, at this point of this process."""
@@ -93,9 +123,13 @@ class _Probe:
         if self.seen <= self.skip:
             return
         self.counting = True
-        if _MODE == "canary":
+        if _MODE in ("canary", "times"):
             self.sing()
-        else:
+        if _MODE == "times":
+            self.stack, self.own = [], {}
+            self.began = time.perf_counter_ns()
+            sys.setprofile(self.timed)
+        elif _MODE == "calls":
             sys.setprofile(self.profile)
 
     def end(self) -> None:
@@ -104,7 +138,15 @@ class _Probe:
         sys.setprofile(None)
         self.counting = False
         self.forwards += 1
-        found = {"canary": {k: v for k, v in self.canary.items() if v}} if _MODE == "canary" else {"calls": self.calls}
+        if _MODE == "times":
+            self.timings.append({"python_us": self.canary["python_us"][-1],
+                                 "ms": (time.perf_counter_ns() - self.began) / 1e6,
+                                 "self_us": {k: round(v / 1e3) for k, v in self.own.items() if v >= KEEP_US * 1000}})
+            found = {"forward": self.timings}
+        elif _MODE == "canary":
+            found = {"canary": {k: v for k, v in self.canary.items() if v}}
+        else:
+            found = {"calls": self.calls}
         path = os.path.join(_DIR, f"{_MODE}-{self.pid}.json")
         with open(path + ".tmp", "w") as f:
             json.dump({"command": " ".join(sys.argv[:6]), "forwards": self.forwards, **found}, f)
@@ -127,8 +169,8 @@ class _Wrapped:
 
 
 if _DIR:
-    if _MODE not in ("calls", "canary"):
-        raise SystemExit(f"FORWARD_PROBE={_MODE!r}: expected 'calls' or 'canary'")
+    if _MODE not in MODES:
+        raise SystemExit(f"FORWARD_PROBE={_MODE!r}: expected one of {', '.join(MODES)}")
     os.makedirs(_DIR, exist_ok=True)
     try:
         from prism_megatron.trace import markers as _markers
