@@ -11,6 +11,7 @@ dominate each iteration as the GPU's host does in the host-bound configs.
     python bench/rank_overhead_cpu.py --threads [--pairs 3] [--iters 14]
     python bench/rank_overhead_cpu.py --gc [--iters 14]
     python bench/rank_overhead_cpu.py --calls [--iters 6]
+    python bench/rank_overhead_cpu.py --times [--iters 6]
 
 ``--threads``: each run's busiest thread (the program's main thread) sampled every 0.25 s by
 ``bench/gpu/thread_sampler.py``: its time on a CPU per measured iteration against the wall, so a side that computes
@@ -22,6 +23,7 @@ steady iteration, the rank's (a forked rank logs into the process it was forked 
 
 ``--calls``: instead, each side run once with every Python and C function of each forward past the warm-up counted
 (``bench/gpu/forward_probe``): calls per forward on each side and the functions whose counts differ most.
+``--times``: the same with each function's own time in each forward, and the functions whose own time differs most.
 
 Needs megatron-core and Megatron-LM (MEGATRON_LM_PATH) as the driver does. Prints each run's iterations
 after the warm-up, each side's median, and emulated / plain: the emulation's own wall ("emulation took") and
@@ -60,6 +62,7 @@ from one_gpu_truth import (  # noqa: E402 - the truth runs' own readers
     real_spans,
     split_text,
     step_threads,
+    times_text,
     trace_spans,
 )
 
@@ -78,16 +81,17 @@ TOOK = re.compile(r"emulation took ([\d.]+)")
 GC_EXTRA = 16  # iterations the second run of a --gc side adds
 
 
-def run(kind: str, iters: int, work: Path, census: Path | None = None, calls: Path | None = None) -> dict[str, Any]:
+def run(kind: str, iters: int, work: Path, census: Path | None = None, probe: tuple[str, Path] | None = None
+        ) -> dict[str, Any]:
     """One run; per measured iteration: Megatron's logged ms and, emulated, the emulation's own wall; and the run
     as a one_gpu_truth step (its start, its timestamped iterations) for ``step_threads``.
-    ``census``: log every garbage collection of every process of the run there (gc_census); ``calls``: count
-    every call of each forward past the warm-up there (forward_probe)."""
+    ``census``: log every garbage collection of every process of the run there (gc_census); ``probe``: (mode,
+    directory), probe each forward past the warm-up so, into there (forward_probe: calls or times)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", WANDB_MODE="disabled")
     if census is not None:
         env.update(census_env("gc", census))
-    if calls is not None:
-        env.update(census_env("calls", calls, WARMUP * MICROBATCHES))
+    if probe is not None:
+        env.update(census_env(*probe, WARMUP * MICROBATCHES))
     flags = [*FLAGS, "--train-iters", str(iters)]
     spans = work / "plain.spans.json"
     if kind == "plain":
@@ -160,21 +164,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=14, help=f"iterations a run ({WARMUP} of them warm-up)")
     p.add_argument("--gc", action="store_true", help="the collector per steady iteration on each side instead")
     p.add_argument("--calls", action="store_true", help="the calls of each forward on each side instead")
+    p.add_argument("--times", action="store_true", help="each function's own time per forward on each side instead")
     p.add_argument("--threads", action="store_true",
                    help="also each run's busiest thread: time on a CPU per iteration against the wall")
     a = p.parse_args(argv)
     if a.pairs < 1 or a.iters <= WARMUP:
         p.error(f"--pairs {a.pairs} --iters {a.iters}: expected at least 1 pair and more than {WARMUP} iterations")
-    if a.calls:
-        with tempfile.TemporaryDirectory(prefix="rank-overhead-calls-") as tmp:
+    if a.calls or a.times:
+        mode = "calls" if a.calls else "times"
+        with tempfile.TemporaryDirectory(prefix=f"rank-overhead-{mode}-") as tmp:
             counted = {}
             for kind in ("plain", "emulated"):
-                run(kind, a.iters, Path(tmp) / kind, calls=Path(tmp) / f"calls-{kind}")
-                counted[kind] = read_probe(Path(tmp) / f"calls-{kind}", "calls")
+                run(kind, a.iters, Path(tmp) / kind, probe=(mode, Path(tmp) / f"{mode}-{kind}"))
+                counted[kind] = read_probe(Path(tmp) / f"{mode}-{kind}", mode)
                 if counted[kind] is None:
-                    raise SystemExit(f"{kind}: no forward was counted (fewer than {a.iters - WARMUP} iterations ran?)")
-            print(f"over {counted['emulated']['forwards']} and {counted['plain']['forwards']} forwards: "
-                  + calls_text(counted["plain"], counted["emulated"], top=12))
+                    raise SystemExit(f"{kind}: no forward was probed (fewer than {a.iters - WARMUP} iterations ran?)")
+            told = (calls_text if mode == "calls" else times_text)(counted["plain"], counted["emulated"], top=12)
+            print(f"over {counted['emulated']['forwards']} and {counted['plain']['forwards']} forwards: {told}")
         return 0
     if a.gc:
         with tempfile.TemporaryDirectory(prefix="rank-overhead-gc-") as tmp:
