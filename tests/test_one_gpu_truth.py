@@ -221,6 +221,16 @@ for i in range(4):
     assert "real 2 of 3" in truth.times_text(real, emulated)
 
 
+def test_forwards_are_split_by_the_host_speed_their_canary_found():
+    truth = load_bench("gpu/one_gpu_truth.py")
+    real = [0.030, 0.031, 0.060, 0.029]  # the third forward ran on a slowed host
+    emulated = [0.033, 0.058, 0.030]
+    split = truth.canary_split([("real-spans+canary", real, [99.0, 20.0, 21.0, 30.0, 19.0]),
+                                ("emu1+canary", emulated, [24.0, 35.0, None])])  # None: a copied host time
+    assert split == [("real-spans+canary", [20.0, 21.0, 19.0], [30.0]),  # the last four forwards were probed
+                     ("emu1+canary", [24.0], [35.0])]
+
+
 def test_a_forward_body_is_its_longest_stretch_without_a_collective():
     truth = load_bench("gpu/one_gpu_truth.py")
     spans = [["forward", 0.0, 0.010], ["collective", 0.001, 0.0], ["collective", 0.002, 0.0],

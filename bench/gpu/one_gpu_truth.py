@@ -71,6 +71,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import math
 import os
 import re
 import shutil
@@ -545,6 +546,10 @@ def analyse_config(steps: list[dict[str, Any]], root: Path, resolve: bool = Fals
     row["gc"] = [(s["kind"], s["gc"]) for s in steps if s.get("gc")]
     row["calls"] = [(s["kind"], s["calls"]) for s in steps if s.get("calls")]
     row["canary"] = [(s["kind"], s["canary"]) for s in steps if s.get("canary")]
+    sung = [s for s in steps if s.get("canary") and ("spans" in s or (root / s.get("trace", "-")).exists())]
+    if sung:
+        row["canary_forwards"] = canary_split([(s["kind"], s["canary"]["canary"]["python_us"],
+                                                forward_lengths(s, root)) for s in sung])
     row["times"] = [(s["kind"], s["times"]) for s in steps if s.get("times")]
     row["spans"] = [(s["kind"], sp) for s in steps if s.get("kind") == "real-spans" and "iterations" in s
                     and (sp := real_spans(s, microbatches)) is not None]
@@ -768,6 +773,50 @@ def trace_spans(trace: Path, since: int = WARMUP + 1) -> dict[str, float] | None
     return _split(iteration_ms, forward, backward, body if rows else None) if iteration_ms else None
 
 
+def forward_lengths(step: dict[str, Any], root: Path) -> list[float | None]:
+    """Each forward's length (ms) in a step's program, in order: a real run's forward spans, an emulated rank's host
+    time over each forward (on its compute clock where it was not GPU-timed). None where an emulated forward's
+    host time is not its own: a profiled iteration takes the host times of the plain one before it
+    (runtime.gpu_timing.pair), so its forwards repeat that iteration's exactly."""
+    if "spans" in step:
+        return [d * 1e3 for name, _, d in step["spans"] if name == "forward"]
+    marks, rows, _ = _rank0(root / step["trace"], 1)
+    out: list[float | None] = []
+    per_iteration: list[list[float]] = []
+    begun = None
+    for m in marks:
+        if m["name"] == "iteration" and m["phase"] == "B":
+            per_iteration.append([])
+        elif m["name"] == "forward" and m["phase"] == "B":
+            begun = m["compute_clock"]
+        elif m["name"] == "forward" and begun is not None:
+            mine = _segments(rows, begun, m["compute_clock"])
+            ms = sum(g["cpu"] for g in mine) * 1e3 if rows else (m["compute_clock"] - begun) * 1e3
+            if per_iteration:
+                per_iteration[-1].append(ms)
+            begun = None
+    for i, its in enumerate(per_iteration):
+        copied = i > 0 and rows and len(its) == len(per_iteration[i - 1]) and all(
+            math.isclose(a, b, rel_tol=1e-9) for a, b in zip(its, per_iteration[i - 1], strict=True))
+        out.extend(None if copied or (rows and ms == 0) else ms for ms in its)
+    return out
+
+
+def canary_split(row_steps: list[tuple[str, list[float], list[float | None]]]) -> list[tuple[str, list[float],
+                                                                                               list[float]]]:
+    """Per canary step (kind, each probed forward's canary Python call, the step's forward lengths): the forwards
+    the host ran at full speed (canary within ``FULL_SPEED`` of the least any step saw) and the slowed ones, their
+    lengths (ms) where they are the forward's own."""
+    floor = min((p for _, py, _ in row_steps for p in py), default=0.0)
+    out = []
+    for kind, py, lengths in row_steps:
+        mine = lengths[-len(py):] if py else []
+        fast = [ms for p, ms in zip(py, mine, strict=False) if ms is not None and p <= floor * FULL_SPEED]
+        slow = [ms for p, ms in zip(py, mine, strict=False) if ms is not None and p > floor * FULL_SPEED]
+        out.append((kind, fast, slow))
+    return out
+
+
 def split_text(sp: dict[str, float]) -> str:
     """An iteration's split (``_split``) as "iteration = forward + backward + the rest" in ms."""
     body = f" (body {sp['body_ms']:.1f})" if "body_ms" in sp else ""
@@ -820,6 +869,11 @@ def table(report: dict[str, Any]) -> str:
         if sung:
             lines.append(f"{'':{w}} canary at each forward's start, us per call (medians): " + "; ".join(
                 f"{kind} {canary_text(c['canary'])}" for kind, c in sung))
+        if row.get("canary_forwards"):
+            lines.append(f"{'':{w}} forwards by the canary, median ms at full speed (how many) / slowed (how many): "
+                         + ", ".join(f"{kind} {_f(statistics.median(fast) if fast else None, '.1f')} ({len(fast)}) / "
+                                     f"{_f(statistics.median(slow) if slow else None, '.1f')} ({len(slow)})"
+                                     for kind, fast, slow in row["canary_forwards"]))
         counted = row.get("calls") or []
         real_calls = next(((k, c) for k, c in counted if k.startswith("real")), None)
         for kind, calls in counted:
