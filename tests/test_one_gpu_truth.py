@@ -221,6 +221,18 @@ for i in range(4):
     assert "real 2 of 3" in truth.times_text(real, emulated)
 
 
+def test_dynamo_text_names_what_dynamo_sees_apart():
+    truth = load_bench("gpu/one_gpu_truth.py")
+    real = {"functions": {"a.py:1 f": [["none"], 0], "b.py:2 g": [["run-only"], 1]},
+            "counters": {"stats": {"calls_captured": 10, "unique_graphs": 3}}}
+    emulated = {"functions": {"a.py:1 f": [["none", "run-only"], 2], "b.py:2 g": [["run-only"], 1]},
+                "counters": {"stats": {"calls_captured": 10, "unique_graphs": 4}, "recompiles": {"x": 1}}}
+    text = truth.dynamo_text(real, emulated, ["a.py:1 f", "b.py:2 g"])
+    assert "a.py:1 f real none/0, emulated none+run-only/2" in text and "b.py:2 g" not in text
+    assert "stats.unique_graphs 3/4" in text and "recompiles.x 0/1" in text and "calls_captured" not in text
+    assert truth.dynamo_text(real, real, ["a.py:1 f"]) == ""
+
+
 def test_forwards_are_split_by_the_host_speed_their_canary_found():
     truth = load_bench("gpu/one_gpu_truth.py")
     real = [0.030, 0.031, 0.060, 0.029]  # the third forward ran on a slowed host

@@ -262,7 +262,7 @@ def read_probe(directory: Path, mode: str) -> dict[str, Any] | None:
     if mode == "canary":
         return {"forwards": f["forwards"], "canary": f["canary"]}
     if mode == "times":
-        return {"forwards": f["forwards"], "forward": f["forward"]}
+        return {"forwards": f["forwards"], "forward": f["forward"], "dynamo": f.get("dynamo") or {}}
     return {"forwards": f["forwards"], "per_forward": {k: v / f["forwards"] for k, v in f["calls"].items()}}
 
 
@@ -314,8 +314,31 @@ def times_text(real: dict[str, Any], emulated: dict[str, Any], top: int = 8) -> 
     diff = sorted(((ob.get(k, 0.0) - oa.get(k, 0.0), k) for k in set(oa) | set(ob)), key=lambda d: (-abs(d[0]), d[1]))
     shown = ", ".join(f"{d:+.2f} {k} ({oa.get(k, 0.0):.2f})" for d, k in diff[:top])
     ma, mb = (statistics.median(f["ms"] for f in side) for side in (a, b))
-    return (f"forwards at full speed: real {len(a)} of {len(real['forward'])}, {ma:.1f} ms profiled; emulated "
+    text = (f"forwards at full speed: real {len(a)} of {len(real['forward'])}, {ma:.1f} ms profiled; emulated "
             f"{len(b)} of {len(emulated['forward'])}, {mb:.1f} ms; own time most apart, ms per forward: {shown}")
+    return text + dynamo_text(real.get("dynamo") or {}, emulated.get("dynamo") or {}, [k for _, k in diff[:top]])
+
+
+def dynamo_text(real: dict[str, Any], emulated: dict[str, Any], functions: list[str]) -> str:
+    """Where dynamo's view of the two processes differs: for the named functions, the frame callbacks each was
+    called under and its code's compiled entries ("callbacks/entries"), and dynamo's counters that differ."""
+    rf, ef = real.get("functions") or {}, emulated.get("functions") or {}
+
+    def state(f: dict[str, Any], k: str) -> str:
+        return "-" if k not in f else f"{'+'.join(f[k][0]) or '?'}/{f[k][1]}"
+
+    apart = [f"{k} real {state(rf, k)}, emulated {state(ef, k)}" for k in functions
+             if (k in rf or k in ef) and state(rf, k) != state(ef, k)]
+    rc, ec = real.get("counters") or {}, emulated.get("counters") or {}
+    counted = sorted({(g, n) for side in (rc, ec) for g, c in side.items() for n in c})
+    differ = [f"{g}.{n} {rc.get(g, {}).get(n, 0)}/{ec.get(g, {}).get(n, 0)}" for g, n in counted
+              if rc.get(g, {}).get(n, 0) != ec.get(g, {}).get(n, 0)]
+    out = ""
+    if apart:
+        out += "; dynamo's callbacks/compiled entries apart: " + ", ".join(apart)
+    if differ:
+        out += "; dynamo counters apart (real/emulated): " + ", ".join(differ[:12])
+    return out
 
 
 def gc_census(directory: Path, t0: float, iterations: dict[Any, dict[str, Any]]) -> dict[str, Any]:

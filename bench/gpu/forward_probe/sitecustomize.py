@@ -77,6 +77,10 @@ class _Probe:
         self.own: dict[str, int] = {}
         self.timings: list[dict] = []
         self.began = 0
+        self.seen_in: dict[str, str] = {}  # per function, the dynamo frame callback at its first call in a forward
+        self.codes: dict = {}
+        self.callbacks: dict[str, set] = {}
+        self.totals: dict[str, int] = {}
 
     def profile(self, frame, event, arg) -> None:
         if event in ("call", "c_call"):
@@ -88,7 +92,11 @@ class _Probe:
         the stack is of a frame begun before the probe (the marker's callers), not counted."""
         now = time.perf_counter_ns()
         if event in ("call", "c_call"):
-            self.stack.append([_key(frame, event, arg), now, 0])
+            key = _key(frame, event, arg)
+            self.stack.append([key, now, 0])
+            if event == "call" and key not in self.seen_in:
+                self.seen_in[key] = _dynamo_callback()
+                self.codes.setdefault(key, frame.f_code)
         elif self.stack:  # return, c_return, c_exception
             key, start, inner = self.stack.pop()
             took = now - start
@@ -126,7 +134,7 @@ class _Probe:
         if _MODE in ("canary", "times"):
             self.sing()
         if _MODE == "times":
-            self.stack, self.own = [], {}
+            self.stack, self.own, self.seen_in = [], {}, {}
             self.began = time.perf_counter_ns()
             sys.setprofile(self.timed)
         elif _MODE == "calls":
@@ -142,7 +150,11 @@ class _Probe:
             self.timings.append({"python_us": self.canary["python_us"][-1],
                                  "ms": (time.perf_counter_ns() - self.began) / 1e6,
                                  "self_us": {k: round(v / 1e3) for k, v in self.own.items() if v >= KEEP_US * 1000}})
-            found = {"forward": self.timings}
+            for k, v in self.own.items():
+                self.totals[k] = self.totals.get(k, 0) + v
+            for k, cb in self.seen_in.items():
+                self.callbacks.setdefault(k, set()).add(cb)
+            found = {"forward": self.timings, "dynamo": self.dynamo_state()}
         elif _MODE == "canary":
             found = {"canary": {k: v for k, v in self.canary.items() if v}}
         else:
@@ -151,6 +163,35 @@ class _Probe:
         with open(path + ".tmp", "w") as f:
             json.dump({"command": " ".join(sys.argv[:6]), "forwards": self.forwards, **found}, f)
         os.replace(path + ".tmp", path)
+
+
+    def dynamo_state(self) -> dict:
+        """Per Python function of 20 us or more of own time per forward: the dynamo frame callbacks it was called
+        under and its code's compiled entries (each a guard set the frame evaluator checks at every call); and
+        dynamo's counters (graph breaks, recompilations, cache hits)."""
+        try:
+            from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+            from torch._dynamo.utils import counters
+        except ImportError:
+            return {}
+        floor = KEEP_US * 1000 * max(self.forwards, 1)
+        functions = {}
+        for k, code in self.codes.items():
+            if self.totals.get(k, 0) >= floor:
+                functions[k] = [sorted(self.callbacks.get(k, ())), len(_debug_get_cache_entry_list(code))]
+        return {"functions": functions,
+                "counters": {str(k): {str(kk): vv for kk, vv in v.items()} for k, v in counters.items()}}
+
+
+def _dynamo_callback() -> str:
+    """The frame callback dynamo has set on this thread: "none" (frames run as plain Python), "run-only" (compiled
+    frames run, none are compiled) or the callback's type (frames are compiled)."""
+    try:
+        from torch._C._dynamo.eval_frame import get_eval_frame_callback
+    except ImportError:
+        return "-"
+    cb = get_eval_frame_callback()
+    return "none" if cb is None else "run-only" if cb is False else type(cb).__name__
 
 
 class _Wrapped:
