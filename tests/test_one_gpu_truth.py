@@ -211,10 +211,13 @@ for i in range(4):
     assert all(s >= 12_000 for s in slept)
     assert all(us < 2_000 for f in emulated["forward"] for k, us in f["self_us"].items() if k.endswith(" layer"))
     assert all(f["ms"] >= 12 and f["python_us"] > 0 for f in emulated["forward"])
+    sung = emulated["forward"][0]["canary"]  # the canary and what the slowest frames do, before each forward
+    assert {"python_us", "tls_us", "weakref_us", "environ_us", "module_us"} <= set(sung)
+    assert all(v > 0 for v in sung.values())
     for f in real["forward"] + emulated["forward"]:  # the host at full speed throughout, whatever this one did
         f["python_us"] = 0.03
     text = truth.times_text(real, emulated)
-    assert "real 3 of 3" in text and "emulated 3 of 3" in text
+    assert "real 3 of 3" in text and "emulated 3 of 3" in text and "weakref " in text
     most = text.split("ms per forward: ")[1].split(", ")[0]
     assert most.startswith("+1") and "c time.sleep" in most  # ~+10 ms, the first named
     real["forward"][0]["python_us"] = 0.06  # a forward the host ran at half speed is left out

@@ -316,6 +316,11 @@ def times_text(real: dict[str, Any], emulated: dict[str, Any], top: int = 8) -> 
     ma, mb = (statistics.median(f["ms"] for f in side) for side in (a, b))
     text = (f"forwards at full speed: real {len(a)} of {len(real['forward'])}, {ma:.1f} ms profiled; emulated "
             f"{len(b)} of {len(emulated['forward'])}, {mb:.1f} ms; own time most apart, ms per forward: {shown}")
+    measures = [k for k in (a[0].get("canary") or {}) if k in (b[0].get("canary") or {})]
+    if measures:
+        text += "; canary at their start, us per call, real / emulated: " + ", ".join(
+            f"{k[:-3].replace('_', '-')} {statistics.median(f['canary'][k] for f in a):.3f} / "
+            f"{statistics.median(f['canary'][k] for f in b):.3f}" for k in measures)
     return text + dynamo_text(real.get("dynamo") or {}, emulated.get("dynamo") or {}, [k for _, k in diff[:top]])
 
 

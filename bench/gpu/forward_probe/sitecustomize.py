@@ -37,6 +37,12 @@ _DIR = os.environ.get("FORWARD_PROBE_DIR")
 _MODE = os.environ.get("FORWARD_PROBE", "calls")
 #: the canary's calls per measure at each forward: ~0.1 ms of Python, ~0.3 ms of ATen, ~1 ms of launches
 CANARY_OPS = {"python_us": 2000, "aten_cpu_us": 300, "cuda_launch_us": 150}
+#: with times, the canary also times what the forwards' slowest frames do (a thread-local's attribute, a weak
+#: reference with a callback, an environment read, a module's construction, Inductor's per-call bookkeeping, a
+#: softmax on the GPU), so a process whose slow frames are slow everywhere is told from one where they are slow
+#: only inside the forward
+SUSPECT_OPS = {"tls_us": 2000, "weakref_us": 500, "environ_us": 500, "module_us": 100, "metrics_us": 1000,
+               "softmax_us": 100}
 #: a function's own time in one forward below this is left out of the times file (microseconds)
 KEEP_US = 20
 MODES = ("calls", "canary", "times")
@@ -70,7 +76,7 @@ class _Probe:
         self.seen = 0  # forward spans begun
         self.counting = False
         self.calls: dict[str, int] = {}
-        self.canary: dict[str, list[float]] = {k: [] for k in CANARY_OPS}
+        self.canary: dict[str, list[float]] = {k: [] for k in (*CANARY_OPS, *SUSPECT_OPS)}
         self.operands = None
         self.forwards = 0
         self.stack: list[list] = []
@@ -117,12 +123,40 @@ class _Probe:
         if gpu is not None:
             ga, gb, gc = gpu
             steps["cuda_launch_us"] = lambda: torch.add(ga, gb, out=gc)
+        if _MODE == "times":
+            steps.update(self.suspects(gpu))
         for key, step in steps.items():
-            n = CANARY_OPS[key]
+            n = CANARY_OPS.get(key) or SUSPECT_OPS[key]
             t0 = time.perf_counter()
             for _ in range(n):
                 step()
             self.canary[key].append((time.perf_counter() - t0) / n * 1e6)
+
+    @staticmethod
+    def suspects(gpu) -> dict:
+        import threading
+        import weakref
+
+        import torch
+
+        tls = threading.local()
+        tls.value = 1
+        holder = type("Holder", (), {})()
+
+        def tls_read():
+            return tls.value if hasattr(tls, "value") else None
+
+        out = {"tls_us": tls_read, "weakref_us": lambda: weakref.ref(holder, lambda r: None),
+               "environ_us": lambda: os.environ.get("PATH"), "module_us": lambda: torch.nn.Softmax(dim=-1)}
+        try:
+            from torch._dynamo.utils import get_runtime_metrics_context
+            out["metrics_us"] = get_runtime_metrics_context
+        except ImportError:
+            pass
+        if gpu is not None:
+            x = gpu[0]
+            out["softmax_us"] = lambda: torch.nn.functional.softmax(x, dim=-1)
+        return out
 
     def begin(self) -> None:
         if os.getpid() != self.pid:  # a forked child (a rank) probes afresh, into a file of its own
@@ -148,6 +182,7 @@ class _Probe:
         self.forwards += 1
         if _MODE == "times":
             self.timings.append({"python_us": self.canary["python_us"][-1],
+                                 "canary": {k: v[-1] for k, v in self.canary.items() if v},
                                  "ms": (time.perf_counter_ns() - self.began) / 1e6,
                                  "self_us": {k: round(v / 1e3) for k, v in self.own.items() if v >= KEEP_US * 1000}})
             for k, v in self.own.items():
