@@ -1,0 +1,103 @@
+"""What a process pays when some thread of it holds a dynamo frame callback (issue 21's host-bound hunt).
+
+While any thread has a dynamo callback set (``torch._C._dynamo.eval_frame.set_eval_frame`` to a callable or to
+``False``, run-only), torch installs its frame evaluator for the whole interpreter: every Python frame of every
+thread passes through dynamo's shim, and Python's specialised calls give way to the generic path. The emulated
+rank's slow frames on the GPU (docs/measurements.md, run 43) sit around compiled calls, so this measures, in fresh
+processes interleaved, an empty Python call, a call into a ``torch.compile``-d function and Megatron's per-call
+``torch.nn.Softmax`` construction and use, with no other thread (``plain``), with a thread blocked in a socket read
+as the rank's receiver is (``receiver``), and with a thread that holds a run-only callback while it waits
+(``callback-thread``). Minimum over repeats per process (this machine is shared), the median over rounds.
+
+Usage: python bench/dynamo_shim_cost.py [--rounds 3]   (needs a C++ compiler: Inductor builds the CPU kernel)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+
+VARIANTS = ("plain", "receiver", "callback-thread")
+
+
+def child(variant: str) -> dict[str, float]:
+    import socket
+    import threading
+
+    import torch
+
+    torch.set_num_threads(1)
+
+    @torch.compile
+    def fused(x: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.gelu(x + b)
+
+    def frame() -> None:
+        return None
+
+    x, b = torch.randn(4, 8), torch.randn(8)
+    for _ in range(20):
+        fused(x, b)
+    if variant == "receiver":
+        here, there = socket.socketpair()
+        threading.Thread(target=lambda: here.recv(1), daemon=True).start()
+    elif variant == "callback-thread":
+        from torch._C._dynamo.eval_frame import set_eval_frame
+
+        held = threading.Event()
+        done = threading.Event()
+
+        def hold() -> None:
+            set_eval_frame(False)
+            held.set()
+            done.wait()
+
+        threading.Thread(target=hold, daemon=True).start()
+        held.wait()
+
+    def per_call(fn, n: int) -> float:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        return (time.perf_counter() - t0) / n * 1e6
+
+    out: dict[str, list[float]] = {"frame_us": [], "compiled_us": [], "softmax_module_us": []}
+    for _ in range(7):
+        out["frame_us"].append(per_call(frame, 20000))
+        out["compiled_us"].append(per_call(lambda: fused(x, b), 2000))
+        out["softmax_module_us"].append(per_call(lambda: torch.nn.Softmax(dim=-1)(x), 2000))
+    return {k: min(v) for k, v in out.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rounds", type=int, default=3, help="rounds over the variants, interleaved (default 3)")
+    p.add_argument("--child", choices=VARIANTS, help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.child:
+        print(json.dumps(child(a.child)))
+        return 0
+    if a.rounds < 1:
+        p.error(f"--rounds {a.rounds}: expected at least 1")
+    got: dict[str, list[dict[str, float]]] = {v: [] for v in VARIANTS}
+    for r in range(a.rounds):
+        for v in VARIANTS:
+            run = subprocess.run([sys.executable, __file__, "--child", v], capture_output=True, text=True, check=False)
+            if run.returncode != 0:
+                raise SystemExit(f"variant {v!r} failed:\n{run.stderr[-2000:]}")
+            got[v].append(json.loads(run.stdout.strip().splitlines()[-1]))
+            print(f"round {r + 1} {v:16s} " + "  ".join(f"{k} {x:.3f}" for k, x in got[v][-1].items()), flush=True)
+    base = {k: statistics.median(g[k] for g in got["plain"]) for k in got["plain"][0]}
+    for v, runs in got.items():
+        print(f"{v:16s} " + "  ".join(
+            f"{k} {statistics.median(g[k] for g in runs):.3f} ({statistics.median(g[k] for g in runs) / base[k]:.2f}x)"
+            for k in base))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
