@@ -290,6 +290,11 @@ def calls_text(real: dict[str, Any], emulated: dict[str, Any], top: int = 8) -> 
 FULL_SPEED = 1.15
 
 
+def at_full_speed(python_us: float, floor: float) -> bool:
+    """Whether a forward's canary (its Python call, us) found the host at full speed, ``floor`` the least seen."""
+    return python_us <= floor * FULL_SPEED
+
+
 def times_text(real: dict[str, Any], emulated: dict[str, Any], top: int = 8) -> str:
     """The forwards at full speed on each side (their canary's Python call within ``FULL_SPEED`` of the least
     seen on either side): their median profiled length, and the functions whose own time per forward differs
@@ -297,7 +302,7 @@ def times_text(real: dict[str, Any], emulated: dict[str, Any], top: int = 8) -> 
     floor = min(f["python_us"] for f in real["forward"] + emulated["forward"])
 
     def fast(side: dict[str, Any]) -> list[dict[str, Any]]:
-        return [f for f in side["forward"] if f["python_us"] <= floor * FULL_SPEED]
+        return [f for f in side["forward"] if at_full_speed(f["python_us"], floor)]
 
     a, b = fast(real), fast(emulated)
     if not a or not b:
@@ -839,8 +844,8 @@ def canary_split(row_steps: list[tuple[str, list[float], list[float | None]]]) -
     out = []
     for kind, py, lengths in row_steps:
         mine = lengths[-len(py):] if py else []
-        fast = [ms for p, ms in zip(py, mine, strict=False) if ms is not None and p <= floor * FULL_SPEED]
-        slow = [ms for p, ms in zip(py, mine, strict=False) if ms is not None and p > floor * FULL_SPEED]
+        fast = [ms for p, ms in zip(py, mine, strict=False) if ms is not None and at_full_speed(p, floor)]
+        slow = [ms for p, ms in zip(py, mine, strict=False) if ms is not None and not at_full_speed(p, floor)]
         out.append((kind, fast, slow))
     return out
 
