@@ -212,8 +212,11 @@ for i in range(4):
     assert all(us < 2_000 for f in emulated["forward"] for k, us in f["self_us"].items() if k.endswith(" layer"))
     assert all(f["ms"] >= 12 and f["python_us"] > 0 for f in emulated["forward"])
     sung = emulated["forward"][0]["canary"]  # the canary and what the slowest frames do, before each forward
-    assert {"python_us", "tls_us", "weakref_us", "environ_us", "module_us"} <= set(sung)
+    assert {"python_us", "tls_us", "weakref_us", "environ_us", "module_us", "record_us", "data_ptr_us"} <= set(sung)
     assert all(v > 0 for v in sung.values())
+    fingerprint = emulated["process"]  # what of the process may make frames cost more, read once
+    assert "MainThread" in fingerprint["threads"] and fingerprint["gc.objects"] > 0
+    assert "torch" in fingerprint["modules"] and fingerprint["torch.function_modes"] == 0
     for f in real["forward"] + emulated["forward"]:  # the host at full speed throughout, whatever this one did
         f["python_us"] = 0.03
     text = truth.times_text(real, emulated)
@@ -234,6 +237,19 @@ def test_dynamo_text_names_what_dynamo_sees_apart():
     assert "a.py:1 f real none/0, emulated none+run-only/2" in text and "b.py:2 g" not in text
     assert "stats.unique_graphs 3/4" in text and "recompiles.x 0/1" in text and "calls_captured" not in text
     assert truth.dynamo_text(real, real, ["a.py:1 f"]) == ""
+
+
+def test_process_text_names_the_settings_env_and_modules_apart():
+    truth = load_bench("gpu/one_gpu_truth.py")
+    real = {"threads": ["MainThread"], "gc.threshold": [700, 10, 10], "env": {"OMP_NUM_THREADS": "1"},
+            "modules": ["json", "torch"]}
+    emulated = {"threads": ["MainThread", "receiver"], "gc.threshold": [700, 10, 10], "env": {},
+                "modules": ["torch", "zmq", "zmq.sugar"]}
+    text = truth.process_text(real, emulated)
+    assert "threads ['MainThread'] / ['MainThread', 'receiver']" in text and "gc.threshold" not in text
+    assert "$OMP_NUM_THREADS 1 / -" in text
+    assert "modules only real: 1 (json)" in text and "modules only emulated: 2 (zmq, zmq.sugar)" in text
+    assert truth.process_text(real, real) == "; process alike" and truth.process_text(real, {}) == ""
 
 
 def test_forwards_are_split_by_the_host_speed_their_canary_found():

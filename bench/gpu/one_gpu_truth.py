@@ -262,7 +262,8 @@ def read_probe(directory: Path, mode: str) -> dict[str, Any] | None:
     if mode == "canary":
         return {"forwards": f["forwards"], "canary": f["canary"]}
     if mode == "times":
-        return {"forwards": f["forwards"], "forward": f["forward"], "dynamo": f.get("dynamo") or {}}
+        return {"forwards": f["forwards"], "forward": f["forward"], "dynamo": f.get("dynamo") or {},
+                "process": f.get("process") or {}}
     return {"forwards": f["forwards"], "per_forward": {k: v / f["forwards"] for k, v in f["calls"].items()}}
 
 
@@ -326,7 +327,31 @@ def times_text(real: dict[str, Any], emulated: dict[str, Any], top: int = 8) -> 
         text += "; canary at their start, us per call, real / emulated: " + ", ".join(
             f"{k[:-3].replace('_', '-')} {statistics.median(f['canary'][k] for f in a):.3f} / "
             f"{statistics.median(f['canary'][k] for f in b):.3f}" for k in measures)
-    return text + dynamo_text(real.get("dynamo") or {}, emulated.get("dynamo") or {}, [k for _, k in diff[:top]])
+    return (text + dynamo_text(real.get("dynamo") or {}, emulated.get("dynamo") or {}, [k for _, k in diff[:top]])
+            + process_text(real.get("process") or {}, emulated.get("process") or {}))
+
+
+def process_text(real: dict[str, Any], emulated: dict[str, Any], names: int = 12) -> str:
+    """Where the two processes' fingerprints (``forward_probe``'s ``process_fingerprint``) differ: each setting
+    real / emulated, the environment by variable, and the modules only one side loaded (counted, the first
+    ``names`` named)."""
+    if not real or not emulated:
+        return ""
+    apart = []
+    for k in sorted(set(real) | set(emulated)):
+        if k in ("modules", "env"):
+            continue
+        a, b = real.get(k, "-"), emulated.get(k, "-")
+        if a != b:
+            apart.append(f"{k} {a} / {b}")
+    ra, rb = real.get("env") or {}, emulated.get("env") or {}
+    apart += [f"${k} {ra.get(k, '-')} / {rb.get(k, '-')}" for k in sorted(set(ra) | set(rb)) if ra.get(k) != rb.get(k)]
+    out = "; process apart (real / emulated): " + ", ".join(apart) if apart else "; process alike"
+    ma, mb = set(real.get("modules") or ()), set(emulated.get("modules") or ())
+    for side, only in (("real", sorted(ma - mb)), ("emulated", sorted(mb - ma))):
+        if only:
+            out += f"; modules only {side}: {len(only)} ({', '.join(only[:names])})"
+    return out
 
 
 def dynamo_text(real: dict[str, Any], emulated: dict[str, Any], functions: list[str]) -> str:

@@ -42,7 +42,11 @@ CANARY_OPS = {"python_us": 2000, "aten_cpu_us": 300, "cuda_launch_us": 150}
 #: softmax on the GPU), so a process whose slow frames are slow everywhere is told from one where they are slow
 #: only inside the forward
 SUSPECT_OPS = {"tls_us": 2000, "weakref_us": 500, "environ_us": 500, "module_us": 100, "metrics_us": 1000,
-               "softmax_us": 100}
+               "softmax_us": 100, "isinstance_us": 2000, "data_ptr_us": 1000, "clock_us": 2000, "record_us": 200}
+#: environment variables whose values go into the process fingerprint (by prefix): what may change how torch,
+#: the allocator or the interpreter run
+ENV_PREFIXES = ("TORCH", "PYTORCH", "CUDA", "NCCL", "OMP", "MKL", "MALLOC", "PYTHON", "LD_", "TRITON", "INDUCTOR",
+                "KINETO", "NVTE", "GLIBC")
 #: a function's own time in one forward below this is left out of the times file (microseconds)
 KEEP_US = 20
 MODES = ("calls", "canary", "times")
@@ -87,6 +91,7 @@ class _Probe:
         self.codes: dict = {}
         self.callbacks: dict[str, set] = {}
         self.totals: dict[str, int] = {}
+        self.fingerprint: dict | None = None
 
     def profile(self, frame, event, arg) -> None:
         if event in ("call", "c_call"):
@@ -146,8 +151,16 @@ class _Probe:
         def tls_read():
             return tls.value if hasattr(tls, "value") else None
 
+        t = torch.ones(1)
+
+        def record():
+            with torch.autograd.profiler.record_function("probe"):
+                pass
+
         out = {"tls_us": tls_read, "weakref_us": lambda: weakref.ref(holder, lambda r: None),
-               "environ_us": lambda: os.environ.get("PATH"), "module_us": lambda: torch.nn.Softmax(dim=-1)}
+               "environ_us": lambda: os.environ.get("PATH"), "module_us": lambda: torch.nn.Softmax(dim=-1),
+               "isinstance_us": lambda: isinstance(t, torch.Tensor), "data_ptr_us": t.data_ptr,
+               "clock_us": time.perf_counter_ns, "record_us": record}
         try:
             from torch._dynamo.utils import get_runtime_metrics_context
             out["metrics_us"] = get_runtime_metrics_context
@@ -189,7 +202,9 @@ class _Probe:
                 self.totals[k] = self.totals.get(k, 0) + v
             for k, cb in self.seen_in.items():
                 self.callbacks.setdefault(k, set()).add(cb)
-            found = {"forward": self.timings, "dynamo": self.dynamo_state()}
+            if self.fingerprint is None:
+                self.fingerprint = process_fingerprint()
+            found = {"forward": self.timings, "dynamo": self.dynamo_state(), "process": self.fingerprint}
         elif _MODE == "canary":
             found = {"canary": {k: v for k, v in self.canary.items() if v}}
         else:
@@ -216,6 +231,53 @@ class _Probe:
                 functions[k] = [sorted(self.callbacks.get(k, ())), len(_debug_get_cache_entry_list(code))]
         return {"functions": functions,
                 "counters": {str(k): {str(kk): vv for kk, vv in v.items()} for k, v in counters.items()}}
+
+
+def process_fingerprint() -> dict:
+    """What of this process may make the same Python frames cost more, as flat name -> value (compared side by
+    side by ``one_gpu_truth.process_text``): its threads, collector, interpreter settings and monitoring tools,
+    torch's modes, hooks and threads, its CPUs and scheduling, the environment that steers torch and the
+    allocators, and the modules loaded (names under "modules")."""
+    import gc
+    import threading
+
+    out: dict = {}
+
+    def put(name, get):
+        try:
+            out[name] = get()
+        except Exception as e:  # an attribute a version lacks: say so rather than stop the probe
+            out[name] = f"? {type(e).__name__}"
+
+    put("threads", lambda: sorted(t.name for t in threading.enumerate()))
+    put("os_threads", lambda: len(os.listdir("/proc/self/task")))
+    put("gc.enabled", gc.isenabled)
+    put("gc.threshold", gc.get_threshold)
+    put("gc.objects", lambda: len(gc.get_objects()))
+    put("gc.frozen", gc.get_freeze_count)
+    put("sys.switchinterval", sys.getswitchinterval)
+    put("sys.flags", lambda: str(sys.flags))
+    put("sys.xoptions", lambda: dict(sys._xoptions))
+    put("sys.trace", lambda: repr(sys.gettrace()))
+    put("sys.recursionlimit", sys.getrecursionlimit)
+    put("sys.monitoring", lambda: [sys.monitoring.get_tool(i) for i in range(6)])
+    put("modules.count", lambda: len(sys.modules))
+    put("modules", lambda: sorted(sys.modules))
+    put("affinity", lambda: len(os.sched_getaffinity(0)))
+    put("scheduler", lambda: (os.sched_getscheduler(0), os.getpriority(os.PRIO_PROCESS, 0)))
+    put("env", lambda: {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIXES)})
+    import torch
+
+    put("torch.function_modes", torch._C._len_torch_function_stack)
+    put("torch.dispatch_modes", torch._C._len_torch_dispatch_stack)
+    put("torch.profiler", lambda: torch.autograd.profiler._is_profiler_enabled)
+    put("torch.anomaly", torch.is_anomaly_enabled)
+    put("torch.grad", torch.is_grad_enabled)
+    put("torch.deterministic", torch.are_deterministic_algorithms_enabled)
+    put("torch.threads", lambda: (torch.get_num_threads(), torch.get_num_interop_threads()))
+    put("torch.saved_tensor_hooks", lambda: repr(torch._C._autograd._top_saved_tensors_default_hooks(True)))
+    put("torch.dynamo.callback", _dynamo_callback)
+    return out
 
 
 def _dynamo_callback() -> str:
