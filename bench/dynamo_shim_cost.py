@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import subprocess
 import sys
 import time
+
+from interleaved import interleave, ratios
 
 VARIANTS = ("plain", "receiver", "callback-thread")
 
@@ -81,21 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.child:
         print(json.dumps(child(a.child)))
         return 0
-    if a.rounds < 1:
-        p.error(f"--rounds {a.rounds}: expected at least 1")
-    got: dict[str, list[dict[str, float]]] = {v: [] for v in VARIANTS}
-    for r in range(a.rounds):
-        for v in VARIANTS:
-            run = subprocess.run([sys.executable, __file__, "--child", v], capture_output=True, text=True, check=False)
-            if run.returncode != 0:
-                raise SystemExit(f"variant {v!r} failed:\n{run.stderr[-2000:]}")
-            got[v].append(json.loads(run.stdout.strip().splitlines()[-1]))
-            print(f"round {r + 1} {v:16s} " + "  ".join(f"{k} {x:.3f}" for k, x in got[v][-1].items()), flush=True)
-    base = {k: statistics.median(g[k] for g in got["plain"]) for k in got["plain"][0]}
-    for v, runs in got.items():
-        print(f"{v:16s} " + "  ".join(
-            f"{k} {statistics.median(g[k] for g in runs):.3f} ({statistics.median(g[k] for g in runs) / base[k]:.2f}x)"
-            for k in base))
+    print(ratios(interleave(__file__, VARIANTS, a.rounds)))
     return 0
 
 

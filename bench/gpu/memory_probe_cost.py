@@ -17,12 +17,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 _REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(_REPO / "bench"))
+from interleaved import interleave, ratios  # noqa: E402
+
 #: each variant: (fraction cap on, history recorded on, history turned off again before the timed iterations)
 VARIANTS = {"plain": (False, False, False), "fraction": (True, False, False), "history": (False, True, False),
             "probe": (True, True, False), "history-off": (False, True, True)}
@@ -77,23 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.child:
         print(json.dumps(child(a.child, a.iters, a.layers, a.hidden)))
         return 0
-    got: dict[str, list[dict[str, float]]] = {v: [] for v in VARIANTS}
-    for r in range(a.rounds):
-        for v in VARIANTS:
-            out = subprocess.run([sys.executable, __file__, "--child", v, "--iters", str(a.iters), "--layers",
-                                  str(a.layers), "--hidden", str(a.hidden)], capture_output=True, text=True,
-                                 check=False)
-            if out.returncode != 0:
-                raise SystemExit(f"variant {v!r} failed:\n{out.stderr[-2000:]}")
-            got[v].append(json.loads(out.stdout.strip().splitlines()[-1]))
-            print(f"round {r + 1} {v:12s} forward {got[v][-1]['forward_ms']:7.3f} ms  backward "
-                  f"{got[v][-1]['backward_ms']:7.3f} ms", flush=True)
-    base = {k: statistics.median(g[k] for g in got["plain"]) for k in ("forward_ms", "backward_ms")}
-    for v, runs in got.items():
-        f = statistics.median(g["forward_ms"] for g in runs)
-        b = statistics.median(g["backward_ms"] for g in runs)
-        print(f"{v:12s} forward {f:7.3f} ms ({f / base['forward_ms']:.3f} x plain), backward {b:7.3f} ms "
-              f"({b / base['backward_ms']:.3f} x plain)")
+    print(ratios(interleave(__file__, list(VARIANTS), a.rounds, ["--iters", str(a.iters), "--layers",
+                                                                  str(a.layers), "--hidden", str(a.hidden)])))
     return 0
 
 
