@@ -190,7 +190,13 @@ class Sink:
 
 def layer(nap):
     time.sleep(nap)
+    if nap > 0.01:
+        settle()
     return sum(range(100))
+
+def settle():
+    import torch
+    torch.ones(2).sum().item()
 
 markers.set_sink(Sink())
 for i in range(4):
@@ -217,6 +223,9 @@ for i in range(4):
     fingerprint = emulated["process"]  # what of the process may make frames cost more, read once
     assert "MainThread" in fingerprint["threads"] and fingerprint["gc.objects"] > 0
     assert "torch" in fingerprint["modules"] and fingerprint["torch.function_modes"] == 0
+    assert "waits apart: c Tensor.Tensor.item 0.00 / 1.00 per forward, emulated's from " in truth.times_text(
+        real, emulated)  # the emulated side's .item(), traced to who called it
+    assert " < " in truth.times_text(real, emulated).split("emulated's from ")[1]
     for f in real["forward"] + emulated["forward"]:  # the host at full speed throughout, whatever this one did
         f["python_us"] = 0.03
     text = truth.times_text(real, emulated)

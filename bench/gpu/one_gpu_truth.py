@@ -263,7 +263,7 @@ def read_probe(directory: Path, mode: str) -> dict[str, Any] | None:
         return {"forwards": f["forwards"], "canary": f["canary"]}
     if mode == "times":
         return {"forwards": f["forwards"], "forward": f["forward"], "dynamo": f.get("dynamo") or {},
-                "process": f.get("process") or {}}
+                "process": f.get("process") or {}, "callers": f.get("callers") or {}}
     return {"forwards": f["forwards"], "per_forward": {k: v / f["forwards"] for k, v in f["calls"].items()}}
 
 
@@ -329,7 +329,26 @@ def times_text(real: dict[str, Any], emulated: dict[str, Any], top: int = 8) -> 
             f"{k[:-3].replace('_', '-')} {statistics.median(f['canary'][k] for f in a):.3f} / "
             f"{statistics.median(f['canary'][k] for f in b):.3f}" for k in measures)
     return (text + dynamo_text(real.get("dynamo") or {}, emulated.get("dynamo") or {}, [k for _, k in diff[:top]])
-            + process_text(real.get("process") or {}, emulated.get("process") or {}))
+            + process_text(real.get("process") or {}, emulated.get("process") or {})
+            + callers_text(real, emulated))
+
+
+def callers_text(real: dict[str, Any], emulated: dict[str, Any], chains: int = 2) -> str:
+    """The host's waits for the device inside the forwards (``forward_probe``'s ``WAITS``) whose calls per
+    forward differ between the sides: calls per forward real / emulated, and the side with more's commonest
+    caller chains (innermost first)."""
+    out = []
+    rc, ec = real.get("callers") or {}, emulated.get("callers") or {}
+    for k in sorted(set(rc) | set(ec)):
+        a = sum(rc.get(k, {}).values()) / max(real["forwards"], 1)
+        b = sum(ec.get(k, {}).values()) / max(emulated["forwards"], 1)
+        if round(a, 2) == round(b, 2):
+            continue
+        more = ec if b > a else rc
+        top = sorted(more.get(k, {}).items(), key=lambda kv: -kv[1])[:chains]
+        out.append(f"{k} {a:.2f} / {b:.2f} per forward, {'emulated' if b > a else 'real'}'s from "
+                   + " | ".join(f"{c} ({n})" for c, n in top))
+    return "; waits apart: " + ", ".join(out) if out else ""
 
 
 def process_text(real: dict[str, Any], emulated: dict[str, Any], names: int = 12) -> str:

@@ -47,6 +47,11 @@ SUSPECT_OPS = {"tls_us": 2000, "weakref_us": 500, "environ_us": 500, "module_us"
 #: the allocator or the interpreter run
 ENV_PREFIXES = ("TORCH", "PYTORCH", "CUDA", "NCCL", "OMP", "MKL", "MALLOC", "PYTHON", "LD_", "TRITON", "INDUCTOR",
                 "KINETO", "NVTE", "GLIBC")
+#: C functions that make the host wait for the device (or copy to it): with times, each call's callers are kept,
+#: so a wait one side adds is traced to the code that asked for it
+WAITS = ("synchronize", "pin_memory", "item", "tolist", "cpu", "_local_scalar_dense", "wait")
+#: how many of the calling frames name a caller
+CALLER_DEPTH = 6
 #: a function's own time in one forward below this is left out of the times file (microseconds)
 KEEP_US = 20
 MODES = ("calls", "canary", "times")
@@ -67,6 +72,12 @@ def _short(path: str) -> str:
         if i >= 0:
             return path[i + (0 if cut.startswith("/") else len(cut)):].lstrip("/")
     return os.path.basename(path)
+
+
+def _waits(key: str) -> bool:
+    """Whether a C function's name is one of ``WAITS`` (or ends in "_" and one: ``torch._C._cuda_synchronize``)."""
+    name = key.rsplit(".", 1)[-1]
+    return not name.startswith("is_") and any(name == w or name.endswith("_" + w) for w in WAITS)
 
 
 def _empty() -> None:
@@ -92,6 +103,7 @@ class _Probe:
         self.callbacks: dict[str, set] = {}
         self.totals: dict[str, int] = {}
         self.fingerprint: dict | None = None
+        self.callers: dict[str, dict[str, int]] = {}  # per waiting C function, its caller chains counted
 
     def profile(self, frame, event, arg) -> None:
         if event in ("call", "c_call"):
@@ -104,6 +116,10 @@ class _Probe:
         now = time.perf_counter_ns()
         if event in ("call", "c_call"):
             key = _key(frame, event, arg)
+            if event == "c_call" and _waits(key):
+                chain = " < ".join(k for k, _, _ in reversed(self.stack[-CALLER_DEPTH:]))
+                counted = self.callers.setdefault(key, {})
+                counted[chain] = counted.get(chain, 0) + 1
             self.stack.append([key, now, 0])
             if event == "call" and key not in self.seen_in:
                 self.seen_in[key] = _dynamo_callback()
@@ -204,7 +220,8 @@ class _Probe:
                 self.callbacks.setdefault(k, set()).add(cb)
             if self.fingerprint is None:
                 self.fingerprint = process_fingerprint()
-            found = {"forward": self.timings, "dynamo": self.dynamo_state(), "process": self.fingerprint}
+            found = {"forward": self.timings, "dynamo": self.dynamo_state(), "process": self.fingerprint,
+                     "callers": self.callers}
         elif _MODE == "canary":
             found = {"canary": {k: v for k, v in self.canary.items() if v}}
         else:
