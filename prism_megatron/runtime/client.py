@@ -191,8 +191,13 @@ class RankClient:
         if self._fatal is not None:
             raise self._fatal
         self._settle()
-        # queued kernels are the program's compute: finish them on its clock; staging below is the runtime's
-        clock = self._pause(sync=any(t.is_cuda for t in (*ins, *outs)))
+        # an op staged through host memory copies its device tensors: the kernels queued before it are the
+        # program's compute, finished on its clock before the runtime's copies. An op answered where its
+        # tensors are (a group of one, a folded group's lone member) queues behind them on the device as
+        # NCCL's would, and the host goes on as the real job's does (answerable before _deliver stays so).
+        answered = answer is not None and not self._writers_of([*outs, *(current or ())])
+        staged = not answered and (not params.get("local") or current is not None)
+        clock = self._pause(sync=staged and any(t.is_cuda for t in (*ins, *outs, *(current or ()))))
         self._deliver()
         before = self._writers_of(ins)
         if before:  # NCCL would run this op after those on its stream: its inputs are their results
