@@ -502,3 +502,33 @@ def test_an_op_of_a_group_of_one_is_settled_in_the_rank_unless_an_earlier_op_sti
     assert not blocked.is_completed() and "settled" not in ops(4)[3]
     client._conn.close()
     listener.close()
+
+
+def test_only_an_op_staged_through_host_memory_waits_for_the_device_at_issue(monkeypatch):
+    """An op on device tensors that the rank answers where they are (a group of one, a lone folded member) queues
+    behind the program's kernels as NCCL's would: the host does not wait for the device at its issue (which the
+    one-clock trace would count as compute, and the real job does not do). An op staged through host memory
+    does wait, on the program's clock: its copies need the kernels' results. Device tensors stood in for by
+    telling the client its CPU tensors are on the device; the wait itself is recorded, not made."""
+    from prism_megatron.runtime.client import RankClient
+
+    listener, ops = _granting_once()
+    client = _client(listener, 2)
+    waited: list[bool] = []
+    pause = RankClient._pause
+
+    def spy(self, sync: bool = False) -> float:
+        waited.append(sync)
+        return pause(self, False)
+
+    monkeypatch.setattr(RankClient, "_pause", spy)
+    x, y = torch.arange(3.0), torch.ones(2)
+    with monkeypatch.context() as m:
+        m.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+        client.submit(0, "all_reduce", [x], [x], inplace=True, async_op=True, redop="sum", local=True)
+        client.submit(0, "all_reduce", [x], [x], inplace=True, async_op=True, answer=lambda: x.mul_(2), redop="sum")
+        client.submit(1, "all_reduce", [y], [y], inplace=True, async_op=True, redop="sum")  # staged
+    assert waited == [False, False, True]
+    assert x.tolist() == [0.0, 2.0, 4.0] and len(ops(3)) == 3
+    client._conn.close()
+    listener.close()
