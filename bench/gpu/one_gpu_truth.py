@@ -308,7 +308,7 @@ def times_text(real: dict[str, Any], emulated: dict[str, Any], top: int = 8) -> 
     a, b = fast(real), fast(emulated)
     if not a or not b:
         return (f"no forward at full speed on {'both sides' if not a and not b else 'one side'}"
-                + process_text(real.get("process") or {}, emulated.get("process") or {}))
+                + process_text(real.get("process") or {}, emulated.get("process") or {}) + callers_text(real, emulated))
 
     def own(forwards: list[dict[str, Any]]) -> dict[str, float]:
         out: dict[str, float] = {}
