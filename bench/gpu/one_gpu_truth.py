@@ -306,9 +306,10 @@ def times_text(real: dict[str, Any], emulated: dict[str, Any], top: int = 8) -> 
         return [f for f in side["forward"] if at_full_speed(f["python_us"], floor)]
 
     a, b = fast(real), fast(emulated)
+    # what does not depend on the host's speed: the processes and their waits for the device
+    beside = process_text(real.get("process") or {}, emulated.get("process") or {}) + callers_text(real, emulated)
     if not a or not b:
-        return (f"no forward at full speed on {'both sides' if not a and not b else 'one side'}"
-                + process_text(real.get("process") or {}, emulated.get("process") or {}) + callers_text(real, emulated))
+        return f"no forward at full speed on {'both sides' if not a and not b else 'one side'}" + beside
 
     def own(forwards: list[dict[str, Any]]) -> dict[str, float]:
         out: dict[str, float] = {}
@@ -328,9 +329,8 @@ def times_text(real: dict[str, Any], emulated: dict[str, Any], top: int = 8) -> 
         text += "; canary at their start, us per call, real / emulated: " + ", ".join(
             f"{k[:-3].replace('_', '-')} {statistics.median(f['canary'][k] for f in a):.3f} / "
             f"{statistics.median(f['canary'][k] for f in b):.3f}" for k in measures)
-    return (text + dynamo_text(real.get("dynamo") or {}, emulated.get("dynamo") or {}, [k for _, k in diff[:top]])
-            + process_text(real.get("process") or {}, emulated.get("process") or {})
-            + callers_text(real, emulated))
+    dynamo = dynamo_text(real.get("dynamo") or {}, emulated.get("dynamo") or {}, [k for _, k in diff[:top]])
+    return text + dynamo + beside
 
 
 def callers_text(real: dict[str, Any], emulated: dict[str, Any], chains: int = 2) -> str:
