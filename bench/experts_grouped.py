@@ -64,10 +64,7 @@ def main() -> None:
     if not gpu:
         from prism_megatron.megatron.cpu_mode import enable_cpu_mode
 
-        enable_cpu_mode()
-        from torch import _dynamo
-
-        _dynamo.config.disable = True  # as a CPU rank runs (patches.cpu_trainer): no jit_fuser compile
+        enable_cpu_mode()  # as a CPU rank runs: jit_fuser functions uncompiled
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

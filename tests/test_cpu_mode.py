@@ -198,6 +198,26 @@ def test_cuda_stand_ins():
 
 
 @cpu_only
+def test_a_scripts_compiled_function_runs_eagerly_and_disable_gives_dynamo_back():
+    import torch._dynamo
+
+    before = torch._dynamo.config.disable
+    enable_cpu_mode(patch_megatron=False)
+    traced = []
+
+    def scaled_gelu(x):
+        traced.append(torch.compiler.is_compiling())
+        return torch.nn.functional.gelu(x.cuda()) * 2
+
+    compiled = torch.compile(scaled_gelu)
+    x = torch.randn(4)
+    assert torch.equal(compiled(x), torch.nn.functional.gelu(x) * 2)
+    assert traced == [False]  # run op by op: dynamo never traced it
+    disable_cpu_mode()
+    assert torch._dynamo.config.disable is before
+
+
+@cpu_only
 def test_stream_context_is_reusable_like_torchs():
     """Megatron's DDP keeps one ``torch.cuda.stream(s)`` and enters it twice (grad reduce, then the
     all-reduce across distributed-optimizer instances); torch's StreamContext allows it."""

@@ -25,9 +25,7 @@ CHILD = textwrap.dedent("""
     import torch
     import torch.nn.functional as F
     from prism_megatron.megatron.cpu_mode import enable_cpu_mode
-    enable_cpu_mode()
-    import torch._dynamo
-    torch._dynamo.config.disable = True  # as a CPU rank runs (patches.cpu_trainer): jit_fuser uncompiled
+    enable_cpu_mode()  # as a CPU rank runs: jit_fuser functions uncompiled
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
     torch.distributed.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{port}")

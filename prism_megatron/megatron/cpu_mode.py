@@ -24,6 +24,11 @@ What it does while active:
   accelerator is available, on a CPU and on a CUDA build of torch alike, so torch's optimizers
   and DataLoader take their host paths; a rank never initialises CUDA (in a forked rank that is
   "Cannot re-initialize CUDA in forked subprocess").
+* ``torch.compile`` runs eagerly (``torch._dynamo.config.disable``): dynamo would trace through the
+  stand-ins (which alias torch.cuda's functions: its device registry refuses them) and Inductor build
+  C++ kernels in every rank, seconds each, after probing for a real GPU. Megatron's ``jit_fuser``
+  functions and a script's own compiled ones run op by op, in prism's ranks and in a real process
+  under this mode alike.
 * Megatron seams (patched only with ``patch_megatron=True``; checked against the supported
   releases of :mod:`.versions`, failing loudly when one moved):
   - ``tensor_parallel.random``: its module-level ``_lazy_call`` (bound at import) queues
@@ -60,7 +65,7 @@ import logging
 import os
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
 
@@ -105,31 +110,28 @@ _MISSING = object()
 
 
 class _Patches:
-    """Records every replaced attribute / dict entry so disable can put the originals back."""
+    """Records every replaced attribute / dict entry / entered context so disable can put the originals back."""
 
     def __init__(self) -> None:
-        self._undo: list[tuple[Any, str, Any, bool]] = []  # (target, key, old, is_dict)
+        self._undo: list[Callable[[], None]] = []  # run last first
 
     def setattr(self, target: Any, name: str, value: Any) -> None:
-        self._undo.append((target, name, target.__dict__.get(name, _MISSING), False))
+        old = target.__dict__.get(name, _MISSING)
+        self._undo.append(lambda: delattr(target, name) if old is _MISSING else setattr(target, name, old))
         setattr(target, name, value)
 
     def setitem(self, target: dict, key: str, value: Any) -> None:
-        self._undo.append((target, key, target.get(key, _MISSING), True))
+        old = target.get(key, _MISSING)
+        self._undo.append(lambda: target.pop(key, None) if old is _MISSING else target.__setitem__(key, old))
         target[key] = value
+
+    def enter(self, context: contextlib.AbstractContextManager) -> None:
+        context.__enter__()
+        self._undo.append(lambda: context.__exit__(None, None, None))
 
     def restore(self) -> None:
         while self._undo:
-            target, key, old, is_dict = self._undo.pop()
-            if is_dict:
-                if old is _MISSING:
-                    target.pop(key, None)
-                else:
-                    target[key] = old
-            elif old is _MISSING:
-                delattr(target, key)
-            else:
-                setattr(target, key, old)
+            self._undo.pop()()
 
 
 # --------------------------------------------------------------------------- device redirection
@@ -325,6 +327,9 @@ def enable_cpu_mode(patch_megatron: bool = True) -> None:
         patches = _Patches()
         mode = _CudaToCpuMode()
         try:
+            import torch._dynamo  # before the stand-ins: dynamo registers torch.cuda's functions as it loads
+
+            patches.enter(torch._dynamo.config.patch(disable=True))
             for module_name, stand_ins in stubs.cuda_stand_ins().items():
                 module = sys.modules.get(module_name)  # torch.accelerator: torch >= 2.6
                 for name, value in stand_ins.items() if module is not None else ():

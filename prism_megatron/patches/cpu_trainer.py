@@ -5,10 +5,6 @@ mode keeps ``is_available()`` truthful (False), so ``pretrain`` would stop there
 is active, ``pretrain``'s call gets ``allow_no_cuda=True`` (that flag only skips the assert).
 Seam: ``megatron.legacy.fused_kernels.load`` - it only probes ``$CUDA_HOME/bin/nvcc`` (and fails
 without CUDA); in CPU mode it does nothing (0.19 has no ``megatron.legacy``, and no such load).
-Also, in CPU mode ``torch._dynamo`` is disabled: Megatron's ``jit_fuser`` is ``torch.compile``, and
-inductor would build C++ kernels in every rank (seconds each, a compiler needed) after probing
-``torch.cuda.get_device_properties`` for a real GPU; the fused functions then run eagerly, in
-prism and in the real-process reference alike.
 Never installed with a GPU: CPU mode refuses to engage there.
 Checked against the supported releases (``megatron.versions``).
 """
@@ -40,10 +36,6 @@ def install() -> None:
         return original(*args, **kwargs)
 
     training.initialize_megatron = initialize_megatron
-    if cpu_mode_active():
-        import torch._dynamo
-
-        torch._dynamo.config.disable = True
 
     try:
         import megatron.legacy.fused_kernels as fused_kernels

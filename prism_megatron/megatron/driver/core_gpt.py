@@ -414,9 +414,6 @@ def main(argv: list[str] | None = None) -> None:
     """Parse, set up the process groups, train; rank 0 says which driver runs."""
     args = parse_args(sys.argv[1:] if argv is None else argv)
     if cpu_mode.cpu_mode_active():
-        import torch._dynamo
-
-        torch._dynamo.config.disable = True  # Megatron's jit_fuser would build C++ kernels per rank
         if not _EMULATED:
             from prism_megatron.patches import gloo_p2p
 
