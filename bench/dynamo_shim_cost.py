@@ -7,7 +7,10 @@ rank's slow frames on the GPU (docs/measurements.md, run 43) sit around compiled
 processes interleaved, an empty Python call, a call into a ``torch.compile``-d function and Megatron's per-call
 ``torch.nn.Softmax`` construction and use, with no other thread (``plain``), with a thread blocked in a socket read
 as the rank's receiver is (``receiver``), and with a thread that holds a run-only callback while it waits
-(``callback-thread``). Minimum over repeats per process (this machine is shared), the median over rounds.
+(``callback-thread``), and inside a prism rank (``rank``: the same child as the one logical rank of
+``prism-megatron launch --world-size 1 --devices cpu``, its process group initialised and an all-reduce between
+repeats, as the rank's runtime is called between forwards). Minimum over repeats per process (this machine is
+shared), the median over rounds.
 
 Usage: python bench/dynamo_shim_cost.py [--rounds 3]   (needs a C++ compiler: Inductor builds the CPU kernel)
 """
@@ -21,7 +24,25 @@ import time
 
 from interleaved import interleave, ratios
 
-VARIANTS = ("plain", "receiver", "callback-thread")
+VARIANTS = ("plain", "receiver", "callback-thread", "rank")
+
+
+def in_rank(rounds_file: str) -> dict[str, float]:
+    """The ``rank`` variant: this script's ``rank-inner`` child as a prism rank; its figures come back in a file
+    (a rank's output goes through the launcher)."""
+    import os
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "figures.json")
+        run = subprocess.run([sys.executable, "-m", "prism_megatron", "launch", "--world-size", "1", "--devices", "cpu",
+                              "--trace-dir", os.path.join(tmp, "trace"), "--", rounds_file, "--child", "rank-inner",
+                              "--figures", out], capture_output=True, text=True, check=False)
+        if run.returncode != 0 or not os.path.exists(out):
+            raise SystemExit(f"the rank variant failed (exit {run.returncode}):\n{run.stderr[-2000:]}")
+        with open(out) as f:
+            return json.load(f)
 
 
 def child(variant: str) -> dict[str, float]:
@@ -58,6 +79,15 @@ def child(variant: str) -> dict[str, float]:
 
         threading.Thread(target=hold, daemon=True).start()
         held.wait()
+    between = None
+    if variant == "rank-inner":
+        import torch.distributed as dist
+
+        dist.init_process_group()
+        one = torch.ones(4)
+
+        def between() -> None:
+            dist.all_reduce(one)
 
     def per_call(fn, n: int) -> float:
         t0 = time.perf_counter()
@@ -67,6 +97,8 @@ def child(variant: str) -> dict[str, float]:
 
     out: dict[str, list[float]] = {"frame_us": [], "compiled_us": [], "softmax_module_us": []}
     for _ in range(7):
+        if between is not None:
+            between()
         out["frame_us"].append(per_call(frame, 20000))
         out["compiled_us"].append(per_call(lambda: fused(x, b), 2000))
         out["softmax_module_us"].append(per_call(lambda: torch.nn.Softmax(dim=-1)(x), 2000))
@@ -76,10 +108,18 @@ def child(variant: str) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=3, help="rounds over the variants, interleaved (default 3)")
-    p.add_argument("--child", choices=VARIANTS, help=argparse.SUPPRESS)
+    p.add_argument("--child", choices=(*VARIANTS, "rank-inner"), help=argparse.SUPPRESS)
+    p.add_argument("--figures", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
-    if a.child:
+    if a.child == "rank":
+        print(json.dumps(in_rank(__file__)))
+    elif a.child == "rank-inner":
+        figures = child(a.child)
+        with open(a.figures, "w") as f:
+            json.dump(figures, f)
+    elif a.child:
         print(json.dumps(child(a.child)))
+    if a.child:
         return 0
     print(ratios(interleave(__file__, VARIANTS, a.rounds)))
     return 0
