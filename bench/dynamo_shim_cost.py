@@ -12,7 +12,8 @@ as the rank's receiver is (``receiver``), and with a thread that holds a run-onl
 repeats, as the rank's runtime is called between forwards). Minimum over repeats per process (this machine is
 shared), the median over rounds.
 
-Usage: python bench/dynamo_shim_cost.py [--rounds 3]   (needs a C++ compiler: Inductor builds the CPU kernel)
+Usage: python bench/dynamo_shim_cost.py [--rounds 3] [--device cuda]   (on CPU Inductor builds a C++ kernel: needs a
+compiler; with ``--device cuda`` a Triton one on GPU 0, and the rank is launched there: ``--devices 0``)
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from interleaved import interleave, ratios
 VARIANTS = ("plain", "receiver", "callback-thread", "rank")
 
 
-def in_rank(rounds_file: str) -> dict[str, float]:
+def in_rank(rounds_file: str, device: str) -> dict[str, float]:
     """The ``rank`` variant: this script's ``rank-inner`` child as a prism rank; its figures come back in a file
     (a rank's output goes through the launcher)."""
     import os
@@ -36,16 +37,18 @@ def in_rank(rounds_file: str) -> dict[str, float]:
 
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "figures.json")
-        run = subprocess.run([sys.executable, "-m", "prism_megatron", "launch", "--world-size", "1", "--devices", "cpu",
-                              "--trace-dir", os.path.join(tmp, "trace"), "--", rounds_file, "--child", "rank-inner",
-                              "--figures", out], capture_output=True, text=True, check=False)
+        devices = "0" if device == "cuda" else "cpu"
+        launch = [sys.executable, "-m", "prism_megatron", "launch", "--world-size", "1", "--devices", devices,
+                  "--trace-dir", os.path.join(tmp, "trace")]
+        script = [rounds_file, "--child", "rank-inner", "--figures", out, "--device", device]
+        run = subprocess.run([*launch, "--", *script], capture_output=True, text=True, check=False)
         if run.returncode != 0 or not os.path.exists(out):
             raise SystemExit(f"the rank variant failed (exit {run.returncode}):\n{run.stderr[-2000:]}")
         with open(out) as f:
             return json.load(f)
 
 
-def child(variant: str) -> dict[str, float]:
+def child(variant: str, device: str) -> dict[str, float]:
     import socket
     import threading
 
@@ -60,7 +63,7 @@ def child(variant: str) -> dict[str, float]:
     def frame() -> None:
         return None
 
-    x, b = torch.randn(4, 8), torch.randn(8)
+    x, b = torch.randn(4, 8, device=device), torch.randn(8, device=device)
     for _ in range(20):
         fused(x, b)
     if variant == "receiver":
@@ -84,7 +87,7 @@ def child(variant: str) -> dict[str, float]:
         import torch.distributed as dist
 
         dist.init_process_group()
-        one = torch.ones(4)
+        one = torch.ones(4, device=device)
 
         def between() -> None:
             dist.all_reduce(one)
@@ -110,18 +113,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3, help="rounds over the variants, interleaved (default 3)")
     p.add_argument("--child", choices=(*VARIANTS, "rank-inner"), help=argparse.SUPPRESS)
     p.add_argument("--figures", help=argparse.SUPPRESS)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where the tensors live (cuda: GPU 0, and the rank variant launched on it; default cpu)")
     a = p.parse_args(argv)
     if a.child == "rank":
-        print(json.dumps(in_rank(__file__)))
+        print(json.dumps(in_rank(__file__, a.device)))
     elif a.child == "rank-inner":
-        figures = child(a.child)
+        figures = child(a.child, a.device)
         with open(a.figures, "w") as f:
             json.dump(figures, f)
     elif a.child:
-        print(json.dumps(child(a.child)))
+        print(json.dumps(child(a.child, a.device)))
     if a.child:
         return 0
-    print(ratios(interleave(__file__, VARIANTS, a.rounds)))
+    print(ratios(interleave(__file__, VARIANTS, a.rounds, ["--device", a.device])))
     return 0
 
 
