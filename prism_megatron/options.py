@@ -151,6 +151,12 @@ class RunOnlyOptions:
     """Cluster profile that costs communication in the prediction (prism-megatron cluster list);
     default: the recipe's target cluster, else free communication."""
 
+    live_prediction: Literal["on", "off"] = "on"
+    """Megatron's log line under emulation: 'on' shows each logged iteration's predicted time, for which the
+    coordinator replays the trace so far from its first iteration while the logging rank waits (its clock
+    paused: no compute time), so each logged iteration waits longer than the last; 'off' shows the emulation's
+    own time there and leaves the prediction to the report (a long emulation, or a rank that must not wait)."""
+
     fold: Literal["auto", "on", "off"] = "auto"
     """Rank folding: 'on' runs only the sandbox (one model replica: every rank class's live ranks) and
     answers for every other rank without a process (its ops mirror its class's live rank); 'off' runs

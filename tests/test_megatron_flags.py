@@ -305,8 +305,8 @@ def test_the_logged_line_says_what_emulating_that_iteration_took_not_megatrons_i
     assert "elapsed time per iteration (ms): 1250.0 (predicted, host and GPU time measured; emulation took " \
            "17200.0) | learning rate" in shown, shown
     assert 2 not in training_loop._PREDICTED  # used once
-    training_loop._PREDICTED[2] = ((None, "no predictor in this run"), 17.2)
-    assert "(ms): 17200.0 (emulation wall time, not a prediction: no predictor in this run) |" in \
+    training_loop._PREDICTED[2] = ((None, "no live prediction in this run"), 17.2)
+    assert "(ms): 17200.0 (emulation wall time, not a prediction: no live prediction in this run) |" in \
            training_loop._with_prediction(line)
 
 

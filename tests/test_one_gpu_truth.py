@@ -294,3 +294,24 @@ def test_a_forward_probe_on_a_real_run_without_spans_is_refused_before_it_runs(t
     with pytest.raises(ValueError, match=r"'00-real-threads1\+calls'.*only real-spans"):
         truth.step("real-threads1+calls", config, tmp_path, 4, 0, 10.0)
     assert not any(tmp_path.iterdir())  # nothing ran
+
+
+def test_each_emulation_variant_runs_prism_with_its_flag(tmp_path, monkeypatch):
+    """``emuW-off`` turns GPU timing off, ``emuW-nolive`` the live prediction; the plain ``emuW`` neither."""
+    truth = load_bench("gpu/one_gpu_truth.py")
+    ran: dict[str, list[str]] = {}
+
+    def run(cmd, log, env, timeout):
+        ran[log.stem] = cmd
+        return ""
+
+    monkeypatch.setattr(truth, "_run", run)
+    config = truth.config_of("dense-bf16-mbs2")
+    for i, kind in enumerate(("emu1", "emu1-off", "emu2-nolive")):
+        truth.step(kind, config, tmp_path, 4, i, 10.0)
+    flags = {name: [f for f in cmd if f.startswith("--prism-")] for name, cmd in ran.items()}
+    assert "--prism-gpu-timing" not in flags["00-emu1"] and "--prism-live-prediction" not in flags["00-emu1"]
+    assert ran["01-emu1-off"][ran["01-emu1-off"].index("--prism-gpu-timing") + 1] == "off"
+    assert ran["02-emu2-nolive"][ran["02-emu2-nolive"].index("--prism-live-prediction") + 1] == "off"
+    with pytest.raises(ValueError, match="unknown step 'emu1-never'"):
+        truth.step("emu1-never", config, tmp_path, 4, 3, 10.0)

@@ -99,3 +99,5 @@ def test_run_records_the_profile_it_costs_with(tmp_path, monkeypatch):
         assert cfg.job_extra["cluster"] == recorded and cfg.predictor_options["cluster"] == (flags or [None])[-1]
     recipe = launch_config(parse_run_args(["--recipe", "targets-llama3-70b-h100x64", str(script)]))
     assert recipe.job_extra["cluster"] == PROFILE
+    assert cfg.predictor == "prism_megatron.report.live:predict_iteration"  # the log line's prediction, by default
+    assert launch_config(parse_run_args([*base, "--prism-live-prediction", "off", str(script)])).predictor is None

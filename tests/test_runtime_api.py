@@ -175,6 +175,23 @@ def test_an_op_of_a_group_of_one_is_done_by_the_rank_and_recorded_without_stagin
     assert all(e["runtime_s"]["stage"] > 0 and e["runtime_s"]["results"] > 0 for e in tr.manifest["ranks"])
 
 
+def test_without_a_predictor_a_rank_asking_for_a_prediction_is_answered_at_once(tmp_path):
+    """With no live prediction (``launch``, or ``run --prism-live-prediction off``) the coordinator answers a rank's
+    question at once instead of waiting for every rank to end the iteration: here rank 1 waits for rank 0 in a
+    barrier, which would never come if rank 0 waited for rank 1 to end iteration 1."""
+    from conftest import launch_source
+
+    launch_source(tmp_path, f"""
+import torch.distributed as dist
+from prism_megatron.runtime.live import predicted_iteration_time
+dist.init_process_group("gloo")
+if dist.get_rank() == 0:
+    open(r"{tmp_path}/answer.txt", "w").write(repr(predicted_iteration_time(1)))
+dist.barrier()
+""", hang_timeout=60)
+    assert (tmp_path / "answer.txt").read_text() == repr((None, "no live prediction in this run"))
+
+
 def test_collectives_show_in_the_profiler_as_the_backend_records_them(tmp_path):
     """ProcessGroupGloo/NCCL record '<backend>:<op>' with input shapes; torch's own suite checks for them."""
     from conftest import launch_source

@@ -22,7 +22,9 @@ without activation recompute, micro-batch 1 to 8) it runs, on GPU 0, in the orde
   the machine; scored with the plain ``emuW``, the other variants are diagnoses), ``emuW-prof`` runs the launcher
   under cProfile (``trace-NN-emuW-prof.launcher.prof`` beside the trace: where its set-up time goes;
   the ranks fork from it with the profiler on, so that step's prediction is shown but not scored), ``emuW-exec``
-  starts each rank as a fresh interpreter instead of a fork of the launcher's template (``PRISM_RANK_START=exec``);
+  starts each rank as a fresh interpreter instead of a fork of the launcher's template (``PRISM_RANK_START=exec``),
+  ``emuW-nolive`` with ``--prism-live-prediction off`` (no rank waits for a replay of the trace so far at its log
+  line: the live ms column stays empty, the trace's replay is scored);
 - ``real-forked``: ``real-threads1``'s run in a child forked from a process that imported torch and Megatron, as
   an emulated rank is (``forked_driver.py``): a diagnosis, listed beside the real runs, not scored against;
   ``real-spans``: ``real-threads1``'s run with each micro-batch's forward and backward timed where a rank's trace
@@ -484,7 +486,7 @@ def step(kind: str, config: Config, work: Path, iters: int, index: int, timeout:
              _env(**_single(_port()), PROBE_OUT=str(probe_out), TORCHINDUCTOR_COMPILE_THREADS="1", **run_env),
              timeout)  # no compile pool: its start-up slows the first ~25 s, the whole probe (as real-threads1)
         return {"kind": kind, "rows": json.loads(probe_out.read_text())}
-    m = re.fullmatch(r"emu(\d+)(?:-(keep|teardown|off|spin|prof|fold|exec))?", kind)
+    m = re.fullmatch(r"emu(\d+)(?:-(keep|teardown|off|spin|prof|fold|exec|nolive))?", kind)
     if not m:
         raise ValueError(f"unknown step {kind!r}")
     world, variant = int(m.group(1)), m.group(2) or ""
@@ -498,6 +500,7 @@ def step(kind: str, config: Config, work: Path, iters: int, index: int, timeout:
     cmd = [PY, *prof, "-m", "prism_megatron", "run", "--prism-emulate", "--prism-world-size", str(world),
            "--prism-devices", "0", "--prism-trace-dir", str(trace), "--prism-report", "off",
            *(["--prism-gpu-timing", "off"] if variant == "off" else []),
+           *(["--prism-live-prediction", "off"] if variant == "nolive" else []),
            *(["--prism-fold", "on"] if variant == "fold" else []),
            str(DRIVER_SCRIPT), *flags, "--global-batch-size", str(config.gbs * world)]
     text = _run(cmd, work / f"{name}.log", _env(**extra, **run_env), timeout)

@@ -411,7 +411,8 @@ def launch_config(request: RunRequest):
     return LaunchConfig.from_options(
         job, request.script, script_args, preload=[PRELOAD], rank_setup=[RANK_SETUP],
         expected_iterations=_flag_int(request.script_args, "--train-iters"),
-        predictor=PREDICTOR, predictor_options={"cluster": cluster},
+        predictor=PREDICTOR if request.run_options().live_prediction == "on" else None,
+        predictor_options={"cluster": cluster},
         memory_classes=stage_classes(request.script_args, job.world_size),
         job_extra=extra,
     )

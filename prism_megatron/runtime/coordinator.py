@@ -274,8 +274,13 @@ class Coordinator:
             rs.state = RankStatus.BLOCKED  # gives its slot back while every rank finishes the iteration
             rs.blocked_since = time.perf_counter()
             self._stop_holding(rs)
-            self.predictor.waiting.append((rs, int(msg["iteration"])))
-            self._answer_predictions()
+            if self.predictor.predictor is None:  # nothing to replay: no reason to wait for the other ranks
+                self._send(rs, {"t": P.PREDICTED, "iteration": int(msg["iteration"]), "seconds": None,
+                                "note": self.predictor.answer(int(msg["iteration"]), lambda path: None)[1]})
+                self.grants.request(rs)
+            else:
+                self.predictor.waiting.append((rs, int(msg["iteration"])))
+                self._answer_predictions()
         elif t == P.GPUTIME:
             self.recorder.gpu_rows.extend(msg["rows"])
         elif t == P.DROP:

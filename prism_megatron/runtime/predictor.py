@@ -39,7 +39,7 @@ class LivePredictor:
     def answer(self, iteration: int, snapshot: Callable[[Path], object]) -> tuple[float | None, str]:
         """The predicted time of ``iteration`` and what it rests on; ``snapshot`` writes the trace so far."""
         if self.predictor is None:
-            return None, "no predictor in this run"
+            return None, "no live prediction in this run"
         try:
             snapshot(self.live_trace)
             return self.predictor(self.live_trace, iteration, **self.options)
