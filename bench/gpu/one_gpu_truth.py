@@ -377,12 +377,14 @@ def process_text(real: dict[str, Any], emulated: dict[str, Any], names: int = 12
 
 
 def dynamo_text(real: dict[str, Any], emulated: dict[str, Any], functions: list[str]) -> str:
-    """Where dynamo's view of the two processes differs: for the named functions, the frame callbacks each was
-    called under and its code's compiled entries ("callbacks/entries"), and dynamo's counters that differ."""
+    """Where dynamo's and the interpreter's view of the two processes differs: for the named functions, the frame
+    callbacks each was called under, its code's compiled entries and, where recorded, how far its bytecode is
+    specialised ("callbacks/entries/specialised of specialisable instructions, those left generic"); and
+    dynamo's counters that differ."""
     rf, ef = real.get("functions") or {}, emulated.get("functions") or {}
 
     def state(f: dict[str, Any], k: str) -> str:
-        return "-" if k not in f else f"{'+'.join(f[k][0]) or '?'}/{f[k][1]}"
+        return "-" if k not in f else "/".join([f"{'+'.join(f[k][0]) or '?'}", str(f[k][1]), *f[k][2:]])
 
     apart = [f"{k} real {state(rf, k)}, emulated {state(ef, k)}" for k in functions
              if (k in rf or k in ef) and state(rf, k) != state(ef, k)]
@@ -392,7 +394,7 @@ def dynamo_text(real: dict[str, Any], emulated: dict[str, Any], functions: list[
               if rc.get(g, {}).get(n, 0) != ec.get(g, {}).get(n, 0)]
     out = ""
     if apart:
-        out += "; dynamo's callbacks/compiled entries apart: " + ", ".join(apart)
+        out += "; dynamo's callbacks/compiled entries/specialised bytecode apart: " + ", ".join(apart)
     if differ:
         out += "; dynamo counters apart (real/emulated): " + ", ".join(differ[:12])
     return out

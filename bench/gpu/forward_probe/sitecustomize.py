@@ -235,8 +235,9 @@ class _Probe:
 
     def dynamo_state(self) -> dict:
         """Per Python function of 20 us or more of own time per forward: the dynamo frame callbacks it was called
-        under and its code's compiled entries (each a guard set the frame evaluator checks at every call); and
-        dynamo's counters (graph breaks, recompilations, cache hits)."""
+        under, its code's compiled entries (each a guard set the frame evaluator checks at every call) and how far
+        its bytecode is specialised (``specialization``); and dynamo's counters (graph breaks, recompilations,
+        cache hits)."""
         try:
             from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
             from torch._dynamo.utils import counters
@@ -246,9 +247,25 @@ class _Probe:
         functions = {}
         for k, code in self.codes.items():
             if self.totals.get(k, 0) >= floor:
-                functions[k] = [sorted(self.callbacks.get(k, ())), len(_debug_get_cache_entry_list(code))]
+                functions[k] = [sorted(self.callbacks.get(k, ())), len(_debug_get_cache_entry_list(code)),
+                                specialization(code)]
         return {"functions": functions,
                 "counters": {str(k): {str(kk): vv for kk, vv in v.items()} for k, v in counters.items()}}
+
+
+def specialization(code) -> str:
+    """How far the interpreter specialised ``code``'s bytecode so far: "k/n" of its n instructions of a
+    specialisable family, then those left generic or adaptive ("LOAD_ATTR@12 ..."). The same frame left generic in
+    one process and specialised in the other costs more per call there: an attribute cache that keeps failing, a
+    class whose version tag ran out after too many changes to it."""
+    import dis
+    import opcode
+
+    families = getattr(opcode, "_specializations", {})
+    special = {s for v in families.values() for s in v}
+    ins = [i for i in dis.get_instructions(code, adaptive=True) if i.opname in families or i.opname in special]
+    generic = [i for i in ins if i.opname in families or i.opname.endswith("_ADAPTIVE")]
+    return f"{len(ins) - len(generic)}/{len(ins)}" + "".join(f" {i.opname}@{i.offset}" for i in generic[:8])
 
 
 def process_fingerprint() -> dict:
