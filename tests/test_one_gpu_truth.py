@@ -324,3 +324,21 @@ def test_each_emulation_variant_runs_prism_with_its_flag(tmp_path, monkeypatch):
     assert ran["02-emu2-nolive"][ran["02-emu2-nolive"].index("--prism-live-prediction") + 1] == "off"
     with pytest.raises(ValueError, match="unknown step 'emu1-never'"):
         truth.step("emu1-never", config, tmp_path, 4, 3, 10.0)
+
+
+def test_a_committed_result_compressed_as_json_gz_reads_as_its_json_and_names_its_run(tmp_path):
+    import gzip
+    import json
+
+    truth = load_bench("gpu/one_gpu_truth.py")
+    report = {"steps": {"dense-bf16-mbs2": [_step("real-threads1", 200.0), _step("emu1", 202.0),
+                                            _step("real-threads1", 200.0)]}, "configs": {}}
+    plain, packed = tmp_path / "x-run7.json", tmp_path / "x-run8.json.gz"
+    plain.write_text(json.dumps(report))
+    packed.write_bytes(gzip.compress(json.dumps(report).encode()))
+    text = truth.analyse_runs([plain, packed])
+    assert "dense-bf16-mbs2 [run7]" in text and "dense-bf16-mbs2 [run8]" in text
+    assert "(2 emulations): 1.00 %" in text
+    (tmp_path / "bad-run9.json.gz").write_bytes(b"not gzip")
+    with pytest.raises(SystemExit, match="bad-run9.json.gz: not JSON"):
+        truth.analyse_runs([tmp_path / "bad-run9.json.gz"])

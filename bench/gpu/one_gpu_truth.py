@@ -61,8 +61,9 @@ also kept.
 Writes ``OUT/one-gpu-truth.json`` (every run's per-iteration figures, rewritten after each step), the
 table to ``OUT/one-gpu-truth.txt`` and the traces and logs to ``OUT/traces.tar.gz`` (the --work
 directory). ``--analyse RUN [RUN ...]`` rebuilds the table on any machine from brought-back OUT
-directories or committed results (``bench/gpu/results/*one-gpu-truth*.json``, traces beside them):
-several runs make one table and one mean error, each emulation scored against its own call's real runs.
+directories or committed results (``bench/gpu/results/*one-gpu-truth*.json``, large ones ``.json.gz``;
+traces beside them): several runs make one table and one mean error, each emulation scored against its own
+call's real runs.
 
   python bench/gpu/one_gpu_truth.py --out OUT [--configs a,b] [--plan 'a:real,emu1,...;b:...']
         [--iters N] [--budget S]                     (bench/gpu/one_gpu_truth.sh sets up a GPU machine)
@@ -72,6 +73,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import gzip
 import json
 import math
 import os
@@ -1029,13 +1031,15 @@ def _open_run(run: Path, scratch: Path) -> tuple[dict[str, Any], Path, Path, Pat
         path, packed, root = run / "one-gpu-truth.json", run / "traces.tar.gz", run
         samples, threads = run / "host-cpus.csv", run / "host-threads.jsonl"
     else:
-        path, packed, root = run, run.with_name(f"{run.stem}-traces.tar.gz"), scratch
-        samples, threads = run.with_name(f"{run.stem}-host-cpus.csv"), run.with_name(f"{run.stem}-host-threads.jsonl")
+        stem = _result_stem(run)
+        path, packed, root = run, run.with_name(f"{stem}-traces.tar.gz"), scratch
+        samples, threads = run.with_name(f"{stem}-host-cpus.csv"), run.with_name(f"{stem}-host-threads.jsonl")
     if not path.is_file():
-        raise SystemExit(f"--analyse {run}: no {path.name} (an OUT directory or a result .json)")
+        raise SystemExit(f"--analyse {run}: no {path.name} (an OUT directory or a result .json or .json.gz)")
     try:
-        report = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
+        text = gzip.decompress(path.read_bytes()).decode() if path.name.endswith(".gz") else path.read_text()
+        report = json.loads(text)
+    except (json.JSONDecodeError, gzip.BadGzipFile, UnicodeDecodeError) as e:
         raise SystemExit(f"--analyse {path}: not JSON ({e})") from None
     missing = [k for k in ("steps", "configs") if k not in report]
     if missing:
@@ -1044,6 +1048,12 @@ def _open_run(run: Path, scratch: Path) -> tuple[dict[str, Any], Path, Path, Pat
         with tarfile.open(packed) as tar:
             tar.extractall(root, filter="data")
     return report, root / "work", samples, threads
+
+
+def _result_stem(path: Path) -> str:
+    """``NAME`` of a committed ``NAME.json`` or ``NAME.json.gz`` (large results are committed compressed)."""
+    name = path.name
+    return name.removesuffix(".gz").removesuffix(".json")
 
 
 def analyse_runs(runs: list[Path], resolve: bool = False) -> str:
@@ -1061,7 +1071,7 @@ def analyse_runs(runs: list[Path], resolve: bool = False) -> str:
                 if run.is_dir():
                     (run / "one-gpu-truth-analysed.json").write_text(json.dumps(report, indent=1))
                 return text
-            label = (run.name if run.is_dir() else run.stem).rsplit("-", 1)[-1]
+            label = (run.name if run.is_dir() else _result_stem(run)).rsplit("-", 1)[-1]
             for name, row in report["rows"].items():
                 merged["rows"][f"{name} [{label}]"] = row
     return table(merged)
