@@ -241,6 +241,11 @@ def test_like_ranks_share_host_time_in_the_replay(tmp_path):
 
     report = build_report(slow.path)["prediction"]["iteration_times_s"]  # communication free, as the cost above
     assert [predict_iteration(slow.path, n)[0] for n in (1, 2, 3)] == [pytest.approx(t) for t in report]
+    from pathlib import Path
+
+    from prism_megatron.report import live
+
+    assert live._REPLAYS[(str(Path(slow.path).resolve()), None, None)].resumed  # the third went on from the second
 
 
 def test_a_trace_with_gpu_times_replays_with_the_host_running_ahead(tmp_path):

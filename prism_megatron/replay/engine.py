@@ -261,33 +261,7 @@ class ReplayResult:
 
     def iterations(self, name: str = "iteration") -> list[Iteration]:
         """Iterations from B/E markers called ``name``; [] when the graph has none."""
-
-        def number(begin: MarkTime, k: int) -> int:
-            n = begin.attrs.get(name, begin.attrs.get("number", k))
-            return n if isinstance(n, int) else k
-
-        bounds = self._spans(name, number)
-        pauses = [s for pause in TIMER_PAUSES for s in self._spans(pause, lambda b, k: k).values()]
-        out = []
-        for n, (start, end) in sorted(bounds.items()):
-            since = bounds[n - 1][1] if n - 1 in bounds and bounds[n - 1][1] <= end else None
-            excluded = 0.0 if since is None else sum(max(min(e, start) - max(b, since), 0.0) for b, e in pauses)
-            out.append(Iteration(n, start, end, since, excluded))
-        return out
-
-    def _spans(self, name: str, key: Callable[[MarkTime, int], int]) -> dict[int, tuple[float, float]]:
-        """The ``name`` spans over the ranks, first begin to last end, each rank's k-th span (begin ``b``)
-        joined to the others' of the same ``key(b, k)``."""
-        begins: dict[int, list[MarkTime]] = defaultdict(list)
-        ends: dict[int, list[MarkTime]] = defaultdict(list)
-        for m in self.marks:
-            if m.name == name and m.phase in ("B", "E"):
-                (begins if m.phase == "B" else ends)[m.rank].append(m)
-        together: dict[int, list[tuple[float, float]]] = defaultdict(list)
-        for rank, bs in begins.items():
-            for k, (b, e) in enumerate(zip(bs, ends.get(rank, []), strict=False)):
-                together[key(b, k)].append((b.t, e.t))
-        return {k: (min(b for b, _ in v), max(e for _, e in v)) for k, v in together.items()}
+        return iterations_of(self.marks, name)
 
     def iteration_times(self) -> list[float]:
         """Per-iteration predicted times, or [makespan] when there are no iteration markers."""
@@ -324,6 +298,39 @@ class ReplayResult:
         if len(self.graph.notes) > 10:
             lines.append(f"  ... and {len(self.graph.notes) - 10} more note(s)")
         return "\n".join(lines)
+
+
+
+def iterations_of(marks: list[MarkTime], name: str = "iteration") -> list[Iteration]:
+    """Iterations from a replay's B/E markers called ``name``; [] when there are none."""
+
+    def number(begin: MarkTime, k: int) -> int:
+        n = begin.attrs.get(name, begin.attrs.get("number", k))
+        return n if isinstance(n, int) else k
+
+    bounds = _spans(marks, name, number)
+    pauses = [s for pause in TIMER_PAUSES for s in _spans(marks, pause, lambda b, k: k).values()]
+    out = []
+    for n, (start, end) in sorted(bounds.items()):
+        since = bounds[n - 1][1] if n - 1 in bounds and bounds[n - 1][1] <= end else None
+        excluded = 0.0 if since is None else sum(max(min(e, start) - max(b, since), 0.0) for b, e in pauses)
+        out.append(Iteration(n, start, end, since, excluded))
+    return out
+
+
+def _spans(marks: list[MarkTime], name: str, key: Callable[[MarkTime, int], int]) -> dict[int, tuple[float, float]]:
+    """The ``name`` spans over the ranks, first begin to last end, each rank's k-th span (begin ``b``)
+    joined to the others' of the same ``key(b, k)``."""
+    begins: dict[int, list[MarkTime]] = defaultdict(list)
+    ends: dict[int, list[MarkTime]] = defaultdict(list)
+    for m in marks:
+        if m.name == name and m.phase in ("B", "E"):
+            (begins if m.phase == "B" else ends)[m.rank].append(m)
+    together: dict[int, list[tuple[float, float]]] = defaultdict(list)
+    for rank, bs in begins.items():
+        for k, (b, e) in enumerate(zip(bs, ends.get(rank, []), strict=False)):
+            together[key(b, k)].append((b.t, e.t))
+    return {k: (min(b for b, _ in v), max(e for _, e in v)) for k, v in together.items()}
 
 
 def _union_length(intervals: list[tuple[float, float]], t0: float, t1: float) -> float:
@@ -552,11 +559,41 @@ class _Replay:
             i += 1
         self.pc[rank] = i
 
-    def run(self) -> ReplayResult:
+    def _advance(self) -> list[int]:
+        """Run every rank as far as its events and the ops' partners let it; the ranks left short of their end."""
         self.work = list(self.g.ranks)
         while self.work:
             self._run(self.work.pop())
-        stuck = [r for r in self.g.ranks if self.pc[r] < len(self.g.events[r])]
+        return [r for r in self.g.ranks if self.pc[r] < len(self.g.events[r])]
+
+    def grows_into(self, graph: Graph) -> bool:
+        """Whether ``graph`` is this replay's graph with events appended to ranks' lists and nothing else
+        changed (groups, ranks, every event so far, which ranks run two clocks): then going on from here
+        gives what replaying ``graph`` from the start would (a rank's times depend only on its events so far
+        and the ops it met, module docstring)."""
+        old = self.g
+        if graph.fold is not None or old.groups != graph.groups or old.events.keys() != graph.events.keys():
+            return False
+        for r, evs in old.events.items():
+            new = graph.events[r]
+            if len(new) < len(evs) or new[:len(evs)] != evs:
+                return False
+            if not self.two_clock[r] and any(isinstance(e, CpuSync) or (isinstance(e, Compute) and e.gpu is not None)
+                                             for e in new[len(evs):]):
+                return False
+        return True
+
+    def go_on(self, graph: Graph) -> list[int]:
+        """Continue into ``graph`` (``grows_into`` it); the ranks left short of their end."""
+        for r, evs in graph.events.items():
+            grown = len(evs) - len(self.g.events[r])
+            self.ready[r].extend([math.nan] * grown)
+            self.done_t[r].extend([math.nan] * grown)
+        self.g = graph
+        return self._advance()
+
+    def run(self) -> ReplayResult:
+        stuck = self._advance()
         if stuck:
             raise DeadlockError(self._deadlock_report(stuck))
         undone = [op for op in self.ops.values() if not op.done]
@@ -694,6 +731,44 @@ class _Replay:
                 node = ("op", max(keys, key=lambda k: self.ops[k].end))
         path.reverse()
         return path
+
+
+class ResumableReplay:
+    """Replays a graph that grows by whole iterations, each time going on where the last stopped.
+
+    The live prediction replays the trace so far at every logged iteration; from the start, its cost
+    grows with the iterations run, and the logging rank waits for it. The graph of the trace cut at
+    iteration N is the one cut at N-1 with iteration N's events appended (host times pool only earlier
+    iterations: replay.gpu_segments), so the replay's state after N-1 goes on into N and gives the same
+    times as a replay from the start. Where the new graph is not such a growth (a folded graph, an event
+    so far that changed), it replays from the start.
+    """
+
+    def __init__(self, cost: CostFn = zero_cost, *, serialize_group_collectives: bool = True) -> None:
+        self.cost, self.serialize = cost, serialize_group_collectives
+        self._state: _Replay | None = None
+        #: whether the last ``iterations`` went on from the replay before it (False: from the start)
+        self.resumed = False
+
+    @paused()
+    def iterations(self, graph: Graph) -> list[Iteration]:
+        """The iterations of ``graph``'s replay, as ``replay(graph, cost).iterations()`` gives them (and the
+        same errors: a deadlock, ops never matched)."""
+        state, self._state = self._state, None
+        if graph.fold is not None:
+            self.resumed = False
+            return replay(graph, self.cost, serialize_group_collectives=self.serialize).iterations()
+        graph.validate()
+        self.resumed = state is not None and state.grows_into(graph)
+        if self.resumed:
+            stuck = state.go_on(graph)
+        else:
+            state = _Replay(graph, self.cost, self.serialize)
+            stuck = state._advance()
+        if stuck or any(not op.done for op in state.ops.values()):
+            return _Replay(graph, self.cost, self.serialize).run().iterations()  # raises, naming what
+        self._state = state
+        return iterations_of(state.marks)
 
 
 @paused()

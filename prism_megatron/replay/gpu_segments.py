@@ -38,7 +38,7 @@ from .graph import Compute, CpuSync, Event, Mark, Wait
 _TOL = 1e-9  # seconds: the graph's clock is a running sum of per-op differences of the rank's clock
 
 
-def _syncs(row: dict[str, Any]) -> list:
+def parsed_syncs(row: dict[str, Any]) -> list:
     """A row's waits for the device (the writer's JSON text, or already a list)."""
     syncs = row["syncs"]
     if isinstance(syncs, str):
@@ -48,7 +48,7 @@ def _syncs(row: dict[str, Any]) -> list:
 
 def _pieces(row: dict[str, Any]) -> list[tuple[float, float] | None]:
     """A segment as (host, device) pieces with None where the program waited for the device."""
-    *waited, last = segment_pieces(row["cpu"], row["gpu"], _syncs(row))
+    *waited, last = segment_pieces(row["cpu"], row["gpu"], parsed_syncs(row))
     return [x for piece in waited for x in (piece, None)] + [last]
 
 
@@ -94,7 +94,7 @@ def _windows(rows: list[dict[str, Any]], iteration_ends: list[float]) -> dict[in
 def _set_host(row: dict[str, Any], host: float) -> None:
     """Give ``row`` the host time ``host``, its waits' host offsets in proportion."""
     scale = host / row["cpu"] if row["cpu"] > 0 else 1.0
-    row["syncs"] = [[off * scale, before] for off, before in _syncs(row)]
+    row["syncs"] = [[off * scale, before] for off, before in parsed_syncs(row)]
     row["cpu"] = host
 
 

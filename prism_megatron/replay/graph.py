@@ -477,6 +477,7 @@ def graph_from_trace(trace: Any, gpu_times: bool = True, typical_host: bool = Tr
     if gpu_times and gpu is not None and gpu.num_rows:
         rows_by_rank: dict[int, list[dict[str, Any]]] = defaultdict(list)
         for row in gpu.to_pylist():
+            row["syncs"] = gpu_segments.parsed_syncs(row)  # JSON text in the file: parsed once, not per pass
             rows_by_rank[row["rank"]].append(row)
         if typical_host:
             ends = {r: [m["compute_clock"] for m in ms if m["name"] == "iteration" and m["phase"] == "E"]

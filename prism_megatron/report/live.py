@@ -17,6 +17,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from prism_megatron.replay.engine import ResumableReplay
 from prism_megatron.trace import read_trace
 
 
@@ -102,9 +103,17 @@ def whole_iterations(trace) -> int:
     return min((len(ends.get(r, ())) for r in ranks), default=0)
 
 
+#: per (snapshot directory, cluster, nodes' size): the replay of the last prediction, which the next goes on from
+_REPLAYS: dict[tuple[str, str | None, int | None], ResumableReplay] = {}
+
+
 def predict_iteration(trace_dir: str | Path, iteration: int, cluster: str | None = None) -> tuple[float | None, str]:
-    """(predicted seconds of ``iteration`` or None, a note with the provenance or why not)."""
-    from prism_megatron.replay import graph_from_trace, replay
+    """(predicted seconds of ``iteration`` or None, a note with the provenance or why not).
+
+    Called at each logged iteration of a run with the same ``trace_dir``: the replay goes on from where the
+    last prediction's stopped (replay.ResumableReplay), so a prediction costs one iteration's replay, not
+    one of every iteration so far, and gives the same times."""
+    from prism_megatron.replay import graph_from_trace
 
     trace = read_trace(trace_dir)
     part = until_iteration(trace, iteration)
@@ -112,8 +121,10 @@ def predict_iteration(trace_dir: str | Path, iteration: int, cluster: str | None
         return None, f"no rank has ended iteration {iteration}"
     from .build import cost_model
 
-    result = replay(graph_from_trace(part), cost_model(cluster, trace.fold))
-    times = {it.number: it.time for it in result.iterations()}
+    key = (str(Path(trace_dir).resolve()), cluster, trace.fold.gpus_per_node if trace.fold is not None else None)
+    if key not in _REPLAYS:
+        _REPLAYS[key] = ResumableReplay(cost_model(cluster, trace.fold))
+    times = {it.number: it.time for it in _REPLAYS[key].iterations(graph_from_trace(part))}
     if iteration not in times:
         return None, f"iteration {iteration} has no markers in the replay ({json.dumps(sorted(times))})"
     timed = timed_iterations(part)
