@@ -185,6 +185,19 @@ def test_round_trip_rows_preserves_every_value(trace_path: Path) -> None:
     assert isinstance(m["created"], str) and m["created"][:2] == "20"
 
 
+def test_rows_that_leave_a_defaulted_column_out_read_as_rows_that_give_it(tmp_path: Path) -> None:
+    full = _ops()
+    short = [dict(r) for r in full]
+    del short[2]["payload"]  # one row without it: the row-by-row path, with the column's default
+    a = read_trace(write_trace(tmp_path / "full", _manifest(), full))
+    b = read_trace(write_trace(tmp_path / "short", _manifest(), short))
+    assert _nan_free(a.ops.to_pylist()) == _nan_free(b.ops.to_pylist()) == _nan_free(full)
+    extra = [dict(r) for r in full]
+    extra[5]["colour"] = "red"
+    with pytest.raises(TraceFormatError, match="colour"):
+        write_trace(tmp_path / "extra", _manifest(), extra)
+
+
 def test_round_trip_columns(tmp_path: Path) -> None:
     ops, marks, slots = _columns(_ops(), "ops"), _columns(_marks(), "marks"), _columns(_slots(), "slots")
     tr = read_trace(write_trace(tmp_path / "t", _manifest(), ops, marks=marks, slots=slots))

@@ -10,6 +10,8 @@
 # beside the runs' timestamped iterations (a real run's iterations switch between two steady levels);
 # $OUT/host-cpus.csv: each second, how busy and how stolen this machine's CPUs were (bench/gpu/host_sampler.py);
 # $OUT/host-threads.jsonl: each second, every Python thread's time on a CPU, runnable and its switches (thread_sampler.py).
+# PACK (a path outside $OUT): all of $OUT packed there at the end, one file (a device call brings back a limited
+# number of files: OUT=/tmp/w PACK=$OUT/truth.tar.gz on the device machine).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH} CUDA_DEVICE_MAX_CONNECTIONS=1 WANDB_MODE=disabled
@@ -25,4 +27,7 @@ python3 bench/gpu/thread_sampler.py "$out/host-threads.jsonl" & threads=$!
 python3 bench/gpu/one_gpu_truth.py --out "$out" --budget "${BUDGET:-420}" "$@"
 rc=$?
 kill "$sampler" "$cpus" "$threads" 2>/dev/null
+if [ -n "${PACK:-}" ]; then
+  tar czf "$PACK" -C "$out" . || rc=1
+fi
 exit "$rc"
