@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from prism_megatron.replay import Comm, DeadlockError, Graph, GraphBuilder, replay
+from prism_megatron.replay import Comm, DeadlockError, Graph, GraphBuilder, Mark, replay
 from prism_megatron.replay.engine import ResumableReplay
 
 
@@ -76,3 +76,14 @@ def test_a_grown_graph_that_deadlocks_raises_as_a_replay_from_the_start_does():
     with pytest.raises(DeadlockError, match="rank 0 event"):
         resumable.iterations(stuck)
     assert resumable.iterations(graphs[0])[-1].time == replay(graphs[0]).iterations()[-1].time
+
+
+def test_a_marker_whose_attributes_changed_is_a_change_though_markers_compare_equal_without_them():
+    first, second = _grown(2, seed=3)
+    resumable = ResumableReplay()
+    resumable.iterations(first)
+    renumbered = Graph(second.groups, {r: list(evs) for r, evs in second.events.items()})
+    for evs in renumbered.events.values():
+        evs[0] = Mark("iteration", "B", {"iteration": 7})
+    got = resumable.iterations(renumbered)
+    assert not resumable.resumed and [it.number for it in got] == [2, 7]
