@@ -236,7 +236,8 @@ for i in range(4):
     assert "waits apart: c Tensor.Tensor.item 0.00 / 1.00 per forward, emulated's from " in text
     assert "settle < " in text.split("emulated's from ")[1]
     most = text.split("ms per forward: ")[1].split(", ")[0]
-    assert float(most.split()[0]) > 9 and "c time.sleep" in most  # ~+10 ms (sleeps of 12 and 2 ms), the first named
+    assert float(most.split()[0]) > 5 and "c time.sleep" in most  # ~+10 ms (sleeps of 12 and 2 ms; a loaded machine
+    # oversleeps the short naps more), the first named
     real["forward"][0]["python_us"] = 0.06  # a forward the host ran at half speed is left out
     assert "real 2 of 3" in truth.times_text(real, emulated)
     for f in real["forward"]:  # none at full speed on one side: the waits and processes still compared
@@ -306,18 +307,24 @@ def test_a_forward_probe_on_a_real_run_without_spans_is_refused_before_it_runs(t
 
 
 def test_each_emulation_variant_runs_prism_with_its_flag(tmp_path, monkeypatch):
-    """``emuW-off`` turns GPU timing off, ``emuW-nolive`` the live prediction; the plain ``emuW`` neither."""
+    """``emuW-off`` turns GPU timing off, ``emuW-nolive`` the live prediction, ``emuW-awake`` spins through every
+    wait for a grant; the plain ``emuW`` none of them."""
     truth = load_bench("gpu/one_gpu_truth.py")
     ran: dict[str, list[str]] = {}
+    envs: dict[str, dict[str, str]] = {}
 
     def run(cmd, log, env, timeout):
-        ran[log.stem] = cmd
+        ran[log.stem], envs[log.stem] = cmd, env
         return ""
 
     monkeypatch.setattr(truth, "_run", run)
     config = truth.config_of("dense-bf16-mbs2")
-    for i, kind in enumerate(("emu1", "emu1-off", "emu2-nolive")):
+    for name in ("PRISM_SPIN_GRANT_US", "PRISM_PIN_CORES"):
+        monkeypatch.delenv(name, raising=False)
+    for i, kind in enumerate(("emu1", "emu1-off", "emu2-nolive", "emu1-awake")):
         truth.step(kind, config, tmp_path, 4, i, 10.0)
+    assert envs["03-emu1-awake"]["PRISM_SPIN_GRANT_US"] == "10000000" and "PRISM_PIN_CORES" not in envs["03-emu1-awake"]
+    assert "PRISM_SPIN_GRANT_US" not in envs["00-emu1"]
     flags = {name: [f for f in cmd if f.startswith("--prism-")] for name, cmd in ran.items()}
     assert "--prism-gpu-timing" not in flags["00-emu1"] and "--prism-live-prediction" not in flags["00-emu1"]
     assert ran["01-emu1-off"][ran["01-emu1-off"].index("--prism-gpu-timing") + 1] == "off"

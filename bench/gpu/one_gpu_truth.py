@@ -24,7 +24,9 @@ without activation recompute, micro-batch 1 to 8) it runs, on GPU 0, in the orde
   the ranks fork from it with the profiler on, so that step's prediction is shown but not scored), ``emuW-exec``
   starts each rank as a fresh interpreter instead of a fork of the launcher's template (``PRISM_RANK_START=exec``),
   ``emuW-nolive`` with ``--prism-live-prediction off`` (no rank waits for a replay of the trace so far at its log
-  line: the live ms column stays empty, the trace's replay is scored);
+  line: the live ms column stays empty, the trace's replay is scored), ``emuW-awake`` with every wait for a grant
+  spun through instead of slept (``PRISM_SPIN_GRANT_US`` of 10 s, no pinning: the rank's core stays busy through the
+  wait for the live prediction, so it tells a slowdown of the sleep from one of the wait);
 - ``real-forked``: ``real-threads1``'s run in a child forked from a process that imported torch and Megatron, as
   an emulated rank is (``forked_driver.py``): a diagnosis, listed beside the real runs, not scored against;
   ``real-spans``: ``real-threads1``'s run with each micro-batch's forward and backward timed where a rank's trace
@@ -490,7 +492,7 @@ def step(kind: str, config: Config, work: Path, iters: int, index: int, timeout:
              _env(**_single(_port()), PROBE_OUT=str(probe_out), TORCHINDUCTOR_COMPILE_THREADS="1", **run_env),
              timeout)  # no compile pool: its start-up slows the first ~25 s, the whole probe (as real-threads1)
         return {"kind": kind, "rows": json.loads(probe_out.read_text())}
-    m = re.fullmatch(r"emu(\d+)(?:-(keep|teardown|off|spin|prof|fold|exec|nolive))?", kind)
+    m = re.fullmatch(r"emu(\d+)(?:-(keep|teardown|off|spin|prof|fold|exec|nolive|awake))?", kind)
     if not m:
         raise ValueError(f"unknown step {kind!r}")
     world, variant = int(m.group(1)), m.group(2) or ""
@@ -499,6 +501,7 @@ def step(kind: str, config: Config, work: Path, iters: int, index: int, timeout:
     extra = {"keep": {"TEARDOWN_CUPTI": "0"}, "teardown": {"TEARDOWN_CUPTI": "1"},
              # each rank on a core of its own, spinning 3 ms for its grant: its core stays awake, as a real rank's
              "spin": {"PRISM_PIN_CORES": "1", "PRISM_SPIN_GRANT_US": "3000"},
+             "awake": {"PRISM_SPIN_GRANT_US": "10000000"},  # the whole wait, on whichever core the rank runs
              "exec": {"PRISM_RANK_START": "exec"}}.get(variant, {})  # each rank a fresh interpreter, not a fork
     prof = ["-m", "cProfile", "-o", f"{trace}.launcher.prof"] if variant == "prof" else []
     cmd = [PY, *prof, "-m", "prism_megatron", "run", "--prism-emulate", "--prism-world-size", str(world),
