@@ -349,3 +349,28 @@ def test_a_committed_result_compressed_as_json_gz_reads_as_its_json_and_names_it
     (tmp_path / "bad-run9.json.gz").write_bytes(b"not gzip")
     with pytest.raises(SystemExit, match="bad-run9.json.gz: not JSON"):
         truth.analyse_runs([tmp_path / "bad-run9.json.gz"])
+
+
+def test_the_wait_before_each_iteration_is_set_against_the_host_time_of_those_that_measured_their_own(tmp_path):
+    from prism_megatron.trace import write_trace
+
+    truth = load_bench("gpu/one_gpu_truth.py")
+    manifest = {"world_size": 1, "groups": [{"id": 0, "name": "w", "ranks": [0], "backend": "nccl"}],
+                "ranks": [{"rank": 0, "exit_code": 0, "device": "cuda:0"}]}
+    # iteration k: begins after a wait of 10 k ms; host time 100 + k ms, except that each even iteration (a profiled
+    # one) copies the one before it
+    marks, gpu, t, clock = [], [], 0.0, 0.0
+    for k in range(1, 11):
+        t += 0.010 * k
+        host = 0.100 + 0.001 * (k if k % 2 else k - 1)
+        marks += [{"rank": 0, "name": "iteration", "phase": "B", "t": t, "compute_clock": clock, "attrs": {}},
+                  {"rank": 0, "name": "iteration", "phase": "E", "t": t + 0.5, "compute_clock": clock + 0.4,
+                   "attrs": {}}]
+        gpu.append({"rank": 0, "clock_start": clock, "clock_end": clock + 0.4, "cpu": host, "gpu": 0.3, "syncs": []})
+        t, clock = t + 0.5, clock + 0.4
+    path = write_trace(tmp_path / "t", manifest, [], marks=marks, gpu=gpu)
+    got = truth.waits_and_host(path)
+    assert sorted(got["host_ms"]) == [3, 5, 7, 9]  # from the warm-up's end, the even ones left out
+    assert got["waits_ms"][5] == pytest.approx(50.0) and got["host_ms"][5] == pytest.approx(105.0)
+    assert got["correlation"] == pytest.approx(1.0) and got["early"][0] < got["late"][0]
+    assert truth.waits_and_host(write_trace(tmp_path / "untimed", manifest, [], marks=marks)) is None

@@ -614,6 +614,7 @@ def analyse_config(steps: list[dict[str, Any]], root: Path, resolve: bool = Fals
                     for key, per in times.items():
                         em[f"{label}{key}_ms"] = {k: v * 1e3 for k, v in per.items()}
                 em["host_device"] = host_device(trace, s.get("measured_from", WARMUP + 1))
+                em["waits"] = waits_and_host(trace)  # from the warm-up's end: how the host time moves over the run
                 em["spans"] = trace_spans(trace, s.get("measured_from", WARMUP + 1))
             except Exception as e:  # noqa: BLE001 - one broken trace must not hide the others
                 em["error"] = f"{type(e).__name__}: {e}"
@@ -770,7 +771,7 @@ def _rank0(trace: Path, since: int) -> tuple[list[dict[str, Any]], list[dict[str
 
 def _segments(rows: list[dict[str, Any]], a: float, b: float) -> list[dict[str, Any]]:
     """The GPU-timed segments that end in the compute-clock stretch (a, b]."""
-    return [g for g in rows if a - 1e-9 < g["clock_end"] <= b + 1e-9]
+    return [g for g in rows if a + 1e-9 < g["clock_end"] <= b + 1e-9]  # one ending at a is the iteration before's
 
 
 def host_device(trace: Path, since: int = WARMUP + 1) -> dict[str, float]:
@@ -786,6 +787,36 @@ def host_device(trace: Path, since: int = WARMUP + 1) -> dict[str, float]:
         devices.append(sum(g["gpu"] for g in mine))
     return {"clock_ms": statistics.median(clocks) * 1e3, "host_ms": statistics.median(hosts) * 1e3,
             "device_ms": statistics.median(devices) * 1e3}
+
+
+def waits_and_host(trace: Path, since: int = WARMUP + 1) -> dict[str, Any] | None:
+    """Rank 0's wall time between each measured iteration and the one before it (the log line, with its wait for
+    the live prediction) and the host time of the iterations that measured their own (a profiled iteration copies
+    a plain one's: equal sums are left out), with their correlation: does a rank's host time rise with the wait
+    before it? None without GPU-timed segments."""
+    marks, rows, iterations = _rank0(trace, 1)
+    ends = [m["t"] for m in marks if m["name"] == "iteration" and m["phase"] == "E"]
+    begins = [m["t"] for m in marks if m["name"] == "iteration" and m["phase"] == "B"]
+    if not rows:
+        return None
+    waits, host, last = {}, {}, None
+    for k, (a, b) in enumerate(iterations, 1):
+        own = sum(g["cpu"] for g in _segments(rows, a, b))
+        if k >= since and k >= 2 and k - 1 < len(begins) and own > 0 and own != last:
+            waits[k], host[k] = (begins[k - 1] - ends[k - 2]) * 1e3, own * 1e3
+        last = own
+    if len(waits) < 4:
+        return None
+    ks = sorted(waits)
+    half = len(ks) // 2
+    out = {"waits_ms": waits, "host_ms": host, "iterations": (ks[0], ks[-1]),
+           "early": (statistics.median(waits[k] for k in ks[:half]), statistics.median(host[k] for k in ks[:half])),
+           "late": (statistics.median(waits[k] for k in ks[half:]), statistics.median(host[k] for k in ks[half:]))}
+    try:
+        out["correlation"] = statistics.correlation([waits[k] for k in ks], [host[k] for k in ks])
+    except statistics.StatisticsError:  # constant waits or host times
+        out["correlation"] = None
+    return out
 
 
 def _split(iteration_ms: list[float], forward: list[list[float]], backward: list[list[float]],
@@ -941,6 +972,14 @@ def table(report: dict[str, Any]) -> str:
                 if why is None and not (spread is not None and spread < TRUTH_SPREAD and (drift or 0.0) < TRUTH_SPREAD):
                     why = f"spread {_f(spread, '.1f')} %, drift {_f(drift, '.1f')} %"
                 (others if why else errors).append((name, kind, em["error_pct"], why))
+        waited = [(k, em["waits"]) for k, em in (row.get("emulations") or {}).items() if em.get("waits")]
+        if waited:
+            lines.append(f"{'':{w}} wait before each iteration (the log line and its live prediction) and the "
+                         "host time of those that measured their own, ms, medians of the first and the second half: "
+                         + "; ".join(f"{k} (iterations {x['iterations'][0]}-{x['iterations'][1]}) wait "
+                                     f"{x['early'][0]:.0f} -> {x['late'][0]:.0f}, host {x['early'][1]:.0f} -> "
+                                     f"{x['late'][1]:.0f}, correlation {_f(x['correlation'], '.2f')}"
+                                     for k, x in waited))
         if row.get("probe"):
             parts = [f"{p} {v['wall_ms']:.1f}" + (f" (less its waits {v['host_ms']:.1f})" if "host_ms" in v else "")
                      + (f" (busy {v['device_busy_ms']:.1f})" if "device_busy_ms" in v else "")
