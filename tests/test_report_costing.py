@@ -101,3 +101,48 @@ def test_run_records_the_profile_it_costs_with(tmp_path, monkeypatch):
     assert recipe.job_extra["cluster"] == PROFILE
     assert cfg.predictor == "prism_megatron.report.live:predict_iteration"  # the log line's prediction, by default
     assert launch_config(parse_run_args([*base, "--prism-live-prediction", "off", str(script)])).predictor is None
+
+
+LOGGED_ITERATIONS = """
+import time, torch, torch.distributed as dist
+from prism_megatron.runtime.live import predicted_iteration_time
+from prism_megatron.trace import span
+dist.init_process_group("gloo")
+x = torch.ones(4)
+for it in range(1, 5):
+    with span("iteration", iteration=it):
+        t = time.perf_counter()
+        while time.perf_counter() - t < 0.005 * (1 + dist.get_rank()):
+            pass
+        dist.all_reduce(x)
+    if dist.get_rank() == 1:  # the rank that logs, as Megatron's last rank does
+        predicted_iteration_time(it)
+dist.destroy_process_group()
+"""
+
+
+def test_the_report_sets_the_live_predictions_the_log_line_gave_against_its_own(tmp_path):
+    """A run's live predictions reach its trace; its report finds each equal to its own figure, and names an
+    iteration whose logged figure is not (here one edited in the manifest)."""
+    import json
+
+    from conftest import launch_source
+    from prism_megatron.report.terminal import summary_text
+
+    tr = launch_source(tmp_path, LOGGED_ITERATIONS, predictor="prism_megatron.report.live:predict_iteration")
+    logged = tr.manifest["job"]["live_predictions"]
+    assert sorted(logged) == ["1", "2", "3", "4"] and all(v > 0 for v in logged.values())
+    report = build_report(tr.path)
+    assert report["prediction"]["live_predictions"] == {"logged": 4, "differ": []}
+    assert [logged[str(k)] for k in (1, 2, 3, 4)] == report["prediction"]["iteration_times_s"]
+    assert "4 live prediction(s), each equal to this report's figure" in summary_text(report, width=200)
+
+    manifest = json.loads((tr.path / "manifest.json").read_text())
+    manifest["job"]["live_predictions"]["3"] *= 2
+    (tr.path / "manifest.json").write_text(json.dumps(manifest))
+    differ = build_report(tr.path)["prediction"]["live_predictions"]["differ"]
+    assert [d["iteration"] for d in differ] == [3] and differ[0]["logged_s"] == 2 * differ[0]["report_s"]
+    manifest["job"]["live_predictions"]["3"] = "fast"
+    (tr.path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(TraceFormatError, match="job.live_predictions"):
+        build_report(tr.path)

@@ -122,11 +122,39 @@ def assemble(trace_dir: str | Path, cluster: str | None = None,
         "fold": None if fold is None else _fold(fold, memory, result, timed),
         "anchors": {**_anchors(marks, memory), "fake_pg": _fake_pg(Path(trace_dir), memory)},
     }
+    if report["prediction"] is not None and calibrated is None and (costing.recorded or costing.cluster is None
+                                                                     and trace.cluster is None):
+        checked = _live_check(job.get("live_predictions"), result, trace.path / "manifest.json")
+        if checked is not None:  # the live predictions were replays of the same trace costed the same way
+            report["prediction"]["live_predictions"] = checked
     subs = _substitutions(job.get("substitutions"), trace.path / "manifest.json")
     if subs is not None:
         report["substitutions"] = subs
     _mark_margin(report, _estimates(job.get("memory_estimates"), trace.path / "manifest.json"))
     return report, result
+
+
+#: Relative difference within which a logged live prediction counts as the report's own figure (both are the same
+#: replay's arithmetic; JSON keeps floats exactly).
+LIVE_AGREES = 1e-9
+
+
+def _live_check(logged: Any, result: ReplayResult, where: Path) -> dict[str, Any] | None:
+    """The live predictions Megatron's log line gave (the trace's ``job.live_predictions``) against this replay's
+    iterations: how many were logged and those that differ. An iteration whose GPU times arrived only with the
+    next one was predicted live on one clock, so it may differ; any other difference is a fault."""
+    if logged is None:
+        return None
+    def seconds(v: Any) -> bool:
+        return v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 and v != float("inf"))
+
+    if not isinstance(logged, dict) or not all(isinstance(k, str) and k.isdigit() and seconds(v)
+                                               for k, v in logged.items()):
+        raise TraceFormatError(where, "job.live_predictions", "expected iteration (as text) -> seconds or null")
+    ours = {it.number: it.time for it in result.iterations()}
+    differ = [{"iteration": int(k), "logged_s": v, "report_s": ours.get(int(k))} for k, v in logged.items()
+              if v is None or int(k) not in ours or abs(v - ours[int(k)]) > LIVE_AGREES * max(abs(v), 1e-12)]
+    return {"logged": len(logged), "differ": sorted(differ, key=lambda d: d["iteration"])}
 
 
 def _mark_margin(report: dict[str, Any], estimates: dict[int, int]) -> None:

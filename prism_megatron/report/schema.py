@@ -126,6 +126,8 @@ PREDICTION = Obj({
     "iteration_times_s": ListOf(NUM),
     "iteration_time_s": OPT_NUM,  # median (on GPU-timed traces, of the iterations measured on two clocks)
     # optional extra key "iteration_bases": per iteration, what its prediction rests on (report.live.basis)
+    # optional extra key "live_predictions": {"logged": n, "differ": [{"iteration", "logged_s", "report_s"}]}, the
+    # predictions Megatron's log line gave set against these (report.build._live_check)
     "tokens_per_s": OPT_NUM,
     "tflops_per_gpu": OPT_NUM,  # model FLOPs
     "breakdown": ListOf(BREAKDOWN),

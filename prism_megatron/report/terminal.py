@@ -94,6 +94,19 @@ def _prediction(report: dict[str, Any]) -> list[Any]:
     if bound:
         out.append(Text(f"  {bound}", style="yellow"))
     out.append(Text(f"  provenance: {pred['provenance']}", style="dim"))
+    live = pred.get("live_predictions")
+    if live and live["logged"]:
+        if not live["differ"]:
+            out.append(Text(f"  Megatron's log line: {live['logged']} live prediction(s), each equal to this "
+                            "report's figure for its iteration", style="dim"))
+        else:
+            shown = ", ".join(f"{d['iteration']} ({fmt_seconds(d['logged_s']) if d['logged_s'] is not None else 'none'}"
+                              f" logged, {fmt_seconds(d['report_s']) if d['report_s'] is not None else 'none'} here)"
+                              for d in live["differ"][:5])
+            more = f" and {len(live['differ']) - 5} more" if len(live["differ"]) > 5 else ""
+            out.append(Text(f"  Megatron's log line: {len(live['differ'])} of {live['logged']} live predictions "
+                            f"differ from this report's: iterations {shown}{more} (an iteration whose GPU times came "
+                            "with the next was predicted live on one clock)", style="yellow"))
     for sub in report.get("substitutions") or ():  # what ran instead of the target's setting
         out.append(Text(f"  substituted {sub['setting']}: {sub['published']} -> {sub['rendered']} "
                         f"(affects {sub['affects']})", style="yellow"))

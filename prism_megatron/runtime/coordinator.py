@@ -83,6 +83,8 @@ class Coordinator:
 
         if self.fold is not None:
             job = {**job, "fold": self.fold.to_json()}
+        if self.predictor.answered:  # what Megatron's log line said, for the report to check its own figures by
+            job = {**job, "live_predictions": {str(k): v for k, v in sorted(self.predictor.answered.items())}}
         return write_bare_trace(path, job, exit_codes, world_size=self.world_size, recorder=self.recorder,
                                 groups=self.groups, ranks=self.ranks, governor=self.governor,
                                 device_name=lambda r: self.device_names[self.slots.device_of(r)],

@@ -3,6 +3,7 @@ it); it is answered once every rank has ended that iteration, by replaying the t
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,9 @@ class LivePredictor:
         self.waiting: list[tuple[RankState, int]] = []
         self.iterations_done = 0  # 'iteration' spans ended, summed over ranks (progress of a capture)
         self.iterations_ended: dict[int, int] = {}  # rank -> 'iteration' spans it ended
+        #: iteration -> the seconds answered (None: no prediction), for the trace: the report checks its own
+        #: figures against what Megatron's log line said
+        self.answered: dict[int, float | None] = {}
 
     def set(self, predictor: Any, live_trace: Path, options: dict | None = None) -> None:
         """``predictor(trace_dir, iteration, **options) -> (seconds | None, note)``, given by the launcher
@@ -42,6 +46,9 @@ class LivePredictor:
             return None, "no live prediction in this run"
         try:
             snapshot(self.live_trace)
-            return self.predictor(self.live_trace, iteration, **self.options)
+            seconds, note = self.predictor(self.live_trace, iteration, **self.options)
         except Exception as e:  # a failed prediction must not end the capture
-            return None, f"prediction failed: {type(e).__name__}: {e}"
+            seconds, note = None, f"prediction failed: {type(e).__name__}: {e}"
+        finite = isinstance(seconds, (int, float)) and math.isfinite(seconds)
+        self.answered[iteration] = float(seconds) if finite else None
+        return seconds, note

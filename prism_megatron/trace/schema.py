@@ -254,7 +254,9 @@ MANIFEST_DOCS: dict[str, str] = {
            "cluster profile the run costed communication with: a shipped name, a file's absolute path, or null "
            "for none (trace.costing; absent in older traces: communication free); optionally 'memory_estimates', "
            "rank -> prism's estimate of its class's peak in bytes (memory.estimate; report.margin weighs a class "
-           "that ran out of memory by it)",
+           "that ran out of memory by it); optionally 'live_predictions', iteration (as text) -> the seconds "
+           "Megatron's log line gave as the live prediction, or null where there was none (report.build checks "
+           "its own figures by them)",
     "groups": "process groups: id, name, global ranks, requested backend (e.g. 'nccl')",
     "ranks": "per rank: global rank, exit code (null if unknown), device it ran on; optionally runtime_s, "
              "seconds of the runtime's own work in the rank's slot turns (stage: inputs into shared memory, "
