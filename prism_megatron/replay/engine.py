@@ -300,7 +300,6 @@ class ReplayResult:
         return "\n".join(lines)
 
 
-
 def iterations_of(marks: list[MarkTime], name: str = "iteration") -> list[Iteration]:
     """Iterations from a replay's B/E markers called ``name``; [] when there are none."""
 
