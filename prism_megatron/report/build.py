@@ -143,11 +143,11 @@ def _live_check(logged: Any, result: ReplayResult, where: Path) -> dict[str, Any
     """The live predictions Megatron's log line gave (the trace's ``job.live_predictions``) against this replay's
     iterations: how many were logged and those that differ. An iteration whose GPU times arrived only with the
     next one was predicted live on one clock, so it may differ; any other difference is a fault."""
-    if logged is None:
-        return None
     def seconds(v: Any) -> bool:
         return v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 and v != float("inf"))
 
+    if logged is None:
+        return None
     if not isinstance(logged, dict) or not all(isinstance(k, str) and k.isdigit() and seconds(v)
                                                for k, v in logged.items()):
         raise TraceFormatError(where, "job.live_predictions", "expected iteration (as text) -> seconds or null")

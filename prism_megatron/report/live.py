@@ -13,12 +13,15 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from prism_megatron.replay.engine import ResumableReplay
 from prism_megatron.trace import read_trace
+
+if TYPE_CHECKING:
+    from prism_megatron.replay.engine import ResumableReplay
 
 
 def _iteration_ends(marks: pa.Table) -> dict[int, list[float]]:
@@ -111,9 +114,10 @@ def predict_iteration(trace_dir: str | Path, iteration: int, cluster: str | None
     """(predicted seconds of ``iteration`` or None, a note with the provenance or why not).
 
     Called at each logged iteration of a run with the same ``trace_dir``: the replay goes on from where the
-    last prediction's stopped (replay.ResumableReplay), so a prediction costs one iteration's replay, not
-    one of every iteration so far, and gives the same times."""
+    last prediction's stopped (replay.ResumableReplay), so it costs one iteration's replay, not one of every
+    iteration so far, and gives the same times (the snapshot and its graph are still read and built whole)."""
     from prism_megatron.replay import graph_from_trace
+    from prism_megatron.replay.engine import ResumableReplay
 
     trace = read_trace(trace_dir)
     part = until_iteration(trace, iteration)
