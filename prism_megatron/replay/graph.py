@@ -260,7 +260,7 @@ class GraphBuilder:
 
 def _mark_attrs(text: str) -> dict[str, Any]:
     try:
-        value = json.loads(text) if text else {}
+        value = json.loads(text) if text and text != "{}" else {}
     except ValueError:
         return {"attrs": text}
     return value if isinstance(value, dict) else {"attrs": value}
