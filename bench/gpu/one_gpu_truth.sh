@@ -11,11 +11,15 @@
 # $OUT/host-cpus.csv: each second, how busy and how stolen this machine's CPUs were (bench/gpu/host_sampler.py);
 # $OUT/host-threads.jsonl: each second, every Python thread's time on a CPU, runnable and its switches (thread_sampler.py).
 # PACK (a path outside $OUT): all of $OUT packed there at the end, one file (a device call brings back a limited
-# number of files: OUT=/tmp/w PACK=$OUT/truth.tar.gz on the device machine).
+# number of files: PACK=$OUT/truth.tar.gz OUT=/tmp/w on the device machine, PACK first so that it names the call's OUT).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH} CUDA_DEVICE_MAX_CONNECTIONS=1 WANDB_MODE=disabled
 out=${OUT:-/tmp/prism-gpu}
+case "${PACK:-}" in
+  "$out"/*) echo "PACK=$PACK is inside OUT=$out: it would pack itself (set PACK before OUT on the command line)" >&2
+            exit 2 ;;
+esac
 mkdir -p "$out"
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader
 echo "cores: $(nproc); hyperthread siblings: $(sort -u /sys/devices/system/cpu/cpu*/topology/thread_siblings_list 2>/dev/null | tr '\n' ' ')"
