@@ -198,6 +198,19 @@ def test_rows_that_leave_a_defaulted_column_out_read_as_rows_that_give_it(tmp_pa
         write_trace(tmp_path / "extra", _manifest(), extra)
 
 
+def test_a_trace_written_not_durable_is_the_same_trace_without_a_flush_to_the_disk(tmp_path: Path, monkeypatch) -> None:
+    synced: list[int] = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real_fsync(fd))[1])
+    fast = read_trace(write_trace(tmp_path / "live", _manifest(), _ops(), marks=_marks(), durable=False))
+    assert synced == []
+    write_trace(tmp_path / "live", _manifest(), _ops()[:2], durable=False)  # swapped in whole over the last
+    assert read_trace(tmp_path / "live").ops.num_rows == 2 and _leftovers(tmp_path) == []
+    kept = read_trace(write_trace(tmp_path / "kept", _manifest(), _ops(), marks=_marks()))
+    assert synced  # the default reaches the disk
+    assert _nan_free(fast.ops.to_pylist()) == _nan_free(kept.ops.to_pylist()) and fast.marks.equals(kept.marks)
+
+
 def test_round_trip_columns(tmp_path: Path) -> None:
     ops, marks, slots = _columns(_ops(), "ops"), _columns(_marks(), "marks"), _columns(_slots(), "slots")
     tr = read_trace(write_trace(tmp_path / "t", _manifest(), ops, marks=marks, slots=slots))
@@ -610,11 +623,11 @@ def test_failed_write_leaves_old_trace_intact(trace_path: Path, monkeypatch: pyt
     real = writer._write_parquet
     calls = []
 
-    def failing(table, file):
+    def failing(table, file, durable=True):
         calls.append(file.name)
         if file.name == "marks.parquet":
             raise OSError("disk full")
-        real(table, file)
+        real(table, file, durable)
 
     monkeypatch.setattr(writer, "_write_parquet", failing)
     with pytest.raises(OSError, match="disk full"):

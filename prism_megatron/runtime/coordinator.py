@@ -78,7 +78,8 @@ class Coordinator:
         self._deadlines: list[tuple[float, int, int]] = []  # (time, rank, op id): process-group timeouts
         self._deferred: dict[Connection, list[dict]] = {}  # what ranks sent while the loop awaited a swap
 
-    def write_trace(self, path: Path, job: dict, exit_codes: dict, incomplete: str | None = None) -> Path:
+    def write_trace(self, path: Path, job: dict, exit_codes: dict, incomplete: str | None = None,
+                    durable: bool = True) -> Path:
         from prism_megatron.runtime.trace_export import write_bare_trace
 
         if self.fold is not None:
@@ -88,7 +89,8 @@ class Coordinator:
         return write_bare_trace(path, job, exit_codes, world_size=self.world_size, recorder=self.recorder,
                                 groups=self.groups, ranks=self.ranks, governor=self.governor,
                                 device_name=lambda r: self.device_names[self.slots.device_of(r)],
-                                live=self.fold.live if self.fold is not None else None, incomplete=incomplete)
+                                live=self.fold.live if self.fold is not None else None, incomplete=incomplete,
+                                durable=durable)
 
     # ---- main loop ---------------------------------------------------------------------------------
     def serve(self) -> None:
@@ -385,8 +387,9 @@ class Coordinator:
         # the job keys that change what the graph is (a micro-batch fold: the target's micro-batches replayed)
         snapshot = {"live": True, **{k: self.job[k] for k in ("microbatches",) if k in self.job}}
         for rs, it in ready:
+            # not flushed to the disk: the next logged iteration rewrites it (still swapped in whole)
             seconds, note = self.predictor.answer(it, lambda path: self.write_trace(
-                path, snapshot, {}, incomplete="live snapshot of a running job"))
+                path, snapshot, {}, incomplete="live snapshot of a running job", durable=False))
             self._send(rs, {"t": P.PREDICTED, "iteration": it, "seconds": seconds, "note": note})
             self.grants.request(rs)
         self.predictor.waiting = [w for w in self.predictor.waiting if w not in ready]

@@ -26,11 +26,11 @@ def _runtime(rs: RankState | None) -> dict:
 def write_bare_trace(path: Path, job: dict, exit_codes: dict, *, world_size: int, recorder: Recorder,
                      groups: GroupTable, ranks: dict[int, RankState], governor: MemoryGovernor,
                      device_name: Callable[[int], str], live: list[int] | None = None,
-                     incomplete: str | None = None) -> Path:
+                     incomplete: str | None = None, durable: bool = True) -> Path:
     """Write every op, marker and slot grant the coordinator saw; atomic (see trace.writer).
     ``device_name(rank)``: the device the rank ran on. ``live``: a folded job's live ranks (the only
     ranks with rows; its groups keep their full rank lists and ``job.fold`` says whom the others mirror).
-    ``incomplete``: why the run did not end normally."""
+    ``incomplete``: why the run did not end normally. ``durable``: as ``trace.write_trace``'s."""
     ops = []
     for rec in recorder.ops:
         # the fields read directly: ``dataclasses.asdict`` deep-copies each record, and the live prediction
@@ -73,4 +73,4 @@ def write_bare_trace(path: Path, job: dict, exit_codes: dict, *, world_size: int
                   for r in (range(world_size) if live is None else live)],
     }
     return write_trace(path, manifest, ops=ops, marks=recorder.marks, slots=recorder.slot_log, gpu=recorder.gpu_rows,
-                       incomplete=incomplete)
+                       incomplete=incomplete, durable=durable)

@@ -181,16 +181,18 @@ def _check_destination(path: Path) -> None:
         )
 
 
-def _write_parquet(table: pa.Table, file: Path) -> None:
+def _write_parquet(table: pa.Table, file: Path, durable: bool = True) -> None:
     with open(file, "wb") as f:
         pq.write_table(table, f)
-        f.flush()
-        os.fsync(f.fileno())
+        if durable:
+            f.flush()
+            os.fsync(f.fileno())
 
 
-def swap_in_dir(tmp: Path, path: Path) -> None:
+def swap_in_dir(tmp: Path, path: Path, durable: bool = True) -> None:
     """Rename the finished directory ``tmp`` to ``path``; an existing ``path`` is moved aside first and
-    removed only after the rename succeeded (put back if it failed). Shared by every directory format."""
+    removed only after the rename succeeded (put back if it failed). Shared by every directory format.
+    ``durable``: the renames reach the disk before it returns (False: atomic only, as ``write_directory``)."""
     if not os.path.lexists(path):
         os.rename(tmp, path)
     else:
@@ -201,27 +203,34 @@ def swap_in_dir(tmp: Path, path: Path) -> None:
         except BaseException:
             os.rename(aside, path)
             raise
-        fsync_dir(path.parent)
+        if durable:
+            fsync_dir(path.parent)
         shutil.rmtree(aside, ignore_errors=True)
-    fsync_dir(path.parent)
+    if durable:
+        fsync_dir(path.parent)
 
 
-def write_directory(path: Path, tables: Mapping[str, pa.Table], manifest_name: str, manifest_text: str) -> Path:
+def write_directory(path: Path, tables: Mapping[str, pa.Table], manifest_name: str, manifest_text: str,
+                    durable: bool = True) -> Path:
     """Write a table directory atomically: the tables, then the manifest (a manifest means complete),
     in a temp directory swapped in at ``path`` (``swap_in_dir``). Shared by PrismTrace and the
-    calibrated graph; nothing is left behind on failure."""
+    calibrated graph; nothing is left behind on failure. ``durable`` (the default): every file and rename
+    reaches the disk before it returns; False for a directory rewritten soon anyway (the coordinator's live
+    snapshot, at every logged iteration), which readers still see whole or not at all."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.parent / f".{path.name}.tmp-{secrets.token_hex(6)}"
     tmp.mkdir()
     try:
         for name, table in tables.items():
-            _write_parquet(table, tmp / name)
+            _write_parquet(table, tmp / name, durable)
         with open(tmp / manifest_name, "w", encoding="utf-8") as f:
             f.write(manifest_text)
-            f.flush()
-            os.fsync(f.fileno())
-        fsync_dir(tmp)
-        swap_in_dir(tmp, path)
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
+        if durable:
+            fsync_dir(tmp)
+        swap_in_dir(tmp, path, durable)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -236,6 +245,7 @@ def write_trace(
     slots: TableData = None,
     gpu: TableData = None,
     incomplete: str | None = None,
+    durable: bool = True,
 ) -> Path:
     """Validate and atomically write a PrismTrace directory at ``path``; return ``path``.
 
@@ -246,6 +256,7 @@ def write_trace(
     touching the disk if anything does not match the schema, and FileExistsError if ``path``
     exists but is not a trace. ``incomplete``: why the run this trace records did not end normally
     (the trace is then marked partial: ``complete`` false); None for a run that ended normally.
+    ``durable``: as ``write_directory``'s (False: atomic, not flushed to the disk).
     """
     path = Path(path)
     if not path.name:
@@ -276,4 +287,5 @@ def write_trace(
     check_references(full, tables, paths)
     _check_destination(path)
 
-    return write_directory(path, {DEFAULT_FILES[name]: tables[name] for name in TABLE_NAMES}, MANIFEST_FILE, text)
+    return write_directory(path, {DEFAULT_FILES[name]: tables[name] for name in TABLE_NAMES}, MANIFEST_FILE, text,
+                           durable)
