@@ -7,8 +7,9 @@ goes on from where the last prediction's stopped (``replay.ResumableReplay``); t
 whole snapshot. This writes the snapshots a run's coordinator would after each iteration, then times, side by side
 at several k, the prediction as a run makes it (after the predictions of 1..k-1: resumed), the same from the start
 (a replay of every iteration so far), and the graph build both include, and checks that the two predictions are
-equal. The trace is the tiny host-bound job of ``bench/rank_overhead_cpu.py`` (W = 1, CPU) captured here, or
-``--trace DIR``, any PrismTrace (a GPU-timed one carries a row per segment).
+equal; and the coordinator's write of the snapshot, as it writes it (atomic, not flushed) and flushed to the disk.
+The trace is the tiny host-bound job of ``bench/rank_overhead_cpu.py`` (W = 1, CPU) captured here, or ``--trace
+DIR``, any PrismTrace (a GPU-timed one carries a row per segment).
 
     python bench/live_prediction_cost.py [--iters 24] [--at 3,6,12,24] [--trace DIR]
 
@@ -84,6 +85,13 @@ def _predict(snapshots: list[Path], live_dir: Path, k: int) -> tuple[float | Non
     return seconds, (time.perf_counter() - t0) * 1e3
 
 
+def _write(manifest: dict, rows: list[list[dict]], dest: Path, durable: bool) -> None:
+    """A snapshot written as the coordinator writes it: from its records as rows (ops, marks, slots, gpu)."""
+    ops, marks, slots, gpu = rows
+    write_trace(dest, manifest, ops, marks=marks, slots=slots, gpu=gpu, incomplete="live snapshot of a running job",
+                durable=durable)
+
+
 def measure(trace_dir: Path, at: list[int], work: Path) -> None:
     trace = read_trace(trace_dir)
     whole = live.whole_iterations(trace)
@@ -94,6 +102,9 @@ def measure(trace_dir: Path, at: list[int], work: Path) -> None:
     for k in at:
         part = read_trace(snapshots[k - 1])
         built = _ms(lambda part=part: graph_from_trace(part))
+        rows = [t.to_pylist() for t in (part.ops, part.marks, part.slots, part.gpu)]
+        written = {durable: _ms(lambda durable=durable, part=part, rows=rows: _write(
+            part.manifest, rows, work / "written", durable)) for durable in (True, False)}
         start, resumed = [], []
         for _ in range(3):
             live._REPLAYS.clear()  # nothing to go on from
@@ -109,7 +120,8 @@ def measure(trace_dir: Path, at: list[int], work: Path) -> None:
         print(f"iteration {k:3d}: {part.ops.num_rows:6d} ops, {part.gpu.num_rows:6d} GPU rows so far; prediction "
               f"{statistics.median(resumed):7.1f} ms {'resumed' if went_on else 'NOT RESUMED'}, "
               f"{statistics.median(start):7.1f} ms from the start; graph build (in both) {built:7.1f} ms; "
-              f"predictions {same}", flush=True)
+              f"predictions {same}; the coordinator's snapshot {written[False]:6.1f} ms as written now (atomic), "
+              f"{written[True]:6.1f} ms flushed to the disk", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
