@@ -153,9 +153,10 @@ class RunOnlyOptions:
 
     live_prediction: Literal["on", "off"] = "on"
     """Megatron's log line under emulation: 'on' shows each logged iteration's predicted time, for which the
-    coordinator replays the trace so far from its first iteration while the logging rank waits (its clock
-    paused: no compute time), so each logged iteration waits longer than the last; 'off' shows the emulation's
-    own time there and leaves the prediction to the report (a long emulation, or a rank that must not wait)."""
+    coordinator snapshots the trace so far and replays it (going on from the last prediction's replay) while the
+    logging rank waits (its clock paused: no compute time); the snapshot grows, so each logged iteration waits a
+    little longer than the last; 'off' shows the emulation's own time there and leaves the prediction to the
+    report (a long emulation, or a rank that must not wait)."""
 
     fold: Literal["auto", "on", "off"] = "auto"
     """Rank folding: 'on' runs only the sandbox (one model replica: every rank class's live ranks) and

@@ -122,8 +122,8 @@ def assemble(trace_dir: str | Path, cluster: str | None = None,
         "fold": None if fold is None else _fold(fold, memory, result, timed),
         "anchors": {**_anchors(marks, memory), "fake_pg": _fake_pg(Path(trace_dir), memory)},
     }
-    if report["prediction"] is not None and calibrated is None and (costing.recorded or costing.cluster is None
-                                                                     and trace.cluster is None):
+    same_costing = costing.recorded or (costing.cluster is None and trace.cluster is None)
+    if report["prediction"] is not None and calibrated is None and same_costing:
         checked = _live_check(job.get("live_predictions"), result, trace.path / "manifest.json")
         if checked is not None:  # the live predictions were replays of the same trace costed the same way
             report["prediction"]["live_predictions"] = checked

@@ -29,7 +29,7 @@ from prism_megatron.runtime.grants import SlotGrants
 from prism_megatron.runtime.groups import Group, GroupMismatch, GroupTable, fmt_ranks
 from prism_megatron.runtime.hang import HangDetector, format_hang_report, format_stall_report, waits_on_exited
 from prism_megatron.runtime.matching import Member, check_collective, check_p2p
-from prism_megatron.runtime.predictor import LivePredictor
+from prism_megatron.runtime.predictor import NO_LIVE_PREDICTION, LivePredictor
 from prism_megatron.runtime.ranks import RankState, RankStatus
 from prism_megatron.runtime.reaper import kill_rank
 from prism_megatron.runtime.recorder import Recorder
@@ -280,7 +280,7 @@ class Coordinator:
             self._stop_holding(rs)
             if self.predictor.predictor is None:  # nothing to replay: no reason to wait for the other ranks
                 self._send(rs, {"t": P.PREDICTED, "iteration": int(msg["iteration"]), "seconds": None,
-                                "note": self.predictor.answer(int(msg["iteration"]), lambda path: None)[1]})
+                                "note": NO_LIVE_PREDICTION})
                 self.grants.request(rs)
             else:
                 self.predictor.waiting.append((rs, int(msg["iteration"])))

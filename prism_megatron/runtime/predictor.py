@@ -10,6 +10,9 @@ from typing import Any
 
 from prism_megatron.runtime.ranks import RankState, RankStatus
 
+#: The note a rank gets where the run has no predictor (``--prism-live-prediction off``, ``launch``).
+NO_LIVE_PREDICTION = "no live prediction in this run"
+
 
 class LivePredictor:
     def __init__(self) -> None:
@@ -43,7 +46,7 @@ class LivePredictor:
     def answer(self, iteration: int, snapshot: Callable[[Path], object]) -> tuple[float | None, str]:
         """The predicted time of ``iteration`` and what it rests on; ``snapshot`` writes the trace so far."""
         if self.predictor is None:
-            return None, "no live prediction in this run"
+            return None, NO_LIVE_PREDICTION
         try:
             snapshot(self.live_trace)
             seconds, note = self.predictor(self.live_trace, iteration, **self.options)
