@@ -727,3 +727,29 @@ def test_the_attribution_runs_with_the_collector_off_and_gives_it_back(monkeypat
         assert len(gt.activities(many)) == 30_000 and starts  # the same work with the collector on collects
     finally:
         gc.callbacks.remove(census)
+
+
+def test_the_first_cuda_call_after_the_profiler_stops_is_the_runtimes_on_the_paused_clock(monkeypatch):
+    """With CUPTI torn down at each profiled iteration's end, the next CUDA call costs ~1.6 ms
+    (bench/gpu/results/2026-12-07-cupti-teardown-cost-h100-run51.txt); made in the program's next segment, it was
+    host time of the plain iteration, which both twins take (+2.4 ms an iteration, run 50). The attribution, which
+    runs on the paused clock, makes a CUDA call after the stop and before it returns."""
+    import torch
+
+    from prism_megatron.runtime import gpu_timing as gt
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: calls.append("synchronize"))
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: calls.append("launch"), raising=False)
+    timer = gt.GpuSegmentTimer()
+    timer._profile = SimpleNamespace(stop=lambda: calls.append("stop"), profiler=SimpleNamespace(
+        kineto_results=SimpleNamespace(events=lambda: calls.append("events") or [])))
+    assert timer._attribute([]) == []
+    assert calls[calls.index("stop") + 1:calls.index("stop") + 2] == ["launch"], calls
+
+    calls.clear()  # before CUDA started (a CPU-only program): no call that would start it
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    timer._profile = SimpleNamespace(stop=lambda: calls.append("stop"), profiler=SimpleNamespace(
+        kineto_results=SimpleNamespace(events=lambda: [])))
+    assert timer._attribute([]) == [] and calls == ["stop"]
