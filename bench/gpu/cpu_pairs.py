@@ -45,7 +45,10 @@ def main() -> None:
     ap.add_argument("--work", type=int, default=3_000_000, help="loop iterations per timing")
     args = ap.parse_args()
     cpus = sorted(os.sched_getaffinity(0))
-    for a in (int(c) for c in args.base.split(",")):
+    bases = [int(c) for c in args.base.split(",")]
+    if missing := [a for a in bases if a not in cpus]:
+        raise SystemExit(f"--base {args.base}: CPU(s) {missing} not among this process's CPUs {cpus}")
+    for a in bases:
         alone = min(_timed(a, None, args.work) for _ in range(3))
         ratios = {b: min(_timed(a, b, args.work) for _ in range(2)) / alone for b in cpus if b != a}
         print(f"cpu {a}: alone {alone * 1e3:.1f} ms; with another CPU busy, time / alone: "

@@ -10,6 +10,9 @@
 # beside the runs' timestamped iterations (a real run's iterations switch between two steady levels);
 # $OUT/host-cpus.csv: each second, how busy and how stolen this machine's CPUs were (bench/gpu/host_sampler.py);
 # $OUT/host-threads.jsonl: each second, every Python thread's time on a CPU, runnable and its switches (thread_sampler.py).
+# $OUT/cpu-pairs-{before,after}.txt: how much CPU 1 slows while each other CPU computes (cpu_pairs.py, ~15 s each; a
+# host whose vCPUs share physical cores shows ratios of 1.5-2, and its host-bound steps move 10-20 % between runs);
+# CPU_PAIRS=0 skips them.
 # PACK (a path outside $OUT): all of $OUT packed there at the end, one file (a device call brings back a limited
 # number of files: PACK=$OUT/truth.tar.gz OUT=/tmp/w on the device machine, PACK first so that it names the call's OUT).
 set -uo pipefail
@@ -28,8 +31,11 @@ nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu
   --format=csv -lms 500 > "$out/gpu-clocks.csv" 2>/dev/null & sampler=$!
 python3 bench/gpu/host_sampler.py "$out/host-cpus.csv" & cpus=$!
 python3 bench/gpu/thread_sampler.py "$out/host-threads.jsonl" & threads=$!
+pairs() { [ "${CPU_PAIRS:-1}" = 0 ] || python3 bench/gpu/cpu_pairs.py --base 1 > "$out/cpu-pairs-$1.txt" 2>&1; }
+pairs before
 python3 bench/gpu/one_gpu_truth.py --out "$out" --budget "${BUDGET:-420}" "$@"
 rc=$?
+pairs after
 kill "$sampler" "$cpus" "$threads" 2>/dev/null
 if [ -n "${PACK:-}" ]; then
   tar czf "$PACK" -C "$out" . || rc=1
