@@ -374,3 +374,23 @@ def test_the_wait_before_each_iteration_is_set_against_the_host_time_of_those_th
     assert got["waits_ms"][5] == pytest.approx(50.0) and got["host_ms"][5] == pytest.approx(105.0)
     assert got["correlation"] == pytest.approx(1.0) and got["early"][0] < got["late"][0]
     assert truth.waits_and_host(write_trace(tmp_path / "untimed", manifest, [], marks=marks)) is None
+
+
+def test_the_packed_traces_leave_out_the_coordinators_live_snapshots_and_keep_the_rest(tmp_path):
+    """A live snapshot (``trace-NN.logs/live-trace``) is the run's trace again, cut at its last logged iteration; the
+    trace, its logs and a directory merely named like it stay."""
+    import tarfile
+
+    truth = load_bench("gpu/one_gpu_truth.py")
+    work = tmp_path / "work"
+    for rel in ("c/trace-01-emu1/gpu.parquet", "c/trace-01-emu1.logs/rank-0.log",
+                "c/trace-01-emu1.logs/live-trace/gpu.parquet", "c/live-trace/kept.txt", "c/01-emu1.log"):
+        (work / rel).parent.mkdir(parents=True, exist_ok=True)
+        (work / rel).write_text(rel)
+    packed = tmp_path / "traces.tar.gz"
+    with tarfile.open(packed, "w:gz") as tar:
+        tar.add(work, arcname="work", filter=truth._without_live_snapshots)
+    with tarfile.open(packed) as tar:
+        files = sorted(m.name for m in tar.getmembers() if m.isfile())
+    assert files == ["work/c/01-emu1.log", "work/c/live-trace/kept.txt", "work/c/trace-01-emu1.logs/rank-0.log",
+                     "work/c/trace-01-emu1/gpu.parquet"]

@@ -1200,8 +1200,15 @@ def main(argv: list[str] | None = None) -> int:
     (out / "one-gpu-truth.json").write_text(json.dumps(report, indent=1))
     (out / "one-gpu-truth.txt").write_text(text + "\n")
     with tarfile.open(out / "traces.tar.gz", "w:gz") as tar:
-        tar.add(work, arcname="work")
+        tar.add(work, arcname="work", filter=_without_live_snapshots)
     return 0
+
+
+def _without_live_snapshots(member: tarfile.TarInfo) -> tarfile.TarInfo | None:
+    """Leave out the coordinator's live snapshots (``*.logs/live-trace``): each is the run's own trace again, cut at
+    its last logged iteration, and they doubled the packed traces a call brings back and the results commit."""
+    return None if Path(member.name).name == "live-trace" and Path(member.name).parent.name.endswith(".logs") \
+        else member
 
 
 if __name__ == "__main__":
