@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import multiprocessing.queues
+import multiprocessing.synchronize
 import os
 import time
 
 
-def _spin(cpu: int, work: int, start: mp.Event, out: mp.Queue | None) -> None:
+def _spin(cpu: int, work: int, start: multiprocessing.synchronize.Event,
+          out: multiprocessing.queues.Queue | None) -> None:
     os.sched_setaffinity(0, {cpu})
     start.wait()
     t = time.perf_counter()
