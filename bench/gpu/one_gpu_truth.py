@@ -615,6 +615,7 @@ def analyse_config(steps: list[dict[str, Any]], root: Path, resolve: bool = Fals
                         em[f"{label}{key}_ms"] = {k: v * 1e3 for k, v in per.items()}
                 em["host_device"] = host_device(trace, s.get("measured_from", WARMUP + 1))
                 em["waits"] = waits_and_host(trace)  # from the warm-up's end: how the host time moves over the run
+                em["plain_excess"] = plain_excess(trace, s.get("measured_from", WARMUP + 1))
                 em["spans"] = trace_spans(trace, s.get("measured_from", WARMUP + 1))
             except Exception as e:  # noqa: BLE001 - one broken trace must not hide the others
                 em["error"] = f"{type(e).__name__}: {e}"
@@ -819,6 +820,34 @@ def waits_and_host(trace: Path, since: int = WARMUP + 1) -> dict[str, Any] | Non
     return out
 
 
+#: A host-only segment this much longer (ms, median) in the plain iterations than in the profiled ones is named
+PLAIN_EXCESS_MS = 0.2
+
+
+def plain_excess(trace: Path, since: int = WARMUP + 1) -> list[dict[str, Any]] | None:
+    """Rank 0's host-only segments (no device work) that take longer on the compute clock in the plain iterations
+    than in the profiled ones: the profiler only adds host time, so such a segment carries a cost of GPU timing's own
+    into the plain iteration, whose host time both twins take (the first CUDA call after CUPTI's teardown did,
+    docs/measurements.md). The plain iterations are those of the parity whose iterations take less clock. None
+    without GPU-timed segments or iterations of one shape."""
+    _, rows, iterations = _rank0(trace, 1)
+    # from the iteration before's end: the segments between two iterations (the log line) are the next one's
+    per = [_segments(rows, iterations[k - 1][1], iterations[k][1]) for k in range(max(since, 2) - 1, len(iterations))]
+    if len(per) < 4 or not per[0] or len({len(p) for p in per}) != 1:
+        return None
+    totals = [statistics.median(sum(g["clock_end"] - g["clock_start"] for g in p) for p in per[k::2]) for k in (0, 1)]
+    plain, profiled = (per[0::2], per[1::2]) if totals[0] < totals[1] else (per[1::2], per[0::2])
+    out = []
+    for j in range(len(per[0])):
+        if any(p[j]["gpu"] > 0 for p in per):
+            continue
+        u = statistics.median((p[j]["clock_end"] - p[j]["clock_start"]) * 1e3 for p in plain)
+        q = statistics.median((p[j]["clock_end"] - p[j]["clock_start"]) * 1e3 for p in profiled)
+        if u - q > PLAIN_EXCESS_MS:
+            out.append({"segment": j, "plain_ms": u, "profiled_ms": q})
+    return out
+
+
 def _split(iteration_ms: list[float], forward: list[list[float]], backward: list[list[float]],
            body: list[list[float]] | None = None) -> dict[str, float]:
     """Medians over iterations of the iteration, its forward spans' sum, its backward spans' sum and the rest; with
@@ -980,6 +1009,14 @@ def table(report: dict[str, Any]) -> str:
                                      f"{x['early'][0]:.0f} -> {x['late'][0]:.0f}, host {x['early'][1]:.0f} -> "
                                      f"{x['late'][1]:.0f}, correlation {_f(x['correlation'], '.2f')}"
                                      for k, x in waited))
+        excess = [(k, em["plain_excess"]) for k, em in (row.get("emulations") or {}).items()
+                  if em.get("plain_excess") is not None]
+        if excess:
+            lines.append(f"{'':{w}} host-only segments longer in the plain iterations than in the profiled ones (GPU "
+                         "timing's own cost, in the host time both twins take), ms medians: "
+                         + "; ".join(f"{k} " + (", ".join(f"segment {x['segment']} {x['plain_ms']:.2f} against "
+                                                           f"{x['profiled_ms']:.2f}" for x in xs) or "none")
+                                     for k, xs in excess))
         if row.get("probe"):
             parts = [f"{p} {v['wall_ms']:.1f}" + (f" (less its waits {v['host_ms']:.1f})" if "host_ms" in v else "")
                      + (f" (busy {v['device_busy_ms']:.1f})" if "device_busy_ms" in v else "")
