@@ -429,12 +429,13 @@ class GpuSegmentTimer:
     def _attribute(self, closed: list[Closed]) -> list[SegmentTiming] | None:
         import torch
 
-        if torch.cuda.is_initialized():
+        cuda = torch.cuda.is_initialized()
+        if cuda:
             torch.cuda.synchronize()  # a kernel still running when the profiler stops is not recorded
         self._profile.stop()
-        if torch.cuda.is_initialized():
-            # the first CUDA call after CUPTI's teardown costs ~1.6 ms (bench/gpu/cupti_teardown_cost.py): made
-            # here, on the paused clock, not in the plain iteration's first segment, whose host time both twins take
+        if cuda:
+            # the first CUDA call after CUPTI's teardown is slow (bench/gpu/cupti_teardown_cost.py): made here, on
+            # the paused clock, not in the plain iteration's first segment, whose host time both twins take
             torch.cuda._sleep(1)
             torch.cuda.synchronize()
         events = self._profile.profiler.kineto_results.events()

@@ -15,7 +15,7 @@ import shutil
 from collections.abc import Mapping, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -56,6 +56,13 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _to_disk(f: IO, durable: bool = True) -> None:
+    """An open file's written bytes flushed and synced to the disk (nothing where ``durable`` is False)."""
+    if durable:
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def atomic_write_text(path: str | Path, text: str, encoding: str = "utf-8") -> Path:
     """Replace ``path`` with ``text`` so that readers see the old or the new file, never a torn one."""
     path = Path(path)
@@ -64,8 +71,7 @@ def atomic_write_text(path: str | Path, text: str, encoding: str = "utf-8") -> P
     try:
         with open(tmp, "w", encoding=encoding) as f:
             f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
+            _to_disk(f)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -184,9 +190,7 @@ def _check_destination(path: Path) -> None:
 def _write_parquet(table: pa.Table, file: Path, durable: bool = True) -> None:
     with open(file, "wb") as f:
         pq.write_table(table, f)
-        if durable:
-            f.flush()
-            os.fsync(f.fileno())
+        _to_disk(f, durable)
 
 
 def swap_in_dir(tmp: Path, path: Path, durable: bool = True) -> None:
@@ -225,9 +229,7 @@ def write_directory(path: Path, tables: Mapping[str, pa.Table], manifest_name: s
             _write_parquet(table, tmp / name, durable)
         with open(tmp / manifest_name, "w", encoding="utf-8") as f:
             f.write(manifest_text)
-            if durable:
-                f.flush()
-                os.fsync(f.fileno())
+            _to_disk(f, durable)
         if durable:
             fsync_dir(tmp)
         swap_in_dir(tmp, path, durable)
