@@ -155,6 +155,9 @@ class Sink:
     def record_mark(self, name, phase, attrs):
         pass
 
+class Settings:
+    level = 0
+
 markers.set_sink(Sink())
 for i in range(5):
     with markers.span("forward", iteration=i):
@@ -188,6 +191,9 @@ class Sink:
     def record_mark(self, name, phase, attrs):
         pass
 
+class Settings:
+    level = 0
+
 def layer(nap):
     time.sleep(nap)
     if nap > 0.01:
@@ -200,6 +206,7 @@ def layer(nap):
 def settle():
     import torch
     torch.ones(2).sum().item()
+    Settings.level = len(sys.argv)  # a class assigned to at every forward: its cached reads invalidated
 
 markers.set_sink(Sink())
 for i in range(4):
@@ -210,6 +217,7 @@ for i in range(4):
     for side, nap in (("real", "0.002"), ("emulated", "0.012")):
         out = tmp_path / side
         env = dict(os.environ, FORWARD_PROBE_DIR=str(out), FORWARD_PROBE="times", FORWARD_PROBE_SKIP="1",
+                   FORWARD_PROBE_CENSUS_EVERY="1",
                    PYTHONPATH=os.pathsep.join([str(repo / "bench" / "gpu" / "forward_probe"), str(repo)]))
         subprocess.run([sys.executable, "-c", program, nap], env=env, check=True, timeout=120)
         found[side] = load_bench("gpu/one_gpu_truth.py").read_probe(out, "times")
@@ -228,6 +236,9 @@ for i in range(4):
     counted = [[int(n) for n in b.split()[0].split("/")] for _, _, b in emulated["dynamo"]["functions"].values()]
     assert all(done <= of for done, of in counted) and any(done > 0 for done, _ in counted), counted  # warm ones
     assert "torch" in fingerprint["modules"] and fingerprint["torch.function_modes"] == 0
+    assert emulated["mutations"]["censuses"] == real["mutations"]["censuses"] == 2  # after forwards 2 and 3
+    assert emulated["mutations"]["classes"].get("__main__.Settings") == 2 and not real["mutations"]["classes"]
+    assert fingerprint["types.unversioned"].split(":")[0].isdigit()
     for f in real["forward"] + emulated["forward"]:  # the host at full speed throughout, whatever this one did
         f["python_us"] = 0.03
     text = truth.times_text(real, emulated)
@@ -235,6 +246,8 @@ for i in range(4):
     # the emulated side's .item(), traced to who called it
     assert "waits apart: c Tensor.Tensor.item 0.00 / 1.00 per forward, emulated's from " in text
     assert "settle < " in text.split("emulated's from ")[1]
+    assert "changed between forwards: real over 2 censuses 0 classes, " in text
+    assert "emulated over 2 censuses 1 classes: __main__.Settings 2/2" in text
     most = text.split("ms per forward: ")[1].split(", ")[0]
     assert float(most.split()[0]) > 5 and "c time.sleep" in most  # ~+10 ms (sleeps of 12 and 2 ms; a loaded machine
     # oversleeps the short naps more), the first named

@@ -269,7 +269,8 @@ def read_probe(directory: Path, mode: str) -> dict[str, Any] | None:
         return {"forwards": f["forwards"], "canary": f["canary"]}
     if mode == "times":
         return {"forwards": f["forwards"], "forward": f["forward"], "dynamo": f.get("dynamo") or {},
-                "process": f.get("process") or {}, "callers": f.get("callers") or {}}
+                "process": f.get("process") or {}, "callers": f.get("callers") or {},
+                "mutations": f.get("mutations") or {}}
     return {"forwards": f["forwards"], "per_forward": {k: v / f["forwards"] for k, v in f["calls"].items()}}
 
 
@@ -313,7 +314,8 @@ def times_text(real: dict[str, Any], emulated: dict[str, Any], top: int = 8) -> 
 
     a, b = fast(real), fast(emulated)
     # what does not depend on the host's speed: the processes and their waits for the device
-    beside = process_text(real.get("process") or {}, emulated.get("process") or {}) + callers_text(real, emulated)
+    beside = (process_text(real.get("process") or {}, emulated.get("process") or {}) + callers_text(real, emulated)
+              + mutations_text(real.get("mutations") or {}, emulated.get("mutations") or {}))
     if not a or not b:
         return f"no forward at full speed on {'both sides' if not a and not b else 'one side'}" + beside
 
@@ -355,6 +357,27 @@ def callers_text(real: dict[str, Any], emulated: dict[str, Any], chains: int = 2
         out.append(f"{k} {a:.2f} / {b:.2f} per forward, {'emulated' if b > a else 'real'}'s from "
                    + " | ".join(f"{c} ({n})" for c, n in top))
     return "; waits apart: " + ", ".join(out) if out else ""
+
+
+def mutations_text(real: dict[str, Any], emulated: dict[str, Any], names: int = 8) -> str:
+    """The classes and module namespaces each side changed between its forwards (``forward_probe``'s
+    ``probe_mutations.py``: a change invalidates the interpreter's cached reads through them), each named with the
+    share of censuses it changed in, the most frequent first; empty where neither side took a census."""
+    if not real.get("censuses") and not emulated.get("censuses"):
+        return ""
+
+    def side(m: dict[str, Any]) -> str:
+        if m.get("unreadable"):
+            return m["unreadable"]
+        n = m.get("censuses", 0)
+        parts = []
+        for kind in ("classes", "modules"):
+            changed = sorted((m.get(kind) or {}).items(), key=lambda kv: (-kv[1], kv[0]))
+            shown = " ".join(f"{k} {c}/{n}" for k, c in changed[:names])
+            parts.append(f"{len(changed)} {kind}{': ' + shown if shown else ''}")
+        return f"over {n} censuses " + ", ".join(parts)
+
+    return f"; changed between forwards: real {side(real)}; emulated {side(emulated)}"
 
 
 def process_text(real: dict[str, Any], emulated: dict[str, Any], names: int = 12) -> str:

@@ -24,7 +24,8 @@ such span ``$FORWARD_PROBE_DIR/MODE-PID.json`` holds ``{"command", "forwards", "
 "c MODULE.NAME": count}}`` or ``{..., "canary": {"python_us": [...], "aten_cpu_us": [...], "cuda_launch_us":
 [...]}}`` (one value per forward), or for times ``{..., "forward": [{"python_us": canary, "ms": the forward's
 profiled length, "self_us": {function: microseconds}}, ...], "dynamo": ..., "process": its fingerprint,
-"callers": {wait: {caller chain: count}}}`` (functions of 20 us or more; ``WAITS`` for the callers), rewritten
+"callers": {wait: {caller chain: count}}, "mutations": {"censuses": n, "classes": {name: censuses it changed in},
+"modules": {...}}}`` (functions of 20 us or more; ``WAITS`` for the callers; ``probe_mutations.py``), rewritten
 whole (a rank ends with ``os._exit``). The probes run on the main thread: the forward runs there. Shadows any other
 sitecustomize.
 """
@@ -43,7 +44,12 @@ CANARY_OPS = {"python_us": 2000, "aten_cpu_us": 300, "cuda_launch_us": 150}
 #: softmax on the GPU), so a process whose slow frames are slow everywhere is told from one where they are slow
 #: only inside the forward
 SUSPECT_OPS = {"tls_us": 2000, "weakref_us": 500, "environ_us": 500, "module_us": 100, "metrics_us": 1000,
-               "softmax_us": 100, "isinstance_us": 2000, "data_ptr_us": 1000, "clock_us": 2000, "record_us": 200}
+               "softmax_us": 100, "isinstance_us": 2000, "data_ptr_us": 1000, "clock_us": 2000, "record_us": 200,
+               "compiled_us": 100}
+#: with times, every this many probed forwards (``FORWARD_PROBE_CENSUS_EVERY``) the classes and module namespaces
+#: changed since the last census are counted (``probe_mutations.py``; a census walks every class, tens of
+#: milliseconds, between two forwards)
+CENSUS_EVERY = int(os.environ.get("FORWARD_PROBE_CENSUS_EVERY", "8"))
 #: environment variables whose values go into the process fingerprint (by prefix): what may change how torch,
 #: the allocator or the interpreter run
 ENV_PREFIXES = ("TORCH", "PYTORCH", "CUDA", "NCCL", "OMP", "MKL", "MALLOC", "PYTHON", "LD_", "TRITON", "INDUCTOR",
@@ -105,6 +111,8 @@ class _Probe:
         self.totals: dict[str, int] = {}
         self.fingerprint: dict | None = None
         self.callers: dict[str, dict[str, int]] = {}  # per waiting C function, its caller chains counted
+        self.census = None  # probe_mutations.Census of the last count, with times
+        self.mutations: dict = {"censuses": 0, "classes": {}, "modules": {}}
 
     def profile(self, frame, event, arg) -> None:
         if event in ("call", "c_call"):
@@ -186,6 +194,9 @@ class _Probe:
         if gpu is not None:
             x = gpu[0]
             out["softmax_us"] = lambda: torch.nn.functional.softmax(x, dim=-1)
+            compiled = _compiled()
+            compiled(x)  # compiled at its first call, before the canary times it
+            out["compiled_us"] = lambda: compiled(x)
         return out
 
     def begin(self) -> None:
@@ -221,8 +232,9 @@ class _Probe:
                 self.callbacks.setdefault(k, set()).add(cb)
             if self.fingerprint is None:
                 self.fingerprint = process_fingerprint()
+            self.count_mutations()
             found = {"forward": self.timings, "dynamo": self.dynamo_state(), "process": self.fingerprint,
-                     "callers": self.callers}
+                     "callers": self.callers, "mutations": self.mutations}
         elif _MODE == "canary":
             found = {"canary": {k: v for k, v in self.canary.items() if v}}
         else:
@@ -232,6 +244,26 @@ class _Probe:
             json.dump({"command": " ".join(sys.argv[:6]), "forwards": self.forwards, **found}, f)
         os.replace(path + ".tmp", path)
 
+
+    def count_mutations(self) -> None:
+        """Every ``CENSUS_EVERY`` forwards, the classes and module namespaces changed since the last census, each
+        counted once per census it changed in (``probe_mutations.py``); the first census also names the classes that
+        hold no version tag at all (into the fingerprint)."""
+        if (self.forwards - 1) % CENSUS_EVERY and self.census is not None:
+            return
+        from probe_mutations import Census
+
+        if self.census is not None:
+            self.mutations["censuses"] += 1
+            for kind, names in self.census.changed().items():
+                for name in names:
+                    self.mutations[kind][name] = self.mutations[kind].get(name, 0) + 1
+        self.census = Census()
+        if not self.census.readable:
+            self.mutations["unreadable"] = "this interpreter's class version tags cannot be read"
+        elif "types.unversioned" not in self.fingerprint:
+            names = self.census.unversioned()
+            self.fingerprint["types.unversioned"] = f"{len(names)}: {' '.join(names[:12])}"
 
     def dynamo_state(self) -> dict:
         """Per Python function of 20 us or more of own time per forward: the dynamo frame callbacks it was called
@@ -313,6 +345,23 @@ def process_fingerprint() -> dict:
     put("torch.saved_tensor_hooks", lambda: repr(torch._C._autograd._top_saved_tensors_default_hooks(True)))
     put("torch.dynamo.callback", _dynamo_callback)
     return out
+
+
+_COMPILED = None
+
+
+def _compiled():
+    """A small function through ``torch.compile`` (compiled at its first call): the canary's way into the
+    compiled-call path (Inductor's output code and its runtime wrappers) outside the forward."""
+    global _COMPILED
+    if _COMPILED is None:
+        import torch
+
+        def scale(x):
+            return x * 2 + 1
+
+        _COMPILED = torch.compile(scale)
+    return _COMPILED
 
 
 def _dynamo_callback() -> str:
