@@ -279,25 +279,46 @@ class _Probe:
         functions = {}
         for k, code in self.codes.items():
             if self.totals.get(k, 0) >= floor:
-                functions[k] = [sorted(self.callbacks.get(k, ())), len(_debug_get_cache_entry_list(code)),
-                                specialization(code)]
+                try:  # a probe's reading never stops the program it probes
+                    special = specialization(code)
+                except Exception as e:
+                    special = f"? {type(e).__name__}"
+                functions[k] = [sorted(self.callbacks.get(k, ())), len(_debug_get_cache_entry_list(code)), special]
         return {"functions": functions,
                 "counters": {str(k): {str(kk): vv for kk, vv in v.items()} for k, v in counters.items()}}
+
+
+#: families whose plain form is already the fast one (super-instructions and the quickened resume): never "left generic"
+QUICKENED = ("LOAD_FAST", "LOAD_CONST", "STORE_FAST", "RESUME", "EXTENDED_ARG", "JUMP_BACKWARD")
 
 
 def specialization(code) -> str:
     """How far the interpreter specialised ``code``'s bytecode so far: "k/n" of its n instructions of a
     specialisable family, then those left generic or adaptive ("LOAD_ATTR@12 ..."). The same frame left generic in
     one process and specialised in the other costs more per call there: an attribute cache that keeps failing, a
-    class whose version tag ran out after too many changes to it."""
+    class whose version tag ran out after too many changes to it.
+
+    Read from the adaptive bytecode itself (opcode and offset, caches skipped), not through ``dis``'s
+    instruction listing, which resolves every argument's name and fails on some specialised forms (3.12)."""
     import dis
     import opcode
 
-    families = getattr(opcode, "_specializations", {})
+    families = {k: v for k, v in getattr(opcode, "_specializations", {}).items() if k not in QUICKENED}
     special = {s for v in families.values() for s in v}
-    ins = [i for i in dis.get_instructions(code, adaptive=True) if i.opname in families or i.opname in special]
-    generic = [i for i in ins if i.opname in families or i.opname.endswith("_ADAPTIVE")]
-    return f"{len(ins) - len(generic)}/{len(ins)}" + "".join(f" {i.opname}@{i.offset}" for i in generic[:8])
+    raw = getattr(code, "_co_code_adaptive", None)
+    if raw is None or not hasattr(dis, "_deoptop"):
+        return "?"
+    names, caches = dis._all_opname, dis._inline_cache_entries
+    seen, generic, at = 0, [], 0
+    while at < len(raw):
+        op = raw[at]
+        name = names[op]
+        if name in families or name in special:
+            seen += 1
+            if name in families or name.endswith("_ADAPTIVE"):
+                generic.append(f"{name}@{at}")
+        at += 2 + 2 * caches[dis._deoptop(op)]
+    return f"{seen - len(generic)}/{seen}" + "".join(f" {g}" for g in generic[:8])
 
 
 def process_fingerprint() -> dict:
