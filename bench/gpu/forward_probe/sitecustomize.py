@@ -232,7 +232,10 @@ class _Probe:
                 self.callbacks.setdefault(k, set()).add(cb)
             if self.fingerprint is None:
                 self.fingerprint = process_fingerprint()
-            self.count_mutations()
+            try:  # a probe's reading never stops the program it probes
+                self.count_mutations()
+            except Exception as e:
+                self.mutations["unreadable"] = f"the census failed: {type(e).__name__}: {e}"
             found = {"forward": self.timings, "dynamo": self.dynamo_state(), "process": self.fingerprint,
                      "callers": self.callers, "mutations": self.mutations}
         elif _MODE == "canary":
