@@ -32,6 +32,19 @@ def test_an_emulation_without_its_trace_is_scored_by_its_live_prediction_and_mar
     assert "(1 emulations): 1.00 %" in text  # two real repeats that agree: ground truth, scored
 
 
+def test_a_repeated_emulation_is_scored_beside_the_first(tmp_path):
+    truth = load_bench("gpu/one_gpu_truth.py")
+    report = {"steps": {"dense-bf16-mbs2": [_step("real-threads1", 200.0), _step("emu1", 202.0),
+                                            _step("real-threads1", 200.0), _step("emu1", 196.0),
+                                            _step("real-threads1", 200.0)]}}
+    text = truth.analyse(report, tmp_path)
+    assert set(report["rows"]["dense-bf16-mbs2"]["emulations"]) == {"emu1", "emu1#1"}
+    assert "(2 emulations): 1.50 %" in text  # |+1 %| and |-2 %|
+    report["steps"]["dense-bf16-mbs2"][-1] = _step("real-threads1", 210.0)  # no truth: both repeats named apart
+    text = truth.analyse(report, tmp_path)
+    assert "dense-bf16-mbs2 emu1 error +1.0 %" in text and "dense-bf16-mbs2 emu1#1 error -2.0 %" in text
+
+
 def test_real_repeats_that_disagree_are_no_ground_truth(tmp_path):
     truth = load_bench("gpu/one_gpu_truth.py")
     report = {"steps": {"dense-bf16-mbs2": [_step("real-threads1", 200.0), _step("emu1", 202.0),

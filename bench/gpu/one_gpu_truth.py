@@ -1018,7 +1018,7 @@ def table(report: dict[str, Any]) -> str:
                 f"{_f(statistics.median(one) if one else None, '.1f'):>8} {_f(hd.get('host_ms'), '.0f'):>7} "
                 f"{_f(hd.get('device_ms'), '.0f'):>7}")
             first = False
-            scored = re.fullmatch(r"emu(\d+)(-fold)?", kind)
+            scored = re.fullmatch(r"emu(\d+)(-fold)?(#\d+)?", kind)  # a repeat ("emu1#3") is scored as the first
             if em.get("error_pct") is not None and scored:
                 why = unlike(int(scored.group(1)), row.get("omp"))
                 if why is None and not (spread is not None and spread < TRUTH_SPREAD and (drift or 0.0) < TRUTH_SPREAD):
