@@ -312,16 +312,24 @@ def specialization(code) -> str:
     if raw is None or not hasattr(dis, "_deoptop"):
         return "?"
     names, caches = dis._all_opname, dis._inline_cache_entries
-    seen, generic, at = 0, [], 0
+    seen, generic, instrumented, at = 0, [], 0, 0
     while at < len(raw):
         op = raw[at]
         name = names[op]
+        if name.startswith("INSTRUMENTED_"):  # a profiler's event hides the form beneath until the code runs again
+            base = opcode.opmap.get(name[len("INSTRUMENTED_"):])
+            if base is None:  # a line or instruction event: the instruction beneath is kept elsewhere
+                return "? instrumented"
+            instrumented += name[len("INSTRUMENTED_"):] in families
+            at += 2 + 2 * caches[base]
+            continue
         if name in families or name in special:
             seen += 1
             if name in families or name.endswith("_ADAPTIVE"):
                 generic.append(f"{name}@{at}")
         at += 2 + 2 * caches[dis._deoptop(op)]
-    return f"{seen - len(generic)}/{seen}" + "".join(f" {g}" for g in generic[:8])
+    return (f"{seen - len(generic)}/{seen}" + (f" ({instrumented} instrumented)" if instrumented else "")
+            + "".join(f" {g}" for g in generic[:8]))
 
 
 def process_fingerprint() -> dict:
