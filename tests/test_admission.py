@@ -516,8 +516,7 @@ def test_a_turns_peak_is_read_from_the_allocators_running_sums_without_resetting
     monkeypatch.setattr(torch.cuda, "memory_stats", lambda *a, **k: dict(stats))
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", forbidden)
     monkeypatch.setattr(torch.cuda, "reset_max_memory_allocated", forbidden)
-    monkeypatch.setattr(staging._TurnPeak, "reserved", 0)
-    monkeypatch.setattr(staging._TurnPeak, "grown", 0)
+    monkeypatch.setattr(staging, "_TURN", staging._TurnPeak())
     monkeypatch.delenv("PRISM_FOOTPRINT_BYTES", raising=False)
     monkeypatch.delenv("PRISM_FAKE_DEVICE", raising=False)
     ctx = staging.CONTEXT_BYTES

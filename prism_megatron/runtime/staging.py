@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -17,12 +18,17 @@ from prism_megatron.runtime.shm import Arena
 CONTEXT_BYTES = 810 << 20
 
 
+@dataclass
 class _TurnPeak:
     """The caching allocator's reserved bytes at the last report, and how many it had allocated as
-    segments in all by then (``reserved_bytes.all.allocated``, a running sum)."""
+    segments in all by then (``reserved_bytes.all.allocated``, a running sum). An instance, not class
+    attributes: assigning to a class at every report invalidates the interpreter's caches that rest on it."""
 
-    reserved = 0
-    grown = 0
+    reserved: int = 0
+    grown: int = 0
+
+
+_TURN = _TurnPeak()
 
 
 def footprint_and_peak() -> tuple[int, int]:
@@ -52,10 +58,10 @@ def footprint_and_peak() -> tuple[int, int]:
     stats = torch.cuda.memory_stats()
     reserved = int(stats.get("reserved_bytes.all.current", 0))
     grown = int(stats.get("reserved_bytes.all.allocated", 0))
-    since = grown - _TurnPeak.grown
+    since = grown - _TURN.grown
     # a program that resets the accumulated stats restarts the running sum: then its peak since is the bound
-    peak = _TurnPeak.reserved + since if since >= 0 else int(stats.get("reserved_bytes.all.peak", reserved))
-    _TurnPeak.reserved, _TurnPeak.grown = reserved, grown
+    peak = _TURN.reserved + since if since >= 0 else int(stats.get("reserved_bytes.all.peak", reserved))
+    _TURN.reserved, _TURN.grown = reserved, grown
     return reserved + CONTEXT_BYTES, max(peak, reserved) + CONTEXT_BYTES
 
 
