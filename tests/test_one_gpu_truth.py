@@ -332,6 +332,46 @@ def test_a_forward_probe_on_a_real_run_without_spans_is_refused_before_it_runs(t
     assert not any(tmp_path.iterdir())  # nothing ran
 
 
+def test_a_real_run_beside_a_neighbour_has_the_neighbour_for_its_length_only(tmp_path, monkeypatch):
+    """``real-spans-neighbour`` runs the spans driver while bench/gpu/neighbour.py wakes beside it, and stops the
+    neighbour with the step."""
+    import json
+    import os
+    import time
+    from pathlib import Path
+
+    truth = load_bench("gpu/one_gpu_truth.py")
+
+    def neighbours() -> list[int]:
+        found = []
+        for d in Path("/proc").iterdir():
+            try:
+                cmd = (d / "cmdline").read_bytes().split(b"\0")
+                parent = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            if parent == os.getpid() and any(c.endswith(b"neighbour.py") for c in cmd):
+                found.append(int(d.name))
+        return found
+
+    seen: dict[str, object] = {}
+
+    def run(cmd, log, env, timeout):
+        deadline = time.monotonic() + 10
+        while not neighbours() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        seen["during"], seen["cmd"] = neighbours(), cmd
+        Path(env["SPANS_OUT"]).write_text(json.dumps([["forward", 0.0, 0.01]]))
+        return ""
+
+    monkeypatch.setattr(truth, "_run", run)
+    result = truth.step("real-spans-neighbour", truth.config_of("dense-bf16-mbs2"), tmp_path, 4, 0, 10.0)
+    assert len(seen["during"]) == 1 and neighbours() == []  # one beside the run, none after it
+    assert any(str(c).endswith("spans_driver.py") for c in seen["cmd"])
+    assert result["kind"] == "real-spans-neighbour" and result["spans"] == [["forward", 0.0, 0.01]]
+    assert not truth.is_truth("real-spans-neighbour")  # a diagnosis, never what the emulations are scored against
+
+
 def test_each_emulation_variant_runs_prism_with_its_flag(tmp_path, monkeypatch):
     """``emuW-off`` turns GPU timing off, ``emuW-nolive`` the live prediction, ``emuW-awake`` spins through every
     wait for a grant; the plain ``emuW`` none of them."""

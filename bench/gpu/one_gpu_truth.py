@@ -31,7 +31,9 @@ without activation recompute, micro-batch 1 to 8) it runs, on GPU 0, in the orde
   an emulated rank is (``forked_driver.py``): a diagnosis, listed beside the real runs, not scored against;
   ``real-spans``: ``real-threads1``'s run with each micro-batch's forward and backward timed where a rank's trace
   marks them (``spans_driver.py``): the table splits its iterations, and every emulation's, into forward, backward
-  and the rest (a diagnosis, not scored against);
+  and the rest (a diagnosis, not scored against); ``real-spans-neighbour``: the same beside ``neighbour.py``, a
+  process that wakes as an emulation's coordinator does (with ``+times`` set against the first timed real run, as
+  an emulation is);
 - ``probe``: ``one_gpu_probe.py``, a real run (no compile pool) whose iteration phases test the bias
   candidates (synchronisation at collectives, the allocator's history, sleeping at collectives, the plain
   iterations after a profiled one);
@@ -476,7 +478,7 @@ def step(kind: str, config: Config, work: Path, iters: int, index: int, timeout:
     flags = [*config.flags, "--train-iters", str(iters + emu_extra)]
     name = f"{index:02d}-{kind}"
     kind, census = kind.rsplit("+", 1) if kind.endswith(tuple(f"+{c}" for c in CENSUSES)) else (kind, "")
-    if census in FORWARD_PROBES and kind.startswith("real") and kind != "real-spans":
+    if census in FORWARD_PROBES and kind.startswith("real") and kind not in ("real-spans", "real-spans-neighbour"):
         raise ValueError(f"step {name!r}: +{census} probes the forwards a marker sink sees; of the real runs only "
                          "real-spans installs one")
     census_dir = work / f"{name}.{census}"
@@ -494,18 +496,27 @@ def step(kind: str, config: Config, work: Path, iters: int, index: int, timeout:
             result[census] = read_probe(census_dir, census)
         return result
 
-    if kind in ("real", "real-threads1", "real-forked", "real-spans"):
+    if kind in ("real", "real-threads1", "real-forked", "real-spans", "real-spans-neighbour"):
         extra = real_extra if kind == "real" else emu_extra  # no pool: the emulations' iterations
         threads = {} if kind == "real" else {"TORCHINDUCTOR_COMPILE_THREADS": "1"}
-        wrapper = {"real-forked": [str(HERE / "forked_driver.py")],
-                   "real-spans": [str(HERE / "spans_driver.py")]}.get(kind, [])
+        spanned = kind.startswith("real-spans")
+        wrapper = [str(HERE / "spans_driver.py")] if spanned else \
+            [str(HERE / "forked_driver.py")] if kind == "real-forked" else []
         spans = work / f"{name}.spans.json"
-        told = {"SPANS_OUT": str(spans)} if kind == "real-spans" else {}
-        text = _run([PY, *wrapper, str(DRIVER_SCRIPT), *config.flags, "--train-iters", str(iters + extra),
-                     "--global-batch-size", str(config.gbs)], work / f"{name}.log",
-                    _env(**_single(_port()), **threads, **run_env, **told), timeout)
+        told = {"SPANS_OUT": str(spans)} if spanned else {}
+        # the coordinator's pattern beside the real program: its own process, for the step's length only
+        neighbour = subprocess.Popen([PY, str(HERE / "neighbour.py")], stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL) if kind == "real-spans-neighbour" else None
+        try:
+            text = _run([PY, *wrapper, str(DRIVER_SCRIPT), *config.flags, "--train-iters", str(iters + extra),
+                         "--global-batch-size", str(config.gbs)], work / f"{name}.log",
+                        _env(**_single(_port()), **threads, **run_env, **told), timeout)
+        finally:
+            if neighbour is not None:
+                neighbour.kill()
+                neighbour.wait()
         result = {"kind": kind, "iterations": parse_log(text), "measured_from": WARMUP + extra + 1}
-        if kind == "real-spans":
+        if spanned:
             result["spans"] = json.loads(spans.read_text())
         return counted(result)
     if kind == "probe":
@@ -664,7 +675,8 @@ def analyse_config(steps: list[dict[str, Any]], root: Path, resolve: bool = Fals
         row["canary_forwards"] = canary_split([(s["kind"], s["canary"]["canary"]["python_us"],
                                                 forward_lengths(s, root)) for s in sung])
     row["times"] = [(s["kind"], s["times"]) for s in steps if s.get("times")]
-    row["spans"] = [(s["kind"], sp) for s in steps if s.get("kind") == "real-spans" and "iterations" in s
+    row["spans"] = [(s["kind"], sp) for s in steps if s.get("kind") in ("real-spans", "real-spans-neighbour")
+                    and "iterations" in s
                     and (sp := real_spans(s, microbatches)) is not None]
     row["forked"] = [statistics.median(m) for s in steps if s.get("kind", "").split("+")[0] == "real-forked"
                      and "iterations" in s and (m := step_ms(s))]
@@ -1068,9 +1080,9 @@ def table(report: dict[str, Any]) -> str:
                 lines.append(f"{'':{w}} {kind} against {real_calls[0]}, over {calls['forwards']} and "
                              f"{real_calls[1]['forwards']} forwards: {calls_text(real_calls[1], calls)}")
         timed = row.get("times") or []
-        real_times = next(((k, t) for k, t in timed if k.startswith("real")), None)
-        for kind, times in timed:
-            if real_times and kind.startswith("emu"):
+        real_times = next(((k, t) for k, t in timed if k.startswith("real") and "neighbour" not in k), None)
+        for kind, times in timed:  # each emulation, and the real program beside a neighbour, against the real
+            if real_times and (kind.startswith("emu") or kind.startswith("real-spans-neighbour")):
                 lines.append(f"{'':{w}} {kind} against {real_times[0]}: {times_text(real_times[1], times)}")
         split = [(k, sp) for k, sp in row.get("spans") or []] + [
             (k, em["spans"]) for k, em in (row.get("emulations") or {}).items() if em.get("spans")]
@@ -1200,7 +1212,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--configs", default=",".join(c.name for c in CONFIGS.values() if c.default),
                    help="comma-separated config names")
     p.add_argument("--plan", default="", help="'config:step,step,...;config:...' (steps: real, real-threads1, "
-                   "real-forked, real-spans, probe, emuW[-keep|-teardown|-off|-spin|-fold|-exec]; "
+                   "real-forked, real-spans, real-spans-neighbour, probe, "
+                   "emuW[-keep|-teardown|-off|-spin|-fold|-exec]; "
                    "any +gc, +calls, +canary or +times)")
     p.add_argument("--iters", type=int, default=8, help=f"iterations per run ({WARMUP} of them warm-up)")
     p.add_argument("--real-extra", type=int, default=30,
