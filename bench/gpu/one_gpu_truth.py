@@ -480,7 +480,7 @@ def step(kind: str, config: Config, work: Path, iters: int, index: int, timeout:
     kind, census = kind.rsplit("+", 1) if kind.endswith(tuple(f"+{c}" for c in CENSUSES)) else (kind, "")
     if census in FORWARD_PROBES and kind.startswith("real") and kind not in ("real-spans", "real-spans-neighbour"):
         raise ValueError(f"step {name!r}: +{census} probes the forwards a marker sink sees; of the real runs only "
-                         "real-spans installs one")
+                         "real-spans and real-spans-neighbour install one")
     census_dir = work / f"{name}.{census}"
     # a forward probe leaves out the warm-up's forwards: real-spans and the emulations both run emu_extra more
     run_env = {**dict(config.env), **(census_env(census, census_dir, (WARMUP + emu_extra) * microbatches(config))
