@@ -106,6 +106,10 @@ TRUTH_SPREAD = 1.0  # percent: a config whose real repeats spread and drift less
 #: the forward probes (forward_probe/sitecustomize.py's modes) and, with the collector's (gc_census/), every census a
 #: step's ``+NAME`` may load
 FORWARD_PROBES = ("calls", "canary", "times")
+#: the real steps that run the spans driver (its marker sink is what the forward probes wrap), and the one of them
+#: with the coordinator-like neighbour beside it
+NEIGHBOURED = "real-spans-neighbour"
+SPANNED = ("real-spans", NEIGHBOURED)
 CENSUSES = ("gc", *FORWARD_PROBES)
 _PREFIX = re.compile(r"^\[\s*([0-9.]+)s\] ")
 _ITER = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([0-9.]+)(?: \(([^|]*)\))? \|"
@@ -478,7 +482,7 @@ def step(kind: str, config: Config, work: Path, iters: int, index: int, timeout:
     flags = [*config.flags, "--train-iters", str(iters + emu_extra)]
     name = f"{index:02d}-{kind}"
     kind, census = kind.rsplit("+", 1) if kind.endswith(tuple(f"+{c}" for c in CENSUSES)) else (kind, "")
-    if census in FORWARD_PROBES and kind.startswith("real") and kind not in ("real-spans", "real-spans-neighbour"):
+    if census in FORWARD_PROBES and kind.startswith("real") and kind not in SPANNED:
         raise ValueError(f"step {name!r}: +{census} probes the forwards a marker sink sees; of the real runs only "
                          "real-spans and real-spans-neighbour install one")
     census_dir = work / f"{name}.{census}"
@@ -496,17 +500,17 @@ def step(kind: str, config: Config, work: Path, iters: int, index: int, timeout:
             result[census] = read_probe(census_dir, census)
         return result
 
-    if kind in ("real", "real-threads1", "real-forked", "real-spans", "real-spans-neighbour"):
+    if kind in ("real", "real-threads1", "real-forked", *SPANNED):
         extra = real_extra if kind == "real" else emu_extra  # no pool: the emulations' iterations
         threads = {} if kind == "real" else {"TORCHINDUCTOR_COMPILE_THREADS": "1"}
-        spanned = kind.startswith("real-spans")
+        spanned = kind in SPANNED
         wrapper = [str(HERE / "spans_driver.py")] if spanned else \
             [str(HERE / "forked_driver.py")] if kind == "real-forked" else []
         spans = work / f"{name}.spans.json"
         told = {"SPANS_OUT": str(spans)} if spanned else {}
         # the coordinator's pattern beside the real program: its own process, for the step's length only
         neighbour = subprocess.Popen([PY, str(HERE / "neighbour.py")], stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL) if kind == "real-spans-neighbour" else None
+                                     stderr=subprocess.DEVNULL) if kind == NEIGHBOURED else None
         try:
             text = _run([PY, *wrapper, str(DRIVER_SCRIPT), *config.flags, "--train-iters", str(iters + extra),
                          "--global-batch-size", str(config.gbs)], work / f"{name}.log",
@@ -675,8 +679,7 @@ def analyse_config(steps: list[dict[str, Any]], root: Path, resolve: bool = Fals
         row["canary_forwards"] = canary_split([(s["kind"], s["canary"]["canary"]["python_us"],
                                                 forward_lengths(s, root)) for s in sung])
     row["times"] = [(s["kind"], s["times"]) for s in steps if s.get("times")]
-    row["spans"] = [(s["kind"], sp) for s in steps if s.get("kind") in ("real-spans", "real-spans-neighbour")
-                    and "iterations" in s
+    row["spans"] = [(s["kind"], sp) for s in steps if s.get("kind") in SPANNED and "iterations" in s
                     and (sp := real_spans(s, microbatches)) is not None]
     row["forked"] = [statistics.median(m) for s in steps if s.get("kind", "").split("+")[0] == "real-forked"
                      and "iterations" in s and (m := step_ms(s))]
@@ -1080,9 +1083,9 @@ def table(report: dict[str, Any]) -> str:
                 lines.append(f"{'':{w}} {kind} against {real_calls[0]}, over {calls['forwards']} and "
                              f"{real_calls[1]['forwards']} forwards: {calls_text(real_calls[1], calls)}")
         timed = row.get("times") or []
-        real_times = next(((k, t) for k, t in timed if k.startswith("real") and "neighbour" not in k), None)
+        real_times = next(((k, t) for k, t in timed if k.startswith("real") and not k.startswith(NEIGHBOURED)), None)
         for kind, times in timed:  # each emulation, and the real program beside a neighbour, against the real
-            if real_times and (kind.startswith("emu") or kind.startswith("real-spans-neighbour")):
+            if real_times and kind.startswith(("emu", NEIGHBOURED)):
                 lines.append(f"{'':{w}} {kind} against {real_times[0]}: {times_text(real_times[1], times)}")
         split = [(k, sp) for k, sp in row.get("spans") or []] + [
             (k, em["spans"]) for k, em in (row.get("emulations") or {}).items() if em.get("spans")]
