@@ -372,6 +372,38 @@ def test_a_real_run_beside_a_neighbour_has_the_neighbour_for_its_length_only(tmp
     assert not truth.is_truth("real-spans-neighbour")  # a diagnosis, never what the emulations are scored against
 
 
+def test_a_launched_real_program_runs_as_a_prism_rank_and_is_split_not_scored(tmp_path, monkeypatch):
+    """``launched-spans`` runs the spans driver as the one rank of ``prism-megatron launch`` (not ``run
+    --prism-emulate``); with a probe suffix its spans still split its iterations in the row, as a real-spans
+    run's do, and it is never a real run the emulations are scored against."""
+    import json
+    from pathlib import Path
+
+    truth = load_bench("gpu/one_gpu_truth.py")
+    seen: dict[str, object] = {}
+    spans = [[name, float(i), 0.01] for i in range(16) for name in ("forward", "backward")]
+
+    def run(cmd, log, env, timeout):
+        seen["cmd"] = cmd
+        Path(env["SPANS_OUT"]).write_text(json.dumps(spans))
+        return "".join(f" iteration {k}/ 8 | elapsed time per iteration (ms): {100 + k}.0 | lm loss: 1.0E+01 |\n"
+                       for k in range(1, 9))
+
+    monkeypatch.setattr(truth, "_run", run)
+    config = truth.config_of("dense-bf16-mbs2")  # 4 micro-batches an iteration
+    launched = truth.step("launched-spans", config, tmp_path, 8, 0, 10.0)
+    cmd = [str(c) for c in seen["cmd"]]
+    assert cmd[cmd.index("-m") + 1:cmd.index("-m") + 3] == ["prism_megatron", "launch"]
+    assert "--prism-emulate" not in cmd and cmd[cmd.index("--gpu-timing") + 1] == "off"
+    assert cmd[cmd.index("--") + 1].endswith("spans_driver.py")
+    assert not truth.is_truth(launched["kind"])
+    launched["kind"] += "+times"  # as a probed step is named (step's ``counted``)
+    row = truth.analyse_config([launched], tmp_path, microbatches=truth.microbatches(config))
+    assert [k for k, _ in row["spans"]] == ["launched-spans+times"]
+    assert row["spans"][0][1]["iterations"] == 2  # 3 and 4: 16 forwards, 4 an iteration
+    assert "real_ms" not in row
+
+
 def test_each_emulation_variant_runs_prism_with_its_flag(tmp_path, monkeypatch):
     """``emuW-off`` turns GPU timing off, ``emuW-nolive`` the live prediction, ``emuW-awake`` spins through every
     wait for a grant; the plain ``emuW`` none of them."""

@@ -33,7 +33,10 @@ without activation recompute, micro-batch 1 to 8) it runs, on GPU 0, in the orde
   marks them (``spans_driver.py``): the table splits its iterations, and every emulation's, into forward, backward
   and the rest (a diagnosis, not scored against); ``real-spans-neighbour``: the same beside ``neighbour.py``, a
   process that wakes as an emulation's coordinator does (with ``+times`` set against the first timed real run, as
-  an emulation is);
+  an emulation is); ``launched-spans``: the spans driver as the one rank of ``prism-megatron launch`` (prism's rank
+  process, runtime and coordinator, without ``run --prism-emulate``'s Megatron patches, template imports, memory
+  probe or GPU timing): where between the real program and an emulated rank a slowdown comes in (set against the
+  real run as ``real-spans-neighbour`` is; never scored);
 - ``probe``: ``one_gpu_probe.py``, a real run (no compile pool) whose iteration phases test the bias
   candidates (synchronisation at collectives, the allocator's history, sleeping at collectives, the plain
   iterations after a profiled one);
@@ -109,7 +112,11 @@ FORWARD_PROBES = ("calls", "canary", "times")
 #: the real steps that run the spans driver (its marker sink is what the forward probes wrap), and the one of them
 #: with the coordinator-like neighbour beside it
 NEIGHBOURED = "real-spans-neighbour"
-SPANNED = ("real-spans", NEIGHBOURED)
+#: the real program as a rank of ``prism-megatron launch`` runs it: prism's rank process, runtime and coordinator,
+#: without ``run --prism-emulate``'s Megatron patches, template imports, memory probe or GPU timing; not a real run
+#: (not scored, not pooled), the step between the real program and an emulated rank
+LAUNCHED = "launched-spans"
+SPANNED = ("real-spans", NEIGHBOURED, LAUNCHED)
 CENSUSES = ("gc", *FORWARD_PROBES)
 _PREFIX = re.compile(r"^\[\s*([0-9.]+)s\] ")
 _ITER = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([0-9.]+)(?: \(([^|]*)\))? \|"
@@ -484,7 +491,7 @@ def step(kind: str, config: Config, work: Path, iters: int, index: int, timeout:
     kind, census = kind.rsplit("+", 1) if kind.endswith(tuple(f"+{c}" for c in CENSUSES)) else (kind, "")
     if census in FORWARD_PROBES and kind.startswith("real") and kind not in SPANNED:
         raise ValueError(f"step {name!r}: +{census} probes the forwards a marker sink sees; of the real runs only "
-                         "real-spans and real-spans-neighbour install one")
+                         f"{', '.join(SPANNED)} install one")
     census_dir = work / f"{name}.{census}"
     # a forward probe leaves out the warm-up's forwards: real-spans and the emulations both run emu_extra more
     run_env = {**dict(config.env), **(census_env(census, census_dir, (WARMUP + emu_extra) * microbatches(config))
@@ -500,6 +507,16 @@ def step(kind: str, config: Config, work: Path, iters: int, index: int, timeout:
             result[census] = read_probe(census_dir, census)
         return result
 
+    if kind == LAUNCHED:
+        trace = work / f"trace-{name}"
+        shutil.rmtree(trace, ignore_errors=True)
+        spans = work / f"{name}.spans.json"
+        cmd = [PY, "-m", "prism_megatron", "launch", "--world-size", "1", "--devices", "0", "--gpu-timing", "off",
+               "--trace-dir", str(trace), "--", str(HERE / "spans_driver.py"), str(DRIVER_SCRIPT), *flags,
+               "--global-batch-size", str(config.gbs)]
+        text = _run(cmd, work / f"{name}.log", _env(SPANS_OUT=str(spans), **run_env), timeout)
+        return counted({"kind": kind, "iterations": parse_log(text), "measured_from": WARMUP + emu_extra + 1,
+                        "spans": json.loads(spans.read_text())})
     if kind in ("real", "real-threads1", "real-forked", *SPANNED):
         extra = real_extra if kind == "real" else emu_extra  # no pool: the emulations' iterations
         threads = {} if kind == "real" else {"TORCHINDUCTOR_COMPILE_THREADS": "1"}
@@ -679,7 +696,7 @@ def analyse_config(steps: list[dict[str, Any]], root: Path, resolve: bool = Fals
         row["canary_forwards"] = canary_split([(s["kind"], s["canary"]["canary"]["python_us"],
                                                 forward_lengths(s, root)) for s in sung])
     row["times"] = [(s["kind"], s["times"]) for s in steps if s.get("times")]
-    row["spans"] = [(s["kind"], sp) for s in steps if s.get("kind") in SPANNED and "iterations" in s
+    row["spans"] = [(s["kind"], sp) for s in steps if s.get("kind", "").split("+")[0] in SPANNED and "iterations" in s
                     and (sp := real_spans(s, microbatches)) is not None]
     row["forked"] = [statistics.median(m) for s in steps if s.get("kind", "").split("+")[0] == "real-forked"
                      and "iterations" in s and (m := step_ms(s))]
@@ -1084,8 +1101,8 @@ def table(report: dict[str, Any]) -> str:
                              f"{real_calls[1]['forwards']} forwards: {calls_text(real_calls[1], calls)}")
         timed = row.get("times") or []
         real_times = next(((k, t) for k, t in timed if k.startswith("real") and not k.startswith(NEIGHBOURED)), None)
-        for kind, times in timed:  # each emulation, and the real program beside a neighbour, against the real
-            if real_times and kind.startswith(("emu", NEIGHBOURED)):
+        for kind, times in timed:  # each emulation, the real program beside a neighbour and as a launched rank
+            if real_times and kind.startswith(("emu", NEIGHBOURED, LAUNCHED)):
                 lines.append(f"{'':{w}} {kind} against {real_times[0]}: {times_text(real_times[1], times)}")
         split = [(k, sp) for k, sp in row.get("spans") or []] + [
             (k, em["spans"]) for k, em in (row.get("emulations") or {}).items() if em.get("spans")]
@@ -1215,8 +1232,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--configs", default=",".join(c.name for c in CONFIGS.values() if c.default),
                    help="comma-separated config names")
     p.add_argument("--plan", default="", help="'config:step,step,...;config:...' (steps: real, real-threads1, "
-                   "real-forked, real-spans, real-spans-neighbour, probe, "
-                   "emuW[-keep|-teardown|-off|-spin|-fold|-exec]; "
+                   "real-forked, real-spans, real-spans-neighbour, launched-spans, probe, "
+                   "emuW[-keep|-teardown|-off|-spin|-prof|-fold|-exec|-nolive|-awake]; "
                    "any +gc, +calls, +canary or +times)")
     p.add_argument("--iters", type=int, default=8, help=f"iterations per run ({WARMUP} of them warm-up)")
     p.add_argument("--real-extra", type=int, default=30,
