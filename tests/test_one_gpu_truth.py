@@ -264,6 +264,9 @@ for i in range(4):
     most = text.split("ms per forward: ")[1].split(", ")[0]
     assert float(most.split()[0]) > 5 and "c time.sleep" in most  # ~+10 ms (sleeps of 12 and 2 ms; a loaded machine
     # oversleeps the short naps more), the first named
+    assert all(f["calls"]["c time.sleep"] == 1 for f in real["forward"] + emulated["forward"])
+    each = most.split("; ")[1]  # one sleep a forward on each side: the growth is in the call, not in more calls
+    assert each.startswith("1 -> 1 calls at ") and float(each.split(" -> ")[2].split()[0]) >= 12_000
     real["forward"][0]["python_us"] = 0.06  # a forward the host ran at half speed is left out
     assert "real 2 of 3" in truth.times_text(real, emulated)
     for f in real["forward"]:  # none at full speed on one side: the waits and processes still compared

@@ -319,7 +319,8 @@ def at_full_speed(python_us: float, floor: float) -> bool:
 def times_text(real: dict[str, Any], emulated: dict[str, Any], top: int = 8) -> str:
     """The forwards at full speed on each side (their canary's Python call within ``FULL_SPEED`` of the least
     seen on either side): their median profiled length, and the functions whose own time per forward differs
-    most, emulated less real (the mean over those forwards; real's figure in brackets)."""
+    most, emulated less real (the mean over those forwards; real's figure in brackets, with the calls per forward
+    and the own time per call on each side where the probe counted them: a slower call told from more calls)."""
     floor = min(f["python_us"] for f in real["forward"] + emulated["forward"])
 
     def fast(side: dict[str, Any]) -> list[dict[str, Any]]:
@@ -339,9 +340,25 @@ def times_text(real: dict[str, Any], emulated: dict[str, Any], top: int = 8) -> 
                 out[k] = out.get(k, 0.0) + us / 1e3 / len(forwards)
         return out
 
+    def calls(forwards: list[dict[str, Any]]) -> dict[str, float]:
+        """Calls per forward of each function kept (probes before the counts were kept: none)."""
+        out: dict[str, float] = {}
+        for f in forwards:
+            for k, n in (f.get("calls") or {}).items():
+                out[k] = out.get(k, 0.0) + n / len(forwards)
+        return out
+
     oa, ob = own(a), own(b)
+    na, nb = calls(a), calls(b)
     diff = sorted(((ob.get(k, 0.0) - oa.get(k, 0.0), k) for k in set(oa) | set(ob)), key=lambda d: (-abs(d[0]), d[1]))
-    shown = ", ".join(f"{d:+.2f} {k} ({oa.get(k, 0.0):.2f})" for d, k in diff[:top])
+
+    def each(k: str) -> str:
+        """Calls per forward and own microseconds per call, real -> emulated, where both sides counted them."""
+        if not na.get(k) or not nb.get(k):
+            return ""
+        return f"; {na[k]:.0f} -> {nb[k]:.0f} calls at {oa[k] * 1e3 / na[k]:.1f} -> {ob[k] * 1e3 / nb[k]:.1f} us"
+
+    shown = ", ".join(f"{d:+.2f} {k} ({oa.get(k, 0.0):.2f}{each(k)})" for d, k in diff[:top])
     ma, mb = (statistics.median(f["ms"] for f in side) for side in (a, b))
     text = (f"forwards at full speed: real {len(a)} of {len(real['forward'])}, {ma:.1f} ms profiled; emulated "
             f"{len(b)} of {len(emulated['forward'])}, {mb:.1f} ms; own time most apart, ms per forward: {shown}")

@@ -23,11 +23,11 @@ micro-batches, the warm-up) is probed. After each
 such span ``$FORWARD_PROBE_DIR/MODE-PID.json`` holds ``{"command", "forwards", "calls": {"FILE:LINE NAME" or
 "c MODULE.NAME": count}}`` or ``{..., "canary": {"python_us": [...], "aten_cpu_us": [...], "cuda_launch_us":
 [...]}}`` (one value per forward), or for times ``{..., "forward": [{"python_us": canary, "ms": the forward's
-profiled length, "self_us": {function: microseconds}}, ...], "dynamo": ..., "process": its fingerprint,
-"callers": {wait: {caller chain: count}}, "mutations": {"censuses": n, "classes": {name: censuses it changed in},
-"modules": {...}}}`` (functions of 20 us or more; ``WAITS`` for the callers; ``probe_mutations.py``), rewritten
-whole (a rank ends with ``os._exit``). The probes run on the main thread: the forward runs there. Shadows any other
-sitecustomize.
+profiled length, "self_us": {function: microseconds}, "calls": {function: calls}}, ...], "dynamo": ...,
+"process": its fingerprint, "callers": {wait: {caller chain: count}}, "mutations": {"censuses": n, "classes": {name:
+censuses it changed in}, "modules": {...}}}`` (functions of 20 us or more; ``WAITS`` for the callers;
+``probe_mutations.py``), rewritten whole (a rank ends with ``os._exit``). The probes run on the main thread: the
+forward runs there. Shadows any other sitecustomize.
 """
 
 import json
@@ -103,6 +103,7 @@ class _Probe:
         self.forwards = 0
         self.stack: list[list] = []
         self.own: dict[str, int] = {}
+        self.n: dict[str, int] = {}  # calls per function in this forward: own time per call, and counts apart
         self.timings: list[dict] = []
         self.began = 0
         self.seen_in: dict[str, str] = {}  # per function, the dynamo frame callback at its first call in a forward
@@ -130,6 +131,7 @@ class _Probe:
                 counted = self.callers.setdefault(key, {})
                 counted[chain] = counted.get(chain, 0) + 1
             self.stack.append([key, now, 0])
+            self.n[key] = self.n.get(key, 0) + 1
             if event == "call" and key not in self.seen_in:
                 self.seen_in[key] = _dynamo_callback()
                 self.codes.setdefault(key, frame.f_code)
@@ -209,7 +211,7 @@ class _Probe:
         if _MODE in ("canary", "times"):
             self.sing()
         if _MODE == "times":
-            self.stack, self.own, self.seen_in = [], {}, {}
+            self.stack, self.own, self.n, self.seen_in = [], {}, {}, {}
             self.began = time.perf_counter_ns()
             sys.setprofile(self.timed)
         elif _MODE == "calls":
@@ -225,7 +227,8 @@ class _Probe:
             self.timings.append({"python_us": self.canary["python_us"][-1],
                                  "canary": {k: v[-1] for k, v in self.canary.items() if v},
                                  "ms": (time.perf_counter_ns() - self.began) / 1e6,
-                                 "self_us": {k: round(v / 1e3) for k, v in self.own.items() if v >= KEEP_US * 1000}})
+                                 "self_us": {k: round(v / 1e3) for k, v in self.own.items() if v >= KEEP_US * 1000},
+                                 "calls": {k: self.n[k] for k, v in self.own.items() if v >= KEEP_US * 1000}})
             for k, v in self.own.items():
                 self.totals[k] = self.totals.get(k, 0) + v
             for k, cb in self.seen_in.items():
