@@ -109,8 +109,8 @@ TRUTH_SPREAD = 1.0  # percent: a config whose real repeats spread and drift less
 #: the forward probes (forward_probe/sitecustomize.py's modes) and, with the collector's (gc_census/), every census a
 #: step's ``+NAME`` may load
 FORWARD_PROBES = ("calls", "canary", "times")
-#: the real steps that run the spans driver (its marker sink is what the forward probes wrap), and the one of them
-#: with the coordinator-like neighbour beside it
+#: the steps that run the real program under the spans driver (its marker sink is what the forward probes wrap): plain,
+#: beside the coordinator-like neighbour, and as a launched rank
 NEIGHBOURED = "real-spans-neighbour"
 #: the real program as a rank of ``prism-megatron launch`` runs it: prism's rank process, runtime and coordinator,
 #: without ``run --prism-emulate``'s Megatron patches, template imports, memory probe or GPU timing; not a real run
@@ -524,31 +524,28 @@ def step(kind: str, config: Config, work: Path, iters: int, index: int, timeout:
             result[census] = read_probe(census_dir, census)
         return result
 
-    if kind == LAUNCHED:
-        trace = work / f"trace-{name}"
-        shutil.rmtree(trace, ignore_errors=True)
-        spans = work / f"{name}.spans.json"
-        cmd = [PY, "-m", "prism_megatron", "launch", "--world-size", "1", "--devices", "0", "--gpu-timing", "off",
-               "--trace-dir", str(trace), "--", str(HERE / "spans_driver.py"), str(DRIVER_SCRIPT), *flags,
-               "--global-batch-size", str(config.gbs)]
-        text = _run(cmd, work / f"{name}.log", _env(SPANS_OUT=str(spans), **run_env), timeout)
-        return counted({"kind": kind, "iterations": parse_log(text), "measured_from": WARMUP + emu_extra + 1,
-                        "spans": json.loads(spans.read_text())})
     if kind in ("real", "real-threads1", "real-forked", *SPANNED):
         extra = real_extra if kind == "real" else emu_extra  # no pool: the emulations' iterations
         threads = {} if kind == "real" else {"TORCHINDUCTOR_COMPILE_THREADS": "1"}
         spanned = kind in SPANNED
         wrapper = [str(HERE / "spans_driver.py")] if spanned else \
             [str(HERE / "forked_driver.py")] if kind == "real-forked" else []
+        if kind == LAUNCHED:  # the launcher gives its rank the torchrun environment itself
+            trace = work / f"trace-{name}"
+            shutil.rmtree(trace, ignore_errors=True)
+            runner, single = [PY, "-m", "prism_megatron", "launch", "--world-size", "1", "--devices", "0",
+                              "--gpu-timing", "off", "--trace-dir", str(trace), "--"], {}
+        else:
+            runner, single = [PY], _single(_port())
         spans = work / f"{name}.spans.json"
         told = {"SPANS_OUT": str(spans)} if spanned else {}
         # the coordinator's pattern beside the real program: its own process, for the step's length only
         neighbour = subprocess.Popen([PY, str(HERE / "neighbour.py")], stdout=subprocess.DEVNULL,
                                      stderr=subprocess.DEVNULL) if kind == NEIGHBOURED else None
         try:
-            text = _run([PY, *wrapper, str(DRIVER_SCRIPT), *config.flags, "--train-iters", str(iters + extra),
+            text = _run([*runner, *wrapper, str(DRIVER_SCRIPT), *config.flags, "--train-iters", str(iters + extra),
                          "--global-batch-size", str(config.gbs)], work / f"{name}.log",
-                        _env(**_single(_port()), **threads, **run_env, **told), timeout)
+                        _env(**single, **threads, **run_env, **told), timeout)
         finally:
             if neighbour is not None:
                 neighbour.kill()

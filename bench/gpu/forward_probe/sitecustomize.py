@@ -224,11 +224,12 @@ class _Probe:
         self.counting = False
         self.forwards += 1
         if _MODE == "times":
+            kept = {k: v for k, v in self.own.items() if v >= KEEP_US * 1000}
             self.timings.append({"python_us": self.canary["python_us"][-1],
                                  "canary": {k: v[-1] for k, v in self.canary.items() if v},
                                  "ms": (time.perf_counter_ns() - self.began) / 1e6,
-                                 "self_us": {k: round(v / 1e3) for k, v in self.own.items() if v >= KEEP_US * 1000},
-                                 "calls": {k: self.n[k] for k, v in self.own.items() if v >= KEEP_US * 1000}})
+                                 "self_us": {k: round(v / 1e3) for k, v in kept.items()},
+                                 "calls": {k: self.n[k] for k in kept}})
             for k, v in self.own.items():
                 self.totals[k] = self.totals.get(k, 0) + v
             for k, cb in self.seen_in.items():
