@@ -407,6 +407,71 @@ def test_a_launched_real_program_runs_as_a_prism_rank_and_is_split_not_scored(tm
     assert "real_ms" not in row
 
 
+def test_a_real_program_given_one_part_of_a_rank_is_told_it_and_set_against_the_plain_real_run(tmp_path, monkeypatch):
+    """``real-spans-history`` / ``-receiver`` tell the spans driver the rank's part to add, ``launched-spans-untracked``
+    launches without the memory probe; none is scored, and with ``+times`` each is set against the plain
+    ``real-spans`` run, not against one another."""
+    from pathlib import Path
+
+    truth = load_bench("gpu/one_gpu_truth.py")
+    ran: dict[str, tuple[list[str], dict[str, str]]] = {}
+
+    def run(cmd, log, env, timeout):
+        ran[log.stem] = ([str(c) for c in cmd], env)
+        Path(env["SPANS_OUT"]).write_text("[]")
+        return ""
+
+    monkeypatch.setattr(truth, "_run", run)
+    config = truth.config_of("dense-bf16-mbs2")
+    for i, kind in enumerate(("real-spans", "real-spans-history", "real-spans-receiver", "launched-spans",
+                              "launched-spans-untracked")):
+        truth.step(kind, config, tmp_path, 4, i, 10.0)
+    envs = {name: env for name, (_, env) in ran.items()}
+    assert envs["01-real-spans-history"]["SPANS_MEMORY_HISTORY"] == "1"
+    assert "SPANS_IDLE_RECEIVER" not in envs["01-real-spans-history"]
+    assert envs["02-real-spans-receiver"]["SPANS_IDLE_RECEIVER"] == "1"
+    assert not {"SPANS_MEMORY_HISTORY", "SPANS_IDLE_RECEIVER"} & set(envs["00-real-spans"])
+    launched, untracked = ran["03-launched-spans"][0], ran["04-launched-spans-untracked"][0]
+    assert "--track-memory" not in launched and untracked[untracked.index("--track-memory") + 1] == "off"
+    assert untracked[untracked.index("--") + 1].endswith("spans_driver.py")
+    assert not any(truth.is_truth(k) for k in truth.SPANNED)
+
+    monkeypatch.setattr(truth, "times_text", lambda real, other: f"{real['side']} -> {other['side']}")
+    steps = [{**_step(f"{kind}+times", 900.0), "times": {"side": kind}}
+             for kind in ("real-spans", "real-spans-history", "launched-spans-untracked")]
+    report = {"steps": {"dense-bf16-mbs2": [_step("real-threads1", 200.0), *steps]}}
+    text = truth.analyse(report, tmp_path)
+    assert "real-spans-history+times against real-spans+times: real-spans -> real-spans-history" in text
+    assert "launched-spans-untracked+times against real-spans+times: real-spans -> launched-spans-untracked" in text
+    assert "real-spans+times against" not in text
+
+
+def test_the_spans_driver_gives_the_plain_process_the_rank_part_it_is_asked_for(monkeypatch):
+    """``SPANS_IDLE_RECEIVER=1``: a thread blocked in a socket read for the program's life; ``SPANS_MEMORY_HISTORY=1``
+    where there is no CUDA device: an error naming it, not a run without the history."""
+    import threading
+
+    import torch
+
+    driver = load_bench("gpu/spans_driver.py")
+    monkeypatch.delenv("SPANS_MEMORY_HISTORY", raising=False)
+    monkeypatch.setenv("SPANS_IDLE_RECEIVER", "1")
+    kept = driver._as_a_rank()
+    receiver = next(t for t in threading.enumerate() if t.name == "idle-receiver")
+    receiver.join(0.2)
+    assert receiver.is_alive() and receiver.daemon  # blocked in its read
+    kept[1].close()  # the other end gone: the read returns and the thread ends
+    receiver.join(5)
+    assert not receiver.is_alive()
+    kept[0].close()
+    monkeypatch.delenv("SPANS_IDLE_RECEIVER")
+    assert driver._as_a_rank() == []
+    monkeypatch.setenv("SPANS_MEMORY_HISTORY", "1")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="SPANS_MEMORY_HISTORY=1 records the CUDA allocator's history"):
+        driver._as_a_rank()
+
+
 def test_each_emulation_variant_runs_prism_with_its_flag(tmp_path, monkeypatch):
     """``emuW-off`` turns GPU timing off, ``emuW-nolive`` the live prediction, ``emuW-awake`` spins through every
     wait for a grant; the plain ``emuW`` none of them."""

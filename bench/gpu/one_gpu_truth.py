@@ -33,10 +33,13 @@ without activation recompute, micro-batch 1 to 8) it runs, on GPU 0, in the orde
   marks them (``spans_driver.py``): the table splits its iterations, and every emulation's, into forward, backward
   and the rest (a diagnosis, not scored against); ``real-spans-neighbour``: the same beside ``neighbour.py``, a
   process that wakes as an emulation's coordinator does (with ``+times`` set against the first timed real run, as
-  an emulation is); ``launched-spans``: the spans driver as the one rank of ``prism-megatron launch`` (prism's rank
-  process, runtime and coordinator, without ``run --prism-emulate``'s Megatron patches, template imports, memory
-  probe or GPU timing): where between the real program and an emulated rank a slowdown comes in (set against the
-  real run as ``real-spans-neighbour`` is; never scored);
+  an emulation is); ``real-spans-history`` and ``real-spans-receiver``: the same with the allocator's history
+  recorded as a rank's memory probe records it, or with an idle thread blocked in a socket read as a rank's
+  receiver is; ``launched-spans``: the spans driver as the one rank of ``prism-megatron launch`` (prism's rank
+  process, runtime, coordinator and memory probe, without ``run --prism-emulate``'s Megatron patches, template
+  imports or GPU timing), ``launched-spans-untracked`` the same without the memory probe: where between the real
+  program and an emulated rank a slowdown comes in (each set against the real run as ``real-spans-neighbour`` is;
+  never scored);
 - ``probe``: ``one_gpu_probe.py``, a real run (no compile pool) whose iteration phases test the bias
   candidates (synchronisation at collectives, the allocator's history, sleeping at collectives, the plain
   iterations after a profiled one);
@@ -101,6 +104,7 @@ from prism_megatron.megatron.driver import DRIVER_SCRIPT
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from one_gpu_probe import ITERATIONS as PROBE_ITERATIONS  # noqa: E402 - bench/gpu/one_gpu_probe.py
+from spans_driver import HISTORY_ENV, RECEIVER_ENV  # noqa: E402 - bench/gpu/spans_driver.py
 
 HERE = Path(__file__).resolve().parent
 PY = sys.executable
@@ -110,13 +114,19 @@ TRUTH_SPREAD = 1.0  # percent: a config whose real repeats spread and drift less
 #: step's ``+NAME`` may load
 FORWARD_PROBES = ("calls", "canary", "times")
 #: the steps that run the real program under the spans driver (its marker sink is what the forward probes wrap): plain,
-#: beside the coordinator-like neighbour, and as a launched rank
+#: beside the coordinator-like neighbour, given one thing of a rank's process, and as a launched rank
 NEIGHBOURED = "real-spans-neighbour"
-#: the real program as a rank of ``prism-megatron launch`` runs it: prism's rank process, runtime and coordinator,
-#: without ``run --prism-emulate``'s Megatron patches, template imports, memory probe or GPU timing; not a real run
-#: (not scored, not pooled), the step between the real program and an emulated rank
+#: the real program with one of an emulated rank's differences from a plain process, each what it adds to the
+#: spans driver's environment (spans_driver.AS_A_RANK): the allocator's history as the rank's memory probe records
+#: it, an idle thread blocked in a socket read as the rank's receiver is
+AS_A_RANK = {"real-spans-history": {HISTORY_ENV: "1"}, "real-spans-receiver": {RECEIVER_ENV: "1"}}
+#: the real program as a rank of ``prism-megatron launch`` runs it: prism's rank process, runtime, coordinator and
+#: memory probe (on a GPU it records the allocator's history), without ``run --prism-emulate``'s Megatron patches,
+#: template imports or GPU timing; each with the launcher flags it adds (``-untracked``: no memory probe). Not real
+#: runs (not scored, not pooled): the steps between the real program and an emulated rank
 LAUNCHED = "launched-spans"
-SPANNED = ("real-spans", NEIGHBOURED, LAUNCHED)
+LAUNCH_FLAGS = {LAUNCHED: [], f"{LAUNCHED}-untracked": ["--track-memory", "off"]}
+SPANNED = ("real-spans", NEIGHBOURED, *AS_A_RANK, *LAUNCH_FLAGS)
 CENSUSES = ("gc", *FORWARD_PROBES)
 _PREFIX = re.compile(r"^\[\s*([0-9.]+)s\] ")
 _ITER = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([0-9.]+)(?: \(([^|]*)\))? \|"
@@ -530,15 +540,15 @@ def step(kind: str, config: Config, work: Path, iters: int, index: int, timeout:
         spanned = kind in SPANNED
         wrapper = [str(HERE / "spans_driver.py")] if spanned else \
             [str(HERE / "forked_driver.py")] if kind == "real-forked" else []
-        if kind == LAUNCHED:  # the launcher gives its rank the torchrun environment itself
+        if kind in LAUNCH_FLAGS:  # the launcher gives its rank the torchrun environment itself
             trace = work / f"trace-{name}"
             shutil.rmtree(trace, ignore_errors=True)
             runner, single = [PY, "-m", "prism_megatron", "launch", "--world-size", "1", "--devices", "0",
-                              "--gpu-timing", "off", "--trace-dir", str(trace), "--"], {}
+                              "--gpu-timing", "off", *LAUNCH_FLAGS[kind], "--trace-dir", str(trace), "--"], {}
         else:
             runner, single = [PY], _single(_port())
         spans = work / f"{name}.spans.json"
-        told = {"SPANS_OUT": str(spans)} if spanned else {}
+        told = {"SPANS_OUT": str(spans), **AS_A_RANK.get(kind, {})} if spanned else {}
         # the coordinator's pattern beside the real program: its own process, for the step's length only
         neighbour = subprocess.Popen([PY, str(HERE / "neighbour.py")], stdout=subprocess.DEVNULL,
                                      stderr=subprocess.DEVNULL) if kind == NEIGHBOURED else None
@@ -1114,9 +1124,9 @@ def table(report: dict[str, Any]) -> str:
                 lines.append(f"{'':{w}} {kind} against {real_calls[0]}, over {calls['forwards']} and "
                              f"{real_calls[1]['forwards']} forwards: {calls_text(real_calls[1], calls)}")
         timed = row.get("times") or []
-        real_times = next(((k, t) for k, t in timed if k.startswith("real") and not k.startswith(NEIGHBOURED)), None)
-        for kind, times in timed:  # each emulation, the real program beside a neighbour and as a launched rank
-            if real_times and kind.startswith(("emu", NEIGHBOURED, LAUNCHED)):
+        real_times = next(((k, t) for k, t in timed if k.split("+")[0] == "real-spans"), None)
+        for kind, times in timed:  # each emulation and every other spanned step: a neighbour, a rank's part, launched
+            if real_times and kind != real_times[0] and kind.split("+")[0] != "real-spans":
                 lines.append(f"{'':{w}} {kind} against {real_times[0]}: {times_text(real_times[1], times)}")
         split = [(k, sp) for k, sp in row.get("spans") or []] + [
             (k, em["spans"]) for k, em in (row.get("emulations") or {}).items() if em.get("spans")]

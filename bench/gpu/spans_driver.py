@@ -11,6 +11,12 @@ trace cuts a forward into segments (the data's broadcasts before the model's bod
 so the body can be set against the rank's. At exit it writes ``$SPANS_OUT`` (JSON): ``[[name, seconds from the
 first span, duration in seconds], ...]`` in the order they began.
 
+Each of ``AS_A_RANK`` gives the plain process one thing an emulated rank's process has (the bisection of the rank's
+slow compiled-call frames, docs/measurements.md): ``SPANS_MEMORY_HISTORY=1`` records the CUDA allocator's history as
+the rank's memory probe does (``memory.probe.HISTORY``, turned on from the main thread before the program, which
+also adds torch's thread-local RecordFunction callback for the snapshot's annotations), ``SPANS_IDLE_RECEIVER=1``
+starts a thread blocked in a socket read, as the rank's ``prism-receiver`` is between the coordinator's messages.
+
   SPANS_OUT=spans.json python bench/gpu/spans_driver.py DRIVER_SCRIPT DRIVER-FLAGS...
 """
 
@@ -27,6 +33,10 @@ from typing import Any
 
 from prism_megatron.patches import schedules
 from prism_megatron.trace import markers
+
+HISTORY_ENV = "SPANS_MEMORY_HISTORY"
+RECEIVER_ENV = "SPANS_IDLE_RECEIVER"
+AS_A_RANK = (HISTORY_ENV, RECEIVER_ENV)
 
 
 class _Timed:
@@ -66,12 +76,35 @@ def _time_collectives(sink: _Timed) -> None:
         setattr(dist, name, timed)
 
 
+def _as_a_rank() -> list[Any]:
+    """What of an emulated rank's process the environment asks for, set up as the rank does before its program;
+    returns what must live as long as the program (the receiver's socket pair)."""
+    kept: list[Any] = []
+    if os.environ.get(HISTORY_ENV) == "1":
+        import torch
+
+        from prism_megatron.memory.probe import HISTORY
+
+        if not torch.cuda.is_available():
+            raise SystemExit(f"{HISTORY_ENV}=1 records the CUDA allocator's history: no CUDA device here")
+        torch.cuda.memory._record_memory_history(**HISTORY)
+    if os.environ.get(RECEIVER_ENV) == "1":
+        import socket
+        import threading
+
+        mine, theirs = socket.socketpair()
+        threading.Thread(target=mine.recv, args=(1,), name="idle-receiver", daemon=True).start()
+        kept += [mine, theirs]
+    return kept
+
+
 def main() -> int:
     out = os.environ.get("SPANS_OUT")
     if len(sys.argv) < 2 or not out:
         print("usage: SPANS_OUT=FILE spans_driver.py DRIVER_SCRIPT [FLAGS...]", file=sys.stderr)
         return 2
     driver, *flags = sys.argv[1:]
+    kept = _as_a_rank()  # noqa: F841 - the receiver's sockets live as long as the program
     sink = _Timed()
     schedules.install()
     markers.set_sink(sink)
