@@ -408,9 +408,9 @@ def test_a_launched_real_program_runs_as_a_prism_rank_and_is_split_not_scored(tm
 
 
 def test_a_real_program_given_one_part_of_a_rank_is_told_it_and_set_against_the_plain_real_run(tmp_path, monkeypatch):
-    """``real-spans-history`` / ``-receiver`` tell the spans driver the rank's part to add, ``launched-spans-untracked``
-    launches without the memory probe; none is scored, and with ``+times`` each is set against the plain
-    ``real-spans`` run, not against one another."""
+    """``real-spans-history`` / ``-receiver`` tell the spans driver the rank's part to add, ``real-spans-rankenv``
+    runs in the environment the launcher gives its rank but rendezvouses as a plain process; none is scored, and
+    with ``+times`` each is set against the plain ``real-spans`` run, not against one another."""
     from pathlib import Path
 
     truth = load_bench("gpu/one_gpu_truth.py")
@@ -423,26 +423,30 @@ def test_a_real_program_given_one_part_of_a_rank_is_told_it_and_set_against_the_
 
     monkeypatch.setattr(truth, "_run", run)
     config = truth.config_of("dense-bf16-mbs2")
-    for i, kind in enumerate(("real-spans", "real-spans-history", "real-spans-receiver", "launched-spans",
-                              "launched-spans-untracked")):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    for i, kind in enumerate(("real-spans", "real-spans-history", "real-spans-receiver", "real-spans-rankenv")):
         truth.step(kind, config, tmp_path, 4, i, 10.0)
     envs = {name: env for name, (_, env) in ran.items()}
     assert envs["01-real-spans-history"]["SPANS_MEMORY_HISTORY"] == "1"
     assert "SPANS_IDLE_RECEIVER" not in envs["01-real-spans-history"]
     assert envs["02-real-spans-receiver"]["SPANS_IDLE_RECEIVER"] == "1"
-    assert not {"SPANS_MEMORY_HISTORY", "SPANS_IDLE_RECEIVER"} & set(envs["00-real-spans"])
-    launched, untracked = ran["03-launched-spans"][0], ran["04-launched-spans-untracked"][0]
-    assert "--track-memory" not in launched and untracked[untracked.index("--track-memory") + 1] == "off"
-    assert untracked[untracked.index("--") + 1].endswith("spans_driver.py")
+    assert not {"SPANS_MEMORY_HISTORY", "SPANS_IDLE_RECEIVER", "PRISM_EMULATED"} & set(envs["00-real-spans"])
+    plain, ranked = envs["00-real-spans"], envs["03-real-spans-rankenv"]
+    assert ranked["PRISM_EMULATED"] == "1" and ranked["CUDA_VISIBLE_DEVICES"] == "0"
+    assert ranked["PYTORCH_NVML_BASED_CUDA_CHECK"] == "1" and ranked["TORCH_DIST_INIT_BARRIER"] == "0"
+    assert ranked["OMP_NUM_THREADS"].isdigit()  # the launcher's rule for a rank's torch threads
+    assert "TORCHELASTIC_USE_AGENT_STORE" not in ranked  # it rendezvouses as the plain process does, on its own
+    assert ranked["MASTER_ADDR"] == plain["MASTER_ADDR"] and ranked["RANK"] == "0"
+    assert ran["03-real-spans-rankenv"][0][1].endswith("spans_driver.py")
     assert not any(truth.is_truth(k) for k in truth.SPANNED)
 
     monkeypatch.setattr(truth, "times_text", lambda real, other: f"{real['side']} -> {other['side']}")
     steps = [{**_step(f"{kind}+times", 900.0), "times": {"side": kind}}
-             for kind in ("real-spans", "real-spans-history", "launched-spans-untracked")]
+             for kind in ("real-spans", "real-spans-history", "launched-spans")]
     report = {"steps": {"dense-bf16-mbs2": [_step("real-threads1", 200.0), *steps]}}
     text = truth.analyse(report, tmp_path)
     assert "real-spans-history+times against real-spans+times: real-spans -> real-spans-history" in text
-    assert "launched-spans-untracked+times against real-spans+times: real-spans -> launched-spans-untracked" in text
+    assert "launched-spans+times against real-spans+times: real-spans -> launched-spans" in text
     assert "real-spans+times against" not in text
 
 

@@ -34,12 +34,12 @@ without activation recompute, micro-batch 1 to 8) it runs, on GPU 0, in the orde
   and the rest (a diagnosis, not scored against); ``real-spans-neighbour``: the same beside ``neighbour.py``, a
   process that wakes as an emulation's coordinator does (with ``+times`` set against the first timed real run, as
   an emulation is); ``real-spans-history`` and ``real-spans-receiver``: the same with the allocator's history
-  recorded as a rank's memory probe records it, or with an idle thread blocked in a socket read as a rank's
-  receiver is; ``launched-spans``: the spans driver as the one rank of ``prism-megatron launch`` (prism's rank
-  process, runtime, coordinator and memory probe, without ``run --prism-emulate``'s Megatron patches, template
-  imports or GPU timing), ``launched-spans-untracked`` the same without the memory probe: where between the real
-  program and an emulated rank a slowdown comes in (each set against the real run as ``real-spans-neighbour`` is;
-  never scored);
+  recorded as a rank's memory probe records it under a target's cap, with an idle thread blocked in a socket read
+  as a rank's receiver is, or in the environment prism's launcher gives its rank; ``launched-spans``: the spans
+  driver as the one rank of ``prism-megatron launch`` (prism's rank process, runtime and coordinator, without
+  ``run --prism-emulate``'s Megatron patches, template imports or GPU timing): where between the real program and
+  an emulated rank a slowdown comes in (each set against the real run as ``real-spans-neighbour`` is; never
+  scored);
 - ``probe``: ``one_gpu_probe.py``, a real run (no compile pool) whose iteration phases test the bias
   candidates (synchronisation at collectives, the allocator's history, sleeping at collectives, the plain
   iterations after a profiled one);
@@ -117,16 +117,21 @@ FORWARD_PROBES = ("calls", "canary", "times")
 #: beside the coordinator-like neighbour, given one thing of a rank's process, and as a launched rank
 NEIGHBOURED = "real-spans-neighbour"
 #: the real program with one of an emulated rank's differences from a plain process, each what it adds to the
-#: spans driver's environment (spans_driver.AS_A_RANK): the allocator's history as the rank's memory probe records
-#: it, an idle thread blocked in a socket read as the rank's receiver is
-AS_A_RANK = {"real-spans-history": {HISTORY_ENV: "1"}, "real-spans-receiver": {RECEIVER_ENV: "1"}}
-#: the real program as a rank of ``prism-megatron launch`` runs it: prism's rank process, runtime, coordinator and
-#: memory probe (on a GPU it records the allocator's history), without ``run --prism-emulate``'s Megatron patches,
-#: template imports or GPU timing; each with the launcher flags it adds (``-untracked``: no memory probe). Not real
-#: runs (not scored, not pooled): the steps between the real program and an emulated rank
+#: spans driver's environment: the allocator's history as the rank's memory probe records it under a target's cap,
+#: an idle thread blocked in a socket read as the rank's receiver is (spans_driver.AS_A_RANK), the environment
+#: prism's launcher gives its rank (``rank_environment``)
+AS_A_RANK = {"real-spans-history": lambda: {HISTORY_ENV: "1"}, "real-spans-receiver": lambda: {RECEIVER_ENV: "1"},
+             "real-spans-rankenv": lambda: rank_environment()}
+#: the real program as a rank of ``prism-megatron launch`` runs it: prism's rank process, runtime and coordinator,
+#: without ``run --prism-emulate``'s Megatron patches, template imports or GPU timing (its memory probe records no
+#: history: no target is named); not a real run (not scored, not pooled), the step between the real program and an
+#: emulated rank
 LAUNCHED = "launched-spans"
-LAUNCH_FLAGS = {LAUNCHED: [], f"{LAUNCHED}-untracked": ["--track-memory", "off"]}
-SPANNED = ("real-spans", NEIGHBOURED, *AS_A_RANK, *LAUNCH_FLAGS)
+SPANNED = ("real-spans", NEIGHBOURED, *AS_A_RANK, LAUNCHED)
+#: the rendezvous a real process of one does itself (``_single``), which the launcher's rank environment points at
+#: its own store instead
+_RENDEZVOUS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "ROLE_RANK",
+               "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE")
 CENSUSES = ("gc", *FORWARD_PROBES)
 _PREFIX = re.compile(r"^\[\s*([0-9.]+)s\] ")
 _ITER = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([0-9.]+)(?: \(([^|]*)\))? \|"
@@ -237,6 +242,19 @@ def _env(**extra: str) -> dict[str, str]:
                TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1", WANDB_MODE="disabled")
     env.update(extra)
     return env
+
+
+def rank_environment() -> dict[str, str]:
+    """What prism's launcher gives the one rank of a job of one on GPU 0 (``launcher.rank.rank_env``: its torch
+    threads, the visible device, torchrun's and prism's flags; and the launcher's fork-safe CUDA check, which its
+    ranks inherit, ``launcher.fork_safe_cuda_checks``), less the rendezvous the real program does itself."""
+    from prism_megatron.launcher.config import LaunchConfig, rank_threads, torchrun_threads
+    from prism_megatron.launcher.rank import rank_env
+
+    cfg = LaunchConfig(script=DRIVER_SCRIPT, world_size=1, devices=["0"], gpu_timing=False,
+                       threads_per_rank=rank_threads(torchrun_threads(1), 1))
+    env = {k: v for k, v in rank_env(cfg, 0, 0).items() if k not in _RENDEZVOUS}
+    return {**env, "PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
 
 
 def _single(port: int) -> dict[str, str]:
@@ -540,22 +558,22 @@ def step(kind: str, config: Config, work: Path, iters: int, index: int, timeout:
         spanned = kind in SPANNED
         wrapper = [str(HERE / "spans_driver.py")] if spanned else \
             [str(HERE / "forked_driver.py")] if kind == "real-forked" else []
-        if kind in LAUNCH_FLAGS:  # the launcher gives its rank the torchrun environment itself
+        if kind == LAUNCHED:  # the launcher gives its rank the torchrun environment itself
             trace = work / f"trace-{name}"
             shutil.rmtree(trace, ignore_errors=True)
             runner, single = [PY, "-m", "prism_megatron", "launch", "--world-size", "1", "--devices", "0",
-                              "--gpu-timing", "off", *LAUNCH_FLAGS[kind], "--trace-dir", str(trace), "--"], {}
+                              "--gpu-timing", "off", "--trace-dir", str(trace), "--"], {}
         else:
             runner, single = [PY], _single(_port())
         spans = work / f"{name}.spans.json"
-        told = {"SPANS_OUT": str(spans), **AS_A_RANK.get(kind, {})} if spanned else {}
+        told = {"SPANS_OUT": str(spans), **(AS_A_RANK[kind]() if kind in AS_A_RANK else {})} if spanned else {}
         # the coordinator's pattern beside the real program: its own process, for the step's length only
         neighbour = subprocess.Popen([PY, str(HERE / "neighbour.py")], stdout=subprocess.DEVNULL,
                                      stderr=subprocess.DEVNULL) if kind == NEIGHBOURED else None
         try:
             text = _run([*runner, *wrapper, str(DRIVER_SCRIPT), *config.flags, "--train-iters", str(iters + extra),
                          "--global-batch-size", str(config.gbs)], work / f"{name}.log",
-                        _env(**single, **threads, **run_env, **told), timeout)
+                        _env(**{**single, **threads, **run_env, **told}), timeout)  # a rank's env the last word
         finally:
             if neighbour is not None:
                 neighbour.kill()
