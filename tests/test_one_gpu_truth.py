@@ -252,10 +252,14 @@ for i in range(4):
     assert emulated["mutations"]["censuses"] == real["mutations"]["censuses"] == 2  # after forwards 2 and 3
     assert emulated["mutations"]["classes"].get("__main__.Settings") == 2 and not real["mutations"]["classes"]
     assert fingerprint["types.unversioned"].split(":")[0].isdigit()
+    assert "thp" in fingerprint and fingerprint["memory_mib"]["Rss"] > 0
+    usage = emulated["forward"][0]["usage"]  # the main thread's faults and switches in each forward
+    assert set(usage) == {"minflt", "majflt", "nvcsw", "nivcsw"} and usage["nvcsw"] >= 1  # it slept 12 ms
     for f in real["forward"] + emulated["forward"]:  # the host at full speed throughout, whatever this one did
         f["python_us"] = 0.03
     text = truth.times_text(real, emulated)
     assert "real 3 of 3" in text and "emulated 3 of 3" in text and "weakref " in text
+    assert "main thread per forward (medians), real / emulated: minflt " in text
     # the emulated side's .item(), traced to who called it
     assert "waits apart: c Tensor.Tensor.item 0.00 / 1.00 per forward, emulated's from " in text
     assert "settle < " in text.split("emulated's from ")[1]
@@ -424,7 +428,8 @@ def test_a_real_program_given_one_part_of_a_rank_is_told_it_and_set_against_the_
     monkeypatch.setattr(truth, "_run", run)
     config = truth.config_of("dense-bf16-mbs2")
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    for i, kind in enumerate(("real-spans", "real-spans-history", "real-spans-receiver", "real-spans-rankenv")):
+    for i, kind in enumerate(("real-spans", "real-spans-history", "real-spans-receiver", "real-spans-rankenv",
+                              "real-spans-forked", "launched-spans-exec")):
         truth.step(kind, config, tmp_path, 4, i, 10.0)
     envs = {name: env for name, (_, env) in ran.items()}
     assert envs["01-real-spans-history"]["SPANS_MEMORY_HISTORY"] == "1"
@@ -438,6 +443,12 @@ def test_a_real_program_given_one_part_of_a_rank_is_told_it_and_set_against_the_
     assert "TORCHELASTIC_USE_AGENT_STORE" not in ranked  # it rendezvouses as the plain process does, on its own
     assert ranked["MASTER_ADDR"] == plain["MASTER_ADDR"] and ranked["RANK"] == "0"
     assert ran["03-real-spans-rankenv"][0][1].endswith("spans_driver.py")
+    forked = ran["04-real-spans-forked"][0]  # the forked child runs the spans driver, which runs the program
+    assert forked[1].endswith("forked_driver.py") and forked[2].endswith("spans_driver.py")
+    assert forked[3] == str(truth.DRIVER_SCRIPT)
+    fresh, fresh_env = ran["05-launched-spans-exec"]
+    assert fresh[fresh.index("-m") + 1:fresh.index("-m") + 3] == ["prism_megatron", "launch"]
+    assert fresh_env["PRISM_RANK_START"] == "exec" and "PRISM_RANK_START" not in plain
     assert not any(truth.is_truth(k) for k in truth.SPANNED)
 
     monkeypatch.setattr(truth, "times_text", lambda real, other: f"{real['side']} -> {other['side']}")

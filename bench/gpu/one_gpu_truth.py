@@ -35,11 +35,12 @@ without activation recompute, micro-batch 1 to 8) it runs, on GPU 0, in the orde
   process that wakes as an emulation's coordinator does (with ``+times`` set against the first timed real run, as
   an emulation is); ``real-spans-history`` and ``real-spans-receiver``: the same with the allocator's history
   recorded as a rank's memory probe records it under a target's cap, with an idle thread blocked in a socket read
-  as a rank's receiver is, or in the environment prism's launcher gives its rank; ``launched-spans``: the spans
+  as a rank's receiver is, or in the environment prism's launcher gives its rank; ``real-spans-forked``: in a
+  child forked from a process that imported torch and Megatron, as ``real-forked``; ``launched-spans``: the spans
   driver as the one rank of ``prism-megatron launch`` (prism's rank process, runtime and coordinator, without
-  ``run --prism-emulate``'s Megatron patches, template imports or GPU timing): where between the real program and
-  an emulated rank a slowdown comes in (each set against the real run as ``real-spans-neighbour`` is; never
-  scored);
+  ``run --prism-emulate``'s Megatron patches, template imports or GPU timing), ``launched-spans-exec`` the same
+  rank started as a fresh interpreter: where between the real program and an emulated rank a slowdown comes in
+  (each set against the real run as ``real-spans-neighbour`` is; never scored);
 - ``probe``: ``one_gpu_probe.py``, a real run (no compile pool) whose iteration phases test the bias
   candidates (synchronisation at collectives, the allocator's history, sleeping at collectives, the plain
   iterations after a profiled one);
@@ -122,12 +123,18 @@ NEIGHBOURED = "real-spans-neighbour"
 #: prism's launcher gives its rank (``rank_environment``)
 AS_A_RANK = {"real-spans-history": lambda: {HISTORY_ENV: "1"}, "real-spans-receiver": lambda: {RECEIVER_ENV: "1"},
              "real-spans-rankenv": lambda: rank_environment()}
+#: the real program under the spans driver in a child forked from a process that imported torch and Megatron, as
+#: the launcher's template does (``forked_driver.py``; ``real-forked`` without the spans)
+FORKED_SPANS = "real-spans-forked"
 #: the real program as a rank of ``prism-megatron launch`` runs it: prism's rank process, runtime and coordinator,
 #: without ``run --prism-emulate``'s Megatron patches, template imports or GPU timing (its memory probe records no
 #: history: no target is named); not a real run (not scored, not pooled), the step between the real program and an
 #: emulated rank
 LAUNCHED = "launched-spans"
-SPANNED = ("real-spans", NEIGHBOURED, *AS_A_RANK, LAUNCHED)
+#: each launched step and what it adds to the launcher's environment: ``-exec`` starts the rank as a fresh
+#: interpreter instead of a fork of the launcher's template (``PRISM_RANK_START``, as ``emuW-exec``)
+LAUNCH_ENV = {LAUNCHED: {}, f"{LAUNCHED}-exec": {"PRISM_RANK_START": "exec"}}
+SPANNED = ("real-spans", NEIGHBOURED, *AS_A_RANK, FORKED_SPANS, *LAUNCH_ENV)
 #: the rendezvous a real process of one does itself (``_single``), which the launcher's rank environment points at
 #: its own store instead
 _RENDEZVOUS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "ROLE_RANK",
@@ -348,7 +355,8 @@ def times_text(real: dict[str, Any], emulated: dict[str, Any], top: int = 8) -> 
     """The forwards at full speed on each side (their canary's Python call within ``FULL_SPEED`` of the least
     seen on either side): their median profiled length, and the functions whose own time per forward differs
     most, emulated less real (the mean over those forwards; real's figure in brackets, with the calls per forward
-    and the own time per call on each side where the probe counted them: a slower call told from more calls)."""
+    and the own time per call on each side where the probe counted them: a slower call told from more calls), and
+    the main thread's page faults and context switches in those forwards where the probe took them."""
     floor = min(f["python_us"] for f in real["forward"] + emulated["forward"])
 
     def fast(side: dict[str, Any]) -> list[dict[str, Any]]:
@@ -395,6 +403,11 @@ def times_text(real: dict[str, Any], emulated: dict[str, Any], top: int = 8) -> 
         text += "; canary at their start, us per call, real / emulated: " + ", ".join(
             f"{k[:-3].replace('_', '-')} {statistics.median(f['canary'][k] for f in a):.3f} / "
             f"{statistics.median(f['canary'][k] for f in b):.3f}" for k in measures)
+    used = [k for k in (a[0].get("usage") or {}) if k in (b[0].get("usage") or {})]
+    if used:
+        text += "; main thread per forward (medians), real / emulated: " + ", ".join(
+            f"{k} {statistics.median(f['usage'][k] for f in a):g} / {statistics.median(f['usage'][k] for f in b):g}"
+            for k in used)
     dynamo = dynamo_text(real.get("dynamo") or {}, emulated.get("dynamo") or {}, [k for _, k in diff[:top]])
     return text + dynamo + beside
 
@@ -556,9 +569,9 @@ def step(kind: str, config: Config, work: Path, iters: int, index: int, timeout:
         extra = real_extra if kind == "real" else emu_extra  # no pool: the emulations' iterations
         threads = {} if kind == "real" else {"TORCHINDUCTOR_COMPILE_THREADS": "1"}
         spanned = kind in SPANNED
-        wrapper = [str(HERE / "spans_driver.py")] if spanned else \
-            [str(HERE / "forked_driver.py")] if kind == "real-forked" else []
-        if kind == LAUNCHED:  # the launcher gives its rank the torchrun environment itself
+        wrapper = [*([str(HERE / "forked_driver.py")] if kind in ("real-forked", FORKED_SPANS) else []),
+                   *([str(HERE / "spans_driver.py")] if spanned else [])]  # a forked child runs the spans driver
+        if kind in LAUNCH_ENV:  # the launcher gives its rank the torchrun environment itself
             trace = work / f"trace-{name}"
             shutil.rmtree(trace, ignore_errors=True)
             runner, single = [PY, "-m", "prism_megatron", "launch", "--world-size", "1", "--devices", "0",
@@ -566,7 +579,8 @@ def step(kind: str, config: Config, work: Path, iters: int, index: int, timeout:
         else:
             runner, single = [PY], _single(_port())
         spans = work / f"{name}.spans.json"
-        told = {"SPANS_OUT": str(spans), **(AS_A_RANK[kind]() if kind in AS_A_RANK else {})} if spanned else {}
+        told = {"SPANS_OUT": str(spans), **(AS_A_RANK[kind]() if kind in AS_A_RANK else {}),
+                **LAUNCH_ENV.get(kind, {})} if spanned else {}
         # the coordinator's pattern beside the real program: its own process, for the step's length only
         neighbour = subprocess.Popen([PY, str(HERE / "neighbour.py")], stdout=subprocess.DEVNULL,
                                      stderr=subprocess.DEVNULL) if kind == NEIGHBOURED else None

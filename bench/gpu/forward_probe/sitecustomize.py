@@ -32,6 +32,7 @@ forward runs there. Shadows any other sitecustomize.
 
 import json
 import os
+import resource
 import sys
 import time
 
@@ -62,6 +63,10 @@ CALLER_DEPTH = 6
 #: a function's own time in one forward below this is left out of the times file (microseconds)
 KEEP_US = 20
 MODES = ("calls", "canary", "times")
+#: with times, the main thread's resource use in each forward (``getrusage(RUSAGE_THREAD)``): page faults, minor
+#: (a page mapped, copied on write, or a huge page split) and major, and context switches, voluntary (it blocked)
+#: and not (preempted): what slows every frame of a thread alike, where the canary before the forward did not see it
+USAGE = ("ru_minflt", "ru_majflt", "ru_nvcsw", "ru_nivcsw")
 
 
 def _key(frame, event: str, arg) -> str:
@@ -106,6 +111,7 @@ class _Probe:
         self.n: dict[str, int] = {}  # calls per function in this forward: own time per call, and counts apart
         self.timings: list[dict] = []
         self.began = 0
+        self.usage = None  # the main thread's getrusage at the probed forward's start
         self.seen_in: dict[str, str] = {}  # per function, the dynamo frame callback at its first call in a forward
         self.codes: dict = {}
         self.callbacks: dict[str, set] = {}
@@ -212,6 +218,7 @@ class _Probe:
             self.sing()
         if _MODE == "times":
             self.stack, self.own, self.n, self.seen_in = [], {}, {}, {}
+            self.usage = resource.getrusage(resource.RUSAGE_THREAD)
             self.began = time.perf_counter_ns()
             sys.setprofile(self.timed)
         elif _MODE == "calls":
@@ -221,6 +228,7 @@ class _Probe:
         if not self.counting:
             return
         sys.setprofile(None)
+        used = resource.getrusage(resource.RUSAGE_THREAD) if _MODE == "times" else None
         self.counting = False
         self.forwards += 1
         if _MODE == "times":
@@ -228,6 +236,7 @@ class _Probe:
             self.timings.append({"python_us": self.canary["python_us"][-1],
                                  "canary": {k: v[-1] for k, v in self.canary.items() if v},
                                  "ms": (time.perf_counter_ns() - self.began) / 1e6,
+                                 "usage": {k[3:]: getattr(used, k) - getattr(self.usage, k) for k in USAGE},
                                  "self_us": {k: round(v / 1e3) for k, v in kept.items()},
                                  "calls": {k: self.n[k] for k in kept}})
             for k, v in self.own.items():
@@ -369,6 +378,8 @@ def process_fingerprint() -> dict:
     put("affinity", lambda: len(os.sched_getaffinity(0)))
     put("scheduler", lambda: (os.sched_getscheduler(0), os.getpriority(os.PRIO_PROCESS, 0)))
     put("env", lambda: {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIXES)})
+    put("thp", lambda: _read("/sys/kernel/mm/transparent_hugepage/enabled"))
+    put("memory_mib", _memory)
     import torch
 
     put("torch.function_modes", torch._C._len_torch_function_stack)
@@ -380,6 +391,22 @@ def process_fingerprint() -> dict:
     put("torch.threads", lambda: (torch.get_num_threads(), torch.get_num_interop_threads()))
     put("torch.saved_tensor_hooks", lambda: repr(torch._C._autograd._top_saved_tensors_default_hooks(True)))
     put("torch.dynamo.callback", _dynamo_callback)
+    return out
+
+
+def _read(path: str) -> str:
+    with open(path) as f:
+        return f.read().strip()
+
+
+def _memory() -> dict:
+    """The process's resident memory and how much of its anonymous memory huge pages back (MiB; smaps_rollup): a
+    heap in small pages costs its every access more translation than one in huge pages."""
+    out = {}
+    for line in _read("/proc/self/smaps_rollup").splitlines():
+        name, _, rest = line.partition(":")
+        if name in ("Rss", "Anonymous", "AnonHugePages"):
+            out[name] = int(rest.split()[0]) // 1024
     return out
 
 
