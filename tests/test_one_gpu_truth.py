@@ -452,13 +452,36 @@ def test_a_real_program_given_one_part_of_a_rank_is_told_it_and_set_against_the_
     assert not any(truth.is_truth(k) for k in truth.SPANNED)
 
     monkeypatch.setattr(truth, "times_text", lambda real, other: f"{real['side']} -> {other['side']}")
-    steps = [{**_step(f"{kind}+times", 900.0), "times": {"side": kind}}
+    steps = [{**_step(f"{kind}+times", 900.0), "times": {"side": kind, "forward": []}}
              for kind in ("real-spans", "real-spans-history", "launched-spans")]
     report = {"steps": {"dense-bf16-mbs2": [_step("real-threads1", 200.0), *steps]}}
     text = truth.analyse(report, tmp_path)
     assert "real-spans-history+times against real-spans+times: real-spans -> real-spans-history" in text
     assert "launched-spans+times against real-spans+times: real-spans -> launched-spans" in text
     assert "real-spans+times against" not in text
+
+
+def test_the_compiled_call_frames_are_set_side_by_side_per_call_over_every_forward():
+    """``frames_text``: each compiled-call frame's own time per call over all of a step's forwards (the host's speed
+    in each forward aside), matched by file and function whatever the line, a C function by its name."""
+    truth = load_bench("gpu/one_gpu_truth.py")
+
+    def forward(scale: float) -> dict:
+        keys = {"torch/_inductor/output_code.py:628 __call__": (36, 13.0),
+                "torch/_inductor/utils.py:3397 run": (36, 9.0), "c builtins.isinstance": (1595, 5.0),
+                "torch/_inductor/output_code.py:99 helper": (5, 100.0)}
+        return {"python_us": 0.05, "self_us": {k: n * us * scale for k, (n, us) in keys.items()},
+                "calls": {k: n for k, (n, _) in keys.items()}}
+
+    real = {"forward": [forward(1.0), forward(1.0)]}
+    launched = {"forward": [forward(1.0), forward(5.0)]}  # one forward five times slower: 3x on average
+    text = truth.frames_text([("real-spans+times", real), ("launched-spans+times", launched)])
+    assert "output_code.__call__ real-spans 13.0 (36), launched-spans 39.0 (36)" in text
+    assert "utils.run real-spans 9.0 (36), launched-spans 27.0 (36)" in text
+    assert "builtins.isinstance real-spans 5.0 (1595), launched-spans 15.0 (1595)" in text
+    assert "helper" not in text  # another function of the same file is not one of the frames
+    assert "no compiled-call frame" in truth.frames_text([("real-spans+times", {"forward": [
+        {"python_us": 0.05, "self_us": {"a.py:1 f": 50}, "calls": {"a.py:1 f": 1}}]})])
 
 
 def test_the_spans_driver_gives_the_plain_process_the_rank_part_it_is_asked_for(monkeypatch):

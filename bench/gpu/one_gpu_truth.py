@@ -412,6 +412,38 @@ def times_text(real: dict[str, Any], emulated: dict[str, Any], top: int = 8) -> 
     return text + dynamo + beside
 
 
+#: the frames of a call into an Inductor-compiled function that the rank ran slower than the real program (runs
+#: 43-56), and one of the many small calls around them, each (file's tail, function; "c" for a C function): their
+#: own time per call is set side by side over every probed forward of every timed step, whatever the host's speed
+COMPILED_CALL_FRAMES = (("_inductor/output_code.py", "__call__"), ("_inductor/utils.py", "run"),
+                        ("_inductor/utils.py", "copy_misaligned_inputs"),
+                        ("_dynamo/utils.py", "get_runtime_metrics_context"),
+                        ("runtime/static_triton_launcher.py", "run"), ("c", "builtins.isinstance"))
+
+
+def frames_text(timed: list[tuple[str, dict[str, Any]]]) -> str:
+    """Each of ``COMPILED_CALL_FRAMES``' own microseconds per call over all of a step's probed forwards, step by
+    step (calls per forward in brackets): the frames a slow rank has slow, compared where no forward ran at full
+    speed on some side (the probe's own cost per call is the same on every side)."""
+    parts = []
+    for where, name in COMPILED_CALL_FRAMES:
+        cells = []
+        for kind, times in timed:
+            us = n = 0
+            for f in times["forward"]:
+                for k, v in f["self_us"].items():
+                    file, _, func = k.rpartition(" ")
+                    if func == name and (file.split(":")[0].endswith(where) or file == where):
+                        us, n = us + v, n + (f.get("calls") or {}).get(k, 0)
+            if n:
+                cells.append(f"{kind.split('+')[0]} {us / n:.1f} ({n / len(times['forward']):.0f})")
+        if cells:
+            label = name if where == "c" else f"{where.rsplit('/', 1)[-1].split('.')[0]}.{name}"
+            parts.append(f"{label} " + ", ".join(cells))
+    return ("own us per call over all probed forwards (calls per forward): " + "; ".join(parts)) if parts else \
+        "own us per call: no compiled-call frame kept by the probe"
+
+
 def callers_text(real: dict[str, Any], emulated: dict[str, Any], chains: int = 2) -> str:
     """The host's waits for the device inside the forwards (``forward_probe``'s ``WAITS``) whose calls per
     forward differ between the sides: calls per forward real / emulated, and the side with more's commonest
@@ -1156,6 +1188,8 @@ def table(report: dict[str, Any]) -> str:
                 lines.append(f"{'':{w}} {kind} against {real_calls[0]}, over {calls['forwards']} and "
                              f"{real_calls[1]['forwards']} forwards: {calls_text(real_calls[1], calls)}")
         timed = row.get("times") or []
+        if timed:
+            lines.append(f"{'':{w}} {frames_text(timed)}")
         real_times = next(((k, t) for k, t in timed if k.split("+")[0] == "real-spans"), None)
         for kind, times in timed:  # each emulation and every other spanned step: a neighbour, a rank's part, launched
             if real_times and kind != real_times[0] and kind.split("+")[0] != "real-spans":
