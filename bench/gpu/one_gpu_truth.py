@@ -33,7 +33,7 @@ without activation recompute, micro-batch 1 to 8) it runs, on GPU 0, in the orde
   marks them (``spans_driver.py``): the table splits its iterations, and every emulation's, into forward, backward
   and the rest (a diagnosis, not scored against); ``real-spans-neighbour``: the same beside ``neighbour.py``, a
   process that wakes as an emulation's coordinator does (with ``+times`` set against the first timed real run, as
-  an emulation is); ``real-spans-history`` and ``real-spans-receiver``: the same with the allocator's history
+  an emulation is); ``real-spans-history``, ``-receiver`` and ``-rankenv``: the same with the allocator's history
   recorded as a rank's memory probe records it under a target's cap, with an idle thread blocked in a socket read
   as a rank's receiver is, or in the environment prism's launcher gives its rank; ``real-spans-forked``: in a
   child forked from a process that imported torch and Megatron, as ``real-forked``; ``launched-spans``: the spans
@@ -119,7 +119,7 @@ FORWARD_PROBES = ("calls", "canary", "times")
 NEIGHBOURED = "real-spans-neighbour"
 #: the real program with one of an emulated rank's differences from a plain process, each what it adds to the
 #: spans driver's environment: the allocator's history as the rank's memory probe records it under a target's cap,
-#: an idle thread blocked in a socket read as the rank's receiver is (spans_driver.AS_A_RANK), the environment
+#: an idle thread blocked in a socket read as the rank's receiver is (spans_driver's variables), the environment
 #: prism's launcher gives its rank (``rank_environment``)
 AS_A_RANK = {"real-spans-history": lambda: {HISTORY_ENV: "1"}, "real-spans-receiver": lambda: {RECEIVER_ENV: "1"},
              "real-spans-rankenv": lambda: rank_environment()}

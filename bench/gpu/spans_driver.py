@@ -11,7 +11,7 @@ trace cuts a forward into segments (the data's broadcasts before the model's bod
 so the body can be set against the rank's. At exit it writes ``$SPANS_OUT`` (JSON): ``[[name, seconds from the
 first span, duration in seconds], ...]`` in the order they began.
 
-Each of ``AS_A_RANK`` gives the plain process one thing an emulated rank's process has (the bisection of the rank's
+Two variables each give the plain process one thing an emulated rank's process has (the bisection of the rank's
 slow compiled-call frames, docs/measurements.md): ``SPANS_MEMORY_HISTORY=1`` records the CUDA allocator's history as
 the rank's memory probe does (``memory.probe.HISTORY``, turned on from the main thread before the program, which
 also adds torch's thread-local RecordFunction callback for the snapshot's annotations), ``SPANS_IDLE_RECEIVER=1``
@@ -36,7 +36,6 @@ from prism_megatron.trace import markers
 
 HISTORY_ENV = "SPANS_MEMORY_HISTORY"
 RECEIVER_ENV = "SPANS_IDLE_RECEIVER"
-AS_A_RANK = (HISTORY_ENV, RECEIVER_ENV)
 
 
 class _Timed:
