@@ -484,6 +484,32 @@ def test_the_compiled_call_frames_are_set_side_by_side_per_call_over_every_forwa
         {"python_us": 0.05, "self_us": {"a.py:1 f": 50}, "calls": {"a.py:1 f": 1}}]})])
 
 
+def test_a_forked_child_runs_the_spans_driver_to_its_exit_functions(tmp_path):
+    """``real-spans-forked``: ``forked_driver.fork_and_run`` runs the spans driver in a forked child, whose exit
+    functions run as a plain process's do, so the spans it keeps are written; and the child's exit code comes back."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    program = tmp_path / "program.py"
+    program.write_text("import sys\nfrom prism_megatron.trace import markers\nfor i in range(3):\n"
+                       "    with markers.span('forward', iteration=i):\n        pass\nsys.exit(int(sys.argv[1]))\n")
+    spans = tmp_path / "spans.json"
+    runner = ("import sys; sys.path.insert(0, sys.argv[1]); import forked_driver; "
+              "sys.exit(forked_driver.fork_and_run(sys.argv[2], sys.argv[3:]))")
+    env = dict(os.environ, SPANS_OUT=str(spans), PYTHONPATH=str(repo))
+    for code in (0, 3):
+        spans.unlink(missing_ok=True)
+        done = subprocess.run([sys.executable, "-c", runner, str(repo / "bench" / "gpu"),
+                               str(repo / "bench" / "gpu" / "spans_driver.py"), str(program), str(code)],
+                              env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == code, done.stderr
+        assert [name for name, _, _ in json.loads(spans.read_text())] == ["forward"] * 3
+
+
 def test_the_spans_driver_gives_the_plain_process_the_rank_part_it_is_asked_for(monkeypatch):
     """``SPANS_IDLE_RECEIVER=1``: a thread blocked in a socket read for the program's life; ``SPANS_MEMORY_HISTORY=1``
     where there is no CUDA device: an error naming it, not a run without the history."""
