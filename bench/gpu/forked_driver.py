@@ -26,7 +26,6 @@ fork_safe_cuda_checks()  # as the launcher does: the imports below must start no
 import torch  # noqa: E402, F401 - imported before the fork, as the template does
 
 
-
 def as_the_template() -> None:
     """Import Megatron as the launcher's template does before it forks (the driver runs Megatron-LM's trainer)."""
     from prism_megatron.megatron.emulate import TEMPLATE_IMPORTS, TEMPLATE_TRAINING_IMPORTS
