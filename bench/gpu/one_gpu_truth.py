@@ -351,6 +351,16 @@ def at_full_speed(python_us: float, floor: float) -> bool:
     return python_us <= floor * FULL_SPEED
 
 
+def summed(forwards: list[dict[str, Any]], field: str) -> dict[str, float]:
+    """A probed forward's per-function figures (``self_us`` or ``calls``; absent in older probes) summed over
+    ``forwards``."""
+    out: dict[str, float] = {}
+    for f in forwards:
+        for k, v in (f.get(field) or {}).items():
+            out[k] = out.get(k, 0.0) + v
+    return out
+
+
 def times_text(real: dict[str, Any], emulated: dict[str, Any], top: int = 8) -> str:
     """The forwards at full speed on each side (their canary's Python call within ``FULL_SPEED`` of the least
     seen on either side): their median profiled length, and the functions whose own time per forward differs
@@ -370,19 +380,12 @@ def times_text(real: dict[str, Any], emulated: dict[str, Any], top: int = 8) -> 
         return f"no forward at full speed on {'both sides' if not a and not b else 'one side'}" + beside
 
     def own(forwards: list[dict[str, Any]]) -> dict[str, float]:
-        out: dict[str, float] = {}
-        for f in forwards:
-            for k, us in f["self_us"].items():
-                out[k] = out.get(k, 0.0) + us / 1e3 / len(forwards)
-        return out
+        """Own milliseconds per forward of each function kept."""
+        return {k: us / 1e3 / len(forwards) for k, us in summed(forwards, "self_us").items()}
 
     def calls(forwards: list[dict[str, Any]]) -> dict[str, float]:
         """Calls per forward of each function kept (probes before the counts were kept: none)."""
-        out: dict[str, float] = {}
-        for f in forwards:
-            for k, n in (f.get("calls") or {}).items():
-                out[k] = out.get(k, 0.0) + n / len(forwards)
-        return out
+        return {k: n / len(forwards) for k, n in summed(forwards, "calls").items()}
 
     oa, ob = own(a), own(b)
     na, nb = calls(a), calls(b)
@@ -429,12 +432,10 @@ def frames_text(timed: list[tuple[str, dict[str, Any]]]) -> str:
     for where, name in COMPILED_CALL_FRAMES:
         cells = []
         for kind, times in timed:
-            us = n = 0
-            for f in times["forward"]:
-                for k, v in f["self_us"].items():
-                    file, _, func = k.rpartition(" ")
-                    if func == name and (file.split(":")[0].endswith(where) or file == where):
-                        us, n = us + v, n + (f.get("calls") or {}).get(k, 0)
+            own, calls = summed(times["forward"], "self_us"), summed(times["forward"], "calls")
+            keys = [k for k in own if k.rpartition(" ")[2] == name
+                    and ((file := k.rpartition(" ")[0]).split(":")[0].endswith(where) or file == where)]
+            us, n = sum(own[k] for k in keys), sum(calls.get(k, 0) for k in keys)
             if n:
                 cells.append(f"{kind.split('+')[0]} {us / n:.1f} ({n / len(times['forward']):.0f})")
         if cells:
@@ -1192,7 +1193,7 @@ def table(report: dict[str, Any]) -> str:
             lines.append(f"{'':{w}} {frames_text(timed)}")
         real_times = next(((k, t) for k, t in timed if k.split("+")[0] == "real-spans"), None)
         for kind, times in timed:  # each emulation and every other spanned step: a neighbour, a rank's part, launched
-            if real_times and kind != real_times[0] and kind.split("+")[0] != "real-spans":
+            if real_times and kind.split("+")[0] != "real-spans":
                 lines.append(f"{'':{w}} {kind} against {real_times[0]}: {times_text(real_times[1], times)}")
         split = [(k, sp) for k, sp in row.get("spans") or []] + [
             (k, em["spans"]) for k, em in (row.get("emulations") or {}).items() if em.get("spans")]
