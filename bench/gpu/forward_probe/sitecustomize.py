@@ -23,11 +23,11 @@ micro-batches, the warm-up) is probed. After each
 such span ``$FORWARD_PROBE_DIR/MODE-PID.json`` holds ``{"command", "forwards", "calls": {"FILE:LINE NAME" or
 "c MODULE.NAME": count}}`` or ``{..., "canary": {"python_us": [...], "aten_cpu_us": [...], "cuda_launch_us":
 [...]}}`` (one value per forward), or for times ``{..., "forward": [{"python_us": canary, "ms": the forward's
-profiled length, "self_us": {function: microseconds}, "calls": {function: calls}}, ...], "dynamo": ...,
-"process": its fingerprint, "callers": {wait: {caller chain: count}}, "mutations": {"censuses": n, "classes": {name:
-censuses it changed in}, "modules": {...}}}`` (functions of 20 us or more; ``WAITS`` for the callers;
-``probe_mutations.py``), rewritten whole (a rank ends with ``os._exit``). The probes run on the main thread: the
-forward runs there. Shadows any other sitecustomize.
+profiled length, "usage": {the main thread's ``USAGE`` in it}, "self_us": {function: microseconds}, "calls":
+{function: calls}}, ...], "dynamo": ..., "process": its fingerprint, "callers": {wait: {caller chain: count}},
+"mutations": {"censuses": n, "classes": {name: censuses it changed in}, "modules": {...}}}`` (functions of 20 us or
+more; ``WAITS`` for the callers; ``probe_mutations.py``), rewritten whole (a rank ends with ``os._exit``). The probes
+run on the main thread: the forward runs there. Shadows any other sitecustomize.
 """
 
 import json
