@@ -255,13 +255,14 @@ def rank_environment() -> dict[str, str]:
     """What prism's launcher gives the one rank of a job of one on GPU 0 (``launcher.rank.rank_env``: its torch
     threads, the visible device, torchrun's and prism's flags; and the launcher's fork-safe CUDA check, which its
     ranks inherit, ``launcher.fork_safe_cuda_checks``), less the rendezvous the real program does itself."""
+    from prism_megatron.launcher import FORK_SAFE_CUDA_ENV
     from prism_megatron.launcher.config import LaunchConfig, rank_threads, torchrun_threads
     from prism_megatron.launcher.rank import rank_env
 
     cfg = LaunchConfig(script=DRIVER_SCRIPT, world_size=1, devices=["0"], gpu_timing=False,
                        threads_per_rank=rank_threads(torchrun_threads(1), 1))
     env = {k: v for k, v in rank_env(cfg, 0, 0).items() if k not in _RENDEZVOUS}
-    return {**env, "PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
+    return {**env, **FORK_SAFE_CUDA_ENV}
 
 
 def _single(port: int) -> dict[str, str]:
