@@ -416,9 +416,10 @@ def times_text(real: dict[str, Any], emulated: dict[str, Any], top: int = 8) -> 
     return text + dynamo + beside
 
 
-#: the frames of a call into an Inductor-compiled function that the rank ran slower than the real program (runs
-#: 43-56), and one of the many small calls around them, each (file's tail, function; "c" for a C function): their
-#: own time per call is set side by side over every probed forward of every timed step, whatever the host's speed
+#: the frames of a call into an Inductor-compiled function that the rank ran slower than the real program
+#: (docs/measurements.md, "The bisection"), and one of the many small calls around them, each (file's tail,
+#: function; "c" for a C function): their own time per call is set side by side over every probed forward of every
+#: timed step, whatever the host's speed
 COMPILED_CALL_FRAMES = (("_inductor/output_code.py", "__call__"), ("_inductor/utils.py", "run"),
                         ("_inductor/utils.py", "copy_misaligned_inputs"),
                         ("_dynamo/utils.py", "get_runtime_metrics_context"),
