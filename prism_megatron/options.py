@@ -97,13 +97,21 @@ class JobOptions:
     page-locks them (faster copies between the GPU and the coordinator or the region; the region in 1 GiB
     granules as a rank's swaps first reach them, held until the rank ends); 'pageable' does not."""
 
+    rank_start: Literal["auto", "fork", "exec"] = "auto"
+    """How each rank's process starts: 'fork' from the launcher's template, whose imports (torch, a preload) the
+    ranks share (a rank starts in milliseconds and costs little host memory); 'exec' as a fresh interpreter that
+    imports them itself, as a process of torchrun does (seconds, and host memory of its own). 'auto' is exec for
+    GPU ranks, whose host work ran slower in a fork of the template (docs/measurements.md, "The fork from the
+    launcher's template"), and fork on the CPU."""
+
 
 @dataclass
 class LaunchOnlyOptions:
     """``launch`` only: it runs any torch.distributed script."""
 
     preload: tuple[str, ...] = ()
-    """Module the template imports before forking ranks (repeatable)."""
+    """Module the template imports before forking ranks (repeatable); ranks started as fresh interpreters
+    (--rank-start) import only what their program imports."""
 
 
 @dataclass

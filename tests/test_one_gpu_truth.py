@@ -429,7 +429,7 @@ def test_a_real_program_given_one_part_of_a_rank_is_told_it_and_set_against_the_
     config = truth.config_of("dense-bf16-mbs2")
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     for i, kind in enumerate(("real-spans", "real-spans-history", "real-spans-receiver", "real-spans-rankenv",
-                              "real-spans-forked", "launched-spans-exec")):
+                              "real-spans-forked", "launched-spans-exec", "launched-spans-fork")):
         truth.step(kind, config, tmp_path, 4, i, 10.0)
     envs = {name: env for name, (_, env) in ran.items()}
     assert envs["01-real-spans-history"]["SPANS_MEMORY_HISTORY"] == "1"
@@ -446,9 +446,10 @@ def test_a_real_program_given_one_part_of_a_rank_is_told_it_and_set_against_the_
     forked = ran["04-real-spans-forked"][0]  # the forked child runs the spans driver, which runs the program
     assert forked[1].endswith("forked_driver.py") and forked[2].endswith("spans_driver.py")
     assert forked[3] == str(truth.DRIVER_SCRIPT)
-    fresh, fresh_env = ran["05-launched-spans-exec"]
+    fresh = ran["05-launched-spans-exec"][0]
     assert fresh[fresh.index("-m") + 1:fresh.index("-m") + 3] == ["prism_megatron", "launch"]
-    assert fresh_env["PRISM_RANK_START"] == "exec" and "PRISM_RANK_START" not in plain
+    assert fresh[fresh.index("--rank-start") + 1] == "exec"
+    assert ran["06-launched-spans-fork"][0][fresh.index("--rank-start") + 1] == "fork"
     assert not any(truth.is_truth(k) for k in truth.SPANNED)
 
     monkeypatch.setattr(truth, "times_text", lambda real, other: f"{real['side']} -> {other['side']}")
@@ -538,7 +539,7 @@ def test_the_spans_driver_gives_the_plain_process_the_rank_part_it_is_asked_for(
 
 def test_each_emulation_variant_runs_prism_with_its_flag(tmp_path, monkeypatch):
     """``emuW-off`` turns GPU timing off, ``emuW-nolive`` the live prediction, ``emuW-awake`` spins through every
-    wait for a grant; the plain ``emuW`` none of them."""
+    wait for a grant, ``emuW-fork`` forks the ranks from the launcher's template; the plain ``emuW`` none of them."""
     truth = load_bench("gpu/one_gpu_truth.py")
     ran: dict[str, list[str]] = {}
     envs: dict[str, dict[str, str]] = {}
@@ -551,16 +552,17 @@ def test_each_emulation_variant_runs_prism_with_its_flag(tmp_path, monkeypatch):
     config = truth.config_of("dense-bf16-mbs2")
     for name in ("PRISM_SPIN_GRANT_US", "PRISM_PIN_CORES"):
         monkeypatch.delenv(name, raising=False)
-    for i, kind in enumerate(("emu1", "emu1-off", "emu2-nolive", "emu1-awake")):
+    for i, kind in enumerate(("emu1", "emu1-off", "emu2-nolive", "emu1-awake", "emu1-fork")):
         truth.step(kind, config, tmp_path, 4, i, 10.0)
     assert envs["03-emu1-awake"]["PRISM_SPIN_GRANT_US"] == "10000000" and "PRISM_PIN_CORES" not in envs["03-emu1-awake"]
     assert "PRISM_SPIN_GRANT_US" not in envs["00-emu1"]
     flags = {name: [f for f in cmd if f.startswith("--prism-")] for name, cmd in ran.items()}
-    assert "--prism-gpu-timing" not in flags["00-emu1"] and "--prism-live-prediction" not in flags["00-emu1"]
+    assert not {"--prism-gpu-timing", "--prism-live-prediction", "--prism-rank-start"} & set(flags["00-emu1"])
+    assert ran["04-emu1-fork"][ran["04-emu1-fork"].index("--prism-rank-start") + 1] == "fork"
     assert ran["01-emu1-off"][ran["01-emu1-off"].index("--prism-gpu-timing") + 1] == "off"
     assert ran["02-emu2-nolive"][ran["02-emu2-nolive"].index("--prism-live-prediction") + 1] == "off"
     with pytest.raises(ValueError, match="unknown step 'emu1-never'"):
-        truth.step("emu1-never", config, tmp_path, 4, 3, 10.0)
+        truth.step("emu1-never", config, tmp_path, 4, 5, 10.0)
 
 
 def test_a_committed_result_compressed_as_json_gz_reads_as_its_json_and_names_its_run(tmp_path):

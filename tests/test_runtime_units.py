@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import textwrap
 
 import pytest
 import torch
@@ -566,3 +568,44 @@ def test_result_copies_bypass_the_programs_torch_modes():
         out.add_(1)  # the modes are back once the copies are done
     assert {"function", "dispatch"} <= set(seen)
     assert out.tolist() == [2.0] * 4
+
+
+def test_gpu_ranks_start_as_fresh_interpreters_cpu_ranks_fork_and_rank_start_names_a_bad_value(tmp_path):
+    """A rank forked from the launcher's template ran its program's host work slower on the GPU than a fresh
+    interpreter (docs/measurements.md, "The fork from the launcher's template"): 'auto' execs GPU ranks and forks
+    CPU ones (a fork shares the template's imports: many ranks, little memory), and either can be asked for."""
+    from prism_megatron.launcher.config import LaunchConfig, LaunchError
+
+    script = tmp_path / "s.py"
+    script.write_text("")
+    base = dict(script=script, world_size=2, trace_dir=tmp_path / "t")
+    assert LaunchConfig(**base, devices=["0"]).starts_fresh
+    assert not LaunchConfig(**base).starts_fresh
+    assert not LaunchConfig(**base, devices=["0"], rank_start="fork").starts_fresh
+    assert LaunchConfig(**base, rank_start="exec").starts_fresh
+    with pytest.raises(LaunchError, match=r"--rank-start must be auto, fork or exec, got 'spawn'"):
+        LaunchConfig(**base, rank_start="spawn").validate()
+
+
+@pytest.mark.parametrize("rank_start", ["fork", "exec"])
+def test_a_rank_started_either_way_runs_the_program_to_the_same_results(tmp_path, monkeypatch, rank_start):
+    """An exec'd rank is a fresh interpreter (none of the launcher's modules imported) that still finds prism
+    through the launcher's module path, joins the job and computes what a forked rank does."""
+    source = textwrap.dedent("""
+        import json, os, sys
+        import torch, torch.distributed as dist
+        dist.init_process_group("gloo")
+        t = torch.ones(3) * (dist.get_rank() + 1)
+        dist.all_reduce(t)
+        with open(os.path.join(os.environ["OUT_DIR"], f"rank{dist.get_rank()}.json"), "w") as f:
+            json.dump({"sum": t.tolist(), "template": "prism_megatron.launcher.launch" in sys.modules}, f)
+        dist.destroy_process_group()
+    """)
+    from conftest import launch_source
+
+    monkeypatch.setenv("OUT_DIR", str(tmp_path))
+    trace = launch_source(tmp_path, source, rank_start=rank_start)
+    got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [g["sum"] for g in got] == [[3.0, 3.0, 3.0]] * 2
+    assert [g["template"] for g in got] == [rank_start == "fork"] * 2
+    assert trace.world_size == 2

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Real vs emulated host CPU per op for the TP2 job of bench/accuracy (device nvidia-h200-x2, ~4 min),
-# emulated twice: ranks forked from the launcher's template (the default) and fresh interpreters.
+# emulated twice: ranks as fresh interpreters (the GPU's default) and forked from the launcher's template.
 # Wheels in /tmp/site (see accuracy.sh). Writes $OUT/host-diff/{real,emulated}/rank-*.json and diff.txt.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -15,10 +15,10 @@ HOST_PROFILE_DIR=$out/emulated timeout 240 python3 -m prism_megatron run --prism
   --prism-devices 0 --prism-slots-per-device 1 --prism-report off --prism-gpu-timing off \
   --prism-trace-dir /tmp/host-diff-trace bench/gpu/host_profile.py $flags > "$out/emulated.log" 2>&1 \
   || tail -20 "$out/emulated.log"
-# the same with each rank a fresh interpreter instead of a fork of the launcher's template
-PRISM_RANK_START=exec HOST_PROFILE_DIR=$out/emulated-exec timeout 240 python3 -m prism_megatron run --prism-emulate \
+# the same with each rank forked from the launcher's template instead of a fresh interpreter
+HOST_PROFILE_DIR=$out/emulated-fork timeout 240 python3 -m prism_megatron run --prism-emulate --prism-rank-start fork \
   --prism-world-size 2 --prism-devices 0 --prism-slots-per-device 1 --prism-report off --prism-gpu-timing off \
-  --prism-trace-dir /tmp/host-diff-trace-exec bench/gpu/host_profile.py $flags > "$out/emulated-exec.log" 2>&1 \
-  || tail -20 "$out/emulated-exec.log"
+  --prism-trace-dir /tmp/host-diff-trace-fork bench/gpu/host_profile.py $flags > "$out/emulated-fork.log" 2>&1 \
+  || tail -20 "$out/emulated-fork.log"
 for r in 0 1; do python3 bench/gpu/host_diff.py "$out/real" "$out/emulated" $r; done | tee "$out/diff.txt"
-for r in 0 1; do python3 bench/gpu/host_diff.py "$out/real" "$out/emulated-exec" $r | head -12; done | tee "$out/diff-exec.txt"
+for r in 0 1; do python3 bench/gpu/host_diff.py "$out/real" "$out/emulated-fork" $r | head -12; done | tee "$out/diff-fork.txt"

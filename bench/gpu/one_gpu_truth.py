@@ -21,8 +21,9 @@ without activation recompute, micro-batch 1 to 8) it runs, on GPU 0, in the orde
   (one live replica stands for the W: Phase 2's answer, which ``auto`` gives only where the W do not fit
   the machine; scored with the plain ``emuW``, the other variants are diagnoses), ``emuW-prof`` runs the launcher
   under cProfile (``trace-NN-emuW-prof.launcher.prof`` beside the trace: where its set-up time goes;
-  the ranks fork from it with the profiler on, so that step's prediction is shown but not scored), ``emuW-exec``
-  starts each rank as a fresh interpreter instead of a fork of the launcher's template (``PRISM_RANK_START=exec``),
+  the ranks start under it with the profiler on, so that step's prediction is shown but not scored), ``emuW-fork``
+  forks each rank from the launcher's template (``--prism-rank-start fork``; ``emuW`` and ``emuW-exec`` start each
+  as a fresh interpreter, the GPU's default),
   ``emuW-nolive`` with ``--prism-live-prediction off`` (no rank waits for a replay of the trace so far at its log
   line: the live ms column stays empty, the trace's replay is scored), ``emuW-awake`` with every wait for a grant
   spun through instead of slept (``PRISM_SPIN_GRANT_US`` of 10 s, no pinning: the rank's core stays busy through the
@@ -38,8 +39,9 @@ without activation recompute, micro-batch 1 to 8) it runs, on GPU 0, in the orde
   as a rank's receiver is, or in the environment prism's launcher gives its rank; ``real-spans-forked``: in a
   child forked from a process that imported torch and Megatron, as ``real-forked``; ``launched-spans``: the spans
   driver as the one rank of ``prism-megatron launch`` (prism's rank process, runtime and coordinator, without
-  ``run --prism-emulate``'s Megatron patches, template imports or GPU timing), ``launched-spans-exec`` the same
-  rank started as a fresh interpreter: where between the real program and an emulated rank a slowdown comes in
+  ``run --prism-emulate``'s Megatron patches, template imports or GPU timing), ``launched-spans-exec`` and
+  ``-fork`` the same rank started as a fresh interpreter (the GPU's default) or forked from the launcher's
+  template: where between the real program and an emulated rank a slowdown comes in
   (each set against the real run as ``real-spans-neighbour`` is; never scored);
 - ``probe``: ``one_gpu_probe.py``, a real run (no compile pool) whose iteration phases test the bias
   candidates (synchronisation at collectives, the allocator's history, sleeping at collectives, the plain
@@ -131,10 +133,11 @@ FORKED_SPANS = "real-spans-forked"
 #: history: no target is named); not a real run (not scored, not pooled), the step between the real program and an
 #: emulated rank
 LAUNCHED = "launched-spans"
-#: each launched step and what it adds to the launcher's environment: ``-exec`` starts the rank as a fresh
-#: interpreter instead of a fork of the launcher's template (``PRISM_RANK_START``, as ``emuW-exec``)
-LAUNCH_ENV = {LAUNCHED: {}, f"{LAUNCHED}-exec": {"PRISM_RANK_START": "exec"}}
-SPANNED = ("real-spans", NEIGHBOURED, *AS_A_RANK, FORKED_SPANS, *LAUNCH_ENV)
+#: each launched step and how its rank starts (``launch --rank-start``, as ``emuW-fork`` / ``emuW-exec``): the
+#: launcher's default (a fresh interpreter on a GPU), a fresh interpreter, a fork of the launcher's template
+LAUNCH_START = {LAUNCHED: [], f"{LAUNCHED}-exec": ["--rank-start", "exec"],
+                f"{LAUNCHED}-fork": ["--rank-start", "fork"]}
+SPANNED = ("real-spans", NEIGHBOURED, *AS_A_RANK, FORKED_SPANS, *LAUNCH_START)
 #: the rendezvous a real process of one does itself (``_single``), which the launcher's rank environment points at
 #: its own store instead
 _RENDEZVOUS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "ROLE_RANK",
@@ -606,16 +609,15 @@ def step(kind: str, config: Config, work: Path, iters: int, index: int, timeout:
         spanned = kind in SPANNED
         wrapper = [*([str(HERE / "forked_driver.py")] if kind in ("real-forked", FORKED_SPANS) else []),
                    *([str(HERE / "spans_driver.py")] if spanned else [])]  # a forked child runs the spans driver
-        if kind in LAUNCH_ENV:  # the launcher gives its rank the torchrun environment itself
+        if kind in LAUNCH_START:  # the launcher gives its rank the torchrun environment itself
             trace = work / f"trace-{name}"
             shutil.rmtree(trace, ignore_errors=True)
             runner, single = [PY, "-m", "prism_megatron", "launch", "--world-size", "1", "--devices", "0",
-                              "--gpu-timing", "off", "--trace-dir", str(trace), "--"], {}
+                              "--gpu-timing", "off", *LAUNCH_START[kind], "--trace-dir", str(trace), "--"], {}
         else:
             runner, single = [PY], _single(_port())
         spans = work / f"{name}.spans.json"
-        told = {"SPANS_OUT": str(spans), **(AS_A_RANK[kind]() if kind in AS_A_RANK else {}),
-                **LAUNCH_ENV.get(kind, {})} if spanned else {}
+        told = {"SPANS_OUT": str(spans), **(AS_A_RANK[kind]() if kind in AS_A_RANK else {})} if spanned else {}
         # the coordinator's pattern beside the real program: its own process, for the step's length only
         neighbour = subprocess.Popen([PY, str(HERE / "neighbour.py")], stdout=subprocess.DEVNULL,
                                      stderr=subprocess.DEVNULL) if kind == NEIGHBOURED else None
@@ -638,7 +640,7 @@ def step(kind: str, config: Config, work: Path, iters: int, index: int, timeout:
              _env(**_single(_port()), PROBE_OUT=str(probe_out), TORCHINDUCTOR_COMPILE_THREADS="1", **run_env),
              timeout)  # no compile pool: its start-up slows the first ~25 s, the whole probe (as real-threads1)
         return {"kind": kind, "rows": json.loads(probe_out.read_text())}
-    m = re.fullmatch(r"emu(\d+)(?:-(keep|teardown|off|spin|prof|fold|exec|nolive|awake))?", kind)
+    m = re.fullmatch(r"emu(\d+)(?:-(keep|teardown|off|spin|prof|fold|exec|fork|nolive|awake))?", kind)
     if not m:
         raise ValueError(f"unknown step {kind!r}")
     world, variant = int(m.group(1)), m.group(2) or ""
@@ -647,14 +649,14 @@ def step(kind: str, config: Config, work: Path, iters: int, index: int, timeout:
     extra = {"keep": {"TEARDOWN_CUPTI": "0"}, "teardown": {"TEARDOWN_CUPTI": "1"},
              # each rank on a core of its own, spinning 3 ms for its grant: its core stays awake, as a real rank's
              "spin": {"PRISM_PIN_CORES": "1", "PRISM_SPIN_GRANT_US": "3000"},
-             "awake": {"PRISM_SPIN_GRANT_US": "10000000"},  # the whole wait, on whichever core the rank runs
-             "exec": {"PRISM_RANK_START": "exec"}}.get(variant, {})  # each rank a fresh interpreter, not a fork
+             "awake": {"PRISM_SPIN_GRANT_US": "10000000"}}.get(variant, {})  # the whole wait, on whichever core
     prof = ["-m", "cProfile", "-o", f"{trace}.launcher.prof"] if variant == "prof" else []
     cmd = [PY, *prof, "-m", "prism_megatron", "run", "--prism-emulate", "--prism-world-size", str(world),
            "--prism-devices", "0", "--prism-trace-dir", str(trace), "--prism-report", "off",
            *(["--prism-gpu-timing", "off"] if variant == "off" else []),
            *(["--prism-live-prediction", "off"] if variant == "nolive" else []),
            *(["--prism-fold", "on"] if variant == "fold" else []),
+           *(["--prism-rank-start", variant] if variant in ("exec", "fork") else []),
            str(DRIVER_SCRIPT), *flags, "--global-batch-size", str(config.gbs * world)]
     text = _run(cmd, work / f"{name}.log", _env(**extra, **run_env), timeout)
     return counted({"kind": kind, "world": world, "variant": variant, "iterations": parse_log(text),
@@ -1326,7 +1328,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="comma-separated config names")
     p.add_argument("--plan", default="", help="'config:step,step,...;config:...' (steps: real, real-threads1, "
                    "real-forked, real-spans, real-spans-neighbour, launched-spans, probe, "
-                   "emuW[-keep|-teardown|-off|-spin|-prof|-fold|-exec|-nolive|-awake]; "
+                   "emuW[-keep|-teardown|-off|-spin|-prof|-fold|-exec|-fork|-nolive|-awake]; "
                    "any +gc, +calls, +canary or +times)")
     p.add_argument("--iters", type=int, default=8, help=f"iterations per run ({WARMUP} of them warm-up)")
     p.add_argument("--real-extra", type=int, default=30,

@@ -1,4 +1,5 @@
-"""The launcher: starts the coordinator and forks the logical ranks from a template with torch imported."""
+"""The launcher: starts the coordinator and the logical ranks, forked from a template with torch imported or (GPU
+ranks) each a fresh interpreter."""
 
 import os
 

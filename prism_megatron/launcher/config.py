@@ -95,6 +95,7 @@ class LaunchConfig:
     # auto: GPU ranks page-lock their staging memory (runtime.shm); pageable: never (slower copies, for
     # comparison: bench/gpu/staging_bench.py)
     staging: str = _J.staging
+    rank_start: str = _J.rank_start  # JobOptions.rank_start's choices; starts_fresh resolves auto
     listen: str = _J.listen  # the coordinator's and TCPStore's address (loopback unless asked)
     # per-rank overrides (calibration's slice runs): these ranks run another program, or sit on another
     # device (an index into `devices`), than the contiguous default
@@ -139,6 +140,7 @@ class LaunchConfig:
             log_ranks=parse_ranks(o.log_ranks, max(o.world_size, 1)), threads_per_rank=o.threads_per_rank,
             swap=o.swap, device_memory_gib=o.device_memory, host_memory_gib=o.host_memory, target_gpu=target,
             track_memory=tri[o.track_memory], gpu_timing=tri[o.gpu_timing], staging=o.staging, listen=o.listen,
+            rank_start=o.rank_start,
             **fixed,
         )
 
@@ -166,6 +168,11 @@ class LaunchConfig:
     def page_locks(self) -> bool:
         """GPU ranks page-lock their staging memory (--staging auto; CPU tensors are host memory already)."""
         return self.on_gpu and self.staging == "auto"
+
+    @property
+    def starts_fresh(self) -> bool:
+        """Each rank a fresh interpreter (--rank-start exec; auto: GPU ranks), not a fork of the template."""
+        return self.rank_start == "exec" or (self.rank_start == "auto" and self.on_gpu)
 
     @property
     def echoed_ranks(self) -> list[int]:
@@ -291,11 +298,11 @@ class LaunchConfig:
         except ValueError:
             raise LaunchError(f"--listen {self.listen!r} is not an IP address (127.0.0.1 loopback, 0.0.0.0 every "
                               "interface, or one of this host's addresses)") from None
-        for name in ("swap", "staging"):
+        for name in ("swap", "staging", "rank_start"):
             choices = option(JobOptions, name).choices or ()
             if getattr(self, name) not in choices:
                 listed = ", ".join(choices[:-1]) + f" or {choices[-1]}"
-                raise LaunchError(f"--{name} must be {listed}, got {getattr(self, name)!r}")
+                raise LaunchError(f"--{name.replace('_', '-')} must be {listed}, got {getattr(self, name)!r}")
         if self.device_memory_gib is not None and not self.device_memory_gib > 0:
             raise LaunchError(f"--device-memory must be a positive number of GiB, got {self.device_memory_gib!r}")
         if self.host_memory_gib is not None and not self.host_memory_gib > 0:

@@ -3,12 +3,13 @@
 Order of events: check the destination and the host (launcher.preflight), start the coordinator (a
 sidecar process that also hosts the TCPStore), import torch (and any preload modules) here once, fork
 every rank from this template — pages are shared, so a rank costs little memory and starts in
-milliseconds — then watch. Every way a job ends takes one path (``launch``'s ``finally``): a clean end,
-a failed rank, a hang, stall or mismatch, Ctrl-C, SIGTERM or SIGHUP. It writes the trace (partial ones
-marked incomplete, with why), ends every rank with its children (each leads its own process group), the
-coordinator and the shared memory, and its last line says what happened and where the logs are. If the
-launcher itself is killed (SIGKILL, the OOM killer), ranks die with it (parent-death signal) and the
-coordinator does the rest; a later job sweeps any shared memory left.
+milliseconds; GPU ranks instead exec a fresh interpreter each (``--rank-start``) — then watch. Every
+way a job ends takes one path (``launch``'s ``finally``): a clean end, a failed rank, a hang, stall or
+mismatch, Ctrl-C, SIGTERM or SIGHUP. It writes the trace (partial ones marked incomplete, with why),
+ends every rank with its children (each leads its own process group), the coordinator and the shared
+memory, and its last line says what happened and where the logs are. If the launcher itself is killed
+(SIGKILL, the OOM killer), ranks die with it (parent-death signal) and the coordinator does the rest; a
+later job sweeps any shared memory left.
 """
 
 from __future__ import annotations
@@ -47,14 +48,16 @@ from prism_megatron.trace.schema import stopped_reason
 
 def _exec_rank(cfg: LaunchConfig, rank: int, address: tuple[str, int], authkey: bytes, store_port: int,
                prefix: str, launched: float) -> None:
-    """Replace the forked child by a fresh interpreter running the rank (PRISM_RANK_START=exec):
-    tells whether running in a fork of the template changes a rank's speed (bench/gpu/host_diff.sh)."""
+    """Replace the forked child by a fresh interpreter running the rank (``LaunchConfig.starts_fresh``): it imports
+    torch and the program itself, as a process of torchrun does. It gets the launcher's interpreter flags and
+    module path, so it finds what a forked rank would."""
     import pickle
 
     blob = pickle.dumps((cfg, rank, address, authkey, store_port, prefix, [], launched)).hex()
-    code = ("import pickle, sys; from prism_megatron.launcher.rank import run_rank; "
-            "run_rank(*pickle.loads(bytes.fromhex(sys.argv[1])))")
-    os.execv(sys.executable, [sys.executable, "-c", code, blob])
+    code = ("import json, sys; sys.path[:] = json.loads(sys.argv[1]); import pickle; "
+            "from prism_megatron.launcher.rank import run_rank; run_rank(*pickle.loads(bytes.fromhex(sys.argv[2])))")
+    os.execv(sys.executable, [sys.executable, *subprocess._args_from_interpreter_flags(), "-c", code,
+                              json.dumps(sys.path), blob])
 
 
 def _ranks_time_gpu(cfg: LaunchConfig) -> bool:
@@ -162,7 +165,40 @@ class _Job:
             log.close()
 
     def fork_ranks(self, address: tuple[str, int], store_port: int) -> None:
-        import torch  # the template: imported once, shared by every rank
+        fresh = self.cfg.starts_fresh  # each rank execs a fresh interpreter: nothing to import here for them
+        if not fresh:
+            self._prepare_template()
+        from prism_megatron.launcher.rank import run_rank
+
+        close = [self.control.fileno(), self.coord.stdout.fileno(),
+                 *([self.lock_fd] if self.lock_fd is not None else [])]
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for r in self.cfg.live_ranks:  # a folded job: virtual ranks have no process
+            try:
+                pid = os.fork()
+            except OSError as e:
+                raise _StartFailed(f"could not start rank {r} of {self.cfg.world_size} (fork: {e.strerror}); "
+                                   f"{r} rank(s) were started — the host's process or memory limits are "
+                                   "reached: run fewer ranks") from None
+            if pid == 0:
+                if fresh:
+                    try:
+                        _exec_rank(self.cfg, r, address, self.authkey, store_port, self.prefix, self.t0)
+                    except BaseException as e:  # noqa: BLE001 - the child must not return into the launcher
+                        print(f"prism: rank {r}: could not start a fresh interpreter ({sys.executable}): {e}",
+                              file=sys.stderr, flush=True)
+                        os._exit(1)
+                run_rank(self.cfg, r, address, self.authkey, store_port, self.prefix, close, self.t0)
+            try:
+                os.setpgid(pid, pid)  # the rank leads its own group (it does so too: whoever runs first)
+            except OSError:
+                pass  # it already exec'd or exited: its own setpgid applies
+            self.pids[pid] = self.started[pid] = r
+
+    def _prepare_template(self) -> None:
+        """Import torch and the preload once here, so that every forked rank shares them."""
+        import torch
 
         preload = self.cfg.preload
         if preload and self.cfg.on_gpu and self.cuda_check is not None and self.cuda_check.result():
@@ -175,29 +211,6 @@ class _Job:
             importlib.import_module(mod)
         if self.cfg.on_gpu and torch.cuda.is_initialized():
             raise RuntimeError("CUDA was initialized in the launcher before forking ranks; ranks could not use it")
-        from prism_megatron.launcher.rank import run_rank
-
-        close = [self.control.fileno(), self.coord.stdout.fileno(),
-                 *([self.lock_fd] if self.lock_fd is not None else [])]
-        sys.stdout.flush()
-        sys.stderr.flush()
-        fresh = os.environ.get("PRISM_RANK_START") == "exec"  # bench knob: a fresh interpreter per rank
-        for r in self.cfg.live_ranks:  # a folded job: virtual ranks have no process
-            try:
-                pid = os.fork()
-            except OSError as e:
-                raise _StartFailed(f"could not start rank {r} of {self.cfg.world_size} (fork: {e.strerror}); "
-                                   f"{r} rank(s) were started — the host's process or memory limits are "
-                                   "reached: run fewer ranks") from None
-            if pid == 0:
-                if fresh:
-                    _exec_rank(self.cfg, r, address, self.authkey, store_port, self.prefix, self.t0)
-                run_rank(self.cfg, r, address, self.authkey, store_port, self.prefix, close, self.t0)
-            try:
-                os.setpgid(pid, pid)  # the rank leads its own group (it does so too: whoever runs first)
-            except OSError:
-                pass  # it already exec'd or exited: its own setpgid applies
-            self.pids[pid] = self.started[pid] = r
 
     # ---- watch -----------------------------------------------------------------------------------
     def watch(self) -> int:
@@ -460,7 +473,8 @@ def launch(cfg: LaunchConfig) -> int:
     from prism_megatron.launcher import preflight
 
     fork_safe_cuda_checks()
-    cuda_check = start_cuda_import_check(cfg.preload) if cfg.preload and cfg.on_gpu else None
+    forks_template = cfg.preload and cfg.on_gpu and not cfg.starts_fresh
+    cuda_check = start_cuda_import_check(cfg.preload) if forks_template else None
     cfg.validate()
     if not cfg.on_gpu:
         preflight.check_host_memory(cfg)
