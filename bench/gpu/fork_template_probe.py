@@ -33,7 +33,7 @@ VARIANTS: dict[str, tuple[str, ...] | None] = {
     "fork-torch-pyarrow": ("torch", "pyarrow"),
     "fork-launcher": ("torch", "prism_megatron.launcher.launch"),
 }
-BLOCKS, CALLS = 5, 400
+BLOCKS, CALLS = 5, 200
 
 
 def _per_call_us(step, calls: int = CALLS, blocks: int = BLOCKS) -> float:
@@ -185,11 +185,11 @@ def main() -> int:
                     "alloc_free_us", "isinstance_us", "os_threads")
             print(v, rnd, {k: found.get(k) for k in keys}, found.get("error", "")[-300:], flush=True)
             print("   own:", found.get("own_grad_us"), "threads:", found.get("thread_names"), flush=True)
-    if a.out:
-        tmp = a.out + ".tmp"
-        with open(tmp, "w") as fh:
-            json.dump(runs, fh, indent=1)
-        os.replace(tmp, a.out)
+            if a.out:  # after every run: a call's time limit that stops the rounds keeps what ran
+                tmp = a.out + ".tmp"
+                with open(tmp, "w") as fh:
+                    json.dump(runs, fh, indent=1)
+                os.replace(tmp, a.out)
     return 0
 
 
