@@ -661,3 +661,25 @@ def test_the_packed_traces_leave_out_the_coordinators_live_snapshots_and_keep_th
         files = sorted(m.name for m in tar.getmembers() if m.isfile())
     assert files == ["work/c/01-emu1.log", "work/c/live-trace/kept.txt", "work/c/trace-01-emu1.logs/rank-0.log",
                      "work/c/trace-01-emu1/gpu.parquet"]
+
+
+def test_the_template_probe_runs_its_workload_in_a_child_of_a_template_that_imported_the_variants_modules(
+        monkeypatch, capsys):
+    """Each forked variant imports its modules, forks, and prints what its child measured (the child's own pid: a
+    fork, not the template); a fresh variant runs the workload in its own process; a bad variant is named."""
+    import json
+    import os
+    import sys
+
+    probe = load_bench("gpu/fork_template_probe.py")
+    parent = os.getpid()
+    monkeypatch.setattr(probe, "workload", lambda: {"pid": os.getpid(), "json_loaded": "json" in sys.modules})
+    probe.child(("json",))
+    forked = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert forked["pid"] != parent and forked["json_loaded"]
+    probe.child(None)
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["pid"] == parent
+    monkeypatch.setattr(sys, "argv", ["fork_template_probe.py", "--variants", "fresh,fork-nothing"])
+    with pytest.raises(SystemExit):
+        probe.main()
+    assert "unknown fork-nothing" in capsys.readouterr().err
