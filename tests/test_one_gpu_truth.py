@@ -429,7 +429,8 @@ def test_a_real_program_given_one_part_of_a_rank_is_told_it_and_set_against_the_
     config = truth.config_of("dense-bf16-mbs2")
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     for i, kind in enumerate(("real-spans", "real-spans-history", "real-spans-receiver", "real-spans-rankenv",
-                              "real-spans-forked", "launched-spans-exec", "launched-spans-fork")):
+                              "real-spans-forked", "launched-spans-exec", "launched-spans-fork",
+                              "real-spans-forked-launcher")):
         truth.step(kind, config, tmp_path, 4, i, 10.0)
     envs = {name: env for name, (_, env) in ran.items()}
     assert envs["01-real-spans-history"]["SPANS_MEMORY_HISTORY"] == "1"
@@ -450,6 +451,9 @@ def test_a_real_program_given_one_part_of_a_rank_is_told_it_and_set_against_the_
     assert fresh[fresh.index("-m") + 1:fresh.index("-m") + 3] == ["prism_megatron", "launch"]
     assert fresh[fresh.index("--rank-start") + 1] == "exec"
     assert ran["06-launched-spans-fork"][0][fresh.index("--rank-start") + 1] == "fork"
+    launcher_like, launcher_env = ran["07-real-spans-forked-launcher"]
+    assert launcher_like[1].endswith("forked_driver.py") and launcher_env["FORKED_AS_LAUNCHER"] == "all"
+    assert "FORKED_AS_LAUNCHER" not in ran["04-real-spans-forked"][1]
     assert not any(truth.is_truth(k) for k in truth.SPANNED)
 
     monkeypatch.setattr(truth, "times_text", lambda real, other: f"{real['side']} -> {other['side']}")
@@ -509,6 +513,38 @@ def test_a_forked_child_runs_the_spans_driver_to_its_exit_functions(tmp_path):
                               env=env, capture_output=True, text=True, timeout=120)
         assert done.returncode == code, done.stderr
         assert [name for name, _, _ in json.loads(spans.read_text())] == ["forward"] * 3
+
+
+def test_a_template_given_the_launchers_state_forks_a_child_that_inherits_it_and_closes_the_control_socket(tmp_path):
+    """``real-spans-forked-launcher``: the template imports what the launcher imports, handles SIGTERM in Python, runs
+    a child process and holds a connected socket at its fork; its child inherits the first three and closes the
+    socket as the launcher's rank closes its control connection. An unknown part is named."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    program = tmp_path / "program.py"
+    program.write_text(
+        "import os, signal, sys\n"
+        "handled = signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, signal.SIG_IGN)\n"
+        "import stat\n"  # the number may be open again, on a file: the socket itself must be gone
+        "try:\n    closed = not stat.S_ISSOCK(os.fstat(int(os.environ['CLOSED_FD'])).st_mode)\n"
+        "except OSError:\n    closed = True\n"
+        "imported = 'prism_megatron.launcher.launch' in sys.modules\n"
+        "sys.exit(0 if handled and closed and imported else 10 + 4 * handled + 2 * closed + imported)\n")
+    runner = ("import os, sys; sys.path.insert(0, sys.argv[1]); import forked_driver as d; "
+              "held, close = d.as_the_launcher(sys.argv[2].split(',')); os.environ['CLOSED_FD'] = str(close[0]); "
+              "alive = held[0].poll() is None; code = d.fork_and_run(sys.argv[3], [], tuple(close)); held[0].kill(); "
+              "sys.exit(code if alive else 9)")
+    env = dict(os.environ, PYTHONPATH=str(repo))
+    done = subprocess.run([sys.executable, "-c", runner, str(repo / "bench" / "gpu"), "child,socket,signals,imports",
+                           str(program)], env=env, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    bad = subprocess.run([sys.executable, "-c", runner, str(repo / "bench" / "gpu"), "socket,threads", str(program)],
+                         env=env, capture_output=True, text=True, timeout=180)
+    assert bad.returncode != 0 and "FORKED_AS_LAUNCHER: unknown threads" in bad.stderr
 
 
 def test_the_spans_driver_gives_the_plain_process_the_rank_part_it_is_asked_for(monkeypatch):

@@ -37,12 +37,13 @@ without activation recompute, micro-batch 1 to 8) it runs, on GPU 0, in the orde
   an emulation is); ``real-spans-history``, ``-receiver`` and ``-rankenv``: the same with the allocator's history
   recorded as a rank's memory probe records it under a target's cap, with an idle thread blocked in a socket read
   as a rank's receiver is, or in the environment prism's launcher gives its rank; ``real-spans-forked``: in a
-  child forked from a process that imported torch and Megatron, as ``real-forked``; ``launched-spans``: the spans
-  driver as the one rank of ``prism-megatron launch`` (prism's rank process, runtime and coordinator, without
-  ``run --prism-emulate``'s Megatron patches, template imports or GPU timing), ``launched-spans-exec`` and
-  ``-fork`` the same rank started as a fresh interpreter (the GPU's default) or forked from the launcher's
-  template: where between the real program and an emulated rank a slowdown comes in
-  (each set against the real run as ``real-spans-neighbour`` is; never scored);
+  child forked from a process that imported torch and Megatron, as ``real-forked``, and ``-launcher`` with that
+  template given the launcher's state at its fork (its imports, signal handlers, a running child, a socket);
+  ``launched-spans``: the spans driver as the one rank of ``prism-megatron launch`` (prism's rank process, runtime
+  and coordinator, without ``run --prism-emulate``'s Megatron patches, template imports or GPU timing),
+  ``launched-spans-exec`` and ``-fork`` the same rank started as a fresh interpreter (the GPU's default) or forked
+  from the launcher's template: where between the real program and an emulated rank a slowdown comes in (each set
+  against the real run as ``real-spans-neighbour`` is; never scored);
 - ``probe``: ``one_gpu_probe.py``, a real run (no compile pool) whose iteration phases test the bias
   candidates (synchronisation at collectives, the allocator's history, sleeping at collectives, the plain
   iterations after a profiled one);
@@ -109,6 +110,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from one_gpu_probe import ITERATIONS as PROBE_ITERATIONS  # noqa: E402 - bench/gpu/one_gpu_probe.py
 from spans_driver import HISTORY_ENV, RECEIVER_ENV  # noqa: E402 - bench/gpu/spans_driver.py
 
+LAUNCHER_ENV = "FORKED_AS_LAUNCHER"  # forked_driver.py's (it imports torch: not loaded here)
+
 HERE = Path(__file__).resolve().parent
 PY = sys.executable
 WARMUP = 2
@@ -126,8 +129,10 @@ NEIGHBOURED = "real-spans-neighbour"
 AS_A_RANK = {"real-spans-history": lambda: {HISTORY_ENV: "1"}, "real-spans-receiver": lambda: {RECEIVER_ENV: "1"},
              "real-spans-rankenv": lambda: rank_environment()}
 #: the real program under the spans driver in a child forked from a process that imported torch and Megatron, as
-#: the launcher's template does (``forked_driver.py``; ``real-forked`` without the spans)
+#: the launcher's template does (``forked_driver.py``; ``real-forked`` without the spans), and each forked step's
+#: environment: ``-launcher`` gives the template the launcher's state at its fork as well (``LAUNCHER_PARTS``)
 FORKED_SPANS = "real-spans-forked"
+FORKED_STEPS = {FORKED_SPANS: {}, f"{FORKED_SPANS}-launcher": {LAUNCHER_ENV: "all"}}
 #: the real program as a rank of ``prism-megatron launch`` runs it: prism's rank process, runtime and coordinator,
 #: without ``run --prism-emulate``'s Megatron patches, template imports or GPU timing (its memory probe records no
 #: history: no target is named); not a real run (not scored, not pooled), the step between the real program and an
@@ -137,7 +142,7 @@ LAUNCHED = "launched-spans"
 #: launcher's default (a fresh interpreter on a GPU), a fresh interpreter, a fork of the launcher's template
 LAUNCH_START = {LAUNCHED: [], f"{LAUNCHED}-exec": ["--rank-start", "exec"],
                 f"{LAUNCHED}-fork": ["--rank-start", "fork"]}
-SPANNED = ("real-spans", NEIGHBOURED, *AS_A_RANK, FORKED_SPANS, *LAUNCH_START)
+SPANNED = ("real-spans", NEIGHBOURED, *AS_A_RANK, *FORKED_STEPS, *LAUNCH_START)
 #: the rendezvous a real process of one does itself (``_single``), which the launcher's rank environment points at
 #: its own store instead
 _RENDEZVOUS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "ROLE_RANK",
@@ -607,7 +612,7 @@ def step(kind: str, config: Config, work: Path, iters: int, index: int, timeout:
         extra = real_extra if kind == "real" else emu_extra  # no pool: the emulations' iterations
         threads = {} if kind == "real" else {"TORCHINDUCTOR_COMPILE_THREADS": "1"}
         spanned = kind in SPANNED
-        wrapper = [*([str(HERE / "forked_driver.py")] if kind in ("real-forked", FORKED_SPANS) else []),
+        wrapper = [*([str(HERE / "forked_driver.py")] if kind in ("real-forked", *FORKED_STEPS) else []),
                    *([str(HERE / "spans_driver.py")] if spanned else [])]  # a forked child runs the spans driver
         if kind in LAUNCH_START:  # the launcher gives its rank the torchrun environment itself
             trace = work / f"trace-{name}"
@@ -617,7 +622,8 @@ def step(kind: str, config: Config, work: Path, iters: int, index: int, timeout:
         else:
             runner, single = [PY], _single(_port())
         spans = work / f"{name}.spans.json"
-        told = {"SPANS_OUT": str(spans), **(AS_A_RANK[kind]() if kind in AS_A_RANK else {})} if spanned else {}
+        told = {"SPANS_OUT": str(spans), **(AS_A_RANK[kind]() if kind in AS_A_RANK else {}),
+                **FORKED_STEPS.get(kind, {})} if spanned else {}
         # the coordinator's pattern beside the real program: its own process, for the step's length only
         neighbour = subprocess.Popen([PY, str(HERE / "neighbour.py")], stdout=subprocess.DEVNULL,
                                      stderr=subprocess.DEVNULL) if kind == NEIGHBOURED else None
