@@ -166,7 +166,7 @@ def run_rank(cfg: LaunchConfig, rank: int, address: tuple[str, int], authkey: by
     line counts."""
     code = 1
     startup = StartUp(rank, time.perf_counter() if launched is None else launched)
-    startup.end("coordinator and fork")
+    startup.end("coordinator and exec" if cfg.starts_fresh else "coordinator and fork")
     try:
         try:
             os.setpgid(0, 0)  # its own process group: ending the rank ends what it started (reaper.kill_rank)
