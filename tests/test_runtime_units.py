@@ -583,6 +583,9 @@ def test_gpu_ranks_start_as_fresh_interpreters_cpu_ranks_fork_and_rank_start_nam
     assert not LaunchConfig(**base).starts_fresh
     assert not LaunchConfig(**base, devices=["0"], rank_start="fork").starts_fresh
     assert LaunchConfig(**base, rank_start="exec").starts_fresh
+    # only a template that forks GPU ranks after importing a preload has its import checked for starting CUDA
+    assert [LaunchConfig(**base, preload=["m"], **kw).template_preloads_on_gpu
+            for kw in ({"devices": ["0"]}, {"devices": ["0"], "rank_start": "fork"}, {})] == [False, True, False]
     with pytest.raises(LaunchError, match=r"--rank-start must be auto, fork or exec, got 'spawn'"):
         LaunchConfig(**base, rank_start="spawn").validate()
 

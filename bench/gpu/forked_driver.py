@@ -27,13 +27,13 @@ import sys
 
 from prism_megatron.launcher import fork_safe_cuda_checks
 
-fork_safe_cuda_checks()  # as the launcher does: the imports below must start no CUDA, or the fork cannot use it
-
-import torch  # noqa: E402, F401 - imported before the fork, as the template does
-
 
 def as_the_template() -> None:
-    """Import Megatron as the launcher's template does before it forks (the driver runs Megatron-LM's trainer)."""
+    """Import torch and Megatron as the launcher's template does before it forks (the driver runs Megatron-LM's
+    trainer); here, not at import, so that a reader of this module's names starts nothing."""
+    fork_safe_cuda_checks()  # as the launcher does: the imports below must start no CUDA, or the fork cannot use it
+    import torch  # noqa: F401 - imported before the fork, as the template does
+
     from prism_megatron.megatron.emulate import TEMPLATE_IMPORTS, TEMPLATE_TRAINING_IMPORTS
     from prism_megatron.megatron.megatron_lm import ensure_megatron_training
 

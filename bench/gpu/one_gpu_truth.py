@@ -107,10 +107,9 @@ from typing import Any
 from prism_megatron.megatron.driver import DRIVER_SCRIPT
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from forked_driver import LAUNCHER_ENV  # noqa: E402 - bench/gpu/forked_driver.py
 from one_gpu_probe import ITERATIONS as PROBE_ITERATIONS  # noqa: E402 - bench/gpu/one_gpu_probe.py
 from spans_driver import HISTORY_ENV, RECEIVER_ENV  # noqa: E402 - bench/gpu/spans_driver.py
-
-LAUNCHER_ENV = "FORKED_AS_LAUNCHER"  # forked_driver.py's (it imports torch: not loaded here)
 
 HERE = Path(__file__).resolve().parent
 PY = sys.executable

@@ -175,6 +175,12 @@ class LaunchConfig:
         return self.rank_start == "exec" or (self.rank_start == "auto" and self.on_gpu)
 
     @property
+    def template_preloads_on_gpu(self) -> bool:
+        """GPU ranks fork from a template that imports a preload: whether that import starts CUDA must be known
+        before the fork (launch.start_cuda_import_check)."""
+        return bool(self.preload) and self.on_gpu and not self.starts_fresh
+
+    @property
     def echoed_ranks(self) -> list[int]:
         """Ranks whose output reaches the terminal: log_ranks, or the options' default."""
         if self.log_ranks is not None:

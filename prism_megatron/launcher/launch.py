@@ -201,7 +201,7 @@ class _Job:
         import torch
 
         preload = self.cfg.preload
-        if preload and self.cfg.on_gpu and self.cuda_check is not None and self.cuda_check.result():
+        if self.cfg.template_preloads_on_gpu and self.cuda_check is not None and self.cuda_check.result():
             # CUDA cannot be used in a child forked after it started (megatron-core 0.19.2's imports
             # start it): each rank imports those modules itself instead
             _say(f"--preload {','.join(preload)} starts CUDA when imported ({self.cuda_check.why}); "
@@ -473,8 +473,7 @@ def launch(cfg: LaunchConfig) -> int:
     from prism_megatron.launcher import preflight
 
     fork_safe_cuda_checks()
-    forks_template = cfg.preload and cfg.on_gpu and not cfg.starts_fresh
-    cuda_check = start_cuda_import_check(cfg.preload) if forks_template else None
+    cuda_check = start_cuda_import_check(cfg.preload) if cfg.template_preloads_on_gpu else None
     cfg.validate()
     if not cfg.on_gpu:
         preflight.check_host_memory(cfg)

@@ -477,7 +477,7 @@ def run(request: RunRequest) -> int:
 
     cfg = launch_config(request)
     cfg.check_trace_dir()  # before the planning: a bad destination is said at once, not after the plans
-    if cfg.preload and cfg.on_gpu and not cfg.starts_fresh:  # beside the fold's and micro-batch plans' children
+    if cfg.template_preloads_on_gpu:  # its child runs beside the fold's and micro-batch plans' children
         from prism_megatron.launcher.launch import start_cuda_import_check
 
         start_cuda_import_check(cfg.preload)
