@@ -719,3 +719,15 @@ def test_the_template_probe_runs_its_workload_in_a_child_of_a_template_that_impo
     with pytest.raises(SystemExit):
         probe.main()
     assert "unknown fork-nothing" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("mode", ["fork", "exec"])
+def test_the_template_probe_runs_its_workload_as_a_launched_rank_started_either_way(mode):
+    """The launched variants run the workload as rank 0 of a one-rank launch job: forked, the rank holds the launcher's
+    modules; exec'd, a fresh interpreter, it does not. Both measure the same figures (CPU here, the GPU there)."""
+    probe = load_bench("gpu/fork_template_probe.py")
+    found = probe.launched(mode)
+    assert "error" not in found, found.get("error")
+    assert found["rank"] == "0"
+    assert found["launcher_loaded"] is (mode == "fork")
+    assert found["compiled_grad_us"] > 0 and found["isinstance_us"] > 0

@@ -1,11 +1,12 @@
 """What a fork template's state does to its child's host speed on the GPU (issue 21, bench only).
 
 A rank forked from prism's launcher template runs Inductor's ``output_code.__call__`` frame 3x slower per call than the
-same program started as a fresh interpreter (``PRISM_RANK_START=exec``) or forked from a template of the bench's own
+same program started as a fresh interpreter (``--rank-start exec``) or forked from a template of the bench's own
 (docs/measurements.md, "The fork from the launcher's template"). The launcher's template differs from the bench's by
 what it imported before the fork: prism's trace modules bring pyarrow, whose bundled jemalloc starts a background
 thread, and ``import torch`` starts a pool of threads; neither thread survives the fork. This runs one small host-bound
-CUDA workload in a child of templates that imported one of them each, beside a fresh interpreter, interleaved:
+CUDA workload in a child of templates that imported one of them each, beside a fresh interpreter, interleaved; the
+``launch-*`` variants run it as the rank of a one-rank ``launch`` job instead, forked from the launcher or exec'd:
 
   python bench/gpu/fork_template_probe.py [--rounds 2] [--variants fresh,fork-torch,...] [--out FILE.json]
 
@@ -33,6 +34,12 @@ VARIANTS: dict[str, tuple[str, ...] | None] = {
     "fork-torch-pyarrow": ("torch", "pyarrow"),
     "fork-launcher": ("torch", "prism_megatron.launcher.launch"),
 }
+#: the workload as the script of a one-rank ``prism_megatron launch`` job, its rank started each way (``--rank-start``):
+#: the forked launched rank is the one with the slow frames in the Megatron program, where these templates' children
+#: are not (docs/measurements.md, run 61)
+LAUNCHED = {"launch-fork": "fork", "launch-exec": "exec"}
+#: where a launched rank writes what it found (its stdout is the job's)
+OUT_ENV = "FORK_PROBE_OUT"
 BLOCKS, CALLS = 5, 200
 
 
@@ -155,30 +162,62 @@ def child(modules: tuple[str, ...] | None) -> None:
     print(b"".join(chunks).decode(), flush=True)
 
 
+def launched(mode: str) -> dict:
+    """Run the workload as a launched rank started by ``mode``; what it found, or the job's error."""
+    import tempfile
+
+    import torch
+
+    devices = "0" if torch.cuda.is_available() else "cpu"
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "found.json")
+        cmd = [sys.executable, "-m", "prism_megatron", "launch", "--world-size", "1", "--devices", devices,
+               "--rank-start", mode, "--gpu-timing", "off", "--trace-dir", os.path.join(tmp, "trace"), "--",
+               __file__, "--as-rank"]
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, OUT_ENV: out})
+        try:
+            with open(out) as fh:
+                return json.load(fh)
+        except (OSError, json.JSONDecodeError):
+            return {"error": f"exit {p.returncode}: {(p.stderr or p.stdout)[-2000:]}"}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--variants", default=",".join([*VARIANTS, *LAUNCHED]))
     ap.add_argument("--out", default=None, help="where the JSON of every run goes")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--as-rank", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.as_rank:
+        found = workload()
+        found["rank"] = os.environ.get("RANK")  # set by the launched rank, not by this script's caller
+        found["launcher_loaded"] = "prism_megatron.launcher.launch" in sys.modules  # forked from the launcher
+        with open(os.environ[OUT_ENV], "w") as fh:
+            json.dump(found, fh)
+        return 0
     if a.child is not None:
         child(VARIANTS[a.child])
         return 0
     names = [v.strip() for v in a.variants.split(",") if v.strip()]
-    bad = [v for v in names if v not in VARIANTS]
+    bad = [v for v in names if v not in VARIANTS and v not in LAUNCHED]
     if bad:
-        ap.error(f"--variants: unknown {', '.join(bad)} (known: {', '.join(VARIANTS)})")
+        ap.error(f"--variants: unknown {', '.join(bad)} (known: {', '.join([*VARIANTS, *LAUNCHED])})")
     runs = []
     for rnd in range(a.rounds):
         for v in names:
             t0 = time.time()
-            p = subprocess.run([sys.executable, __file__, "--child", v], capture_output=True, text=True, timeout=300)
-            line = (p.stdout.strip().splitlines() or ["{}"])[-1]
-            try:
-                found = json.loads(line)
-            except json.JSONDecodeError:
-                found = {"error": (p.stderr or p.stdout)[-2000:]}
+            if v in LAUNCHED:
+                found = launched(LAUNCHED[v])
+            else:
+                p = subprocess.run([sys.executable, __file__, "--child", v], capture_output=True, text=True,
+                                   timeout=300)
+                line = (p.stdout.strip().splitlines() or ["{}"])[-1]
+                try:
+                    found = json.loads(line)
+                except json.JSONDecodeError:
+                    found = {"error": (p.stderr or p.stdout)[-2000:]}
             found.update(variant=v, round=rnd, seconds=round(time.time() - t0, 1))
             runs.append(found)
             keys = ("compiled_nograd_us", "compiled_grad_us", "pinned_then_36_compiled_us", "eager_add_us",
