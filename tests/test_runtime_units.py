@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 import textwrap
 
 import pytest
@@ -612,3 +613,24 @@ def test_a_rank_started_either_way_runs_the_program_to_the_same_results(tmp_path
     assert [g["sum"] for g in got] == [[3.0, 3.0, 3.0]] * 2
     assert [g["template"] for g in got] == [rank_start == "fork"] * 2
     assert trace.world_size == 2
+
+
+def test_an_exec_d_rank_starts_whatever_the_size_of_its_launch_config(tmp_path, monkeypatch):
+    """A large job's launch config (a fold plan's rank maps: ~300 KB pickled for 8,192 ranks) is more than one
+    argument may hold (128 KiB on Linux): the exec'd rank reads it from an inherited file instead of its argv."""
+    from conftest import launch_source
+
+    monkeypatch.setenv("OUT_DIR", str(tmp_path))
+    source = textwrap.dedent("""
+        import json, os, sys
+        fds = [os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")
+               if os.path.exists(f"/proc/self/fd/{fd}")]
+        with open(os.path.join(os.environ["OUT_DIR"], "seen.json"), "w") as f:
+            json.dump({"argv": sys.argv[1:], "fds": fds}, f)
+    """)
+    big = {"rank_map": list(range(100_000))}  # pickled ~300 KB, hex-encoded twice that
+    launch_source(tmp_path, source, world_size=1, rank_start="exec", job_extra=big)
+    seen = json.loads((tmp_path / "seen.json").read_text())
+    assert seen["argv"] == []  # the program's own arguments, not prism's
+    tmp = tempfile.gettempdir()
+    assert not [p for p in seen["fds"] if p.startswith(tmp) and p.endswith("(deleted)")]  # the file not held open

@@ -50,14 +50,30 @@ def _exec_rank(cfg: LaunchConfig, rank: int, address: tuple[str, int], authkey: 
                prefix: str, launched: float) -> None:
     """Replace the forked child by a fresh interpreter running the rank (``LaunchConfig.starts_fresh``): it imports
     torch and the program itself, as a process of torchrun does. It gets the launcher's interpreter flags and
-    module path, so it finds what a forked rank would."""
-    import pickle
+    module path, so it finds what a forked rank would.
 
-    blob = pickle.dumps((cfg, rank, address, authkey, store_port, prefix, [], launched)).hex()
-    code = ("import json, sys; sys.path[:] = json.loads(sys.argv[1]); import pickle; "
-            "from prism_megatron.launcher.rank import run_rank; run_rank(*pickle.loads(bytes.fromhex(sys.argv[2])))")
-    os.execv(sys.executable, [sys.executable, *subprocess._args_from_interpreter_flags(), "-c", code,
-                              json.dumps(sys.path), blob])
+    Its arguments go through an unlinked file it inherits, not its argv: a large job's config (a fold plan's rank
+    maps) exceeds what one argument may hold (128 KiB on Linux)."""
+    import pickle
+    import tempfile
+
+    with tempfile.TemporaryFile() as f:  # unlinked at once: nothing is left behind, whatever ends the rank
+        pickle.dump(list(sys.path), f)  # first: the rank needs it to unpickle the rest
+        pickle.dump((cfg, rank, address, authkey, store_port, prefix, [], launched), f)
+        f.flush()
+        os.lseek(f.fileno(), 0, os.SEEK_SET)
+        os.set_inheritable(f.fileno(), True)
+        os.execv(sys.executable, [sys.executable, *subprocess._args_from_interpreter_flags(), "-c", _EXEC_CODE,
+                                  str(f.fileno())])
+
+
+#: what an exec'd rank runs: its module path, then its arguments, from the file descriptor in its argv
+_EXEC_CODE = ("import pickle, sys\n"
+              "with open(int(sys.argv[1]), 'rb') as f:\n"
+              "    sys.path[:] = pickle.load(f)\n"
+              "    args = pickle.load(f)\n"
+              "from prism_megatron.launcher.rank import run_rank\n"
+              "run_rank(*args)\n")
 
 
 def _ranks_time_gpu(cfg: LaunchConfig) -> bool:
