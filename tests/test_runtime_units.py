@@ -616,8 +616,9 @@ def test_a_rank_started_either_way_runs_the_program_to_the_same_results(tmp_path
 
 
 def test_an_exec_d_rank_starts_whatever_the_size_of_its_launch_config(tmp_path, monkeypatch):
-    """A large job's launch config (a fold plan's rank maps: ~300 KB pickled for 8,192 ranks) is more than one
-    argument may hold (128 KiB on Linux): the exec'd rank reads it from an inherited file instead of its argv."""
+    """A large job's launch config is more than one argument may hold (128 KiB on Linux; the fold plan of
+    llama31-405b-h100x8192 alone pickles to ~140 KB, ~280 KB as hex): the exec'd rank reads it from an inherited
+    file instead of its argv."""
     from conftest import launch_source
 
     monkeypatch.setenv("OUT_DIR", str(tmp_path))
