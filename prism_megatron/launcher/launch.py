@@ -45,6 +45,14 @@ from prism_megatron.runtime.reaper import kill_rank
 from prism_megatron.runtime.shm import job_prefix, remove_job_segments, sweep_stale_segments
 from prism_megatron.trace.schema import stopped_reason
 
+#: what an exec'd rank runs: its module path, then its arguments, from the file descriptor in its argv
+_EXEC_CODE = ("import pickle, sys\n"
+              "with open(int(sys.argv[1]), 'rb') as f:\n"
+              "    sys.path[:] = pickle.load(f)\n"
+              "    args = pickle.load(f)\n"
+              "from prism_megatron.launcher.rank import run_rank\n"
+              "run_rank(*args)\n")
+
 
 def _exec_rank(cfg: LaunchConfig, rank: int, address: tuple[str, int], authkey: bytes, store_port: int,
                prefix: str, launched: float) -> None:
@@ -60,20 +68,10 @@ def _exec_rank(cfg: LaunchConfig, rank: int, address: tuple[str, int], authkey: 
     with tempfile.TemporaryFile() as f:  # unlinked at once: nothing is left behind, whatever ends the rank
         pickle.dump(list(sys.path), f)  # first: the rank needs it to unpickle the rest
         pickle.dump((cfg, rank, address, authkey, store_port, prefix, [], launched), f)
-        f.flush()
-        os.lseek(f.fileno(), 0, os.SEEK_SET)
+        f.seek(0)  # flushes what was written; the rank reads from the start
         os.set_inheritable(f.fileno(), True)
         os.execv(sys.executable, [sys.executable, *subprocess._args_from_interpreter_flags(), "-c", _EXEC_CODE,
                                   str(f.fileno())])
-
-
-#: what an exec'd rank runs: its module path, then its arguments, from the file descriptor in its argv
-_EXEC_CODE = ("import pickle, sys\n"
-              "with open(int(sys.argv[1]), 'rb') as f:\n"
-              "    sys.path[:] = pickle.load(f)\n"
-              "    args = pickle.load(f)\n"
-              "from prism_megatron.launcher.rank import run_rank\n"
-              "run_rank(*args)\n")
 
 
 def _ranks_time_gpu(cfg: LaunchConfig) -> bool:
